@@ -36,9 +36,9 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x (B, H, L, D) by cos/sin (B, L, D); cos/sin that already broadcast against x
-    (e.g. (B, L, 1, D) for x laid out (B, L, H, D)) are used as they are."""
-    if cos.dim() == 3:
+    """Rotate x (B, H, L, D) by cos/sin (B, L, D). cos/sin with as many dims as x are used as
+    they are (e.g. (B, L, 1, D) for x laid out (B, L, H, D), or (N, 1, D) for x (N, H, D))."""
+    if cos.dim() == x.dim() - 1:
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, L, D)
     return x * cos + rotate_half(x) * sin
 
