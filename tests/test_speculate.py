@@ -1,0 +1,505 @@
+"""Tests for speculate.py: verification rules, exactness, cache rollback, statistics.
+
+Toy models implement the model interface speculate.py relies on
+(notes/CONTRACT.md): model(ids (1, T), cache=...) -> logits (1, T, V), cache.crop,
+cache.length, new_cache, embed. Tests with the real model.VLA follow at the end.
+
+Chi-square tests: significance level 1e-3 per test, i.e. a correct
+implementation fails each one with probability 1e-3 over the random draws;
+the seeds are fixed, so a run is deterministic and that rate only applies to a
+change of seed or of the sampling code's draw order.
+
+run: python -m pytest -q tests/test_speculate.py
+"""
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import speculate
+from speculate import (autoregressive, expected_speedup, expected_tau, measured_speedup, process_logits,
+                       speculative, verify_greedy, verify_sample)
+
+SIGNIFICANCE = 1e-3
+
+# ---- toy models ----
+
+
+class ToyCache:
+    """The committed tokens themselves stand in for keys and values."""
+
+    def __init__(self, max_len):
+        self.tokens = torch.full((max_len,), -1, dtype=torch.long)  # (max_len,)
+        self.length = 0
+        self.max_len = max_len
+
+    def crop(self, n):
+        assert 0 <= n <= self.length, (n, self.length)
+        self.length = n
+
+
+class ToyLM(torch.nn.Module):
+    """logits_i = A[x_i] + B[h_i], h_i = sum_{j <= i} (j + 1) x_j mod V.
+
+    B = 0 gives a Markov chain (exact distributions by enumeration); B != 0
+    makes every logit depend on the whole prefix and its order, so a token the
+    cache skipped or saw twice changes the output.
+    """
+
+    def __init__(self, A, B=None, image_token_id=None):
+        super().__init__()
+        V = A.shape[0]
+        self.A, self.B = A, B  # (V, V) each; B None: a Markov chain
+        self.config = SimpleNamespace(vocab_size=V, image_token_id=image_token_id)
+        self.calls = 0
+
+    def new_cache(self, batch=1, max_len=64, dtype=None, device=None):
+        return ToyCache(max_len)
+
+    def embed(self, input_ids, **kw):
+        return torch.nn.functional.one_hot(input_ids, self.A.shape[0]).float()  # (1, L, V)
+
+    def logits(self, seq):
+        """No-cache reference: logits at every position of seq (L,) -> (L, V)."""
+        if self.B is None:
+            return self.A[seq]
+        V = self.A.shape[0]
+        h = ((torch.arange(len(seq)) + 1) * seq).cumsum(0) % V  # (L,)
+        return self.A[seq] + self.B[h]
+
+    def forward(self, input_ids, inputs_embeds=None, cache=None, **kw):
+        self.calls += 1
+        T = input_ids.shape[1]
+        if cache.length + T > cache.max_len:
+            raise ValueError("toy cache overflow")
+        cache.tokens[cache.length:cache.length + T] = input_ids[0]
+        cache.length += T
+        if self.B is None:  # Markov: no need to look back
+            return self.A[input_ids]  # (1, T, V)
+        return self.logits(cache.tokens[:cache.length])[-T:].unsqueeze(0)  # (1, T, V)
+
+
+def toy(V, seed, scale=2.0, prefix=True):
+    g = torch.Generator().manual_seed(seed)
+    A = scale * torch.randn(V, V, generator=g)
+    B = scale * torch.randn(V, V, generator=g) if prefix else None
+    return ToyLM(A, B)
+
+
+def perturbed(model, eps, seed):
+    g = torch.Generator().manual_seed(seed)
+    return ToyLM(model.A + eps * torch.randn(model.A.shape, generator=g),
+                 None if model.B is None else model.B + eps * torch.randn(model.B.shape, generator=g))
+
+
+def greedy_reference(model, ids, n):
+    """Target-only greedy without any cache: recompute the whole sequence per token."""
+    seq = ids[0].clone()
+    for _ in range(n):
+        seq = torch.cat([seq, model.logits(seq)[-1].argmax().view(1)])
+    return seq[ids.shape[1]:].tolist()
+
+
+def prompt_of(*tokens):
+    return dict(input_ids=torch.tensor([tokens]))
+
+
+# ---- processed distributions ----
+
+
+def test_process_logits_by_hand():
+    logits = torch.tensor([2.0, 1.0, 0.0, -1.0]).log_softmax(-1)  # any shift of the logits is the same
+    probs = torch.tensor([2.0, 1.0, 0.0, -1.0]).softmax(-1)  # about [0.64, 0.24, 0.09, 0.03]
+    assert torch.equal(process_logits(logits, 0.0), torch.tensor([1.0, 0, 0, 0]))
+    torch.testing.assert_close(process_logits(logits, 1.0), probs)
+    torch.testing.assert_close(process_logits(logits, 2.0), (torch.tensor([2.0, 1.0, 0.0, -1.0]) / 2).softmax(-1))
+    torch.testing.assert_close(process_logits(logits, 1.0, top_k=2), torch.cat([probs[:2] / probs[:2].sum(), torch.zeros(2)]))
+    # top_p keeps the smallest head with mass >= top_p: 0.64 < 0.7 needs the second token, 0.6 does not.
+    torch.testing.assert_close(process_logits(logits, 1.0, top_p=0.7), torch.cat([probs[:2] / probs[:2].sum(), torch.zeros(2)]))
+    torch.testing.assert_close(process_logits(logits, 1.0, top_p=0.6), torch.tensor([1.0, 0, 0, 0]))
+    # Tiny temperatures and -inf logits stay finite (PAPER.md trap: NaN).
+    masked = torch.tensor([3.0, -math.inf, 2.9, 1.0])
+    for t in (1e-6, 1e-30, 1e-45):
+        torch.testing.assert_close(process_logits(masked, t), torch.tensor([1.0, 0, 0, 0]))
+
+
+def test_process_logits_matches_hugging_face():
+    tr = pytest.importorskip("transformers")
+    g = torch.Generator().manual_seed(0)
+    logits = 3 * torch.randn(6, 50, generator=g)
+    for t, k, p in [(0.7, None, None), (1.0, 5, None), (1.3, None, 0.8), (0.8, 10, 0.9), (1.0, 50, 0.3)]:
+        scores = tr.TemperatureLogitsWarper(t)(None, logits.clone())
+        if k is not None:
+            scores = tr.TopKLogitsWarper(k)(None, scores)
+        if p is not None:
+            scores = tr.TopPLogitsWarper(p)(None, scores)
+        torch.testing.assert_close(process_logits(logits, t, k, p), scores.softmax(-1), atol=1e-6, rtol=1e-5)
+
+
+# ---- verification on hand-built logits ----
+
+
+def onehot_logits(tokens, V=8):
+    return 10 * torch.nn.functional.one_hot(torch.tensor(tokens), V).float()  # (len, V)
+
+
+def test_verify_greedy_by_hand():
+    d = torch.tensor([3, 1, 4])
+    n, nxt = verify_greedy(d, onehot_logits([3, 1, 4, 5]))  # perfect match: all accepted + bonus
+    assert (int(n), int(nxt)) == (3, 5)
+    n, nxt = verify_greedy(d, onehot_logits([3, 2, 4, 5]))  # mismatch at d_2: correction t_1; d_3 ignored
+    assert (int(n), int(nxt)) == (1, 2)
+    n, nxt = verify_greedy(d, onehot_logits([7, 1, 4, 5]))  # first token wrong
+    assert (int(n), int(nxt)) == (0, 7)
+    assert [int(x) for x in verify_greedy(torch.tensor([6]), onehot_logits([6, 2]))] == [1, 2]  # gamma = 1
+    assert [int(x) for x in verify_greedy(torch.tensor([6]), onehot_logits([5, 2]))] == [0, 5]
+    # batched: leading dims broadcast
+    n, nxt = verify_greedy(torch.stack([d, d]), torch.stack([onehot_logits([3, 1, 4, 5]), onehot_logits([3, 2, 4, 5])]))
+    assert n.tolist() == [3, 1] and nxt.tolist() == [5, 2]
+
+
+def test_verify_sample_by_hand():
+    g = torch.Generator().manual_seed(0)
+    V = 6
+    onehot = lambda toks: torch.nn.functional.one_hot(torch.tensor(toks), V).float()
+    d = torch.tensor([2, 4, 1])
+    # p == q on the drafts' own point masses: every draft accepted, bonus from p[gamma].
+    n, nxt = verify_sample(d, onehot([2, 4, 1]), onehot([2, 4, 1, 5]), g)
+    assert (int(n), int(nxt)) == (3, 5)
+    # p gives d_2 probability 0: rejected there, next token from max(0, p - q) = point mass on 3.
+    n, nxt = verify_sample(d, onehot([2, 4, 1]), onehot([2, 3, 1, 5]), g)
+    assert (int(n), int(nxt)) == (1, 3)
+    # first token rejected
+    n, nxt = verify_sample(d, onehot([2, 4, 1]), onehot([0, 4, 1, 5]), g)
+    assert (int(n), int(nxt)) == (0, 0)
+    # gamma = 1, accepted and rejected
+    assert [int(x) for x in verify_sample(torch.tensor([2]), onehot([2]), onehot([2, 0]), g)] == [1, 0]
+    assert [int(x) for x in verify_sample(torch.tensor([2]), onehot([2]), onehot([1, 0]), g)] == [0, 1]
+    # residual: p = (.5,.5,0..), q = (1,0,..), d = 0 accepted w.p. 1/2, else the residual is the point mass on 1.
+    p = torch.zeros(2, V); p[0, :2] = 0.5; p[1, 5] = 1.0
+    q = torch.zeros(1, V); q[0, 0] = 1.0
+    outs = [tuple(int(x) for x in verify_sample(torch.tensor([0]), q, p, g)) for _ in range(400)]
+    assert set(outs) == {(1, 5), (0, 1)}
+    assert 140 < outs.count((1, 5)) < 260  # Binomial(400, 1/2): 6 standard deviations
+
+
+def test_verify_sample_residual_guard():
+    # p == q exactly: the residual is all zeros; the guard must keep multinomial defined.
+    g = torch.Generator().manual_seed(0)
+    p = torch.softmax(torch.randn(5, 7, generator=g), -1)
+    d = torch.multinomial(p[:4], 1, generator=g).squeeze(-1)
+    n, nxt = verify_sample(d, p[:4], p, g)
+    assert int(n) == 4 and 0 <= int(nxt) < 7
+
+
+# ---- exactness ----
+
+
+@pytest.mark.parametrize("gamma", [1, 2, 4, 8])
+def test_greedy_equals_target_toy(gamma):
+    V = 11
+    target = toy(V, seed=0)
+    drafts = {"random": toy(V, seed=1), "identical": target, "perturbed": perturbed(target, 0.5, seed=2)}
+    for prompt in [(3,), (1, 4, 1, 5, 9, 2, 6)]:
+        ids = prompt_of(*prompt)
+        ref = greedy_reference(target, ids["input_ids"], 40)
+        assert autoregressive(target, ids, 40).tokens == ref
+        for name, draft in drafts.items():
+            res = speculative(target, draft, ids, gamma, 40)
+            assert res.tokens == ref, (name, gamma, prompt)
+            assert sum(res.blocks) == 40 and res.rounds == len(res.blocks)
+
+
+def test_draft_equal_target_gives_gamma_plus_one():
+    target = toy(13, seed=3)
+    ids = prompt_of(2, 7, 1)
+    for gamma in (1, 3, 5):
+        for temperature in (0.0, 1.0):
+            res = speculative(target, target, ids, gamma, 50, temperature=temperature, seed=0)
+            # every round but the last is full; the last drafts only what is still needed
+            assert res.blocks[:-1] == [gamma + 1] * (len(res.blocks) - 1)
+            assert res.blocks[-1] == 50 - (gamma + 1) * (len(res.blocks) - 1)
+            assert res.alpha == 1.0 and res.n_accepted == res.n_drafted
+            assert res.tau == 50 / math.ceil(50 / (gamma + 1))
+
+
+def test_stop_token_inside_accepted_block():
+    target = toy(13, seed=3)
+    ids = prompt_of(5)
+    ref = autoregressive(target, ids, 30).tokens
+    # first token whose first occurrence is at index 2 or later: it ends inside block 1 when gamma = 6
+    i, stop = next((i, t) for i, t in enumerate(ref) if i >= 2 and t not in ref[:i])
+    res = speculative(target, target, ids, 6, 30, stop_token=stop)
+    assert res.tokens == ref[:i + 1] == autoregressive(target, ids, 30, stop_token=stop).tokens
+    if i < 6:
+        assert res.from_draft[-1], "the stop token came from an accepted draft"
+    assert res.rounds == i // 7 + 1
+
+
+def test_max_new_tokens_inside_block():
+    target = toy(13, seed=4)
+    ids = prompt_of(1, 2)
+    ref = autoregressive(target, ids, 23).tokens
+    for m in range(1, 24):
+        res = speculative(target, target, ids, 4, m)
+        assert res.tokens == ref[:m] and sum(res.blocks) == m
+
+
+def test_same_seed_same_output():
+    target, draft = toy(9, seed=5), perturbed(toy(9, seed=5), 1.0, seed=6)
+    ids = prompt_of(4, 4)
+    kw = dict(temperature=0.9, top_k=6, top_p=0.95)
+    a = speculative(target, draft, ids, 3, 40, seed=123, **kw)
+    b = speculative(target, draft, ids, 3, 40, seed=123, **kw)
+    assert a == b
+    assert len({tuple(speculative(target, draft, ids, 3, 40, seed=s, **kw).tokens) for s in range(5)}) > 1
+    assert autoregressive(target, ids, 40, seed=7, **kw) == autoregressive(target, ids, 40, seed=7, **kw)
+    torch.manual_seed(0)  # seed=None draws from torch's global RNG
+    c = speculative(target, draft, ids, 3, 40, **kw)
+    torch.manual_seed(0)
+    assert speculative(target, draft, ids, 3, 40, **kw) == c
+
+
+# ---- cache rollback ----
+
+
+def run_rounds(target, draft, ids, gamma, n_rounds, temperature=0.0, check=None):
+    """Drive speculate's own prefill + spec_round and call check after every round."""
+    L = ids["input_ids"].shape[1]
+    tcache = target.new_cache(max_len=L + n_rounds * (gamma + 1))
+    dcache = draft.new_cache(max_len=L + n_rounds * (gamma + 1))
+    embeds = target.embed(**{k: v for k, v in ids.items() if k in speculate.EMBED_KEYS})
+    pending = speculate.prefill(target, ids, embeds, tcache)
+    speculate.prefill(draft, ids, embeds, dcache)
+    gen = torch.Generator().manual_seed(0)
+    emitted, kinds = [], set()
+    with torch.no_grad():
+        for _ in range(n_rounds):
+            n, drafted, nxt, pending = speculate.spec_round(target, draft, tcache, dcache, pending, gamma,
+                                                            temperature, None, None, gen)
+            emitted += drafted[:n] + [nxt]
+            kinds.add("zero" if n == 0 else "full" if n == gamma else "partial")
+            check(tcache, dcache, pending, emitted)
+    return kinds
+
+
+def test_cache_rollback_toy():
+    """After full, partial and zero acceptance: the target cache holds exactly prompt + emitted
+    minus x_last; the draft cache the same minus `pending`, which is the emitted tail."""
+    V, gamma = 7, 3
+    target = toy(V, seed=8)
+    draft = perturbed(target, 1.5, seed=9)
+    ids = prompt_of(1, 2, 3)
+
+    def check(tcache, dcache, pending, emitted):
+        seq = ids["input_ids"][0].tolist() + emitted
+        assert tcache.tokens[:tcache.length].tolist() == seq[:-1]
+        k = pending.shape[1]
+        assert dcache.tokens[:dcache.length].tolist() == seq[:-k]
+        assert pending[0].tolist() == seq[-k:] and k in (1, 2)
+
+    for temperature in (0.0, 1.0):
+        assert run_rounds(target, draft, ids, gamma, 40, temperature, check) == {"zero", "partial", "full"}
+
+
+def test_errors_before_any_work():
+    target, draft = toy(5, seed=0), toy(5, seed=1)
+    ids = prompt_of(1, 2, 3)
+    bad = [dict(gamma=0), dict(gamma=-1), dict(gamma=1.5), dict(temperature=-0.1), dict(temperature=float("nan")),
+           dict(temperature=float("inf")), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=0), dict(max_new_tokens=0),
+           dict(max_len=10)]  # 3 + 20 - 1 = 22 > 10
+    for kw in bad:
+        args = dict(gamma=2, max_new_tokens=20) | kw
+        with pytest.raises(ValueError):
+            speculative(target, draft, ids, **args)
+    with pytest.raises(ValueError, match="batch size 1"):
+        speculative(target, draft, dict(input_ids=torch.zeros(2, 3, dtype=torch.long)), 2, 5)
+    with pytest.raises(ValueError, match="batch size 1"):
+        autoregressive(target, dict(input_ids=torch.zeros(2, 3, dtype=torch.long)), 5)
+    target.config.max_position_embeddings = 21
+    with pytest.raises(ValueError, match="positions"):
+        speculative(target, draft, ids, 2, 20)
+    with pytest.raises(ValueError, match="positions"):
+        autoregressive(target, ids, 20)
+    del target.config.max_position_embeddings
+    target.config.image_token_id = 3
+    with pytest.raises(ValueError, match="text token"):
+        speculative(target, draft, ids, 2, 5)
+    assert target.calls == draft.calls == 0
+    # the exact need fits
+    target.config.image_token_id = None
+    assert len(speculative(target, draft, ids, 2, 20, max_len=22).tokens) == 20
+
+
+# ---- statistics and cost model ----
+
+
+def test_expected_speedup_by_hand():
+    # alpha 0.8, gamma 4, c 0.1: (1 - 0.8^5) / (0.2 * 1.4) = 0.67232 / 0.28
+    assert expected_speedup(0.8, 4, 0.1) == pytest.approx(0.67232 / 0.28)
+    assert expected_tau(0.8, 4) == pytest.approx(1 + 0.8 + 0.64 + 0.512 + 0.4096)
+    assert expected_speedup(1.0, 4, 0.1) == pytest.approx(5 / 1.4)
+    assert expected_speedup(1 - 1e-9, 4, 0.1) == pytest.approx(5 / 1.4, rel=1e-6)  # continuous at alpha -> 1
+    assert expected_speedup(0.0, 4, 0.1) == pytest.approx(1 / 1.4)  # every draft rejected
+    assert expected_speedup(0.5, 3, 0.0) == pytest.approx(1.875)  # free draft: speedup = tau
+    assert measured_speedup(3.0, 10.0, 1.0, 12.0, 4) == pytest.approx(30 / 16)
+
+
+def test_alpha_and_tau_match_leviathan():
+    """i.i.d. toy (rows independent of the state): the acceptance rate is the constant
+    a = sum_x min(p(x), q(x)), so mean tokens per full round -> expected_tau(a, gamma)
+    and SpecResult.alpha -> a. Tolerance: 5 standard errors (false failure < 1e-6)."""
+    V, gamma = 6, 4
+    g = torch.Generator().manual_seed(10)
+    p_row, q_row = torch.randn(V, generator=g), torch.randn(V, generator=g)
+    target, draft = ToyLM(p_row.expand(V, V).clone()), ToyLM(q_row.expand(V, V).clone())
+    a = float(torch.minimum(p_row.softmax(-1), q_row.softmax(-1)).sum())
+    res = speculative(target, draft, prompt_of(0), gamma, 6000, temperature=1.0, seed=1)
+    full = torch.tensor(res.blocks[:-1], dtype=torch.float64)
+    assert abs(full.mean() - expected_tau(a, gamma)) < 5 * full.std() / len(full) ** 0.5
+    se = (a * (1 - a) / res.n_tested) ** 0.5
+    assert abs(res.alpha - a) < 5 * se
+    assert res.tau == pytest.approx(6000 / res.rounds) and res.target_forwards == res.rounds
+    assert res.draft_forwards == res.n_drafted == draft.calls and target.calls == res.rounds
+    assert sum(res.from_draft) == res.n_accepted  # no stop token: every accepted draft is emitted
+
+
+# ---- distribution: chi-square against the exact target law ----
+
+
+def chi_square(counts, probs):
+    """Pearson chi-square of counts (K,) against probs (K,) -> (stat, df, p_value).
+
+    An outcome of probability 0 that occurs fails outright; cells expected
+    below 5 are pooled into one. p_value = Q(df/2, stat/2), the chi-square survival function.
+    """
+    counts, probs = counts.double(), probs.double()
+    assert counts[probs == 0].sum() == 0, "a sample landed on an outcome of probability 0"
+    expected = counts.sum() * probs
+    big, small = expected >= 5, (expected < 5) & (probs > 0)
+    obs = torch.cat([counts[big], counts[small].sum().view(1)])
+    exp = torch.cat([expected[big], expected[small].sum().view(1)])
+    obs, exp = obs[exp > 0], exp[exp > 0]
+    stat = float(((obs - exp) ** 2 / exp).sum())
+    df = len(exp) - 1
+    return stat, df, float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2)))
+
+
+def test_chi_square_survival_matches_scipy():
+    stats = pytest.importorskip("scipy.stats")
+    for df in (1, 7, 63, 124):
+        for x in (0.5, df, 2.0 * df + 10):
+            ours = float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(x / 2)))
+            assert ours == pytest.approx(stats.chi2.sf(x, df), rel=1e-9, abs=1e-300)
+
+
+def markov_pair(V, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(V, V, generator=g), torch.randn(V, V, generator=g)  # p, q logits (V, V)
+
+
+def joint_first3(P, x0):
+    """Exact law of the first 3 tokens of the chain P (V, V) started after x0, flattened (V^3,)."""
+    return torch.einsum("a,ab,bc->abc", P[x0], P, P).reshape(-1)
+
+
+def wrong_q(q):
+    # The trap PAPER.md names: verifying against a q other than the one sampled
+    # from (here q at twice the temperature).
+    return q.sqrt() / q.sqrt().sum(-1, keepdim=True)
+
+
+def simulate(P, Q, x0, gamma, k, N, gen, q_seen_by_verifier=lambda q: q):
+    """N independent speculative decodes of k tokens from chains P (target) and Q
+    (draft), vectorised over N with a batched verify_sample -> (N, k)."""
+    out = torch.empty(N, k, dtype=torch.long)
+    count = torch.zeros(N, dtype=torch.long)  # tokens emitted per chain
+    last = torch.full((N,), x0)
+    rows = torch.arange(N)
+    while bool((count < k).any()):
+        prev, ds, qs = last, [], []
+        for _ in range(gamma):
+            qs.append(Q[prev])  # (N, V)
+            prev = speculate.sample(qs[-1], gen)  # (N,)
+            ds.append(prev)
+        d, q = torch.stack(ds, 1), torch.stack(qs, 1)  # (N, gamma), (N, gamma, V)
+        p = P[torch.cat([last[:, None], d], 1)]  # (N, gamma+1, V)
+        n, nxt = verify_sample(d, q_seen_by_verifier(q), p, gen)  # (N,), (N,)
+        block = torch.cat([d, nxt[:, None]], 1).scatter(1, n[:, None], nxt[:, None])  # (N, gamma+1)
+        for j in range(gamma + 1):
+            pos = count + j
+            ok = (j <= n) & (pos < k)
+            out[rows[ok], pos[ok]] = block[ok, j]
+        count, last = count + n + 1, nxt
+    return out
+
+
+SAMPLING_CONFIGS = [  # (temperature, top_k, top_p, gamma)
+    (1.0, None, None, 3),
+    (0.6, 3, None, 2),
+    (1.4, None, 0.8, 4),
+    (1.0, 4, 0.95, 1),
+]
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p,gamma", SAMPLING_CONFIGS)
+def test_verify_sample_distribution(temperature, top_k, top_p, gamma):
+    """Batched verify_sample over N = 200k simulated decodes: the first 3 emitted
+    tokens follow the target chain exactly (chi-square, level 1e-3), and the same
+    test rejects a verifier that sees the wrong q."""
+    V, x0, N = 5, 2, 200_000
+    p_logits, q_logits = markov_pair(V, seed=11)
+    P, Q = (process_logits(x, temperature, top_k, top_p) for x in (p_logits, q_logits))
+    expected = joint_first3(P, x0)
+    for name, seen in [("correct", lambda q: q), ("wrong q", wrong_q)]:
+        out = simulate(P, Q, x0, gamma, 3, N, torch.Generator().manual_seed(12), seen)
+        stat, df, pval = chi_square(torch.bincount(out @ torch.tensor([V * V, V, 1]), minlength=V ** 3), expected)
+        print(f"verify_sample T={temperature} top_k={top_k} top_p={top_p} gamma={gamma} {name}: "
+              f"N={N} chi2={stat:.1f} df={df} p={pval:.3g}")
+        assert (pval > SIGNIFICANCE) == (name == "correct"), (name, stat, df, pval)
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p,gamma", SAMPLING_CONFIGS[1:3])
+def test_speculative_distribution(temperature, top_k, top_p, gamma, monkeypatch):
+    """The whole loop, speculative() per sample with its own seed: first 3 tokens ~
+    the target chain (chi-square, level 1e-3, N = 6000); the negative control
+    (verifier handed the wrong q) is rejected by the same test at the same N."""
+    V, x0, N = 4, 1, 6000
+    p_logits, q_logits = markov_pair(V, seed=13)
+    target, draft = ToyLM(p_logits), ToyLM(q_logits)
+    expected = joint_first3(process_logits(p_logits, temperature, top_k, top_p), x0)
+    kw = dict(temperature=temperature, top_k=top_k, top_p=top_p)
+    honest = speculate.verify_sample
+    for name in ("correct", "wrong q"):
+        if name == "wrong q":
+            monkeypatch.setattr(speculate, "verify_sample", lambda d, q, p, g: honest(d, wrong_q(q), p, g))
+        toks = torch.tensor([speculative(target, draft, prompt_of(x0), gamma, 3, seed=s, **kw).tokens
+                             for s in range(N)])  # (N, 3)
+        stat, df, pval = chi_square(torch.bincount(toks @ torch.tensor([V * V, V, 1]), minlength=V ** 3), expected)
+        print(f"speculative T={temperature} top_k={top_k} top_p={top_p} gamma={gamma} {name}: "
+              f"N={N} chi2={stat:.1f} df={df} p={pval:.3g}")
+        assert (pval > SIGNIFICANCE) == (name == "correct"), (name, stat, df, pval)
+
+
+def test_speculative_long_run_transitions():
+    """One long sampled decode (many rounds, every cache branch): the counts of
+    transitions a -> b match the target chain row by row (Anderson-Goodman
+    chi-square for a Markov chain, df = sum of (support - 1), level 1e-3)."""
+    V, x0, M = 5, 0, 30_000
+    p_logits, q_logits = markov_pair(V, seed=14)
+    temperature, top_p = 0.9, 0.95
+    P = process_logits(p_logits, temperature, None, top_p)
+    res = speculative(ToyLM(p_logits), ToyLM(q_logits), prompt_of(x0), 3, M, temperature=temperature,
+                      top_p=top_p, seed=5)
+    seq = torch.tensor([x0] + res.tokens)
+    pairs = torch.bincount(seq[:-1] * V + seq[1:], minlength=V * V).view(V, V).double()  # (V, V)
+    assert pairs[P == 0].sum() == 0
+    visits = pairs.sum(1, keepdim=True)  # (V, 1)
+    expected = visits * P  # (V, V)
+    ok = (P > 0) & (visits > 0)
+    stat = float(((pairs - expected)[ok] ** 2 / expected[ok]).sum())
+    df = int(ok.sum()) - int((visits > 0).sum())
+    pval = float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2)))
+    print(f"speculative long run: {M} tokens, {res.rounds} rounds, tau={res.tau:.2f}: chi2={stat:.1f} df={df} p={pval:.3g}")
+    assert pval > SIGNIFICANCE
