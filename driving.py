@@ -1,0 +1,572 @@
+"""Synthetic driving world: a toy where the paper's premise (most chain-of-causation
+tokens are *routine*, predictable from the ego-trajectory history; a few are
+*commitments* that need the image) holds by construction and is measured.
+
+Each scene mirrors Alpamayo-R1's prompt and CoC layout (PAPER.md, "The target it
+accelerates"): a 2-frame bird's-eye raster fed as a video, 16 past poses at
+10 Hz as 48 binned (dx, dy, dheading) history tokens, a CoC sentence
+"state , decision since cause" and a 32-waypoint future from a unicycle rollout
+of (acceleration, curvature) that follows the decision.
+
+Where the commitments sit (the grammar is in `coc_words`):
+  - the state clause ("cruising in a left curve ,") restates the history class:
+    routine;
+  - the decision's first word (keep / follow / brake / slow / nudge / proceed /
+    stay) needs the image: an actor's kind AND whether it lies in the ego lane,
+    which bends with the road, plus its motion between the two frames;
+  - the cause's actor word, when the decision leaves several possible, and the
+    distance word ("15 m ahead", read from the actor's raster row);
+  - everything else follows from (history class, CoC prefix).
+Whether a 1-layer draft can read the evidence depends on what the shared vision
+tower precomputes; train.py's attention diagnostic measures it.
+
+run: python driving.py --seed 0
+"""
+import argparse
+from collections import Counter, defaultdict
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+import torch
+
+from model import patchify  # model.py owns the Qwen2-VL flattening order, so the vision tower sees HF's layout
+
+
+# ---- config ----
+@dataclass(frozen=True)
+class WorldConfig:
+    size: int = 24                 # raster height = width (px): 6x6 merged tokens per frame at patch 2, merge 2
+    res: float = 1.25              # metres per pixel: the view reaches ~26 m ahead of the ego
+    ego_row: int = 21              # ego's pixel row (x = 0); rows above it are ahead
+    ego_col: int = 13              # ego's pixel column (ego-lane centre at y = 0)
+    frame_gap: float = 0.5         # seconds between the two frames (t = -0.5 s, t = 0): enough for motion of >= 2 px
+    dt: float = 0.1                # 10 Hz poses, as in Alpamayo
+    n_hist: int = 16               # past steps -> 16 x (dx, dy, dh) = 48 history tokens
+    n_future: int = 32             # future waypoints (3.2 s)
+    dx_bins: tuple = (0.0, 1.2, 24)     # per-step forward motion (m): lo, hi, n bins (0.5 m/s resolution)
+    dy_bins: tuple = (-0.02, 0.02, 8)   # per-step lateral motion in the previous pose's frame (m)
+    dh_bins: tuple = (-0.04, 0.04, 16)  # per-step heading change (rad)
+    lane_width: float = 3.5        # the ego lane spans l in [-1.75, 1.75], the oncoming lane [1.75, 5.25]
+    stop_margin: float = 1.5       # a stop ends at least this far (m) before the stop line / actor
+    stop_within: float = 3.0       # ... and within this many seconds, so stops finish inside the 3.2 s horizon
+    nudge_offset: float = 1.5      # lateral offset (m) of a nudge around a cone
+
+
+CHANNELS = ("drivable", "lane_line", "stop_line", "ego", "vehicle", "pedestrian", "cone", "light_red", "light_green")
+SPECIALS = ("<pad>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>", "<traj_history_start>",
+            "<traj_history_end>", "<cot_start>", "<cot_end>", "<traj_future_start>")
+SYSTEM = "you are the driving planner of the ego car ."
+INSTRUCTION = "explain your decision then plan the trajectory"
+
+# ---- world tables ----
+ROADS = {"straight": 0.3, "curve_left": 0.25, "curve_right": 0.25, "intersection": 0.2}
+TURN = {"straight": "straight", "curve_left": "left", "curve_right": "right", "intersection": "straight"}
+FLAT = {"cruise": .4, "accel": .3, "decel": .3}
+# event -> (P(event | non-intersection road), P(history speed profile | event)); intersections hold red / green only
+# (50/50). Priors are balanced so that each history class leaves several decisions open: histories correlate with
+# the decision (slowing -> stop) but never fix it, and that residual ambiguity is what a commitment token is.
+EVENTS = {
+    "clear":         (0.12, FLAT),
+    "oncoming":      (0.06, FLAT),
+    "ped_sidewalk":  (0.06, FLAT),
+    "cone_shoulder": (0.06, FLAT),
+    "lead_cruise":   (0.12, FLAT),
+    "lead_brake":    (0.13, {"cruise": .5, "decel": .4, "accel": .1}),
+    "ped_cross":     (0.22, {"cruise": .5, "decel": .4, "accel": .1}),
+    "cone_lane":     (0.23, {"cruise": .5, "decel": .2, "accel": .3}),
+    "red":           (0.0,  {"cruise": .3, "decel": .5, "stand": .2}),
+    "green":         (0.0,  {"cruise": .4, "decel": .1, "accel": .2, "stand": .3}),
+}
+DISTRACTORS = ("oncoming", "ped_sidewalk", "cone_shoulder")  # an actor off the ego lane: the decision is "keep"
+# Held-out (event, road) pairs: never in train/val, the whole test split. Each event is seen on other roads and
+# each road with other events (a cone on a left curve's shoulder is in train; only the in-lane cone is held out).
+HELD_OUT = (("cone_lane", "curve_left"), ("ped_cross", "curve_right"), ("lead_brake", "curve_left"))
+SPLITS = {"train": 0, "val": 1, "test": 2}
+V_RANGE = {"cruise": (5.0, 8.5), "decel": (3.0, 7.0), "accel": (4.0, 8.0), "stand": (0.0, 0.0)}  # v0 (m/s)
+HIST_ACCEL = {"cruise": 0.0, "decel": -2.0, "accel": 1.5, "stand": 0.0}  # m/s^2 over the 1.6 s history
+# Distance words are merged-token rows of the raster (4 px = 5 m each), so the word is readable from one token row.
+BUCKET_ROWS = {5: (16, 19), 10: (12, 15), 15: (8, 11), 20: (4, 7)}
+# event -> (raster channel, proposal interval(s) for l at t = 0, allowed interval(s) for the rendered pixel centre's
+# l). The check on the rendered pixel makes the evidence unambiguous by construction: lane lines sit at
+# |l -+ 1.75| < res/2, so an in-lane actor's pixel never touches them and an off-lane one is clearly outside.
+ACTORS = {
+    "oncoming":      ("vehicle",    {None: (3.0, 4.0)},                          (2.5, 4.5)),
+    "ped_sidewalk":  ("pedestrian", {"right": (-3.6, -2.6), "left": (5.9, 6.9)}, None),
+    "cone_shoulder": ("cone",       {None: (-3.3, -2.7)},                        (-4.0, -2.5)),
+    "lead_cruise":   ("vehicle",    {None: (-0.3, 0.3)},                         (-1.0, 1.0)),
+    "lead_brake":    ("vehicle",    {None: (-0.3, 0.3)},                         (-1.0, 1.0)),
+    "ped_cross":     ("pedestrian", {None: (-0.8, 0.6)},                         (-1.0, 1.0)),
+    "cone_lane":     ("cone",       {None: (-0.5, 0.5)},                         (-1.0, 1.0)),
+}
+SIDEWALK_OK = {"right": (-5.0, -2.5), "left": (5.9, 9.0)}
+
+
+@dataclass(frozen=True)
+class Factors:
+    """The discrete factors that fix the CoC. (speed, turn) is the history class; the rest needs the image."""
+    road: str
+    event: str
+    speed: str              # history speed profile: cruise | decel | accel | stand
+    bucket: object          # distance word 5 / 10 / 15 / 20 (m), None on a clear road
+    side: object            # "left" / "right" for pedestrians (sidewalk side, or where a crossing one came from)
+
+    @property
+    def turn(self):
+        return TURN[self.road]
+
+    @property
+    def hist_class(self):
+        return self.speed, self.turn
+
+    @property
+    def decision(self):
+        if self.event in ("clear",) + DISTRACTORS:
+            return "keep"
+        if self.event in ("red", "green") and self.speed == "stand":
+            return "stay" if self.event == "red" else "start"
+        return {"lead_cruise": "follow", "lead_brake": "follow", "ped_cross": "stop", "red": "stop",
+                "cone_lane": "nudge", "green": "proceed"}[self.event]
+
+
+# ---- grammar ----
+def coc_words(f):
+    """CoC = state , decision since cause. The state restates the history class (routine); the decision's first
+    word, the cause's actor / predicate where the decision leaves several, the distance and the side need the image."""
+    state = ["standing", "still"] if f.speed == "stand" else (
+        [{"cruise": "cruising", "decel": "slowing", "accel": "accelerating"}[f.speed]]
+        + (["straight"] if f.turn == "straight" else ["in", "a", f.turn, "curve"]))
+    act = {
+        "keep": ["keep", "lane", "and"] + {"cruise": ["maintain", "speed"], "decel": ["resume", "speed"],
+                                           "accel": ["keep", "accelerating"]}.get(f.speed, []),
+        "follow": ["follow", "the", "lead", "vehicle"],
+        "stop": ["slow", "down", "and", "stop"],
+        "nudge": ["nudge", "left", "around", "the", "cone"],
+        "proceed": ["proceed", "through", "the", "intersection"],
+        "stay": ["stay", "stopped"],
+        "start": ["start", "moving"],
+    }[f.decision]
+    cause = {
+        "clear": "the road ahead is clear",
+        "oncoming": "the oncoming vehicle {b}m ahead stays in its lane",
+        "ped_sidewalk": "the pedestrian {b}m ahead walks on the {s} sidewalk",
+        "cone_shoulder": "the cone {b}m ahead is on the shoulder",
+        "lead_cruise": "it moves steadily {b}m ahead",
+        "lead_brake": "it is braking {b}m ahead",
+        "ped_cross": "the pedestrian {b}m ahead is crossing from the {s}",
+        "cone_lane": "it blocks our lane {b}m ahead",
+        "red": "the traffic light {b}m ahead is red",
+        "green": "the traffic light {b}m ahead is green",
+    }[f.event].format(b=f.bucket, s=f.side).split()
+    return state + [","] + act + ["since"] + cause
+
+
+def _buckets(event, speed):
+    if event == "clear":
+        return [None]
+    if speed == "stand":
+        return [5]                      # waiting at the stop line
+    # 5 m is too close to stop or nudge in time from speed, so only distractors use it
+    return [5, 10, 15, 20] if event in DISTRACTORS else [10, 15, 20]
+
+
+def _support():
+    """Every Factors the world can produce (all splits): the grammar's support."""
+    for road in ROADS:
+        events = ("red", "green") if road == "intersection" else [e for e in EVENTS if EVENTS[e][0] > 0]
+        for event in events:
+            for speed in EVENTS[event][1]:
+                for b in _buckets(event, speed):
+                    for side in (("left", "right") if event in ("ped_sidewalk", "ped_cross") else (None,)):
+                        yield Factors(road, event, speed, b, side)
+
+
+@lru_cache(maxsize=None)
+def _next_token_sets():
+    """(history class, CoC prefix) -> set of possible next words over the world's support."""
+    nxt = defaultdict(set)
+    for f in _support():
+        words = coc_words(f) + ["<cot_end>"]
+        for i, w in enumerate(words):
+            nxt[(f.hist_class, tuple(words[:i]))].add(w)
+    return dict(nxt)
+
+
+def commitment_mask(words, hist_class):
+    """One bool per CoC word plus <cot_end>: True where history class + prefix leave more than one continuation."""
+    nxt = _next_token_sets()
+    full = list(words) + ["<cot_end>"]
+    return [len(nxt[(hist_class, tuple(full[:i]))]) > 1 for i in range(len(full))]
+
+
+# ---- geometry ----
+def road_to_xy(s, l, kappa):
+    """Lane coordinates (arc length s, lateral l, left positive) -> ego frame (x forward, y left)."""
+    if kappa == 0:
+        return s, l
+    phi = kappa * s
+    return (1 / kappa - l) * np.sin(phi), l * np.cos(phi) + (1 - np.cos(phi)) / kappa
+
+
+def xy_to_road(x, y, kappa):
+    if kappa == 0:
+        return x, y
+    R = 1 / kappa
+    rho = np.hypot(x, y - R)
+    return R * np.arctan2(x / R, (R - y) / R), R - np.sign(R) * rho
+
+
+def pixel_grid(cfg):
+    r, c = np.mgrid[0:cfg.size, 0:cfg.size]
+    return (cfg.ego_row - r) * cfg.res, (cfg.ego_col - c) * cfg.res  # x, y of each pixel centre
+
+
+def to_pixel(s, l, kappa, cfg):
+    x, y = road_to_xy(s, l, kappa)
+    return int(round(cfg.ego_row - x / cfg.res)), int(round(cfg.ego_col - y / cfg.res))
+
+
+# ---- scene ----
+@dataclass
+class Scene:
+    f: Factors              # the discrete factors (road, event, history speed profile, distance word, side)
+    kappa: float            # road curvature (1/m, left positive)
+    v0: float               # current ego speed (m/s)
+    dist: float             # arc length (m) to the actor / stop line at t = 0 (nan if none)
+    hist: np.ndarray        # (16, 3) per-step (dx, dy, dh) in the previous pose's frame
+    frames: np.ndarray      # (2, C, H, W) float32 raster at t = -0.5 s and t = 0
+    coc: list               # CoC words (without <cot_end>)
+    commit: list            # bool per CoC word + <cot_end>
+    traj: np.ndarray        # (32, 2) future waypoints (x, y) in metres, ego frame
+
+
+def sample_factors(rng, split):
+    if split == "test":
+        event, road = HELD_OUT[rng.integers(len(HELD_OUT))]
+    else:
+        while True:
+            road = str(rng.choice(list(ROADS), p=list(ROADS.values())))
+            if road == "intersection":
+                event = str(rng.choice(["red", "green"]))
+            else:
+                names = [e for e in EVENTS if EVENTS[e][0] > 0]
+                event = str(rng.choice(names, p=[EVENTS[e][0] for e in names]))
+            if (event, road) not in HELD_OUT:
+                break
+    prof = EVENTS[event][1]
+    speed = str(rng.choice(list(prof), p=list(prof.values())))
+    buckets = _buckets(event, speed)
+    bucket = buckets[rng.integers(len(buckets))]
+    side = str(rng.choice(["left", "right"])) if event in ("ped_sidewalk", "ped_cross") else None
+    return Factors(road, event, speed, None if bucket is None else int(bucket), side)
+
+
+def history_deltas(v0, speed, kappa, cfg):
+    """16 per-step (dx, dy, dh) of a constant-acceleration, constant-curvature unicycle that ends at speed v0."""
+    a = HIST_ACCEL[speed]
+    v = v0 - a * cfg.dt * np.arange(cfg.n_hist, -1, -1)            # (17,) speeds at the 17 poses
+    ds = 0.5 * (v[:-1] + v[1:]) * cfg.dt                           # (16,) arc length per step
+    dh = kappa * ds
+    return np.stack([ds * np.cos(dh / 2), ds * np.sin(dh / 2), dh], axis=1)  # chord in the previous pose's frame
+
+
+def rollout(v0, accel, kappa, cfg):
+    """Unicycle: per-step acceleration and curvature (n_future,) -> waypoints (n_future, 2); speed clamps at 0."""
+    x = y = th = 0.0
+    v, out = v0, []
+    for a, k in zip(accel, kappa):
+        v_next = max(v + a * cfg.dt, 0.0)
+        ds = 0.5 * (v + v_next) * cfg.dt if v_next > 0 else (v * v / (-2 * a) if a < 0 else 0.0)  # exact at standstill
+        x += ds * np.cos(th + k * ds / 2)
+        y += ds * np.sin(th + k * ds / 2)
+        th += k * ds
+        v = v_next
+        out.append((x, y))
+    return np.array(out, dtype=np.float32)
+
+
+def plan(f, v0, kappa, dist, cfg):
+    """The trajectory follows the decision (and, for follow, the cause): tests/test_driving.py checks it."""
+    n = cfg.n_future
+    acc, kap = np.zeros(n), np.full(n, kappa)                       # (n,) per-step acceleration and curvature
+    if f.decision in ("keep", "proceed"):
+        acc[:] = {"cruise": 0.0, "decel": 1.0, "accel": 1.5}[f.speed]  # maintain / resume speed / keep accelerating
+    elif f.decision == "follow":
+        acc[:] = -2.5 if f.event == "lead_brake" else 0.0
+    elif f.decision == "stop":
+        # standstill stop_margin before the obstacle, or earlier so that it happens inside the horizon
+        s_stop = min(dist - cfg.stop_margin, 0.5 * v0 * cfg.stop_within)
+        acc[:] = -v0 ** 2 / (2 * s_stop)
+    elif f.decision == "start":
+        acc[:] = 2.0
+    elif f.decision == "nudge":
+        # curvature doublet (left, then back): lateral offset ~ k v^2 tau^2, heading restored to the lane's
+        tau = 8
+        k = cfg.nudge_offset / (v0 * tau * cfg.dt) ** 2
+        kap[:tau] += k
+        kap[tau:2 * tau] -= k
+    return rollout(v0, acc, kap, cfg)                               # "stay": v0 = 0, acc = 0
+
+
+def render(kappa, actors, stop_line, cfg):
+    """actors: [(channel, [(s, l) at frame 0, (s, l) at frame 1])]; stop_line: [s per frame] or None -> (2, C, H, W)."""
+    X, Y = pixel_grid(cfg)
+    S, L = xy_to_road(X, Y, kappa)
+    ch = {n: i for i, n in enumerate(CHANNELS)}
+    half, w = cfg.res / 2, cfg.lane_width / 2
+    out = np.zeros((2, len(CHANNELS), cfg.size, cfg.size), dtype=np.float32)
+    for f in range(2):
+        img = out[f]
+        cross = np.zeros_like(S, dtype=bool) if stop_line is None else (S > stop_line[f] + half) & (S < stop_line[f] + 8)
+        img[ch["drivable"]] = ((L >= -w) & (L <= 3 * w)) | cross
+        img[ch["lane_line"]] = ((np.abs(L - w) < half) | (np.abs(L + w) < half)) & ~cross
+        if stop_line is not None:
+            img[ch["stop_line"]] = (np.abs(S - stop_line[f]) < half) & (np.abs(L) <= w)
+        img[ch["ego"], cfg.ego_row:cfg.ego_row + 2, cfg.ego_col] = 1
+        for kind, poses in actors:
+            r, c = to_pixel(*poses[f], kappa, cfg)
+            for dr in range(3 if kind == "vehicle" else 1):       # vehicles are 3 px long, from the rear forward
+                if 0 <= r - dr < cfg.size and 0 <= c < cfg.size:
+                    img[ch[kind], r - dr, c] = 1
+    return out
+
+
+def _place(rng, bucket, l_range, l_ok, kappa, cfg):
+    """Rejection-sample an actor's (s, l) at t = 0 whose rendered pixel sits in the bucket's rows and allowed lane."""
+    lo, hi = BUCKET_ROWS[bucket]
+    for _ in range(1000):
+        x = (cfg.ego_row - rng.integers(lo, hi + 1) + rng.uniform(-0.4, 0.4)) * cfg.res
+        s = x if kappa == 0 else np.arcsin(np.clip(kappa * x, -1, 1)) / kappa
+        l = rng.uniform(*l_range)
+        r, c = to_pixel(s, l, kappa, cfg)
+        l_pix = xy_to_road((cfg.ego_row - r) * cfg.res, (cfg.ego_col - c) * cfg.res, kappa)[1]
+        if lo <= r <= hi and 0 <= c < cfg.size and l_ok[0] <= l_pix <= l_ok[1]:
+            return float(s), float(l)
+    raise RuntimeError("actor placement failed")
+
+
+def make_scene(rng, split="train", cfg=WorldConfig()):
+    f = sample_factors(rng, split)
+    kappa = {"curve_left": 1.0, "curve_right": -1.0}.get(f.road, 0.0) * rng.uniform(0.018, 0.028)
+    v0 = rng.uniform(*V_RANGE[f.speed])
+    hist = history_deltas(v0, f.speed, kappa, cfg)
+    back = hist[-int(round(cfg.frame_gap / cfg.dt)):, 0].sum()  # ego travel between frames: static things approach by it
+    actors, stop_line, dist = [], None, float("nan")
+    if f.event in ("red", "green"):
+        dist, _ = _place(rng, f.bucket, (0.0, 0.0), (-1.0, 1.0), 0.0, cfg)
+        stop_line = [dist + back, dist]
+        actors.append(("light_" + f.event, [(dist + back + 1.0, -3.0), (dist + 1.0, -3.0)]))
+    elif f.event != "clear":
+        chan, l_ranges, l_ok = ACTORS[f.event]
+        side = f.side if f.event == "ped_sidewalk" else None
+        dist, l = _place(rng, f.bucket, l_ranges[side], l_ok or SIDEWALK_OK[side], kappa, cfg)
+        s0, l0 = dist + back, l                              # frame 0 (t = -0.5 s): static in the world
+        if f.event == "oncoming":
+            s0 += rng.uniform(4.0, 7.0) * cfg.frame_gap
+        elif f.event == "ped_sidewalk":
+            s0 += rng.uniform(-0.8, 0.8)                      # standing or walking along the sidewalk
+        elif f.event == "lead_cruise":
+            s0 = dist + rng.uniform(-0.3, 0.3)                # keeps the gap
+        elif f.event == "lead_brake":
+            s0 = dist + rng.uniform(2.5, 3.5)                 # closes in by >= 2 px within the frame gap
+        elif f.event == "ped_cross":
+            l0 = l + (2.0 if f.side == "left" else -2.0)      # walked into the lane from that side
+        actors.append((chan, [(s0, l0), (dist, l)]))
+    frames = render(kappa, actors, stop_line, cfg)
+    coc = coc_words(f)
+    return Scene(f, float(kappa), float(v0), dist, hist, frames, coc, commitment_mask(coc, f.hist_class),
+                 plan(f, v0, kappa, dist, cfg))
+
+
+# ---- tokenizer ----
+def bin_edges(spec):
+    lo, hi, n = spec
+    return lo, (hi - lo) / n, n
+
+
+class Tokenizer:
+    """Whitespace words + special tokens + one id per history bin (dx, dy, dh bins are separate ids)."""
+
+    def __init__(self, cfg=WorldConfig()):
+        self.cfg = cfg
+        self.bins = {"dx": cfg.dx_bins, "dy": cfg.dy_bins, "dh": cfg.dh_bins}
+        hist = [f"<{k}{i}>" for k, spec in self.bins.items() for i in range(spec[2])]
+        words = set((SYSTEM + " " + INSTRUCTION).split())
+        for f in _support():
+            words.update(coc_words(f))
+        self.vocab = list(SPECIALS) + hist + sorted(words)
+        self.id = {w: i for i, w in enumerate(self.vocab)}
+        for name, w in [("pad", "<pad>"), ("vision_start", "<|vision_start|>"), ("vision_end", "<|vision_end|>"),
+                        ("image_token", "<|image_pad|>"), ("video_token", "<|video_pad|>"),
+                        ("hist_start", "<traj_history_start>"), ("hist_end", "<traj_history_end>"),
+                        ("cot_start", "<cot_start>"), ("cot_end", "<cot_end>"),
+                        ("traj_future_start", "<traj_future_start>")]:
+            setattr(self, name + "_id", self.id[w])
+
+    def __len__(self):
+        return len(self.vocab)
+
+    def encode(self, text):
+        return [self.id[w] for w in (text.split() if isinstance(text, str) else text)]
+
+    def decode(self, ids):
+        return " ".join(self.vocab[int(i)] for i in ids)
+
+    def encode_history(self, hist):
+        """(16, 3) deltas -> 48 ids, uniform bins, values clipped into the outer bins."""
+        out = []
+        for row in hist:
+            for (k, spec), v in zip(self.bins.items(), row):
+                lo, w, n = bin_edges(spec)
+                out.append(self.id[f"<{k}{int(np.clip((v - lo) // w, 0, n - 1))}>"])
+        return out
+
+    def decode_history(self, ids):
+        """48 ids -> (16, 3) bin centres."""
+        vals = []
+        for i in ids:
+            word = self.vocab[int(i)]
+            lo, w, _ = bin_edges(self.bins[word[1:3]])
+            vals.append(lo + (int(word[3:-1]) + 0.5) * w)
+        return np.array(vals).reshape(-1, 3)
+
+
+# ---- prompts and training examples ----
+def build_prompt(scene, tok, patch_size=2, temporal_patch_size=1, merge_size=2):
+    """model.forward kwargs for batch 1, Alpamayo order: system, video, history, instruction, <cot_start>."""
+    pixels, grid = patchify(torch.from_numpy(scene.frames), patch_size, temporal_patch_size, merge_size)
+    grid = torch.as_tensor(grid, dtype=torch.long).view(1, 3)       # (1, 3): t=2, h, w in patches
+    n_video = int(grid.prod()) // merge_size ** 2                   # merged tokens: 2 x 6 x 6 = 72 at 24 px
+    ids = (tok.encode(SYSTEM) + [tok.vision_start_id] + [tok.video_token_id] * n_video + [tok.vision_end_id]
+           + [tok.hist_start_id] + tok.encode_history(scene.hist) + [tok.hist_end_id]
+           + tok.encode(INSTRUCTION) + [tok.cot_start_id])
+    return {"input_ids": torch.tensor([ids]), "pixel_values_videos": pixels, "video_grid_thw": grid}
+
+
+def make_example(scene, tok, **patch_kw):
+    """prompt + CoC + <cot_end> + <traj_future_start>; masks are over positions whose *next* token is CoC/<cot_end>."""
+    prompt = build_prompt(scene, tok, **patch_kw)
+    P, n = prompt["input_ids"].shape[1], len(scene.coc)
+    coc = tok.encode(scene.coc) + [tok.cot_end_id]
+    ids = torch.cat([prompt["input_ids"][0], torch.tensor(coc + [tok.traj_future_start_id])])  # (L,), L = P + n + 2
+    loss_mask = torch.zeros(len(ids), dtype=torch.bool)
+    loss_mask[P - 1:P + n] = True                                   # <cot_start> predicts word 0 ... last word predicts <cot_end>
+    commit_mask = torch.zeros(len(ids), dtype=torch.bool)
+    commit_mask[P - 1:P + n] = torch.tensor(scene.commit)
+    return {"input_ids": ids, "loss_mask": loss_mask, "commit_mask": commit_mask, "prompt_len": P,
+            "coc_ids": coc, "traj_index": P + n + 1, "traj": torch.from_numpy(scene.traj),
+            "pixel_values_videos": prompt["pixel_values_videos"], "video_grid_thw": prompt["video_grid_thw"]}
+
+
+def collate(examples, pad_id):
+    """Right-pad to the longest example; vision inputs concatenate in batch order, as the model scatters them."""
+    B, L = len(examples), max(len(e["input_ids"]) for e in examples)
+    ids = torch.full((B, L), pad_id, dtype=torch.long)
+    attn, loss, commit = (torch.zeros(B, L, dtype=torch.long),
+                          torch.zeros(B, L, dtype=torch.bool), torch.zeros(B, L, dtype=torch.bool))
+    for b, e in enumerate(examples):
+        n = len(e["input_ids"])
+        ids[b, :n], attn[b, :n], loss[b, :n], commit[b, :n] = e["input_ids"], 1, e["loss_mask"], e["commit_mask"]
+    return {"input_ids": ids, "attention_mask": attn, "loss_mask": loss, "commit_mask": commit,
+            "traj_index": torch.tensor([e["traj_index"] for e in examples]),
+            "prompt_len": torch.tensor([e["prompt_len"] for e in examples]),
+            "traj": torch.stack([e["traj"] for e in examples]),                            # (B, 32, 2)
+            "pixel_values_videos": torch.cat([e["pixel_values_videos"] for e in examples]),  # (B * N, C*tp*p*p)
+            "video_grid_thw": torch.cat([e["video_grid_thw"] for e in examples]),            # (B, 3)
+            "coc_ids": [e["coc_ids"] for e in examples]}
+
+
+# ---- splits ----
+def make_split(name, n, seed=0, cfg=WorldConfig()):
+    """Scene i of a split has its own generator seeded by (seed, split, i): splits never share a stream, and a
+    prefix of a larger split equals the smaller split."""
+    if name not in SPLITS:
+        raise ValueError(f"unknown split {name!r}; expected one of {list(SPLITS)}")
+    return [make_scene(np.random.default_rng([seed, SPLITS[name], i]), name, cfg) for i in range(n)]
+
+
+# ---- metrics ----
+def ade_fde(pred, true):
+    """(B, 32, 2) waypoints -> (average, final) displacement error in metres."""
+    d = torch.linalg.vector_norm(torch.as_tensor(pred) - torch.as_tensor(true), dim=-1)   # (B, 32)
+    return d.mean().item(), d[:, -1].mean().item()
+
+
+def coc_exact_match(pred, true):
+    """Fraction of CoCs (id lists up to and including <cot_end>) generated exactly."""
+    return sum(list(p) == list(t) for p, t in zip(pred, true)) / len(true)
+
+
+def commitment_accuracy(pred_next, input_ids, commit_mask):
+    """Teacher-forced: pred_next (B, L) is the argmax at each position, input_ids[:, i + 1] its target. Teacher
+    forcing scores every commitment token on the reference prefix, so an early miss cannot hide later ones."""
+    hit = pred_next[:, :-1] == input_ids[:, 1:]                    # (B, L-1)
+    m = commit_mask[:, :-1]
+    return (hit & m).sum().item() / max(m.sum().item(), 1)
+
+
+def measure_routine_share(n=20000, seed=0, split="train"):
+    """Bayes-optimal guess of each CoC token from (history class, CoC prefix), fitted by counts on n scenes and scored
+    on n fresh ones: the share of tokens a perfect history-only reader gets right (the paper's ~78%)."""
+    def coc_stream(s):
+        rng = np.random.default_rng(s)
+        for _ in range(n):
+            f = sample_factors(rng, split)
+            yield f.hist_class, coc_words(f) + ["<cot_end>"]
+
+    counts = defaultdict(Counter)
+    for cls, words in coc_stream([seed, 100]):
+        for i, w in enumerate(words):
+            counts[(cls, tuple(words[:i]))][w] += 1
+    right = total = 0
+    for cls, words in coc_stream([seed, 101]):
+        for i, w in enumerate(words):
+            c = counts.get((cls, tuple(words[:i])))
+            right += bool(c) and c.most_common(1)[0][0] == w
+            total += 1
+    return right / total
+
+
+# ---- demo ----
+GLYPHS = (("ego", "E"), ("vehicle", "V"), ("pedestrian", "P"), ("cone", "C"), ("light_red", "R"),
+          ("light_green", "G"), ("stop_line", "="), ("lane_line", "|"), ("drivable", "."))
+
+
+def ascii_render(frames):
+    """Both frames side by side, one character per pixel, the first matching channel of GLYPHS wins."""
+    ch = {n: i for i, n in enumerate(CHANNELS)}
+    rows = []
+    for r in range(frames.shape[2]):
+        line = []
+        for f in range(frames.shape[0]):
+            line.append("".join(next((g for n, g in GLYPHS if frames[f, ch[n], r, c] > 0), " ")
+                                for c in range(frames.shape[3])))
+        rows.append("   ".join(line))
+    return "\n".join(rows)
+
+
+def main():
+    ap = argparse.ArgumentParser(description="Print a few scenes of the synthetic driving world and its routine share.")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the printed scenes and of the routine-share estimate")
+    ap.add_argument("--n", type=int, default=6, help="scenes to print")
+    ap.add_argument("--split", default="train", choices=list(SPLITS), help="split to draw the printed scenes from")
+    ap.add_argument("--render", action="store_true", help="also print an ASCII raster (t = -0.5 s | t = 0) per scene")
+    ap.add_argument("--share_n", type=int, default=20000, help="scenes to fit and to score the routine share on")
+    args = ap.parse_args()
+    for sc in make_split(args.split, args.n, args.seed):
+        f = sc.f
+        speeds = np.linalg.norm(np.diff(np.vstack([[0, 0], sc.traj]), axis=0), axis=1) / 0.1
+        print(f"{f.road} / {f.event} | history class {f.hist_class} v0 {sc.v0:.1f} m/s | decision {f.decision}")
+        print("  CoC: " + " ".join(w + ("*" if c else "") for w, c in zip(sc.coc + ["<cot_end>"], sc.commit)))
+        print(f"  trajectory: end ({sc.traj[-1, 0]:.1f}, {sc.traj[-1, 1]:.1f}) m, speed {speeds[0]:.1f} -> "
+              f"{speeds[-1]:.1f} m/s" + ("" if np.isnan(sc.dist) else f", obstacle at {sc.dist:.1f} m"))
+        if args.render:
+            print(ascii_render(sc.frames))
+    print("(* = commitment token: not determined by history class + CoC prefix)")
+    share = measure_routine_share(args.share_n, args.seed)
+    print(f"routine share (Bayes guess from history class + prefix, {args.share_n} fit / {args.share_n} scored): "
+          f"{share:.3f}")
+
+
+if __name__ == "__main__":
+    main()
