@@ -1,0 +1,235 @@
+"""model.py: KV cache equivalences, padding, FlatRoPE draft, sharing, patchify, errors.
+
+All exactness checks run in fp32 with atol 1e-5 on logits of O(1) scale (O(1)-scale weights).
+run: python -m pytest -q tests/test_model.py
+"""
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from model import PRESETS, VLA, KVCache, ModelConfig, VisionConfig, make_draft, patchify
+from rope import flat_position_ids
+from tiny_models import IMG, VE, VS, image_prompt, o1_init, tiny_config, tiny_model
+
+TOL = 1e-5
+
+
+def close(a, b, tol=TOL):
+    return (a - b).abs().max().item() <= tol
+
+
+def decode_one_by_one(model, prompt, tokens, max_len=96):
+    """Prefill the prompt, then feed tokens one at a time; logits of every position (1, L, V)."""
+    cache = model.new_cache(max_len=max_len)
+    out = [model(**prompt, cache=cache)]
+    out += [model(tokens[:, i:i + 1], cache=cache) for i in range(tokens.shape[1])]
+    return torch.cat(out, 1), cache
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_model()
+
+
+@pytest.fixture(scope="module")
+def prompt():
+    return image_prompt()
+
+
+# ---- KV cache ----
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("rope_mode", ["mrope", "flat"])
+def test_prefill_then_decode_equals_full_forward(rope_mode):
+    model = tiny_model(rope_mode=rope_mode)
+    p = image_prompt()
+    new = torch.tensor([[12, 13, 14, 15, 16]])
+    full = model(**dict(p, input_ids=torch.cat([p["input_ids"], new], 1)))
+    step, cache = decode_one_by_one(model, p, new)
+    assert full.abs().mean() > 0.3 and close(step, full)
+    assert cache.length == full.shape[1]
+
+
+@torch.no_grad()
+def test_multi_token_step_equals_one_by_one(target, prompt):
+    new = torch.tensor([[12, 13, 14, 15]])
+    step, c1 = decode_one_by_one(target, prompt, new)
+    c2 = target.new_cache(max_len=96)
+    target(**prompt, cache=c2)
+    verify = target(new, cache=c2)  # the speculative verify step: T = 4 tokens over the cached prefix
+    L = prompt["input_ids"].shape[1]
+    assert close(verify, step[:, L:]) and c2.length == c1.length
+    assert close(c2.k[:, :, :, :c2.length], c1.k[:, :, :, :c1.length])
+
+
+@torch.no_grad()
+def test_crop_and_redecode_equals_fresh_prefill(target, prompt):
+    L = prompt["input_ids"].shape[1]
+    cache = target.new_cache(max_len=96)
+    target(**prompt, cache=cache)
+    target(torch.tensor([[12, 13, 14, 15, 16]]), cache=cache)  # 5 drafted tokens, 3 get rejected
+    cache.crop(L + 2)
+    redo = target(torch.tensor([[20, 21, 22]]), cache=cache)
+    fresh = target(**dict(prompt, input_ids=torch.cat([prompt["input_ids"], torch.tensor([[12, 13, 20, 21, 22]])], 1)))
+    assert close(redo, fresh[:, L + 2:]) and cache.length == L + 5
+    with pytest.raises(ValueError, match="cannot crop KV cache of length"):
+        cache.crop(L + 6)
+
+
+@torch.no_grad()
+def test_cache_overflow_error(target):
+    cache = target.new_cache(max_len=8)
+    target(torch.arange(10, 16)[None], cache=cache)
+    with pytest.raises(ValueError, match=r"KV cache overflow: 6 \+ 3 tokens > max_len 8"):
+        target(torch.tensor([[1, 2, 3]]), cache=cache)
+    assert cache.length == 6  # the failed step wrote nothing
+    with pytest.raises(ValueError, match="KV cache overflow"):
+        KVCache(1, 1, 1, 2, 4).update(0, torch.zeros(1, 1, 3, 4), torch.zeros(1, 1, 3, 4))
+
+
+@torch.no_grad()
+def test_left_padded_batch_equals_single_rows(target):
+    a = image_prompt(seed=1, text_after=(7, 8, 9, 10, 11))
+    b = image_prompt(seed=2, text_after=(7,))
+    La, Lb = a["input_ids"].shape[1], b["input_ids"].shape[1]
+    pad = La - Lb
+    batch = dict(input_ids=torch.cat([a["input_ids"], F.pad(b["input_ids"], (pad, 0))]),
+                 attention_mask=torch.cat([torch.ones(1, La, dtype=torch.long),
+                                           F.pad(torch.ones(1, Lb, dtype=torch.long), (pad, 0))]),
+                 pixel_values=torch.cat([a["pixel_values"], b["pixel_values"]]),
+                 image_grid_thw=torch.cat([a["image_grid_thw"], b["image_grid_thw"]]),
+                 pixel_values_videos=torch.cat([a["pixel_values_videos"], b["pixel_values_videos"]]),
+                 video_grid_thw=torch.cat([a["video_grid_thw"], b["video_grid_thw"]]))
+    new = torch.tensor([[12, 13], [14, 15]])
+    ra, _ = decode_one_by_one(target, a, new[:1])
+    rb, _ = decode_one_by_one(target, b, new[1:])
+    full = target(**batch)
+    assert close(full[0], ra[0, :La]) and close(full[1, pad:], rb[0, :Lb])
+    cache = target.new_cache(batch=2, max_len=96)
+    target(**batch, cache=cache)
+    step = target(new, cache=cache)  # two tokens at once, per-row rope_delta, padded keys masked
+    assert close(step[0], ra[0, La:]) and close(step[1], rb[0, Lb:])
+
+
+# ---- FlatRoPE and the draft ----
+
+
+@torch.no_grad()
+def test_flat_mode_is_the_same_decoder_fed_flat_ids(prompt):
+    mrope, flat = tiny_model(), tiny_model(rope_mode="flat")
+    assert close(flat(**prompt), mrope(**prompt, position_ids=flat_position_ids(prompt["input_ids"])[0]))
+    assert not close(flat(**prompt), mrope(**prompt), 1e-2)  # images really move under M-RoPE
+    text = torch.randint(10, 80, (1, 12))
+    assert close(flat(text), mrope(text))  # M-RoPE == 1D RoPE on text
+
+
+@torch.no_grad()
+def test_draft_shares_embedding_and_head(target, prompt):
+    draft = make_draft(target, n_layers=1, hidden_size=32)
+    assert draft.embed_tokens is target.embed_tokens and draft.lm_head is target.lm_head
+    own = {id(p) for p in draft.parameters()}
+    assert not own & {id(p) for p in target.parameters()}
+    assert not any(k.startswith(("embed_tokens", "lm_head", "visual", "traj")) for k in draft.state_dict())
+    assert draft.proj_in.weight.shape == (32, 64) and draft.cfg.n_heads == 2 and draft.cfg.head_dim == 16
+    twin = copy.deepcopy(draft)  # e.g. AARL's frozen reference draft
+    assert twin.embed_tokens is target.embed_tokens and twin.layers[0] is not draft.layers[0]
+    # the draft reads the target's image embeddings; its cache gives the same logits as a full pass
+    o1_init(draft, seed=3)
+    embeds = target.embed(prompt["input_ids"], prompt["pixel_values"], prompt["image_grid_thw"],
+                          prompt["pixel_values_videos"], prompt["video_grid_thw"])
+    grids = dict(image_grid_thw=prompt["image_grid_thw"], video_grid_thw=prompt["video_grid_thw"])
+    ids = prompt["input_ids"]
+    full = draft(ids, inputs_embeds=embeds, **grids)
+    cache = draft.new_cache(max_len=64)
+    head = draft(ids[:, :-3], inputs_embeds=embeds[:, :-3], **grids, cache=cache)
+    tail = draft(ids[:, -3:], cache=cache)
+    assert close(torch.cat([head, tail], 1), full)
+    assert not close(full, draft(ids, **grids), 1e-2)  # image features, not placeholder embeddings
+    replica = make_draft(target, rope_mode="mrope")  # the baseline: same width, M-RoPE positions
+    assert replica.proj_in is None and replica.cfg.n_heads == 4
+    o1_init(replica, seed=3)
+    r_full = replica(ids, inputs_embeds=embeds, **grids)
+    flat_twin = make_draft(target, rope_mode="flat")
+    flat_twin.load_state_dict(replica.state_dict())
+    assert not close(r_full, flat_twin(ids, inputs_embeds=embeds, **grids), 1e-2)
+    with pytest.raises(ValueError, match="no vision tower"):
+        draft(**prompt)
+
+
+# ---- vision input ----
+
+
+def test_patchify_matches_qwen_conv3d_patch_embedding(target):
+    torch.manual_seed(0)
+    frames = torch.randn(3, 3, 8, 12)  # T = 3 with temporal patch 2: the last frame is repeated
+    pv, grid = patchify(frames, patch_size=2, temporal_patch_size=2, merge_size=2)
+    assert grid.tolist() == [2, 4, 6] and pv.shape == (48, 3 * 2 * 2 * 2)
+    w = torch.randn(5, 3, 2, 2, 2)  # Qwen's Conv3d kernel (out, C, tp, p, p)
+    video = torch.cat([frames, frames[-1:]]).permute(1, 0, 2, 3)[None]  # (1, C, T, H, W)
+    conv = F.conv3d(video, w, stride=(2, 2, 2))[0]  # (5, gt, gh, gw) in raster order
+    # raster -> merge-block order: (gt, gh/m, m, gw/m, m) -> (gt, gh/m, gw/m, m, m)
+    conv = conv.permute(1, 2, 3, 0).reshape(2, 2, 2, 3, 2, 5).permute(0, 1, 3, 2, 4, 5).reshape(48, 5)
+    assert torch.allclose(pv @ w.reshape(5, -1).T, conv, atol=1e-5)
+    with pytest.raises(ValueError, match="divisible by patch_size \\* merge_size = 4"):
+        patchify(torch.randn(1, 3, 6, 8), 2, 1, 2)
+
+
+def test_image_token_count_mismatch_error(target, prompt):
+    bad = dict(prompt, input_ids=torch.tensor([[5, VS, IMG, IMG, IMG, VE]]))
+    bad.pop("pixel_values_videos"), bad.pop("video_grid_thw")
+    with pytest.raises(ValueError, match=r"3 image tokens \(id 90\) in input_ids but image_grid_thw \[\[1, 4, 4\]\] "
+                                         r"gives 4 merged tokens"):
+        target(**bad)
+
+
+def test_window_attention_is_local(target):
+    """Windowed blocks mix patches only inside a window of 2x2 merged tokens: perturbing one
+    patch changes the 4 merged tokens of its window when every block is windowed, and all 16
+    once a full-attention block follows."""
+    vis = target.visual
+    pv, grid = patchify(torch.randn(1, 3, 16, 16), 2, 1, 2)  # 8x8 patches -> 4x4 merged tokens
+    order, lens = vis.windows(grid[None].tolist())
+    assert lens.tolist() == [16] * 4 and order.tolist() == [0, 1, 4, 5, 2, 3, 6, 7, 8, 9, 12, 13, 10, 11, 14, 15]
+    poked = torch.cat([pv[:-1], pv[-1:] + 1])  # last patch: bottom-right window
+
+    def changed():
+        with torch.no_grad():
+            return (vis(pv, grid[None]) - vis(poked, grid[None])).abs().amax(-1).gt(1e-6).nonzero().flatten().tolist()
+
+    assert changed() == list(range(16))
+    full, vis.vc.fullatt_block_indexes = vis.vc.fullatt_block_indexes, ()
+    try:
+        assert changed() == [10, 11, 14, 15]
+    finally:
+        vis.vc.fullatt_block_indexes = full
+
+
+# ---- config ----
+
+
+def test_config_validation_errors():
+    with pytest.raises(ValueError, match="hidden_size 66 is not divisible by n_heads 4"):
+        ModelConfig(hidden_size=66, n_heads=4, vision=None)
+    with pytest.raises(ValueError, match=r"bad mrope_section \[8, 12, 10\]"):
+        ModelConfig(mrope_section=(8, 12, 10))
+    with pytest.raises(ValueError, match="n_heads 6 is not divisible by n_kv_heads 4"):
+        ModelConfig(n_kv_heads=4)
+    with pytest.raises(ValueError, match="window_size 10 must be a multiple"):
+        VisionConfig(window_size=10)
+    assert PRESETS["qwen3-vl-8b"].head_dim == 128 and PRESETS["qwen2.5-vl-7b"].head_dim == 128
+
+
+@torch.no_grad()
+def test_traj_head_and_bf16_decode(target, prompt):
+    logits, h = target(**prompt, return_hidden=True)
+    assert target.traj(h[:, -1]).shape == (1, 4, 2)
+    m16 = tiny_model().to(torch.bfloat16)
+    p16 = dict(prompt, pixel_values=prompt["pixel_values"].bfloat16(),
+               pixel_values_videos=prompt["pixel_values_videos"].bfloat16())
+    step, cache = decode_one_by_one(m16, p16, torch.tensor([[12, 13]]))
+    assert cache.k.dtype == torch.bfloat16
+    ref, _ = decode_one_by_one(target, prompt, torch.tensor([[12, 13]]))
+    assert (step.float() - ref).abs().max() < 0.25 * ref.abs().max()  # bf16 rounding only
