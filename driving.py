@@ -331,6 +331,12 @@ def render(kappa, actors, stop_line, cfg):
     return out
 
 
+def _pixel_l(s, l, kappa, cfg):
+    """Where (s, l) is drawn: its pixel (r, c) and the lane coordinate l of that pixel's centre."""
+    r, c = to_pixel(s, l, kappa, cfg)
+    return r, c, xy_to_road((cfg.ego_row - r) * cfg.res, (cfg.ego_col - c) * cfg.res, kappa)[1]
+
+
 def _place(rng, bucket, l_range, l_ok, kappa, cfg):
     """Rejection-sample an actor's (s, l) at t = 0 whose rendered pixel sits in the bucket's rows and allowed lane."""
     lo, hi = BUCKET_ROWS[bucket]
@@ -338,8 +344,7 @@ def _place(rng, bucket, l_range, l_ok, kappa, cfg):
         x = (cfg.ego_row - rng.integers(lo, hi + 1) + rng.uniform(-0.4, 0.4)) * cfg.res
         s = x if kappa == 0 else np.arcsin(np.clip(kappa * x, -1, 1)) / kappa
         l = rng.uniform(*l_range)
-        r, c = to_pixel(s, l, kappa, cfg)
-        l_pix = xy_to_road((cfg.ego_row - r) * cfg.res, (cfg.ego_col - c) * cfg.res, kappa)[1]
+        r, c, l_pix = _pixel_l(s, l, kappa, cfg)
         if lo <= r <= hi and 0 <= c < cfg.size and l_ok[0] <= l_pix <= l_ok[1]:
             return float(s), float(l)
     raise RuntimeError("actor placement failed")
@@ -369,8 +374,10 @@ def make_scene(rng, split="train", cfg=WorldConfig()):
             s0 = dist + rng.uniform(-0.3, 0.3)                # keeps the gap
         elif f.event == "lead_brake":
             s0 = dist + rng.uniform(2.5, 3.5)                 # closes in by >= 2 px within the frame gap
-        elif f.event == "ped_cross":
-            l0 = l + (2.0 if f.side == "left" else -2.0)      # walked into the lane from that side
+        elif f.event == "ped_cross":                         # came from the oncoming lane (left) or shoulder (right)
+            sign = 1.0 if f.side == "left" else -1.0
+            while not 2.2 <= sign * _pixel_l(s0, l0, kappa, cfg)[2] <= 4.5:
+                l0 = sign * rng.uniform(2.5, 3.5)
         actors.append((chan, [(s0, l0), (dist, l)]))
     frames = render(kappa, actors, stop_line, cfg)
     coc = coc_words(f)

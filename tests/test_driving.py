@@ -165,6 +165,11 @@ def test_raster_evidence(train):
         in_lane = f.event in ("lead_cruise", "lead_brake", "ped_cross", "cone_lane")
         assert (abs(l_pix) < CFG.lane_width / 2) == in_lane          # same kinds occur in and off the lane
         assert fr[1, ch["lane_line"], r, c] == 0
+        if f.event == "ped_sidewalk":
+            assert (l_pix > 0) == (f.side == "left")
+        if f.event == "ped_cross":                                   # where it came from, at t = -0.5 s
+            r0, c0 = [int(a[0]) for a in np.nonzero(fr[0, chan])]
+            assert (D.xy_to_road(X[r0, c0], Y[r0, c0], sc.kappa)[1] > CFG.lane_width / 2) == (f.side == "left")
         if f.event in ("lead_cruise", "lead_brake"):
             r0 = np.nonzero(fr[0, chan])[0].max()
             assert (r - r0 >= 2) if f.event == "lead_brake" else (abs(r - r0) <= 1)
