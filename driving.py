@@ -1,24 +1,25 @@
 """Synthetic driving world: a toy where the paper's premise (most chain-of-causation
 tokens are *routine*, predictable from the ego-trajectory history; a few are
-*commitments* that need the image) holds by construction and is measured.
+*commitments* that need fresh visual evidence) holds by construction and is measured.
 
 Each scene mirrors Alpamayo-R1's prompt and CoC layout (PAPER.md, "The target it
-accelerates"): a 2-frame bird's-eye raster fed as a video, 16 past poses at
-10 Hz as 48 binned (dx, dy, dheading) history tokens, a CoC sentence
-"state , decision since cause" and a 32-waypoint future from a unicycle rollout
-of (acceleration, curvature) that follows the decision.
+accelerates"): a 2-frame bird's-eye raster fed as a video, 16 past steps at 10 Hz as
+48 binned (dx, dy, dheading) history tokens, a CoC "state , decision since cause"
+(e.g. "slowing in a left curve , follow the lead vehicle since it is braking 15m
+ahead") and 32 future waypoints from a unicycle rollout of (acceleration,
+curvature) that follows the decision.
 
-Where the commitments sit (the grammar is in `coc_words`):
-  - the state clause ("cruising in a left curve ,") restates the history class:
-    routine;
-  - the decision's first word (keep / follow / brake / slow / nudge / proceed /
-    stay) needs the image: an actor's kind AND whether it lies in the ego lane,
-    which bends with the road, plus its motion between the two frames;
-  - the cause's actor word, when the decision leaves several possible, and the
-    distance word ("15 m ahead", read from the actor's raster row);
+Which tokens are commitments (`commitment_mask`; the grammar is `coc_words`):
+  - the state clause restates the history class (speed profile, turn): routine;
+  - the decision's first word (keep / follow / slow / nudge / proceed / stay /
+    start) needs the image: an actor's kind AND whether it lies in the ego lane,
+    which bends with the road (a cone in the lane -> nudge, on the shoulder ->
+    keep), and for vehicles their motion between the two frames;
+  - in the cause, the actor or its predicate where the decision leaves several,
+    the distance word (the actor's merged-token row) and a pedestrian's side;
   - everything else follows from (history class, CoC prefix).
-Whether a 1-layer draft can read the evidence depends on what the shared vision
-tower precomputes; train.py's attention diagnostic measures it.
+A CoC has 1-4 commitments (mean ~2.6) among ~17 tokens; `measure_routine_share`
+gives ~0.91 (a perfect history-only reader; see its docstring).
 
 run: python driving.py --seed 0
 """
@@ -570,9 +571,13 @@ def main():
         if args.render:
             print(ascii_render(sc.frames))
     print("(* = commitment token: not determined by history class + CoC prefix)")
+    sample = make_split("train", 2000, args.seed)
+    n_tok, n_commit = sum(len(s.commit) for s in sample), sum(sum(s.commit) for s in sample)
+    print(f"by construction: {n_commit / len(sample):.2f} commitment tokens per CoC of {n_tok / len(sample):.1f} "
+          f"(incl. <cot_end>), routine share by mask {1 - n_commit / n_tok:.3f}")
     share = measure_routine_share(args.share_n, args.seed)
-    print(f"routine share (Bayes guess from history class + prefix, {args.share_n} fit / {args.share_n} scored): "
-          f"{share:.3f}")
+    print(f"measured routine share (Bayes guess from history class + prefix, fit on {args.share_n} scenes, "
+          f"scored on {args.share_n} fresh ones): {share:.3f}")
 
 
 if __name__ == "__main__":

@@ -104,9 +104,12 @@ def test_deterministic_with_seed():
 
 
 # ---- the premise: routine vs commitment tokens ----
-def test_routine_share_in_range():
-    # stated range; the measured value at n=20000 is printed by `python driving.py`
-    assert 0.86 <= D.measure_routine_share(4000, seed=0) <= 0.94
+def test_routine_share_in_range(train):
+    # by construction (mask): ~2.7 commitments per ~17.4 tokens; measured (Bayes history-only reader) ~0.91 at
+    # n = 20000, printed by `python driving.py`
+    by_mask = 1 - sum(sum(s.commit) for s in train) / sum(len(s.commit) for s in train)
+    assert 0.80 <= by_mask <= 0.88
+    assert 0.87 <= D.measure_routine_share(4000, seed=0) <= 0.94
 
 
 def test_commitment_mask_consistent_with_grammar(train):
