@@ -351,6 +351,26 @@ def _place(rng, bucket, l_range, l_ok, kappa, cfg):
     raise RuntimeError("actor placement failed")
 
 
+def _frame0(rng, f, dist, l, back, kappa, cfg):
+    """The actor's (s, l) at t = -0.5 s, given its (dist, l) at t = 0 and the ego's travel `back` in between."""
+    s0, l0 = dist + back, l                                  # static in the world
+    if f.event == "oncoming":
+        s0 += rng.uniform(4.0, 7.0) * cfg.frame_gap
+    elif f.event == "ped_sidewalk":
+        s0 += rng.uniform(-0.8, 0.8)                          # standing or walking along the sidewalk
+    elif f.event == "lead_cruise":
+        s0 = dist                                             # keeps the gap: same pixel in both frames
+    elif f.event == "lead_brake":                             # closes in by >= 2 px rows within the frame gap
+        s0 = dist + rng.uniform(2.5, 3.5)
+        while _pixel_l(s0, l, kappa, cfg)[0] > _pixel_l(dist, l, kappa, cfg)[0] - 2:
+            s0 += 0.5                                         # a curve turns arc length into fewer rows
+    elif f.event == "ped_cross":                             # came from the oncoming lane (left) or shoulder (right)
+        sign = 1.0 if f.side == "left" else -1.0
+        while not 2.2 <= sign * _pixel_l(s0, l0, kappa, cfg)[2] <= 4.5:
+            l0 = sign * rng.uniform(2.5, 3.5)
+    return s0, l0
+
+
 def make_scene(rng, split="train", cfg=WorldConfig()):
     f = sample_factors(rng, split)
     kappa = {"curve_left": 1.0, "curve_right": -1.0}.get(f.road, 0.0) * rng.uniform(0.018, 0.028)
@@ -365,20 +385,13 @@ def make_scene(rng, split="train", cfg=WorldConfig()):
     elif f.event != "clear":
         chan, l_ranges, l_ok = ACTORS[f.event]
         side = f.side if f.event == "ped_sidewalk" else None
-        dist, l = _place(rng, f.bucket, l_ranges[side], l_ok or SIDEWALK_OK[side], kappa, cfg)
-        s0, l0 = dist + back, l                              # frame 0 (t = -0.5 s): static in the world
-        if f.event == "oncoming":
-            s0 += rng.uniform(4.0, 7.0) * cfg.frame_gap
-        elif f.event == "ped_sidewalk":
-            s0 += rng.uniform(-0.8, 0.8)                      # standing or walking along the sidewalk
-        elif f.event == "lead_cruise":
-            s0 = dist + rng.uniform(-0.3, 0.3)                # keeps the gap
-        elif f.event == "lead_brake":
-            s0 = dist + rng.uniform(2.5, 3.5)                 # closes in by >= 2 px within the frame gap
-        elif f.event == "ped_cross":                         # came from the oncoming lane (left) or shoulder (right)
-            sign = 1.0 if f.side == "left" else -1.0
-            while not 2.2 <= sign * _pixel_l(s0, l0, kappa, cfg)[2] <= 4.5:
-                l0 = sign * rng.uniform(2.5, 3.5)
+        while True:
+            dist, l = _place(rng, f.bucket, l_ranges[side], l_ok or SIDEWALK_OK[side], kappa, cfg)
+            s0, l0 = _frame0(rng, f, dist, l, back, kappa, cfg)
+            r0, c0, _ = _pixel_l(s0, l0, kappa, cfg)
+            # the motion cue of a braking lead / crossing pedestrian must be in view at t = -0.5 s too
+            if f.event not in ("lead_brake", "ped_cross") or (0 <= r0 and 0 <= c0 < cfg.size):
+                break
         actors.append((chan, [(s0, l0), (dist, l)]))
     frames = render(kappa, actors, stop_line, cfg)
     coc = coc_words(f)

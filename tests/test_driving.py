@@ -178,6 +178,52 @@ def test_raster_evidence(train):
             assert (r - r0 >= 2) if f.event == "lead_brake" else (abs(r - r0) <= 1)
 
 
+def read_raster(frames):
+    """A hand-written reader of the raster alone -> (event, bucket, side): kind AND lane (relative to the drawn lane
+    lines of that row) AND motion between the frames. If it is exact, the image determines every commitment."""
+    ch = {n: i for i, n in enumerate(D.CHANNELS)}
+    bucket_of = {r: b for b, (lo, hi) in D.BUCKET_ROWS.items() for r in range(lo, hi + 1)}
+    for light in ("red", "green"):
+        if frames[1, ch["light_" + light]].any():
+            return light, bucket_of[int(np.nonzero(frames[1, ch["stop_line"]])[0][0])], None
+
+    def lines(f, r):                                  # (centre line's rightmost col, right edge's leftmost col)
+        line, road = frames[f, ch["lane_line"], r], frames[f, ch["drivable"], r]
+        cols = np.nonzero(line)[0]
+        runs = np.split(cols, np.nonzero(np.diff(cols) > 1)[0] + 1)
+        for i in range(len(runs) - 1, -1, -1):        # the centre line has the ego lane to its right
+            nb = runs[i].max() + 1
+            if nb < len(line) and road[nb] and not line[nb]:
+                return runs[i].max(), runs[i + 1].min() if i + 1 < len(runs) else len(line)
+        raise AssertionError("no centre line in this row")
+
+    for kind in ("vehicle", "pedestrian", "cone"):
+        rows, cols = np.nonzero(frames[1, ch[kind]])
+        if len(rows):
+            break
+    else:
+        return "clear", None, None
+    r, c = rows.max(), cols[rows.argmax()]
+    centre, edge = lines(1, r)
+    in_lane, bucket = centre < c < edge, bucket_of[int(r)]
+    if kind == "vehicle" and not in_lane:
+        return "oncoming", bucket, None
+    if kind == "vehicle":                             # a braking lead closes in between the frames
+        r0 = np.nonzero(frames[0, ch["vehicle"]])[0].max()
+        return "lead_brake" if r - r0 >= 2 else "lead_cruise", bucket, None
+    if kind == "cone":
+        return "cone_lane" if in_lane else "cone_shoulder", bucket, None
+    if not in_lane:
+        return "ped_sidewalk", bucket, "left" if c < centre else "right"
+    r0, c0 = [int(a[0]) for a in np.nonzero(frames[0, ch["pedestrian"]])]
+    return "ped_cross", bucket, "left" if c0 <= lines(0, r0)[0] else "right"
+
+
+def test_raster_alone_determines_visual_factors(train):
+    for sc in train + D.make_split("test", 200, seed=0):
+        assert read_raster(sc.frames) == (sc.f.event, sc.f.bucket, sc.f.side), sc.f
+
+
 # ---- prompts, examples, metrics ----
 def test_prompt_and_example_layout(train, tok):
     sc = train[0]
