@@ -169,7 +169,7 @@ def measured_speedup(tau, t_target_1, t_draft_1, t_target_gamma1, gamma):
 
 
 def check_args(prompt, max_new_tokens, temperature, top_k, top_p, gamma=None):
-    """Clear errors before any work. Returns the prompt length L."""
+    """Clear errors before any work."""
     unknown = set(prompt) - set(EMBED_KEYS) - set(GRID_KEYS) - {"attention_mask"}
     if unknown:
         raise ValueError(f"prompt has keys speculate does not understand: {sorted(unknown)}")
@@ -179,8 +179,10 @@ def check_args(prompt, max_new_tokens, temperature, top_k, top_p, gamma=None):
     mask = prompt.get("attention_mask")
     if mask is not None and not bool(mask.all()):
         raise ValueError("padded prompts are not supported (batch size 1, attention_mask must be all ones)")
-    if ids.shape[1] < 1:
-        raise ValueError("empty prompt")
+    if ids.shape[1] < 2:
+        # An empty cache makes the model read its input as a prompt (3D positions from the
+        # token ids); the decode rounds must never start from one.
+        raise ValueError("the prompt needs at least 2 tokens: all but the last are prefilled, the last is decoded")
     if gamma is not None and (not isinstance(gamma, int) or gamma < 1):
         raise ValueError(f"gamma (draft length) must be an int >= 1, got {gamma!r}")
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
@@ -191,7 +193,6 @@ def check_args(prompt, max_new_tokens, temperature, top_k, top_p, gamma=None):
         raise ValueError(f"top_k must be None or an int >= 1, got {top_k!r}")
     if top_p is not None and not (0.0 < top_p <= 1.0):
         raise ValueError(f"top_p must be None or in (0, 1], got {top_p!r}")
-    return ids.shape[1]
 
 
 def new_cache(model, prompt, max_new_tokens, max_len):
@@ -201,7 +202,7 @@ def new_cache(model, prompt, max_new_tokens, max_len):
     many tokens as are still needed, so no round writes past the final token.
     """
     need = prompt["input_ids"].shape[1] - 1 + max_new_tokens
-    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    limit = getattr(config_of(model), "max_position_embeddings", None)  # None: RoPE has no hard limit
     if limit is not None and need > limit:
         raise ValueError(f"prompt ({prompt['input_ids'].shape[1]}) + max_new_tokens ({max_new_tokens}) "
                          f"needs {need} positions, the model has {limit}")
@@ -211,11 +212,15 @@ def new_cache(model, prompt, max_new_tokens, max_len):
     return model.new_cache(batch=1, max_len=max_len or need, device=prompt["input_ids"].device)
 
 
+def config_of(model):
+    return getattr(model, "cfg", None) or getattr(model, "config", None)
+
+
 def check_last_token(model, prompt):
     # The held-back last token is decoded as text; an image placeholder there
     # would split the vision features from their slots.
     last = int(prompt["input_ids"][0, -1])
-    cfg = getattr(model, "config", None)
+    cfg = config_of(model)
     if last in (getattr(cfg, "image_token_id", None), getattr(cfg, "video_token_id", None)):
         raise ValueError("the prompt must end with a text token (e.g. <cot_start>), not an image/video placeholder")
 
@@ -227,9 +232,9 @@ def prefill(model, prompt, embeds, cache):
     draft sees the target's image features and no second vision tower runs.
     """
     ids = prompt["input_ids"]  # (1, L)
-    if ids.shape[1] > 1:
-        grids = {k: prompt[k] for k in GRID_KEYS if prompt.get(k) is not None}
-        model(ids[:, :-1], inputs_embeds=embeds[:, :-1], cache=cache, **grids)
+    grids = {k: prompt[k] for k in GRID_KEYS if prompt.get(k) is not None}
+    # The prefill's logits are never read: logits_to_keep=1 skips an (L, V) LM-head product.
+    model(ids[:, :-1], inputs_embeds=embeds[:, :-1], cache=cache, logits_to_keep=1, **grids)
     return ids[:, -1:]
 
 
@@ -291,7 +296,7 @@ def speculative(target, draft, prompt, gamma, max_new_tokens, temperature=0.0, t
     video_grid_thw / second_per_grid_ts). max_len: cache size, default the
     exact need. Returns SpecResult.
     """
-    L = check_args(prompt, max_new_tokens, temperature, top_k, top_p, gamma)
+    check_args(prompt, max_new_tokens, temperature, top_k, top_p, gamma)
     check_last_token(target, prompt)
     tcache = new_cache(target, prompt, max_new_tokens, max_len)
     dcache = new_cache(draft, prompt, max_new_tokens, max_len)
@@ -299,7 +304,7 @@ def speculative(target, draft, prompt, gamma, max_new_tokens, temperature=0.0, t
     embeds = target.embed(**{k: prompt[k] for k in EMBED_KEYS if prompt.get(k) is not None})  # (1, L, D)
     pending = prefill(target, prompt, embeds, tcache)
     prefill(draft, prompt, embeds, dcache)
-    res = SpecResult(target_forwards=int(L > 1), draft_forwards=int(L > 1))
+    res = SpecResult(target_forwards=1, draft_forwards=1)  # the prefills
     while len(res.tokens) < max_new_tokens:
         # Draft only what can still be emitted: the round then ends exactly at max_new_tokens.
         g = min(gamma, max_new_tokens - len(res.tokens) - 1)
@@ -328,7 +333,7 @@ def autoregressive(target, prompt, max_new_tokens, temperature=0.0, top_k=None, 
                    seed=None, stop_token=None, max_len=None):
     """Plain decoding, the baseline arm: the same prefill and KV-cached
     single-token target forwards, the same sampling. Returns SpecResult (tau = 1)."""
-    L = check_args(prompt, max_new_tokens, temperature, top_k, top_p)
+    check_args(prompt, max_new_tokens, temperature, top_k, top_p)
     check_last_token(target, prompt)
     cache = new_cache(target, prompt, max_new_tokens, max_len)
     generator = make_generator(prompt["input_ids"].device, seed)
@@ -348,37 +353,44 @@ def autoregressive(target, prompt, max_new_tokens, temperature=0.0, top_k=None, 
             break
     tokens = torch.cat(out).tolist()
     return SpecResult(tokens=tokens, from_draft=[False] * len(tokens), blocks=[1] * len(tokens),
-                      rounds=len(tokens), target_forwards=len(tokens) + int(L > 1))
+                      rounds=len(tokens), target_forwards=len(tokens) + 1)
 
 
 # ---- demo ----
 
 
 def main():
-    ap = argparse.ArgumentParser(description="tau of a tiny random target with a perturbed-copy draft")
+    ap = argparse.ArgumentParser(description="tau of a small random target with a perturbed-copy draft")
     ap.add_argument("--device", default="cpu", help="torch device")
     ap.add_argument("--gamma", type=int, default=4, help="draft length")
     ap.add_argument("--tokens", type=int, default=64, help="max_new_tokens")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    ap.add_argument("--noise", type=float, default=0.02, help="std of the perturbation of the draft's weights")
+    ap.add_argument("--noise", type=float, default=0.05, help="perturbation of the draft's weights, relative to their std")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
 
     import copy
 
-    from model import ModelConfig, VLA
+    from model import PRESETS, VLA
 
     torch.manual_seed(args.seed)
-    target = VLA(ModelConfig()).to(args.device).eval()
+    cfg = copy.deepcopy(PRESETS["toy-target"])
+    target = VLA(cfg).to(args.device).eval()
+    with torch.no_grad():  # weights of O(1) effect, so the random target has peaked, non-trivial logits
+        for w in target.parameters():
+            if w.dim() > 1:
+                w.normal_(0.0, 1.0 / w.shape[-1] ** 0.5)
     draft = copy.deepcopy(target)
     with torch.no_grad():
         for w in draft.parameters():
-            w.add_(args.noise * torch.randn_like(w))
-    prompt = dict(input_ids=torch.randint(0, target.config.vocab_size // 2, (1, 16), device=args.device))
+            w.add_(args.noise * w.std() * torch.randn_like(w))
+    # text-only prompt; ids above the special tokens (image / video / vision-start)
+    prompt = dict(input_ids=torch.randint(10, cfg.vocab_size, (1, 16), device=args.device))
     base = autoregressive(target, prompt, args.tokens, temperature=args.temperature, seed=args.seed)
     spec = speculative(target, draft, prompt, args.gamma, args.tokens, temperature=args.temperature, seed=args.seed)
     print(f"autoregressive: {base.summary()}")
     print(f"speculative:    {spec.summary()}")
+    print(f"expected tau at this alpha (Leviathan): {expected_tau(spec.alpha, args.gamma):.2f}")
     if args.temperature == 0:
         print(f"greedy outputs identical: {base.tokens == spec.tokens}")
 

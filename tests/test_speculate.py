@@ -23,6 +23,15 @@ from speculate import (autoregressive, expected_speedup, expected_tau, measured_
 
 SIGNIFICANCE = 1e-3
 
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    # Thousands of tiny ops: intra-op threads only add spin-waits (badly so on a busy 2-core box).
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
 # ---- toy models ----
 
 
@@ -201,7 +210,7 @@ def test_greedy_equals_target_toy(gamma):
     V = 11
     target = toy(V, seed=0)
     drafts = {"random": toy(V, seed=1), "identical": target, "perturbed": perturbed(target, 0.5, seed=2)}
-    for prompt in [(3,), (1, 4, 1, 5, 9, 2, 6)]:
+    for prompt in [(2, 3), (1, 4, 1, 5, 9, 2, 6)]:
         ids = prompt_of(*prompt)
         ref = greedy_reference(target, ids["input_ids"], 40)
         assert autoregressive(target, ids, 40).tokens == ref
@@ -226,7 +235,7 @@ def test_draft_equal_target_gives_gamma_plus_one():
 
 def test_stop_token_inside_accepted_block():
     target = toy(13, seed=3)
-    ids = prompt_of(5)
+    ids = prompt_of(0, 5)
     ref = autoregressive(target, ids, 30).tokens
     # first token whose first occurrence is at index 2 or later: it ends inside block 1 when gamma = 6
     i, stop = next((i, t) for i, t in enumerate(ref) if i >= 2 and t not in ref[:i])
@@ -317,6 +326,8 @@ def test_errors_before_any_work():
         speculative(target, draft, dict(input_ids=torch.zeros(2, 3, dtype=torch.long)), 2, 5)
     with pytest.raises(ValueError, match="batch size 1"):
         autoregressive(target, dict(input_ids=torch.zeros(2, 3, dtype=torch.long)), 5)
+    with pytest.raises(ValueError, match="at least 2 tokens"):
+        speculative(target, draft, prompt_of(3), 2, 5)
     target.config.max_position_embeddings = 21
     with pytest.raises(ValueError, match="positions"):
         speculative(target, draft, ids, 2, 20)
@@ -355,13 +366,13 @@ def test_alpha_and_tau_match_leviathan():
     p_row, q_row = torch.randn(V, generator=g), torch.randn(V, generator=g)
     target, draft = ToyLM(p_row.expand(V, V).clone()), ToyLM(q_row.expand(V, V).clone())
     a = float(torch.minimum(p_row.softmax(-1), q_row.softmax(-1)).sum())
-    res = speculative(target, draft, prompt_of(0), gamma, 6000, temperature=1.0, seed=1)
+    res = speculative(target, draft, prompt_of(0, 0), gamma, 6000, temperature=1.0, seed=1)
     full = torch.tensor(res.blocks[:-1], dtype=torch.float64)
     assert abs(full.mean() - expected_tau(a, gamma)) < 5 * full.std() / len(full) ** 0.5
     se = (a * (1 - a) / res.n_tested) ** 0.5
     assert abs(res.alpha - a) < 5 * se
-    assert res.tau == pytest.approx(6000 / res.rounds) and res.target_forwards == res.rounds
-    assert res.draft_forwards == res.n_drafted == draft.calls and target.calls == res.rounds
+    assert res.tau == pytest.approx(6000 / res.rounds) and res.target_forwards == res.rounds + 1
+    assert res.draft_forwards == res.n_drafted + 1 == draft.calls and target.calls == res.rounds + 1
     assert sum(res.from_draft) == res.n_accepted  # no stop token: every accepted draft is emitted
 
 
@@ -474,7 +485,7 @@ def test_speculative_distribution(temperature, top_k, top_p, gamma, monkeypatch)
     for name in ("correct", "wrong q"):
         if name == "wrong q":
             monkeypatch.setattr(speculate, "verify_sample", lambda d, q, p, g: honest(d, wrong_q(q), p, g))
-        toks = torch.tensor([speculative(target, draft, prompt_of(x0), gamma, 3, seed=s, **kw).tokens
+        toks = torch.tensor([speculative(target, draft, prompt_of(0, x0), gamma, 3, seed=s, **kw).tokens
                              for s in range(N)])  # (N, 3)
         stat, df, pval = chi_square(torch.bincount(toks @ torch.tensor([V * V, V, 1]), minlength=V ** 3), expected)
         print(f"speculative T={temperature} top_k={top_k} top_p={top_p} gamma={gamma} {name}: "
@@ -490,7 +501,7 @@ def test_speculative_long_run_transitions():
     p_logits, q_logits = markov_pair(V, seed=14)
     temperature, top_p = 0.9, 0.95
     P = process_logits(p_logits, temperature, None, top_p)
-    res = speculative(ToyLM(p_logits), ToyLM(q_logits), prompt_of(x0), 3, M, temperature=temperature,
+    res = speculative(ToyLM(p_logits), ToyLM(q_logits), prompt_of(0, x0), 3, M, temperature=temperature,
                       top_p=top_p, seed=5)
     seq = torch.tensor([x0] + res.tokens)
     pairs = torch.bincount(seq[:-1] * V + seq[1:], minlength=V * V).view(V, V).double()  # (V, V)
@@ -503,3 +514,158 @@ def test_speculative_long_run_transitions():
     pval = float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2)))
     print(f"speculative long run: {M} tokens, {res.rounds} rounds, tau={res.tau:.2f}: chi2={stat:.1f} df={df} p={pval:.3g}")
     assert pval > SIGNIFICANCE
+
+
+# ---- the real model: model.VLA targets, model.make_draft drafts (fp32) ----
+
+IMG, VID, VS, VE = 90, 91, 88, 89  # image / video placeholder, vision start / end ids of the tiny config
+
+
+def tiny_target(seed=0):
+    model = pytest.importorskip("model")
+    vision = model.VisionConfig(patch_size=2, temporal_patch_size=1, spatial_merge_size=2, depth=2, hidden=32,
+                                heads=2, intermediate=48, window_size=8, fullatt_block_indexes=(1,))
+    cfg = model.ModelConfig(vocab_size=97, hidden_size=64, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=96,
+                            rope_theta=10000.0, mrope_section=(2, 3, 3), image_token_id=IMG, video_token_id=VID,
+                            vision_start_token_id=VS, tokens_per_second=1.0, vision=vision, traj_len=4)
+    torch.manual_seed(seed)
+    target = model.VLA(cfg).eval()
+    o1_init(target, seed)
+    return target
+
+
+@torch.no_grad()
+def o1_init(net, seed):
+    """Weights of O(1) effect: peaked logits, so greedy argmaxes are far from ties (exactness in fp32)."""
+    g = torch.Generator().manual_seed(seed)
+    for name, w in net.named_parameters():
+        r = torch.randn(w.shape, generator=g)
+        w.copy_((1 + 0.2 * r if "norm" in name else 0.3 * r) if w.dim() == 1 else r / w.shape[-1] ** 0.5)
+    return net
+
+
+def drafts_for(target):
+    """Random-init FlatRoPE draft, the target itself, and a perturbed full-depth copy (M-RoPE)."""
+    model = pytest.importorskip("model")
+    torch.manual_seed(1)
+    random = model.make_draft(target, n_layers=1, hidden_size=32).eval()
+    copy = model.make_draft(target, n_layers=target.cfg.n_layers, rope_mode="mrope").eval()
+    copy.layers.load_state_dict(target.layers.state_dict())
+    copy.norm.load_state_dict(target.norm.state_dict())
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(2)
+        for w in copy.parameters():
+            w.add_(0.1 * w.std() * torch.randn(w.shape, generator=g))
+    return {"random": random, "identical": target, "perturbed": copy}
+
+
+def vla_prompts():
+    model = pytest.importorskip("model")
+    g = torch.Generator().manual_seed(0)
+    pv, ig = model.patchify(torch.randn(1, 3, 8, 8, generator=g), 2, 1, 2)  # one image -> 4 merged tokens
+    vv, vg = model.patchify(torch.randn(2, 3, 8, 12, generator=g), 2, 1, 2)  # 2-frame video -> 12 tokens
+    ids = [5, 6, VS] + [IMG] * 4 + [VE, 10, 11, VS] + [VID] * 12 + [VE, 7, 8, 9]
+    return {
+        "text": dict(input_ids=torch.tensor([[12, 40, 7, 33, 61]])),
+        "two tokens": dict(input_ids=torch.tensor([[17, 95]])),
+        "image+video": dict(input_ids=torch.tensor([ids]), pixel_values=pv, image_grid_thw=ig[None],
+                            pixel_values_videos=vv, video_grid_thw=vg[None]),
+    }
+
+
+@torch.no_grad()
+def vla_greedy_reference(target, prompt, n):
+    """Greedy without any cache: a full forward over prompt + generated for every token."""
+    p, out = dict(prompt), []
+    for _ in range(n):
+        out.append(int(target(**p)[0, -1].argmax()))
+        p["input_ids"] = torch.cat([p["input_ids"], torch.tensor([[out[-1]]])], 1)
+    return out
+
+
+def test_vla_autoregressive_equals_no_cache_greedy():
+    target = tiny_target()
+    for name, prompt in vla_prompts().items():
+        assert autoregressive(target, prompt, 12).tokens == vla_greedy_reference(target, prompt, 12), name
+
+
+@pytest.mark.parametrize("gamma", [1, 2, 4, 8])
+def test_vla_greedy_equals_target(gamma):
+    target = tiny_target()
+    drafts = drafts_for(target)
+    for pname, prompt in vla_prompts().items():
+        ref = autoregressive(target, prompt, 24)
+        for dname, draft in drafts.items():
+            res = speculative(target, draft, prompt, gamma, 24)
+            assert res.tokens == ref.tokens, (pname, dname, gamma)
+            if dname == "identical":
+                assert res.blocks[:-1] == [gamma + 1] * (len(res.blocks) - 1), (pname, res.blocks)
+
+
+def test_vla_draft_equal_target_temperature_one():
+    target = tiny_target()
+    for name, prompt in vla_prompts().items():
+        res = speculative(target, target, prompt, 4, 30, temperature=1.0, seed=3)
+        # p and q agree up to fp32 rounding of batched vs single-token forwards: a rejection
+        # has probability ~1e-6 per token
+        assert res.blocks == [5] * 6 and res.alpha == 1.0, (name, res.blocks)
+
+
+def assert_cache_matches_prefill(model, cache, prompt, seq, embed_with):
+    """cache == a fresh cache fed the whole prompt (one prefill) and then seq in one forward.
+
+    seq goes in as a separate forward because generated ids are text: a second
+    prefill would read a generated placeholder id as an image block."""
+    fresh = model.new_cache(max_len=cache.max_len)
+    embeds = embed_with.embed(**{k: v for k, v in prompt.items() if k in speculate.EMBED_KEYS})
+    grids = {k: v for k, v in prompt.items() if k in speculate.GRID_KEYS}
+    with torch.no_grad():
+        model(prompt["input_ids"], inputs_embeds=embeds, cache=fresh, **grids)
+        if seq:
+            model(torch.tensor([seq]), cache=fresh)
+    n = fresh.length
+    assert cache.length == n
+    torch.testing.assert_close(cache.k[:, :, :, :n], fresh.k[:, :, :, :n], atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(cache.v[:, :, :, :n], fresh.v[:, :, :, :n], atol=2e-5, rtol=1e-4)
+    assert torch.equal(cache.rope_delta, fresh.rope_delta)
+
+
+def test_vla_cache_rollback():
+    """After full, partial and zero acceptance rounds, both KV caches equal a fresh prefill of
+    the committed tokens (target: all but x_last; draft: all but `pending`, which it is fed next)."""
+    target = tiny_target()
+    drafts = drafts_for(target)
+    prompt = vla_prompts()["image+video"]
+    L = prompt["input_ids"].shape[1]
+
+    def check_for(draft):
+        def check(tcache, dcache, pending, emitted):
+            k = pending.shape[1]
+            committed = prompt["input_ids"][0, -1:].tolist() + emitted  # the held-back prompt token + output
+            assert pending[0].tolist() == committed[-k:]
+            # the fresh prefill sees the whole prompt, then what the cache should hold after it
+            assert_cache_matches_prefill(target, tcache, prompt, emitted[:-1], target)
+            if len(committed) > k:
+                assert_cache_matches_prefill(draft, dcache, prompt, committed[1:len(committed) - k], target)
+            else:  # the draft has not seen the prompt's last token yet
+                assert dcache.length == L - 1
+        return check
+
+    kinds = set()
+    for draft in (drafts["random"], drafts["perturbed"]):  # FlatRoPE narrow draft, M-RoPE full-width copy
+        for temperature in (0.0, 1.0):
+            kinds |= run_rounds(target, draft, prompt, 3, 12, temperature, check_for(draft))
+    assert kinds == {"zero", "partial", "full"}, kinds
+
+
+def test_vla_errors():
+    target = tiny_target()
+    prompt = vla_prompts()["image+video"]
+    bad = dict(prompt, input_ids=torch.cat([prompt["input_ids"][:, :-4], torch.tensor([[VID]])], 1))
+    with pytest.raises(ValueError, match="text token"):
+        speculative(target, target, bad, 2, 4)
+    batch2 = dict(input_ids=torch.tensor([[1, 2], [3, 4]]))
+    with pytest.raises(ValueError, match="batch size 1"):
+        speculative(target, target, batch2, 2, 4)
+    with pytest.raises(ValueError, match="max_len"):
+        speculative(target, target, prompt, 2, 40, max_len=40)
