@@ -120,7 +120,8 @@ def verify_sample(draft_tokens, q, p, generator=None):
 @dataclass
 class SpecResult:
     tokens: list = field(default_factory=list)  # emitted token ids, the stop token included when produced
-    from_draft: list = field(default_factory=list)  # per token: True = accepted draft (routine reasoner), False = target (deliberative)
+    # per token: True = an accepted draft (routine reasoner), False = the target's own (deliberative reasoner)
+    from_draft: list = field(default_factory=list)
     blocks: list = field(default_factory=list)  # tokens emitted per round (accepted drafts + 1 target token)
     rounds: int = 0  # target verification forwards (one per round; plain decoding: one per token)
     target_forwards: int = 0  # all target forwards, the prompt prefill included
@@ -141,8 +142,14 @@ class SpecResult:
         were never tested, so n_accepted / n_drafted would understate alpha."""
         return self.n_accepted / max(self.n_tested, 1)
 
+    @property
+    def acceptance_rate(self):
+        """Share of all proposed draft tokens that were accepted."""
+        return self.n_accepted / max(self.n_drafted, 1)
+
     def summary(self):
-        return dict(tokens=len(self.tokens), tau=self.tau, alpha=self.alpha, rounds=self.rounds,
+        return dict(tokens=len(self.tokens), tau=self.tau, alpha=self.alpha, acceptance_rate=self.acceptance_rate,
+                    rounds=self.rounds,
                     target_forwards=self.target_forwards, draft_forwards=self.draft_forwards,
                     n_drafted=self.n_drafted, n_accepted=self.n_accepted, n_tested=self.n_tested,
                     from_draft=sum(self.from_draft) / max(len(self.from_draft), 1))
@@ -165,7 +172,7 @@ def measured_speedup(tau, t_target_1, t_draft_1, t_target_gamma1, gamma):
     return tau * t_target_1 / (gamma * t_draft_1 + t_target_gamma1)
 
 
-# ---- prefill ----
+# ---- arguments, caches, prefill ----
 
 
 def check_args(prompt, max_new_tokens, temperature, top_k, top_p, gamma=None):
@@ -365,7 +372,7 @@ def main():
     ap.add_argument("--gamma", type=int, default=4, help="draft length")
     ap.add_argument("--tokens", type=int, default=64, help="max_new_tokens")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    ap.add_argument("--noise", type=float, default=0.05, help="perturbation of the draft's weights, relative to their std")
+    ap.add_argument("--noise", type=float, default=0.05, help="draft = target + noise * std(w) * N(0, 1) per weight")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
 
