@@ -6,6 +6,8 @@ forward over [x_last, d_1..d_gamma] and keeps the longest prefix it agrees with,
 plus one token of its own (the correction, or a bonus when every draft token
 was accepted). Greedy output is identical to the target's; sampled output is
 distributed exactly as the target's (Leviathan et al. 2023, Algorithm 1).
+Greedy identity is exact in fp32; in bf16 the batched verify forward can flip
+near-tied argmaxes relative to single-token decoding (PAPER.md, known traps).
 Paper: "Two reasoners cooperate in the speculative-decoding template" and the
 tau / speedup statistics (shared/PAPER.md, "Speculative decoding, precisely").
 

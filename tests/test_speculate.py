@@ -1,8 +1,8 @@
 """Tests for speculate.py: verification rules, exactness, cache rollback, statistics.
 
-Toy models implement the model interface speculate.py relies on
-(notes/CONTRACT.md): model(ids (1, T), cache=...) -> logits (1, T, V), cache.crop,
-cache.length, new_cache, embed. Tests with the real model.VLA follow at the end.
+Toy models implement the part of model.VLA's interface speculate.py relies on:
+model(ids (1, T), cache=...) -> logits (1, T, V), cache.crop, cache.length,
+new_cache, embed. Tests with the real model.VLA follow at the end.
 
 Chi-square tests: significance level 1e-3 per check, i.e. a correct
 implementation fails each check with probability 1e-3 over the random draws,
