@@ -592,9 +592,11 @@ def make_draft(target: VLA, n_layers=1, hidden_size=None, rope_mode="flat", n_he
     H = n_heads or (t.n_heads if D == t.hidden_size else D // t.head_dim)
     if H < 1:
         raise ValueError(f"draft hidden_size {D} is smaller than the target's head_dim {t.head_dim}")
-    Hk = n_kv_heads or max(1, min(t.n_kv_heads, H))
-    while H % Hk:
-        Hk -= 1
+    Hk = n_kv_heads
+    if Hk is None:  # as many KV heads as the target, at most H, dividing H
+        Hk = min(t.n_kv_heads, H)
+        while H % Hk:
+            Hk -= 1
     inter = intermediate_size or (t.intermediate_size if D == t.hidden_size
                                   else int(t.intermediate_size * D / t.hidden_size))
     cfg = dataclasses.replace(t, hidden_size=D, n_layers=n_layers, n_heads=H, n_kv_heads=Hk, head_dim=t.head_dim,
@@ -656,7 +658,12 @@ def save(model: VLA, dir):
         sd.pop("lm_head.weight")  # tied: the same tensor as embed_tokens.weight
     meta = {"format": "rsd-vla", "draft": model.cfg.shared_width is not None, "config": model.cfg.to_dict()}
     _atomic_write(os.path.join(dir, WEIGHTS), lambda p: save_file(sd, p))
-    _atomic_write(os.path.join(dir, CONFIG), lambda p: open(p, "w").write(json.dumps(meta, indent=1)))
+    _atomic_write(os.path.join(dir, CONFIG), lambda p: _write_text(p, json.dumps(meta, indent=1)))
+
+
+def _write_text(path, text):
+    with open(path, "w") as f:
+        f.write(text)
 
 
 def _read_json(path):
