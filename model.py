@@ -82,7 +82,8 @@ class ModelConfig:
     vision_start_token_id: int = 3  # <|vision_start|>, opens every image / video block
     tokens_per_second: float = 2.0  # video t-id scale: t ids advance by this per second of video
     spatial_merge_size: int | None = None  # m used by get_rope_index; None = vision.spatial_merge_size (or 2)
-    vision: VisionConfig | None = field(default_factory=VisionConfig)  # None: no tower (placeholders keep token embeddings)
+    # the vision tower; None: none (image / video placeholders keep their token embeddings)
+    vision: VisionConfig | None = field(default_factory=VisionConfig)
     traj_len: int = 32  # waypoints emitted by the trajectory head (0 = no head)
     max_seq_len: int = 4096  # default KV-cache length
     shared_width: int | None = None  # drafts only: width of the target's shared embedding / LM head
@@ -303,7 +304,8 @@ class VisionTower(nn.Module):
             gh, gw = h // m, w // m
             nh, nw = -(-gh // ws), -(-gw // ws)
             idx = F.pad(torch.arange(t * gh * gw).view(t, gh, gw), (0, nw * ws - gw, 0, nh * ws - gh), value=-1)
-            idx = idx.view(t, nh, ws, nw, ws).permute(0, 1, 3, 2, 4).reshape(t * nh * nw, ws * ws)  # a row per window
+            idx = idx.view(t, nh, ws, nw, ws).permute(0, 1, 3, 2, 4)  # (t, nh, nw, ws, ws)
+            idx = idx.reshape(t * nh * nw, ws * ws)  # a row per window
             keep = idx >= 0
             order.append(idx[keep] + off)
             n = keep.sum(1)
@@ -316,7 +318,7 @@ class VisionTower(nn.Module):
         m, out = self.vc.spatial_merge_size, []
         for t, h, w in grid:
             rc = torch.stack(torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij"), -1)  # (h, w, 2)
-            rc = rc.view(h // m, m, w // m, m, 2).permute(0, 2, 1, 3, 4).reshape(h * w, 2)
+            rc = rc.view(h // m, m, w // m, m, 2).permute(0, 2, 1, 3, 4).reshape(h * w, 2)  # (h/m, w/m, m, m, 2)
             out.append(rc.repeat(t, 1))
         return torch.cat(out)
 
@@ -329,8 +331,8 @@ class VisionTower(nn.Module):
         N = x.shape[0]
         order, win_lens = self.windows(grid)
         order = order.to(dev)
-        x = x.view(N // mu, mu, -1)[order].view(N, -1)  # merge groups regrouped window by window
-        pos = self.patch_positions(grid).to(dev).view(N // mu, mu, 2)[order].view(N, 2)
+        x = x.view(N // mu, mu, -1)[order].view(N, -1)  # (N/m^2, m^2, C): merge groups regrouped by window
+        pos = self.patch_positions(grid).to(dev).view(N // mu, mu, 2)[order].view(N, 2)  # (N, 2) in the same order
         angles = (pos[..., None].float() * self.inv_freq).flatten(1)  # (N, 2, hd/4) -> (N, hd/2): rows, cols
         emb = torch.cat((angles, angles), -1)[:, None]  # (N, 1, hd)
         cos, sin = emb.cos(), emb.sin()
@@ -338,7 +340,7 @@ class VisionTower(nn.Module):
         wins = _segments(win_lens.to(dev))
         for i, blk in enumerate(self.blocks):
             x = blk(x, cos, sin, frames if i in self.vc.fullatt_block_indexes else wins)
-        return self.merger(x)[torch.argsort(order)]  # back to raster order of merged tokens
+        return self.merger(x)[torch.argsort(order)]  # (N / m^2, D), back in patchify order
 
 
 # ---- KV cache ----
@@ -414,7 +416,8 @@ class VLA(nn.Module):
             self.lm_head = nn.Linear(D, cfg.vocab_size, bias=False)
         else:
             if shared is None:
-                raise ValueError("a draft config (shared_width set) needs its target: use make_draft or load(dir, target=...)")
+                raise ValueError("a draft config (shared_width set) needs its target: "
+                                 "use make_draft or load(dir, target=...)")
             self.visual = None
             self.__dict__["embed_tokens"] = shared.embed_tokens  # shared, deliberately not registered
             self.__dict__["lm_head"] = shared.lm_head
@@ -786,7 +789,8 @@ def _hf_config(path):
     if family == "qwen2_5_vl":
         vision = VisionConfig(
             patch_size=vraw.get("patch_size", 14), temporal_patch_size=vraw.get("temporal_patch_size", 2),
-            spatial_merge_size=vraw.get("spatial_merge_size", 2), in_channels=vraw.get("in_channels", vraw.get("in_chans", 3)),
+            spatial_merge_size=vraw.get("spatial_merge_size", 2),
+            in_channels=vraw.get("in_channels", vraw.get("in_chans", 3)),
             depth=vraw.get("depth", 32), hidden=vraw.get("hidden_size", 3584), heads=vraw.get("num_heads", 16),
             intermediate=vraw.get("intermediate_size", 3420), window_size=vraw.get("window_size", 112),
             fullatt_block_indexes=vraw.get("fullatt_block_indexes", (7, 15, 23, 31)),

@@ -123,7 +123,8 @@ def test_qwen25_vl_parity_both_layouts(qwen25, tmp_path):
     assert any(k.startswith("model.layers.") for k in load_file(os.path.join(d, "model.safetensors")))
     prompt = image_prompt(seed=4)
     ref = hf_logits(hf, prompt)
-    for name, path in (("qwen2.5-vl old layout", d), ("qwen2.5-vl new layout", rewrite(d, tmp_path / "new", new_layout))):
+    layouts = (("qwen2.5-vl old layout", d), ("qwen2.5-vl new layout", rewrite(d, tmp_path / "new", new_layout)))
+    for name, path in layouts:
         ours = load_pretrained(path)
         assert ours.cfg.qkv_bias and not ours.cfg.mrope_interleaved and ours.cfg.vision.window_size == 8
         MEASURED[name] = diff = max_diff(ours(**prompt), ref)
@@ -189,7 +190,8 @@ def test_sharded_checkpoint(qwen25, tmp_path):
     shards = {"model-00001-of-00002.safetensors": keys[::2], "model-00002-of-00002.safetensors": keys[1::2]}
     for name, ks in shards.items():
         save_file({k: sd[k] for k in ks}, tmp_path / name)
-    json.dump({"weight_map": {k: n for n, ks in shards.items() for k in ks}}, open(tmp_path / "model.safetensors.index.json", "w"))
+    index = {"weight_map": {k: n for n, ks in shards.items() for k in ks}}
+    json.dump(index, open(tmp_path / "model.safetensors.index.json", "w"))
     shutil.copy(os.path.join(d, "config.json"), tmp_path / "config.json")
     prompt = image_prompt(seed=5)
     assert max_diff(load_pretrained(tmp_path)(**prompt), hf_logits(hf, prompt)) <= PARITY_TOL
@@ -199,14 +201,13 @@ def test_sharded_checkpoint(qwen25, tmp_path):
 
 
 def broken(src, dst, edit_sd=None, edit_cfg=None):
+    """A copy of an HF folder with its tensors and / or config.json edited in place."""
     sd = load_file(os.path.join(src, "model.safetensors"))
     cfg = json.load(open(os.path.join(src, "config.json")))
-    edit_sd and edit_sd(sd)
-    edit_cfg and edit_cfg(cfg)
-    return rewrite(src, dst, lambda k: k, config=cfg) if edit_sd is None else _write(dst, sd, cfg)
-
-
-def _write(dst, sd, cfg):
+    if edit_sd:
+        edit_sd(sd)
+    if edit_cfg:
+        edit_cfg(cfg)
     os.makedirs(dst, exist_ok=True)
     save_file(sd, os.path.join(dst, "model.safetensors"))
     json.dump(cfg, open(os.path.join(dst, "config.json"), "w"))
