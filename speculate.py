@@ -26,6 +26,7 @@ run: python speculate.py --device cpu
 """
 import argparse
 import math
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -131,6 +132,8 @@ class SpecResult:
     n_drafted: int = 0  # draft tokens proposed
     n_accepted: int = 0  # draft tokens the verifier accepted (before any stop-token truncation)
     n_tested: int = 0  # draft tokens the verifier reached: accepted ones + the first rejected one per round
+    prefill_s: float = 0.0  # wall time of embed + prefill (timing=True only)
+    decode_s: float = 0.0  # wall time of the reasoning step after the prefill (timing=True only)
 
     @property
     def tau(self):
@@ -247,6 +250,27 @@ def prefill(model, prompt, embeds, cache):
     return ids[:, -1:]
 
 
+class Clock:
+    """Wall-clock marks for timing=True: the device is synchronised before each reading, so
+    queued GPU work is counted where it belongs (prefill vs decode). Disabled: no syncs."""
+
+    def __init__(self, device, enabled):
+        self.enabled = enabled
+        self.cuda = enabled and torch.device(device).type == "cuda"
+        self.t = self.now()
+
+    def now(self):
+        if not self.enabled:
+            return 0.0
+        if self.cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def lap(self):
+        t, self.t = self.t, self.now()
+        return self.t - t
+
+
 def make_generator(device, seed):
     # seed None: draw one from torch's global RNG, so torch.manual_seed still governs the run.
     g = torch.Generator(device=device)
@@ -297,23 +321,24 @@ def spec_round(target, draft, tcache, dcache, pending, gamma, temperature, top_k
 
 @torch.no_grad()
 def speculative(target, draft, prompt, gamma, max_new_tokens, temperature=0.0, top_k=None, top_p=None,
-                seed=None, stop_token=None, max_len=None):
+                seed=None, stop_token=None, max_len=None, timing=False):
     """Decode up to max_new_tokens with draft q proposing and target p verifying.
 
     prompt: dict of target.forward kwargs, batch 1 (input_ids (1, L) and
     optional pixel_values / image_grid_thw / pixel_values_videos /
     video_grid_thw / second_per_grid_ts). max_len: cache size, default the
-    exact need. Returns SpecResult.
+    exact need. timing: fill SpecResult.prefill_s / decode_s. Returns SpecResult.
     """
     check_args(prompt, max_new_tokens, temperature, top_k, top_p, gamma)
     check_last_token(target, prompt)
     tcache = new_cache(target, prompt, max_new_tokens, max_len)
     dcache = new_cache(draft, prompt, max_new_tokens, max_len)
     generator = make_generator(prompt["input_ids"].device, seed)
+    clock = Clock(prompt["input_ids"].device, timing)
     embeds = target.embed(**{k: prompt[k] for k in EMBED_KEYS if prompt.get(k) is not None})  # (1, L, D)
     pending = prefill(target, prompt, embeds, tcache)
     prefill(draft, prompt, embeds, dcache)
-    res = SpecResult(target_forwards=1, draft_forwards=1)  # the prefills
+    res = SpecResult(target_forwards=1, draft_forwards=1, prefill_s=clock.lap())  # the prefills
     while len(res.tokens) < max_new_tokens:
         # Draft only what can still be emitted: the round then ends exactly at max_new_tokens.
         g = min(gamma, max_new_tokens - len(res.tokens) - 1)
@@ -334,20 +359,23 @@ def speculative(target, draft, prompt, gamma, max_new_tokens, temperature=0.0, t
         res.n_tested += n + (n < g)
         if stop_token is not None and block[-1] == stop_token:
             break
+    res.decode_s = clock.lap()
     return res
 
 
 @torch.no_grad()
 def autoregressive(target, prompt, max_new_tokens, temperature=0.0, top_k=None, top_p=None,
-                   seed=None, stop_token=None, max_len=None):
+                   seed=None, stop_token=None, max_len=None, timing=False):
     """Plain decoding, the baseline arm: the same prefill and KV-cached
     single-token target forwards, the same sampling. Returns SpecResult (tau = 1)."""
     check_args(prompt, max_new_tokens, temperature, top_k, top_p)
     check_last_token(target, prompt)
     cache = new_cache(target, prompt, max_new_tokens, max_len)
     generator = make_generator(prompt["input_ids"].device, seed)
+    clock = Clock(prompt["input_ids"].device, timing)
     embeds = target.embed(**{k: prompt[k] for k in EMBED_KEYS if prompt.get(k) is not None})  # (1, L, D)
     x = prefill(target, prompt, embeds, cache)  # (1, 1)
+    prefill_s = clock.lap()
     out = []
     for _ in range(max_new_tokens):
         logits = target(x, cache=cache)[0, -1]  # (V,)

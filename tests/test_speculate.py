@@ -673,3 +673,16 @@ def test_vla_errors():
         speculative(target, target, batch2, 2, 4)
     with pytest.raises(ValueError, match="max_len"):
         speculative(target, target, prompt, 2, 40, max_len=40)
+
+
+def test_timing_does_not_change_the_output():
+    """timing=True only reads the clock: same tokens and statistics, and both phases were timed."""
+    target = tiny_target()
+    draft = drafts_for(target)["random"]
+    prompt = vla_prompts()["image+video"]
+    plain = speculative(target, draft, prompt, 4, 12)
+    timed = speculative(target, draft, prompt, 4, 12, timing=True)
+    assert timed.tokens == plain.tokens and timed.rounds == plain.rounds
+    assert timed.prefill_s > 0 and timed.decode_s > 0 and plain.prefill_s == plain.decode_s == 0
+    base = autoregressive(target, prompt, 12, timing=True)
+    assert base.tokens == autoregressive(target, prompt, 12).tokens and base.decode_s > 0
