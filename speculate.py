@@ -388,9 +388,10 @@ def autoregressive(target, prompt, max_new_tokens, temperature=0.0, top_k=None, 
         # Without a stop token nothing needs the value now: no per-token host sync.
         if stop_token is not None and int(nxt) == stop_token:
             break
-    tokens = torch.cat(out).tolist()
+    tokens = torch.cat(out).tolist()  # the host sync that ends the reasoning step
     return SpecResult(tokens=tokens, from_draft=[False] * len(tokens), blocks=[1] * len(tokens),
-                      rounds=len(tokens), target_forwards=len(tokens) + 1)
+                      rounds=len(tokens), target_forwards=len(tokens) + 1, prefill_s=prefill_s,
+                      decode_s=clock.lap())
 
 
 # ---- demo ----
