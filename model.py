@@ -166,7 +166,9 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps) if cfg.qk_norm else None
 
-    def forward(self, x, cos, sin, cache, layer, mask, causal, grouped):
+    def project(self, x, cos, sin):
+        """x (B, T, D) -> rotated q (B, H, T, hd), rotated k and v (B, Hk, T, hd). Also the entry
+        point of train.attention_probs, the diagnostic that recomputes attention weights."""
         B, T, _ = x.shape
         H, Hk, hd = self.H, self.Hk, self.hd
         qkv = self.qkv(x).view(B, T, H + 2 * Hk, hd)  # (B, T, H + 2Hk, hd)
@@ -176,7 +178,12 @@ class Attention(nn.Module):
         else:
             q = apply_rope(self.q_norm(qkv[:, :, :H]), cos, sin)  # (B, T, H, hd)
             k = apply_rope(self.k_norm(qkv[:, :, H:H + Hk]), cos, sin)  # (B, T, Hk, hd)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), qkv[:, :, H + Hk:].transpose(1, 2)  # (B, H|Hk, T, hd)
+        return q.transpose(1, 2), k.transpose(1, 2), qkv[:, :, H + Hk:].transpose(1, 2)  # (B, H|Hk, T, hd)
+
+    def forward(self, x, cos, sin, cache, layer, mask, causal, grouped):
+        B, T, _ = x.shape
+        H, Hk, hd = self.H, self.Hk, self.hd
+        q, k, v = self.project(x, cos, sin)
         if cache is not None:
             k, v = cache.update(layer, k, v)  # (B, Hk, S, hd)
         if grouped:
