@@ -1,0 +1,164 @@
+"""Tests for train.py: a few steps lower the loss, resume is exact, DDP keeps ranks identical,
+the attention diagnostic is exact, and bad arguments fail clearly.
+
+Tiny model sizes (registered as presets for the test) keep the file fast on 2 CPU cores.
+
+run: python -m pytest -q tests/test_train.py
+"""
+import dataclasses
+import os
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+import driving
+import model as M
+import train as T
+
+TINY_VISION = M.VisionConfig(hidden=32, heads=2, intermediate=64, depth=2, window_size=8, fullatt_block_indexes=(1,))
+TINY = M.ModelConfig(hidden_size=64, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=128,
+                     mrope_section=(2, 3, 3), vision=TINY_VISION)
+TINY_DRAFT = dict(n_layers=1, hidden_size=32, n_heads=2, n_kv_heads=1, intermediate_size=64)
+
+
+@pytest.fixture(autouse=True)
+def tiny_presets(monkeypatch):
+    monkeypatch.setitem(M.PRESETS, "test-tiny", TINY)
+    monkeypatch.setitem(M.DRAFT_PRESETS, "test-tiny-draft", TINY_DRAFT)
+    torch.set_num_threads(1)
+
+
+def tiny_cfg(out, **kw):
+    base = dict(out=str(out), n_train=64, n_val=16, n_test=16, batch_size=8, target_steps=6, draft_steps=4,
+                eval_every=100, warmup=2, target_preset="test-tiny", draft_preset="test-tiny-draft", amp=False)
+    base.update(kw)
+    return T.TrainConfig(**base)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return driving.Tokenizer()
+
+
+def test_few_steps_lower_the_loss(tmp_path, tok):
+    cfg = tiny_cfg(tmp_path, target_steps=30, target_lr=3e-3)
+    data = T.Data("train", cfg.n_train, 0, tok)
+    batch = data.batch(0, 16)
+    torch.manual_seed(0)
+    fresh = M.VLA(T.target_config(tok, "test-tiny"))
+    before = T.target_loss(fresh, batch, cfg.traj_weight)[0].item()
+    trained = T.train_target(cfg, tok, data, data, log=lambda *_: None)
+    after = T.target_loss(trained, batch, cfg.traj_weight)[0].item()
+    assert after < 0.7 * before, (before, after)
+
+
+def test_distillation_lowers_the_kl(tmp_path, tok):
+    cfg = tiny_cfg(tmp_path, target_steps=10)
+    data = T.Data("train", cfg.n_train, 0, tok)
+    target = T.train_target(cfg, tok, data, data, log=lambda *_: None).eval()
+    batch = data.batch(0, 16)
+    with torch.no_grad():
+        embeds = target.embed(batch["input_ids"], **T.vision_kwargs(batch))
+        p = torch.log_softmax(target(batch["input_ids"], **T.vision_kwargs(batch))[batch["loss_mask"]], -1)
+    torch.manual_seed(cfg.seed + 1)
+    fresh = T.make_drafts(target, cfg.draft_preset)
+    before = {k: T.distill_loss(d, embeds, p, batch).item() for k, d in fresh.items()}
+    drafts = T.train_drafts(dataclasses.replace(cfg, draft_steps=20), target, data)
+    for k, d in drafts.items():
+        assert T.distill_loss(d, embeds, p, batch).item() < 0.7 * before[k], k
+        assert os.path.exists(tmp_path / f"draft_{k}" / "model.safetensors")
+
+
+def test_resume_is_exact(tmp_path, tok):
+    """4 steps straight == 2 steps, a checkpoint, a fresh process state, 2 more steps."""
+    data = T.Data("train", 64, 0, tok)
+    straight = T.train_target(tiny_cfg(tmp_path / "a", target_steps=4), tok, data, data)
+    T.train_target(tiny_cfg(tmp_path / "b", target_steps=4, eval_every=2), tok, data, data)  # writes state at 2, 4
+    state = torch.load(tmp_path / "b" / "target.state.pt", weights_only=True)
+    assert state["step"] == 4
+    # Rewind: rerun the first 2 steps into c, then resume c to 4.
+    T.train_target(tiny_cfg(tmp_path / "c", target_steps=2, eval_every=2), tok, data, data)
+    resumed = T.train_target(tiny_cfg(tmp_path / "c", target_steps=4, eval_every=2), tok, data, data)
+    for (name, a), b in zip(straight.state_dict().items(), resumed.state_dict().values()):
+        assert torch.equal(a, b), name
+    # the saved model equals the trained one
+    loaded = M.load(tmp_path / "c" / "target")
+    for (name, a), b in zip(resumed.state_dict().items(), loaded.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+def test_resume_from_a_corrupt_state_names_the_file(tmp_path, tok):
+    (tmp_path / "target.state.pt").write_bytes(b"not a checkpoint")
+    data = T.Data("train", 16, 0, tok)
+    with pytest.raises(ValueError, match="target.state.pt"):
+        T.train_target(tiny_cfg(tmp_path), tok, data, data)
+
+
+def _ddp_worker(rank, world, out, port):
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    import model as M_
+    import train as T_
+    M_.PRESETS["test-tiny"] = TINY
+    M_.DRAFT_PRESETS["test-tiny-draft"] = TINY_DRAFT
+    tok_ = driving.Tokenizer()
+    r, w, device = T_.setup_distributed("cpu")
+    data = T_.Data("train", 64, 0, tok_)
+    target = T_.train_target(tiny_cfg(out, target_steps=3), tok_, data, data, r, w, device)
+    torch.save(target.state_dict(), os.path.join(out, f"rank{rank}.pt"))
+    torch.distributed.destroy_process_group()
+
+
+def test_ddp_two_ranks_end_identical(tmp_path):
+    """torchrun-style DDP with gloo on 2 CPU processes: after 3 steps both ranks hold the same weights."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_ddp_worker, args=(2, str(tmp_path), port), nprocs=2, join=True)
+    a = torch.load(tmp_path / "rank0.pt", weights_only=True)
+    b = torch.load(tmp_path / "rank1.pt", weights_only=True)
+    fresh = M.VLA(T.target_config(driving.Tokenizer(), "test-tiny")).state_dict()
+    moved = False
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+        moved |= not torch.equal(a[k], fresh[k])
+    assert moved
+
+
+def test_attention_probs_are_exact(tok):
+    """The diagnostic's recomputed weights, applied to v and o_proj, give the layer's real output."""
+    torch.manual_seed(0)
+    target = M.VLA(T.target_config(tok, "test-tiny")).eval()
+    draft = M.make_draft(target, **TINY_DRAFT).eval()
+    data = T.Data("val", 4, 0, tok)
+    batch = next(data.batches(4))
+    embeds = target.embed(batch["input_ids"], **T.vision_kwargs(batch))
+    for m, kw in ((target, T.vision_kwargs(batch)), (draft, dict(inputs_embeds=embeds))):
+        real = []
+        hook = m.layers[0].self_attn.register_forward_hook(lambda mod, args, out: real.append((args, out)))
+        probs = T.attention_probs(m, batch["input_ids"], **kw)
+        hook.remove()
+        (x, cos, sin, *_), out = real[0]
+        attn = m.layers[0].self_attn
+        _, _, v = attn.project(x, cos, sin)
+        v = v.repeat_interleave(attn.H // attn.Hk, 1)  # (B, H, L, hd)
+        y = (probs[0] @ v.float()).transpose(1, 2).flatten(2)  # (B, L, H*hd)
+        torch.testing.assert_close(attn.o_proj(y.to(out.dtype)), out, atol=1e-5, rtol=1e-4)
+        assert torch.allclose(probs[0].sum(-1), torch.ones(()))
+
+
+def test_key_groups_partition_the_prompt(tok):
+    batch = next(T.Data("val", 2, 0, tok).batches(2))
+    g = T.key_groups(batch["input_ids"], tok)
+    total = g["image"].long() + g["history"].long() + g["text"].long()
+    assert bool((total == 1).all())
+    assert int(g["image"][0].sum()) == 72 and int(g["history"][0].sum()) == 48 + 2
+
+
+def test_bad_arguments_fail_clearly():
+    with pytest.raises(SystemExit):
+        T.parse_args(["--batch-size", "0"])
+    with pytest.raises(SystemExit):
+        T.parse_args(["--target-lr", "-1"])
