@@ -190,19 +190,32 @@ def greedy_coc(target, batch, stop, max_new=32, amp=False):
 
 
 @torch.no_grad()
-def plan_trajectories(target, batch, cocs, tok, amp=False):
-    """Trajectories (B, traj_len, 2) after prompt + the given CoCs: one batched forward over
-    prompt + CoC + <traj_future_start>, read at each row's <traj_future_start>."""
+def continue_prompts(target, batch, seqs, pad_id, amp=False):
+    """Feed each row's prompt, then its own continuation seqs[b] (a list of ids), through the
+    KV cache: the continuation is decoded as text whatever its ids (exactly as during
+    generation), and a right-padded batch is fine because attention is causal.
+    Returns logits (B, 1 + T, V), where row t predicts continuation token t (row 0 comes from
+    the prompt's last position), and final hidden states (B, T, D) of the continuation."""
     P = int(batch["prompt_len"][0])
-    seqs = [batch["input_ids"][b, :P].tolist() + [t for t in c if t != tok.cot_end_id] + [tok.cot_end_id,
-            tok.traj_future_start_id] for b, c in enumerate(cocs)]
-    L = max(map(len, seqs))
-    ids = torch.full((len(seqs), L), tok.pad_id, dtype=torch.long, device=batch["input_ids"].device)
+    ids = batch["input_ids"][:, :P]  # (B, P)
+    T_ = max(map(len, seqs))
+    cont = torch.full((len(seqs), T_), pad_id, dtype=torch.long, device=ids.device)
     for b, s in enumerate(seqs):
-        ids[b, :len(s)] = torch.tensor(s)
+        cont[b, :len(s)] = torch.tensor(s)
+    cache = target.new_cache(batch=len(seqs), max_len=P + T_)
     with autocast(ids.device, amp):
-        _, hidden = target(ids, return_hidden=True, **vision_kwargs(batch))  # (B, L, D)
-    last = torch.tensor([len(s) - 1 for s in seqs], device=ids.device)
+        first = target(ids, cache=cache, logits_to_keep=1, **vision_kwargs(batch))  # (B, 1, V)
+        logits, hidden = target(cont, cache=cache, return_hidden=True)  # (B, T, V), (B, T, D)
+    return torch.cat([first, logits], 1), hidden
+
+
+@torch.no_grad()
+def plan_trajectories(target, batch, cocs, tok, amp=False):
+    """Trajectories (B, traj_len, 2) after prompt + the given CoCs + <traj_future_start>,
+    read at each row's <traj_future_start>."""
+    seqs = [[t for t in c if t != tok.cot_end_id] + [tok.cot_end_id, tok.traj_future_start_id] for c in cocs]
+    _, hidden = continue_prompts(target, batch, seqs, tok.pad_id, amp)
+    last = torch.tensor([len(s) - 1 for s in seqs], device=hidden.device)
     return target.traj(hidden[torch.arange(len(seqs)), last]).float()  # (B, traj_len, 2)
 
 

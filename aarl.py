@@ -1,0 +1,282 @@
+"""AARL: Action-aware RL post-training of the routine reasoner (the FlatRoPE draft).
+
+Paper: AARL post-trains the draft with an action-quality reward (how good is the
+trajectory that follows from the drafted reasoning) plus a KL penalty to a *static*
+reference, the frozen SFT draft, rather than a moving one (shared/PAPER.md).
+
+The objective per scene s, with G CoCs c_1..c_G sampled from the draft q:
+
+    r_i   = -ADE(traj_p(s, c_i), traj_gt)  +  w_agree * accept(c_i)
+    A_i   = (r_i - mean_j r_j) / (std_j r_j + eps)                  (group-relative, GRPO)
+    loss  = -mean_i A_i * mean_t log q(c_i,t)  +  beta * mean_t KL(q || q_ref)
+
+- traj_p is the *target's* trajectory head read after prompt + c_i: the draft proposes the
+  reasoning, the unmodified VLA turns it into an action, so the reward scores the reasoning by
+  the action it leads to.
+- accept(c_i) is the fraction of c_i the target would accept under greedy verification (the
+  longest prefix equal to the target's argmax), the quantity speculative decoding pays for.
+  Default weight 0.5: the action reward alone is flat across rollouts that differ only in
+  routine words (the trajectory does not change), while acceptance is what tau measures; 0
+  gives the paper's pure action reward (a flag).
+- Group-relative advantages rather than REINFORCE with a learned baseline: G rollouts of the
+  same scene give an unbiased per-scene baseline for free, with no value network to train,
+  and normalising by the group's spread keeps the step size independent of the reward scale.
+- KL(q || q_ref) is computed exactly over the vocabulary at every generated position (the toy
+  vocabulary is small), not by a sampled estimator. reference "static" is the frozen SFT draft;
+  the ablations are "moving" (the policy before this step: it only damps the step, it does
+  not anchor) and "none" (beta = 0).
+
+run: python aarl.py --device cpu      (needs runs/toy from train.py; writes runs/toy/draft_aarl)
+"""
+import argparse
+import copy
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+import driving
+import model as M
+import speculate
+import train as T
+
+# ---- config ----
+
+
+@dataclass
+class AARLConfig:
+    steps: int = 40  # policy updates
+    scenes: int = 8  # scenes per update
+    group: int = 8  # G: CoCs sampled per scene
+    temperature: float = 1.0  # rollout temperature of q
+    lr: float = 3e-4
+    beta: float = 0.05  # KL weight
+    reference: str = "static"  # static | moving | none
+    agree_weight: float = 0.5  # weight of the greedy-acceptance term in the reward
+    max_new: int = 32  # CoC token limit per rollout
+    seed: int = 0
+    eval_every: int = 20  # steps between validation-tau passes
+    n_eval: int = 32  # validation scenes for the tau logged during training
+    gamma: int = 6  # draft length for the logged tau
+
+
+# ---- rollouts ----
+
+
+@torch.no_grad()
+def rollout(draft, embeds, batch, G, temperature, max_new, stop, generator):
+    """Sample G CoCs per scene from q with the KV cache.
+
+    embeds (S, P, D) are the target's prompt embeddings. Returns tokens (S*G, T) and a mask
+    (S*G, T) that is True up to and including each row's <cot_end>."""
+    S, P, _ = embeds.shape
+    ids = batch["input_ids"][:, :P].repeat_interleave(G, 0)  # (S*G, P)
+    x = embeds.repeat_interleave(G, 0)  # (S*G, P, D)
+    grid = batch["video_grid_thw"].repeat_interleave(G, 0)
+    cache = draft.new_cache(batch=S * G, max_len=P + max_new)
+    logits = draft(ids, inputs_embeds=x, video_grid_thw=grid, cache=cache, logits_to_keep=1)[:, -1]  # (S*G, V)
+    out, done = [], torch.zeros(S * G, dtype=torch.bool, device=ids.device)
+    for _ in range(max_new):
+        probs = speculate.process_logits(logits.float(), temperature)  # (S*G, V)
+        nxt = torch.multinomial(probs, 1, generator=generator)[:, 0]  # (S*G,)
+        out.append(nxt)
+        done |= nxt == stop
+        if bool(done.all()):
+            break
+        logits = draft(nxt[:, None], cache=cache)[:, -1]
+    toks = torch.stack(out, 1)  # (S*G, T)
+    after = (toks == stop).long().cumsum(1) - (toks == stop).long()  # stops strictly before t
+    return toks, after == 0
+
+
+def coc_logprobs(draft, embeds, batch, toks, G):
+    """log q of every vocabulary entry at the positions that generated toks: (S*G, T, V)."""
+    P = embeds.shape[1]
+    ids = torch.cat([batch["input_ids"][:, :P].repeat_interleave(G, 0), toks[:, :-1]], 1)  # (S*G, P+T-1)
+    x = torch.cat([embeds.repeat_interleave(G, 0), draft.embed_tokens(toks[:, :-1])], 1)  # (S*G, P+T-1, D)
+    logits = draft(ids, inputs_embeds=x, video_grid_thw=batch["video_grid_thw"].repeat_interleave(G, 0))
+    return F.log_softmax(logits[:, P - 1:].float(), -1)  # (S*G, T, V)
+
+
+# ---- reward ----
+
+
+@torch.no_grad()
+def reward(target, batch, toks, mask, G, tok, agree_weight):
+    """Action quality (-ADE in metres of the target's trajectory after the drafted CoC) plus
+    agree_weight * the fraction of the CoC the target's greedy verification would accept.
+    Returns (reward (S*G,), ade (S*G,), accept (S*G,))."""
+    S = batch["input_ids"].shape[0]
+    # the CoC up to <cot_end> (added if the rollout hit max_new first), then <traj_future_start>
+    seqs = [[t for t in toks[r][mask[r]].tolist() if t != tok.cot_end_id] + [tok.cot_end_id, tok.traj_future_start_id]
+            for r in range(S * G)]
+    rep = {"input_ids": batch["input_ids"].repeat_interleave(G, 0), "prompt_len": batch["prompt_len"],
+           "pixel_values_videos": batch["pixel_values_videos"].view(S, -1, batch["pixel_values_videos"].shape[-1])
+           .repeat_interleave(G, 0).flatten(0, 1), "video_grid_thw": batch["video_grid_thw"].repeat_interleave(G, 0)}
+    logits, hidden = T.continue_prompts(target, rep, seqs, tok.pad_id)  # (S*G, 1+T', V), (S*G, T', D)
+    last = torch.tensor([len(s) - 1 for s in seqs], device=toks.device)
+    traj = target.traj(hidden[torch.arange(S * G), last]).float()  # (S*G, traj_len, 2)
+    gt = batch["traj"].repeat_interleave(G, 0)
+    ade = torch.linalg.vector_norm(traj - gt, dim=-1).mean(-1)  # (S*G,)
+    # greedy acceptance: the drafted token at step t is accepted while it equals p's argmax there
+    n = toks.shape[1]
+    argmax_p = logits[:, :n].argmax(-1)  # (S*G, n): p's choice for each CoC position
+    match = (argmax_p == toks) & mask
+    accepted = match.long().cumprod(1).sum(1).float()  # longest agreeing prefix
+    accept = accepted / mask.sum(1).clamp(min=1)
+    return -ade + agree_weight * accept, ade, accept
+
+
+# ---- the update ----
+
+
+def group_advantages(r, G, eps=1e-6):
+    """(S*G,) rewards -> group-relative advantages; an all-equal group gives zeros, not NaN."""
+    g = r.view(-1, G)
+    return ((g - g.mean(1, keepdim=True)) / (g.std(1, keepdim=True, unbiased=False) + eps)).flatten()
+
+
+def exact_kl(logq, logr, mask):
+    """mean over valid positions of KL(q || r) = sum_v q (log q - log r); logq, logr (N, T, V)."""
+    kl = (logq.exp() * (logq - logr)).sum(-1)  # (N, T)
+    return (kl * mask).sum() / mask.sum().clamp(min=1)
+
+
+def aarl_loss(logq, logr, toks, mask, adv, beta):
+    """Policy-gradient loss with group advantages plus beta * exact KL -> (loss, kl)."""
+    tok_logq = logq.gather(-1, toks[..., None])[..., 0]  # (N, T) log q of the sampled tokens
+    per_seq = (tok_logq * mask).sum(1) / mask.sum(1).clamp(min=1)  # (N,) mean log q per CoC
+    pg = -(adv * per_seq).mean()
+    kl = exact_kl(logq, logr, mask) if beta > 0 else logq.new_zeros(())
+    return pg + beta * kl, kl
+
+
+# ---- evaluation ----
+
+
+@torch.no_grad()
+def spec_stats(target, draft, data: T.Data, gamma, n=None, check_greedy=True):
+    """Greedy speculative decoding of the CoC on each scene of data (batch 1).
+
+    Returns tau (tokens per target verification over all scenes), routine_fraction (share of
+    emitted tokens that were accepted drafts) and greedy_match (outputs equal target-only
+    greedy decoding on every scene; checked only when check_greedy)."""
+    tok = data.tok
+    tokens = rounds = from_draft = 0
+    match = True
+    for scene in data.scenes[:n]:
+        prompt = driving.build_prompt(scene, tok)
+        prompt = {k: v.to(next(target.parameters()).device) for k, v in prompt.items()}
+        res = speculate.speculative(target, draft, prompt, gamma, 32, stop_token=tok.cot_end_id)
+        tokens += len(res.tokens)
+        rounds += res.rounds
+        from_draft += sum(res.from_draft)
+        if check_greedy:
+            base = speculate.autoregressive(target, prompt, 32, stop_token=tok.cot_end_id)
+            match &= base.tokens == res.tokens
+    return {"tau": tokens / rounds, "routine_fraction": from_draft / tokens, "greedy_match": match}
+
+
+# ---- training loop ----
+
+
+def train_aarl(target, draft, data: T.Data, cfg: AARLConfig, val: T.Data | None = None, out=None, ref=None):
+    """Post-train `draft` in place with AARL; returns it. The reference is `ref` or a frozen copy
+    of the draft taken now (static), the policy before each step (moving), or absent (none)."""
+    if cfg.reference not in ("static", "moving", "none"):
+        raise ValueError(f"reference must be static, moving or none, got {cfg.reference!r}")
+    if cfg.group < 2:
+        raise ValueError(f"group must be >= 2 for group-relative advantages, got {cfg.group}")
+    device = next(target.parameters()).device
+    target.eval().requires_grad_(False)
+    if ref is None:
+        ref = copy.deepcopy(draft)  # shares the target's embedding / head, as the draft does
+    ref.eval().requires_grad_(False)
+    opt = torch.optim.AdamW(draft.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    gen = torch.Generator(device=device).manual_seed(cfg.seed)
+    beta = 0.0 if cfg.reference == "none" else cfg.beta
+    bar = tqdm(range(cfg.steps), desc=f"aarl[{cfg.reference}]")
+    for step in bar:
+        batch = data.batch(10_000 + step, cfg.scenes, device=device)
+        P = int(batch["prompt_len"][0])
+        with torch.no_grad():
+            embeds = target.embed(batch["input_ids"][:, :P], **T.vision_kwargs(batch))  # (S, P, D)
+        draft.eval()
+        toks, mask = rollout(draft, embeds, batch, cfg.group, cfg.temperature, cfg.max_new,
+                             data.tok.cot_end_id, gen)
+        r, ade, accept = reward(target, batch, toks, mask, cfg.group, data.tok, cfg.agree_weight)
+        adv = group_advantages(r, cfg.group)
+        if cfg.reference == "moving":
+            ref.load_state_dict(draft.state_dict())  # the policy before this update
+        with torch.no_grad():
+            logr = coc_logprobs(ref, embeds, batch, toks, cfg.group)
+        draft.train()
+        logq = coc_logprobs(draft, embeds, batch, toks, cfg.group)
+        loss, kl = aarl_loss(logq, logr, toks, mask.float(), adv, beta)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
+        opt.step()
+        post = {"reward": f"{r.mean().item():.3f}", "ade": f"{ade.mean().item():.2f}",
+                "accept": f"{accept.mean().item():.2f}", "kl": f"{kl.item():.4f}"}
+        if val is not None and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps):
+            draft.eval()
+            post["val_tau"] = f"{spec_stats(target, draft, val, cfg.gamma, cfg.n_eval, False)['tau']:.2f}"
+        bar.set_postfix(post)
+    draft.eval()
+    if out is not None:
+        M.save(draft, out)
+    return draft
+
+
+# ---- main ----
+
+
+def main(argv=None):
+    d = AARLConfig()
+    ap = argparse.ArgumentParser(description="AARL post-training of the FlatRoPE draft (needs train.py's checkpoints)")
+    ap.add_argument("--run", default="runs/toy", help="folder with target/ and draft_flat/ from train.py")
+    ap.add_argument("--device", default="cpu", help="torch device")
+    ap.add_argument("--reference", choices=["static", "moving", "none"], default=d.reference,
+                    help="KL anchor: frozen SFT draft (paper), the policy before each step, or no KL")
+    ap.add_argument("--beta", type=float, default=d.beta, help="KL weight")
+    ap.add_argument("--agree-weight", type=float, default=d.agree_weight, help="weight of the acceptance reward")
+    ap.add_argument("--steps", type=int, default=d.steps)
+    ap.add_argument("--scenes", type=int, default=d.scenes, help="scenes per update")
+    ap.add_argument("--group", type=int, default=d.group, help="CoCs sampled per scene (G)")
+    ap.add_argument("--lr", type=float, default=d.lr)
+    ap.add_argument("--seed", type=int, default=d.seed)
+    ap.add_argument("--gamma", type=int, default=d.gamma, help="draft length for the reported tau")
+    ap.add_argument("--n-eval", type=int, default=128, help="validation / test scenes for the final tau")
+    ap.add_argument("--out", default=None, help="output folder (default RUN/draft_aarl[_REFERENCE])")
+    a = ap.parse_args(argv)
+    if a.steps < 1 or a.scenes < 1 or a.group < 2 or a.beta < 0 or a.lr <= 0:
+        ap.error("need steps >= 1, scenes >= 1, group >= 2, beta >= 0, lr > 0")
+    cfg = AARLConfig(steps=a.steps, scenes=a.scenes, group=a.group, lr=a.lr, beta=a.beta, reference=a.reference,
+                     agree_weight=a.agree_weight, seed=a.seed, gamma=a.gamma)
+    for sub in ("target", "draft_flat"):
+        if not os.path.isdir(os.path.join(a.run, sub)):
+            ap.error(f"{os.path.join(a.run, sub)} not found: run `python train.py --out {a.run}` first")
+    torch.manual_seed(a.seed)
+    target = M.load(os.path.join(a.run, "target"), device=a.device).eval()
+    sft = M.load(os.path.join(a.run, "draft_flat"), target=target, device=a.device).eval()
+    tok = driving.Tokenizer()
+    train = T.Data("train", 4000, 0, tok)
+    val, test = T.Data("val", a.n_eval, 0, tok), T.Data("test", a.n_eval, 0, tok)
+    out = a.out or os.path.join(a.run, "draft_aarl" + ("" if a.reference == "static" else f"_{a.reference}"))
+    t0 = time.time()
+    before = {name: spec_stats(target, sft, data, a.gamma) for name, data in (("val", val), ("test", test))}
+    draft = train_aarl(target, copy.deepcopy(sft), train, cfg, val, out)
+    after = {name: spec_stats(target, draft, data, a.gamma) for name, data in (("val", val), ("test", test))}
+    for name in ("val", "test"):
+        b, f = before[name], after[name]
+        print(f"{name:4s} tau {b['tau']:.2f} -> {f['tau']:.2f}   routine share {b['routine_fraction']:.3f} -> "
+              f"{f['routine_fraction']:.3f}   greedy match {b['greedy_match']} / {f['greedy_match']}")
+    print(f"AARL ({a.reference}) wall time {time.time() - t0:.0f} s; draft saved to {out}")
+
+
+if __name__ == "__main__":
+    main()
