@@ -455,6 +455,13 @@ class VLA(nn.Module):
         if self.visual is not None:
             self.visual.reset_buffers(device)
 
+    def _apply(self, fn, recurse=True):
+        # .to(bf16) / .half() would round the rotary frequencies (and so every angle) to 8 bits;
+        # recompute them in fp32 on the new device after any conversion, as Qwen's code keeps them.
+        super()._apply(fn, recurse)
+        self.reset_buffers(self.inv_freq.device)
+        return self
+
     def __deepcopy__(self, memo):
         # a copied draft (e.g. a frozen reference for AARL) keeps sharing the target's modules
         if self.cfg.shared_width is not None:

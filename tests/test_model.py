@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from model import PRESETS, VLA, KVCache, ModelConfig, VisionConfig, make_draft, patchify
-from rope import flat_position_ids
+from rope import flat_position_ids, rope_inv_freq
 from tiny_models import IMG, VE, VS, image_prompt, o1_init, tiny_config, tiny_model
 
 TOL = 1e-5
@@ -233,3 +233,12 @@ def test_traj_head_and_bf16_decode(target, prompt):
     assert cache.k.dtype == torch.bfloat16
     ref, _ = decode_one_by_one(target, prompt, torch.tensor([[12, 13]]))
     assert (step.float() - ref).abs().max() < 0.25 * ref.abs().max()  # bf16 rounding only
+
+
+def test_rope_frequencies_stay_fp32_after_a_dtype_change():
+    """model.to(bf16) converts weights, never the rotary frequencies (bf16 would round every angle)."""
+    m = tiny_model().to(torch.bfloat16)
+    assert m.inv_freq.dtype == torch.float32 and m.visual.inv_freq.dtype == torch.float32
+    assert torch.equal(m.inv_freq, rope_inv_freq(m.cfg.head_dim, m.cfg.rope_theta))
+    draft = make_draft(m, n_layers=1).to(torch.float16)
+    assert draft.inv_freq.dtype == torch.float32
