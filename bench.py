@@ -1,0 +1,303 @@
+"""Latency benchmark of the reasoning step: target-only decoding vs the two reasoners
+(draft q proposes, target p verifies), both arms in one process on the same prompts.
+
+Paper: the reasoning step (the chain-of-causation decode) dominates a plan's latency and
+is what RSD accelerates (~4x reported on a GPU). The measured speed-up is
+ms/token(target-only) / ms/token(speculative) over the reasoning step only; the prefill
+(vision tower + prompt) is timed and reported separately because both arms share it.
+The cost model beside it (shared/PAPER.md, "Speculative decoding, precisely"):
+
+    predicted speed-up = tau * T_target(1) / (gamma * T_draft(1) + T_target(gamma + 1))
+
+Fairness: the target-only arm is speculate.autoregressive, the same KV-cached single-token
+forward the verifier uses, in the same dtype; every shape is warmed up first; the device is
+synchronised before each clock reading; the arms alternate within each repeat and the
+median of the repeats is reported.
+
+run: python bench.py --device cpu                                 (the toy; trains it first if absent)
+     python bench.py --device cuda --preset qwen2.5-vl-7b          (real shapes, random weights)
+     python bench.py --device cuda --target PATH [--draft PATH]    (a Hugging Face / Alpamayo folder)
+"""
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import statistics
+import time
+
+import torch
+
+import model as M
+import speculate
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+# ---- timing ----
+
+
+def sync(device):
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def median_time(fn, device, reps):
+    """Median wall time (s) of fn() over reps calls, after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(reps):
+        sync(device)
+        t = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+@torch.inference_mode()
+def cost_model(target, draft, prompt, gamma, reps=20):
+    """T_target(1), T_target(gamma + 1) and T_draft(1) in seconds: single forwards on caches
+    that hold the prompt, each followed by a crop back to it (the verifier's rollback)."""
+    device = prompt["input_ids"].device
+    L = prompt["input_ids"].shape[1]
+    embeds = target.embed(**{k: prompt[k] for k in speculate.EMBED_KEYS if prompt.get(k) is not None})
+    out = {}
+    for name, m, n in (("t_target_1", target, 1), ("t_target_gamma1", target, gamma + 1), ("t_draft_1", draft, 1)):
+        cache = m.new_cache(batch=1, max_len=L + n)
+        speculate.prefill(m, prompt, embeds, cache)  # the prompt except its last token
+        x = prompt["input_ids"][:, -1:].repeat(1, n)  # (1, n) tokens; their values do not matter for time
+        base = cache.length
+
+        def step():
+            m(x, cache=cache)
+            cache.crop(base)
+
+        out[name] = median_time(step, device, reps)
+    return out
+
+
+@torch.inference_mode()
+def run_arms(target, drafts, prompts, gamma, max_new, stop_token, repeats):
+    """Target-only decoding and speculative decoding with each draft in `drafts` (name -> draft)
+    on every prompt: a warm-up pass first (every prompt, every shape), then `repeats` passes in
+    which the arms alternate. Returns {arm: stats}; "target-only" is always an arm.
+
+    stats: prefill_ms (per prompt) and ms_per_token (reasoning step), medians over passes; tau,
+    alpha, routine_fraction and the emitted token lists (from the warm-up pass, deterministic);
+    greedy_match (speculative arms: the same tokens as target-only on every prompt)."""
+    def arm(name, prompt):
+        if name == "target-only":
+            return speculate.autoregressive(target, prompt, max_new, stop_token=stop_token, timing=True)
+        return speculate.speculative(target, drafts[name], prompt, gamma, max_new, stop_token=stop_token,
+                                     timing=True)
+
+    names = ["target-only", *drafts]
+    first = {n: [arm(n, p) for p in prompts] for n in names}
+    passes = {n: [] for n in names}
+    for _ in range(repeats):
+        for n in names:
+            res = [arm(n, p) for p in prompts]
+            tokens = sum(len(r.tokens) for r in res)
+            passes[n].append((1e3 * sum(r.prefill_s for r in res) / len(res),
+                              1e3 * sum(r.decode_s for r in res) / tokens))
+    out = {}
+    for n in names:
+        res = first[n]
+        tokens = sum(len(r.tokens) for r in res)
+        out[n] = {"tokens": [r.tokens for r in res], "n_tokens": tokens,
+                  "tau": tokens / sum(r.rounds for r in res),
+                  "alpha": sum(r.n_accepted for r in res) / max(1, sum(r.n_tested for r in res)),
+                  "routine_fraction": sum(sum(r.from_draft) for r in res) / tokens,
+                  "greedy_match": all(r.tokens == a.tokens for r, a in zip(res, first["target-only"]))}
+        if repeats:  # repeats = 0: statistics only, nothing timed
+            out[n]["prefill_ms"] = statistics.median(p[0] for p in passes[n])
+            out[n]["ms_per_token"] = statistics.median(p[1] for p in passes[n])
+            out[n]["speedup"] = out["target-only"]["ms_per_token"] / out[n]["ms_per_token"]
+    return out
+
+
+def benchmark(target, draft, prompts, gamma, max_new, stop_token=None, repeats=3):
+    """The full report for one draft: both arms, the cost model on the first prompt, the predictions."""
+    arms = run_arms(target, {"speculative": draft}, prompts, gamma, max_new, stop_token, repeats)
+    ar, spec = arms["target-only"], arms["speculative"]
+    res = {"greedy_match": spec["greedy_match"], "tau": spec["tau"], "alpha": spec["alpha"],
+           "routine_fraction": spec["routine_fraction"], "tokens": spec["n_tokens"],
+           "ar_prefill_ms": ar["prefill_ms"], "spec_prefill_ms": spec["prefill_ms"],
+           "ar_ms_per_token": ar["ms_per_token"], "spec_ms_per_token": spec["ms_per_token"],
+           "speedup": spec["speedup"]}
+    cm = cost_model(target, draft, prompts[0], gamma)
+    res.update({k: 1e3 * v for k, v in cm.items()})  # -> ms
+    res["c"] = cm["t_draft_1"] / cm["t_target_1"]
+    res["predicted_speedup"] = speculate.measured_speedup(res["tau"], cm["t_target_1"], cm["t_draft_1"],
+                                                          cm["t_target_gamma1"], gamma)
+    res["leviathan_speedup"] = speculate.expected_speedup(res["alpha"], gamma, res["c"])
+    return res
+
+
+# ---- prompts of a real shape ----
+
+
+def real_prompt(cfg: M.ModelConfig, device, n_images=16, grid=(1, 20, 36), n_history=48, seed=0):
+    """An Alpamayo-shaped prompt for a Qwen-VL config: system text, n_images images of `grid`
+    patches (10 x 18 = 180 merged tokens each at merge 2, ~2900 image tokens in all), 48 history
+    tokens, instruction text. Token ids and pixels are random: only shapes matter for latency.
+    A model without a vision tower gets the placeholders and grids only (its positions are real)."""
+    g = torch.Generator().manual_seed(seed)
+    m = cfg.spatial_merge_size
+    n_tok = grid[0] * (grid[1] // m) * (grid[2] // m)
+    text = lambda n: torch.randint(1000, 100_000, (n,), generator=g).tolist()  # ordinary vocabulary ids
+    ids = text(24)
+    for _ in range(n_images):
+        ids += [cfg.vision_start_token_id] + [cfg.image_token_id] * n_tok + text(1)  # text(1): <|vision_end|>
+    ids += text(n_history + 2) + text(16)
+    prompt = {"input_ids": torch.tensor([ids], device=device),
+              "image_grid_thw": torch.tensor([grid] * n_images, device=device)}
+    if cfg.vision is not None:
+        v = cfg.vision
+        dim = v.in_channels * v.temporal_patch_size * v.patch_size ** 2
+        prompt["pixel_values"] = torch.randn(n_images * grid[0] * grid[1] * grid[2], dim, generator=g).to(device)
+    return prompt
+
+
+def build_preset(name, device, dtype, layers=None):
+    """Random weights of a real model's shape, built directly on the device in dtype.
+    layers: keep only that many decoder layers (to fit a small machine; says so in the report)."""
+    cfg = M.PRESETS[name]
+    if layers:
+        cfg = dataclasses.replace(cfg, n_layers=layers)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            target = M.VLA(cfg).eval()
+    finally:
+        torch.set_default_dtype(default)
+    draft = M.make_draft(target, **M.DRAFT_PRESETS.get(f"{name}-draft", {"n_layers": 1})).eval()
+    return target, draft
+
+
+# ---- modes ----
+
+
+def toy(args, device, dtype):
+    """The default toy checkpoints on held-out test scenes (trained first if absent)."""
+    import driving
+    import rsd
+
+    rsd.ensure_checkpoints(args.run, device)
+    target = M.load(os.path.join(args.run, "target"), dtype=dtype, device=device).eval()
+    draft_dir = args.draft or os.path.join(args.run, "draft_aarl")
+    draft = M.load(draft_dir, target=target).eval()  # in the target's dtype: they share embedding and head
+    tok = driving.Tokenizer()
+    scenes = driving.make_split("test", args.prompts, seed=0)
+    prompts = [{k: v.to(device) for k, v in driving.build_prompt(s, tok).items()} for s in scenes]
+    prompts = [{k: v.to(dtype) if v.is_floating_point() else v for k, v in p.items()} for p in prompts]
+    res = benchmark(target, draft, prompts, args.gamma, args.max_new, tok.cot_end_id, args.repeats)
+    res.update(mode="toy", draft=draft_dir)
+    return res
+
+
+def real(args, device, dtype):
+    """A real checkpoint (--target) or a real shape with random weights (--preset)."""
+    if args.target:
+        target = M.load_pretrained(args.target, dtype=dtype, device=device).eval()
+        draft = (M.load(args.draft, target=target, dtype=dtype, device=device) if args.draft
+                 else M.make_draft(target, n_layers=1)).eval()
+        name = args.target
+    else:
+        target, draft = build_preset(args.preset, device, dtype, args.layers)
+        name = args.preset + (f" ({args.layers} layers)" if args.layers else "")
+    prompt = real_prompt(target.cfg, device, n_images=args.images)
+    if "pixel_values" in prompt:
+        prompt["pixel_values"] = prompt["pixel_values"].to(dtype)
+    res = benchmark(target, draft, [prompt], args.gamma, args.max_new, None, args.repeats)
+    res.update(mode="real", model=name, prompt_tokens=prompt["input_ids"].shape[1],
+               trained_draft=bool(args.draft))
+    if not args.draft:
+        # Random weights: acceptance says nothing; the cost model does. Predict the speed-up
+        # with the acceptance rate measured on the toy (bench.py --device cpu writes it).
+        toy_json = os.path.join(args.run, "bench.json")
+        if os.path.exists(toy_json):
+            with open(toy_json) as f:
+                toy_res = json.load(f)
+            alpha = toy_res["alpha"]
+            tau = speculate.expected_tau(alpha, args.gamma)
+            res["toy_alpha"] = alpha
+            res["predicted_speedup_at_toy_alpha"] = speculate.measured_speedup(
+                tau, res["t_target_1"], res["t_draft_1"], res["t_target_gamma1"], args.gamma)
+    return res
+
+
+# ---- main ----
+
+
+def report(res, args):
+    lines = []
+    if res["mode"] == "real" and not res.get("trained_draft"):
+        lines.append("NOTE: untrained draft -> acceptance (tau, alpha, speed-up) is not meaningful; "
+                     "read the cost model and the prediction at the toy's alpha.")
+    lines += [
+        f"device {res['device']} ({res['hardware']}), dtype {res['dtype']}, threads {res['threads']}, "
+        f"gamma {res['gamma']}",
+        f"prefill        target-only {res['ar_prefill_ms']:.2f} ms   speculative {res['spec_prefill_ms']:.2f} ms",
+        f"reasoning step target-only {res['ar_ms_per_token']:.3f} ms/token   "
+        f"speculative {res['spec_ms_per_token']:.3f} ms/token   speed-up {res['speedup']:.2f}x",
+        f"tau {res['tau']:.2f}   alpha {res['alpha']:.3f}   routine fraction {res['routine_fraction']:.3f}   "
+        f"greedy outputs identical: {res['greedy_match']}",
+        f"cost model     T_target(1) {res['t_target_1']:.3f} ms   T_target(gamma+1) {res['t_target_gamma1']:.3f} ms   "
+        f"T_draft(1) {res['t_draft_1']:.3f} ms   c {res['c']:.3f}",
+        f"predicted      speed-up {res['predicted_speedup']:.2f}x (measured tau)   "
+        f"{res['leviathan_speedup']:.2f}x (Leviathan, measured alpha)",
+    ]
+    if "predicted_speedup_at_toy_alpha" in res:
+        lines.append(f"at the toy's alpha {res['toy_alpha']:.3f}: predicted speed-up "
+                     f"{res['predicted_speedup_at_toy_alpha']:.2f}x")
+    print("\n".join(lines))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description="Reasoning-step latency: target-only vs speculative (RSD).")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda")
+    ap.add_argument("--dtype", default="bf16", choices=sorted(DTYPES), help="weights, activations and KV cache")
+    ap.add_argument("--run", default="runs/toy", help="toy checkpoints folder (trained by rsd.py if absent)")
+    ap.add_argument("--target", default=None, help="Hugging Face Qwen2.5-VL / Qwen3-VL / Alpamayo folder")
+    ap.add_argument("--draft", default=None, help="draft folder (model.save format) trained for that target")
+    ap.add_argument("--preset", default=None, choices=sorted(k for k in M.PRESETS if not k.startswith("toy")),
+                    help="real model shape with random weights")
+    ap.add_argument("--layers", type=int, default=None, help="with --preset: keep only this many decoder layers")
+    ap.add_argument("--images", type=int, default=16, help="images in the real-shape prompt")
+    ap.add_argument("--gamma", type=int, default=6, help="draft length")
+    ap.add_argument("--max-new", type=int, default=32, help="reasoning tokens per prompt at most")
+    ap.add_argument("--prompts", type=int, default=32, help="toy: held-out test scenes benchmarked")
+    ap.add_argument("--repeats", type=int, default=3, help="timed passes (median reported), >= 3")
+    ap.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
+    ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    args = ap.parse_args(argv)
+    if args.target and args.preset:
+        ap.error("give --target or --preset, not both")
+    if args.gamma < 1 or args.max_new < 1 or args.prompts < 1 or args.images < 1:
+        ap.error("--gamma, --max-new, --prompts and --images must be >= 1")
+    if args.repeats < 3:
+        ap.error("--repeats must be >= 3 (the median of at least three passes is reported)")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        ap.error("--device cuda but torch.cuda.is_available() is False")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device, dtype = torch.device(args.device), DTYPES[args.dtype]
+    torch.manual_seed(0)
+    res = real(args, device, dtype) if (args.target or args.preset) else toy(args, device, dtype)
+    hardware = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or
+                                                                                  platform.machine())
+    res.update(device=str(device), hardware=hardware, dtype=args.dtype, gamma=args.gamma,
+               threads=torch.get_num_threads(), torch=torch.__version__)
+    if res["mode"] == "toy":
+        with open(os.path.join(args.run, "bench.json"), "w") as f:
+            json.dump(res, f, indent=1)
+    report(res, args)
+    if args.json:
+        print(json.dumps(res))
+    return res
+
+
+if __name__ == "__main__":
+    main()
