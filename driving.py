@@ -88,8 +88,8 @@ V_RANGE = {"cruise": (5.0, 8.5), "decel": (3.0, 7.0), "accel": (4.0, 8.0), "stan
 HIST_ACCEL = {"cruise": 0.0, "decel": -2.0, "accel": 1.5, "stand": 0.0}  # m/s^2 over the 1.6 s history
 # Distance words are merged-token rows of the raster (4 px = 5 m each), so the word is readable from one token row.
 BUCKET_ROWS = {5: (16, 19), 10: (12, 15), 15: (8, 11), 20: (4, 7)}
-# event -> (raster channel, proposal interval(s) for l at t = 0, allowed interval(s) for the rendered pixel centre's
-# l). The check on the rendered pixel makes the evidence unambiguous by construction: lane lines sit at
+# event -> (raster channel, {side: proposal interval for l at t = 0}, allowed interval for the rendered pixel centre's
+# l). Checking the rendered pixel makes the evidence unambiguous by construction: lane lines sit at
 # |l -+ 1.75| < res/2, so an in-lane actor's pixel never touches them and an off-lane one is clearly outside.
 ACTORS = {
     "oncoming":      ("vehicle",    {None: (3.0, 4.0)},                          (2.5, 4.5)),
