@@ -43,10 +43,10 @@ class TrainConfig:
     n_val: int = 256  # validation scenes (same distribution as train)
     n_test: int = 256  # held-out test scenes (factor combinations never seen in training)
     batch_size: int = 16  # global batch; each DDP rank takes batch_size / world_size of it
-    target_steps: int = 360
+    target_steps: int = 300
     target_lr: float = 1.5e-3
     traj_weight: float = 0.1  # weight of the trajectory Huber loss (metres) next to the CoC cross-entropy
-    draft_steps: int = 300
+    draft_steps: int = 200
     draft_lr: float = 3e-3
     target_preset: str = "toy-target"  # target sizes (model.PRESETS)
     draft_preset: str = "toy-draft"  # sizes of both drafts (model.DRAFT_PRESETS)
