@@ -52,8 +52,8 @@ class AARLConfig:
     scenes: int = 8  # scenes per update
     group: int = 8  # G: CoCs sampled per scene
     temperature: float = 1.0  # rollout temperature of q
-    lr: float = 3e-4
-    beta: float = 0.05  # KL weight
+    lr: float = 1e-4
+    beta: float = 0.2  # KL weight
     reference: str = "static"  # static | moving | none
     agree_weight: float = 0.5  # weight of the greedy-acceptance term in the reward
     max_new: int = 32  # CoC token limit per rollout

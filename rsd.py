@@ -44,7 +44,7 @@ def ensure_checkpoints(run, device="cpu", log=print):
         target = M.load(os.path.join(run, "target"), device=device).eval()
         sft = M.load(os.path.join(run, "draft_flat"), target=target).eval()
         cfg = aarl.AARLConfig()
-        aarl.train_aarl(target, copy.deepcopy(sft), T.Data("train", 2000, cfg.seed, tok), cfg,
+        aarl.train_aarl(target, copy.deepcopy(sft), T.Data("train", 4000, cfg.seed, tok), cfg,
                         T.Data("val", cfg.n_eval, 0, tok), out=os.path.join(run, "draft_aarl"), ref=sft)
 
 
