@@ -162,8 +162,8 @@ def main(argv=None):
     ap.add_argument("--run", default="runs/toy", help="checkpoint folder (trained here if absent)")
     ap.add_argument("--device", default="cpu", help="torch device")
     ap.add_argument("--gamma", type=int, default=6, help="draft length")
-    ap.add_argument("--scenes", type=int, default=128, help="held-out test scenes for the table")
-    ap.add_argument("--time-scenes", type=int, default=24, help="of those, scenes timed for ms/token")
+    ap.add_argument("--scenes", type=int, default=64, help="held-out test scenes for the table")
+    ap.add_argument("--time-scenes", type=int, default=16, help="of those, scenes timed for ms/token")
     ap.add_argument("--repeats", type=int, default=3, help="timed passes (median)")
     ap.add_argument("--show", type=int, default=3, help="scenes printed with routine / [deliberative] tokens")
     ap.add_argument("--dtype", default="fp32", choices=sorted(bench.DTYPES),
