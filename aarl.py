@@ -23,8 +23,10 @@ The objective per scene s, with G CoCs c_1..c_G sampled from the draft q:
   and normalising by the group's spread keeps the step size independent of the reward scale.
 - KL(q || q_ref) is computed exactly over the vocabulary at every generated position (the toy
   vocabulary is small), not by a sampled estimator. reference "static" is the frozen SFT draft;
-  the ablations are "moving" (the policy before this step: it only damps the step, it does
-  not anchor) and "none" (beta = 0).
+  the ablations are "moving" (the policy before this step) and "none" (beta = 0). With one
+  gradient step per batch, as here, the moving anchor's KL and its gradient are exactly zero
+  at the step, so "moving" trains like "none": a moving reference does not anchor at all,
+  which is the paper's argument for the static one.
 
 run: python aarl.py --device cpu      (needs runs/toy from train.py; writes runs/toy/draft_aarl)
 """
