@@ -25,6 +25,7 @@ import aarl
 import bench
 import driving
 import model as M
+import speculate
 import train as T
 
 ROWS = (("replica", "draft_mrope"), ("flatrope", "draft_flat"), ("flatrope+aarl", "draft_aarl"))
@@ -58,8 +59,6 @@ def marked_coc(tokens, from_draft, tok):
 
 def show_scenes(target, draft, scenes, tok, gamma, device, log=print):
     """A few scenes planned by the two reasoners, next to target-only decoding."""
-    import speculate
-
     for i, scene in enumerate(scenes):
         prompt = {k: v.to(device) for k, v in driving.build_prompt(scene, tok).items()}
         spec = speculate.speculative(target, draft, prompt, gamma, 32, stop_token=tok.cot_end_id)
@@ -127,7 +126,6 @@ def plot(target, draft, scene, rows, tok, device, out="figures"):
     except ImportError:
         print("--plot needs matplotlib: pip install matplotlib")
         return
-    import speculate
 
     os.makedirs(out, exist_ok=True)
     prompt = {k: v.to(device) for k, v in driving.build_prompt(scene, tok).items()}

@@ -44,7 +44,7 @@ class StubTarget(torch.nn.Module):
 
 def test_reward_by_hand():
     tok = driving.Tokenizer()
-    S, G, P = 1, 2, 3
+    G, P = 2, 3  # one scene, two drafted CoCs, a 3-token prompt
     batch = {"input_ids": torch.tensor([[1, 2, 3]]), "prompt_len": torch.tensor([P]),
              "pixel_values_videos": torch.zeros(4, 5), "video_grid_thw": torch.tensor([[1, 2, 2]]),
              "traj": torch.tensor([[[3.0, 4.0]] * 4])}  # every waypoint 5 m from the stub's zeros

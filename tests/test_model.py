@@ -9,9 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model import PRESETS, VLA, KVCache, ModelConfig, VisionConfig, make_draft, patchify
+from model import PRESETS, KVCache, ModelConfig, VisionConfig, make_draft, patchify
 from rope import flat_position_ids, rope_inv_freq
-from tiny_models import IMG, VE, VS, image_prompt, o1_init, tiny_config, tiny_model
+from tiny_models import IMG, VE, VS, image_prompt, o1_init, tiny_model
 
 TOL = 1e-5
 
