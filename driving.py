@@ -5,21 +5,27 @@ tokens are *routine*, predictable from the ego-trajectory history; a few are
 Each scene mirrors Alpamayo-R1's prompt and CoC layout (PAPER.md, "The target it
 accelerates"): a 2-frame bird's-eye raster fed as a video, 16 past steps at 10 Hz as
 48 binned (dx, dy, dheading) history tokens, a CoC "state , decision since cause"
-(e.g. "slowing in a left curve , follow the lead vehicle since it is braking 15m
-ahead") and 32 future waypoints from a unicycle rollout of (acceleration,
-curvature) that follows the decision.
+(e.g. "slowing in a left curve , follow the lead vehicle since it is braking ahead")
+and 32 future waypoints from a unicycle rollout of (acceleration, curvature) that
+follows the decision.
 
 Which tokens are commitments (`commitment_mask`; the grammar is `coc_words`):
   - the state clause restates the history class (speed profile, turn): routine;
   - the decision's first word (keep / follow / slow / nudge / proceed / stay /
-    start) needs the image: an actor's kind AND whether it lies in the ego lane,
-    which bends with the road (a cone in the lane -> nudge, on the shoulder ->
-    keep), and for vehicles their motion between the two frames;
-  - in the cause, the actor or its predicate where the decision leaves several,
-    the distance word (the actor's merged-token row) and a pedestrian's side;
+    start) needs the image: an actor's kind AND whether it stands in the ego lane
+    (a cone in the lane -> nudge, on the shoulder -> keep; a pedestrian in the
+    lane -> stop, on the sidewalk -> keep), or the light's colour;
+  - in the cause, the actor or its predicate where the decision leaves several
+    (a lead vehicle braking or not);
   - everything else follows from (history class, CoC prefix).
-A CoC has 1-4 commitments (mean ~2.6) among ~17 tokens; `measure_routine_share`
-gives ~0.91 (a perfect history-only reader; see its docstring).
+A CoC has 1-2 commitments (mean 1.6) among ~16 tokens; `measure_routine_share` gives the
+share a perfect history-only reader gets right.
+
+The raster is object-level (see CHANNELS): the kind, the lane and the brake lights
+are drawn on the actor's own 4-px patch, so no single channel gives the decision,
+yet everything is local. An earlier version drew the road and single-pixel actors
+whose lane had to be found from the lane lines; a target trained from scratch in
+minutes on a CPU never learned to read it (issue 3's notes, README).
 
 run: python driving.py --seed 0
 """
@@ -37,7 +43,7 @@ from model import patchify  # model.py owns the Qwen2-VL flattening order, so th
 # ---- config ----
 @dataclass(frozen=True)
 class WorldConfig:
-    size: int = 24                 # raster height = width (px): 6x6 merged tokens per frame at patch 2, merge 2
+    size: int = 24                 # raster height = width (px): 2x2 merged tokens per frame at PATCH 4, MERGE 3
     res: float = 1.25              # metres per pixel: the view reaches ~26 m ahead of the ego
     ego_row: int = 21              # ego's pixel row (x = 0); rows above it are ahead
     ego_col: int = 13              # ego's pixel column (ego-lane centre at y = 0)
@@ -54,7 +60,17 @@ class WorldConfig:
     nudge_offset: float = 1.5      # lateral offset (m) of a nudge around a cone
 
 
-CHANNELS = ("drivable", "lane_line", "stop_line", "ego", "vehicle", "pedestrian", "cone", "light_red", "light_green")
+# One plane per channel: an object-level raster, as a perception stack's output would be drawn. Each actor paints its
+# kind, "brake" when its brake lights are lit, "in_lane" when it stands in the ego lane, and at t = 0 its range ring
+# (the merged-token row bands of BUCKET_ROWS, 5 m apart). The road itself (drivable area, lane lines) is not drawn:
+# its curvature is in the history, and in probes with it drawn a target trained from scratch for minutes on a CPU did
+# not learn to read the actors (commitment accuracy ~0.5 after 300-600 steps, against ~0.95 without it).
+CHANNELS = ("stop_line", "ego", "vehicle", "pedestrian", "cone", "light_red", "light_green", "brake", "in_lane",
+            "range_5", "range_10", "range_15", "range_20")
+# The raster's tokenisation (train.target_config builds the vision tower with the same numbers): 4-px patches merged
+# 3x3 give 2x2 merged tokens per frame, 8 video tokens in all. Fewer, fuller tokens were what let the toy target
+# learn the image in its CPU budget; M-RoPE still gets distinct (t, h, w) ids for every video token.
+PATCH, MERGE = 4, 3
 SPECIALS = ("<pad>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>", "<traj_history_start>",
             "<traj_history_end>", "<cot_start>", "<cot_end>", "<traj_future_start>")
 SYSTEM = "you are the driving planner of the ego car ."
@@ -66,41 +82,46 @@ TURN = {"straight": "straight", "curve_left": "left", "curve_right": "right", "i
 FLAT = {"cruise": .4, "accel": .3, "decel": .3}
 # event -> (P(event | non-intersection road), P(history speed profile | event)); intersections hold red / green only
 # (50/50). Priors are balanced so that each history class leaves several decisions open: histories correlate with
-# the decision (slowing -> stop) but never fix it, and that residual ambiguity is what a commitment token is.
+# the decision (slowing -> stop) but never fix it, and that residual ambiguity is what a commitment token is. Each
+# kind is about as often off the ego lane as in it: with off-lane pedestrians at 0.06 against 0.22 crossing, a
+# trained target said "stop" for every pedestrian (0/12 sidewalk scenes right on val).
 EVENTS = {
     "clear":         (0.12, FLAT),
-    "oncoming":      (0.06, FLAT),
-    "ped_sidewalk":  (0.06, FLAT),
-    "cone_shoulder": (0.06, FLAT),
-    "lead_cruise":   (0.12, FLAT),
-    "lead_brake":    (0.13, {"cruise": .5, "decel": .4, "accel": .1}),
-    "ped_cross":     (0.22, {"cruise": .5, "decel": .4, "accel": .1}),
-    "cone_lane":     (0.23, {"cruise": .5, "decel": .2, "accel": .3}),
+    "oncoming":      (0.10, FLAT),
+    "ped_sidewalk":  (0.12, FLAT),
+    "cone_shoulder": (0.12, FLAT),
+    "lead_cruise":   (0.10, FLAT),
+    "lead_brake":    (0.12, {"cruise": .5, "decel": .4, "accel": .1}),
+    "ped_cross":     (0.16, {"cruise": .5, "decel": .4, "accel": .1}),
+    "cone_lane":     (0.16, {"cruise": .5, "decel": .2, "accel": .3}),
     "red":           (0.0,  {"cruise": .3, "decel": .5, "stand": .2}),
     "green":         (0.0,  {"cruise": .4, "decel": .1, "accel": .2, "stand": .3}),
 }
 DISTRACTORS = ("oncoming", "ped_sidewalk", "cone_shoulder")  # an actor off the ego lane: the decision is "keep"
-# Held-out (event, road) pairs: never in train/val, the whole test split. Each event is seen on other roads and
-# each road with other events (a cone on a left curve's shoulder is in train; only the in-lane cone is held out).
-HELD_OUT = (("cone_lane", "curve_left"), ("ped_cross", "curve_right"), ("lead_brake", "curve_left"))
+# Held-out (event, road) pairs: never in train/val, the whole test split. On each held-out road the kind is seen in
+# training only in its *other* state (left curves have cones only in the lane and lead vehicles only cruising; right
+# curves have pedestrians only crossing), so the test asks for kind AND lane / brake lights on a road where that
+# reading never occurred. Every decision word is still seen after every state clause: with the earlier choice
+# (in-lane cone on a left curve, crossing pedestrian on a right curve) "nudge" / "stop" never followed that state
+# clause in training, and a target at 1.00 on val scored 0.50 commitment accuracy there (issue 3's notes).
+HELD_OUT = (("cone_shoulder", "curve_left"), ("ped_sidewalk", "curve_right"), ("lead_brake", "curve_left"))
 SPLITS = {"train": 0, "val": 1, "test": 2}
 V_RANGE = {"cruise": (5.0, 8.5), "decel": (3.0, 7.0), "accel": (4.0, 8.0), "stand": (0.0, 0.0)}  # v0 (m/s)
 HIST_ACCEL = {"cruise": 0.0, "decel": -2.0, "accel": 1.5, "stand": 0.0}  # m/s^2 over the 1.6 s history
-# Distance words are merged-token rows of the raster (4 px = 5 m each), so the word is readable from one token row.
+# Range rings: bands of 4 pixel rows (5 m) ahead of the ego; an actor is placed so that its patch lies in its ring.
 BUCKET_ROWS = {5: (16, 19), 10: (12, 15), 15: (8, 11), 20: (4, 7)}
-# event -> (raster channel, {side: proposal interval for l at t = 0}, allowed interval for the rendered pixel centre's
-# l). Checking the rendered pixel makes the evidence unambiguous by construction: lane lines sit at
-# |l -+ 1.75| < res/2, so an in-lane actor's pixel never touches them and an off-lane one is clearly outside.
+# event -> (raster channel, proposal intervals for l at t = 0 (one is drawn), in the ego lane?). An actor is drawn as
+# the 2x2-px patch that holds its position; "in the ego lane" means that at least 2 of its 4 pixels lie on the
+# ego lane (lane_planes), "off" that none does. Placement rejects anything in between, so the evidence is unambiguous.
 ACTORS = {
-    "oncoming":      ("vehicle",    {None: (3.0, 4.0)},                          (2.5, 4.5)),
-    "ped_sidewalk":  ("pedestrian", {"right": (-3.6, -2.6), "left": (5.9, 6.9)}, None),
-    "cone_shoulder": ("cone",       {None: (-3.3, -2.7)},                        (-4.0, -2.5)),
-    "lead_cruise":   ("vehicle",    {None: (-0.3, 0.3)},                         (-1.0, 1.0)),
-    "lead_brake":    ("vehicle",    {None: (-0.3, 0.3)},                         (-1.0, 1.0)),
-    "ped_cross":     ("pedestrian", {None: (-0.8, 0.6)},                         (-1.0, 1.0)),
-    "cone_lane":     ("cone",       {None: (-0.5, 0.5)},                         (-1.0, 1.0)),
+    "oncoming":      ("vehicle",    ((3.0, 4.5),),                 False),
+    "ped_sidewalk":  ("pedestrian", ((-4.5, -3.0), (5.9, 6.9)),    False),   # right or left sidewalk
+    "cone_shoulder": ("cone",       ((-4.0, -3.0),),               False),
+    "lead_cruise":   ("vehicle",    ((-0.5, 0.5),),                True),
+    "lead_brake":    ("vehicle",    ((-0.5, 0.5),),                True),
+    "ped_cross":     ("pedestrian", ((-0.8, 0.8),),                True),
+    "cone_lane":     ("cone",       ((-0.6, 0.6),),                True),
 }
-SIDEWALK_OK = {"right": (-5.0, -2.5), "left": (5.9, 9.0)}
 
 
 @dataclass(frozen=True)
@@ -109,8 +130,7 @@ class Factors:
     road: str
     event: str
     speed: str              # history speed profile: cruise | decel | accel | stand
-    bucket: object          # distance word 5 / 10 / 15 / 20 (m), None on a clear road
-    side: object            # "left" / "right" for pedestrians (sidewalk side, or where a crossing one came from)
+    bucket: object          # range ring 5 / 10 / 15 / 20 (m) of the actor / stop line, None on a clear road
 
     @property
     def turn(self):
@@ -133,7 +153,7 @@ class Factors:
 # ---- grammar ----
 def coc_words(f):
     """CoC = state , decision since cause. The state restates the history class (routine); the decision's first
-    word, the cause's actor / predicate where the decision leaves several, the distance and the side need the image."""
+    word and the cause's actor / predicate where the decision leaves several need the image."""
     state = ["standing", "still"] if f.speed == "stand" else (
         [{"cruise": "cruising", "decel": "slowing", "accel": "accelerating"}[f.speed]]
         + (["straight"] if f.turn == "straight" else ["in", "a", f.turn, "curve"]))
@@ -149,16 +169,16 @@ def coc_words(f):
     }[f.decision]
     cause = {
         "clear": "the road ahead is clear",
-        "oncoming": "the oncoming vehicle {b}m ahead stays in its lane",
-        "ped_sidewalk": "the pedestrian {b}m ahead walks on the {s} sidewalk",
-        "cone_shoulder": "the cone {b}m ahead is on the shoulder",
-        "lead_cruise": "it moves steadily {b}m ahead",
-        "lead_brake": "it is braking {b}m ahead",
-        "ped_cross": "the pedestrian {b}m ahead is crossing from the {s}",
-        "cone_lane": "it blocks our lane {b}m ahead",
-        "red": "the traffic light {b}m ahead is red",
-        "green": "the traffic light {b}m ahead is green",
-    }[f.event].format(b=f.bucket, s=f.side).split()
+        "oncoming": "the oncoming vehicle ahead stays in its lane",
+        "ped_sidewalk": "the pedestrian ahead walks on the sidewalk",
+        "cone_shoulder": "the cone stands on the shoulder",
+        "lead_cruise": "it moves steadily ahead",
+        "lead_brake": "it is braking ahead",
+        "ped_cross": "the pedestrian ahead is crossing our lane",
+        "cone_lane": "it blocks our lane ahead",
+        "red": "the traffic light ahead is red",
+        "green": "the traffic light ahead is green",
+    }[f.event].split()
     return state + [","] + act + ["since"] + cause
 
 
@@ -178,8 +198,7 @@ def _support():
         for event in events:
             for speed in EVENTS[event][1]:
                 for b in _buckets(event, speed):
-                    for side in (("left", "right") if event in ("ped_sidewalk", "ped_cross") else (None,)):
-                        yield Factors(road, event, speed, b, side)
+                    yield Factors(road, event, speed, b)
 
 
 @lru_cache(maxsize=None)
@@ -230,7 +249,7 @@ def to_pixel(s, l, kappa, cfg):
 # ---- scene ----
 @dataclass
 class Scene:
-    f: Factors              # the discrete factors (road, event, history speed profile, distance word, side)
+    f: Factors              # the discrete factors (road, event, history speed profile, range ring)
     kappa: float            # road curvature (1/m, left positive)
     v0: float               # current ego speed (m/s)
     dist: float             # arc length (m) to the actor / stop line at t = 0 (nan if none)
@@ -258,8 +277,7 @@ def sample_factors(rng, split):
     speed = str(rng.choice(list(prof), p=list(prof.values())))
     buckets = _buckets(event, speed)
     bucket = buckets[rng.integers(len(buckets))]
-    side = str(rng.choice(["left", "right"])) if event in ("ped_sidewalk", "ped_cross") else None
-    return Factors(road, event, speed, None if bucket is None else int(bucket), side)
+    return Factors(road, event, speed, None if bucket is None else int(bucket))
 
 
 def history_deltas(v0, speed, kappa, cfg):
@@ -309,49 +327,68 @@ def plan(f, v0, kappa, dist, cfg):
     return rollout(v0, acc, kap, cfg)                               # "stay": v0 = 0, acc = 0
 
 
-def render(kappa, actors, stop_line, cfg):
-    """actors: [(channel, [(s, l) at frame 0, (s, l) at frame 1])]; stop_line: [s per frame] or None -> (2, C, H, W)."""
+def lane_planes(kappa, cfg):
+    """Per-pixel lane coordinates (S, L) and the ego_lane plane: pixel centres with |l| < lane_width / 2."""
     X, Y = pixel_grid(cfg)
     S, L = xy_to_road(X, Y, kappa)
+    return S, L, np.abs(L) < cfg.lane_width / 2
+
+
+def block(s, l, kappa, cfg):
+    """The 2x2-px patch (top-left pixel (r, c), both even) that holds (s, l): an actor fills exactly one ViT patch,
+    so its kind, lane and range are all in one patch's pixels."""
+    r, c = to_pixel(s, l, kappa, cfg)
+    return r - r % 2, c - c % 2
+
+
+def render(kappa, actors, stop_line, cfg):
+    """actors: [(channels, [(s, l) at frame 0, (s, l) at frame 1])]; stop_line: [s per frame] or None -> (2, C, H, W).
+    An actor paints its channels on its patch, "in_lane" where >= 2 of the patch's pixels lie in the ego lane, and
+    in the current frame (t = 0) its range ring; a stop line is drawn across the ego lane."""
+    S, L, ego_lane = lane_planes(kappa, cfg)
     ch = {n: i for i, n in enumerate(CHANNELS)}
-    half, w = cfg.res / 2, cfg.lane_width / 2
+    ring_of_row = {r: b for b, (lo, hi) in BUCKET_ROWS.items() for r in range(lo, hi + 1)}
     out = np.zeros((2, len(CHANNELS), cfg.size, cfg.size), dtype=np.float32)
     for f in range(2):
         img = out[f]
-        cross = np.zeros_like(S, dtype=bool) if stop_line is None else (S > stop_line[f] + half) & (S < stop_line[f] + 8)
-        img[ch["drivable"]] = ((L >= -w) & (L <= 3 * w)) | cross
-        img[ch["lane_line"]] = ((np.abs(L - w) < half) | (np.abs(L + w) < half)) & ~cross
         if stop_line is not None:
-            img[ch["stop_line"]] = (np.abs(S - stop_line[f]) < half) & (np.abs(L) <= w)
+            img[ch["stop_line"]] = (np.abs(S - stop_line[f]) < cfg.res / 2) & (np.abs(L) <= cfg.lane_width / 2)
         img[ch["ego"], cfg.ego_row:cfg.ego_row + 2, cfg.ego_col] = 1
-        for kind, poses in actors:
-            r, c = to_pixel(*poses[f], kappa, cfg)
-            for dr in range(3 if kind == "vehicle" else 1):       # vehicles are 3 px long, from the rear forward
-                if 0 <= r - dr < cfg.size and 0 <= c < cfg.size:
-                    img[ch[kind], r - dr, c] = 1
+        for kinds, poses in actors:
+            r, c = block(*poses[f], kappa, cfg)
+            rs, cs = slice(max(r, 0), r + 2), slice(max(c, 0), c + 2)   # clipped at the raster's edge
+            for kind in kinds:
+                img[ch[kind], rs, cs] = 1
+            if ego_lane[rs, cs].sum() >= 2:
+                img[ch["in_lane"], rs, cs] = 1
+            if f == 1 and r in ring_of_row:   # the range of the actor now: one ring, not two, per actor
+                img[ch[f"range_{ring_of_row[r]}"], rs, cs] = 1
     return out
 
 
-def _pixel_l(s, l, kappa, cfg):
-    """Where (s, l) is drawn: its pixel (r, c) and the lane coordinate l of that pixel's centre."""
-    r, c = to_pixel(s, l, kappa, cfg)
-    return r, c, xy_to_road((cfg.ego_row - r) * cfg.res, (cfg.ego_col - c) * cfg.res, kappa)[1]
+def _lane_hits(s, l, kappa, cfg, ego_lane):
+    """(r, c) of the patch holding (s, l) and how many of its 4 pixels are on the ego_lane plane (-1 if clipped)."""
+    r, c = block(s, l, kappa, cfg)
+    if not (0 <= r <= cfg.size - 2 and 0 <= c <= cfg.size - 2):
+        return r, c, -1
+    return r, c, int(ego_lane[r:r + 2, c:c + 2].sum())
 
 
-def _place(rng, bucket, l_range, l_ok, kappa, cfg):
-    """Rejection-sample an actor's (s, l) at t = 0 whose rendered pixel sits in the bucket's rows and allowed lane."""
+def _place(rng, bucket, l_range, in_lane, kappa, cfg, ego_lane):
+    """Rejection-sample an actor's (s, l) at t = 0 whose patch sits in the bucket's rows, fully inside the raster,
+    with >= 2 of its pixels on the ego lane (in_lane) or none (off the lane)."""
     lo, hi = BUCKET_ROWS[bucket]
     for _ in range(1000):
         x = (cfg.ego_row - rng.integers(lo, hi + 1) + rng.uniform(-0.4, 0.4)) * cfg.res
         s = x if kappa == 0 else np.arcsin(np.clip(kappa * x, -1, 1)) / kappa
         l = rng.uniform(*l_range)
-        r, c, l_pix = _pixel_l(s, l, kappa, cfg)
-        if lo <= r <= hi and 0 <= c < cfg.size and l_ok[0] <= l_pix <= l_ok[1]:
+        r, _, hits = _lane_hits(s, l, kappa, cfg, ego_lane)
+        if lo <= r <= hi and hits >= 0 and (hits >= 2 if in_lane else hits == 0):
             return float(s), float(l)
     raise RuntimeError("actor placement failed")
 
 
-def _frame0(rng, f, dist, l, back, kappa, cfg):
+def _frame0(rng, f, dist, l, back, kappa, cfg, ego_lane):
     """The actor's (s, l) at t = -0.5 s, given its (dist, l) at t = 0 and the ego's travel `back` in between."""
     s0, l0 = dist + back, l                                  # static in the world
     if f.event == "oncoming":
@@ -359,15 +396,17 @@ def _frame0(rng, f, dist, l, back, kappa, cfg):
     elif f.event == "ped_sidewalk":
         s0 += rng.uniform(-0.8, 0.8)                          # standing or walking along the sidewalk
     elif f.event == "lead_cruise":
-        s0 = dist                                             # keeps the gap: same pixel in both frames
-    elif f.event == "lead_brake":                             # closes in by >= 2 px rows within the frame gap
+        s0 = dist                                             # keeps the gap: same patch in both frames
+    elif f.event == "lead_brake":                             # closes in by >= one patch row within the frame gap
         s0 = dist + rng.uniform(2.5, 3.5)
-        while _pixel_l(s0, l, kappa, cfg)[0] > _pixel_l(dist, l, kappa, cfg)[0] - 2:
+        while block(s0, l, kappa, cfg)[0] > block(dist, l, kappa, cfg)[0] - 2:
             s0 += 0.5                                         # a curve turns arc length into fewer rows
-    elif f.event == "ped_cross":                             # came from the oncoming lane (left) or shoulder (right)
-        sign = 1.0 if f.side == "left" else -1.0
-        while not 2.2 <= sign * _pixel_l(s0, l0, kappa, cfg)[2] <= 4.5:
-            l0 = sign * rng.uniform(2.5, 3.5)
+    elif f.event == "ped_cross":                             # stepped in from the oncoming lane or the shoulder
+        sign = rng.choice([-1.0, 1.0])
+        for _ in range(1000):
+            l0 = sign * rng.uniform(2.5, 4.0)
+            if _lane_hits(s0, l0, kappa, cfg, ego_lane)[2] == 0:
+                break
     return s0, l0
 
 
@@ -377,22 +416,23 @@ def make_scene(rng, split="train", cfg=WorldConfig()):
     v0 = rng.uniform(*V_RANGE[f.speed])
     hist = history_deltas(v0, f.speed, kappa, cfg)
     back = hist[-int(round(cfg.frame_gap / cfg.dt)):, 0].sum()  # ego travel between frames: static things approach by it
+    ego_lane = lane_planes(kappa, cfg)[2]
     actors, stop_line, dist = [], None, float("nan")
     if f.event in ("red", "green"):
-        dist, _ = _place(rng, f.bucket, (0.0, 0.0), (-1.0, 1.0), 0.0, cfg)
+        dist, _ = _place(rng, f.bucket, (0.0, 0.0), True, 0.0, cfg, ego_lane)
         stop_line = [dist + back, dist]
-        actors.append(("light_" + f.event, [(dist + back + 1.0, -3.0), (dist + 1.0, -3.0)]))
+        actors.append((("light_" + f.event,), [(dist + back, -3.0), (dist, -3.0)]))   # beside the stop line
     elif f.event != "clear":
-        chan, l_ranges, l_ok = ACTORS[f.event]
-        side = f.side if f.event == "ped_sidewalk" else None
+        chan, l_ranges, in_lane = ACTORS[f.event]
+        kinds = (chan, "brake") if f.event == "lead_brake" else (chan,)
         while True:
-            dist, l = _place(rng, f.bucket, l_ranges[side], l_ok or SIDEWALK_OK[side], kappa, cfg)
-            s0, l0 = _frame0(rng, f, dist, l, back, kappa, cfg)
-            r0, c0, _ = _pixel_l(s0, l0, kappa, cfg)
+            dist, l = _place(rng, f.bucket, l_ranges[rng.integers(len(l_ranges))], in_lane, kappa, cfg, ego_lane)
+            s0, l0 = _frame0(rng, f, dist, l, back, kappa, cfg, ego_lane)
+            r0, c0, hits0 = _lane_hits(s0, l0, kappa, cfg, ego_lane)
             # the motion cue of a braking lead / crossing pedestrian must be in view at t = -0.5 s too
-            if f.event not in ("lead_brake", "ped_cross") or (0 <= r0 and 0 <= c0 < cfg.size):
+            if f.event not in ("lead_brake", "ped_cross") or (hits0 >= 0 and (f.event != "ped_cross" or hits0 == 0)):
                 break
-        actors.append((chan, [(s0, l0), (dist, l)]))
+        actors.append((kinds, [(s0, l0), (dist, l)]))
     frames = render(kappa, actors, stop_line, cfg)
     coc = coc_words(f)
     return Scene(f, float(kappa), float(v0), dist, hist, frames, coc, commitment_mask(coc, f.hist_class),
@@ -453,7 +493,7 @@ class Tokenizer:
 
 
 # ---- prompts and training examples ----
-def build_prompt(scene, tok, patch_size=2, temporal_patch_size=1, merge_size=2):
+def build_prompt(scene, tok, patch_size=PATCH, temporal_patch_size=1, merge_size=MERGE):
     """model.forward kwargs for batch 1, Alpamayo order: system, video, history, instruction, <cot_start>."""
     pixels, grid = patchify(torch.from_numpy(scene.frames), patch_size, temporal_patch_size, merge_size)
     grid = torch.as_tensor(grid, dtype=torch.long).view(1, 3)       # (1, 3): t=2, h, w in patches
@@ -550,7 +590,7 @@ def measure_routine_share(n=20000, seed=0, split="train"):
 
 # ---- demo ----
 GLYPHS = (("ego", "E"), ("vehicle", "V"), ("pedestrian", "P"), ("cone", "C"), ("light_red", "R"),
-          ("light_green", "G"), ("stop_line", "="), ("lane_line", "|"), ("drivable", "."))
+          ("light_green", "G"), ("stop_line", "="))
 
 
 def ascii_render(frames):

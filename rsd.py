@@ -135,7 +135,8 @@ def plot(target, draft, scene, rows, tok, device, out="figures"):
     cfg = driving.WorldConfig()
     frame = scene.frames[-1]
     fig, ax = plt.subplots(figsize=(5, 5))
-    ax.imshow(frame[:driving.CHANNELS.index("ego") + 4].argmax(0) * (frame.sum(0) > 0), cmap="tab10")
+    kinds = frame[:driving.CHANNELS.index("light_green") + 1]  # (C', H, W): stop line, ego, actors, lights
+    ax.imshow((kinds.argmax(0) + 1) * (kinds.sum(0) > 0), cmap="tab10")
     for traj, style, label in ((scene.traj, "g-", "ground truth"), (pred.numpy(), "r--", "RSD plan")):
         # ego frame (x ahead, y left) -> pixel (row up, col left)
         ax.plot(cfg.ego_col - traj[:, 1] / cfg.res, cfg.ego_row - traj[:, 0] / cfg.res, style, label=label)

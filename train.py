@@ -43,10 +43,10 @@ class TrainConfig:
     n_val: int = 256  # validation scenes (same distribution as train)
     n_test: int = 256  # held-out test scenes (factor combinations never seen in training)
     batch_size: int = 16  # global batch; each DDP rank takes batch_size / world_size of it
-    target_steps: int = 300
+    target_steps: int = 600
     target_lr: float = 1.5e-3
     traj_weight: float = 0.1  # weight of the trajectory Huber loss (metres) next to the CoC cross-entropy
-    draft_steps: int = 200
+    draft_steps: int = 150
     draft_lr: float = 3e-3
     target_preset: str = "toy-target"  # target sizes (model.PRESETS)
     draft_preset: str = "toy-draft"  # sizes of both drafts (model.DRAFT_PRESETS)
@@ -54,7 +54,7 @@ class TrainConfig:
     weight_decay: float = 0.01
     grad_clip: float = 1.0
     amp: bool = True  # bf16 autocast for the matmuls (fp32 master weights); ~2.5x faster on a modern CPU
-    eval_every: int = 120  # steps between validation passes (and resumable checkpoints)
+    eval_every: int = 300  # steps between validation passes (and resumable checkpoints)
 
 
 # ---- distributed (torchrun) ----
@@ -91,11 +91,14 @@ def wrap(m, world, device):
 def target_config(tok: driving.Tokenizer, preset="toy-target") -> M.ModelConfig:
     """The toy target: model.PRESETS[preset] with the world's vocabulary, token ids and raster channels."""
     base = M.PRESETS[preset]
-    vision = replace(base.vision, in_channels=len(driving.CHANNELS), patch_size=2, temporal_patch_size=1,
-                     spatial_merge_size=2)
+    # The world's tokenisation (driving.PATCH, driving.MERGE). A window must be a multiple of PATCH * MERGE = 12 px;
+    # 24 px is the whole raster, so windowed and full-attention blocks coincide at this size.
+    vision = replace(base.vision, in_channels=len(driving.CHANNELS), patch_size=driving.PATCH, temporal_patch_size=1,
+                     spatial_merge_size=driving.MERGE, window_size=driving.WorldConfig().size)
     # One M-RoPE t id per frame: the world's two frames are consecutive video frames.
     return replace(base, vocab_size=len(tok), image_token_id=tok.image_token_id, video_token_id=tok.video_token_id,
                    vision_start_token_id=tok.vision_start_id, tokens_per_second=1.0, vision=vision,
+                   spatial_merge_size=driving.MERGE,
                    traj_len=driving.WorldConfig().n_future, max_seq_len=256)
 
 

@@ -154,7 +154,7 @@ def test_key_groups_partition_the_prompt(tok):
     g = T.key_groups(batch["input_ids"], tok)
     total = g["image"].long() + g["history"].long() + g["text"].long()
     assert bool((total == 1).all())
-    assert int(g["image"][0].sum()) == 72 and int(g["history"][0].sum()) == 48 + 2
+    assert int(g["image"][0].sum()) == 8 and int(g["history"][0].sum()) == 48 + 2
 
 
 def test_bad_arguments_fail_clearly():
