@@ -22,10 +22,11 @@ A CoC has 1-2 commitments (mean 1.6) among ~16 tokens; `measure_routine_share` g
 share a perfect history-only reader gets right.
 
 The raster is object-level (see CHANNELS): the kind, the lane and the brake lights
-are drawn on the actor's own 4-px patch, so no single channel gives the decision,
-yet everything is local. An earlier version drew the road and single-pixel actors
-whose lane had to be found from the lane lines; a target trained from scratch in
-minutes on a CPU never learned to read it (issue 3's notes, README).
+are drawn on the actor's own 2x2-px block (inside one 4-px ViT patch): no single
+channel gives the decision, yet everything is local. An earlier version drew the road
+and single-pixel actors whose lane had to be found from the lane lines; a target
+trained from scratch in minutes on a CPU never learned to read it (README,
+Limitations).
 
 run: python driving.py --seed 0
 """
@@ -64,12 +65,12 @@ class WorldConfig:
 # kind, "brake" when its brake lights are lit, "in_lane" when it stands in the ego lane, and at t = 0 its range ring
 # (the merged-token row bands of BUCKET_ROWS, 5 m apart). The road itself (drivable area, lane lines) is not drawn:
 # its curvature is in the history, and in probes with it drawn a target trained from scratch for minutes on a CPU did
-# not learn to read the actors (commitment accuracy ~0.5 after 300-600 steps, against ~0.95 without it).
+# not learn to read the actors (commitment accuracy near 0.45 after 300-600 steps; README, Limitations).
 CHANNELS = ("stop_line", "ego", "vehicle", "pedestrian", "cone", "light_red", "light_green", "brake", "in_lane",
             "range_5", "range_10", "range_15", "range_20")
 # The raster's tokenisation (train.target_config builds the vision tower with the same numbers): 4-px patches merged
-# 3x3 give 2x2 merged tokens per frame, 8 video tokens in all. Fewer, fuller tokens were what let the toy target
-# learn the image in its CPU budget; M-RoPE still gets distinct (t, h, w) ids for every video token.
+# 3x3 give 2x2 merged tokens per frame, 8 video tokens in all, which keeps the prompt short and an SFT step cheap;
+# M-RoPE still gives every video token distinct (t, h, w) ids.
 PATCH, MERGE = 4, 3
 SPECIALS = ("<pad>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>", "<traj_history_start>",
             "<traj_history_end>", "<cot_start>", "<cot_end>", "<traj_future_start>")
@@ -103,15 +104,15 @@ DISTRACTORS = ("oncoming", "ped_sidewalk", "cone_shoulder")  # an actor off the 
 # curves have pedestrians only crossing), so the test asks for kind AND lane / brake lights on a road where that
 # reading never occurred. Every decision word is still seen after every state clause: with the earlier choice
 # (in-lane cone on a left curve, crossing pedestrian on a right curve) "nudge" / "stop" never followed that state
-# clause in training, and a target at 1.00 on val scored 0.50 commitment accuracy there (issue 3's notes).
+# clause in training, and a target at 1.00 on val scored 0.50 commitment accuracy there (README, Limitations).
 HELD_OUT = (("cone_shoulder", "curve_left"), ("ped_sidewalk", "curve_right"), ("lead_brake", "curve_left"))
 SPLITS = {"train": 0, "val": 1, "test": 2}
 V_RANGE = {"cruise": (5.0, 8.5), "decel": (3.0, 7.0), "accel": (4.0, 8.0), "stand": (0.0, 0.0)}  # v0 (m/s)
 HIST_ACCEL = {"cruise": 0.0, "decel": -2.0, "accel": 1.5, "stand": 0.0}  # m/s^2 over the 1.6 s history
-# Range rings: bands of 4 pixel rows (5 m) ahead of the ego; an actor is placed so that its patch lies in its ring.
+# Range rings: bands of 4 pixel rows (5 m) ahead of the ego; an actor is placed so that its block lies in its ring.
 BUCKET_ROWS = {5: (16, 19), 10: (12, 15), 15: (8, 11), 20: (4, 7)}
 # event -> (raster channel, proposal intervals for l at t = 0 (one is drawn), in the ego lane?). An actor is drawn as
-# the 2x2-px patch that holds its position; "in the ego lane" means that at least 2 of its 4 pixels lie on the
+# the 2x2-px block that holds its position; "in the ego lane" means that at least 2 of its 4 pixels lie on the
 # ego lane (lane_planes), "off" that none does. Placement rejects anything in between, so the evidence is unambiguous.
 ACTORS = {
     "oncoming":      ("vehicle",    ((3.0, 4.5),),                 False),
@@ -335,15 +336,15 @@ def lane_planes(kappa, cfg):
 
 
 def block(s, l, kappa, cfg):
-    """The 2x2-px patch (top-left pixel (r, c), both even) that holds (s, l): an actor fills exactly one ViT patch,
-    so its kind, lane and range are all in one patch's pixels."""
+    """The 2x2-px block (top-left pixel (r, c), both even) that holds (s, l). Even-aligned, it never straddles a
+    PATCH = 4 ViT patch, so an actor's kind, lane and range sit in one patch's pixels."""
     r, c = to_pixel(s, l, kappa, cfg)
     return r - r % 2, c - c % 2
 
 
 def render(kappa, actors, stop_line, cfg):
     """actors: [(channels, [(s, l) at frame 0, (s, l) at frame 1])]; stop_line: [s per frame] or None -> (2, C, H, W).
-    An actor paints its channels on its patch, "in_lane" where >= 2 of the patch's pixels lie in the ego lane, and
+    An actor paints its channels on its block, "in_lane" where >= 2 of the block's pixels lie in the ego lane, and
     in the current frame (t = 0) its range ring; a stop line is drawn across the ego lane."""
     S, L, ego_lane = lane_planes(kappa, cfg)
     ch = {n: i for i, n in enumerate(CHANNELS)}
@@ -367,7 +368,7 @@ def render(kappa, actors, stop_line, cfg):
 
 
 def _lane_hits(s, l, kappa, cfg, ego_lane):
-    """(r, c) of the patch holding (s, l) and how many of its 4 pixels are on the ego_lane plane (-1 if clipped)."""
+    """(r, c) of the block holding (s, l) and how many of its 4 pixels are in the ego lane (-1 if clipped)."""
     r, c = block(s, l, kappa, cfg)
     if not (0 <= r <= cfg.size - 2 and 0 <= c <= cfg.size - 2):
         return r, c, -1
@@ -375,7 +376,7 @@ def _lane_hits(s, l, kappa, cfg, ego_lane):
 
 
 def _place(rng, bucket, l_range, in_lane, kappa, cfg, ego_lane):
-    """Rejection-sample an actor's (s, l) at t = 0 whose patch sits in the bucket's rows, fully inside the raster,
+    """Rejection-sample an actor's (s, l) at t = 0 whose block sits in the bucket's rows, fully inside the raster,
     with >= 2 of its pixels on the ego lane (in_lane) or none (off the lane)."""
     lo, hi = BUCKET_ROWS[bucket]
     for _ in range(1000):
@@ -396,8 +397,8 @@ def _frame0(rng, f, dist, l, back, kappa, cfg, ego_lane):
     elif f.event == "ped_sidewalk":
         s0 += rng.uniform(-0.8, 0.8)                          # standing or walking along the sidewalk
     elif f.event == "lead_cruise":
-        s0 = dist                                             # keeps the gap: same patch in both frames
-    elif f.event == "lead_brake":                             # closes in by >= one patch row within the frame gap
+        s0 = dist                                             # keeps the gap: same block in both frames
+    elif f.event == "lead_brake":                             # closes in by >= one block (2 rows) in the frame gap
         s0 = dist + rng.uniform(2.5, 3.5)
         while block(s0, l, kappa, cfg)[0] > block(dist, l, kappa, cfg)[0] - 2:
             s0 += 0.5                                         # a curve turns arc length into fewer rows
@@ -428,8 +429,9 @@ def make_scene(rng, split="train", cfg=WorldConfig()):
         while True:
             dist, l = _place(rng, f.bucket, l_ranges[rng.integers(len(l_ranges))], in_lane, kappa, cfg, ego_lane)
             s0, l0 = _frame0(rng, f, dist, l, back, kappa, cfg, ego_lane)
-            r0, c0, hits0 = _lane_hits(s0, l0, kappa, cfg, ego_lane)
-            # the motion cue of a braking lead / crossing pedestrian must be in view at t = -0.5 s too
+            hits0 = _lane_hits(s0, l0, kappa, cfg, ego_lane)[2]
+            # the motion cue of a braking lead / crossing pedestrian must be in view at t = -0.5 s too (and the
+            # pedestrian off the ego lane then)
             if f.event not in ("lead_brake", "ped_cross") or (hits0 >= 0 and (f.event != "ped_cross" or hits0 == 0)):
                 break
         actors.append((kinds, [(s0, l0), (dist, l)]))
