@@ -163,23 +163,27 @@ def aarl_loss(logq, logr, toks, mask, adv, beta):
 def spec_stats(target, draft, data: T.Data, gamma, n=None, check_greedy=True):
     """Greedy speculative decoding of the CoC on each scene of data (batch 1).
 
-    Returns tau (tokens per target verification over all scenes), routine_fraction (share of
-    emitted tokens that were accepted drafts) and greedy_match (outputs equal target-only
-    greedy decoding on every scene; checked only when check_greedy)."""
+    Returns tau (tokens per target verification over all scenes), tau_ceiling (what a draft the
+    verifier never rejects would reach on these outputs), routine_fraction (share of emitted
+    tokens that were accepted drafts) and greedy_match (outputs equal target-only greedy decoding
+    on every scene; checked only when check_greedy)."""
     tok = data.tok
     tokens = rounds = from_draft = 0
+    lengths = []
     match = True
     for scene in data.scenes[:n]:
         prompt = driving.build_prompt(scene, tok)
         prompt = {k: v.to(next(target.parameters()).device) for k, v in prompt.items()}
         res = speculate.speculative(target, draft, prompt, gamma, 32, stop_token=tok.cot_end_id)
         tokens += len(res.tokens)
+        lengths.append(len(res.tokens))
         rounds += res.rounds
         from_draft += sum(res.from_draft)
         if check_greedy:
             base = speculate.autoregressive(target, prompt, 32, stop_token=tok.cot_end_id)
             match &= base.tokens == res.tokens
-    return {"tau": tokens / rounds, "routine_fraction": from_draft / tokens, "greedy_match": match}
+    return {"tau": tokens / rounds, "tau_ceiling": speculate.tau_ceiling(lengths, gamma),
+            "routine_fraction": from_draft / tokens, "greedy_match": match}
 
 
 # ---- training loop ----
@@ -275,7 +279,8 @@ def main(argv=None):
     after = {name: spec_stats(target, draft, data, a.gamma) for name, data in (("val", val), ("test", test))}
     for name in ("val", "test"):
         b, f = before[name], after[name]
-        print(f"{name:4s} tau {b['tau']:.2f} -> {f['tau']:.2f}   routine share {b['routine_fraction']:.3f} -> "
+        print(f"{name:4s} tau {b['tau']:.2f} -> {f['tau']:.2f} (ceiling {b['tau_ceiling']:.2f})   "
+              f"routine share {b['routine_fraction']:.3f} -> "
               f"{f['routine_fraction']:.3f}   greedy match {b['greedy_match']} / {f['greedy_match']}")
     print(f"AARL ({a.reference}) wall time {time.time() - t0:.0f} s; draft saved to {out}")
 

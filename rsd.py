@@ -81,9 +81,11 @@ def traj_ade(target, batch, coc, tok):
 
 
 def paper_table(target, drafts, data: T.Data, gamma, n_time, repeats, device):
-    """Rows target-only + one per draft: tau, routine share, reasoning ms/token, speed-up, ADE
-    of the trajectory after that arm's own CoC, and the model's attention split while writing
-    the CoC (image vs history keys; the target-only row shows the target's own)."""
+    """Rows target-only + one per draft: tau, routine share, the model's teacher-forced accuracy on
+    commitment tokens, reasoning ms/token, speed-up, ADE of the trajectory after that arm's own
+    CoC, and the model's attention split while writing the CoC (image vs history keys; the
+    target-only row shows the target's own). Also the tau ceiling: what a never-rejected draft
+    would reach on these CoCs (speculate.tau_ceiling)."""
     tok = data.tok
     prompts = [{k: v.to(device) for k, v in driving.build_prompt(s, tok).items()} for s in data.scenes]
     # Statistics on every test scene; timing on the first n_time (the same prompts for every arm).
@@ -96,20 +98,24 @@ def paper_table(target, drafts, data: T.Data, gamma, n_time, repeats, device):
         for i, batch in enumerate(data.batches(64, device)):
             pred = T.plan_trajectories(target, batch, cocs[64 * i:64 * (i + 1)], tok)
             ades.append(driving.ade_fde(pred, batch["traj"].cpu())[0] * len(pred))
-        attn = T.attention_split(drafts.get(name, target), target, data)
+        model = drafts.get(name, target)
+        attn = T.attention_split(model, target, data)
         rows.append({"name": name, "tau": stats[name]["tau"], "routine_fraction": stats[name]["routine_fraction"],
+                     "commit_acc": T.commitment_acc(model, target, data),
                      "ms_per_token": timing[name]["ms_per_token"], "speedup": timing[name]["speedup"],
                      "ade": sum(ades) / len(cocs), "attn_history": attn["history"], "attn_image": attn["image"],
                      "greedy_match": stats[name]["greedy_match"]})
-    return rows
+    ceiling = speculate.tau_ceiling([len(c) for c in stats["target-only"]["tokens"]], gamma)
+    return rows, ceiling
 
 
 def print_table(rows, log=print):
-    log(f"{'':15s} {'tau':>5s} {'routine':>8s} {'ms/token':>9s} {'speed-up':>9s} {'ADE m':>6s} "
+    log(f"{'':15s} {'tau':>5s} {'routine':>8s} {'commit':>7s} {'ms/token':>9s} {'speed-up':>9s} {'ADE m':>6s} "
         f"{'attn hist':>9s} {'attn img':>9s}")
     for r in rows:
-        log(f"{r['name']:15s} {r['tau']:5.2f} {r['routine_fraction']:8.3f} {r['ms_per_token']:9.3f} "
-            f"{r['speedup']:8.2f}x {r['ade']:6.2f} {r['attn_history']:9.3f} {r['attn_image']:9.3f}")
+        log(f"{r['name']:15s} {r['tau']:5.2f} {r['routine_fraction']:8.3f} {r['commit_acc']:7.3f} "
+            f"{r['ms_per_token']:9.3f} {r['speedup']:8.2f}x {r['ade']:6.2f} {r['attn_history']:9.3f} "
+            f"{r['attn_image']:9.3f}")
 
 
 # ---- figures ----
@@ -185,20 +191,23 @@ def main(argv=None):
     print(f"target on the held-out test split: CoC exact {metrics['coc_exact']:.3f}, "
           f"commitment accuracy {metrics['commitment_acc']:.3f}, ADE {metrics['ade']:.2f} m")
     show_scenes(target, drafts["flatrope+aarl"], test.scenes[:a.show], tok, a.gamma, device)
-    rows = paper_table(target, drafts, test, a.gamma, a.time_scenes, a.repeats, device)
+    rows, ceiling = paper_table(target, drafts, test, a.gamma, a.time_scenes, a.repeats, device)
     print(f"\nheld-out test split, {a.scenes} scenes, gamma {a.gamma}, {a.dtype} on {a.device} "
           f"({torch.get_num_threads()} threads); speed-up = reasoning-step ms/token vs target-only")
     print_table(rows)
+    print(f"tau ceiling (a draft never rejected, these CoCs, gamma {a.gamma}): {ceiling:.2f}; "
+          f"commit = teacher-forced accuracy on the commitment tokens")
     greedy_match = all(r["greedy_match"] for r in rows)
     print(f"greedy outputs identical to target-only on every scene and draft: {greedy_match}")
     print(f"wall time {time.time() - t0:.0f} s")
     if a.plot:
         plot(target, drafts["flatrope+aarl"], test.scenes[0], rows, tok, device)
     if a.json:
-        print(json.dumps({"greedy_match": greedy_match,
+        print(json.dumps({"greedy_match": greedy_match, "tau_ceiling": ceiling,
                           "target": {k: metrics[k] for k in ("coc_exact", "commitment_acc", "ade")},
-                          "rows": [{k: r[k] for k in ("name", "tau", "routine_fraction", "ms_per_token", "speedup",
-                                                      "ade", "attn_history", "attn_image")} for r in rows]}))
+                          "rows": [{k: r[k] for k in ("name", "tau", "routine_fraction", "commit_acc", "ms_per_token",
+                                                      "speedup", "ade", "attn_history", "attn_image")}
+                                   for r in rows]}))
 
 
 if __name__ == "__main__":

@@ -172,6 +172,13 @@ def expected_speedup(alpha, gamma, c):
     return expected_tau(alpha, gamma) / (gamma * c + 1.0)
 
 
+def tau_ceiling(lengths, gamma):
+    """tau of a draft the verifier never rejects, over sequences of the given lengths (stop token included):
+    each round yields at most gamma + 1 tokens, so a sequence of n tokens takes ceil(n / (gamma + 1)) rounds.
+    Short outputs cap tau well below gamma + 1, whatever the draft (a 17-token CoC at gamma 6: 17 / 3)."""
+    return sum(lengths) / sum(math.ceil(n / (gamma + 1)) for n in lengths)
+
+
 def measured_speedup(tau, t_target_1, t_draft_1, t_target_gamma1, gamma):
     """tau * T_target(1) / (gamma * T_draft(1) + T_target(gamma+1)), from measured step times."""
     return tau * t_target_1 / (gamma * t_draft_1 + t_target_gamma1)

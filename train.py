@@ -247,6 +247,24 @@ def evaluate_target(target, data: Data, batch_size=64, amp=False):
             "fde": sum(fdes) / n}
 
 
+@torch.no_grad()
+def commitment_acc(model, target, data: Data, batch_size=64):
+    """Teacher-forced argmax accuracy on the commitment tokens, for the target (model is target) or
+    a draft (reading the target's prompt embeddings, image features included, as when it drafts):
+    can this model supply the tokens that need the image?"""
+    hits = n = 0
+    for batch in data.batches(batch_size, next(target.parameters()).device):
+        if model is target:
+            logits = target(batch["input_ids"], **vision_kwargs(batch))  # (B, L, V)
+        else:
+            embeds = target.embed(batch["input_ids"], **vision_kwargs(batch))  # (B, L, D)
+            logits = model(batch["input_ids"], inputs_embeds=embeds, video_grid_thw=batch["video_grid_thw"])
+        n_b = batch["commit_mask"][:, :-1].sum().item()
+        hits += driving.commitment_accuracy(logits.argmax(-1), batch["input_ids"], batch["commit_mask"]) * n_b
+        n += n_b
+    return hits / max(n, 1)
+
+
 def key_groups(input_ids, tok):
     """Which key tokens are image (video placeholders), trajectory history (bins and their two
     markers) or other text -> three bool masks (B, L)."""

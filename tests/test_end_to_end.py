@@ -47,9 +47,10 @@ def test_rsd_json_contract_and_exactness(run_dir, capsys):
     assert set(out["target"]) == {"coc_exact", "commitment_acc", "ade"}
     assert [r["name"] for r in out["rows"]] == ["target-only", "replica", "flatrope", "flatrope+aarl"]
     for r in out["rows"]:
-        assert set(r) == {"name", "tau", "routine_fraction", "ms_per_token", "speedup", "ade", "attn_history",
-                          "attn_image"}
+        assert set(r) == {"name", "tau", "routine_fraction", "commit_acc", "ms_per_token", "speedup", "ade",
+                          "attn_history", "attn_image"}
         assert r["ms_per_token"] > 0 and 0 <= r["attn_history"] <= 1 and 0 <= r["attn_image"] <= 1
+        assert 0 <= r["commit_acc"] <= 1 and r["tau"] <= out["tau_ceiling"] + 1e-9   # no draft beats a perfect one
         # greedy exactness: every arm plans from the same CoCs, so the same trajectories
         assert r["ade"] == pytest.approx(out["rows"][0]["ade"])
     assert out["rows"][0]["tau"] == 1.0 and out["rows"][0]["routine_fraction"] == 0.0

@@ -21,7 +21,7 @@ import torch
 
 import speculate
 from speculate import (autoregressive, expected_speedup, expected_tau, measured_speedup, process_logits,
-                       speculative, verify_greedy, verify_sample)
+                       speculative, tau_ceiling, verify_greedy, verify_sample)
 
 SIGNIFICANCE = 1e-3
 
@@ -233,7 +233,10 @@ def test_draft_equal_target_gives_gamma_plus_one():
             assert res.blocks[:-1] == [gamma + 1] * (len(res.blocks) - 1)
             assert res.blocks[-1] == 50 - (gamma + 1) * (len(res.blocks) - 1)
             assert res.alpha == 1.0 and res.n_accepted == res.n_drafted
-            assert res.tau == 50 / math.ceil(50 / (gamma + 1))
+            assert res.tau == 50 / math.ceil(50 / (gamma + 1)) == tau_ceiling([50], gamma)
+    # over several outputs of different lengths, tau is tokens / rounds summed: exactly the ceiling
+    runs = [speculative(target, target, prompt_of(1, 2, 3), 4, m) for m in (3, 5, 11, 12)]
+    assert sum(len(r.tokens) for r in runs) / sum(r.rounds for r in runs) == tau_ceiling([3, 5, 11, 12], 4)
 
 
 def test_stop_token_inside_accepted_block():
