@@ -12,21 +12,27 @@ follows the decision.
 Which tokens are commitments (`commitment_mask`; the grammar is `coc_words`):
   - the state clause restates the history class (speed profile, turn): routine;
   - the decision's first word (keep / follow / slow / nudge / proceed / stay /
-    start) needs the image: an actor's kind AND whether it stands in the ego lane
-    (a cone in the lane -> nudge, on the shoulder -> keep; a pedestrian in the
-    lane -> stop, on the sidewalk -> keep), or the light's colour;
-  - in the cause, the actor or its predicate where the decision leaves several
-    (a lead vehicle braking or not);
+    start) needs the image: the kind of the actor that stands in the ego lane
+    (vehicle -> follow, pedestrian -> stop, cone -> nudge; none -> keep), or the
+    light's colour;
+  - in the cause, the lead vehicle's predicate (braking or not);
   - everything else follows from (history class, CoC prefix).
-A CoC has 1-2 commitments (mean 1.6) among ~16 tokens; `measure_routine_share` gives the
-share a perfect history-only reader gets right.
+A CoC has 1-2 commitments among ~16 tokens; `measure_routine_share` gives the share a
+perfect history-only reader gets right.
 
-The raster is object-level (see CHANNELS): the kind, the lane and the brake lights
-are drawn on the actor's own 2x2-px block (inside one 4-px ViT patch): no single
-channel gives the decision, yet everything is local. An earlier version drew the road
-and single-pixel actors whose lane had to be found from the lane lines; a target
-trained from scratch in minutes on a CPU never learned to read it (README,
-Limitations).
+Reading the evidence takes more than one attention hop (PAPER.md: the deliberative
+reasoner's deep attention over the video vs the routine reasoner's one layer). The
+raster is object-level (see CHANNELS) and split across the two frames: the earlier
+frame (t = -0.5 s) shows what each actor *is* (kind, brake lights), the current frame
+(t = 0) where it *is* (occupancy, ego lane, range). Most scenes hold a second actor of
+another kind off the ego lane (a decoy), so the kinds in view do not say which one is
+in the lane: that needs finding the in-lane token and reading what is drawn at the
+same place in the earlier frame (two hops), or, in the half of the scenes whose
+current frame shows the kinds too (seen_now), reading the kind on the in-lane token
+(one selective hop). Each actor stays inside one merged video token across the two
+frames and actors never share a token, so the link is exact. The vision tower attends
+within a frame (as Qwen2.5-VL's), so it cannot make the cross-frame link: the language
+model has to. `read_raster` in tests/test_driving.py is the exact two-hop reader.
 
 run: python driving.py --seed 0
 """
@@ -47,7 +53,8 @@ class WorldConfig:
     size: int = 24                 # raster height = width (px): 2x2 merged tokens per frame at PATCH 4, MERGE 3
     res: float = 1.25              # metres per pixel: the view reaches ~26 m ahead of the ego
     ego_row: int = 21              # ego's pixel row (x = 0); rows above it are ahead
-    ego_col: int = 13              # ego's pixel column (ego-lane centre at y = 0)
+    ego_col: int = 12              # ego's pixel column (ego-lane centre at y = 0): on the boundary of the
+    #                                two token columns, so that an in-lane actor falls in either one
     frame_gap: float = 0.5         # seconds between the two frames (t = -0.5 s, t = 0): enough for motion of >= 2 px
     dt: float = 0.1                # 10 Hz poses, as in Alpamayo
     n_hist: int = 16               # past steps -> 16 x (dx, dy, dh) = 48 history tokens
@@ -61,13 +68,15 @@ class WorldConfig:
     nudge_offset: float = 1.5      # lateral offset (m) of a nudge around a cone
 
 
-# One plane per channel: an object-level raster, as a perception stack's output would be drawn. Each actor paints its
-# kind, "brake" when its brake lights are lit, "in_lane" when it stands in the ego lane, and at t = 0 its range ring
-# (the merged-token row bands of BUCKET_ROWS, 5 m apart). The road itself (drivable area, lane lines) is not drawn:
-# its curvature is in the history, and in probes with it drawn a target trained from scratch for minutes on a CPU did
-# not learn to read the actors (commitment accuracy near 0.45 after 300-600 steps; README, Limitations).
-CHANNELS = ("stop_line", "ego", "vehicle", "pedestrian", "cone", "light_red", "light_green", "brake", "in_lane",
-            "range_5", "range_10", "range_15", "range_20")
+# One plane per channel: an object-level raster, as a perception stack's output would be drawn, split by frame. At
+# t = -0.5 s an actor paints what it is (APPEARANCE): its kind, "brake" when its brake lights are lit, a light's
+# colour. At t = 0 it paints where it is: "object", "in_lane" when it stands in the ego lane, and its range ring (the
+# row bands of BUCKET_ROWS, 5 m apart), plus its appearance again when the scene is seen_now (P_SEEN_NOW). The road itself (drivable area, lane lines) is not drawn: its curvature is in the history,
+# and in probes with it drawn a target trained from scratch for minutes on a CPU did not learn to read the actors
+# (commitment accuracy near 0.45 after 300-600 steps; README, Limitations).
+CHANNELS = ("stop_line", "ego", "vehicle", "pedestrian", "cone", "light_red", "light_green", "brake", "object",
+            "in_lane", "range_5", "range_10", "range_15", "range_20")
+APPEARANCE = ("vehicle", "pedestrian", "cone", "light_red", "light_green", "brake")  # what an actor is
 # The raster's tokenisation (train.target_config builds the vision tower with the same numbers): 4-px patches merged
 # 3x3 give 2x2 merged tokens per frame, 8 video tokens in all, which keeps the prompt short and an SFT step cheap;
 # M-RoPE still gives every video token distinct (t, h, w) ids.
@@ -82,47 +91,50 @@ ROADS = {"straight": 0.3, "curve_left": 0.25, "curve_right": 0.25, "intersection
 TURN = {"straight": "straight", "curve_left": "left", "curve_right": "right", "intersection": "straight"}
 FLAT = {"cruise": .4, "accel": .3, "decel": .3}
 # event -> (P(event | non-intersection road), P(history speed profile | event)); intersections hold red / green only
-# (50/50). Priors are balanced so that each history class leaves several decisions open: histories correlate with
-# the decision (slowing -> stop) but never fix it, and that residual ambiguity is what a commitment token is. Each
-# kind is about as often off the ego lane as in it: with off-lane pedestrians at 0.06 against 0.22 crossing, a
-# trained target said "stop" for every pedestrian (0/12 sidewalk scenes right on val).
+# (50/50). "clear" means nothing in the ego lane; it usually holds a decoy off the lane. Priors are balanced so that
+# each history class leaves several decisions open: histories correlate with the decision (slowing -> stop) but
+# never fix it, and that residual ambiguity is what a commitment token is.
 EVENTS = {
-    "clear":         (0.12, FLAT),
-    "oncoming":      (0.10, FLAT),
-    "ped_sidewalk":  (0.12, FLAT),
-    "cone_shoulder": (0.12, FLAT),
-    "lead_cruise":   (0.10, FLAT),
-    "lead_brake":    (0.12, {"cruise": .5, "decel": .4, "accel": .1}),
-    "ped_cross":     (0.16, {"cruise": .5, "decel": .4, "accel": .1}),
-    "cone_lane":     (0.16, {"cruise": .5, "decel": .2, "accel": .3}),
+    "clear":         (0.36, FLAT),
+    "lead_cruise":   (0.12, FLAT),
+    "lead_brake":    (0.14, {"cruise": .5, "decel": .4, "accel": .1}),
+    "ped_cross":     (0.19, {"cruise": .5, "decel": .4, "accel": .1}),
+    "cone_lane":     (0.19, {"cruise": .5, "decel": .2, "accel": .3}),
     "red":           (0.0,  {"cruise": .3, "decel": .5, "stand": .2}),
     "green":         (0.0,  {"cruise": .4, "decel": .1, "accel": .2, "stand": .3}),
 }
-DISTRACTORS = ("oncoming", "ped_sidewalk", "cone_shoulder")  # an actor off the ego lane: the decision is "keep"
-# Held-out (event, road) pairs: never in train/val, the whole test split. On each held-out road the kind is seen in
-# training only in its *other* state (left curves have cones only in the lane and lead vehicles only cruising; right
-# curves have pedestrians only crossing), so the test asks for kind AND lane / brake lights on a road where that
-# reading never occurred. Every decision word is still seen after every state clause: with the earlier choice
-# (in-lane cone on a left curve, crossing pedestrian on a right curve) "nudge" / "stop" never followed that state
-# clause in training, and a target at 1.00 on val scored 0.50 commitment accuracy there (README, Limitations).
-HELD_OUT = (("cone_shoulder", "curve_left"), ("ped_sidewalk", "curve_right"), ("lead_brake", "curve_left"))
+KINDS = ("vehicle", "pedestrian", "cone")
+# P(decoy kind | event): a decoy is an actor off the ego lane, never of the in-lane actor's kind, so the kinds in view
+# leave the in-lane one open in 9 of 10 actor scenes. None: no decoy. Only a lead vehicle brakes.
+P_DECOY = 0.9
+# P(the current frame shows what the actors are): otherwise (a detector dropout, for the whole frame) only the earlier
+# frame does. Scenes with the appearance in view now can be read in one hop; they are also what lets a target learn
+# the two-hop reading in minutes (README, Limitations).
+P_SEEN_NOW = 0.5
+# Held-out (event, decoy, road): never in train/val, the whole test split. On a left curve a cone and a pedestrian are
+# never in view together in training, nor on a right curve a pedestrian and a vehicle, whichever of the two is in the
+# lane; each event is seen on that road with its other decoy, and every decision word after every state clause. Both
+# assignments of a pair are held out: holding out one alone (cone in the lane, pedestrian beside it, left curve) leaves
+# its mirror in training on that road, and a target reading "which kinds are in view" plus the road scored 0.05
+# there while 0.82 on val. (An earlier world held out (event, road) pairs whose decision word never followed that
+# state clause in training; a target at 1.00 on val scored 0.50 commitment accuracy there.)
+HELD_OUT = (("cone_lane", "pedestrian", "curve_left"), ("ped_cross", "cone", "curve_left"),
+            ("ped_cross", "vehicle", "curve_right"), ("lead_cruise", "pedestrian", "curve_right"),
+            ("lead_brake", "pedestrian", "curve_right"))
 SPLITS = {"train": 0, "val": 1, "test": 2}
 V_RANGE = {"cruise": (5.0, 8.5), "decel": (3.0, 7.0), "accel": (4.0, 8.0), "stand": (0.0, 0.0)}  # v0 (m/s)
 HIST_ACCEL = {"cruise": 0.0, "decel": -2.0, "accel": 1.5, "stand": 0.0}  # m/s^2 over the 1.6 s history
 # Range rings: bands of 4 pixel rows (5 m) ahead of the ego; an actor is placed so that its block lies in its ring.
 BUCKET_ROWS = {5: (16, 19), 10: (12, 15), 15: (8, 11), 20: (4, 7)}
-# event -> (raster channel, proposal intervals for l at t = 0 (one is drawn), in the ego lane?). An actor is drawn as
-# the 2x2-px block that holds its position; "in the ego lane" means that at least 2 of its 4 pixels lie on the
-# ego lane (lane_planes), "off" that none does. Placement rejects anything in between, so the evidence is unambiguous.
-ACTORS = {
-    "oncoming":      ("vehicle",    ((3.0, 4.5),),                 False),
-    "ped_sidewalk":  ("pedestrian", ((-4.5, -3.0), (5.9, 6.9)),    False),   # right or left sidewalk
-    "cone_shoulder": ("cone",       ((-4.0, -3.0),),               False),
-    "lead_cruise":   ("vehicle",    ((-0.5, 0.5),),                True),
-    "lead_brake":    ("vehicle",    ((-0.5, 0.5),),                True),
-    "ped_cross":     ("pedestrian", ((-0.8, 0.8),),                True),
-    "cone_lane":     ("cone",       ((-0.6, 0.6),),                True),
-}
+# An actor is drawn as the 2x2-px block that holds its position; "in the ego lane" means that at least 2 of its 4
+# pixels lie on the ego lane (lane_planes), "off" that none does. Placement rejects anything in between, so the
+# evidence is unambiguous. l intervals (lateral offset at t = 0, one drawn) span both token columns (ego_col).
+ACTORS = {  # in-lane event -> kind
+    "lead_cruise": "vehicle", "lead_brake": "vehicle", "ped_cross": "pedestrian", "cone_lane": "cone"}
+IN_LANE_L = (-1.2, 1.2)
+DECOY_L = {"vehicle": ((3.0, 4.5),),                   # oncoming lane
+           "pedestrian": ((-4.5, -3.0), (5.9, 6.9)),   # right or left sidewalk
+           "cone": ((-4.0, -3.0), (3.0, 4.5))}         # shoulder, or the oncoming lane's edge
 
 
 @dataclass(frozen=True)
@@ -131,7 +143,8 @@ class Factors:
     road: str
     event: str
     speed: str              # history speed profile: cruise | decel | accel | stand
-    bucket: object          # range ring 5 / 10 / 15 / 20 (m) of the actor / stop line, None on a clear road
+    bucket: object          # range ring 5 / 10 / 15 / 20 (m) of the in-lane actor / stop line, None on a clear road
+    decoy: object = None    # kind of the off-lane actor, or None; it never enters the CoC
 
     @property
     def turn(self):
@@ -143,7 +156,7 @@ class Factors:
 
     @property
     def decision(self):
-        if self.event in ("clear",) + DISTRACTORS:
+        if self.event == "clear":
             return "keep"
         if self.event in ("red", "green") and self.speed == "stand":
             return "stay" if self.event == "red" else "start"
@@ -169,10 +182,7 @@ def coc_words(f):
         "start": ["start", "moving"],
     }[f.decision]
     cause = {
-        "clear": "the road ahead is clear",
-        "oncoming": "the oncoming vehicle ahead stays in its lane",
-        "ped_sidewalk": "the pedestrian ahead walks on the sidewalk",
-        "cone_shoulder": "the cone stands on the shoulder",
+        "clear": "our lane ahead is clear",
         "lead_cruise": "it moves steadily ahead",
         "lead_brake": "it is braking ahead",
         "ped_cross": "the pedestrian ahead is crossing our lane",
@@ -188,12 +198,11 @@ def _buckets(event, speed):
         return [None]
     if speed == "stand":
         return [5]                      # waiting at the stop line
-    # 5 m is too close to stop or nudge in time from speed, so only distractors use it
-    return [5, 10, 15, 20] if event in DISTRACTORS else [10, 15, 20]
+    return [10, 15, 20]                 # 5 m is too close to stop or nudge in time from speed: decoys only
 
 
 def _support():
-    """Every Factors the world can produce (all splits): the grammar's support."""
+    """Every Factors the world can produce (all splits), decoy left at None: the grammar's support."""
     for road in ROADS:
         events = ("red", "green") if road == "intersection" else [e for e in EVENTS if EVENTS[e][0] > 0]
         for event in events:
@@ -256,14 +265,23 @@ class Scene:
     dist: float             # arc length (m) to the actor / stop line at t = 0 (nan if none)
     hist: np.ndarray        # (16, 3) per-step (dx, dy, dh) in the previous pose's frame
     frames: np.ndarray      # (2, C, H, W) float32 raster at t = -0.5 s and t = 0
+    seen_now: bool          # the current frame shows the actors' appearance too (one-hop readable)
     coc: list               # CoC words (without <cot_end>)
     commit: list            # bool per CoC word + <cot_end>
     traj: np.ndarray        # (32, 2) future waypoints (x, y) in metres, ego frame
 
 
+def sample_decoy(rng, event):
+    """The decoy's kind (or None): any kind on a clear road, another kind than the in-lane actor's beside one."""
+    if event in ("red", "green") or rng.random() >= P_DECOY:
+        return None
+    kinds = [k for k in KINDS if k != ACTORS.get(event)]
+    return kinds[rng.integers(len(kinds))]
+
+
 def sample_factors(rng, split):
     if split == "test":
-        event, road = HELD_OUT[rng.integers(len(HELD_OUT))]
+        event, decoy, road = HELD_OUT[rng.integers(len(HELD_OUT))]
     else:
         while True:
             road = str(rng.choice(list(ROADS), p=list(ROADS.values())))
@@ -272,13 +290,14 @@ def sample_factors(rng, split):
             else:
                 names = [e for e in EVENTS if EVENTS[e][0] > 0]
                 event = str(rng.choice(names, p=[EVENTS[e][0] for e in names]))
-            if (event, road) not in HELD_OUT:
+            decoy = sample_decoy(rng, event)
+            if (event, decoy, road) not in HELD_OUT:
                 break
     prof = EVENTS[event][1]
     speed = str(rng.choice(list(prof), p=list(prof.values())))
     buckets = _buckets(event, speed)
     bucket = buckets[rng.integers(len(buckets))]
-    return Factors(road, event, speed, None if bucket is None else int(bucket))
+    return Factors(road, event, speed, None if bucket is None else int(bucket), decoy)
 
 
 def history_deltas(v0, speed, kappa, cfg):
@@ -342,10 +361,17 @@ def block(s, l, kappa, cfg):
     return r - r % 2, c - c % 2
 
 
-def render(kappa, actors, stop_line, cfg):
-    """actors: [(channels, [(s, l) at frame 0, (s, l) at frame 1])]; stop_line: [s per frame] or None -> (2, C, H, W).
-    An actor paints its channels on its block, "in_lane" where >= 2 of the block's pixels lie in the ego lane, and
-    in the current frame (t = 0) its range ring; a stop line is drawn across the ego lane."""
+def token_of(r, c):
+    """The merged video token (row, col) of frame pixel (r, c)."""
+    return r // (PATCH * MERGE), c // (PATCH * MERGE)
+
+
+def render(kappa, actors, stop_line, seen_now, cfg):
+    """actors: [(appearance channels, [(s, l) at frame 0, (s, l) at frame 1])]; stop_line: [s per frame] or None
+    -> (2, C, H, W). At t = -0.5 s an actor paints its appearance (APPEARANCE: kind, brake, light colour) on its
+    block; at t = 0 it paints "object", "in_lane" where >= 2 of the block's pixels lie in the ego lane, its range
+    ring, and its appearance again if seen_now. The ego and a stop line across the ego lane are drawn in both
+    frames."""
     S, L, ego_lane = lane_planes(kappa, cfg)
     ch = {n: i for i, n in enumerate(CHANNELS)}
     ring_of_row = {r: b for b, (lo, hi) in BUCKET_ROWS.items() for r in range(lo, hi + 1)}
@@ -355,14 +381,18 @@ def render(kappa, actors, stop_line, cfg):
         if stop_line is not None:
             img[ch["stop_line"]] = (np.abs(S - stop_line[f]) < cfg.res / 2) & (np.abs(L) <= cfg.lane_width / 2)
         img[ch["ego"], cfg.ego_row:cfg.ego_row + 2, cfg.ego_col] = 1
-        for kinds, poses in actors:
+        for appearance, poses in actors:
             r, c = block(*poses[f], kappa, cfg)
-            rs, cs = slice(max(r, 0), r + 2), slice(max(c, 0), c + 2)   # clipped at the raster's edge
-            for kind in kinds:
-                img[ch[kind], rs, cs] = 1
+            rs, cs = slice(r, r + 2), slice(c, c + 2)   # placement keeps every block inside the raster
+            if f == 0 or seen_now:
+                for name in appearance:
+                    img[ch[name], rs, cs] = 1
+            if f == 0:
+                continue
+            img[ch["object"], rs, cs] = 1
             if ego_lane[rs, cs].sum() >= 2:
                 img[ch["in_lane"], rs, cs] = 1
-            if f == 1 and r in ring_of_row:   # the range of the actor now: one ring, not two, per actor
+            if r in ring_of_row:
                 img[ch[f"range_{ring_of_row[r]}"], rs, cs] = 1
     return out
 
@@ -389,26 +419,33 @@ def _place(rng, bucket, l_range, in_lane, kappa, cfg, ego_lane):
     raise RuntimeError("actor placement failed")
 
 
-def _frame0(rng, f, dist, l, back, kappa, cfg, ego_lane):
-    """The actor's (s, l) at t = -0.5 s, given its (dist, l) at t = 0 and the ego's travel `back` in between."""
+def _frame0(rng, motion, dist, l, back, kappa, cfg):
+    """An actor's (s, l) at t = -0.5 s, given its (dist, l) at t = 0 and the ego's travel `back` in between.
+    motion: an in-lane event, or "decoy_<kind>"."""
     s0, l0 = dist + back, l                                  # static in the world
-    if f.event == "oncoming":
+    if motion == "decoy_vehicle":                            # oncoming: approaches faster than the ego's travel
         s0 += rng.uniform(4.0, 7.0) * cfg.frame_gap
-    elif f.event == "ped_sidewalk":
+    elif motion == "decoy_pedestrian":
         s0 += rng.uniform(-0.8, 0.8)                          # standing or walking along the sidewalk
-    elif f.event == "lead_cruise":
+    elif motion == "lead_cruise":
         s0 = dist                                             # keeps the gap: same block in both frames
-    elif f.event == "lead_brake":                             # closes in by >= one block (2 rows) in the frame gap
+    elif motion == "lead_brake":                              # closes in by >= one block (2 rows) in the frame gap
         s0 = dist + rng.uniform(2.5, 3.5)
         while block(s0, l, kappa, cfg)[0] > block(dist, l, kappa, cfg)[0] - 2:
             s0 += 0.5                                         # a curve turns arc length into fewer rows
-    elif f.event == "ped_cross":                             # stepped in from the oncoming lane or the shoulder
-        sign = rng.choice([-1.0, 1.0])
-        for _ in range(1000):
-            l0 = sign * rng.uniform(2.5, 4.0)
-            if _lane_hits(s0, l0, kappa, cfg, ego_lane)[2] == 0:
-                break
+    elif motion == "ped_cross":                               # stepped in from the oncoming lane or the shoulder
+        l0 = rng.choice([-1.0, 1.0]) * rng.uniform(2.5, 4.0)
     return s0, l0
+
+
+def _tracked(poses, kappa, cfg, ego_lane, off_lane_then=False):
+    """The merged token an actor occupies in both frames, or None if its blocks leave the raster or change token
+    (the two-hop link is "same token, earlier frame"). off_lane_then: its t = -0.5 s block must be off the lane."""
+    hits = [_lane_hits(s, l, kappa, cfg, ego_lane) for s, l in poses]
+    if any(h < 0 for _, _, h in hits) or (off_lane_then and hits[0][2] != 0):
+        return None
+    tokens = {token_of(r, c) for r, c, _ in hits}
+    return tokens.pop() if len(tokens) == 1 else None
 
 
 def make_scene(rng, split="train", cfg=WorldConfig()):
@@ -420,24 +457,40 @@ def make_scene(rng, split="train", cfg=WorldConfig()):
     ego_lane = lane_planes(kappa, cfg)[2]
     actors, stop_line, dist = [], None, float("nan")
     if f.event in ("red", "green"):
-        dist, _ = _place(rng, f.bucket, (0.0, 0.0), True, 0.0, cfg, ego_lane)
-        stop_line = [dist + back, dist]
-        actors.append((("light_" + f.event,), [(dist + back, -3.0), (dist, -3.0)]))   # beside the stop line
-    elif f.event != "clear":
-        chan, l_ranges, in_lane = ACTORS[f.event]
-        kinds = (chan, "brake") if f.event == "lead_brake" else (chan,)
-        while True:
-            dist, l = _place(rng, f.bucket, l_ranges[rng.integers(len(l_ranges))], in_lane, kappa, cfg, ego_lane)
-            s0, l0 = _frame0(rng, f, dist, l, back, kappa, cfg, ego_lane)
-            hits0 = _lane_hits(s0, l0, kappa, cfg, ego_lane)[2]
-            # the motion cue of a braking lead / crossing pedestrian must be in view at t = -0.5 s too (and the
-            # pedestrian off the ego lane then)
-            if f.event not in ("lead_brake", "ped_cross") or (hits0 >= 0 and (f.event != "ped_cross" or hits0 == 0)):
+        for _ in range(1000):   # the light, like every actor, keeps one merged token across the frames
+            dist, _ = _place(rng, f.bucket, (0.0, 0.0), True, 0.0, cfg, ego_lane)
+            poses = [(dist + back, -3.0), (dist, -3.0)]                  # beside the stop line
+            if _tracked(poses, kappa, cfg, ego_lane) is not None:
                 break
-        actors.append((kinds, [(s0, l0), (dist, l)]))
-    frames = render(kappa, actors, stop_line, cfg)
+        else:
+            raise RuntimeError(f"light placement failed for {f}")
+        stop_line = [dist + back, dist]
+        actors.append((("light_" + f.event,), poses))
+    else:
+        # Rejection: every actor keeps one merged token across the two frames, and no two actors share one.
+        for _ in range(1000):
+            actors, tokens = [], []
+            if f.event != "clear":
+                kind = ACTORS[f.event]
+                dist, l = _place(rng, f.bucket, IN_LANE_L, True, kappa, cfg, ego_lane)
+                poses = [_frame0(rng, f.event, dist, l, back, kappa, cfg), (dist, l)]
+                tokens.append(_tracked(poses, kappa, cfg, ego_lane, off_lane_then=f.event == "ped_cross"))
+                actors.append(((kind, "brake") if f.event == "lead_brake" else (kind,), poses))
+            if f.decoy is not None:
+                ranges = DECOY_L[f.decoy]
+                s, l = _place(rng, int(rng.choice(list(BUCKET_ROWS))), ranges[rng.integers(len(ranges))], False,
+                              kappa, cfg, ego_lane)
+                poses = [_frame0(rng, "decoy_" + f.decoy, s, l, back, kappa, cfg), (s, l)]
+                tokens.append(_tracked(poses, kappa, cfg, ego_lane))
+                actors.append(((f.decoy,), poses))
+            if None not in tokens and len(set(tokens)) == len(tokens):
+                break
+        else:
+            raise RuntimeError(f"actor placement failed for {f}")
+    seen_now = bool(rng.random() < P_SEEN_NOW)
+    frames = render(kappa, actors, stop_line, seen_now, cfg)
     coc = coc_words(f)
-    return Scene(f, float(kappa), float(v0), dist, hist, frames, coc, commitment_mask(coc, f.hist_class),
+    return Scene(f, float(kappa), float(v0), dist, hist, frames, seen_now, coc, commitment_mask(coc, f.hist_class),
                  plan(f, v0, kappa, dist, cfg))
 
 
@@ -592,7 +645,7 @@ def measure_routine_share(n=20000, seed=0, split="train"):
 
 # ---- demo ----
 GLYPHS = (("ego", "E"), ("vehicle", "V"), ("pedestrian", "P"), ("cone", "C"), ("light_red", "R"),
-          ("light_green", "G"), ("stop_line", "="))
+          ("light_green", "G"), ("in_lane", "L"), ("object", "o"), ("stop_line", "="))
 
 
 def ascii_render(frames):
@@ -619,7 +672,7 @@ def main():
     for sc in make_split(args.split, args.n, args.seed):
         f = sc.f
         speeds = np.linalg.norm(np.diff(np.vstack([[0, 0], sc.traj]), axis=0), axis=1) / 0.1
-        print(f"{f.road} / {f.event} | history class {f.hist_class} v0 {sc.v0:.1f} m/s | decision {f.decision}")
+        print(f"{f.road} / {f.event} / decoy {f.decoy} | history class {f.hist_class} v0 {sc.v0:.1f} m/s | decision {f.decision}")
         print("  CoC: " + " ".join(w + ("*" if c else "") for w, c in zip(sc.coc + ["<cot_end>"], sc.commit)))
         print(f"  trajectory: end ({sc.traj[-1, 0]:.1f}, {sc.traj[-1, 1]:.1f}) m, speed {speeds[0]:.1f} -> "
               f"{speeds[-1]:.1f} m/s" + ("" if np.isnan(sc.dist) else f", obstacle at {sc.dist:.1f} m"))

@@ -139,7 +139,7 @@ def plot(target, draft, scene, rows, tok, device, out="figures"):
     batch = T.to_device(driving.collate([driving.make_example(scene, tok)], tok.pad_id), device)
     pred = T.plan_trajectories(target, batch, [spec.tokens], tok)[0].cpu()
     cfg = driving.WorldConfig()
-    frame = scene.frames[-1]
+    frame = scene.frames.max(0)  # (C, H, W): both frames overlaid (kinds are drawn at t = -0.5 s, objects at t = 0)
     fig, ax = plt.subplots(figsize=(5, 5))
     kinds = frame[:driving.CHANNELS.index("light_green") + 1]  # (C', H, W): stop line, ego, actors, lights
     ax.imshow((kinds.argmax(0) + 1) * (kinds.sum(0) > 0), cmap="tab10")

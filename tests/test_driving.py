@@ -85,11 +85,12 @@ def test_history_tokens_decode_within_one_bin(train, tok):
 def test_held_out_combinations_only_in_test(train):
     val, test = D.make_split("val", 300, seed=0), D.make_split("test", 300, seed=0)
     held = set(D.HELD_OUT)
-    assert not any((sc.f.event, sc.f.road) in held for sc in train + val)
-    assert {(sc.f.event, sc.f.road) for sc in test} == held
-    # composable: each held-out event and each held-out road is seen in train, just not together
-    assert {e for e, _ in held} <= {sc.f.event for sc in train}
-    assert {r for _, r in held} <= {sc.f.road for sc in train}
+    assert not any((sc.f.event, sc.f.decoy, sc.f.road) in held for sc in train + val)
+    assert {(sc.f.event, sc.f.decoy, sc.f.road) for sc in test} == held
+    # composable: each held-out (event, road) and each (event, decoy) pair is seen in train, just not all three
+    seen = {(sc.f.event, sc.f.decoy, sc.f.road) for sc in train}
+    for e, d, r in held:
+        assert any(s[0] == e and s[2] == r for s in seen) and any(s[:2] == (e, d) for s in seen)
 
 
 def test_deterministic_with_seed():
@@ -105,11 +106,11 @@ def test_deterministic_with_seed():
 
 # ---- the premise: routine vs commitment tokens ----
 def test_routine_share_in_range(train):
-    # by construction (mask): ~1.6 commitments per ~16.3 tokens; measured (Bayes history-only reader) ~0.945 at
-    # n = 20000, printed by `python driving.py`
+    # by construction (mask): ~1.34 commitments per ~16.1 tokens; measured (Bayes history-only reader) ~0.954 at
+    # n = 4000, printed by `python driving.py`
     by_mask = 1 - sum(sum(s.commit) for s in train) / sum(len(s.commit) for s in train)
-    assert 0.87 <= by_mask <= 0.93
-    assert 0.92 <= D.measure_routine_share(4000, seed=0) <= 0.97
+    assert 0.89 <= by_mask <= 0.94
+    assert 0.93 <= D.measure_routine_share(4000, seed=0) <= 0.98
 
 
 def test_commitment_mask_consistent_with_grammar(train):
@@ -145,59 +146,90 @@ def test_same_history_different_decision(train, tok):
     assert all(len(v) >= 2 for v in classes.values())
 
 
-# ---- raster: the evidence is there and needs kind AND lane ----
-IN_LANE = ("lead_cruise", "lead_brake", "ped_cross", "cone_lane")
+# ---- raster: the evidence is there, and it takes two hops ----
+CH = {n: i for i, n in enumerate(D.CHANNELS)}
+T = D.PATCH * D.MERGE                                               # pixels per merged video token side
+
+
+def blocks(plane):
+    """Top-left pixels of the 2x2 blocks set in a (H, W) plane, checking that they are whole, even-aligned blocks."""
+    rows, cols = np.nonzero(plane)
+    tops = sorted({(r - r % 2, c - c % 2) for r, c in zip(rows, cols)})
+    assert len(rows) == 4 * len(tops) and all(plane[r:r + 2, c:c + 2].all() for r, c in tops)
+    return tops
 
 
 def test_raster_evidence(train):
-    ch = {n: i for i, n in enumerate(D.CHANNELS)}
+    appearance = [CH[n] for n in D.APPEARANCE]
     for sc in train:
         f, fr = sc.f, sc.frames
         assert fr.shape == (2, len(D.CHANNELS), CFG.size, CFG.size) and fr.dtype == np.float32
         assert set(np.unique(fr)) <= {0.0, 1.0}
-        if f.event in ("clear", "red", "green"):
-            assert fr[:, [ch["vehicle"], ch["pedestrian"], ch["cone"]]].sum() == 0
-            if f.event != "clear":
-                assert fr[1, ch["light_" + f.event]].sum() == 4 and fr[1, ch["stop_line"]].sum() > 0
-            continue
-        chan = ch[D.ACTORS[f.event][0]]
-        rows, cols = np.nonzero(fr[1, chan])
-        assert len(rows) == 4 and rows.min() % 2 == 0 and cols.min() % 2 == 0      # one whole 2x2 patch at t = 0
-        lo, hi = D.BUCKET_ROWS[f.bucket]
-        assert lo <= rows.min() <= hi and fr[1, ch[f"range_{f.bucket}"], rows, cols].all()
-        assert fr[0, [ch[f"range_{b}"] for b in D.BUCKET_ROWS]].sum() == 0           # range only for t = 0
-        # the same kinds occur in and off the ego lane: the in_lane plane agrees with the geometry it was drawn from
+        # where an actor is only at t = 0; what it is at t = -0.5 s, and at t = 0 only when seen_now
+        assert fr[0, [CH["object"], CH["in_lane"]] + [CH[f"range_{b}"] for b in D.BUCKET_ROWS]].sum() == 0
+        before = blocks(fr[0, appearance].max(0))
+        now = blocks(fr[1, CH["object"]])
+        if sc.seen_now:
+            assert blocks(fr[1, appearance].max(0)) == now
+        else:
+            assert fr[1, appearance].sum() == 0
+        n_actors = (f.event in D.ACTORS) + (f.decoy is not None) + (f.event in ("red", "green"))
+        assert len(before) == len(now) == n_actors
+        # each actor keeps one merged token across the frames, and no two actors share a token
+        assert sorted(D.token_of(r, c) for r, c in before) == sorted(D.token_of(r, c) for r, c in now)
+        assert len({D.token_of(r, c) for r, c in now}) == n_actors
+        # exactly the in-lane actor carries in_lane, and it agrees with the geometry it was drawn from
         ego_lane = D.lane_planes(sc.kappa, CFG)[2]
-        in_lane = f.event in IN_LANE
-        assert fr[1, ch["in_lane"], rows, cols].all() == in_lane == (ego_lane[rows, cols].sum() >= 2)
-        if not in_lane:
-            assert ego_lane[rows, cols].sum() == 0
-        assert fr[:, ch["brake"]].any() == (f.event == "lead_brake")
-        if f.event == "ped_cross":                                   # it stepped in from outside the lane
-            r0, c0 = np.nonzero(fr[0, chan])
-            assert len(r0) == 4 and fr[0, ch["in_lane"]].sum() == 0
-        if f.event in ("lead_cruise", "lead_brake"):
-            r0 = np.nonzero(fr[0, chan])[0].min()
-            assert (rows.min() - r0 >= 2) if f.event == "lead_brake" else (r0 == rows.min())
+        lane = blocks(fr[1, CH["in_lane"]])
+        assert len(lane) == (f.event in D.ACTORS)
+        for r, c in now:
+            hits = ego_lane[r:r + 2, c:c + 2].sum()
+            assert (hits >= 2) if (r, c) in lane else (hits == 0 or f.event in ("red", "green"))
+        if f.event in D.ACTORS:
+            (r, c), = lane
+            lo, hi = D.BUCKET_ROWS[f.bucket]
+            assert lo <= r <= hi and fr[1, CH[f"range_{f.bucket}"], r, c]
+        # a decoy is never of the in-lane actor's kind
+        kinds_seen = {k for k in D.KINDS if fr[0, CH[k]].any()}
+        assert kinds_seen == {D.ACTORS.get(f.event), f.decoy} - {None}
+        assert not (fr[0, CH["brake"]] > fr[0, CH["vehicle"]]).any()
+        assert fr[0, CH["brake"]].any() == (f.event == "lead_brake")                 # only a lead vehicle brakes
+
+
+def test_kinds_in_view_do_not_give_the_decision(train):
+    """A one-hop reader that pools the evidence over the video (which kinds, brake lights and in_lane marks are in
+    view, not where) cannot tell the decision when something is in the lane: the premise that a 1-layer draft
+    cannot simply copy the evidence. Unambiguous to it: the 1 in 10 in-lane scenes without a decoy, and a braking
+    lead (only a lead vehicle brakes)."""
+    pooled = [CH[n] for n in D.APPEARANCE] + [CH["in_lane"]]
+    bag = lambda sc: tuple(sc.frames[:, pooled].any(axis=(0, 2, 3)))   # (channels,) present anywhere in the video
+    in_lane = [sc for sc in train if sc.f.event in D.ACTORS]
+    decisions = defaultdict(set)
+    for sc in in_lane:
+        decisions[bag(sc)].add(sc.f.decision)
+    assert sum(len(decisions[bag(sc)]) > 1 for sc in in_lane) / len(in_lane) > 0.6   # 0.67 at seed 0
 
 
 def read_raster(frames):
-    """A hand-written reader of the raster alone -> (event, bucket): kind AND in-lane AND brake on the actor's patch
-    at t = 0. If it is exact, the image determines every commitment; no single channel does."""
-    ch = {n: i for i, n in enumerate(D.CHANNELS)}
-    now = frames[1]
-    ring = next((b for b in D.BUCKET_ROWS if now[ch[f"range_{b}"]].any()), None)
+    """The exact two-hop reader of the raster alone -> (event, bucket): find the in-lane block at t = 0 (hop 1), read
+    the kind and brake lights drawn in the same merged token at t = -0.5 s (hop 2). If it is exact, the image
+    determines every commitment."""
+    before, now = frames
+    objects = blocks(now[CH["object"]])
+    ring = lambda r, c: next((b for b in D.BUCKET_ROWS if now[CH[f"range_{b}"], r, c]), None)
     for light in ("red", "green"):
-        if now[ch["light_" + light]].any():
-            return light, ring
-    kind = next((k for k in ("vehicle", "pedestrian", "cone") if now[ch[k]].any()), None)
-    if kind is None:
+        if before[CH["light_" + light]].any():
+            return light, ring(*objects[0])
+    lane = blocks(now[CH["in_lane"]])
+    if not lane:
         return "clear", None
-    in_lane = bool((now[ch[kind]] * now[ch["in_lane"]]).any())
-    event = {("vehicle", False): "oncoming", ("pedestrian", False): "ped_sidewalk", ("cone", False): "cone_shoulder",
-             ("vehicle", True): "lead_brake" if now[ch["brake"]].any() else "lead_cruise",
-             ("pedestrian", True): "ped_cross", ("cone", True): "cone_lane"}[kind, in_lane]
-    return event, ring
+    (r, c), = lane
+    tr, tc = D.token_of(r, c)
+    same_place = before[:, tr * T:(tr + 1) * T, tc * T:(tc + 1) * T]   # the same merged token, earlier frame
+    kind, = [k for k in D.KINDS if same_place[CH[k]].any()]
+    event = {"vehicle": "lead_brake" if same_place[CH["brake"]].any() else "lead_cruise",
+             "pedestrian": "ped_cross", "cone": "cone_lane"}[kind]
+    return event, ring(r, c)
 
 
 def test_raster_alone_determines_visual_factors(train):

@@ -70,6 +70,32 @@ def test_distillation_lowers_the_kl(tmp_path, tok):
         assert os.path.exists(tmp_path / f"draft_{k}" / "model.safetensors")
 
 
+def test_batches_walk_a_permutation(tok):
+    """No scene repeats inside an epoch, the order is a pure function of (seed, step), and DDP ranks split a batch."""
+    data = T.Data("train", 20, 0, tok)
+    key = lambda b: [tuple(x[m.bool()].tolist()) for x, m in zip(b["input_ids"], b["attention_mask"])]  # unpadded
+    seen = [s for step in range(4) for s in key(data.batch(step, 5))]
+    assert sorted(seen) == sorted(key(next(data.batches(20))))           # epoch 0 = every scene once
+    assert key(data.batch(2, 5)) == key(T.Data("train", 20, 0, tok).batch(2, 5))
+    assert key(data.batch(4, 5)) != key(data.batch(0, 5))                 # epoch 1 has its own order
+    whole = key(data.batch(1, 4))
+    assert sorted(key(data.batch(1, 4, rank=0, world=2)) + key(data.batch(1, 4, rank=1, world=2))) == sorted(whole)
+    with pytest.raises(ValueError, match="batch size 32 is larger than the 20 scenes"):
+        data.batch(0, 32)
+
+
+def test_vision_tower_frozen_unless_asked(tmp_path, tok):
+    data = T.Data("train", 64, 0, tok)
+    torch.manual_seed(0)
+    fresh = M.VLA(T.target_config(tok, "test-tiny")).state_dict()
+    for train_vision in (False, True):
+        trained = T.train_target(tiny_cfg(tmp_path / str(train_vision), target_steps=3, train_vision=train_vision),
+                                 tok, data, data, log=lambda *_: None).state_dict()
+        vision_moved = [not torch.equal(trained[k], fresh[k]) for k in fresh if k.startswith("visual.")]
+        lm_moved = [not torch.equal(trained[k], fresh[k]) for k in fresh if k.startswith("layers.")]
+        assert any(lm_moved) and (all(vision_moved) if train_vision else not any(vision_moved))
+
+
 def test_resume_is_exact(tmp_path, tok):
     """4 steps straight == 2 steps, a checkpoint, a fresh process state, 2 more steps."""
     data = T.Data("train", 64, 0, tok)
