@@ -118,6 +118,21 @@ def print_table(rows, log=print):
             f"{r['attn_image']:9.3f}")
 
 
+def gamma_sweep(target, drafts, splits, gammas, log=print):
+    """tau of every draft and the tau ceiling per split and draft length gamma -> {split: {gamma: {...}}}.
+    A round yields at most gamma + 1 tokens and its last one is always the target's, so whether a draft's miss
+    costs a round depends on where the commitment falls against the round boundaries, hence on gamma."""
+    out = {}
+    for split, data in splits.items():
+        out[split] = {}
+        for g in gammas:
+            row = {name: aarl.spec_stats(target, d, data, g, check_greedy=False) for name, d in drafts.items()}
+            out[split][g] = {"ceiling": next(iter(row.values()))["tau_ceiling"], **{k: v["tau"] for k, v in row.items()}}
+            log(f"{split:5s} gamma {g}: ceiling {out[split][g]['ceiling']:.2f}  "
+                + "  ".join(f"{k} {v['tau']:.2f}" for k, v in row.items()))
+    return out
+
+
 # ---- figures ----
 
 
@@ -174,10 +189,17 @@ def main(argv=None):
     ap.add_argument("--dtype", default="fp32", choices=sorted(bench.DTYPES),
                     help="inference dtype (fp32: the exactness claims hold bit for bit)")
     ap.add_argument("--plot", action="store_true", help="write figures/ (needs matplotlib)")
+    ap.add_argument("--sweep", default="", help="also tau per draft on val and test for these gammas, e.g. 4,5,6,7,8")
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     a = ap.parse_args(argv)
     if a.gamma < 1 or a.scenes < 1 or a.time_scenes < 1 or a.repeats < 1 or a.show < 0:
         ap.error("--gamma, --scenes, --time-scenes and --repeats must be >= 1, --show >= 0")
+    try:
+        gammas = [int(g) for g in a.sweep.split(",") if g.strip()]
+    except ValueError:
+        ap.error(f"--sweep must be comma-separated integers, got {a.sweep!r}")
+    if any(g < 1 for g in gammas):
+        ap.error(f"--sweep gammas must be >= 1, got {a.sweep!r}")
     t0 = time.time()
     device = torch.device(a.device)
     ensure_checkpoints(a.run, device)
@@ -199,11 +221,15 @@ def main(argv=None):
           f"commit = teacher-forced accuracy on the commitment tokens")
     greedy_match = all(r["greedy_match"] for r in rows)
     print(f"greedy outputs identical to target-only on every scene and draft: {greedy_match}")
+    sweep = None
+    if gammas:
+        print(f"\ntau by draft length ({a.scenes} scenes per split, greedy):")
+        sweep = gamma_sweep(target, drafts, {"val": T.Data("val", a.scenes, 0, tok), "test": test}, gammas)
     print(f"wall time {time.time() - t0:.0f} s")
     if a.plot:
         plot(target, drafts["flatrope+aarl"], test.scenes[0], rows, tok, device)
     if a.json:
-        print(json.dumps({"greedy_match": greedy_match, "tau_ceiling": ceiling,
+        print(json.dumps({"greedy_match": greedy_match, "tau_ceiling": ceiling, "sweep": sweep,
                           "target": {k: metrics[k] for k in ("coc_exact", "commitment_acc", "ade")},
                           "rows": [{k: r[k] for k in ("name", "tau", "routine_fraction", "commit_acc", "ms_per_token",
                                                       "speedup", "ade", "attn_history", "attn_image")}

@@ -41,8 +41,15 @@ def last_json(capsys):
 
 
 def test_rsd_json_contract_and_exactness(run_dir, capsys):
-    rsd.main(["--run", str(run_dir), "--scenes", "6", "--time-scenes", "2", "--show", "1", "--json"])
+    rsd.main(["--run", str(run_dir), "--scenes", "6", "--time-scenes", "2", "--show", "1", "--sweep", "2,6", "--json"])
     out = last_json(capsys)
+    # the sweep at the table's gamma (6) on the same test scenes gives the table's tau; no draft beats the ceiling
+    assert set(out["sweep"]) == {"val", "test"} and set(out["sweep"]["test"]) == {"2", "6"}
+    for r in out["rows"][1:]:
+        assert out["sweep"]["test"]["6"][r["name"]] == pytest.approx(r["tau"])
+    for split in out["sweep"].values():
+        for g in split.values():
+            assert all(g[name] <= g["ceiling"] + 1e-9 for name in ("replica", "flatrope", "flatrope+aarl"))
     assert out["greedy_match"] is True
     assert set(out["target"]) == {"coc_exact", "commitment_acc", "ade"}
     assert [r["name"] for r in out["rows"]] == ["target-only", "replica", "flatrope", "flatrope+aarl"]
@@ -76,6 +83,12 @@ def test_bench_real_shape_preset(run_dir, capsys):
     assert "not meaningful" in text
     assert out["prompt_tokens"] > 180 and out["model"] == "qwen2.5-vl-7b (1 layers)"
     assert "predicted_speedup_at_toy_alpha" in out  # the toy's bench.json from the test above
+
+
+def test_rsd_rejects_a_bad_sweep():
+    for sweep in ("4,x", "0,6"):
+        with pytest.raises(SystemExit):
+            rsd.main(["--sweep", sweep])
 
 
 def test_bench_rejects_bad_arguments():
