@@ -116,7 +116,7 @@ class Data:
     """Pre-generated examples of one split; batch indices are a pure function of (seed, step),
     so a resumed run sees exactly the batches it would have seen, on any number of ranks.
     Batches walk a seeded permutation per epoch, so no scene repeats before the split is used up
-    (drawn with replacement, 31% of a default run's 9,600 draws would repeat an earlier scene)."""
+    (drawn with replacement, 37% of a default run's 12,000 draws would repeat an earlier scene)."""
 
     def __init__(self, split, n, seed, tok):
         self.scenes = driving.make_split(split, n, seed)
@@ -362,10 +362,10 @@ def train_target(cfg: TrainConfig, tok, train: Data, val: Data, rank=0, world=1,
     target = M.VLA(target_config(tok, cfg.target_preset)).to(device)
     if not cfg.train_vision:
         # Frozen, as a pretrained encoder often is in VLA fine-tuning. Trained along with the LM under Adam, the
-        # merger's output grew from norm 5.5 to ~1500 (text embeddings: 0.5) in 600 steps, and the 8 video tokens
-        # of a scene became collinear (cosine 0.9995 against 0.04 at init): the LM could then tell which features
-        # were somewhere in the video, not which token held them. At init the features already separate the
-        # scenes (a linear probe on them: 98%). README, Limitations.
+        # merger's output grew from norm 5.5 to ~1500 (text embeddings: 0.5; the previous world's 600-step target),
+        # and the 8 video tokens of a scene became collinear (cosine 0.9995 against 0.04 at init): the LM could
+        # then tell which features were somewhere in the video, not which token held them. Untrained features
+        # already separated the previous world's scenes (a linear probe: 98%). README, Limitations.
         target.visual.requires_grad_(False)
     opt = make_optimizer([p for p in target.parameters() if p.requires_grad], cfg, cfg.target_lr)
     state_path = os.path.join(cfg.out, "target.state.pt")
