@@ -71,9 +71,10 @@ class WorldConfig:
 # One plane per channel: an object-level raster, as a perception stack's output would be drawn, split by frame. At
 # t = -0.5 s an actor paints what it is (APPEARANCE): its kind, "brake" when its brake lights are lit, a light's
 # colour. At t = 0 it paints where it is: "object", "in_lane" when it stands in the ego lane, and its range ring (the
-# row bands of BUCKET_ROWS, 5 m apart), plus its appearance again when the scene is seen_now (P_SEEN_NOW). The road itself (drivable area, lane lines) is not drawn: its curvature is in the history,
-# and in probes with it drawn a target trained from scratch for minutes on a CPU did not learn to read the actors
-# (commitment accuracy near 0.45 after 300-600 steps; README, Limitations).
+# row bands of BUCKET_ROWS, 5 m apart), plus its appearance again when the scene is seen_now (P_SEEN_NOW). The road
+# itself (drivable area, lane lines) is not drawn: its curvature is in the history, and in probes with it drawn a
+# target trained from scratch for minutes on a CPU did not learn to read the actors (commitment accuracy near 0.45
+# after 300-600 steps; README, Limitations).
 CHANNELS = ("stop_line", "ego", "vehicle", "pedestrian", "cone", "light_red", "light_green", "brake", "object",
             "in_lane", "range_5", "range_10", "range_15", "range_20")
 APPEARANCE = ("vehicle", "pedestrian", "cone", "light_red", "light_green", "brake")  # what an actor is

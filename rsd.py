@@ -127,7 +127,8 @@ def gamma_sweep(target, drafts, splits, gammas, log=print):
         out[split] = {}
         for g in gammas:
             row = {name: aarl.spec_stats(target, d, data, g, check_greedy=False) for name, d in drafts.items()}
-            out[split][g] = {"ceiling": next(iter(row.values()))["tau_ceiling"], **{k: v["tau"] for k, v in row.items()}}
+            ceiling = next(iter(row.values()))["tau_ceiling"]  # the same for every draft: it depends on the CoCs
+            out[split][g] = {"ceiling": ceiling, **{k: v["tau"] for k, v in row.items()}}
             log(f"{split:5s} gamma {g}: ceiling {out[split][g]['ceiling']:.2f}  "
                 + "  ".join(f"{k} {v['tau']:.2f}" for k, v in row.items()))
     return out

@@ -484,7 +484,8 @@ def parse_args(argv=None):
     ap.add_argument("--draft-lr", type=float, default=d.draft_lr)
     ap.add_argument("--eval-every", type=int, default=d.eval_every, help="steps between validation/checkpoints")
     ap.add_argument("--no-amp", action="store_true", help="train in fp32 instead of bf16 autocast")
-    ap.add_argument("--train-vision", action="store_true", help="also train the target's vision tower (default: frozen)")
+    ap.add_argument("--train-vision", action="store_true",
+                    help="also train the target's vision tower (default: frozen)")
     a = ap.parse_args(argv)
     for name in ("n_train", "n_val", "n_test", "batch_size", "target_steps", "draft_steps", "eval_every"):
         if getattr(a, name) < 1:

@@ -225,7 +225,8 @@ def read_raster(frames):
         return "clear", None
     (r, c), = lane
     tr, tc = D.token_of(r, c)
-    same_place = before[:, tr * TOKEN_PX:(tr + 1) * TOKEN_PX, tc * TOKEN_PX:(tc + 1) * TOKEN_PX]   # the same merged token, earlier frame
+    rows, cols = slice(tr * TOKEN_PX, (tr + 1) * TOKEN_PX), slice(tc * TOKEN_PX, (tc + 1) * TOKEN_PX)
+    same_place = before[:, rows, cols]                                 # the same merged token, earlier frame
     kind, = [k for k in D.KINDS if same_place[CH[k]].any()]
     event = {"vehicle": "lead_brake" if same_place[CH["brake"]].any() else "lead_cruise",
              "pedestrian": "ped_cross", "cone": "cone_lane"}[kind]
