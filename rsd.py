@@ -11,7 +11,7 @@ speculative decoding (the target's M-RoPE), the FlatRoPE draft, FlatRoPE + AARL.
 The first run trains everything into runs/toy (train.py: target + both drafts, then
 aarl.py: AARL with the static anchor); later runs reuse the checkpoints.
 
-run: python rsd.py [--json] [--plot]
+run: python rsd.py [--json] [--plot] [--sweep 4,5,6,7,8]
 """
 import argparse
 import copy
