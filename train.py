@@ -39,11 +39,11 @@ class TrainConfig:
     out: str = "runs/toy"  # checkpoints: out/target, out/draft_flat, out/draft_mrope (+ *.state.pt to resume)
     device: str = "cpu"
     seed: int = 0
-    n_train: int = 12000  # pre-generated training scenes (the world is cheap; a fixed set keeps steps reproducible)
+    n_train: int = 32000  # pre-generated training scenes (the world is cheap; a fixed set keeps steps reproducible)
     n_val: int = 256  # validation scenes (same distribution as train)
     n_test: int = 256  # held-out test scenes (factor combinations never seen in training)
     batch_size: int = 16  # global batch; each DDP rank takes batch_size / world_size of it
-    target_steps: int = 750  # with the drafts, 333 s on 2 CPU cores (README has the accuracies)
+    target_steps: int = 2600  # with the drafts, 290 s on 2 CPU cores (README has the accuracies)
     target_lr: float = 1.5e-3
     train_vision: bool = False  # False: the vision tower stays at its random init (train_target says why)
     traj_weight: float = 0.1  # weight of the trajectory Huber loss (metres) next to the CoC cross-entropy
@@ -55,7 +55,7 @@ class TrainConfig:
     weight_decay: float = 0.01
     grad_clip: float = 1.0
     amp: bool = True  # bf16 autocast for the matmuls (fp32 master weights); ~2.5x faster on a modern CPU
-    eval_every: int = 300  # steps between validation passes (and resumable checkpoints)
+    eval_every: int = 650  # steps between validation passes (and resumable checkpoints)
 
 
 # ---- distributed (torchrun) ----
@@ -92,10 +92,14 @@ def wrap(m, world, device):
 def target_config(tok: driving.Tokenizer, preset="toy-target") -> M.ModelConfig:
     """The toy target: model.PRESETS[preset] with the world's vocabulary, token ids and raster channels."""
     base = M.PRESETS[preset]
-    # The world's tokenisation (driving.PATCH, driving.MERGE). A window must be a multiple of PATCH * MERGE = 12 px;
-    # 24 px is the whole raster, so windowed and full-attention blocks coincide at this size.
-    vision = replace(base.vision, in_channels=len(driving.CHANNELS), patch_size=driving.PATCH,
-                     temporal_patch_size=1, spatial_merge_size=driving.MERGE, window_size=driving.WorldConfig().size)
+    # The world's tokenisation (driving.PATCH, driving.MERGE). Every block is windowed, a window being one merged
+    # token (PATCH * MERGE = 12 px): the frozen tower is random, and a random frame-wide attention block mixes every
+    # token with the whole frame. With Qwen's one full-attention block, a linear probe read the off-lane decoy's
+    # kind from the in-lane actor's token at 0.99 (0.59 with one-token windows, where no other token leaks in), and
+    # a 750-step target scored 0.938 CoC exact on val against 0.961 with them. A pretrained tower keeps tokens local.
+    vision = replace(base.vision, in_channels=len(driving.CHANNELS), patch_size=driving.PATCH, temporal_patch_size=1,
+                     spatial_merge_size=driving.MERGE, window_size=driving.PATCH * driving.MERGE,
+                     fullatt_block_indexes=())
     # One M-RoPE t id per frame: the world's two frames are consecutive video frames.
     return replace(base, vocab_size=len(tok), image_token_id=tok.image_token_id, video_token_id=tok.video_token_id,
                    vision_start_token_id=tok.vision_start_id, tokens_per_second=1.0, vision=vision,
@@ -106,7 +110,8 @@ def target_config(tok: driving.Tokenizer, preset="toy-target") -> M.ModelConfig:
 def make_drafts(target, preset):
     """The two drafts of equal size: FlatRoPE (routine reasoner) and the M-RoPE replica."""
     kw = M.DRAFT_PRESETS[preset]
-    return {"flat": M.make_draft(target, rope_mode="flat", **kw), "mrope": M.make_draft(target, rope_mode="mrope", **kw)}
+    return {"flat": M.make_draft(target, rope_mode="flat", **kw),
+            "mrope": M.make_draft(target, rope_mode="mrope", **kw)}
 
 
 # ---- data ----
