@@ -31,8 +31,9 @@ same place in the earlier frame (two hops), or, in the half of the scenes whose
 current frame shows the kinds too (seen_now), reading the kind on the in-lane token
 (one selective hop). Each actor stays inside one merged video token across the two
 frames and actors never share a token, so the link is exact. The vision tower attends
-within a frame (as Qwen2.5-VL's), so it cannot make the cross-frame link: the language
-model has to. `read_raster` in tests/test_driving.py is the exact two-hop reader.
+within windows of one merged token (train.target_config says why), so it cannot make the
+cross-frame link: the language model has to. `read_raster` in tests/test_driving.py is the
+exact two-hop reader.
 
 run: python driving.py --seed 0
 """

@@ -96,6 +96,21 @@ def test_vision_tower_frozen_unless_asked(tmp_path, tok):
         assert any(lm_moved) and (all(vision_moved) if train_vision else not any(vision_moved))
 
 
+def test_toy_video_tokens_hold_only_their_own_patches(tok):
+    """The toy target's vision tower (train.target_config) is windowed to one merged token: perturbing the
+    patches of one merged token changes that token's features and no other's (a frame-wide block would leak)."""
+    torch.manual_seed(0)
+    vis = M.VLA(T.target_config(tok)).visual.eval()
+    prompt = driving.build_prompt(driving.make_split("train", 1, 0)[0], tok)
+    pixels, grid = prompt["pixel_values_videos"], prompt["video_grid_thw"]
+    per_token = driving.MERGE ** 2  # patches of one merged token, contiguous in patchify order
+    with torch.no_grad():
+        base = vis(pixels, grid)  # (8, D)
+        poked = vis(torch.cat([pixels[:per_token] + 1, pixels[per_token:]]), grid)
+    assert not torch.allclose(poked[0], base[0])
+    torch.testing.assert_close(poked[1:], base[1:], rtol=0, atol=0)
+
+
 def test_resume_is_exact(tmp_path, tok):
     """4 steps straight == 2 steps, a checkpoint, a fresh process state, 2 more steps."""
     data = T.Data("train", 64, 0, tok)
