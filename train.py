@@ -43,7 +43,7 @@ class TrainConfig:
     n_val: int = 256  # validation scenes (same distribution as train)
     n_test: int = 256  # held-out test scenes (factor combinations never seen in training)
     batch_size: int = 16  # global batch; each DDP rank takes batch_size / world_size of it
-    target_steps: int = 2600  # with the drafts, 290 s on 2 CPU cores (README has the accuracies)
+    target_steps: int = 2600  # with the drafts, 290-306 s on 2 CPU cores (README has the accuracies)
     target_lr: float = 1.5e-3
     train_vision: bool = False  # False: the vision tower stays at its random init (train_target says why)
     traj_weight: float = 0.1  # weight of the trajectory Huber loss (metres) next to the CoC cross-entropy
@@ -96,7 +96,8 @@ def target_config(tok: driving.Tokenizer, preset="toy-target") -> M.ModelConfig:
     # token (PATCH * MERGE = 12 px): the frozen tower is random, and a random frame-wide attention block mixes every
     # token with the whole frame. With Qwen's one full-attention block, a linear probe read the off-lane decoy's
     # kind from the in-lane actor's token at 0.99 (0.59 with one-token windows, where no other token leaks in), and
-    # a 750-step target scored 0.938 CoC exact on val against 0.961 with them. A pretrained tower keeps tokens local.
+    # with them the old 750-step target went from 0.938 to 0.961 CoC exact on val (a probe). A pretrained tower keeps
+    # its tokens local; a random one has to be made to.
     vision = replace(base.vision, in_channels=len(driving.CHANNELS), patch_size=driving.PATCH, temporal_patch_size=1,
                      spatial_merge_size=driving.MERGE, window_size=driving.PATCH * driving.MERGE,
                      fullatt_block_indexes=())
