@@ -674,7 +674,8 @@ def main():
     for sc in make_split(args.split, args.n, args.seed):
         f = sc.f
         speeds = np.linalg.norm(np.diff(np.vstack([[0, 0], sc.traj]), axis=0), axis=1) / 0.1
-        print(f"{f.road} / {f.event} / decoy {f.decoy} | history class {f.hist_class} v0 {sc.v0:.1f} m/s | decision {f.decision}")
+        print(f"{f.road} / {f.event} / decoy {f.decoy} | history class {f.hist_class} v0 {sc.v0:.1f} m/s | "
+              f"decision {f.decision}")
         print("  CoC: " + " ".join(w + ("*" if c else "") for w, c in zip(sc.coc + ["<cot_end>"], sc.commit)))
         print(f"  trajectory: end ({sc.traj[-1, 0]:.1f}, {sc.traj[-1, 1]:.1f}) m, speed {speeds[0]:.1f} -> "
               f"{speeds[-1]:.1f} m/s" + ("" if np.isnan(sc.dist) else f", obstacle at {sc.dist:.1f} m"))

@@ -124,8 +124,8 @@ QWEN_IDS = dict(image_token_id=151655, video_token_id=151656, vision_start_token
 PRESETS = {
     # the toy target of the synthetic driving world (train.target_config sets vocab_size, token ids, vision input).
     # Narrow and 8 layers deep: on 2 CPU cores an SFT step at width 128 costs a third of one at 384, and in the
-    # 6-minute budget more steps beat width on the held-out split (CoC exact 0.73 after 750 steps at width 384,
-    # 0.965 after 2600 at 128; README). The 1-layer draft's token still costs ~1/6 of the target's (bench.py).
+    # 6-minute budget more steps beat width on the held-out split (CoC exact 0.73 after 750 steps at width 384 in a
+    # probe, 0.965 after 2600 at 128; README). The 1-layer draft's token still costs ~1/6 of the target's (bench.py).
     "toy-target": ModelConfig(hidden_size=128, n_heads=2, n_kv_heads=1, intermediate_size=384),
     # real shapes, random weights (benchmarks). Qwen3-VL's vision tower is not implemented: vision=None.
     "qwen2.5-vl-7b": ModelConfig(vocab_size=152064, hidden_size=3584, n_layers=28, n_heads=28, n_kv_heads=4,
