@@ -2,7 +2,7 @@
 
 Paper: AARL post-trains the draft with an action-quality reward (how good is the
 trajectory that follows from the drafted reasoning) plus a KL penalty to a *static*
-reference, the frozen SFT draft, rather than a moving one (shared/PAPER.md).
+reference, the frozen SFT draft, rather than a moving one (docs/background.md).
 
 The objective per scene s, with G CoCs c_1..c_G sampled from the draft q:
 
@@ -28,7 +28,7 @@ The objective per scene s, with G CoCs c_1..c_G sampled from the draft q:
   at the step, so "moving" trains like "none": a moving reference does not anchor at all,
   which is the paper's argument for the static one.
 
-run: python aarl.py --device cpu      (needs runs/toy from train.py; writes runs/toy/draft_aarl)
+run: python aarl.py --device cpu      (needs runs/toy from train.py; writes runs/toy/draft_aarl; --help for flags)
 """
 import argparse
 import copy
@@ -40,58 +40,44 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+import checkpoint
 import driving
-import model as M
-import speculate
-import train as T
+import evaluate
+from driving import Data, vision_kwargs
 
 # ---- config ----
 
 
 @dataclass
 class AARLConfig:
-    steps: int = 200  # policy updates: 84 s with the before / after evaluations on 2 CPU cores (budget: 2 min)
+    steps: int = 200  # policy updates (about a minute and a half on 2 CPU cores with the before / after report)
+    n_train: int = 4000  # training scenes the update batches are drawn from
     scenes: int = 8  # scenes per update
     group: int = 8  # G: CoCs sampled per scene
     temperature: float = 1.0  # rollout temperature of q
-    lr: float = 1e-4
+    lr: float = 1e-4  # AdamW learning rate of the draft
     beta: float = 0.2  # KL weight
-    reference: str = "static"  # static | moving | none
-    agree_weight: float = 0.5  # weight of the greedy-acceptance term in the reward
-    max_new: int = 32  # CoC token limit per rollout
-    seed: int = 0
-    eval_every: int = 20  # steps between validation-tau passes
-    n_eval: int = 32  # validation scenes for the tau logged during training
-    gamma: int = 6  # draft length for the logged tau
+    reference: str = "static"  # KL anchor: static (frozen SFT draft, the paper's), moving (policy before a step), none
+    agree_weight: float = 0.5  # weight of the greedy-acceptance term in the reward (0: the paper's pure action reward)
+    max_new: int = evaluate.MAX_NEW_TOKENS  # CoC token limit per rollout
+    seed: int = 0  # seeds the rollouts
+    eval_every: int = 20  # steps between the validation-tau passes logged during training
+    n_val_log: int = 32  # validation scenes of the tau logged during training
+    gamma: int = evaluate.GAMMA  # draft length of the logged and reported tau
 
 
 # ---- rollouts ----
 
 
-@torch.no_grad()
 def rollout(draft, embeds, batch, G, temperature, max_new, stop, generator):
-    """Sample G CoCs per scene from q with the KV cache.
-
-    embeds (S, P, D) are the target's prompt embeddings. Returns tokens (S*G, T) and a mask
-    (S*G, T) that is True up to and including each row's <cot_end>."""
-    S, P, _ = embeds.shape
+    """Sample G CoCs per scene from q with the KV cache (evaluate.generate, the loop that also
+    decodes greedily). embeds (S, P, D) are the target's prompt embeddings. Returns tokens
+    (S*G, T) and a mask (S*G, T) that is True up to and including each row's <cot_end>."""
+    P = embeds.shape[1]
     ids = batch["input_ids"][:, :P].repeat_interleave(G, 0)  # (S*G, P)
-    x = embeds.repeat_interleave(G, 0)  # (S*G, P, D)
-    grid = batch["video_grid_thw"].repeat_interleave(G, 0)
-    cache = draft.new_cache(batch=S * G, max_len=P + max_new)
-    logits = draft(ids, inputs_embeds=x, video_grid_thw=grid, cache=cache, logits_to_keep=1)[:, -1]  # (S*G, V)
-    out, done = [], torch.zeros(S * G, dtype=torch.bool, device=ids.device)
-    for _ in range(max_new):
-        probs = speculate.process_logits(logits.float(), temperature)  # (S*G, V)
-        nxt = torch.multinomial(probs, 1, generator=generator)[:, 0]  # (S*G,)
-        out.append(nxt)
-        done |= nxt == stop
-        if bool(done.all()):
-            break
-        logits = draft(nxt[:, None], cache=cache)[:, -1]
-    toks = torch.stack(out, 1)  # (S*G, T)
-    after = (toks == stop).long().cumsum(1) - (toks == stop).long()  # stops strictly before t
-    return toks, after == 0
+    return evaluate.generate(draft, ids, max_new, stop, temperature, generator,
+                             inputs_embeds=embeds.repeat_interleave(G, 0),  # (S*G, P, D)
+                             video_grid_thw=batch["video_grid_thw"].repeat_interleave(G, 0))
 
 
 def coc_logprobs(draft, embeds, batch, toks, G):
@@ -118,11 +104,10 @@ def reward(target, batch, toks, mask, G, tok, agree_weight):
     rep = {"input_ids": batch["input_ids"].repeat_interleave(G, 0), "prompt_len": batch["prompt_len"],
            "pixel_values_videos": batch["pixel_values_videos"].view(S, -1, batch["pixel_values_videos"].shape[-1])
            .repeat_interleave(G, 0).flatten(0, 1), "video_grid_thw": batch["video_grid_thw"].repeat_interleave(G, 0)}
-    logits, hidden = T.continue_prompts(target, rep, seqs, tok.pad_id)  # (S*G, 1+T', V), (S*G, T', D)
+    logits, hidden = evaluate.continue_prompts(target, rep, seqs, tok.pad_id)  # (S*G, 1+T', V), (S*G, T', D)
     last = torch.tensor([len(s) - 1 for s in seqs], device=toks.device)
     traj = target.traj(hidden[torch.arange(S * G), last]).float()  # (S*G, traj_len, 2)
-    gt = batch["traj"].repeat_interleave(G, 0)
-    ade = torch.linalg.vector_norm(traj - gt, dim=-1).mean(-1)  # (S*G,)
+    ade = driving.ade_fde(traj, batch["traj"].repeat_interleave(G, 0), per_scene=True)[0]  # (S*G,)
     # greedy acceptance: the drafted token at step t is accepted while it equals p's argmax there
     n = toks.shape[1]
     argmax_p = logits[:, :n].argmax(-1)  # (S*G, n): p's choice for each CoC position
@@ -156,42 +141,17 @@ def aarl_loss(logq, logr, toks, mask, adv, beta):
     return pg + beta * kl, kl
 
 
-# ---- evaluation ----
-
-
-@torch.no_grad()
-def spec_stats(target, draft, data: T.Data, gamma, n=None, check_greedy=True):
-    """Greedy speculative decoding of the CoC on each scene of data (batch 1).
-
-    Returns tau (tokens per target verification over all scenes), tau_ceiling (what a draft the
-    verifier never rejects would reach on these outputs), routine_fraction (share of emitted
-    tokens that were accepted drafts) and greedy_match (outputs equal target-only greedy decoding
-    on every scene; checked only when check_greedy)."""
-    tok = data.tok
-    tokens = rounds = from_draft = 0
-    lengths = []
-    match = True
-    for scene in data.scenes[:n]:
-        prompt = driving.build_prompt(scene, tok)
-        prompt = {k: v.to(next(target.parameters()).device) for k, v in prompt.items()}
-        res = speculate.speculative(target, draft, prompt, gamma, 32, stop_token=tok.cot_end_id)
-        tokens += len(res.tokens)
-        lengths.append(len(res.tokens))
-        rounds += res.rounds
-        from_draft += sum(res.from_draft)
-        if check_greedy:
-            base = speculate.autoregressive(target, prompt, 32, stop_token=tok.cot_end_id)
-            match &= base.tokens == res.tokens
-    return {"tau": tokens / rounds, "tau_ceiling": speculate.tau_ceiling(lengths, gamma),
-            "routine_fraction": from_draft / tokens, "greedy_match": match}
-
-
 # ---- training loop ----
 
 
-def train_aarl(target, draft, data: T.Data, cfg: AARLConfig, val: T.Data | None = None, out=None, ref=None):
+def logged_tau(target, draft, prompts, gamma, stop):
+    return evaluate.spec_stats(target, {"q": draft}, prompts, gamma, stop_token=stop, check_greedy=False)["q"]["tau"]
+
+
+def train_aarl(target, draft, data: Data, cfg: AARLConfig, val: Data | None = None, out=None, ref=None):
     """Post-train `draft` in place with AARL; returns it. The reference is `ref` or a frozen copy
-    of the draft taken now (static), the policy before each step (moving), or absent (none)."""
+    of the draft taken now (static), the policy before each step (moving), or absent (none).
+    With val, the tau on its first cfg.n_val_log scenes is logged every cfg.eval_every steps."""
     if cfg.reference not in ("static", "moving", "none"):
         raise ValueError(f"reference must be static, moving or none, got {cfg.reference!r}")
     if cfg.group < 2:
@@ -204,12 +164,13 @@ def train_aarl(target, draft, data: T.Data, cfg: AARLConfig, val: T.Data | None 
     opt = torch.optim.AdamW(draft.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
     gen = torch.Generator(device=device).manual_seed(cfg.seed)
     beta = 0.0 if cfg.reference == "none" else cfg.beta
+    val_prompts = evaluate.scene_prompts(val.scenes[:cfg.n_val_log], val.tok, device) if val is not None else None
     bar = tqdm(range(cfg.steps), desc=f"aarl[{cfg.reference}]")
     for step in bar:
         batch = data.batch(10_000 + step, cfg.scenes, device=device)
         P = int(batch["prompt_len"][0])
         with torch.no_grad():
-            embeds = target.embed(batch["input_ids"][:, :P], **T.vision_kwargs(batch))  # (S, P, D)
+            embeds = target.embed(batch["input_ids"][:, :P], **vision_kwargs(batch))  # (S, P, D)
         draft.eval()
         toks, mask = rollout(draft, embeds, batch, cfg.group, cfg.temperature, cfg.max_new,
                              data.tok.cot_end_id, gen)
@@ -230,59 +191,55 @@ def train_aarl(target, draft, data: T.Data, cfg: AARLConfig, val: T.Data | None 
                 "accept": f"{accept.mean().item():.2f}", "kl": f"{kl.item():.4f}"}
         if val is not None and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps):
             draft.eval()
-            post["val_tau"] = f"{spec_stats(target, draft, val, cfg.gamma, cfg.n_eval, False)['tau']:.2f}"
+            post["val_tau"] = f"{logged_tau(target, draft, val_prompts, cfg.gamma, data.tok.cot_end_id):.2f}"
         bar.set_postfix(post)
     draft.eval()
     if out is not None:
-        M.save(draft, out)
+        checkpoint.save(draft, out)
     return draft
 
 
 # ---- main ----
 
 
+def report_stats(target, draft, data: Data, gamma, device):
+    """tau, tau ceiling, routine share and greedy match of `draft` on every scene of data (evaluate.spec_stats)."""
+    prompts = evaluate.scene_prompts(data.scenes, data.tok, device)
+    return evaluate.spec_stats(target, {"q": draft}, prompts, gamma, stop_token=data.tok.cot_end_id)["q"]
+
+
 def main(argv=None):
-    d = AARLConfig()
     ap = argparse.ArgumentParser(description="AARL post-training of the FlatRoPE draft (needs train.py's checkpoints)")
     ap.add_argument("--run", default="runs/toy", help="folder with target/ and draft_flat/ from train.py")
     ap.add_argument("--device", default="cpu", help="torch device")
-    ap.add_argument("--reference", choices=["static", "moving", "none"], default=d.reference,
-                    help="KL anchor: frozen SFT draft (paper), the policy before each step, or no KL")
-    ap.add_argument("--beta", type=float, default=d.beta, help="KL weight")
-    ap.add_argument("--agree-weight", type=float, default=d.agree_weight, help="weight of the acceptance reward")
-    ap.add_argument("--steps", type=int, default=d.steps)
-    ap.add_argument("--scenes", type=int, default=d.scenes, help="scenes per update")
-    ap.add_argument("--group", type=int, default=d.group, help="CoCs sampled per scene (G)")
-    ap.add_argument("--lr", type=float, default=d.lr)
-    ap.add_argument("--seed", type=int, default=d.seed)
-    ap.add_argument("--gamma", type=int, default=d.gamma, help="draft length for the reported tau")
-    ap.add_argument("--n-eval", type=int, default=128, help="validation / test scenes for the final tau")
+    ap.add_argument("--n-report", type=int, default=128, help="validation / test scenes of the before / after report")
     ap.add_argument("--out", default=None, help="output folder (default RUN/draft_aarl[_REFERENCE])")
+    checkpoint.add_config_flags(ap, AARLConfig, choices={"reference": ["static", "moving", "none"]})
     a = ap.parse_args(argv)
     if a.steps < 1 or a.scenes < 1 or a.group < 2 or a.beta < 0 or a.lr <= 0:
         ap.error("need steps >= 1, scenes >= 1, group >= 2, beta >= 0, lr > 0")
-    cfg = AARLConfig(steps=a.steps, scenes=a.scenes, group=a.group, lr=a.lr, beta=a.beta, reference=a.reference,
-                     agree_weight=a.agree_weight, seed=a.seed, gamma=a.gamma)
+    cfg = checkpoint.config_from_args(AARLConfig, a)
     for sub in ("target", "draft_flat"):
         if not os.path.isdir(os.path.join(a.run, sub)):
             ap.error(f"{os.path.join(a.run, sub)} not found: run `python train.py --out {a.run}` first")
-    torch.manual_seed(a.seed)
-    target = M.load(os.path.join(a.run, "target"), device=a.device).eval()
-    sft = M.load(os.path.join(a.run, "draft_flat"), target=target, device=a.device).eval()
+    torch.manual_seed(cfg.seed)
+    target = checkpoint.load(os.path.join(a.run, "target"), device=a.device).eval()
+    sft = checkpoint.load(os.path.join(a.run, "draft_flat"), target=target, device=a.device).eval()
     tok = driving.Tokenizer()
-    train = T.Data("train", 4000, 0, tok)
-    val, test = T.Data("val", a.n_eval, 0, tok), T.Data("test", a.n_eval, 0, tok)
-    out = a.out or os.path.join(a.run, "draft_aarl" + ("" if a.reference == "static" else f"_{a.reference}"))
+    train = Data("train", cfg.n_train, 0, tok)
+    val, test = Data("val", a.n_report, 0, tok), Data("test", a.n_report, 0, tok)
+    out = a.out or os.path.join(a.run, "draft_aarl" + ("" if cfg.reference == "static" else f"_{cfg.reference}"))
     t0 = time.time()
-    before = {name: spec_stats(target, sft, data, a.gamma) for name, data in (("val", val), ("test", test))}
+    splits = {"val": val, "test": test}
+    before = {name: report_stats(target, sft, data, cfg.gamma, a.device) for name, data in splits.items()}
     draft = train_aarl(target, copy.deepcopy(sft), train, cfg, val, out)
-    after = {name: spec_stats(target, draft, data, a.gamma) for name, data in (("val", val), ("test", test))}
+    after = {name: report_stats(target, draft, data, cfg.gamma, a.device) for name, data in splits.items()}
     for name in ("val", "test"):
         b, f = before[name], after[name]
         print(f"{name:4s} tau {b['tau']:.2f} -> {f['tau']:.2f} (ceiling {b['tau_ceiling']:.2f})   "
               f"routine share {b['routine_fraction']:.3f} -> "
               f"{f['routine_fraction']:.3f}   greedy match {b['greedy_match']} / {f['greedy_match']}")
-    print(f"AARL ({a.reference}) wall time {time.time() - t0:.0f} s; draft saved to {out}")
+    print(f"AARL ({cfg.reference}) wall time {time.time() - t0:.0f} s; draft saved to {out}")
 
 
 if __name__ == "__main__":

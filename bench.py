@@ -5,16 +5,17 @@ Paper: the reasoning step (the chain-of-causation decode) dominates a plan's lat
 is what RSD accelerates (~4x reported on a GPU). The measured speed-up is
 ms/token(target-only) / ms/token(speculative) over the reasoning step only; the prefill
 (vision tower + prompt) is timed and reported separately because both arms share it.
-The cost model beside it (shared/PAPER.md, "Speculative decoding, precisely"):
+The cost model beside it (Leviathan et al.; docs/background.md, "Speculative decoding"):
 
     predicted speed-up = tau * T_target(1) / (gamma * T_draft(1) + T_target(gamma + 1))
 
 Fairness: the target-only arm is speculate.autoregressive, the same KV-cached single-token
 forward the verifier uses, in the same dtype; every shape is warmed up first; the device is
-synchronised before each clock reading; the arms alternate within each repeat and the
-median of the repeats is reported.
+synchronised before each clock reading (speculate.Clock, the one timer); the arms alternate
+within each repeat and the median of the repeats is reported. tau, alpha and greedy exactness
+come from evaluate.spec_stats, as in rsd.py and aarl.py.
 
-run: python bench.py --device cpu                                 (the toy; trains it first if absent)
+run: python bench.py --device cpu                                 (the toy; needs runs/toy from python rsd.py)
      python bench.py --device cuda --preset qwen2.5-vl-7b          (real shapes, random weights)
      python bench.py --device cuda --target PATH [--draft PATH]    (a Hugging Face / Alpamayo folder)
 """
@@ -24,33 +25,31 @@ import json
 import os
 import platform
 import statistics
-import time
 
 import torch
 
+import checkpoint
+import driving
+import evaluate
 import model as M
 import speculate
+from checkpoint import DTYPES
+from evaluate import TARGET_ONLY
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+TOY_CHECKPOINTS = ("target", "draft_aarl")  # what the toy mode reads from --run (the draft unless --draft)
 
 # ---- timing ----
 
 
-def sync(device):
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
-
-
 def median_time(fn, device, reps):
-    """Median wall time (s) of fn() over reps calls, after one warm-up call."""
+    """Median wall time (s) of fn() over reps calls, after one warm-up call; speculate.Clock
+    synchronises the device before each reading."""
     fn()
-    times = []
+    clock, times = speculate.Clock(device, enabled=True), []
     for _ in range(reps):
-        sync(device)
-        t = time.perf_counter()
+        clock.lap()
         fn()
-        sync(device)
-        times.append(time.perf_counter() - t)
+        times.append(clock.lap())
     return statistics.median(times)
 
 
@@ -77,54 +76,41 @@ def cost_model(target, draft, prompt, gamma, reps=20):
 
 
 @torch.inference_mode()
-def run_arms(target, drafts, prompts, gamma, max_new, stop_token, repeats):
-    """Target-only decoding and speculative decoding with each draft in `drafts` (name -> draft)
-    on every prompt: a warm-up pass first (every prompt, every shape), then `repeats` passes in
-    which the arms alternate. Returns {arm: stats}; "target-only" is always an arm.
+def time_arms(target, drafts, prompts, gamma, max_new, stop_token, repeats):
+    """Reasoning-step latency of target-only decoding (arm TARGET_ONLY) and of speculative
+    decoding with each draft in `drafts` (name -> draft), on every prompt: a warm-up pass first
+    (every prompt, every shape), then `repeats` passes in which the arms alternate.
 
-    stats: prefill_ms (per prompt) and ms_per_token (reasoning step), medians over passes; tau,
-    alpha, routine_fraction and the emitted token lists (from the warm-up pass, deterministic);
-    greedy_match (speculative arms: the same tokens as target-only on every prompt)."""
-    def arm(name, prompt):
-        if name == "target-only":
-            return speculate.autoregressive(target, prompt, max_new, stop_token=stop_token, timing=True)
-        return speculate.speculative(target, drafts[name], prompt, gamma, max_new, stop_token=stop_token,
-                                     timing=True)
-
-    names = ["target-only", *drafts]
-    first = {n: [arm(n, p) for p in prompts] for n in names}
-    passes = {n: [] for n in names}
+    Returns {arm: {prefill_ms (per prompt), ms_per_token (reasoning step), speedup (vs
+    target-only)}}, medians over the passes."""
+    arms = {TARGET_ONLY: None, **drafts}
+    for draft in arms.values():
+        for p in prompts:
+            evaluate.decode(target, draft, p, gamma, max_new, stop_token)
+    passes = {name: [] for name in arms}
     for _ in range(repeats):
-        for n in names:
-            res = [arm(n, p) for p in prompts]
+        for name, draft in arms.items():
+            res = [evaluate.decode(target, draft, p, gamma, max_new, stop_token, timing=True) for p in prompts]
             tokens = sum(len(r.tokens) for r in res)
-            passes[n].append((1e3 * sum(r.prefill_s for r in res) / len(res),
-                              1e3 * sum(r.decode_s for r in res) / tokens))
-    out = {}
-    for n in names:
-        res = first[n]
-        tokens = sum(len(r.tokens) for r in res)
-        out[n] = {"tokens": [r.tokens for r in res], "n_tokens": tokens,
-                  "tau": tokens / sum(r.rounds for r in res),
-                  "alpha": sum(r.n_accepted for r in res) / max(1, sum(r.n_tested for r in res)),
-                  "routine_fraction": sum(sum(r.from_draft) for r in res) / tokens,
-                  "greedy_match": all(r.tokens == a.tokens for r, a in zip(res, first["target-only"]))}
-        if repeats:  # repeats = 0: statistics only, nothing timed
-            out[n]["prefill_ms"] = statistics.median(p[0] for p in passes[n])
-            out[n]["ms_per_token"] = statistics.median(p[1] for p in passes[n])
-            out[n]["speedup"] = out["target-only"]["ms_per_token"] / out[n]["ms_per_token"]
+            passes[name].append((1e3 * sum(r.prefill_s for r in res) / len(res),
+                                 1e3 * sum(r.decode_s for r in res) / tokens))
+    out = {name: {"prefill_ms": statistics.median(p[0] for p in passes[name]),
+                  "ms_per_token": statistics.median(p[1] for p in passes[name])} for name in arms}
+    for name in arms:
+        out[name]["speedup"] = out[TARGET_ONLY]["ms_per_token"] / out[name]["ms_per_token"]
     return out
 
 
 def benchmark(target, draft, prompts, gamma, max_new, stop_token=None, repeats=3):
     """The full report for one draft: both arms, the cost model on the first prompt, the predictions."""
-    arms = run_arms(target, {"speculative": draft}, prompts, gamma, max_new, stop_token, repeats)
-    ar, spec = arms["target-only"], arms["speculative"]
+    spec = evaluate.spec_stats(target, {"speculative": draft}, prompts, gamma, max_new, stop_token)["speculative"]
+    timing = time_arms(target, {"speculative": draft}, prompts, gamma, max_new, stop_token, repeats)
+    ar, spec_t = timing[TARGET_ONLY], timing["speculative"]
     res = {"greedy_match": spec["greedy_match"], "tau": spec["tau"], "alpha": spec["alpha"],
            "routine_fraction": spec["routine_fraction"], "tokens": spec["n_tokens"],
-           "ar_prefill_ms": ar["prefill_ms"], "spec_prefill_ms": spec["prefill_ms"],
-           "ar_ms_per_token": ar["ms_per_token"], "spec_ms_per_token": spec["ms_per_token"],
-           "speedup": spec["speedup"]}
+           "ar_prefill_ms": ar["prefill_ms"], "spec_prefill_ms": spec_t["prefill_ms"],
+           "ar_ms_per_token": ar["ms_per_token"], "spec_ms_per_token": spec_t["ms_per_token"],
+           "speedup": spec_t["speedup"]}
     cm = cost_model(target, draft, prompts[0], gamma)
     res.update({k: 1e3 * v for k, v in cm.items()})  # -> ms
     res["c"] = cm["t_draft_1"] / cm["t_target_1"]
@@ -180,18 +166,12 @@ def build_preset(name, device, dtype, layers=None):
 
 
 def toy(args, device, dtype):
-    """The default toy checkpoints on held-out test scenes (trained first if absent)."""
-    import driving
-    import rsd
-
-    rsd.ensure_checkpoints(args.run, device)
-    target = M.load(os.path.join(args.run, "target"), dtype=dtype, device=device).eval()
+    """The toy checkpoints (written by rsd.py) on held-out test scenes."""
+    target = checkpoint.load(os.path.join(args.run, "target"), dtype=dtype, device=device).eval()
     draft_dir = args.draft or os.path.join(args.run, "draft_aarl")
-    draft = M.load(draft_dir, target=target).eval()  # in the target's dtype: they share embedding and head
+    draft = checkpoint.load(draft_dir, target=target).eval()  # in the target's dtype: they share embedding and head
     tok = driving.Tokenizer()
-    scenes = driving.make_split("test", args.prompts, seed=0)
-    prompts = [{k: v.to(device) for k, v in driving.build_prompt(s, tok).items()} for s in scenes]
-    prompts = [{k: v.to(dtype) if v.is_floating_point() else v for k, v in p.items()} for p in prompts]
+    prompts = evaluate.scene_prompts(driving.make_split("test", args.prompts, seed=0), tok, device, dtype)
     res = benchmark(target, draft, prompts, args.gamma, args.max_new, tok.cot_end_id, args.repeats)
     res.update(mode="toy", draft=draft_dir)
     return res
@@ -200,8 +180,8 @@ def toy(args, device, dtype):
 def real(args, device, dtype):
     """A real checkpoint (--target) or a real shape with random weights (--preset)."""
     if args.target:
-        target = M.load_pretrained(args.target, dtype=dtype, device=device).eval()
-        draft = (M.load(args.draft, target=target, dtype=dtype, device=device) if args.draft
+        target = checkpoint.load_pretrained(args.target, dtype=dtype, device=device).eval()
+        draft = (checkpoint.load(args.draft, target=target, dtype=dtype, device=device) if args.draft
                  else M.make_draft(target, n_layers=1)).eval()
         name = args.target
     else:
@@ -218,9 +198,7 @@ def real(args, device, dtype):
         # with the acceptance rate measured on the toy (bench.py --device cpu writes it).
         toy_json = os.path.join(args.run, "bench.json")
         if os.path.exists(toy_json):
-            with open(toy_json) as f:
-                toy_res = json.load(f)
-            alpha = toy_res["alpha"]
+            alpha = checkpoint.read_json(toy_json)["alpha"]
             tau = speculate.expected_tau(alpha, args.gamma)
             res["toy_alpha"] = alpha
             res["predicted_speedup_at_toy_alpha"] = speculate.measured_speedup(
@@ -259,15 +237,15 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description="Reasoning-step latency: target-only vs speculative (RSD).")
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
     ap.add_argument("--dtype", default="bf16", choices=sorted(DTYPES), help="weights, activations and KV cache")
-    ap.add_argument("--run", default="runs/toy", help="toy checkpoints folder (trained by rsd.py if absent)")
+    ap.add_argument("--run", default="runs/toy", help="toy checkpoints folder (written by python rsd.py)")
     ap.add_argument("--target", default=None, help="Hugging Face Qwen2.5-VL / Qwen3-VL / Alpamayo folder")
-    ap.add_argument("--draft", default=None, help="draft folder (model.save format) trained for that target")
+    ap.add_argument("--draft", default=None, help="draft folder (checkpoint.save format) trained for that target")
     ap.add_argument("--preset", default=None, choices=sorted(k for k in M.PRESETS if not k.startswith("toy")),
                     help="real model shape with random weights")
     ap.add_argument("--layers", type=int, default=None, help="with --preset: keep only this many decoder layers")
     ap.add_argument("--images", type=int, default=16, help="images in the real-shape prompt")
-    ap.add_argument("--gamma", type=int, default=6, help="draft length")
-    ap.add_argument("--max-new", type=int, default=32, help="reasoning tokens per prompt at most")
+    ap.add_argument("--gamma", type=int, default=evaluate.GAMMA, help="draft length")
+    ap.add_argument("--max-new", type=int, default=evaluate.MAX_NEW_TOKENS, help="reasoning tokens per prompt at most")
     ap.add_argument("--prompts", type=int, default=32, help="toy: held-out test scenes benchmarked")
     ap.add_argument("--repeats", type=int, default=3, help="timed passes (median reported), >= 3")
     ap.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
@@ -281,18 +259,23 @@ def main(argv=None):
         ap.error("--repeats must be >= 3 (the median of at least three passes is reported)")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         ap.error("--device cuda but torch.cuda.is_available() is False")
+    toy_mode = not (args.target or args.preset)
+    needed = TOY_CHECKPOINTS[:1] if args.draft else TOY_CHECKPOINTS
+    missing = [d for d in needed if not os.path.isdir(os.path.join(args.run, d))]
+    if toy_mode and missing:
+        ap.error(f"no toy checkpoints in {args.run} (missing {', '.join(missing)}): run `python rsd.py` first "
+                 f"(or `python train.py --out {args.run}` then `python aarl.py --run {args.run}`)")
     if args.threads:
         torch.set_num_threads(args.threads)
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
     torch.manual_seed(0)
-    res = real(args, device, dtype) if (args.target or args.preset) else toy(args, device, dtype)
+    res = toy(args, device, dtype) if toy_mode else real(args, device, dtype)
     hardware = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or
                                                                                   platform.machine())
     res.update(device=str(device), hardware=hardware, dtype=args.dtype, gamma=args.gamma,
                threads=torch.get_num_threads(), torch=torch.__version__)
     if res["mode"] == "toy":
-        with open(os.path.join(args.run, "bench.json"), "w") as f:
-            json.dump(res, f, indent=1)
+        checkpoint.write_json(os.path.join(args.run, "bench.json"), res)
     report(res, args)
     if args.json:
         print(json.dumps(res))

@@ -2,8 +2,8 @@
 tokens are *routine*, predictable from the ego-trajectory history; a few are
 *commitments* that need fresh visual evidence) holds by construction and is measured.
 
-Each scene mirrors Alpamayo-R1's prompt and CoC layout (PAPER.md, "The target it
-accelerates"): a 2-frame bird's-eye raster fed as a video, 16 past steps at 10 Hz as
+Each scene mirrors Alpamayo-R1's prompt and CoC layout (docs/background.md, "The
+Alpamayo-R1 prompt layout"): a 2-frame bird's-eye raster fed as a video, 16 past steps at 10 Hz as
 48 binned (dx, dy, dheading) history tokens, a CoC "state , decision since cause"
 (e.g. "slowing in a left curve , follow the lead vehicle since it is braking ahead")
 and 32 future waypoints from a unicycle rollout of (acceleration, curvature) that
@@ -20,7 +20,7 @@ Which tokens are commitments (`commitment_mask`; the grammar is `coc_words`):
 A CoC has 1-2 commitments among ~16 tokens; `measure_routine_share` gives the share a
 perfect history-only reader gets right.
 
-Reading the evidence takes more than one attention hop (PAPER.md: the deliberative
+Reading the evidence takes more than one attention hop (the paper's premise: the deliberative
 reasoner's deep attention over the video vs the routine reasoner's one layer). The
 raster is object-level (see CHANNELS) and split across the two frames: the earlier
 frame (t = -0.5 s) shows what each actor *is* (kind, brake lights), the current frame
@@ -34,6 +34,8 @@ frames and actors never share a token, so the link is exact. The vision tower at
 within windows of one merged token (train.target_config says why), so it cannot make the
 cross-frame link: the language model has to. `read_raster` in tests/test_driving.py is the
 exact two-hop reader.
+
+`Data` holds the pre-generated examples of one split and batches them for training and evaluation.
 
 run: python driving.py --seed 0
 """
@@ -73,9 +75,8 @@ class WorldConfig:
 # t = -0.5 s an actor paints what it is (APPEARANCE): its kind, "brake" when its brake lights are lit, a light's
 # colour. At t = 0 it paints where it is: "object", "in_lane" when it stands in the ego lane, and its range ring (the
 # row bands of BUCKET_ROWS, 5 m apart), plus its appearance again when the scene is seen_now (P_SEEN_NOW). The road
-# itself (drivable area, lane lines) is not drawn: its curvature is in the history, and in probes with it drawn a
-# target trained from scratch for minutes on a CPU did not learn to read the actors (commitment accuracy near 0.45
-# after 300-600 steps; README, Limitations).
+# itself (drivable area, lane lines) is not drawn: its curvature is in the history, and with it drawn a target
+# trained from scratch for minutes on a CPU did not learn to read the actors (docs/toy-notes.md, "The world").
 CHANNELS = ("stop_line", "ego", "vehicle", "pedestrian", "cone", "light_red", "light_green", "brake", "object",
             "in_lane", "range_5", "range_10", "range_15", "range_20")
 APPEARANCE = ("vehicle", "pedestrian", "cone", "light_red", "light_green", "brake")  # what an actor is
@@ -111,15 +112,13 @@ KINDS = ("vehicle", "pedestrian", "cone")
 P_DECOY = 0.9
 # P(the current frame shows what the actors are): otherwise (a detector dropout, for the whole frame) only the earlier
 # frame does. Scenes with the appearance in view now can be read in one hop; they are also what lets a target learn
-# the two-hop reading in minutes (README, Limitations).
+# the two-hop reading in minutes (docs/toy-notes.md).
 P_SEEN_NOW = 0.5
 # Held-out (event, decoy, road): never in train/val, the whole test split. On a left curve a cone and a pedestrian are
 # never in view together in training, nor on a right curve a pedestrian and a vehicle, whichever of the two is in the
 # lane; each event is seen on that road with its other decoy, and every decision word after every state clause. Both
-# assignments of a pair are held out: holding out one alone (cone in the lane, pedestrian beside it, left curve) leaves
-# its mirror in training on that road, and a target reading "which kinds are in view" plus the road scored 0.05
-# there while 0.82 on val. (An earlier world held out (event, road) pairs whose decision word never followed that
-# state clause in training; a target at 1.00 on val scored 0.50 commitment accuracy there.)
+# assignments of a pair are held out: holding out one alone would leave its mirror in training on that road, and
+# "which kinds are in view" plus the road would then give the wrong answer on test every time.
 HELD_OUT = (("cone_lane", "pedestrian", "curve_left"), ("ped_cross", "cone", "curve_left"),
             ("ped_cross", "vehicle", "curve_right"), ("lead_cruise", "pedestrian", "curve_right"),
             ("lead_brake", "pedestrian", "curve_right"))
@@ -554,7 +553,7 @@ def build_prompt(scene, tok, patch_size=PATCH, temporal_patch_size=1, merge_size
     """model.forward kwargs for batch 1, Alpamayo order: system, video, history, instruction, <cot_start>."""
     pixels, grid = patchify(torch.from_numpy(scene.frames), patch_size, temporal_patch_size, merge_size)
     grid = torch.as_tensor(grid, dtype=torch.long).view(1, 3)       # (1, 3): t=2, h, w in patches
-    n_video = int(grid.prod()) // merge_size ** 2                   # merged tokens: 2 x 6 x 6 = 72 at 24 px
+    n_video = int(grid.prod()) // merge_size ** 2                   # merged tokens: 2 x 2 x 2 = 8 at 24 px
     ids = (tok.encode(SYSTEM) + [tok.vision_start_id] + [tok.video_token_id] * n_video + [tok.vision_end_id]
            + [tok.hist_start_id] + tok.encode_history(scene.hist) + [tok.hist_end_id]
            + tok.encode(INSTRUCTION) + [tok.cot_start_id])
@@ -594,6 +593,15 @@ def collate(examples, pad_id):
             "coc_ids": [e["coc_ids"] for e in examples]}
 
 
+def to_device(batch, device):
+    return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
+
+
+def vision_kwargs(batch):
+    """The video inputs of a collated batch, as model.forward / model.embed take them."""
+    return {"pixel_values_videos": batch["pixel_values_videos"], "video_grid_thw": batch["video_grid_thw"]}
+
+
 # ---- splits ----
 def make_split(name, n, seed=0, cfg=WorldConfig()):
     """Scene i of a split has its own generator seeded by (seed, split, i): splits never share a stream, and a
@@ -603,10 +611,37 @@ def make_split(name, n, seed=0, cfg=WorldConfig()):
     return [make_scene(np.random.default_rng([seed, SPLITS[name], i]), name, cfg) for i in range(n)]
 
 
+class Data:
+    """Pre-generated examples of one split; batch indices are a pure function of (seed, step),
+    so a resumed run sees exactly the batches it would have seen, on any number of ranks.
+    Batches walk a seeded permutation per epoch, so no scene repeats before the split is used up."""
+
+    def __init__(self, split, n, seed, tok):
+        self.scenes = make_split(split, n, seed)
+        self.examples = [make_example(s, tok) for s in self.scenes]
+        self.tok, self.seed = tok, seed
+
+    def batch(self, step, size, rank=0, world=1, device="cpu"):
+        if size > len(self.examples):
+            raise ValueError(f"batch size {size} is larger than the {len(self.examples)} scenes of this split")
+        epoch, k = divmod(step, len(self.examples) // size)
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        idx = torch.randperm(len(self.examples), generator=g)[k * size:(k + 1) * size][rank::world]
+        return to_device(collate([self.examples[i] for i in idx], self.tok.pad_id), device)
+
+    def batches(self, size, device="cpu"):
+        """The whole split in order, for evaluation."""
+        for i in range(0, len(self.examples), size):
+            yield to_device(collate(self.examples[i:i + size], self.tok.pad_id), device)
+
+
 # ---- metrics ----
-def ade_fde(pred, true):
-    """(B, 32, 2) waypoints -> (average, final) displacement error in metres."""
+def ade_fde(pred, true, per_scene=False):
+    """(B, 32, 2) waypoints -> (average, final) displacement error in metres: floats averaged over the batch, or
+    (B,) tensors with per_scene."""
     d = torch.linalg.vector_norm(torch.as_tensor(pred) - torch.as_tensor(true), dim=-1)   # (B, 32)
+    if per_scene:
+        return d.mean(-1), d[:, -1]
     return d.mean().item(), d[:, -1].mean().item()
 
 
@@ -615,12 +650,13 @@ def coc_exact_match(pred, true):
     return sum(list(p) == list(t) for p, t in zip(pred, true)) / len(true)
 
 
-def commitment_accuracy(pred_next, input_ids, commit_mask):
-    """Teacher-forced: pred_next (B, L) is the argmax at each position, input_ids[:, i + 1] its target. Teacher
-    forcing scores every commitment token on the reference prefix, so an early miss cannot hide later ones."""
+def commitment_hits(pred_next, input_ids, commit_mask):
+    """Teacher-forced: pred_next (B, L) is the argmax at each position, input_ids[:, i + 1] its target -> (right,
+    total) commitment tokens, integers, so that batches add up exactly (accuracy = right / total). Teacher forcing
+    scores every commitment token on the reference prefix, so an early miss cannot hide later ones."""
     hit = pred_next[:, :-1] == input_ids[:, 1:]                    # (B, L-1)
     m = commit_mask[:, :-1]
-    return (hit & m).sum().item() / max(m.sum().item(), 1)
+    return (hit & m).sum().item(), m.sum().item()
 
 
 def measure_routine_share(n=20000, seed=0, split="train"):

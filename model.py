@@ -1,35 +1,30 @@
-"""A Qwen-VL-style VLA: vision tower, decoder with KV cache, trajectory head, the routine-reasoner
-draft, and checkpoints that load real Qwen2.5-VL / Qwen3-VL / Alpamayo-R1 weights.
+"""A Qwen-VL-style VLA: vision tower, decoder with KV cache, trajectory head, and the
+routine-reasoner draft. The same code runs the toy and real Qwen2.5-VL / Qwen3-VL / Alpamayo-R1
+weights (checkpoint.load_pretrained reads those into it).
 
 Paper map: `VLA` with rope_mode "mrope" is the deliberative reasoner (the unmodified target,
 3D M-RoPE); `make_draft` builds the routine reasoner (1-2 layers, FlatRoPE, shares the
 target's embedding and LM head, reads the target's image embeddings); `TrajHead` is the cheap
-parallel trajectory step that follows the chain of causation (PAPER.md, "The paper").
-The verify step of speculative decoding is a multi-token forward over a `KVCache`.
+parallel trajectory step that follows the chain of causation (docs/background.md, "The paper
+in five lines"). The verify step of speculative decoding is a multi-token forward over a
+`KVCache`.
 
 Letters: B batch, T new tokens, S keys (cached + new), D hidden, H heads, Hk KV heads,
 hd head dim, g = H / Hk, V vocab, N vision patches, m spatial merge.
 
-run: python model.py --preset toy-target --device cpu
+run: python -m pytest -q tests/test_model.py      (sizes and speed: python bench.py --device cpu)
 """
-import argparse
 import copy
 import dataclasses
-import json
-import logging
-import os
-import tempfile
-import time
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from einops import rearrange
 
 from rope import (apply_rope, check_mrope_section, decode_positions, flat_position_ids, get_rope_index,
                   mrope_cos_sin, rope_cos_sin, rope_inv_freq)
-
-log = logging.getLogger(__name__)
 
 # ---- config ----
 
@@ -123,9 +118,8 @@ QWEN25_VISION = VisionConfig(patch_size=14, temporal_patch_size=2, spatial_merge
 QWEN_IDS = dict(image_token_id=151655, video_token_id=151656, vision_start_token_id=151652)
 PRESETS = {
     # the toy target of the synthetic driving world (train.target_config sets vocab_size, token ids, vision input).
-    # Narrow and 8 layers deep: on 2 CPU cores an SFT step at width 128 costs a third of one at 384, and in the
-    # 6-minute budget more steps beat width on the held-out split (CoC exact 0.73 after 750 steps at width 384 in a
-    # probe, 0.965 after 2600 at 128; README). The 1-layer draft's token still costs ~1/6 of the target's (bench.py).
+    # Narrow and 8 layers deep: on a CPU a narrow step is cheap, so the training budget buys more steps, and on the
+    # held-out split more steps beat width (docs/toy-notes.md, "The toy target").
     "toy-target": ModelConfig(hidden_size=128, n_heads=2, n_kv_heads=1, intermediate_size=384),
     # real shapes, random weights (benchmarks). Qwen3-VL's vision tower is not implemented: vision=None.
     "qwen2.5-vl-7b": ModelConfig(vocab_size=152064, hidden_size=3584, n_layers=28, n_heads=28, n_kv_heads=4,
@@ -171,7 +165,7 @@ class Attention(nn.Module):
 
     def project(self, x, cos, sin):
         """x (B, T, D) -> rotated q (B, H, T, hd), rotated k and v (B, Hk, T, hd). Also the entry
-        point of train.attention_probs, the diagnostic that recomputes attention weights."""
+        point of evaluate.attention_probs, the diagnostic that recomputes attention weights."""
         B, T, _ = x.shape
         H, Hk, hd = self.H, self.Hk, self.hd
         qkv = self.qkv(x).view(B, T, H + 2 * Hk, hd)  # (B, T, H + 2Hk, hd)
@@ -314,8 +308,8 @@ class VisionTower(nn.Module):
             gh, gw = h // m, w // m
             nh, nw = -(-gh // ws), -(-gw // ws)
             idx = F.pad(torch.arange(t * gh * gw).view(t, gh, gw), (0, nw * ws - gw, 0, nh * ws - gh), value=-1)
-            idx = idx.view(t, nh, ws, nw, ws).permute(0, 1, 3, 2, 4)  # (t, nh, nw, ws, ws)
-            idx = idx.reshape(t * nh * nw, ws * ws)  # a row per window
+            # (t, nh*ws, nw*ws) -> (t*nh*nw, ws*ws): a row per window, its merged tokens in row-major order
+            idx = rearrange(idx, "t (nh wr) (nw wc) -> (t nh nw) (wr wc)", wr=ws, wc=ws)
             keep = idx >= 0
             order.append(idx[keep] + off)
             n = keep.sum(1)
@@ -328,7 +322,8 @@ class VisionTower(nn.Module):
         m, out = self.vc.spatial_merge_size, []
         for t, h, w in grid:
             rc = torch.stack(torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij"), -1)  # (h, w, 2)
-            rc = rc.view(h // m, m, w // m, m, 2).permute(0, 2, 1, 3, 4).reshape(h * w, 2)  # (h/m, w/m, m, m, 2)
+            # (h, w, 2) -> (h*w, 2) in merge-block order: block row, block col, row in block, col in block
+            rc = rearrange(rc, "(bh mr) (bw mc) two -> (bh bw mr mc) two", mr=m, mc=m)
             out.append(rc.repeat(t, 1))
         return torch.cat(out)
 
@@ -643,328 +638,8 @@ def patchify(frames, patch_size, temporal_patch_size, merge_size):
     if T % tp:
         frames = torch.cat([frames, frames[-1:].expand(tp - T % tp, -1, -1, -1)])
     gt, gh, gw = frames.shape[0] // tp, H // p, W // p
-    x = frames.reshape(gt, tp, C, gh // m, m, p, gw // m, m, p)
-    x = x.permute(0, 3, 6, 4, 7, 2, 1, 5, 8)  # (gt, gh/m, gw/m, m, m, C, tp, p, p)
-    return x.reshape(gt * gh * gw, C * tp * p * p), torch.tensor([gt, gh, gw])
-
-
-# ---- checkpoints: our own format ----
-
-WEIGHTS, CONFIG = "model.safetensors", "config.json"
-
-
-def _atomic_write(path, write):
-    """write(tmp_path) into a temp file in the same folder, fsync, then rename over path."""
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", prefix=f".{os.path.basename(path)}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        write(tmp)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
-def save(model: VLA, dir):
-    """config.json + model.safetensors, each written atomically. A draft's file holds only its own
-    weights (the shared target embedding / LM head are re-attached by load(dir, target=...))."""
-    from safetensors.torch import save_file
-    os.makedirs(dir, exist_ok=True)
-    sd = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
-    if model.cfg.tie_word_embeddings and model.cfg.shared_width is None:
-        sd.pop("lm_head.weight")  # tied: the same tensor as embed_tokens.weight
-    meta = {"format": "rsd-vla", "draft": model.cfg.shared_width is not None, "config": model.cfg.to_dict()}
-    _atomic_write(os.path.join(dir, WEIGHTS), lambda p: save_file(sd, p))
-    _atomic_write(os.path.join(dir, CONFIG), lambda p: _write_text(p, json.dumps(meta, indent=1)))
-
-
-def _write_text(path, text):
-    with open(path, "w") as f:
-        f.write(text)
-
-
-def _read_json(path):
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"{path}: file not found")
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not valid JSON ({e})") from None
-
-
-def _open_safetensors(path):
-    from safetensors import safe_open
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"{path}: weights file not found")
-    try:
-        return safe_open(path, framework="pt")
-    except Exception as e:  # safetensors raises its own error type for bad headers / short files
-        raise ValueError(f"{path}: cannot read safetensors file (truncated or corrupt?): {e}") from None
-
-
-def _read_tensor(f, path, key):
-    try:
-        return f.get_tensor(key)
-    except Exception as e:
-        raise ValueError(f"{path}: cannot read tensor {key!r} (truncated or corrupt?): {e}") from None
-
-
-def _check_keys(expected, found, where):
-    missing, unexpected = sorted(set(expected) - set(found)), sorted(set(found) - set(expected))
-    if missing or unexpected:
-        fmt = lambda ks: f"{len(ks)} {ks[:20]}{' ...' if len(ks) > 20 else ''}"
-        raise ValueError(f"{where}: key mismatch: missing {fmt(missing)}; unexpected {fmt(unexpected)}")
-
-
-def _check_shape(path, key, expected, got):
-    if tuple(expected) != tuple(got):
-        raise ValueError(f"{path}: shape mismatch for {key!r}: expected {tuple(expected)}, got {tuple(got)}")
-
-
-def _empty_model(cfg, shared, dtype, device):
-    """A VLA with uninitialised storage (no random init of weights about to be overwritten)."""
-    with torch.device("meta"):
-        model = VLA(cfg, shared=shared)
-    model.to(dtype=dtype).to_empty(device=device)
-    model.tie_weights()
-    model.reset_buffers(device)
-    return model
-
-
-def load(dir, target: VLA | None = None, dtype=None, device=None) -> VLA:
-    """Load a model written by save(); a draft needs the target it was made from (re-attached, shared)."""
-    if not os.path.isdir(dir):
-        raise FileNotFoundError(f"{dir}: checkpoint folder not found")
-    meta = _read_json(os.path.join(dir, CONFIG))
-    if meta.get("format") != "rsd-vla":
-        raise ValueError(f"{os.path.join(dir, CONFIG)}: not a checkpoint written by model.save "
-                         "(for Hugging Face / Alpamayo folders use load_pretrained)")
-    cfg = ModelConfig.from_dict(meta["config"])
-    if meta["draft"]:
-        if target is None:
-            raise ValueError(f"{dir} holds a draft: pass target= (the model whose embedding and LM head it shares)")
-        if (target.cfg.hidden_size, target.cfg.vocab_size) != (cfg.shared_width, cfg.vocab_size):
-            raise ValueError(f"{dir}: draft expects a target of width {cfg.shared_width} and vocab {cfg.vocab_size}, "
-                             f"got {target.cfg.hidden_size} and {target.cfg.vocab_size}")
-        device = device or target.embed_tokens.weight.device
-    path = os.path.join(dir, WEIGHTS)
-    f = _open_safetensors(path)
-    keys = list(f.keys())
-    if dtype is None:  # a draft must match its target; otherwise keep the file's dtype
-        dtype = target.embed_tokens.weight.dtype if meta["draft"] else _read_tensor(f, path, keys[0]).dtype
-    model = _empty_model(cfg, target if meta["draft"] else None, dtype, device or "cpu")
-    sd = model.state_dict()
-    if cfg.tie_word_embeddings and cfg.shared_width is None:
-        sd.pop("lm_head.weight")
-    _check_keys(sd, keys, path)
-    with torch.no_grad():
-        for k in keys:
-            _check_shape(path, k, sd[k].shape, f.get_slice(k).get_shape())
-            sd[k].copy_(_read_tensor(f, path, k))
-    return model
-
-
-# ---- checkpoints: Hugging Face Qwen2.5-VL / Qwen3-VL and Alpamayo-R1 folders ----
-
-ALPAMAYO_SKIP = ("expert.", "action_in_proj.", "action_out_proj.")
-
-
-def _hf_config(path):
-    """(ModelConfig, family, alpamayo) from a Hugging Face / Alpamayo config.json."""
-    cfg_path = os.path.join(path, CONFIG)
-    raw = _read_json(cfg_path)
-    alpamayo = "vlm_name_or_path" in raw or "alpamayo" in str(raw.get("model_type", "")).lower()
-    if alpamayo:  # the VLM config is nested, or (released checkpoints) named by vlm_name_or_path
-        vlm = raw.get("vlm_config")
-        if vlm is None:
-            name = str(raw.get("vlm_name_or_path", ""))
-            if os.path.isfile(os.path.join(name, CONFIG)):
-                vlm = _read_json(os.path.join(name, CONFIG))
-            elif name.rstrip("/").split("/")[-1].lower() == "qwen3-vl-8b-instruct":
-                return (dataclasses.replace(PRESETS["qwen3-vl-8b"], vocab_size=raw.get("vocab_size", 151936)),
-                        "qwen3_vl", True)
-            else:
-                raise ValueError(f"{cfg_path}: Alpamayo config without a 'vlm_config' entry and unknown VLM "
-                                 f"{name!r}: add the VLM's config.json as 'vlm_config'")
-        raw = dict(vlm, vocab_size=raw.get("vocab_size", vlm.get("vocab_size")))
-    family = raw.get("model_type")
-    if family not in ("qwen2_5_vl", "qwen3_vl"):
-        raise ValueError(f"{cfg_path}: unsupported architecture model_type={family!r} "
-                         f"(architectures={raw.get('architectures')}); supported: qwen2_5_vl, qwen3_vl, Alpamayo-R1")
-    text = raw.get("text_config") or raw  # transformers 5 nests it; older configs keep it top-level
-    rope = text.get("rope_parameters") or text.get("rope_scaling") or raw.get("rope_scaling") or {}
-    if text.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"{cfg_path}: unsupported hidden_act {text['hidden_act']!r}")
-    if family == "qwen3_vl" and text.get("attention_bias"):
-        raise ValueError(f"{cfg_path}: unsupported attention_bias=True for qwen3_vl")
-    vraw = raw.get("vision_config") or {}
-    vision = None
-    if family == "qwen2_5_vl":
-        vision = VisionConfig(
-            patch_size=vraw.get("patch_size", 14), temporal_patch_size=vraw.get("temporal_patch_size", 2),
-            spatial_merge_size=vraw.get("spatial_merge_size", 2),
-            in_channels=vraw.get("in_channels", vraw.get("in_chans", 3)),
-            depth=vraw.get("depth", 32), hidden=vraw.get("hidden_size", 3584), heads=vraw.get("num_heads", 16),
-            intermediate=vraw.get("intermediate_size", 3420), window_size=vraw.get("window_size", 112),
-            fullatt_block_indexes=vraw.get("fullatt_block_indexes", (7, 15, 23, 31)),
-            rope_theta=(vraw.get("rope_parameters") or {}).get("rope_theta", 10000.0))
-        if vraw.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"{cfg_path}: unsupported vision hidden_act {vraw['hidden_act']!r}")
-        if vraw.get("out_hidden_size", text["hidden_size"]) != text["hidden_size"]:
-            raise ValueError(f"{cfg_path}: vision out_hidden_size {vraw['out_hidden_size']} != hidden_size "
-                             f"{text['hidden_size']}")
-    try:
-        cfg = ModelConfig(
-            vocab_size=raw.get("vocab_size") or text["vocab_size"], hidden_size=text["hidden_size"],
-            n_layers=text["num_hidden_layers"], n_heads=text["num_attention_heads"],
-            n_kv_heads=text.get("num_key_value_heads") or text["num_attention_heads"], head_dim=text.get("head_dim"),
-            intermediate_size=text["intermediate_size"],
-            rope_theta=rope.get("rope_theta", text.get("rope_theta", 1e6 if family == "qwen2_5_vl" else 5e6)),
-            mrope_section=tuple(rope.get("mrope_section", (16, 24, 24) if family == "qwen2_5_vl" else (24, 20, 20))),
-            mrope_interleaved=family == "qwen3_vl", qkv_bias=family == "qwen2_5_vl", qk_norm=family == "qwen3_vl",
-            rms_norm_eps=text.get("rms_norm_eps", 1e-6),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings") or text.get("tie_word_embeddings")),
-            image_token_id=raw.get("image_token_id", 151655), video_token_id=raw.get("video_token_id", 151656),
-            vision_start_token_id=raw.get("vision_start_token_id", 151652),
-            tokens_per_second=vraw.get("tokens_per_second", 2), spatial_merge_size=vraw.get("spatial_merge_size", 2),
-            vision=vision, traj_len=64, max_seq_len=min(text.get("max_position_embeddings", 8192), 8192))
-    except KeyError as e:
-        raise ValueError(f"{cfg_path}: missing config field {e}") from None
-    except ValueError as e:
-        raise ValueError(f"{cfg_path}: {e}") from None
-    return cfg, family, alpamayo
-
-
-def _hf_name(key):
-    """Both on-disk layouts -> one: 'model.language_model.X' / 'model.X' -> 'X'; 'model.visual.X' -> 'visual.X'."""
-    for prefix, new in (("model.language_model.", ""), ("model.visual.", "visual."), ("model.", "")):
-        if key.startswith(prefix):
-            return new + key[len(prefix):]
-    return key
-
-
-def _hf_layout(model: VLA):
-    """{hf name: shape} the checkpoint must hold, and {our name: [hf names]} joined along dim 0."""
-    cfg, shapes, parts = model.cfg, {}, {}
-    q, kv, inter = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.intermediate_size
-    for name, t in model.state_dict().items():
-        if name.startswith("traj_head.") or (name == "lm_head.weight" and cfg.tie_word_embeddings):
-            continue
-        base, leaf = name.rsplit(".", 1)
-        if base.endswith("self_attn.qkv"):
-            split = [(base[:-3] + p, n) for p, n in (("q_proj", q), ("k_proj", kv), ("v_proj", kv))]
-        elif base.endswith("mlp.gate_up"):
-            split = [(base[:-7] + p, inter) for p in ("gate_proj", "up_proj")]
-        else:
-            split = [(base, None)]
-        parts[name] = [f"{b}.{leaf}" for b, _ in split]
-        for (b, n), hf in zip(split, parts[name]):
-            shapes[hf] = (n, *t.shape[1:]) if n is not None else tuple(t.shape)
-    if model.visual is not None:  # Qwen stores the patch embedding as a Conv3d kernel
-        vc = model.cfg.vision
-        shapes["visual.patch_embed.proj.weight"] = (vc.hidden, vc.in_channels, vc.temporal_patch_size,
-                                                    vc.patch_size, vc.patch_size)
-    return shapes, parts
-
-
-def load_pretrained(path, dtype=None, device=None) -> VLA:
-    """Load a Hugging Face Qwen2.5-VL (language model + vision tower) or Qwen3-VL (language model)
-    folder, or an Alpamayo-R1 folder ('vlm.' prefix), one file or shards with an index.
-
-    Accepts both layouts ('model.layers.*' / 'visual.*' and 'model.language_model.*' /
-    'model.visual.*'). Skipped with a logged note: Alpamayo's action expert ('expert.*',
-    'action_in_proj.*', 'action_out_proj.*') and Qwen3-VL's vision tower (not implemented).
-    The trajectory head is not in these checkpoints and stays randomly initialised.
-    dtype None keeps the checkpoint's dtype."""
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"{path}: checkpoint folder not found")
-    cfg, family, alpamayo = _hf_config(path)
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        key_file = {k: os.path.join(path, v) for k, v in _read_json(index)["weight_map"].items()}
-    elif os.path.isfile(os.path.join(path, WEIGHTS)):
-        key_file = None
-    else:
-        raise FileNotFoundError(f"{path}: no {WEIGHTS} or model.safetensors.index.json")
-    handles = {}
-
-    def handle(file):
-        if file not in handles:
-            handles[file] = _open_safetensors(file)
-        return handles[file]
-
-    if key_file is None:
-        key_file = dict.fromkeys(handle(os.path.join(path, WEIGHTS)).keys(), os.path.join(path, WEIGHTS))
-    found, skipped = {}, {"Alpamayo action expert": 0, "Qwen3-VL vision tower (not implemented)": 0}
-    for key, file in key_file.items():
-        k = key
-        if alpamayo:
-            if k.startswith(ALPAMAYO_SKIP):
-                skipped["Alpamayo action expert"] += 1
-                continue
-            k = k[4:] if k.startswith("vlm.") else k
-        k = _hf_name(k)
-        if family == "qwen3_vl" and k.startswith("visual."):
-            skipped["Qwen3-VL vision tower (not implemented)"] += 1
-            continue
-        if k == "lm_head.weight" and cfg.tie_word_embeddings:
-            continue  # tied: embed_tokens.weight is the one that counts
-        found[k] = (file, key)
-    for what, n in skipped.items():
-        if n:
-            log.warning("load_pretrained(%s): skipped %d tensors of the %s", path, n, what)
-    first_file, first_key = found.get("embed_tokens.weight", next(iter(found.values())))
-    dtype = dtype or _read_tensor(handle(first_file), first_file, first_key).dtype
-    model = _empty_model(cfg, None, dtype, device or "cpu")
-    shapes, parts = _hf_layout(model)
-    _check_keys(shapes, found, f"{path} ({family}{', Alpamayo' if alpamayo else ''})")
-    for k, (file, key) in found.items():
-        _check_shape(file, key, shapes[k], handle(file).get_slice(key).get_shape())
-    sd = model.state_dict()
-    with torch.no_grad():
-        for name, hf_names in parts.items():
-            ts = [_read_tensor(handle(found[h][0]), found[h][0], found[h][1]) for h in hf_names]
-            sd[name].copy_(torch.cat(ts).reshape(sd[name].shape))
-        if model.traj_head is not None:
-            model.traj_head.apply(VLA._init_weights)
-    log.warning("load_pretrained(%s): trajectory head not in the checkpoint, randomly initialised", path)
-    return model
-
-
-# ---- main: sizes and a decode-speed sanity check ----
-
-if __name__ == "__main__":
-    ap = argparse.ArgumentParser(description="Build a preset, print its size, time prefill and decode.")
-    ap.add_argument("--preset", default="toy-target", choices=sorted(PRESETS), help="model preset")
-    ap.add_argument("--draft", default=None, choices=sorted(DRAFT_PRESETS), help="also build this draft")
-    ap.add_argument("--device", default="cpu", help="torch device")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights and cache dtype")
-    ap.add_argument("--prompt", type=int, default=256, help="prompt length for the timing")
-    ap.add_argument("--steps", type=int, default=32, help="decode steps for the timing")
-    args = ap.parse_args()
-    torch.manual_seed(0)
-    cfg = PRESETS[args.preset]
-    with torch.device(args.device):
-        target = VLA(cfg).to(getattr(torch, args.dtype)).eval()
-    models = {"target": target}
-    if args.draft:
-        models["draft"] = make_draft(target, **DRAFT_PRESETS[args.draft]).eval()
-    for name, model in models.items():
-        n = sum(p.numel() for p in model.parameters())
-        ids = torch.randint(10, cfg.vocab_size, (1, args.prompt), device=args.device)
-        with torch.inference_mode():
-            warm = model.new_cache(max_len=args.prompt + 2)  # first calls pay one-time allocation costs
-            model(model(ids, cache=warm, logits_to_keep=1).argmax(-1), cache=warm)
-            cache = model.new_cache(max_len=args.prompt + args.steps)
-            t0 = time.perf_counter()
-            logits = model(ids, cache=cache, logits_to_keep=1)
-            t1 = time.perf_counter()
-            for _ in range(args.steps):
-                logits = model(logits[:, -1:].argmax(-1), cache=cache)
-            t2 = time.perf_counter()
-        print(f"{name}: {n / 1e6:.2f}M own params, prefill {args.prompt} tok {1e3 * (t1 - t0):.1f} ms, "
-              f"decode {1e3 * (t2 - t1) / args.steps:.2f} ms/token ({args.dtype}, {args.device})")
+    # (gt*tp, C, gh*p, gw*p) -> (gt*gh*gw, C*tp*p*p): patches by (t, block row, block col, row in block,
+    # col in block), each patch flattened as (C, tp, p, p)
+    x = rearrange(frames, "(gt tp) c (bh mr ph) (bw mc pw) -> (gt bh bw mr mc) (c tp ph pw)",
+                  tp=tp, mr=m, mc=m, ph=p, pw=p)
+    return x, torch.tensor([gt, gh, gw])

@@ -2,8 +2,9 @@
 
 Paper: the target (deliberative reasoner) uses 3D M-RoPE as in Qwen2-VL / Qwen2.5-VL
 (chunked sections) or Qwen3-VL (interleaved sections); the routine-reasoner draft uses
-FlatRoPE, a plain 1D index over the whole sequence, image tokens included (PAPER.md,
-"FlatRoPE"). Semantics follow Hugging Face transformers' Qwen2.5-VL `get_rope_index`.
+FlatRoPE, a plain 1D index over the whole sequence, image tokens included (the paper's
+FlatRoPE). Semantics follow Hugging Face transformers' Qwen2.5-VL `get_rope_index`
+(docs/background.md, "Qwen-VL M-RoPE").
 
 Shapes: B batch, L sequence, H heads, D head_dim, n_img / n_vid number of images / videos.
 
@@ -107,8 +108,8 @@ def get_rope_index(input_ids, image_grid_thw=None, video_grid_thw=None, second_p
 
     Deviation noted: for a video whose scaled t ids run past its spatial extent
     (t*interval > max(H, W)/m), transformers 5.24 resumes text at s + max(H, W)/m, which can
-    reuse ids; we follow the original Qwen2.5-VL code (transformers <= 5.2 and PAPER.md) and
-    resume at max + 1. The two agree for every image and for short videos.
+    reuse ids; we follow the original Qwen2.5-VL code (transformers <= 5.2, docs/background.md)
+    and resume at max + 1. The two agree for every image and for short videos.
 
     vision_start_token_id, when given, is checked to open every vision block (Qwen's prompt
     format: <|vision_start|> placeholders <|vision_end|>)."""
@@ -178,7 +179,7 @@ def flat_position_ids(input_ids, attention_mask=None):
     """FlatRoPE: the draft's ids 0, 1, 2, ... over the whole sequence, image tokens included,
     equal on all three axes -> position_ids (3, B, L), rope_delta (B, 1) (0 without padding).
 
-    Only input_ids' shape and device are read. Why it matters (PAPER.md, "FlatRoPE"): under
+    Only input_ids' shape and device are read. Why it matters (the paper's FlatRoPE): under
     M-RoPE a block of h x w merged tokens spans only max(h, w) ids, so the ~2900 image tokens
     of an Alpamayo prompt sit a few dozen ids from the text and dominate attention; under a
     flat index they span their full token count, are far from the CoC being written, and

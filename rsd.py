@@ -11,6 +11,9 @@ speculative decoding (the target's M-RoPE), the FlatRoPE draft, FlatRoPE + AARL.
 The first run trains everything into runs/toy (train.py: target + both drafts, then
 aarl.py: AARL with the static anchor); later runs reuse the checkpoints.
 
+rsd.py is the top of the layering: it may call the scripts train.py, aarl.py and bench.py;
+they import only the library modules (rope, model, checkpoint, speculate, driving, evaluate).
+
 run: python rsd.py [--json] [--plot] [--sweep 4,5,6,7,8]
 """
 import argparse
@@ -23,10 +26,12 @@ import torch
 
 import aarl
 import bench
+import checkpoint
 import driving
-import model as M
-import speculate
+import evaluate
 import train as T
+from driving import Data
+from evaluate import MAX_NEW_TOKENS, TARGET_ONLY
 
 ROWS = (("replica", "draft_mrope"), ("flatrope", "draft_flat"), ("flatrope+aarl", "draft_aarl"))
 
@@ -42,11 +47,11 @@ def ensure_checkpoints(run, device="cpu", log=print):
     if not os.path.isdir(os.path.join(run, "draft_aarl")):
         log("post-training the FlatRoPE draft with AARL (aarl.py defaults, static anchor)")
         tok = driving.Tokenizer()
-        target = M.load(os.path.join(run, "target"), device=device).eval()
-        sft = M.load(os.path.join(run, "draft_flat"), target=target).eval()
+        target = checkpoint.load(os.path.join(run, "target"), device=device).eval()
+        sft = checkpoint.load(os.path.join(run, "draft_flat"), target=target).eval()
         cfg = aarl.AARLConfig()
-        aarl.train_aarl(target, copy.deepcopy(sft), T.Data("train", 4000, cfg.seed, tok), cfg,
-                        T.Data("val", cfg.n_eval, 0, tok), out=os.path.join(run, "draft_aarl"), ref=sft)
+        aarl.train_aarl(target, copy.deepcopy(sft), Data("train", cfg.n_train, cfg.seed, tok), cfg,
+                        Data("val", cfg.n_val_log, 0, tok), out=os.path.join(run, "draft_aarl"), ref=sft)
 
 
 # ---- display ----
@@ -59,11 +64,10 @@ def marked_coc(tokens, from_draft, tok):
 
 def show_scenes(target, draft, scenes, tok, gamma, device, log=print):
     """A few scenes planned by the two reasoners, next to target-only decoding."""
-    for i, scene in enumerate(scenes):
-        prompt = {k: v.to(device) for k, v in driving.build_prompt(scene, tok).items()}
-        spec = speculate.speculative(target, draft, prompt, gamma, 32, stop_token=tok.cot_end_id)
-        base = speculate.autoregressive(target, prompt, 32, stop_token=tok.cot_end_id)
-        batch = T.to_device(driving.collate([driving.make_example(scene, tok)], tok.pad_id), device)
+    for i, (scene, prompt) in enumerate(zip(scenes, evaluate.scene_prompts(scenes, tok, device))):
+        spec = evaluate.decode(target, draft, prompt, gamma, MAX_NEW_TOKENS, tok.cot_end_id)
+        base = evaluate.decode(target, None, prompt, gamma, MAX_NEW_TOKENS, tok.cot_end_id)
+        batch = driving.to_device(driving.collate([driving.make_example(scene, tok)], tok.pad_id), device)
         ade_spec = traj_ade(target, batch, spec.tokens, tok)
         ade_base = traj_ade(target, batch, base.tokens, tok)
         log(f"scene {i} ({scene.f.road}, {scene.f.event}, history {scene.f.hist_class}):")
@@ -73,40 +77,35 @@ def show_scenes(target, draft, scenes, tok, gamma, device, log=print):
 
 
 def traj_ade(target, batch, coc, tok):
-    pred = T.plan_trajectories(target, batch, [coc], tok)  # (1, traj_len, 2)
+    pred = evaluate.plan_trajectories(target, batch, [coc], tok)  # (1, traj_len, 2)
     return driving.ade_fde(pred, batch["traj"].cpu())[0]
 
 
 # ---- the table ----
 
 
-def paper_table(target, drafts, data: T.Data, gamma, n_time, repeats, device):
+def paper_table(target, drafts, data: Data, gamma, n_time, repeats, device):
     """Rows target-only + one per draft: tau, routine share, the model's teacher-forced accuracy on
     commitment tokens, reasoning ms/token, speed-up, ADE of the trajectory after that arm's own
     CoC, and the model's attention split while writing the CoC (image vs history keys; the
     target-only row shows the target's own). Also the tau ceiling: what a never-rejected draft
     would reach on these CoCs (speculate.tau_ceiling)."""
     tok = data.tok
-    prompts = [{k: v.to(device) for k, v in driving.build_prompt(s, tok).items()} for s in data.scenes]
+    prompts = evaluate.scene_prompts(data.scenes, tok, device)
     # Statistics on every test scene; timing on the first n_time (the same prompts for every arm).
-    stats = bench.run_arms(target, drafts, prompts, gamma, 32, tok.cot_end_id, repeats=0)
-    timing = bench.run_arms(target, drafts, prompts[:n_time], gamma, 32, tok.cot_end_id, repeats)
+    stats = evaluate.spec_stats(target, drafts, prompts, gamma, MAX_NEW_TOKENS, tok.cot_end_id)
+    timing = bench.time_arms(target, drafts, prompts[:n_time], gamma, MAX_NEW_TOKENS, tok.cot_end_id, repeats)
     rows = []
-    for name in ("target-only", *drafts):
-        cocs = stats[name]["tokens"]
-        ades = []
-        for i, batch in enumerate(data.batches(64, device)):
-            pred = T.plan_trajectories(target, batch, cocs[64 * i:64 * (i + 1)], tok)
-            ades.append(driving.ade_fde(pred, batch["traj"].cpu())[0] * len(pred))
+    for name in stats:
         model = drafts.get(name, target)
-        attn = T.attention_split(model, target, data)
+        attn = evaluate.attention_split(model, target, data)
         rows.append({"name": name, "tau": stats[name]["tau"], "routine_fraction": stats[name]["routine_fraction"],
-                     "commit_acc": T.commitment_acc(model, target, data),
+                     "commit_acc": evaluate.commitment_acc(model, target, data),
                      "ms_per_token": timing[name]["ms_per_token"], "speedup": timing[name]["speedup"],
-                     "ade": sum(ades) / len(cocs), "attn_history": attn["history"], "attn_image": attn["image"],
+                     "ade": evaluate.trajectory_ade(target, data, stats[name]["tokens"])[0],
+                     "attn_history": attn["history"], "attn_image": attn["image"],
                      "greedy_match": stats[name]["greedy_match"]})
-    ceiling = speculate.tau_ceiling([len(c) for c in stats["target-only"]["tokens"]], gamma)
-    return rows, ceiling
+    return rows, stats[TARGET_ONLY]["tau_ceiling"]
 
 
 def print_table(rows, log=print):
@@ -125,8 +124,10 @@ def gamma_sweep(target, drafts, splits, gammas, log=print):
     out = {}
     for split, data in splits.items():
         out[split] = {}
+        prompts = evaluate.scene_prompts(data.scenes, data.tok, next(target.parameters()).device)
         for g in gammas:
-            row = {name: aarl.spec_stats(target, d, data, g, check_greedy=False) for name, d in drafts.items()}
+            row = evaluate.spec_stats(target, drafts, prompts, g, MAX_NEW_TOKENS, data.tok.cot_end_id,
+                                      check_greedy=False)
             ceiling = next(iter(row.values()))["tau_ceiling"]  # the same for every draft: it depends on the CoCs
             out[split][g] = {"ceiling": ceiling, **{k: v["tau"] for k, v in row.items()}}
             log(f"{split:5s} gamma {g}: ceiling {out[split][g]['ceiling']:.2f}  "
@@ -137,7 +138,7 @@ def gamma_sweep(target, drafts, splits, gammas, log=print):
 # ---- figures ----
 
 
-def plot(target, draft, scene, rows, tok, device, out="figures"):
+def plot(target, draft, scene, rows, tok, gamma, device, out="figures"):
     """figures/scene.png (raster, ground-truth and planned trajectories) and
     figures/attention.png (attention split per model)."""
     try:
@@ -150,10 +151,10 @@ def plot(target, draft, scene, rows, tok, device, out="figures"):
         return
 
     os.makedirs(out, exist_ok=True)
-    prompt = {k: v.to(device) for k, v in driving.build_prompt(scene, tok).items()}
-    spec = speculate.speculative(target, draft, prompt, 6, 32, stop_token=tok.cot_end_id)
-    batch = T.to_device(driving.collate([driving.make_example(scene, tok)], tok.pad_id), device)
-    pred = T.plan_trajectories(target, batch, [spec.tokens], tok)[0].cpu()
+    prompt = evaluate.scene_prompts([scene], tok, device)[0]
+    spec = evaluate.decode(target, draft, prompt, gamma, MAX_NEW_TOKENS, tok.cot_end_id)
+    batch = driving.to_device(driving.collate([driving.make_example(scene, tok)], tok.pad_id), device)
+    pred = evaluate.plan_trajectories(target, batch, [spec.tokens], tok)[0].cpu()
     cfg = driving.WorldConfig()
     frame = scene.frames.max(0)  # (C, H, W): both frames overlaid (kinds are drawn at t = -0.5 s, objects at t = 0)
     fig, ax = plt.subplots(figsize=(5, 5))
@@ -182,12 +183,12 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description="The two-reasoner planner (RSD) on the synthetic driving world.")
     ap.add_argument("--run", default="runs/toy", help="checkpoint folder (trained here if absent)")
     ap.add_argument("--device", default="cpu", help="torch device")
-    ap.add_argument("--gamma", type=int, default=6, help="draft length")
+    ap.add_argument("--gamma", type=int, default=evaluate.GAMMA, help="draft length")
     ap.add_argument("--scenes", type=int, default=64, help="held-out test scenes for the table")
     ap.add_argument("--time-scenes", type=int, default=16, help="of those, scenes timed for ms/token")
     ap.add_argument("--repeats", type=int, default=3, help="timed passes (median)")
     ap.add_argument("--show", type=int, default=3, help="scenes printed with routine / [deliberative] tokens")
-    ap.add_argument("--dtype", default="fp32", choices=sorted(bench.DTYPES),
+    ap.add_argument("--dtype", default="fp32", choices=sorted(checkpoint.DTYPES),
                     help="inference dtype (fp32: the exactness claims hold bit for bit)")
     ap.add_argument("--plot", action="store_true", help="write figures/ (needs matplotlib)")
     ap.add_argument("--sweep", default="", help="also tau per draft on val and test for these gammas, e.g. 4,5,6,7,8")
@@ -204,13 +205,13 @@ def main(argv=None):
     t0 = time.time()
     device = torch.device(a.device)
     ensure_checkpoints(a.run, device)
-    dtype = bench.DTYPES[a.dtype]
+    dtype = checkpoint.DTYPES[a.dtype]
     tok = driving.Tokenizer()
-    target = M.load(os.path.join(a.run, "target"), dtype=dtype, device=device).eval()
-    drafts = {name: M.load(os.path.join(a.run, d), target=target).eval() for name, d in ROWS}
-    test = T.Data("test", a.scenes, 0, tok)
+    target = checkpoint.load(os.path.join(a.run, "target"), dtype=dtype, device=device).eval()
+    drafts = {name: checkpoint.load(os.path.join(a.run, d), target=target).eval() for name, d in ROWS}
+    test = Data("test", a.scenes, 0, tok)
 
-    metrics = T.evaluate_target(target, test)
+    metrics = evaluate.evaluate_target(target, test)
     print(f"target on the held-out test split: CoC exact {metrics['coc_exact']:.3f}, "
           f"commitment accuracy {metrics['commitment_acc']:.3f}, ADE {metrics['ade']:.2f} m")
     show_scenes(target, drafts["flatrope+aarl"], test.scenes[:a.show], tok, a.gamma, device)
@@ -225,10 +226,10 @@ def main(argv=None):
     sweep = None
     if gammas:
         print(f"\ntau by draft length ({a.scenes} scenes per split, greedy):")
-        sweep = gamma_sweep(target, drafts, {"val": T.Data("val", a.scenes, 0, tok), "test": test}, gammas)
+        sweep = gamma_sweep(target, drafts, {"val": Data("val", a.scenes, 0, tok), "test": test}, gammas)
     print(f"wall time {time.time() - t0:.0f} s")
     if a.plot:
-        plot(target, drafts["flatrope+aarl"], test.scenes[0], rows, tok, device)
+        plot(target, drafts["flatrope+aarl"], test.scenes[0], rows, tok, a.gamma, device)
     if a.json:
         print(json.dumps({"greedy_match": greedy_match, "tau_ceiling": ceiling, "sweep": sweep,
                           "target": {k: metrics[k] for k in ("coc_exact", "commitment_acc", "ade")},

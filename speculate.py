@@ -7,9 +7,10 @@ plus one token of its own (the correction, or a bonus when every draft token
 was accepted). Greedy output is identical to the target's; sampled output is
 distributed exactly as the target's (Leviathan et al. 2023, Algorithm 1).
 Greedy identity is exact in fp32; in bf16 the batched verify forward can flip
-near-tied argmaxes relative to single-token decoding (PAPER.md, known traps).
-Paper: "Two reasoners cooperate in the speculative-decoding template" and the
-tau / speedup statistics (shared/PAPER.md, "Speculative decoding, precisely").
+near-tied argmaxes relative to single-token decoding. Paper: the routine and
+deliberative reasoners cooperate in the speculative-decoding template; tau and
+the speed-up statistics follow Leviathan et al. (docs/background.md,
+"Speculative decoding").
 
 Cache discipline, the invariant every round keeps: both caches hold the prompt
 and the emitted tokens except the *pending* suffix. The target has seen all but
@@ -25,11 +26,14 @@ included, comes out of a verification round: tau = tokens / rounds exactly.
 run: python speculate.py --device cpu
 """
 import argparse
+import copy
 import math
 import time
 from dataclasses import dataclass, field
 
 import torch
+
+from model import PRESETS, VLA
 
 # ---- processed distributions ----
 
@@ -51,7 +55,7 @@ def process_logits(logits, temperature, top_k=None, top_p=None):
     if temperature == 0:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
     # Subtract the max before dividing: a tiny temperature then sends the
-    # others to -inf, never to inf - inf = NaN (PAPER.md, known traps).
+    # others to -inf, never to inf - inf = NaN.
     logits = (logits - logits.amax(-1, keepdim=True)) / temperature
     if top_k is not None and top_k < logits.shape[-1]:
         kth = logits.topk(top_k, dim=-1).values[..., -1:]  # (..., 1)
@@ -413,11 +417,6 @@ def main():
     ap.add_argument("--noise", type=float, default=0.05, help="draft = target + noise * std(w) * N(0, 1) per weight")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
-
-    import copy
-
-    from model import PRESETS, VLA
-
     torch.manual_seed(args.seed)
     cfg = copy.deepcopy(PRESETS["toy-target"])
     target = VLA(cfg).to(args.device).eval()

@@ -12,12 +12,10 @@ prompt embeddings, image features included, and its CoC distributions p) and upd
 each draft q with the forward KL(p || q) on the CoC positions. Sharing the target's
 forward halves the cost without coupling the drafts (separate weights, optimisers).
 
-run: python train.py --device cpu                 (target + both drafts into runs/toy)
+run: python train.py --device cpu                 (target + both drafts into runs/toy; --help lists the flags)
      torchrun --nproc_per_node 2 train.py         (the same with DistributedDataParallel)
 """
 import argparse
-import contextlib
-import json
 import math
 import os
 import time
@@ -28,8 +26,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from tqdm import tqdm
 
+import checkpoint
 import driving
 import model as M
+from driving import Data, vision_kwargs
+from evaluate import autocast, evaluate_target
 
 # ---- config ----
 
@@ -37,24 +38,24 @@ import model as M
 @dataclass
 class TrainConfig:
     out: str = "runs/toy"  # checkpoints: out/target, out/draft_flat, out/draft_mrope (+ *.state.pt to resume)
-    device: str = "cpu"
-    seed: int = 0
+    device: str = "cpu"  # torch device (cpu, cuda)
+    seed: int = 0  # seeds the scenes of every split, the initialisation and the batch order
     n_train: int = 32000  # pre-generated training scenes (the world is cheap; a fixed set keeps steps reproducible)
     n_val: int = 256  # validation scenes (same distribution as train)
     n_test: int = 256  # held-out test scenes (factor combinations never seen in training)
     batch_size: int = 16  # global batch; each DDP rank takes batch_size / world_size of it
-    target_steps: int = 2600  # with the drafts, 290-306 s on 2 CPU cores (README has the accuracies)
-    target_lr: float = 1.5e-3
-    train_vision: bool = False  # False: the vision tower stays at its random init (train_target says why)
+    target_steps: int = 2600  # SFT steps of the target (a few minutes on 2 CPU cores with the drafts)
+    target_lr: float = 1.5e-3  # peak learning rate of the target
+    train_vision: bool = False  # also train the vision tower (default: frozen at random init; train_target says why)
     traj_weight: float = 0.1  # weight of the trajectory Huber loss (metres) next to the CoC cross-entropy
-    draft_steps: int = 150
-    draft_lr: float = 3e-3
+    draft_steps: int = 150  # distillation steps of both drafts
+    draft_lr: float = 3e-3  # peak learning rate of the drafts
     target_preset: str = "toy-target"  # target sizes (model.PRESETS)
     draft_preset: str = "toy-draft"  # sizes of both drafts (model.DRAFT_PRESETS)
     warmup: int = 20  # linear warm-up steps, then cosine decay to 10%
-    weight_decay: float = 0.01
-    grad_clip: float = 1.0
-    amp: bool = True  # bf16 autocast for the matmuls (fp32 master weights); ~2.5x faster on a modern CPU
+    weight_decay: float = 0.01  # AdamW weight decay
+    grad_clip: float = 1.0  # gradient-norm clip
+    amp: bool = True  # bf16 autocast for the matmuls (fp32 master weights): faster on a CPU with bf16 support
     eval_every: int = 650  # steps between validation passes (and resumable checkpoints)
 
 
@@ -94,10 +95,8 @@ def target_config(tok: driving.Tokenizer, preset="toy-target") -> M.ModelConfig:
     base = M.PRESETS[preset]
     # The world's tokenisation (driving.PATCH, driving.MERGE). Every block is windowed, a window being one merged
     # token (PATCH * MERGE = 12 px): the frozen tower is random, and a random frame-wide attention block mixes every
-    # token with the whole frame. With Qwen's one full-attention block, a linear probe read the off-lane decoy's
-    # kind from the in-lane actor's token at 0.99 (0.59 with one-token windows, where no other token leaks in), and
-    # with them the old 750-step target went from 0.938 to 0.961 CoC exact on val (a probe). A pretrained tower keeps
-    # its tokens local; a random one has to be made to.
+    # token with the whole frame, so the in-lane actor's token would also carry the off-lane decoy's kind. A
+    # pretrained tower keeps its tokens local; a random one has to be made to (docs/toy-notes.md, "The toy target").
     vision = replace(base.vision, in_channels=len(driving.CHANNELS), patch_size=driving.PATCH, temporal_patch_size=1,
                      spatial_merge_size=driving.MERGE, window_size=driving.PATCH * driving.MERGE,
                      fullatt_block_indexes=())
@@ -113,42 +112,6 @@ def make_drafts(target, preset):
     kw = M.DRAFT_PRESETS[preset]
     return {"flat": M.make_draft(target, rope_mode="flat", **kw),
             "mrope": M.make_draft(target, rope_mode="mrope", **kw)}
-
-
-# ---- data ----
-
-
-class Data:
-    """Pre-generated examples of one split; batch indices are a pure function of (seed, step),
-    so a resumed run sees exactly the batches it would have seen, on any number of ranks.
-    Batches walk a seeded permutation per epoch, so no scene repeats before the split is used up
-    (drawn with replacement, 37% of a default run's 12,000 draws would repeat an earlier scene)."""
-
-    def __init__(self, split, n, seed, tok):
-        self.scenes = driving.make_split(split, n, seed)
-        self.examples = [driving.make_example(s, tok) for s in self.scenes]
-        self.tok, self.seed = tok, seed
-
-    def batch(self, step, size, rank=0, world=1, device="cpu"):
-        if size > len(self.examples):
-            raise ValueError(f"batch size {size} is larger than the {len(self.examples)} scenes of this split")
-        epoch, k = divmod(step, len(self.examples) // size)
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-        idx = torch.randperm(len(self.examples), generator=g)[k * size:(k + 1) * size][rank::world]
-        return to_device(driving.collate([self.examples[i] for i in idx], self.tok.pad_id), device)
-
-    def batches(self, size, device="cpu"):
-        """The whole split in order, for evaluation."""
-        for i in range(0, len(self.examples), size):
-            yield to_device(driving.collate(self.examples[i:i + size], self.tok.pad_id), device)
-
-
-def to_device(batch, device):
-    return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
-
-
-def vision_kwargs(batch):
-    return {"pixel_values_videos": batch["pixel_values_videos"], "video_grid_thw": batch["video_grid_thw"]}
 
 
 # ---- losses ----
@@ -179,173 +142,7 @@ def distill_loss(draft, embeds, p_logp, batch):
     return F.kl_div(q_logp, p_logp, log_target=True, reduction="batchmean")
 
 
-# ---- evaluation ----
-
-
-@torch.no_grad()
-def greedy_coc(target, batch, stop, max_new=32, amp=False):
-    """Batched greedy CoC decoding with the KV cache (all prompts have the same length)
-    -> list of id lists, each ending with the stop token (<cot_end>) when the model wrote it."""
-    P = int(batch["prompt_len"][0])
-    assert bool((batch["prompt_len"] == P).all()), "greedy_coc needs equal prompt lengths"
-    ids = batch["input_ids"][:, :P]  # (B, P)
-    B = ids.shape[0]
-    cache = target.new_cache(batch=B, max_len=P + max_new)
-    with autocast(ids.device, amp):
-        logits = target(ids, cache=cache, logits_to_keep=1, **vision_kwargs(batch))  # (B, 1, V)
-        out = []
-        for _ in range(max_new):
-            nxt = logits[:, -1].argmax(-1)  # (B,)
-            out.append(nxt)
-            if bool((torch.stack(out, 1) == stop).any(1).all()):
-                break
-            logits = target(nxt[:, None], cache=cache)  # (B, 1, V)
-    rows = torch.stack(out, 1).tolist()  # (B, n)
-    return [r[:r.index(stop) + 1] if stop in r else r for r in rows]
-
-
-@torch.no_grad()
-def continue_prompts(target, batch, seqs, pad_id, amp=False):
-    """Feed each row's prompt, then its own continuation seqs[b] (a list of ids), through the
-    KV cache: the continuation is decoded as text whatever its ids (exactly as during
-    generation), and a right-padded batch is fine because attention is causal.
-    Returns logits (B, 1 + T, V), where row t predicts continuation token t (row 0 comes from
-    the prompt's last position), and final hidden states (B, T, D) of the continuation."""
-    P = int(batch["prompt_len"][0])
-    ids = batch["input_ids"][:, :P]  # (B, P)
-    T_ = max(map(len, seqs))
-    cont = torch.full((len(seqs), T_), pad_id, dtype=torch.long, device=ids.device)
-    for b, s in enumerate(seqs):
-        cont[b, :len(s)] = torch.tensor(s)
-    cache = target.new_cache(batch=len(seqs), max_len=P + T_)
-    with autocast(ids.device, amp):
-        first = target(ids, cache=cache, logits_to_keep=1, **vision_kwargs(batch))  # (B, 1, V)
-        logits, hidden = target(cont, cache=cache, return_hidden=True)  # (B, T, V), (B, T, D)
-    return torch.cat([first, logits], 1), hidden
-
-
-@torch.no_grad()
-def plan_trajectories(target, batch, cocs, tok, amp=False):
-    """Trajectories (B, traj_len, 2) after prompt + the given CoCs + <traj_future_start>,
-    read at each row's <traj_future_start>."""
-    seqs = [[t for t in c if t != tok.cot_end_id] + [tok.cot_end_id, tok.traj_future_start_id] for c in cocs]
-    _, hidden = continue_prompts(target, batch, seqs, tok.pad_id, amp)
-    last = torch.tensor([len(s) - 1 for s in seqs], device=hidden.device)
-    return target.traj(hidden[torch.arange(len(seqs)), last]).float()  # (B, traj_len, 2)
-
-
-@torch.no_grad()
-def evaluate_target(target, data: Data, batch_size=64, amp=False):
-    """coc_exact (greedy), commitment_acc (teacher-forced argmax on commitment tokens),
-    ade / fde (trajectory after the model's own greedy CoC), in metres."""
-    target.eval()
-    tok = data.tok
-    exact = hits = n_commit = 0
-    ades, fdes, n = [], [], 0
-    for batch in data.batches(batch_size, next(target.parameters()).device):
-        with autocast(batch["input_ids"].device, amp):
-            logits = target(batch["input_ids"], **vision_kwargs(batch))  # (B, L, V)
-        m = batch["commit_mask"][:, :-1]
-        hits += ((logits.argmax(-1)[:, :-1] == batch["input_ids"][:, 1:]) & m).sum().item()
-        n_commit += m.sum().item()
-        cocs = greedy_coc(target, batch, tok.cot_end_id, amp=amp)
-        exact += sum(c == t for c, t in zip(cocs, batch["coc_ids"]))
-        ade, fde = driving.ade_fde(plan_trajectories(target, batch, cocs, tok, amp), batch["traj"].cpu())
-        B = len(cocs)
-        ades.append(ade * B)
-        fdes.append(fde * B)
-        n += B
-    return {"coc_exact": exact / n, "commitment_acc": hits / max(n_commit, 1), "ade": sum(ades) / n,
-            "fde": sum(fdes) / n}
-
-
-@torch.no_grad()
-def commitment_acc(model, target, data: Data, batch_size=64):
-    """Teacher-forced argmax accuracy on the commitment tokens, for the target (model is target) or
-    a draft (reading the target's prompt embeddings, image features included, as when it drafts):
-    can this model supply the tokens that need the image?"""
-    hits = n = 0
-    for batch in data.batches(batch_size, next(target.parameters()).device):
-        if model is target:
-            logits = target(batch["input_ids"], **vision_kwargs(batch))  # (B, L, V)
-        else:
-            embeds = target.embed(batch["input_ids"], **vision_kwargs(batch))  # (B, L, D)
-            logits = model(batch["input_ids"], inputs_embeds=embeds, video_grid_thw=batch["video_grid_thw"])
-        n_b = batch["commit_mask"][:, :-1].sum().item()
-        hits += driving.commitment_accuracy(logits.argmax(-1), batch["input_ids"], batch["commit_mask"]) * n_b
-        n += n_b
-    return hits / max(n, 1)
-
-
-def key_groups(input_ids, tok):
-    """Which key tokens are image (video placeholders), trajectory history (bins and their two
-    markers) or other text -> three bool masks (B, L)."""
-    image = (input_ids == tok.video_token_id) | (input_ids == tok.image_token_id)
-    start = (input_ids == tok.hist_start_id).cumsum(-1)
-    end = (input_ids == tok.hist_end_id).cumsum(-1)
-    history = (start > end) | (input_ids == tok.hist_end_id)  # from <traj_history_start> to <traj_history_end>
-    return {"image": image, "history": history, "text": ~image & ~history}
-
-
-@torch.no_grad()
-def attention_probs(model, input_ids, **forward_kwargs):
-    """Per-layer attention probabilities [(B, H, L, L)] of a cache-free forward, recomputed from
-    each layer's own q/k projections and the rope tables the model passed it (the slow, obvious
-    path: softmax(q k^T / sqrt(hd)) under the causal mask). tests/test_train.py checks that
-    probs @ v through o_proj reproduces the layer's real output."""
-    captured = []
-
-    def grab(module, args):
-        captured.append((module, args[0], args[1], args[2]))  # (attention, x, cos, sin)
-
-    hooks = [layer.self_attn.register_forward_pre_hook(grab) for layer in model.layers]
-    try:
-        model(input_ids, **forward_kwargs)
-    finally:
-        for h in hooks:
-            h.remove()
-    out = []
-    for attn, x, cos, sin in captured:
-        q, k, _ = attn.project(x, cos, sin)  # (B, H, L, hd), (B, Hk, L, hd)
-        k = k.repeat_interleave(attn.H // attn.Hk, dim=1)  # (B, H, L, hd)
-        scores = (q.float() @ k.float().transpose(-2, -1)) / attn.hd ** 0.5  # (B, H, L, L)
-        L = scores.shape[-1]
-        causal = torch.ones(L, L, dtype=torch.bool, device=scores.device).tril()
-        out.append(scores.masked_fill(~causal, float("-inf")).softmax(-1))
-    return out
-
-
-@torch.no_grad()
-def attention_split(draft, target, data: Data, n=64):
-    """The draft's attention mass on image / history / other-text keys while it predicts the CoC
-    (query rows = CoC positions, teacher-forced), averaged over rows, heads and layers: the
-    paper's claim is that FlatRoPE moves mass from the image to the trajectory history."""
-    batch = next(data.batches(n, next(draft.parameters()).device))
-    embeds = target.embed(batch["input_ids"], **vision_kwargs(batch))  # (B, L, D)
-    probs = attention_probs(draft, batch["input_ids"], inputs_embeds=embeds, video_grid_thw=batch["video_grid_thw"])
-    groups = key_groups(batch["input_ids"], data.tok)
-    rows = batch["loss_mask"]  # (B, L) query positions that predict CoC tokens
-    split = {}
-    for name, keys in groups.items():
-        mass = [(p * keys[:, None, None, :]).sum(-1).mean(1)[rows].mean().item() for p in probs]  # per layer
-        split[name] = sum(mass) / len(mass)
-    return split
-
-
-def autocast(device, enabled):
-    device = torch.device(device)
-    if not enabled:
-        return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype=torch.bfloat16)
-
-
 # ---- checkpoints (resumable training state) ----
-
-
-def atomic_torch_save(obj, path):
-    tmp = f"{path}.tmp.{os.getpid()}"
-    torch.save(obj, tmp)
-    os.replace(tmp, path)  # a crash mid-write leaves the previous file intact
 
 
 def lr_at(step, steps, lr, warmup):
@@ -363,15 +160,14 @@ def make_optimizer(params, cfg, lr):
 
 
 def train_target(cfg: TrainConfig, tok, train: Data, val: Data, rank=0, world=1, device="cpu", log=print):
-    """SFT of the deliberative reasoner; saves out/target (model.save) and returns the model."""
+    """SFT of the deliberative reasoner; saves out/target (checkpoint.save) and returns the model."""
     torch.manual_seed(cfg.seed)
     target = M.VLA(target_config(tok, cfg.target_preset)).to(device)
     if not cfg.train_vision:
         # Frozen, as a pretrained encoder often is in VLA fine-tuning. Trained along with the LM under Adam, the
-        # merger's output grew from norm 5.5 to ~1500 (text embeddings: 0.5; the previous world's 600-step target),
-        # and the 8 video tokens of a scene became collinear (cosine 0.9995 against 0.04 at init): the LM could
-        # then tell which features were somewhere in the video, not which token held them. Untrained features
-        # already separated the previous world's scenes (a linear probe: 98%). README, Limitations.
+        # merger's output grows far above the text embeddings' scale and the video tokens of a scene become nearly
+        # collinear: the LM can then tell which features are somewhere in the video, not which token holds them.
+        # The untrained features stay diverse (docs/toy-notes.md, "The frozen vision tower").
         target.visual.requires_grad_(False)
     opt = make_optimizer([p for p in target.parameters() if p.requires_grad], cfg, cfg.target_lr)
     state_path = os.path.join(cfg.out, "target.state.pt")
@@ -396,7 +192,7 @@ def train_target(cfg: TrainConfig, tok, train: Data, val: Data, rank=0, world=1,
             if rank == 0 and step + 1 < cfg.target_steps:
                 log(f"target step {step + 1}: val {fmt(evaluate_target(target, val))}")
     if rank == 0:
-        M.save(target, os.path.join(cfg.out, "target"))
+        checkpoint.save(target, os.path.join(cfg.out, "target"))
     return target
 
 
@@ -434,7 +230,7 @@ def train_drafts(cfg: TrainConfig, target, train: Data, rank=0, world=1, device=
             save_state(state_path, step + 1, drafts, opts, cfg, rank)
     if rank == 0:
         for k, d in drafts.items():
-            M.save(d, os.path.join(cfg.out, f"draft_{k}"))
+            checkpoint.save(d, os.path.join(cfg.out, f"draft_{k}"))
     return drafts
 
 
@@ -442,9 +238,9 @@ def save_state(path, step, models, opts, cfg, rank):
     """Resumable state: weights, optimiser moments, step, config. Rank 0 writes; all ranks wait."""
     if rank == 0:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        atomic_torch_save({"step": step, "config": asdict(cfg),
-                           "models": {k: m.state_dict() for k, m in models.items()},
-                           "opts": {k: o.state_dict() for k, o in opts.items()}}, path)
+        checkpoint.torch_save({"step": step, "config": asdict(cfg),
+                               "models": {k: m.state_dict() for k, m in models.items()},
+                               "opts": {k: o.state_dict() for k, o in opts.items()}}, path)
     if dist.is_initialized():
         dist.barrier()
 
@@ -473,25 +269,11 @@ def fmt(metrics):
 
 
 def parse_args(argv=None):
-    d = TrainConfig()
     ap = argparse.ArgumentParser(description="Train the toy target VLA and distil the FlatRoPE and M-RoPE drafts.")
-    ap.add_argument("--out", default=d.out, help="output folder for checkpoints")
-    ap.add_argument("--device", default=d.device, help="torch device (cpu, cuda)")
-    ap.add_argument("--seed", type=int, default=d.seed)
     ap.add_argument("--stage", choices=["all", "target", "drafts"], default="all",
                     help="target: SFT only; drafts: distil from an existing out/target; all: both")
-    ap.add_argument("--n-train", type=int, default=d.n_train, help="training scenes")
-    ap.add_argument("--n-val", type=int, default=d.n_val, help="validation scenes")
-    ap.add_argument("--n-test", type=int, default=d.n_test, help="held-out test scenes")
-    ap.add_argument("--batch-size", type=int, default=d.batch_size, help="global batch size")
-    ap.add_argument("--target-steps", type=int, default=d.target_steps)
-    ap.add_argument("--draft-steps", type=int, default=d.draft_steps)
-    ap.add_argument("--target-lr", type=float, default=d.target_lr)
-    ap.add_argument("--draft-lr", type=float, default=d.draft_lr)
-    ap.add_argument("--eval-every", type=int, default=d.eval_every, help="steps between validation/checkpoints")
-    ap.add_argument("--no-amp", action="store_true", help="train in fp32 instead of bf16 autocast")
-    ap.add_argument("--train-vision", action="store_true",
-                    help="also train the target's vision tower (default: frozen)")
+    checkpoint.add_config_flags(ap, TrainConfig, choices={"target_preset": sorted(M.PRESETS),
+                                                          "draft_preset": sorted(M.DRAFT_PRESETS)})
     a = ap.parse_args(argv)
     for name in ("n_train", "n_val", "n_test", "batch_size", "target_steps", "draft_steps", "eval_every"):
         if getattr(a, name) < 1:
@@ -499,11 +281,7 @@ def parse_args(argv=None):
     for name in ("target_lr", "draft_lr"):
         if not getattr(a, name) > 0:
             ap.error(f"--{name.replace('_', '-')} must be > 0, got {getattr(a, name)}")
-    cfg = TrainConfig(out=a.out, device=a.device, seed=a.seed, n_train=a.n_train, n_val=a.n_val, n_test=a.n_test,
-                      batch_size=a.batch_size, target_steps=a.target_steps, draft_steps=a.draft_steps,
-                      target_lr=a.target_lr, draft_lr=a.draft_lr, eval_every=a.eval_every, amp=not a.no_amp,
-                      train_vision=a.train_vision)
-    return cfg, a.stage
+    return checkpoint.config_from_args(TrainConfig, a), a.stage
 
 
 def run(cfg: TrainConfig, stage="all", log=print):
@@ -520,15 +298,14 @@ def run(cfg: TrainConfig, stage="all", log=print):
         out["target"] = train_target(cfg, tok, train, val, rank, world, device, log)
     else:
         path = os.path.join(cfg.out, "target")
-        out["target"] = M.load(path, device=device)
+        out["target"] = checkpoint.load(path, device=device)
     if stage in ("all", "drafts"):
         out["drafts"] = train_drafts(cfg, out["target"], train, rank, world, device)
     if rank == 0:
         test = Data("test", cfg.n_test, cfg.seed, tok)
         metrics = {"val": evaluate_target(out["target"], val),
                    "test": evaluate_target(out["target"], test), "wall_s": time.time() - t0}
-        with open(os.path.join(cfg.out, "train_metrics.json"), "w") as f:
-            json.dump(metrics, f, indent=1)
+        checkpoint.write_json(os.path.join(cfg.out, "train_metrics.json"), metrics)
         log(f"target val:  {fmt(metrics['val'])}")
         log(f"target test: {fmt(metrics['test'])}")
         log(f"wall time {metrics['wall_s']:.0f} s")

@@ -100,7 +100,7 @@ def test_static_reference_never_changes_and_policy_does():
     ref_before = {k: v.clone() for k, v in ref.state_dict().items()}
     draft_before = {k: v.clone() for k, v in draft.state_dict().items()}
     target_before = {k: v.clone() for k, v in target.state_dict().items()}
-    data = T.Data("train", 16, 0, tok)
+    data = driving.Data("train", 16, 0, tok)
     cfg = aarl.AARLConfig(steps=2, scenes=2, group=3, max_new=6, lr=1e-2)
     aarl.train_aarl(target, draft, data, cfg, ref=ref)
     assert all(torch.equal(ref.state_dict()[k], v) for k, v in ref_before.items())

@@ -14,8 +14,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import model as M
-from model import load, load_pretrained, make_draft, save
+import checkpoint
+from checkpoint import load, load_pretrained, save
+from model import make_draft
 from rope import mrope_cos_sin, rope_inv_freq
 from tiny_models import IMG, VE, VID, VS, image_prompt, o1_init, tiny_model
 
@@ -141,7 +142,7 @@ def test_qwen25_vl_parity_both_layouts(qwen25, tmp_path):
 @torch.no_grad()
 def test_qwen3_vl_language_model_parity(qwen3, caplog):
     hf, d = qwen3
-    with caplog.at_level(logging.WARNING, logger="model"):
+    with caplog.at_level(logging.WARNING, logger="checkpoint"):
         ours = load_pretrained(d)
     assert "vision tower (not implemented)" in caplog.text and ours.visual is None
     assert ours.cfg.qk_norm and ours.cfg.mrope_interleaved and ours.cfg.head_dim == 16
@@ -174,7 +175,7 @@ def test_alpamayo_prefix_loads_and_skips_action_expert(qwen3, tmp_path, caplog):
              "action_out_proj.bias": torch.zeros(2)}
     assert any(k.startswith("model.language_model.") for k in load_file(os.path.join(d, "model.safetensors")))
     path = rewrite(d, tmp_path / "alpamayo", lambda k: "vlm." + k, extra, config)
-    with caplog.at_level(logging.WARNING, logger="model"):
+    with caplog.at_level(logging.WARNING, logger="checkpoint"):
         ours = load_pretrained(path)
     assert "skipped 3 tensors of the Alpamayo action expert" in caplog.text
     ids = torch.randint(0, 97, (1, 10), generator=torch.Generator().manual_seed(3))
@@ -313,9 +314,9 @@ def test_own_checkpoint_errors_and_atomic_write(tmp_path, monkeypatch):
     def crash(sd, path):
         open(path, "wb").write(b"partial")
         raise KeyboardInterrupt
-    monkeypatch.setattr("safetensors.torch.save_file", crash)
+    monkeypatch.setattr(checkpoint, "save_file", crash)
     with pytest.raises(KeyboardInterrupt):
         save(tiny_model(seed=1), tmp_path / "m")
     assert open(tmp_path / "m" / "model.safetensors", "rb").read() == before
     assert sorted(os.listdir(tmp_path / "m")) == ["config.json", "model.safetensors"]
-    assert M.load(tmp_path / "m").cfg == model.cfg
+    assert checkpoint.load(tmp_path / "m").cfg == model.cfg

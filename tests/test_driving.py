@@ -1,5 +1,6 @@
 """World invariants of driving.py: the trajectory follows the decision, history tokens decode within one bin,
-held-out combinations only in test, tokenizer round trip, determinism, routine share, commitment mask vs grammar.
+held-out combinations only in test, tokenizer round trip, determinism, routine share, commitment mask vs grammar,
+batches that walk a permutation.
 
 run: python -m pytest -q tests/test_driving.py
 """
@@ -273,7 +274,22 @@ def test_metrics(train, tok):
     assert D.coc_exact_match([[1, 2], [1, 3]], [[1, 2], [1, 2]]) == 0.5
     b = D.collate([D.make_example(s, tok) for s in train[:3]], tok.pad_id)
     perfect = torch.cat([b["input_ids"][:, 1:], b["input_ids"][:, :1]], dim=1)   # argmax at i = token i + 1
-    assert D.commitment_accuracy(perfect, b["input_ids"], b["commit_mask"]) == 1.0
+    hits, n = D.commitment_hits(perfect, b["input_ids"], b["commit_mask"])
+    assert n > 0 and hits == n
     wrong = perfect.clone()
     wrong[b["commit_mask"]] = tok.pad_id
-    assert D.commitment_accuracy(wrong, b["input_ids"], b["commit_mask"]) == 0.0
+    assert D.commitment_hits(wrong, b["input_ids"], b["commit_mask"])[0] == 0
+
+
+def test_batches_walk_a_permutation(tok):
+    """No scene repeats inside an epoch, the order is a pure function of (seed, step), and DDP ranks split a batch."""
+    data = D.Data("train", 20, 0, tok)
+    key = lambda b: [tuple(x[m.bool()].tolist()) for x, m in zip(b["input_ids"], b["attention_mask"])]  # unpadded
+    seen = [s for step in range(4) for s in key(data.batch(step, 5))]
+    assert sorted(seen) == sorted(key(next(data.batches(20))))           # epoch 0 = every scene once
+    assert key(data.batch(2, 5)) == key(D.Data("train", 20, 0, tok).batch(2, 5))
+    assert key(data.batch(4, 5)) != key(data.batch(0, 5))                 # epoch 1 has its own order
+    whole = key(data.batch(1, 4))
+    assert sorted(key(data.batch(1, 4, rank=0, world=2)) + key(data.batch(1, 4, rank=1, world=2))) == sorted(whole)
+    with pytest.raises(ValueError, match="batch size 32 is larger than the 20 scenes"):
+        data.batch(0, 32)

@@ -13,6 +13,7 @@ import torch
 
 import aarl
 import bench
+import checkpoint
 import driving
 import model as M
 import rsd
@@ -28,9 +29,9 @@ def run_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("run")
     T.run(tiny_cfg(out, target_steps=20, draft_steps=20, n_val=8, n_test=8), log=lambda *_: None)
     tok = driving.Tokenizer()
-    target = M.load(out / "target").eval()
-    sft = M.load(out / "draft_flat", target=target)
-    aarl.train_aarl(target, copy.deepcopy(sft), T.Data("train", 16, 0, tok),
+    target = checkpoint.load(out / "target").eval()
+    sft = checkpoint.load(out / "draft_flat", target=target)
+    aarl.train_aarl(target, copy.deepcopy(sft), driving.Data("train", 16, 0, tok),
                     aarl.AARLConfig(steps=2, scenes=2, group=2, max_new=8), out=str(out / "draft_aarl"), ref=sft)
     yield out
     del M.PRESETS["test-tiny"], M.DRAFT_PRESETS["test-tiny-draft"]
@@ -89,6 +90,13 @@ def test_rsd_rejects_a_bad_sweep():
     for sweep in ("4,x", "0,6"):
         with pytest.raises(SystemExit):
             rsd.main(["--sweep", sweep])
+
+
+def test_bench_without_toy_checkpoints_says_what_to_run(tmp_path, capsys):
+    """bench.py does not train: without checkpoints it stops and names the command that writes them."""
+    with pytest.raises(SystemExit):
+        bench.main(["--run", str(tmp_path / "nothing")])
+    assert "run `python rsd.py` first" in capsys.readouterr().err
 
 
 def test_bench_rejects_bad_arguments():

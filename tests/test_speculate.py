@@ -130,7 +130,7 @@ def test_process_logits_by_hand():
     # top_p keeps the smallest head with mass >= top_p: 0.64 < 0.7 needs the second token, 0.6 does not.
     torch.testing.assert_close(process_logits(logits, 1.0, top_p=0.7), top2)
     torch.testing.assert_close(process_logits(logits, 1.0, top_p=0.6), torch.tensor([1.0, 0, 0, 0]))
-    # Tiny temperatures and -inf logits stay finite (PAPER.md trap: NaN).
+    # Tiny temperatures and -inf logits stay finite (a known trap: inf - inf = NaN).
     masked = torch.tensor([3.0, -math.inf, 2.9, 1.0])
     for t in (1e-6, 1e-30, 1e-45):
         torch.testing.assert_close(process_logits(masked, t), torch.tensor([1.0, 0, 0, 0]))
@@ -422,7 +422,7 @@ def joint_first3(P, x0):
 
 
 def wrong_q(q):
-    # The trap PAPER.md names: verifying against a q other than the one sampled
+    # A known trap (docs/background.md): verifying against a q other than the one sampled
     # from (here q at twice the temperature).
     return q.sqrt() / q.sqrt().sum(-1, keepdim=True)
 

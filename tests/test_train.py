@@ -1,5 +1,5 @@
 """Tests for train.py: a few steps lower the loss, resume is exact, DDP keeps ranks identical,
-the attention diagnostic is exact, and bad arguments fail clearly.
+the flags are the config's, and bad arguments fail clearly.
 
 Tiny model sizes (registered as presets for the test) keep the file fast on 2 CPU cores.
 
@@ -7,14 +7,17 @@ run: python -m pytest -q tests/test_train.py
 """
 import dataclasses
 import os
+import socket
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
+import checkpoint
 import driving
 import model as M
 import train as T
+from driving import Data, vision_kwargs
 
 TINY_VISION = M.VisionConfig(hidden=32, heads=2, intermediate=64, depth=2, window_size=8, fullatt_block_indexes=(1,))
 TINY = M.ModelConfig(hidden_size=64, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=128,
@@ -43,7 +46,7 @@ def tok():
 
 def test_few_steps_lower_the_loss(tmp_path, tok):
     cfg = tiny_cfg(tmp_path, target_steps=30, target_lr=3e-3)
-    data = T.Data("train", cfg.n_train, 0, tok)
+    data = Data("train", cfg.n_train, 0, tok)
     batch = data.batch(0, 16)
     torch.manual_seed(0)
     fresh = M.VLA(T.target_config(tok, "test-tiny"))
@@ -55,12 +58,12 @@ def test_few_steps_lower_the_loss(tmp_path, tok):
 
 def test_distillation_lowers_the_kl(tmp_path, tok):
     cfg = tiny_cfg(tmp_path, target_steps=10)
-    data = T.Data("train", cfg.n_train, 0, tok)
+    data = Data("train", cfg.n_train, 0, tok)
     target = T.train_target(cfg, tok, data, data, log=lambda *_: None).eval()
     batch = data.batch(0, 16)
     with torch.no_grad():
-        embeds = target.embed(batch["input_ids"], **T.vision_kwargs(batch))
-        p = torch.log_softmax(target(batch["input_ids"], **T.vision_kwargs(batch))[batch["loss_mask"]], -1)
+        embeds = target.embed(batch["input_ids"], **vision_kwargs(batch))
+        p = torch.log_softmax(target(batch["input_ids"], **vision_kwargs(batch))[batch["loss_mask"]], -1)
     torch.manual_seed(cfg.seed + 1)
     fresh = T.make_drafts(target, cfg.draft_preset)
     before = {k: T.distill_loss(d, embeds, p, batch).item() for k, d in fresh.items()}
@@ -70,22 +73,8 @@ def test_distillation_lowers_the_kl(tmp_path, tok):
         assert os.path.exists(tmp_path / f"draft_{k}" / "model.safetensors")
 
 
-def test_batches_walk_a_permutation(tok):
-    """No scene repeats inside an epoch, the order is a pure function of (seed, step), and DDP ranks split a batch."""
-    data = T.Data("train", 20, 0, tok)
-    key = lambda b: [tuple(x[m.bool()].tolist()) for x, m in zip(b["input_ids"], b["attention_mask"])]  # unpadded
-    seen = [s for step in range(4) for s in key(data.batch(step, 5))]
-    assert sorted(seen) == sorted(key(next(data.batches(20))))           # epoch 0 = every scene once
-    assert key(data.batch(2, 5)) == key(T.Data("train", 20, 0, tok).batch(2, 5))
-    assert key(data.batch(4, 5)) != key(data.batch(0, 5))                 # epoch 1 has its own order
-    whole = key(data.batch(1, 4))
-    assert sorted(key(data.batch(1, 4, rank=0, world=2)) + key(data.batch(1, 4, rank=1, world=2))) == sorted(whole)
-    with pytest.raises(ValueError, match="batch size 32 is larger than the 20 scenes"):
-        data.batch(0, 32)
-
-
 def test_vision_tower_frozen_unless_asked(tmp_path, tok):
-    data = T.Data("train", 64, 0, tok)
+    data = Data("train", 64, 0, tok)
     torch.manual_seed(0)
     fresh = M.VLA(T.target_config(tok, "test-tiny")).state_dict()
     for train_vision in (False, True):
@@ -113,7 +102,7 @@ def test_toy_video_tokens_hold_only_their_own_patches(tok):
 
 def test_resume_is_exact(tmp_path, tok):
     """4 steps straight == 2 steps, a checkpoint, a fresh process state, 2 more steps."""
-    data = T.Data("train", 64, 0, tok)
+    data = Data("train", 64, 0, tok)
     straight = T.train_target(tiny_cfg(tmp_path / "a", target_steps=4), tok, data, data)
     T.train_target(tiny_cfg(tmp_path / "b", target_steps=4, eval_every=2), tok, data, data)  # writes state at 2, 4
     state = torch.load(tmp_path / "b" / "target.state.pt", weights_only=True)
@@ -124,14 +113,14 @@ def test_resume_is_exact(tmp_path, tok):
     for (name, a), b in zip(straight.state_dict().items(), resumed.state_dict().values()):
         assert torch.equal(a, b), name
     # the saved model equals the trained one
-    loaded = M.load(tmp_path / "c" / "target")
+    loaded = checkpoint.load(tmp_path / "c" / "target")
     for (name, a), b in zip(resumed.state_dict().items(), loaded.state_dict().values()):
         assert torch.equal(a, b), name
 
 
 def test_resume_from_a_corrupt_state_names_the_file(tmp_path, tok):
     (tmp_path / "target.state.pt").write_bytes(b"not a checkpoint")
-    data = T.Data("train", 16, 0, tok)
+    data = Data("train", 16, 0, tok)
     with pytest.raises(ValueError, match="target.state.pt"):
         T.train_target(tiny_cfg(tmp_path), tok, data, data)
 
@@ -153,7 +142,6 @@ def _ddp_worker(rank, world, out, port):
 
 def test_ddp_two_ranks_end_identical(tmp_path):
     """torchrun-style DDP with gloo on 2 CPU processes: after 3 steps both ranks hold the same weights."""
-    import socket
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -168,38 +156,22 @@ def test_ddp_two_ranks_end_identical(tmp_path):
     assert moved
 
 
-def test_attention_probs_are_exact(tok):
-    """The diagnostic's recomputed weights, applied to v and o_proj, give the layer's real output."""
-    torch.manual_seed(0)
-    target = M.VLA(T.target_config(tok, "test-tiny")).eval()
-    draft = M.make_draft(target, **TINY_DRAFT).eval()
-    data = T.Data("val", 4, 0, tok)
-    batch = next(data.batches(4))
-    embeds = target.embed(batch["input_ids"], **T.vision_kwargs(batch))
-    for m, kw in ((target, T.vision_kwargs(batch)), (draft, dict(inputs_embeds=embeds))):
-        real = []
-        hook = m.layers[0].self_attn.register_forward_hook(lambda mod, args, out: real.append((args, out)))
-        probs = T.attention_probs(m, batch["input_ids"], **kw)
-        hook.remove()
-        (x, cos, sin, *_), out = real[0]
-        attn = m.layers[0].self_attn
-        _, _, v = attn.project(x, cos, sin)
-        v = v.repeat_interleave(attn.H // attn.Hk, 1)  # (B, H, L, hd)
-        y = (probs[0] @ v.float()).transpose(1, 2).flatten(2)  # (B, L, H*hd)
-        torch.testing.assert_close(attn.o_proj(y.to(out.dtype)), out, atol=1e-5, rtol=1e-4)
-        assert torch.allclose(probs[0].sum(-1), torch.ones(()))
-
-
-def test_key_groups_partition_the_prompt(tok):
-    batch = next(T.Data("val", 2, 0, tok).batches(2))
-    g = T.key_groups(batch["input_ids"], tok)
-    total = g["image"].long() + g["history"].long() + g["text"].long()
-    assert bool((total == 1).all())
-    assert int(g["image"][0].sum()) == 8 and int(g["history"][0].sum()) == 48 + 2
-
-
 def test_bad_arguments_fail_clearly():
     with pytest.raises(SystemExit):
         T.parse_args(["--batch-size", "0"])
     with pytest.raises(SystemExit):
         T.parse_args(["--target-lr", "-1"])
+
+
+def test_flags_are_the_config_fields(capsys):
+    """No flags give the dataclass defaults; every field has a flag whose help is the field's comment."""
+    assert T.parse_args([]) == (T.TrainConfig(), "all")
+    cfg, stage = T.parse_args(["--no-amp", "--train-vision", "--n-train", "64", "--target-lr", "0.01",
+                               "--stage", "drafts", "--out", "x"])
+    assert (cfg.amp, cfg.train_vision, cfg.n_train, cfg.target_lr, cfg.out, stage) == (False, True, 64, 0.01, "x",
+                                                                                     "drafts")
+    with pytest.raises(SystemExit):
+        T.parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--weight-decay" in text and "AdamW weight decay (default: 0.01)" in text
+    assert "warm-up steps, then cosine decay to 10% (default: 20)" in text

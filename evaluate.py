@@ -1,0 +1,256 @@
+"""Evaluation on the synthetic driving world: batched CoC generation (greedy or sampled),
+trajectories after a given CoC, teacher-forced commitment accuracy, ADE, the attention split,
+and speculative-decoding statistics (tau, alpha, routine share, tau ceiling, greedy match)
+over a set of prompts. train.py, aarl.py, bench.py and rsd.py all measure through this file.
+
+Paper: the columns of the paper's table. tau and the routine share (the fraction of CoC tokens
+the routine reasoner supplies) measure speculative decoding; commitment accuracy asks whether a
+model can supply the tokens that need the image; ADE scores the trajectory that follows the
+CoC; the attention split tests the FlatRoPE claim that the draft's attention moves from the
+image tokens to the trajectory history (docs/background.md).
+
+Letters: B batch, P prompt length, L sequence, T generated tokens, V vocab, H heads.
+
+run: python -m pytest -q tests/test_evaluate.py
+"""
+import contextlib
+
+import torch
+
+import driving
+import speculate
+from driving import Data, vision_kwargs
+
+MAX_NEW_TOKENS = 32  # CoC token limit per decode: the toy's CoCs are about 16 tokens with <cot_end>
+GAMMA = 6  # draft length of the table, the benchmark and AARL's logged tau
+EVAL_BATCH = 64  # scenes per batched evaluation forward
+TARGET_ONLY = "target-only"  # the baseline arm: plain KV-cached decoding by the target
+
+# ---- batched generation ----
+
+
+def autocast(device, enabled):
+    """bf16 autocast for the matmuls when enabled (weights stay fp32), else nothing."""
+    if not enabled:
+        return contextlib.nullcontext()
+    return torch.autocast(torch.device(device).type, dtype=torch.bfloat16)
+
+
+@torch.no_grad()
+def generate(model, input_ids, max_new, stop, temperature=0.0, generator=None, **forward_kwargs):
+    """Batched decoding with the KV cache from prompts of equal length, input_ids (B, P).
+
+    Each step takes the argmax (temperature 0) or a sample from speculate.process_logits, the
+    distribution speculative decoding verifies against; decoding stops once every row has
+    written `stop`. forward_kwargs go to the prefill (vision inputs, or inputs_embeds and grids
+    for a draft). Returns tokens (B, T) and mask (B, T), True up to and including each row's
+    first stop token."""
+    B, P = input_ids.shape
+    cache = model.new_cache(batch=B, max_len=P + max_new)
+    logits = model(input_ids, cache=cache, logits_to_keep=1, **forward_kwargs)[:, -1]  # (B, V)
+    out, done = [], torch.zeros(B, dtype=torch.bool, device=input_ids.device)
+    for _ in range(max_new):
+        if temperature == 0:
+            nxt = logits.argmax(-1)  # (B,)
+        else:
+            nxt = speculate.sample(speculate.process_logits(logits, temperature), generator)  # (B,)
+        out.append(nxt)
+        done |= nxt == stop
+        if bool(done.all()):
+            break
+        logits = model(nxt[:, None], cache=cache)[:, -1]  # (B, V)
+    toks = torch.stack(out, 1)  # (B, T)
+    is_stop = (toks == stop).long()
+    return toks, is_stop.cumsum(1) - is_stop == 0  # no stop strictly before t
+
+
+def greedy_coc(target, batch, stop, max_new=MAX_NEW_TOKENS, amp=False):
+    """Greedy CoCs of a batch of equal-length prompts -> list of id lists, each ending with the
+    stop token (<cot_end>) when the model wrote it."""
+    P = int(batch["prompt_len"][0])
+    assert bool((batch["prompt_len"] == P).all()), "greedy_coc needs equal prompt lengths"
+    with autocast(batch["input_ids"].device, amp):
+        toks, mask = generate(target, batch["input_ids"][:, :P], max_new, stop, **vision_kwargs(batch))
+    return [t[m].tolist() for t, m in zip(toks, mask)]
+
+
+@torch.no_grad()
+def continue_prompts(target, batch, seqs, pad_id, amp=False):
+    """Feed each row's prompt, then its own continuation seqs[b] (a list of ids), through the
+    KV cache: the continuation is decoded as text whatever its ids (exactly as during
+    generation), and a right-padded batch is fine because attention is causal.
+    Returns logits (B, 1 + T, V), where row t predicts continuation token t (row 0 comes from
+    the prompt's last position), and final hidden states (B, T, D) of the continuation."""
+    P = int(batch["prompt_len"][0])
+    ids = batch["input_ids"][:, :P]  # (B, P)
+    T = max(map(len, seqs))
+    cont = torch.full((len(seqs), T), pad_id, dtype=torch.long, device=ids.device)  # (B, T)
+    for b, s in enumerate(seqs):
+        cont[b, :len(s)] = torch.tensor(s)
+    cache = target.new_cache(batch=len(seqs), max_len=P + T)
+    with autocast(ids.device, amp):
+        first = target(ids, cache=cache, logits_to_keep=1, **vision_kwargs(batch))  # (B, 1, V)
+        logits, hidden = target(cont, cache=cache, return_hidden=True)  # (B, T, V), (B, T, D)
+    return torch.cat([first, logits], 1), hidden
+
+
+@torch.no_grad()
+def plan_trajectories(target, batch, cocs, tok, amp=False):
+    """Trajectories (B, traj_len, 2) after prompt + the given CoCs + <traj_future_start>,
+    read at each row's <traj_future_start>."""
+    seqs = [[t for t in c if t != tok.cot_end_id] + [tok.cot_end_id, tok.traj_future_start_id] for c in cocs]
+    _, hidden = continue_prompts(target, batch, seqs, tok.pad_id, amp)
+    last = torch.tensor([len(s) - 1 for s in seqs], device=hidden.device)
+    return target.traj(hidden[torch.arange(len(seqs)), last]).float()  # (B, traj_len, 2)
+
+
+# ---- target metrics: ADE, commitment accuracy, CoC exact match ----
+
+
+def trajectory_ade(target, data: Data, cocs, batch_size=EVAL_BATCH, amp=False):
+    """(ADE, FDE) in metres, averaged over the scenes of data, of the target's trajectories after
+    the given CoCs (one per scene, in order)."""
+    ade = fde = 0.0
+    device = next(target.parameters()).device
+    for i, batch in enumerate(data.batches(batch_size, device)):
+        part = cocs[i * batch_size:(i + 1) * batch_size]
+        a, f = driving.ade_fde(plan_trajectories(target, batch, part, data.tok, amp), batch["traj"].cpu())
+        ade, fde = ade + a * len(part), fde + f * len(part)
+    return ade / len(cocs), fde / len(cocs)
+
+
+@torch.no_grad()
+def commitment_acc(model, target, data: Data, batch_size=EVAL_BATCH, amp=False):
+    """Teacher-forced argmax accuracy on the commitment tokens, for the target (model is target) or
+    a draft (reading the target's prompt embeddings, image features included, as when it drafts):
+    can this model supply the tokens that need the image?"""
+    hits = n = 0
+    device = next(target.parameters()).device
+    for batch in data.batches(batch_size, device):
+        with autocast(device, amp):
+            if model is target:
+                logits = target(batch["input_ids"], **vision_kwargs(batch))  # (B, L, V)
+            else:
+                embeds = target.embed(batch["input_ids"], **vision_kwargs(batch))  # (B, L, D)
+                logits = model(batch["input_ids"], inputs_embeds=embeds, video_grid_thw=batch["video_grid_thw"])
+        h, m = driving.commitment_hits(logits.argmax(-1), batch["input_ids"], batch["commit_mask"])
+        hits, n = hits + h, n + m
+    return hits / max(n, 1)
+
+
+@torch.no_grad()
+def evaluate_target(target, data: Data, batch_size=EVAL_BATCH, amp=False):
+    """coc_exact (greedy), commitment_acc (teacher-forced argmax on commitment tokens),
+    ade / fde (trajectory after the model's own greedy CoC), in metres."""
+    target.eval()
+    device = next(target.parameters()).device
+    cocs = [c for batch in data.batches(batch_size, device)
+            for c in greedy_coc(target, batch, data.tok.cot_end_id, amp=amp)]
+    ade, fde = trajectory_ade(target, data, cocs, batch_size, amp)
+    return {"coc_exact": driving.coc_exact_match(cocs, [e["coc_ids"] for e in data.examples]),
+            "commitment_acc": commitment_acc(target, target, data, batch_size, amp), "ade": ade, "fde": fde}
+
+
+# ---- attention split ----
+
+
+def key_groups(input_ids, tok):
+    """Which key tokens are image (video placeholders), trajectory history (bins and their two
+    markers) or other text -> three bool masks (B, L)."""
+    image = (input_ids == tok.video_token_id) | (input_ids == tok.image_token_id)
+    start = (input_ids == tok.hist_start_id).cumsum(-1)
+    end = (input_ids == tok.hist_end_id).cumsum(-1)
+    history = (start > end) | (input_ids == tok.hist_end_id)  # from <traj_history_start> to <traj_history_end>
+    return {"image": image, "history": history, "text": ~image & ~history}
+
+
+@torch.no_grad()
+def attention_probs(model, input_ids, **forward_kwargs):
+    """Per-layer attention probabilities [(B, H, L, L)] of a cache-free forward, recomputed from
+    each layer's own q/k projections and the rope tables the model passed it (the slow, obvious
+    path: softmax(q k^T / sqrt(hd)) under the causal mask). tests/test_evaluate.py checks that
+    probs @ v through o_proj reproduces the layer's real output."""
+    captured = []
+
+    def grab(module, args):
+        captured.append((module, args[0], args[1], args[2]))  # (attention, x, cos, sin)
+
+    hooks = [layer.self_attn.register_forward_pre_hook(grab) for layer in model.layers]
+    try:
+        model(input_ids, **forward_kwargs)
+    finally:
+        for h in hooks:
+            h.remove()
+    out = []
+    for attn, x, cos, sin in captured:
+        q, k, _ = attn.project(x, cos, sin)  # (B, H, L, hd), (B, Hk, L, hd)
+        k = k.repeat_interleave(attn.H // attn.Hk, dim=1)  # (B, H, L, hd)
+        # (B, H, L, hd) x (B, H, hd, L) -> (B, H, L, L)
+        scores = (q.float() @ k.float().transpose(-2, -1)) / attn.hd ** 0.5
+        L = scores.shape[-1]
+        causal = torch.ones(L, L, dtype=torch.bool, device=scores.device).tril()
+        out.append(scores.masked_fill(~causal, float("-inf")).softmax(-1))
+    return out
+
+
+@torch.no_grad()
+def attention_split(model, target, data: Data, n=EVAL_BATCH):
+    """The model's attention mass on image / history / other-text keys while it predicts the CoC
+    (query rows = CoC positions, teacher-forced), averaged over rows, heads and layers, on the
+    first n scenes. The model reads the target's prompt embeddings, as a draft does when it drafts
+    (for the target itself they are its own)."""
+    batch = next(data.batches(n, next(model.parameters()).device))
+    embeds = target.embed(batch["input_ids"], **vision_kwargs(batch))  # (B, L, D)
+    probs = attention_probs(model, batch["input_ids"], inputs_embeds=embeds, video_grid_thw=batch["video_grid_thw"])
+    groups = key_groups(batch["input_ids"], data.tok)
+    rows = batch["loss_mask"]  # (B, L) query positions that predict CoC tokens
+    split = {}
+    for name, keys in groups.items():
+        # (B, H, L, L) * (B, 1, 1, L) -> mass per query row (B, H, L) -> mean over heads (B, L) -> CoC rows
+        mass = [(p * keys[:, None, None, :]).sum(-1).mean(1)[rows].mean().item() for p in probs]  # per layer
+        split[name] = sum(mass) / len(mass)
+    return split
+
+
+# ---- speculative decoding over a set of prompts ----
+
+
+def scene_prompts(scenes, tok, device, dtype=None):
+    """Batch-1 prompts (driving.build_prompt) on device, floating inputs cast to dtype when given."""
+    prompts = []
+    for s in scenes:
+        p = {k: v.to(device) for k, v in driving.build_prompt(s, tok).items()}
+        prompts.append({k: v.to(dtype) if dtype is not None and v.is_floating_point() else v for k, v in p.items()})
+    return prompts
+
+
+def decode(target, draft, prompt, gamma, max_new, stop_token, timing=False):
+    """One arm on one prompt: speculative decoding with `draft`, or target-only decoding when draft is None."""
+    if draft is None:
+        return speculate.autoregressive(target, prompt, max_new, stop_token=stop_token, timing=timing)
+    return speculate.speculative(target, draft, prompt, gamma, max_new, stop_token=stop_token, timing=timing)
+
+
+@torch.no_grad()
+def spec_stats(target, drafts, prompts, gamma, max_new=MAX_NEW_TOKENS, stop_token=None, check_greedy=True):
+    """Greedy decoding of every prompt (batch 1) by speculative decoding with each draft of
+    `drafts` (name -> draft) and, when check_greedy, by the target alone (arm TARGET_ONLY, first).
+
+    Returns {arm: stats}: tokens (the emitted id lists), n_tokens, tau (tokens per target
+    verification, over all prompts), alpha (accepted / tested draft tokens, Leviathan's alpha),
+    routine_fraction (share of emitted tokens that were accepted drafts: the routine reasoner's
+    share), tau_ceiling (the tau of a draft the verifier never rejects, on these outputs) and
+    greedy_match (the same tokens as target-only decoding on every prompt; None unless checked)."""
+    arms = {TARGET_ONLY: None, **drafts} if check_greedy else dict(drafts)
+    out = {}
+    for name, draft in arms.items():
+        res = [decode(target, draft, p, gamma, max_new, stop_token) for p in prompts]
+        if name == TARGET_ONLY:
+            reference = [r.tokens for r in res]
+        n = sum(len(r.tokens) for r in res)
+        out[name] = {"tokens": [r.tokens for r in res], "n_tokens": n, "tau": n / sum(r.rounds for r in res),
+                     "alpha": sum(r.n_accepted for r in res) / max(1, sum(r.n_tested for r in res)),
+                     "routine_fraction": sum(sum(r.from_draft) for r in res) / n,
+                     "tau_ceiling": speculate.tau_ceiling([len(r.tokens) for r in res], gamma),
+                     "greedy_match": all(r.tokens == t for r, t in zip(res, reference)) if check_greedy else None}
+    return out

@@ -1,0 +1,118 @@
+"""Tests for evaluate.py: the batched generation loop agrees with batch-1 KV-cached decoding, the
+statistics of speculative decoding with a perfect draft sit at the ceiling, batch size does not move
+the metrics, and the attention diagnostic is exact.
+
+Tiny model sizes (test_train's presets) keep the file fast on 2 CPU cores.
+
+run: python -m pytest -q tests/test_evaluate.py
+"""
+import pytest
+import torch
+
+import driving
+import evaluate
+import model as M
+import speculate
+import train as T
+from driving import Data, vision_kwargs
+from test_train import TINY, TINY_DRAFT
+
+
+@pytest.fixture(autouse=True)
+def tiny_presets(monkeypatch):
+    monkeypatch.setitem(M.PRESETS, "test-tiny", TINY)
+    torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return driving.Tokenizer()
+
+
+def tiny_target(tok, seed=0):
+    torch.manual_seed(seed)
+    return M.VLA(T.target_config(tok, "test-tiny")).eval()
+
+
+def test_greedy_generation_equals_batch_one_decoding(tok):
+    """evaluate.generate on a batch (greedy) == speculate.autoregressive on each prompt alone, up to <cot_end>."""
+    target = tiny_target(tok)
+    data = Data("val", 4, 0, tok)
+    batch = next(data.batches(4))
+    cocs = evaluate.greedy_coc(target, batch, tok.cot_end_id, max_new=10)
+    for coc, prompt in zip(cocs, evaluate.scene_prompts(data.scenes, tok, "cpu")):
+        alone = speculate.autoregressive(target, prompt, 10, stop_token=tok.cot_end_id)
+        assert coc == alone.tokens
+
+
+def test_generation_mask_ends_at_the_first_stop(tok):
+    """Sampled rows: the mask is True up to and including each row's first stop token, False after it."""
+    target = tiny_target(tok)
+    batch = next(Data("val", 3, 0, tok).batches(3))
+    P = int(batch["prompt_len"][0])
+    stop = 29  # an id this random model samples in two of the three rows (seeded), before the last step
+    toks, mask = evaluate.generate(target, batch["input_ids"][:, :P], 12, stop, temperature=2.0,
+                                   generator=torch.Generator().manual_seed(0), **vision_kwargs(batch))
+    assert not bool(mask.all()) and bool(mask.any(1).all())
+    for row, m in zip(toks.tolist(), mask.tolist()):
+        first = row.index(stop) if stop in row else len(row) - 1
+        assert m == [True] * (first + 1) + [False] * (len(row) - first - 1)
+
+
+def test_spec_stats_with_the_target_as_its_own_draft(tok):
+    """A draft that is the target is never rejected: tau = the ceiling, alpha = 1, greedy match, and the
+    routine share is everything but the target's one token per round."""
+    target = tiny_target(tok)
+    prompts = evaluate.scene_prompts(driving.make_split("val", 3, 0), tok, "cpu")
+    stats = evaluate.spec_stats(target, {"self": target}, prompts, gamma=3, max_new=10, stop_token=tok.cot_end_id)
+    s, base = stats["self"], stats[evaluate.TARGET_ONLY]
+    assert s["greedy_match"] is True and s["tokens"] == base["tokens"]
+    assert s["tau"] == pytest.approx(s["tau_ceiling"]) and s["alpha"] == 1.0
+    rounds = s["n_tokens"] / s["tau"]
+    assert s["routine_fraction"] == pytest.approx(1 - rounds / s["n_tokens"])
+    assert base["tau"] == 1.0 and base["routine_fraction"] == 0.0
+    assert evaluate.spec_stats(target, {"self": target}, prompts, 3, 10, tok.cot_end_id,
+                               check_greedy=False)["self"]["greedy_match"] is None
+
+
+def test_metrics_do_not_depend_on_the_batch_size(tok):
+    target = tiny_target(tok)
+    draft = M.make_draft(target, **TINY_DRAFT).eval()
+    data = Data("val", 5, 0, tok)
+    for model in (target, draft):
+        assert evaluate.commitment_acc(model, target, data, 2) == evaluate.commitment_acc(model, target, data, 5)
+    a = evaluate.evaluate_target(target, data, batch_size=2)
+    b = evaluate.evaluate_target(target, data, batch_size=5)
+    assert a["coc_exact"] == b["coc_exact"] and a["commitment_acc"] == b["commitment_acc"]
+    assert a["ade"] == pytest.approx(b["ade"], rel=1e-5) and a["fde"] == pytest.approx(b["fde"], rel=1e-5)
+
+
+def test_attention_probs_are_exact(tok):
+    """The diagnostic's recomputed weights, applied to v and o_proj, give the layer's real output."""
+    torch.manual_seed(0)
+    target = M.VLA(T.target_config(tok, "test-tiny")).eval()
+    draft = M.make_draft(target, **TINY_DRAFT).eval()
+    data = Data("val", 4, 0, tok)
+    batch = next(data.batches(4))
+    embeds = target.embed(batch["input_ids"], **vision_kwargs(batch))
+    for m, kw in ((target, vision_kwargs(batch)), (draft, dict(inputs_embeds=embeds))):
+        real = []
+        hook = m.layers[0].self_attn.register_forward_hook(lambda mod, args, out: real.append((args, out)))
+        probs = evaluate.attention_probs(m, batch["input_ids"], **kw)
+        hook.remove()
+        (x, cos, sin, *_), out = real[0]
+        attn = m.layers[0].self_attn
+        _, _, v = attn.project(x, cos, sin)
+        v = v.repeat_interleave(attn.H // attn.Hk, 1)  # (B, H, L, hd)
+        y = (probs[0] @ v.float()).transpose(1, 2).flatten(2)  # (B, L, H*hd)
+        torch.testing.assert_close(attn.o_proj(y.to(out.dtype)), out, atol=1e-5, rtol=1e-4)
+        assert torch.allclose(probs[0].sum(-1), torch.ones(()))
+
+
+def test_key_groups_partition_the_prompt(tok):
+    batch = next(Data("val", 2, 0, tok).batches(2))
+    g = evaluate.key_groups(batch["input_ids"], tok)
+    total = g["image"].long() + g["history"].long() + g["text"].long()
+    assert bool((total == 1).all())
+    assert int(g["image"][0].sum()) == 8 and int(g["history"][0].sum()) == 48 + 2
+
