@@ -43,7 +43,7 @@ from tqdm import tqdm
 import checkpoint
 import driving
 import evaluate
-from driving import Data, vision_kwargs
+from driving import Data, grid_kwargs, vision_kwargs
 
 # ---- config ----
 
@@ -77,7 +77,7 @@ def rollout(draft, embeds, batch, G, temperature, max_new, stop, generator):
     ids = batch["input_ids"][:, :P].repeat_interleave(G, 0)  # (S*G, P)
     return evaluate.generate(draft, ids, max_new, stop, temperature, generator,
                              inputs_embeds=embeds.repeat_interleave(G, 0),  # (S*G, P, D)
-                             video_grid_thw=batch["video_grid_thw"].repeat_interleave(G, 0))
+                             **evaluate.repeat_scenes(grid_kwargs(batch), embeds.shape[0], G))
 
 
 def coc_logprobs(draft, embeds, batch, toks, G):
@@ -85,7 +85,7 @@ def coc_logprobs(draft, embeds, batch, toks, G):
     P = embeds.shape[1]
     ids = torch.cat([batch["input_ids"][:, :P].repeat_interleave(G, 0), toks[:, :-1]], 1)  # (S*G, P+T-1)
     x = torch.cat([embeds.repeat_interleave(G, 0), draft.embed_tokens(toks[:, :-1])], 1)  # (S*G, P+T-1, D)
-    logits = draft(ids, inputs_embeds=x, video_grid_thw=batch["video_grid_thw"].repeat_interleave(G, 0))
+    logits = draft(ids, inputs_embeds=x, **evaluate.repeat_scenes(grid_kwargs(batch), embeds.shape[0], G))
     return F.log_softmax(logits[:, P - 1:].float(), -1)  # (S*G, T, V)
 
 
@@ -102,8 +102,7 @@ def reward(target, batch, toks, mask, G, tok, agree_weight):
     seqs = [[t for t in toks[r][mask[r]].tolist() if t != tok.cot_end_id] + [tok.cot_end_id, tok.traj_future_start_id]
             for r in range(S * G)]
     rep = {"input_ids": batch["input_ids"].repeat_interleave(G, 0), "prompt_len": batch["prompt_len"],
-           "pixel_values_videos": batch["pixel_values_videos"].view(S, -1, batch["pixel_values_videos"].shape[-1])
-           .repeat_interleave(G, 0).flatten(0, 1), "video_grid_thw": batch["video_grid_thw"].repeat_interleave(G, 0)}
+           **evaluate.repeat_scenes(vision_kwargs(batch), S, G)}
     logits, hidden = evaluate.continue_prompts(target, rep, seqs, tok.pad_id)  # (S*G, 1+T', V), (S*G, T', D)
     last = torch.tensor([len(s) - 1 for s in seqs], device=toks.device)
     traj = target.traj(hidden[torch.arange(S * G), last]).float()  # (S*G, traj_len, 2)

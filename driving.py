@@ -2,46 +2,58 @@
 tokens are *routine*, predictable from the ego-trajectory history; a few are
 *commitments* that need fresh visual evidence) holds by construction and is measured.
 
-Each scene mirrors Alpamayo-R1's prompt and CoC layout (docs/background.md, "The
-Alpamayo-R1 prompt layout"): a 2-frame bird's-eye raster fed as a video, 16 past steps at 10 Hz as
-48 binned (dx, dy, dheading) history tokens, a CoC "state , decision since cause"
-(e.g. "slowing in a left curve , follow the lead vehicle since it is braking ahead")
+Each scene mirrors Alpamayo-R1's prompt and CoC layout (docs/background.md): camera
+images, 16 past steps at 10 Hz as 48 binned (dx, dy, dheading) history tokens, a CoC
+"state , decision , roadside actors" such as
+
+    slowing in a sharp left curve at 30 km/h , follow the braking vehicle 15 m ahead ,
+    cone 10 m left and cyclist 20 m right
+
 and 32 future waypoints from a unicycle rollout of (acceleration, curvature) that
 follows the decision.
 
+The prompt's geometry is Alpamayo's in miniature: many visual tokens, few history tokens.
+The front camera is a 2-frame bird's-eye raster fed as a video (2 x 2 merged tokens per
+frame, 8 tokens) and holds all the decision evidence; `views` surround-camera images of
+4 x 6 merged tokens each (24 tokens) show roadside clutter only. At the default 16 views
+the prompt holds 392 visual tokens against 48 history tokens. Under M-RoPE each view
+spans 6 position ids, under a flat 1D index 24 (docs/background.md, "FlatRoPE").
+
 Which tokens are commitments (`commitment_mask`; the grammar is `coc_words`):
-  - the state clause restates the history class (speed profile, turn): routine;
-  - the decision's first word (keep / follow / slow / nudge / proceed / stay /
-    start) needs the image: the kind of the actor that stands in the ego lane
-    (vehicle -> follow, pedestrian -> stop, cone -> nudge; none -> keep), or the
-    light's colour;
-  - in the cause, the lead vehicle's predicate (braking or not);
+  - the state clause restates the history class: speed profile, speed band (10-40 km/h,
+    read from the latest dx tokens), turn direction and how sharp the curve is (the ratio
+    of the dh and dx tokens): routine, but only for a reader of the history tokens;
+  - the decision word (keep / follow / stop / nudge / proceed / stay / start) needs the
+    image: the kind of the actor in the ego lane, or the light's colour;
+  - the lead vehicle's state (braking or steady) and the in-lane actor's range ring;
+  - the other actor off the ego lane: its kind, range ring and side of the view;
   - everything else follows from (history class, CoC prefix).
-A CoC has 1-2 commitments among ~16 tokens; `measure_routine_share` gives the share a
+A CoC has ~4 commitments among ~22 tokens; `routine_share` gives the share a
 perfect history-only reader gets right.
 
-Reading the evidence takes more than one attention hop (the paper's premise: the deliberative
-reasoner's deep attention over the video vs the routine reasoner's one layer). The
-raster is object-level (see CHANNELS) and split across the two frames: the earlier
-frame (t = -0.5 s) shows what each actor *is* (kind, brake lights), the current frame
-(t = 0) where it *is* (occupancy, ego lane, range). Most scenes hold a second actor of
-another kind off the ego lane (a decoy), so the kinds in view do not say which one is
-in the lane: that needs finding the in-lane token and reading what is drawn at the
-same place in the earlier frame (two hops), or, in the half of the scenes whose
-current frame shows the kinds too (seen_now), reading the kind on the in-lane token
-(one selective hop). Each actor stays inside one merged video token across the two
-frames and actors never share a token, so the link is exact. The vision tower attends
-within windows of one merged token (train.target_config says why), so it cannot make the
-cross-frame link: the language model has to. `read_raster` in tests/test_driving.py is the
-exact two-hop reader.
+Reading the evidence takes more than one attention hop (the deliberative reasoner's
+deep attention over the images vs the routine reasoner's one layer). The front raster
+is object-level (see CHANNELS) and split across the two frames: the earlier frame
+(t = -0.5 s) shows what each actor *is* (kind, brake lights), the current frame (t = 0)
+where it *is* (occupancy, ego lane, range). Most scenes hold a second actor of another
+kind off the ego lane, so the kinds in view do not say which one is in the lane: that
+needs finding the in-lane token and reading what is drawn at the same place in the
+earlier frame (two hops), or, in the half of the scenes whose current frame shows the
+kinds too (seen_now), reading the kind on the in-lane token (one selective hop). Each
+actor stays inside one merged video token across the two frames and actors never share
+a token, so the link is exact. The vision tower attends within windows of one merged
+token (train.target_config says why), so it cannot make the cross-frame link: the
+language model has to. `read_raster` and `read_history` in tests/test_driving.py are the
+exact readers of the evidence and of the history.
 
-`Data` holds the pre-generated examples of one split and batches them for training and evaluation.
+`Data` holds the scenes of one split and batches them for training and evaluation.
 
 run: python driving.py --seed 0
 """
 import argparse
+import copy
 from collections import Counter, defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 import numpy as np
@@ -53,36 +65,43 @@ from model import patchify  # model.py owns the Qwen2-VL flattening order, so th
 # ---- config ----
 @dataclass(frozen=True)
 class WorldConfig:
-    size: int = 24                 # raster height = width (px): 2x2 merged tokens per frame at PATCH 4, MERGE 3
-    res: float = 1.25              # metres per pixel: the view reaches ~26 m ahead of the ego
+    height: int = 24               # front raster (px): 2 x 3 merged tokens per frame at PATCH 4, MERGE 3
+    width: int = 36
+    res: float = 1.25              # metres per pixel: the view reaches ~26 m ahead of the ego and ~22 m to each side
     ego_row: int = 21              # ego's pixel row (x = 0); rows above it are ahead
-    ego_col: int = 12              # ego's pixel column (ego-lane centre at y = 0): on the boundary of the
-    #                                two token columns, so that an in-lane actor falls in either one
-    frame_gap: float = 0.5         # seconds between the two frames (t = -0.5 s, t = 0): enough for motion of >= 2 px
+    ego_col: int = 18              # ego's pixel column (ego-lane centre at y = 0): the middle of the centre token
+    #                                column, which holds the ego lane; the left and right token columns the roadside
     dt: float = 0.1                # 10 Hz poses, as in Alpamayo
     n_hist: int = 16               # past steps -> 16 x (dx, dy, dh) = 48 history tokens
     n_future: int = 32             # future waypoints (3.2 s)
-    dx_bins: tuple = (0.0, 1.2, 24)     # per-step forward motion (m): lo, hi, n bins (0.5 m/s resolution)
-    dy_bins: tuple = (-0.02, 0.02, 8)   # per-step lateral motion in the previous pose's frame (m)
-    dh_bins: tuple = (-0.04, 0.04, 16)  # per-step heading change (rad)
+    # Per-step history bins (lo, hi, n). Fine enough that the tokens determine every routine factor exactly: the speed
+    # band from dx alone, the curve's sharpness from dh / dx (tests/test_driving.py, read_history).
+    dx_bins: tuple = (0.0, 1.6, 32)          # forward motion (m): 0.05 m = 0.5 m/s per bin
+    dy_bins: tuple = (-0.032, 0.032, 16)     # lateral motion in the previous pose's frame (m)
+    dh_bins: tuple = (-0.03225, 0.03225, 129)  # heading change (rad), 0.0005 per bin; an odd count puts straight
+    #                                          driving in one bin
     lane_width: float = 3.5        # the ego lane spans l in [-1.75, 1.75], the oncoming lane [1.75, 5.25]
     stop_margin: float = 1.5       # a stop ends at least this far (m) before the stop line / actor
     stop_within: float = 3.0       # ... and within this many seconds, so stops finish inside the 3.2 s horizon
     nudge_offset: float = 1.5      # lateral offset (m) of a nudge around a cone
+    views: int = 16                # surround-camera images in the prompt: the visual-token knob (24 tokens each)
+    view_size: tuple = (48, 72)    # (H, W) px of a surround view: 4 x 6 merged tokens
 
 
-# One plane per channel: an object-level raster, as a perception stack's output would be drawn, split by frame. At
-# t = -0.5 s an actor paints what it is (APPEARANCE): its kind, "brake" when its brake lights are lit, a light's
-# colour. At t = 0 it paints where it is: "object", "in_lane" when it stands in the ego lane, and its range ring (the
-# row bands of BUCKET_ROWS, 5 m apart), plus its appearance again when the scene is seen_now (P_SEEN_NOW). The road
-# itself (drivable area, lane lines) is not drawn: its curvature is in the history, and with it drawn a target
-# trained from scratch for minutes on a CPU did not learn to read the actors (docs/toy-notes.md, "The world").
-CHANNELS = ("stop_line", "ego", "vehicle", "pedestrian", "cone", "light_red", "light_green", "brake", "object",
-            "in_lane", "range_5", "range_10", "range_15", "range_20")
-APPEARANCE = ("vehicle", "pedestrian", "cone", "light_red", "light_green", "brake")  # what an actor is
+# One plane per channel: an object-level raster, as a perception stack's output would be drawn. In the front camera, at
+# t = -0.5 s an actor paints what it is (APPEARANCE): its kind, "brake" when its brake lights are lit, a light's colour.
+# At t = 0 it paints where it is: "object", "in_lane" when it stands in the ego lane, and its range ring (the row bands
+# of BUCKET_ROWS, 5 m apart), plus its appearance again when the scene is seen_now (P_SEEN_NOW). The road itself is
+# not drawn there: its curvature is in the history. The surround views draw roadside clutter (CLUTTER) and nothing of
+# the front camera's channels, so every decision-relevant pixel is in the front camera, as evidence is localised in
+# real camera images.
+CHANNELS = ("stop_line", "ego", "vehicle", "pedestrian", "cone", "cyclist", "light_red", "light_green", "brake",
+            "object", "in_lane", "range_5", "range_10", "range_15", "range_20",
+            "building", "vegetation", "curb", "lane_line")
+APPEARANCE = ("vehicle", "pedestrian", "cone", "cyclist", "light_red", "light_green", "brake")  # what an actor is
+CLUTTER = ("building", "vegetation", "curb", "lane_line")
 # The raster's tokenisation (train.target_config builds the vision tower with the same numbers): 4-px patches merged
-# 3x3 give 2x2 merged tokens per frame, 8 video tokens in all, which keeps the prompt short and an SFT step cheap;
-# M-RoPE still gives every video token distinct (t, h, w) ids.
+# 3x3, so a merged token covers 12 x 12 px; M-RoPE gives every visual token distinct (t, h, w) ids.
 PATCH, MERGE = 4, 3
 SPECIALS = ("<pad>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>", "<traj_history_start>",
             "<traj_history_end>", "<cot_start>", "<cot_end>", "<traj_future_start>")
@@ -90,62 +109,73 @@ SYSTEM = "you are the driving planner of the ego car ."
 INSTRUCTION = "explain your decision then plan the trajectory"
 
 # ---- world tables ----
-ROADS = {"straight": 0.3, "curve_left": 0.25, "curve_right": 0.25, "intersection": 0.2}
+ROADS = {"straight": 0.35, "curve_left": 0.275, "curve_right": 0.275, "intersection": 0.1}
 TURN = {"straight": "straight", "curve_left": "left", "curve_right": "right", "intersection": "straight"}
 FLAT = {"cruise": .4, "accel": .3, "decel": .3}
 # event -> (P(event | non-intersection road), P(history speed profile | event)); intersections hold red / green only
-# (50/50). "clear" means nothing in the ego lane; it usually holds a decoy off the lane. Priors are balanced so that
-# each history class leaves several decisions open: histories correlate with the decision (slowing -> stop) but
-# never fix it, and that residual ambiguity is what a commitment token is.
+# (50/50). "clear" means nothing in the ego lane; it usually holds another actor off the lane. Histories correlate
+# with the decision (slowing -> stop) but never fix it: that residual ambiguity is what a commitment token is.
 EVENTS = {
-    "clear":         (0.36, FLAT),
-    "lead_cruise":   (0.12, FLAT),
-    "lead_brake":    (0.14, {"cruise": .5, "decel": .4, "accel": .1}),
-    "ped_cross":     (0.19, {"cruise": .5, "decel": .4, "accel": .1}),
-    "cone_lane":     (0.19, {"cruise": .5, "decel": .2, "accel": .3}),
+    "clear":         (0.15, FLAT),
+    "lead_cruise":   (0.17, FLAT),
+    "lead_brake":    (0.17, {"cruise": .5, "decel": .4, "accel": .1}),
+    "ped_cross":     (0.17, {"cruise": .5, "decel": .4, "accel": .1}),
+    "cone_lane":     (0.17, {"cruise": .5, "decel": .2, "accel": .3}),
+    "cyclist_lane":  (0.17, {"cruise": .5, "decel": .3, "accel": .2}),
     "red":           (0.0,  {"cruise": .3, "decel": .5, "stand": .2}),
     "green":         (0.0,  {"cruise": .4, "decel": .1, "accel": .2, "stand": .3}),
 }
-KINDS = ("vehicle", "pedestrian", "cone")
-# P(decoy kind | event): a decoy is an actor off the ego lane, never of the in-lane actor's kind, so the kinds in view
-# leave the in-lane one open in 9 of 10 actor scenes. None: no decoy. Only a lead vehicle brakes.
-P_DECOY = 0.9
+KINDS = ("vehicle", "pedestrian", "cone", "cyclist")
+# P(an actor beside the ego lane, on each side of the view, away from intersections): never of the in-lane actor's
+# kind, so the kinds in view leave the in-lane one open.
+P_ROADSIDE = 0.6
 # P(the current frame shows what the actors are): otherwise (a detector dropout, for the whole frame) only the earlier
-# frame does. Scenes with the appearance in view now can be read in one hop; they are also what lets a target learn
-# the two-hop reading in minutes (docs/toy-notes.md).
+# frame does. Scenes with the appearance in view now can be read in one hop; they also give a target trained from
+# scratch an easier version of the two-hop reading to start from.
 P_SEEN_NOW = 0.5
-# Held-out (event, decoy, road): never in train/val, the whole test split. On a left curve a cone and a pedestrian are
-# never in view together in training, nor on a right curve a pedestrian and a vehicle, whichever of the two is in the
-# lane; each event is seen on that road with its other decoy, and every decision word after every state clause. Both
-# assignments of a pair are held out: holding out one alone would leave its mirror in training on that road, and
-# "which kinds are in view" plus the road would then give the wrong answer on test every time.
+# Held-out (event, roadside kind, road): never in train/val, the whole test split. On a left curve a cone and a
+# pedestrian are never in view together in training, nor on a right curve a pedestrian and a vehicle, whichever of the
+# two is in the lane; each event is seen on that road with its other roadside kinds, and every decision word after
+# every state clause. Both assignments of a pair are held out, so that "which kinds are in view" plus the road never gives the
+# answer (docs/toy-notes.md has what holding out one alone did).
 HELD_OUT = (("cone_lane", "pedestrian", "curve_left"), ("ped_cross", "cone", "curve_left"),
             ("ped_cross", "vehicle", "curve_right"), ("lead_cruise", "pedestrian", "curve_right"),
             ("lead_brake", "pedestrian", "curve_right"))
 SPLITS = {"train": 0, "val": 1, "test": 2}
-V_RANGE = {"cruise": (5.0, 8.5), "decel": (3.0, 7.0), "accel": (4.0, 8.0), "stand": (0.0, 0.0)}  # v0 (m/s)
+# Speed bands (km/h word -> current speed range in m/s): gaps of >= 2.8 dx bins between bands, so the latest dx token
+# alone gives the band. A slowing history starts 3.2 m/s faster, an accelerating one 2.4 m/s slower (HIST_ACCEL).
+BAND_V = {"10": (2.2, 3.6), "20": (5.0, 6.4), "30": (7.6, 9.0), "40": (10.4, 11.8)}
+BANDS = {"cruise": ("10", "20", "30", "40"), "decel": ("10", "20", "30"), "accel": ("20", "30", "40"), "stand": (None,)}
 HIST_ACCEL = {"cruise": 0.0, "decel": -2.0, "accel": 1.5, "stand": 0.0}  # m/s^2 over the 1.6 s history
+# Curvature ranges (1/m) of a gentle and a sharp curve: far enough apart that dh / dx, from the bins, separates them at
+# every speed band, and gentle enough that an actor in the ego lane stays in the centre token column up to 20 m.
+KAPPA = {"gentle": (0.006, 0.010), "sharp": (0.020, 0.025)}
 # Range rings: bands of 4 pixel rows (5 m) ahead of the ego; an actor is placed so that its block lies in its ring.
 BUCKET_ROWS = {5: (16, 19), 10: (12, 15), 15: (8, 11), 20: (4, 7)}
 # An actor is drawn as the 2x2-px block that holds its position; "in the ego lane" means that at least 2 of its 4
 # pixels lie on the ego lane (lane_planes), "off" that none does. Placement rejects anything in between, so the
 # evidence is unambiguous. l intervals (lateral offset at t = 0, one drawn) span both token columns (ego_col).
 ACTORS = {  # in-lane event -> kind
-    "lead_cruise": "vehicle", "lead_brake": "vehicle", "ped_cross": "pedestrian", "cone_lane": "cone"}
+    "lead_cruise": "vehicle", "lead_brake": "vehicle", "ped_cross": "pedestrian", "cone_lane": "cone",
+    "cyclist_lane": "cyclist"}
 IN_LANE_L = (-1.2, 1.2)
-DECOY_L = {"vehicle": ((3.0, 4.5),),                   # oncoming lane
-           "pedestrian": ((-4.5, -3.0), (5.9, 6.9)),   # right or left sidewalk
-           "cone": ((-4.0, -3.0), (3.0, 4.5))}         # shoulder, or the oncoming lane's edge
+# Roadside actors, by side of the road; placement keeps each in its side's token column (the side word is the side of
+# the view), so no two actors share a token, whatever the curve.
+ROADSIDE_L = {"left": (3.0, 25.0), "right": (-25.0, -3.0)}
+COLUMN = {"left": 0, "centre": 1, "right": 2}  # token column of each part of the front view
 
 
 @dataclass(frozen=True)
 class Factors:
-    """The discrete factors that fix the CoC. (speed, turn) is the history class; the rest needs the image."""
+    """The discrete factors that fix the CoC. hist_class is what the history tokens tell; the rest needs the image."""
     road: str
     event: str
     speed: str              # history speed profile: cruise | decel | accel | stand
+    band: object            # speed band word "10" .. "40" (km/h), None when standing
+    sharp: object           # "gentle" | "sharp" on a curve, else None
     bucket: object          # range ring 5 / 10 / 15 / 20 (m) of the in-lane actor / stop line, None on a clear road
-    decoy: object = None    # kind of the off-lane actor, or None; it never enters the CoC
+    left: object = None     # (kind, range ring) of the actor on the left of the view, or None
+    right: object = None    # the same on the right
 
     @property
     def turn(self):
@@ -153,7 +183,7 @@ class Factors:
 
     @property
     def hist_class(self):
-        return self.speed, self.turn
+        return self.speed, self.band, self.turn, self.sharp
 
     @property
     def decision(self):
@@ -162,36 +192,53 @@ class Factors:
         if self.event in ("red", "green") and self.speed == "stand":
             return "stay" if self.event == "red" else "start"
         return {"lead_cruise": "follow", "lead_brake": "follow", "ped_cross": "stop", "red": "stop",
-                "cone_lane": "nudge", "green": "proceed"}[self.event]
+                "cone_lane": "nudge", "cyclist_lane": "slow", "green": "proceed"}[self.event]
 
 
 # ---- grammar ----
-def coc_words(f):
-    """CoC = state , decision since cause. The state restates the history class (routine); the decision's first
-    word and the cause's actor / predicate where the decision leaves several need the image."""
-    state = ["standing", "still"] if f.speed == "stand" else (
-        [{"cruise": "cruising", "decel": "slowing", "accel": "accelerating"}[f.speed]]
-        + (["straight"] if f.turn == "straight" else ["in", "a", f.turn, "curve"]))
+def state_words(f):
+    """The state clause: what the history tokens tell (routine for a reader of the history)."""
+    if f.speed == "stand":
+        return ["standing", "at", "the", "line"]
+    verb = {"cruise": "cruising", "decel": "slowing", "accel": "accelerating"}[f.speed]
+    road = ["straight"] if f.turn == "straight" else ["in", "a", f.sharp, f.turn, "curve"]
+    return [verb] + road + ["at", f.band, "km/h"]
+
+
+def main_words(f):
+    """The main clause: state , decision. The decision word, the lead vehicle's state and the range ring need the
+    image."""
+    ahead = [] if f.bucket is None else [str(f.bucket), "m", "ahead"]
     act = {
         "keep": ["keep", "lane", "and"] + {"cruise": ["maintain", "speed"], "decel": ["resume", "speed"],
                                            "accel": ["keep", "accelerating"]}.get(f.speed, []),
-        "follow": ["follow", "the", "lead", "vehicle"],
-        "stop": ["slow", "down", "and", "stop"],
-        "nudge": ["nudge", "left", "around", "the", "cone"],
-        "proceed": ["proceed", "through", "the", "intersection"],
-        "stay": ["stay", "stopped"],
-        "start": ["start", "moving"],
+        "follow": ["follow", "the", "braking" if f.event == "lead_brake" else "steady", "vehicle"] + ahead,
+        "stop": (["stop", "for", "the", "pedestrian"] if f.event == "ped_cross" else
+                 ["stop", "at", "the", "red", "light"]) + ahead,
+        "nudge": ["nudge", "around", "the", "cone"] + ahead,
+        "slow": ["slow", "behind", "the", "cyclist"] + ahead,
+        "proceed": ["proceed", "on", "the", "green", "light"],
+        "stay": ["stay", "stopped", "at", "the", "red", "light"],
+        "start": ["start", "moving", "on", "the", "green", "light"],
     }[f.decision]
-    cause = {
-        "clear": "our lane ahead is clear",
-        "lead_cruise": "it moves steadily ahead",
-        "lead_brake": "it is braking ahead",
-        "ped_cross": "the pedestrian ahead is crossing our lane",
-        "cone_lane": "it blocks our lane ahead",
-        "red": "the traffic light ahead is red",
-        "green": "the traffic light ahead is green",
-    }[f.event].split()
-    return state + [","] + act + ["since"] + cause
+    return state_words(f) + [","] + act
+
+
+def roadside_words(left, right):
+    """The roadside clause (away from intersections): each actor's kind, range ring and side of the view."""
+    if left is None and right is None:
+        return [",", "nothing", "else", "near"]
+    words = []
+    for sep, actor, side in ((",", left, "left"), ("and" if left else ",", right, "right")):
+        if actor is not None:
+            words += [sep, actor[0], str(actor[1]), "m", side]
+    return words
+
+
+def coc_words(f):
+    """CoC = state , decision [, roadside actors], e.g. "slowing in a sharp left curve at 30 km/h , follow the braking
+    vehicle 15 m ahead , cone 10 m left and cyclist 20 m right"."""
+    return main_words(f) + ([] if f.road == "intersection" else roadside_words(f.left, f.right))
 
 
 def _buckets(event, speed):
@@ -199,35 +246,128 @@ def _buckets(event, speed):
         return [None]
     if speed == "stand":
         return [5]                      # waiting at the stop line
-    return [10, 15, 20]                 # 5 m is too close to stop or nudge in time from speed: decoys only
+    return [10, 15, 20]                 # 5 m is too close to stop or nudge in time from speed: roadside actors only
 
 
-def _support():
-    """Every Factors the world can produce (all splits), decoy left at None: the grammar's support."""
-    for road in ROADS:
-        events = ("red", "green") if road == "intersection" else [e for e in EVENTS if EVENTS[e][0] > 0]
-        for event in events:
-            for speed in EVENTS[event][1]:
-                for b in _buckets(event, speed):
-                    yield Factors(road, event, speed, b)
+def _roadside_options(event):
+    """One side's possible actors given the in-lane event, with prior probabilities: None or (kind, ring)."""
+    kinds = [k for k in KINDS if k != ACTORS.get(event)]
+    p = P_ROADSIDE / len(kinds) / len(BUCKET_ROWS)
+    return [(None, 1 - P_ROADSIDE)] + [((k, b), p) for k in kinds for b in BUCKET_ROWS]
+
+
+def _held_out(road, event, left, right):
+    return any((event, a[0], road) in HELD_OUT for a in (left, right) if a is not None)
 
 
 @lru_cache(maxsize=None)
-def _next_token_sets():
-    """(history class, CoC prefix) -> set of possible next words over the world's support."""
-    nxt = defaultdict(set)
-    for f in _support():
-        words = coc_words(f) + ["<cot_end>"]
-        for i, w in enumerate(words):
-            nxt[(f.hist_class, tuple(words[:i]))].add(w)
-    return dict(nxt)
+def roadside_distribution(road, event, split):
+    """[((left, right), probability)] for the split: held-out combinations only in test, never elsewhere."""
+    if road == "intersection":
+        return [((None, None), 1.0)]
+    opts = _roadside_options(event)
+    rows = [((l, r), pl * pr) for l, pl in opts for r, pr in opts
+            if _held_out(road, event, l, r) == (split == "test")]
+    z = sum(p for _, p in rows)
+    return [(lr, p / z) for lr, p in rows]
 
 
-def commitment_mask(words, hist_class):
+@lru_cache(maxsize=None)
+def main_distribution(split):
+    """[(Factors without roadside actors, probability)] for the split: the prior over road, event, history class
+    and range ring, times the prior mass of the roadside combinations the split allows."""
+    rows = []
+    for road, p_road in ROADS.items():
+        if road == "intersection":
+            events = {"red": 0.5, "green": 0.5}
+        else:
+            z = sum(EVENTS[e][0] for e in EVENTS)
+            events = {e: EVENTS[e][0] / z for e in EVENTS if EVENTS[e][0] > 0}
+        for event, p_event in events.items():
+            opts = _roadside_options(event)
+            allowed = float(split != "test") if road == "intersection" else sum(
+                pl * pr for l, pl in opts for r, pr in opts if _held_out(road, event, l, r) == (split == "test"))
+            for speed, p_speed in EVENTS[event][1].items():
+                sharps = list(KAPPA) if road.startswith("curve") else [None]
+                buckets = _buckets(event, speed)
+                for band in BANDS[speed]:
+                    for sharp in sharps:
+                        for bucket in buckets:
+                            p = p_road * p_event * allowed * p_speed / len(BANDS[speed]) / len(sharps) / len(buckets)
+                            if p > 0:
+                                rows.append((Factors(road, event, speed, band, sharp, bucket), p))
+    z = sum(p for _, p in rows)
+    return [(f, p / z) for f, p in rows]
+
+
+def _draw(rng, rows):
+    """One item of [(item, probability)] by inverse CDF (rng.choice with p= is linear in len(rows) per call)."""
+    cdf = np.cumsum([p for _, p in rows])
+    return rows[min(int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right")), len(rows) - 1)][0]
+
+
+def sample_factors(rng, split):
+    """The split's factor distribution (main_distribution x roadside_distribution); val shares train's."""
+    split = "test" if split == "test" else "train"
+    f = _draw(rng, main_distribution(split))
+    left, right = _draw(rng, roadside_distribution(f.road, f.event, split))
+    return replace(f, left=left, right=right)
+
+
+@lru_cache(maxsize=None)
+def _options_by_class():
+    """history class -> every main clause (+ the token after it) the world can pair with it; event -> every roadside
+    clause (+ <cot_end>). The roadside clause depends only on the event, which the main clause fixes."""
+    mains = defaultdict(set)
+    for split in ("train", "test"):
+        for f, _ in main_distribution(split):
+            mains[f.hist_class].add(tuple(main_words(f)) + (("<cot_end>",) if f.road == "intersection" else (",",)))
+    sides = {e: {tuple(roadside_words(l, r)[1:]) + ("<cot_end>",) for l, _ in _roadside_options(e)
+                 for r, _ in _roadside_options(e)} for e in EVENTS}
+    return {k: list(v) for k, v in mains.items()}, {k: list(v) for k, v in sides.items()}
+
+
+def _branching(options, words):
+    """Per position of words: do the options that share its prefix continue with more than one word?"""
+    return [len({o[i] for o in options if o[:i] == words[:i]}) > 1 for i in range(len(words))]
+
+
+@lru_cache(maxsize=65536)
+def _mask(f):
+    mains, sides = _options_by_class()
+    main = main_words(f)
+    if f.road == "intersection":
+        return tuple(_branching(mains[f.hist_class], tuple(main) + ("<cot_end>",)))
+    rest = tuple(roadside_words(f.left, f.right)[1:]) + ("<cot_end>",)
+    return tuple(_branching(mains[f.hist_class], tuple(main) + (",",)) + _branching(sides[f.event], rest))
+
+
+def commitment_mask(f):
     """One bool per CoC word plus <cot_end>: True where history class + prefix leave more than one continuation."""
-    nxt = _next_token_sets()
-    full = list(words) + ["<cot_end>"]
-    return [len(nxt[(hist_class, tuple(full[:i]))]) > 1 for i in range(len(full))]
+    return list(_mask(f))
+
+
+def routine_share(split="train"):
+    """The share of CoC tokens (with <cot_end>) that the Bayes-optimal reader of the history class and the CoC prefix
+    gets right, computed exactly from the split's factor distribution: the toy's counterpart of the paper's ~78% of
+    routine tokens. Bayes' guess at a main-clause position maximises P(next word | history class, prefix) over the
+    world; in the roadside clause, whose distribution depends only on (road, event), it maximises that."""
+    ctx, length, right = defaultdict(Counter), 0.0, 0.0
+    for f, p in main_distribution(split):
+        words = main_words(f) + (["<cot_end>"] if f.road == "intersection" else [","])
+        for i, w in enumerate(words):
+            ctx[(f.hist_class, tuple(words[:i]))][w] += p
+        length += p * len(words)
+        if f.road != "intersection":  # the roadside clause's expected length and Bayes-right tokens
+            side = defaultdict(Counter)
+            for (l, r), q in roadside_distribution(f.road, f.event, split):
+                rest = roadside_words(l, r)[1:] + ["<cot_end>"]
+                length += p * q * len(rest)
+                for i, w in enumerate(rest):
+                    side[tuple(rest[:i])][w] += q
+            right += p * sum(max(c.values()) for c in side.values())
+    right += sum(max(c.values()) for c in ctx.values())
+    return right / length
 
 
 # ---- geometry ----
@@ -248,7 +388,7 @@ def xy_to_road(x, y, kappa):
 
 
 def pixel_grid(cfg):
-    r, c = np.mgrid[0:cfg.size, 0:cfg.size]
+    r, c = np.mgrid[0:cfg.height, 0:cfg.width]
     return (cfg.ego_row - r) * cfg.res, (cfg.ego_col - c) * cfg.res  # x, y of each pixel centre
 
 
@@ -260,45 +400,17 @@ def to_pixel(s, l, kappa, cfg):
 # ---- scene ----
 @dataclass
 class Scene:
-    f: Factors              # the discrete factors (road, event, history speed profile, range ring)
+    f: Factors              # the discrete factors (road, event, history class, range rings, the off-lane actor)
     kappa: float            # road curvature (1/m, left positive)
     v0: float               # current ego speed (m/s)
     dist: float             # arc length (m) to the actor / stop line at t = 0 (nan if none)
     hist: np.ndarray        # (16, 3) per-step (dx, dy, dh) in the previous pose's frame
-    frames: np.ndarray      # (2, C, H, W) float32 raster at t = -0.5 s and t = 0
+    frames: np.ndarray      # (2, C, H, W) uint8 front raster at t = -0.5 s and t = 0 (0 / 1 per channel)
     seen_now: bool          # the current frame shows the actors' appearance too (one-hop readable)
+    view_seed: int          # seed of the surround views (render_views): rendered when a prompt is built, not stored
     coc: list               # CoC words (without <cot_end>)
     commit: list            # bool per CoC word + <cot_end>
     traj: np.ndarray        # (32, 2) future waypoints (x, y) in metres, ego frame
-
-
-def sample_decoy(rng, event):
-    """The decoy's kind (or None): any kind on a clear road, another kind than the in-lane actor's beside one."""
-    if event in ("red", "green") or rng.random() >= P_DECOY:
-        return None
-    kinds = [k for k in KINDS if k != ACTORS.get(event)]
-    return kinds[rng.integers(len(kinds))]
-
-
-def sample_factors(rng, split):
-    if split == "test":
-        event, decoy, road = HELD_OUT[rng.integers(len(HELD_OUT))]
-    else:
-        while True:
-            road = str(rng.choice(list(ROADS), p=list(ROADS.values())))
-            if road == "intersection":
-                event = str(rng.choice(["red", "green"]))
-            else:
-                names = [e for e in EVENTS if EVENTS[e][0] > 0]
-                event = str(rng.choice(names, p=[EVENTS[e][0] for e in names]))
-            decoy = sample_decoy(rng, event)
-            if (event, decoy, road) not in HELD_OUT:
-                break
-    prof = EVENTS[event][1]
-    speed = str(rng.choice(list(prof), p=list(prof.values())))
-    buckets = _buckets(event, speed)
-    bucket = buckets[rng.integers(len(buckets))]
-    return Factors(road, event, speed, None if bucket is None else int(bucket), decoy)
 
 
 def history_deltas(v0, speed, kappa, cfg):
@@ -337,6 +449,8 @@ def plan(f, v0, kappa, dist, cfg):
         # standstill stop_margin before the obstacle, or earlier so that it happens inside the horizon
         s_stop = min(dist - cfg.stop_margin, 0.5 * v0 * cfg.stop_within)
         acc[:] = -v0 ** 2 / (2 * s_stop)
+    elif f.decision == "slow":
+        acc[:] = -1.5                                               # drop back behind a slower cyclist
     elif f.decision == "start":
         acc[:] = 2.0
     elif f.decision == "nudge":
@@ -368,22 +482,22 @@ def token_of(r, c):
 
 
 def render(kappa, actors, stop_line, seen_now, cfg):
-    """actors: [(appearance channels, [(s, l) at frame 0, (s, l) at frame 1])]; stop_line: [s per frame] or None
-    -> (2, C, H, W). At t = -0.5 s an actor paints its appearance (APPEARANCE: kind, brake, light colour) on its
-    block; at t = 0 it paints "object", "in_lane" where >= 2 of the block's pixels lie in the ego lane, its range
-    ring, and its appearance again if seen_now. The ego and a stop line across the ego lane are drawn in both
-    frames."""
+    """actors: [(appearance channels, (s, l))]; stop_line: s or None -> (2, C, H, W) uint8.
+    Frame 0 is an earlier detection registered to the current ego pose, as a perception stack's tracks are: it paints
+    each actor's appearance (APPEARANCE: kind, brake, light colour) on the block where the actor is now. Frame 1 (t = 0)
+    paints "object", "in_lane" where >= 2 of the block's pixels lie in the ego lane, its range ring, and its
+    appearance again if seen_now. The ego and a stop line across the ego lane are drawn in both frames."""
     S, L, ego_lane = lane_planes(kappa, cfg)
     ch = {n: i for i, n in enumerate(CHANNELS)}
     ring_of_row = {r: b for b, (lo, hi) in BUCKET_ROWS.items() for r in range(lo, hi + 1)}
-    out = np.zeros((2, len(CHANNELS), cfg.size, cfg.size), dtype=np.float32)
+    out = np.zeros((2, len(CHANNELS), cfg.height, cfg.width), dtype=np.uint8)
     for f in range(2):
         img = out[f]
         if stop_line is not None:
-            img[ch["stop_line"]] = (np.abs(S - stop_line[f]) < cfg.res / 2) & (np.abs(L) <= cfg.lane_width / 2)
+            img[ch["stop_line"]] = (np.abs(S - stop_line) < cfg.res / 2) & (np.abs(L) <= cfg.lane_width / 2)
         img[ch["ego"], cfg.ego_row:cfg.ego_row + 2, cfg.ego_col] = 1
-        for appearance, poses in actors:
-            r, c = block(*poses[f], kappa, cfg)
+        for appearance, pose in actors:
+            r, c = block(*pose, kappa, cfg)
             rs, cs = slice(r, r + 2), slice(c, c + 2)   # placement keeps every block inside the raster
             if f == 0 or seen_now:
                 for name in appearance:
@@ -401,98 +515,70 @@ def render(kappa, actors, stop_line, seen_now, cfg):
 def _lane_hits(s, l, kappa, cfg, ego_lane):
     """(r, c) of the block holding (s, l) and how many of its 4 pixels are in the ego lane (-1 if clipped)."""
     r, c = block(s, l, kappa, cfg)
-    if not (0 <= r <= cfg.size - 2 and 0 <= c <= cfg.size - 2):
+    if not (0 <= r <= cfg.height - 2 and 0 <= c <= cfg.width - 2):
         return r, c, -1
     return r, c, int(ego_lane[r:r + 2, c:c + 2].sum())
 
 
-def _place(rng, bucket, l_range, in_lane, kappa, cfg, ego_lane):
+def _place(rng, bucket, l_range, in_lane, kappa, cfg, ego_lane, side):
     """Rejection-sample an actor's (s, l) at t = 0 whose block sits in the bucket's rows, fully inside the raster,
-    with >= 2 of its pixels on the ego lane (in_lane) or none (off the lane)."""
+    with >= 2 of its pixels on the ego lane (in_lane) or none (off the lane), in the token column of `side`
+    ("left" / "centre" / "right")."""
     lo, hi = BUCKET_ROWS[bucket]
     for _ in range(1000):
         x = (cfg.ego_row - rng.integers(lo, hi + 1) + rng.uniform(-0.4, 0.4)) * cfg.res
-        s = x if kappa == 0 else np.arcsin(np.clip(kappa * x, -1, 1)) / kappa
         l = rng.uniform(*l_range)
-        r, _, hits = _lane_hits(s, l, kappa, cfg, ego_lane)
+        # the arc length at which lateral offset l reaches forward distance x (road_to_xy: x = (1/kappa - l) sin phi)
+        s = x if kappa == 0 else np.arcsin(np.clip(x / (1 / kappa - l), -1, 1)) / kappa
+        r, c, hits = _lane_hits(s, l, kappa, cfg, ego_lane)
+        if token_of(r, c)[1] != COLUMN[side]:
+            continue
         if lo <= r <= hi and hits >= 0 and (hits >= 2 if in_lane else hits == 0):
             return float(s), float(l)
     raise RuntimeError("actor placement failed")
 
 
-def _frame0(rng, motion, dist, l, back, kappa, cfg):
-    """An actor's (s, l) at t = -0.5 s, given its (dist, l) at t = 0 and the ego's travel `back` in between.
-    motion: an in-lane event, or "decoy_<kind>"."""
-    s0, l0 = dist + back, l                                  # static in the world
-    if motion == "decoy_vehicle":                            # oncoming: approaches faster than the ego's travel
-        s0 += rng.uniform(4.0, 7.0) * cfg.frame_gap
-    elif motion == "decoy_pedestrian":
-        s0 += rng.uniform(-0.8, 0.8)                          # standing or walking along the sidewalk
-    elif motion == "lead_cruise":
-        s0 = dist                                             # keeps the gap: same block in both frames
-    elif motion == "lead_brake":                              # closes in by >= one block (2 rows) in the frame gap
-        s0 = dist + rng.uniform(2.5, 3.5)
-        while block(s0, l, kappa, cfg)[0] > block(dist, l, kappa, cfg)[0] - 2:
-            s0 += 0.5                                         # a curve turns arc length into fewer rows
-    elif motion == "ped_cross":                               # stepped in from the oncoming lane or the shoulder
-        l0 = rng.choice([-1.0, 1.0]) * rng.uniform(2.5, 4.0)
-    return s0, l0
-
-
-def _tracked(poses, kappa, cfg, ego_lane, off_lane_then=False):
-    """The merged token an actor occupies in both frames, or None if its blocks leave the raster or change token
-    (the two-hop link is "same token, earlier frame"). off_lane_then: its t = -0.5 s block must be off the lane."""
-    hits = [_lane_hits(s, l, kappa, cfg, ego_lane) for s, l in poses]
-    if any(h < 0 for _, _, h in hits) or (off_lane_then and hits[0][2] != 0):
-        return None
-    tokens = {token_of(r, c) for r, c, _ in hits}
-    return tokens.pop() if len(tokens) == 1 else None
-
 
 def make_scene(rng, split="train", cfg=WorldConfig()):
     f = sample_factors(rng, split)
-    kappa = {"curve_left": 1.0, "curve_right": -1.0}.get(f.road, 0.0) * rng.uniform(0.018, 0.028)
-    v0 = rng.uniform(*V_RANGE[f.speed])
+    kappa = {"curve_left": 1.0, "curve_right": -1.0}.get(f.road, 0.0) * (rng.uniform(*KAPPA[f.sharp]) if f.sharp else 0)
+    v0 = rng.uniform(*BAND_V[f.band]) if f.band else 0.0
     hist = history_deltas(v0, f.speed, kappa, cfg)
-    back = hist[-int(round(cfg.frame_gap / cfg.dt)):, 0].sum()  # ego travel between frames: static things approach by it
     ego_lane = lane_planes(kappa, cfg)[2]
     actors, stop_line, dist = [], None, float("nan")
     if f.event in ("red", "green"):
-        for _ in range(1000):   # the light, like every actor, keeps one merged token across the frames
-            dist, _ = _place(rng, f.bucket, (0.0, 0.0), True, 0.0, cfg, ego_lane)
-            poses = [(dist + back, -3.0), (dist, -3.0)]                  # beside the stop line
-            if _tracked(poses, kappa, cfg, ego_lane) is not None:
-                break
-        else:
-            raise RuntimeError(f"light placement failed for {f}")
-        stop_line = [dist + back, dist]
-        actors.append((("light_" + f.event,), poses))
+        dist, _ = _place(rng, f.bucket, (0.0, 0.0), True, 0.0, cfg, ego_lane, "centre")
+        stop_line = dist
+        actors.append((("light_" + f.event,), (dist, -3.0)))    # beside the stop line
     else:
-        # Rejection: every actor keeps one merged token across the two frames, and no two actors share one.
-        for _ in range(1000):
-            actors, tokens = [], []
-            if f.event != "clear":
-                kind = ACTORS[f.event]
-                dist, l = _place(rng, f.bucket, IN_LANE_L, True, kappa, cfg, ego_lane)
-                poses = [_frame0(rng, f.event, dist, l, back, kappa, cfg), (dist, l)]
-                tokens.append(_tracked(poses, kappa, cfg, ego_lane, off_lane_then=f.event == "ped_cross"))
-                actors.append(((kind, "brake") if f.event == "lead_brake" else (kind,), poses))
-            if f.decoy is not None:
-                ranges = DECOY_L[f.decoy]
-                s, l = _place(rng, int(rng.choice(list(BUCKET_ROWS))), ranges[rng.integers(len(ranges))], False,
-                              kappa, cfg, ego_lane)
-                poses = [_frame0(rng, "decoy_" + f.decoy, s, l, back, kappa, cfg), (s, l)]
-                tokens.append(_tracked(poses, kappa, cfg, ego_lane))
-                actors.append(((f.decoy,), poses))
-            if None not in tokens and len(set(tokens)) == len(tokens):
-                break
-        else:
-            raise RuntimeError(f"actor placement failed for {f}")
+        if f.event != "clear":
+            dist, l = _place(rng, f.bucket, IN_LANE_L, True, kappa, cfg, ego_lane, "centre")
+            actors.append((("vehicle", "brake") if f.event == "lead_brake" else (ACTORS[f.event],), (dist, l)))
+        for side in ("left", "right"):  # each in its side's token column: no two actors share a token
+            actor = getattr(f, side)
+            if actor is not None:
+                pose = _place(rng, actor[1], ROADSIDE_L[side], False, kappa, cfg, ego_lane, side)
+                actors.append(((actor[0],), pose))
     seen_now = bool(rng.random() < P_SEEN_NOW)
     frames = render(kappa, actors, stop_line, seen_now, cfg)
     coc = coc_words(f)
-    return Scene(f, float(kappa), float(v0), dist, hist, frames, seen_now, coc, commitment_mask(coc, f.hist_class),
-                 plan(f, v0, kappa, dist, cfg))
+    return Scene(f, float(kappa), float(v0), dist, hist, frames, seen_now, int(rng.integers(2**31)), coc,
+                 commitment_mask(f), plan(f, v0, kappa, dist, cfg))
+
+
+def render_views(seed, n, cfg=WorldConfig()):
+    """n surround-camera images (n, C, H, W) uint8 of roadside clutter: each CLUTTER channel sets 2x2-px blocks at a
+    density drawn per view, so every view (and every merged token) looks different, and none carries any of the
+    front camera's channels. View v depends only on (seed, v): fewer views are a prefix of more."""
+    H, W = cfg.view_size
+    out = np.zeros((n, len(CHANNELS), H, W), dtype=np.uint8)
+    first = CHANNELS.index(CLUTTER[0])
+    for v in range(n):
+        rng = np.random.default_rng([seed, v])
+        density = rng.uniform(0.02, 0.2, size=(len(CLUTTER), 1, 1))
+        blocks = (rng.random((len(CLUTTER), H // 2, W // 2)) < density).astype(np.uint8)
+        out[v, first:first + len(CLUTTER)] = blocks.repeat(2, axis=1).repeat(2, axis=2)
+    return out
 
 
 # ---- tokenizer ----
@@ -509,8 +595,11 @@ class Tokenizer:
         self.bins = {"dx": cfg.dx_bins, "dy": cfg.dy_bins, "dh": cfg.dh_bins}
         hist = [f"<{k}{i}>" for k, spec in self.bins.items() for i in range(spec[2])]
         words = set((SYSTEM + " " + INSTRUCTION).split())
-        for f in _support():
-            words.update(coc_words(f))
+        mains, sides = _options_by_class()
+        for options in list(mains.values()) + list(sides.values()):
+            for o in options:
+                words.update(o)
+        words -= set(SPECIALS)
         self.vocab = list(SPECIALS) + hist + sorted(words)
         self.id = {w: i for i, w in enumerate(self.vocab)}
         for name, w in [("pad", "<pad>"), ("vision_start", "<|vision_start|>"), ("vision_end", "<|vision_end|>"),
@@ -549,20 +638,34 @@ class Tokenizer:
 
 
 # ---- prompts and training examples ----
-def build_prompt(scene, tok, patch_size=PATCH, temporal_patch_size=1, merge_size=MERGE):
-    """model.forward kwargs for batch 1, Alpamayo order: system, video, history, instruction, <cot_start>."""
-    pixels, grid = patchify(torch.from_numpy(scene.frames), patch_size, temporal_patch_size, merge_size)
-    grid = torch.as_tensor(grid, dtype=torch.long).view(1, 3)       # (1, 3): t=2, h, w in patches
-    n_video = int(grid.prod()) // merge_size ** 2                   # merged tokens: 2 x 2 x 2 = 8 at 24 px
-    ids = (tok.encode(SYSTEM) + [tok.vision_start_id] + [tok.video_token_id] * n_video + [tok.vision_end_id]
-           + [tok.hist_start_id] + tok.encode_history(scene.hist) + [tok.hist_end_id]
-           + tok.encode(INSTRUCTION) + [tok.cot_start_id])
-    return {"input_ids": torch.tensor([ids]), "pixel_values_videos": pixels, "video_grid_thw": grid}
+def build_prompt(scene, tok, views=WorldConfig().views):
+    """model.forward kwargs for batch 1, in Alpamayo's order: system text, the camera images (the front camera's two
+    frames as a video, then `views` surround images), the history, the instruction, <cot_start>."""
+    frames = torch.from_numpy(scene.frames).float()                           # (2, C, 24, 36)
+    pixels, grid = patchify(frames, PATCH, 1, MERGE)                          # (108, C*16), (3,): t=2, 6 x 9 patches
+    n_video = int(grid.prod()) // MERGE ** 2                                  # merged tokens: 2 x 2 x 3 = 12
+    ids = tok.encode(SYSTEM) + [tok.vision_start_id] + [tok.video_token_id] * n_video + [tok.vision_end_id]
+    prompt = {"pixel_values_videos": pixels, "video_grid_thw": grid.view(1, 3)}
+    if views:
+        imgs = torch.from_numpy(render_views(scene.view_seed, views)).float()  # (views, C, 48, 72)
+        patches = [patchify(img[None], PATCH, 1, MERGE) for img in imgs]      # per view: (216, C*16), (3,) = (1, 12, 18)
+        prompt["pixel_values"] = torch.cat([p for p, _ in patches])          # (views * 216, C*16)
+        prompt["image_grid_thw"] = torch.stack([g for _, g in patches])      # (views, 3)
+        n_img = int(patches[0][1].prod()) // MERGE ** 2                       # 4 x 6 = 24 merged tokens per view
+        ids += ([tok.vision_start_id] + [tok.image_token_id] * n_img + [tok.vision_end_id]) * views
+    ids += ([tok.hist_start_id] + tok.encode_history(scene.hist) + [tok.hist_end_id]
+            + tok.encode(INSTRUCTION) + [tok.cot_start_id])
+    prompt["input_ids"] = torch.tensor([ids])
+    return prompt
 
 
-def make_example(scene, tok, **patch_kw):
+VISION_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
+MAX_COC = 27  # the longest CoC in words (a roadside actor on each side); a batch pads to it + <cot_end>, <traj_future_start>
+
+
+def make_example(scene, tok, views=WorldConfig().views):
     """prompt + CoC + <cot_end> + <traj_future_start>; masks are over positions whose *next* token is CoC/<cot_end>."""
-    prompt = build_prompt(scene, tok, **patch_kw)
+    prompt = build_prompt(scene, tok, views)
     P, n = prompt["input_ids"].shape[1], len(scene.coc)
     coc = tok.encode(scene.coc) + [tok.cot_end_id]
     ids = torch.cat([prompt["input_ids"][0], torch.tensor(coc + [tok.traj_future_start_id])])  # (L,), L = P + n + 2
@@ -572,25 +675,28 @@ def make_example(scene, tok, **patch_kw):
     commit_mask[P - 1:P + n] = torch.tensor(scene.commit)
     return {"input_ids": ids, "loss_mask": loss_mask, "commit_mask": commit_mask, "prompt_len": P,
             "coc_ids": coc, "traj_index": P + n + 1, "traj": torch.from_numpy(scene.traj),
-            "pixel_values_videos": prompt["pixel_values_videos"], "video_grid_thw": prompt["video_grid_thw"]}
+            **{k: prompt[k] for k in VISION_KEYS if k in prompt}}
 
 
-def collate(examples, pad_id):
-    """Right-pad to the longest example; vision inputs concatenate in batch order, as the model scatters them."""
-    B, L = len(examples), max(len(e["input_ids"]) for e in examples)
+def collate(examples, pad_id, length=None):
+    """Right-pad to `length` (default: the longest example); vision inputs concatenate in batch order, as the model
+    scatters them."""
+    B, L = len(examples), max([len(e["input_ids"]) for e in examples] + [length or 0])
     ids = torch.full((B, L), pad_id, dtype=torch.long)
     attn, loss, commit = (torch.zeros(B, L, dtype=torch.long),
                           torch.zeros(B, L, dtype=torch.bool), torch.zeros(B, L, dtype=torch.bool))
     for b, e in enumerate(examples):
         n = len(e["input_ids"])
         ids[b, :n], attn[b, :n], loss[b, :n], commit[b, :n] = e["input_ids"], 1, e["loss_mask"], e["commit_mask"]
-    return {"input_ids": ids, "attention_mask": attn, "loss_mask": loss, "commit_mask": commit,
-            "traj_index": torch.tensor([e["traj_index"] for e in examples]),
-            "prompt_len": torch.tensor([e["prompt_len"] for e in examples]),
-            "traj": torch.stack([e["traj"] for e in examples]),                            # (B, 32, 2)
-            "pixel_values_videos": torch.cat([e["pixel_values_videos"] for e in examples]),  # (B * N, C*tp*p*p)
-            "video_grid_thw": torch.cat([e["video_grid_thw"] for e in examples]),            # (B, 3)
-            "coc_ids": [e["coc_ids"] for e in examples]}
+    out = {"input_ids": ids, "attention_mask": attn, "loss_mask": loss, "commit_mask": commit,
+           "traj_index": torch.tensor([e["traj_index"] for e in examples]),
+           "prompt_len": torch.tensor([e["prompt_len"] for e in examples]),
+           "traj": torch.stack([e["traj"] for e in examples]),                            # (B, 32, 2)
+           "coc_ids": [e["coc_ids"] for e in examples]}
+    for k in VISION_KEYS:   # pixel rows (B * N, C*tp*p*p) and grids (B * n_blocks, 3)
+        if any(k in e for e in examples):
+            out[k] = torch.cat([e[k] for e in examples if k in e])
+    return out
 
 
 def to_device(batch, device):
@@ -598,8 +704,13 @@ def to_device(batch, device):
 
 
 def vision_kwargs(batch):
-    """The video inputs of a collated batch, as model.forward / model.embed take them."""
-    return {"pixel_values_videos": batch["pixel_values_videos"], "video_grid_thw": batch["video_grid_thw"]}
+    """The camera inputs of a collated batch (pixels and grids), as model.forward / model.embed take them."""
+    return {k: batch[k] for k in VISION_KEYS if k in batch}
+
+
+def grid_kwargs(batch):
+    """The grids alone: what a draft reading the target's prompt embeddings needs for its positions."""
+    return {k: batch[k] for k in ("image_grid_thw", "video_grid_thw") if k in batch}
 
 
 # ---- splits ----
@@ -612,27 +723,48 @@ def make_split(name, n, seed=0, cfg=WorldConfig()):
 
 
 class Data:
-    """Pre-generated examples of one split; batch indices are a pure function of (seed, step),
-    so a resumed run sees exactly the batches it would have seen, on any number of ranks.
-    Batches walk a seeded permutation per epoch, so no scene repeats before the split is used up."""
+    """The scenes of one split and their batches. Examples are built when a batch is drawn (the surround views are
+    rendered then, and a scene's pixels never sit in memory). Batch indices are a pure function of (seed, step), so a
+    resumed run sees exactly the batches it would have seen, on any number of ranks; batches walk a seeded
+    permutation per epoch, so no scene repeats before the split is used up.
 
-    def __init__(self, split, n, seed, tok):
+    views: the surround-view count of every batch, or a function step -> count (one geometry per batch, so that
+    prompts in a batch have equal length)."""
+
+    def __init__(self, split, n, seed, tok, views=WorldConfig().views):
         self.scenes = make_split(split, n, seed)
-        self.examples = [make_example(s, tok) for s in self.scenes]
-        self.tok, self.seed = tok, seed
+        self.tok, self.seed, self.views = tok, seed, views
+
+    def views_at(self, step):
+        return self.views(step) if callable(self.views) else self.views
+
+    def with_views(self, views):
+        """The same scenes at another view count or schedule (no scene is generated again)."""
+        other = copy.copy(self)
+        other.views = views
+        return other
+
+    def coc_ids(self):
+        """The reference CoC of every scene: ids up to and including <cot_end>."""
+        return [self.tok.encode(s.coc) + [self.tok.cot_end_id] for s in self.scenes]
 
     def batch(self, step, size, rank=0, world=1, device="cpu"):
-        if size > len(self.examples):
-            raise ValueError(f"batch size {size} is larger than the {len(self.examples)} scenes of this split")
-        epoch, k = divmod(step, len(self.examples) // size)
+        if size > len(self.scenes):
+            raise ValueError(f"batch size {size} is larger than the {len(self.scenes)} scenes of this split")
+        epoch, k = divmod(step, len(self.scenes) // size)
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-        idx = torch.randperm(len(self.examples), generator=g)[k * size:(k + 1) * size][rank::world]
-        return to_device(collate([self.examples[i] for i in idx], self.tok.pad_id), device)
+        idx = torch.randperm(len(self.scenes), generator=g)[k * size:(k + 1) * size][rank::world]
+        examples = [make_example(self.scenes[i], self.tok, self.views_at(step)) for i in idx]
+        # One padded length per geometry: a CPU's bf16 kernels are built per input shape, and a new shape every step
+        # would rebuild them every step.
+        length = examples[0]["prompt_len"] + MAX_COC + 2
+        return to_device(collate(examples, self.tok.pad_id, length), device)
 
     def batches(self, size, device="cpu"):
-        """The whole split in order, for evaluation."""
-        for i in range(0, len(self.examples), size):
-            yield to_device(collate(self.examples[i:i + size], self.tok.pad_id), device)
+        """The whole split in order, for evaluation, at the view count of step 0."""
+        for i in range(0, len(self.scenes), size):
+            yield to_device(collate([make_example(s, self.tok, self.views_at(0)) for s in self.scenes[i:i + size]],
+                                    self.tok.pad_id), device)
 
 
 # ---- metrics ----
@@ -659,28 +791,6 @@ def commitment_hits(pred_next, input_ids, commit_mask):
     return (hit & m).sum().item(), m.sum().item()
 
 
-def measure_routine_share(n=20000, seed=0, split="train"):
-    """Bayes-optimal guess of each CoC token from (history class, CoC prefix), fitted by counts on n scenes and scored
-    on n fresh ones: the share of tokens a perfect history-only reader gets right (the paper's ~78%)."""
-    def coc_stream(s):
-        rng = np.random.default_rng(s)
-        for _ in range(n):
-            f = sample_factors(rng, split)
-            yield f.hist_class, coc_words(f) + ["<cot_end>"]
-
-    counts = defaultdict(Counter)
-    for cls, words in coc_stream([seed, 100]):
-        for i, w in enumerate(words):
-            counts[(cls, tuple(words[:i]))][w] += 1
-    right = total = 0
-    for cls, words in coc_stream([seed, 101]):
-        for i, w in enumerate(words):
-            c = counts.get((cls, tuple(words[:i])))
-            right += bool(c) and c.most_common(1)[0][0] == w
-            total += 1
-    return right / total
-
-
 # ---- demo ----
 GLYPHS = (("ego", "E"), ("vehicle", "V"), ("pedestrian", "P"), ("cone", "C"), ("light_red", "R"),
           ("light_green", "G"), ("in_lane", "L"), ("object", "o"), ("stop_line", "="))
@@ -704,13 +814,12 @@ def main():
     ap.add_argument("--seed", type=int, default=0, help="seed of the printed scenes and of the routine-share estimate")
     ap.add_argument("--n", type=int, default=6, help="scenes to print")
     ap.add_argument("--split", default="train", choices=list(SPLITS), help="split to draw the printed scenes from")
-    ap.add_argument("--render", action="store_true", help="also print an ASCII raster (t = -0.5 s | t = 0) per scene")
-    ap.add_argument("--share_n", type=int, default=20000, help="scenes to fit and to score the routine share on")
+    ap.add_argument("--render", action="store_true", help="also print an ASCII raster (earlier | t = 0) per scene")
     args = ap.parse_args()
     for sc in make_split(args.split, args.n, args.seed):
         f = sc.f
         speeds = np.linalg.norm(np.diff(np.vstack([[0, 0], sc.traj]), axis=0), axis=1) / 0.1
-        print(f"{f.road} / {f.event} / decoy {f.decoy} | history class {f.hist_class} v0 {sc.v0:.1f} m/s | "
+        print(f"{f.road} / {f.event} / roadside {f.left} {f.right} | history class {f.hist_class} v0 {sc.v0:.1f} m/s | "
               f"decision {f.decision}")
         print("  CoC: " + " ".join(w + ("*" if c else "") for w, c in zip(sc.coc + ["<cot_end>"], sc.commit)))
         print(f"  trajectory: end ({sc.traj[-1, 0]:.1f}, {sc.traj[-1, 1]:.1f}) m, speed {speeds[0]:.1f} -> "
@@ -722,9 +831,8 @@ def main():
     n_tok, n_commit = sum(len(s.commit) for s in sample), sum(sum(s.commit) for s in sample)
     print(f"by construction: {n_commit / len(sample):.2f} commitment tokens per CoC of {n_tok / len(sample):.1f} "
           f"(incl. <cot_end>), routine share by mask {1 - n_commit / n_tok:.3f}")
-    share = measure_routine_share(args.share_n, args.seed)
-    print(f"measured routine share (Bayes guess from history class + prefix, fit on {args.share_n} scenes, "
-          f"scored on {args.share_n} fresh ones): {share:.3f}")
+    print(f"routine share (the Bayes-optimal reader of history class + CoC prefix, exact): "
+          f"train/val {routine_share('train'):.3f}, held-out test {routine_share('test'):.3f}")
 
 
 if __name__ == "__main__":

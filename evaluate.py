@@ -19,9 +19,9 @@ import torch
 
 import driving
 import speculate
-from driving import Data, vision_kwargs
+from driving import Data, grid_kwargs, vision_kwargs
 
-MAX_NEW_TOKENS = 32  # CoC token limit per decode: the toy's CoCs are about 16 tokens with <cot_end>
+MAX_NEW_TOKENS = 32  # CoC token limit per decode: the toy's CoCs are 12-28 tokens with <cot_end>
 GAMMA = 6  # draft length of the table, the benchmark and AARL's logged tau
 EVAL_BATCH = 64  # scenes per batched evaluation forward
 TARGET_ONLY = "target-only"  # the baseline arm: plain KV-cached decoding by the target
@@ -104,6 +104,12 @@ def plan_trajectories(target, batch, cocs, tok, amp=False):
     return target.traj(hidden[torch.arange(len(seqs)), last]).float()  # (B, traj_len, 2)
 
 
+def repeat_scenes(inputs, n_scenes, G):
+    """Camera inputs of a batch of n_scenes (pixels and grids, scene-major rows) with each scene repeated G times in
+    a row, as for G rollouts per scene. Every scene of a batch has the same number of rows (one geometry)."""
+    return {k: v.view(n_scenes, -1, *v.shape[1:]).repeat_interleave(G, 0).flatten(0, 1) for k, v in inputs.items()}
+
+
 # ---- target metrics: ADE, commitment accuracy, CoC exact match ----
 
 
@@ -132,7 +138,7 @@ def commitment_acc(model, target, data: Data, batch_size=EVAL_BATCH, amp=False):
                 logits = target(batch["input_ids"], **vision_kwargs(batch))  # (B, L, V)
             else:
                 embeds = target.embed(batch["input_ids"], **vision_kwargs(batch))  # (B, L, D)
-                logits = model(batch["input_ids"], inputs_embeds=embeds, video_grid_thw=batch["video_grid_thw"])
+                logits = model(batch["input_ids"], inputs_embeds=embeds, **grid_kwargs(batch))
         h, m = driving.commitment_hits(logits.argmax(-1), batch["input_ids"], batch["commit_mask"])
         hits, n = hits + h, n + m
     return hits / max(n, 1)
@@ -147,7 +153,7 @@ def evaluate_target(target, data: Data, batch_size=EVAL_BATCH, amp=False):
     cocs = [c for batch in data.batches(batch_size, device)
             for c in greedy_coc(target, batch, data.tok.cot_end_id, amp=amp)]
     ade, fde = trajectory_ade(target, data, cocs, batch_size, amp)
-    return {"coc_exact": driving.coc_exact_match(cocs, [e["coc_ids"] for e in data.examples]),
+    return {"coc_exact": driving.coc_exact_match(cocs, data.coc_ids()),
             "commitment_acc": commitment_acc(target, target, data, batch_size, amp), "ade": ade, "fde": fde}
 
 
@@ -201,7 +207,7 @@ def attention_split(model, target, data: Data, n=EVAL_BATCH):
     (for the target itself they are its own)."""
     batch = next(data.batches(n, next(model.parameters()).device))
     embeds = target.embed(batch["input_ids"], **vision_kwargs(batch))  # (B, L, D)
-    probs = attention_probs(model, batch["input_ids"], inputs_embeds=embeds, video_grid_thw=batch["video_grid_thw"])
+    probs = attention_probs(model, batch["input_ids"], inputs_embeds=embeds, **grid_kwargs(batch))
     groups = key_groups(batch["input_ids"], data.tok)
     rows = batch["loss_mask"]  # (B, L) query positions that predict CoC tokens
     split = {}
@@ -215,11 +221,11 @@ def attention_split(model, target, data: Data, n=EVAL_BATCH):
 # ---- speculative decoding over a set of prompts ----
 
 
-def scene_prompts(scenes, tok, device, dtype=None):
+def scene_prompts(scenes, tok, device, dtype=None, views=driving.WorldConfig().views):
     """Batch-1 prompts (driving.build_prompt) on device, floating inputs cast to dtype when given."""
     prompts = []
     for s in scenes:
-        p = {k: v.to(device) for k, v in driving.build_prompt(s, tok).items()}
+        p = {k: v.to(device) for k, v in driving.build_prompt(s, tok, views).items()}
         prompts.append({k: v.to(dtype) if dtype is not None and v.is_floating_point() else v for k, v in p.items()})
     return prompts
 

@@ -29,7 +29,7 @@ from tqdm import tqdm
 import checkpoint
 import driving
 import model as M
-from driving import Data, vision_kwargs
+from driving import Data, grid_kwargs, vision_kwargs
 from evaluate import autocast, evaluate_target
 
 # ---- config ----
@@ -44,11 +44,11 @@ class TrainConfig:
     n_val: int = 256  # validation scenes (same distribution as train)
     n_test: int = 256  # held-out test scenes (factor combinations never seen in training)
     batch_size: int = 16  # global batch; each DDP rank takes batch_size / world_size of it
-    target_steps: int = 2600  # SFT steps of the target (a few minutes on 2 CPU cores with the drafts)
+    target_steps: int = 6000  # SFT steps of the target (docs/toy-notes.md has the wall time on 2 CPU cores)
     target_lr: float = 1.5e-3  # peak learning rate of the target
     train_vision: bool = False  # also train the vision tower (default: frozen at random init; train_target says why)
     traj_weight: float = 0.1  # weight of the trajectory Huber loss (metres) next to the CoC cross-entropy
-    draft_steps: int = 150  # distillation steps of both drafts
+    draft_steps: int = 300  # distillation steps of both drafts
     draft_lr: float = 3e-3  # peak learning rate of the drafts
     target_preset: str = "toy-target"  # target sizes (model.PRESETS)
     draft_preset: str = "toy-draft"  # sizes of both drafts (model.DRAFT_PRESETS)
@@ -56,7 +56,10 @@ class TrainConfig:
     weight_decay: float = 0.01  # AdamW weight decay
     grad_clip: float = 1.0  # gradient-norm clip
     amp: bool = True  # bf16 autocast for the matmuls (fp32 master weights): faster on a CPU with bf16 support
-    eval_every: int = 650  # steps between validation passes (and resumable checkpoints)
+    eval_every: int = 1000  # steps between validation passes (and resumable checkpoints)
+    views: int = driving.WorldConfig().views  # surround views of the drafts' training and of every evaluation
+    max_views: int = 21  # the target trains on every view count 0..max_views (one per batch): one target, any geometry
+    p_no_views: float = 0.5  # ... with this share of its batches at 0 views, the cheapest, where the evidence is read
 
 
 # ---- distributed (torchrun) ----
@@ -97,14 +100,27 @@ def target_config(tok: driving.Tokenizer, preset="toy-target") -> M.ModelConfig:
     # token (PATCH * MERGE = 12 px): the frozen tower is random, and a random frame-wide attention block mixes every
     # token with the whole frame, so the in-lane actor's token would also carry the off-lane decoy's kind. A
     # pretrained tower keeps its tokens local; a random one has to be made to (docs/toy-notes.md, "The toy target").
+    # One block of width 32 is enough for a frozen random feature map of sparse object rasters, and keeps the ~3,500
+    # patches of a default prompt cheap to encode.
     vision = replace(base.vision, in_channels=len(driving.CHANNELS), patch_size=driving.PATCH, temporal_patch_size=1,
                      spatial_merge_size=driving.MERGE, window_size=driving.PATCH * driving.MERGE,
-                     fullatt_block_indexes=())
-    # One M-RoPE t id per frame: the world's two frames are consecutive video frames.
+                     fullatt_block_indexes=(), depth=1, hidden=32, heads=2, intermediate=64)
+    # One M-RoPE t id per frame: the front camera's two frames are consecutive video frames.
     return replace(base, vocab_size=len(tok), image_token_id=tok.image_token_id, video_token_id=tok.video_token_id,
                    vision_start_token_id=tok.vision_start_id, tokens_per_second=1.0, vision=vision,
                    spatial_merge_size=driving.MERGE,
-                   traj_len=driving.WorldConfig().n_future, max_seq_len=256)
+                   traj_len=driving.WorldConfig().n_future, max_seq_len=1024)
+
+
+def target_views(cfg: TrainConfig):
+    """step -> the surround-view count of the target's batch at that step: 0 with probability p_no_views, else uniform
+    in 1..max_views, seeded by (seed, step) so that a resumed run sees the same geometry."""
+    def views(step):
+        g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
+        if cfg.max_views == 0 or float(torch.rand((), generator=g)) < cfg.p_no_views:
+            return 0
+        return int(torch.randint(1, cfg.max_views + 1, (), generator=g))
+    return views
 
 
 def make_drafts(target, preset):
@@ -137,7 +153,7 @@ def target_loss(target, batch, traj_weight):
 
 def distill_loss(draft, embeds, p_logp, batch):
     """Forward KL(p || q) averaged over CoC positions; p_logp (N, V) are the target's log-probs there."""
-    logits_q = draft(batch["input_ids"], inputs_embeds=embeds, video_grid_thw=batch["video_grid_thw"])  # (B, L, V)
+    logits_q = draft(batch["input_ids"], inputs_embeds=embeds, **grid_kwargs(batch))  # (B, L, V)
     q_logp = F.log_softmax(logits_q[batch["loss_mask"]].float(), -1)  # (N, V)
     return F.kl_div(q_logp, p_logp, log_target=True, reduction="batchmean")
 
@@ -211,7 +227,7 @@ def train_drafts(cfg: TrainConfig, target, train: Data, rank=0, world=1, device=
         batch = train.batch(step, cfg.batch_size, rank, world, device)
         with torch.no_grad(), autocast(device, cfg.amp):
             embeds = target.embed(batch["input_ids"], **vision_kwargs(batch))  # (B, L, D) image features included
-            logits_p = target(batch["input_ids"], inputs_embeds=embeds, video_grid_thw=batch["video_grid_thw"])
+            logits_p = target(batch["input_ids"], inputs_embeds=embeds, **grid_kwargs(batch))
         p_logp = F.log_softmax(logits_p[batch["loss_mask"]].float(), -1)  # (N, V) p on the CoC positions
         losses = {}
         for k, d in ddps.items():
@@ -291,18 +307,18 @@ def run(cfg: TrainConfig, stage="all", log=print):
         raise ValueError(f"batch_size {cfg.batch_size} is not divisible by the {world} ranks")
     tok = driving.Tokenizer()
     t0 = time.time()
-    train = Data("train", cfg.n_train, cfg.seed, tok)
-    val = Data("val", cfg.n_val, cfg.seed, tok)
+    train = Data("train", cfg.n_train, cfg.seed, tok, views=cfg.views)
+    val = Data("val", cfg.n_val, cfg.seed, tok, views=cfg.views)
     out = {}
     if stage in ("all", "target"):
-        out["target"] = train_target(cfg, tok, train, val, rank, world, device, log)
+        out["target"] = train_target(cfg, tok, train.with_views(target_views(cfg)), val, rank, world, device, log)
     else:
         path = os.path.join(cfg.out, "target")
         out["target"] = checkpoint.load(path, device=device)
     if stage in ("all", "drafts"):
         out["drafts"] = train_drafts(cfg, out["target"], train, rank, world, device)
     if rank == 0:
-        test = Data("test", cfg.n_test, cfg.seed, tok)
+        test = Data("test", cfg.n_test, cfg.seed, tok, views=cfg.views)
         metrics = {"val": evaluate_target(out["target"], val),
                    "test": evaluate_target(out["target"], test), "wall_s": time.time() - t0}
         checkpoint.write_json(os.path.join(cfg.out, "train_metrics.json"), metrics)

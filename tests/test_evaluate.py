@@ -48,11 +48,17 @@ def test_greedy_generation_equals_batch_one_decoding(tok):
 def test_generation_mask_ends_at_the_first_stop(tok):
     """Sampled rows: the mask is True up to and including each row's first stop token, False after it."""
     target = tiny_target(tok)
-    batch = next(Data("val", 3, 0, tok).batches(3))
+    batch = next(Data("val", 3, 0, tok, views=0).batches(3))
     P = int(batch["prompt_len"][0])
-    stop = 29  # an id this random model samples in two of the three rows (seeded), before the last step
-    toks, mask = evaluate.generate(target, batch["input_ids"][:, :P], 12, stop, temperature=2.0,
-                                   generator=torch.Generator().manual_seed(0), **vision_kwargs(batch))
+
+    def sample(stop):
+        return evaluate.generate(target, batch["input_ids"][:, :P], 12, stop, temperature=2.0,
+                                 generator=torch.Generator().manual_seed(0), **vision_kwargs(batch))
+
+    free, _ = sample(stop=-1)                 # no stop: 12 tokens per row
+    stop = int(free[0, 3])                    # a token row 0 samples at step 3: its first stop is at step <= 3
+    toks, mask = sample(stop)                 # the same draws (same generator) up to the step all rows have stopped
+    assert torch.equal(toks, free[:, :toks.shape[1]])
     assert not bool(mask.all()) and bool(mask.any(1).all())
     for row, m in zip(toks.tolist(), mask.tolist()):
         first = row.index(stop) if stop in row else len(row) - 1
@@ -114,5 +120,5 @@ def test_key_groups_partition_the_prompt(tok):
     g = evaluate.key_groups(batch["input_ids"], tok)
     total = g["image"].long() + g["history"].long() + g["text"].long()
     assert bool((total == 1).all())
-    assert int(g["image"][0].sum()) == 8 and int(g["history"][0].sum()) == 48 + 2
+    assert int(g["image"][0].sum()) == 12 + 24 * driving.WorldConfig().views and int(g["history"][0].sum()) == 48 + 2
 
