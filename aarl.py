@@ -1,37 +1,44 @@
 """AARL: Action-aware RL post-training of the routine reasoner (the FlatRoPE draft).
 
-Paper: AARL post-trains the draft with an action-quality reward (how good is the
-trajectory that follows from the drafted reasoning) plus a KL penalty to a *static*
-reference, the frozen SFT draft, rather than a moving one (docs/background.md).
+Paper: AARL post-trains the draft with an action-quality reward (how good is the trajectory that
+follows from the drafted reasoning) plus a KL penalty to a *static* reference, the frozen SFT
+draft, rather than a moving one (docs/background.md).
 
 The objective per scene s, with G CoCs c_1..c_G sampled from the draft q:
 
-    r_i   = -ADE(traj_p(s, c_i), traj_gt)  +  w_agree * accept(c_i)
+    r_i   = -ADE(traj_p(s, c_i), traj_gt)  +  w_agree * agree(c_i)
     A_i   = (r_i - mean_j r_j) / (std_j r_j + eps)                  (group-relative, GRPO)
     loss  = -mean_i A_i * mean_t log q(c_i,t)  +  beta * mean_t KL(q || q_ref)
 
+Why each choice:
 - traj_p is the *target's* trajectory head read after prompt + c_i: the draft proposes the
-  reasoning, the unmodified VLA turns it into an action, so the reward scores the reasoning by
-  the action it leads to.
-- accept(c_i) is the fraction of c_i the target would accept under greedy verification (the
-  longest prefix equal to the target's argmax), the quantity speculative decoding pays for.
-  Default weight 0.5: the action reward alone is flat across rollouts that differ only in
-  routine words (the trajectory does not change), while acceptance is what tau measures; 0
-  gives the paper's pure action reward (a flag).
-- Group-relative advantages rather than REINFORCE with a learned baseline: G rollouts of the
-  same scene give an unbiased per-scene baseline for free, with no value network to train,
-  and normalising by the group's spread keeps the step size independent of the reward scale.
-- KL(q || q_ref) is computed exactly over the vocabulary at every generated position (the toy
-  vocabulary is small), not by a sampled estimator. reference "static" is the frozen SFT draft;
-  the ablations are "moving" (the policy before this step) and "none" (beta = 0). With one
-  gradient step per batch, as here, the moving anchor's KL and its gradient are exactly zero
-  at the step, so "moving" trains like "none": a moving reference does not anchor at all,
-  which is the paper's argument for the static one.
+  reasoning, the unmodified VLA turns it into an action, so the reward scores the reasoning by the
+  action it leads to (the paper's action-quality reward). It is deterministic given c_i.
+- agree(c_i) is the share of c_i's tokens that equal the target's greedy choice after the same
+  prefix, each the event "this draft token would be accepted" of greedy verification. The action
+  term is flat across rollouts that differ only in words the trajectory does not depend on, and
+  this term is what tau measures; w_agree = 0 gives the pure action reward (a flag).
+- Group-relative advantages rather than REINFORCE with a learned baseline: G rollouts of the same
+  scene give an unbiased per-scene baseline for free, with no value network to train, and
+  normalising by the group's spread keeps the step size independent of the reward's scale.
+- KL(q || q_ref) is computed exactly over the vocabulary at every sampled position (the toy
+  vocabulary is small), not by a sampled estimator, so it is zero exactly at the reference.
+- The reference: "static" is the frozen SFT draft (the paper's anchor); the ablations are
+  "moving", the reference reset to the current policy every `refresh` updates (K >= 10, so its KL
+  is not zero between resets: an anchor that follows the policy), and "none" (beta = 0).
 
-run: python aarl.py --device cpu      (needs runs/toy from train.py; writes runs/toy/draft_aarl; --help for flags)
+One run starts from the SFT FlatRoPE draft of seed S (checkpoint.draft_dir(run, "flat", S)) and
+uses S for its rollouts and batch order. The report, before and after, on validation and held-out
+scenes: tau at the speed-optimal gamma (chosen on validation with the measured cost model) and at
+gamma 4, 6, 8 (exact from one teacher-forced pass, evaluate.simulate_rounds), the routine share,
+the ADE after the draft's own CoC, the KL to the SFT draft, and whether real speculative decoding
+at that gamma emits the target's greedy output on every scene.
+
+run: python aarl.py --reference static|moving|none --seed S [--json]   (needs a run folder from train.py)
 """
 import argparse
 import copy
+import json
 import os
 import time
 from dataclasses import dataclass
@@ -43,27 +50,51 @@ from tqdm import tqdm
 import checkpoint
 import driving
 import evaluate
+import speculate
 from driving import Data, grid_kwargs, vision_kwargs
+
+REFERENCES = ("static", "moving", "none")
+REPORT_GAMMAS = tuple(range(2, 9))  # the speed-optimal gamma is chosen among these
+SHOWN_GAMMAS = (4, 6, 8)
 
 # ---- config ----
 
 
 @dataclass
 class AARLConfig:
-    steps: int = 200  # policy updates (about a minute and a half on 2 CPU cores with the before / after report)
+    steps: int = 120  # policy updates
     n_train: int = 4000  # training scenes the update batches are drawn from
-    scenes: int = 8  # scenes per update
+    scenes: int = 4  # S: scenes per update
     group: int = 8  # G: CoCs sampled per scene
     temperature: float = 1.0  # rollout temperature of q
-    lr: float = 1e-4  # AdamW learning rate of the draft
-    beta: float = 0.2  # KL weight
-    reference: str = "static"  # KL anchor: static (frozen SFT draft, the paper's), moving (policy before a step), none
-    agree_weight: float = 0.5  # weight of the greedy-acceptance term in the reward (0: the paper's pure action reward)
+    lr: float = 3e-4  # AdamW learning rate of the draft
+    beta: float = 0.05  # KL weight
+    reference: str = "static"  # KL anchor: static (frozen SFT draft, the paper's), moving, none
+    refresh: int = 20  # moving: updates between resets of the reference to the current policy (>= 10)
+    agree_weight: float = 1.0  # weight of the agreement term in the reward (0: the pure action reward)
     max_new: int = evaluate.MAX_NEW_TOKENS  # CoC token limit per rollout
-    seed: int = 0  # seeds the rollouts
-    eval_every: int = 20  # steps between the validation-tau passes logged during training
-    n_val_log: int = 32  # validation scenes of the tau logged during training
-    gamma: int = evaluate.GAMMA  # draft length of the logged and reported tau
+    seed: int = 0  # the SFT draft's seed, and the seed of the rollouts and batch order
+    views: int = driving.WorldConfig().views  # surround views of the training scenes
+
+
+def check_config(cfg: AARLConfig):
+    """Clear errors before any work."""
+    if cfg.reference not in REFERENCES:
+        raise ValueError(f"reference must be one of {REFERENCES}, got {cfg.reference!r}")
+    if cfg.group < 2:
+        raise ValueError(f"group must be >= 2 for group-relative advantages, got {cfg.group}")
+    if cfg.reference == "moving" and cfg.refresh < 10:
+        raise ValueError(f"refresh must be >= 10 updates (a reference reset every update has zero KL), "
+                         f"got {cfg.refresh}")
+    for name in ("steps", "scenes", "n_train", "max_new"):
+        if getattr(cfg, name) < 1:
+            raise ValueError(f"{name} must be >= 1, got {getattr(cfg, name)}")
+    for name in ("lr", "temperature"):
+        if not getattr(cfg, name) > 0:
+            raise ValueError(f"{name} must be > 0, got {getattr(cfg, name)}")
+    for name in ("beta", "agree_weight"):
+        if not getattr(cfg, name) >= 0:  # also catches NaN
+            raise ValueError(f"{name} must be a number >= 0, got {getattr(cfg, name)}")
 
 
 # ---- rollouts ----
@@ -73,19 +104,19 @@ def rollout(draft, embeds, batch, G, temperature, max_new, stop, generator):
     """Sample G CoCs per scene from q with the KV cache (evaluate.generate, the loop that also
     decodes greedily). embeds (S, P, D) are the target's prompt embeddings. Returns tokens
     (S*G, T) and a mask (S*G, T) that is True up to and including each row's <cot_end>."""
-    P = embeds.shape[1]
+    S, P = embeds.shape[:2]
     ids = batch["input_ids"][:, :P].repeat_interleave(G, 0)  # (S*G, P)
     return evaluate.generate(draft, ids, max_new, stop, temperature, generator,
                              inputs_embeds=embeds.repeat_interleave(G, 0),  # (S*G, P, D)
-                             **evaluate.repeat_scenes(grid_kwargs(batch), embeds.shape[0], G))
+                             **evaluate.repeat_scenes(grid_kwargs(batch), S, G))
 
 
 def coc_logprobs(draft, embeds, batch, toks, G):
     """log q of every vocabulary entry at the positions that generated toks: (S*G, T, V)."""
-    P = embeds.shape[1]
+    S, P = embeds.shape[:2]
     ids = torch.cat([batch["input_ids"][:, :P].repeat_interleave(G, 0), toks[:, :-1]], 1)  # (S*G, P+T-1)
     x = torch.cat([embeds.repeat_interleave(G, 0), draft.embed_tokens(toks[:, :-1])], 1)  # (S*G, P+T-1, D)
-    logits = draft(ids, inputs_embeds=x, **evaluate.repeat_scenes(grid_kwargs(batch), embeds.shape[0], G))
+    logits = draft(ids, inputs_embeds=x, **evaluate.repeat_scenes(grid_kwargs(batch), S, G))  # (S*G, P+T-1, V)
     return F.log_softmax(logits[:, P - 1:].float(), -1)  # (S*G, T, V)
 
 
@@ -95,25 +126,20 @@ def coc_logprobs(draft, embeds, batch, toks, G):
 @torch.no_grad()
 def reward(target, batch, toks, mask, G, tok, agree_weight):
     """Action quality (-ADE in metres of the target's trajectory after the drafted CoC) plus
-    agree_weight * the fraction of the CoC the target's greedy verification would accept.
-    Returns (reward (S*G,), ade (S*G,), accept (S*G,))."""
-    S = batch["input_ids"].shape[0]
+    agree_weight * the share of the CoC's tokens equal to the target's greedy choice after the same
+    prefix. Each scene's prompt is prefilled once for its G rollouts. Returns (reward (S*G,), ade
+    (S*G,), agree (S*G,))."""
+    N = toks.shape[0]
     # the CoC up to <cot_end> (added if the rollout hit max_new first), then <traj_future_start>
     seqs = [[t for t in toks[r][mask[r]].tolist() if t != tok.cot_end_id] + [tok.cot_end_id, tok.traj_future_start_id]
-            for r in range(S * G)]
-    rep = {"input_ids": batch["input_ids"].repeat_interleave(G, 0), "prompt_len": batch["prompt_len"],
-           **evaluate.repeat_scenes(vision_kwargs(batch), S, G)}
-    logits, hidden = evaluate.continue_prompts(target, rep, seqs, tok.pad_id)  # (S*G, 1+T', V), (S*G, T', D)
+            for r in range(N)]
+    logits, hidden = evaluate.continue_prompts(target, batch, seqs, tok.pad_id)  # (N, 1+T', V), (N, T', D)
     last = torch.tensor([len(s) - 1 for s in seqs], device=toks.device)
-    traj = target.traj(hidden[torch.arange(S * G), last]).float()  # (S*G, traj_len, 2)
-    ade = driving.ade_fde(traj, batch["traj"].repeat_interleave(G, 0), per_scene=True)[0]  # (S*G,)
-    # greedy acceptance: the drafted token at step t is accepted while it equals p's argmax there
-    n = toks.shape[1]
-    argmax_p = logits[:, :n].argmax(-1)  # (S*G, n): p's choice for each CoC position
-    match = (argmax_p == toks) & mask
-    accepted = match.long().cumprod(1).sum(1).float()  # longest agreeing prefix
-    accept = accepted / mask.sum(1).clamp(min=1)
-    return -ade + agree_weight * accept, ade, accept
+    traj = target.traj(hidden[torch.arange(N), last]).float()  # (N, traj_len, 2)
+    ade = driving.ade_fde(traj, batch["traj"].repeat_interleave(G, 0), per_scene=True)[0]  # (N,)
+    # agreement: row t of logits is p after the prompt and the rollout's first t tokens
+    agree = ((logits[:, :toks.shape[1]].argmax(-1) == toks) & mask).sum(1) / mask.sum(1).clamp(min=1)  # (N,)
+    return -ade + agree_weight * agree.float(), ade, agree.float()
 
 
 # ---- the update ----
@@ -136,109 +162,146 @@ def aarl_loss(logq, logr, toks, mask, adv, beta):
     tok_logq = logq.gather(-1, toks[..., None])[..., 0]  # (N, T) log q of the sampled tokens
     per_seq = (tok_logq * mask).sum(1) / mask.sum(1).clamp(min=1)  # (N,) mean log q per CoC
     pg = -(adv * per_seq).mean()
-    kl = exact_kl(logq, logr, mask) if beta > 0 else logq.new_zeros(())
+    kl = exact_kl(logq, logr, mask) if logr is not None else logq.new_zeros(())
     return pg + beta * kl, kl
 
 
 # ---- training loop ----
 
 
-def logged_tau(target, draft, prompts, gamma, stop):
-    return evaluate.spec_stats(target, {"q": draft}, prompts, gamma, stop_token=stop, check_greedy=False)["q"]["tau"]
-
-
-def train_aarl(target, draft, data: Data, cfg: AARLConfig, val: Data | None = None, out=None, ref=None):
-    """Post-train `draft` in place with AARL; returns it. The reference is `ref` or a frozen copy
-    of the draft taken now (static), the policy before each step (moving), or absent (none).
-    With val, the tau on its first cfg.n_val_log scenes is logged every cfg.eval_every steps."""
-    if cfg.reference not in ("static", "moving", "none"):
-        raise ValueError(f"reference must be static, moving or none, got {cfg.reference!r}")
-    if cfg.group < 2:
-        raise ValueError(f"group must be >= 2 for group-relative advantages, got {cfg.group}")
+def train_aarl(target, draft, data: Data, cfg: AARLConfig, ref=None, log=None):
+    """Post-train `draft` in place with AARL; returns it. The reference starts as `ref` (default: a
+    frozen copy of the draft taken now, the SFT draft); "moving" resets it to the policy every
+    cfg.refresh updates; "none" drops the KL term. The target and a static reference never change.
+    log, if given, is called with a dict of every update's statistics."""
+    check_config(cfg)
     device = next(target.parameters()).device
     target.eval().requires_grad_(False)
-    if ref is None:
-        ref = copy.deepcopy(draft)  # shares the target's embedding / head, as the draft does
+    ref = copy.deepcopy(draft) if ref is None else ref  # a copied draft keeps sharing the target's embedding / head
     ref.eval().requires_grad_(False)
     opt = torch.optim.AdamW(draft.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
     gen = torch.Generator(device=device).manual_seed(cfg.seed)
-    beta = 0.0 if cfg.reference == "none" else cfg.beta
-    val_prompts = evaluate.scene_prompts(val.scenes[:cfg.n_val_log], val.tok, device) if val is not None else None
+    data = data.with_views(cfg.views)
     bar = tqdm(range(cfg.steps), desc=f"aarl[{cfg.reference}]")
     for step in bar:
-        batch = data.batch(10_000 + step, cfg.scenes, device=device)
+        if cfg.reference == "moving" and step > 0 and step % cfg.refresh == 0:
+            ref.load_state_dict(draft.state_dict())  # the anchor catches up with the policy
+        batch = data.batch(step, cfg.scenes, device=device, order=1000 + cfg.seed)
         P = int(batch["prompt_len"][0])
         with torch.no_grad():
             embeds = target.embed(batch["input_ids"][:, :P], **vision_kwargs(batch))  # (S, P, D)
         draft.eval()
         toks, mask = rollout(draft, embeds, batch, cfg.group, cfg.temperature, cfg.max_new,
                              data.tok.cot_end_id, gen)
-        r, ade, accept = reward(target, batch, toks, mask, cfg.group, data.tok, cfg.agree_weight)
+        r, ade, agree = reward(target, batch, toks, mask, cfg.group, data.tok, cfg.agree_weight)
         adv = group_advantages(r, cfg.group)
-        if cfg.reference == "moving":
-            ref.load_state_dict(draft.state_dict())  # the policy before this update
-        with torch.no_grad():
-            logr = coc_logprobs(ref, embeds, batch, toks, cfg.group)
+        logr = None
+        if cfg.reference != "none":
+            with torch.no_grad():
+                logr = coc_logprobs(ref, embeds, batch, toks, cfg.group)
         draft.train()
         logq = coc_logprobs(draft, embeds, batch, toks, cfg.group)
-        loss, kl = aarl_loss(logq, logr, toks, mask.float(), adv, beta)
+        loss, kl = aarl_loss(logq, logr, toks, mask.float(), adv, cfg.beta)
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"AARL loss is {loss.item()} at update {step}: the draft is left as it was "
+                                     "before this update and nothing was saved")
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
         opt.step()
-        post = {"reward": f"{r.mean().item():.3f}", "ade": f"{ade.mean().item():.2f}",
-                "accept": f"{accept.mean().item():.2f}", "kl": f"{kl.item():.4f}"}
-        if val is not None and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps):
-            draft.eval()
-            post["val_tau"] = f"{logged_tau(target, draft, val_prompts, cfg.gamma, data.tok.cot_end_id):.2f}"
-        bar.set_postfix(post)
-    draft.eval()
-    if out is not None:
-        checkpoint.save(draft, out)
-    return draft
+        stats = {"reward": r.mean().item(), "ade": ade.mean().item(), "agree": agree.mean().item(),
+                 "kl": kl.item(), "reward_std_in_group": r.view(-1, cfg.group).std(1).mean().item()}
+        bar.set_postfix({k: f"{v:.3f}" for k, v in stats.items()})
+        if log is not None:
+            log({"step": step, **stats})
+    return draft.eval()
 
 
-# ---- main ----
+# ---- report ----
 
 
-def report_stats(target, draft, data: Data, gamma, device):
-    """tau, tau ceiling, routine share and greedy match of `draft` on every scene of data (evaluate.spec_stats)."""
-    prompts = evaluate.scene_prompts(data.scenes, data.tok, device)
-    return evaluate.spec_stats(target, {"q": draft}, prompts, gamma, stop_token=data.tok.cot_end_id)["q"]
+@torch.no_grad()
+def report(target, draft, sft, splits, times, outputs):
+    """{split: stats} of `draft`: tau at every gamma of REPORT_GAMMAS (exact, from one teacher-forced pass on the
+    target's greedy outputs), the speed-optimal gamma chosen on the "val" split with the measured cost model, the
+    routine share there, the ADE after the draft's own CoC, the mean KL to the SFT draft, and greedy_match: real
+    speculative decoding at that gamma emits the target's greedy output on every scene."""
+    taus = {name: evaluate.tau_by_gamma(evaluate.draft_matches({"q": draft}, target, data, outputs[name])["q"],
+                                        REPORT_GAMMAS) for name, data in splits.items()}
+    gamma = evaluate.speed_optimal_gamma({g: t["tau"] for g, t in taus["val"].items()}, times)
+    out = {}
+    for name, data in splits.items():
+        prompts = evaluate.scene_prompts(data.scenes, data.tok, next(target.parameters()).device,
+                                         views=data.views_at(0))
+        spec = evaluate.spec_stats(target, {"q": draft}, prompts, gamma, stop_token=data.tok.cot_end_id,
+                                   check_greedy=False)["q"]
+        out[name] = {"gamma": gamma, "tau": taus[name][gamma]["tau"],
+                     "tau_by_gamma": {g: t["tau"] for g, t in taus[name].items()},
+                     "routine_fraction": taus[name][gamma]["routine_fraction"],
+                     "drafted_ade": evaluate.drafted_ade(target, draft, data),
+                     "kl_to_sft": evaluate.kl_to(draft, sft, target, data),
+                     "greedy_match": spec["tokens"] == outputs[name], "tau_spec": spec["tau"]}
+    return out
+
+
+def load_run(run, seed, device):
+    """The target and the SFT FlatRoPE draft of `seed` from a run folder, with a clear error if one is missing."""
+    paths = {"target": os.path.join(run, "target"), "draft": checkpoint.draft_dir(run, "flat", seed)}
+    for path in paths.values():
+        if not os.path.isdir(path):
+            raise FileNotFoundError(f"{path} not found: train it with `python train.py --out {run} "
+                                    f"--draft-seed {seed}` (or use the shipped checkpoints/toy)")
+    target = checkpoint.load(paths["target"], device=device).eval()
+    return target, checkpoint.load(paths["draft"], target=target, device=device).eval()
+
+
+def out_dir(run, reference, seed):
+    """Where a run's draft goes: the static anchor's is the table's "FlatRoPE + AARL" draft."""
+    return checkpoint.draft_dir(run, "aarl" if reference == "static" else f"aarl_{reference}", seed)
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description="AARL post-training of the FlatRoPE draft (needs train.py's checkpoints)")
-    ap.add_argument("--run", default="runs/toy", help="folder with target/ and draft_flat/ from train.py")
+    ap.add_argument("--run", default="checkpoints/toy", help="folder with target/ and draft_flat_s<seed>/")
     ap.add_argument("--device", default="cpu", help="torch device")
-    ap.add_argument("--n-report", type=int, default=128, help="validation / test scenes of the before / after report")
-    ap.add_argument("--out", default=None, help="output folder (default RUN/draft_aarl[_REFERENCE])")
-    checkpoint.add_config_flags(ap, AARLConfig, choices={"reference": ["static", "moving", "none"]})
+    ap.add_argument("--n-report", type=int, default=64, help="validation / held-out scenes of the before / after report")
+    ap.add_argument("--out", default=None, help="output folder (default RUN/draft_aarl[_REFERENCE]_s<seed>)")
+    ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    checkpoint.add_config_flags(ap, AARLConfig, choices={"reference": list(REFERENCES)})
     a = ap.parse_args(argv)
-    if a.steps < 1 or a.scenes < 1 or a.group < 2 or a.beta < 0 or a.lr <= 0:
-        ap.error("need steps >= 1, scenes >= 1, group >= 2, beta >= 0, lr > 0")
     cfg = checkpoint.config_from_args(AARLConfig, a)
-    for sub in ("target", "draft_flat"):
-        if not os.path.isdir(os.path.join(a.run, sub)):
-            ap.error(f"{os.path.join(a.run, sub)} not found: run `python train.py --out {a.run}` first")
-    torch.manual_seed(cfg.seed)
-    target = checkpoint.load(os.path.join(a.run, "target"), device=a.device).eval()
-    sft = checkpoint.load(os.path.join(a.run, "draft_flat"), target=target, device=a.device).eval()
-    tok = driving.Tokenizer()
-    train = Data("train", cfg.n_train, 0, tok)
-    val, test = Data("val", a.n_report, 0, tok), Data("test", a.n_report, 0, tok)
-    out = a.out or os.path.join(a.run, "draft_aarl" + ("" if cfg.reference == "static" else f"_{cfg.reference}"))
+    try:
+        check_config(cfg)
+    except ValueError as e:
+        ap.error(str(e))
+    if a.n_report < 1:
+        ap.error(f"--n-report must be >= 1, got {a.n_report}")
     t0 = time.time()
-    splits = {"val": val, "test": test}
-    before = {name: report_stats(target, sft, data, cfg.gamma, a.device) for name, data in splits.items()}
-    draft = train_aarl(target, copy.deepcopy(sft), train, cfg, val, out)
-    after = {name: report_stats(target, draft, data, cfg.gamma, a.device) for name, data in splits.items()}
-    for name in ("val", "test"):
+    torch.manual_seed(cfg.seed)
+    target, sft = load_run(a.run, cfg.seed, a.device)
+    tok = driving.Tokenizer()
+    train = Data("train", cfg.n_train, 0, tok, views=cfg.views)
+    splits = {"val": Data("val", a.n_report, 0, tok, views=cfg.views),
+              "test": Data("test", a.n_report, 0, tok, views=cfg.views)}
+    out = a.out or out_dir(a.run, cfg.reference, cfg.seed)
+    outputs = {name: evaluate.greedy_outputs(target, data) for name, data in splits.items()}
+    prompt = evaluate.scene_prompts(splits["val"].scenes[:1], tok, a.device, views=cfg.views)[0]
+    times = speculate.step_times(target, sft, prompt, [1] + [g + 1 for g in REPORT_GAMMAS])
+    before = report(target, sft, sft, splits, times, outputs)
+    draft = train_aarl(target, copy.deepcopy(sft), train, cfg, ref=sft)
+    after = report(target, draft, sft, splits, times, outputs)
+    checkpoint.save(draft, out)
+    wall = time.time() - t0
+    for name in splits:
         b, f = before[name], after[name]
-        print(f"{name:4s} tau {b['tau']:.2f} -> {f['tau']:.2f} (ceiling {b['tau_ceiling']:.2f})   "
-              f"routine share {b['routine_fraction']:.3f} -> "
-              f"{f['routine_fraction']:.3f}   greedy match {b['greedy_match']} / {f['greedy_match']}")
-    print(f"AARL ({cfg.reference}) wall time {time.time() - t0:.0f} s; draft saved to {out}")
+        shown = "  ".join(f"g{g} {b['tau_by_gamma'][g]:.2f}->{f['tau_by_gamma'][g]:.2f}" for g in SHOWN_GAMMAS)
+        print(f"{name:4s} tau@{f['gamma']} {b['tau']:.2f}->{f['tau']:.2f}  {shown}  routine "
+              f"{b['routine_fraction']:.3f}->{f['routine_fraction']:.3f}  drafted-CoC ADE {b['drafted_ade']:.2f}->"
+              f"{f['drafted_ade']:.2f} m  KL to SFT {f['kl_to_sft']:.4f}  greedy identical {f['greedy_match']}")
+    print(f"AARL ({cfg.reference}, seed {cfg.seed}) wall time {wall:.0f} s; draft saved to {out}")
+    if a.json:
+        print(json.dumps({"reference": cfg.reference, "seed": cfg.seed, "wall_s": wall, "out": out,
+                          "before": before, "after": after}))
 
 
 if __name__ == "__main__":

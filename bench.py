@@ -15,7 +15,7 @@ synchronised before each clock reading (speculate.Clock, the one timer); the arm
 within each repeat and the median of the repeats is reported. tau, alpha and greedy exactness
 come from evaluate.spec_stats, as in rsd.py and aarl.py.
 
-run: python bench.py --device cpu                                 (the toy; needs runs/toy from python rsd.py)
+run: python bench.py --device cpu                                 (the toy, from the shipped checkpoints/toy)
      python bench.py --device cuda --preset qwen2.5-vl-7b          (real shapes, random weights)
      python bench.py --device cuda --target PATH [--draft PATH]    (a Hugging Face / Alpamayo folder)
 """
@@ -36,43 +36,16 @@ import speculate
 from checkpoint import DTYPES
 from evaluate import TARGET_ONLY
 
-TOY_CHECKPOINTS = ("target", "draft_aarl")  # what the toy mode reads from --run (the draft unless --draft)
+TOY_DRAFT = ("aarl", 0)  # the toy mode's default draft: FlatRoPE + AARL (static anchor), seed 0
+TOY_JSON = "runs/bench_toy.json"  # the toy report, read back by the real-shape mode for its prediction
 
 # ---- timing ----
 
 
-def median_time(fn, device, reps):
-    """Median wall time (s) of fn() over reps calls, after one warm-up call; speculate.Clock
-    synchronises the device before each reading."""
-    fn()
-    clock, times = speculate.Clock(device, enabled=True), []
-    for _ in range(reps):
-        clock.lap()
-        fn()
-        times.append(clock.lap())
-    return statistics.median(times)
-
-
-@torch.inference_mode()
 def cost_model(target, draft, prompt, gamma, reps=20):
-    """T_target(1), T_target(gamma + 1) and T_draft(1) in seconds: single forwards on caches
-    that hold the prompt, each followed by a crop back to it (the verifier's rollback)."""
-    device = prompt["input_ids"].device
-    L = prompt["input_ids"].shape[1]
-    embeds = target.embed(**{k: prompt[k] for k in speculate.EMBED_KEYS if prompt.get(k) is not None})
-    out = {}
-    for name, m, n in (("t_target_1", target, 1), ("t_target_gamma1", target, gamma + 1), ("t_draft_1", draft, 1)):
-        cache = m.new_cache(batch=1, max_len=L + n)
-        speculate.prefill(m, prompt, embeds, cache)  # the prompt except its last token
-        x = prompt["input_ids"][:, -1:].repeat(1, n)  # (1, n) tokens; their values do not matter for time
-        base = cache.length
-
-        def step():
-            m(x, cache=cache)
-            cache.crop(base)
-
-        out[name] = median_time(step, device, reps)
-    return out
+    """T_target(1), T_target(gamma + 1) and T_draft(1) in seconds (speculate.step_times)."""
+    t = speculate.step_times(target, draft, prompt, (1, gamma + 1), reps)
+    return {"t_target_1": t["target"][1], "t_target_gamma1": t["target"][gamma + 1], "t_draft_1": t["draft"]}
 
 
 @torch.inference_mode()
@@ -168,10 +141,10 @@ def build_preset(name, device, dtype, layers=None):
 def toy(args, device, dtype):
     """The toy checkpoints (written by rsd.py) on held-out test scenes."""
     target = checkpoint.load(os.path.join(args.run, "target"), dtype=dtype, device=device).eval()
-    draft_dir = args.draft or os.path.join(args.run, "draft_aarl")
+    draft_dir = args.draft or checkpoint.draft_dir(args.run, *TOY_DRAFT)
     draft = checkpoint.load(draft_dir, target=target).eval()  # in the target's dtype: they share embedding and head
     tok = driving.Tokenizer()
-    prompts = evaluate.scene_prompts(driving.make_split("test", args.prompts, seed=0), tok, device, dtype)
+    prompts = evaluate.scene_prompts(driving.make_split("test", args.prompts, seed=0), tok, device, dtype, args.views)
     res = benchmark(target, draft, prompts, args.gamma, args.max_new, tok.cot_end_id, args.repeats)
     res.update(mode="toy", draft=draft_dir)
     return res
@@ -196,9 +169,8 @@ def real(args, device, dtype):
     if not args.draft:
         # Random weights: acceptance says nothing; the cost model does. Predict the speed-up
         # with the acceptance rate measured on the toy (bench.py --device cpu writes it).
-        toy_json = os.path.join(args.run, "bench.json")
-        if os.path.exists(toy_json):
-            alpha = checkpoint.read_json(toy_json)["alpha"]
+        if os.path.exists(TOY_JSON):
+            alpha = checkpoint.read_json(TOY_JSON)["alpha"]
             tau = speculate.expected_tau(alpha, args.gamma)
             res["toy_alpha"] = alpha
             res["predicted_speedup_at_toy_alpha"] = speculate.measured_speedup(
@@ -237,7 +209,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description="Reasoning-step latency: target-only vs speculative (RSD).")
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
     ap.add_argument("--dtype", default="bf16", choices=sorted(DTYPES), help="weights, activations and KV cache")
-    ap.add_argument("--run", default="runs/toy", help="toy checkpoints folder (written by python rsd.py)")
+    ap.add_argument("--run", default="checkpoints/toy", help="toy checkpoints folder (the shipped one by default)")
     ap.add_argument("--target", default=None, help="Hugging Face Qwen2.5-VL / Qwen3-VL / Alpamayo folder")
     ap.add_argument("--draft", default=None, help="draft folder (checkpoint.save format) trained for that target")
     ap.add_argument("--preset", default=None, choices=sorted(k for k in M.PRESETS if not k.startswith("toy")),
@@ -247,6 +219,7 @@ def main(argv=None):
     ap.add_argument("--gamma", type=int, default=evaluate.GAMMA, help="draft length")
     ap.add_argument("--max-new", type=int, default=evaluate.MAX_NEW_TOKENS, help="reasoning tokens per prompt at most")
     ap.add_argument("--prompts", type=int, default=32, help="toy: held-out test scenes benchmarked")
+    ap.add_argument("--views", type=int, default=driving.WorldConfig().views, help="toy: surround views per prompt")
     ap.add_argument("--repeats", type=int, default=3, help="timed passes (median reported), >= 3")
     ap.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
@@ -260,11 +233,11 @@ def main(argv=None):
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         ap.error("--device cuda but torch.cuda.is_available() is False")
     toy_mode = not (args.target or args.preset)
-    needed = TOY_CHECKPOINTS[:1] if args.draft else TOY_CHECKPOINTS
-    missing = [d for d in needed if not os.path.isdir(os.path.join(args.run, d))]
+    needed = [os.path.join(args.run, "target"), args.draft or checkpoint.draft_dir(args.run, *TOY_DRAFT)]
+    missing = [d for d in needed if not os.path.isdir(d)]
     if toy_mode and missing:
-        ap.error(f"no toy checkpoints in {args.run} (missing {', '.join(missing)}): run `python rsd.py` first "
-                 f"(or `python train.py --out {args.run}` then `python aarl.py --run {args.run}`)")
+        ap.error(f"no toy checkpoints (missing {', '.join(missing)}): use the shipped checkpoints/toy, or train "
+                 f"them with `python rsd.py --retrain --run {args.run}`")
     if args.threads:
         torch.set_num_threads(args.threads)
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
@@ -275,7 +248,8 @@ def main(argv=None):
     res.update(device=str(device), hardware=hardware, dtype=args.dtype, gamma=args.gamma,
                threads=torch.get_num_threads(), torch=torch.__version__)
     if res["mode"] == "toy":
-        checkpoint.write_json(os.path.join(args.run, "bench.json"), res)
+        os.makedirs(os.path.dirname(TOY_JSON), exist_ok=True)
+        checkpoint.write_json(TOY_JSON, res)
     report(res, args)
     if args.json:
         print(json.dumps(res))

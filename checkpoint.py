@@ -119,6 +119,12 @@ def config_from_args(cls, args):
 # ---- our own format ----
 
 
+def draft_dir(run, kind, seed=0):
+    """The run folder's layout for drafts: run/draft_<kind>_s<seed>, kind mrope (the replica), flat (FlatRoPE) or
+    aarl (FlatRoPE + AARL with the static anchor); seeds vary the drafts' initialisation and batch order only."""
+    return os.path.join(run, f"draft_{kind}_s{seed}")
+
+
 def save(model: VLA, dir):
     """config.json + model.safetensors, each written atomically. A draft's file holds only its own
     weights (the shared target embedding / LM head are re-attached by load(dir, target=...))."""

@@ -748,11 +748,12 @@ class Data:
         """The reference CoC of every scene: ids up to and including <cot_end>."""
         return [self.tok.encode(s.coc) + [self.tok.cot_end_id] for s in self.scenes]
 
-    def batch(self, step, size, rank=0, world=1, device="cpu"):
+    def batch(self, step, size, rank=0, world=1, device="cpu", order=0):
+        """order: another seed for the permutations (the drafts' seeds), the same scenes."""
         if size > len(self.scenes):
             raise ValueError(f"batch size {size} is larger than the {len(self.scenes)} scenes of this split")
         epoch, k = divmod(step, len(self.scenes) // size)
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch + order * 7_919_000_011)
         idx = torch.randperm(len(self.scenes), generator=g)[k * size:(k + 1) * size][rank::world]
         examples = [make_example(self.scenes[i], self.tok, self.views_at(step)) for i in idx]
         # One padded length per geometry: a CPU's bf16 kernels are built per input shape, and a new shape every step

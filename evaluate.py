@@ -76,22 +76,23 @@ def greedy_coc(target, batch, stop, max_new=MAX_NEW_TOKENS, amp=False):
 
 @torch.no_grad()
 def continue_prompts(target, batch, seqs, pad_id, amp=False):
-    """Feed each row's prompt, then its own continuation seqs[b] (a list of ids), through the
-    KV cache: the continuation is decoded as text whatever its ids (exactly as during
-    generation), and a right-padded batch is fine because attention is causal.
-    Returns logits (B, 1 + T, V), where row t predicts continuation token t (row 0 comes from
-    the prompt's last position), and final hidden states (B, T, D) of the continuation."""
-    P = int(batch["prompt_len"][0])
-    ids = batch["input_ids"][:, :P]  # (B, P)
-    T = max(map(len, seqs))
-    cont = torch.full((len(seqs), T), pad_id, dtype=torch.long, device=ids.device)  # (B, T)
+    """Feed each scene's prompt once, then continuations seqs (lists of ids; len(seqs) a multiple k of the batch's
+    scenes, scene-major: k continuations per prompt share its prefill) through the KV cache: each continuation is
+    decoded as text whatever its ids (exactly as during generation), and right padding is fine because attention is
+    causal. Returns logits (N, 1 + T, V), where row t predicts continuation token t (row 0 comes from the prompt's
+    last position), and final hidden states (N, T, D) of the continuation."""
+    P, S = int(batch["prompt_len"][0]), batch["input_ids"].shape[0]
+    k, T = len(seqs) // S, max(map(len, seqs))
+    ids = batch["input_ids"][:, :P]  # (S, P)
+    cont = torch.full((len(seqs), T), pad_id, dtype=torch.long, device=ids.device)  # (N, T), N = S * k
     for b, s in enumerate(seqs):
         cont[b, :len(s)] = torch.tensor(s)
-    cache = target.new_cache(batch=len(seqs), max_len=P + T)
+    cache = target.new_cache(batch=S, max_len=P + T)
     with autocast(ids.device, amp):
-        first = target(ids, cache=cache, logits_to_keep=1, **vision_kwargs(batch))  # (B, 1, V)
-        logits, hidden = target(cont, cache=cache, return_hidden=True)  # (B, T, V), (B, T, D)
-    return torch.cat([first, logits], 1), hidden
+        first = target(ids, cache=cache, logits_to_keep=1, **vision_kwargs(batch))  # (S, 1, V)
+        cache = cache.repeat_rows(k) if k > 1 else cache
+        logits, hidden = target(cont, cache=cache, return_hidden=True)  # (N, T, V), (N, T, D)
+    return torch.cat([first.repeat_interleave(k, 0), logits], 1), hidden
 
 
 @torch.no_grad()
@@ -171,11 +172,11 @@ def key_groups(input_ids, tok):
 
 
 @torch.no_grad()
-def attention_probs(model, input_ids, **forward_kwargs):
-    """Per-layer attention probabilities [(B, H, L, L)] of a cache-free forward, recomputed from
-    each layer's own q/k projections and the rope tables the model passed it (the slow, obvious
-    path: softmax(q k^T / sqrt(hd)) under the causal mask). tests/test_evaluate.py checks that
-    probs @ v through o_proj reproduces the layer's real output."""
+def iter_attention_probs(model, input_ids, **forward_kwargs):
+    """Per-layer attention probabilities (B, H, L, L) of a cache-free forward, one layer at a time, recomputed from
+    each layer's own q/k projections and the rope tables the model passed it (the slow, obvious path:
+    softmax(q k^T / sqrt(hd)) under the causal mask). tests/test_evaluate.py checks that probs @ v through o_proj
+    reproduces the layer's real output."""
     captured = []
 
     def grab(module, args):
@@ -187,7 +188,6 @@ def attention_probs(model, input_ids, **forward_kwargs):
     finally:
         for h in hooks:
             h.remove()
-    out = []
     for attn, x, cos, sin in captured:
         q, k, _ = attn.project(x, cos, sin)  # (B, H, L, hd), (B, Hk, L, hd)
         k = k.repeat_interleave(attn.H // attn.Hk, dim=1)  # (B, H, L, hd)
@@ -195,27 +195,30 @@ def attention_probs(model, input_ids, **forward_kwargs):
         scores = (q.float() @ k.float().transpose(-2, -1)) / attn.hd ** 0.5
         L = scores.shape[-1]
         causal = torch.ones(L, L, dtype=torch.bool, device=scores.device).tril()
-        out.append(scores.masked_fill(~causal, float("-inf")).softmax(-1))
-    return out
+        yield scores.masked_fill(~causal, float("-inf")).softmax(-1)
+
+
+def attention_probs(model, input_ids, **forward_kwargs):
+    """[(B, H, L, L)] per layer: iter_attention_probs as a list."""
+    return list(iter_attention_probs(model, input_ids, **forward_kwargs))
 
 
 @torch.no_grad()
-def attention_split(model, target, data: Data, n=EVAL_BATCH):
+def attention_split(model, target, data: Data, n=16):
     """The model's attention mass on image / history / other-text keys while it predicts the CoC
     (query rows = CoC positions, teacher-forced), averaged over rows, heads and layers, on the
     first n scenes. The model reads the target's prompt embeddings, as a draft does when it drafts
     (for the target itself they are its own)."""
     batch = next(data.batches(n, next(model.parameters()).device))
     embeds = target.embed(batch["input_ids"], **vision_kwargs(batch))  # (B, L, D)
-    probs = attention_probs(model, batch["input_ids"], inputs_embeds=embeds, **grid_kwargs(batch))
     groups = key_groups(batch["input_ids"], data.tok)
     rows = batch["loss_mask"]  # (B, L) query positions that predict CoC tokens
-    split = {}
-    for name, keys in groups.items():
-        # (B, H, L, L) * (B, 1, 1, L) -> mass per query row (B, H, L) -> mean over heads (B, L) -> CoC rows
-        mass = [(p * keys[:, None, None, :]).sum(-1).mean(1)[rows].mean().item() for p in probs]  # per layer
-        split[name] = sum(mass) / len(mass)
-    return split
+    mass = {name: [] for name in groups}
+    for p in iter_attention_probs(model, batch["input_ids"], inputs_embeds=embeds, **grid_kwargs(batch)):
+        for name, keys in groups.items():
+            # (B, H, L, L) * (B, 1, 1, L) -> mass per query row (B, H, L) -> mean over heads (B, L) -> CoC rows
+            mass[name].append((p * keys[:, None, None, :]).sum(-1).mean(1)[rows].mean().item())
+    return {name: sum(m) / len(m) for name, m in mass.items()}
 
 
 # ---- speculative decoding over a set of prompts ----
@@ -260,3 +263,109 @@ def spec_stats(target, drafts, prompts, gamma, max_new=MAX_NEW_TOKENS, stop_toke
                      "tau_ceiling": speculate.tau_ceiling([len(r.tokens) for r in res], gamma),
                      "greedy_match": all(r.tokens == t for r, t in zip(res, reference)) if check_greedy else None}
     return out
+
+
+# ---- greedy speculative decoding, simulated exactly from one teacher-forced pass ----
+
+
+@torch.no_grad()
+def greedy_outputs(target, data: Data, max_new=MAX_NEW_TOKENS, batch_size=EVAL_BATCH):
+    """The target's greedy CoC of every scene of data (ids up to and including <cot_end> when written): what greedy
+    speculative decoding must emit, whatever the draft."""
+    device = next(target.parameters()).device
+    return [c for batch in data.batches(batch_size, device)
+            for c in greedy_coc(target, batch, data.tok.cot_end_id, max_new)]
+
+
+@torch.no_grad()
+def draft_matches(drafts, target, data: Data, outputs, batch_size=EVAL_BATCH):
+    """{name: match} for every draft of drafts (name -> draft): match[s][k] says whether the draft's argmax after
+    prompt + outputs[s][:k] equals outputs[s][k]. One cache-free forward per draft and batch over prompt + output
+    (teacher forcing on the target's own output), reading the target's embeddings as a draft does when it drafts;
+    the target embeds each batch once for all drafts."""
+    device = next(target.parameters()).device
+    out = {name: [] for name in drafts}
+    for i, batch in enumerate(data.batches(batch_size, device)):
+        seqs = outputs[i * batch_size:(i + 1) * batch_size]
+        P, T = int(batch["prompt_len"][0]), max(map(len, seqs))
+        ids = torch.full((len(seqs), P + T), data.tok.pad_id, dtype=torch.long, device=device)  # (B, P + T)
+        ids[:, :P] = batch["input_ids"][:, :P]
+        for b, s in enumerate(seqs):
+            ids[b, P:P + len(s)] = torch.tensor(s)
+        embeds = target.embed(ids, **vision_kwargs(batch))  # (B, P + T, D)
+        for name, draft in drafts.items():
+            pred = draft(ids, inputs_embeds=embeds, **grid_kwargs(batch)).argmax(-1)  # (B, P + T)
+            # position P - 1 + k predicts output token k
+            out[name] += [(pred[b, P - 1:P - 1 + len(s)] == ids[b, P:P + len(s)]).tolist()
+                          for b, s in enumerate(seqs)]
+    return out
+
+
+def simulate_rounds(match, gamma, max_new=MAX_NEW_TOKENS):
+    """Greedy speculative decoding of one output, replayed from its match vector -> (rounds, tokens from the draft).
+
+    Exact because every accepted draft token equals the target's own token: a round that starts after the committed
+    prefix y[:i] drafts argmax q(. | y[:i]), then argmax q(. | y[:i+1]), ... and the verifier keeps them while they
+    equal y[i], y[i+1], ...: the run of matches from i, at most gamma long. The round then emits the run plus the
+    target's token (correction or bonus), cut after the stop token; the last round drafts only what max_new leaves,
+    as speculate.speculative does."""
+    n, i, rounds, from_draft = len(match), 0, 0, 0
+    while i < n:
+        g = min(gamma, max_new - i - 1)
+        run = 0
+        while run < g and i + run < n and match[i + run]:
+            run += 1
+        from_draft += min(run, n - i)
+        i += min(run + 1, n - i)
+        rounds += 1
+    return rounds, from_draft
+
+
+def tau_by_gamma(matches, gammas, max_new=MAX_NEW_TOKENS):
+    """{gamma: {"tau", "routine_fraction"}} over a set of outputs, from their match vectors."""
+    n = sum(map(len, matches))
+    out = {}
+    for g in gammas:
+        rounds, from_draft = map(sum, zip(*(simulate_rounds(m, g, max_new) for m in matches)))
+        out[g] = {"tau": n / rounds, "routine_fraction": from_draft / n}
+    return out
+
+
+def speed_optimal_gamma(taus, times):
+    """The gamma of taus ({gamma: tau}) with the highest speed-up under the measured cost model
+    tau * T_target(1) / (gamma * T_draft(1) + T_target(gamma + 1)); times from speculate.step_times."""
+    return max(taus, key=lambda g: speculate.measured_speedup(taus[g], times["target"][1], times["draft"],
+                                                              times["target"][g + 1], g))
+
+
+# ---- what a draft writes on its own, and how far it moved ----
+
+
+@torch.no_grad()
+def drafted_ade(target, draft, data: Data, max_new=MAX_NEW_TOKENS, batch_size=EVAL_BATCH):
+    """ADE (m) of the target's trajectories after the draft's own greedy CoC, written without verification: the
+    quantity AARL's action reward scores."""
+    device, cocs = next(target.parameters()).device, []
+    for batch in data.batches(batch_size, device):
+        P = int(batch["prompt_len"][0])
+        ids = batch["input_ids"][:, :P]  # (B, P)
+        embeds = target.embed(ids, **vision_kwargs(batch))  # (B, P, D)
+        toks, mask = generate(draft, ids, max_new, data.tok.cot_end_id, inputs_embeds=embeds, **grid_kwargs(batch))
+        cocs += [t[m].tolist() for t, m in zip(toks, mask)]
+    return trajectory_ade(target, data, cocs, batch_size)[0]
+
+
+@torch.no_grad()
+def kl_to(draft, ref, target, data: Data, batch_size=EVAL_BATCH):
+    """Mean exact KL(q || q_ref) over the CoC positions of data's reference CoCs (teacher-forced), both drafts
+    reading the target's embeddings."""
+    device = next(target.parameters()).device
+    total = n = 0.0
+    for batch in data.batches(batch_size, device):
+        embeds = target.embed(batch["input_ids"], **vision_kwargs(batch))  # (B, L, D)
+        m = batch["loss_mask"]  # (B, L) positions that predict CoC tokens
+        logq, logr = (torch.log_softmax(d(batch["input_ids"], inputs_embeds=embeds, **grid_kwargs(batch))[m].float(),
+                                        -1) for d in (draft, ref))  # (N, V) each
+        total += float((logq.exp() * (logq - logr)).sum())
+        n += int(m.sum())
+    return total / max(n, 1)

@@ -383,6 +383,15 @@ class KVCache:
             raise ValueError(f"cannot crop KV cache of length {self.length} to {n}")
         self.length = n
 
+    def repeat_rows(self, n):
+        """A new cache whose rows are these rows, each repeated n times in a row (B -> B * n): n continuations of
+        every cached prompt share its prefill."""
+        new = copy.copy(self)
+        new.k, new.v = self.k.repeat_interleave(n, 1), self.v.repeat_interleave(n, 1)  # (layers, B * n, Hk, S, hd)
+        new.rope_delta = self.rope_delta.repeat_interleave(n, 0)  # (B * n, 1)
+        new.key_mask = None if self.key_mask is None else self.key_mask.repeat_interleave(n, 0)
+        return new
+
 
 # ---- trajectory head ----
 

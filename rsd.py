@@ -8,18 +8,27 @@ losslessly and writes the commitment tokens itself; the trajectory head then pla
 prompt + CoC. Rows of the table: target-only decoding, the replica draft of standard
 speculative decoding (the target's M-RoPE), the FlatRoPE draft, FlatRoPE + AARL.
 
-The first run trains everything into runs/toy (train.py: target + both drafts, then
-aarl.py: AARL with the static anchor); later runs reuse the checkpoints.
+Each draft row is the mean over the draft seeds found in the run folder (three ship in
+checkpoints/toy, all distilled from the same target), at that row's speed-optimal gamma: the
+gamma with the best speed-up under the measured cost model on the validation split, as a user
+would tune it. tau at every gamma comes exactly from one teacher-forced pass of each draft over
+the target's greedy outputs (evaluate.simulate_rounds); real speculative decoding with each
+row's seed-0 draft checks that the outputs equal target-only decoding and times the speed-up.
+
+The shipped checkpoints (checkpoints/toy, with the command that made them) need no training;
+--retrain trains whatever is missing in --run (train.py: the target and both drafts per seed,
+then aarl.py: AARL with the static anchor).
 
 rsd.py is the top of the layering: it may call the scripts train.py, aarl.py and bench.py;
 they import only the library modules (rope, model, checkpoint, speculate, driving, evaluate).
 
-run: python rsd.py [--json] [--plot] [--sweep 4,5,6,7,8]
+run: python rsd.py [--json] [--plot]
 """
 import argparse
 import copy
 import json
 import os
+import statistics
 import time
 
 import torch
@@ -29,29 +38,45 @@ import bench
 import checkpoint
 import driving
 import evaluate
+import speculate
 import train as T
 from driving import Data
 from evaluate import MAX_NEW_TOKENS, TARGET_ONLY
 
-ROWS = (("replica", "draft_mrope"), ("flatrope", "draft_flat"), ("flatrope+aarl", "draft_aarl"))
+ROWS = (("replica", "mrope"), ("flatrope", "flat"), ("flatrope+aarl", "aarl"))  # table row -> draft kind on disk
+GAMMAS = tuple(range(2, 9))
+SWEEP_JSON = "experiments/views_sweep.json"  # written by python experiments/views_sweep.py
 
 # ---- checkpoints ----
 
 
-def ensure_checkpoints(run, device="cpu", log=print):
-    """Train what is missing in `run`: the target and both drafts (train.py), then the
+def parse_seeds(text):
+    seeds = [int(s) for s in text.split(",") if s.strip()]
+    if not seeds or min(seeds) < 0:
+        raise ValueError(f"seeds must be non-negative integers, got {text!r}")
+    return seeds
+
+
+def missing(run, seeds):
+    paths = [os.path.join(run, "target")] + [checkpoint.draft_dir(run, kind, s) for _, kind in ROWS for s in seeds]
+    return [p for p in paths if not os.path.isdir(p)]
+
+
+def retrain(run, seeds, device="cpu", log=print):
+    """Train what is missing in `run`: the target and both SFT drafts of every seed (train.py), then each seed's
     FlatRoPE draft's AARL post-training with the static anchor (aarl.py)."""
-    if not all(os.path.isdir(os.path.join(run, d)) for d in ("target", "draft_flat", "draft_mrope")):
-        log(f"no checkpoints in {run}: training the target and both drafts (train.py defaults)")
-        T.run(T.TrainConfig(out=run, device=str(device)), log=log)
-    if not os.path.isdir(os.path.join(run, "draft_aarl")):
-        log("post-training the FlatRoPE draft with AARL (aarl.py defaults, static anchor)")
-        tok = driving.Tokenizer()
-        target = checkpoint.load(os.path.join(run, "target"), device=device).eval()
-        sft = checkpoint.load(os.path.join(run, "draft_flat"), target=target).eval()
-        cfg = aarl.AARLConfig()
-        aarl.train_aarl(target, copy.deepcopy(sft), Data("train", cfg.n_train, cfg.seed, tok), cfg,
-                        Data("val", cfg.n_val_log, 0, tok), out=os.path.join(run, "draft_aarl"), ref=sft)
+    for seed in seeds:
+        if missing(run, [seed]):
+            stage = "all" if not os.path.isdir(os.path.join(run, "target")) else "drafts"
+            log(f"training into {run}: stage {stage}, draft seed {seed} (train.py defaults)")
+            T.run(T.TrainConfig(out=run, device=str(device), draft_seed=seed), stage=stage, log=log)
+        if not os.path.isdir(checkpoint.draft_dir(run, "aarl", seed)):
+            log(f"post-training the FlatRoPE draft of seed {seed} with AARL (aarl.py defaults, static anchor)")
+            cfg = aarl.AARLConfig(seed=seed)
+            target, sft = aarl.load_run(run, seed, device)
+            draft = aarl.train_aarl(target, copy.deepcopy(sft), Data("train", cfg.n_train, 0, driving.Tokenizer()),
+                                    cfg, ref=sft)
+            checkpoint.save(draft, aarl.out_dir(run, "static", seed))
 
 
 # ---- display ----
@@ -62,85 +87,105 @@ def marked_coc(tokens, from_draft, tok):
     return " ".join(tok.vocab[t] if d else f"[{tok.vocab[t]}]" for t, d in zip(tokens, from_draft))
 
 
-def show_scenes(target, draft, scenes, tok, gamma, device, log=print):
+def show_scenes(target, draft, data: Data, gamma, n, log=print):
     """A few scenes planned by the two reasoners, next to target-only decoding."""
-    for i, (scene, prompt) in enumerate(zip(scenes, evaluate.scene_prompts(scenes, tok, device))):
+    tok, device = data.tok, next(target.parameters()).device
+    prompts = evaluate.scene_prompts(data.scenes[:n], tok, device, views=data.views_at(0))
+    for i, (scene, prompt) in enumerate(zip(data.scenes, prompts)):
         spec = evaluate.decode(target, draft, prompt, gamma, MAX_NEW_TOKENS, tok.cot_end_id)
         base = evaluate.decode(target, None, prompt, gamma, MAX_NEW_TOKENS, tok.cot_end_id)
-        batch = driving.to_device(driving.collate([driving.make_example(scene, tok)], tok.pad_id), device)
-        ade_spec = traj_ade(target, batch, spec.tokens, tok)
-        ade_base = traj_ade(target, batch, base.tokens, tok)
         log(f"scene {i} ({scene.f.road}, {scene.f.event}, history {scene.f.hist_class}):")
         log(f"  RSD    tau {spec.tau:.1f}: {marked_coc(spec.tokens, spec.from_draft, tok)}")
         log(f"  target-only: {tok.decode(base.tokens)}   identical: {spec.tokens == base.tokens}")
-        log(f"  trajectory ADE vs ground truth: RSD {ade_spec:.2f} m, target-only {ade_base:.2f} m")
-
-
-def traj_ade(target, batch, coc, tok):
-    pred = evaluate.plan_trajectories(target, batch, [coc], tok)  # (1, traj_len, 2)
-    return driving.ade_fde(pred, batch["traj"].cpu())[0]
 
 
 # ---- the table ----
 
 
-def paper_table(target, drafts, data: Data, gamma, n_time, repeats, device):
-    """Rows target-only + one per draft: tau, routine share, the model's teacher-forced accuracy on
-    commitment tokens, reasoning ms/token, speed-up, ADE of the trajectory after that arm's own
-    CoC, and the model's attention split while writing the CoC (image vs history keys; the
-    target-only row shows the target's own). Also the tau ceiling: what a never-rejected draft
-    would reach on these CoCs (speculate.tau_ceiling)."""
-    tok = data.tok
-    prompts = evaluate.scene_prompts(data.scenes, tok, device)
-    # Statistics on every test scene; timing on the first n_time (the same prompts for every arm).
-    stats = evaluate.spec_stats(target, drafts, prompts, gamma, MAX_NEW_TOKENS, tok.cot_end_id)
-    timing = bench.time_arms(target, drafts, prompts[:n_time], gamma, MAX_NEW_TOKENS, tok.cot_end_id, repeats)
-    rows = []
-    for name in stats:
-        model = drafts.get(name, target)
-        attn = evaluate.attention_split(model, target, data)
-        rows.append({"name": name, "tau": stats[name]["tau"], "routine_fraction": stats[name]["routine_fraction"],
-                     "commit_acc": evaluate.commitment_acc(model, target, data),
-                     "ms_per_token": timing[name]["ms_per_token"], "speedup": timing[name]["speedup"],
-                     "ade": evaluate.trajectory_ade(target, data, stats[name]["tokens"])[0],
-                     "attn_history": attn["history"], "attn_image": attn["image"],
-                     "greedy_match": stats[name]["greedy_match"]})
-    return rows, stats[TARGET_ONLY]["tau_ceiling"]
+def tau_tables(target, drafts, splits, outputs):
+    """{split: {row: [tau_by_gamma per seed]}} from one teacher-forced pass per draft (evaluate.draft_matches)."""
+    out = {}
+    for split, data in splits.items():
+        flat = {(row, s): d for row, by_seed in drafts.items() for s, d in by_seed.items()}
+        matches = evaluate.draft_matches(flat, target, data, outputs[split])
+        out[split] = {row: [evaluate.tau_by_gamma(matches[(row, s)], GAMMAS) for s in by_seed]
+                      for row, by_seed in drafts.items()}
+    return out
+
+
+def mean_tau(per_seed, g):
+    return statistics.mean(t[g]["tau"] for t in per_seed)
+
+
+def paper_table(target, drafts, splits, n_time, repeats):
+    """Rows target-only + one per draft kind: the row's speed-optimal gamma (chosen on val), tau on the held-out split
+    (mean over seeds, spread = max - min) and at every gamma, routine share, teacher-forced commitment accuracy,
+    reasoning ms/token and speed-up (real speculative decoding with the first seed's draft, timed against target-only
+    decoding in the same passes), ADE of the trajectory after the arm's own CoC, and the attention split while
+    writing the CoC (means over seeds). Also the sweep: mean tau per split and gamma, and the ceiling."""
+    test = splits["test"]
+    device = next(target.parameters()).device
+    stop = test.tok.cot_end_id
+    outputs = {split: evaluate.greedy_outputs(target, data) for split, data in splits.items()}
+    taus = tau_tables(target, drafts, splits, outputs)
+    prompts = evaluate.scene_prompts(test.scenes, test.tok, device, views=test.views_at(0))
+    first = {row: next(iter(by_seed.values())) for row, by_seed in drafts.items()}
+    times = speculate.step_times(target, first["flatrope"], prompts[0], [1] + [g + 1 for g in GAMMAS])
+    ade = evaluate.trajectory_ade(target, test, outputs["test"])[0]  # every arm emits the target's greedy CoC
+    ceiling = lambda g: speculate.tau_ceiling([len(o) for o in outputs["test"]], g)
+    attn = evaluate.attention_split(target, target, test)
+    rows = [{"name": TARGET_ONLY, "gamma": None, "tau": 1.0, "tau_spread": 0.0, "tau_by_gamma": None,
+             "tau_ceiling": 1.0, "routine_fraction": 0.0, "commit_acc": evaluate.commitment_acc(target, target, test),
+             "speedup": 1.0, "ade": ade, "greedy_match": True, **{f"attn_{k}": v for k, v in attn.items()}}]
+    for name, by_seed in drafts.items():
+        per_seed = taus["test"][name]
+        g = evaluate.speed_optimal_gamma({gg: mean_tau(taus["val"][name], gg) for gg in GAMMAS}, times)
+        spec = evaluate.spec_stats(target, {name: first[name]}, prompts, g, stop_token=stop, check_greedy=False)[name]
+        timing = bench.time_arms(target, {name: first[name]}, prompts[:n_time], g, MAX_NEW_TOKENS, stop, repeats)
+        rows[0].setdefault("ms_per_token", timing[TARGET_ONLY]["ms_per_token"])
+        attn = [evaluate.attention_split(d, target, test) for d in by_seed.values()]
+        rows.append({"name": name, "gamma": g, "tau": mean_tau(per_seed, g),
+                     "tau_spread": max(t[g]["tau"] for t in per_seed) - min(t[g]["tau"] for t in per_seed),
+                     "tau_by_gamma": {gg: mean_tau(per_seed, gg) for gg in GAMMAS}, "tau_ceiling": ceiling(g),
+                     "routine_fraction": statistics.mean(t[g]["routine_fraction"] for t in per_seed),
+                     "commit_acc": statistics.mean(evaluate.commitment_acc(d, target, test) for d in by_seed.values()),
+                     "ms_per_token": timing[name]["ms_per_token"], "speedup": timing[name]["speedup"], "ade": ade,
+                     **{f"attn_{k}": statistics.mean(a[k] for a in attn) for k in ("history", "image", "text")},
+                     # real speculative decoding emits the target's greedy output, at the tau the replay predicts
+                     "greedy_match": spec["tokens"] == outputs["test"],
+                     "replay_exact": spec["tau"] == per_seed[0][g]["tau"]})
+    sweep = {split: {g: {"ceiling": speculate.tau_ceiling([len(o) for o in outputs[split]], g),
+                         **{row: mean_tau(taus[split][row], g) for row in drafts}} for g in GAMMAS}
+             for split in splits}
+    return rows, sweep, times
 
 
 def print_table(rows, log=print):
-    log(f"{'':15s} {'tau':>5s} {'routine':>8s} {'commit':>7s} {'ms/token':>9s} {'speed-up':>9s} {'ADE m':>6s} "
-        f"{'attn hist':>9s} {'attn img':>9s}")
+    log(f"{'':15s} {'gamma':>5s} {'tau':>11s} {'routine':>8s} {'commit':>7s} {'ms/token':>9s} {'speed-up':>9s} "
+        f"{'ADE m':>6s} {'attn hist':>9s} {'attn img':>9s}")
     for r in rows:
-        log(f"{r['name']:15s} {r['tau']:5.2f} {r['routine_fraction']:8.3f} {r['commit_acc']:7.3f} "
+        g = "" if r["gamma"] is None else str(r["gamma"])
+        tau = f"{r['tau']:.2f}" + (f" ±{r['tau_spread'] / 2:.2f}" if r["gamma"] is not None else "")
+        log(f"{r['name']:15s} {g:>5s} {tau:>11s} {r['routine_fraction']:8.3f} {r['commit_acc']:7.3f} "
             f"{r['ms_per_token']:9.3f} {r['speedup']:8.2f}x {r['ade']:6.2f} {r['attn_history']:9.3f} "
             f"{r['attn_image']:9.3f}")
 
 
-def gamma_sweep(target, drafts, splits, gammas, log=print):
-    """tau of every draft and the tau ceiling per split and draft length gamma -> {split: {gamma: {...}}}.
-    A round yields at most gamma + 1 tokens and its last one is always the target's, so whether a draft's miss
-    costs a round depends on where the commitment falls against the round boundaries, hence on gamma."""
-    out = {}
-    for split, data in splits.items():
-        out[split] = {}
-        prompts = evaluate.scene_prompts(data.scenes, data.tok, next(target.parameters()).device)
-        for g in gammas:
-            row = evaluate.spec_stats(target, drafts, prompts, g, MAX_NEW_TOKENS, data.tok.cot_end_id,
-                                      check_greedy=False)
-            ceiling = next(iter(row.values()))["tau_ceiling"]  # the same for every draft: it depends on the CoCs
-            out[split][g] = {"ceiling": ceiling, **{k: v["tau"] for k, v in row.items()}}
-            log(f"{split:5s} gamma {g}: ceiling {out[split][g]['ceiling']:.2f}  "
-                + "  ".join(f"{k} {v['tau']:.2f}" for k, v in row.items()))
-    return out
+def print_sweep(sweep, rows, log=print):
+    names = [r["name"] for r in rows if r["gamma"] is not None]
+    log("tau by draft length (mean over seeds; ceiling = a draft the verifier never rejects):")
+    log(f"{'split':6s} {'gamma':>5s} {'ceiling':>8s} " + " ".join(f"{n:>14s}" for n in names))
+    for split, by_g in sweep.items():
+        for g, v in by_g.items():
+            log(f"{split:6s} {g:5d} {v['ceiling']:8.2f} " + " ".join(f"{v[n]:14.2f}" for n in names))
 
 
 # ---- figures ----
 
 
-def plot(target, draft, scene, rows, tok, gamma, device, out="figures"):
-    """figures/scene.png (raster, ground-truth and planned trajectories) and
-    figures/attention.png (attention split per model)."""
+def plot(rows, out="figures", sweep_json=SWEEP_JSON):
+    """figures/attention.png (where each model's attention goes while it writes the CoC) and, from the views sweep
+    of experiments/views_sweep.py, figures/views_sweep.png (tau of both drafts against the visual-token count)."""
     try:
         import matplotlib
 
@@ -149,31 +194,34 @@ def plot(target, draft, scene, rows, tok, gamma, device, out="figures"):
     except ImportError:
         print("--plot needs matplotlib: pip install matplotlib")
         return
-
     os.makedirs(out, exist_ok=True)
-    prompt = evaluate.scene_prompts([scene], tok, device)[0]
-    spec = evaluate.decode(target, draft, prompt, gamma, MAX_NEW_TOKENS, tok.cot_end_id)
-    batch = driving.to_device(driving.collate([driving.make_example(scene, tok)], tok.pad_id), device)
-    pred = evaluate.plan_trajectories(target, batch, [spec.tokens], tok)[0].cpu()
-    cfg = driving.WorldConfig()
-    frame = scene.frames.max(0)  # (C, H, W): both frames overlaid (kinds are drawn at t = -0.5 s, objects at t = 0)
-    fig, ax = plt.subplots(figsize=(5, 5))
-    kinds = frame[:driving.CHANNELS.index("light_green") + 1]  # (C', H, W): stop line, ego, actors, lights
-    ax.imshow((kinds.argmax(0) + 1) * (kinds.sum(0) > 0), cmap="tab10")
-    for traj, style, label in ((scene.traj, "g-", "ground truth"), (pred.numpy(), "r--", "RSD plan")):
-        # ego frame (x ahead, y left) -> pixel (row up, col left)
-        ax.plot(cfg.ego_col - traj[:, 1] / cfg.res, cfg.ego_row - traj[:, 0] / cfg.res, style, label=label)
-    ax.set_title(tok.decode(spec.tokens), fontsize=7, wrap=True)
-    ax.legend(fontsize=7)
-    fig.savefig(os.path.join(out, "scene.png"), dpi=120, bbox_inches="tight")
     fig, ax = plt.subplots(figsize=(6, 3))
-    names = [r["name"] for r in rows]
-    ax.bar(names, [r["attn_history"] for r in rows], label="trajectory history")
-    ax.bar(names, [r["attn_image"] for r in rows], bottom=[r["attn_history"] for r in rows], label="image")
+    names, bottom = [r["name"] for r in rows], [0.0] * len(rows)
+    for key, label in (("attn_image", "image tokens"), ("attn_history", "trajectory history"), ("attn_text", "text")):
+        ax.bar(names, [r[key] for r in rows], bottom=bottom, label=label)
+        bottom = [b + r[key] for b, r in zip(bottom, rows)]
     ax.set_ylabel("attention mass while writing the CoC")
     ax.legend(fontsize=7)
     fig.savefig(os.path.join(out, "attention.png"), dpi=120, bbox_inches="tight")
-    print(f"figures written to {out}/scene.png and {out}/attention.png")
+    written = [f"{out}/attention.png"]
+    if os.path.exists(sweep_json):
+        sweep = checkpoint.read_json(sweep_json)
+        fig, axes = plt.subplots(1, 2, figsize=(9, 3))
+        for ax, (key, label) in zip(axes, (("tau", "held-out tau at gamma 6"), ("attn_history", "attention on history"))):
+            for kind, style in (("mrope", "o-"), ("flat", "s-")):
+                pts = sorted((p["visual_tokens"], p[kind][key]["mean"], p[kind][key]["spread"]) for p in sweep["points"])
+                x, y, e = zip(*pts)
+                ax.errorbar(x, y, yerr=[s / 2 for s in e], fmt=style, capsize=3,
+                            label={"mrope": "replica (M-RoPE)", "flat": "FlatRoPE"}[kind])
+            ax.set_xscale("log")
+            ax.set_xlabel("visual tokens in the prompt")
+            ax.set_ylabel(label)
+            ax.legend(fontsize=7)
+        fig.savefig(os.path.join(out, "views_sweep.png"), dpi=120, bbox_inches="tight")
+        written.append(f"{out}/views_sweep.png")
+    else:
+        print(f"{sweep_json} not found: run python experiments/views_sweep.py for figures/views_sweep.png")
+    print("figures written: " + ", ".join(written))
 
 
 # ---- main ----
@@ -181,61 +229,76 @@ def plot(target, draft, scene, rows, tok, gamma, device, out="figures"):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description="The two-reasoner planner (RSD) on the synthetic driving world.")
-    ap.add_argument("--run", default="runs/toy", help="checkpoint folder (trained here if absent)")
+    ap.add_argument("--run", default="checkpoints/toy", help="checkpoint folder (the shipped one by default)")
+    ap.add_argument("--retrain", action="store_true", help="train whatever is missing in --run first")
+    ap.add_argument("--seeds", default="0,1,2", help="draft seeds of every row (mean and spread over them)")
     ap.add_argument("--device", default="cpu", help="torch device")
-    ap.add_argument("--gamma", type=int, default=evaluate.GAMMA, help="draft length")
-    ap.add_argument("--scenes", type=int, default=64, help="held-out test scenes for the table")
+    ap.add_argument("--views", type=int, default=driving.WorldConfig().views,
+                    help="surround views per prompt (the geometry the drafts were trained at)")
+    ap.add_argument("--scenes", type=int, default=64, help="held-out test scenes for the table (and val scenes for "
+                                                         "the choice of gamma)")
     ap.add_argument("--time-scenes", type=int, default=16, help="of those, scenes timed for ms/token")
     ap.add_argument("--repeats", type=int, default=3, help="timed passes (median)")
     ap.add_argument("--show", type=int, default=3, help="scenes printed with routine / [deliberative] tokens")
     ap.add_argument("--dtype", default="fp32", choices=sorted(checkpoint.DTYPES),
                     help="inference dtype (fp32: the exactness claims hold bit for bit)")
     ap.add_argument("--plot", action="store_true", help="write figures/ (needs matplotlib)")
-    ap.add_argument("--sweep", default="", help="also tau per draft on val and test for these gammas, e.g. 4,5,6,7,8")
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     a = ap.parse_args(argv)
-    if a.gamma < 1 or a.scenes < 1 or a.time_scenes < 1 or a.repeats < 1 or a.show < 0:
-        ap.error("--gamma, --scenes, --time-scenes and --repeats must be >= 1, --show >= 0")
+    if a.scenes < 1 or a.time_scenes < 1 or a.repeats < 1 or a.show < 0:
+        ap.error("--scenes, --time-scenes and --repeats must be >= 1, --show >= 0")
     try:
-        gammas = [int(g) for g in a.sweep.split(",") if g.strip()]
-    except ValueError:
-        ap.error(f"--sweep must be comma-separated integers, got {a.sweep!r}")
-    if any(g < 1 for g in gammas):
-        ap.error(f"--sweep gammas must be >= 1, got {a.sweep!r}")
+        seeds = parse_seeds(a.seeds)
+    except ValueError as e:
+        ap.error(str(e))
     t0 = time.time()
     device = torch.device(a.device)
-    ensure_checkpoints(a.run, device)
-    dtype = checkpoint.DTYPES[a.dtype]
+    if a.retrain:
+        retrain(a.run, seeds, device)
+    gone = missing(a.run, seeds)
+    if gone:
+        ap.error(f"missing checkpoints: {', '.join(gone)}; use the shipped checkpoints/toy, or train them with "
+                 f"`python rsd.py --retrain --run {a.run}`")
     tok = driving.Tokenizer()
-    target = checkpoint.load(os.path.join(a.run, "target"), dtype=dtype, device=device).eval()
-    drafts = {name: checkpoint.load(os.path.join(a.run, d), target=target).eval() for name, d in ROWS}
-    test = Data("test", a.scenes, 0, tok)
+    target = checkpoint.load(os.path.join(a.run, "target"), dtype=checkpoint.DTYPES[a.dtype], device=device).eval()
+    drafts = {row: {s: checkpoint.load(checkpoint.draft_dir(a.run, kind, s), target=target).eval() for s in seeds}
+              for row, kind in ROWS}
+    splits = {"val": Data("val", a.scenes, 0, tok, views=a.views), "test": Data("test", a.scenes, 0, tok, views=a.views)}
+    test = splits["test"]
 
     metrics = evaluate.evaluate_target(target, test)
     print(f"target on the held-out test split: CoC exact {metrics['coc_exact']:.3f}, "
           f"commitment accuracy {metrics['commitment_acc']:.3f}, ADE {metrics['ade']:.2f} m")
-    show_scenes(target, drafts["flatrope+aarl"], test.scenes[:a.show], tok, a.gamma, device)
-    rows, ceiling = paper_table(target, drafts, test, a.gamma, a.time_scenes, a.repeats, device)
-    print(f"\nheld-out test split, {a.scenes} scenes, gamma {a.gamma}, {a.dtype} on {a.device} "
-          f"({torch.get_num_threads()} threads); speed-up = reasoning-step ms/token vs target-only")
+    rows, sweep, times = paper_table(target, drafts, splits, a.time_scenes, a.repeats)
+    aarl_row = rows[-1]
+    show_scenes(target, drafts["flatrope+aarl"][seeds[0]], test, aarl_row["gamma"], a.show)
+    prompt = evaluate.scene_prompts(test.scenes[:1], tok, device, views=a.views)[0]
+    n_visual = int(((prompt["input_ids"] == tok.image_token_id) | (prompt["input_ids"] == tok.video_token_id)).sum())
+    print(f"\nheld-out test split, {a.scenes} scenes, {n_visual} visual and {3 * driving.WorldConfig().n_hist} history "
+          f"tokens per prompt, {a.dtype} on {a.device} ({torch.get_num_threads()} threads); draft rows: mean ± half "
+          f"the spread over seeds {seeds} at the row's speed-optimal gamma (chosen on {a.scenes} val scenes); "
+          f"speed-up = reasoning-step ms/token vs target-only, seed {seeds[0]}'s draft")
     print_table(rows)
-    print(f"tau ceiling (a draft never rejected, these CoCs, gamma {a.gamma}): {ceiling:.2f}; "
+    print(f"step times: T_target(1) {1e3 * times['target'][1]:.2f} ms, T_draft(1) {1e3 * times['draft']:.3f} ms; "
           f"commit = teacher-forced accuracy on the commitment tokens")
     greedy_match = all(r["greedy_match"] for r in rows)
-    print(f"greedy outputs identical to target-only on every scene and draft: {greedy_match}")
-    sweep = None
-    if gammas:
-        print(f"\ntau by draft length ({a.scenes} scenes per split, greedy):")
-        sweep = gamma_sweep(target, drafts, {"val": Data("val", a.scenes, 0, tok), "test": test}, gammas)
+    print(f"greedy outputs identical to target-only on every scene and draft: {greedy_match}; real speculative "
+          f"decoding's tau equals the replay's: {all(r.get('replay_exact', True) for r in rows)}")
+    print()
+    print_sweep(sweep, rows)
+    share = driving.routine_share("train")
+    print(f"routine share of the world (the Bayes-optimal reader of the history, python driving.py): {share:.3f}")
     print(f"wall time {time.time() - t0:.0f} s")
     if a.plot:
-        plot(target, drafts["flatrope+aarl"], test.scenes[0], rows, tok, a.gamma, device)
+        plot(rows)
     if a.json:
-        print(json.dumps({"greedy_match": greedy_match, "tau_ceiling": ceiling, "sweep": sweep,
+        keys = ("name", "gamma", "tau", "tau_spread", "tau_by_gamma", "tau_ceiling", "routine_fraction", "commit_acc",
+                "ms_per_token", "speedup", "ade", "attn_history", "attn_image", "attn_text")
+        print(json.dumps({"greedy_match": greedy_match, "tau_ceiling": aarl_row["tau_ceiling"], "sweep": sweep,
                           "target": {k: metrics[k] for k in ("coc_exact", "commitment_acc", "ade")},
-                          "rows": [{k: r[k] for k in ("name", "tau", "routine_fraction", "commit_acc", "ms_per_token",
-                                                      "speedup", "ade", "attn_history", "attn_image")}
-                                   for r in rows]}))
+                          "prompt": {"visual_tokens": n_visual, "history_tokens": 3 * driving.WorldConfig().n_hist},
+                          "routine_share_world": share, "seeds": seeds,
+                          "rows": [{k: r[k] for k in keys} for r in rows]}))
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ run: python speculate.py --device cpu
 import argparse
 import copy
 import math
+import statistics
 import time
 from dataclasses import dataclass, field
 
@@ -280,6 +281,41 @@ class Clock:
     def lap(self):
         t, self.t = self.t, self.now()
         return self.t - t
+
+
+def median_time(fn, device, reps):
+    """Median wall time (s) of fn() over reps calls, after one warm-up call, read with Clock."""
+    fn()
+    clock, times = Clock(device, enabled=True), []
+    for _ in range(reps):
+        clock.lap()
+        fn()
+        times.append(clock.lap())
+    return statistics.median(times)
+
+
+@torch.inference_mode()
+def step_times(target, draft, prompt, lengths, reps=20):
+    """The measured cost model's step times in seconds: {"target": {n: T_target(n) for n in lengths}, "draft":
+    T_draft(1)}, each a single forward on a cache that holds the prompt, followed by a crop back to it (the
+    verifier's rollback)."""
+    device = prompt["input_ids"].device
+    L = prompt["input_ids"].shape[1]
+    embeds = target.embed(**{k: prompt[k] for k in EMBED_KEYS if prompt.get(k) is not None})  # (1, L, D)
+
+    def time_step(m, n):
+        cache = m.new_cache(batch=1, max_len=L + n)
+        prefill(m, prompt, embeds, cache)  # the prompt except its last token
+        x = prompt["input_ids"][:, -1:].repeat(1, n)  # (1, n) tokens; their values do not matter for time
+        base = cache.length
+
+        def step():
+            m(x, cache=cache)
+            cache.crop(base)
+
+        return median_time(step, device, reps)
+
+    return {"target": {n: time_step(target, n) for n in lengths}, "draft": time_step(draft, 1)}
 
 
 def make_generator(device, seed):

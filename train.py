@@ -37,7 +37,7 @@ from evaluate import autocast, evaluate_target
 
 @dataclass
 class TrainConfig:
-    out: str = "runs/toy"  # checkpoints: out/target, out/draft_flat, out/draft_mrope (+ *.state.pt to resume)
+    out: str = "runs/toy"  # checkpoints: out/target, out/draft_{flat,mrope}_s<draft_seed> (+ *.state.pt to resume)
     device: str = "cpu"  # torch device (cpu, cuda)
     seed: int = 0  # seeds the scenes of every split, the initialisation and the batch order
     n_train: int = 32000  # pre-generated training scenes (the world is cheap; a fixed set keeps steps reproducible)
@@ -49,6 +49,7 @@ class TrainConfig:
     train_vision: bool = False  # also train the vision tower (default: frozen at random init; train_target says why)
     traj_weight: float = 0.1  # weight of the trajectory Huber loss (metres) next to the CoC cross-entropy
     draft_steps: int = 300  # distillation steps of both drafts
+    draft_seed: int = 0  # seeds the drafts' initialisation and batch order (the target and the scenes stay)
     draft_lr: float = 3e-3  # peak learning rate of the drafts
     target_preset: str = "toy-target"  # target sizes (model.PRESETS)
     draft_preset: str = "toy-draft"  # sizes of both drafts (model.DRAFT_PRESETS)
@@ -213,18 +214,18 @@ def train_target(cfg: TrainConfig, tok, train: Data, val: Data, rank=0, world=1,
 
 
 def train_drafts(cfg: TrainConfig, target, train: Data, rank=0, world=1, device="cpu"):
-    """Distil both drafts from the frozen target in one loop; saves out/draft_flat, out/draft_mrope."""
+    """Distil both drafts from the frozen target in one loop; saves out/draft_flat_s<draft_seed>, out/draft_mrope_s..."""
     target.eval().requires_grad_(False)
-    torch.manual_seed(cfg.seed + 1)
+    torch.manual_seed(cfg.seed + 1 + 1000 * cfg.draft_seed)
     drafts = make_drafts(target, cfg.draft_preset)
     opts = {k: make_optimizer(d.parameters(), cfg, cfg.draft_lr) for k, d in drafts.items()}
-    state_path = os.path.join(cfg.out, "drafts.state.pt")
+    state_path = os.path.join(cfg.out, f"drafts_s{cfg.draft_seed}.state.pt")
     start = load_state(state_path, drafts, opts, cfg, device)
     ddps = {k: wrap(d, world, device) for k, d in drafts.items()}
     bar = tqdm(range(start, cfg.draft_steps), desc="drafts", disable=rank != 0, initial=start,
                total=cfg.draft_steps)
     for step in bar:
-        batch = train.batch(step, cfg.batch_size, rank, world, device)
+        batch = train.batch(step, cfg.batch_size, rank, world, device, order=cfg.draft_seed)
         with torch.no_grad(), autocast(device, cfg.amp):
             embeds = target.embed(batch["input_ids"], **vision_kwargs(batch))  # (B, L, D) image features included
             logits_p = target(batch["input_ids"], inputs_embeds=embeds, **grid_kwargs(batch))
@@ -246,7 +247,7 @@ def train_drafts(cfg: TrainConfig, target, train: Data, rank=0, world=1, device=
             save_state(state_path, step + 1, drafts, opts, cfg, rank)
     if rank == 0:
         for k, d in drafts.items():
-            checkpoint.save(d, os.path.join(cfg.out, f"draft_{k}"))
+            checkpoint.save(d, checkpoint.draft_dir(cfg.out, k, cfg.draft_seed))
     return drafts
 
 

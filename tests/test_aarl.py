@@ -1,5 +1,6 @@
 """Tests for aarl.py: the reward on a hand-made case, the exact KL, one policy-gradient step on
-a bandit, the static reference never moving, and a finite loss on an all-equal-reward group.
+a bandit, the static reference never moving, the moving one resetting every `refresh` updates, and
+a finite loss on an all-equal-reward group.
 
 run: python -m pytest -q tests/test_aarl.py
 """
@@ -21,6 +22,11 @@ def tiny_presets(monkeypatch):
     torch.set_num_threads(1)
 
 
+class StubCache:
+    def repeat_rows(self, n):
+        return self
+
+
 class StubTarget(torch.nn.Module):
     """A 'target' whose argmax at every position is token 7 and whose trajectory is all zeros."""
 
@@ -30,7 +36,7 @@ class StubTarget(torch.nn.Module):
         self.w = torch.nn.Parameter(torch.zeros(()))
 
     def new_cache(self, batch, max_len):
-        return None
+        return StubCache()
 
     def forward(self, ids, return_hidden=False, cache=None, logits_to_keep=0, **_):
         logits = torch.zeros(*ids.shape, self.V)
@@ -49,13 +55,13 @@ def test_reward_by_hand():
              "pixel_values_videos": torch.zeros(4, 5), "video_grid_thw": torch.tensor([[1, 2, 2]]),
              "traj": torch.tensor([[[3.0, 4.0]] * 4])}  # every waypoint 5 m from the stub's zeros
     end = tok.cot_end_id
-    toks = torch.tensor([[7, 7, 7, end], [7, 5, 7, end]])  # row 1 breaks agreement at its 2nd token
+    toks = torch.tensor([[7, 7, 7, end], [7, 5, 7, end]])  # row 1 disagrees at its 2nd token
     mask = torch.ones_like(toks, dtype=torch.bool)
-    r, ade, accept = aarl.reward(StubTarget(V=len(tok)), batch, toks, mask, G, tok, agree_weight=0.5)
+    r, ade, agree = aarl.reward(StubTarget(V=len(tok)), batch, toks, mask, G, tok, agree_weight=0.5)
     assert torch.allclose(ade, torch.tensor([5.0, 5.0]))
-    # accept = longest prefix equal to the stub's argmax (7) over the CoC length (4 incl. <cot_end>)
-    assert torch.allclose(accept, torch.tensor([3 / 4, 1 / 4]))
-    assert torch.allclose(r, -ade + 0.5 * accept)
+    # agree = tokens equal to the stub's argmax (7) over the CoC length (4 incl. <cot_end>)
+    assert torch.allclose(agree, torch.tensor([3 / 4, 2 / 4]))
+    assert torch.allclose(r, -ade + 0.5 * agree)
 
 
 def test_kl_is_zero_for_the_reference_itself_and_positive_otherwise():
@@ -91,21 +97,43 @@ def test_all_equal_rewards_give_a_finite_zero_gradient_loss():
     assert torch.isfinite(loss) and torch.isfinite(kl)
 
 
-def test_static_reference_never_changes_and_policy_does():
-    tok = driving.Tokenizer()
+def tiny_setup(tok):
     torch.manual_seed(0)
     target = M.VLA(T.target_config(tok, "test-tiny")).eval()
-    draft = M.make_draft(target, **TINY_DRAFT)
+    return target, M.make_draft(target, **TINY_DRAFT), driving.Data("train", 16, 0, tok, views=0)
+
+
+def state(m):
+    return {k: v.clone() for k, v in m.state_dict().items()}
+
+
+def test_static_reference_never_changes_and_policy_does():
+    tok = driving.Tokenizer()
+    target, draft, data = tiny_setup(tok)
     ref = copy.deepcopy(draft)
-    ref_before = {k: v.clone() for k, v in ref.state_dict().items()}
-    draft_before = {k: v.clone() for k, v in draft.state_dict().items()}
-    target_before = {k: v.clone() for k, v in target.state_dict().items()}
-    data = driving.Data("train", 16, 0, tok)
-    cfg = aarl.AARLConfig(steps=2, scenes=2, group=3, max_new=6, lr=1e-2)
+    ref_before, draft_before, target_before = state(ref), state(draft), state(target)
+    cfg = aarl.AARLConfig(steps=2, scenes=2, group=3, max_new=6, lr=1e-2, views=0)
     aarl.train_aarl(target, draft, data, cfg, ref=ref)
     assert all(torch.equal(ref.state_dict()[k], v) for k, v in ref_before.items())
     assert all(torch.equal(target.state_dict()[k], v) for k, v in target_before.items())
     assert any(not torch.equal(draft.state_dict()[k], v) for k, v in draft_before.items())
+
+
+def test_moving_reference_moves_every_refresh_updates():
+    """Its KL grows from 0 while the policy moves away, is 0 again right after a reset, and the reset reference is
+    the policy of that moment: unlike a reset every update, it anchors between resets."""
+    tok = driving.Tokenizer()
+    target, draft, data = tiny_setup(tok)
+    ref = copy.deepcopy(draft)
+    logs = []
+    cfg = aarl.AARLConfig(steps=12, scenes=2, group=3, max_new=6, lr=1e-2, reference="moving", refresh=10, views=0)
+    aarl.train_aarl(target, draft, data, cfg, ref=ref, log=logs.append)
+    kl = [s["kl"] for s in logs]
+    assert kl[0] == pytest.approx(0, abs=1e-6) and kl[9] > 1e-4          # drifted from the SFT draft by update 10
+    assert kl[10] == pytest.approx(0, abs=1e-6) and kl[11] > 0            # reset at update 11, then drifting again
+    assert any(not torch.equal(ref.state_dict()[k], v) for k, v in state(copy.deepcopy(draft)).items())
+    with pytest.raises(ValueError, match="refresh"):
+        aarl.train_aarl(target, draft, data, aarl.AARLConfig(reference="moving", refresh=1))
 
 
 def test_bad_reference_is_rejected():

@@ -15,24 +15,34 @@ import aarl
 import bench
 import checkpoint
 import driving
+import evaluate
 import model as M
 import rsd
+import speculate
 import train as T
 from test_train import TINY, TINY_DRAFT, tiny_cfg
 
 
+VIEWS = 2  # surround views of the tiny world's prompts: 12 + 2 x 24 = 60 visual tokens, fast to test
+
+
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
-    """Tiny target + both drafts (train.py) + a 2-step AARL draft, as rsd.ensure_checkpoints lays them out."""
+    """Tiny target + both drafts of two seeds (train.py) + a 2-step AARL draft per seed, as rsd.retrain lays them
+    out."""
     M.PRESETS["test-tiny"], M.DRAFT_PRESETS["test-tiny-draft"] = TINY, TINY_DRAFT
     torch.set_num_threads(1)
     out = tmp_path_factory.mktemp("run")
-    T.run(tiny_cfg(out, target_steps=20, draft_steps=20, n_val=8, n_test=8), log=lambda *_: None)
     tok = driving.Tokenizer()
-    target = checkpoint.load(out / "target").eval()
-    sft = checkpoint.load(out / "draft_flat", target=target)
-    aarl.train_aarl(target, copy.deepcopy(sft), driving.Data("train", 16, 0, tok),
-                    aarl.AARLConfig(steps=2, scenes=2, group=2, max_new=8), out=str(out / "draft_aarl"), ref=sft)
+    for seed in (0, 1):
+        cfg = tiny_cfg(out, target_steps=80, draft_steps=60, n_val=8, n_test=8, views=VIEWS, max_views=VIEWS,
+                       target_lr=3e-3,
+                       draft_seed=seed)
+        T.run(cfg, stage="all" if seed == 0 else "drafts", log=lambda *_: None)
+        target, sft = aarl.load_run(str(out), seed, "cpu")
+        cfg = aarl.AARLConfig(steps=2, scenes=2, group=2, max_new=8, views=VIEWS, seed=seed)
+        draft = aarl.train_aarl(target, copy.deepcopy(sft), driving.Data("train", 16, 0, tok), cfg, ref=sft)
+        checkpoint.save(draft, aarl.out_dir(str(out), "static", seed))
     yield out
     del M.PRESETS["test-tiny"], M.DRAFT_PRESETS["test-tiny-draft"]
 
@@ -42,37 +52,64 @@ def last_json(capsys):
 
 
 def test_rsd_json_contract_and_exactness(run_dir, capsys):
-    rsd.main(["--run", str(run_dir), "--scenes", "6", "--time-scenes", "2", "--show", "1", "--sweep", "2,6", "--json"])
+    rsd.main(["--run", str(run_dir), "--seeds", "0,1", "--views", str(VIEWS), "--scenes", "6", "--time-scenes", "2",
+              "--show", "1", "--json"])
     out = last_json(capsys)
-    # the sweep at the table's gamma (6) on the same test scenes gives the table's tau; no draft beats the ceiling
-    assert set(out["sweep"]) == {"val", "test"} and set(out["sweep"]["test"]) == {"2", "6"}
+    assert out["greedy_match"] is True and out["seeds"] == [0, 1]
+    assert set(out["target"]) == {"coc_exact", "commitment_acc", "ade"}
+    assert out["prompt"] == {"visual_tokens": 12 + 24 * VIEWS, "history_tokens": 48}
+    assert out["routine_share_world"] == pytest.approx(driving.routine_share("train"))
+    assert [r["name"] for r in out["rows"]] == ["target-only", "replica", "flatrope", "flatrope+aarl"]
+    assert set(out["sweep"]) == {"val", "test"} and set(out["sweep"]["test"]) == {str(g) for g in rsd.GAMMAS}
+    for r in out["rows"]:
+        assert set(r) == {"name", "gamma", "tau", "tau_spread", "tau_by_gamma", "tau_ceiling", "routine_fraction",
+                          "commit_acc", "ms_per_token", "speedup", "ade", "attn_history", "attn_image", "attn_text"}
+        assert r["ms_per_token"] > 0 and 0 <= r["commit_acc"] <= 1
+        assert r["attn_history"] + r["attn_image"] + r["attn_text"] == pytest.approx(1.0, abs=1e-4)
+        # greedy exactness: every arm plans from the same CoCs, so the same trajectories
+        assert r["ade"] == pytest.approx(out["rows"][0]["ade"])
     for r in out["rows"][1:]:
-        assert out["sweep"]["test"]["6"][r["name"]] == pytest.approx(r["tau"])
+        g = str(r["gamma"])
+        # the row's tau is its tau at its gamma, the sweep's on the same scenes, and no draft beats a perfect one
+        assert r["gamma"] in rsd.GAMMAS and r["tau"] == pytest.approx(r["tau_by_gamma"][g])
+        assert r["tau"] == pytest.approx(out["sweep"]["test"][g][r["name"]]) and r["tau_spread"] >= 0
+        assert r["tau"] <= r["tau_ceiling"] + 1e-9 == out["sweep"]["test"][g]["ceiling"] + 1e-9
     for split in out["sweep"].values():
         for g in split.values():
             assert all(g[name] <= g["ceiling"] + 1e-9 for name in ("replica", "flatrope", "flatrope+aarl"))
-    assert out["greedy_match"] is True
-    assert set(out["target"]) == {"coc_exact", "commitment_acc", "ade"}
-    assert [r["name"] for r in out["rows"]] == ["target-only", "replica", "flatrope", "flatrope+aarl"]
-    for r in out["rows"]:
-        assert set(r) == {"name", "tau", "routine_fraction", "commit_acc", "ms_per_token", "speedup", "ade",
-                          "attn_history", "attn_image"}
-        assert r["ms_per_token"] > 0 and 0 <= r["attn_history"] <= 1 and 0 <= r["attn_image"] <= 1
-        assert 0 <= r["commit_acc"] <= 1 and r["tau"] <= out["tau_ceiling"] + 1e-9   # no draft beats a perfect one
-        # greedy exactness: every arm plans from the same CoCs, so the same trajectories
-        assert r["ade"] == pytest.approx(out["rows"][0]["ade"])
     assert out["rows"][0]["tau"] == 1.0 and out["rows"][0]["routine_fraction"] == 0.0
 
 
+def test_replay_equals_speculative_decoding(run_dir):
+    """evaluate.simulate_rounds, replayed from one teacher-forced pass, gives exactly the rounds and routine tokens of
+    real speculative decoding, for every draft, scene and draft length (fp32)."""
+    tok = driving.Tokenizer()
+    target = checkpoint.load(run_dir / "target").eval()
+    drafts = {(k, s): checkpoint.load(checkpoint.draft_dir(str(run_dir), k, s), target=target).eval()
+              for k in ("mrope", "flat", "aarl") for s in (0, 1)}
+    data = driving.Data("test", 6, 0, tok, views=VIEWS)
+    outputs = evaluate.greedy_outputs(target, data)
+    matches = evaluate.draft_matches(drafts, target, data, outputs)
+    prompts = evaluate.scene_prompts(data.scenes, tok, "cpu", views=VIEWS)
+    assert any(any(m) for ms in matches.values() for m in ms) and not all(all(m) for ms in matches.values() for m in ms)
+    for key, draft in drafts.items():
+        for gamma in (1, 2, 4, 6):
+            for prompt, out, match in zip(prompts, outputs, matches[key]):
+                res = speculate.speculative(target, draft, prompt, gamma, evaluate.MAX_NEW_TOKENS,
+                                            stop_token=tok.cot_end_id)
+                assert res.tokens == out
+                assert evaluate.simulate_rounds(match, gamma) == (res.rounds, sum(res.from_draft)), (key, gamma)
+
+
 def test_bench_toy_json(run_dir, capsys):
-    res = bench.main(["--run", str(run_dir), "--prompts", "3", "--dtype", "fp32", "--json"])
+    res = bench.main(["--run", str(run_dir), "--prompts", "3", "--dtype", "fp32", "--views", str(VIEWS), "--json"])
     out = last_json(capsys)
     for key in ("device", "dtype", "gamma", "tau", "alpha", "routine_fraction", "ar_ms_per_token",
                 "spec_ms_per_token", "speedup", "greedy_match", "t_target_1", "t_target_gamma1", "t_draft_1"):
         assert key in out, key
     assert out["greedy_match"] is True and out["dtype"] == "fp32"
     assert out["speedup"] == pytest.approx(out["ar_ms_per_token"] / out["spec_ms_per_token"])
-    assert os.path.exists(run_dir / "bench.json") and res["tau"] >= 1
+    assert os.path.exists(bench.TOY_JSON) and res["tau"] >= 1
 
 
 def test_bench_real_shape_preset(run_dir, capsys):
@@ -86,17 +123,20 @@ def test_bench_real_shape_preset(run_dir, capsys):
     assert "predicted_speedup_at_toy_alpha" in out  # the toy's bench.json from the test above
 
 
-def test_rsd_rejects_a_bad_sweep():
-    for sweep in ("4,x", "0,6"):
+def test_rsd_rejects_bad_seeds_and_missing_checkpoints(tmp_path, capsys):
+    for seeds in ("4,x", "-1", ""):
         with pytest.raises(SystemExit):
-            rsd.main(["--sweep", sweep])
+            rsd.main(["--seeds", seeds])
+    with pytest.raises(SystemExit):
+        rsd.main(["--run", str(tmp_path / "nothing")])
+    assert "--retrain" in capsys.readouterr().err
 
 
 def test_bench_without_toy_checkpoints_says_what_to_run(tmp_path, capsys):
     """bench.py does not train: without checkpoints it stops and names the command that writes them."""
     with pytest.raises(SystemExit):
         bench.main(["--run", str(tmp_path / "nothing")])
-    assert "run `python rsd.py` first" in capsys.readouterr().err
+    assert "python rsd.py --retrain" in capsys.readouterr().err
 
 
 def test_bench_rejects_bad_arguments():

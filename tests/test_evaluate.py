@@ -122,3 +122,18 @@ def test_key_groups_partition_the_prompt(tok):
     assert bool((total == 1).all())
     assert int(g["image"][0].sum()) == 12 + 24 * driving.WorldConfig().views and int(g["history"][0].sum()) == 48 + 2
 
+
+
+def test_simulate_rounds_by_hand():
+    """Rounds of greedy speculative decoding replayed from a match vector: each round emits the run of matches (at
+    most gamma) plus the target's token, cut at the end of the output; the last round drafts only what max_new
+    leaves."""
+    T, F = True, False
+    assert evaluate.simulate_rounds([T, T, F, T, T], gamma=4) == (2, 4)      # [d d t] [d d]: the stop was drafted
+    assert evaluate.simulate_rounds([T, T, F, T, T], gamma=1) == (3, 2)      # [d t] [t] [d t]
+    assert evaluate.simulate_rounds([F, F, F], gamma=3) == (3, 0)            # the target writes every token
+    assert evaluate.simulate_rounds([T] * 8, gamma=3) == (2, 6)              # [d d d t] [d d d t]: bonus tokens
+    # max_new 5, output of 5 tokens without a stop: the 2nd round may draft only 5 - 4 - 1 = 0 tokens
+    assert evaluate.simulate_rounds([T] * 5, gamma=3, max_new=5) == (2, 3)
+    taus = evaluate.tau_by_gamma([[T, T, F, T, T], [F, F, F]], [1, 4])
+    assert taus[4] == {"tau": 8 / 5, "routine_fraction": 4 / 8} and taus[1]["tau"] == 8 / 6

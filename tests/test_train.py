@@ -70,7 +70,7 @@ def test_distillation_lowers_the_kl(tmp_path, tok):
     drafts = T.train_drafts(dataclasses.replace(cfg, draft_steps=20), target, data)
     for k, d in drafts.items():
         assert T.distill_loss(d, embeds, p, batch).item() < 0.7 * before[k], k
-        assert os.path.exists(tmp_path / f"draft_{k}" / "model.safetensors")
+        assert os.path.exists(os.path.join(checkpoint.draft_dir(str(tmp_path), k, 0), "model.safetensors"))
 
 
 def test_vision_tower_frozen_unless_asked(tmp_path, tok):
