@@ -38,6 +38,7 @@ run: python aarl.py --reference static|moving|none --seed S [--json]   (needs a 
 """
 import argparse
 import copy
+import dataclasses
 import json
 import os
 import time
@@ -260,6 +261,39 @@ def out_dir(run, reference, seed):
     return checkpoint.draft_dir(run, "aarl" if reference == "static" else f"aarl_{reference}", seed)
 
 
+def run(cfg: AARLConfig, run_dir, n_report=64, device="cpu", out=None):
+    """One AARL run from the SFT FlatRoPE draft of seed cfg.seed in run_dir: the before / after report on validation
+    and held-out scenes, the draft saved to `out` (default out_dir) -> the JSON-able result."""
+    check_config(cfg)
+    t0 = time.time()
+    torch.manual_seed(cfg.seed)
+    target, sft = load_run(run_dir, cfg.seed, device)
+    tok = driving.Tokenizer()
+    train = Data("train", cfg.n_train, 0, tok, views=cfg.views)
+    splits = {"val": Data("val", n_report, 0, tok, views=cfg.views),
+              "test": Data("test", n_report, 0, tok, views=cfg.views)}
+    out = out or out_dir(run_dir, cfg.reference, cfg.seed)
+    outputs = {name: evaluate.greedy_outputs(target, data) for name, data in splits.items()}
+    prompt = evaluate.scene_prompts(splits["val"].scenes[:1], tok, device, views=cfg.views)[0]
+    times = speculate.step_times(target, sft, prompt, [1] + [g + 1 for g in REPORT_GAMMAS])
+    before = report(target, sft, sft, splits, times, outputs)
+    draft = train_aarl(target, copy.deepcopy(sft), train, cfg, ref=sft)
+    after = report(target, draft, sft, splits, times, outputs)
+    checkpoint.save(draft, out)
+    return {"reference": cfg.reference, "seed": cfg.seed, "config": dataclasses.asdict(cfg), "wall_s": time.time() - t0,
+            "out": out, "before": before, "after": after}
+
+
+def print_result(res):
+    for name in ("val", "test"):
+        b, f = res["before"][name], res["after"][name]
+        shown = "  ".join(f"g{g} {b['tau_by_gamma'][g]:.2f}->{f['tau_by_gamma'][g]:.2f}" for g in SHOWN_GAMMAS)
+        print(f"{name:4s} tau@{f['gamma']} {b['tau']:.2f}->{f['tau']:.2f}  {shown}  routine "
+              f"{b['routine_fraction']:.3f}->{f['routine_fraction']:.3f}  drafted-CoC ADE {b['drafted_ade']:.2f}->"
+              f"{f['drafted_ade']:.2f} m  KL to SFT {f['kl_to_sft']:.4f}  greedy identical {f['greedy_match']}")
+    print(f"AARL ({res['reference']}, seed {res['seed']}) wall time {res['wall_s']:.0f} s; draft saved to {res['out']}")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description="AARL post-training of the FlatRoPE draft (needs train.py's checkpoints)")
     ap.add_argument("--run", default="checkpoints/toy", help="folder with target/ and draft_flat_s<seed>/")
@@ -276,32 +310,14 @@ def main(argv=None):
         ap.error(str(e))
     if a.n_report < 1:
         ap.error(f"--n-report must be >= 1, got {a.n_report}")
-    t0 = time.time()
-    torch.manual_seed(cfg.seed)
-    target, sft = load_run(a.run, cfg.seed, a.device)
-    tok = driving.Tokenizer()
-    train = Data("train", cfg.n_train, 0, tok, views=cfg.views)
-    splits = {"val": Data("val", a.n_report, 0, tok, views=cfg.views),
-              "test": Data("test", a.n_report, 0, tok, views=cfg.views)}
-    out = a.out or out_dir(a.run, cfg.reference, cfg.seed)
-    outputs = {name: evaluate.greedy_outputs(target, data) for name, data in splits.items()}
-    prompt = evaluate.scene_prompts(splits["val"].scenes[:1], tok, a.device, views=cfg.views)[0]
-    times = speculate.step_times(target, sft, prompt, [1] + [g + 1 for g in REPORT_GAMMAS])
-    before = report(target, sft, sft, splits, times, outputs)
-    draft = train_aarl(target, copy.deepcopy(sft), train, cfg, ref=sft)
-    after = report(target, draft, sft, splits, times, outputs)
-    checkpoint.save(draft, out)
-    wall = time.time() - t0
-    for name in splits:
-        b, f = before[name], after[name]
-        shown = "  ".join(f"g{g} {b['tau_by_gamma'][g]:.2f}->{f['tau_by_gamma'][g]:.2f}" for g in SHOWN_GAMMAS)
-        print(f"{name:4s} tau@{f['gamma']} {b['tau']:.2f}->{f['tau']:.2f}  {shown}  routine "
-              f"{b['routine_fraction']:.3f}->{f['routine_fraction']:.3f}  drafted-CoC ADE {b['drafted_ade']:.2f}->"
-              f"{f['drafted_ade']:.2f} m  KL to SFT {f['kl_to_sft']:.4f}  greedy identical {f['greedy_match']}")
-    print(f"AARL ({cfg.reference}, seed {cfg.seed}) wall time {wall:.0f} s; draft saved to {out}")
+    try:
+        res = run(cfg, a.run, a.n_report, a.device, a.out)
+    except FileNotFoundError as e:
+        ap.error(str(e))
+    print_result(res)
     if a.json:
-        print(json.dumps({"reference": cfg.reference, "seed": cfg.seed, "wall_s": wall, "out": out,
-                          "before": before, "after": after}))
+        print(json.dumps(res))
+    return res
 
 
 if __name__ == "__main__":

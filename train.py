@@ -262,14 +262,25 @@ def save_state(path, step, models, opts, cfg, rank):
         dist.barrier()
 
 
+# Fields that cannot change what a run computes: resuming with other values is fine.
+RESUMABLE_CHANGES = ("out", "device", "eval_every", "n_val", "n_test")
+
+
 def load_state(path, models, opts, cfg, device):
-    """Resume from path if it exists -> the step to continue from (0 for a fresh start)."""
+    """Resume from path if it exists -> the step to continue from (0 for a fresh start). A state written with another
+    config is refused, naming the fields that differ: resuming it would silently mix two runs."""
     if not os.path.exists(path):
         return 0
     try:
         state = torch.load(path, map_location=device, weights_only=True)
     except Exception as e:  # a truncated or foreign file: say which, do not silently restart
         raise ValueError(f"cannot resume from {path}: {e}; delete it to start over") from e
+    saved, now = state.get("config", {}), asdict(cfg)
+    differ = sorted(k for k in set(saved) | set(now) if k not in RESUMABLE_CHANGES and saved.get(k) != now.get(k))
+    if differ:
+        raise ValueError(f"{path} was written by a run with other settings: "
+                         + ", ".join(f"{k} {saved.get(k)!r} there, {now.get(k)!r} now" for k in differ)
+                         + "; delete it (and the checkpoints beside it) to start over, or pass --out NEW_FOLDER")
     if set(state["models"]) != set(models):
         raise ValueError(f"{path} holds models {sorted(state['models'])}, expected {sorted(models)}")
     for k, m in models.items():

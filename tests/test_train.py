@@ -100,22 +100,42 @@ def test_toy_video_tokens_hold_only_their_own_patches(tok):
     torch.testing.assert_close(poked[1:], base[1:], rtol=0, atol=0)
 
 
-def test_resume_is_exact(tmp_path, tok):
-    """4 steps straight == 2 steps, a checkpoint, a fresh process state, 2 more steps."""
+def test_resume_is_exact(tmp_path, tok, monkeypatch):
+    """4 steps straight == a run killed right after its checkpoint at step 2, resumed to 4 in a fresh call."""
     data = Data("train", 64, 0, tok)
     straight = T.train_target(tiny_cfg(tmp_path / "a", target_steps=4), tok, data, data)
-    T.train_target(tiny_cfg(tmp_path / "b", target_steps=4, eval_every=2), tok, data, data)  # writes state at 2, 4
-    state = torch.load(tmp_path / "b" / "target.state.pt", weights_only=True)
-    assert state["step"] == 4
-    # Rewind: rerun the first 2 steps into c, then resume c to 4.
-    T.train_target(tiny_cfg(tmp_path / "c", target_steps=2, eval_every=2), tok, data, data)
-    resumed = T.train_target(tiny_cfg(tmp_path / "c", target_steps=4, eval_every=2), tok, data, data)
+    cfg = tiny_cfg(tmp_path / "c", target_steps=4, eval_every=2)
+    save_state = T.save_state
+
+    class Killed(Exception):
+        pass
+
+    def save_then_die(path, step, *args):
+        save_state(path, step, *args)
+        raise Killed
+
+    monkeypatch.setattr(T, "save_state", save_then_die)
+    with pytest.raises(Killed):
+        T.train_target(cfg, tok, data, data)
+    assert torch.load(tmp_path / "c" / "target.state.pt", weights_only=True)["step"] == 2
+    monkeypatch.setattr(T, "save_state", save_state)
+    resumed = T.train_target(cfg, tok, data, data)
     for (name, a), b in zip(straight.state_dict().items(), resumed.state_dict().values()):
         assert torch.equal(a, b), name
     # the saved model equals the trained one
     loaded = checkpoint.load(tmp_path / "c" / "target")
     for (name, a), b in zip(resumed.state_dict().items(), loaded.state_dict().values()):
         assert torch.equal(a, b), name
+
+
+def test_resume_with_other_settings_is_refused(tmp_path, tok):
+    """A state written with another seed (or batch size, learning rate, ...) is not resumed: the error names the
+    fields; settings that cannot change the result (the output folder, the evaluation cadence) may change."""
+    data = Data("train", 64, 0, tok)
+    T.train_target(tiny_cfg(tmp_path, target_steps=2, eval_every=2), tok, data, data)
+    with pytest.raises(ValueError, match=r"seed 0 there, 1 now.*target_lr"):
+        T.train_target(tiny_cfg(tmp_path, target_steps=2, seed=1, target_lr=1e-2), tok, data, data)
+    T.train_target(tiny_cfg(tmp_path, target_steps=2, eval_every=1), tok, data, data)  # eval cadence: fine
 
 
 def test_resume_from_a_corrupt_state_names_the_file(tmp_path, tok):
