@@ -10,6 +10,13 @@ Files on disk (our format): a folder with config.json ({"format": "rsd-vla", "dr
 "config": ModelConfig}) and model.safetensors. A draft's file holds only its own weights; the
 target's embedding and LM head are re-attached by load(dir, target=...).
 
+Hugging Face / Alpamayo config.json fields read by the Qwen3-VL vision tower (each required; a
+folder missing one gets an error naming it): vision_config.{depth, hidden_size, num_heads,
+intermediate_size, patch_size, temporal_patch_size, spatial_merge_size, in_channels,
+num_position_embeddings, deepstack_visual_indexes, out_hidden_size, hidden_act}; optional
+vision_config.rope_parameters.rope_theta (transformers' default 10000). An Alpamayo folder with an
+`expert_cfg` loads its action expert: the fields expert.ExpertConfig.from_alpamayo lists.
+
 run: python -m pytest -q tests/test_checkpoint.py
 """
 import argparse
@@ -27,6 +34,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from expert import ActionExpert, ExpertConfig, fourier_freqs
 from model import PRESETS, VLA, ModelConfig, VisionConfig
 
 log = logging.getLogger(__name__)
@@ -128,6 +136,8 @@ def draft_dir(run, kind, seed=0):
 def save(model: VLA, dir):
     """config.json + model.safetensors, each written atomically. A draft's file holds only its own
     weights (the shared target embedding / LM head are re-attached by load(dir, target=...))."""
+    if getattr(model, "expert", None) is not None:
+        raise ValueError("this format holds no Alpamayo action expert: keep the model's Alpamayo folder")
     os.makedirs(dir, exist_ok=True)
     sd = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
     if model.cfg.tie_word_embeddings and model.cfg.shared_width is None:
@@ -165,10 +175,13 @@ def _check_shape(path, key, expected, got):
         raise ValueError(f"{path}: shape mismatch for {key!r}: expected {tuple(expected)}, got {tuple(got)}")
 
 
-def _empty_model(cfg, shared, dtype, device):
-    """A VLA with uninitialised storage (no random init of weights about to be overwritten)."""
+def _empty_model(cfg, shared, dtype, device, expert_cfg=None):
+    """A VLA (with an Alpamayo action expert as `model.expert` when expert_cfg is given) with
+    uninitialised storage (no random init of weights about to be overwritten)."""
     with torch.device("meta"):
         model = VLA(cfg, shared=shared)
+        if expert_cfg is not None:
+            model.expert = ActionExpert(expert_cfg, cfg)
     model.to(dtype=dtype).to_empty(device=device)
     model.tie_weights()
     model.reset_buffers(device)
@@ -210,13 +223,36 @@ def load(dir, target: VLA | None = None, dtype=None, device=None) -> VLA:
 
 # ---- Hugging Face Qwen2.5-VL / Qwen3-VL and Alpamayo-R1 folders ----
 
-ALPAMAYO_SKIP = ("expert.", "action_in_proj.", "action_out_proj.")
+ALPAMAYO_EXPERT = ("expert.", "action_in_proj.", "action_out_proj.")  # the action expert's keys, next to 'vlm.'
+
+
+def _required(d, key, where):
+    if key not in d:
+        raise ValueError(f"{where}: missing config field {key!r}")
+    return d[key]
+
+
+def _qwen3_vision(vraw, text, cfg_path):
+    """VisionConfig of a Qwen3-VL vision_config (the fields listed in this file's docstring)."""
+    get = lambda key: _required(vraw, key, f"{cfg_path} (vision_config)")  # noqa: E731
+    if get("hidden_act") != "gelu_pytorch_tanh":
+        raise ValueError(f"{cfg_path}: unsupported vision hidden_act {vraw['hidden_act']!r}")
+    if get("out_hidden_size") != text["hidden_size"]:
+        raise ValueError(f"{cfg_path}: vision out_hidden_size {vraw['out_hidden_size']} != hidden_size "
+                         f"{text['hidden_size']}")
+    return VisionConfig(
+        family="qwen3_vl", patch_size=get("patch_size"), temporal_patch_size=get("temporal_patch_size"),
+        spatial_merge_size=get("spatial_merge_size"), in_channels=get("in_channels"), depth=get("depth"),
+        hidden=get("hidden_size"), heads=get("num_heads"), intermediate=get("intermediate_size"),
+        num_position_embeddings=get("num_position_embeddings"),
+        deepstack_visual_indexes=get("deepstack_visual_indexes"),
+        rope_theta=(vraw.get("rope_parameters") or {}).get("rope_theta", 10000.0))
 
 
 def _hf_config(path):
-    """(ModelConfig, family, alpamayo) from a Hugging Face / Alpamayo config.json."""
+    """(ModelConfig, family, alpamayo, ExpertConfig or None) from a Hugging Face / Alpamayo config.json."""
     cfg_path = os.path.join(path, CONFIG)
-    raw = read_json(cfg_path)
+    raw = top = read_json(cfg_path)
     alpamayo = "vlm_name_or_path" in raw or "alpamayo" in str(raw.get("model_type", "")).lower()
     if alpamayo:  # the VLM config is nested, or (released checkpoints) named by vlm_name_or_path
         vlm = raw.get("vlm_config")
@@ -225,8 +261,8 @@ def _hf_config(path):
             if os.path.isfile(os.path.join(name, CONFIG)):
                 vlm = read_json(os.path.join(name, CONFIG))
             elif name.rstrip("/").split("/")[-1].lower() == "qwen3-vl-8b-instruct":
-                return (dataclasses.replace(PRESETS["qwen3-vl-8b"], vocab_size=raw.get("vocab_size", 151936)),
-                        "qwen3_vl", True)
+                cfg = dataclasses.replace(PRESETS["qwen3-vl-8b"], vocab_size=raw.get("vocab_size", 151936))
+                return _with_expert(cfg, "qwen3_vl", top, cfg_path)
             else:
                 raise ValueError(f"{cfg_path}: Alpamayo config without a 'vlm_config' entry and unknown VLM "
                                  f"{name!r}: add the VLM's config.json as 'vlm_config'")
@@ -242,7 +278,6 @@ def _hf_config(path):
     if family == "qwen3_vl" and text.get("attention_bias"):
         raise ValueError(f"{cfg_path}: unsupported attention_bias=True for qwen3_vl")
     vraw = raw.get("vision_config") or {}
-    vision = None
     if family == "qwen2_5_vl":
         vision = VisionConfig(
             patch_size=vraw.get("patch_size", 14), temporal_patch_size=vraw.get("temporal_patch_size", 2),
@@ -257,6 +292,8 @@ def _hf_config(path):
         if vraw.get("out_hidden_size", text["hidden_size"]) != text["hidden_size"]:
             raise ValueError(f"{cfg_path}: vision out_hidden_size {vraw['out_hidden_size']} != hidden_size "
                              f"{text['hidden_size']}")
+    else:
+        vision = _qwen3_vision(_required(raw, "vision_config", cfg_path), text, cfg_path)
     try:
         cfg = ModelConfig(
             vocab_size=raw.get("vocab_size") or text["vocab_size"], hidden_size=text["hidden_size"],
@@ -270,13 +307,21 @@ def _hf_config(path):
             tie_word_embeddings=bool(raw.get("tie_word_embeddings") or text.get("tie_word_embeddings")),
             image_token_id=raw.get("image_token_id", 151655), video_token_id=raw.get("video_token_id", 151656),
             vision_start_token_id=raw.get("vision_start_token_id", 151652),
-            tokens_per_second=vraw.get("tokens_per_second", 2), spatial_merge_size=vraw.get("spatial_merge_size", 2),
-            vision=vision, traj_len=64, max_seq_len=min(text.get("max_position_embeddings", 8192), 8192))
+            tokens_per_second=vraw.get("tokens_per_second", 2), video_frame_blocks=family == "qwen3_vl",
+            spatial_merge_size=vraw.get("spatial_merge_size", 2), vision=vision, traj_len=64,
+            max_seq_len=min(text.get("max_position_embeddings", 8192), 8192))
     except KeyError as e:
         raise ValueError(f"{cfg_path}: missing config field {e}") from None
     except ValueError as e:
         raise ValueError(f"{cfg_path}: {e}") from None
-    return cfg, family, alpamayo
+    return _with_expert(cfg, family, top, cfg_path) if alpamayo else (cfg, family, False, None)
+
+
+def _with_expert(cfg, family, top, cfg_path):
+    """An Alpamayo folder with an expert_cfg plans with its action expert, not with an MLP head."""
+    if "expert_cfg" not in top:
+        return cfg, family, True, None
+    return dataclasses.replace(cfg, traj_len=0), family, True, ExpertConfig.from_alpamayo(top, cfg, cfg_path)
 
 
 def _hf_name(key):
@@ -290,10 +335,11 @@ def _hf_name(key):
 def _hf_layout(model: VLA):
     """{hf name: shape} the checkpoint must hold, and {our name: [hf names]} joined along dim 0."""
     cfg, shapes, parts = model.cfg, {}, {}
-    q, kv, inter = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.intermediate_size
     for name, t in model.state_dict().items():
         if name.startswith("traj_head.") or (name == "lm_head.weight" and cfg.tie_word_embeddings):
             continue
+        c = model.expert.layer_cfg if name.startswith("expert.") else cfg  # the expert's decoder has its own sizes
+        q, kv, inter = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim, c.intermediate_size
         base, leaf = name.rsplit(".", 1)
         if base.endswith("self_attn.qkv"):
             split = [(base[:-3] + p, n) for p, n in (("q_proj", q), ("k_proj", kv), ("v_proj", kv))]
@@ -311,18 +357,31 @@ def _hf_layout(model: VLA):
     return shapes, parts
 
 
+def _check_fourier_buffers(path, stored, cfg: ExpertConfig):
+    """Alpamayo's Fourier frequencies are fixed by its config; a folder that stores them must agree."""
+    want = fourier_freqs(cfg.fourier_feats, cfg.max_freq)
+    for key, (file, tensor) in stored.items():
+        got = tensor.float().flatten()  # stored (1, F / 2), possibly in bf16
+        if got.shape != want.shape or not torch.allclose(got, want, rtol=1e-2):
+            raise ValueError(f"{file}: {key!r} holds Fourier frequencies {got.tolist()}, but action_in_proj_cfg "
+                             f"gives {want.tolist()}")
+
+
 def load_pretrained(path, dtype=None, device=None) -> VLA:
-    """Load a Hugging Face Qwen2.5-VL (language model + vision tower) or Qwen3-VL (language model)
-    folder, or an Alpamayo-R1 folder ('vlm.' prefix), one file or shards with an index.
+    """Load a Hugging Face Qwen2.5-VL or Qwen3-VL folder (language model and vision tower, DeepStack
+    mergers included), or an Alpamayo-R1 folder ('vlm.' prefix) with its flow-matching action expert
+    ('expert.*', 'action_in_proj.*', 'action_out_proj.*' -> `model.expert`, an expert.ActionExpert);
+    one file or shards with an index.
 
     Accepts both layouts ('model.layers.*' / 'visual.*' and 'model.language_model.*' /
-    'model.visual.*'). Skipped with a logged note: Alpamayo's action expert ('expert.*',
-    'action_in_proj.*', 'action_out_proj.*') and Qwen3-VL's vision tower (not implemented).
-    The trajectory head is not in these checkpoints and stays randomly initialised.
+    'model.visual.*'). Every key must be used and every weight found: a missing or unknown key is
+    an error naming it. The only keys not loaded are the Fourier frequencies of action_in_proj,
+    which the config fixes (checked to agree). The MLP trajectory head of a plain Qwen-VL folder is
+    not in these checkpoints and stays randomly initialised; an Alpamayo model has none.
     dtype None keeps the checkpoint's dtype."""
     if not os.path.isdir(path):
         raise FileNotFoundError(f"{path}: checkpoint folder not found")
-    cfg, family, alpamayo = _hf_config(path)
+    cfg, family, alpamayo, expert_cfg = _hf_config(path)
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index):
         key_file = {k: os.path.join(path, v) for k, v in read_json(index)["weight_map"].items()}
@@ -339,27 +398,24 @@ def load_pretrained(path, dtype=None, device=None) -> VLA:
 
     if key_file is None:
         key_file = dict.fromkeys(handle(os.path.join(path, WEIGHTS)).keys(), os.path.join(path, WEIGHTS))
-    found, skipped = {}, {"Alpamayo action expert": 0, "Qwen3-VL vision tower (not implemented)": 0}
+    found, freqs = {}, {}
     for key, file in key_file.items():
         k = key
-        if alpamayo:
-            if k.startswith(ALPAMAYO_SKIP):
-                skipped["Alpamayo action expert"] += 1
+        if alpamayo and k.startswith(ALPAMAYO_EXPERT):
+            if expert_cfg is not None and k.startswith("action_in_proj.") and k.endswith(".freqs"):
+                freqs[key] = (file, _read_tensor(handle(file), file, key))
                 continue
-            k = k[4:] if k.startswith("vlm.") else k
-        k = _hf_name(k)
-        if family == "qwen3_vl" and k.startswith("visual."):
-            skipped["Qwen3-VL vision tower (not implemented)"] += 1
-            continue
+            k = k if k.startswith("expert.") else "expert." + k  # action_*_proj live in model.expert
+        else:
+            k = _hf_name(k[4:] if alpamayo and k.startswith("vlm.") else k)
         if k == "lm_head.weight" and cfg.tie_word_embeddings:
             continue  # tied: embed_tokens.weight is the one that counts
         found[k] = (file, key)
-    for what, n in skipped.items():
-        if n:
-            log.warning("load_pretrained(%s): skipped %d tensors of the %s", path, n, what)
+    if expert_cfg is not None:
+        _check_fourier_buffers(path, freqs, expert_cfg)
     first_file, first_key = found.get("embed_tokens.weight", next(iter(found.values())))
     dtype = dtype or _read_tensor(handle(first_file), first_file, first_key).dtype
-    model = _empty_model(cfg, None, dtype, device or "cpu")
+    model = _empty_model(cfg, None, dtype, device or "cpu", expert_cfg)
     shapes, parts = _hf_layout(model)
     _check_keys(shapes, found, f"{path} ({family}{', Alpamayo' if alpamayo else ''})")
     for k, (file, key) in found.items():
@@ -371,5 +427,5 @@ def load_pretrained(path, dtype=None, device=None) -> VLA:
             sd[name].copy_(torch.cat(ts).reshape(sd[name].shape))
         if model.traj_head is not None:
             model.traj_head.apply(VLA._init_weights)
-    log.warning("load_pretrained(%s): trajectory head not in the checkpoint, randomly initialised", path)
+            log.warning("load_pretrained(%s): trajectory head not in the checkpoint, randomly initialised", path)
     return model

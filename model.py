@@ -1,16 +1,17 @@
-"""A Qwen-VL-style VLA: vision tower, decoder with KV cache, trajectory head, and the
-routine-reasoner draft. The same code runs the toy and real Qwen2.5-VL / Qwen3-VL / Alpamayo-R1
-weights (checkpoint.load_pretrained reads those into it).
+"""A Qwen-VL-style VLA: decoder with KV cache and DeepStack injection, trajectory head, and the
+routine-reasoner draft, around a vision tower from vision.py. The same code runs the toy and real
+Qwen2.5-VL / Qwen3-VL / Alpamayo-R1 weights (checkpoint.load_pretrained reads those into it; an
+Alpamayo folder's flow-matching action expert is expert.py).
 
 Paper map: `VLA` with rope_mode "mrope" is the deliberative reasoner (the unmodified target,
 3D M-RoPE); `make_draft` builds the routine reasoner (1-2 layers, FlatRoPE, shares the
-target's embedding and LM head, reads the target's image embeddings); `TrajHead` is the cheap
-parallel trajectory step that follows the chain of causation (docs/background.md, "The paper
-in five lines"). The verify step of speculative decoding is a multi-token forward over a
+target's embedding and LM head, reads the target's image embeddings); `TrajHead` is the toy's
+cheap parallel trajectory step that follows the chain of causation (docs/background.md, "The
+paper in five lines"). The verify step of speculative decoding is a multi-token forward over a
 `KVCache`.
 
 Letters: B batch, T new tokens, S keys (cached + new), D hidden, H heads, Hk KV heads,
-hd head dim, g = H / Hk, V vocab, N vision patches, m spatial merge.
+hd head dim, g = H / Hk, V vocab, N vision patches, m spatial merge, n_vis visual tokens.
 
 run: python -m pytest -q tests/test_model.py      (sizes and speed: python bench.py --device cpu)
 """
@@ -21,38 +22,13 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from einops import rearrange
 
 from rope import (apply_rope, check_mrope_section, decode_positions, flat_position_ids, get_rope_index,
                   mrope_cos_sin, rope_cos_sin, rope_inv_freq)
+# patchify lives with the towers; `from model import patchify` (driving.py) keeps working
+from vision import RMSNorm, VisionConfig, make_tower, patchify  # noqa: F401
 
 # ---- config ----
-
-
-@dataclass
-class VisionConfig:
-    patch_size: int = 2  # p: pixels per patch side (Qwen2.5-VL: 14)
-    temporal_patch_size: int = 1  # frames per patch (Qwen2.5-VL: 2)
-    spatial_merge_size: int = 2  # m: m x m patches merge into one LM token
-    in_channels: int = 3
-    depth: int = 2  # ViT blocks
-    hidden: int = 128  # ViT width
-    heads: int = 4  # ViT heads; hidden / heads must be divisible by 4 (2D rotary)
-    intermediate: int = 256  # ViT SwiGLU width
-    window_size: int = 16  # window side in pixels for windowed blocks (Qwen2.5-VL: 112)
-    fullatt_block_indexes: tuple = (1,)  # blocks with full per-frame attention; the rest are windowed
-    rope_theta: float = 10000.0  # base of the 2D (row, col) rotary embedding
-
-    def __post_init__(self):
-        self.fullatt_block_indexes = tuple(self.fullatt_block_indexes)
-        hd = self.hidden // self.heads
-        if self.hidden % self.heads or hd % 4:
-            raise ValueError(f"vision hidden {self.hidden} must split into {self.heads} heads of a size divisible by 4")
-        if self.window_size % (self.patch_size * self.spatial_merge_size):
-            raise ValueError(f"vision window_size {self.window_size} must be a multiple of patch_size * "
-                             f"spatial_merge_size = {self.patch_size * self.spatial_merge_size}")
-        if any(not 0 <= i < self.depth for i in self.fullatt_block_indexes):
-            raise ValueError(f"fullatt_block_indexes {self.fullatt_block_indexes} out of range for depth {self.depth}")
 
 
 @dataclass
@@ -76,6 +52,7 @@ class ModelConfig:
     video_token_id: int = 2  # placeholder token of one merged video patch
     vision_start_token_id: int = 3  # <|vision_start|>, opens every image / video block
     tokens_per_second: float = 2.0  # video t-id scale: t ids advance by this per second of video
+    video_frame_blocks: bool = False  # Qwen3-VL: each temporal patch of a video is its own vision block
     spatial_merge_size: int | None = None  # m used by get_rope_index; None = vision.spatial_merge_size (or 2)
     # the vision tower; None: none (image / video placeholders keep their token embeddings)
     vision: VisionConfig | None = field(default_factory=VisionConfig)
@@ -115,6 +92,9 @@ class ModelConfig:
 
 QWEN25_VISION = VisionConfig(patch_size=14, temporal_patch_size=2, spatial_merge_size=2, depth=32, hidden=1280,
                              heads=16, intermediate=3420, window_size=112, fullatt_block_indexes=(7, 15, 23, 31))
+QWEN3_VISION = VisionConfig(family="qwen3_vl", patch_size=16, temporal_patch_size=2, spatial_merge_size=2, depth=27,
+                            hidden=1152, heads=16, intermediate=4304, num_position_embeddings=2304,
+                            deepstack_visual_indexes=(8, 16, 24))
 QWEN_IDS = dict(image_token_id=151655, video_token_id=151656, vision_start_token_id=151652)
 PRESETS = {
     # the toy target of the synthetic driving world (train.target_config sets vocab_size, token ids, vision input).
@@ -124,15 +104,15 @@ PRESETS = {
     # frequency pairs would barely rotate across them (docs/toy-notes.md measures the drafts at both bases).
     "toy-target": ModelConfig(hidden_size=128, n_layers=20, n_heads=2, n_kv_heads=1, intermediate_size=384,
                               rope_theta=1e4),
-    # real shapes, random weights (benchmarks). Qwen3-VL's vision tower is not implemented: vision=None.
+    # real shapes, random weights (benchmarks)
     "qwen2.5-vl-7b": ModelConfig(vocab_size=152064, hidden_size=3584, n_layers=28, n_heads=28, n_kv_heads=4,
                                  intermediate_size=18944, rope_theta=1e6, mrope_section=(16, 24, 24),
                                  qkv_bias=True, tokens_per_second=2, vision=QWEN25_VISION, traj_len=64,
                                  max_seq_len=8192, **QWEN_IDS),
     "qwen3-vl-8b": ModelConfig(vocab_size=151936, hidden_size=4096, n_layers=36, n_heads=32, n_kv_heads=8,
                                head_dim=128, intermediate_size=12288, rope_theta=5e6, mrope_section=(24, 20, 20),
-                               mrope_interleaved=True, qkv_bias=False, qk_norm=True, vision=None,
-                               spatial_merge_size=2, traj_len=64, max_seq_len=8192, **QWEN_IDS),
+                               mrope_interleaved=True, qkv_bias=False, qk_norm=True, vision=QWEN3_VISION,
+                               video_frame_blocks=True, traj_len=64, max_seq_len=8192, **QWEN_IDS),
 }
 DRAFT_PRESETS = {  # make_draft(target, **DRAFT_PRESETS[name])
     "toy-draft": dict(n_layers=1),  # one decoder layer of the target's shape
@@ -141,17 +121,6 @@ DRAFT_PRESETS = {  # make_draft(target, **DRAFT_PRESETS[name])
 }
 
 # ---- decoder ----
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim, eps=1e-6):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x):
-        # normalise in fp32, cast back, then scale: Qwen's order (matters in bf16)
-        return F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype) * self.weight
 
 
 class Attention(nn.Module):
@@ -218,137 +187,6 @@ class Block(nn.Module):
     def forward(self, x, cos, sin, cache, layer, mask, causal, grouped):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, mask, causal, grouped)
         return x + self.mlp(self.post_attention_layernorm(x))
-
-
-# ---- vision tower (Qwen2.5-VL) ----
-
-
-def _segments(lengths: torch.Tensor):
-    """Contiguous segments of a packed sequence as a padded gather: idx, valid (n_seg, Lmax)."""
-    starts = lengths.cumsum(0) - lengths
-    ar = torch.arange(int(lengths.max()), device=lengths.device)
-    valid = ar < lengths[:, None]  # (n_seg, Lmax)
-    return (starts[:, None] + ar).clamp(max=int(lengths.sum()) - 1), valid
-
-
-class VisionAttention(nn.Module):
-    def __init__(self, vc: VisionConfig):
-        super().__init__()
-        self.heads = vc.heads
-        self.qkv = nn.Linear(vc.hidden, 3 * vc.hidden)
-        self.proj = nn.Linear(vc.hidden, vc.hidden)
-
-    def forward(self, x, cos, sin, seg):
-        N, C = x.shape
-        q, k, v = self.qkv(x).view(N, 3, self.heads, -1).unbind(1)  # 3 x (N, heads, hd)
-        q = apply_rope(q.float(), cos, sin).to(x.dtype)  # rotary in fp32 as Qwen does; cos (N, 1, hd)
-        k = apply_rope(k.float(), cos, sin).to(x.dtype)
-        idx, valid = seg  # attention stays inside each frame / window: pad segments into a batch
-        q, k, v = (t[idx].transpose(1, 2) for t in (q, k, v))  # (n_seg, heads, Lmax, hd)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=valid[:, None, None, :])
-        return self.proj(y.transpose(1, 2)[valid].reshape(N, C))  # (n_seg, Lmax, heads, hd) -> (N, C)
-
-
-class VisionMLP(nn.Module):
-    def __init__(self, vc: VisionConfig):
-        super().__init__()
-        self.gate_proj = nn.Linear(vc.hidden, vc.intermediate)
-        self.up_proj = nn.Linear(vc.hidden, vc.intermediate)
-        self.down_proj = nn.Linear(vc.intermediate, vc.hidden)
-
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-class VisionBlock(nn.Module):
-    def __init__(self, vc: VisionConfig):
-        super().__init__()
-        self.norm1, self.norm2 = RMSNorm(vc.hidden), RMSNorm(vc.hidden)
-        self.attn = VisionAttention(vc)
-        self.mlp = VisionMLP(vc)
-
-    def forward(self, x, cos, sin, seg):
-        x = x + self.attn(self.norm1(x), cos, sin, seg)
-        return x + self.mlp(self.norm2(x))
-
-
-class PatchMerger(nn.Module):
-    def __init__(self, vc: VisionConfig, out_dim):
-        super().__init__()
-        self.width = vc.hidden * vc.spatial_merge_size ** 2
-        self.ln_q = RMSNorm(vc.hidden)
-        self.mlp = nn.Sequential(nn.Linear(self.width, self.width), nn.GELU(), nn.Linear(self.width, out_dim))
-
-    def forward(self, x):
-        return self.mlp(self.ln_q(x).view(-1, self.width))  # (N, C) -> (N / m^2, m^2 C) -> (N / m^2, D)
-
-
-class VisionTower(nn.Module):
-    """Qwen2.5-VL ViT: patch embedding, blocks with 2D rotary (row, col) positions, window
-    attention except in fullatt blocks, and an m x m patch merger into the LM width."""
-
-    def __init__(self, vc: VisionConfig, out_dim):
-        super().__init__()
-        self.vc = vc
-        # a Linear over the flattened (C, tp, p, p) patch == Qwen's stride-p Conv3d
-        self.patch_embed = nn.Module()
-        self.patch_embed.proj = nn.Linear(vc.in_channels * vc.temporal_patch_size * vc.patch_size ** 2, vc.hidden,
-                                          bias=False)
-        self.blocks = nn.ModuleList(VisionBlock(vc) for _ in range(vc.depth))
-        self.merger = PatchMerger(vc, out_dim)
-        self.reset_buffers()
-
-    def reset_buffers(self, device=None):
-        hd = self.vc.hidden // self.vc.heads  # rows and cols each take hd/4 frequency pairs
-        self.register_buffer("inv_freq", rope_inv_freq(hd // 2, self.vc.rope_theta).to(device), persistent=False)
-
-    def windows(self, grid):
-        """Permutation of merged tokens into windows of ws x ws merged tokens (ragged at the edges),
-        and the window lengths in patches."""
-        m, ws = self.vc.spatial_merge_size, self.vc.window_size // self.vc.spatial_merge_size // self.vc.patch_size
-        order, lens, off = [], [], 0
-        for t, h, w in grid:
-            gh, gw = h // m, w // m
-            nh, nw = -(-gh // ws), -(-gw // ws)
-            idx = F.pad(torch.arange(t * gh * gw).view(t, gh, gw), (0, nw * ws - gw, 0, nh * ws - gh), value=-1)
-            # (t, nh*ws, nw*ws) -> (t*nh*nw, ws*ws): a row per window, its merged tokens in row-major order
-            idx = rearrange(idx, "t (nh wr) (nw wc) -> (t nh nw) (wr wc)", wr=ws, wc=ws)
-            keep = idx >= 0
-            order.append(idx[keep] + off)
-            n = keep.sum(1)
-            lens.append(n[n > 0] * m * m)
-            off += t * gh * gw
-        return torch.cat(order), torch.cat(lens)
-
-    def patch_positions(self, grid):
-        """(row, col) of every patch, patches listed in m x m merge-block order -> (N, 2)."""
-        m, out = self.vc.spatial_merge_size, []
-        for t, h, w in grid:
-            rc = torch.stack(torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij"), -1)  # (h, w, 2)
-            # (h, w, 2) -> (h*w, 2) in merge-block order: block row, block col, row in block, col in block
-            rc = rearrange(rc, "(bh mr) (bw mc) two -> (bh bw mr mc) two", mr=m, mc=m)
-            out.append(rc.repeat(t, 1))
-        return torch.cat(out)
-
-    def forward(self, pixel_values, grid_thw):
-        """pixel_values (N, C*tp*p*p) in patchify order, grid_thw (n, 3) -> (N / m^2, D)."""
-        mu = self.vc.spatial_merge_size ** 2
-        grid = grid_thw.tolist()
-        dev = pixel_values.device
-        x = self.patch_embed.proj(pixel_values.to(self.patch_embed.proj.weight.dtype))  # (N, C)
-        N = x.shape[0]
-        order, win_lens = self.windows(grid)
-        order = order.to(dev)
-        x = x.view(N // mu, mu, -1)[order].view(N, -1)  # (N/m^2, m^2, C): merge groups regrouped by window
-        pos = self.patch_positions(grid).to(dev).view(N // mu, mu, 2)[order].view(N, 2)  # (N, 2) in the same order
-        angles = (pos[..., None].float() * self.inv_freq).flatten(1)  # (N, 2, hd/4) -> (N, hd/2): rows, cols
-        emb = torch.cat((angles, angles), -1)[:, None]  # (N, 1, hd)
-        cos, sin = emb.cos(), emb.sin()
-        frames = _segments(torch.tensor([h * w for t, h, w in grid for _ in range(t)], device=dev))
-        wins = _segments(win_lens.to(dev))
-        for i, blk in enumerate(self.blocks):
-            x = blk(x, cos, sin, frames if i in self.vc.fullatt_block_indexes else wins)
-        return self.merger(x)[torch.argsort(order)]  # (N / m^2, D), back in patchify order
 
 
 # ---- KV cache ----
@@ -428,7 +266,7 @@ class VLA(nn.Module):
         D = cfg.hidden_size
         self.proj_in = self.proj_out = None
         if cfg.shared_width is None:
-            self.visual = VisionTower(cfg.vision, D) if cfg.vision is not None else None
+            self.visual = make_tower(cfg.vision, D) if cfg.vision is not None else None
             self.embed_tokens = nn.Embedding(cfg.vocab_size, D)
             self.lm_head = nn.Linear(D, cfg.vocab_size, bias=False)
         else:
@@ -486,11 +324,17 @@ class VLA(nn.Module):
         return KVCache(self.cfg.n_layers, batch, self.cfg.n_kv_heads, max_len or self.cfg.max_seq_len,
                        self.cfg.head_dim, dtype or w.dtype, device or w.device)
 
-    def embed(self, input_ids, pixel_values=None, image_grid_thw=None, pixel_values_videos=None, video_grid_thw=None):
+    def embed(self, input_ids, pixel_values=None, image_grid_thw=None, pixel_values_videos=None, video_grid_thw=None,
+              return_deepstack=False):
         """Token embeddings (B, L, D) with vision features scattered into the placeholder slots
-        (row-major over the batch, images / videos in grid order, as in transformers)."""
+        (row-major over the batch, images / videos in grid order, as in transformers).
+
+        return_deepstack: also return the DeepStack features forward(deepstack=...) adds after the
+        first decoder layers, a list of (slots (B, L) bool, [(n_vis, D) per level]), one entry per
+        modality with pixels; empty for a tower without DeepStack (Qwen2.5-VL, the toy)."""
         x = self.embed_tokens(input_ids)  # (B, L, D)
         m2 = self.cfg.spatial_merge_size ** 2
+        deepstack = []
         for pv, grid, tok, name in ((pixel_values, image_grid_thw, self.cfg.image_token_id, "image"),
                                     (pixel_values_videos, video_grid_thw, self.cfg.video_token_id, "video")):
             if pv is None:
@@ -509,9 +353,12 @@ class VLA(nn.Module):
             if n_tok != n_patch // m2:
                 raise ValueError(f"{n_tok} {name} tokens (id {tok}) in input_ids but {name}_grid_thw "
                                  f"{grid.tolist()} gives {n_patch // m2} merged tokens")
-            feats = self.visual(pv, grid).to(x.dtype)  # (n_tok, D)
-            x = x.masked_scatter(slots[..., None], feats)
-        return x
+            out = self.visual(pv, grid)  # Qwen3-VL's tower also returns its DeepStack features
+            feats, levels = out if isinstance(out, tuple) else (out, [])
+            x = x.masked_scatter(slots[..., None], feats.to(x.dtype))  # (n_tok, D) into the slots
+            if levels:
+                deepstack.append((slots, [f.to(x.dtype) for f in levels]))
+        return (x, deepstack) if return_deepstack else x
 
     def rope_tables(self, input_ids, x, image_grid_thw, video_grid_thw, second_per_grid_ts, attention_mask,
                     cache, position_ids):
@@ -522,6 +369,11 @@ class VLA(nn.Module):
         if position_ids is None:
             if self.cfg.rope_mode == "mrope" and input_ids is not None:
                 c = self.cfg
+                if c.video_frame_blocks and video_grid_thw is not None:
+                    # Qwen3-VL: a video of t temporal patches is t blocks of one frame each, with a
+                    # timestamp in text between them, so each starts at the next free id (t id = start)
+                    video_grid_thw = video_grid_thw.repeat_interleave(video_grid_thw[:, 0], 0)  # (sum t, 3)
+                    video_grid_thw = torch.cat([torch.ones_like(video_grid_thw[:, :1]), video_grid_thw[:, 1:]], 1)
                 position_ids, delta = get_rope_index(
                     input_ids, image_grid_thw, video_grid_thw, second_per_grid_ts, attention_mask,
                     spatial_merge_size=c.spatial_merge_size, image_token_id=c.image_token_id,
@@ -539,7 +391,7 @@ class VLA(nn.Module):
 
     def forward(self, input_ids=None, pixel_values=None, image_grid_thw=None, pixel_values_videos=None,
                 video_grid_thw=None, second_per_grid_ts=None, attention_mask=None, cache=None, inputs_embeds=None,
-                position_ids=None, return_hidden=False, logits_to_keep=0):
+                position_ids=None, return_hidden=False, logits_to_keep=0, deepstack=None):
         """Logits (B, T, V), or (logits, hidden (B, T, D_out)) with return_hidden.
 
         Positions: without a cache or with an empty one (prefill) they come from get_rope_index
@@ -547,9 +399,14 @@ class VLA(nn.Module):
         non-empty cache the T new tokens get cache.length + arange(T) + rope_delta on all axes.
         A cached forward appends T tokens (causal over the cached prefix for T > 1: the verify
         step). attention_mask (B, L) is read at prefill only; the cache remembers the padding.
-        logits_to_keep > 0 computes logits for the last that many positions only."""
+        logits_to_keep > 0 computes logits for the last that many positions only.
+
+        DeepStack (Qwen3-VL): decoder layer i's output gets the tower's level-i features added at
+        the visual slots, at prefill; computed here from pixels, or passed as `deepstack` (from
+        embed(..., return_deepstack=True)) with inputs_embeds, whose T columns are the slots' first T."""
         if inputs_embeds is None:
-            inputs_embeds = self.embed(input_ids, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw)
+            inputs_embeds, deepstack = self.embed(input_ids, pixel_values, image_grid_thw, pixel_values_videos,
+                                                  video_grid_thw, return_deepstack=True)
         x = inputs_embeds
         B, T, _ = x.shape
         past = cache.length if cache is not None else 0
@@ -580,10 +437,15 @@ class VLA(nn.Module):
                 km = cache.key_mask[:, None, None, :past + T]  # (B, 1, 1, S)
                 mask = km if mask is None else mask & km
 
+        if deepstack and past > 0:
+            raise ValueError("DeepStack features are added at prefill only (an empty cache)")
         if self.proj_in is not None:
             x = self.proj_in(x)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, cache, i, mask, causal, grouped)
+            for slots, levels in deepstack or ():
+                if i < len(levels):  # x[slots] += level i, out of place
+                    x = x.index_put((slots[:, :T],), levels[i], accumulate=True)
         if cache is not None:
             cache.length = past + T
         h = self.norm(x)
@@ -632,26 +494,3 @@ def make_draft(target: VLA, n_layers=1, hidden_size=None, rope_mode="flat", n_he
                               shared_width=t.hidden_size)
     w = target.embed_tokens.weight
     return VLA(cfg, shared=target).to(device=w.device, dtype=w.dtype)
-
-
-# ---- patchify ----
-
-
-def patchify(frames, patch_size, temporal_patch_size, merge_size):
-    """frames (T, C, H, W), already normalised -> pixel_values (N, C*tp*p*p), grid_thw (3,).
-
-    The Qwen2-VL image processor's flattening: patches in (t, row block, col block, row in block,
-    col in block) order, each flattened as (C, tp, p, p); T is padded to a multiple of
-    temporal_patch_size by repeating the last frame."""
-    T, C, H, W = frames.shape
-    p, tp, m = patch_size, temporal_patch_size, merge_size
-    if H % (p * m) or W % (p * m):
-        raise ValueError(f"frame size {H}x{W} must be divisible by patch_size * merge_size = {p * m}")
-    if T % tp:
-        frames = torch.cat([frames, frames[-1:].expand(tp - T % tp, -1, -1, -1)])
-    gt, gh, gw = frames.shape[0] // tp, H // p, W // p
-    # (gt*tp, C, gh*p, gw*p) -> (gt*gh*gw, C*tp*p*p): patches by (t, block row, block col, row in block,
-    # col in block), each patch flattened as (C, tp, p, p)
-    x = rearrange(frames, "(gt tp) c (bh mr ph) (bw mc pw) -> (gt bh bw mr mc) (c tp ph pw)",
-                  tp=tp, mr=m, mc=m, ph=p, pw=p)
-    return x, torch.tensor([gt, gh, gw])

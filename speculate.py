@@ -249,14 +249,24 @@ def check_last_token(model, prompt):
         raise ValueError("the prompt must end with a text token (e.g. <cot_start>), not an image/video placeholder")
 
 
-def prefill(model, prompt, embeds, cache):
+def embed_prompt(target, prompt):
+    """The target's prompt embeddings (1, L, D) and its DeepStack features (Qwen3-VL; [] without).
+    A model whose embed knows no DeepStack returns the embeddings alone."""
+    out = target.embed(**{k: prompt[k] for k in EMBED_KEYS if prompt.get(k) is not None}, return_deepstack=True)
+    return out if isinstance(out, tuple) else (out, [])
+
+
+def prefill(model, prompt, embeds, cache, deepstack=None):
     """Feed the prompt except its last token; returns that token (1, 1), the first x_last.
 
     embeds (1, L, D) come from target.embed once and serve both models, so the
     draft sees the target's image features and no second vision tower runs.
+    deepstack: the target's DeepStack features (embed_prompt), for the target only.
     """
     ids = prompt["input_ids"]  # (1, L)
     grids = {k: prompt[k] for k in GRID_KEYS if prompt.get(k) is not None}
+    if deepstack:
+        grids["deepstack"] = deepstack
     # The prefill's logits are never read: logits_to_keep=1 skips an (L, V) LM-head product.
     model(ids[:, :-1], inputs_embeds=embeds[:, :-1], cache=cache, logits_to_keep=1, **grids)
     return ids[:, -1:]
@@ -382,8 +392,8 @@ def speculative(target, draft, prompt, gamma, max_new_tokens, temperature=0.0, t
     dcache = new_cache(draft, prompt, max_new_tokens, max_len)
     generator = make_generator(prompt["input_ids"].device, seed)
     clock = Clock(prompt["input_ids"].device, timing)
-    embeds = target.embed(**{k: prompt[k] for k in EMBED_KEYS if prompt.get(k) is not None})  # (1, L, D)
-    pending = prefill(target, prompt, embeds, tcache)
+    embeds, deepstack = embed_prompt(target, prompt)  # (1, L, D)
+    pending = prefill(target, prompt, embeds, tcache, deepstack)
     prefill(draft, prompt, embeds, dcache)
     res = SpecResult(target_forwards=1, draft_forwards=1, prefill_s=clock.lap())  # the prefills
     while len(res.tokens) < max_new_tokens:
@@ -420,8 +430,8 @@ def autoregressive(target, prompt, max_new_tokens, temperature=0.0, top_k=None, 
     cache = new_cache(target, prompt, max_new_tokens, max_len)
     generator = make_generator(prompt["input_ids"].device, seed)
     clock = Clock(prompt["input_ids"].device, timing)
-    embeds = target.embed(**{k: prompt[k] for k in EMBED_KEYS if prompt.get(k) is not None})  # (1, L, D)
-    x = prefill(target, prompt, embeds, cache)  # (1, 1)
+    embeds, deepstack = embed_prompt(target, prompt)  # (1, L, D)
+    x = prefill(target, prompt, embeds, cache, deepstack)  # (1, 1)
     prefill_s = clock.lap()
     out = []
     for _ in range(max_new_tokens):

@@ -1,5 +1,6 @@
-"""Checkpoints: parity with transformers' Qwen2.5-VL / Qwen3-VL, Alpamayo prefix, shards,
-every load error on a broken checkpoint, save/load round trips (target and draft), atomicity.
+"""Checkpoints: parity with transformers' Qwen2.5-VL / Qwen3-VL (vision tower, DeepStack, video,
+prefill and cached decode, both key layouts), Alpamayo prefix, shards, every load error on a broken
+checkpoint, save/load round trips (target and draft), atomicity.
 
 Parity: tiny random models built offline from config objects, O(1)-scale weights, fp32,
 logits max |diff| <= 1e-4.
@@ -18,7 +19,8 @@ import checkpoint
 from checkpoint import load, load_pretrained, save
 from model import make_draft
 from rope import mrope_cos_sin, rope_inv_freq
-from tiny_models import IMG, VE, VID, VS, image_prompt, o1_init, tiny_model
+from tiny_models import (IMG, VE, VID, VS, hf_qwen3, image_prompt, mm_token_type_ids, o1_init, qwen3_prompt,
+                         tiny_model)
 
 PARITY_TOL = 1e-4
 MEASURED = {}  # max |diff| per parity check, printed at the end of the module (pytest -s)
@@ -57,26 +59,6 @@ def hf_qwen25(tmp):
     return hf
 
 
-def hf_qwen3(tmp):
-    tf = pytest.importorskip("transformers")
-    cfg = tf.Qwen3VLConfig(
-        text_config=dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6,
-                         max_position_embeddings=256, bos_token_id=None, eos_token_id=None,
-                         rope_parameters={"rope_type": "default", "rope_theta": 5e6, "mrope_section": [4, 2, 2],
-                                          "mrope_interleaved": True}),
-        vision_config=dict(depth=1, hidden_size=32, intermediate_size=48, num_heads=2, patch_size=2,
-                           temporal_patch_size=1, spatial_merge_size=2, out_hidden_size=64,
-                           num_position_embeddings=16, deepstack_visual_indexes=[0]),
-        image_token_id=IMG, video_token_id=VID, vision_start_token_id=VS, vision_end_token_id=VE,
-        tie_word_embeddings=False)
-    cfg._attn_implementation = "eager"
-    torch.manual_seed(0)
-    hf = o1_init(tf.Qwen3VLForConditionalGeneration(cfg).eval(), seed=2)
-    hf.save_pretrained(tmp)
-    return hf
-
-
 @pytest.fixture(scope="module")
 def qwen25(tmp_path_factory):
     d = tmp_path_factory.mktemp("qwen25")
@@ -85,15 +67,16 @@ def qwen25(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def qwen3(tmp_path_factory):
+    pytest.importorskip("transformers")
     d = tmp_path_factory.mktemp("qwen3")
-    return hf_qwen3(d), d
+    hf = hf_qwen3()
+    hf.save_pretrained(d)
+    return hf, d
 
 
 def hf_logits(hf, prompt):
-    ids = prompt["input_ids"]
-    mm = (ids == IMG).int() + 2 * (ids == VID).int()  # transformers 5 needs it for 3D positions
     with torch.no_grad():
-        return hf(**prompt, mm_token_type_ids=mm).logits
+        return hf(**prompt, mm_token_type_ids=mm_token_type_ids(prompt["input_ids"])).logits
 
 
 def rewrite(src, dst, rename, extra=None, config=None):
@@ -115,6 +98,22 @@ def new_layout(k):
     return "model." + k if k.startswith("visual.") else k
 
 
+def old_layout(k):
+    """The older files' names: model.layers.* and visual.*"""
+    for new, old in (("model.language_model.", "model."), ("model.visual.", "visual.")):
+        if k.startswith(new):
+            return old + k[len(new):]
+    return k
+
+
+def cached_decode(model, prompt, n=3):
+    """Prefill all but the last n tokens (pixels included), then n single-token steps -> (1, L, V)."""
+    cache = model.new_cache(max_len=64)
+    L = prompt["input_ids"].shape[1] - n
+    steps = [model(**dict(prompt, input_ids=prompt["input_ids"][:, :L]), cache=cache)]
+    return torch.cat(steps + [model(prompt["input_ids"][:, i:i + 1], cache=cache) for i in range(L, L + n)], 1)
+
+
 # ---- parity with transformers ----
 
 
@@ -131,20 +130,46 @@ def test_qwen25_vl_parity_both_layouts(qwen25, tmp_path):
         MEASURED[name] = diff = max_diff(ours(**prompt), ref)
         assert ref.abs().mean() > 0.3 and diff <= PARITY_TOL, diff
     # the KV-cache path agrees too (prefill then 3 single-token steps)
-    cache = ours.new_cache(max_len=64)
-    L = prompt["input_ids"].shape[1] - 3
-    head = dict(prompt, input_ids=prompt["input_ids"][:, :L])
-    steps = [ours(**head, cache=cache)] + [ours(prompt["input_ids"][:, i:i + 1], cache=cache) for i in range(L, L + 3)]
-    MEASURED["qwen2.5-vl cached decode"] = diff = max_diff(torch.cat(steps, 1), ref)
+    MEASURED["qwen2.5-vl cached decode"] = diff = max_diff(cached_decode(ours, prompt), ref)
     assert diff <= PARITY_TOL
 
 
 @torch.no_grad()
-def test_qwen3_vl_language_model_parity(qwen3, caplog):
+def test_qwen3_vl_parity_vision_deepstack_video_both_layouts(qwen3, tmp_path):
+    """text + image + text + image of another grid + text + video (two temporal patches, each its own
+    block), full prefill and the cached decode path, from either on-disk layout."""
     hf, d = qwen3
-    with caplog.at_level(logging.WARNING, logger="checkpoint"):
-        ours = load_pretrained(d)
-    assert "vision tower (not implemented)" in caplog.text and ours.visual is None
+    assert any(k.startswith("model.language_model.") for k in load_file(os.path.join(d, "model.safetensors")))
+    prompt = qwen3_prompt(seed=4)
+    assert prompt["image_grid_thw"].tolist() == [[1, 4, 4], [1, 4, 6]] and prompt["video_grid_thw"].tolist() == [[2, 4, 4]]
+    ref = hf_logits(hf, prompt)
+    for name, path in (("qwen3-vl new layout", d), ("qwen3-vl old layout", rewrite(d, tmp_path / "old", old_layout))):
+        ours = load_pretrained(path)
+        v = ours.cfg.vision
+        assert v.family == "qwen3_vl" and v.deepstack_visual_indexes == (0, 1) and ours.cfg.video_frame_blocks
+        MEASURED[name] = diff = max_diff(ours(**prompt), ref)
+        assert ref.abs().mean() > 0.3 and diff <= PARITY_TOL, diff
+        MEASURED[name + ", cached decode"] = diff = max_diff(cached_decode(ours, prompt), ref)
+        assert diff <= PARITY_TOL, diff
+    # DeepStack matters: the merged features as input embeddings alone are far from transformers
+    embeds = ours.embed(*(prompt[k] for k in ("input_ids", "pixel_values", "image_grid_thw", "pixel_values_videos",
+                                              "video_grid_thw")))
+    no_deepstack = ours(prompt["input_ids"], inputs_embeds=embeds, image_grid_thw=prompt["image_grid_thw"],
+                        video_grid_thw=prompt["video_grid_thw"])
+    assert max_diff(no_deepstack, ref) > 0.1
+    # ... and the DeepStack features handed over with the embeddings restore it (speculate's prefill path)
+    embeds, deepstack = ours.embed(*(prompt[k] for k in ("input_ids", "pixel_values", "image_grid_thw",
+                                                         "pixel_values_videos", "video_grid_thw")), return_deepstack=True)
+    assert [len(levels) for _, levels in deepstack] == [2, 2]  # image and video, two levels each
+    again = ours(prompt["input_ids"], inputs_embeds=embeds, image_grid_thw=prompt["image_grid_thw"],
+                 video_grid_thw=prompt["video_grid_thw"], deepstack=deepstack)
+    assert max_diff(again, ref) <= PARITY_TOL
+
+
+@torch.no_grad()
+def test_qwen3_vl_text_and_3d_positions_parity(qwen3):
+    hf, d = qwen3
+    ours = load_pretrained(d)
     assert ours.cfg.qk_norm and ours.cfg.mrope_interleaved and ours.cfg.head_dim == 16
     ids = torch.randint(0, 97, (2, 14), generator=torch.Generator().manual_seed(0))
     ref = hf(input_ids=ids).logits
@@ -157,6 +182,15 @@ def test_qwen3_vl_language_model_parity(qwen3, caplog):
     assert diff <= PARITY_TOL and max_diff(ref3, ref) > 1e-2
 
 
+def test_qwen3_vl_missing_vision_field_is_named(qwen3, tmp_path):
+    _, d = qwen3
+
+    def drop(cfg):
+        del cfg["vision_config"]["num_position_embeddings"]
+    with pytest.raises(ValueError, match=r"\(vision_config\): missing config field 'num_position_embeddings'"):
+        load_pretrained(broken(d, tmp_path / "novision", edit_cfg=drop))
+
+
 def test_mrope_tables_match_transformers_rotary(qwen25, qwen3):
     pos = torch.randint(0, 500, (3, 2, 9), generator=torch.Generator().manual_seed(0))
     for (hf, _), section, interleaved in ((qwen25, (2, 3, 3), False), (qwen3, (4, 2, 2), True)):
@@ -167,20 +201,20 @@ def test_mrope_tables_match_transformers_rotary(qwen25, qwen3):
 
 
 @torch.no_grad()
-def test_alpamayo_prefix_loads_and_skips_action_expert(qwen3, tmp_path, caplog):
+def test_alpamayo_vlm_prefix(qwen3, tmp_path):
+    """An Alpamayo folder whose VLM is nested under 'vlm.' (no action expert here: tests/test_alpamayo.py)."""
     hf, d = qwen3
     config = {"model_type": "alpamayo_r1", "vlm_name_or_path": "Qwen/Qwen3-VL-8B-Instruct", "vocab_size": 97,
               "vlm_config": json.load(open(os.path.join(d, "config.json")))}
-    extra = {"expert.layers.0.mlp.weight": torch.zeros(4, 4), "action_in_proj.weight": torch.zeros(4, 2),
-             "action_out_proj.bias": torch.zeros(2)}
-    assert any(k.startswith("model.language_model.") for k in load_file(os.path.join(d, "model.safetensors")))
-    path = rewrite(d, tmp_path / "alpamayo", lambda k: "vlm." + k, extra, config)
-    with caplog.at_level(logging.WARNING, logger="checkpoint"):
-        ours = load_pretrained(path)
-    assert "skipped 3 tensors of the Alpamayo action expert" in caplog.text
-    ids = torch.randint(0, 97, (1, 10), generator=torch.Generator().manual_seed(3))
-    MEASURED["alpamayo (qwen3-vl) text"] = diff = max_diff(ours(ids), hf(input_ids=ids).logits)
+    path = rewrite(d, tmp_path / "alpamayo", lambda k: "vlm." + k, config=config)
+    ours = load_pretrained(path)
+    prompt = qwen3_prompt(seed=5)
+    MEASURED["alpamayo (qwen3-vl) vlm. prefix"] = diff = max_diff(ours(**prompt), hf_logits(hf, prompt))
     assert diff <= PARITY_TOL
+    # expert keys without the expert_cfg that describes them are unknown keys, named
+    extra = {"expert.layers.0.mlp.weight": torch.zeros(4, 4)}
+    with pytest.raises(ValueError, match=r"unexpected 1 \['expert.layers.0.mlp.weight'\]"):
+        load_pretrained(rewrite(d, tmp_path / "stray", lambda k: "vlm." + k, extra, config))
 
 
 @torch.no_grad()

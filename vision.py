@@ -1,0 +1,343 @@
+"""The VLA's vision towers: Qwen2.5-VL's windowed ViT and Qwen3-VL's ViT with DeepStack, both
+ending in an m x m patch merger into the language model's width, and `patchify`, the Qwen-VL
+image processor's patch flattening.
+
+Paper: the deliberative reasoner is Alpamayo-R1, whose released checkpoints use a Qwen3-VL-8B
+backbone (the paper era used Qwen2.5-VL); the vision features fill the image placeholders of the
+prompt, ~2,900 visual tokens against 48 history tokens (docs/background.md, "Qwen3-VL's vision
+tower and DeepStack"). Semantics follow Hugging Face transformers' Qwen2.5-VL / Qwen3-VL vision
+models (the version pinned in requirements-test.txt), written anew here.
+
+Letters: N patches (every frame of every image / video, in patchify order), C tower width,
+m spatial merge, hd head dim, n_seg attention segments (frames or windows), Lmax their longest.
+
+run: python -m pytest -q tests/test_model.py tests/test_checkpoint.py
+"""
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from einops import rearrange
+
+from rope import apply_rope, rope_inv_freq
+
+FAMILIES = ("qwen2_5_vl", "qwen3_vl")
+
+# ---- config ----
+
+
+@dataclass
+class VisionConfig:
+    family: str = "qwen2_5_vl"  # "qwen2_5_vl": windowed ViT, RMSNorm, SwiGLU; "qwen3_vl": learned positions, DeepStack
+    patch_size: int = 2  # p: pixels per patch side (Qwen2.5-VL: 14, Qwen3-VL: 16)
+    temporal_patch_size: int = 1  # frames per patch (Qwen2.5-VL / Qwen3-VL: 2)
+    spatial_merge_size: int = 2  # m: m x m patches merge into one LM token
+    in_channels: int = 3
+    depth: int = 2  # ViT blocks
+    hidden: int = 128  # ViT width
+    heads: int = 4  # ViT heads; hidden / heads must be divisible by 4 (2D rotary)
+    intermediate: int = 256  # ViT MLP width
+    window_size: int = 16  # qwen2_5_vl: window side in pixels for windowed blocks (Qwen2.5-VL: 112)
+    fullatt_block_indexes: tuple = (1,)  # qwen2_5_vl: blocks with full per-frame attention; the rest are windowed
+    rope_theta: float = 10000.0  # base of the 2D (row, col) rotary embedding
+    num_position_embeddings: int = 2304  # qwen3_vl: learned positions on a square grid (48 x 48 for Qwen3-VL-8B)
+    deepstack_visual_indexes: tuple = ()  # qwen3_vl: blocks whose output feeds a DeepStack merger (8B: 8, 16, 24)
+
+    def __post_init__(self):
+        self.fullatt_block_indexes = tuple(self.fullatt_block_indexes)
+        self.deepstack_visual_indexes = tuple(self.deepstack_visual_indexes)
+        if self.family not in FAMILIES:
+            raise ValueError(f"vision family must be one of {FAMILIES}, got {self.family!r}")
+        hd = self.hidden // self.heads
+        if self.hidden % self.heads or hd % 4:
+            raise ValueError(f"vision hidden {self.hidden} must split into {self.heads} heads of a size divisible by 4")
+        if self.family == "qwen2_5_vl":
+            if self.window_size % (self.patch_size * self.spatial_merge_size):
+                raise ValueError(f"vision window_size {self.window_size} must be a multiple of patch_size * "
+                                 f"spatial_merge_size = {self.patch_size * self.spatial_merge_size}")
+            if any(not 0 <= i < self.depth for i in self.fullatt_block_indexes):
+                raise ValueError(f"fullatt_block_indexes {self.fullatt_block_indexes} out of range for depth {self.depth}")
+        else:
+            if round(self.num_position_embeddings ** 0.5) ** 2 != self.num_position_embeddings:
+                raise ValueError(f"num_position_embeddings {self.num_position_embeddings} is not a square grid")
+            if any(not 0 <= i < self.depth for i in self.deepstack_visual_indexes):
+                raise ValueError(f"deepstack_visual_indexes {self.deepstack_visual_indexes} out of range for depth "
+                                 f"{self.depth}")
+
+
+# ---- shared layers ----
+
+
+class RMSNorm(nn.Module):
+    """Qwen's RMSNorm, used by the Qwen2.5-VL tower and the decoder (model.py)."""
+
+    def __init__(self, dim, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        # normalise in fp32, cast back, then scale: Qwen's order (matters in bf16)
+        return F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype) * self.weight
+
+
+def _segments(lengths: torch.Tensor):
+    """Contiguous segments of a packed sequence as a padded gather: idx, valid (n_seg, Lmax)."""
+    starts = lengths.cumsum(0) - lengths
+    ar = torch.arange(int(lengths.max()), device=lengths.device)
+    valid = ar < lengths[:, None]  # (n_seg, Lmax)
+    return (starts[:, None] + ar).clamp(max=int(lengths.sum()) - 1), valid
+
+
+def patch_positions(grid, m):
+    """(row, col) of every patch, patches listed in m x m merge-block order -> (N, 2)."""
+    out = []
+    for t, h, w in grid:
+        rc = torch.stack(torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij"), -1)  # (h, w, 2)
+        # (h, w, 2) -> (h*w, 2) in merge-block order: block row, block col, row in block, col in block
+        rc = rearrange(rc, "(bh mr) (bw mc) two -> (bh bw mr mc) two", mr=m, mc=m)
+        out.append(rc.repeat(t, 1))
+    return torch.cat(out)
+
+
+def rotary_2d(pos, inv_freq):
+    """cos, sin (N, 1, hd) of the 2D rotary: the first hd/4 pairs rotate by the row, the next by the column."""
+    angles = (pos[..., None].float() * inv_freq).flatten(1)  # (N, 2, hd/4) -> (N, hd/2): rows, cols
+    emb = torch.cat((angles, angles), -1)[:, None]  # (N, 1, hd)
+    return emb.cos(), emb.sin()
+
+
+def frame_segments(grid, device):
+    """Attention segments of full per-frame attention: one per temporal patch of every image / video."""
+    return _segments(torch.tensor([h * w for t, h, w in grid for _ in range(t)], device=device))
+
+
+class VisionAttention(nn.Module):
+    def __init__(self, vc: VisionConfig):
+        super().__init__()
+        self.heads = vc.heads
+        self.qkv = nn.Linear(vc.hidden, 3 * vc.hidden)
+        self.proj = nn.Linear(vc.hidden, vc.hidden)
+
+    def forward(self, x, cos, sin, seg):
+        N, C = x.shape
+        q, k, v = self.qkv(x).view(N, 3, self.heads, -1).unbind(1)  # 3 x (N, heads, hd)
+        q = apply_rope(q.float(), cos, sin).to(x.dtype)  # rotary in fp32 as Qwen does; cos (N, 1, hd)
+        k = apply_rope(k.float(), cos, sin).to(x.dtype)
+        idx, valid = seg  # attention stays inside each frame / window: pad segments into a batch
+        q, k, v = (t[idx].transpose(1, 2) for t in (q, k, v))  # (n_seg, heads, Lmax, hd)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=valid[:, None, None, :])
+        return self.proj(y.transpose(1, 2)[valid].reshape(N, C))  # (n_seg, Lmax, heads, hd) -> (N, C)
+
+
+# ---- Qwen2.5-VL tower ----
+
+
+class VisionMLP(nn.Module):
+    def __init__(self, vc: VisionConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(vc.hidden, vc.intermediate)
+        self.up_proj = nn.Linear(vc.hidden, vc.intermediate)
+        self.down_proj = nn.Linear(vc.intermediate, vc.hidden)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class VisionBlock(nn.Module):
+    def __init__(self, vc: VisionConfig):
+        super().__init__()
+        self.norm1, self.norm2 = RMSNorm(vc.hidden), RMSNorm(vc.hidden)
+        self.attn = VisionAttention(vc)
+        self.mlp = VisionMLP(vc)
+
+    def forward(self, x, cos, sin, seg):
+        x = x + self.attn(self.norm1(x), cos, sin, seg)
+        return x + self.mlp(self.norm2(x))
+
+
+class PatchMerger(nn.Module):
+    def __init__(self, vc: VisionConfig, out_dim):
+        super().__init__()
+        self.width = vc.hidden * vc.spatial_merge_size ** 2
+        self.ln_q = RMSNorm(vc.hidden)
+        self.mlp = nn.Sequential(nn.Linear(self.width, self.width), nn.GELU(), nn.Linear(self.width, out_dim))
+
+    def forward(self, x):
+        return self.mlp(self.ln_q(x).view(-1, self.width))  # (N, C) -> (N / m^2, m^2 C) -> (N / m^2, D)
+
+
+class VisionTower(nn.Module):
+    """Qwen2.5-VL ViT: patch embedding, blocks with 2D rotary (row, col) positions, window
+    attention except in fullatt blocks, and an m x m patch merger into the LM width."""
+
+    def __init__(self, vc: VisionConfig, out_dim):
+        super().__init__()
+        self.vc = vc
+        # a Linear over the flattened (C, tp, p, p) patch == Qwen's stride-p Conv3d
+        self.patch_embed = nn.Module()
+        self.patch_embed.proj = nn.Linear(vc.in_channels * vc.temporal_patch_size * vc.patch_size ** 2, vc.hidden,
+                                          bias=False)
+        self.blocks = nn.ModuleList(VisionBlock(vc) for _ in range(vc.depth))
+        self.merger = PatchMerger(vc, out_dim)
+        self.reset_buffers()
+
+    def reset_buffers(self, device=None):
+        hd = self.vc.hidden // self.vc.heads  # rows and cols each take hd/4 frequency pairs
+        self.register_buffer("inv_freq", rope_inv_freq(hd // 2, self.vc.rope_theta).to(device), persistent=False)
+
+    def windows(self, grid):
+        """Permutation of merged tokens into windows of ws x ws merged tokens (ragged at the edges),
+        and the window lengths in patches."""
+        m, ws = self.vc.spatial_merge_size, self.vc.window_size // self.vc.spatial_merge_size // self.vc.patch_size
+        order, lens, off = [], [], 0
+        for t, h, w in grid:
+            gh, gw = h // m, w // m
+            nh, nw = -(-gh // ws), -(-gw // ws)
+            idx = F.pad(torch.arange(t * gh * gw).view(t, gh, gw), (0, nw * ws - gw, 0, nh * ws - gh), value=-1)
+            # (t, nh*ws, nw*ws) -> (t*nh*nw, ws*ws): a row per window, its merged tokens in row-major order
+            idx = rearrange(idx, "t (nh wr) (nw wc) -> (t nh nw) (wr wc)", wr=ws, wc=ws)
+            keep = idx >= 0
+            order.append(idx[keep] + off)
+            n = keep.sum(1)
+            lens.append(n[n > 0] * m * m)
+            off += t * gh * gw
+        return torch.cat(order), torch.cat(lens)
+
+    def forward(self, pixel_values, grid_thw):
+        """pixel_values (N, C*tp*p*p) in patchify order, grid_thw (n, 3) -> (N / m^2, D)."""
+        mu = self.vc.spatial_merge_size ** 2
+        grid = grid_thw.tolist()
+        dev = pixel_values.device
+        x = self.patch_embed.proj(pixel_values.to(self.patch_embed.proj.weight.dtype))  # (N, C)
+        N = x.shape[0]
+        order, win_lens = self.windows(grid)
+        order = order.to(dev)
+        x = x.view(N // mu, mu, -1)[order].view(N, -1)  # (N/m^2, m^2, C): merge groups regrouped by window
+        pos = patch_positions(grid, self.vc.spatial_merge_size).to(dev)
+        pos = pos.view(N // mu, mu, 2)[order].view(N, 2)  # (N, 2) in the same order
+        cos, sin = rotary_2d(pos, self.inv_freq)
+        frames = frame_segments(grid, dev)
+        wins = _segments(win_lens.to(dev))
+        for i, blk in enumerate(self.blocks):
+            x = blk(x, cos, sin, frames if i in self.vc.fullatt_block_indexes else wins)
+        return self.merger(x)[torch.argsort(order)]  # (N / m^2, D), back in patchify order
+
+
+# ---- Qwen3-VL tower with DeepStack ----
+
+
+class Qwen3VisionMLP(nn.Module):
+    def __init__(self, vc: VisionConfig):
+        super().__init__()
+        self.linear_fc1 = nn.Linear(vc.hidden, vc.intermediate)
+        self.linear_fc2 = nn.Linear(vc.intermediate, vc.hidden)
+
+    def forward(self, x):
+        return self.linear_fc2(F.gelu(self.linear_fc1(x), approximate="tanh"))  # Qwen3-VL: gelu_pytorch_tanh
+
+
+class Qwen3VisionBlock(nn.Module):
+    def __init__(self, vc: VisionConfig):
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(vc.hidden, eps=1e-6), nn.LayerNorm(vc.hidden, eps=1e-6)
+        self.attn = VisionAttention(vc)
+        self.mlp = Qwen3VisionMLP(vc)
+
+    def forward(self, x, cos, sin, seg):
+        x = x + self.attn(self.norm1(x), cos, sin, seg)
+        return x + self.mlp(self.norm2(x))
+
+
+class Qwen3PatchMerger(nn.Module):
+    """m x m patches -> one LM token. The final merger normalises each patch before the merge; the
+    DeepStack mergers (postshuffle) normalise the merged m^2 C vector."""
+
+    def __init__(self, vc: VisionConfig, out_dim, postshuffle):
+        super().__init__()
+        self.width, self.postshuffle = vc.hidden * vc.spatial_merge_size ** 2, postshuffle
+        self.norm = nn.LayerNorm(self.width if postshuffle else vc.hidden, eps=1e-6)
+        self.linear_fc1 = nn.Linear(self.width, self.width)
+        self.linear_fc2 = nn.Linear(self.width, out_dim)
+
+    def forward(self, x):
+        x = self.norm(x.view(-1, self.width)) if self.postshuffle else self.norm(x).view(-1, self.width)  # (N/m^2, m^2 C)
+        return self.linear_fc2(F.gelu(self.linear_fc1(x)))  # (N / m^2, D)
+
+
+class Qwen3VisionTower(nn.Module):
+    """Qwen3-VL ViT: patch embedding (with bias) plus a learned position embedding, a square grid
+    resampled bilinearly (corners aligned) to each image's grid; blocks with 2D rotary positions and
+    full attention within each frame; the final m x m patch merger, and one DeepStack merger per
+    listed block whose features the decoder adds at the visual positions of its first layers."""
+
+    def __init__(self, vc: VisionConfig, out_dim):
+        super().__init__()
+        self.vc = vc
+        self.patch_embed = nn.Module()  # a Linear over the flattened (C, tp, p, p) patch == Qwen's Conv3d
+        self.patch_embed.proj = nn.Linear(vc.in_channels * vc.temporal_patch_size * vc.patch_size ** 2, vc.hidden)
+        self.pos_embed = nn.Embedding(vc.num_position_embeddings, vc.hidden)
+        self.blocks = nn.ModuleList(Qwen3VisionBlock(vc) for _ in range(vc.depth))
+        self.merger = Qwen3PatchMerger(vc, out_dim, postshuffle=False)
+        self.deepstack_merger_list = nn.ModuleList(Qwen3PatchMerger(vc, out_dim, postshuffle=True)
+                                                   for _ in vc.deepstack_visual_indexes)
+        self.reset_buffers()
+
+    def reset_buffers(self, device=None):
+        hd = self.vc.hidden // self.vc.heads
+        self.register_buffer("inv_freq", rope_inv_freq(hd // 2, self.vc.rope_theta).to(device), persistent=False)
+
+    def position_embedding(self, grid):
+        """The learned side x side grid resampled to each (h, w), in patchify order -> (N, C) fp32."""
+        m, side = self.vc.spatial_merge_size, round(self.vc.num_position_embeddings ** 0.5)
+        table = self.pos_embed.weight.float().T.reshape(1, -1, side, side)  # (side^2, C) -> (1, C, side, side)
+        out = []
+        for t, h, w in grid:
+            e = F.interpolate(table, size=(h, w), mode="bilinear", align_corners=True)[0]  # (C, h, w)
+            # (C, h, w) -> (h*w, C) in merge-block order, repeated for every temporal patch
+            out.append(rearrange(e, "c (bh mr) (bw mc) -> (bh bw mr mc) c", mr=m, mc=m).repeat(t, 1))
+        return torch.cat(out)
+
+    def forward(self, pixel_values, grid_thw):
+        """pixel_values (N, C*tp*p*p) in patchify order, grid_thw (n, 3) -> merged features (N / m^2, D)
+        and the DeepStack features, one (N / m^2, D) per entry of deepstack_visual_indexes."""
+        grid = grid_thw.tolist()
+        dev = pixel_values.device
+        x = self.patch_embed.proj(pixel_values.to(self.patch_embed.proj.weight.dtype))  # (N, C)
+        x = x + self.position_embedding(grid).to(dev, x.dtype)
+        cos, sin = rotary_2d(patch_positions(grid, self.vc.spatial_merge_size).to(dev), self.inv_freq)
+        frames = frame_segments(grid, dev)
+        deepstack = []
+        for i, blk in enumerate(self.blocks):
+            x = blk(x, cos, sin, frames)
+            if i in self.vc.deepstack_visual_indexes:
+                deepstack.append(self.deepstack_merger_list[self.vc.deepstack_visual_indexes.index(i)](x))
+        return self.merger(x), deepstack
+
+
+def make_tower(vc: VisionConfig, out_dim):
+    return VisionTower(vc, out_dim) if vc.family == "qwen2_5_vl" else Qwen3VisionTower(vc, out_dim)
+
+
+# ---- patchify ----
+
+
+def patchify(frames, patch_size, temporal_patch_size, merge_size):
+    """frames (T, C, H, W), already normalised -> pixel_values (N, C*tp*p*p), grid_thw (3,).
+
+    The Qwen2-VL image processor's flattening: patches in (t, row block, col block, row in block,
+    col in block) order, each flattened as (C, tp, p, p); T is padded to a multiple of
+    temporal_patch_size by repeating the last frame."""
+    T, C, H, W = frames.shape
+    p, tp, m = patch_size, temporal_patch_size, merge_size
+    if H % (p * m) or W % (p * m):
+        raise ValueError(f"frame size {H}x{W} must be divisible by patch_size * merge_size = {p * m}")
+    if T % tp:
+        frames = torch.cat([frames, frames[-1:].expand(tp - T % tp, -1, -1, -1)])
+    gt, gh, gw = frames.shape[0] // tp, H // p, W // p
+    # (gt*tp, C, gh*p, gw*p) -> (gt*gh*gw, C*tp*p*p): patches by (t, block row, block col, row in block,
+    # col in block), each patch flattened as (C, tp, p, p)
+    x = rearrange(frames, "(gt tp) c (bh mr ph) (bw mc pw) -> (gt bh bw mr mc) (c tp ph pw)",
+                  tp=tp, mr=m, mc=m, ph=p, pw=p)
+    return x, torch.tensor([gt, gh, gw])
