@@ -15,6 +15,13 @@ synchronised before each clock reading (speculate.Clock, the one timer); the arm
 within each repeat and the median of the repeats is reported. tau, alpha and greedy exactness
 come from evaluate.spec_stats, as in rsd.py and aarl.py.
 
+A real checkpoint (--target) runs the whole plan on pixels (--images-dir, or generated images):
+prefill (vision tower + prompt), the reasoning step (both arms) and, for an Alpamayo folder, the
+trajectory (the flow-matching action expert over the cache of prompt + CoC), each timed; the CoC
+is printed with the target's own tokens in [brackets]. Its prompt is Alpamayo-R1's, built by
+alpamayo.build_prompt, when the folder (or --processor) has a tokenizer; otherwise the prompt's
+layout with placeholder text ids around the same pixels.
+
 run: python bench.py --device cpu                                 (the toy, from the shipped checkpoints/toy)
      python bench.py --device cuda --preset qwen2.5-vl-7b          (real shapes, random weights)
      python bench.py --device cuda --target PATH [--draft PATH]    (a Hugging Face / Alpamayo folder)
@@ -27,7 +34,9 @@ import platform
 import statistics
 
 import torch
+import torch.nn.functional as F
 
+import alpamayo
 import checkpoint
 import driving
 import evaluate
@@ -35,6 +44,7 @@ import model as M
 import speculate
 from checkpoint import DTYPES
 from evaluate import TARGET_ONLY
+from expert import config_field, speed_from_history
 
 TOY_DRAFT = ("aarl", 0)  # the toy mode's default draft: FlatRoPE + AARL (static anchor), seed 0
 TOY_JSON = "runs/bench_toy.json"  # the toy report, read back by the real-shape mode for its prediction
@@ -104,7 +114,9 @@ def real_prompt(cfg: M.ModelConfig, device, n_images=16, grid=(1, 20, 36), n_his
     g = torch.Generator().manual_seed(seed)
     m = cfg.spatial_merge_size
     n_tok = grid[0] * (grid[1] // m) * (grid[2] // m)
-    text = lambda n: torch.randint(1000, 100_000, (n,), generator=g).tolist()  # ordinary vocabulary ids
+    V, special = cfg.vocab_size, (cfg.image_token_id, cfg.video_token_id, cfg.vision_start_token_id)
+    ordinary = torch.tensor([i for i in range(min(1000, V // 2), min(100_000, V)) if i not in special])
+    text = lambda n: ordinary[torch.randint(len(ordinary), (n,), generator=g)].tolist()  # noqa: E731
     ids = text(24)
     for _ in range(n_images):
         ids += [cfg.vision_start_token_id] + [cfg.image_token_id] * n_tok + text(1)  # text(1): <|vision_end|>
@@ -150,22 +162,127 @@ def toy(args, device, dtype):
     return res
 
 
+# ---- a real checkpoint: the whole plan on pixels ----
+
+
+def scene_images(args):
+    """A list of (3, H, W) uint8 images: the files of --images-dir in name order (PIL, an optional
+    extra), or --images generated ones (a colour field with a ramp and noise, fixed by the seed)."""
+    if args.images_dir:
+        from PIL import Image  # optional extra: only a folder of images needs it
+        names = sorted(n for n in os.listdir(args.images_dir) if n.lower().endswith((".jpg", ".jpeg", ".png")))
+        if not names:
+            raise FileNotFoundError(f"{args.images_dir}: no .jpg / .png images")
+        images = [Image.open(os.path.join(args.images_dir, n)).convert("RGB") for n in names]
+        # (H * W * 3,) bytes -> (H, W, 3) -> (3, H, W)
+        return [torch.frombuffer(bytearray(im.tobytes()), dtype=torch.uint8).view(im.height, im.width, 3)
+                .permute(2, 0, 1) for im in images]
+    H, W = (int(s) for s in args.image_size.split("x"))
+    g = torch.Generator().manual_seed(0)
+    base = 255 * torch.rand(args.images, 3, 1, 1, generator=g)
+    ramp = torch.linspace(0.4, 1.0, W)  # (W,): a left-to-right brightness ramp
+    x = base * ramp + 20 * torch.randn(args.images, 3, H, W, generator=g)  # (n, 3, H, W)
+    return list(x.clamp(0, 255).to(torch.uint8))
+
+
+def history_poses(speed=8.0, dt=0.1):
+    """16 past poses (16, 3) of a car driving straight at `speed` m/s, ego frame at the last one."""
+    t = torch.arange(-(alpamayo.N_POSES - 1), 1) * dt  # (16,) seconds, 0 = now
+    return torch.stack([speed * t, torch.zeros_like(t), torch.zeros_like(t)], -1)
+
+
+def pixel_prompt(cfg: M.ModelConfig, images, max_pixels, device):
+    """Without a tokenizer: real_prompt's layout (placeholder text ids) around the images, resized to
+    one grid under max_pixels, scaled to [-1, 1] and flattened by vision.patchify. Shapes and pixels
+    are real, token ids are not: a timing prompt."""
+    v = cfg.vision
+    f = v.patch_size * v.spatial_merge_size
+    H, W = images[0].shape[-2:]
+    s = min(1.0, (max_pixels / (H * W)) ** 0.5)
+    h, w = max(f, round(H * s / f) * f), max(f, round(W * s / f) * f)
+    x = torch.stack([F.interpolate(im[None].float(), size=(h, w), mode="bicubic")[0] for im in images])
+    x = (x / 255 - 0.5) / 0.5  # (n, 3, h, w)
+    prompt = real_prompt(cfg, device, n_images=len(images), grid=(1, h // v.patch_size, w // v.patch_size))
+    prompt["pixel_values"] = torch.cat([M.patchify(im[None], v.patch_size, v.temporal_patch_size,
+                                                   v.spatial_merge_size)[0] for im in x]).to(device)
+    return prompt
+
+
+def target_prompt(args, target, device, dtype):
+    """The prompt of the --target run, its tokenizer (None without one), the id that ends the reasoning
+    step (<|traj_future_start|> for Alpamayo, else None) and how the prompt was built."""
+    raw = checkpoint.read_json(os.path.join(args.target, checkpoint.CONFIG))
+    src = args.processor or args.target
+    has_tok = any(os.path.isfile(os.path.join(src, n)) for n in ("tokenizer.json", "tokenizer_config.json"))
+    stop = None
+    if getattr(target, "expert", None) is not None:  # the reasoning step ends where the expert takes over
+        stop = config_field(raw, "traj_token_ids.future_start", args.target)
+    images = scene_images(args)
+    tok = None
+    if has_tok and "traj_token_ids" in raw:
+        from transformers import AutoTokenizer  # optional extra, as in alpamayo.build_prompt
+        tok = AutoTokenizer.from_pretrained(src)
+        prompt = alpamayo.build_prompt(args.target, images, history_poses(), args.processor, args.min_pixels,
+                                       args.max_pixels)
+        how = "Alpamayo-R1 prompt (alpamayo.build_prompt)"
+    else:
+        prompt = pixel_prompt(target.cfg, images, args.max_pixels, device)
+        how = "placeholder text ids around real pixels (no Alpamayo tokenizer in " + src + ")"
+    prompt = {k: v.to(device) for k, v in prompt.items()}
+    prompt["pixel_values"] = prompt["pixel_values"].to(dtype)
+    return prompt, tok, stop, how
+
+
+def marked_coc(tokens, from_draft, tok):
+    """The CoC as text pieces, the target's own tokens in [brackets] (rsd.py's display)."""
+    text = [tok.decode([t]) if tok is not None else str(t) for t in tokens]
+    return " ".join(s if d else f"[{s}]" for s, d in zip(text, from_draft))
+
+
+@torch.inference_mode()
+def trajectory(target, prompt, coc, future_start, repeats):
+    """The expert's waypoints (1, N, 2) after prompt + CoC + <|traj_future_start|> (appended when the
+    CoC did not end with it), and the median time (s) of the expert alone over `repeats` runs."""
+    exp = target.expert
+    seq = coc + ([] if coc[-1:] == [future_start] else [future_start])
+    L = prompt["input_ids"].shape[1]
+    cache = target.new_cache(max_len=L + len(seq) + exp.cfg.n_waypoints)
+    embeds, deepstack = speculate.embed_prompt(target, prompt)  # (1, L, D)
+    grids = {k: prompt[k] for k in speculate.GRID_KEYS if prompt.get(k) is not None}
+    target(prompt["input_ids"], inputs_embeds=embeds, deepstack=deepstack, cache=cache, logits_to_keep=1, **grids)
+    target(torch.tensor([seq], device=cache.k.device), cache=cache, logits_to_keep=1)  # the CoC, teacher-forced
+    v0 = speed_from_history(history_poses()[None]).to(cache.k.device)  # (1,)
+    g = torch.Generator(device=cache.k.device)
+    run = lambda: exp(cache, v0, generator=g.manual_seed(0))  # noqa: E731
+    return run(), speculate.median_time(run, cache.k.device, repeats)
+
+
 def real(args, device, dtype):
-    """A real checkpoint (--target) or a real shape with random weights (--preset)."""
+    """A real checkpoint (--target): the whole plan on pixels; a real shape with random weights (--preset)."""
+    stop = tok = None
     if args.target:
         target = checkpoint.load_pretrained(args.target, dtype=dtype, device=device).eval()
         draft = (checkpoint.load(args.draft, target=target, dtype=dtype, device=device) if args.draft
                  else M.make_draft(target, n_layers=1)).eval()
         name = args.target
+        prompt, tok, stop, how = target_prompt(args, target, device, dtype)
     else:
         target, draft = build_preset(args.preset, device, dtype, args.layers)
         name = args.preset + (f" ({args.layers} layers)" if args.layers else "")
-    prompt = real_prompt(target.cfg, device, n_images=args.images)
-    if "pixel_values" in prompt:
-        prompt["pixel_values"] = prompt["pixel_values"].to(dtype)
-    res = benchmark(target, draft, [prompt], args.gamma, args.max_new, None, args.repeats)
+        prompt = real_prompt(target.cfg, device, n_images=args.images)
+        if "pixel_values" in prompt:
+            prompt["pixel_values"] = prompt["pixel_values"].to(dtype)
+    res = benchmark(target, draft, [prompt], args.gamma, args.max_new, stop, args.repeats)
     res.update(mode="real", model=name, prompt_tokens=prompt["input_ids"].shape[1],
                trained_draft=bool(args.draft))
+    if args.target:
+        spec = evaluate.decode(target, draft, prompt, args.gamma, args.max_new, stop)
+        res.update(prompt_source=how, images=int(prompt["image_grid_thw"].shape[0]),
+                   visual_tokens=int((prompt["input_ids"] == target.cfg.image_token_id).sum()),
+                   coc_tokens=spec.tokens, coc=marked_coc(spec.tokens, spec.from_draft, tok))
+        if getattr(target, "expert", None) is not None:
+            waypoints, t = trajectory(target, prompt, spec.tokens, stop, args.repeats)
+            res.update(trajectory_ms=1e3 * t, waypoints=waypoints[0].float().tolist())
     if not args.draft:
         # Random weights: acceptance says nothing; the cost model does. Predict the speed-up
         # with the acceptance rate measured on the toy (bench.py --device cpu writes it).
@@ -202,6 +319,19 @@ def report(res, args):
     if "predicted_speedup_at_toy_alpha" in res:
         lines.append(f"at the toy's alpha {res['toy_alpha']:.3f}: predicted speed-up "
                      f"{res['predicted_speedup_at_toy_alpha']:.2f}x")
+    if "coc" in res:
+        n = len(res["coc_tokens"])
+        lines += [f"prompt         {res['prompt_tokens']} tokens, {res['images']} images, {res['visual_tokens']} "
+                  f"visual tokens: {res['prompt_source']}",
+                  f"plan timings   prefill (vision tower + prompt) {res['ar_prefill_ms']:.2f} ms   reasoning step "
+                  f"({n} tokens) target-only {n * res['ar_ms_per_token']:.2f} ms, speculative "
+                  f"{n * res['spec_ms_per_token']:.2f} ms   trajectory (action expert) "
+                  + (f"{res['trajectory_ms']:.2f} ms" if "trajectory_ms" in res else "none: no action expert"),
+                  f"CoC (routine, [deliberative]): {res['coc']}"]
+    if "waypoints" in res:
+        w = res["waypoints"]
+        at = lambda i: f"({w[min(i, len(w) - 1)][0]:.1f}, {w[min(i, len(w) - 1)][1]:.1f})"  # noqa: E731
+        lines.append(f"trajectory     {len(w)} waypoints (x, y) m, 10 Hz: 1 s {at(9)}, 3 s {at(29)}, last {at(-1)}")
     print("\n".join(lines))
 
 
@@ -215,7 +345,13 @@ def main(argv=None):
     ap.add_argument("--preset", default=None, choices=sorted(k for k in M.PRESETS if not k.startswith("toy")),
                     help="real model shape with random weights")
     ap.add_argument("--layers", type=int, default=None, help="with --preset: keep only this many decoder layers")
-    ap.add_argument("--images", type=int, default=16, help="images in the real-shape prompt")
+    ap.add_argument("--images", type=int, default=16, help="images in the real-shape / generated prompt")
+    ap.add_argument("--images-dir", default=None, help="with --target: a folder of camera images (name order)")
+    ap.add_argument("--image-size", default="288x512", help="with --target: HxW of the generated images")
+    ap.add_argument("--processor", default=None, help="with --target: tokenizer + image processor folder "
+                    "(default: the target folder)")
+    ap.add_argument("--min-pixels", type=int, default=alpamayo.MIN_PIXELS, help="with --target: image size bounds")
+    ap.add_argument("--max-pixels", type=int, default=alpamayo.MAX_PIXELS, help="with --target: image size bounds")
     ap.add_argument("--gamma", type=int, default=evaluate.GAMMA, help="draft length")
     ap.add_argument("--max-new", type=int, default=evaluate.MAX_NEW_TOKENS, help="reasoning tokens per prompt at most")
     ap.add_argument("--prompts", type=int, default=32, help="toy: held-out test scenes benchmarked")

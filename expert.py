@@ -32,6 +32,16 @@ from rope import decode_positions, rope_cos_sin, rope_inv_freq
 # ---- config ----
 
 
+def config_field(raw, path, where):
+    """raw['a']['b'] for path 'a.b' of an Alpamayo config.json; a missing one is an error naming it."""
+    node = raw
+    for part in path.split("."):
+        if not isinstance(node, dict) or part not in node:
+            raise ValueError(f"{where}: missing Alpamayo config field {path!r}")
+        node = node[part]
+    return node
+
+
 @dataclass
 class ExpertConfig:
     hidden_size: int = 2048  # De; the layers, KV heads, head_dim and RoPE are the VLM's
@@ -67,15 +77,8 @@ class ExpertConfig:
         expert_cfg.num_key_value_heads (must equal the VLM's: the expert reads its cache),
         diffusion_cfg.int_method ("euler"), expert_non_causal_attention (true: the action tokens
         see each other). A missing required field is an error naming it."""
-        def get(path):
-            node = raw
-            for part in path.split("."):
-                if not isinstance(node, dict) or part not in node:
-                    raise ValueError(f"{where}: missing Alpamayo config field {path!r}")
-                node = node[part]
-            return node
-
-        cfg = cls(**{f.name: type(f.default)(get(cls.FIELDS[f.name])) for f in dataclasses.fields(cls)})
+        cfg = cls(**{f.name: type(f.default)(config_field(raw, cls.FIELDS[f.name], where))
+                     for f in dataclasses.fields(cls)})
         ex = raw["expert_cfg"]
         for key, want in (("head_dim", vlm.head_dim), ("num_key_value_heads", vlm.n_kv_heads)):
             if ex.get(key, want) != want:
@@ -114,7 +117,8 @@ class ActionInProj(nn.Module):
         trunk = [nn.Linear(3 * cfg.fourier_feats, h), nn.SiLU()]
         for i in range(cfg.in_proj_layers):
             last = i == cfg.in_proj_layers - 1
-            trunk += [RMSNorm(h, eps=1e-5), nn.Linear(h, cfg.hidden_size if last else h)] + ([] if last else [nn.SiLU()])
+            trunk += [RMSNorm(h, eps=1e-5), nn.Linear(h, cfg.hidden_size if last else h)]
+            trunk += [] if last else [nn.SiLU()]
         self.encoder = nn.Module()
         self.encoder.trunk = nn.Sequential(*trunk)  # keys encoder.trunk.{0, 2, 3, 5, 6}: Alpamayo's layout
         self.norm = nn.LayerNorm(cfg.hidden_size)

@@ -57,7 +57,8 @@ class VisionConfig:
                 raise ValueError(f"vision window_size {self.window_size} must be a multiple of patch_size * "
                                  f"spatial_merge_size = {self.patch_size * self.spatial_merge_size}")
             if any(not 0 <= i < self.depth for i in self.fullatt_block_indexes):
-                raise ValueError(f"fullatt_block_indexes {self.fullatt_block_indexes} out of range for depth {self.depth}")
+                raise ValueError(f"fullatt_block_indexes {self.fullatt_block_indexes} out of range for depth "
+                                 f"{self.depth}")
         else:
             if round(self.num_position_embeddings ** 0.5) ** 2 != self.num_position_embeddings:
                 raise ValueError(f"num_position_embeddings {self.num_position_embeddings} is not a square grid")
@@ -262,7 +263,8 @@ class Qwen3PatchMerger(nn.Module):
         self.linear_fc2 = nn.Linear(self.width, out_dim)
 
     def forward(self, x):
-        x = self.norm(x.view(-1, self.width)) if self.postshuffle else self.norm(x).view(-1, self.width)  # (N/m^2, m^2 C)
+        # (N, C) -> (N / m^2, m^2 C), normalised after the merge (postshuffle) or before it
+        x = self.norm(x.view(-1, self.width)) if self.postshuffle else self.norm(x).view(-1, self.width)
         return self.linear_fc2(F.gelu(self.linear_fc1(x)))  # (N / m^2, D)
 
 

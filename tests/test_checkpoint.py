@@ -19,6 +19,7 @@ import checkpoint
 from checkpoint import load, load_pretrained, save
 from model import make_draft
 from rope import mrope_cos_sin, rope_inv_freq
+from speculate import EMBED_KEYS
 from tiny_models import (IMG, VE, VID, VS, hf_qwen3, image_prompt, mm_token_type_ids, o1_init, qwen3_prompt,
                          tiny_model)
 
@@ -141,7 +142,8 @@ def test_qwen3_vl_parity_vision_deepstack_video_both_layouts(qwen3, tmp_path):
     hf, d = qwen3
     assert any(k.startswith("model.language_model.") for k in load_file(os.path.join(d, "model.safetensors")))
     prompt = qwen3_prompt(seed=4)
-    assert prompt["image_grid_thw"].tolist() == [[1, 4, 4], [1, 4, 6]] and prompt["video_grid_thw"].tolist() == [[2, 4, 4]]
+    assert prompt["image_grid_thw"].tolist() == [[1, 4, 4], [1, 4, 6]]
+    assert prompt["video_grid_thw"].tolist() == [[2, 4, 4]]
     ref = hf_logits(hf, prompt)
     for name, path in (("qwen3-vl new layout", d), ("qwen3-vl old layout", rewrite(d, tmp_path / "old", old_layout))):
         ours = load_pretrained(path)
@@ -152,14 +154,13 @@ def test_qwen3_vl_parity_vision_deepstack_video_both_layouts(qwen3, tmp_path):
         MEASURED[name + ", cached decode"] = diff = max_diff(cached_decode(ours, prompt), ref)
         assert diff <= PARITY_TOL, diff
     # DeepStack matters: the merged features as input embeddings alone are far from transformers
-    embeds = ours.embed(*(prompt[k] for k in ("input_ids", "pixel_values", "image_grid_thw", "pixel_values_videos",
-                                              "video_grid_thw")))
+    inputs = [prompt[k] for k in EMBED_KEYS]  # embed's positional arguments
+    embeds = ours.embed(*inputs)
     no_deepstack = ours(prompt["input_ids"], inputs_embeds=embeds, image_grid_thw=prompt["image_grid_thw"],
                         video_grid_thw=prompt["video_grid_thw"])
     assert max_diff(no_deepstack, ref) > 0.1
     # ... and the DeepStack features handed over with the embeddings restore it (speculate's prefill path)
-    embeds, deepstack = ours.embed(*(prompt[k] for k in ("input_ids", "pixel_values", "image_grid_thw",
-                                                         "pixel_values_videos", "video_grid_thw")), return_deepstack=True)
+    embeds, deepstack = ours.embed(*inputs, return_deepstack=True)
     assert [len(levels) for _, levels in deepstack] == [2, 2]  # image and video, two levels each
     again = ours(prompt["input_ids"], inputs_embeds=embeds, image_grid_thw=prompt["image_grid_thw"],
                  video_grid_thw=prompt["video_grid_thw"], deepstack=deepstack)
