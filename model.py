@@ -237,11 +237,12 @@ class KVCache:
 class TrajHead(nn.Module):
     """Waypoints (x, y) in metres, ego frame, from the final hidden state of <traj_future_start>.
 
-    Deliberate simplification: Alpamayo-R1 runs a flow-matching action expert that attends to the
-    VLM's KV cache. The paper accelerates the reasoning step, and the trajectory step only has to be
-    cheap, parallel and conditioned on prompt + CoC; the <traj_future_start> state already attends to
-    both through the cache, so a 2-layer MLP to traj_len x 2 keeps the AARL action reward meaningful
-    at a fraction of the code."""
+    The toy's trajectory step. Alpamayo-R1 runs a flow-matching action expert that attends to the
+    VLM's KV cache (expert.py, loaded with an Alpamayo folder). The paper accelerates the reasoning
+    step, and the trajectory step only has to be cheap, parallel and conditioned on prompt + CoC; the
+    <traj_future_start> state already attends to both through the cache, so a 2-layer MLP to
+    traj_len x 2 keeps AARL's action reward (one trajectory per sampled CoC) meaningful at a fraction
+    of the expert's cost: 10 passes of a decoder stack per trajectory."""
 
     def __init__(self, dim, traj_len):
         super().__init__()
@@ -258,7 +259,8 @@ class TrajHead(nn.Module):
 class VLA(nn.Module):
     """Vision tower + decoder + LM head + trajectory head. With cfg.shared_width set it is a draft:
     no vision tower, and `embed_tokens` / `lm_head` are the target's modules held as plain
-    attributes, so draft.parameters() and draft.state_dict() contain only the draft's own weights."""
+    attributes, so draft.parameters() and draft.state_dict() contain only the draft's own weights.
+    A model loaded from an Alpamayo folder also holds `expert` (expert.ActionExpert) and no TrajHead."""
 
     def __init__(self, cfg: ModelConfig, shared: "VLA | None" = None):
         super().__init__()
