@@ -467,7 +467,7 @@ class VLA(nn.Module):
 
 
 def make_draft(target: VLA, n_layers=1, hidden_size=None, rope_mode="flat", n_heads=None, n_kv_heads=None,
-               intermediate_size=None) -> VLA:
+               intermediate_size=None, rope_theta=None) -> VLA:
     """The routine reasoner: a small text-only decoder on FlatRoPE positions (rope_mode "mrope"
     gives the baseline replica draft) that shares the target's token embedding and LM head
     (the same module objects) and reads the target's prompt embeddings, image features included,
@@ -477,7 +477,8 @@ def make_draft(target: VLA, n_layers=1, hidden_size=None, rope_mode="flat", n_he
     registered in it), so an optimizer over them never updates the target; gradients still flow
     into the shared modules unless the caller freezes the target. Width defaults to the target's;
     a narrower draft keeps the target's head_dim (so M-RoPE sections stay valid) with
-    hidden_size // head_dim heads, and gets linear in/out projections."""
+    hidden_size // head_dim heads, and gets linear in/out projections. rope_theta: the draft's own
+    RoPE base (default the target's)."""
     t = target.cfg
     D = hidden_size or t.hidden_size
     H = n_heads or (t.n_heads if D == t.hidden_size else D // t.head_dim)
@@ -491,7 +492,8 @@ def make_draft(target: VLA, n_layers=1, hidden_size=None, rope_mode="flat", n_he
     inter = intermediate_size or (t.intermediate_size if D == t.hidden_size
                                   else int(t.intermediate_size * D / t.hidden_size))
     cfg = dataclasses.replace(t, hidden_size=D, n_layers=n_layers, n_heads=H, n_kv_heads=Hk, head_dim=t.head_dim,
-                              intermediate_size=inter, rope_mode=rope_mode, vision=None,
+                              intermediate_size=inter, rope_mode=rope_mode, rope_theta=rope_theta or t.rope_theta,
+                              vision=None,
                               spatial_merge_size=t.spatial_merge_size, traj_len=0, tie_word_embeddings=False,
                               shared_width=t.hidden_size)
     w = target.embed_tokens.weight
