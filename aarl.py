@@ -279,7 +279,7 @@ def run(cfg: AARLConfig, run_dir, n_report=64, device="cpu", out=None):
     before = report(target, sft, sft, splits, times, outputs)
     draft = train_aarl(target, copy.deepcopy(sft), train, cfg, ref=sft)
     after = report(target, draft, sft, splits, times, outputs)
-    checkpoint.save(draft, out)
+    checkpoint.save(draft, out, target=target)
     return {"reference": cfg.reference, "seed": cfg.seed, "config": dataclasses.asdict(cfg), "wall_s": time.time() - t0,
             "out": out, "before": before, "after": after}
 

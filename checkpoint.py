@@ -1,14 +1,18 @@
 """How a run is stored and described: our checkpoint format, the Hugging Face Qwen2.5-VL /
-Qwen3-VL / Alpamayo-R1 folder loader, the one atomic file writer, JSON reading with clear
-errors, the inference dtypes, and command-line flags generated from a config dataclass.
+Qwen3-VL / Alpamayo-R1 folder loader, the atomic file and folder writers, the run folder's writer
+lock, JSON reading with clear errors, the inference dtypes, and command-line flags generated from a
+config dataclass (with the --device check).
 
 Paper: the deliberative reasoner is an unmodified Alpamayo-R1-style VLA (a Qwen-VL backbone);
 `load_pretrained` reads such checkpoints into `model.VLA` so that the same decoder, KV cache and
 speculative decoding run on real weights (docs/background.md, "Alpamayo-R1 prompt layout").
 
 Files on disk (our format): a folder with config.json ({"format": "rsd-vla", "draft": bool,
-"config": ModelConfig}) and model.safetensors. A draft's file holds only its own weights; the
-target's embedding and LM head are re-attached by load(dir, target=...).
+"config": ModelConfig, "fingerprint": {"config", "weights"}} and, for a draft, "target": the
+fingerprint of the target it was distilled from) and model.safetensors. A draft's file holds only
+its own weights; the target's embedding and LM head are re-attached by load(dir, target=...), which
+refuses a target whose fingerprint differs. Every ModelConfig field is required except LATER_FIELDS.
+A folder is written as a whole (atomic_folder); a run folder has one writer at a time (writer_lock).
 
 Hugging Face / Alpamayo config.json fields read by the Qwen3-VL vision tower (each required; a
 folder missing one gets an error naming it): vision_config.{depth, hidden_size, num_heads,
@@ -20,15 +24,26 @@ vision_config.rope_parameters.rope_theta (transformers' default 10000). An Alpam
 run: python -m pytest -q tests/test_checkpoint.py
 """
 import argparse
+import contextlib
 import dataclasses
+import hashlib
 import inspect
 import io
 import json
 import logging
 import os
-import tempfile
+import re
+import shutil
+import socket
+import sys
 import textwrap
+import time
 import tokenize
+
+try:
+    import fcntl  # POSIX file locks (writer_lock)
+except ImportError:  # Windows
+    fcntl = None
 
 import torch
 from safetensors import safe_open
@@ -43,23 +58,128 @@ WEIGHTS, CONFIG = "model.safetensors", "config.json"
 # The one dtype vocabulary of every script's --dtype flag.
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
-# ---- files: the one atomic writer, JSON ----
+# ---- files: atomic writers, stale leftovers, JSON ----
+
+# Temporary and set-aside entries are hidden siblings named after their writer, .NAME.HOST.PID.RANDOM.{tmp,old},
+# so that the next writer can tell the leftovers of a killed one (pid gone) from a live writer's work.
+_HOST = re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname()) or "host"
+_SIDE = re.compile(r"^\.(?P<name>.+)\.(?P<host>[A-Za-z0-9-]+)\.(?P<pid>\d+)\.[0-9a-f]{8}\.(?P<kind>tmp|old)$")
+
+
+def _side_path(path, kind):
+    parent, name = os.path.split(os.path.abspath(path))
+    return os.path.join(parent, f".{name}.{_HOST}.{os.getpid()}.{os.urandom(4).hex()}.{kind}")
+
+
+def _alive(host, pid):
+    if host != _HOST or pid == os.getpid():  # another machine's writer (shared file system) or this process
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
+
+
+def _remove(path):
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    elif os.path.lexists(path):
+        os.unlink(path)
+
+
+def _usual_mode(path):
+    """The permissions any other output gets (0666 minus the umask): safetensors writes its files 0600."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
+
+
+def _fsync(path):
+    """fsync a file, or a folder's entries (POSIX: a rename is durable once its folder is synced)."""
+    if os.name != "posix" and os.path.isdir(path):
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def clean_stale(folder, name=None):
+    """Undo what writers killed mid-write (kill -9, power loss) left in folder, for entry `name` or all: their
+    temporary files and folders go; a checkpoint moved aside to swap in a new one goes back in place when the new one
+    never arrived. Entries of live writers are left alone. Returns one line per action (also logged)."""
+    try:
+        names = sorted(os.listdir(folder))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    done = []
+    for n in names:
+        m = _SIDE.match(n)
+        if not m or (name is not None and m["name"] != name) or _alive(m["host"], int(m["pid"])):
+            continue
+        side, dest = os.path.join(folder, n), os.path.join(folder, m["name"])
+        if m["kind"] == "old" and not os.path.exists(dest):
+            os.rename(side, dest)
+            done.append(f"{dest}: restored the previous checkpoint (pid {m['pid']} was killed while replacing it)")
+        else:
+            _remove(side)
+            done.append(f"{side}: removed (left by pid {m['pid']}, killed while writing)")
+    for line in done:
+        log.warning(line)
+    return done
 
 
 def atomic_write(path, write):
-    """write(tmp_path) into a temp file in the same folder, fsync, then rename over path: a crash
-    mid-write leaves the previous file intact and no temp file behind."""
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", prefix=f".{os.path.basename(path)}.", suffix=".tmp")
-    os.close(fd)
+    """write(tmp_path) into a temporary file beside path, fsync, then rename over path: a crash mid-write leaves the
+    previous file intact, and its temporary file is removed by the next write (clean_stale). The file gets the
+    permissions of any other output."""
+    parent = os.path.dirname(os.path.abspath(path))
+    clean_stale(parent, os.path.basename(path))
+    tmp = _side_path(path, "tmp")
     try:
         write(tmp)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
+        _usual_mode(tmp)
+        _fsync(tmp)
         os.replace(tmp, path)
+        _fsync(parent)
     except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        _remove(tmp)
         raise
+
+
+def atomic_folder(dir, write):
+    """write(tmp_dir) fills a temporary folder beside dir; its files and the folder are fsynced, then it replaces dir
+    as a whole: dir -> .dir...old, tmp -> dir, the old one deleted. A crash before the swap leaves the previous dir
+    intact; one between the two renames leaves it under the .old name, which clean_stale puts back (the next write,
+    writer_lock or load does). No reader ever sees new weights beside an old config.json."""
+    parent, name = os.path.split(os.path.abspath(dir))
+    os.makedirs(parent, exist_ok=True)
+    clean_stale(parent, name)
+    tmp, old = _side_path(dir, "tmp"), None
+    os.mkdir(tmp)
+    try:
+        write(tmp)
+        for n in os.listdir(tmp):
+            _usual_mode(os.path.join(tmp, n))
+            _fsync(os.path.join(tmp, n))
+        _fsync(tmp)
+        if os.path.exists(dir):
+            old = _side_path(dir, "old")
+            os.rename(dir, old)
+        os.rename(tmp, dir)
+        _fsync(parent)
+    except BaseException:
+        if old is not None and not os.path.exists(dir):
+            os.rename(old, dir)
+            old = None
+        _remove(tmp)
+        raise
+    if old is not None:
+        _remove(old)
 
 
 def _write_text(path, text):
@@ -83,6 +203,90 @@ def read_json(path):
             return json.load(f)
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: not valid JSON ({e})") from None
+
+
+def check_writable(folder):
+    """Create folder if needed and prove it takes a file, before any work: a read-only output folder is an error that
+    names it, not a PermissionError at the first checkpoint."""
+    try:
+        os.makedirs(folder, exist_ok=True)
+        probe = _side_path(os.path.join(folder, "write-test"), "tmp")
+        os.close(os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))
+        os.unlink(probe)
+    except OSError as e:
+        raise PermissionError(f"{folder}: output folder is not writable ({e.strerror or e})") from None
+
+
+# ---- the run folder's writer lock ----
+
+LOCK = ".lock"  # in the run folder: exists while a writer holds it, and says who (JSON)
+_HELD = {}  # realpath of a locked folder -> [fd, depth]: this process's locks, so that nested writers re-enter
+
+
+class FolderLocked(RuntimeError):
+    """Another live process holds the run folder's writer lock."""
+
+
+def _holder_text(raw):
+    try:
+        h = json.loads(raw)
+        return f"pid {h['pid']} on {h['host']} (`{h['command']}`, since {h['since']})"
+    except (ValueError, KeyError, TypeError):
+        return "an unknown process (unreadable lock file)"
+
+
+@contextlib.contextmanager
+def writer_lock(folder):
+    """Hold folder's writer lock for the block: an OS lock (flock) on folder/.lock, which the kernel releases when the
+    process exits however it exits (kill -9 included), so no lock outlives its holder. A second writer gets
+    FolderLocked naming the holder; a .lock file left by a killed holder no longer locks and is reported as stale.
+    Entering also creates folder, checks that it is writable and cleans what a killed writer left in it (clean_stale).
+    Re-entrant within a process (rsd.py's retrain calls train.py's run)."""
+    key = os.path.realpath(folder)
+    if key in _HELD:
+        _HELD[key][1] += 1
+        try:
+            yield
+        finally:
+            _HELD[key][1] -= 1
+        return
+    check_writable(folder)
+    if fcntl is None:  # no flock (Windows): no lock, and a warning that says so
+        log.warning("%s: no file locking on this platform; make sure one process writes here at a time", folder)
+        yield
+        return
+    path = os.path.join(folder, LOCK)
+    while True:  # lock the file that is at `path` when we hold it (a releasing holder unlinks it first)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raw = os.read(fd, 4096).decode(errors="replace")
+            os.close(fd)
+            raise FolderLocked(f"{folder} is being written by {_holder_text(raw)}: wait for it to finish, or write "
+                               "to another folder (--out)") from None
+        try:
+            same = os.fstat(fd).st_ino == os.stat(path).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)
+    stale = os.read(fd, 4096).decode(errors="replace")
+    if stale.strip():
+        log.warning("%s: stale lock of %s, which is gone (killed?): taking it over", path, _holder_text(stale))
+    me = {"pid": os.getpid(), "host": socket.gethostname(), "command": " ".join(sys.argv),
+          "since": time.strftime("%Y-%m-%d %H:%M:%S")}
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, json.dumps(me).encode(), 0)
+    _HELD[key] = [fd, 1]
+    try:
+        clean_stale(folder)
+        yield
+    finally:
+        del _HELD[key]
+        os.unlink(path)  # while still holding it: a waiting writer then finds no file at `path` and retries
+        os.close(fd)
 
 
 # ---- command-line flags from a config dataclass ----
@@ -124,7 +328,33 @@ def config_from_args(cls, args):
     return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
 
 
+def check_device(name):
+    """torch.device(name), or a clear error before any work: a device torch does not know, or one this machine lacks
+    (a script would otherwise fail at its first .to(device), after minutes of data generation)."""
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"unknown device {name!r}: use cpu, cuda, cuda:N or mps") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {name!r}, but torch.cuda.is_available() is False (no GPU, or a CPU-only torch)")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"device {name!r}, but this machine has {torch.cuda.device_count()} CUDA device(s)")
+    elif device.type == "mps":
+        if not torch.backends.mps.is_available():
+            raise ValueError(f"device {name!r}, but torch.backends.mps.is_available() is False")
+    elif device.type != "cpu":
+        raise ValueError(f"device {name!r}: this code runs on cpu, cuda or mps")
+    return device
+
+
 # ---- our own format ----
+
+# Config fields added after folders had been written without them; their defaults reproduce what those folders meant.
+# Every other field is required: a default there could silently change the logits (a toy target trained at RoPE base
+# 1e4 would load at ModelConfig's 1e6).
+LATER_FIELDS = ("video_frame_blocks",)
+LATER_VISION_FIELDS = ("family", "num_position_embeddings", "deepstack_visual_indexes")
 
 
 def draft_dir(run, kind, seed=0):
@@ -133,18 +363,81 @@ def draft_dir(run, kind, seed=0):
     return os.path.join(run, f"draft_{kind}_s{seed}")
 
 
-def save(model: VLA, dir):
-    """config.json + model.safetensors, each written atomically. A draft's file holds only its own
-    weights (the shared target embedding / LM head are re-attached by load(dir, target=...))."""
-    if getattr(model, "expert", None) is not None:
-        raise ValueError("this format holds no Alpamayo action expert: keep the model's Alpamayo folder")
-    os.makedirs(dir, exist_ok=True)
+class _Hasher:
+    """sha256 over (name, dtype, shape, bytes) of tensors fed in name order; 16 hex digits."""
+
+    def __init__(self):
+        self.h = hashlib.sha256()
+
+    def add(self, name, t):
+        self.h.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
+        self.h.update(t.detach().reshape(-1).contiguous().cpu().view(torch.uint8).numpy())
+
+    def digest(self):
+        return self.h.hexdigest()[:16]
+
+
+def _config_hash(config: dict):
+    return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _stored(model):
+    """The tensors save() writes: the state dict without a tied LM head (the same tensor as the embedding)."""
     sd = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
     if model.cfg.tie_word_embeddings and model.cfg.shared_width is None:
-        sd.pop("lm_head.weight")  # tied: the same tensor as embed_tokens.weight
-    meta = {"format": "rsd-vla", "draft": model.cfg.shared_width is not None, "config": model.cfg.to_dict()}
-    atomic_write(os.path.join(dir, WEIGHTS), lambda p: save_file(sd, p))
-    write_json(os.path.join(dir, CONFIG), meta)
+        sd.pop("lm_head.weight")
+    return sd
+
+
+def _memory_fingerprint(model, sd=None):
+    h = _Hasher()
+    for k, t in sorted((sd or _stored(model)).items()):
+        h.add(k, t)
+    return {"config": _config_hash(model.cfg.to_dict()), "weights": h.digest()}
+
+
+def fingerprint(model) -> dict:
+    """{"config", "weights"}: sha256 (16 hex digits) of a model's config and of its stored tensors (name, dtype, shape,
+    bytes). A draft records its target's. A model read by load() or load_pretrained() has its file's (the config as
+    stored, the tensors as stored), so a target loaded in bf16 still matches the fp32 folder it came from, and a field
+    added to ModelConfig later does not change an old folder's; changing such a model in place does not update it.
+    Any other model is hashed from memory, in its dtype."""
+    fp = getattr(model, "checkpoint_fingerprint", None)
+    files = getattr(model, "checkpoint_files", None)
+    if fp is None and files is not None:  # load_pretrained: hashed from the files when first asked (a 16 GB read)
+        cfg_path, keys = files
+        handles, h = {}, _Hasher()
+        for key, file in keys:
+            handles.setdefault(file, _open_safetensors(file))
+            h.add(key, _read_tensor(handles[file], file, key))
+        fp = model.checkpoint_fingerprint = {"config": _config_hash(read_json(cfg_path)), "weights": h.digest()}
+    return fp if fp is not None else _memory_fingerprint(model)
+
+
+def save(model: VLA, dir, target: VLA | None = None):
+    """Write the folder dir as a whole (atomic_folder): config.json + model.safetensors. A draft's file holds only its
+    own weights (load(dir, target=...) re-attaches the target's embedding / LM head); `target`, the model it was
+    distilled from, is required for a draft, and its fingerprint is recorded so that a later load against another
+    target is refused."""
+    if getattr(model, "expert", None) is not None:
+        raise ValueError("this format holds no Alpamayo action expert: keep the model's Alpamayo folder")
+    draft = model.cfg.shared_width is not None
+    if draft and target is None:
+        raise ValueError(f"{dir}: saving a draft needs target= (the model it was distilled from), whose fingerprint "
+                         "the draft records")
+    if draft and target.embed_tokens is not model.embed_tokens:
+        raise ValueError(f"{dir}: target= is not the model whose embedding and LM head this draft shares")
+    sd = _stored(model)
+    meta = {"format": "rsd-vla", "draft": draft, "config": model.cfg.to_dict(),
+            "fingerprint": _memory_fingerprint(model, sd)}
+    if draft:
+        meta["target"] = fingerprint(target)
+
+    def write(tmp):
+        save_file(sd, os.path.join(tmp, WEIGHTS))
+        _write_text(os.path.join(tmp, CONFIG), json.dumps(meta, indent=1))
+
+    atomic_folder(dir, write)
 
 
 def _open_safetensors(path):
@@ -188,25 +481,72 @@ def _empty_model(cfg, shared, dtype, device, expert_cfg=None):
     return model
 
 
-def load(dir, target: VLA | None = None, dtype=None, device=None) -> VLA:
-    """Load a model written by save(); a draft needs the target it was made from (re-attached, shared)."""
-    if not os.path.isdir(dir):
-        raise FileNotFoundError(f"{dir}: checkpoint folder not found")
-    meta = read_json(os.path.join(dir, CONFIG))
+def _own_config(dir):
+    """(meta, ModelConfig) of our config.json, every required field checked and named."""
+    path = os.path.join(dir, CONFIG)
+    meta = read_json(path)
+    if not isinstance(meta, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(meta).__name__}")
     if meta.get("format") != "rsd-vla":
-        raise ValueError(f"{os.path.join(dir, CONFIG)}: not a checkpoint written by checkpoint.save "
+        raise ValueError(f"{path}: not a checkpoint written by checkpoint.save "
                          "(for Hugging Face / Alpamayo folders use load_pretrained)")
-    cfg = ModelConfig.from_dict(meta["config"])
+    if not isinstance(meta.get("draft"), bool):
+        raise ValueError(f"{path}: missing or non-boolean field 'draft'")
+    raw = meta.get("config")
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: missing field 'config' (an object of ModelConfig fields)")
+    missing = [f.name for f in dataclasses.fields(ModelConfig) if f.name not in raw and f.name not in LATER_FIELDS]
+    if raw.get("vision") is not None:
+        if not isinstance(raw["vision"], dict):
+            raise ValueError(f"{path}: config field 'vision' must be an object or null")
+        missing += [f"vision.{f.name}" for f in dataclasses.fields(VisionConfig)
+                    if f.name not in raw["vision"] and f.name not in LATER_VISION_FIELDS]
+    if missing:
+        raise ValueError(f"{path}: missing config field(s) {missing}: this format requires every field the model "
+                         "depends on (a default could change its logits)")
+    try:
+        return meta, ModelConfig.from_dict(raw)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{path}: bad config: {e}") from None
+
+
+def _check_target(dir, meta, target):
+    """A draft is bound to the target it was distilled from: refuse another one, saying what changed."""
+    want = meta.get("target")
+    if want is None:
+        log.warning("%s: draft saved without its target's fingerprint (before drafts recorded one): cannot check that "
+                    "it was distilled from the target it is loaded with", dir)
+        return
+    have = fingerprint(target)
+    stale = [part for part in ("weights", "config") if have.get(part) != want.get(part)]
+    if stale:
+        raise ValueError(f"{dir}: stale draft: it was distilled from another target (its "
+                         + " and ".join(f"{p} {want.get(p)} there, {have.get(p)} in the target given" for p in stale)
+                         + "); retrain the draft from this target (delete it, then python train.py --stage drafts or "
+                         "python rsd.py --retrain), or load it with the target it was made from")
+
+
+def load(dir, target: VLA | None = None, dtype=None, device=None) -> VLA:
+    """Load a model written by save(). A draft needs the target it was distilled from (its embedding and LM head are
+    re-attached, shared); a target with another fingerprint is refused. The model carries its file's fingerprint."""
+    if not os.path.isdir(dir):  # a writer killed mid-swap left the previous checkpoint aside: clean_stale restores it
+        clean_stale(*os.path.split(os.path.abspath(dir)))
+        if not os.path.isdir(dir):
+            raise FileNotFoundError(f"{dir}: checkpoint folder not found")
+    meta, cfg = _own_config(dir)
     if meta["draft"]:
         if target is None:
             raise ValueError(f"{dir} holds a draft: pass target= (the model whose embedding and LM head it shares)")
         if (target.cfg.hidden_size, target.cfg.vocab_size) != (cfg.shared_width, cfg.vocab_size):
             raise ValueError(f"{dir}: draft expects a target of width {cfg.shared_width} and vocab {cfg.vocab_size}, "
                              f"got {target.cfg.hidden_size} and {target.cfg.vocab_size}")
+        _check_target(dir, meta, target)
         device = device or target.embed_tokens.weight.device
     path = os.path.join(dir, WEIGHTS)
     f = _open_safetensors(path)
-    keys = list(f.keys())
+    keys = sorted(f.keys())
+    if not keys:
+        raise ValueError(f"{path}: holds no tensors")
     if dtype is None:  # a draft must match its target; otherwise keep the file's dtype
         dtype = target.embed_tokens.weight.dtype if meta["draft"] else _read_tensor(f, path, keys[0]).dtype
     model = _empty_model(cfg, target if meta["draft"] else None, dtype, device or "cpu")
@@ -214,10 +554,20 @@ def load(dir, target: VLA | None = None, dtype=None, device=None) -> VLA:
     if cfg.tie_word_embeddings and cfg.shared_width is None:
         sd.pop("lm_head.weight")
     _check_keys(sd, keys, path)
+    h = _Hasher()
     with torch.no_grad():
         for k in keys:
             _check_shape(path, k, sd[k].shape, f.get_slice(k).get_shape())
-            sd[k].copy_(_read_tensor(f, path, k))
+            t = _read_tensor(f, path, k)
+            h.add(k, t)
+            sd[k].copy_(t)
+    fp = {"config": _config_hash(meta["config"]), "weights": h.digest()}
+    recorded = meta.get("fingerprint")  # absent in folders saved before fingerprints
+    if recorded is not None and recorded != fp:
+        parts = [p for p in ("config", "weights") if recorded.get(p) != fp[p]]
+        raise ValueError(f"{dir}: {CONFIG} and {WEIGHTS} do not belong together ({' and '.join(parts)} differ from "
+                         f"the fingerprint {CONFIG} records): one was replaced or edited without the other")
+    model.checkpoint_fingerprint = fp
     return model
 
 
@@ -253,6 +603,8 @@ def _hf_config(path):
     """(ModelConfig, family, alpamayo, ExpertConfig or None) from a Hugging Face / Alpamayo config.json."""
     cfg_path = os.path.join(path, CONFIG)
     raw = top = read_json(cfg_path)
+    if not isinstance(raw, dict):
+        raise ValueError(f"{cfg_path}: expected a JSON object, got {type(raw).__name__}")
     alpamayo = "vlm_name_or_path" in raw or "alpamayo" in str(raw.get("model_type", "")).lower()
     if alpamayo:  # the VLM config is nested, or (released checkpoints) named by vlm_name_or_path
         vlm = raw.get("vlm_config")
@@ -272,7 +624,16 @@ def _hf_config(path):
         raise ValueError(f"{cfg_path}: unsupported architecture model_type={family!r} "
                          f"(architectures={raw.get('architectures')}); supported: qwen2_5_vl, qwen3_vl, Alpamayo-R1")
     text = raw.get("text_config") or raw  # transformers 5 nests it; older configs keep it top-level
+    if not isinstance(text, dict):
+        raise ValueError(f"{cfg_path}: text_config must be an object, got {type(text).__name__}")
+    _required(text, "hidden_size", cfg_path)
     rope = text.get("rope_parameters") or text.get("rope_scaling") or raw.get("rope_scaling") or {}
+    for d, key in ((text, "rope_parameters"), (text, "rope_scaling"), (raw, "rope_parameters"), (raw, "rope_scaling")):
+        r = d.get(key) if isinstance(d.get(key), dict) else {}
+        kind = r.get("rope_type", r.get("type", "default"))
+        if kind not in ("default", "mrope"):  # "mrope": older Qwen2-VL configs' name for the default M-RoPE
+            raise ValueError(f"{cfg_path}: unsupported RoPE scaling {key}.rope_type={kind!r}: this code implements "
+                             "unscaled (M-)RoPE only, and would silently ignore the scaling")
     if text.get("hidden_act", "silu") != "silu":
         raise ValueError(f"{cfg_path}: unsupported hidden_act {text['hidden_act']!r}")
     if family == "qwen3_vl" and text.get("attention_bias"):
@@ -309,7 +670,7 @@ def _hf_config(path):
             vision_start_token_id=raw.get("vision_start_token_id", 151652),
             tokens_per_second=vraw.get("tokens_per_second", 2), video_frame_blocks=family == "qwen3_vl",
             spatial_merge_size=vraw.get("spatial_merge_size", 2), vision=vision, traj_len=64,
-            max_seq_len=min(text.get("max_position_embeddings", 8192), 8192))
+            max_seq_len=text.get("max_position_embeddings", 8192))
     except KeyError as e:
         raise ValueError(f"{cfg_path}: missing config field {e}") from None
     except ValueError as e:
@@ -384,7 +745,11 @@ def load_pretrained(path, dtype=None, device=None) -> VLA:
     cfg, family, alpamayo, expert_cfg = _hf_config(path)
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index):
-        key_file = {k: os.path.join(path, v) for k, v in read_json(index)["weight_map"].items()}
+        weight_map = read_json(index)
+        weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index}: no 'weight_map' object (tensor name -> shard file)")
+        key_file = {k: os.path.join(path, v) for k, v in weight_map.items()}
     elif os.path.isfile(os.path.join(path, WEIGHTS)):
         key_file = None
     else:
@@ -413,6 +778,12 @@ def load_pretrained(path, dtype=None, device=None) -> VLA:
         found[k] = (file, key)
     if expert_cfg is not None:
         _check_fourier_buffers(path, freqs, expert_cfg)
+    if not found:
+        raise ValueError(f"{path}: the safetensors file(s) hold no tensors")
+    for file in sorted({file for file, _ in found.values()}):  # an index that maps a key to the wrong shard
+        stray = sorted({key for f, key in found.values() if f == file} - set(handle(file).keys()))
+        if stray:
+            raise ValueError(f"{index}: maps {len(stray)} key(s) to {file}, which does not hold them: {stray[:5]}")
     first_file, first_key = found.get("embed_tokens.weight", next(iter(found.values())))
     dtype = dtype or _read_tensor(handle(first_file), first_file, first_key).dtype
     model = _empty_model(cfg, None, dtype, device or "cpu", expert_cfg)
@@ -428,4 +799,5 @@ def load_pretrained(path, dtype=None, device=None) -> VLA:
         if model.traj_head is not None:
             model.traj_head.apply(VLA._init_weights)
             log.warning("load_pretrained(%s): trajectory head not in the checkpoint, randomly initialised", path)
+    model.checkpoint_files = (os.path.join(path, CONFIG), sorted((key, file) for file, key in found.values()))
     return model

@@ -76,7 +76,7 @@ def retrain(run, seeds, device="cpu", log=print):
             target, sft = aarl.load_run(run, seed, device)
             draft = aarl.train_aarl(target, copy.deepcopy(sft), Data("train", cfg.n_train, 0, driving.Tokenizer()),
                                     cfg, ref=sft)
-            checkpoint.save(draft, aarl.out_dir(run, "static", seed))
+            checkpoint.save(draft, aarl.out_dir(run, "static", seed), target=target)
 
 
 # ---- display ----

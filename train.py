@@ -247,7 +247,7 @@ def train_drafts(cfg: TrainConfig, target, train: Data, rank=0, world=1, device=
             save_state(state_path, step + 1, drafts, opts, cfg, rank)
     if rank == 0:
         for k, d in drafts.items():
-            checkpoint.save(d, checkpoint.draft_dir(cfg.out, k, cfg.draft_seed))
+            checkpoint.save(d, checkpoint.draft_dir(cfg.out, k, cfg.draft_seed), target=target)
     return drafts
 
 

@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 
 import pytest
 import torch
@@ -312,7 +313,7 @@ def test_save_load_round_trip_target_and_draft(tmp_path):
     assert torch.equal(t2.traj(x), target.traj(x))
 
     draft = o1_init(make_draft(target, n_layers=1, hidden_size=32), seed=7)
-    save(draft, tmp_path / "draft")
+    save(draft, tmp_path / "draft", target=target)
     stored = load_file(tmp_path / "draft" / "model.safetensors")
     assert not any(k.startswith(("embed_tokens", "lm_head")) for k in stored)
     d2 = load(tmp_path / "draft", target=t2)
@@ -355,3 +356,240 @@ def test_own_checkpoint_errors_and_atomic_write(tmp_path, monkeypatch):
     assert open(tmp_path / "m" / "model.safetensors", "rb").read() == before
     assert sorted(os.listdir(tmp_path / "m")) == ["config.json", "model.safetensors"]
     assert checkpoint.load(tmp_path / "m").cfg == model.cfg
+
+
+def test_own_config_requires_every_field(tmp_path):
+    """Our format: a missing field is an error naming it (a default could change the logits), except the fields added
+    after folders had been written without them; config.json and the weights must belong together."""
+    save(tiny_model(), tmp_path / "m")
+    good = json.load(open(tmp_path / "m" / "config.json"))
+
+    def edited(edit, keep_fingerprint=False):
+        meta = json.loads(json.dumps(good))
+        if not keep_fingerprint:
+            meta.pop("fingerprint")  # as a folder written before fingerprints: only the field check speaks
+        meta = edit(meta) or meta
+        json.dump(meta, open(tmp_path / "m" / "config.json", "w"))
+        return tmp_path / "m"
+
+    def drop(*keys):
+        def edit(meta):
+            for k in keys[:-1]:
+                meta = meta[k]
+            del meta[keys[-1]]
+        return edit
+
+    cases = ((drop("config", "rope_theta"), r"config.json: missing config field\(s\) \['rope_theta'\]"),
+             (drop("config", "vision", "window_size"), r"\['vision.window_size'\]"),
+             (drop("config"), "missing field 'config'"),
+             (drop("draft"), "missing or non-boolean field 'draft'"),
+             (lambda meta: [meta], "config.json: expected a JSON object, got list"),
+             (lambda meta: meta["config"].update(colour="red"), r"bad config: unknown ModelConfig fields"))
+    for edit, msg in cases:
+        with pytest.raises(ValueError, match=msg):
+            load(edited(edit))
+    for later in (drop("config", "video_frame_blocks"), drop("config", "vision", "family")):
+        assert load(edited(later)).cfg == tiny_model().cfg
+    # config.json edited after the save (or weights from another save): the recorded fingerprint says so
+    with pytest.raises(ValueError, match=r"config.json and model.safetensors do not belong together \(config differ"):
+        load(edited(lambda m: m["config"].update(rope_theta=500.0), keep_fingerprint=True))
+    edited(lambda m: None, keep_fingerprint=True)
+    save(tiny_model(seed=1), tmp_path / "other")
+    shutil.copy(tmp_path / "other" / "model.safetensors", tmp_path / "m" / "model.safetensors")
+    with pytest.raises(ValueError, match=r"do not belong together \(weights differ"):
+        load(tmp_path / "m")
+    empty = tmp_path / "other" / "model.safetensors"
+    save_file({}, empty)
+    with pytest.raises(ValueError, match="model.safetensors: holds no tensors"):
+        load(tmp_path / "other")
+
+
+def test_hf_config_and_index_errors(qwen25, tmp_path):
+    """Hugging Face folders: a RoPE scaling this code does not implement, a config that is not an object or lacks a
+    field, an index without weight_map or pointing a key at the wrong shard, a file with no tensors: each named."""
+    _, d = qwen25
+
+    def yarn(cfg):
+        cfg["text_config"]["rope_parameters"].update(rope_type="yarn", factor=4.0)
+    with pytest.raises(ValueError, match=r"unsupported RoPE scaling rope_parameters.rope_type='yarn'"):
+        load_pretrained(broken(d, tmp_path / "yarn", edit_cfg=yarn))
+
+    def no_width(cfg):
+        del cfg["text_config"]["hidden_size"]
+    with pytest.raises(ValueError, match="config.json: missing config field 'hidden_size'"):
+        load_pretrained(broken(d, tmp_path / "nowidth", edit_cfg=no_width))
+    p = broken(d, tmp_path / "list")
+    json.dump([1], open(os.path.join(p, "config.json"), "w"))
+    with pytest.raises(ValueError, match="config.json: expected a JSON object, got list"):
+        load_pretrained(p)
+    p = broken(d, tmp_path / "empty")
+    save_file({}, os.path.join(p, "model.safetensors"))
+    with pytest.raises(ValueError, match="empty: the safetensors file"):
+        load_pretrained(p)
+
+    sd = load_file(os.path.join(d, "model.safetensors"))
+    keys = sorted(sd)
+    os.makedirs(tmp_path / "shards")
+    shutil.copy(os.path.join(d, "config.json"), tmp_path / "shards")
+    save_file({k: sd[k] for k in keys[::2]}, tmp_path / "shards" / "a.safetensors")
+    save_file({k: sd[k] for k in keys[1::2]}, tmp_path / "shards" / "b.safetensors")
+    index = tmp_path / "shards" / "model.safetensors.index.json"
+    json.dump({"metadata": {}}, open(index, "w"))
+    with pytest.raises(ValueError, match="index.json: no 'weight_map' object"):
+        load_pretrained(tmp_path / "shards")
+    weight_map = {k: "a.safetensors" if i % 2 == 0 else "b.safetensors" for i, k in enumerate(keys)}
+    weight_map[keys[0]] = "b.safetensors"
+    json.dump({"weight_map": weight_map}, open(index, "w"))
+    with pytest.raises(ValueError, match=rf"maps 1 key\(s\) to .*b.safetensors, which does not hold them: .*{keys[0]}"):
+        load_pretrained(tmp_path / "shards")
+
+
+# ---- drafts bound to their target ----
+
+
+def same_weights(a, b):
+    return all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+
+
+def test_draft_is_bound_to_its_target(tmp_path, caplog):
+    target = tiny_model()
+    save(target, tmp_path / "target")
+    draft = o1_init(make_draft(target, n_layers=1), seed=7)
+    save(draft, tmp_path / "draft", target=target)
+    meta = json.load(open(tmp_path / "draft" / "config.json"))
+    assert meta["target"] == checkpoint.fingerprint(target)
+    assert meta["target"] == json.load(open(tmp_path / "target" / "config.json"))["fingerprint"]
+    assert same_weights(load(tmp_path / "draft", target=load(tmp_path / "target")), draft)
+    # the target read in another dtype keeps its file's fingerprint
+    assert load(tmp_path / "draft", target=load(tmp_path / "target", dtype=torch.bfloat16)).cfg == draft.cfg
+    # another target's weights (a retrained one) or config: the draft is stale, and the error says what changed
+    with pytest.raises(ValueError, match=r"draft: stale draft: .*\(its weights [0-9a-f]{16} there, [0-9a-f]{16} in"):
+        load(tmp_path / "draft", target=tiny_model(seed=1))
+    with pytest.raises(ValueError, match=r"stale draft: .*\(its config [0-9a-f]{16} there"):
+        load(tmp_path / "draft", target=tiny_model(rope_theta=500.0))
+    # saving a draft needs the target whose embedding it shares
+    with pytest.raises(ValueError, match="saving a draft needs target="):
+        save(draft, tmp_path / "d2")
+    with pytest.raises(ValueError, match="not the model whose embedding"):
+        save(draft, tmp_path / "d2", target=tiny_model(seed=1))
+    # folders written before fingerprints (no 'fingerprint', no 'target') still load; the draft with a warning
+    for part in ("target", "draft"):
+        old = json.load(open(tmp_path / part / "config.json"))
+        old.pop("fingerprint"), old.pop("target", None)
+        json.dump(old, open(tmp_path / part / "config.json", "w"))
+    with caplog.at_level(logging.WARNING, logger="checkpoint"):
+        assert same_weights(load(tmp_path / "draft", target=load(tmp_path / "target")), draft)
+    assert "draft saved without its target's fingerprint" in caplog.text
+
+
+# ---- whole-folder writes, kill -9, the writer lock ----
+
+
+def killed(write):
+    """Run write() in a forked child that SIGKILLs itself at the point write() patches in (a real kill -9)."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            write()
+        finally:
+            os._exit(1)  # reached only if the kill did not happen
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+    return pid
+
+
+def die(*_):
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="kill -9 is simulated with os.fork")
+def test_kill_9_during_a_save_keeps_the_previous_checkpoint(tmp_path):
+    """kill -9 while the new weights are written, or between the two renames that swap the folder in: the previous
+    checkpoint still loads, and the next write (or load) leaves no stray file behind."""
+    old, new = tiny_model(seed=0), tiny_model(seed=1)
+    save(old, tmp_path / "m")
+
+    def partial(sd, path):
+        open(path, "wb").write(b"partial")
+        die()
+
+    def mid_weights():
+        checkpoint.save_file = partial
+        save(new, tmp_path / "m")
+    killed(mid_weights)
+    assert len(os.listdir(tmp_path)) == 2  # m and the killed writer's temporary folder
+    assert same_weights(load(tmp_path / "m"), old)
+    save(new, tmp_path / "m")
+    assert os.listdir(tmp_path) == ["m"] and same_weights(load(tmp_path / "m"), new)
+
+    def mid_swap():
+        rename = os.rename
+
+        def rename_then_die(src, dst):
+            rename(src, dst)
+            if str(dst).endswith(".old"):  # the current folder is set aside, the new one not yet in place
+                die()
+        os.rename = rename_then_die
+        save(old, tmp_path / "m")
+    killed(mid_swap)
+    assert "m" not in os.listdir(tmp_path) and len(os.listdir(tmp_path)) == 2
+    assert same_weights(load(tmp_path / "m"), new)  # load puts the set-aside folder back
+    assert os.listdir(tmp_path) == ["m"]
+
+    # a single file (a training state): the previous one stays, the killed writer's temporary file goes next time
+    checkpoint.torch_save({"step": 1}, tmp_path / "s.pt")
+
+    def mid_state():
+        torch.save = lambda obj, path: (open(path, "wb").write(b"partial"), die())
+        checkpoint.torch_save({"step": 2}, tmp_path / "s.pt")
+    killed(mid_state)
+    assert torch.load(tmp_path / "s.pt")["step"] == 1 and len(os.listdir(tmp_path)) == 3
+    checkpoint.torch_save({"step": 2}, tmp_path / "s.pt")
+    assert sorted(os.listdir(tmp_path)) == ["m", "s.pt"]
+
+
+def test_saved_files_are_group_readable(tmp_path):
+    umask = os.umask(0o022)
+    try:
+        save(tiny_model(), tmp_path / "m")
+        checkpoint.torch_save({"step": 1}, tmp_path / "s.pt")
+    finally:
+        os.umask(umask)
+    for p in (tmp_path / "m" / "model.safetensors", tmp_path / "m" / "config.json", tmp_path / "s.pt"):
+        assert os.stat(p).st_mode & 0o777 == 0o644, p
+    assert os.stat(tmp_path / "m").st_mode & 0o777 == 0o755
+
+
+@pytest.mark.skipif(checkpoint.fcntl is None or not hasattr(os, "fork"), reason="POSIX file locks, os.fork")
+def test_writer_lock_names_the_holder_and_outlives_no_kill_9(tmp_path, caplog):
+    ready_r, ready_w = os.pipe()
+    go_r, go_w = os.pipe()
+
+    def hold_then_die():
+        with checkpoint.writer_lock(tmp_path):
+            os.write(ready_w, b"1")
+            os.read(go_r, 1)  # hold the lock until the parent has tried
+            die()  # ... and die holding it
+    pid = os.fork()
+    if pid == 0:
+        try:
+            hold_then_die()
+        finally:
+            os._exit(1)
+    os.read(ready_r, 1)
+    with pytest.raises(checkpoint.FolderLocked, match=rf"is being written by pid {pid} on .*: wait for it"):
+        with checkpoint.writer_lock(tmp_path):
+            pass
+    os.write(go_w, b"1")
+    os.waitpid(pid, 0)
+    assert os.path.exists(tmp_path / checkpoint.LOCK)  # the killed holder's file stays, but locks nothing
+    with caplog.at_level(logging.WARNING, logger="checkpoint"):
+        with checkpoint.writer_lock(tmp_path):
+            with checkpoint.writer_lock(tmp_path):  # re-entrant within a process
+                pass
+    assert f"stale lock of pid {pid}" in caplog.text
+    assert not os.path.exists(tmp_path / checkpoint.LOCK)  # released: nothing left behind
+    (tmp_path / "file").write_text("")
+    with pytest.raises(PermissionError, match="file/run: output folder is not writable"):
+        with checkpoint.writer_lock(tmp_path / "file" / "run"):
+            pass

@@ -42,7 +42,7 @@ def run_dir(tmp_path_factory):
         target, sft = aarl.load_run(str(out), seed, "cpu")
         cfg = aarl.AARLConfig(steps=2, scenes=2, group=2, max_new=8, views=VIEWS, seed=seed)
         draft = aarl.train_aarl(target, copy.deepcopy(sft), driving.Data("train", 16, 0, tok), cfg, ref=sft)
-        checkpoint.save(draft, aarl.out_dir(str(out), "static", seed))
+        checkpoint.save(draft, aarl.out_dir(str(out), "static", seed), target=target)
     yield out
     del M.PRESETS["test-tiny"], M.DRAFT_PRESETS["test-tiny-draft"]
 
