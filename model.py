@@ -57,7 +57,7 @@ class ModelConfig:
     # the vision tower; None: none (image / video placeholders keep their token embeddings)
     vision: VisionConfig | None = field(default_factory=VisionConfig)
     traj_len: int = 32  # waypoints emitted by the trajectory head (0 = no head)
-    max_seq_len: int = 4096  # default KV-cache length
+    max_seq_len: int = 4096  # positions a sequence may span (prompt + generated; longer is refused); default cache
     shared_width: int | None = None  # drafts only: width of the target's shared embedding / LM head
 
     def __post_init__(self):
@@ -414,6 +414,9 @@ class VLA(nn.Module):
         past = cache.length if cache is not None else 0
         if cache is not None and past + T > cache.max_len:
             raise ValueError(f"KV cache overflow: {past} + {T} tokens > max_len {cache.max_len}")
+        if past + T > self.cfg.max_seq_len:  # beyond the positions the model was built (and trained) for
+            raise ValueError(f"sequence of {past + T} tokens is longer than the model's max_seq_len "
+                             f"{self.cfg.max_seq_len}")
         cos, sin = self.rope_tables(input_ids, x, image_grid_thw, video_grid_thw, second_per_grid_ts,
                                     attention_mask, cache, position_ids)
         cos, sin = cos.to(x.dtype).unsqueeze(2), sin.to(x.dtype).unsqueeze(2)  # (B, T, 1, hd)

@@ -26,6 +26,7 @@ included, comes out of a verification round: tau = tokens / rounds exactly.
 run: python speculate.py --device cpu
 """
 import argparse
+import contextlib
 import copy
 import math
 import statistics
@@ -219,6 +220,31 @@ def check_args(prompt, max_new_tokens, temperature, top_k, top_p, gamma=None):
         raise ValueError(f"top_p must be None or in (0, 1], got {top_p!r}")
 
 
+def check_vocab(target, draft, prompt, stop_token):
+    """Token ids, the stop token and the draft's vocabulary against the target's, before any work (an id out of
+    range fails deep inside an embedding lookup; a stop token out of range never stops)."""
+    V = getattr(config_of(target), "vocab_size", None)
+    if V is None:
+        return
+    ids = prompt["input_ids"]
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or hi >= V:
+        raise ValueError(f"input_ids hold token id {lo if lo < 0 else hi}, outside the target's vocabulary 0..{V - 1}")
+    if stop_token is not None and not (isinstance(stop_token, int) and 0 <= stop_token < V):
+        raise ValueError(f"stop_token {stop_token!r} is not a token id of the target's vocabulary 0..{V - 1}")
+    Vq = getattr(config_of(draft), "vocab_size", V) if draft is not None else V
+    if Vq != V:
+        raise ValueError(f"the draft's vocabulary ({Vq} tokens) is not the target's ({V}): its tokens cannot be "
+                         "verified")
+
+
+def check_finite(logits, name, when):
+    """A NaN / inf logit row is an error naming the model: greedy decoding would emit argmax(NaN) tokens silently."""
+    if not bool(torch.isfinite(logits).all()):
+        raise FloatingPointError(f"{name}: NaN or inf logits {when} (NaN / inf weights, or an overflow in "
+                                 f"{logits.dtype})")
+
+
 def new_cache(model, prompt, max_new_tokens, max_len):
     """A cache that fits the whole decode; the size check comes before any forward.
 
@@ -226,7 +252,8 @@ def new_cache(model, prompt, max_new_tokens, max_len):
     many tokens as are still needed, so no round writes past the final token.
     """
     need = prompt["input_ids"].shape[1] - 1 + max_new_tokens
-    limit = getattr(config_of(model), "max_position_embeddings", None)  # None: RoPE has no hard limit
+    cfg = config_of(model)  # a Hugging Face config's max_position_embeddings, or our ModelConfig.max_seq_len
+    limit = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "max_seq_len", None)
     if limit is not None and need > limit:
         raise ValueError(f"prompt ({prompt['input_ids'].shape[1]}) + max_new_tokens ({max_new_tokens}) "
                          f"needs {need} positions, the model has {limit}")
@@ -256,19 +283,22 @@ def embed_prompt(target, prompt):
     return out if isinstance(out, tuple) else (out, [])
 
 
-def prefill(model, prompt, embeds, cache, deepstack=None):
+def prefill(model, prompt, embeds, cache, deepstack=None, name="model"):
     """Feed the prompt except its last token; returns that token (1, 1), the first x_last.
 
     embeds (1, L, D) come from target.embed once and serve both models, so the
     draft sees the target's image features and no second vision tower runs.
     deepstack: the target's DeepStack features (embed_prompt), for the target only.
+    name: how an error names the model (NaN / inf logits).
     """
     ids = prompt["input_ids"]  # (1, L)
     grids = {k: prompt[k] for k in GRID_KEYS if prompt.get(k) is not None}
     if deepstack:
         grids["deepstack"] = deepstack
-    # The prefill's logits are never read: logits_to_keep=1 skips an (L, V) LM-head product.
-    model(ids[:, :-1], inputs_embeds=embeds[:, :-1], cache=cache, logits_to_keep=1, **grids)
+    # The prefill's logits are only checked: logits_to_keep=1 skips an (L, V) LM-head product. NaN / inf weights
+    # reach every position, so one row and one host sync per decode catch them.
+    logits = model(ids[:, :-1], inputs_embeds=embeds[:, :-1], cache=cache, logits_to_keep=1, **grids)  # (1, 1, V)
+    check_finite(logits, name, "after the prefill")
     return ids[:, -1:]
 
 
@@ -338,17 +368,20 @@ def make_generator(device, seed):
 # ---- decoding ----
 
 
-def spec_round(target, draft, tcache, dcache, pending, gamma, temperature, top_k, top_p, generator):
+def spec_round(target, draft, tcache, dcache, pending, gamma, temperature, top_k, top_p, generator, last=None):
     """One draft-then-verify round.
 
     pending (1, k): emitted tokens the draft has not seen; its last one, x_last,
     is the only one the target has not seen. Returns (n_accepted, drafted
     tokens (list of gamma ints), next token (int), new pending (1, k')).
+    last: a dict that receives the latest logits of "draft" and "target" (for the
+    end-of-decode check: references only, no work).
     """
     ell = tcache.length  # committed tokens in the target cache, x_last excluded
     x, drafted, qs = pending, [], []
+    last = {} if last is None else last
     for _ in range(gamma):
-        logits_q = draft(x, cache=dcache)[0, -1]  # (V,) q for the next position
+        logits_q = last["draft"] = draft(x, cache=dcache)[0, -1]  # (V,) q for the next position
         if temperature == 0:
             d = logits_q.argmax(-1, keepdim=True)  # (1,) a greedy draft: q is a point mass
         else:
@@ -359,6 +392,7 @@ def spec_round(target, draft, tcache, dcache, pending, gamma, temperature, top_k
     d = torch.cat(drafted) if gamma else pending.new_empty(0)  # (gamma,)
     # One target forward over [x_last, d_1..d_gamma] gives p at gamma + 1 positions.
     logits_p = target(torch.cat([pending[:, -1:], d.view(1, -1)], 1), cache=tcache)[0]  # (gamma+1, V)
+    last["target"] = logits_p
     if temperature == 0:
         n, nxt = verify_greedy(d, logits_p)
     else:
@@ -376,6 +410,25 @@ def spec_round(target, draft, tcache, dcache, pending, gamma, temperature, top_k
     return n_int, d_list, nxt_int, pending
 
 
+@contextlib.contextmanager
+def _naming_nonfinite(last):
+    """A sampling error mid-decode (torch.multinomial refuses NaN probabilities) becomes the error naming the model."""
+    try:
+        yield
+    except RuntimeError as e:
+        for name, logits in last.items():
+            if not bool(torch.isfinite(logits).all()):
+                raise FloatingPointError(f"{name}: NaN or inf logits during the decode") from e
+        raise
+
+
+def _check_last(last):
+    # NaN / inf that enters a KV cache reaches every later row, so the last logits of each model tell, after the
+    # clock has stopped: no cost inside the timed decode.
+    for name, logits in last.items():
+        check_finite(logits, name, "at the end of the decode")
+
+
 @torch.no_grad()
 def speculative(target, draft, prompt, gamma, max_new_tokens, temperature=0.0, top_k=None, top_p=None,
                 seed=None, stop_token=None, max_len=None, timing=False):
@@ -388,35 +441,39 @@ def speculative(target, draft, prompt, gamma, max_new_tokens, temperature=0.0, t
     """
     check_args(prompt, max_new_tokens, temperature, top_k, top_p, gamma)
     check_last_token(target, prompt)
+    check_vocab(target, draft, prompt, stop_token)
     tcache = new_cache(target, prompt, max_new_tokens, max_len)
     dcache = new_cache(draft, prompt, max_new_tokens, max_len)
     generator = make_generator(prompt["input_ids"].device, seed)
     clock = Clock(prompt["input_ids"].device, timing)
     embeds, deepstack = embed_prompt(target, prompt)  # (1, L, D)
-    pending = prefill(target, prompt, embeds, tcache, deepstack)
-    prefill(draft, prompt, embeds, dcache)
+    pending = prefill(target, prompt, embeds, tcache, deepstack, name="target")
+    prefill(draft, prompt, embeds, dcache, name="draft")
     res = SpecResult(target_forwards=1, draft_forwards=1, prefill_s=clock.lap())  # the prefills
-    while len(res.tokens) < max_new_tokens:
-        # Draft only what can still be emitted: the round then ends exactly at max_new_tokens.
-        g = min(gamma, max_new_tokens - len(res.tokens) - 1)
-        n, drafted, nxt, pending = spec_round(target, draft, tcache, dcache, pending, g,
-                                              temperature, top_k, top_p, generator)
-        block, flags = drafted[:n] + [nxt], [True] * n + [False]
-        if stop_token is not None and stop_token in block:
-            cut = block.index(stop_token) + 1
-            block, flags = block[:cut], flags[:cut]
-        res.tokens += block
-        res.from_draft += flags
-        res.blocks.append(len(block))
-        res.rounds += 1
-        res.target_forwards += 1
-        res.draft_forwards += g
-        res.n_drafted += g
-        res.n_accepted += n
-        res.n_tested += n + (n < g)
-        if stop_token is not None and block[-1] == stop_token:
-            break
+    last = {}  # the latest logits of each model, checked once at the end
+    with _naming_nonfinite(last):
+        while len(res.tokens) < max_new_tokens:
+            # Draft only what can still be emitted: the round then ends exactly at max_new_tokens.
+            g = min(gamma, max_new_tokens - len(res.tokens) - 1)
+            n, drafted, nxt, pending = spec_round(target, draft, tcache, dcache, pending, g,
+                                                  temperature, top_k, top_p, generator, last)
+            block, flags = drafted[:n] + [nxt], [True] * n + [False]
+            if stop_token is not None and stop_token in block:
+                cut = block.index(stop_token) + 1
+                block, flags = block[:cut], flags[:cut]
+            res.tokens += block
+            res.from_draft += flags
+            res.blocks.append(len(block))
+            res.rounds += 1
+            res.target_forwards += 1
+            res.draft_forwards += g
+            res.n_drafted += g
+            res.n_accepted += n
+            res.n_tested += n + (n < g)
+            if stop_token is not None and block[-1] == stop_token:
+                break
     res.decode_s = clock.lap()
+    _check_last(last)
     return res
 
 
@@ -427,28 +484,31 @@ def autoregressive(target, prompt, max_new_tokens, temperature=0.0, top_k=None, 
     single-token target forwards, the same sampling. Returns SpecResult (tau = 1)."""
     check_args(prompt, max_new_tokens, temperature, top_k, top_p)
     check_last_token(target, prompt)
+    check_vocab(target, None, prompt, stop_token)
     cache = new_cache(target, prompt, max_new_tokens, max_len)
     generator = make_generator(prompt["input_ids"].device, seed)
     clock = Clock(prompt["input_ids"].device, timing)
     embeds, deepstack = embed_prompt(target, prompt)  # (1, L, D)
-    x = prefill(target, prompt, embeds, cache, deepstack)  # (1, 1)
+    x = prefill(target, prompt, embeds, cache, deepstack, name="target")  # (1, 1)
     prefill_s = clock.lap()
-    out = []
-    for _ in range(max_new_tokens):
-        logits = target(x, cache=cache)[0, -1]  # (V,)
-        if temperature == 0:
-            nxt = logits.argmax(-1, keepdim=True)  # (1,)
-        else:
-            nxt = sample(process_logits(logits, temperature, top_k, top_p), generator).view(1)  # (1,)
-        out.append(nxt)
-        x = nxt.view(1, 1)
-        # Without a stop token nothing needs the value now: no per-token host sync.
-        if stop_token is not None and int(nxt) == stop_token:
-            break
+    out, last = [], {}
+    with _naming_nonfinite(last):
+        for _ in range(max_new_tokens):
+            logits = last["target"] = target(x, cache=cache)[0, -1]  # (V,)
+            if temperature == 0:
+                nxt = logits.argmax(-1, keepdim=True)  # (1,)
+            else:
+                nxt = sample(process_logits(logits, temperature, top_k, top_p), generator).view(1)  # (1,)
+            out.append(nxt)
+            x = nxt.view(1, 1)
+            # Without a stop token nothing needs the value now: no per-token host sync.
+            if stop_token is not None and int(nxt) == stop_token:
+                break
     tokens = torch.cat(out).tolist()  # the host sync that ends the reasoning step
-    return SpecResult(tokens=tokens, from_draft=[False] * len(tokens), blocks=[1] * len(tokens),
-                      rounds=len(tokens), target_forwards=len(tokens) + 1, prefill_s=prefill_s,
-                      decode_s=clock.lap())
+    res = SpecResult(tokens=tokens, from_draft=[False] * len(tokens), blocks=[1] * len(tokens),
+                     rounds=len(tokens), target_forwards=len(tokens) + 1, prefill_s=prefill_s, decode_s=clock.lap())
+    _check_last(last)
+    return res
 
 
 # ---- demo ----
@@ -463,6 +523,11 @@ def main():
     ap.add_argument("--noise", type=float, default=0.05, help="draft = target + noise * std(w) * N(0, 1) per weight")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
+    from checkpoint import check_device  # the demo's one use of it
+    try:
+        check_device(args.device)
+    except ValueError as e:
+        ap.error(str(e))
     torch.manual_seed(args.seed)
     cfg = copy.deepcopy(PRESETS["toy-target"])
     target = VLA(cfg).to(args.device).eval()

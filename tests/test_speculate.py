@@ -343,10 +343,54 @@ def test_errors_before_any_work():
     target.config.image_token_id = 3
     with pytest.raises(ValueError, match="text token"):
         speculative(target, draft, ids, 2, 5)
+    target.config.image_token_id = None
+    with pytest.raises(ValueError, match=r"token id 9, outside the target's vocabulary 0\.\.4"):
+        speculative(target, draft, prompt_of(1, 2, 9), 2, 5)
+    with pytest.raises(ValueError, match="token id -1"):
+        autoregressive(target, prompt_of(-1, 2), 5)
+    with pytest.raises(ValueError, match="stop_token 5 is not a token id of the target's vocabulary"):
+        speculative(target, draft, ids, 2, 5, stop_token=5)
+    with pytest.raises(ValueError, match=r"the draft's vocabulary \(6 tokens\) is not the target's \(5\)"):
+        speculative(target, toy(6, seed=1), ids, 2, 5)
     assert target.calls == draft.calls == 0
     # the exact need fits
-    target.config.image_token_id = None
     assert len(speculative(target, draft, ids, 2, 20, max_len=22).tokens) == 20
+
+
+class LateNaN(ToyLM):
+    """Finite logits at the first positions, NaN from position `at` on: an overflow that appears mid-decode."""
+
+    def __init__(self, model, at):
+        super().__init__(model.A, model.B)
+        self.at = at
+
+    def forward(self, input_ids, cache=None, **kw):
+        logits = super().forward(input_ids, cache=cache, **kw).clone()  # (1, T, V)
+        pos = torch.arange(cache.length - input_ids.shape[1], cache.length)  # (T,) positions of the new tokens
+        logits[0, pos >= self.at] = float("nan")
+        return logits
+
+
+def test_nonfinite_logits_are_an_error_naming_the_model():
+    """NaN weights: an error after the prefill, naming the target or the draft; NaN that appears mid-decode: an
+    error at the end of the decode (greedy) or where sampling meets it, not tokens emitted from NaN."""
+    V = 7
+    good = toy(V, seed=0)
+    nan = ToyLM(torch.full((V, V), float("nan")), None)
+    ids = prompt_of(1, 2, 3)
+    for target, draft, name in ((nan, good, "target"), (good, nan, "draft")):
+        with pytest.raises(FloatingPointError, match=f"{name}: NaN or inf logits after the prefill"):
+            speculative(target, draft, ids, 2, 10)
+    with pytest.raises(FloatingPointError, match="target: NaN or inf logits after the prefill"):
+        autoregressive(nan, ids, 10)
+    late = LateNaN(good, at=6)
+    for temperature, when in ((0.0, "at the end of the decode"), (1.0, "during the decode")):
+        with pytest.raises(FloatingPointError, match=f"target: NaN or inf logits {when}"):
+            speculative(late, good, ids, 2, 10, temperature=temperature, seed=0)
+        with pytest.raises(FloatingPointError, match=f"target: NaN or inf logits {when}"):
+            autoregressive(late, ids, 10, temperature=temperature, seed=0)
+    with pytest.raises(FloatingPointError, match="draft: NaN or inf logits at the end of the decode"):
+        speculative(good, late, ids, 2, 10)
 
 
 # ---- statistics and cost model ----
@@ -676,6 +720,12 @@ def test_vla_errors():
         speculative(target, target, batch2, 2, 4)
     with pytest.raises(ValueError, match="max_len"):
         speculative(target, target, prompt, 2, 40, max_len=40)
+    # a prompt longer than the model's positions (ModelConfig.max_seq_len), before any work and in any forward
+    target.cfg.max_seq_len = 30
+    with pytest.raises(ValueError, match=r"prompt \(27\) \+ max_new_tokens \(5\) needs 31 positions, the model has 30"):
+        autoregressive(target, prompt, 5)
+    with pytest.raises(ValueError, match="sequence of 31 tokens is longer than the model's max_seq_len 30"):
+        target(torch.randint(10, 80, (1, 31)))
 
 
 def test_timing_does_not_change_the_output():
