@@ -263,8 +263,15 @@ def out_dir(run, reference, seed):
 
 def run(cfg: AARLConfig, run_dir, n_report=64, device="cpu", out=None):
     """One AARL run from the SFT FlatRoPE draft of seed cfg.seed in run_dir: the before / after report on validation
-    and held-out scenes, the draft saved to `out` (default out_dir) -> the JSON-able result."""
+    and held-out scenes, the draft saved to `out` (default out_dir) -> the JSON-able result. Holds the writer lock of
+    out's folder throughout (checkpoint.writer_lock), taken before any work."""
     check_config(cfg)
+    out = out or out_dir(run_dir, cfg.reference, cfg.seed)
+    with checkpoint.writer_lock(os.path.dirname(os.path.abspath(out))):
+        return _run(cfg, run_dir, n_report, device, out)
+
+
+def _run(cfg, run_dir, n_report, device, out):
     t0 = time.time()
     torch.manual_seed(cfg.seed)
     target, sft = load_run(run_dir, cfg.seed, device)
@@ -272,7 +279,6 @@ def run(cfg: AARLConfig, run_dir, n_report=64, device="cpu", out=None):
     train = Data("train", cfg.n_train, 0, tok, views=cfg.views)
     splits = {"val": Data("val", n_report, 0, tok, views=cfg.views),
               "test": Data("test", n_report, 0, tok, views=cfg.views)}
-    out = out or out_dir(run_dir, cfg.reference, cfg.seed)
     outputs = {name: evaluate.greedy_outputs(target, data) for name, data in splits.items()}
     prompt = evaluate.scene_prompts(splits["val"].scenes[:1], tok, device, views=cfg.views)[0]
     times = speculate.step_times(target, sft, prompt, [1] + [g + 1 for g in REPORT_GAMMAS])
@@ -311,8 +317,12 @@ def main(argv=None):
     if a.n_report < 1:
         ap.error(f"--n-report must be >= 1, got {a.n_report}")
     try:
+        checkpoint.check_device(a.device)
+    except ValueError as e:
+        ap.error(str(e))
+    try:
         res = run(cfg, a.run, a.n_report, a.device, a.out)
-    except FileNotFoundError as e:
+    except (FileNotFoundError, PermissionError, checkpoint.FolderLocked) as e:
         ap.error(str(e))
     print_result(res)
     if a.json:

@@ -366,14 +366,25 @@ def main(argv=None):
         ap.error("--gamma, --max-new, --prompts and --images must be >= 1")
     if args.repeats < 3:
         ap.error("--repeats must be >= 3 (the median of at least three passes is reported)")
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        ap.error("--device cuda but torch.cuda.is_available() is False")
+    if args.layers is not None and not (args.preset and 1 <= args.layers <= M.PRESETS[args.preset].n_layers):
+        ap.error(f"--layers keeps 1..n_layers decoder layers of a --preset"
+                 + (f" (1..{M.PRESETS[args.preset].n_layers} for {args.preset})" if args.preset else "")
+                 + f", got {args.layers}")
+    try:
+        checkpoint.check_device(args.device)
+    except ValueError as e:
+        ap.error(str(e))
     toy_mode = not (args.target or args.preset)
     needed = [os.path.join(args.run, "target"), args.draft or checkpoint.draft_dir(args.run, *TOY_DRAFT)]
     missing = [d for d in needed if not os.path.isdir(d)]
     if toy_mode and missing:
         ap.error(f"no toy checkpoints (missing {', '.join(missing)}): use the shipped checkpoints/toy, or train "
                  f"them with `python rsd.py --retrain --run {args.run}`")
+    if toy_mode:  # where the report goes, checked before the benchmark runs
+        try:
+            checkpoint.check_writable(os.path.dirname(TOY_JSON) or ".")
+        except PermissionError as e:
+            ap.error(str(e))
     if args.threads:
         torch.set_num_threads(args.threads)
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
@@ -383,12 +394,11 @@ def main(argv=None):
                                                                                   platform.machine())
     res.update(device=str(device), hardware=hardware, dtype=args.dtype, gamma=args.gamma,
                threads=torch.get_num_threads(), torch=torch.__version__)
-    if res["mode"] == "toy":
-        os.makedirs(os.path.dirname(TOY_JSON), exist_ok=True)
-        checkpoint.write_json(TOY_JSON, res)
-    report(res, args)
+    report(res, args)  # printed first: a failing write below loses no measurement
     if args.json:
         print(json.dumps(res))
+    if res["mode"] == "toy":
+        checkpoint.write_json(TOY_JSON, res)
     return res
 
 

@@ -64,7 +64,12 @@ def missing(run, seeds):
 
 def retrain(run, seeds, device="cpu", log=print):
     """Train what is missing in `run`: the target and both SFT drafts of every seed (train.py), then each seed's
-    FlatRoPE draft's AARL post-training with the static anchor (aarl.py)."""
+    FlatRoPE draft's AARL post-training with the static anchor (aarl.py), under run's writer lock."""
+    with checkpoint.writer_lock(run):
+        _retrain(run, seeds, device, log)
+
+
+def _retrain(run, seeds, device, log):
     for seed in seeds:
         if missing(run, [seed]):
             stage = "all" if not os.path.isdir(os.path.join(run, "target")) else "drafts"
@@ -252,17 +257,26 @@ def main(argv=None):
     except ValueError as e:
         ap.error(str(e))
     t0 = time.time()
-    device = torch.device(a.device)
+    try:
+        device = checkpoint.check_device(a.device)
+    except ValueError as e:
+        ap.error(str(e))
     if a.retrain:
-        retrain(a.run, seeds, device)
+        try:
+            retrain(a.run, seeds, device)
+        except (PermissionError, checkpoint.FolderLocked) as e:
+            ap.error(str(e))
     gone = missing(a.run, seeds)
     if gone:
         ap.error(f"missing checkpoints: {', '.join(gone)}; use the shipped checkpoints/toy, or train them with "
                  f"`python rsd.py --retrain --run {a.run}`")
     tok = driving.Tokenizer()
     target = checkpoint.load(os.path.join(a.run, "target"), dtype=checkpoint.DTYPES[a.dtype], device=device).eval()
-    drafts = {row: {s: checkpoint.load(checkpoint.draft_dir(a.run, kind, s), target=target).eval() for s in seeds}
-              for row, kind in ROWS}
+    try:  # a draft distilled from another target than this folder's is stale: say which, before any work
+        drafts = {row: {s: checkpoint.load(checkpoint.draft_dir(a.run, kind, s), target=target).eval() for s in seeds}
+                  for row, kind in ROWS}
+    except ValueError as e:
+        ap.error(str(e))
     splits = {"val": Data("val", a.scenes, 0, tok, views=a.views), "test": Data("test", a.scenes, 0, tok, views=a.views)}
     test = splits["test"]
 

@@ -16,6 +16,7 @@ run: python train.py --device cpu                 (target + both drafts into run
      torchrun --nproc_per_node 2 train.py         (the same with DistributedDataParallel)
 """
 import argparse
+import contextlib
 import math
 import os
 import time
@@ -204,6 +205,7 @@ def train_target(cfg: TrainConfig, tok, train: Data, val: Data, rank=0, world=1,
         torch.nn.utils.clip_grad_norm_(target.parameters(), cfg.grad_clip)
         opt.step()
         bar.set_postfix(ce=f"{ce.item():.3f}", traj_l1=f"{l1.item():.2f}")
+        check_loss("target", loss.item(), step, state_path)  # a sync the line above already pays
         if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.target_steps:
             save_state(state_path, step + 1, {"target": target}, {"target": opt}, cfg, rank)
             if rank == 0 and step + 1 < cfg.target_steps:
@@ -220,7 +222,8 @@ def train_drafts(cfg: TrainConfig, target, train: Data, rank=0, world=1, device=
     drafts = make_drafts(target, cfg.draft_preset)
     opts = {k: make_optimizer(d.parameters(), cfg, cfg.draft_lr) for k, d in drafts.items()}
     state_path = os.path.join(cfg.out, f"drafts_s{cfg.draft_seed}.state.pt")
-    start = load_state(state_path, drafts, opts, cfg, device)
+    bound = checkpoint.fingerprint(target)  # the drafts' state is only valid with the target it was distilled from
+    start = load_state(state_path, drafts, opts, cfg, device, bound)
     ddps = {k: wrap(d, world, device) for k, d in drafts.items()}
     bar = tqdm(range(start, cfg.draft_steps), desc="drafts", disable=rank != 0, initial=start,
                total=cfg.draft_steps)
@@ -242,20 +245,22 @@ def train_drafts(cfg: TrainConfig, target, train: Data, rank=0, world=1, device=
             torch.nn.utils.clip_grad_norm_(drafts[k].parameters(), cfg.grad_clip)
             opts[k].step()
             losses[k] = loss.item()
+            check_loss(f"{k} draft", losses[k], step, state_path)
         bar.set_postfix({f"kl_{k}": f"{v:.3f}" for k, v in losses.items()})
         if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.draft_steps:
-            save_state(state_path, step + 1, drafts, opts, cfg, rank)
+            save_state(state_path, step + 1, drafts, opts, cfg, rank, bound)
     if rank == 0:
         for k, d in drafts.items():
             checkpoint.save(d, checkpoint.draft_dir(cfg.out, k, cfg.draft_seed), target=target)
     return drafts
 
 
-def save_state(path, step, models, opts, cfg, rank):
-    """Resumable state: weights, optimiser moments, step, config. Rank 0 writes; all ranks wait."""
+def save_state(path, step, models, opts, cfg, rank, target=None):
+    """Resumable state: weights, optimiser moments, step, config, and for the drafts the fingerprint of their target
+    (checkpoint.fingerprint). Rank 0 writes; all ranks wait."""
     if rank == 0:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        checkpoint.torch_save({"step": step, "config": asdict(cfg),
+        checkpoint.torch_save({"step": step, "config": asdict(cfg), "target": target,
                                "models": {k: m.state_dict() for k, m in models.items()},
                                "opts": {k: o.state_dict() for k, o in opts.items()}}, path)
     if dist.is_initialized():
@@ -266,9 +271,10 @@ def save_state(path, step, models, opts, cfg, rank):
 RESUMABLE_CHANGES = ("out", "device", "eval_every", "n_val", "n_test")
 
 
-def load_state(path, models, opts, cfg, device):
+def load_state(path, models, opts, cfg, device, target=None):
     """Resume from path if it exists -> the step to continue from (0 for a fresh start). A state written with another
-    config is refused, naming the fields that differ: resuming it would silently mix two runs."""
+    config, or (drafts) from another target than `target`'s fingerprint, is refused, naming what differs: resuming it
+    would silently mix two runs."""
     if not os.path.exists(path):
         return 0
     try:
@@ -281,12 +287,32 @@ def load_state(path, models, opts, cfg, device):
         raise ValueError(f"{path} was written by a run with other settings: "
                          + ", ".join(f"{k} {saved.get(k)!r} there, {now.get(k)!r} now" for k in differ)
                          + "; delete it (and the checkpoints beside it) to start over, or pass --out NEW_FOLDER")
+    # a state saved before states recorded their target has none: it resumes unchecked
+    if target is not None and state.get("target") not in (None, target):
+        raise ValueError(f"{path} holds drafts distilled from another target ({state['target']['weights']} there, "
+                         f"{target['weights']} now): delete it to distil from the current target")
     if set(state["models"]) != set(models):
         raise ValueError(f"{path} holds models {sorted(state['models'])}, expected {sorted(models)}")
     for k, m in models.items():
-        m.load_state_dict(state["models"][k])
-        opts[k].load_state_dict(state["opts"][k])
+        try:
+            m.load_state_dict(state["models"][k])
+            opts[k].load_state_dict(state["opts"][k])
+        except (RuntimeError, ValueError, KeyError) as e:  # e.g. a preset whose sizes changed in model.py
+            raise ValueError(f"cannot resume {k!r} from {path}: it does not fit the model this code builds "
+                             f"({str(e).splitlines()[0]}); delete it to start over") from None
     return int(state["step"])
+
+
+def check_loss(name, value, step, state_path):
+    """Stop at a non-finite loss, before the update it caused can be saved: the state on disk stays the last good
+    one."""
+    if math.isfinite(value):
+        return
+    kept = "no state was saved yet"
+    if os.path.exists(state_path):
+        saved = torch.load(state_path, map_location="cpu", weights_only=True)["step"]
+        kept = f"the last good state is {state_path} (step {saved})"
+    raise FloatingPointError(f"{name} loss is {value} at step {step}: stopped; {kept}")
 
 
 def fmt(metrics):
@@ -306,15 +332,31 @@ def parse_args(argv=None):
     for name in ("n_train", "n_val", "n_test", "batch_size", "target_steps", "draft_steps", "eval_every"):
         if getattr(a, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
-    for name in ("target_lr", "draft_lr"):
-        if not getattr(a, name) > 0:
+    for name in ("target_lr", "draft_lr", "grad_clip"):
+        if not getattr(a, name) > 0:  # also catches NaN
             ap.error(f"--{name.replace('_', '-')} must be > 0, got {getattr(a, name)}")
+    for name in ("traj_weight", "weight_decay", "warmup", "views", "max_views", "seed", "draft_seed"):
+        if not (getattr(a, name) >= 0 and math.isfinite(getattr(a, name))):
+            ap.error(f"--{name.replace('_', '-')} must be a finite number >= 0, got {getattr(a, name)}")
+    if not 0 <= a.p_no_views <= 1:
+        ap.error(f"--p-no-views must be in [0, 1], got {a.p_no_views}")
+    try:
+        checkpoint.check_device(a.device)
+    except ValueError as e:
+        ap.error(str(e))
     return checkpoint.config_from_args(TrainConfig, a), a.stage
 
 
 def run(cfg: TrainConfig, stage="all", log=print):
-    """Train what `stage` asks for; returns {"target", "drafts", "metrics"} on rank 0."""
+    """Train what `stage` asks for; returns {"target", "drafts", "metrics"} on rank 0. Rank 0 holds cfg.out's writer
+    lock throughout (checkpoint.writer_lock: a second run into the same folder stops at once, naming this one)."""
+    checkpoint.check_device(cfg.device)
     rank, world, device = setup_distributed(cfg.device)
+    with checkpoint.writer_lock(cfg.out) if rank == 0 else contextlib.nullcontext():
+        return _run(cfg, stage, log, rank, world, device)
+
+
+def _run(cfg, stage, log, rank, world, device):
     if cfg.batch_size % world:
         raise ValueError(f"batch_size {cfg.batch_size} is not divisible by the {world} ranks")
     tok = driving.Tokenizer()
@@ -331,8 +373,8 @@ def run(cfg: TrainConfig, stage="all", log=print):
         out["drafts"] = train_drafts(cfg, out["target"], train, rank, world, device)
     if rank == 0:
         test = Data("test", cfg.n_test, cfg.seed, tok, views=cfg.views)
-        metrics = {"val": evaluate_target(out["target"], val),
-                   "test": evaluate_target(out["target"], test), "wall_s": time.time() - t0}
+        metrics = {"val": evaluate_target(out["target"], val), "test": evaluate_target(out["target"], test),
+                   "scenes": {"val": cfg.n_val, "test": cfg.n_test}, "wall_s": time.time() - t0}
         checkpoint.write_json(os.path.join(cfg.out, "train_metrics.json"), metrics)
         log(f"target val:  {fmt(metrics['val'])}")
         log(f"target test: {fmt(metrics['test'])}")

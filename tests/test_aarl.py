@@ -1,6 +1,6 @@
 """Tests for aarl.py: the reward on a hand-made case, the exact KL, one policy-gradient step on
-a bandit, the static reference never moving, the moving one resetting every `refresh` updates, and
-a finite loss on an all-equal-reward group.
+a bandit, the static reference never moving, the moving one resetting every `refresh` updates,
+a finite loss on an all-equal-reward group, and the run folder's lock and argument checks.
 
 run: python -m pytest -q tests/test_aarl.py
 """
@@ -10,10 +10,11 @@ import pytest
 import torch
 
 import aarl
+import checkpoint
 import driving
 import model as M
 import train as T
-from test_train import TINY, TINY_DRAFT  # noqa: F401  (tiny sizes shared with the train tests)
+from test_train import TINY, TINY_DRAFT, held_lock  # noqa: F401  (tiny sizes shared with the train tests)
 
 
 @pytest.fixture(autouse=True)
@@ -139,3 +140,16 @@ def test_moving_reference_moves_every_refresh_updates():
 def test_bad_reference_is_rejected():
     with pytest.raises(ValueError, match="reference"):
         aarl.train_aarl(None, None, None, aarl.AARLConfig(reference="frozen"))
+
+
+def test_run_locks_its_folder_and_checks_its_arguments_before_any_work(tmp_path, capsys):
+    """A second writer into the folder of the draft it would save stops at once, naming the first; a NaN weight or an
+    unknown device stops at parse time."""
+    with held_lock(tmp_path, command="python aarl.py --seed 0"):
+        with pytest.raises(checkpoint.FolderLocked, match=r"pid 4242 on elsewhere \(`python aarl.py --seed 0`"):
+            aarl.run(aarl.AARLConfig(), str(tmp_path))
+    for argv, msg in ((["--agree-weight", "nan"], "agree_weight must be a number >= 0, got nan"),
+                      (["--device", "tpu"], "unknown device 'tpu'")):
+        with pytest.raises(SystemExit):
+            aarl.main(["--run", str(tmp_path)] + argv)
+        assert msg in capsys.readouterr().err

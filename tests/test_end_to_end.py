@@ -7,6 +7,7 @@ run: python -m pytest -q tests/test_end_to_end.py
 import copy
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -139,7 +140,51 @@ def test_bench_without_toy_checkpoints_says_what_to_run(tmp_path, capsys):
     assert "python rsd.py --retrain" in capsys.readouterr().err
 
 
-def test_bench_rejects_bad_arguments():
-    for argv in (["--gamma", "0"], ["--repeats", "2"], ["--preset", "qwen2.5-vl-7b", "--target", "x"]):
+def test_bench_rejects_bad_arguments(capsys):
+    for argv, msg in ((["--gamma", "0"], "--gamma"), (["--repeats", "2"], "--repeats"),
+                      (["--preset", "qwen2.5-vl-7b", "--target", "x"], "not both"),
+                      (["--preset", "qwen2.5-vl-7b", "--layers", "-1"], "1..28 for qwen2.5-vl-7b), got -1"),
+                      (["--preset", "qwen2.5-vl-7b", "--layers", "0"], "got 0"),  # was: all 28 layers, 8.3B weights
+                      (["--preset", "qwen2.5-vl-7b", "--layers", "29"], "got 29"),
+                      (["--layers", "2"], "--layers keeps 1..n_layers decoder layers of a --preset, got 2"),
+                      (["--device", "tpu"], "unknown device 'tpu'")):
         with pytest.raises(SystemExit):
             bench.main(argv)
+        assert msg in capsys.readouterr().err
+
+
+def test_bench_checks_its_output_first_and_prints_before_writing(run_dir, tmp_path, monkeypatch, capsys):
+    """An unwritable report folder stops bench.py before the benchmark; a write that fails anyway comes after the
+    report is printed, so no measurement is lost."""
+    (tmp_path / "file").write_text("")
+    monkeypatch.setattr(bench, "TOY_JSON", str(tmp_path / "file" / "bench_toy.json"))
+    with pytest.raises(SystemExit):
+        bench.main(["--run", str(run_dir)])
+    assert "file: output folder is not writable" in capsys.readouterr().err
+    monkeypatch.setattr(bench, "TOY_JSON", str(tmp_path / "bench_toy.json"))
+
+    def read_only(path, obj):
+        raise PermissionError(f"{path}: read-only file system")
+    monkeypatch.setattr(bench.checkpoint, "write_json", read_only)
+    with pytest.raises(PermissionError, match="read-only"):
+        bench.main(["--run", str(run_dir), "--prompts", "1", "--max-new", "4", "--dtype", "fp32", "--views",
+                    str(VIEWS)])
+    assert "reasoning step target-only" in capsys.readouterr().out
+
+
+def test_rsd_refuses_a_stale_draft_and_a_bad_device(run_dir, tmp_path, capsys):
+    """A run folder whose target was replaced after its drafts were distilled: rsd.py names the stale draft before
+    any work, instead of reporting tau and accuracy of a mismatched pair."""
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run)
+    target = checkpoint.load(run / "target")
+    with torch.no_grad():
+        target.norm.weight.mul_(1.01)  # "retrained"
+    checkpoint.save(target, run / "target")
+    with pytest.raises(SystemExit):
+        rsd.main(["--run", str(run), "--seeds", "0,1", "--views", str(VIEWS)])
+    err = capsys.readouterr().err
+    assert "draft_mrope_s0: stale draft: it was distilled from another target (its weights" in err
+    with pytest.raises(SystemExit):
+        rsd.main(["--run", str(run), "--device", "tpu"])
+    assert "unknown device 'tpu'" in capsys.readouterr().err

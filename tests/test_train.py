@@ -5,7 +5,10 @@ Tiny model sizes (registered as presets for the test) keep the file fast on 2 CP
 
 run: python -m pytest -q tests/test_train.py
 """
+import contextlib
 import dataclasses
+import fcntl
+import json
 import os
 import socket
 
@@ -176,11 +179,84 @@ def test_ddp_two_ranks_end_identical(tmp_path):
     assert moved
 
 
-def test_bad_arguments_fail_clearly():
-    with pytest.raises(SystemExit):
-        T.parse_args(["--batch-size", "0"])
-    with pytest.raises(SystemExit):
-        T.parse_args(["--target-lr", "-1"])
+def test_bad_arguments_fail_clearly(capsys):
+    for argv, msg in ((["--batch-size", "0"], "--batch-size must be >= 1"), (["--target-lr", "-1"], "--target-lr"),
+                      (["--traj-weight", "nan"], "--traj-weight must be a finite number >= 0, got nan"),
+                      (["--grad-clip", "nan"], "--grad-clip must be > 0"), (["--p-no-views", "2"], "--p-no-views"),
+                      (["--device", "tpu"], "unknown device 'tpu'")):
+        with pytest.raises(SystemExit):
+            T.parse_args(argv)
+        assert msg in capsys.readouterr().err
+
+
+@contextlib.contextmanager
+def held_lock(folder, pid=4242, command="python train.py --seed 0"):
+    """folder's writer lock held through another open file, with a holder's record, as another process holds it."""
+    fd = os.open(os.path.join(folder, checkpoint.LOCK), os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    os.write(fd, json.dumps({"pid": pid, "host": "elsewhere", "command": command, "since": "08:00"}).encode())
+    try:
+        yield
+    finally:
+        os.close(fd)
+
+
+def test_run_checks_its_folder_and_device_before_any_work(tmp_path, monkeypatch):
+    """A second run into a folder that a run is writing stops at once, naming it; so does an unknown device or an
+    output folder that cannot be written: all before a single scene is generated."""
+    monkeypatch.setattr(T, "Data", lambda *a, **k: pytest.fail("generated scenes before checking the run folder"))
+    with held_lock(tmp_path):
+        with pytest.raises(checkpoint.FolderLocked, match=r"being written by pid 4242 on elsewhere \(`python train"):
+            T.run(tiny_cfg(tmp_path))
+    with pytest.raises(ValueError, match="unknown device 'tpu'"):
+        T.run(tiny_cfg(tmp_path, device="tpu"))
+    (tmp_path / "file").write_text("")
+    with pytest.raises(PermissionError, match="file/run: output folder is not writable"):
+        T.run(tiny_cfg(tmp_path / "file" / "run"))
+
+
+def test_nonfinite_loss_stops_and_keeps_the_last_good_state(tmp_path, tok, monkeypatch):
+    data = Data("train", 16, 0, tok, views=0)
+    losses, calls = T.target_loss, []
+
+    def nan_from_the_second_step(*args):
+        calls.append(1)
+        loss, ce, l1 = losses(*args)
+        return (loss * float("nan") if len(calls) > 1 else loss), ce, l1
+
+    monkeypatch.setattr(T, "target_loss", nan_from_the_second_step)
+    cfg = tiny_cfg(tmp_path, batch_size=2, target_steps=3, eval_every=1, max_views=0)
+    with pytest.raises(FloatingPointError, match=r"target loss is nan at step 1: stopped; the last good state is "
+                                                 r".*target.state.pt \(step 1\)"):
+        T.train_target(cfg, tok, data, data, log=lambda *_: None)
+    assert torch.load(tmp_path / "target.state.pt", weights_only=True)["step"] == 1
+    assert not os.path.exists(tmp_path / "target")
+    torch.manual_seed(0)
+    target = M.VLA(T.target_config(tok, "test-tiny"))
+    monkeypatch.setattr(T, "distill_loss", lambda *args: torch.tensor(float("inf"), requires_grad=True))
+    with pytest.raises(FloatingPointError, match="flat draft loss is inf at step 0: stopped; no state was saved yet"):
+        T.train_drafts(tiny_cfg(tmp_path / "d", batch_size=2), target, data)
+    assert not os.path.exists(tmp_path / "d")
+
+
+def test_drafts_state_is_bound_to_its_target(tmp_path, tok, monkeypatch):
+    """The drafts' resumable state records the target it was distilled from: another target (retrained, or replaced)
+    is refused; a model of other sizes under the same settings (a preset edited in model.py) is named, not dumped."""
+    torch.manual_seed(0)
+    target = M.VLA(T.target_config(tok, "test-tiny"))
+    cfg = tiny_cfg(tmp_path)
+    drafts = T.make_drafts(target, cfg.draft_preset)
+    opts = {k: T.make_optimizer(d.parameters(), cfg, cfg.draft_lr) for k, d in drafts.items()}
+    path, bound = tmp_path / "drafts_s0.state.pt", checkpoint.fingerprint(target)
+    T.save_state(path, 2, drafts, opts, cfg, 0, bound)
+    assert T.load_state(path, drafts, opts, cfg, "cpu", bound) == 2
+    with pytest.raises(ValueError, match=r"drafts_s0.state.pt holds drafts distilled from another target"):
+        T.load_state(path, drafts, opts, cfg, "cpu", dict(bound, weights="0" * 16))
+    monkeypatch.setitem(M.DRAFT_PRESETS, "test-tiny-draft", dict(TINY_DRAFT, hidden_size=64, n_heads=4))
+    wide = T.make_drafts(target, cfg.draft_preset)
+    wide_opts = {k: T.make_optimizer(d.parameters(), cfg, cfg.draft_lr) for k, d in wide.items()}
+    with pytest.raises(ValueError, match=r"cannot resume 'flat' from .*drafts_s0.state.pt: it does not fit"):
+        T.load_state(path, wide, wide_opts, cfg, "cpu", bound)
 
 
 def test_flags_are_the_config_fields(capsys):
