@@ -58,7 +58,7 @@ def hf_qwen3(seed=2):
     cfg = tf.Qwen3VLConfig(
         text_config=dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6,
-                         max_position_embeddings=256, bos_token_id=None, eos_token_id=None,
+                         max_position_embeddings=1024, bos_token_id=None, eos_token_id=None,
                          rope_parameters={"rope_type": "default", "rope_theta": 5e6, "mrope_section": [4, 2, 2],
                                           "mrope_interleaved": True}),
         vision_config=dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2, patch_size=2,
