@@ -386,4 +386,8 @@ def _run(cfg, stage, log, rank, world, device):
 
 
 if __name__ == "__main__":
-    run(*parse_args())
+    cfg, stage = parse_args()
+    try:
+        run(cfg, stage)
+    except (checkpoint.FolderLocked, PermissionError) as e:  # another run writes there / a read-only --out
+        raise SystemExit(f"train.py: error: {e}")
