@@ -45,7 +45,7 @@ class TrainConfig:
     n_val: int = 256  # validation scenes (same distribution as train)
     n_test: int = 256  # held-out test scenes (factor combinations never seen in training)
     batch_size: int = 16  # global batch; each DDP rank takes batch_size / world_size of it
-    target_steps: int = 6000  # SFT steps of the target (docs/toy-notes.md has the wall time on 2 CPU cores)
+    target_steps: int = 5000  # SFT steps of the target (docs/toy-notes.md has the wall time on 2 CPU cores)
     target_lr: float = 1.5e-3  # peak learning rate of the target
     train_vision: bool = False  # also train the vision tower (default: frozen at random init; train_target says why)
     traj_weight: float = 0.1  # weight of the trajectory Huber loss (metres) next to the CoC cross-entropy
@@ -61,7 +61,8 @@ class TrainConfig:
     eval_every: int = 1000  # steps between validation passes (and resumable checkpoints)
     views: int = driving.WorldConfig().views  # surround views of the drafts' training and of every evaluation
     max_views: int = 21  # the target trains on every view count 0..max_views (one per batch): one target, any geometry
-    p_no_views: float = 0.5  # ... with this share of its batches at 0 views, the cheapest, where the evidence is read
+    p_no_views: float = 0.8  # ... with this share of its batches at 0 views: short prompts, where a deep target first
+    #                          learns to read the evidence cheaply (docs/toy-notes.md)
 
 
 # ---- distributed (torchrun) ----

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# The exact commands that produced the shipped toy checkpoints (checkpoints/toy) and the experiment JSONs the README
+# cites, in order. On 2 CPU cores this takes hours (docs/toy-notes.md has each step's wall time); every step resumes
+# or skips what is already in runs/.
+# run: bash experiments/reproduce_toy.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python train.py --stage target --out runs/toy                                  # the target (deliberative reasoner)
+for s in 0 1 2; do
+  python train.py --stage drafts --out runs/toy --draft-seed "$s"               # replica + FlatRoPE drafts, seed s
+done
+python experiments/aarl_ablation.py --run runs/toy --work runs/toy_aarl        # static / moving / none x 3 seeds
+for s in 0 1 2; do                                                              # the static anchor's drafts ship
+  rm -rf "runs/toy/draft_aarl_s$s" && cp -r "runs/toy_aarl/draft_aarl_static_s$s" "runs/toy/draft_aarl_s$s"
+done
+python experiments/ship_toy.py --run runs/toy                                   # -> checkpoints/toy + metrics.json
+python experiments/views_sweep.py --run runs/toy                                # -> experiments/views_sweep.json
+python train.py --stage target --out runs/toy_seed1 --seed 1                    # a second target seed (metrics only)
+python experiments/rope_base.py --run runs/toy                                  # -> experiments/rope_base.json
