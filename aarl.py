@@ -68,11 +68,11 @@ class AARLConfig:
     scenes: int = 4  # S: scenes per update
     group: int = 8  # G: CoCs sampled per scene
     temperature: float = 1.0  # rollout temperature of q
-    lr: float = 3e-4  # AdamW learning rate of the draft
-    beta: float = 0.05  # KL weight
+    lr: float = 1e-4  # AdamW learning rate of the draft
+    beta: float = 0.2  # KL weight
     reference: str = "static"  # KL anchor: static (frozen SFT draft, the paper's), moving, none
     refresh: int = 20  # moving: updates between resets of the reference to the current policy (>= 10)
-    agree_weight: float = 1.0  # weight of the agreement term in the reward (0: the pure action reward)
+    agree_weight: float = 2.0  # weight of the agreement term in the reward (0: the pure action reward)
     max_new: int = evaluate.MAX_NEW_TOKENS  # CoC token limit per rollout
     seed: int = 0  # the SFT draft's seed, and the seed of the rollouts and batch order
     views: int = driving.WorldConfig().views  # surround views of the training scenes
@@ -222,14 +222,16 @@ def train_aarl(target, draft, data: Data, cfg: AARLConfig, ref=None, log=None):
 
 
 @torch.no_grad()
-def report(target, draft, sft, splits, times, outputs):
+def report(target, draft, sft, splits, times, outputs, gamma=None):
     """{split: stats} of `draft`: tau at every gamma of REPORT_GAMMAS (exact, from one teacher-forced pass on the
     target's greedy outputs), the speed-optimal gamma chosen on the "val" split with the measured cost model, the
     routine share there, the ADE after the draft's own CoC, the mean KL to the SFT draft, and greedy_match: real
-    speculative decoding at that gamma emits the target's greedy output on every scene."""
+    speculative decoding at that gamma emits the target's greedy output on every scene. gamma: use this one instead
+    of choosing (the after-report uses the before-report's, so that both are compared at one draft length)."""
     taus = {name: evaluate.tau_by_gamma(evaluate.draft_matches({"q": draft}, target, data, outputs[name])["q"],
                                         REPORT_GAMMAS) for name, data in splits.items()}
-    gamma = evaluate.speed_optimal_gamma({g: t["tau"] for g, t in taus["val"].items()}, times)
+    # One gamma for the before / after comparison: the SFT draft's speed-optimal one (on val), where it is deployed.
+    gamma = gamma or evaluate.speed_optimal_gamma({g: t["tau"] for g, t in taus["val"].items()}, times)
     out = {}
     for name, data in splits.items():
         prompts = evaluate.scene_prompts(data.scenes, data.tok, next(target.parameters()).device,
@@ -284,7 +286,7 @@ def _run(cfg, run_dir, n_report, device, out):
     times = speculate.step_times(target, sft, prompt, [1] + [g + 1 for g in REPORT_GAMMAS])
     before = report(target, sft, sft, splits, times, outputs)
     draft = train_aarl(target, copy.deepcopy(sft), train, cfg, ref=sft)
-    after = report(target, draft, sft, splits, times, outputs)
+    after = report(target, draft, sft, splits, times, outputs, before["val"]["gamma"])
     checkpoint.save(draft, out, target=target)
     return {"reference": cfg.reference, "seed": cfg.seed, "config": dataclasses.asdict(cfg), "wall_s": time.time() - t0,
             "out": out, "before": before, "after": after}
