@@ -224,10 +224,11 @@ def train_aarl(target, draft, data: Data, cfg: AARLConfig, ref=None, log=None):
 @torch.no_grad()
 def report(target, draft, sft, splits, times, outputs, gamma=None):
     """{split: stats} of `draft`: tau at every gamma of REPORT_GAMMAS (exact, from one teacher-forced pass on the
-    target's greedy outputs), the speed-optimal gamma chosen on the "val" split with the measured cost model, the
-    routine share there, the ADE after the draft's own CoC, the mean KL to the SFT draft, and greedy_match: real
-    speculative decoding at that gamma emits the target's greedy output on every scene. gamma: use this one instead
-    of choosing (the after-report uses the before-report's, so that both are compared at one draft length)."""
+    target's greedy outputs), the speed-optimal gamma chosen on the "val" split with the measured cost model, tau's
+    ceiling there (a draft never rejected), the routine share, the ADE after the draft's own CoC, the mean KL to the
+    SFT draft, and greedy_match: real speculative decoding at that gamma emits the target's greedy output on every
+    scene. gamma: use this one instead of choosing (the after-report uses the before-report's, so that both are
+    compared at one draft length)."""
     taus = {name: evaluate.tau_by_gamma(evaluate.draft_matches({"q": draft}, target, data, outputs[name])["q"],
                                         REPORT_GAMMAS) for name, data in splits.items()}
     # One gamma for the before / after comparison: the SFT draft's speed-optimal one (on val), where it is deployed.
@@ -239,6 +240,7 @@ def report(target, draft, sft, splits, times, outputs, gamma=None):
         spec = evaluate.spec_stats(target, {"q": draft}, prompts, gamma, stop_token=data.tok.cot_end_id,
                                    check_greedy=False)["q"]
         out[name] = {"gamma": gamma, "tau": taus[name][gamma]["tau"],
+                     "tau_ceiling": speculate.tau_ceiling([len(o) for o in outputs[name]], gamma),
                      "tau_by_gamma": {g: t["tau"] for g, t in taus[name].items()},
                      "routine_fraction": taus[name][gamma]["routine_fraction"],
                      "drafted_ade": evaluate.drafted_ade(target, draft, data),
@@ -285,11 +287,20 @@ def _run(cfg, run_dir, n_report, device, out):
     prompt = evaluate.scene_prompts(splits["val"].scenes[:1], tok, device, views=cfg.views)[0]
     times = speculate.step_times(target, sft, prompt, [1] + [g + 1 for g in REPORT_GAMMAS])
     before = report(target, sft, sft, splits, times, outputs)
-    draft = train_aarl(target, copy.deepcopy(sft), train, cfg, ref=sft)
+    updates = []  # every update's statistics: what the reward, its spread within a group and the KL did
+    draft = train_aarl(target, copy.deepcopy(sft), train, cfg, ref=sft, log=updates.append)
     after = report(target, draft, sft, splits, times, outputs, before["val"]["gamma"])
     checkpoint.save(draft, out, target=target)
     return {"reference": cfg.reference, "seed": cfg.seed, "config": dataclasses.asdict(cfg), "wall_s": time.time() - t0,
-            "out": out, "before": before, "after": after}
+            "out": out, "before": before, "after": after, "training": training_summary(updates)}
+
+
+def training_summary(updates, k=20):
+    """Means of each update statistic over the first and the last k updates."""
+    keys = [key for key in updates[0] if key != "step"]
+    mean = lambda rows, key: sum(u[key] for u in rows) / len(rows)
+    return {"first": {key: mean(updates[:k], key) for key in keys},
+            "last": {key: mean(updates[-k:], key) for key in keys}, "updates": len(updates)}
 
 
 def print_result(res):
@@ -299,6 +310,8 @@ def print_result(res):
         print(f"{name:4s} tau@{f['gamma']} {b['tau']:.2f}->{f['tau']:.2f}  {shown}  routine "
               f"{b['routine_fraction']:.3f}->{f['routine_fraction']:.3f}  drafted-CoC ADE {b['drafted_ade']:.2f}->"
               f"{f['drafted_ade']:.2f} m  KL to SFT {f['kl_to_sft']:.4f}  greedy identical {f['greedy_match']}")
+    first, last = res["training"]["first"], res["training"]["last"]
+    print("updates, first -> last 20: " + "  ".join(f"{k} {first[k]:.3f}->{last[k]:.3f}" for k in first))
     print(f"AARL ({res['reference']}, seed {res['seed']}) wall time {res['wall_s']:.0f} s; draft saved to {res['out']}")
 
 

@@ -13,10 +13,10 @@ and 32 future waypoints from a unicycle rollout of (acceleration, curvature) tha
 follows the decision.
 
 The prompt's geometry is Alpamayo's in miniature: many visual tokens, few history tokens.
-The front camera is a 2-frame bird's-eye raster fed as a video (2 x 2 merged tokens per
-frame, 8 tokens) and holds all the decision evidence; `views` surround-camera images of
+The front camera is a 2-frame bird's-eye raster fed as a video (2 x 3 merged tokens per
+frame, 12 tokens) and holds all the decision evidence; `views` surround-camera images of
 4 x 6 merged tokens each (24 tokens) show roadside clutter only. At the default 16 views
-the prompt holds 392 visual tokens against 48 history tokens. Under M-RoPE each view
+the prompt holds 396 visual tokens against 48 history tokens. Under M-RoPE each view
 spans 6 position ids, under a flat 1D index 24 (docs/background.md, "FlatRoPE").
 
 Which tokens are commitments (`commitment_mask`; the grammar is `coc_words`):
@@ -28,7 +28,7 @@ Which tokens are commitments (`commitment_mask`; the grammar is `coc_words`):
   - the lead vehicle's state (braking or steady) and the in-lane actor's range ring;
   - the other actor off the ego lane: its kind, range ring and side of the view;
   - everything else follows from (history class, CoC prefix).
-A CoC has ~4 commitments among ~22 tokens; `routine_share` gives the share a
+A CoC has ~5.7 commitments among ~22 tokens; `routine_share` gives the share a
 perfect history-only reader gets right.
 
 Reading the evidence takes more than one attention hop (the deliberative reasoner's

@@ -44,10 +44,21 @@ def main(argv=None):
             after = [r["after"][split]["tau"] for r in rs]
             delta = [x - y for x, y in zip(after, before)]
             summary[f"{ref}/{split}"] = {"before": before, "after": after, "delta_mean": statistics.mean(delta),
-                                         "delta_spread": max(delta) - min(delta)}
+                                         "delta_spread": max(delta) - min(delta),
+                                         "headroom": [r["before"][split]["tau_ceiling"] - r["before"][split]["tau"]
+                                                      for r in rs]}  # ceiling - SFT tau: what AARL could gain
             print(f"{ref:9s} {split:5s} {'':>5s} {statistics.mean(before):8.3f} "
                   f"{statistics.mean(after):8.3f} " + " ".join(f"{x:.3f}" for x in after)
                   + f"   change {statistics.mean(delta):+.3f} (spread {max(delta) - min(delta):.3f})")
+    print("\nupdates (mean over seeds of the first -> last 20): reward, its std within a group, KL to the reference")
+    for ref in a.references.split(","):
+        rs = [r["training"] for r in results if r["reference"] == ref]
+        m = lambda part, key: statistics.mean(t[part][key] for t in rs)
+        summary[f"{ref}/training"] = {part: {key: m(part, key) for key in rs[0][part]} for part in ("first", "last")}
+        print(f"{ref:9s} reward {m('first', 'reward'):.3f} -> {m('last', 'reward'):.3f}  std in group "
+              f"{m('first', 'reward_std_in_group'):.3f} -> {m('last', 'reward_std_in_group'):.3f}  KL "
+              f"{m('first', 'kl'):.4f} -> {m('last', 'kl'):.4f}  drafted ADE {m('first', 'ade'):.2f} -> "
+              f"{m('last', 'ade'):.2f}  agreement {m('first', 'agree'):.3f} -> {m('last', 'agree'):.3f}")
     checkpoint.write_json(a.out, {"command": "python experiments/aarl_ablation.py " + " ".join(argv or sys.argv[1:]),
                                   "summary": summary, "runs": results, "wall_s": time.time() - t0})
     print(f"wrote {a.out} ({time.time() - t0:.0f} s)")

@@ -102,6 +102,23 @@ def test_replay_equals_speculative_decoding(run_dir):
                 assert evaluate.simulate_rounds(match, gamma) == (res.rounds, sum(res.from_draft)), (key, gamma)
 
 
+def test_aarl_cli_reports_before_after_and_its_updates(run_dir, tmp_path, capsys):
+    """aarl.py end to end on the tiny run: the before / after report of both splits at one gamma, greedy outputs
+    identical, and the statistics of its updates (first / last means)."""
+    out = tmp_path / "draft_aarl_moving_s0"
+    aarl.main(["--run", str(run_dir), "--reference", "moving", "--refresh", "10", "--steps", "3", "--scenes", "2",
+               "--group", "2", "--max-new", "8", "--n-train", "16", "--views", str(VIEWS), "--n-report", "4",
+               "--out", str(out), "--json"])
+    res = last_json(capsys)
+    for split in ("val", "test"):
+        before, after = res["before"][split], res["after"][split]
+        assert after["gamma"] == before["gamma"] == res["before"]["val"]["gamma"]
+        assert after["greedy_match"] is True and before["kl_to_sft"] == pytest.approx(0, abs=1e-6)
+    assert res["training"]["updates"] == 3
+    assert set(res["training"]["first"]) == {"reward", "ade", "agree", "kl", "reward_std_in_group"}
+    assert os.path.isdir(out)
+
+
 def test_bench_toy_json(run_dir, capsys):
     res = bench.main(["--run", str(run_dir), "--prompts", "3", "--dtype", "fp32", "--views", str(VIEWS), "--json"])
     out = last_json(capsys)
