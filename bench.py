@@ -15,6 +15,13 @@ synchronised before each clock reading (speculate.Clock, the one timer); the arm
 within each repeat and the median of the repeats is reported. tau, alpha and greedy exactness
 come from evaluate.spec_stats, as in rsd.py and aarl.py.
 
+Decoding: greedy by default; --temperature > 0 (with --top-k / --top-p) times both arms sampling, as
+Alpamayo-R1's released inference samples its CoC, and reports the sampled runs' tau and alpha beside
+greedy's (prompt i's generator seeded --sampling-seed + i). Sampled outputs are lossless in distribution,
+not token by token, so only the greedy runs are compared with target-only decoding; where a greedy output
+differs (in bf16 the verify step's batched matmuls can flip a near-tie), the report names the prompt, the
+first differing token and the target's top-2 logit margin there.
+
 A real checkpoint (--target) runs the whole plan on pixels (--images-dir, or generated images):
 prefill (vision tower + prompt), the reasoning step (both arms) and, for an Alpamayo folder, the
 trajectory (the flow-matching action expert over the cache of prompt + CoC), each timed; the CoC
@@ -29,6 +36,7 @@ run: python bench.py --device cpu                                 (the toy, from
 import argparse
 import dataclasses
 import json
+import math
 import os
 import platform
 import statistics
@@ -59,21 +67,23 @@ def cost_model(target, draft, prompt, gamma, reps=20):
 
 
 @torch.inference_mode()
-def time_arms(target, drafts, prompts, gamma, max_new, stop_token, repeats):
+def time_arms(target, drafts, prompts, gamma, max_new, stop_token, repeats, decoding=None):
     """Reasoning-step latency of target-only decoding (arm TARGET_ONLY) and of speculative
     decoding with each draft in `drafts` (name -> draft), on every prompt: a warm-up pass first
-    (every prompt, every shape), then `repeats` passes in which the arms alternate.
+    (every prompt, every shape), then `repeats` passes in which the arms alternate. Greedy, or
+    sampled under `decoding` (evaluate.decoding_mode) with the same seeds in every pass.
 
     Returns {arm: {prefill_ms (per prompt), ms_per_token (reasoning step), speedup (vs
     target-only)}}, medians over the passes."""
     arms = {TARGET_ONLY: None, **drafts}
     for draft in arms.values():
-        for p in prompts:
-            evaluate.decode(target, draft, p, gamma, max_new, stop_token)
+        for i, p in enumerate(prompts):
+            evaluate.decode(target, draft, p, gamma, max_new, stop_token, **evaluate.sampling_kwargs(decoding, i))
     passes = {name: [] for name in arms}
     for _ in range(repeats):
         for name, draft in arms.items():
-            res = [evaluate.decode(target, draft, p, gamma, max_new, stop_token, timing=True) for p in prompts]
+            res = [evaluate.decode(target, draft, p, gamma, max_new, stop_token, timing=True,
+                                   **evaluate.sampling_kwargs(decoding, i)) for i, p in enumerate(prompts)]
             tokens = sum(len(r.tokens) for r in res)
             passes[name].append((1e3 * sum(r.prefill_s for r in res) / len(res),
                                  1e3 * sum(r.decode_s for r in res) / tokens))
@@ -84,23 +94,74 @@ def time_arms(target, drafts, prompts, gamma, max_new, stop_token, repeats):
     return out
 
 
-def benchmark(target, draft, prompts, gamma, max_new, stop_token=None, repeats=3):
-    """The full report for one draft: both arms, the cost model on the first prompt, the predictions."""
-    spec = evaluate.spec_stats(target, {"speculative": draft}, prompts, gamma, max_new, stop_token)["speculative"]
-    timing = time_arms(target, {"speculative": draft}, prompts, gamma, max_new, stop_token, repeats)
+def benchmark(target, draft, prompts, gamma, max_new, stop_token=None, repeats=3, decoding=None):
+    """The full report for one draft: greedy statistics and where greedy outputs diverge from target-only decoding,
+    the sampled statistics when `decoding` (evaluate.decoding_mode) samples, both arms timed in that mode, the cost
+    model on the first prompt, the predictions at the timed mode's tau and alpha."""
+    decoding = decoding or evaluate.decoding_mode()
+    greedy = evaluate.spec_stats(target, {"speculative": draft}, prompts, gamma, max_new, stop_token)
+    spec = greedy["speculative"]
+    timing = time_arms(target, {"speculative": draft}, prompts, gamma, max_new, stop_token, repeats, decoding)
     ar, spec_t = timing[TARGET_ONLY], timing["speculative"]
-    res = {"greedy_match": spec["greedy_match"], "tau": spec["tau"], "alpha": spec["alpha"],
-           "routine_fraction": spec["routine_fraction"], "tokens": spec["n_tokens"],
+    res = {"decoding": decoding, "greedy_match": spec["greedy_match"], "tau": spec["tau"], "alpha": spec["alpha"],
+           "routine_fraction": spec["routine_fraction"], "tokens": spec["n_tokens"], "prompts": len(prompts),
+           "divergences": divergences(target, prompts, greedy[TARGET_ONLY]["tokens"], spec["tokens"]),
            "ar_prefill_ms": ar["prefill_ms"], "spec_prefill_ms": spec_t["prefill_ms"],
            "ar_ms_per_token": ar["ms_per_token"], "spec_ms_per_token": spec_t["ms_per_token"],
            "speedup": spec_t["speedup"]}
+    timed = spec
+    if decoding["mode"] == "sampling":
+        # the timed runs' own statistics: the same seeds, so the same tokens as every timed pass
+        timed = evaluate.spec_stats(target, {"speculative": draft}, prompts, gamma, max_new, stop_token,
+                                    decoding=decoding)["speculative"]
+        res["sampled"] = {"tau": timed["tau"], "alpha": timed["alpha"], "routine_fraction": timed["routine_fraction"],
+                          "tokens": timed["n_tokens"]}
     cm = cost_model(target, draft, prompts[0], gamma)
     res.update({k: 1e3 * v for k, v in cm.items()})  # -> ms
     res["c"] = cm["t_draft_1"] / cm["t_target_1"]
-    res["predicted_speedup"] = speculate.measured_speedup(res["tau"], cm["t_target_1"], cm["t_draft_1"],
+    res["predicted_speedup"] = speculate.measured_speedup(timed["tau"], cm["t_target_1"], cm["t_draft_1"],
                                                           cm["t_target_gamma1"], gamma)
-    res["leviathan_speedup"] = speculate.expected_speedup(res["alpha"], gamma, res["c"])
+    res["leviathan_speedup"] = speculate.expected_speedup(timed["alpha"], gamma, res["c"])
     return res
+
+
+# ---- where greedy outputs part ----
+
+
+@torch.inference_mode()
+def top2_margin(target, prompt, prefix):
+    """The target's top-1 minus top-2 logit for the token after prompt + prefix (a list of ids), and that gap in
+    steps of the logits' dtype at the top logit (a bf16 step at a logit of 10 is 2^-4): the prompt but its last
+    token prefilled as speculate does, then one forward over [last prompt token] + prefix."""
+    L = prompt["input_ids"].shape[1]
+    cache = target.new_cache(batch=1, max_len=L + len(prefix))
+    embeds, deepstack = speculate.embed_prompt(target, prompt)  # (1, L, D)
+    x_last = speculate.prefill(target, prompt, embeds, cache, deepstack, name="target")  # (1, 1)
+    x = torch.cat([x_last, torch.tensor([prefix], dtype=torch.long, device=x_last.device).view(1, -1)], 1)  # (1, 1 + j)
+    top = target(x, cache=cache, logits_to_keep=1)[0, -1].topk(2).values  # (2,) in the logits' dtype
+    info = torch.finfo(top.dtype)
+    step = info.eps * 2.0 ** math.floor(math.log2(max(abs(float(top[0])), info.tiny)))  # spacing at the top logit
+    margin = float(top[0]) - float(top[1])  # in Python floats: a bf16 subtraction would round the gap itself
+    return margin, margin / step
+
+
+def divergences(target, prompts, reference, outputs):
+    """Where greedy outputs leave the reference (target-only decoding's): for every prompt i whose output differs,
+    {"prompt": i, "position": j (the first differing token), "top2_margin": the target's top-1 minus top-2 logit
+    there, "margin_steps": that gap in steps of the dtype, "target_only_token", "speculative_token"}; [] when every
+    output is identical. The margin tells numerics from a bug: greedy speculative decoding is exact in fp32
+    (tests/test_speculate.py), while in bf16 the verify step's batched matmuls round differently from single-token
+    steps and can flip a near-tie (a margin of a few steps)."""
+    out = []
+    for i, (prompt, ref, got) in enumerate(zip(prompts, reference, outputs)):
+        if ref == got:
+            continue
+        j = next((k for k, (a, b) in enumerate(zip(ref, got)) if a != b), min(len(ref), len(got)))
+        margin, steps = top2_margin(target, prompt, ref[:j])
+        out.append({"prompt": i, "position": j, "top2_margin": margin, "margin_steps": steps,
+                    "target_only_token": ref[j] if j < len(ref) else None,
+                    "speculative_token": got[j] if j < len(got) else None})
+    return out
 
 
 # ---- prompts of a real shape ----
@@ -150,14 +211,14 @@ def build_preset(name, device, dtype, layers=None):
 # ---- modes ----
 
 
-def toy(args, device, dtype):
+def toy(args, device, dtype, decoding):
     """The toy checkpoints (written by rsd.py) on held-out test scenes."""
     target = checkpoint.load(os.path.join(args.run, "target"), dtype=dtype, device=device).eval()
     draft_dir = args.draft or checkpoint.draft_dir(args.run, *TOY_DRAFT)
     draft = checkpoint.load(draft_dir, target=target).eval()  # in the target's dtype: they share embedding and head
     tok = driving.Tokenizer()
     prompts = evaluate.scene_prompts(driving.make_split("test", args.prompts, seed=0), tok, device, dtype, args.views)
-    res = benchmark(target, draft, prompts, args.gamma, args.max_new, tok.cot_end_id, args.repeats)
+    res = benchmark(target, draft, prompts, args.gamma, args.max_new, tok.cot_end_id, args.repeats, decoding)
     res.update(mode="toy", draft=draft_dir)
     return res
 
@@ -257,7 +318,7 @@ def trajectory(target, prompt, coc, future_start, repeats):
     return run(), speculate.median_time(run, cache.k.device, repeats)
 
 
-def real(args, device, dtype):
+def real(args, device, dtype, decoding):
     """A real checkpoint (--target): the whole plan on pixels; a real shape with random weights (--preset)."""
     stop = tok = None
     if args.target:
@@ -272,11 +333,12 @@ def real(args, device, dtype):
         prompt = real_prompt(target.cfg, device, n_images=args.images)
         if "pixel_values" in prompt:
             prompt["pixel_values"] = prompt["pixel_values"].to(dtype)
-    res = benchmark(target, draft, [prompt], args.gamma, args.max_new, stop, args.repeats)
+    res = benchmark(target, draft, [prompt], args.gamma, args.max_new, stop, args.repeats, decoding)
     res.update(mode="real", model=name, prompt_tokens=prompt["input_ids"].shape[1],
                trained_draft=bool(args.draft))
     if args.target:
-        spec = evaluate.decode(target, draft, prompt, args.gamma, args.max_new, stop)
+        spec = evaluate.decode(target, draft, prompt, args.gamma, args.max_new, stop,
+                               **evaluate.sampling_kwargs(decoding, 0))
         res.update(prompt_source=how, images=int(prompt["image_grid_thw"].shape[0]),
                    visual_tokens=int((prompt["input_ids"] == target.cfg.image_token_id).sum()),
                    coc_tokens=spec.tokens, coc=marked_coc(spec.tokens, spec.from_draft, tok))
@@ -298,23 +360,57 @@ def real(args, device, dtype):
 # ---- main ----
 
 
+def decoding_text(d):
+    if d["mode"] == "greedy":
+        return "greedy"
+    return (f"sampling at temperature {d['temperature']:g}, top-k {d['top_k'] or 'off'}, top-p {d['top_p'] or 'off'}, "
+            f"prompt i's generator seeded {d['seed']} + i")
+
+
+def divergence_lines(res):
+    """'identical' only where every greedy output is; else each diverging prompt with the target's margin there."""
+    n, div = res["prompts"], res["divergences"]
+    if not div:
+        return [f"greedy outputs identical to target-only on all {n} prompts"]
+    lines = [f"greedy outputs identical to target-only on {n - len(div)} of {n} prompts; where the others diverge "
+             f"(first differing token, the target's top-1 minus top-2 logit there):"]
+    lines += [f"  prompt {d['prompt']}: token {d['position']}, margin {d['top2_margin']:.4g} "
+              f"({d['margin_steps']:.1f} {res['dtype']} steps at the top logit)" for d in div]
+    if res["dtype"] == "fp32":
+        lines.append("  greedy speculative decoding is exact in fp32 (tests/test_speculate.py): this is a bug")
+    else:
+        lines.append(f"  a margin of a few {res['dtype']} steps is a near-tie that the verify step's batched "
+                     f"{res['dtype']} matmuls rounded the other way; in fp32 the outputs are identical")
+    return lines
+
+
 def report(res, args):
     lines = []
     if res["mode"] == "real" and not res.get("trained_draft"):
         lines.append("NOTE: untrained draft -> acceptance (tau, alpha, speed-up) is not meaningful; "
                      "read the cost model and the prediction at the toy's alpha.")
+    sampled = res["decoding"]["mode"] == "sampling"
     lines += [
         f"device {res['device']} ({res['hardware']}), dtype {res['dtype']}, threads {res['threads']}, "
-        f"gamma {res['gamma']}",
+        f"gamma {res['gamma']}, decoding {decoding_text(res['decoding'])}",
         f"prefill        target-only {res['ar_prefill_ms']:.2f} ms   speculative {res['spec_prefill_ms']:.2f} ms",
         f"reasoning step target-only {res['ar_ms_per_token']:.3f} ms/token   "
-        f"speculative {res['spec_ms_per_token']:.3f} ms/token   speed-up {res['speedup']:.2f}x",
-        f"tau {res['tau']:.2f}   alpha {res['alpha']:.3f}   routine fraction {res['routine_fraction']:.3f}   "
-        f"greedy outputs identical: {res['greedy_match']}",
+        f"speculative {res['spec_ms_per_token']:.3f} ms/token   speed-up {res['speedup']:.2f}x"
+        + ("   (both arms sampling)" if sampled else ""),
+        f"{'greedy         ' if sampled else ''}tau {res['tau']:.2f}   alpha {res['alpha']:.3f}   "
+        f"routine fraction {res['routine_fraction']:.3f}",
+    ]
+    if sampled:
+        s = res["sampled"]
+        lines.append(f"sampled        tau {s['tau']:.2f}   alpha {s['alpha']:.3f}   routine fraction "
+                     f"{s['routine_fraction']:.3f}   (the timed runs; lossless in distribution, so not compared "
+                     f"with target-only token by token)")
+    lines += divergence_lines(res)
+    lines += [
         f"cost model     T_target(1) {res['t_target_1']:.3f} ms   T_target(gamma+1) {res['t_target_gamma1']:.3f} ms   "
         f"T_draft(1) {res['t_draft_1']:.3f} ms   c {res['c']:.3f}",
-        f"predicted      speed-up {res['predicted_speedup']:.2f}x (measured tau)   "
-        f"{res['leviathan_speedup']:.2f}x (Leviathan, measured alpha)",
+        f"predicted      speed-up {res['predicted_speedup']:.2f}x (measured {'sampled ' if sampled else ''}tau)   "
+        f"{res['leviathan_speedup']:.2f}x (Leviathan, measured {'sampled ' if sampled else ''}alpha)",
     ]
     if "predicted_speedup_at_toy_alpha" in res:
         lines.append(f"at the toy's alpha {res['toy_alpha']:.3f}: predicted speed-up "
@@ -354,6 +450,13 @@ def main(argv=None):
     ap.add_argument("--max-pixels", type=int, default=alpamayo.MAX_PIXELS, help="with --target: image size bounds")
     ap.add_argument("--gamma", type=int, default=evaluate.GAMMA, help="draft length")
     ap.add_argument("--max-new", type=int, default=evaluate.MAX_NEW_TOKENS, help="reasoning tokens per prompt at most")
+    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; > 0 times both arms sampling "
+                    "(lossless verification; Alpamayo-R1 samples its CoC at 0.6, top-p 0.98)")
+    ap.add_argument("--top-k", type=int, default=None, help="with --temperature: sample among the k likeliest tokens")
+    ap.add_argument("--top-p", type=float, default=None, help="with --temperature: sample among the likeliest tokens "
+                    "whose mass reaches p")
+    ap.add_argument("--sampling-seed", type=int, default=0, help="with --temperature: prompt i's generator is seeded "
+                    "this + i")
     ap.add_argument("--prompts", type=int, default=32, help="toy: held-out test scenes benchmarked")
     ap.add_argument("--views", type=int, default=driving.WorldConfig().views, help="toy: surround views per prompt")
     ap.add_argument("--repeats", type=int, default=3, help="timed passes (median reported), >= 3")
@@ -372,6 +475,7 @@ def main(argv=None):
                  + f", got {args.layers}")
     try:
         checkpoint.check_device(args.device)
+        decoding = evaluate.decoding_mode(args.temperature, args.top_k, args.top_p, args.sampling_seed)
     except ValueError as e:
         ap.error(str(e))
     toy_mode = not (args.target or args.preset)
@@ -389,7 +493,7 @@ def main(argv=None):
         torch.set_num_threads(args.threads)
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
     torch.manual_seed(0)
-    res = toy(args, device, dtype) if toy_mode else real(args, device, dtype)
+    res = toy(args, device, dtype, decoding) if toy_mode else real(args, device, dtype, decoding)
     hardware = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or
                                                                                   platform.machine())
     res.update(device=str(device), hardware=hardware, dtype=args.dtype, gamma=args.gamma,

@@ -233,27 +233,57 @@ def scene_prompts(scenes, tok, device, dtype=None, views=driving.WorldConfig().v
     return prompts
 
 
-def decode(target, draft, prompt, gamma, max_new, stop_token, timing=False):
-    """One arm on one prompt: speculative decoding with `draft`, or target-only decoding when draft is None."""
+def decoding_mode(temperature=0.0, top_k=None, top_p=None, seed=0):
+    """The decoding settings of bench.py and rsd.py (their --temperature, --top-k, --top-p, --sampling-seed), checked
+    before any work (ValueError), as the JSON's "decoding" object: mode "greedy" (temperature 0) or "sampling"."""
+    speculate.check_sampling(temperature, top_k, top_p)
+    if not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"the sampling seed must be an int >= 0, got {seed!r}")
+    if temperature == 0 and (top_k is not None or top_p is not None):
+        # a greedy decode reads only the argmax: the filters would be silently ignored
+        raise ValueError("top_k / top_p filter a sampled distribution: give a temperature > 0 with them (0 = greedy)")
+    if temperature == 0:
+        return {"mode": "greedy", "temperature": 0.0, "top_k": None, "top_p": None, "seed": None}
+    return {"mode": "sampling", "temperature": float(temperature), "top_k": top_k, "top_p": top_p, "seed": seed}
+
+
+def sampling_kwargs(decoding, i):
+    """speculate's sampling arguments for prompt i under `decoding` (decoding_mode; None = greedy). Prompt i's
+    generator is seeded seed + i: its draws are the same in every timed pass and independent of the other prompts'."""
+    if decoding is None or decoding["mode"] == "greedy":
+        return {}
+    return {"temperature": decoding["temperature"], "top_k": decoding["top_k"], "top_p": decoding["top_p"],
+            "seed": decoding["seed"] + i}
+
+
+def decode(target, draft, prompt, gamma, max_new, stop_token, timing=False, **sampling):
+    """One arm on one prompt: speculative decoding with `draft`, or target-only decoding when draft is None.
+    sampling: speculate's temperature / top_k / top_p / seed (sampling_kwargs); none = greedy."""
     if draft is None:
-        return speculate.autoregressive(target, prompt, max_new, stop_token=stop_token, timing=timing)
-    return speculate.speculative(target, draft, prompt, gamma, max_new, stop_token=stop_token, timing=timing)
+        return speculate.autoregressive(target, prompt, max_new, stop_token=stop_token, timing=timing, **sampling)
+    return speculate.speculative(target, draft, prompt, gamma, max_new, stop_token=stop_token, timing=timing,
+                                 **sampling)
 
 
 @torch.no_grad()
-def spec_stats(target, drafts, prompts, gamma, max_new=MAX_NEW_TOKENS, stop_token=None, check_greedy=True):
-    """Greedy decoding of every prompt (batch 1) by speculative decoding with each draft of
-    `drafts` (name -> draft) and, when check_greedy, by the target alone (arm TARGET_ONLY, first).
+def spec_stats(target, drafts, prompts, gamma, max_new=MAX_NEW_TOKENS, stop_token=None, check_greedy=True,
+               decoding=None):
+    """Decoding of every prompt (batch 1) by speculative decoding with each draft of `drafts` (name -> draft)
+    and, when check_greedy, by the target alone (arm TARGET_ONLY, first). Greedy unless `decoding` (decoding_mode)
+    samples; sampled outputs are never compared token by token (lossless verification keeps their distribution,
+    not the tokens), so check_greedy is then off.
 
     Returns {arm: stats}: tokens (the emitted id lists), n_tokens, tau (tokens per target
     verification, over all prompts), alpha (accepted / tested draft tokens, Leviathan's alpha),
     routine_fraction (share of emitted tokens that were accepted drafts: the routine reasoner's
     share), tau_ceiling (the tau of a draft the verifier never rejects, on these outputs) and
     greedy_match (the same tokens as target-only decoding on every prompt; None unless checked)."""
+    check_greedy = check_greedy and (decoding is None or decoding["mode"] == "greedy")
     arms = {TARGET_ONLY: None, **drafts} if check_greedy else dict(drafts)
     out = {}
     for name, draft in arms.items():
-        res = [decode(target, draft, p, gamma, max_new, stop_token) for p in prompts]
+        res = [decode(target, draft, p, gamma, max_new, stop_token, **sampling_kwargs(decoding, i))
+               for i, p in enumerate(prompts)]
         if name == TARGET_ONLY:
             reference = [r.tokens for r in res]
         n = sum(len(r.tokens) for r in res)

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from rope import (apply_rope, check_mrope_section, decode_positions, flat_position_ids, get_rope_index,
                   mrope_cos_sin, rope_cos_sin, rope_inv_freq)
@@ -123,6 +124,14 @@ DRAFT_PRESETS = {  # make_draft(target, **DRAFT_PRESETS[name])
 # ---- decoder ----
 
 
+def lower_right_verify(device):
+    """Whether a cached multi-token step (the verify step) attends through SDPA's lower-right causal bias over
+    unfolded heads rather than a boolean mask over folded heads (Attention.forward). On CUDA the bias reaches the
+    flash / memory-efficient kernels without a mask in memory, and they read the shared K/V heads in place; on a CPU
+    SDPA would materialise the bias and copy K/V per query head, slower than the folded layout."""
+    return device.type == "cuda"
+
+
 class Attention(nn.Module):
     """Grouped-query attention. q, k, v come from one fused projection (one matmul per step on
     the decode hot path); the checkpoint loaders split / join Qwen's q_proj, k_proj, v_proj."""
@@ -160,7 +169,7 @@ class Attention(nn.Module):
             # so no K/V copies (enable_gqa is slow on CPU in bf16); mask rows were tiled to match
             q = q.reshape(B, Hk, (H // Hk) * T, hd)  # (B, Hk, g*T, hd)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask).reshape(B, H, T, hd)
-        else:
+        else:  # prefill, or the verify step through the lower-right causal bias (lower_right_verify)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=True)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, H * hd))  # (B, H, T, hd) -> (B, T, D)
 
@@ -435,7 +444,10 @@ class VLA(nn.Module):
                     cache.key_mask = torch.ones(B, cache.max_len, dtype=torch.bool, device=x.device)
                     cache.key_mask[:, :T] = valid
         else:
-            if T > 1:  # verify step: new token i sees the prefix and new tokens <= i
+            if T > 1 and cache.key_mask is None and lower_right_verify(x.device):
+                # the mask below (new token i sees keys <= past + i) as a bias: causal aligned to the lower right
+                mask, causal, grouped = causal_lower_right(T, past + T), False, False
+            elif T > 1:  # verify step: new token i sees the prefix and new tokens <= i
                 ar = torch.arange(past + T, device=x.device)
                 mask = (ar[None, :] <= past + ar[:T, None]).repeat(self.cfg.n_heads // self.cfg.n_kv_heads, 1)
             if cache.key_mask is not None:

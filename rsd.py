@@ -14,6 +14,10 @@ gamma with the best speed-up under the measured cost model on the validation spl
 would tune it. tau at every gamma comes exactly from one teacher-forced pass of each draft over
 the target's greedy outputs (evaluate.simulate_rounds); real speculative decoding with each
 row's seed-0 draft checks that the outputs equal target-only decoding and times the speed-up.
+With --temperature > 0 (--top-k, --top-p) the CoC is sampled, as Alpamayo-R1's released inference
+does: the greedy replay has no sampled counterpart, so each row also gets the tau of real sampled
+speculative decoding with its first seed's draft on the held-out scenes (scene i's generator seeded
+--sampling-seed + i), and both arms are timed sampling; the greedy columns and checks stay as they are.
 
 The shipped checkpoints (checkpoints/toy, with the command that made them) need no training;
 --retrain trains whatever is missing in --run (train.py: the target and both drafts per seed,
@@ -92,16 +96,19 @@ def marked_coc(tokens, from_draft, tok):
     return " ".join(tok.vocab[t] if d else f"[{tok.vocab[t]}]" for t, d in zip(tokens, from_draft))
 
 
-def show_scenes(target, draft, data: Data, gamma, n, log=print):
-    """A few scenes planned by the two reasoners, next to target-only decoding."""
+def show_scenes(target, draft, data: Data, gamma, n, log=print, decoding=None):
+    """A few scenes planned by the two reasoners, next to target-only decoding (both sampled under `decoding`)."""
     tok, device = data.tok, next(target.parameters()).device
     prompts = evaluate.scene_prompts(data.scenes[:n], tok, device, views=data.views_at(0))
     for i, (scene, prompt) in enumerate(zip(data.scenes, prompts)):
-        spec = evaluate.decode(target, draft, prompt, gamma, MAX_NEW_TOKENS, tok.cot_end_id)
-        base = evaluate.decode(target, None, prompt, gamma, MAX_NEW_TOKENS, tok.cot_end_id)
+        sampling = evaluate.sampling_kwargs(decoding, i)
+        spec = evaluate.decode(target, draft, prompt, gamma, MAX_NEW_TOKENS, tok.cot_end_id, **sampling)
+        base = evaluate.decode(target, None, prompt, gamma, MAX_NEW_TOKENS, tok.cot_end_id, **sampling)
+        # sampled outputs share the target's distribution, not its tokens: no token-by-token comparison
+        same = "" if sampling else f"   identical: {spec.tokens == base.tokens}"
         log(f"scene {i} ({scene.f.road}, {scene.f.event}, history {scene.f.hist_class}):")
         log(f"  RSD    tau {spec.tau:.1f}: {marked_coc(spec.tokens, spec.from_draft, tok)}")
-        log(f"  target-only: {tok.decode(base.tokens)}   identical: {spec.tokens == base.tokens}")
+        log(f"  target-only: {tok.decode(base.tokens)}{same}")
 
 
 # ---- the table ----
@@ -122,12 +129,14 @@ def mean_tau(per_seed, g):
     return statistics.mean(t[g]["tau"] for t in per_seed)
 
 
-def paper_table(target, drafts, splits, n_time, repeats):
+def paper_table(target, drafts, splits, n_time, repeats, decoding=None):
     """Rows target-only + one per draft kind: the row's speed-optimal gamma (chosen on val), tau on the held-out split
     (mean over seeds, spread = max - min) and at every gamma, routine share, teacher-forced commitment accuracy,
     reasoning ms/token and speed-up (real speculative decoding with the first seed's draft, timed against target-only
     decoding in the same passes), ADE of the trajectory after the arm's own CoC, and the attention split while
-    writing the CoC (means over seeds). Also the sweep: mean tau per split and gamma, and the ceiling."""
+    writing the CoC (means over seeds). Also the sweep: mean tau per split and gamma, and the ceiling.
+    decoding (evaluate.decoding_mode) sampling: ms/token is timed sampling, and each row gets sampled_tau and
+    sampled_alpha of real sampled speculative decoding with the first seed's draft at the row's gamma."""
     test = splits["test"]
     device = next(target.parameters()).device
     stop = test.tok.cot_end_id
@@ -139,14 +148,18 @@ def paper_table(target, drafts, splits, n_time, repeats):
     ade = evaluate.trajectory_ade(target, test, outputs["test"])[0]  # every arm emits the target's greedy CoC
     ceiling = lambda g: speculate.tau_ceiling([len(o) for o in outputs["test"]], g)
     attn = evaluate.attention_split(target, target, test)
+    sampling = decoding is not None and decoding["mode"] == "sampling"
     rows = [{"name": TARGET_ONLY, "gamma": None, "tau": 1.0, "tau_spread": 0.0, "tau_by_gamma": None,
              "tau_ceiling": 1.0, "routine_fraction": 0.0, "commit_acc": evaluate.commitment_acc(target, target, test),
              "speedup": 1.0, "ade": ade, "greedy_match": True, **{f"attn_{k}": v for k, v in attn.items()}}]
+    if sampling:
+        rows[0].update(sampled_tau=1.0, sampled_alpha=None)
     for name, by_seed in drafts.items():
         per_seed = taus["test"][name]
         g = evaluate.speed_optimal_gamma({gg: mean_tau(taus["val"][name], gg) for gg in GAMMAS}, times)
         spec = evaluate.spec_stats(target, {name: first[name]}, prompts, g, stop_token=stop, check_greedy=False)[name]
-        timing = bench.time_arms(target, {name: first[name]}, prompts[:n_time], g, MAX_NEW_TOKENS, stop, repeats)
+        timing = bench.time_arms(target, {name: first[name]}, prompts[:n_time], g, MAX_NEW_TOKENS, stop, repeats,
+                                 decoding)
         rows[0].setdefault("ms_per_token", timing[TARGET_ONLY]["ms_per_token"])
         attn = [evaluate.attention_split(d, target, test) for d in by_seed.values()]
         rows.append({"name": name, "gamma": g, "tau": mean_tau(per_seed, g),
@@ -159,6 +172,9 @@ def paper_table(target, drafts, splits, n_time, repeats):
                      # real speculative decoding emits the target's greedy output, at the tau the replay predicts
                      "greedy_match": spec["tokens"] == outputs["test"],
                      "replay_exact": spec["tau"] == per_seed[0][g]["tau"]})
+        if sampling:  # the replay is greedy; sampled tau needs real decoding
+            s = evaluate.spec_stats(target, {name: first[name]}, prompts, g, stop_token=stop, decoding=decoding)[name]
+            rows[-1].update(sampled_tau=s["tau"], sampled_alpha=s["alpha"])
     sweep = {split: {g: {"ceiling": speculate.tau_ceiling([len(o) for o in outputs[split]], g),
                          **{row: mean_tau(taus[split][row], g) for row in drafts}} for g in GAMMAS}
              for split in splits}
@@ -166,12 +182,15 @@ def paper_table(target, drafts, splits, n_time, repeats):
 
 
 def print_table(rows, log=print):
-    log(f"{'':15s} {'gamma':>5s} {'tau':>11s} {'routine':>8s} {'commit':>7s} {'ms/token':>9s} {'speed-up':>9s} "
-        f"{'ADE m':>6s} {'attn hist':>9s} {'attn img':>9s}")
+    sampled = "sampled_tau" in rows[0]  # a column only when the run samples
+    log(f"{'':15s} {'gamma':>5s} {'tau':>11s} " + (f"{'tau sampled':>11s} " if sampled else "")
+        + f"{'routine':>8s} {'commit':>7s} {'ms/token':>9s} {'speed-up':>9s} {'ADE m':>6s} {'attn hist':>9s} "
+        f"{'attn img':>9s}")
     for r in rows:
         g = "" if r["gamma"] is None else str(r["gamma"])
         tau = f"{r['tau']:.2f}" + (f" ±{r['tau_spread'] / 2:.2f}" if r["gamma"] is not None else "")
-        log(f"{r['name']:15s} {g:>5s} {tau:>11s} {r['routine_fraction']:8.3f} {r['commit_acc']:7.3f} "
+        stau = f"{r['sampled_tau']:11.2f} " if sampled else ""
+        log(f"{r['name']:15s} {g:>5s} {tau:>11s} {stau}{r['routine_fraction']:8.3f} {r['commit_acc']:7.3f} "
             f"{r['ms_per_token']:9.3f} {r['speedup']:8.2f}x {r['ade']:6.2f} {r['attn_history']:9.3f} "
             f"{r['attn_image']:9.3f}")
 
@@ -247,6 +266,13 @@ def main(argv=None):
     ap.add_argument("--show", type=int, default=3, help="scenes printed with routine / [deliberative] tokens")
     ap.add_argument("--dtype", default="fp32", choices=sorted(checkpoint.DTYPES),
                     help="inference dtype (fp32: the exactness claims hold bit for bit)")
+    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; > 0 also reports the sampled tau of "
+                    "real speculative decoding per row and times both arms sampling")
+    ap.add_argument("--top-k", type=int, default=None, help="with --temperature: sample among the k likeliest tokens")
+    ap.add_argument("--top-p", type=float, default=None, help="with --temperature: sample among the likeliest tokens "
+                    "whose mass reaches p")
+    ap.add_argument("--sampling-seed", type=int, default=0, help="with --temperature: scene i's generator is seeded "
+                    "this + i")
     ap.add_argument("--plot", action="store_true", help="write figures/ (needs matplotlib)")
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     a = ap.parse_args(argv)
@@ -254,6 +280,7 @@ def main(argv=None):
         ap.error("--scenes, --time-scenes and --repeats must be >= 1, --show >= 0")
     try:
         seeds = parse_seeds(a.seeds)
+        decoding = evaluate.decoding_mode(a.temperature, a.top_k, a.top_p, a.sampling_seed)
     except ValueError as e:
         ap.error(str(e))
     t0 = time.time()
@@ -283,15 +310,19 @@ def main(argv=None):
     metrics = evaluate.evaluate_target(target, test)
     print(f"target on the held-out test split: CoC exact {metrics['coc_exact']:.3f}, "
           f"commitment accuracy {metrics['commitment_acc']:.3f}, ADE {metrics['ade']:.2f} m")
-    rows, sweep, times = paper_table(target, drafts, splits, a.time_scenes, a.repeats)
+    rows, sweep, times = paper_table(target, drafts, splits, a.time_scenes, a.repeats, decoding)
     aarl_row = rows[-1]
-    show_scenes(target, drafts["flatrope+aarl"][seeds[0]], test, aarl_row["gamma"], a.show)
+    show_scenes(target, drafts["flatrope+aarl"][seeds[0]], test, aarl_row["gamma"], a.show, decoding=decoding)
     prompt = evaluate.scene_prompts(test.scenes[:1], tok, device, views=a.views)[0]
     n_visual = int(((prompt["input_ids"] == tok.image_token_id) | (prompt["input_ids"] == tok.video_token_id)).sum())
     print(f"\nheld-out test split, {a.scenes} scenes, {n_visual} visual and {3 * driving.WorldConfig().n_hist} history "
           f"tokens per prompt, {a.dtype} on {a.device} ({torch.get_num_threads()} threads); draft rows: mean ± half "
           f"the spread over seeds {seeds} at the row's speed-optimal gamma (chosen on {a.scenes} val scenes); "
           f"speed-up = reasoning-step ms/token vs target-only, seed {seeds[0]}'s draft")
+    if decoding["mode"] == "sampling":
+        print(f"decoding: {bench.decoding_text(decoding)} (prompt i = test scene i). tau = the exact greedy replay "
+              f"(gamma chosen on it); tau sampled = real sampled speculative decoding with seed {seeds[0]}'s draft; "
+              f"ms/token and speed-up timed sampling; ADE after the greedy CoC")
     print_table(rows)
     print(f"step times: T_target(1) {1e3 * times['target'][1]:.2f} ms, T_draft(1) {1e3 * times['draft']:.3f} ms; "
           f"commit = teacher-forced accuracy on the commitment tokens")
@@ -308,7 +339,9 @@ def main(argv=None):
     if a.json:
         keys = ("name", "gamma", "tau", "tau_spread", "tau_by_gamma", "tau_ceiling", "routine_fraction", "commit_acc",
                 "ms_per_token", "speedup", "ade", "attn_history", "attn_image", "attn_text")
-        print(json.dumps({"greedy_match": greedy_match, "tau_ceiling": aarl_row["tau_ceiling"], "sweep": sweep,
+        keys += ("sampled_tau", "sampled_alpha") if decoding["mode"] == "sampling" else ()
+        print(json.dumps({"decoding": decoding, "greedy_match": greedy_match, "tau_ceiling": aarl_row["tau_ceiling"],
+                          "sweep": sweep,
                           "target": {k: metrics[k] for k in ("coc_exact", "commitment_acc", "ade")},
                           "prompt": {"visual_tokens": n_visual, "history_tokens": 3 * driving.WorldConfig().n_hist},
                           "routine_share_world": share, "seeds": seeds,

@@ -212,6 +212,11 @@ def check_args(prompt, max_new_tokens, temperature, top_k, top_p, gamma=None):
         raise ValueError(f"gamma (draft length) must be an int >= 1, got {gamma!r}")
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+    check_sampling(temperature, top_k, top_p)
+
+
+def check_sampling(temperature, top_k, top_p):
+    """The sampling settings alone (the scripts check their flags with it before any work)."""
     if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature >= 0):
         raise ValueError(f"temperature must be finite and >= 0 (0 = greedy), got {temperature!r}")
     if top_k is not None and (not isinstance(top_k, int) or top_k < 1):

@@ -141,10 +141,60 @@ def test_bench_real_shape_preset(run_dir, capsys):
     assert "predicted_speedup_at_toy_alpha" in out  # the toy's bench.json from the test above
 
 
+def test_bench_sampling_reports_the_sampled_runs_beside_greedy(run_dir, capsys):
+    """--temperature: the JSON names the mode; the sampled tau is that of real speculative decoding with prompt i's
+    generator seeded --sampling-seed + i (the timed runs'); greedy's statistics and exactness stay beside it."""
+    bench.main(["--run", str(run_dir), "--prompts", "3", "--dtype", "fp32", "--views", str(VIEWS), "--temperature",
+                "0.8", "--top-p", "0.95", "--sampling-seed", "7", "--json"])
+    text = capsys.readouterr().out
+    out = json.loads(text.strip().splitlines()[-1])
+    assert out["decoding"] == {"mode": "sampling", "temperature": 0.8, "top_k": None, "top_p": 0.95, "seed": 7}
+    assert out["greedy_match"] is True and out["divergences"] == []
+    tok = driving.Tokenizer()
+    target = checkpoint.load(run_dir / "target").eval()
+    draft = checkpoint.load(out["draft"], target=target).eval()
+    prompts = evaluate.scene_prompts(driving.make_split("test", 3, seed=0), tok, "cpu", torch.float32, VIEWS)
+    res = [speculate.speculative(target, draft, p, out["gamma"], evaluate.MAX_NEW_TOKENS, temperature=0.8, top_p=0.95,
+                                 seed=7 + i, stop_token=tok.cot_end_id) for i, p in enumerate(prompts)]
+    n = sum(len(r.tokens) for r in res)
+    assert out["sampled"]["tokens"] == n and out["sampled"]["tau"] == pytest.approx(n / sum(r.rounds for r in res))
+    assert 0 <= out["sampled"]["alpha"] <= 1
+    assert "sampled        tau" in text and "greedy         tau" in text and "not compared" in text
+    assert "identical to target-only on all 3 prompts" in text
+
+
+def test_rsd_sampling_gives_each_row_a_sampled_tau(run_dir, capsys):
+    rsd.main(["--run", str(run_dir), "--seeds", "0", "--views", str(VIEWS), "--scenes", "3", "--time-scenes", "1",
+              "--repeats", "1", "--show", "1", "--temperature", "1.0", "--top-k", "20", "--sampling-seed", "3",
+              "--json"])
+    text = capsys.readouterr().out
+    out = json.loads(text.strip().splitlines()[-1])
+    assert out["decoding"] == {"mode": "sampling", "temperature": 1.0, "top_k": 20, "top_p": None, "seed": 3}
+    assert out["greedy_match"] is True  # the greedy checks still run, greedy
+    rows = {r["name"]: r for r in out["rows"]}
+    assert rows["target-only"]["sampled_tau"] == 1.0
+    tok = driving.Tokenizer()
+    test = driving.Data("test", 3, 0, tok, views=VIEWS)
+    prompts = evaluate.scene_prompts(test.scenes, tok, "cpu", views=test.views_at(0))
+    target = checkpoint.load(run_dir / "target").eval()
+    draft = checkpoint.load(checkpoint.draft_dir(str(run_dir), "aarl", 0), target=target).eval()
+    row = rows["flatrope+aarl"]
+    res = [speculate.speculative(target, draft, p, row["gamma"], evaluate.MAX_NEW_TOKENS, temperature=1.0, top_k=20,
+                                 seed=3 + i, stop_token=tok.cot_end_id) for i, p in enumerate(prompts)]
+    assert row["sampled_tau"] == pytest.approx(sum(len(r.tokens) for r in res) / sum(r.rounds for r in res))
+    assert all(0 <= r["sampled_alpha"] <= 1 for r in out["rows"][1:])
+    assert "tau sampled" in text and "prompt i's generator seeded 3 + i" in text
+    shown = [line for line in text.splitlines() if line.startswith("  target-only:")]
+    assert shown and not any("identical" in line for line in shown)  # sampled outputs are not compared token by token
+
+
 def test_rsd_rejects_bad_seeds_and_missing_checkpoints(tmp_path, capsys):
     for seeds in ("4,x", "-1", ""):
         with pytest.raises(SystemExit):
             rsd.main(["--seeds", seeds])
+    with pytest.raises(SystemExit):
+        rsd.main(["--top-p", "0.9"])
+    assert "give a temperature > 0" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         rsd.main(["--run", str(tmp_path / "nothing")])
     assert "--retrain" in capsys.readouterr().err
@@ -164,7 +214,10 @@ def test_bench_rejects_bad_arguments(capsys):
                       (["--preset", "qwen2.5-vl-7b", "--layers", "0"], "got 0"),  # was: all 28 layers, 8.3B weights
                       (["--preset", "qwen2.5-vl-7b", "--layers", "29"], "got 29"),
                       (["--layers", "2"], "--layers keeps 1..n_layers decoder layers of a --preset, got 2"),
-                      (["--device", "tpu"], "unknown device 'tpu'")):
+                      (["--device", "tpu"], "unknown device 'tpu'"),
+                      (["--temperature", "-1"], "temperature must be finite and >= 0"),
+                      (["--temperature", "1", "--top-p", "0"], "top_p must be None or in (0, 1]"),
+                      (["--top-k", "5"], "give a temperature > 0")):
         with pytest.raises(SystemExit):
             bench.main(argv)
         assert msg in capsys.readouterr().err

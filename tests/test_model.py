@@ -8,6 +8,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right, causal_upper_left
 
 from model import PRESETS, KVCache, ModelConfig, VisionConfig, make_draft, patchify
 from rope import flat_position_ids, rope_inv_freq
@@ -63,6 +64,43 @@ def test_multi_token_step_equals_one_by_one(target, prompt):
     L = prompt["input_ids"].shape[1]
     assert close(verify, step[:, L:]) and c2.length == c1.length
     assert close(c2.k[:, :, :, :c2.length], c1.k[:, :, :, :c1.length])
+
+
+@torch.no_grad()
+def test_lower_right_verify_mask_equals_the_folded_boolean_mask(target, prompt, monkeypatch):
+    """The verify step's two attention forms: SDPA's lower-right causal bias over unfolded heads (model.py takes it on
+    CUDA, model.lower_right_verify) and a boolean mask over folded heads (elsewhere) give the same logits and cache.
+    Forced here on the CPU, where SDPA materialises the bias; the upper-left bias, misaligned by the cached prefix,
+    shows that the comparison sees the alignment."""
+    import model as M
+    new = torch.tensor([[12, 13, 14, 15]])
+
+    def verify():
+        cache = target.new_cache(max_len=96)
+        target(**prompt, cache=cache)
+        return target(new, cache=cache), cache
+
+    folded, c1 = verify()
+    used = []
+    monkeypatch.setattr(M, "lower_right_verify", lambda device: True)
+    monkeypatch.setattr(M, "causal_lower_right", lambda *a: used.append(a) or causal_lower_right(*a))
+    bias, c2 = verify()
+    L = prompt["input_ids"].shape[1]
+    assert used == [(4, L + 4)] and close(bias, folded, 1e-6) and torch.equal(c1.k, c2.k) and torch.equal(c1.v, c2.v)
+    monkeypatch.setattr(M, "causal_lower_right", causal_upper_left)
+    assert not close(verify()[0], folded, 1e-2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the lower-right verify mask is taken on CUDA only")
+@torch.no_grad()
+def test_verify_step_on_cuda_equals_one_by_one(prompt):
+    model = tiny_model().cuda()
+    p = {k: v.cuda() for k, v in prompt.items()}
+    new = torch.tensor([[12, 13, 14, 15]], device="cuda")
+    step, _ = decode_one_by_one(model, p, new)
+    cache = model.new_cache(max_len=96)
+    model(**p, cache=cache)
+    assert close(model(new, cache=cache), step[:, p["input_ids"].shape[1]:], 1e-4)
 
 
 @torch.no_grad()

@@ -653,6 +653,21 @@ def test_vla_greedy_equals_target(gamma):
                 assert res.blocks[:-1] == [gamma + 1] * (len(res.blocks) - 1), (pname, res.blocks)
 
 
+def test_vla_greedy_equals_target_with_the_lower_right_verify_mask(monkeypatch):
+    """The verify step through SDPA's lower-right causal bias (taken on CUDA, forced here) keeps greedy exactness,
+    for the target and for drafts whose own 2-token steps (after a full acceptance) take it too."""
+    model = pytest.importorskip("model")
+    target = tiny_target()
+    drafts = drafts_for(target)
+    refs = {name: autoregressive(target, prompt, 24).tokens for name, prompt in vla_prompts().items()}
+    used = []
+    monkeypatch.setattr(model, "lower_right_verify", lambda device: used.append(device) or True)
+    for pname, prompt in vla_prompts().items():
+        for dname, draft in drafts.items():
+            assert speculative(target, draft, prompt, 4, 24).tokens == refs[pname], (pname, dname)
+    assert used
+
+
 def test_vla_draft_equal_target_temperature_one():
     target = tiny_target()
     for name, prompt in vla_prompts().items():

@@ -1,0 +1,118 @@
+"""bench.py's parts that need no checkpoints: where greedy outputs diverge (the report of honest bf16), the
+sampling settings reaching every timed decode, and the report's wording.
+
+run: python -m pytest -q tests/test_bench.py
+"""
+import math
+
+import pytest
+import torch
+
+import bench
+import evaluate
+import speculate
+from model import make_draft
+from tiny_models import image_prompt, tiny_model
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@torch.no_grad()
+def reference_margin(target, prompt, prefix):
+    """The slow, obvious path: one cache-free forward over prompt + prefix, top-1 minus top-2 of its last row."""
+    ids = torch.cat([prompt["input_ids"], torch.tensor([prefix], dtype=torch.long).view(1, -1)], 1)
+    top = target(**dict(prompt, input_ids=ids))[0, -1].topk(2).values
+    return float(top[0] - top[1]), float(top[0])
+
+
+def test_divergences_name_the_prompt_the_position_and_the_targets_margin():
+    target, prompt = tiny_model(), image_prompt()
+    ref = speculate.autoregressive(target, prompt, 8).tokens
+    j = 3
+    flipped = ref[:j] + [(ref[j] + 1) % 80 + 10] + ref[j + 1:]  # a text id other than the target's choice
+    assert flipped[j] != ref[j]
+    first = [(ref[0] + 1) % 80 + 10] + ref[1:]
+    out = bench.divergences(target, [prompt] * 4, [ref] * 4, [flipped, ref, ref[:5], first])
+    assert [(d["prompt"], d["position"]) for d in out] == [(0, j), (2, 5), (3, 0)]  # prompt 1 is identical: no entry
+    d = out[0]
+    assert d["target_only_token"] == ref[j] and d["speculative_token"] == flipped[j]
+    margin, top1 = reference_margin(target, prompt, ref[:j])
+    # the margin is read at position j, not next to it: the neighbours' margins differ by far more than the tolerance
+    neighbours = [reference_margin(target, prompt, ref[:k])[0] for k in (j - 1, j + 1)]
+    assert all(abs(m - margin) > 1e-2 for m in neighbours), (margin, neighbours)
+    assert d["top2_margin"] == pytest.approx(margin, abs=1e-4) and d["top2_margin"] > 0
+    step = torch.finfo(torch.float32).eps * 2.0 ** math.floor(math.log2(abs(top1)))
+    assert d["margin_steps"] == pytest.approx(margin / step, rel=1e-3)
+    assert out[1]["speculative_token"] is None and out[1]["target_only_token"] == ref[5]  # an output cut short
+    assert out[2]["top2_margin"] == pytest.approx(reference_margin(target, prompt, [])[0], abs=1e-4)
+    assert bench.divergences(target, [prompt], [ref], [list(ref)]) == []
+
+
+def test_margin_steps_count_bf16_steps():
+    target, prompt = tiny_model().to(torch.bfloat16), image_prompt()
+    prompt = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in prompt.items()}
+    margin, steps = bench.top2_margin(target, prompt, [12, 13])
+    with torch.no_grad():
+        top1 = float(target(**dict(prompt, input_ids=torch.cat([prompt["input_ids"], torch.tensor([[12, 13]])], 1)))
+                     [0, -1].max())
+    # bf16 keeps 8 significant bits: at a logit in [2^e, 2^(e+1)) one step is 2^(e-7)
+    step = 2.0 ** (math.floor(math.log2(abs(top1))) - 7)
+    # a gap between bf16 numbers is a whole number of half-steps (the second logit may sit one binade lower)
+    assert steps == pytest.approx(margin / step) and 2 * steps == pytest.approx(round(2 * steps))
+
+
+def report_of(divergences, dtype="bf16", n=4):
+    return "\n".join(bench.divergence_lines({"prompts": n, "divergences": divergences, "dtype": dtype}))
+
+
+def test_the_report_says_identical_only_where_it_is():
+    assert report_of([]) == "greedy outputs identical to target-only on all 4 prompts"
+    d = {"prompt": 2, "position": 7, "top2_margin": 0.0625, "margin_steps": 1.0}
+    text = report_of([d])
+    assert "identical to target-only on 3 of 4 prompts" in text and "on all" not in text
+    assert "prompt 2: token 7, margin 0.0625 (1.0 bf16 steps at the top logit)" in text and "near-tie" in text
+    assert "this is a bug" in report_of([d], dtype="fp32")
+
+
+def test_sampling_reaches_every_timed_decode(monkeypatch):
+    """Under sampling both arms of the timed passes sample, prompt i with seed + i in every pass; greedy passes none."""
+    target = tiny_model()
+    draft = make_draft(target, n_layers=1).eval()
+    prompts = [image_prompt(seed=s) for s in range(2)]
+    calls, decode = [], evaluate.decode
+
+    def spy(target, draft, prompt, *args, **kw):
+        calls.append((draft is None, kw))
+        return decode(target, draft, prompt, *args, **kw)
+
+    monkeypatch.setattr(evaluate, "decode", spy)
+    sampling = evaluate.decoding_mode(0.8, top_k=20, top_p=0.9, seed=5)
+    bench.time_arms(target, {"speculative": draft}, prompts, 3, 6, None, repeats=1, decoding=sampling)
+    assert len(calls) == 2 * 2 * 2  # warm-up + 1 pass, 2 arms, 2 prompts
+    for i, (_, kw) in enumerate(calls):
+        assert {k: kw.get(k) for k in ("temperature", "top_k", "top_p", "seed")} == \
+            {"temperature": 0.8, "top_k": 20, "top_p": 0.9, "seed": 5 + i % 2}
+    assert {only for only, _ in calls} == {True, False}
+    calls.clear()
+    bench.time_arms(target, {"speculative": draft}, prompts, 3, 6, None, repeats=1)
+    assert all("temperature" not in kw for _, kw in calls)
+
+
+def test_decoding_mode_checks_the_flags():
+    assert evaluate.decoding_mode() == {"mode": "greedy", "temperature": 0.0, "top_k": None, "top_p": None,
+                                        "seed": None}
+    assert evaluate.decoding_mode(0.6, top_p=0.98)["mode"] == "sampling"
+    for kw, msg in ((dict(temperature=-1.0), "temperature must be finite and >= 0"),
+                    (dict(temperature=math.nan), "temperature must be finite"),
+                    (dict(temperature=1.0, top_k=0), "top_k must be"),
+                    (dict(temperature=1.0, top_p=1.5), "top_p must be"),
+                    (dict(top_p=0.9), "give a temperature > 0"),
+                    (dict(temperature=1.0, seed=-1), "seed must be an int >= 0")):
+        with pytest.raises(ValueError, match=msg):
+            evaluate.decoding_mode(**kw)
