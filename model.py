@@ -102,7 +102,7 @@ PRESETS = {
     # Narrow, so that a CPU training step is cheap; 20 layers deep, so that the 1-layer draft costs a small fraction
     # of a target step, as a 1-layer draft does against a 36-layer Qwen3-VL. RoPE base 1e4: Qwen2.5-VL pairs a base of
     # 1e6 with a 32k context (about 30 per position); the toy's prompts span a few hundred positions, and at 1e6 most
-    # frequency pairs would barely rotate across them (docs/toy-notes.md measures the drafts at both bases).
+    # frequency pairs would barely rotate across them (experiments/rope_base.py compares the drafts at both bases).
     "toy-target": ModelConfig(hidden_size=128, n_layers=20, n_heads=2, n_kv_heads=1, intermediate_size=384,
                               rope_theta=1e4),
     # real shapes, random weights (benchmarks)

@@ -1,0 +1,61 @@
+"""Copy a trained toy run into checkpoints/toy, the checkpoints that ship with the repo, and record beside them what a
+test re-measures: the target's accuracy and every draft's tau on a small validation sample, so that a code change
+that silently changes what the shipped weights compute fails CI (tests/test_shipped.py).
+
+run: python experiments/ship_toy.py --run runs/toy   (after train.py and aarl.py have filled runs/toy)
+"""
+import argparse
+import os
+import shutil
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import checkpoint  # noqa: E402
+import driving  # noqa: E402
+import evaluate  # noqa: E402
+from driving import Data  # noqa: E402
+
+KINDS = ("mrope", "flat", "aarl")
+CHECK_SCENES = 16  # validation scenes of the recorded check
+CHECK_GAMMA = 4
+
+
+def check_metrics(run, seeds):
+    """What tests/test_shipped.py recomputes: the target's greedy CoC exact match and commitment accuracy, and each
+    draft's exact greedy tau at CHECK_GAMMA, on the first CHECK_SCENES validation scenes (fp32, default geometry)."""
+    tok = driving.Tokenizer()
+    target = checkpoint.load(os.path.join(run, "target")).eval()
+    data = Data("val", CHECK_SCENES, 0, tok)
+    outputs = evaluate.greedy_outputs(target, data)
+    drafts = {f"{k}_s{s}": checkpoint.load(checkpoint.draft_dir(run, k, s), target=target).eval()
+              for k in KINDS for s in seeds}
+    matches = evaluate.draft_matches(drafts, target, data, outputs)
+    return {"scenes": CHECK_SCENES, "gamma": CHECK_GAMMA,
+            "coc_exact": driving.coc_exact_match(outputs, data.coc_ids()),
+            "commitment_acc": evaluate.commitment_acc(target, target, data),
+            "tau": {name: evaluate.tau_by_gamma(m, [CHECK_GAMMA])[CHECK_GAMMA]["tau"] for name, m in matches.items()}}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--run", default="runs/toy")
+    ap.add_argument("--out", default="checkpoints/toy")
+    ap.add_argument("--seeds", default="0,1,2")
+    a = ap.parse_args(argv)
+    seeds = [int(s) for s in a.seeds.split(",")]
+    os.makedirs(a.out, exist_ok=True)
+    parts = ["target"] + [os.path.basename(checkpoint.draft_dir(a.run, k, s)) for k in KINDS for s in seeds]
+    for part in parts:
+        dst = os.path.join(a.out, part)
+        if os.path.exists(dst):
+            shutil.rmtree(dst)
+        shutil.copytree(os.path.join(a.run, part), dst)
+    metrics = {"train_metrics": checkpoint.read_json(os.path.join(a.run, "train_metrics.json")),
+               "check": check_metrics(a.out, seeds)}
+    checkpoint.write_json(os.path.join(a.out, "metrics.json"), metrics)
+    print(f"shipped {len(parts)} checkpoints to {a.out}; check: {metrics['check']}")
+
+
+if __name__ == "__main__":
+    main()
