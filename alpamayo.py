@@ -1,5 +1,8 @@
 """Alpamayo-R1's prompt, built from a folder's own tokenizer and image processor.
 
+Paper: Alpamayo-R1 is the deliberative reasoner (target) that RSD accelerates; this is the prompt its
+reasoning step continues (bench.py --target times that step on it).
+
 Layout (NVIDIA's public Alpamayo-R1 inference code; docs/background.md, "The Alpamayo-R1 prompt
 layout"): a system turn; a user turn of 16 images (4 cameras x 4 frames, each
 <|vision_start|> <|image_pad|> x n <|vision_end|>), then <|traj_history_start|>, 48 history ids,

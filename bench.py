@@ -450,13 +450,8 @@ def main(argv=None):
     ap.add_argument("--max-pixels", type=int, default=alpamayo.MAX_PIXELS, help="with --target: image size bounds")
     ap.add_argument("--gamma", type=int, default=evaluate.GAMMA, help="draft length")
     ap.add_argument("--max-new", type=int, default=evaluate.MAX_NEW_TOKENS, help="reasoning tokens per prompt at most")
-    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; > 0 times both arms sampling "
-                    "(lossless verification; Alpamayo-R1 samples its CoC at 0.6, top-p 0.98)")
-    ap.add_argument("--top-k", type=int, default=None, help="with --temperature: sample among the k likeliest tokens")
-    ap.add_argument("--top-p", type=float, default=None, help="with --temperature: sample among the likeliest tokens "
-                    "whose mass reaches p")
-    ap.add_argument("--sampling-seed", type=int, default=0, help="with --temperature: prompt i's generator is seeded "
-                    "this + i")
+    evaluate.add_decoding_flags(ap, "> 0 times both arms sampling (lossless verification; Alpamayo-R1 samples its "
+                                "CoC at 0.6, top-p 0.98)")
     ap.add_argument("--prompts", type=int, default=32, help="toy: held-out test scenes benchmarked")
     ap.add_argument("--views", type=int, default=driving.WorldConfig().views, help="toy: surround views per prompt")
     ap.add_argument("--repeats", type=int, default=3, help="timed passes (median reported), >= 3")

@@ -233,6 +233,17 @@ def scene_prompts(scenes, tok, device, dtype=None, views=driving.WorldConfig().v
     return prompts
 
 
+def add_decoding_flags(ap, temperature_help):
+    """--temperature, --top-k, --top-p, --sampling-seed on a script's parser (bench.py, rsd.py); decoding_mode
+    checks them. temperature_help: what sampling changes in that script's report."""
+    ap.add_argument("--temperature", type=float, default=0.0, help=f"0 = greedy; {temperature_help}")
+    ap.add_argument("--top-k", type=int, default=None, help="with --temperature: sample among the k likeliest tokens")
+    ap.add_argument("--top-p", type=float, default=None, help="with --temperature: sample among the likeliest tokens "
+                    "whose mass reaches p")
+    ap.add_argument("--sampling-seed", type=int, default=0, help="with --temperature: prompt i's generator is seeded "
+                    "this + i")
+
+
 def decoding_mode(temperature=0.0, top_k=None, top_p=None, seed=0):
     """The decoding settings of bench.py and rsd.py (their --temperature, --top-k, --top-p, --sampling-seed), checked
     before any work (ValueError), as the JSON's "decoding" object: mode "greedy" (temperature 0) or "sampling"."""

@@ -266,13 +266,8 @@ def main(argv=None):
     ap.add_argument("--show", type=int, default=3, help="scenes printed with routine / [deliberative] tokens")
     ap.add_argument("--dtype", default="fp32", choices=sorted(checkpoint.DTYPES),
                     help="inference dtype (fp32: the exactness claims hold bit for bit)")
-    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; > 0 also reports the sampled tau of "
-                    "real speculative decoding per row and times both arms sampling")
-    ap.add_argument("--top-k", type=int, default=None, help="with --temperature: sample among the k likeliest tokens")
-    ap.add_argument("--top-p", type=float, default=None, help="with --temperature: sample among the likeliest tokens "
-                    "whose mass reaches p")
-    ap.add_argument("--sampling-seed", type=int, default=0, help="with --temperature: scene i's generator is seeded "
-                    "this + i")
+    evaluate.add_decoding_flags(ap, "> 0 also reports the sampled tau of real speculative decoding per row and "
+                                "times both arms sampling (prompt i = held-out scene i)")
     ap.add_argument("--plot", action="store_true", help="write figures/ (needs matplotlib)")
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     a = ap.parse_args(argv)

@@ -42,7 +42,7 @@ def fixed_gamma_table(results, references, gammas=(4, 6, 8)):
     return lines
 
 
-def training_summary(results, references):
+def summarise_training(results, references):
     """Print and return, per reference, the mean over seeds of each update statistic over the first and the last 20
     updates (aarl.training_summary): the reward, its std within a group, the KL to the reference, ADE, agreement."""
     print("\nupdates (mean over seeds of the first -> last 20): reward, its std within a group, KL to the reference")
@@ -72,7 +72,7 @@ def main(argv=None):
         saved = checkpoint.read_json(a.out)
         refs = list(dict.fromkeys(r["reference"] for r in saved["runs"]))
         print("\n".join(fixed_gamma_table(saved["runs"], refs, gammas=("4", "6", "8"))))  # JSON keys are strings
-        training_summary(saved["runs"], refs)
+        summarise_training(saved["runs"], refs)
         return
     t0, results = time.time(), []
     for ref in a.references.split(","):
@@ -97,7 +97,7 @@ def main(argv=None):
                   f"{statistics.mean(after):8.3f} " + " ".join(f"{x:.3f}" for x in after)
                   + f"   change {statistics.mean(delta):+.3f} (spread {max(delta) - min(delta):.3f})")
     print("\n" + "\n".join(fixed_gamma_table(results, a.references.split(","))))
-    summary.update(training_summary(results, a.references.split(",")))
+    summary.update(summarise_training(results, a.references.split(",")))
     checkpoint.write_json(a.out, {"command": "python experiments/aarl_ablation.py " + " ".join(argv or sys.argv[1:]),
                                   "summary": summary, "runs": results, "wall_s": time.time() - t0})
     print(f"wrote {a.out} ({time.time() - t0:.0f} s)")

@@ -1,6 +1,9 @@
 """The drafts' RoPE base: the toy's base of 1e4 against Qwen2.5-VL's 1e6, both drafts (replica M-RoPE and FlatRoPE)
 distilled from the same target at the default geometry, three seeds each; held-out tau and attention split.
 
+Paper: FlatRoPE (the routine reasoner's 1D positions) against the target's M-RoPE; the RoPE base sets how far apart
+two positions must be before the two schemes differ.
+
 Why it is a question: a base sets the distances at which positions matter. Qwen2.5-VL pairs 1e6 with a 32k context;
 over the few hundred positions of the toy's prompt most frequency pairs of a 1e6 base barely rotate, so a flat and a
 3D position scheme look almost alike to the draft (docs/background.md, "FlatRoPE"). The target keeps its base (1e4);

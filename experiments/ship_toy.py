@@ -2,6 +2,9 @@
 test re-measures: the target's accuracy and every draft's tau on a small validation sample, so that a code change
 that silently changes what the shipped weights compute fails CI (tests/test_shipped.py).
 
+Paper: the shipped models are the toy's deliberative reasoner (target) and routine reasoners (replica, FlatRoPE,
+FlatRoPE + AARL drafts) behind the README's version of the paper's table (rsd.py).
+
 run: python experiments/ship_toy.py --run runs/toy   (after train.py and aarl.py have filled runs/toy)
 """
 import argparse

@@ -1,10 +1,23 @@
-"""Shared pytest setup: offline Hugging Face hub, deterministic CPU threads.
+"""Shared pytest setup: offline Hugging Face hub, the repo importable, a one-thread fixture.
 
 run: python -m pytest -q tests
 """
 import os
 import sys
 
+import pytest
+import torch
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # The repo is a flat set of top-level modules; make them importable from tests/.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture
+def one_thread():
+    """torch on one intra-op thread for the test, restored after: thousands of tiny ops, where more threads only add
+    spin-waits (badly so on a busy 2-core machine). Test files opt in with pytestmark."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -14,13 +14,7 @@ import speculate
 from model import make_draft
 from tiny_models import image_prompt, tiny_model
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @torch.no_grad()

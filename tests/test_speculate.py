@@ -25,14 +25,7 @@ from speculate import (autoregressive, expected_speedup, expected_tau, measured_
 
 SIGNIFICANCE = 1e-3
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    # Thousands of tiny ops: intra-op threads only add spin-waits (badly so on a busy 2-core box).
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 # ---- toy models ----
 
