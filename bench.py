@@ -22,6 +22,12 @@ not token by token, so only the greedy runs are compared with target-only decodi
 differs (in bf16 the verify step's batched matmuls can flip a near-tie), the report names the prompt, the
 first differing token and the target's top-2 logit margin there.
 
+--compile adds two arms timed in the same passes: target-only and speculative decoding through
+model.StaticDecoder (fixed-shape steps over one persistent cache: the 1-token step, the
+(gamma+1)-token verify step and the draft's step, torch.compile'd; inductor on a CPU, CUDA graphs
+on CUDA), with their own greedy check, cost model and compile time. Eager stays the default:
+compiling takes minutes, and where Python dispatch is not the bottleneck it buys nothing.
+
 A real checkpoint (--target) runs the whole plan on pixels (--images-dir, or generated images):
 prefill (vision tower + prompt), the reasoning step (both arms) and, for an Alpamayo folder, the
 trajectory (the flow-matching action expert over the cache of prompt + CoC), each timed; the CoC
@@ -29,7 +35,7 @@ is printed with the target's own tokens in [brackets]. Its prompt is Alpamayo-R1
 alpamayo.build_prompt, when the folder (or --processor) has a tokenizer; otherwise the prompt's
 layout with placeholder text ids around the same pixels.
 
-run: python bench.py --device cpu                                 (the toy, from the shipped checkpoints/toy)
+run: python bench.py --device cpu [--compile]                     (the toy, from the shipped checkpoints/toy)
      python bench.py --device cuda --preset qwen2.5-vl-7b          (real shapes, random weights)
      python bench.py --device cuda --target PATH [--draft PATH]    (a Hugging Face / Alpamayo folder)
 """
@@ -67,22 +73,24 @@ def cost_model(target, draft, prompt, gamma, reps=20):
 
 
 @torch.inference_mode()
-def time_arms(target, drafts, prompts, gamma, max_new, stop_token, repeats, decoding=None):
+def time_arms(target, drafts, prompts, gamma, max_new, stop_token, repeats, decoding=None, extra=None):
     """Reasoning-step latency of target-only decoding (arm TARGET_ONLY) and of speculative
     decoding with each draft in `drafts` (name -> draft), on every prompt: a warm-up pass first
     (every prompt, every shape), then `repeats` passes in which the arms alternate. Greedy, or
     sampled under `decoding` (evaluate.decoding_mode) with the same seeds in every pass.
+    extra: more arms {name: (target, draft or None)} timed in the same passes (--compile's
+    StaticDecoder pair).
 
     Returns {arm: {prefill_ms (per prompt), ms_per_token (reasoning step), speedup (vs
     target-only)}}, medians over the passes."""
-    arms = {TARGET_ONLY: None, **drafts}
-    for draft in arms.values():
+    arms = {TARGET_ONLY: (target, None), **{name: (target, d) for name, d in drafts.items()}, **(extra or {})}
+    for t, draft in arms.values():
         for i, p in enumerate(prompts):
-            evaluate.decode(target, draft, p, gamma, max_new, stop_token, **evaluate.sampling_kwargs(decoding, i))
+            evaluate.decode(t, draft, p, gamma, max_new, stop_token, **evaluate.sampling_kwargs(decoding, i))
     passes = {name: [] for name in arms}
     for _ in range(repeats):
-        for name, draft in arms.items():
-            res = [evaluate.decode(target, draft, p, gamma, max_new, stop_token, timing=True,
+        for name, (t, draft) in arms.items():
+            res = [evaluate.decode(t, draft, p, gamma, max_new, stop_token, timing=True,
                                    **evaluate.sampling_kwargs(decoding, i)) for i, p in enumerate(prompts)]
             tokens = sum(len(r.tokens) for r in res)
             passes[name].append((1e3 * sum(r.prefill_s for r in res) / len(res),
@@ -94,14 +102,42 @@ def time_arms(target, drafts, prompts, gamma, max_new, stop_token, repeats, deco
     return out
 
 
-def benchmark(target, draft, prompts, gamma, max_new, stop_token=None, repeats=3, decoding=None):
+COMPILED = ("target-only compiled", "speculative compiled")  # --compile's arms, timed beside the eager ones
+
+
+def compiled_pair(target, draft, prompts, gamma, max_new):
+    """target and draft as compiled model.StaticDecoder's with one static cache length for every prompt (the longest
+    prompt's decode or cost-model step, plus the padding's slack) and steps of 1, 2 or gamma + 1 tokens, so each
+    model compiles at most three graphs."""
+    L = max(p["input_ids"].shape[1] for p in prompts)
+    max_len = L + max(max_new, gamma + 1) + gamma
+    lengths = (1, 2, gamma + 1)
+    return (M.StaticDecoder(target, max_len, compile=True, step_lengths=lengths),
+            M.StaticDecoder(draft, max_len, compile=True, step_lengths=lengths))
+
+
+def benchmark(target, draft, prompts, gamma, max_new, stop_token=None, repeats=3, decoding=None, compile=False):
     """The full report for one draft: greedy statistics and where greedy outputs diverge from target-only decoding,
     the sampled statistics when `decoding` (evaluate.decoding_mode) samples, both arms timed in that mode, the cost
-    model on the first prompt, the predictions at the timed mode's tau and alpha."""
+    model on the first prompt, the predictions at the timed mode's tau and alpha.
+    compile: also both arms with torch.compile'd static-shape steps (model.StaticDecoder), timed in the same passes
+    as the eager ones, with their own greedy check, cost model and compile time (res["compiled"])."""
     decoding = decoding or evaluate.decoding_mode()
     greedy = evaluate.spec_stats(target, {"speculative": draft}, prompts, gamma, max_new, stop_token)
     spec = greedy["speculative"]
-    timing = time_arms(target, {"speculative": draft}, prompts, gamma, max_new, stop_token, repeats, decoding)
+    extra, comp = None, {}
+    if compile:
+        ct, cd = compiled_pair(target, draft, prompts, gamma, max_new)
+        clock = speculate.Clock(prompts[0]["input_ids"].device, enabled=True)
+        # the compiled arms' greedy outputs; the first decodes compile every step shape, and the clock says how long
+        cg = evaluate.spec_stats(ct, {"speculative": cd}, prompts, gamma, max_new, stop_token)
+        comp["compile_s"] = clock.lap()
+        reference = greedy[TARGET_ONLY]["tokens"]  # eager target-only decoding
+        comp["divergences"] = {arm: divergences(target, prompts, reference, cg[key]["tokens"])
+                               for arm, key in zip(COMPILED, (TARGET_ONLY, "speculative"))}
+        comp["greedy_match"] = not any(comp["divergences"].values())
+        extra = {COMPILED[0]: (ct, None), COMPILED[1]: (ct, cd)}
+    timing = time_arms(target, {"speculative": draft}, prompts, gamma, max_new, stop_token, repeats, decoding, extra)
     ar, spec_t = timing[TARGET_ONLY], timing["speculative"]
     res = {"decoding": decoding, "greedy_match": spec["greedy_match"], "tau": spec["tau"], "alpha": spec["alpha"],
            "routine_fraction": spec["routine_fraction"], "tokens": spec["n_tokens"], "prompts": len(prompts),
@@ -122,6 +158,18 @@ def benchmark(target, draft, prompts, gamma, max_new, stop_token=None, repeats=3
     res["predicted_speedup"] = speculate.measured_speedup(timed["tau"], cm["t_target_1"], cm["t_draft_1"],
                                                           cm["t_target_gamma1"], gamma)
     res["leviathan_speedup"] = speculate.expected_speedup(timed["alpha"], gamma, res["c"])
+    if compile:
+        ar_c, spec_c = timing[COMPILED[0]], timing[COMPILED[1]]
+        comp.update(ar_prefill_ms=ar_c["prefill_ms"], spec_prefill_ms=spec_c["prefill_ms"],
+                    ar_ms_per_token=ar_c["ms_per_token"], spec_ms_per_token=spec_c["ms_per_token"],
+                    speedup=ar_c["ms_per_token"] / spec_c["ms_per_token"],  # compiled speculative vs compiled target
+                    speedup_vs_eager=spec_c["speedup"],  # compiled speculative vs eager target-only
+                    target_only_vs_eager=ar_c["speedup"])  # eager target-only / compiled target-only
+        cm = cost_model(ct, cd, prompts[0], gamma)
+        comp.update({k: 1e3 * v for k, v in cm.items()})
+        comp["predicted_speedup"] = speculate.measured_speedup(timed["tau"], cm["t_target_1"], cm["t_draft_1"],
+                                                               cm["t_target_gamma1"], gamma)
+        res["compiled"] = comp
     return res
 
 
@@ -218,7 +266,8 @@ def toy(args, device, dtype, decoding):
     draft = checkpoint.load(draft_dir, target=target).eval()  # in the target's dtype: they share embedding and head
     tok = driving.Tokenizer()
     prompts = evaluate.scene_prompts(driving.make_split("test", args.prompts, seed=0), tok, device, dtype, args.views)
-    res = benchmark(target, draft, prompts, args.gamma, args.max_new, tok.cot_end_id, args.repeats, decoding)
+    res = benchmark(target, draft, prompts, args.gamma, args.max_new, tok.cot_end_id, args.repeats, decoding,
+                    args.compile)
     res.update(mode="toy", draft=draft_dir)
     return res
 
@@ -333,7 +382,7 @@ def real(args, device, dtype, decoding):
         prompt = real_prompt(target.cfg, device, n_images=args.images)
         if "pixel_values" in prompt:
             prompt["pixel_values"] = prompt["pixel_values"].to(dtype)
-    res = benchmark(target, draft, [prompt], args.gamma, args.max_new, stop, args.repeats, decoding)
+    res = benchmark(target, draft, [prompt], args.gamma, args.max_new, stop, args.repeats, decoding, args.compile)
     res.update(mode="real", model=name, prompt_tokens=prompt["input_ids"].shape[1],
                trained_draft=bool(args.draft))
     if args.target:
@@ -412,6 +461,16 @@ def report(res, args):
         f"predicted      speed-up {res['predicted_speedup']:.2f}x (measured {'sampled ' if sampled else ''}tau)   "
         f"{res['leviathan_speedup']:.2f}x (Leviathan, measured {'sampled ' if sampled else ''}alpha)",
     ]
+    if "compiled" in res:
+        c = res["compiled"]
+        lines += [
+            f"compiled       target-only {c['ar_ms_per_token']:.3f} ms/token ({c['target_only_vs_eager']:.2f}x eager)   "
+            f"speculative {c['spec_ms_per_token']:.3f} ms/token   speed-up {c['speedup']:.2f}x "
+            f"({c['speedup_vs_eager']:.2f}x over eager target-only)   compile + first decodes {c['compile_s']:.0f} s",
+            f"compiled cost  T_target(1) {c['t_target_1']:.3f} ms   T_target(gamma+1) {c['t_target_gamma1']:.3f} ms   "
+            f"T_draft(1) {c['t_draft_1']:.3f} ms   predicted speed-up {c['predicted_speedup']:.2f}x"]
+        for arm, div in c["divergences"].items():
+            lines += [f"{arm}: " + line for line in divergence_lines({**res, "divergences": div})]
     if "predicted_speedup_at_toy_alpha" in res:
         lines.append(f"at the toy's alpha {res['toy_alpha']:.3f}: predicted speed-up "
                      f"{res['predicted_speedup_at_toy_alpha']:.2f}x")
@@ -455,6 +514,8 @@ def main(argv=None):
     ap.add_argument("--prompts", type=int, default=32, help="toy: held-out test scenes benchmarked")
     ap.add_argument("--views", type=int, default=driving.WorldConfig().views, help="toy: surround views per prompt")
     ap.add_argument("--repeats", type=int, default=3, help="timed passes (median reported), >= 3")
+    ap.add_argument("--compile", action="store_true", help="also time both arms with torch.compile'd static-shape "
+                    "steps (inductor on a CPU, CUDA graphs on CUDA), beside the eager ones; compiling takes minutes")
     ap.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     args = ap.parse_args(argv)

@@ -8,12 +8,13 @@ Paper map: `VLA` with rope_mode "mrope" is the deliberative reasoner (the unmodi
 target's embedding and LM head, reads the target's image embeddings); `TrajHead` is the toy's
 cheap parallel trajectory step that follows the chain of causation (docs/background.md, "The
 paper in five lines"). The verify step of speculative decoding is a multi-token forward over a
-`KVCache`.
+`KVCache`; `StaticDecoder` runs the same steps at fixed shapes over one persistent cache, the form
+torch.compile and CUDA graphs need (bench.py --compile).
 
 Letters: B batch, T new tokens, S keys (cached + new), D hidden, H heads, Hk KV heads,
 hd head dim, g = H / Hk, V vocab, N vision patches, m spatial merge, n_vis visual tokens.
 
-run: python -m pytest -q tests/test_model.py      (sizes and speed: python bench.py --device cpu)
+run: python -m pytest -q tests/test_model.py      (sizes and speed: python bench.py --device cpu [--compile])
 """
 import copy
 import dataclasses
@@ -173,6 +174,20 @@ class Attention(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=True)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, H * hd))  # (B, H, T, hd) -> (B, T, D)
 
+    def static_step(self, x, cos, sin, cache, layer, input_pos, mask):
+        """The cached step at fixed shapes (VLA.step): the T new keys / values are written at cache indices
+        input_pos (T,), and the queries attend over the whole preallocated buffer, `mask` (g*T, S_max) hiding
+        every slot after their own position (unwritten, or left behind by a rollback)."""
+        B, T, _ = x.shape
+        H, Hk, hd = self.H, self.Hk, self.hd
+        q, k, v = self.project(x, cos, sin)
+        kb, vb = cache.k[layer], cache.v[layer]  # (B, Hk, S_max, hd) views of the persistent buffers
+        kb.index_copy_(2, input_pos, k)  # (B, Hk, T, hd) into slots input_pos
+        vb.index_copy_(2, input_pos, v)
+        q = q.reshape(B, Hk, (H // Hk) * T, hd)  # (B, Hk, g*T, hd): the grouped layout of forward's cached step
+        y = F.scaled_dot_product_attention(q, kb, vb, attn_mask=mask).reshape(B, H, T, hd)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, H * hd))  # (B, H, T, hd) -> (B, T, D)
+
 
 class MLP(nn.Module):
     def __init__(self, dim, hidden):
@@ -195,6 +210,10 @@ class Block(nn.Module):
 
     def forward(self, x, cos, sin, cache, layer, mask, causal, grouped):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, mask, causal, grouped)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def static_step(self, x, cos, sin, cache, layer, input_pos, mask):
+        x = x + self.self_attn.static_step(self.input_layernorm(x), cos, sin, cache, layer, input_pos, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -471,6 +490,29 @@ class VLA(nn.Module):
         logits = self.lm_head(h[:, -logits_to_keep:] if logits_to_keep else h)
         return (logits, h) if return_hidden else logits
 
+    def step(self, input_ids, input_pos, cache):
+        """A cached decode step at fixed shapes: logits (B, T, V) of T new tokens input_ids (B, T) that go to cache
+        indices input_pos (T,) (a tensor: the cache's length is not read, so a compiled step never recompiles as it
+        grows, and `cache.length` is the caller's to advance). The same arithmetic as forward's cached step,
+        rearranged for torch.compile / CUDA graphs (StaticDecoder): keys are the whole buffer (S_max = cache.max_len),
+        the causal rule (new token i sees slots <= input_pos[i]) a mask computed from positions, and the rotary
+        positions input_pos + rope_delta, forward's decode rule. No padding (cache.key_mask None), no DeepStack
+        (prefill only). forward is the slow, obvious path it is tested against (tests/test_model.py)."""
+        T = input_ids.shape[1]
+        cos, sin = rope_cos_sin(input_pos[None] + cache.rope_delta, self.inv_freq)  # (B, T, hd)
+        x = self.embed_tokens(input_ids)  # (B, T, D)
+        cos, sin = cos.to(x.dtype).unsqueeze(2), sin.to(x.dtype).unsqueeze(2)  # (B, T, 1, hd)
+        slots = torch.arange(cache.k.shape[3], device=input_pos.device)  # (S_max,)
+        mask = (slots[None, :] <= input_pos[:, None]).repeat(self.cfg.n_heads // self.cfg.n_kv_heads, 1)  # (g*T, S)
+        if self.proj_in is not None:
+            x = self.proj_in(x)
+        for i, layer in enumerate(self.layers):
+            x = layer.static_step(x, cos, sin, cache, i, input_pos, mask)
+        h = self.norm(x)
+        if self.proj_out is not None:
+            h = self.proj_out(h)
+        return self.lm_head(h)  # (B, T, V)
+
     def traj(self, hidden_last):
         """Trajectory from the final hidden state of <traj_future_start>: (B, D) -> (B, traj_len, 2)."""
         if self.traj_head is None:
@@ -513,3 +555,86 @@ def make_draft(target: VLA, n_layers=1, hidden_size=None, rope_mode="flat", n_he
                               shared_width=t.hidden_size)
     w = target.embed_tokens.weight
     return VLA(cfg, shared=target).to(device=w.device, dtype=w.dtype)
+
+
+# ---- static-shape decoding (torch.compile, CUDA graphs) ----
+
+
+class StaticDecoder:
+    """A model whose cached steps run at fixed shapes over one persistent cache, eager or compiled: the recipe of
+    gpt-fast (a static cache written at `input_pos`, the one-token and multi-token steps compiled with
+    `torch.compile(..., mode="reduce-overhead", fullgraph=True)`), here behind the model's own calling convention so
+    that speculate.py runs it unchanged:
+
+    - `new_cache` returns the persistent cache (capacity `max_len`), emptied: its buffers never move, which CUDA
+      graphs need (a graph replays fixed addresses);
+    - a plain cached step, `decoder(x (1, T), cache=cache)`, goes to VLA.step with input_pos = length + arange(T);
+      the target's 1-token step, its (gamma+1)-token verify step and the draft's 1- or 2-token step are then one
+      compiled graph each (a shorter last round adds one more), and rollback stays an integer (`crop`);
+    - everything else (the prefill, a call with logits_to_keep) is the model's forward, eager.
+
+    compile: False runs VLA.step eagerly (the static shapes alone); True compiles it, with inductor on a CPU and
+    mode "reduce-overhead" (CUDA graphs) on CUDA. The first call of each shape compiles (seconds to minutes): warm
+    every shape up before timing (bench.py does).
+    step_lengths: if given (e.g. (1, 2, gamma + 1)), a step of T tokens runs padded to the shortest of them >= T,
+    so a round that drafts fewer tokens near max_new_tokens reuses the (gamma+1)-token graph instead of compiling
+    its own. The padding's keys land after the new length, in slots every later step overwrites before any query
+    reaches them (the mask hides slots after a query's position), so max_len needs max(step_lengths) - 1 of slack."""
+
+    def __init__(self, model: VLA, max_len: int, compile: bool = False, step_lengths=None):
+        if max_len > model.cfg.max_seq_len:
+            raise ValueError(f"static cache of {max_len} positions is longer than the model's max_seq_len "
+                             f"{model.cfg.max_seq_len}")
+        self.model, self.compiled = model, compile
+        self.step_lengths = sorted(step_lengths) if step_lengths else None
+        self.cache = model.new_cache(batch=1, max_len=max_len)
+        cuda = self.cache.k.device.type == "cuda"
+        # A CUDA graph's outputs are overwritten by its next replay; speculate keeps the last logits of each model
+        # for its end-of-decode NaN check, so they are copied out (V floats per step).
+        self.copy_out = compile and cuda
+        self._step = model.step
+        if compile:
+            # Shapes per model: T = 1 and gamma + 1 (target), 1 and 2 (draft), and a shorter last round; the target
+            # and the draft share VLA.step's code object, whose default limit of 8 compiled variants would send the
+            # rest back to eager without a word.
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+            if cuda:  # the buffers are graph inputs at fixed addresses, written in place (as HF's StaticCache)
+                torch._dynamo.mark_static_address(self.cache.k)
+                torch._dynamo.mark_static_address(self.cache.v)
+            self._step = torch.compile(model.step, mode="reduce-overhead" if cuda else None, fullgraph=True,
+                                       dynamic=False)
+
+    def __getattr__(self, name):  # cfg, embed, visual, expert, ...: the model's
+        return getattr(self.model, name)
+
+    def new_cache(self, batch=1, max_len=None, dtype=None, device=None) -> KVCache:
+        c = self.cache
+        if batch != 1:
+            raise ValueError(f"StaticDecoder decodes batch size 1, got batch {batch}")
+        if max_len is not None and max_len > c.max_len:
+            raise ValueError(f"a decode needs a cache of {max_len} positions, the static cache holds {c.max_len}: "
+                             f"build the StaticDecoder with a larger max_len")
+        if dtype not in (None, c.k.dtype) or (device is not None and torch.device(device) != c.k.device):
+            raise ValueError(f"the static cache is {c.k.dtype} on {c.k.device}, asked for {dtype} on {device}")
+        c.length, c.key_mask = 0, None
+        return c
+
+    def __call__(self, input_ids=None, cache=None, **kwargs):
+        if cache is None or cache.length == 0 or kwargs:
+            return self.model(input_ids, cache=cache, **kwargs)
+        if cache is not self.cache:
+            raise ValueError("StaticDecoder steps only its own cache (from its new_cache)")
+        if cache.key_mask is not None:
+            raise ValueError("static decoding needs an unpadded prompt (the cache has a padding mask)")
+        T = n = input_ids.shape[1]
+        if self.step_lengths is not None:
+            n = next((s for s in self.step_lengths if s >= T), None)
+            if n is None:
+                raise ValueError(f"a step of {T} tokens is longer than the longest step length {self.step_lengths}")
+            input_ids = torch.cat([input_ids, input_ids[:, -1:].expand(-1, n - T)], 1)  # (1, n): any ids will do
+        if cache.length + n > cache.max_len:
+            raise ValueError(f"KV cache overflow: {cache.length} + {n} tokens > max_len {cache.max_len}")
+        input_pos = torch.arange(cache.length, cache.length + n, device=input_ids.device)  # (n,)
+        logits = self._step(input_ids, input_pos, cache)[:, :T]  # (1, T, V): the padding's logits dropped
+        cache.length += T
+        return logits.clone() if self.copy_out else logits

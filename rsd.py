@@ -129,14 +129,16 @@ def mean_tau(per_seed, g):
     return statistics.mean(t[g]["tau"] for t in per_seed)
 
 
-def paper_table(target, drafts, splits, n_time, repeats, decoding=None):
+def paper_table(target, drafts, splits, n_time, repeats, decoding=None, compile=False):
     """Rows target-only + one per draft kind: the row's speed-optimal gamma (chosen on val), tau on the held-out split
     (mean over seeds, spread = max - min) and at every gamma, routine share, teacher-forced commitment accuracy,
     reasoning ms/token and speed-up (real speculative decoding with the first seed's draft, timed against target-only
     decoding in the same passes), ADE of the trajectory after the arm's own CoC, and the attention split while
     writing the CoC (means over seeds). Also the sweep: mean tau per split and gamma, and the ceiling.
     decoding (evaluate.decoding_mode) sampling: ms/token is timed sampling, and each row gets sampled_tau and
-    sampled_alpha of real sampled speculative decoding with the first seed's draft at the row's gamma."""
+    sampled_alpha of real sampled speculative decoding with the first seed's draft at the row's gamma.
+    compile: both timed arms run torch.compile'd static-shape steps (bench.compiled_pair); gamma is still chosen
+    with the eager cost model, and everything but ms/token and speed-up is unchanged."""
     test = splits["test"]
     device = next(target.parameters()).device
     stop = test.tok.cot_end_id
@@ -158,8 +160,10 @@ def paper_table(target, drafts, splits, n_time, repeats, decoding=None):
         per_seed = taus["test"][name]
         g = evaluate.speed_optimal_gamma({gg: mean_tau(taus["val"][name], gg) for gg in GAMMAS}, times)
         spec = evaluate.spec_stats(target, {name: first[name]}, prompts, g, stop_token=stop, check_greedy=False)[name]
-        timing = bench.time_arms(target, {name: first[name]}, prompts[:n_time], g, MAX_NEW_TOKENS, stop, repeats,
-                                 decoding)
+        t, d = target, first[name]
+        if compile:
+            t, d = bench.compiled_pair(target, first[name], prompts[:n_time], g, MAX_NEW_TOKENS)
+        timing = bench.time_arms(t, {name: d}, prompts[:n_time], g, MAX_NEW_TOKENS, stop, repeats, decoding)
         rows[0].setdefault("ms_per_token", timing[TARGET_ONLY]["ms_per_token"])
         attn = [evaluate.attention_split(d, target, test) for d in by_seed.values()]
         rows.append({"name": name, "gamma": g, "tau": mean_tau(per_seed, g),
@@ -268,6 +272,8 @@ def main(argv=None):
                     help="inference dtype (fp32: the exactness claims hold bit for bit)")
     evaluate.add_decoding_flags(ap, "> 0 also reports the sampled tau of real speculative decoding per row and "
                                 "times both arms sampling (prompt i = held-out scene i)")
+    ap.add_argument("--compile", action="store_true", help="time both arms with torch.compile'd static-shape steps "
+                    "(minutes of compilation; gamma is still chosen with the eager cost model)")
     ap.add_argument("--plot", action="store_true", help="write figures/ (needs matplotlib)")
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     a = ap.parse_args(argv)
@@ -305,7 +311,7 @@ def main(argv=None):
     metrics = evaluate.evaluate_target(target, test)
     print(f"target on the held-out test split: CoC exact {metrics['coc_exact']:.3f}, "
           f"commitment accuracy {metrics['commitment_acc']:.3f}, ADE {metrics['ade']:.2f} m")
-    rows, sweep, times = paper_table(target, drafts, splits, a.time_scenes, a.repeats, decoding)
+    rows, sweep, times = paper_table(target, drafts, splits, a.time_scenes, a.repeats, decoding, a.compile)
     aarl_row = rows[-1]
     show_scenes(target, drafts["flatrope+aarl"][seeds[0]], test, aarl_row["gamma"], a.show, decoding=decoding)
     prompt = evaluate.scene_prompts(test.scenes[:1], tok, device, views=a.views)[0]
@@ -313,7 +319,8 @@ def main(argv=None):
     print(f"\nheld-out test split, {a.scenes} scenes, {n_visual} visual and {3 * driving.WorldConfig().n_hist} history "
           f"tokens per prompt, {a.dtype} on {a.device} ({torch.get_num_threads()} threads); draft rows: mean ± half "
           f"the spread over seeds {seeds} at the row's speed-optimal gamma (chosen on {a.scenes} val scenes); "
-          f"speed-up = reasoning-step ms/token vs target-only, seed {seeds[0]}'s draft")
+          f"speed-up = reasoning-step ms/token vs target-only, seed {seeds[0]}'s draft"
+          + (", both arms torch.compile'd" if a.compile else ""))
     if decoding["mode"] == "sampling":
         print(f"decoding: {bench.decoding_text(decoding)} (prompt i = test scene i). tau = the exact greedy replay "
               f"(gamma chosen on it); tau sampled = real sampled speculative decoding with seed {seeds[0]}'s draft; "
@@ -335,7 +342,7 @@ def main(argv=None):
         keys = ("name", "gamma", "tau", "tau_spread", "tau_by_gamma", "tau_ceiling", "routine_fraction", "commit_acc",
                 "ms_per_token", "speedup", "ade", "attn_history", "attn_image", "attn_text")
         keys += ("sampled_tau", "sampled_alpha") if decoding["mode"] == "sampling" else ()
-        print(json.dumps({"decoding": decoding, "greedy_match": greedy_match, "tau_ceiling": aarl_row["tau_ceiling"],
+        print(json.dumps({"decoding": decoding, "compiled": a.compile, "greedy_match": greedy_match, "tau_ceiling": aarl_row["tau_ceiling"],
                           "sweep": sweep,
                           "target": {k: metrics[k] for k in ("coc_exact", "commitment_acc", "ade")},
                           "prompt": {"visual_tokens": n_visual, "history_tokens": 3 * driving.WorldConfig().n_hist},

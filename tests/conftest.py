@@ -1,6 +1,9 @@
-"""Shared pytest setup: offline Hugging Face hub, the repo importable, a one-thread fixture.
+"""Shared pytest setup: offline Hugging Face hub, the repo importable, a one-thread fixture, the `slow` marker.
 
-run: python -m pytest -q tests
+Tests marked `@pytest.mark.slow` (torch.compile: minutes of compilation on a CPU) are skipped unless pytest gets
+--slow, so the default suite keeps its budget on 2 CPU cores.
+
+run: python -m pytest -q tests          (the slow ones too: python -m pytest -q tests --slow)
 """
 import os
 import sys
@@ -21,3 +24,20 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+def pytest_addoption(parser):
+    parser.addoption("--slow", action="store_true", help="also run tests marked slow (torch.compile)")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: minutes on a CPU (torch.compile); run with --slow")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--slow"):
+        return
+    skip = pytest.mark.skip(reason="slow (torch.compile): run with --slow")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)

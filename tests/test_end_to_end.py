@@ -130,6 +130,31 @@ def test_bench_toy_json(run_dir, capsys):
     assert os.path.exists(bench.TOY_JSON) and res["tau"] >= 1
 
 
+@pytest.mark.slow
+def test_bench_toy_compiled(run_dir, capsys):
+    """--compile: the compiled arms are timed beside the eager ones, emit the target's greedy tokens (fp32), and
+    report their own cost model and compile time."""
+    bench.main(["--run", str(run_dir), "--prompts", "2", "--dtype", "fp32", "--views", str(VIEWS), "--compile",
+                "--json"])
+    text = capsys.readouterr().out
+    c = json.loads(text.strip().splitlines()[-1])["compiled"]
+    assert c["greedy_match"] is True and c["divergences"] == {arm: [] for arm in bench.COMPILED}
+    for key in ("ar_ms_per_token", "spec_ms_per_token", "t_target_1", "t_target_gamma1", "t_draft_1", "compile_s"):
+        assert c[key] > 0, key
+    assert c["speedup"] == pytest.approx(c["ar_ms_per_token"] / c["spec_ms_per_token"])
+    assert "compiled       target-only" in text
+
+
+@pytest.mark.slow
+def test_rsd_compiled(run_dir, capsys):
+    """rsd.py --compile times its arms with the compiled steps and keeps every exactness check."""
+    rsd.main(["--run", str(run_dir), "--seeds", "0", "--views", str(VIEWS), "--scenes", "2", "--time-scenes", "1",
+              "--repeats", "1", "--show", "0", "--compile", "--json"])
+    out = last_json(capsys)
+    assert out["compiled"] is True and out["greedy_match"] is True
+    assert all(r["ms_per_token"] > 0 for r in out["rows"])
+
+
 def test_bench_real_shape_preset(run_dir, capsys):
     """A real shape shrunk to 1 layer and 1 image (random weights) runs, and says acceptance is meaningless."""
     bench.main(["--preset", "qwen2.5-vl-7b", "--layers", "1", "--images", "1", "--max-new", "3", "--repeats", "3",

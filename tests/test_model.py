@@ -280,3 +280,32 @@ def test_rope_frequencies_stay_fp32_after_a_dtype_change():
     assert torch.equal(m.inv_freq, rope_inv_freq(m.cfg.head_dim, m.cfg.rope_theta))
     draft = make_draft(m, n_layers=1).to(torch.float16)
     assert draft.inv_freq.dtype == torch.float32
+
+
+def test_static_step_equals_cached_forward():
+    """VLA.step (fixed shapes: keys = the whole buffer, causal rule and positions from input_pos) against forward's
+    cached step (the slow, obvious path): the same logits and the same cache contents, for a 1-token step, a
+    3-token verify step, and after a rollback whose stale slots the mask must hide."""
+    from model import StaticDecoder
+    model = tiny_model()
+    draft = make_draft(model, n_layers=1, hidden_size=32)  # FlatRoPE, width bridge
+    prompt = image_prompt()
+    embeds = model.embed(**prompt)
+    for m in (model, draft):
+        slow, fast = m.new_cache(max_len=48), StaticDecoder(m, 48)
+        fc = fast.new_cache()
+        for c in (slow, fc):
+            m(prompt["input_ids"], inputs_embeds=embeds, cache=c, image_grid_thw=prompt["image_grid_thw"],
+              video_grid_thw=prompt["video_grid_thw"])
+        for x in ([[3]], [[4, 5, 6]], "crop", [[7]], [[8, 9]]):
+            if x == "crop":  # reject the last 2 tokens of the verify step: their slots stay behind in the buffer
+                slow.crop(slow.length - 2)
+                fc.crop(fc.length - 2)
+                continue
+            x = torch.tensor(x)
+            want, got = m(x, cache=slow), fast(x, cache=fc)
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+            assert fc.length == slow.length
+            n = slow.length
+            torch.testing.assert_close(fc.k[..., :n, :], slow.k[..., :n, :])
+            torch.testing.assert_close(fc.v[..., :n, :], slow.v[..., :n, :])

@@ -747,3 +747,101 @@ def test_timing_does_not_change_the_output():
     assert timed.prefill_s > 0 and timed.decode_s > 0 and plain.prefill_s == plain.decode_s == 0
     base = autoregressive(target, prompt, 12, timing=True)
     assert base.tokens == autoregressive(target, prompt, 12).tokens and base.decode_s > 0
+
+
+# ---- static-shape decoding (model.StaticDecoder): eager, and compiled (slow) ----
+
+
+def static_pair(target, draft, compile=False, max_len=64):
+    model = pytest.importorskip("model")
+    return model.StaticDecoder(target, max_len, compile), model.StaticDecoder(draft, max_len, compile)
+
+
+def test_vla_static_decoding_greedy_equals_target():
+    """The fixed-shape steps over a persistent cache (the path torch.compile and CUDA graphs take) emit exactly the
+    target's greedy tokens: target-only, and speculative with every draft; the 'identical' draft's full acceptances
+    exercise the draft's 2-token step and the rollback of the static cache."""
+    target = tiny_target()
+    for pname, prompt in vla_prompts().items():
+        ref = autoregressive(target, prompt, 24)
+        st = static_pair(target, target)[0]
+        assert autoregressive(st, prompt, 24).tokens == ref.tokens, pname
+        for dname, draft in drafts_for(target).items():
+            for gamma in (1, 4):
+                res = speculative(*static_pair(target, draft), prompt, gamma, 24)
+                assert res.tokens == ref.tokens, (pname, dname, gamma)
+                if dname == "identical":
+                    assert res.blocks[:-1] == [gamma + 1] * (len(res.blocks) - 1), (pname, res.blocks)
+
+
+def test_vla_static_decoding_errors():
+    model = pytest.importorskip("model")
+    target = tiny_target()
+    prompt = vla_prompts()["image+video"]  # 27 tokens
+    st, sd = static_pair(target, target, max_len=32)
+    with pytest.raises(ValueError, match="static cache holds 32"):
+        speculative(st, sd, prompt, 4, 24)  # needs 26 + 24 positions
+    with pytest.raises(ValueError, match="max_seq_len"):
+        model.StaticDecoder(target, target.cfg.max_seq_len + 1)
+    with pytest.raises(ValueError, match="batch size 1"):
+        st.new_cache(batch=2)
+
+
+@pytest.mark.slow
+def test_vla_compiled_decoding_greedy_equals_target():
+    """torch.compile'd steps (inductor on the CPU) emit the same greedy tokens as eager target-only decoding (fp32),
+    target-only and speculative; a second decode reuses the compiled graphs (no recompilation per prompt)."""
+    target = tiny_target()
+    draft = drafts_for(target)["perturbed"]
+    ct, cd = static_pair(target, draft, compile=True)
+    for pname, prompt in vla_prompts().items():
+        ref = autoregressive(target, prompt, 16)
+        assert autoregressive(ct, prompt, 16).tokens == ref.tokens, pname
+        assert speculative(ct, cd, prompt, 3, 16).tokens == ref.tokens, pname
+
+
+def test_vla_static_decoding_with_padded_steps():
+    """step_lengths (1, 2, gamma + 1): every step runs padded to one of three shapes, the last rounds' shorter
+    verify steps included (max_new_tokens cuts them), and the output is still the target's greedy output."""
+    target = tiny_target()
+    draft = drafts_for(target)["perturbed"]
+    model = pytest.importorskip("model")
+    asked, run = [], []  # step lengths speculate asked for, and the padded lengths VLA.step ran
+
+    class Asked:  # records the length of each cached step handed to the decoder
+        def __init__(self, dec):
+            self.dec = dec
+
+        def __getattr__(self, name):
+            return getattr(self.dec, name)
+
+        def __call__(self, x=None, cache=None, **kw):
+            if cache is not None and cache.length and not kw:
+                asked.append(x.shape[1])
+            return self.dec(x, cache=cache, **kw)
+
+    for pname, prompt in vla_prompts().items():
+        ref = autoregressive(target, prompt, 13)
+        st, sd = (model.StaticDecoder(m, 64, step_lengths=(1, 2, 5)) for m in (target, draft))
+        for dec in (st, sd):
+            dec._step = lambda ids, pos, cache, step=dec._step: run.append(ids.shape[1]) or step(ids, pos, cache)
+        assert speculative(Asked(st), Asked(sd), prompt, 4, 13).tokens == ref.tokens, pname
+    assert set(run) <= {1, 2, 5} and {3, 4} & set(asked), (set(run), set(asked))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs (mode reduce-overhead) need CUDA")
+def test_vla_compiled_decoding_on_cuda_equals_target():
+    """On CUDA, --compile's steps are CUDA graphs over the persistent static cache (mode "reduce-overhead"): greedy
+    outputs equal eager target-only decoding (fp32), twice over (the second decode replays the graphs)."""
+    model = pytest.importorskip("model")
+    target = tiny_target().cuda()
+    draft = drafts_for(target)["perturbed"]
+    lengths = (1, 2, 4)
+    ct, cd = (model.StaticDecoder(m, 64, compile=True, step_lengths=lengths) for m in (target, draft))
+    for _ in range(2):
+        for pname, prompt in vla_prompts().items():
+            prompt = {k: v.cuda() for k, v in prompt.items()}
+            ref = autoregressive(target, prompt, 16)
+            assert autoregressive(ct, prompt, 16).tokens == ref.tokens, pname
+            assert speculative(ct, cd, prompt, 3, 16).tokens == ref.tokens, pname
