@@ -573,8 +573,8 @@ class StaticDecoder:
       compiled graph each (a shorter last round adds one more), and rollback stays an integer (`crop`);
     - everything else (the prefill, a call with logits_to_keep) is the model's forward, eager.
 
-    compile: False runs VLA.step eagerly (the static shapes alone); True compiles it, with inductor on a CPU and
-    mode "reduce-overhead" (CUDA graphs) on CUDA. The first call of each shape compiles (seconds to minutes): warm
+    compile: False runs VLA.step eagerly (the static shapes alone); True compiles it, with inductor on a CPU (weights
+    frozen into the graph) and mode "reduce-overhead" (CUDA graphs) on CUDA. The first call of each shape compiles (seconds to minutes): warm
     every shape up before timing (bench.py does).
     step_lengths: if given (e.g. (1, 2, gamma + 1)), a step of T tokens runs padded to the shortest of them >= T,
     so a round that drafts fewer tokens near max_new_tokens reuses the (gamma+1)-token graph instead of compiling
@@ -601,8 +601,11 @@ class StaticDecoder:
             if cuda:  # the buffers are graph inputs at fixed addresses, written in place (as HF's StaticCache)
                 torch._dynamo.mark_static_address(self.cache.k)
                 torch._dynamo.mark_static_address(self.cache.v)
-            self._step = torch.compile(model.step, mode="reduce-overhead" if cuda else None, fullgraph=True,
-                                       dynamic=False)
+            if cuda:
+                self._step = torch.compile(model.step, mode="reduce-overhead", fullgraph=True, dynamic=False)
+            else:  # freezing: the weights become constants of the graph, prepacked for the CPU's matmul library
+                # (a compiled graph is then stale if the weights change: decode only, no training through it)
+                self._step = torch.compile(model.step, fullgraph=True, dynamic=False, options={"freezing": True})
 
     def __getattr__(self, name):  # cfg, embed, visual, expert, ...: the model's
         return getattr(self.model, name)
