@@ -15,5 +15,5 @@ for s in 0 1 2; do                                                              
 done
 python experiments/ship_toy.py --run runs/toy                                   # -> checkpoints/toy + metrics.json
 python experiments/views_sweep.py --run runs/toy                                # -> experiments/views_sweep.json
-python train.py --stage target --out runs/toy_seed1 --seed 1                    # a second target seed (metrics only)
+python train.py --stage target --out runs/toy_seed1 --seed 1                    # a second target seed -> experiments/target_seed1_metrics.json (its train_metrics.json)
 python experiments/rope_base.py --run runs/toy                                  # -> experiments/rope_base.json
