@@ -181,7 +181,7 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         H, Hk, hd = self.H, self.Hk, self.hd
         q, k, v = self.project(x, cos, sin)
-        kb, vb = cache.k[layer], cache.v[layer]  # (B, Hk, S_max, hd) views of the persistent buffers
+        kb, vb = cache.layer(layer)  # (B, Hk, S_max, hd): the layer's whole buffers
         kb.index_copy_(2, input_pos, k)  # (B, Hk, T, hd) into slots input_pos
         vb.index_copy_(2, input_pos, v)
         q = q.reshape(B, Hk, (H // Hk) * T, hd)  # (B, Hk, g*T, hd): the grouped layout of forward's cached step
@@ -244,6 +244,10 @@ class KVCache:
         self.v[layer_idx, :, :, self.length:end] = v
         return self.k[layer_idx, :, :, :end], self.v[layer_idx, :, :, :end]  # (B, Hk, S, hd) views
 
+    def layer(self, i):
+        """Layer i's whole K and V buffers (B, Hk, max_len, hd), for VLA.step's writes at input_pos."""
+        return self.k[i], self.v[i]
+
     def crop(self, n):
         if not 0 <= n <= self.length:
             raise ValueError(f"cannot crop KV cache of length {self.length} to {n}")
@@ -257,6 +261,45 @@ class KVCache:
         new.rope_delta = self.rope_delta.repeat_interleave(n, 0)  # (B * n, 1)
         new.key_mask = None if self.key_mask is None else self.key_mask.repeat_interleave(n, 0)
         return new
+
+
+class StaticCache(KVCache):
+    """The KV cache of StaticDecoder: the same object, with one K and one V buffer per layer instead of slices of
+    one tensor. A compiled step writes a graph input in place only when the input is a whole tensor; a write into a
+    view of one (n_layers, ...) tensor makes the compiled step copy the whole tensor back, every step. `k` / `v`
+    stack the layers (a copy, for reading: tests, inspection)."""
+
+    def __init__(self, n_layers, batch, n_kv_heads, max_len, head_dim, dtype=torch.float32, device=None):
+        self.ks = [torch.zeros(batch, n_kv_heads, max_len, head_dim, dtype=dtype, device=device)
+                   for _ in range(n_layers)]
+        self.vs = [torch.zeros_like(k) for k in self.ks]
+        self.max_len = max_len
+        self.length = 0
+        self.rope_delta = torch.zeros(batch, 1, dtype=torch.long, device=device)
+        self.key_mask = None
+
+    @property
+    def k(self):
+        return torch.stack(self.ks)  # (n_layers, B, Hk, max_len, hd)
+
+    @property
+    def v(self):
+        return torch.stack(self.vs)
+
+    def layer(self, i):
+        return self.ks[i], self.vs[i]
+
+    def update(self, layer_idx, k, v):
+        end = self.length + k.shape[2]
+        if end > self.max_len:
+            raise ValueError(f"KV cache overflow: {self.length} + {k.shape[2]} tokens > max_len {self.max_len}")
+        kb, vb = self.layer(layer_idx)
+        kb[:, :, self.length:end] = k  # (B, Hk, T, hd) into (B, Hk, max_len, hd)
+        vb[:, :, self.length:end] = v
+        return kb[:, :, :end], vb[:, :, :end]  # (B, Hk, S, hd) views
+
+    def repeat_rows(self, n):
+        raise NotImplementedError("a StaticCache decodes batch size 1")
 
 
 # ---- trajectory head ----
@@ -416,7 +459,7 @@ class VLA(nn.Module):
                 position_ids = position_ids.expand(3, -1, -1)
             delta = position_ids.amax(dim=(0, 2))[:, None] + 1 - position_ids.shape[2]
         if cache is not None and past == 0:
-            cache.rope_delta = delta.to(cache.k.device)
+            cache.rope_delta = delta.to(cache.rope_delta.device)
         return mrope_cos_sin(position_ids, self.inv_freq, self.cfg.mrope_section, self.cfg.mrope_interleaved)
 
     def forward(self, input_ids=None, pixel_values=None, image_grid_thw=None, pixel_values_videos=None,
@@ -502,7 +545,7 @@ class VLA(nn.Module):
         cos, sin = rope_cos_sin(input_pos[None] + cache.rope_delta, self.inv_freq)  # (B, T, hd)
         x = self.embed_tokens(input_ids)  # (B, T, D)
         cos, sin = cos.to(x.dtype).unsqueeze(2), sin.to(x.dtype).unsqueeze(2)  # (B, T, 1, hd)
-        slots = torch.arange(cache.k.shape[3], device=input_pos.device)  # (S_max,)
+        slots = torch.arange(cache.max_len, device=input_pos.device)  # (S_max,)
         mask = (slots[None, :] <= input_pos[:, None]).repeat(self.cfg.n_heads // self.cfg.n_kv_heads, 1)  # (g*T, S)
         if self.proj_in is not None:
             x = self.proj_in(x)
@@ -587,8 +630,10 @@ class StaticDecoder:
                              f"{model.cfg.max_seq_len}")
         self.model, self.compiled = model, compile
         self.step_lengths = sorted(step_lengths) if step_lengths else None
-        self.cache = model.new_cache(batch=1, max_len=max_len)
-        cuda = self.cache.k.device.type == "cuda"
+        w = model.layers[0].self_attn.qkv.weight
+        self.cache = StaticCache(model.cfg.n_layers, 1, model.cfg.n_kv_heads, max_len, model.cfg.head_dim, w.dtype,
+                                 w.device)
+        cuda = w.device.type == "cuda"
         # A CUDA graph's outputs are overwritten by its next replay; speculate keeps the last logits of each model
         # for its end-of-decode NaN check, so they are copied out (V floats per step).
         self.copy_out = compile and cuda
@@ -599,8 +644,8 @@ class StaticDecoder:
             # rest back to eager without a word.
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
             if cuda:  # the buffers are graph inputs at fixed addresses, written in place (as HF's StaticCache)
-                torch._dynamo.mark_static_address(self.cache.k)
-                torch._dynamo.mark_static_address(self.cache.v)
+                for buf in self.cache.ks + self.cache.vs:
+                    torch._dynamo.mark_static_address(buf)
             if cuda:
                 self._step = torch.compile(model.step, mode="reduce-overhead", fullgraph=True, dynamic=False)
             else:  # freezing: the weights become constants of the graph, prepacked for the CPU's matmul library
@@ -617,8 +662,9 @@ class StaticDecoder:
         if max_len is not None and max_len > c.max_len:
             raise ValueError(f"a decode needs a cache of {max_len} positions, the static cache holds {c.max_len}: "
                              f"build the StaticDecoder with a larger max_len")
-        if dtype not in (None, c.k.dtype) or (device is not None and torch.device(device) != c.k.device):
-            raise ValueError(f"the static cache is {c.k.dtype} on {c.k.device}, asked for {dtype} on {device}")
+        k0 = c.ks[0]
+        if dtype not in (None, k0.dtype) or (device is not None and torch.device(device) != k0.device):
+            raise ValueError(f"the static cache is {k0.dtype} on {k0.device}, asked for {dtype} on {device}")
         c.length, c.key_mask = 0, None
         return c
 
