@@ -10,8 +10,8 @@ random at these shapes, so tau is ~1 and the speed-up to read is the cost model'
 One failure does not lose the rest: it is recorded under its name.
 
 run: python experiments/gpu_check.py [--out experiments/gpu_check.json] [--presets qwen2.5-vl-7b,qwen3-vl-8b]
-     (plumbing on a CPU: python experiments/gpu_check.py --device cpu --layers 1 --skip-tests --max-new 3
-      --presets qwen2.5-vl-7b --out /tmp/gpu_check.json)
+     (plumbing on a CPU: python experiments/gpu_check.py --device cpu --layers 1 --images 1 --skip-tests
+      --max-new 3 --presets qwen2.5-vl-7b --out /tmp/gpu_check.json)
 """
 import argparse
 import contextlib
@@ -41,10 +41,11 @@ def cuda_tests():
             "output_tail": "\n".join(lines[-30:])}
 
 
-def preset_run(name, device, max_new, repeats, layers=None):
+def preset_run(name, device, max_new, repeats, layers=None, images=16):
     t0 = time.time()
     out = io.StringIO()
-    argv = ["--device", device, "--preset", name, "--compile", "--max-new", str(max_new), "--repeats", str(repeats)]
+    argv = ["--device", device, "--preset", name, "--compile", "--max-new", str(max_new), "--repeats", str(repeats),
+            "--images", str(images)]
     try:
         with contextlib.redirect_stdout(out):
             res = bench.main(argv + (["--layers", str(layers)] if layers else []))
@@ -69,6 +70,7 @@ def main(argv=None):
     ap.add_argument("--skip-tests", action="store_true", help="only the benchmarks")
     ap.add_argument("--device", default="cuda", help="cuda; cpu (with --layers 1) only checks the script's plumbing")
     ap.add_argument("--layers", type=int, default=None, help="keep only this many decoder layers (plumbing checks)")
+    ap.add_argument("--images", type=int, default=16, help="images per prompt (16: Alpamayo's ~2,900 visual tokens)")
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("no CUDA device: this script is the GPU check (python bench.py --device cpu is the CPU one)")
@@ -79,7 +81,7 @@ def main(argv=None):
         result["tests"] = cuda_tests()
         print(f"CUDA tests: {result['tests']['summary']}", flush=True)
     for name in args.presets.split(","):
-        result["presets"][name] = preset_run(name, args.device, args.max_new, args.repeats, args.layers)
+        result["presets"][name] = preset_run(name, args.device, args.max_new, args.repeats, args.layers, args.images)
     checkpoint.write_json(args.out, result)
     print(f"wrote {args.out}")
 
