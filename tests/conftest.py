@@ -21,3 +21,8 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "peer: runs transformers beside our decoding on the shipped toy (about 10 s; "
+                                       "deselect with -m 'not peer')")
