@@ -14,8 +14,9 @@ What is timed: one call per prompt, end to end (vision tower + prefill + the rea
 the prompt tensors to the token ids, read with speculate.Clock (the device synchronised), divided by
 the tokens generated: transformers' generate does not report its prefill apart. Our arms' own split
 (prefill_s + decode_s, which leaves out their cache allocation and argument checks) is kept beside
-it. Every arm runs every prompt once as a warm-up, then `repeats` passes with the arms alternating;
-medians of the passes. Greedy only: the tokens are compared (transformers' generate against our
+it, and on a CPU the process's CPU time per token, which a machine shared with other work does not
+inflate as it does the wall clock. Every arm runs every prompt once as a warm-up, then `repeats`
+passes with the arms alternating, their order rotated each pass; medians of the passes. Greedy only: the tokens are compared (transformers' generate against our
 target-only decoding; the speculative arms against their target-only arm).
 
 Settings of the transformers arms: eager, attn_implementation "sdpa", the dynamic KV cache (generate's
@@ -32,6 +33,7 @@ run: python bench.py --device cpu --peer hf --json
 import os
 import statistics
 import tempfile
+import time
 
 import torch
 
@@ -85,27 +87,30 @@ def time_calls(arms, prompts, device, repeats):
     """arms: name -> fn(i, prompt) returning (tokens, inner seconds or None). A warm-up call per arm and prompt, then
     `repeats` passes with the arms alternating (their order rotated every pass), each call timed with speculate.Clock.
     Returns {name: {tokens (list per prompt, from the warm-up), ms_per_token, ms_per_prompt, inner_ms_per_token (when
-    fn gives it)}}: medians of the passes; a pass's ms per token is its total time over its total tokens."""
+    fn gives it), cpu_ms_per_token (on a CPU)}}: medians of the passes; a pass's ms per token is its total time over
+    its total tokens. cpu_ms_per_token is this process's CPU time (time.process_time) per token: on a shared CPU the
+    wall clock also counts the time the process waited for a core, the CPU time only the work."""
     tokens = {name: [fn(i, p)[0] for i, p in enumerate(prompts)] for name, fn in arms.items()}
     passes = {name: [] for name in arms}
-    clock = speculate.Clock(device, enabled=True)
-    names = list(arms)
+    clock, names = speculate.Clock(device, enabled=True), list(arms)
     for r in range(repeats):
         for name in names[r % len(names):] + names[:r % len(names)]:  # a load that drifts favours no arm
-            fn, wall, inner, n = arms[name], 0.0, 0.0, 0
+            fn, wall, cpu, inner, n = arms[name], 0.0, 0.0, 0.0, 0
             for i, p in enumerate(prompts):
                 clock.lap()
+                c0 = time.process_time()
                 toks, inner_s = fn(i, p)
                 wall += clock.lap()
+                cpu += time.process_time() - c0
                 inner, n = inner + (inner_s or 0.0), n + len(toks)
-            passes[name].append((wall / n, wall / len(prompts), inner / n if inner else None))
+            passes[name].append({"ms_per_token": wall / n, "ms_per_prompt": wall / len(prompts),
+                                 "inner_ms_per_token": inner / n if inner else None, "cpu_ms_per_token": cpu / n})
     out = {}
     for name in arms:
-        ps = passes[name]
-        out[name] = {"tokens": tokens[name], "ms_per_token": 1e3 * statistics.median(p[0] for p in ps),
-                     "ms_per_prompt": 1e3 * statistics.median(p[1] for p in ps)}
-        if ps[0][2] is not None:
-            out[name]["inner_ms_per_token"] = 1e3 * statistics.median(p[2] for p in ps)
+        out[name] = {"tokens": tokens[name]}
+        for key in passes[name][0]:
+            if passes[name][0][key] is not None and (key != "cpu_ms_per_token" or torch.device(device).type == "cpu"):
+                out[name][key] = 1e3 * statistics.median(p[key] for p in passes[name])
     return out
 
 
@@ -139,10 +144,7 @@ def compare(target, draft, prompts, gamma, max_new, stop, pad, repeats=3):
     res = time_calls(arms, prompts, w.device, repeats)
     ref, hf_ref = res["ours_target_only"]["tokens"], res["hf_generate"]["tokens"]
     same = lambda arm, reference: sum(a == b for a, b in zip(res[arm]["tokens"], reference))  # noqa: E731
-    out = {arm: {"ms_per_token": r["ms_per_token"], "ms_per_prompt": r["ms_per_prompt"],
-                 "tokens": sum(map(len, r["tokens"])), **({"inner_ms_per_token": r["inner_ms_per_token"]}
-                                                          if "inner_ms_per_token" in r else {})}
-           for arm, r in res.items()}
+    out = {arm: dict(r, tokens=sum(map(len, r["tokens"]))) for arm, r in res.items()}
     import transformers
     from transformers import GenerationConfig
     defaults = {k: GenerationConfig._get_default_generation_params()[k] for k in DEFAULTS}
@@ -162,6 +164,12 @@ def compare(target, draft, prompts, gamma, max_new, stop, pad, repeats=3):
                 "hf_assisted_defaults_over_ours_speculative": ms["hf_assisted_defaults"] / ms["ours_speculative"],
                 "hf_generate_over_hf_assisted": ms["hf_generate"] / ms["hf_assisted"],
                 "ours_target_only_over_ours_speculative": ms["ours_target_only"] / ms["ours_speculative"]})
+    if "cpu_ms_per_token" in out["hf_generate"]:  # the same ratios in CPU time: what a busy machine does not inflate
+        cpu = {arm: out[arm]["cpu_ms_per_token"] for arm in ARMS}
+        out["ratios_cpu_time"] = {"hf_generate_over_ours_target_only": cpu["hf_generate"] / cpu["ours_target_only"],
+                                  "hf_assisted_over_ours_speculative": cpu["hf_assisted"] / cpu["ours_speculative"],
+                                  "hf_assisted_defaults_over_ours_speculative":
+                                      cpu["hf_assisted_defaults"] / cpu["ours_speculative"]}
     return out
 
 
@@ -173,13 +181,16 @@ def report_lines(peers, dtype):
              f"{peers['gamma']}"]
     for arm in ARMS:
         a = peers[arm]
+        cpu = f"   CPU time {a['cpu_ms_per_token']:.3f} ms/token" if "cpu_ms_per_token" in a else ""
         inner = f"   (prefill + decode alone {a['inner_ms_per_token']:.3f})" if "inner_ms_per_token" in a else ""
         lines.append(f"  {arm:<21} {a['ms_per_token']:.3f} ms/token   {a['ms_per_prompt']:.1f} ms/prompt   "
-                     f"{a['tokens']} tokens{inner}")
+                     f"{a['tokens']} tokens{cpu}{inner}")
     lines += [f"  ours over transformers (its ms/token over ours; > 1: ours faster): target-only vs generate "
               f"{r['hf_generate_over_ours_target_only']:.2f}x, speculative vs assisted "
               f"{r['hf_assisted_over_ours_speculative']:.2f}x (gamma fixed), "
-              f"{r['hf_assisted_defaults_over_ours_speculative']:.2f}x (its assistant defaults)",
+              f"{r['hf_assisted_defaults_over_ours_speculative']:.2f}x (its assistant defaults)"
+              + ("" if "ratios_cpu_time" not in peers else "; in CPU time {:.2f}x, {:.2f}x, {:.2f}x".format(
+                  *peers["ratios_cpu_time"].values())),
               f"  greedy tokens: transformers' generate = ours target-only on "
               f"{g['hf_generate_vs_ours_target_only']} of {n} prompts; its assisted = its generate on "
               f"{g['hf_assisted_vs_hf_generate']} (gamma fixed) and {g['hf_assisted_defaults_vs_hf_generate']} "

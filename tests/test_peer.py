@@ -26,7 +26,9 @@ def test_peer_hf_on_the_shipped_toy(tmp_path, monkeypatch, capsys):
     peers = res["peers"]
     assert peers["draft"] == os.path.join(run, "draft_mrope_s0") and peers["prompts"] == 2
     tokens = {arm: peers[arm]["tokens"] for arm in peer.ARMS}
-    assert all(peers[arm]["ms_per_token"] > 0 and peers[arm]["ms_per_prompt"] > 0 for arm in peer.ARMS)
+    assert all(peers[arm][k] > 0 for arm in peer.ARMS for k in ("ms_per_token", "ms_per_prompt", "cpu_ms_per_token"))
+    assert set(peers["ratios_cpu_time"]) == {"hf_generate_over_ours_target_only", "hf_assisted_over_ours_speculative",
+                                             "hf_assisted_defaults_over_ours_speculative"}
     assert len(set(tokens.values())) == 1 and tokens["hf_generate"] > 2  # every arm emitted the same count
     # fp32: transformers' generate is our target-only decoding, token for token; both speculative arms are lossless
     assert peers["greedy_match"] == {"hf_generate_vs_ours_target_only": 2, "ours_speculative_vs_ours_target_only": 2,
