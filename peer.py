@@ -16,8 +16,10 @@ the tokens generated: transformers' generate does not report its prefill apart. 
 (prefill_s + decode_s, which leaves out their cache allocation and argument checks) is kept beside
 it, and on a CPU the process's CPU time per token, which a machine shared with other work does not
 inflate as it does the wall clock. Every arm runs every prompt once as a warm-up, then `repeats`
-passes with the arms alternating, their order rotated each pass; medians of the passes. Greedy only: the tokens are compared (transformers' generate against our
-target-only decoding; the speculative arms against their target-only arm).
+passes in which all arms run each prompt in turn (the order rotated), so that a load that comes and
+goes reaches every arm alike; medians of the passes. Greedy only: the tokens are compared
+(transformers' generate against our target-only decoding; the speculative arms against their
+target-only arm).
 
 Settings of the transformers arms: eager, attn_implementation "sdpa", the dynamic KV cache (generate's
 default; a static cache with torch.compile is its other documented fast path and is not used, as
@@ -85,7 +87,7 @@ def hf_generate(model, inputs, max_new, stop, pad, assistant=None, settings=None
 
 def time_calls(arms, prompts, device, repeats):
     """arms: name -> fn(i, prompt) returning (tokens, inner seconds or None). A warm-up call per arm and prompt, then
-    `repeats` passes with the arms alternating (their order rotated every pass), each call timed with speculate.Clock.
+    `repeats` passes in which the arms alternate on every prompt, each call timed with speculate.Clock.
     Returns {name: {tokens (list per prompt, from the warm-up), ms_per_token, ms_per_prompt, inner_ms_per_token (when
     fn gives it), cpu_ms_per_token (on a CPU)}}: medians of the passes; a pass's ms per token is its total time over
     its total tokens. cpu_ms_per_token is this process's CPU time (time.process_time) per token: on a shared CPU the
@@ -94,15 +96,20 @@ def time_calls(arms, prompts, device, repeats):
     passes = {name: [] for name in arms}
     clock, names = speculate.Clock(device, enabled=True), list(arms)
     for r in range(repeats):
-        for name in names[r % len(names):] + names[:r % len(names)]:  # a load that drifts favours no arm
-            fn, wall, cpu, inner, n = arms[name], 0.0, 0.0, 0.0, 0
-            for i, p in enumerate(prompts):
+        sums = {name: [0.0, 0.0, 0.0, 0] for name in names}  # wall s, CPU s, inner s, tokens
+        for i, p in enumerate(prompts):
+            # every arm on this prompt before the next: a load that comes and goes in phases (another job on the
+            # machine) reaches all arms alike; the order rotates so that no arm always runs first
+            k = (r + i) % len(names)
+            for name in names[k:] + names[:k]:
                 clock.lap()
                 c0 = time.process_time()
-                toks, inner_s = fn(i, p)
-                wall += clock.lap()
-                cpu += time.process_time() - c0
-                inner, n = inner + (inner_s or 0.0), n + len(toks)
+                toks, inner_s = arms[name](i, p)
+                s = sums[name]
+                s[0] += clock.lap()
+                s[1] += time.process_time() - c0
+                s[2], s[3] = s[2] + (inner_s or 0.0), s[3] + len(toks)
+        for name, (wall, cpu, inner, n) in sums.items():
             passes[name].append({"ms_per_token": wall / n, "ms_per_prompt": wall / len(prompts),
                                  "inner_ms_per_token": inner / n if inner else None, "cpu_ms_per_token": cpu / n})
     out = {}
