@@ -85,6 +85,27 @@ def hf_generate(model, inputs, max_new, stop, pad, assistant=None, settings=None
 # ---- timing ----
 
 
+def one_token_forward(target, hf_target, prompt, inputs, reps=20):
+    """{"ours", "hf"}: ms of one cached one-token forward of each implementation after the same prompt (the step both
+    decode loops repeat, without either loop around it), median of reps after a warm-up, the cache rolled back after
+    each step. It tells model code from generation-loop code in the end-to-end ratio."""
+    device, L = prompt["input_ids"].device, prompt["input_ids"].shape[1]
+    x = prompt["input_ids"][:, -1:]  # (1, 1): any token; its value does not change the time
+    cache = target.new_cache(max_len=L + 1)
+    target(**{k: prompt[k] for k in inputs if k in prompt}, cache=cache, logits_to_keep=1)
+    hf_cache = hf_target(**inputs, use_cache=True, logits_to_keep=1).cache  # also sets its M-RoPE rope_deltas
+
+    def ours():
+        target(x, cache=cache)
+        cache.crop(L)
+
+    def hf():
+        hf_target(input_ids=x, cache=hf_cache, use_cache=True)
+        hf_cache.crop(-1)
+
+    return {name: 1e3 * speculate.median_time(fn, device, reps) for name, fn in (("ours", ours), ("hf", hf))}
+
+
 def time_calls(arms, prompts, device, repeats):
     """arms: name -> fn(i, prompt) returning (tokens, inner seconds or None). A warm-up call per arm and prompt, then
     `repeats` passes in which the arms alternate on every prompt, each call timed with speculate.Clock.
@@ -149,6 +170,7 @@ def compare(target, draft, prompts, gamma, max_new, stop, pad, repeats=3):
     arms = {"ours_target_only": ours(None), "ours_speculative": ours(draft),
             **{arm: hf(arm) for arm in ARMS[2:]}}
     res = time_calls(arms, prompts, w.device, repeats)
+    step = one_token_forward(target, hf_target, prompts[0], inputs[0])
     ref, hf_ref = res["ours_target_only"]["tokens"], res["hf_generate"]["tokens"]
     same = lambda arm, reference: sum(a == b for a, b in zip(res[arm]["tokens"], reference))  # noqa: E731
     out = {arm: dict(r, tokens=sum(map(len, r["tokens"]))) for arm, r in res.items()}
@@ -158,7 +180,7 @@ def compare(target, draft, prompts, gamma, max_new, stop, pad, repeats=3):
     ms = {arm: out[arm]["ms_per_token"] for arm in ARMS}
     out.update(
         prompts=len(prompts), gamma=gamma, max_new=max_new, repeats=repeats, transformers=transformers.__version__,
-        attn_implementation="sdpa",
+        attn_implementation="sdpa", one_token_forward_ms=step,
         timed="one call per prompt, end to end (vision tower + prefill + reasoning step), over the tokens generated",
         assistant={"hf_assisted": settings["hf_assisted"], "hf_assisted_defaults": defaults},
         greedy_match={"hf_generate_vs_ours_target_only": same("hf_generate", ref),
@@ -198,6 +220,8 @@ def report_lines(peers, dtype):
               f"{r['hf_assisted_defaults_over_ours_speculative']:.2f}x (its assistant defaults)"
               + ("" if "ratios_cpu_time" not in peers else "; in CPU time {:.2f}x, {:.2f}x, {:.2f}x".format(
                   *peers["ratios_cpu_time"].values())),
+              "  one cached one-token forward of the target (the decode step, no loop): ours {ours:.3f} ms, "
+              "transformers {hf:.3f} ms".format(**peers["one_token_forward_ms"]),
               f"  greedy tokens: transformers' generate = ours target-only on "
               f"{g['hf_generate_vs_ours_target_only']} of {n} prompts; its assisted = its generate on "
               f"{g['hf_assisted_vs_hf_generate']} (gamma fixed) and {g['hf_assisted_defaults_vs_hf_generate']} "

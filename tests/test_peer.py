@@ -34,6 +34,7 @@ def test_peer_hf_on_the_shipped_toy(tmp_path, monkeypatch, capsys):
     assert peers["greedy_match"] == {"hf_generate_vs_ours_target_only": 2, "ours_speculative_vs_ours_target_only": 2,
                                      "hf_assisted_vs_hf_generate": 2, "hf_assisted_defaults_vs_hf_generate": 2}
     assert peers["assistant"]["hf_assisted"]["num_assistant_tokens"] == res["gamma"]
+    assert peers["one_token_forward_ms"]["ours"] > 0 and peers["one_token_forward_ms"]["hf"] > 0
     ms = {arm: peers[arm]["ms_per_token"] for arm in peer.ARMS}
     assert peers["ratios"]["hf_generate_over_ours_target_only"] == pytest.approx(
         ms["hf_generate"] / ms["ours_target_only"])
