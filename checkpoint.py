@@ -816,7 +816,7 @@ def _hf_disk_name(name):
 
 def _exportable(model: VLA, target: VLA | None, where):
     """The standalone model whose tensors export_pretrained writes: model itself, or for a draft a VLA of the draft's
-    own layers with the target's embedding, LM head and vision tower. Refuses what Qwen2.5-VL cannot hold, saying why."""
+    own layers with the target's embedding, LM head and vision tower. Refuses, saying why, what Qwen2.5-VL lacks."""
     cfg = model.cfg
 
     def refuse(why):
@@ -829,8 +829,8 @@ def _exportable(model: VLA, target: VLA | None, where):
         refuse("Qwen3-VL export is not implemented: this writes Qwen2.5-VL folders only (chunked M-RoPE, no q/k norms, "
                "the windowed ViT)")
     if cfg.rope_mode != "mrope":
-        refuse(f"rope_mode {cfg.rope_mode!r}: FlatRoPE has no Hugging Face counterpart (transformers' Qwen2.5-VL always "
-               "gives image tokens 3D M-RoPE positions); only the M-RoPE replica draft can be exported")
+        refuse(f"rope_mode {cfg.rope_mode!r}: FlatRoPE has no Hugging Face counterpart (transformers' Qwen2.5-VL "
+               "always gives image tokens 3D M-RoPE positions); only the M-RoPE replica draft can be exported")
     if not cfg.qkv_bias:
         refuse("qkv_bias is False, but Qwen2.5-VL's q/k/v projections always have biases")
     if cfg.head_dim * cfg.n_heads != cfg.hidden_size:
@@ -847,8 +847,8 @@ def _exportable(model: VLA, target: VLA | None, where):
     if target.embed_tokens is not model.embed_tokens:
         refuse("target= is not the model whose embedding and LM head this draft shares")
     if cfg.shared_width != cfg.hidden_size:
-        refuse(f"the draft's width {cfg.hidden_size} differs from its target's {cfg.shared_width}: its bridges proj_in / "
-               "proj_out have no Qwen2.5-VL counterpart")
+        refuse(f"the draft's width {cfg.hidden_size} differs from its target's {cfg.shared_width}: its bridges "
+               "proj_in / proj_out have no Qwen2.5-VL counterpart")
     if target.visual is None:
         refuse("the target has no vision tower, and a Qwen2.5-VL always has one")
     # the draft reads the target's image features (speculate.embed_prompt); a standalone model computes them itself,
