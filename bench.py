@@ -38,9 +38,12 @@ layout with placeholder text ids around the same pixels.
 run: python bench.py --device cpu [--compile]                     (the toy, from the shipped checkpoints/toy)
      python bench.py --device cuda --preset qwen2.5-vl-7b          (real shapes, random weights)
      python bench.py --device cuda --target PATH [--draft PATH]    (a Hugging Face / Alpamayo folder)
+     python bench.py --device cpu --peer hf                         (also transformers' generate and assisted
+                                                                    generation on the same weights: peer.py)
 """
 import argparse
 import dataclasses
+import importlib.util
 import json
 import math
 import os
@@ -55,6 +58,7 @@ import checkpoint
 import driving
 import evaluate
 import model as M
+import peer
 import speculate
 from checkpoint import DTYPES
 from evaluate import TARGET_ONLY
@@ -269,6 +273,21 @@ def toy(args, device, dtype, decoding):
     res = benchmark(target, draft, prompts, args.gamma, args.max_new, tok.cot_end_id, args.repeats, decoding,
                     args.compile)
     res.update(mode="toy", draft=draft_dir)
+    if args.peer:
+        res["peers"] = peers(args, target, prompts, tok)
+    return res
+
+
+# ---- the peer arm: transformers on the same weights ----
+
+
+def peers(args, target, prompts, tok):
+    """--peer hf: transformers' generate and assisted generation beside our target-only and speculative arms, all
+    with the M-RoPE replica draft (the one draft transformers can run: peer.py), on the same prompts."""
+    draft_dir = checkpoint.draft_dir(args.run, *peer.PEER_DRAFT)
+    draft = checkpoint.load(draft_dir, target=target).eval()
+    res = peer.compare(target, draft, prompts, args.gamma, args.max_new, tok.cot_end_id, tok.pad_id, args.repeats)
+    res["draft"] = draft_dir
     return res
 
 
@@ -483,6 +502,8 @@ def report(res, args):
                   f"{n * res['spec_ms_per_token']:.2f} ms   trajectory (action expert) "
                   + (f"{res['trajectory_ms']:.2f} ms" if "trajectory_ms" in res else "none: no action expert"),
                   f"CoC (routine, [deliberative]): {res['coc']}"]
+    if "peers" in res:
+        lines += peer.report_lines(res["peers"], res["dtype"])
     if "waypoints" in res:
         w = res["waypoints"]
         at = lambda i: f"({w[min(i, len(w) - 1)][0]:.1f}, {w[min(i, len(w) - 1)][1]:.1f})"  # noqa: E731
@@ -517,6 +538,8 @@ def main(argv=None):
     ap.add_argument("--compile", action="store_true", help="also time both arms with torch.compile'd static-shape "
                     "steps (inductor on a CPU, CUDA graphs on CUDA), beside the eager ones; compiling takes minutes")
     ap.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
+    ap.add_argument("--peer", default=None, choices=["hf"], help="toy, greedy: also time transformers' generate and "
+                    "assisted generation on the same weights and prompts (peer.py; needs transformers)")
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     args = ap.parse_args(argv)
     if args.target and args.preset:
@@ -535,7 +558,15 @@ def main(argv=None):
     except ValueError as e:
         ap.error(str(e))
     toy_mode = not (args.target or args.preset)
+    if args.peer and not toy_mode:
+        ap.error("--peer runs on the toy checkpoints only (drop --target / --preset)")
+    if args.peer and decoding["mode"] != "greedy":
+        ap.error("--peer compares greedy tokens and times: drop --temperature")
+    if args.peer and importlib.util.find_spec("transformers") is None:
+        ap.error("--peer hf needs transformers (pip install -r requirements-test.txt)")
     needed = [os.path.join(args.run, "target"), args.draft or checkpoint.draft_dir(args.run, *TOY_DRAFT)]
+    if args.peer:
+        needed.append(checkpoint.draft_dir(args.run, *peer.PEER_DRAFT))
     missing = [d for d in needed if not os.path.isdir(d)]
     if toy_mode and missing:
         ap.error(f"no toy checkpoints (missing {', '.join(missing)}): use the shipped checkpoints/toy, or train "

@@ -1,11 +1,13 @@
 """How a run is stored and described: our checkpoint format, the Hugging Face Qwen2.5-VL /
-Qwen3-VL / Alpamayo-R1 folder loader, the atomic file and folder writers, the run folder's writer
-lock, JSON reading with clear errors, the inference dtypes, and command-line flags generated from a
-config dataclass (with the --device check).
+Qwen3-VL / Alpamayo-R1 folder loader and its reverse for Qwen2.5-VL (export_pretrained), the atomic
+file and folder writers, the run folder's writer lock, JSON reading with clear errors, the inference
+dtypes, and command-line flags generated from a config dataclass (with the --device check).
 
 Paper: the deliberative reasoner is an unmodified Alpamayo-R1-style VLA (a Qwen-VL backbone);
 `load_pretrained` reads such checkpoints into `model.VLA` so that the same decoder, KV cache and
-speculative decoding run on real weights (docs/background.md, "Alpamayo-R1 prompt layout").
+speculative decoding run on real weights (docs/background.md, "Alpamayo-R1 prompt layout");
+`export_pretrained` writes the toy target and its replica draft as Qwen2.5-VL folders, so that
+transformers' generate and assisted generation run the same weights (peer.py).
 
 Files on disk (our format): a folder with config.json ({"format": "rsd-vla", "draft": bool,
 "config": ModelConfig, "fingerprint": {"config", "weights"}} and, for a draft, "target": the
@@ -21,7 +23,7 @@ num_position_embeddings, deepstack_visual_indexes, out_hidden_size, hidden_act};
 vision_config.rope_parameters.rope_theta (transformers' default 10000). An Alpamayo folder with an
 `expert_cfg` loads its action expert: the fields expert.ExpertConfig.from_alpamayo lists.
 
-run: python -m pytest -q tests/test_checkpoint.py
+run: python -m pytest -q tests/test_checkpoint.py tests/test_export.py
 """
 import argparse
 import contextlib
@@ -801,3 +803,135 @@ def load_pretrained(path, dtype=None, device=None) -> VLA:
             log.warning("load_pretrained(%s): trajectory head not in the checkpoint, randomly initialised", path)
     model.checkpoint_files = (os.path.join(path, CONFIG), sorted((key, file) for file, key in found.values()))
     return model
+
+
+# ---- export: our model as a Hugging Face Qwen2.5-VL folder ----
+
+
+def _hf_disk_name(name):
+    """_hf_name's inverse, to the layout of the hub's Qwen2.5-VL files (what transformers 5.24's save_pretrained writes
+    for this family): 'X' -> 'model.X', 'visual.X' and 'lm_head.weight' unchanged."""
+    return name if name.startswith("visual.") or name == "lm_head.weight" else "model." + name
+
+
+def _exportable(model: VLA, target: VLA | None, where):
+    """The standalone model whose tensors export_pretrained writes: model itself, or for a draft a VLA of the draft's
+    own layers with the target's embedding, LM head and vision tower. Refuses, saying why, what Qwen2.5-VL lacks."""
+    cfg = model.cfg
+
+    def refuse(why):
+        raise ValueError(f"export_pretrained({where}): {why}")
+
+    if getattr(model, "expert", None) is not None:
+        refuse("an Alpamayo action expert has no Qwen2.5-VL counterpart (keep the model's Alpamayo folder)")
+    vision = (target.cfg if cfg.shared_width is not None and target is not None else cfg).vision
+    if cfg.qk_norm or cfg.mrope_interleaved or cfg.video_frame_blocks or (vision and vision.family != "qwen2_5_vl"):
+        refuse("Qwen3-VL export is not implemented: this writes Qwen2.5-VL folders only (chunked M-RoPE, no q/k norms, "
+               "the windowed ViT)")
+    if cfg.rope_mode != "mrope":
+        refuse(f"rope_mode {cfg.rope_mode!r}: FlatRoPE has no Hugging Face counterpart (transformers' Qwen2.5-VL "
+               "always gives image tokens 3D M-RoPE positions); only the M-RoPE replica draft can be exported")
+    if not cfg.qkv_bias:
+        refuse("qkv_bias is False, but Qwen2.5-VL's q/k/v projections always have biases")
+    if cfg.head_dim * cfg.n_heads != cfg.hidden_size:
+        refuse(f"head_dim {cfg.head_dim} != hidden_size {cfg.hidden_size} / n_heads {cfg.n_heads}: transformers' "
+               "Qwen2.5-VL derives head_dim from them")
+    if vision is not None and cfg.tokens_per_second != int(cfg.tokens_per_second):
+        refuse(f"tokens_per_second {cfg.tokens_per_second} is not an integer (an int in transformers' vision_config)")
+    if cfg.shared_width is None:
+        if model.visual is None:
+            refuse("the model has no vision tower, and a Qwen2.5-VL always has one")
+        return model
+    if target is None:
+        refuse("a draft shares its target's embedding and LM head: pass target= (the model it was distilled from)")
+    if target.embed_tokens is not model.embed_tokens:
+        refuse("target= is not the model whose embedding and LM head this draft shares")
+    if cfg.shared_width != cfg.hidden_size:
+        refuse(f"the draft's width {cfg.hidden_size} differs from its target's {cfg.shared_width}: its bridges "
+               "proj_in / proj_out have no Qwen2.5-VL counterpart")
+    if target.visual is None:
+        refuse("the target has no vision tower, and a Qwen2.5-VL always has one")
+    # the draft reads the target's image features (speculate.embed_prompt); a standalone model computes them itself,
+    # so it gets a copy of the target's tower, and transformers' assistant then sees the same features
+    own = dataclasses.replace(cfg, shared_width=None, vision=target.cfg.vision,
+                              tie_word_embeddings=target.cfg.tie_word_embeddings)
+    w = model.embed_tokens.weight
+    standalone = _empty_model(own, None, w.dtype, w.device)
+    sd = {**model.state_dict(), "embed_tokens.weight": target.embed_tokens.weight,
+          "lm_head.weight": target.lm_head.weight,
+          **{"visual." + k: v for k, v in target.visual.state_dict().items()}}
+    standalone.load_state_dict(sd)
+    return standalone
+
+
+def _hf_json(cfg: ModelConfig, dtype, token_ids):
+    """config.json in the form transformers 5.24's Qwen2_5_VLConfig reads (and _hf_config reads back)."""
+    v = cfg.vision
+    text = dict(model_type="qwen2_5_vl_text", vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+                intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.n_layers,
+                num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads, hidden_act="silu",
+                max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.rms_norm_eps, use_sliding_window=False,
+                rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta,
+                                 "mrope_section": list(cfg.mrope_section)},
+                bos_token_id=token_ids.get("bos_token_id"), eos_token_id=token_ids.get("eos_token_id"),
+                pad_token_id=token_ids.get("pad_token_id"))
+    vision = dict(model_type="qwen2_5_vl_vision", depth=v.depth, hidden_size=v.hidden, hidden_act="silu",
+                  intermediate_size=v.intermediate, num_heads=v.heads, in_channels=v.in_channels,
+                  patch_size=v.patch_size, temporal_patch_size=v.temporal_patch_size,
+                  spatial_merge_size=v.spatial_merge_size, tokens_per_second=int(cfg.tokens_per_second),
+                  window_size=v.window_size, fullatt_block_indexes=list(v.fullatt_block_indexes),
+                  out_hidden_size=cfg.hidden_size, rope_parameters={"rope_type": "axial", "rope_theta": v.rope_theta})
+    out = dict(architectures=["Qwen2_5_VLForConditionalGeneration"], model_type="qwen2_5_vl", text_config=text,
+               vision_config=vision, image_token_id=cfg.image_token_id, video_token_id=cfg.video_token_id,
+               vision_start_token_id=cfg.vision_start_token_id, tie_word_embeddings=cfg.tie_word_embeddings,
+               dtype=str(dtype).removeprefix("torch."))
+    if token_ids.get("vision_end_token_id") is not None:
+        out["vision_end_token_id"] = token_ids["vision_end_token_id"]
+    return out
+
+
+TOKEN_ID_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id", "vision_end_token_id")
+
+
+def export_pretrained(model: VLA, dir, target: VLA | None = None, **token_ids):
+    """Write `model` as a Hugging Face Qwen2.5-VL folder (config.json + model.safetensors) that transformers 5.24's
+    Qwen2_5_VLForConditionalGeneration and load_pretrained both read: the reverse of load_pretrained, through the same
+    name / shape map (_hf_layout). Our fused q/k/v and gate/up are split into q_proj, k_proj, v_proj and gate_proj,
+    up_proj, the patch embedding becomes the Conv3d kernel (hidden, C, tp, p, p); the folder is written as a whole
+    (atomic_folder), in the model's dtype.
+
+    Not exported: the TrajHead (the toy's trajectory step has no Hugging Face counterpart; load_pretrained gives the
+    folder a fresh one). A draft (cfg.shared_width set) needs target=, the model whose embedding and LM head it
+    shares: it is written as a standalone Qwen2.5-VL with copies of the target's embedding, LM head and vision tower,
+    so that a plain transformers model computes the target's image features itself (the assistant model of
+    transformers' assisted generation). Only the M-RoPE replica of the target's width can be: FlatRoPE and the width
+    bridges proj_in / proj_out have no Hugging Face counterpart, and are refused, as are Qwen3-VL models (export not
+    implemented) and Alpamayo action experts.
+
+    token_ids: bos_token_id, eos_token_id, pad_token_id (text_config), vision_end_token_id, ids ModelConfig does not
+    hold; transformers 5.24 takes M-RoPE positions from mm_token_type_ids and reads no vision_start / vision_end ids,
+    so they only document the prompt format. One difference stays with the prompts, not the weights: a video whose
+    scaled t ids run past its spatial extent gets other positions in transformers 5.24 (rope.get_rope_index)."""
+    unknown = sorted(set(token_ids) - set(TOKEN_ID_FIELDS))
+    if unknown:
+        raise TypeError(f"export_pretrained: unknown token id fields {unknown}; known: {list(TOKEN_ID_FIELDS)}")
+    m = _exportable(model, target, dir)
+    shapes, parts = _hf_layout(m)
+    sd, tensors = m.state_dict(), {}
+    for name, hf_names in parts.items():
+        t = sd[name].detach()
+        if len(hf_names) > 1:
+            # (H*hd + 2*Hk*hd, D) -> q (H*hd, D), k, v (Hk*hd, D); or (2*I, D) -> gate, up (I, D). Copies: safetensors
+            # refuses tensors that share storage
+            pieces = [p.clone() for p in t.split([shapes[h][0] for h in hf_names])]
+        else:  # as is, but the patch embedding: (C_vit, C*tp*p*p) -> the Conv3d kernel (C_vit, C, tp, p, p)
+            pieces = [t.reshape(shapes[hf_names[0]]).contiguous()]
+        for h, p in zip(hf_names, pieces):
+            tensors[_hf_disk_name(h)] = p
+    meta = _hf_json(m.cfg, next(iter(tensors.values())).dtype, token_ids)
+
+    def write(tmp):
+        save_file(tensors, os.path.join(tmp, WEIGHTS), metadata={"format": "pt"})
+        _write_text(os.path.join(tmp, CONFIG), json.dumps(meta, indent=1))
+
+    atomic_folder(dir, write)

@@ -1,4 +1,5 @@
-"""Shared pytest setup: offline Hugging Face hub, the repo importable, a one-thread fixture, the `slow` marker.
+"""Shared pytest setup: offline Hugging Face hub, the repo importable, a one-thread fixture, the `slow` and `peer`
+markers.
 
 Tests marked `@pytest.mark.slow` (torch.compile: minutes of compilation on a CPU) are skipped unless pytest gets
 --slow, so the default suite keeps its budget on 2 CPU cores.
@@ -32,6 +33,8 @@ def pytest_addoption(parser):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: minutes on a CPU (torch.compile); run with --slow")
+    config.addinivalue_line("markers", "peer: runs transformers beside our decoding on the shipped toy (about 10 s; "
+                                       "deselect with -m 'not peer')")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,0 +1,230 @@
+"""The peer arm of the benchmark: the same weights, on the same prompts, in the same process, through
+Hugging Face transformers' `generate` (greedy, KV cache) and its assisted generation (a draft model
+proposes, the target verifies: speculative decoding as transformers ships it), beside our
+target-only and speculative decoding.
+
+Paper: the reasoning step is accelerated by a draft q that proposes chain-of-causation tokens and
+the unmodified target p that verifies them losslessly (docs/background.md, "Speculative
+decoding"). A reader will compare this code with what they would otherwise run: transformers'
+generate on the target, and assisted generation with the same draft as `assistant_model`. The
+draft is the M-RoPE replica (checkpoints/toy/draft_mrope_s0): FlatRoPE has no transformers
+counterpart (checkpoint.export_pretrained refuses it), so both speculative arms use the replica.
+
+What is timed: one call per prompt, end to end (vision tower + prefill + the reasoning step), from
+the prompt tensors to the token ids, read with speculate.Clock (the device synchronised), divided by
+the tokens generated: transformers' generate does not report its prefill apart. Our arms' own split
+(prefill_s + decode_s, which leaves out their cache allocation and argument checks) is kept beside
+it, and on a CPU the process's CPU time per token, which a machine shared with other work does not
+inflate as it does the wall clock. Every arm runs every prompt once as a warm-up, then `repeats`
+passes in which all arms run each prompt in turn (the order rotated), so that a load that comes and
+goes reaches every arm alike; medians of the passes. Greedy only: the tokens are compared
+(transformers' generate against our target-only decoding; the speculative arms against their
+target-only arm).
+
+Settings of the transformers arms: eager, attn_implementation "sdpa", the dynamic KV cache (generate's
+default; a static cache with torch.compile is its other documented fast path and is not used, as
+our arms are eager too), eos_token_id = <cot_end>. Two assisted arms: `hf_assisted`, gamma fixed as
+in ours (num_assistant_tokens = gamma, schedule "constant", confidence threshold 0 = off), and
+`hf_assisted_defaults`, transformers' own assistant defaults (20 tokens, "constant", stop drafting
+below confidence 0.4; the threshold adapts only when scikit-learn is installed). The assistant is
+a whole Qwen2.5-VL: it runs its own copy of the vision tower at its prefill (our draft reads the
+target's image features instead), which is part of what assisted generation costs.
+
+run: python bench.py --device cpu --peer hf --json
+"""
+import os
+import statistics
+import tempfile
+import time
+
+import torch
+
+import checkpoint
+import evaluate
+import speculate
+
+PEER_DRAFT = ("mrope", 0)  # the draft both speculative arms use: the M-RoPE replica, seed 0
+ARMS = ("ours_target_only", "ours_speculative", "hf_generate", "hf_assisted", "hf_assisted_defaults")
+DEFAULTS = ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")
+
+# ---- the transformers side ----
+
+
+def hf_inputs(prompt, cfg):
+    """Our prompt dict (batch 1) -> transformers' generate inputs: the same tensors, an all-ones attention_mask, and
+    mm_token_type_ids (1 image, 2 video placeholder), from which transformers 5 builds the M-RoPE positions."""
+    ids = prompt["input_ids"]  # (1, L)
+    out = {k: prompt[k] for k in speculate.EMBED_KEYS + speculate.GRID_KEYS if prompt.get(k) is not None}
+    mm = (ids == cfg.image_token_id).int() + 2 * (ids == cfg.video_token_id).int()  # (1, L)
+    return dict(out, attention_mask=torch.ones_like(ids), mm_token_type_ids=mm)
+
+
+def load_hf(folder, dtype, device):
+    from transformers import Qwen2_5_VLForConditionalGeneration  # optional extra, as in the parity tests
+    return Qwen2_5_VLForConditionalGeneration.from_pretrained(folder, dtype=dtype,
+                                                              attn_implementation="sdpa").to(device).eval()
+
+
+def assistant_settings(gamma):
+    """{arm: generation_config fields of the assistant}: gamma fixed, or transformers' defaults (None = its default)."""
+    return {"hf_assisted": {"num_assistant_tokens": gamma, "num_assistant_tokens_schedule": "constant",
+                            "assistant_confidence_threshold": 0.0},
+            "hf_assisted_defaults": dict.fromkeys(DEFAULTS)}
+
+
+def hf_generate(model, inputs, max_new, stop, pad, assistant=None, settings=None):
+    """transformers' greedy generate (assisted when `assistant` is given) -> the generated ids, the stop included."""
+    if assistant is not None:
+        for k, v in settings.items():
+            setattr(assistant.generation_config, k, v)
+    out = model.generate(**inputs, max_new_tokens=max_new, eos_token_id=stop, pad_token_id=pad, do_sample=False,
+                         num_beams=1, use_cache=True, assistant_model=assistant)  # (1, L + T)
+    return out[0, inputs["input_ids"].shape[1]:].tolist()
+
+
+# ---- timing ----
+
+
+def one_token_forward(target, hf_target, prompt, inputs, reps=20):
+    """{"ours", "hf"}: ms of one cached one-token forward of each implementation after the same prompt (the step both
+    decode loops repeat, without either loop around it), median of reps after a warm-up, the cache rolled back after
+    each step. It tells model code from generation-loop code in the end-to-end ratio."""
+    device, L = prompt["input_ids"].device, prompt["input_ids"].shape[1]
+    x = prompt["input_ids"][:, -1:]  # (1, 1): any token; its value does not change the time
+    cache = target.new_cache(max_len=L + 1)
+    target(**{k: prompt[k] for k in inputs if k in prompt}, cache=cache, logits_to_keep=1)
+    hf_cache = hf_target(**inputs, use_cache=True, logits_to_keep=1).cache  # also sets its M-RoPE rope_deltas
+
+    def ours():
+        target(x, cache=cache)
+        cache.crop(L)
+
+    def hf():
+        hf_target(input_ids=x, cache=hf_cache, use_cache=True)
+        hf_cache.crop(-1)
+
+    return {name: 1e3 * speculate.median_time(fn, device, reps) for name, fn in (("ours", ours), ("hf", hf))}
+
+
+def time_calls(arms, prompts, device, repeats):
+    """arms: name -> fn(i, prompt) returning (tokens, inner seconds or None). A warm-up call per arm and prompt, then
+    `repeats` passes in which the arms alternate on every prompt, each call timed with speculate.Clock.
+    Returns {name: {tokens (list per prompt, from the warm-up), ms_per_token, ms_per_prompt, inner_ms_per_token (when
+    fn gives it), cpu_ms_per_token (on a CPU)}}: medians of the passes; a pass's ms per token is its total time over
+    its total tokens. cpu_ms_per_token is this process's CPU time (time.process_time) per token: on a shared CPU the
+    wall clock also counts the time the process waited for a core, the CPU time only the work."""
+    tokens = {name: [fn(i, p)[0] for i, p in enumerate(prompts)] for name, fn in arms.items()}
+    passes = {name: [] for name in arms}
+    clock, names = speculate.Clock(device, enabled=True), list(arms)
+    for r in range(repeats):
+        sums = {name: [0.0, 0.0, 0.0, 0] for name in names}  # wall s, CPU s, inner s, tokens
+        for i, p in enumerate(prompts):
+            # every arm on this prompt before the next: a load that comes and goes in phases (another job on the
+            # machine) reaches all arms alike; the order rotates so that no arm always runs first
+            k = (r + i) % len(names)
+            for name in names[k:] + names[:k]:
+                clock.lap()
+                c0 = time.process_time()
+                toks, inner_s = arms[name](i, p)
+                s = sums[name]
+                s[0] += clock.lap()
+                s[1] += time.process_time() - c0
+                s[2], s[3] = s[2] + (inner_s or 0.0), s[3] + len(toks)
+        for name, (wall, cpu, inner, n) in sums.items():
+            passes[name].append({"ms_per_token": wall / n, "ms_per_prompt": wall / len(prompts),
+                                 "inner_ms_per_token": inner / n if inner else None, "cpu_ms_per_token": cpu / n})
+    out = {}
+    for name in arms:
+        out[name] = {"tokens": tokens[name]}
+        for key in passes[name][0]:
+            if passes[name][0][key] is not None and (key != "cpu_ms_per_token" or torch.device(device).type == "cpu"):
+                out[name][key] = 1e3 * statistics.median(p[key] for p in passes[name])
+    return out
+
+
+@torch.inference_mode()
+def compare(target, draft, prompts, gamma, max_new, stop, pad, repeats=3):
+    """The `peers` object of bench.py --peer hf: our target-only and speculative decoding (with `draft`) and
+    transformers' generate and assisted generation on the same weights, exported to a temporary folder and loaded in
+    the target's dtype and device. Greedy."""
+    w = target.embed_tokens.weight
+    with tempfile.TemporaryDirectory() as folder:
+        checkpoint.export_pretrained(target, os.path.join(folder, "target"), eos_token_id=stop, pad_token_id=pad)
+        checkpoint.export_pretrained(draft, os.path.join(folder, "draft"), target=target, eos_token_id=stop,
+                                     pad_token_id=pad)
+        hf_target = load_hf(os.path.join(folder, "target"), w.dtype, w.device)
+        hf_draft = load_hf(os.path.join(folder, "draft"), w.dtype, w.device)
+    inputs = [hf_inputs(p, target.cfg) for p in prompts]  # built once, outside the clock, as our prompts are
+    settings = assistant_settings(gamma)
+
+    def ours(d):
+        def fn(i, p):
+            r = evaluate.decode(target, d, p, gamma, max_new, stop, timing=True)
+            return r.tokens, r.prefill_s + r.decode_s
+        return fn
+
+    def hf(arm):
+        assistant = hf_draft if arm != "hf_generate" else None
+        return lambda i, p: (hf_generate(hf_target, inputs[i], max_new, stop, pad, assistant, settings.get(arm)), None)
+
+    arms = {"ours_target_only": ours(None), "ours_speculative": ours(draft),
+            **{arm: hf(arm) for arm in ARMS[2:]}}
+    res = time_calls(arms, prompts, w.device, repeats)
+    step = one_token_forward(target, hf_target, prompts[0], inputs[0])
+    ref, hf_ref = res["ours_target_only"]["tokens"], res["hf_generate"]["tokens"]
+    same = lambda arm, reference: sum(a == b for a, b in zip(res[arm]["tokens"], reference))  # noqa: E731
+    out = {arm: dict(r, tokens=sum(map(len, r["tokens"]))) for arm, r in res.items()}
+    import transformers
+    from transformers import GenerationConfig
+    defaults = {k: GenerationConfig._get_default_generation_params()[k] for k in DEFAULTS}
+    ms = {arm: out[arm]["ms_per_token"] for arm in ARMS}
+    out.update(
+        prompts=len(prompts), gamma=gamma, max_new=max_new, repeats=repeats, transformers=transformers.__version__,
+        attn_implementation="sdpa", one_token_forward_ms=step,
+        timed="one call per prompt, end to end (vision tower + prefill + reasoning step), over the tokens generated",
+        assistant={"hf_assisted": settings["hf_assisted"], "hf_assisted_defaults": defaults},
+        greedy_match={"hf_generate_vs_ours_target_only": same("hf_generate", ref),
+                      "ours_speculative_vs_ours_target_only": same("ours_speculative", ref),
+                      "hf_assisted_vs_hf_generate": same("hf_assisted", hf_ref),
+                      "hf_assisted_defaults_vs_hf_generate": same("hf_assisted_defaults", hf_ref)},
+        # > 1: ours is faster (ms/token of the transformers arm over ours)
+        ratios={"hf_generate_over_ours_target_only": ms["hf_generate"] / ms["ours_target_only"],
+                "hf_assisted_over_ours_speculative": ms["hf_assisted"] / ms["ours_speculative"],
+                "hf_assisted_defaults_over_ours_speculative": ms["hf_assisted_defaults"] / ms["ours_speculative"],
+                "hf_generate_over_hf_assisted": ms["hf_generate"] / ms["hf_assisted"],
+                "ours_target_only_over_ours_speculative": ms["ours_target_only"] / ms["ours_speculative"]})
+    if "cpu_ms_per_token" in out["hf_generate"]:  # the same ratios in CPU time: what a busy machine does not inflate
+        cpu = {arm: out[arm]["cpu_ms_per_token"] for arm in ARMS}
+        out["ratios_cpu_time"] = {"hf_generate_over_ours_target_only": cpu["hf_generate"] / cpu["ours_target_only"],
+                                  "hf_assisted_over_ours_speculative": cpu["hf_assisted"] / cpu["ours_speculative"],
+                                  "hf_assisted_defaults_over_ours_speculative":
+                                      cpu["hf_assisted_defaults"] / cpu["ours_speculative"]}
+    return out
+
+
+def report_lines(peers, dtype):
+    """bench.py's printed lines for the peers object."""
+    n, g, r = peers["prompts"], peers["greedy_match"], peers["ratios"]
+    lines = [f"peers          transformers {peers['transformers']} (sdpa, dynamic cache) on the same weights, "
+             f"{n} prompts, end to end per call (vision + prefill + reasoning), draft: the M-RoPE replica, gamma "
+             f"{peers['gamma']}"]
+    for arm in ARMS:
+        a = peers[arm]
+        cpu = f"   CPU time {a['cpu_ms_per_token']:.3f} ms/token" if "cpu_ms_per_token" in a else ""
+        inner = f"   (prefill + decode alone {a['inner_ms_per_token']:.3f})" if "inner_ms_per_token" in a else ""
+        lines.append(f"  {arm:<21} {a['ms_per_token']:.3f} ms/token   {a['ms_per_prompt']:.1f} ms/prompt   "
+                     f"{a['tokens']} tokens{cpu}{inner}")
+    lines += [f"  ours over transformers (its ms/token over ours; > 1: ours faster): target-only vs generate "
+              f"{r['hf_generate_over_ours_target_only']:.2f}x, speculative vs assisted "
+              f"{r['hf_assisted_over_ours_speculative']:.2f}x (gamma fixed), "
+              f"{r['hf_assisted_defaults_over_ours_speculative']:.2f}x (its assistant defaults)"
+              + ("" if "ratios_cpu_time" not in peers else "; in CPU time {:.2f}x, {:.2f}x, {:.2f}x".format(
+                  *peers["ratios_cpu_time"].values())),
+              "  one cached one-token forward of the target (the decode step, no loop): ours {ours:.3f} ms, "
+              "transformers {hf:.3f} ms".format(**peers["one_token_forward_ms"]),
+              f"  greedy tokens: transformers' generate = ours target-only on "
+              f"{g['hf_generate_vs_ours_target_only']} of {n} prompts; its assisted = its generate on "
+              f"{g['hf_assisted_vs_hf_generate']} (gamma fixed) and {g['hf_assisted_defaults_vs_hf_generate']} "
+              f"(defaults); ours speculative = ours target-only on {g['ours_speculative_vs_ours_target_only']}"
+              + ("" if dtype == "fp32" else f"; in {dtype} two implementations can part at near-ties")]
+    return lines
