@@ -323,11 +323,14 @@ def prefill(model, prompt, embeds, cache, deepstack=None, name="model"):
 
 class Clock:
     """Wall-clock marks for timing=True: the device is synchronised before each reading, so
-    queued GPU work is counted where it belongs (prefill vs decode). Disabled: no syncs."""
+    queued GPU work is counted where it belongs (prefill vs decode). Disabled: no syncs.
+    timer: the clock read; time.process_time counts only this process's CPU time, which on a CPU
+    shared with other work is its own cost where the wall clock would add its waits (CPU only)."""
 
-    def __init__(self, device, enabled):
+    def __init__(self, device, enabled, timer=time.perf_counter):
         self.enabled = enabled
         self.cuda = enabled and torch.device(device).type == "cuda"
+        self.timer = timer
         self.t = self.now()
 
     def now(self):
@@ -335,17 +338,18 @@ class Clock:
             return 0.0
         if self.cuda:
             torch.cuda.synchronize()
-        return time.perf_counter()
+        return self.timer()
 
     def lap(self):
         t, self.t = self.t, self.now()
         return self.t - t
 
 
-def median_time(fn, device, reps):
-    """Median wall time (s) of fn() over reps calls, after one warm-up call, read with Clock."""
+def median_time(fn, device, reps, timer=time.perf_counter):
+    """Median time (s) of fn() over reps calls, after one warm-up call, read with Clock (timer: its clock, by default
+    the wall clock)."""
     fn()
-    clock, times = Clock(device, enabled=True), []
+    clock, times = Clock(device, enabled=True, timer=timer), []
     for _ in range(reps):
         clock.lap()
         fn()
@@ -354,10 +358,10 @@ def median_time(fn, device, reps):
 
 
 @torch.inference_mode()
-def step_times(target, draft, prompt, lengths, reps=20):
+def step_times(target, draft, prompt, lengths, reps=20, timer=time.perf_counter):
     """The measured cost model's step times in seconds: {"target": {n: T_target(n) for n in lengths}, "draft":
     T_draft(1)}, each a single forward on a cache that holds the prompt, followed by a crop back to it (the
-    verifier's rollback)."""
+    verifier's rollback). timer: Clock's clock (time.process_time: CPU time, for a shared CPU)."""
     device = prompt["input_ids"].device
     L = prompt["input_ids"].shape[1]
     embeds = target.embed(**{k: prompt[k] for k in EMBED_KEYS if prompt.get(k) is not None})  # (1, L, D)
@@ -372,7 +376,7 @@ def step_times(target, draft, prompt, lengths, reps=20):
             m(x, cache=cache)
             cache.crop(base)
 
-        return median_time(step, device, reps)
+        return median_time(step, device, reps, timer)
 
     return {"target": {n: time_step(target, n) for n in lengths}, "draft": time_step(draft, 1)}
 

@@ -11,6 +11,8 @@ Both drafts are distilled in one loop: every step runs the frozen target once (i
 prompt embeddings, image features included, and its CoC distributions p) and updates
 each draft q with the forward KL(p || q) on the CoC positions. Sharing the target's
 forward halves the cost without coupling the drafts (separate weights, optimisers).
+With --draft-vocab K both drafts get a reduced-vocabulary head (model.VLA.head) over the K ids
+select_draft_vocab picks from the training CoCs; distill_loss says how their loss stays finite.
 
 run: python train.py --device cpu                 (target + both drafts into runs/toy; --help lists the flags)
      torchrun --nproc_per_node 2 train.py         (the same with DistributedDataParallel)
