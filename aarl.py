@@ -154,7 +154,7 @@ def group_advantages(r, G, eps=1e-6):
 
 def exact_kl(logq, logr, mask):
     """mean over valid positions of KL(q || r) = sum_v q (log q - log r); logq, logr (N, T, V)."""
-    kl = (logq.exp() * (logq - logr)).sum(-1)  # (N, T)
+    kl = evaluate.exact_kl_terms(logq, logr)  # (N, T)
     return (kl * mask).sum() / mask.sum().clamp(min=1)
 
 

@@ -37,6 +37,7 @@ layout with placeholder text ids around the same pixels.
 
 run: python bench.py --device cpu [--compile]                     (the toy, from the shipped checkpoints/toy)
      python bench.py --device cuda --preset qwen2.5-vl-7b          (real shapes, random weights)
+     python bench.py --device cuda --preset qwen3-vl-8b --draft-vocab 32768   (the draft's head over 32k ids)
      python bench.py --device cuda --target PATH [--draft PATH]    (a Hugging Face / Alpamayo folder)
      python bench.py --device cpu --peer hf                         (also transformers' generate and assisted
                                                                     generation on the same weights: peer.py)
@@ -243,9 +244,11 @@ def real_prompt(cfg: M.ModelConfig, device, n_images=16, grid=(1, 20, 36), n_his
     return prompt
 
 
-def build_preset(name, device, dtype, layers=None):
+def build_preset(name, device, dtype, layers=None, draft_vocab=0):
     """Random weights of a real model's shape, built directly on the device in dtype.
-    layers: keep only that many decoder layers (to fit a small machine; says so in the report)."""
+    layers: keep only that many decoder layers (to fit a small machine; says so in the report).
+    draft_vocab K > 0: the draft's head covers the first K token ids (model.VLA.head; with random weights which
+    ids does not change a step's cost)."""
     cfg = M.PRESETS[name]
     if layers:
         cfg = dataclasses.replace(cfg, n_layers=layers)
@@ -256,7 +259,8 @@ def build_preset(name, device, dtype, layers=None):
             target = M.VLA(cfg).eval()
     finally:
         torch.set_default_dtype(default)
-    draft = M.make_draft(target, **M.DRAFT_PRESETS.get(f"{name}-draft", {"n_layers": 1})).eval()
+    draft = M.make_draft(target, **M.DRAFT_PRESETS.get(f"{name}-draft", {"n_layers": 1}),
+                         vocab_ids=torch.arange(draft_vocab) if draft_vocab else None).eval()
     return target, draft
 
 
@@ -396,8 +400,9 @@ def real(args, device, dtype, decoding):
         name = args.target
         prompt, tok, stop, how = target_prompt(args, target, device, dtype)
     else:
-        target, draft = build_preset(args.preset, device, dtype, args.layers)
+        target, draft = build_preset(args.preset, device, dtype, args.layers, args.draft_vocab)
         name = args.preset + (f" ({args.layers} layers)" if args.layers else "")
+        name += f", draft head over {args.draft_vocab} ids" if args.draft_vocab else ""
         prompt = real_prompt(target.cfg, device, n_images=args.images)
         if "pixel_values" in prompt:
             prompt["pixel_values"] = prompt["pixel_values"].to(dtype)
@@ -521,6 +526,8 @@ def main(argv=None):
     ap.add_argument("--preset", default=None, choices=sorted(k for k in M.PRESETS if not k.startswith("toy")),
                     help="real model shape with random weights")
     ap.add_argument("--layers", type=int, default=None, help="with --preset: keep only this many decoder layers")
+    ap.add_argument("--draft-vocab", type=int, default=0, help="with --preset: the draft's head covers only the "
+                    "first K token ids (a reduced-vocabulary head; 0 = the full head)")
     ap.add_argument("--images", type=int, default=16, help="images in the real-shape / generated prompt")
     ap.add_argument("--images-dir", default=None, help="with --target: a folder of camera images (name order)")
     ap.add_argument("--image-size", default="288x512", help="with --target: HxW of the generated images")
@@ -548,6 +555,10 @@ def main(argv=None):
         ap.error("--gamma, --max-new, --prompts and --images must be >= 1")
     if args.repeats < 3:
         ap.error("--repeats must be >= 3 (the median of at least three passes is reported)")
+    if args.draft_vocab and not (args.preset and 1 <= args.draft_vocab <= M.PRESETS[args.preset].vocab_size):
+        ap.error(f"--draft-vocab takes 1..vocab_size token ids of a --preset"
+                 + (f" (1..{M.PRESETS[args.preset].vocab_size} for {args.preset})" if args.preset else "")
+                 + f", got {args.draft_vocab}")
     if args.layers is not None and not (args.preset and 1 <= args.layers <= M.PRESETS[args.preset].n_layers):
         ap.error(f"--layers keeps 1..n_layers decoder layers of a --preset"
                  + (f" (1..{M.PRESETS[args.preset].n_layers} for {args.preset})" if args.preset else "")

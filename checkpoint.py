@@ -12,7 +12,8 @@ transformers' generate and assisted generation run the same weights (peer.py).
 Files on disk (our format): a folder with config.json ({"format": "rsd-vla", "draft": bool,
 "config": ModelConfig, "fingerprint": {"config", "weights"}} and, for a draft, "target": the
 fingerprint of the target it was distilled from) and model.safetensors. A draft's file holds only
-its own weights; the target's embedding and LM head are re-attached by load(dir, target=...), which
+its own weights (a reduced-vocabulary draft's also its `vocab_ids`, the K target ids its head
+covers); the target's embedding and LM head are re-attached by load(dir, target=...), which
 refuses a target whose fingerprint differs. Every ModelConfig field is required except LATER_FIELDS.
 A folder is written as a whole (atomic_folder); a run folder has one writer at a time (writer_lock).
 
@@ -52,7 +53,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from expert import ActionExpert, ExpertConfig, fourier_freqs
-from model import PRESETS, VLA, ModelConfig, VisionConfig
+from model import PRESETS, VLA, ModelConfig, VisionConfig, check_vocab_ids
 
 log = logging.getLogger(__name__)
 
@@ -355,7 +356,7 @@ def check_device(name):
 # Config fields added after folders had been written without them; their defaults reproduce what those folders meant.
 # Every other field is required: a default there could silently change the logits (a toy target trained at RoPE base
 # 1e4 would load at ModelConfig's 1e6).
-LATER_FIELDS = ("video_frame_blocks",)
+LATER_FIELDS = ("video_frame_blocks", "draft_vocab")
 LATER_VISION_FIELDS = ("family", "num_position_embeddings", "deepstack_visual_indexes")
 
 
@@ -569,6 +570,11 @@ def load(dir, target: VLA | None = None, dtype=None, device=None) -> VLA:
         parts = [p for p in ("config", "weights") if recorded.get(p) != fp[p]]
         raise ValueError(f"{dir}: {CONFIG} and {WEIGHTS} do not belong together ({' and '.join(parts)} differ from "
                          f"the fingerprint {CONFIG} records): one was replaced or edited without the other")
+    if cfg.draft_vocab:  # a reduced-vocabulary draft's ids (its `vocab_ids` buffer) must be usable ids
+        try:
+            check_vocab_ids(model.vocab_ids, cfg.vocab_size, cfg.draft_vocab)
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None
     model.checkpoint_fingerprint = fp
     return model
 

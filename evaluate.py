@@ -396,6 +396,15 @@ def drafted_ade(target, draft, data: Data, max_new=MAX_NEW_TOKENS, batch_size=EV
     return trajectory_ade(target, data, cocs, batch_size)[0]
 
 
+def exact_kl_terms(logq, logr):
+    """KL(q || r) = sum_v q (log q - log r) per position: log-probs (..., V) -> (...). Ids where q is 0 (a reduced-
+    vocabulary draft's -inf outside its set, model.VLA.head) add 0 log 0 = 0; they are masked before the arithmetic, so
+    that neither the value nor the gradient meets -inf - (-inf)."""
+    out = ~torch.isfinite(logq)
+    logq, logr = logq.masked_fill(out, 0.0), logr.masked_fill(out, 0.0)
+    return (logq.exp() * (logq - logr)).masked_fill(out, 0.0).sum(-1)
+
+
 @torch.no_grad()
 def kl_to(draft, ref, target, data: Data, batch_size=EVAL_BATCH):
     """Mean exact KL(q || q_ref) over the CoC positions of data's reference CoCs (teacher-forced), both drafts
@@ -407,6 +416,6 @@ def kl_to(draft, ref, target, data: Data, batch_size=EVAL_BATCH):
         m = batch["loss_mask"]  # (B, L) positions that predict CoC tokens
         logq, logr = (torch.log_softmax(d(batch["input_ids"], inputs_embeds=embeds, **grid_kwargs(batch))[m].float(),
                                         -1) for d in (draft, ref))  # (N, V) each
-        total += float((logq.exp() * (logq - logr)).sum())
+        total += float(exact_kl_terms(logq, logr).sum())
         n += int(m.sum())
     return total / max(n, 1)

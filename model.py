@@ -5,14 +5,15 @@ Alpamayo folder's flow-matching action expert is expert.py).
 
 Paper map: `VLA` with rope_mode "mrope" is the deliberative reasoner (the unmodified target,
 3D M-RoPE); `make_draft` builds the routine reasoner (1-2 layers, FlatRoPE, shares the
-target's embedding and LM head, reads the target's image embeddings); `TrajHead` is the toy's
+target's embedding and LM head, reads the target's image embeddings; with `vocab_ids` its head covers only K
+of the target's token ids, EAGLE-3's reduced draft vocabulary); `TrajHead` is the toy's
 cheap parallel trajectory step that follows the chain of causation (docs/background.md, "The
 paper in five lines"). The verify step of speculative decoding is a multi-token forward over a
 `KVCache`; `StaticDecoder` runs the same steps at fixed shapes over one persistent cache, the form
 torch.compile and CUDA graphs need (bench.py --compile).
 
 Letters: B batch, T new tokens, S keys (cached + new), D hidden, H heads, Hk KV heads,
-hd head dim, g = H / Hk, V vocab, N vision patches, m spatial merge, n_vis visual tokens.
+hd head dim, g = H / Hk, V vocab, K reduced draft vocab, N vision patches, m spatial merge, n_vis visual tokens.
 
 run: python -m pytest -q tests/test_model.py      (sizes and speed: python bench.py --device cpu [--compile])
 """
@@ -61,6 +62,9 @@ class ModelConfig:
     traj_len: int = 32  # waypoints emitted by the trajectory head (0 = no head)
     max_seq_len: int = 4096  # positions a sequence may span (prompt + generated; longer is refused); default cache
     shared_width: int | None = None  # drafts only: width of the target's shared embedding / LM head
+    # drafts only: K > 0 gives a reduced-vocabulary head, logits over K target ids (VLA.vocab_ids) and -inf at the
+    # other V - K; 0 = the full head
+    draft_vocab: int = 0
 
     def __post_init__(self):
         if isinstance(self.vision, dict):
@@ -80,6 +84,13 @@ class ModelConfig:
             self.spatial_merge_size = vm or 2
         elif vm is not None and vm != self.spatial_merge_size:
             raise ValueError(f"spatial_merge_size {self.spatial_merge_size} != vision.spatial_merge_size {vm}")
+        K = self.draft_vocab
+        if not isinstance(K, int) or isinstance(K, bool) or not 0 <= K <= self.vocab_size:
+            raise ValueError(f"draft_vocab must be 0 (the full head) or a number of token ids 1..vocab_size "
+                             f"{self.vocab_size}, got {K!r}")
+        if K and self.shared_width is None:
+            raise ValueError(f"draft_vocab {K}: a reduced-vocabulary head is for drafts only (shared_width set, "
+                             "model.make_draft); a target's head must cover its whole vocabulary")
 
     def to_dict(self):
         return dataclasses.asdict(self)
@@ -331,6 +342,8 @@ class VLA(nn.Module):
     """Vision tower + decoder + LM head + trajectory head. With cfg.shared_width set it is a draft:
     no vision tower, and `embed_tokens` / `lm_head` are the target's modules held as plain
     attributes, so draft.parameters() and draft.state_dict() contain only the draft's own weights.
+    A draft with cfg.draft_vocab = K > 0 also holds `vocab_ids` (K,), a persistent buffer (saved with
+    its weights): the target token ids its head covers (see `head`).
     A model loaded from an Alpamayo folder also holds `expert` (expert.ActionExpert) and no TrajHead."""
 
     def __init__(self, cfg: ModelConfig, shared: "VLA | None" = None):
@@ -355,6 +368,9 @@ class VLA(nn.Module):
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(D, cfg.rms_norm_eps)
         self.traj_head = TrajHead(cfg.shared_width or D, cfg.traj_len) if cfg.traj_len > 0 else None
+        self._rows = self._rows_key = None  # the reduced head's cached rows of the target's head (head_rows)
+        if cfg.draft_vocab:  # placeholder ids until set_vocab or a checkpoint fills them
+            self.register_buffer("vocab_ids", torch.arange(cfg.draft_vocab), persistent=True)
         self.apply(self._init_weights)
         self.tie_weights()
         self.reset_buffers()
@@ -381,6 +397,7 @@ class VLA(nn.Module):
         # recompute them in fp32 on the new device after any conversion, as Qwen's code keeps them.
         super()._apply(fn, recurse)
         self.reset_buffers(self.inv_freq.device)
+        self._rows = self._rows_key = None
         return self
 
     def __deepcopy__(self, memo):
@@ -389,8 +406,59 @@ class VLA(nn.Module):
             memo[id(self.embed_tokens)], memo[id(self.lm_head)] = self.embed_tokens, self.lm_head
         new = self.__class__.__new__(self.__class__)
         memo[id(self)] = new
-        new.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        new.__dict__.update(copy.deepcopy({k: v for k, v in self.__dict__.items() if k != "_rows"}, memo))
+        new._rows = new._rows_key = None  # a cache: the copy gathers its own on first use
         return new
+
+    # ---- the reduced-vocabulary head (drafts with cfg.draft_vocab = K) ----
+
+    def set_vocab(self, ids):
+        """Make this reduced-head draft cover the target token ids `ids` (K distinct ids)."""
+        if not self.cfg.draft_vocab:
+            raise ValueError("set_vocab: this model has the full head (draft_vocab 0); build the draft with "
+                             "make_draft(target, vocab_ids=...)")
+        ids = torch.as_tensor(ids, dtype=torch.long)
+        check_vocab_ids(ids, self.cfg.vocab_size, self.cfg.draft_vocab)
+        with torch.no_grad():
+            self.vocab_ids.copy_(ids)  # in place: the version bump tells head_rows to gather again
+
+    def head_rows(self):
+        """The target head's rows at vocab_ids, (K, D_out), gathered once and kept.
+
+        Why a kept copy: F.linear(h, W[ids]) would gather K rows out of V on every step, a read of the
+        K rows plus a write of the copy before the matmul reads it again; a contiguous (K, D_out) copy
+        makes the step's read K rows, the point of the reduced head (at real shape: K x 4096 instead of
+        151,936 x 4096). The cost is K x D_out more memory. The copy is gathered again when the target's
+        head is moved, cast, replaced or written in place (its tensor, dtype, device and version counter
+        are the key), or the ids change; the target's head is frozen while drafts train (train.py,
+        aarl.py), so during training and decoding the copy is gathered once. A draft moved with .to()
+        drops it (_apply)."""
+        W = self.lm_head.weight  # (V, D_out), the target's
+        version = lambda t: -1 if t.is_inference() else t._version  # noqa: E731  inference tensors keep none
+        key = (W.data_ptr(), W.dtype, W.device, version(W), self.vocab_ids.data_ptr(), version(self.vocab_ids))
+        if key != self._rows_key:
+            with torch.no_grad():
+                self._rows = W.index_select(0, self.vocab_ids.to(W.device))  # (K, D_out)
+            self._rows_key = key
+        return self._rows
+
+    def head(self, h):
+        """Logits (..., V) from final hidden states h (..., D_out): the LM head; for a reduced-head draft the
+        K logits at vocab_ids and -inf at every other id, so that speculative decoding needs no change and
+        stays lossless: a token outside the set is never proposed (greedy), and under sampling q is 0 there
+        and the verifier's residual max(0, p - q) covers it (Leviathan et al. 2023, Algorithm 1)."""
+        if not self.cfg.draft_vocab:
+            return self.lm_head(h)
+        W = self.lm_head.weight
+        if torch.is_grad_enabled() and W.requires_grad:
+            w = W[self.vocab_ids]  # the slow, obvious path: a fresh gather per call, so gradients reach the head
+        elif torch.compiler.is_compiling():
+            w = self._rows  # gathered eagerly by StaticDecoder before each compiled step: head_rows' checks do not trace
+        else:
+            w = self.head_rows()  # the kept copy: the target's head is frozen here
+        small = F.linear(h, w)  # (..., D_out) x (K, D_out)^T -> (..., K)
+        full = small.new_full((*small.shape[:-1], self.cfg.vocab_size), float("-inf"))  # (..., V)
+        return full.index_copy_(-1, self.vocab_ids, small)  # (..., K) into (..., V) at vocab_ids
 
     def new_cache(self, batch=1, max_len=None, dtype=None, device=None) -> KVCache:
         w = self.layers[0].self_attn.qkv.weight
@@ -530,7 +598,7 @@ class VLA(nn.Module):
         h = self.norm(x)
         if self.proj_out is not None:
             h = self.proj_out(h)
-        logits = self.lm_head(h[:, -logits_to_keep:] if logits_to_keep else h)
+        logits = self.head(h[:, -logits_to_keep:] if logits_to_keep else h)
         return (logits, h) if return_hidden else logits
 
     def step(self, input_ids, input_pos, cache):
@@ -554,7 +622,7 @@ class VLA(nn.Module):
         h = self.norm(x)
         if self.proj_out is not None:
             h = self.proj_out(h)
-        return self.lm_head(h)  # (B, T, V)
+        return self.head(h)  # (B, T, V)
 
     def traj(self, hidden_last):
         """Trajectory from the final hidden state of <traj_future_start>: (B, D) -> (B, traj_len, 2)."""
@@ -566,8 +634,25 @@ class VLA(nn.Module):
 # ---- draft (routine reasoner) ----
 
 
+def check_vocab_ids(ids, vocab_size, k=None):
+    """The ids of a reduced draft head: a 1-D tensor of 1..V distinct token ids of the vocabulary (k of them when
+    given), else a ValueError naming what is wrong."""
+    if ids.dim() != 1 or ids.dtype != torch.long:
+        raise ValueError(f"vocab_ids must be a 1-D tensor of token ids (long), got shape {tuple(ids.shape)} "
+                         f"dtype {ids.dtype}")
+    if not 1 <= len(ids) <= vocab_size:
+        raise ValueError(f"a reduced draft head covers 1..{vocab_size} token ids (the vocabulary), got {len(ids)}")
+    if k is not None and len(ids) != k:
+        raise ValueError(f"{len(ids)} vocab_ids for a head of draft_vocab {k}")
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or hi >= vocab_size:
+        raise ValueError(f"vocab_ids hold token id {lo if lo < 0 else hi}, outside the vocabulary 0..{vocab_size - 1}")
+    if len(ids.unique()) != len(ids):
+        raise ValueError(f"vocab_ids repeat token ids ({len(ids) - len(ids.unique())} duplicates)")
+
+
 def make_draft(target: VLA, n_layers=1, hidden_size=None, rope_mode="flat", n_heads=None, n_kv_heads=None,
-               intermediate_size=None, rope_theta=None) -> VLA:
+               intermediate_size=None, rope_theta=None, vocab_ids=None) -> VLA:
     """The routine reasoner: a small text-only decoder on FlatRoPE positions (rope_mode "mrope"
     gives the baseline replica draft) that shares the target's token embedding and LM head
     (the same module objects) and reads the target's prompt embeddings, image features included,
@@ -578,7 +663,8 @@ def make_draft(target: VLA, n_layers=1, hidden_size=None, rope_mode="flat", n_he
     into the shared modules unless the caller freezes the target. Width defaults to the target's;
     a narrower draft keeps the target's head_dim (so M-RoPE sections stay valid) with
     hidden_size // head_dim heads, and gets linear in/out projections. rope_theta: the draft's own
-    RoPE base (default the target's)."""
+    RoPE base (default the target's). vocab_ids: K target token ids (train.select_draft_vocab picks the
+    K most frequent in the training CoCs) for a reduced-vocabulary head, VLA.head; None = the full head."""
     t = target.cfg
     D = hidden_size or t.hidden_size
     H = n_heads or (t.n_heads if D == t.hidden_size else D // t.head_dim)
@@ -591,13 +677,19 @@ def make_draft(target: VLA, n_layers=1, hidden_size=None, rope_mode="flat", n_he
             Hk -= 1
     inter = intermediate_size or (t.intermediate_size if D == t.hidden_size
                                   else int(t.intermediate_size * D / t.hidden_size))
+    if vocab_ids is not None:
+        vocab_ids = torch.as_tensor(vocab_ids, dtype=torch.long)
+        check_vocab_ids(vocab_ids, t.vocab_size)
     cfg = dataclasses.replace(t, hidden_size=D, n_layers=n_layers, n_heads=H, n_kv_heads=Hk, head_dim=t.head_dim,
                               intermediate_size=inter, rope_mode=rope_mode, rope_theta=rope_theta or t.rope_theta,
                               vision=None,
                               spatial_merge_size=t.spatial_merge_size, traj_len=0, tie_word_embeddings=False,
-                              shared_width=t.hidden_size)
+                              shared_width=t.hidden_size, draft_vocab=0 if vocab_ids is None else len(vocab_ids))
     w = target.embed_tokens.weight
-    return VLA(cfg, shared=target).to(device=w.device, dtype=w.dtype)
+    draft = VLA(cfg, shared=target)
+    if vocab_ids is not None:
+        draft.set_vocab(vocab_ids)
+    return draft.to(device=w.device, dtype=w.dtype)
 
 
 # ---- static-shape decoding (torch.compile, CUDA graphs) ----
@@ -683,6 +775,8 @@ class StaticDecoder:
             input_ids = torch.cat([input_ids, input_ids[:, -1:].expand(-1, n - T)], 1)  # (1, n): any ids will do
         if cache.length + n > cache.max_len:
             raise ValueError(f"KV cache overflow: {cache.length} + {n} tokens > max_len {cache.max_len}")
+        if self.model.cfg.draft_vocab:
+            self.model.head_rows()  # a reduced head's kept rows, checked (and gathered if stale) outside the graph
         input_pos = torch.arange(cache.length, cache.length + n, device=input_ids.device)  # (n,)
         logits = self._step(input_ids, input_pos, cache)[:, :T]  # (1, T, V): the padding's logits dropped
         cache.length += T

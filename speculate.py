@@ -19,6 +19,11 @@ the last emitted token x_last; the draft has seen all but `pending`, which is
 (the draft never fed d_gamma to itself). The next round's first draft forward
 feeds exactly `pending`, so no token is skipped or fed twice.
 
+A draft with a reduced vocabulary (model.VLA.head: logits over K target ids, -inf at the
+others) needs nothing here: greedy drafting never proposes a token outside its set, and in
+sampling q is 0 there, so the residual max(0, p - q) covers those tokens and the output stays
+distributed as the target's.
+
 The prompt's last token (the assistant's <cot_start>) is held back from the
 prefill and plays x_last in the first round, so every emitted token, the first
 included, comes out of a verification round: tau = tokens / rounds exactly.
@@ -243,8 +248,17 @@ def check_vocab(target, draft, prompt, stop_token):
                          "verified")
 
 
-def check_finite(logits, name, when):
-    """A NaN / inf logit row is an error naming the model: greedy decoding would emit argmax(NaN) tokens silently."""
+def live_ids(model):
+    """The token ids whose logits a model computes: a reduced-vocabulary draft's vocab_ids (K,) (its other logits
+    are -inf by construction, model.VLA.head), None for a model whose head covers the vocabulary."""
+    return getattr(model, "vocab_ids", None)
+
+
+def check_finite(logits, name, when, ids=None):
+    """A NaN / inf logit row is an error naming the model: greedy decoding would emit argmax(NaN) tokens silently.
+    ids (K,): check only those columns (live_ids)."""
+    if ids is not None:
+        logits = logits.index_select(-1, ids)  # (..., K)
     if not bool(torch.isfinite(logits).all()):
         raise FloatingPointError(f"{name}: NaN or inf logits {when} (NaN / inf weights, or an overflow in "
                                  f"{logits.dtype})")
@@ -303,17 +317,20 @@ def prefill(model, prompt, embeds, cache, deepstack=None, name="model"):
     # The prefill's logits are only checked: logits_to_keep=1 skips an (L, V) LM-head product. NaN / inf weights
     # reach every position, so one row and one host sync per decode catch them.
     logits = model(ids[:, :-1], inputs_embeds=embeds[:, :-1], cache=cache, logits_to_keep=1, **grids)  # (1, 1, V)
-    check_finite(logits, name, "after the prefill")
+    check_finite(logits, name, "after the prefill", live_ids(model))
     return ids[:, -1:]
 
 
 class Clock:
     """Wall-clock marks for timing=True: the device is synchronised before each reading, so
-    queued GPU work is counted where it belongs (prefill vs decode). Disabled: no syncs."""
+    queued GPU work is counted where it belongs (prefill vs decode). Disabled: no syncs.
+    timer: the clock read; time.process_time counts only this process's CPU time, which on a CPU
+    shared with other work is its own cost where the wall clock would add its waits (CPU only)."""
 
-    def __init__(self, device, enabled):
+    def __init__(self, device, enabled, timer=time.perf_counter):
         self.enabled = enabled
         self.cuda = enabled and torch.device(device).type == "cuda"
+        self.timer = timer
         self.t = self.now()
 
     def now(self):
@@ -321,17 +338,18 @@ class Clock:
             return 0.0
         if self.cuda:
             torch.cuda.synchronize()
-        return time.perf_counter()
+        return self.timer()
 
     def lap(self):
         t, self.t = self.t, self.now()
         return self.t - t
 
 
-def median_time(fn, device, reps):
-    """Median wall time (s) of fn() over reps calls, after one warm-up call, read with Clock."""
+def median_time(fn, device, reps, timer=time.perf_counter):
+    """Median time (s) of fn() over reps calls, after one warm-up call, read with Clock (timer: its clock, by default
+    the wall clock)."""
     fn()
-    clock, times = Clock(device, enabled=True), []
+    clock, times = Clock(device, enabled=True, timer=timer), []
     for _ in range(reps):
         clock.lap()
         fn()
@@ -340,10 +358,10 @@ def median_time(fn, device, reps):
 
 
 @torch.inference_mode()
-def step_times(target, draft, prompt, lengths, reps=20):
+def step_times(target, draft, prompt, lengths, reps=20, timer=time.perf_counter):
     """The measured cost model's step times in seconds: {"target": {n: T_target(n) for n in lengths}, "draft":
     T_draft(1)}, each a single forward on a cache that holds the prompt, followed by a crop back to it (the
-    verifier's rollback)."""
+    verifier's rollback). timer: Clock's clock (time.process_time: CPU time, for a shared CPU)."""
     device = prompt["input_ids"].device
     L = prompt["input_ids"].shape[1]
     embeds = target.embed(**{k: prompt[k] for k in EMBED_KEYS if prompt.get(k) is not None})  # (1, L, D)
@@ -358,7 +376,7 @@ def step_times(target, draft, prompt, lengths, reps=20):
             m(x, cache=cache)
             cache.crop(base)
 
-        return median_time(step, device, reps)
+        return median_time(step, device, reps, timer)
 
     return {"target": {n: time_step(target, n) for n in lengths}, "draft": time_step(draft, 1)}
 
@@ -416,22 +434,24 @@ def spec_round(target, draft, tcache, dcache, pending, gamma, temperature, top_k
 
 
 @contextlib.contextmanager
-def _naming_nonfinite(last):
-    """A sampling error mid-decode (torch.multinomial refuses NaN probabilities) becomes the error naming the model."""
+def _naming_nonfinite(last, live=None):
+    """A sampling error mid-decode (torch.multinomial refuses NaN probabilities) becomes the error naming the model.
+    live: {name: live_ids of that model}."""
     try:
         yield
     except RuntimeError as e:
         for name, logits in last.items():
-            if not bool(torch.isfinite(logits).all()):
+            ids = (live or {}).get(name)
+            if not bool(torch.isfinite(logits if ids is None else logits.index_select(-1, ids)).all()):
                 raise FloatingPointError(f"{name}: NaN or inf logits during the decode") from e
         raise
 
 
-def _check_last(last):
+def _check_last(last, live=None):
     # NaN / inf that enters a KV cache reaches every later row, so the last logits of each model tell, after the
     # clock has stopped: no cost inside the timed decode.
     for name, logits in last.items():
-        check_finite(logits, name, "at the end of the decode")
+        check_finite(logits, name, "at the end of the decode", (live or {}).get(name))
 
 
 @torch.no_grad()
@@ -456,7 +476,8 @@ def speculative(target, draft, prompt, gamma, max_new_tokens, temperature=0.0, t
     prefill(draft, prompt, embeds, dcache, name="draft")
     res = SpecResult(target_forwards=1, draft_forwards=1, prefill_s=clock.lap())  # the prefills
     last = {}  # the latest logits of each model, checked once at the end
-    with _naming_nonfinite(last):
+    live = {"draft": live_ids(draft)}  # a reduced-vocabulary draft's -inf outside its ids are no error
+    with _naming_nonfinite(last, live):
         while len(res.tokens) < max_new_tokens:
             # Draft only what can still be emitted: the round then ends exactly at max_new_tokens.
             g = min(gamma, max_new_tokens - len(res.tokens) - 1)
@@ -478,7 +499,7 @@ def speculative(target, draft, prompt, gamma, max_new_tokens, temperature=0.0, t
             if stop_token is not None and block[-1] == stop_token:
                 break
     res.decode_s = clock.lap()
-    _check_last(last)
+    _check_last(last, live)
     return res
 
 

@@ -11,6 +11,8 @@ Both drafts are distilled in one loop: every step runs the frozen target once (i
 prompt embeddings, image features included, and its CoC distributions p) and updates
 each draft q with the forward KL(p || q) on the CoC positions. Sharing the target's
 forward halves the cost without coupling the drafts (separate weights, optimisers).
+With --draft-vocab K both drafts get a reduced-vocabulary head (model.VLA.head) over the K ids
+select_draft_vocab picks from the training CoCs; distill_loss says how their loss stays finite.
 
 run: python train.py --device cpu                 (target + both drafts into runs/toy; --help lists the flags)
      torchrun --nproc_per_node 2 train.py         (the same with DistributedDataParallel)
@@ -54,6 +56,7 @@ class TrainConfig:
     draft_lr: float = 3e-3  # peak learning rate of the drafts
     target_preset: str = "toy-target"  # target sizes (model.PRESETS)
     draft_preset: str = "toy-draft"  # sizes of both drafts (model.DRAFT_PRESETS)
+    draft_vocab: int = 0  # K > 0: both drafts' heads cover only the K ids commonest in the training CoCs; 0 = all
     warmup: int = 20  # linear warm-up steps, then cosine decay to 10%
     weight_decay: float = 0.01  # AdamW weight decay
     grad_clip: float = 1.0  # gradient-norm clip
@@ -126,11 +129,30 @@ def target_views(cfg: TrainConfig):
     return views
 
 
-def make_drafts(target, preset):
-    """The two drafts of equal size: FlatRoPE (routine reasoner) and the M-RoPE replica."""
-    kw = M.DRAFT_PRESETS[preset]
+def make_drafts(target, preset, vocab_ids=None):
+    """The two drafts of equal size: FlatRoPE (routine reasoner) and the M-RoPE replica; vocab_ids (K,): both with
+    the reduced-vocabulary head over those target ids (select_draft_vocab)."""
+    kw = dict(M.DRAFT_PRESETS[preset], vocab_ids=vocab_ids)
     return {"flat": M.make_draft(target, rope_mode="flat", **kw),
             "mrope": M.make_draft(target, rope_mode="mrope", **kw)}
+
+
+def select_draft_vocab(cocs, k, stop_id, vocab_size):
+    """The K token ids of a reduced-vocabulary draft head (EAGLE-3's reduced draft vocabulary): the stop token
+    (<cot_end>, which ends every reasoning step, so a draft without it could never propose the end) and the K - 1
+    other ids most frequent in `cocs` (lists of ids: the training split's CoCs), in order of frequency, ties and
+    never-seen ids by id. Returns a long tensor (K,), most frequent first."""
+    if not isinstance(k, int) or not 1 <= k <= vocab_size:
+        raise ValueError(f"draft vocabulary K must be an int in 1..{vocab_size} (the target's vocabulary), got {k!r}")
+    if not 0 <= stop_id < vocab_size:
+        raise ValueError(f"stop token {stop_id} is not an id of the vocabulary 0..{vocab_size - 1}")
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for c in cocs:
+        counts += torch.bincount(torch.as_tensor(c, dtype=torch.long), minlength=vocab_size)
+    # a stable sort of -count keeps ids of equal count in id order
+    order = torch.sort(-counts, stable=True).indices  # (V,) most frequent first
+    keep = torch.cat([order[order != stop_id][:k - 1], torch.tensor([stop_id])]).sort().values  # (K,) by id
+    return keep[torch.sort(-counts[keep], stable=True).indices]  # (K,) back in frequency order, ties by id
 
 
 # ---- losses ----
@@ -155,9 +177,18 @@ def target_loss(target, batch, traj_weight):
 
 
 def distill_loss(draft, embeds, p_logp, batch):
-    """Forward KL(p || q) averaged over CoC positions; p_logp (N, V) are the target's log-probs there."""
+    """Forward KL(p || q) averaged over CoC positions; p_logp (N, V) are the target's log-probs there.
+
+    A reduced-vocabulary draft (vocab_ids, K ids) has q = 0 outside its set, so KL(p || q) is infinite wherever p
+    puts mass there. Its loss is KL(p_S || q) over the K ids, p_S being p restricted to the set and renormalised: per
+    position the q on the set that minimises it is p_S, the same q that minimises the finite part of KL(p || q)
+    (sum over the set of p log(p / q)), and so the draft that best matches the target where it can propose."""
     logits_q = draft(batch["input_ids"], inputs_embeds=embeds, **grid_kwargs(batch))  # (B, L, V)
-    q_logp = F.log_softmax(logits_q[batch["loss_mask"]].float(), -1)  # (N, V)
+    logits_q = logits_q[batch["loss_mask"]].float()  # (N, V)
+    ids = getattr(unwrap(draft), "vocab_ids", None)
+    if ids is not None:
+        logits_q, p_logp = logits_q[:, ids], F.log_softmax(p_logp[:, ids], -1)  # (N, K) each; log p_S
+    q_logp = F.log_softmax(logits_q, -1)  # (N, V) or (N, K)
     return F.kl_div(q_logp, p_logp, log_target=True, reduction="batchmean")
 
 
@@ -219,8 +250,11 @@ def train_target(cfg: TrainConfig, tok, train: Data, val: Data, rank=0, world=1,
 def train_drafts(cfg: TrainConfig, target, train: Data, rank=0, world=1, device="cpu"):
     """Distil both drafts from the frozen target in one loop; saves out/draft_flat_s<draft_seed>, out/draft_mrope_s..."""
     target.eval().requires_grad_(False)
+    vocab_ids = None
+    if cfg.draft_vocab:
+        vocab_ids = select_draft_vocab(train.coc_ids(), cfg.draft_vocab, train.tok.cot_end_id, target.cfg.vocab_size)
     torch.manual_seed(cfg.seed + 1 + 1000 * cfg.draft_seed)
-    drafts = make_drafts(target, cfg.draft_preset)
+    drafts = make_drafts(target, cfg.draft_preset, vocab_ids)
     opts = {k: make_optimizer(d.parameters(), cfg, cfg.draft_lr) for k, d in drafts.items()}
     state_path = os.path.join(cfg.out, f"drafts_s{cfg.draft_seed}.state.pt")
     bound = checkpoint.fingerprint(target)  # the drafts' state is only valid with the target it was distilled from
@@ -282,7 +316,8 @@ def load_state(path, models, opts, cfg, device, target=None):
         state = torch.load(path, map_location=device, weights_only=True)
     except Exception as e:  # a truncated or foreign file: say which, do not silently restart
         raise ValueError(f"cannot resume from {path}: {e}; delete it to start over") from e
-    saved, now = state.get("config", {}), asdict(cfg)
+    # a field added to TrainConfig after the state was saved counts as its default, which is what that run used
+    saved, now = {**asdict(TrainConfig()), **state.get("config", {})}, asdict(cfg)
     differ = sorted(k for k in set(saved) | set(now) if k not in RESUMABLE_CHANGES and saved.get(k) != now.get(k))
     if differ:
         raise ValueError(f"{path} was written by a run with other settings: "
@@ -336,7 +371,7 @@ def parse_args(argv=None):
     for name in ("target_lr", "draft_lr", "grad_clip"):
         if not getattr(a, name) > 0:  # also catches NaN
             ap.error(f"--{name.replace('_', '-')} must be > 0, got {getattr(a, name)}")
-    for name in ("traj_weight", "weight_decay", "warmup", "views", "max_views", "seed", "draft_seed"):
+    for name in ("traj_weight", "weight_decay", "warmup", "views", "max_views", "seed", "draft_seed", "draft_vocab"):
         if not (getattr(a, name) >= 0 and math.isfinite(getattr(a, name))):
             ap.error(f"--{name.replace('_', '-')} must be a finite number >= 0, got {getattr(a, name)}")
     if not 0 <= a.p_no_views <= 1:

@@ -156,13 +156,14 @@ def test_rsd_compiled(run_dir, capsys):
 
 
 def test_bench_real_shape_preset(run_dir, capsys):
-    """A real shape shrunk to 1 layer and 1 image (random weights) runs, and says acceptance is meaningless."""
+    """A real shape shrunk to 1 layer and 1 image (random weights), its draft's head over 4096 ids, runs, and says
+    acceptance is meaningless."""
     bench.main(["--preset", "qwen2.5-vl-7b", "--layers", "1", "--images", "1", "--max-new", "3", "--repeats", "3",
-                "--run", str(run_dir), "--json"])
+                "--draft-vocab", "4096", "--run", str(run_dir), "--json"])
     text = capsys.readouterr().out
     out = json.loads(text.strip().splitlines()[-1])
     assert "not meaningful" in text
-    assert out["prompt_tokens"] > 180 and out["model"] == "qwen2.5-vl-7b (1 layers)"
+    assert out["prompt_tokens"] > 180 and out["model"] == "qwen2.5-vl-7b (1 layers), draft head over 4096 ids"
     assert "predicted_speedup_at_toy_alpha" in out  # the toy's bench.json from the test above
 
 
@@ -239,6 +240,8 @@ def test_bench_rejects_bad_arguments(capsys):
                       (["--preset", "qwen2.5-vl-7b", "--layers", "0"], "got 0"),  # was: all 28 layers, 8.3B weights
                       (["--preset", "qwen2.5-vl-7b", "--layers", "29"], "got 29"),
                       (["--layers", "2"], "--layers keeps 1..n_layers decoder layers of a --preset, got 2"),
+                      (["--draft-vocab", "8"], "--draft-vocab takes 1..vocab_size token ids of a --preset, got 8"),
+                      (["--preset", "qwen2.5-vl-7b", "--draft-vocab", "-1"], "(1..152064 for qwen2.5-vl-7b), got -1"),
                       (["--device", "tpu"], "unknown device 'tpu'"),
                       (["--temperature", "-1"], "temperature must be finite and >= 0"),
                       (["--temperature", "1", "--top-p", "0"], "top_p must be None or in (0, 1]"),

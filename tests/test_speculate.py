@@ -736,6 +736,15 @@ def test_vla_errors():
         target(torch.randint(10, 80, (1, 31)))
 
 
+def test_step_times_read_the_clock_they_are_given():
+    """timer: step_times reads that clock around each step (here a fake one that advances 1 s per reading)."""
+    target = tiny_target()
+    draft = drafts_for(target)["random"]
+    ticks = iter(range(10 ** 6))
+    times = speculate.step_times(target, draft, vla_prompts()["text"], (1, 3), reps=3, timer=lambda: next(ticks))
+    assert times == {"target": {1: 1, 3: 1}, "draft": 1}
+
+
 def test_timing_does_not_change_the_output():
     """timing=True only reads the clock: same tokens and statistics, and both phases were timed."""
     target = tiny_target()

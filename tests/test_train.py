@@ -76,6 +76,43 @@ def test_distillation_lowers_the_kl(tmp_path, tok):
         assert os.path.exists(os.path.join(checkpoint.draft_dir(str(tmp_path), k, 0), "model.safetensors"))
 
 
+def test_reduced_vocab_drafts_train_save_and_resume(tmp_path, tok):
+    """--draft-vocab K: both drafts' heads cover select_draft_vocab's K ids of the training CoCs (<cot_end> in), the
+    loss stays finite and falls, the saved drafts load with their ids, and a state saved before TrainConfig had the
+    field resumes as the default (full head) it was."""
+    cfg, stage = T.parse_args(["--draft-vocab", "20", "--stage", "drafts"])
+    assert (cfg.draft_vocab, stage) == (20, "drafts")
+    cfg = tiny_cfg(tmp_path, target_steps=10, draft_vocab=20)
+    data = Data("train", cfg.n_train, 0, tok)
+    target = T.train_target(cfg, tok, data, data, log=lambda *_: None).eval()
+    want = T.select_draft_vocab(data.coc_ids(), 20, tok.cot_end_id, len(tok))
+    assert tok.cot_end_id in want.tolist()
+    batch = data.batch(0, 16)
+    with torch.no_grad():
+        embeds = target.embed(batch["input_ids"], **vision_kwargs(batch))
+        p = torch.log_softmax(target(batch["input_ids"], **vision_kwargs(batch))[batch["loss_mask"]], -1)
+    torch.manual_seed(cfg.seed + 1)
+    before = {k: T.distill_loss(d, embeds, p, batch).item() for k, d in T.make_drafts(target, cfg.draft_preset,
+                                                                                       want).items()}
+    drafts = T.train_drafts(dataclasses.replace(cfg, draft_steps=20), target, data)
+    for k, d in drafts.items():
+        assert torch.equal(d.vocab_ids, want), k
+        assert T.distill_loss(d, embeds, p, batch).item() < 0.7 * before[k], k
+        back = checkpoint.load(checkpoint.draft_dir(str(tmp_path), k, 0), target=target)
+        assert torch.equal(back.vocab_ids, want) and back.cfg.draft_vocab == 20, k
+    # a state written before the field existed: its config lacks draft_vocab, and it resumes with the default 0
+    full = T.make_drafts(target, cfg.draft_preset)
+    opts = {k: T.make_optimizer(d.parameters(), cfg, cfg.draft_lr) for k, d in full.items()}
+    old = dataclasses.replace(cfg, draft_vocab=0)
+    T.save_state(tmp_path / "old.state.pt", 3, full, opts, old, 0)
+    state = torch.load(tmp_path / "old.state.pt", weights_only=True)
+    del state["config"]["draft_vocab"]
+    torch.save(state, tmp_path / "old.state.pt")
+    assert T.load_state(tmp_path / "old.state.pt", full, opts, old, "cpu") == 3
+    with pytest.raises(ValueError, match=r"draft_vocab 0 there, 20 now"):
+        T.load_state(tmp_path / "old.state.pt", full, opts, cfg, "cpu")
+
+
 def test_vision_tower_frozen_unless_asked(tmp_path, tok):
     data = Data("train", 64, 0, tok)
     torch.manual_seed(0)
@@ -183,7 +220,8 @@ def test_bad_arguments_fail_clearly(capsys):
     for argv, msg in ((["--batch-size", "0"], "--batch-size must be >= 1"), (["--target-lr", "-1"], "--target-lr"),
                       (["--traj-weight", "nan"], "--traj-weight must be a finite number >= 0, got nan"),
                       (["--grad-clip", "nan"], "--grad-clip must be > 0"), (["--p-no-views", "2"], "--p-no-views"),
-                      (["--device", "tpu"], "unknown device 'tpu'")):
+                      (["--device", "tpu"], "unknown device 'tpu'"),
+                      (["--draft-vocab", "-2"], "--draft-vocab must be a finite number >= 0, got -2")):
         with pytest.raises(SystemExit):
             T.parse_args(argv)
         assert msg in capsys.readouterr().err
