@@ -10,25 +10,27 @@ K tokens a CoC uses makes T_draft(1) smaller, and costs tau only where the targe
 --toy: FlatRoPE (and replica) drafts distilled from the shipped target checkpoints/toy/target with the full head and
 with reduced heads of K ids (train.select_draft_vocab: <cot_end> + the commonest ids of the training CoCs; by default
 the smallest K covering all of the training CoC tokens and the smallest covering 90% of them), the same seed,
-batches and steps in every arm (--steps: fewer than the shipped drafts' 300, so that each arm trains in about 5 min
-on a busy 2-core machine; the shipped 300-step drafts are evaluated beside them for scale). Held-out tau by gamma
-from the exact greedy replay (evaluate.draft_matches, tau_by_gamma) and T_draft(1), T_target(1), T_target(gamma + 1)
-(speculate.step_times, medians over interleaved passes) in fp32 and bf16. Drafts are trained into --work (resumed /
-skipped when there), one arm per run with --arms, so no single training run exceeds a few minutes.
+batches and steps in every arm (--steps: half the shipped drafts' 300, so that each arm trains in about 4 min of one
+core's time on a machine shared with other training; the shipped 300-step drafts are evaluated beside them for
+scale). Held-out tau by gamma from the exact greedy replay (evaluate.draft_matches, tau_by_gamma), and T_draft(1),
+T_target(1), T_target(gamma + 1) (speculate.step_times, medians over interleaved passes) in fp32 and bf16. Drafts are
+trained into --work (skipped when there), one arm per run with --arms, so that no single training run is long.
 
 Clocks: the steps are timed by this process's CPU time (time.process_time, on --threads 1), which on a CPU shared
 with other work counts the step's own cost where the wall clock adds the time spent waiting for a core; the toy also
 records wall-clock times. Memory-bandwidth contention from other work still slows both heads alike.
 
 --real: bench.build_preset's random-weight qwen3-vl-8b (bf16, the real 151,936-token vocabulary and width) with 1
-and 2 decoder layers: T_draft(1) with the full head, with reduced heads of --ks ids (the first K ids: random weights,
-so which ids does not change the time) and with the K rows gathered per step instead of kept (the alternative
-VLA.head_rows avoids); T_target(1) and T_target(gamma + 1) at 1 and 2 layers give the per-layer cost, from which the
-36-layer step is extrapolated (an extrapolation, not a measurement). Text-only prompt (--prompt-len random ids): the
-vision tower's cost is not the point.
+and 2 decoder layers: T_draft(1) with the full head, with reduced heads of --real-ks ids (the first K ids: random
+weights, so which ids does not change the time) and with the K rows gathered per step instead of kept (the
+alternative VLA.head_rows avoids); T_target(1) and T_target(gamma + 1) at 1 and 2 layers give the per-layer cost,
+from which the 36-layer step is extrapolated (an extrapolation, not a measurement). Text-only prompt (--prompt-len
+random ids): the vision tower's cost is not the point. With both parts in the JSON, "prediction" is the cost model's
+speed-up for each head at one tau (predict).
 
-run: python experiments/draft_vocab.py --toy --real    (writes experiments/draft_vocab.json; each part records its
-     command, threads and wall time there: see "wall_s")
+run: python experiments/draft_vocab.py --toy --real    (writes experiments/draft_vocab.json; about 15 min on one
+     free core: each toy arm's training about 4 min (its "train_cpu_s"), the toy evaluation 2 min, the real part
+     1 min; each part records its command, threads, wall and CPU time there)
 """
 import argparse
 import gc
@@ -68,10 +70,11 @@ def train_arm(work, arm, k, steps, target, train):
     if all(os.path.isdir(checkpoint.draft_dir(out, kind, 0)) for kind in KINDS):
         return
     cfg = T.TrainConfig(out=out, draft_steps=steps, draft_vocab=k, eval_every=10 ** 9)
-    t0 = time.time()
+    t0, c0 = time.time(), time.process_time()
     with checkpoint.writer_lock(out):
         T.train_drafts(cfg, target, train)
     checkpoint.write_json(os.path.join(out, "wall.json"), {"train_s": time.time() - t0, "steps": steps,
+                                                           "train_cpu_s": time.process_time() - c0,
                                                            "threads": torch.get_num_threads()})
 
 
@@ -122,7 +125,7 @@ def toy(a):
             "test_output_coverage": sum(t in inside for t in out_tokens) / len(out_tokens),
             **{f"tau_{kind}": {g: v["tau"] for g, v in evaluate.tau_by_gamma(matches[(arm, kind)], GAMMAS).items()}
                for kind in KINDS},
-            "train_s": checkpoint.read_json(wall)["train_s"] if os.path.exists(wall) else None}
+            **({k: checkpoint.read_json(wall)[k] for k in ("train_s", "train_cpu_s")} if os.path.exists(wall) else {})}
     prompt = evaluate.scene_prompts(test.scenes[:1], tok, "cpu")[0]
     flat = {arm: paths[(arm, "flat")] for arm in arms}
     for clock, timer in (("cpu", time.process_time), ("wall", time.perf_counter)):
@@ -232,13 +235,13 @@ def main(argv=None):
     res = checkpoint.read_json(a.out) if os.path.exists(a.out) else {}
     for part, fn in (("toy", toy), ("real", real)):
         if getattr(a, part):
-            t0 = time.time()
+            t0, c0 = time.time(), time.process_time()
             load = os.getloadavg()[0]
             out = fn(a)
             if out is not None:
                 res[part] = {"command": command, "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
                              "load_average_at_start": load, "torch": torch.__version__, **out,
-                             "wall_s": time.time() - t0}
+                             "wall_s": time.time() - t0, "cpu_s": time.process_time() - c0}
                 if "toy" in res and "real" in res:
                     res["prediction"] = predict(res)
                 checkpoint.write_json(a.out, res)
