@@ -488,7 +488,8 @@ def report(res, args):
     if "compiled" in res:
         c = res["compiled"]
         lines += [
-            f"compiled       target-only {c['ar_ms_per_token']:.3f} ms/token ({c['target_only_vs_eager']:.2f}x eager)   "
+            f"compiled       target-only {c['ar_ms_per_token']:.3f} ms/token "
+            f"({c['target_only_vs_eager']:.2f}x eager)   "
             f"speculative {c['spec_ms_per_token']:.3f} ms/token   speed-up {c['speedup']:.2f}x "
             f"({c['speedup_vs_eager']:.2f}x over eager target-only)   compile + first decodes {c['compile_s']:.0f} s",
             f"compiled cost  T_target(1) {c['t_target_1']:.3f} ms   T_target(gamma+1) {c['t_target_gamma1']:.3f} ms   "

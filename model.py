@@ -453,7 +453,7 @@ class VLA(nn.Module):
         if torch.is_grad_enabled() and W.requires_grad:
             w = W[self.vocab_ids]  # the slow, obvious path: a fresh gather per call, so gradients reach the head
         elif torch.compiler.is_compiling():
-            w = self._rows  # gathered eagerly by StaticDecoder before each compiled step: head_rows' checks do not trace
+            w = self._rows  # gathered by StaticDecoder before each compiled step (head_rows' checks do not trace)
         else:
             w = self.head_rows()  # the kept copy: the target's head is frozen here
         small = F.linear(h, w)  # (..., D_out) x (K, D_out)^T -> (..., K)
@@ -709,8 +709,8 @@ class StaticDecoder:
     - everything else (the prefill, a call with logits_to_keep) is the model's forward, eager.
 
     compile: False runs VLA.step eagerly (the static shapes alone); True compiles it, with inductor on a CPU (weights
-    frozen into the graph) and mode "reduce-overhead" (CUDA graphs) on CUDA. The first call of each shape compiles (seconds to minutes): warm
-    every shape up before timing (bench.py does).
+    frozen into the graph) and mode "reduce-overhead" (CUDA graphs) on CUDA. The first call of each shape compiles
+    (seconds to minutes): warm every shape up before timing (bench.py does).
     step_lengths: if given (e.g. (1, 2, gamma + 1)), a step of T tokens runs padded to the shortest of them >= T,
     so a round that drafts fewer tokens near max_new_tokens reuses the (gamma+1)-token graph instead of compiling
     its own. The padding's keys land after the new length, in slots every later step overwrites before any query
@@ -738,7 +738,6 @@ class StaticDecoder:
             if cuda:  # the buffers are graph inputs at fixed addresses, written in place (as HF's StaticCache)
                 for buf in self.cache.ks + self.cache.vs:
                     torch._dynamo.mark_static_address(buf)
-            if cuda:
                 self._step = torch.compile(model.step, mode="reduce-overhead", fullgraph=True, dynamic=False)
             else:  # freezing: the weights become constants of the graph, prepacked for the CPU's matmul library
                 # (a compiled graph is then stale if the weights change: decode only, no training through it)
