@@ -251,9 +251,10 @@ class KVCache:
         end = self.length + k.shape[2]
         if end > self.max_len:
             raise ValueError(f"KV cache overflow: {self.length} + {k.shape[2]} tokens > max_len {self.max_len}")
-        self.k[layer_idx, :, :, self.length:end] = k  # (B, Hk, T, hd) into (B, Hk, max_len, hd)
-        self.v[layer_idx, :, :, self.length:end] = v
-        return self.k[layer_idx, :, :, :end], self.v[layer_idx, :, :, :end]  # (B, Hk, S, hd) views
+        kb, vb = self.layer(layer_idx)
+        kb[:, :, self.length:end] = k  # (B, Hk, T, hd) into (B, Hk, max_len, hd)
+        vb[:, :, self.length:end] = v
+        return kb[:, :, :end], vb[:, :, :end]  # (B, Hk, S, hd) views
 
     def layer(self, i):
         """Layer i's whole K and V buffers (B, Hk, max_len, hd), for VLA.step's writes at input_pos."""
@@ -299,15 +300,6 @@ class StaticCache(KVCache):
 
     def layer(self, i):
         return self.ks[i], self.vs[i]
-
-    def update(self, layer_idx, k, v):
-        end = self.length + k.shape[2]
-        if end > self.max_len:
-            raise ValueError(f"KV cache overflow: {self.length} + {k.shape[2]} tokens > max_len {self.max_len}")
-        kb, vb = self.layer(layer_idx)
-        kb[:, :, self.length:end] = k  # (B, Hk, T, hd) into (B, Hk, max_len, hd)
-        vb[:, :, self.length:end] = v
-        return kb[:, :, :end], vb[:, :, :end]  # (B, Hk, S, hd) views
 
     def repeat_rows(self, n):
         raise NotImplementedError("a StaticCache decodes batch size 1")
@@ -609,7 +601,6 @@ class VLA(nn.Module):
         the causal rule (new token i sees slots <= input_pos[i]) a mask computed from positions, and the rotary
         positions input_pos + rope_delta, forward's decode rule. No padding (cache.key_mask None), no DeepStack
         (prefill only). forward is the slow, obvious path it is tested against (tests/test_model.py)."""
-        T = input_ids.shape[1]
         cos, sin = rope_cos_sin(input_pos[None] + cache.rope_delta, self.inv_freq)  # (B, T, hd)
         x = self.embed_tokens(input_ids)  # (B, T, D)
         cos, sin = cos.to(x.dtype).unsqueeze(2), sin.to(x.dtype).unsqueeze(2)  # (B, T, 1, hd)
@@ -774,7 +765,7 @@ class StaticDecoder:
             input_ids = torch.cat([input_ids, input_ids[:, -1:].expand(-1, n - T)], 1)  # (1, n): any ids will do
         if cache.length + n > cache.max_len:
             raise ValueError(f"KV cache overflow: {cache.length} + {n} tokens > max_len {cache.max_len}")
-        if self.model.cfg.draft_vocab:
+        if self.compiled and self.model.cfg.draft_vocab:
             self.model.head_rows()  # a reduced head's kept rows, checked (and gathered if stale) outside the graph
         input_pos = torch.arange(cache.length, cache.length + n, device=input_ids.device)  # (n,)
         logits = self._step(input_ids, input_pos, cache)[:, :T]  # (1, T, V): the padding's logits dropped

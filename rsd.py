@@ -342,7 +342,8 @@ def main(argv=None):
         keys = ("name", "gamma", "tau", "tau_spread", "tau_by_gamma", "tau_ceiling", "routine_fraction", "commit_acc",
                 "ms_per_token", "speedup", "ade", "attn_history", "attn_image", "attn_text")
         keys += ("sampled_tau", "sampled_alpha") if decoding["mode"] == "sampling" else ()
-        print(json.dumps({"decoding": decoding, "compiled": a.compile, "greedy_match": greedy_match, "tau_ceiling": aarl_row["tau_ceiling"],
+        print(json.dumps({"decoding": decoding, "compiled": a.compile, "greedy_match": greedy_match,
+                          "tau_ceiling": aarl_row["tau_ceiling"],
                           "sweep": sweep,
                           "target": {k: metrics[k] for k in ("coc_exact", "commitment_acc", "ade")},
                           "prompt": {"visual_tokens": n_visual, "history_tokens": 3 * driving.WorldConfig().n_hist},
