@@ -47,7 +47,7 @@ class TrainConfig:
     n_val: int = 256  # validation scenes (same distribution as train)
     n_test: int = 256  # held-out test scenes (factor combinations never seen in training)
     batch_size: int = 16  # global batch; each DDP rank takes batch_size / world_size of it
-    target_steps: int = 5000  # SFT steps of the target (docs/toy-notes.md has the wall time on 2 CPU cores)
+    target_steps: int = 5000  # SFT steps of the target (the shipped one's; 7,500 is seed-robust: docs/toy-notes.md)
     target_lr: float = 1.5e-3  # peak learning rate of the target
     train_vision: bool = False  # also train the vision tower (default: frozen at random init; train_target says why)
     traj_weight: float = 0.1  # weight of the trajectory Huber loss (metres) next to the CoC cross-entropy
