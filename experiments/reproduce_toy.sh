@@ -16,9 +16,15 @@ done
 python experiments/ship_toy.py --run runs/toy                                   # -> checkpoints/toy + metrics.json
 python experiments/views_sweep.py --run runs/toy                                # -> experiments/views_sweep.json
 python train.py --stage target --out runs/toy_seed1 --seed 1                    # a second target seed -> experiments/target_seed1_metrics.json (its train_metrics.json)
-for s in 0 1; do                                                              # the seed-robust schedule, both seeds at once
+pids=()                                                                         # the seed-robust schedule, both seeds at once
+for s in 0 1; do
   OMP_NUM_THREADS=1 python train.py --stage target --out "runs/toy_s${s}_7500" --seed "$s" --target-steps 7500 &
-done; wait                                                                    # -> experiments/target_7500_s{0,1}_metrics.json
+  pids+=($!)
+done
+for p in "${pids[@]}"; do wait "$p"; done                                      # a plain `wait` would hide a failure
+for s in 0 1; do cp "runs/toy_s${s}_7500/train_metrics.json" "experiments/target_7500_s${s}_metrics.json"; done
 python experiments/rope_base.py --run runs/toy                                  # -> experiments/rope_base.json
 python bench.py --device cpu --peer hf --prompts 16 --repeats 5 --json > runs/peer_hf.out  # ours beside HF generate
 tail -n 1 runs/peer_hf.out > experiments/peer_hf.json                           # and assisted generation (peer.py)
+python bench.py --device cpu --json | tail -n 1 > experiments/bench_cpu.json   # the README's speed paragraph
+python bench.py --device cpu --json --draft checkpoints/toy/draft_flat_s0 --gamma 7 | tail -n 1 > experiments/bench_cpu_flat_g7.json
