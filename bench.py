@@ -71,10 +71,13 @@ TOY_JSON = "runs/bench_toy.json"  # the toy report, read back by the real-shape 
 # ---- timing ----
 
 
-def cost_model(target, draft, prompt, gamma, reps=20):
-    """T_target(1), T_target(gamma + 1) and T_draft(1) in seconds (speculate.step_times)."""
+def cost_model(target, draft, prompt, gamma, tau, reps=20):
+    """T_target(1), T_target(gamma + 1) and T_draft(1) in ms (speculate.step_times), and the speed-up they predict at
+    the measured tau (speculate.measured_speedup)."""
     t = speculate.step_times(target, draft, prompt, (1, gamma + 1), reps)
-    return {"t_target_1": t["target"][1], "t_target_gamma1": t["target"][gamma + 1], "t_draft_1": t["draft"]}
+    t1, tg, td = t["target"][1], t["target"][gamma + 1], t["draft"]
+    return {"t_target_1": 1e3 * t1, "t_target_gamma1": 1e3 * tg, "t_draft_1": 1e3 * td,
+            "predicted_speedup": speculate.measured_speedup(tau, t1, td, tg, gamma)}
 
 
 @torch.inference_mode()
@@ -157,11 +160,8 @@ def benchmark(target, draft, prompts, gamma, max_new, stop_token=None, repeats=3
                                     decoding=decoding)["speculative"]
         res["sampled"] = {"tau": timed["tau"], "alpha": timed["alpha"], "routine_fraction": timed["routine_fraction"],
                           "tokens": timed["n_tokens"]}
-    cm = cost_model(target, draft, prompts[0], gamma)
-    res.update({k: 1e3 * v for k, v in cm.items()})  # -> ms
-    res["c"] = cm["t_draft_1"] / cm["t_target_1"]
-    res["predicted_speedup"] = speculate.measured_speedup(timed["tau"], cm["t_target_1"], cm["t_draft_1"],
-                                                          cm["t_target_gamma1"], gamma)
+    res.update(cost_model(target, draft, prompts[0], gamma, timed["tau"]))
+    res["c"] = res["t_draft_1"] / res["t_target_1"]
     res["leviathan_speedup"] = speculate.expected_speedup(timed["alpha"], gamma, res["c"])
     if compile:
         ar_c, spec_c = timing[COMPILED[0]], timing[COMPILED[1]]
@@ -170,10 +170,7 @@ def benchmark(target, draft, prompts, gamma, max_new, stop_token=None, repeats=3
                     speedup=ar_c["ms_per_token"] / spec_c["ms_per_token"],  # compiled speculative vs compiled target
                     speedup_vs_eager=spec_c["speedup"],  # compiled speculative vs eager target-only
                     target_only_vs_eager=ar_c["speedup"])  # eager target-only / compiled target-only
-        cm = cost_model(ct, cd, prompts[0], gamma)
-        comp.update({k: 1e3 * v for k, v in cm.items()})
-        comp["predicted_speedup"] = speculate.measured_speedup(timed["tau"], cm["t_target_1"], cm["t_draft_1"],
-                                                               cm["t_target_gamma1"], gamma)
+        comp.update(cost_model(ct, cd, prompts[0], gamma, timed["tau"]))
         res["compiled"] = comp
     return res
 

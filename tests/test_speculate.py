@@ -19,6 +19,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import model
 import speculate
 from speculate import (autoregressive, expected_speedup, expected_tau, measured_speedup, process_logits,
                        speculative, tau_ceiling, verify_greedy, verify_sample)
@@ -566,7 +567,6 @@ IMG, VID, VS, VE = 90, 91, 88, 89  # image / video placeholder, vision start / e
 
 
 def tiny_target(seed=0):
-    model = pytest.importorskip("model")
     vision = model.VisionConfig(patch_size=2, temporal_patch_size=1, spatial_merge_size=2, depth=2, hidden=32,
                                 heads=2, intermediate=48, window_size=8, fullatt_block_indexes=(1,))
     cfg = model.ModelConfig(vocab_size=97, hidden_size=64, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=96,
@@ -590,7 +590,6 @@ def o1_init(net, seed):
 
 def drafts_for(target):
     """Random-init FlatRoPE draft, the target itself, and a perturbed full-depth copy (M-RoPE)."""
-    model = pytest.importorskip("model")
     torch.manual_seed(1)
     random = model.make_draft(target, n_layers=1, hidden_size=32).eval()
     copy = model.make_draft(target, n_layers=target.cfg.n_layers, rope_mode="mrope").eval()
@@ -604,7 +603,6 @@ def drafts_for(target):
 
 
 def vla_prompts():
-    model = pytest.importorskip("model")
     g = torch.Generator().manual_seed(0)
     pv, ig = model.patchify(torch.randn(1, 3, 8, 8, generator=g), 2, 1, 2)  # one image -> 4 merged tokens
     vv, vg = model.patchify(torch.randn(2, 3, 8, 12, generator=g), 2, 1, 2)  # 2-frame video -> 12 tokens
@@ -649,7 +647,6 @@ def test_vla_greedy_equals_target(gamma):
 def test_vla_greedy_equals_target_with_the_lower_right_verify_mask(monkeypatch):
     """The verify step through SDPA's lower-right causal bias (taken on CUDA, forced here) keeps greedy exactness,
     for the target and for drafts whose own 2-token steps (after a full acceptance) take it too."""
-    model = pytest.importorskip("model")
     target = tiny_target()
     drafts = drafts_for(target)
     refs = {name: autoregressive(target, prompt, 24).tokens for name, prompt in vla_prompts().items()}
@@ -762,7 +759,6 @@ def test_timing_does_not_change_the_output():
 
 
 def static_pair(target, draft, compile=False, max_len=64):
-    model = pytest.importorskip("model")
     return model.StaticDecoder(target, max_len, compile), model.StaticDecoder(draft, max_len, compile)
 
 
@@ -784,7 +780,6 @@ def test_vla_static_decoding_greedy_equals_target():
 
 
 def test_vla_static_decoding_errors():
-    model = pytest.importorskip("model")
     target = tiny_target()
     prompt = vla_prompts()["image+video"]  # 27 tokens
     st, sd = static_pair(target, target, max_len=32)
@@ -814,7 +809,6 @@ def test_vla_static_decoding_with_padded_steps():
     verify steps included (max_new_tokens cuts them), and the output is still the target's greedy output."""
     target = tiny_target()
     draft = drafts_for(target)["perturbed"]
-    model = pytest.importorskip("model")
     asked, run = [], []  # step lengths speculate asked for, and the padded lengths VLA.step ran
 
     class Asked:  # records the length of each cached step handed to the decoder
@@ -843,7 +837,6 @@ def test_vla_static_decoding_with_padded_steps():
 def test_vla_compiled_decoding_on_cuda_equals_target():
     """On CUDA, --compile's steps are CUDA graphs over the persistent static cache (mode "reduce-overhead"): greedy
     outputs equal eager target-only decoding (fp32), twice over (the second decode replays the graphs)."""
-    model = pytest.importorskip("model")
     target = tiny_target().cuda()
     draft = drafts_for(target)["perturbed"]
     lengths = (1, 2, 4)
