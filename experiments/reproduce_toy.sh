@@ -28,3 +28,4 @@ python bench.py --device cpu --peer hf --prompts 16 --repeats 5 --json > runs/pe
 tail -n 1 runs/peer_hf.out > experiments/peer_hf.json                           # and assisted generation (peer.py)
 python bench.py --device cpu --json | tail -n 1 > experiments/bench_cpu.json   # the README's speed paragraph
 python bench.py --device cpu --json --draft checkpoints/toy/draft_flat_s0 --gamma 7 | tail -n 1 > experiments/bench_cpu_flat_g7.json
+python rsd.py --json | tail -n 1 > experiments/rsd_toy.json                     # the README's table (idle: rsd_toy_idle.json)
