@@ -187,8 +187,9 @@ class Attention(nn.Module):
 
     def static_step(self, x, cos, sin, cache, layer, input_pos, mask):
         """The cached step at fixed shapes (VLA.step): the T new keys / values are written at cache indices
-        input_pos (T,), and the queries attend over the whole preallocated buffer, `mask` (g*T, S_max) hiding
-        every slot after their own position (unwritten, or left behind by a rollback)."""
+        input_pos (T,), and the queries attend over the whole preallocated buffer, `mask` (g*T, S_max) saying which
+        slots each query sees (VLA.step: its own position and before, or a tree's ancestors; never a slot unwritten
+        or left behind by a rollback)."""
         B, T, _ = x.shape
         H, Hk, hd = self.H, self.Hk, self.hd
         q, k, v = self.project(x, cos, sin)
@@ -242,6 +243,7 @@ class KVCache:
     def __init__(self, n_layers, batch, n_kv_heads, max_len, head_dim, dtype=torch.float32, device=None):
         self.k = torch.zeros(n_layers, batch, n_kv_heads, max_len, head_dim, dtype=dtype, device=device)
         self.v = torch.zeros_like(self.k)
+        self.n_layers = n_layers
         self.max_len = max_len
         self.length = 0
         self.rope_delta = torch.zeros(batch, 1, dtype=torch.long, device=device)
@@ -265,6 +267,17 @@ class KVCache:
             raise ValueError(f"cannot crop KV cache of length {self.length} to {n}")
         self.length = n
 
+    def move(self, src, dst):
+        """Copy the keys / values of slots src to slots dst (lists of ints, in increasing order, dst[i] <= src[i]):
+        after a tree round, the accepted path's entries go to consecutive slots, and the rejected branches stay
+        only beyond the new length, where no query reaches them."""
+        if src == dst:
+            return
+        src, dst = (torch.tensor(x, device=self.rope_delta.device) for x in (src, dst))
+        for i in range(self.n_layers):
+            for buf in self.layer(i):  # (B, Hk, max_len, hd)
+                buf.index_copy_(2, dst, buf.index_select(2, src))  # gathered first: a source is never overwritten
+
     def repeat_rows(self, n):
         """A new cache whose rows are these rows, each repeated n times in a row (B -> B * n): n continuations of
         every cached prompt share its prefill."""
@@ -285,6 +298,7 @@ class StaticCache(KVCache):
         self.ks = [torch.zeros(batch, n_kv_heads, max_len, head_dim, dtype=dtype, device=device)
                    for _ in range(n_layers)]
         self.vs = [torch.zeros_like(k) for k in self.ks]
+        self.n_layers = n_layers
         self.max_len = max_len
         self.length = 0
         self.rope_delta = torch.zeros(batch, 1, dtype=torch.long, device=device)
@@ -593,19 +607,27 @@ class VLA(nn.Module):
         logits = self.head(h[:, -logits_to_keep:] if logits_to_keep else h)
         return (logits, h) if return_hidden else logits
 
-    def step(self, input_ids, input_pos, cache):
-        """A cached decode step at fixed shapes: logits (B, T, V) of T new tokens input_ids (B, T) that go to cache
-        indices input_pos (T,) (a tensor: the cache's length is not read, so a compiled step never recompiles as it
-        grows, and `cache.length` is the caller's to advance). The same arithmetic as forward's cached step,
-        rearranged for torch.compile / CUDA graphs (StaticDecoder): keys are the whole buffer (S_max = cache.max_len),
-        the causal rule (new token i sees slots <= input_pos[i]) a mask computed from positions, and the rotary
-        positions input_pos + rope_delta, forward's decode rule. No padding (cache.key_mask None), no DeepStack
-        (prefill only). forward is the slow, obvious path it is tested against (tests/test_model.py)."""
-        cos, sin = rope_cos_sin(input_pos[None] + cache.rope_delta, self.inv_freq)  # (B, T, hd)
+    def step(self, input_ids, input_pos, cache, positions=None, mask=None):
+        """A cached decode step at fixed shapes: logits (B, T, V) of T new tokens input_ids (B, T) whose keys / values
+        go to cache slots input_pos (T,) (a tensor: the cache's length is not read, so a compiled step never recompiles
+        as it grows, and `cache.length` is the caller's to advance). Keys are the whole buffer (S_max =
+        cache.max_len) and what each new token sees is a mask over its slots.
+
+        Defaults, the chain's steps (decode, verify): token i sits at position input_pos[i] and sees slots
+        <= input_pos[i]. A draft tree (speculate.draft_tree / verify_tree) passes its own: positions (T,) the cache
+        index each token would have in a plain sequence (committed length + its depth in the tree), and mask (T,
+        S_max) bool, the committed slots plus the slots of the token's own ancestors (a tree attention mask). The
+        rotary positions are positions + rope_delta, forward's decode rule (all three M-RoPE axes equal on text). No
+        padding (cache.key_mask None), no DeepStack (prefill only). forward is the slow, obvious path it is tested
+        against (tests/test_model.py, tests/test_speculate.py)."""
+        if positions is None:
+            positions = input_pos
+        if mask is None:
+            mask = torch.arange(cache.max_len, device=input_pos.device)[None, :] <= input_pos[:, None]  # (T, S)
+        cos, sin = rope_cos_sin(positions[None] + cache.rope_delta, self.inv_freq)  # (B, T, hd)
         x = self.embed_tokens(input_ids)  # (B, T, D)
         cos, sin = cos.to(x.dtype).unsqueeze(2), sin.to(x.dtype).unsqueeze(2)  # (B, T, 1, hd)
-        slots = torch.arange(cache.max_len, device=input_pos.device)  # (S_max,)
-        mask = (slots[None, :] <= input_pos[:, None]).repeat(self.cfg.n_heads // self.cfg.n_kv_heads, 1)  # (g*T, S)
+        mask = mask.repeat(self.cfg.n_heads // self.cfg.n_kv_heads, 1)  # (g*T, S): the grouped query rows
         if self.proj_in is not None:
             x = self.proj_in(x)
         for i, layer in enumerate(self.layers):

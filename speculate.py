@@ -137,6 +137,7 @@ class SpecResult:
     # per token: True = an accepted draft (routine reasoner), False = the target's own (deliberative reasoner)
     from_draft: list = field(default_factory=list)
     blocks: list = field(default_factory=list)  # tokens emitted per round (accepted drafts + 1 target token)
+    accepted: list = field(default_factory=list)  # draft tokens accepted per round (before a stop-token cut)
     rounds: int = 0  # target verification forwards (one per round; plain decoding: one per token)
     target_forwards: int = 0  # all target forwards, the prompt prefill included
     draft_forwards: int = 0  # all draft forwards, the prompt prefill included
@@ -184,10 +185,11 @@ def expected_speedup(alpha, gamma, c):
 
 
 def tau_ceiling(lengths, gamma):
-    """tau of a draft the verifier never rejects, over sequences of the given lengths (stop token included):
+    """tau of a draft (gamma: the chain's length or a TreeShape) the verifier never rejects, over sequences of the given lengths (stop token included):
     each round yields at most gamma + 1 tokens, so a sequence of n tokens takes ceil(n / (gamma + 1)) rounds.
     Short outputs cap tau well below gamma + 1, whatever the draft (a 17-token CoC at gamma 6: 17 / 3)."""
-    return sum(lengths) / sum(math.ceil(n / (gamma + 1)) for n in lengths)
+    g = gamma.depth if isinstance(gamma, TreeShape) else gamma  # a tree emits at most depth + 1 per round
+    return sum(lengths) / sum(math.ceil(n / (g + 1)) for n in lengths)
 
 
 def measured_speedup(tau, t_target_1, t_draft_1, t_target_gamma1, gamma):
@@ -213,8 +215,8 @@ def check_args(prompt, max_new_tokens, temperature, top_k, top_p, gamma=None):
         # An empty cache makes the model read its input as a prompt (3D positions from the
         # token ids); the decode rounds must never start from one.
         raise ValueError("the prompt needs at least 2 tokens: all but the last are prefilled, the last is decoded")
-    if gamma is not None and (not isinstance(gamma, int) or gamma < 1):
-        raise ValueError(f"gamma (draft length) must be an int >= 1, got {gamma!r}")
+    if gamma is not None and not isinstance(gamma, TreeShape) and (not isinstance(gamma, int) or gamma < 1):
+        raise ValueError(f"gamma (draft length) must be an int >= 1 or a TreeShape, got {gamma!r}")
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
     check_sampling(temperature, top_k, top_p)
@@ -264,11 +266,12 @@ def check_finite(logits, name, when, ids=None):
                                  f"{logits.dtype})")
 
 
-def new_cache(model, prompt, max_new_tokens, max_len):
+def new_cache(model, prompt, max_new_tokens, max_len, slack=0):
     """A cache that fits the whole decode; the size check comes before any forward.
 
     The largest length is L - 1 + max_new_tokens: the last round drafts only as
     many tokens as are still needed, so no round writes past the final token.
+    slack: slots beyond it (not positions) for a tree round's branches, which sit after the committed length.
     """
     need = prompt["input_ids"].shape[1] - 1 + max_new_tokens
     cfg = config_of(model)  # a Hugging Face config's max_position_embeddings, or our ModelConfig.max_seq_len
@@ -276,10 +279,10 @@ def new_cache(model, prompt, max_new_tokens, max_len):
     if limit is not None and need > limit:
         raise ValueError(f"prompt ({prompt['input_ids'].shape[1]}) + max_new_tokens ({max_new_tokens}) "
                          f"needs {need} positions, the model has {limit}")
-    if max_len is not None and need > max_len:
+    if max_len is not None and need + slack > max_len:
         raise ValueError(f"prompt ({prompt['input_ids'].shape[1]}) + max_new_tokens ({max_new_tokens}) "
-                         f"needs a cache of {need}, max_len is {max_len}")
-    return model.new_cache(batch=1, max_len=max_len or need, device=prompt["input_ids"].device)
+                         f"needs a cache of {need + slack}, max_len is {max_len}")
+    return model.new_cache(batch=1, max_len=max_len or need + slack, device=prompt["input_ids"].device)
 
 
 def config_of(model):
@@ -433,6 +436,162 @@ def spec_round(target, draft, tcache, dcache, pending, gamma, temperature, top_k
     return n_int, d_list, nxt_int, pending
 
 
+# ---- draft trees: EAGLE-2's dynamic tree, verified in one target forward ----
+
+
+@dataclass(frozen=True)
+class TreeShape:
+    """How a round's draft tree grows (EAGLE-2, Li et al. 2024): from the root x_last, `depth` levels; at each level
+    the `width` nodes of highest cumulative log q get `width` children each (the draft's top-k, one batched draft
+    forward per level); the `nodes` candidates of highest cumulative log q are what the target verifies. The chain
+    of gamma tokens is TreeShape(gamma, gamma, 1)."""
+    nodes: int  # N: draft tokens verified per round, besides x_last (the node budget)
+    depth: int  # D: the longest path, = draft forwards per round
+    width: int  # k: nodes expanded per level, and children per expanded node
+
+    def __post_init__(self):
+        for name in ("nodes", "depth", "width"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"tree {name} must be an int >= 1, got {v!r}")
+        if not self.depth <= self.nodes <= self.candidates(self.depth):
+            raise ValueError(f"a tree of depth {self.depth} and width {self.width} has {self.candidates(self.depth)} "
+                             f"candidates and needs at least {self.depth} nodes to reach its depth; got {self.nodes}")
+
+    def candidates(self, depth):
+        """Candidates a tree of this width grows to `depth`: width at level 1, width^2 at each level after it."""
+        return 0 if depth == 0 else self.width + (depth - 1) * self.width ** 2
+
+    def at_most(self, depth):
+        """This shape cut to `depth` levels (the last rounds, where fewer tokens are left to emit)."""
+        if depth >= self.depth:
+            return self
+        return TreeShape(min(self.nodes, self.candidates(depth)), depth, self.width)
+
+
+@dataclass
+class Tree:
+    """A draft tree of N nodes plus its root x_last (index 0); a parent precedes its children."""
+    tokens: torch.Tensor  # (N,) token of node i + 1
+    parent: torch.Tensor  # (N+1,) parent index (the root is its own)
+    depth: torch.Tensor  # (N+1,) depth (the root 0)
+    anc: torch.Tensor  # (N+1, N+1) bool: anc[i, j] = node j is node i or one of its ancestors
+    fed: torch.Tensor  # (N+1,) the draft-cache slot of a node the draft was fed (an expanded node), else -1
+
+
+def draft_tree(draft, dcache, pending, shape):
+    """The routine reasoner's tree for one round. Feeds `pending` (committed from then on), then one forward per
+    level over the expanded nodes, each at slot after the committed length, position committed + depth, seeing the
+    committed cache and its own ancestors. Returns (Tree, the last level's logits (F, V)).
+
+    EAGLE-2's: the level-by-level growth, the top-k expansion by cumulative draft probability, the final top-N by
+    the same score. Ours: ties go to the shallower node (a child never scores above its parent, log q <= 0, so the
+    kept set is a tree), and the expanded nodes stay in the draft's cache so that the accepted ones need no re-feed."""
+    dev, k, S = pending.device, shape.width, dcache.max_len
+    base, P = dcache.length, pending.shape[1]
+    logits = draft.step(pending, torch.arange(base, base + P, device=dev), dcache)[0, -1:]  # (1, V): q at the root
+    dcache.length = root = base + P  # pending is committed; the tree's entries lie beyond the length
+    cols = torch.arange(S, device=dev)
+    rows = (cols < root)[None]  # (F, S) what each expanded node sees; F = 1: the root
+    f_idx, f_score = torch.full((1,), -1, device=dev), torch.zeros(1, device=dev)  # expanded: candidate id, log q
+    tok, score, parent, depth, fed = [], [], [], [], []
+    n, slot = 0, root
+    for level in range(1, shape.depth + 1):
+        s, t = torch.log_softmax(logits.float(), -1).topk(k, -1)  # (F, k): each expanded node's k likeliest children
+        tok.append(t.reshape(-1))
+        score.append((f_score[:, None] + s).reshape(-1))  # (F*k,) cumulative log q
+        parent.append(f_idx.repeat_interleave(k))
+        depth.append(torch.full((t.numel(),), level, device=dev))
+        fed.append(torch.full((t.numel(),), -1, device=dev))
+        if level == shape.depth:
+            break
+        top = score[-1].topk(k).indices  # (k,) this level's best, expanded next
+        f_idx, f_score = n + top, score[-1][top]
+        slots = torch.arange(slot, slot + k, device=dev)  # (k,)
+        fed[-1][top] = slots
+        rows = rows[top // k] | (cols[None] == slots[:, None])  # (k, S) the parent's row plus the node's own slot
+        pos = torch.full((k,), root - 1 + level, device=dev)  # (k,) committed length + depth
+        logits = draft.step(tok[-1][top][None], slots, dcache, positions=pos, mask=rows)[0]  # (k, V)
+        n, slot = n + t.numel(), slot + k
+    tok, score, parent, depth, fed = (torch.cat(x) for x in (tok, score, parent, depth, fed))  # (C,) each
+    # Candidates lie in depth order, and a stable sort keeps it among equal scores: a parent precedes its children.
+    keep = score.sort(descending=True, stable=True).indices[:shape.nodes]  # (N,)
+    new = torch.zeros(len(tok) + 1, dtype=torch.long, device=dev)  # candidate id + 1 -> node index (root: 0)
+    new[keep + 1] = torch.arange(1, len(keep) + 1, device=dev)
+    par = torch.cat([new.new_zeros(1), new[parent[keep] + 1]])  # (N+1,)
+    anc, a = torch.eye(len(keep) + 1, dtype=torch.bool, device=dev), torch.arange(len(keep) + 1, device=dev)
+    for _ in range(shape.depth):  # walk every node up to the root, marking what it passes
+        a = par[a]
+        anc[torch.arange(len(a), device=dev), a] = True
+    tree = Tree(tok[keep], par, torch.cat([depth.new_zeros(1), depth[keep]]), anc,
+                torch.cat([fed.new_full((1,), -1), fed[keep]]))
+    return tree, logits
+
+
+def verify_tree(tree, logits_p, temperature, top_k=None, top_p=None, generator=None):
+    """Which path of the tree the target keeps. logits_p (N+1, V): p at every node. Returns (the accepted path's
+    last node, the token after it), (0-d) tensors.
+
+    The rule: at node v draw y_v from p(. | the path to v) (its argmax when greedy); if a child of v holds y_v,
+    descend into it, else emit y_v and stop. Why it is exact: every emitted token is one draw from p given exactly
+    the tokens emitted before it, each node's draw is independent and used at most once, and the tree depends on q
+    alone, fixed before any y is drawn, so it changes how many tokens a round emits, never their law. It is
+    Leviathan's rule (and SpecInfer's multi-round rule) with q a point mass at each child tried in turn: child x is
+    accepted with min(1, p(x) / 1) = p(x), and after a rejection the residual is p without x, renormalised, so the
+    children are accepted with probabilities p(x_1), p(x_2), ..., exactly as a single draw from p would choose
+    them; a node accepts with probability sum over its children of p(child), the most any rule can accept from a
+    fixed set of candidates. All nodes are drawn at once on the device: no host sync before the round's end."""
+    if temperature == 0:
+        y = logits_p.argmax(-1)  # (N+1,)
+    else:
+        y = sample(process_logits(logits_p, temperature, top_k, top_p), generator)  # (N+1,) one draw per node
+    drawn = torch.cat([tree.anc.new_ones(1), tree.tokens == y[tree.parent[1:]]])  # (N+1,) node = its parent's draw
+    on_path = ~(tree.anc & ~drawn[None]).any(-1)  # (N+1,) drawn, and so is every ancestor: one path from the root
+    best = (on_path * (tree.depth + 1)).argmax()  # its deepest node
+    return best, y[best]
+
+
+def tree_round(target, draft, tcache, dcache, pending, shape, temperature, top_k, top_p, generator, last=None):
+    """One round with a draft tree; the same contract as spec_round (returns n_accepted, the accepted tokens, the
+    next token, the new pending). After it both caches hold exactly the committed tokens: the accepted path's
+    keys / values are moved to consecutive slots (KVCache.move), the rejected branches stay beyond the length."""
+    ell, dev = tcache.length, pending.device
+    last = {} if last is None else last
+    if shape is None:  # nothing left to draft: a plain target step, the draft untouched
+        tree = Tree(pending.new_empty(0), pending.new_zeros(1), pending.new_zeros(1),
+                    torch.ones(1, 1, dtype=torch.bool, device=dev), pending.new_full((1,), -1))
+    else:
+        tree, last["draft"] = draft_tree(draft, dcache, pending, shape)
+    N = len(tree.tokens)
+    mask = torch.zeros(N + 1, tcache.max_len, dtype=torch.bool, device=dev)  # (N+1, S) the tree attention mask
+    mask[:, :ell] = True  # the committed cache
+    mask[:, ell:ell + N + 1] = tree.anc  # x_last and the node's own ancestors
+    x = torch.cat([pending[:, -1:], tree.tokens[None]], 1)  # (1, N+1): x_last, then the nodes
+    logits_p = last["target"] = target.step(x, torch.arange(ell, ell + N + 1, device=dev), tcache,
+                                             positions=ell + tree.depth, mask=mask)[0]  # (N+1, V)
+    best, nxt = verify_tree(tree, logits_p, temperature, top_k, top_p, generator)
+    # the round's one host sync
+    best, nxt, *rest = torch.cat([best.view(1), nxt.view(1), tree.parent, tree.tokens, tree.fed]).tolist()
+    parent, tokens, fed = rest[:N + 1], rest[N + 1:2 * N + 1], rest[2 * N + 1:]
+    path = []  # accepted nodes, root excluded, top-down
+    while best:
+        path.append(best)
+        best = parent[best]
+    path.reverse()
+    n = len(path)
+    tcache.move([ell + v for v in path], list(range(ell + 1, ell + 1 + n)))  # node v sits at slot ell + v
+    tcache.length = ell + 1 + n
+    m = 0  # the draft was fed the accepted nodes it expanded: a prefix of the path (a node's parent was expanded)
+    while m < n and fed[path[m]] >= 0:
+        m += 1
+    dcache.move([fed[v] for v in path[:m]], list(range(dcache.length, dcache.length + m)))
+    dcache.length += m
+    accepted = [tokens[v - 1] for v in path]
+    unfed = pending if shape is None else pending[:, :0]  # the draft has not seen these yet
+    pending = torch.cat([unfed, torch.tensor([accepted[m:] + [nxt]], device=dev)], 1)
+    return n, accepted, nxt, pending
+
+
 @contextlib.contextmanager
 def _naming_nonfinite(last, live=None):
     """A sampling error mid-decode (torch.multinomial refuses NaN probabilities) becomes the error naming the model.
@@ -459,6 +618,7 @@ def speculative(target, draft, prompt, gamma, max_new_tokens, temperature=0.0, t
                 seed=None, stop_token=None, max_len=None, timing=False):
     """Decode up to max_new_tokens with draft q proposing and target p verifying.
 
+    gamma: the chain's draft length (spec_round), or a TreeShape for a draft tree (tree_round).
     prompt: dict of target.forward kwargs, batch 1 (input_ids (1, L) and
     optional pixel_values / image_grid_thw / pixel_values_videos /
     video_grid_thw / second_per_grid_ts). max_len: cache size, default the
@@ -467,8 +627,10 @@ def speculative(target, draft, prompt, gamma, max_new_tokens, temperature=0.0, t
     check_args(prompt, max_new_tokens, temperature, top_k, top_p, gamma)
     check_last_token(target, prompt)
     check_vocab(target, draft, prompt, stop_token)
-    tcache = new_cache(target, prompt, max_new_tokens, max_len)
-    dcache = new_cache(draft, prompt, max_new_tokens, max_len)
+    tree = gamma if isinstance(gamma, TreeShape) else None
+    # a tree round's branches sit beyond the committed length: N slots in the target, (D - 1) k in the draft
+    tcache = new_cache(target, prompt, max_new_tokens, max_len, slack=tree.nodes if tree else 0)
+    dcache = new_cache(draft, prompt, max_new_tokens, max_len, slack=(tree.depth - 1) * tree.width if tree else 0)
     generator = make_generator(prompt["input_ids"].device, seed)
     clock = Clock(prompt["input_ids"].device, timing)
     embeds, deepstack = embed_prompt(target, prompt)  # (1, L, D)
@@ -480,9 +642,16 @@ def speculative(target, draft, prompt, gamma, max_new_tokens, temperature=0.0, t
     with _naming_nonfinite(last, live):
         while len(res.tokens) < max_new_tokens:
             # Draft only what can still be emitted: the round then ends exactly at max_new_tokens.
-            g = min(gamma, max_new_tokens - len(res.tokens) - 1)
-            n, drafted, nxt, pending = spec_round(target, draft, tcache, dcache, pending, g,
-                                                  temperature, top_k, top_p, generator, last)
+            left = max_new_tokens - len(res.tokens) - 1
+            if tree is None:
+                g = depth = min(gamma, left)
+                n, drafted, nxt, pending = spec_round(target, draft, tcache, dcache, pending, g,
+                                                      temperature, top_k, top_p, generator, last)
+            else:
+                shape = tree.at_most(left) if left else None  # None: one token left, the target's own
+                g, depth = (shape.nodes, shape.depth) if shape else (0, 0)
+                n, drafted, nxt, pending = tree_round(target, draft, tcache, dcache, pending, shape,
+                                                      temperature, top_k, top_p, generator, last)
             block, flags = drafted[:n] + [nxt], [True] * n + [False]
             if stop_token is not None and stop_token in block:
                 cut = block.index(stop_token) + 1
@@ -490,12 +659,13 @@ def speculative(target, draft, prompt, gamma, max_new_tokens, temperature=0.0, t
             res.tokens += block
             res.from_draft += flags
             res.blocks.append(len(block))
+            res.accepted.append(n)
             res.rounds += 1
             res.target_forwards += 1
-            res.draft_forwards += g
+            res.draft_forwards += depth
             res.n_drafted += g
             res.n_accepted += n
-            res.n_tested += n + (n < g)
+            res.n_tested += n + (n < depth)  # the tree: each level reached is one test, as each chain position
             if stop_token is not None and block[-1] == stop_token:
                 break
     res.decode_s = clock.lap()
