@@ -72,12 +72,34 @@ TOY_JSON = "runs/bench_toy.json"  # the toy report, read back by the real-shape 
 
 
 def cost_model(target, draft, prompt, gamma, tau, reps=20):
-    """T_target(1), T_target(gamma + 1) and T_draft(1) in ms (speculate.step_times), and the speed-up they predict at
-    the measured tau (speculate.measured_speedup)."""
-    t = speculate.step_times(target, draft, prompt, (1, gamma + 1), reps)
-    t1, tg, td = t["target"][1], t["target"][gamma + 1], t["draft"]
-    return {"t_target_1": 1e3 * t1, "t_target_gamma1": 1e3 * tg, "t_draft_1": 1e3 * td,
-            "predicted_speedup": speculate.measured_speedup(tau, t1, td, tg, gamma)}
+    """The measured step times in ms and the speed-up they predict at the measured tau. The chain (gamma an int):
+    T_target(1), T_target(gamma + 1), T_draft(1) (speculate.step_times, speculate.measured_speedup). A tree (gamma a
+    speculate.TreeShape): also T_target(N + 1) of its verify and T_draft(k) of one level (speculate.tree_step_times,
+    speculate.tree_speedup)."""
+    if not isinstance(gamma, speculate.TreeShape):
+        t = speculate.step_times(target, draft, prompt, (1, gamma + 1), reps)
+        t1, tg, td = t["target"][1], t["target"][gamma + 1], t["draft"]
+        return {"t_target_1": 1e3 * t1, "t_target_gamma1": 1e3 * tg, "t_draft_1": 1e3 * td,
+                "predicted_speedup": speculate.measured_speedup(tau, t1, td, tg, gamma)}
+    t = speculate.step_times(target, draft, prompt, (1,), reps)
+    tt = speculate.tree_step_times(target, draft, prompt, (gamma.nodes,), gamma.width, reps)
+    t1, td, tv, tl = t["target"][1], t["draft"], tt["target"][gamma.nodes], tt["draft_level"]
+    return {"t_target_1": 1e3 * t1, "t_target_verify": 1e3 * tv, "t_draft_1": 1e3 * td, "t_draft_level": 1e3 * tl,
+            "predicted_speedup": speculate.tree_speedup(tau, t1, td, tl, tv, gamma)}
+
+
+def decoder(args):
+    """The decoder the flags ask for: the chain of --gamma (--tree 0), or a speculate.TreeShape (ValueError if the
+    shape is impossible)."""
+    if not args.tree:
+        return args.gamma
+    return speculate.TreeShape(args.tree, args.tree_depth, args.tree_width)
+
+
+def decoder_json(gamma):
+    if isinstance(gamma, speculate.TreeShape):
+        return {"kind": "tree", "nodes": gamma.nodes, "depth": gamma.depth, "width": gamma.width}
+    return {"kind": "chain", "gamma": gamma}
 
 
 @torch.inference_mode()
@@ -162,7 +184,8 @@ def benchmark(target, draft, prompts, gamma, max_new, stop_token=None, repeats=3
                           "tokens": timed["n_tokens"]}
     res.update(cost_model(target, draft, prompts[0], gamma, timed["tau"]))
     res["c"] = res["t_draft_1"] / res["t_target_1"]
-    res["leviathan_speedup"] = speculate.expected_speedup(timed["alpha"], gamma, res["c"])
+    if not isinstance(gamma, speculate.TreeShape):  # Leviathan's closed form is the chain's
+        res["leviathan_speedup"] = speculate.expected_speedup(timed["alpha"], gamma, res["c"])
     if compile:
         ar_c, spec_c = timing[COMPILED[0]], timing[COMPILED[1]]
         comp.update(ar_prefill_ms=ar_c["prefill_ms"], spec_prefill_ms=spec_c["prefill_ms"],
@@ -271,7 +294,7 @@ def toy(args, device, dtype, decoding):
     draft = checkpoint.load(draft_dir, target=target).eval()  # in the target's dtype: they share embedding and head
     tok = driving.Tokenizer()
     prompts = evaluate.scene_prompts(driving.make_split("test", args.prompts, seed=0), tok, device, dtype, args.views)
-    res = benchmark(target, draft, prompts, args.gamma, args.max_new, tok.cot_end_id, args.repeats, decoding,
+    res = benchmark(target, draft, prompts, args.decoder, args.max_new, tok.cot_end_id, args.repeats, decoding,
                     args.compile)
     res.update(mode="toy", draft=draft_dir)
     if args.peer:
@@ -403,11 +426,11 @@ def real(args, device, dtype, decoding):
         prompt = real_prompt(target.cfg, device, n_images=args.images)
         if "pixel_values" in prompt:
             prompt["pixel_values"] = prompt["pixel_values"].to(dtype)
-    res = benchmark(target, draft, [prompt], args.gamma, args.max_new, stop, args.repeats, decoding, args.compile)
+    res = benchmark(target, draft, [prompt], args.decoder, args.max_new, stop, args.repeats, decoding, args.compile)
     res.update(mode="real", model=name, prompt_tokens=prompt["input_ids"].shape[1],
                trained_draft=bool(args.draft))
     if args.target:
-        spec = evaluate.decode(target, draft, prompt, args.gamma, args.max_new, stop,
+        spec = evaluate.decode(target, draft, prompt, args.decoder, args.max_new, stop,
                                **evaluate.sampling_kwargs(decoding, 0))
         res.update(prompt_source=how, images=int(prompt["image_grid_thw"].shape[0]),
                    visual_tokens=int((prompt["input_ids"] == target.cfg.image_token_id).sum()),
@@ -415,7 +438,7 @@ def real(args, device, dtype, decoding):
         if getattr(target, "expert", None) is not None:
             waypoints, t = trajectory(target, prompt, spec.tokens, stop, args.repeats)
             res.update(trajectory_ms=1e3 * t, waypoints=waypoints[0].float().tolist())
-    if not args.draft:
+    if not args.draft and not args.tree:
         # Random weights: acceptance says nothing; the cost model does. Predict the speed-up
         # with the acceptance rate measured on the toy (bench.py --device cpu writes it).
         if os.path.exists(TOY_JSON):
@@ -428,6 +451,12 @@ def real(args, device, dtype, decoding):
 
 
 # ---- main ----
+
+
+def decoder_text(d):
+    if d["kind"] == "chain":
+        return f"chain draft, gamma {d['gamma']}"
+    return f"tree draft, {d['nodes']} nodes, depth {d['depth']}, width {d['width']}"
 
 
 def decoding_text(d):
@@ -462,7 +491,7 @@ def report(res, args):
     sampled = res["decoding"]["mode"] == "sampling"
     lines += [
         f"device {res['device']} ({res['hardware']}), dtype {res['dtype']}, threads {res['threads']}, "
-        f"gamma {res['gamma']}, decoding {decoding_text(res['decoding'])}",
+        f"{decoder_text(res['decoder'])}, decoding {decoding_text(res['decoding'])}",
         f"prefill        target-only {res['ar_prefill_ms']:.2f} ms   speculative {res['spec_prefill_ms']:.2f} ms",
         f"reasoning step target-only {res['ar_ms_per_token']:.3f} ms/token   "
         f"speculative {res['spec_ms_per_token']:.3f} ms/token   speed-up {res['speedup']:.2f}x"
@@ -476,12 +505,17 @@ def report(res, args):
                      f"{s['routine_fraction']:.3f}   (the timed runs; lossless in distribution, so not compared "
                      f"with target-only token by token)")
     lines += divergence_lines(res)
-    lines += [
-        f"cost model     T_target(1) {res['t_target_1']:.3f} ms   T_target(gamma+1) {res['t_target_gamma1']:.3f} ms   "
-        f"T_draft(1) {res['t_draft_1']:.3f} ms   c {res['c']:.3f}",
-        f"predicted      speed-up {res['predicted_speedup']:.2f}x (measured {'sampled ' if sampled else ''}tau)   "
-        f"{res['leviathan_speedup']:.2f}x (Leviathan, measured {'sampled ' if sampled else ''}alpha)",
-    ]
+    if res["decoder"]["kind"] == "tree":
+        lines += [
+            f"cost model     T_target(1) {res['t_target_1']:.3f} ms   T_target(N+1) {res['t_target_verify']:.3f} ms   "
+            f"T_draft(1) {res['t_draft_1']:.3f} ms   T_draft(k) {res['t_draft_level']:.3f} ms   c {res['c']:.3f}",
+            f"predicted      speed-up {res['predicted_speedup']:.2f}x (measured {'sampled ' if sampled else ''}tau)"]
+    else:
+        lines += [
+            f"cost model     T_target(1) {res['t_target_1']:.3f} ms   T_target(gamma+1) {res['t_target_gamma1']:.3f} ms"
+            f"   T_draft(1) {res['t_draft_1']:.3f} ms   c {res['c']:.3f}",
+            f"predicted      speed-up {res['predicted_speedup']:.2f}x (measured {'sampled ' if sampled else ''}tau)   "
+            f"{res['leviathan_speedup']:.2f}x (Leviathan, measured {'sampled ' if sampled else ''}alpha)"]
     if "compiled" in res:
         c = res["compiled"]
         lines += [
@@ -533,7 +567,12 @@ def main(argv=None):
                     "(default: the target folder)")
     ap.add_argument("--min-pixels", type=int, default=alpamayo.MIN_PIXELS, help="with --target: image size bounds")
     ap.add_argument("--max-pixels", type=int, default=alpamayo.MAX_PIXELS, help="with --target: image size bounds")
-    ap.add_argument("--gamma", type=int, default=evaluate.GAMMA, help="draft length")
+    ap.add_argument("--gamma", type=int, default=evaluate.GAMMA, help="the chain's draft length (with --tree 0)")
+    ap.add_argument("--tree", type=int, default=evaluate.TREE.nodes, help="a draft tree of this many nodes (the "
+                    "node budget N); 0 = the chain of --gamma")
+    ap.add_argument("--tree-depth", type=int, default=evaluate.TREE.depth, help="with --tree: its depth D")
+    ap.add_argument("--tree-width", type=int, default=evaluate.TREE.width, help="with --tree: nodes expanded per "
+                    "level and children per node, k")
     ap.add_argument("--max-new", type=int, default=evaluate.MAX_NEW_TOKENS, help="reasoning tokens per prompt at most")
     evaluate.add_decoding_flags(ap, "> 0 times both arms sampling (lossless verification; Alpamayo-R1 samples its "
                                 "CoC at 0.6, top-p 0.98)")
@@ -561,7 +600,14 @@ def main(argv=None):
         ap.error(f"--layers keeps 1..n_layers decoder layers of a --preset"
                  + (f" (1..{M.PRESETS[args.preset].n_layers} for {args.preset})" if args.preset else "")
                  + f", got {args.layers}")
+    if args.tree < 0:
+        ap.error(f"--tree takes a node budget >= 1, or 0 for the chain; got {args.tree}")
+    if args.tree and args.compile:
+        ap.error("--compile runs the chain only (the tree's steps have no static-shape path yet): add --tree 0")
+    if args.tree and args.peer:
+        ap.error("--peer compares with transformers' assisted generation, a chain: add --tree 0")
     try:
+        args.decoder = decoder(args)
         checkpoint.check_device(args.device)
         decoding = evaluate.decoding_mode(args.temperature, args.top_k, args.top_p, args.sampling_seed)
     except ValueError as e:
@@ -592,7 +638,8 @@ def main(argv=None):
     res = toy(args, device, dtype, decoding) if toy_mode else real(args, device, dtype, decoding)
     hardware = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or
                                                                                   platform.machine())
-    res.update(device=str(device), hardware=hardware, dtype=args.dtype, gamma=args.gamma,
+    res.update(device=str(device), hardware=hardware, dtype=args.dtype, decoder=decoder_json(args.decoder),
+               gamma=None if args.tree else args.gamma,
                threads=torch.get_num_threads(), torch=torch.__version__)
     report(res, args)  # printed first: a failing write below loses no measurement
     if args.json:

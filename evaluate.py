@@ -23,6 +23,9 @@ from driving import Data, grid_kwargs, vision_kwargs
 
 MAX_NEW_TOKENS = 32  # CoC token limit per decode: the toy's CoCs are 12-28 tokens with <cot_end>
 GAMMA = 6  # draft length of the table, the benchmark and AARL's logged tau
+# the benchmark's default draft tree (N nodes, depth D, width k): chosen on the validation split by the measured cost
+# model (experiments/tree_sweep.py); bench.py --tree 0 runs the chain of GAMMA instead
+TREE = speculate.TreeShape(32, 8, 3)
 EVAL_BATCH = 64  # scenes per batched evaluation forward
 TARGET_ONLY = "target-only"  # the baseline arm: plain KV-cached decoding by the target
 
@@ -302,6 +305,9 @@ def spec_stats(target, drafts, prompts, gamma, max_new=MAX_NEW_TOKENS, stop_toke
                      "alpha": sum(r.n_accepted for r in res) / max(1, sum(r.n_tested for r in res)),
                      "routine_fraction": sum(sum(r.from_draft) for r in res) / n,
                      "tau_ceiling": speculate.tau_ceiling([len(r.tokens) for r in res], gamma),
+                     "nodes_per_round": sum(r.n_drafted for r in res) / sum(r.rounds for r in res),
+                     "alpha_by_depth": speculate.SpecResult(accepted=[a for r in res for a in r.accepted],
+                                                            depths=[d for r in res for d in r.depths]).alpha_by_depth(),
                      "greedy_match": all(r.tokens == t for r, t in zip(res, reference)) if check_greedy else None}
     return out
 

@@ -49,6 +49,8 @@ from evaluate import MAX_NEW_TOKENS, TARGET_ONLY
 
 ROWS = (("replica", "mrope"), ("flatrope", "flat"), ("flatrope+aarl", "aarl"))  # table row -> draft kind on disk
 GAMMAS = tuple(range(2, 9))
+# the draft trees a tree row chooses from on val (width 3: experiments/tree_sweep.py); --tree N keeps those of <= N nodes
+TREES = tuple(speculate.TreeShape(n, d, 3) for n in (16, 32) for d in (6, 8))
 SWEEP_JSON = "experiments/views_sweep.json"  # written by python experiments/views_sweep.py
 
 # ---- checkpoints ----
@@ -185,22 +187,64 @@ def paper_table(target, drafts, splits, n_time, repeats, decoding=None, compile=
     return rows, sweep, times
 
 
+def tree_rows(target, drafts, chain_rows, prompts, n_time, repeats, decoding=None, max_nodes=32):
+    """One row per draft kind with a draft tree (speculate.tree_round) beside its chain row: the shape of TREES (at
+    most max_nodes nodes) with the best predicted speed-up on val (the first seed's real tree decoding, the tree's
+    measured step times), then on the held-out split every seed's real tree decoding (tau mean and spread, greedy
+    output identical to target-only), alpha per depth and nodes per round (first seed), and the speed-up timed
+    against target-only in the same passes. The teacher-forced columns (commitment accuracy, attention, ADE) are the
+    chain row's: they are the draft's, not the decoder's."""
+    stop = driving.Tokenizer().cot_end_id
+    shapes = [sh for sh in TREES if sh.nodes <= max_nodes]
+    if not shapes:
+        raise ValueError(f"--tree {max_nodes}: no tree of {[sh.nodes for sh in TREES]} nodes fits")
+    val, test = prompts["val"], prompts["test"]
+    first = {row: next(iter(by_seed.values())) for row, by_seed in drafts.items()}
+    times = speculate.step_times(target, first["flatrope"], val[0], (1,))
+    t1, td = times["target"][1], times["draft"]
+    tt = speculate.tree_step_times(target, first["flatrope"], val[0], sorted({sh.nodes for sh in shapes}), 3)
+    predicted = lambda tau, sh: speculate.tree_speedup(tau, t1, td, tt["draft_level"], tt["target"][sh.nodes], sh)  # noqa: E731
+    rows = []
+    for name, by_seed in drafts.items():
+        chain = next(r for r in chain_rows if r["name"] == name)
+        val_tau = {sh: evaluate.spec_stats(target, {name: first[name]}, val, sh, stop_token=stop,
+                                           check_greedy=False)[name]["tau"] for sh in shapes}
+        sh = max(shapes, key=lambda x: predicted(val_tau[x], x))
+        stats = [evaluate.spec_stats(target, {name: d}, test, sh, stop_token=stop)[name] for d in by_seed.values()]
+        timing = bench.time_arms(target, {name: first[name]}, test[:n_time], sh, MAX_NEW_TOKENS, stop, repeats,
+                                 decoding)
+        taus = [st["tau"] for st in stats]
+        row = {**{k: chain[k] for k in ("commit_acc", "ade", "attn_history", "attn_image", "attn_text")},
+               "name": f"{name} tree", "gamma": None, "tree": [sh.nodes, sh.depth, sh.width],
+               "tau": statistics.mean(taus), "tau_spread": max(taus) - min(taus), "tau_by_seed": taus,
+               "tau_ceiling": stats[0]["tau_ceiling"], "val_tau": {str(x): v for x, v in val_tau.items()},
+               "routine_fraction": statistics.mean(st["routine_fraction"] for st in stats),
+               "alpha_by_depth": stats[0]["alpha_by_depth"], "nodes_per_round": stats[0]["nodes_per_round"],
+               "ms_per_token": timing[name]["ms_per_token"], "speedup": timing[name]["speedup"],
+               "greedy_match": all(st["greedy_match"] for st in stats), "replay_exact": True}
+        if decoding is not None and decoding["mode"] == "sampling":
+            s = evaluate.spec_stats(target, {name: first[name]}, test, sh, stop_token=stop, decoding=decoding)[name]
+            row.update(sampled_tau=s["tau"], sampled_alpha=s["alpha"])
+        rows.append(row)
+    return rows
+
+
 def print_table(rows, log=print):
     sampled = "sampled_tau" in rows[0]  # a column only when the run samples
-    log(f"{'':15s} {'gamma':>5s} {'tau':>11s} " + (f"{'tau sampled':>11s} " if sampled else "")
+    log(f"{'':20s} {'gamma':>7s} {'tau':>11s} " + (f"{'tau sampled':>11s} " if sampled else "")
         + f"{'routine':>8s} {'commit':>7s} {'ms/token':>9s} {'speed-up':>9s} {'ADE m':>6s} {'attn hist':>9s} "
         f"{'attn img':>9s}")
     for r in rows:
-        g = "" if r["gamma"] is None else str(r["gamma"])
-        tau = f"{r['tau']:.2f}" + (f" ±{r['tau_spread'] / 2:.2f}" if r["gamma"] is not None else "")
+        g = "/".join(map(str, r["tree"])) if r.get("tree") else "" if r["gamma"] is None else str(r["gamma"])
+        tau = f"{r['tau']:.2f}" + (f" ±{r['tau_spread'] / 2:.2f}" if g else "")
         stau = f"{r['sampled_tau']:11.2f} " if sampled else ""
-        log(f"{r['name']:15s} {g:>5s} {tau:>11s} {stau}{r['routine_fraction']:8.3f} {r['commit_acc']:7.3f} "
+        log(f"{r['name']:20s} {g:>7s} {tau:>11s} {stau}{r['routine_fraction']:8.3f} {r['commit_acc']:7.3f} "
             f"{r['ms_per_token']:9.3f} {r['speedup']:8.2f}x {r['ade']:6.2f} {r['attn_history']:9.3f} "
             f"{r['attn_image']:9.3f}")
 
 
 def print_sweep(sweep, rows, log=print):
-    names = [r["name"] for r in rows if r["gamma"] is not None]
+    names = [r["name"] for r in rows if r["gamma"] is not None]  # the chain rows
     log("tau by draft length (mean over seeds; ceiling = a draft the verifier never rejects):")
     log(f"{'split':6s} {'gamma':>5s} {'ceiling':>8s} " + " ".join(f"{n:>14s}" for n in names))
     for split, by_g in sweep.items():
@@ -274,11 +318,18 @@ def main(argv=None):
                                 "times both arms sampling (prompt i = held-out scene i)")
     ap.add_argument("--compile", action="store_true", help="time both arms with torch.compile'd static-shape steps "
                     "(minutes of compilation; gamma is still chosen with the eager cost model)")
+    ap.add_argument("--tree", type=int, default=32, help="draft-tree rows beside the chain rows, their node budget "
+                    "at most this (the shape chosen on val from rsd.TREES); 0 = chain rows only")
     ap.add_argument("--plot", action="store_true", help="write figures/ (needs matplotlib)")
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     a = ap.parse_args(argv)
     if a.scenes < 1 or a.time_scenes < 1 or a.repeats < 1 or a.show < 0:
         ap.error("--scenes, --time-scenes and --repeats must be >= 1, --show >= 0")
+    if a.tree and not any(sh.nodes <= a.tree for sh in TREES):
+        ap.error(f"--tree {a.tree}: the smallest tree rsd.py chooses from has {min(sh.nodes for sh in TREES)} nodes "
+                 "(0 = chain rows only)")
+    if a.tree and a.compile:
+        ap.error("--compile times the chain only (the tree's steps have no static-shape path yet): add --tree 0")
     try:
         seeds = parse_seeds(a.seeds)
         decoding = evaluate.decoding_mode(a.temperature, a.top_k, a.top_p, a.sampling_seed)
@@ -313,6 +364,9 @@ def main(argv=None):
           f"commitment accuracy {metrics['commitment_acc']:.3f}, ADE {metrics['ade']:.2f} m")
     rows, sweep, times = paper_table(target, drafts, splits, a.time_scenes, a.repeats, decoding, a.compile)
     aarl_row = rows[-1]
+    if a.tree:
+        prompts = {k: evaluate.scene_prompts(d.scenes, tok, device, views=d.views_at(0)) for k, d in splits.items()}
+        rows += tree_rows(target, drafts, rows, prompts, a.time_scenes, a.repeats, decoding, a.tree)
     show_scenes(target, drafts["flatrope+aarl"][seeds[0]], test, aarl_row["gamma"], a.show, decoding=decoding)
     prompt = evaluate.scene_prompts(test.scenes[:1], tok, device, views=a.views)[0]
     n_visual = int(((prompt["input_ids"] == tok.image_token_id) | (prompt["input_ids"] == tok.video_token_id)).sum())
@@ -328,6 +382,11 @@ def main(argv=None):
     print_table(rows)
     print(f"step times: T_target(1) {1e3 * times['target'][1]:.2f} ms, T_draft(1) {1e3 * times['draft']:.3f} ms; "
           f"commit = teacher-forced accuracy on the commitment tokens")
+    for r in rows:
+        if r.get("tree"):
+            print(f"{r['name']}: tree of N/D/k = {'/'.join(map(str, r['tree']))} (chosen on val), "
+                  f"{r['nodes_per_round']:.1f} nodes per round, alpha by depth "
+                  + " ".join("-" if x is None else f"{x:.2f}" for x in r["alpha_by_depth"]) + f" (seed {seeds[0]})")
     greedy_match = all(r["greedy_match"] for r in rows)
     print(f"greedy outputs identical to target-only on every scene and draft: {greedy_match}; real speculative "
           f"decoding's tau equals the replay's: {all(r.get('replay_exact', True) for r in rows)}")
@@ -342,13 +401,14 @@ def main(argv=None):
         keys = ("name", "gamma", "tau", "tau_spread", "tau_by_gamma", "tau_ceiling", "routine_fraction", "commit_acc",
                 "ms_per_token", "speedup", "ade", "attn_history", "attn_image", "attn_text")
         keys += ("sampled_tau", "sampled_alpha") if decoding["mode"] == "sampling" else ()
+        tree_keys = ("tree", "tau_by_seed", "val_tau", "alpha_by_depth", "nodes_per_round")  # None on chain rows
         print(json.dumps({"decoding": decoding, "compiled": a.compile, "greedy_match": greedy_match,
                           "tau_ceiling": aarl_row["tau_ceiling"],
                           "sweep": sweep,
                           "target": {k: metrics[k] for k in ("coc_exact", "commitment_acc", "ade")},
                           "prompt": {"visual_tokens": n_visual, "history_tokens": 3 * driving.WorldConfig().n_hist},
                           "routine_share_world": share, "seeds": seeds,
-                          "rows": [{k: r[k] for k in keys} for r in rows]}))
+                          "rows": [{k: r.get(k) for k in keys + tree_keys} for r in rows]}))
 
 
 if __name__ == "__main__":

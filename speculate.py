@@ -138,6 +138,7 @@ class SpecResult:
     from_draft: list = field(default_factory=list)
     blocks: list = field(default_factory=list)  # tokens emitted per round (accepted drafts + 1 target token)
     accepted: list = field(default_factory=list)  # draft tokens accepted per round (before a stop-token cut)
+    depths: list = field(default_factory=list)  # the longest drafted path per round (gamma, or the tree's depth)
     rounds: int = 0  # target verification forwards (one per round; plain decoding: one per token)
     target_forwards: int = 0  # all target forwards, the prompt prefill included
     draft_forwards: int = 0  # all draft forwards, the prompt prefill included
@@ -163,6 +164,15 @@ class SpecResult:
     def acceptance_rate(self):
         """Share of all proposed draft tokens that were accepted."""
         return self.n_accepted / max(self.n_drafted, 1)
+
+    def alpha_by_depth(self):
+        """[alpha_1, alpha_2, ...]: the share of rounds that reached depth d - 1 and drafted that deep which accepted
+        a token at depth d (the chain's per-position acceptance; a tree's per-level)."""
+        out = []
+        for d in range(1, max(self.depths, default=0) + 1):
+            reached = sum(a >= d - 1 and g >= d for a, g in zip(self.accepted, self.depths))
+            out.append(sum(a >= d for a in self.accepted) / reached if reached else None)
+        return out
 
     def summary(self):
         return dict(tokens=len(self.tokens), tau=self.tau, alpha=self.alpha, acceptance_rate=self.acceptance_rate,
@@ -382,6 +392,33 @@ def step_times(target, draft, prompt, lengths, reps=20, timer=time.perf_counter)
         return median_time(step, device, reps, timer)
 
     return {"target": {n: time_step(target, n) for n in lengths}, "draft": time_step(draft, 1)}
+
+
+@torch.inference_mode()
+def tree_step_times(target, draft, prompt, nodes, width, reps=20, timer=time.perf_counter):
+    """The tree round's step times in seconds, each a single VLA.step on a cache that holds the prompt (as
+    tree_round calls it; the mask's values do not change the work): {"target": {n: T_verify(n + 1)} for n in nodes,
+    the target over x_last and n nodes, "draft_level": T_draft(width), one level's forward over `width` expanded
+    nodes}."""
+    device = prompt["input_ids"].device
+    L = prompt["input_ids"].shape[1]
+    embeds = target.embed(**{k: prompt[k] for k in EMBED_KEYS if prompt.get(k) is not None})  # (1, L, D)
+
+    def time_step(m, n):
+        cache = m.new_cache(batch=1, max_len=L + n)
+        prefill(m, prompt, embeds, cache)
+        x = prompt["input_ids"][:, -1:].repeat(1, n)  # (1, n)
+        slots = torch.arange(L - 1, L - 1 + n, device=device)  # (n,)
+        mask = torch.arange(cache.max_len, device=device)[None] <= slots[:, None]  # (n, S)
+        return median_time(lambda: m.step(x, slots, cache, positions=slots, mask=mask), device, reps, timer)
+
+    return {"target": {n: time_step(target, n + 1) for n in nodes}, "draft_level": time_step(draft, width)}
+
+
+def tree_speedup(tau, t_target_1, t_draft_1, t_draft_level, t_verify, shape):
+    """tau * T_target(1) / (T_draft(1) + (D - 1) T_draft(k) + T_verify(N + 1)): a tree round drafts its root level
+    from the pending token, then D - 1 levels of k expanded nodes, and verifies x_last + N nodes in one forward."""
+    return tau * t_target_1 / (t_draft_1 + (shape.depth - 1) * t_draft_level + t_verify)
 
 
 def make_generator(device, seed):
@@ -660,6 +697,7 @@ def speculative(target, draft, prompt, gamma, max_new_tokens, temperature=0.0, t
             res.from_draft += flags
             res.blocks.append(len(block))
             res.accepted.append(n)
+            res.depths.append(depth)
             res.rounds += 1
             res.target_forwards += 1
             res.draft_forwards += depth
