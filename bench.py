@@ -438,6 +438,19 @@ def real(args, device, dtype, decoding):
         if getattr(target, "expert", None) is not None:
             waypoints, t = trajectory(target, prompt, spec.tokens, stop, args.repeats)
             res.update(trajectory_ms=1e3 * t, waypoints=waypoints[0].float().tolist())
+    if args.tree:  # what a tree verify costs against one token at this shape: the number trees live by
+        nodes = (7, 15, 31, 63)
+        tt = speculate.tree_step_times(target, draft, prompt, nodes, args.decoder.width, reps=5)
+        res["verify_ratio"] = {n + 1: tt["target"][n] / (1e-3 * res["t_target_1"]) for n in nodes}
+    if not args.draft and args.tree:
+        # Random weights: acceptance says nothing; the cost model does, at the tau of the same tree on the toy
+        # (bench.py --device cpu writes it).
+        toy_res = checkpoint.read_json(TOY_JSON) if os.path.exists(TOY_JSON) else {}
+        if toy_res.get("decoder") == decoder_json(args.decoder):
+            res["toy_tau"] = toy_res["tau"]
+            res["predicted_speedup_at_toy_tau"] = speculate.tree_speedup(
+                toy_res["tau"], res["t_target_1"], res["t_draft_1"], res["t_draft_level"], res["t_target_verify"],
+                args.decoder)
     if not args.draft and not args.tree:
         # Random weights: acceptance says nothing; the cost model does. Predict the speed-up
         # with the acceptance rate measured on the toy (bench.py --device cpu writes it).
@@ -527,6 +540,12 @@ def report(res, args):
             f"T_draft(1) {c['t_draft_1']:.3f} ms   predicted speed-up {c['predicted_speedup']:.2f}x"]
         for arm, div in c["divergences"].items():
             lines += [f"{arm}: " + line for line in divergence_lines({**res, "divergences": div})]
+    if "verify_ratio" in res:
+        lines.append("tree verify    T_target(n) / T_target(1): " + "   ".join(f"n {n}: {r:.2f}"
+                                                                         for n, r in res["verify_ratio"].items()))
+    if "predicted_speedup_at_toy_tau" in res:
+        lines.append(f"at the toy's tau {res['toy_tau']:.2f} with this tree: predicted speed-up "
+                     f"{res['predicted_speedup_at_toy_tau']:.2f}x")
     if "predicted_speedup_at_toy_alpha" in res:
         lines.append(f"at the toy's alpha {res['toy_alpha']:.3f}: predicted speed-up "
                      f"{res['predicted_speedup_at_toy_alpha']:.2f}x")

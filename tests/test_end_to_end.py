@@ -60,16 +60,32 @@ def test_rsd_json_contract_and_exactness(run_dir, capsys):
     assert set(out["target"]) == {"coc_exact", "commitment_acc", "ade"}
     assert out["prompt"] == {"visual_tokens": 12 + 24 * VIEWS, "history_tokens": 48}
     assert out["routine_share_world"] == pytest.approx(driving.routine_share("train"))
-    assert [r["name"] for r in out["rows"]] == ["target-only", "replica", "flatrope", "flatrope+aarl"]
+    chains = ["replica", "flatrope", "flatrope+aarl"]
+    assert [r["name"] for r in out["rows"]] == ["target-only", *chains, *(f"{n} tree" for n in chains)]
     assert set(out["sweep"]) == {"val", "test"} and set(out["sweep"]["test"]) == {str(g) for g in rsd.GAMMAS}
     for r in out["rows"]:
         assert set(r) == {"name", "gamma", "tau", "tau_spread", "tau_by_gamma", "tau_ceiling", "routine_fraction",
-                          "commit_acc", "ms_per_token", "speedup", "ade", "attn_history", "attn_image", "attn_text"}
+                          "commit_acc", "ms_per_token", "speedup", "ade", "attn_history", "attn_image", "attn_text",
+                          "tree", "tau_by_seed", "val_tau", "alpha_by_depth", "nodes_per_round"}
         assert r["ms_per_token"] > 0 and 0 <= r["commit_acc"] <= 1
         assert r["attn_history"] + r["attn_image"] + r["attn_text"] == pytest.approx(1.0, abs=1e-4)
         # greedy exactness: every arm plans from the same CoCs, so the same trajectories
         assert r["ade"] == pytest.approx(out["rows"][0]["ade"])
-    for r in out["rows"][1:]:
+    tok = driving.Tokenizer()
+    target = checkpoint.load(run_dir / "target").eval()
+    test = driving.Data("test", 6, 0, tok, views=VIEWS)
+    prompts = evaluate.scene_prompts(test.scenes, tok, "cpu", views=test.views_at(0))
+    for r in out["rows"][4:]:  # tree rows: a shape of rsd.TREES, every seed's real tree decoding on the test scenes
+        shape = speculate.TreeShape(*r["tree"])
+        assert shape in rsd.TREES and r["gamma"] is None and len(r["tau_by_seed"]) == 2
+        kind = dict(rsd.ROWS)[r["name"].removesuffix(" tree")]
+        draft = checkpoint.load(checkpoint.draft_dir(str(run_dir), kind, 1), target=target).eval()
+        res = [speculate.speculative(target, draft, p, shape, evaluate.MAX_NEW_TOKENS, stop_token=tok.cot_end_id)
+               for p in prompts]
+        assert r["tau_by_seed"][1] == pytest.approx(sum(len(x.tokens) for x in res) / sum(x.rounds for x in res))
+        assert r["tau"] == pytest.approx(sum(r["tau_by_seed"]) / 2) and r["tau"] <= r["tau_ceiling"] + 1e-9
+        assert all(a is None or 0 <= a <= 1 for a in r["alpha_by_depth"]) and 1 <= r["nodes_per_round"] <= shape.nodes
+    for r in out["rows"][1:4]:
         g = str(r["gamma"])
         # the row's tau is its tau at its gamma, the sweep's on the same scenes, and no draft beats a perfect one
         assert r["gamma"] in rsd.GAMMAS and r["tau"] == pytest.approx(r["tau_by_gamma"][g])
@@ -120,12 +136,22 @@ def test_aarl_cli_reports_before_after_and_its_updates(run_dir, tmp_path, capsys
 
 
 def test_bench_toy_json(run_dir, capsys):
+    common = ("device", "dtype", "decoder", "tau", "alpha", "routine_fraction", "ar_ms_per_token", "spec_ms_per_token",
+              "speedup", "greedy_match", "t_target_1", "t_draft_1")
+    bench.main(["--run", str(run_dir), "--prompts", "3", "--dtype", "fp32", "--views", str(VIEWS), "--tree", "0",
+                "--json"])
+    out = last_json(capsys)
+    for key in common + ("gamma", "t_target_gamma1", "leviathan_speedup"):
+        assert key in out, key
+    assert out["decoder"] == {"kind": "chain", "gamma": evaluate.GAMMA} and out["greedy_match"] is True
+    # the default, last: its report is the one the real-shape test below reads back
     res = bench.main(["--run", str(run_dir), "--prompts", "3", "--dtype", "fp32", "--views", str(VIEWS), "--json"])
     out = last_json(capsys)
-    for key in ("device", "dtype", "gamma", "tau", "alpha", "routine_fraction", "ar_ms_per_token",
-                "spec_ms_per_token", "speedup", "greedy_match", "t_target_1", "t_target_gamma1", "t_draft_1"):
+    for key in common + ("t_target_verify", "t_draft_level"):
         assert key in out, key
-    assert out["greedy_match"] is True and out["dtype"] == "fp32"
+    t = evaluate.TREE
+    assert out["decoder"] == {"kind": "tree", "nodes": t.nodes, "depth": t.depth, "width": t.width}
+    assert out["greedy_match"] is True and out["dtype"] == "fp32" and out["gamma"] is None
     assert out["speedup"] == pytest.approx(out["ar_ms_per_token"] / out["spec_ms_per_token"])
     assert os.path.exists(bench.TOY_JSON) and res["tau"] >= 1
 
@@ -164,7 +190,8 @@ def test_bench_real_shape_preset(run_dir, capsys):
     out = json.loads(text.strip().splitlines()[-1])
     assert "not meaningful" in text
     assert out["prompt_tokens"] > 180 and out["model"] == "qwen2.5-vl-7b (1 layers), draft head over 4096 ids"
-    assert "predicted_speedup_at_toy_alpha" in out  # the toy's bench.json from the test above
+    assert "predicted_speedup_at_toy_tau" in out  # the toy's bench.json from the test above, the same tree
+    assert set(out["verify_ratio"]) == {"8", "16", "32", "64"} and all(v > 0 for v in out["verify_ratio"].values())
 
 
 def test_bench_sampling_reports_the_sampled_runs_beside_greedy(run_dir, capsys):
@@ -180,7 +207,8 @@ def test_bench_sampling_reports_the_sampled_runs_beside_greedy(run_dir, capsys):
     target = checkpoint.load(run_dir / "target").eval()
     draft = checkpoint.load(out["draft"], target=target).eval()
     prompts = evaluate.scene_prompts(driving.make_split("test", 3, seed=0), tok, "cpu", torch.float32, VIEWS)
-    res = [speculate.speculative(target, draft, p, out["gamma"], evaluate.MAX_NEW_TOKENS, temperature=0.8, top_p=0.95,
+    shape = speculate.TreeShape(*(out["decoder"][k] for k in ("nodes", "depth", "width")))
+    res = [speculate.speculative(target, draft, p, shape, evaluate.MAX_NEW_TOKENS, temperature=0.8, top_p=0.95,
                                  seed=7 + i, stop_token=tok.cot_end_id) for i, p in enumerate(prompts)]
     n = sum(len(r.tokens) for r in res)
     assert out["sampled"]["tokens"] == n and out["sampled"]["tau"] == pytest.approx(n / sum(r.rounds for r in res))
@@ -245,7 +273,11 @@ def test_bench_rejects_bad_arguments(capsys):
                       (["--device", "tpu"], "unknown device 'tpu'"),
                       (["--temperature", "-1"], "temperature must be finite and >= 0"),
                       (["--temperature", "1", "--top-p", "0"], "top_p must be None or in (0, 1]"),
-                      (["--top-k", "5"], "give a temperature > 0")):
+                      (["--top-k", "5"], "give a temperature > 0"),
+                      (["--tree", "-1"], "--tree takes a node budget"),
+                      (["--tree", "5", "--tree-depth", "8"], "needs at least 8 nodes"),
+                      (["--tree", "64", "--tree-depth", "2", "--tree-width", "2"], "has 6 candidates"),
+                      (["--compile"], "--compile runs the chain only")):
         with pytest.raises(SystemExit):
             bench.main(argv)
         assert msg in capsys.readouterr().err
