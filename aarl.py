@@ -95,6 +95,11 @@ def check_config(cfg: AARLConfig):
     for name in ("lr", "temperature"):
         if not getattr(cfg, name) > 0:
             raise ValueError(f"{name} must be > 0, got {getattr(cfg, name)}")
+    if not 0 <= cfg.seed < 2**30:  # combined into a 64-bit torch seed for the batch order (driving.Data.batch)
+        raise ValueError(f"seed must be in 0..2**30-1, got {cfg.seed}")
+    if not 0 <= cfg.views <= driving.MAX_VIEWS:
+        raise ValueError(f"views must be in 0..{driving.MAX_VIEWS} (the geometries the toy target was trained on), "
+                         f"got {cfg.views}")
     for name in ("beta", "agree_weight"):
         if not getattr(cfg, name) >= 0:  # also catches NaN
             raise ValueError(f"{name} must be a number >= 0, got {getattr(cfg, name)}")
@@ -294,8 +299,11 @@ def _run(cfg, run_dir, n_report, device, out):
     train = Data("train", cfg.n_train, 0, tok, views=cfg.views)
     splits = {"val": Data("val", n_report, 0, tok, views=cfg.views),
               "test": Data("test", n_report, 0, tok, views=cfg.views)}
-    outputs = {name: evaluate.greedy_outputs(target, data) for name, data in splits.items()}
     prompt = evaluate.scene_prompts(splits["val"].scenes[:1], tok, device, views=cfg.views)[0]
+    if prompt["input_ids"].shape[1] + cfg.max_new > target.cfg.max_seq_len:  # else the first rollout fails, minutes in
+        raise ValueError(f"max_new {cfg.max_new}: a prompt of {prompt['input_ids'].shape[1]} tokens and its CoC need "
+                         f"more than the target's {target.cfg.max_seq_len} positions")
+    outputs = {name: evaluate.greedy_outputs(target, data) for name, data in splits.items()}
     times = speculate.step_times(target, sft, prompt, [1] + [g + 1 for g in REPORT_GAMMAS])
     before = report(target, sft, sft, splits, times, outputs)
     updates = []  # every update's statistics: what the reward, its spread within a group and the KL did
