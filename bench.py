@@ -523,8 +523,8 @@ def check_geometry_flags(ap, args):
         ap.error(f"--views must be in 0..{driving.MAX_VIEWS} (the geometries the toy target was trained on), "
                  f"got {args.views}")
     size = re.fullmatch(r"(\d+)x(\d+)", args.image_size)
-    if not size or min(int(size[1]), int(size[2])) < 1:
-        ap.error(f"--image-size must be HxW in pixels, both >= 1 (e.g. 288x512), got {args.image_size!r}")
+    if not size or not all(1 <= int(n) <= 8192 for n in size.groups()):  # 8192: a camera frame, not all of memory
+        ap.error(f"--image-size must be HxW in pixels, each in 1..8192 (e.g. 288x512), got {args.image_size!r}")
     if not 1 <= args.min_pixels <= args.max_pixels:
         ap.error(f"--min-pixels and --max-pixels must satisfy 1 <= min <= max, got {args.min_pixels} and "
                  f"{args.max_pixels}")

@@ -15,7 +15,8 @@ fingerprint of the target it was distilled from) and model.safetensors. A draft'
 its own weights (a reduced-vocabulary draft's also its `vocab_ids`, the K target ids its head
 covers); the target's embedding and LM head are re-attached by load(dir, target=...), which
 refuses a target whose fingerprint differs. Every ModelConfig field is required except LATER_FIELDS.
-A folder is written as a whole (atomic_folder); a run folder has one writer at a time (writer_lock).
+A folder is written as a whole (atomic_folder) and replaces only a checkpoint of its own kind (check_output); a run
+folder has one writer at a time (writer_lock).
 
 Hugging Face / Alpamayo config.json fields read by the Qwen3-VL vision tower (each required; a
 folder missing one gets an error naming it): vision_config.{depth, hidden_size, num_heads,

@@ -182,6 +182,7 @@ def test_train_bad_flags_fail_at_parse_time(argv, msg, capsys):
     (["--temperature", "0.6", "--sampling-seed", str(2**64 - 1)], "sampling seed must be an int in 0..2**62-1"),
     (["--image-size", "abc"], "--image-size must be HxW"),
     (["--image-size", "0x512"], "--image-size must be HxW"),
+    (["--image-size", "100000x100000"], "each in 1..8192"),
     (["--min-pixels", "100", "--max-pixels", "10"], "1 <= min <= max, got 100 and 10"),
     (["--min-pixels", "-5"], "1 <= min <= max"),
     (["--images-dir", "."], "--images-dir goes with --target"),
