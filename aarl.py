@@ -34,7 +34,9 @@ gamma 4, 6, 8 (exact from one teacher-forced pass, evaluate.simulate_rounds), th
 the ADE after the draft's own CoC, the KL to the SFT draft, and whether real speculative decoding
 at that gamma emits the target's greedy output on every scene.
 
-run: python aarl.py --reference static|moving|none --seed S [--json]   (needs a run folder from train.py)
+run: python aarl.py --reference static|moving|none --seed S [--json]   (needs a run folder from train.py; writes
+     runs/aarl/draft_aarl[_REFERENCE]_s<S> by default, never over the shipped checkpoints; --overwrite replaces an
+     existing draft there)
 """
 import argparse
 import copy
@@ -93,6 +95,11 @@ def check_config(cfg: AARLConfig):
     for name in ("lr", "temperature"):
         if not getattr(cfg, name) > 0:
             raise ValueError(f"{name} must be > 0, got {getattr(cfg, name)}")
+    if not 0 <= cfg.seed < 2**30:  # combined into a 64-bit torch seed for the batch order (driving.Data.batch)
+        raise ValueError(f"seed must be in 0..2**30-1, got {cfg.seed}")
+    if not 0 <= cfg.views <= driving.MAX_VIEWS:
+        raise ValueError(f"views must be in 0..{driving.MAX_VIEWS} (the geometries the toy target was trained on), "
+                         f"got {cfg.views}")
     for name in ("beta", "agree_weight"):
         if not getattr(cfg, name) >= 0:  # also catches NaN
             raise ValueError(f"{name} must be a number >= 0, got {getattr(cfg, name)}")
@@ -252,26 +259,35 @@ def report(target, draft, sft, splits, times, outputs, gamma=None):
 def load_run(run, seed, device):
     """The target and the SFT FlatRoPE draft of `seed` from a run folder, with a clear error if one is missing."""
     paths = {"target": os.path.join(run, "target"), "draft": checkpoint.draft_dir(run, "flat", seed)}
+    # the hint's command trains only what is missing: with a target there, --stage drafts (the default stage, all,
+    # would retrain the target, and train.py refuses to replace one it cannot resume)
+    how = (f"python train.py --out {run} --stage drafts --draft-seed {seed}" if os.path.isdir(paths["target"])
+           else f"python train.py --out {run}" + (f" --draft-seed {seed}" if seed else ""))
     for path in paths.values():
         if not os.path.isdir(path):
-            raise FileNotFoundError(f"{path} not found: train it with `python train.py --out {run} "
-                                    f"--draft-seed {seed}` (or use the shipped checkpoints/toy)")
+            raise FileNotFoundError(f"{path} not found: train it with `{how}` (or use the shipped checkpoints/toy)")
     target = checkpoint.load(paths["target"], device=device).eval()
     return target, checkpoint.load(paths["draft"], target=target, device=device).eval()
 
 
+DEFAULT_OUT = "runs/aarl"  # a fresh folder: a default run never replaces the shipped FlatRoPE + AARL drafts
+
+
 def out_dir(run, reference, seed):
-    """Where a run's draft goes: the static anchor's is the table's "FlatRoPE + AARL" draft."""
+    """Where a run's draft goes in a run folder: the static anchor's is the table's "FlatRoPE + AARL" draft."""
     return checkpoint.draft_dir(run, "aarl" if reference == "static" else f"aarl_{reference}", seed)
 
 
-def run(cfg: AARLConfig, run_dir, n_report=64, device="cpu", out=None):
+def run(cfg: AARLConfig, run_dir, n_report=64, device="cpu", out=None, overwrite=False):
     """One AARL run from the SFT FlatRoPE draft of seed cfg.seed in run_dir: the before / after report on validation
-    and held-out scenes, the draft saved to `out` (default out_dir) -> the JSON-able result. Holds the writer lock of
-    out's folder throughout (checkpoint.writer_lock), taken before any work."""
+    and held-out scenes, the draft saved to `out` (default out_dir(DEFAULT_OUT, ...)) -> the JSON-able result. Before
+    any work: out must be new, or a FlatRoPE draft and overwrite given (checkpoint.check_output), and the writer lock
+    of out's folder is taken and held throughout (checkpoint.writer_lock)."""
     check_config(cfg)
-    out = out or out_dir(run_dir, cfg.reference, cfg.seed)
+    out = out or out_dir(DEFAULT_OUT, cfg.reference, cfg.seed)
     with checkpoint.writer_lock(os.path.dirname(os.path.abspath(out))):
+        checkpoint.check_output(out, "flat draft", overwrite,
+                                how="rerun with --overwrite to replace it, or give another --out")
         return _run(cfg, run_dir, n_report, device, out)
 
 
@@ -283,8 +299,11 @@ def _run(cfg, run_dir, n_report, device, out):
     train = Data("train", cfg.n_train, 0, tok, views=cfg.views)
     splits = {"val": Data("val", n_report, 0, tok, views=cfg.views),
               "test": Data("test", n_report, 0, tok, views=cfg.views)}
-    outputs = {name: evaluate.greedy_outputs(target, data) for name, data in splits.items()}
     prompt = evaluate.scene_prompts(splits["val"].scenes[:1], tok, device, views=cfg.views)[0]
+    if prompt["input_ids"].shape[1] + cfg.max_new > target.cfg.max_seq_len:  # else the first rollout fails, minutes in
+        raise ValueError(f"max_new {cfg.max_new}: a prompt of {prompt['input_ids'].shape[1]} tokens and its CoC need "
+                         f"more than the target's {target.cfg.max_seq_len} positions")
+    outputs = {name: evaluate.greedy_outputs(target, data) for name, data in splits.items()}
     times = speculate.step_times(target, sft, prompt, [1] + [g + 1 for g in REPORT_GAMMAS])
     before = report(target, sft, sft, splits, times, outputs)
     updates = []  # every update's statistics: what the reward, its spread within a group and the KL did
@@ -317,10 +336,14 @@ def print_result(res):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description="AARL post-training of the FlatRoPE draft (needs train.py's checkpoints)")
-    ap.add_argument("--run", default="checkpoints/toy", help="folder with target/ and draft_flat_s<seed>/")
+    ap.add_argument("--run", default=checkpoint.SHIPPED, help="folder with target/ and draft_flat_s<seed>/ "
+                    "(default: the shipped checkpoints/toy)")
     ap.add_argument("--device", default="cpu", help="torch device")
     ap.add_argument("--n-report", type=int, default=64, help="validation / held-out scenes of the before / after report")
-    ap.add_argument("--out", default=None, help="output folder (default RUN/draft_aarl[_REFERENCE]_s<seed>)")
+    ap.add_argument("--out", default=None, help=f"output folder (default {DEFAULT_OUT}/draft_aarl[_REFERENCE]_s<seed>; "
+                    "RUN/draft_aarl_s<seed> is the draft rsd.py reports as FlatRoPE + AARL)")
+    ap.add_argument("--overwrite", action="store_true", help="replace an existing draft at --out (only a FlatRoPE "
+                    "draft is ever replaced)")
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     checkpoint.add_config_flags(ap, AARLConfig, choices={"reference": list(REFERENCES)})
     a = ap.parse_args(argv)
@@ -335,10 +358,8 @@ def main(argv=None):
         checkpoint.check_device(a.device)
     except ValueError as e:
         ap.error(str(e))
-    try:
-        res = run(cfg, a.run, a.n_report, a.device, a.out)
-    except (FileNotFoundError, PermissionError, checkpoint.FolderLocked) as e:
-        ap.error(str(e))
+    with checkpoint.user_errors(ap):
+        res = run(cfg, a.run, a.n_report, a.device, a.out, a.overwrite)
     print_result(res)
     if a.json:
         print(json.dumps(res))

@@ -49,6 +49,7 @@ import json
 import math
 import os
 import platform
+import re
 import statistics
 
 import torch
@@ -567,11 +568,40 @@ def report(res, args):
     print("\n".join(lines))
 
 
+def check_geometry_flags(ap, args):
+    """Parse-time checks of the prompt's geometry and the folders it is read from: each bad value is one line."""
+    if args.threads is not None and args.threads < 1:
+        ap.error(f"--threads must be >= 1 (omit it for torch's default), got {args.threads}")
+    if not 0 <= args.views <= driving.MAX_VIEWS:
+        ap.error(f"--views must be in 0..{driving.MAX_VIEWS} (the geometries the toy target was trained on), "
+                 f"got {args.views}")
+    size = re.fullmatch(r"(\d+)x(\d+)", args.image_size)
+    if not size or not all(1 <= int(n) <= 8192 for n in size.groups()):  # 8192: a camera frame, not all of memory
+        ap.error(f"--image-size must be HxW in pixels, each in 1..8192 (e.g. 288x512), got {args.image_size!r}")
+    if not 1 <= args.min_pixels <= args.max_pixels:
+        ap.error(f"--min-pixels and --max-pixels must satisfy 1 <= min <= max, got {args.min_pixels} and "
+                 f"{args.max_pixels}")
+    for flag in ("images_dir", "processor"):
+        if getattr(args, flag) and not args.target:
+            ap.error(f"--{flag.replace('_', '-')} goes with --target")
+    for flag in ("target", "draft", "images_dir", "processor"):
+        path = getattr(args, flag)
+        if path is not None and not os.path.isdir(path):
+            ap.error(f"--{flag.replace('_', '-')} {path}: folder not found")
+    if args.images_dir and importlib.util.find_spec("PIL") is None:
+        ap.error("--images-dir needs Pillow to read the images: pip install pillow")
+    src = args.processor or args.target
+    if src and importlib.util.find_spec("transformers") is None and any(
+            os.path.isfile(os.path.join(src, n)) for n in ("tokenizer.json", "tokenizer_config.json")):
+        ap.error(f"{src} has a tokenizer, which needs transformers: pip install -r requirements-test.txt")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description="Reasoning-step latency: target-only vs speculative (RSD).")
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
     ap.add_argument("--dtype", default="bf16", choices=sorted(DTYPES), help="weights, activations and KV cache")
-    ap.add_argument("--run", default="checkpoints/toy", help="toy checkpoints folder (the shipped one by default)")
+    ap.add_argument("--run", default=checkpoint.SHIPPED, help="toy checkpoints folder (default: the shipped "
+                    "checkpoints/toy)")
     ap.add_argument("--target", default=None, help="Hugging Face Qwen2.5-VL / Qwen3-VL / Alpamayo folder")
     ap.add_argument("--draft", default=None, help="draft folder (checkpoint.save format) trained for that target")
     ap.add_argument("--preset", default=None, choices=sorted(k for k in M.PRESETS if not k.startswith("toy")),
@@ -611,6 +641,7 @@ def main(argv=None):
         ap.error("--gamma, --max-new, --prompts and --images must be >= 1")
     if args.repeats < 3:
         ap.error("--repeats must be >= 3 (the median of at least three passes is reported)")
+    check_geometry_flags(ap, args)
     if args.draft_vocab and not (args.preset and 1 <= args.draft_vocab <= M.PRESETS[args.preset].vocab_size):
         ap.error(f"--draft-vocab takes 1..vocab_size token ids of a --preset"
                  + (f" (1..{M.PRESETS[args.preset].vocab_size} for {args.preset})" if args.preset else "")
@@ -654,7 +685,8 @@ def main(argv=None):
         torch.set_num_threads(args.threads)
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
     torch.manual_seed(0)
-    res = toy(args, device, dtype, decoding) if toy_mode else real(args, device, dtype, decoding)
+    with checkpoint.user_errors(ap):  # a bad folder or file, a gamma past the model's positions: one line
+        res = toy(args, device, dtype, decoding) if toy_mode else real(args, device, dtype, decoding)
     hardware = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or
                                                                                   platform.machine())
     res.update(device=str(device), hardware=hardware, dtype=args.dtype, decoder=decoder_json(args.decoder),
@@ -664,7 +696,8 @@ def main(argv=None):
     if args.json:
         print(json.dumps(res))
     if res["mode"] == "toy":
-        checkpoint.write_json(TOY_JSON, res)
+        with checkpoint.user_errors(ap):
+            checkpoint.write_json(TOY_JSON, res)
     return res
 
 

@@ -15,7 +15,8 @@ fingerprint of the target it was distilled from) and model.safetensors. A draft'
 its own weights (a reduced-vocabulary draft's also its `vocab_ids`, the K target ids its head
 covers); the target's embedding and LM head are re-attached by load(dir, target=...), which
 refuses a target whose fingerprint differs. Every ModelConfig field is required except LATER_FIELDS.
-A folder is written as a whole (atomic_folder); a run folder has one writer at a time (writer_lock).
+A folder is written as a whole (atomic_folder) and replaces only a checkpoint of its own kind (check_output); a run
+folder has one writer at a time (writer_lock).
 
 Hugging Face / Alpamayo config.json fields read by the Qwen3-VL vision tower (each required; a
 folder missing one gets an error naming it): vision_config.{depth, hidden_size, num_heads,
@@ -29,6 +30,7 @@ run: python -m pytest -q tests/test_checkpoint.py tests/test_export.py
 import argparse
 import contextlib
 import dataclasses
+import errno
 import hashlib
 import inspect
 import io
@@ -58,6 +60,8 @@ from model import PRESETS, VLA, ModelConfig, VisionConfig, check_vocab_ids
 log = logging.getLogger(__name__)
 
 WEIGHTS, CONFIG = "model.safetensors", "config.json"
+# The shipped toy checkpoints, found from any working folder (the scripts' default --run).
+SHIPPED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "checkpoints", "toy")
 # The one dtype vocabulary of every script's --dtype flag.
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -136,6 +140,19 @@ def clean_stale(folder, name=None):
     return done
 
 
+def _writing(path, write, tmp):
+    """write(tmp), a failure named by the path it was for: torch's serializer reports a full disk as a RuntimeError
+    of its inline_container.cc with neither the path nor the cause."""
+    try:
+        write(tmp)
+    except (OSError, RuntimeError) as e:
+        free = shutil.disk_usage(os.path.dirname(os.path.abspath(tmp))).free
+        why = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+        full = getattr(e, "errno", None) == errno.ENOSPC or free < 2**20
+        raise OSError(f"{path}: write failed ({why}); {free / 2**20:.0f} MiB free on its disk"
+                      + (": no space left on device" if full else "")) from None
+
+
 def atomic_write(path, write):
     """write(tmp_path) into a temporary file beside path, fsync, then rename over path: a crash mid-write leaves the
     previous file intact, and its temporary file is removed by the next write (clean_stale). The file gets the
@@ -144,7 +161,7 @@ def atomic_write(path, write):
     clean_stale(parent, os.path.basename(path))
     tmp = _side_path(path, "tmp")
     try:
-        write(tmp)
+        _writing(path, write, tmp)
         _usual_mode(tmp)
         _fsync(tmp)
         os.replace(tmp, path)
@@ -165,7 +182,7 @@ def atomic_folder(dir, write):
     tmp, old = _side_path(dir, "tmp"), None
     os.mkdir(tmp)
     try:
-        write(tmp)
+        _writing(dir, write, tmp)
         for n in os.listdir(tmp):
             _usual_mode(os.path.join(tmp, n))
             _fsync(os.path.join(tmp, n))
@@ -196,6 +213,44 @@ def write_json(path, obj):
 
 def torch_save(obj, path):
     atomic_write(path, lambda p: torch.save(obj, p))
+
+
+def existing_kind(path):
+    """What `path` holds, for a writer about to replace it: None (nothing, or an empty folder: nothing to lose),
+    "target" / "<rope_mode> draft" (our checkpoints), "qwen2_5_vl folder" (export_pretrained's), else words saying
+    what is there."""
+    if not os.path.lexists(path):
+        return None
+    if not os.path.isdir(path):
+        return "a file"
+    names = os.listdir(path)
+    if not names:
+        return None
+    try:
+        with open(os.path.join(path, CONFIG)) as f:
+            meta = json.load(f)
+    except (OSError, ValueError):
+        meta = None
+    if isinstance(meta, dict) and meta.get("format") == "rsd-vla":
+        return f"{(meta.get('config') or {}).get('rope_mode')} draft" if meta.get("draft") else "target"
+    if isinstance(meta, dict) and meta.get("model_type") == "qwen2_5_vl":
+        return "qwen2_5_vl folder"
+    shown = ", ".join(sorted(names)[:3]) + (", ..." if len(names) > 3 else "")
+    return f"a folder of {len(names)} entries ({shown})"
+
+
+def check_output(path, kind, overwrite=False, how="pass overwrite=True to replace it, or write to another folder"):
+    """Refuse, before any work, to write a `kind` checkpoint (existing_kind's words) at path when that would destroy
+    something: whatever is not a checkpoint of that kind always, an existing one of that kind unless overwrite.
+    `how` says which command replaces it, for the message."""
+    have = existing_kind(path)
+    if have is None:
+        return
+    if have != kind:
+        raise FileExistsError(f"{path} holds {have if have.startswith('a ') else 'a ' + have + ' checkpoint'}, not a "
+                              f"{kind} checkpoint: refusing to replace it; write to another folder")
+    if not overwrite:
+        raise FileExistsError(f"{path} holds a {kind} checkpoint already: {how}")
 
 
 def read_json(path):
@@ -331,6 +386,17 @@ def config_from_args(cls, args):
     return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
 
 
+@contextlib.contextmanager
+def user_errors(ap: argparse.ArgumentParser):
+    """A script's expected errors (a bad value, a missing, unwritable or existing file, a full disk, a locked run
+    folder) as argparse's one line `prog: error: ...` and exit status 2; anything else is a bug and keeps its
+    traceback."""
+    try:
+        yield
+    except (ValueError, OSError, FolderLocked) as e:
+        ap.error(str(e))
+
+
 def check_device(name):
     """torch.device(name), or a clear error before any work: a device torch does not know, or one this machine lacks
     (a script would otherwise fail at its first .to(device), after minutes of data generation)."""
@@ -421,7 +487,8 @@ def save(model: VLA, dir, target: VLA | None = None):
     """Write the folder dir as a whole (atomic_folder): config.json + model.safetensors. A draft's file holds only its
     own weights (load(dir, target=...) re-attaches the target's embedding / LM head); `target`, the model it was
     distilled from, is required for a draft, and its fingerprint is recorded so that a later load against another
-    target is refused."""
+    target is refused. It replaces only a checkpoint of the same kind (check_output): never a file, a run folder or a
+    draft of another kind."""
     if getattr(model, "expert", None) is not None:
         raise ValueError("this format holds no Alpamayo action expert: keep the model's Alpamayo folder")
     draft = model.cfg.shared_width is not None
@@ -430,6 +497,7 @@ def save(model: VLA, dir, target: VLA | None = None):
                          "the draft records")
     if draft and target.embed_tokens is not model.embed_tokens:
         raise ValueError(f"{dir}: target= is not the model whose embedding and LM head this draft shares")
+    check_output(dir, f"{model.cfg.rope_mode} draft" if draft else "target", overwrite=True)
     sd = _stored(model)
     meta = {"format": "rsd-vla", "draft": draft, "config": model.cfg.to_dict(),
             "fingerprint": _memory_fingerprint(model, sd)}
@@ -446,6 +514,10 @@ def save(model: VLA, dir, target: VLA | None = None):
 def _open_safetensors(path):
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path}: weights file not found")
+    with open(path, "rb") as f:
+        if f.read(40).startswith(b"version https://git-lfs"):
+            raise ValueError(f"{path}: a git-lfs pointer, not the weights: fetch them with `git lfs pull` in its "
+                             "repository")
     try:
         return safe_open(path, framework="pt")
     except Exception as e:  # safetensors raises its own error type for bad headers / short files
@@ -613,6 +685,9 @@ def _hf_config(path):
     raw = top = read_json(cfg_path)
     if not isinstance(raw, dict):
         raise ValueError(f"{cfg_path}: expected a JSON object, got {type(raw).__name__}")
+    if raw.get("format") == "rsd-vla":
+        raise ValueError(f"{cfg_path}: a checkpoint of this repo's own format (checkpoint.save), not a Hugging Face "
+                         "folder: load it with checkpoint.load (bench.py: its run folder as --run, a draft as --draft)")
     alpamayo = "vlm_name_or_path" in raw or "alpamayo" in str(raw.get("model_type", "")).lower()
     if alpamayo:  # the VLM config is nested, or (released checkpoints) named by vlm_name_or_path
         vlm = raw.get("vlm_config")
@@ -646,7 +721,10 @@ def _hf_config(path):
         raise ValueError(f"{cfg_path}: unsupported hidden_act {text['hidden_act']!r}")
     if family == "qwen3_vl" and text.get("attention_bias"):
         raise ValueError(f"{cfg_path}: unsupported attention_bias=True for qwen3_vl")
-    vraw = raw.get("vision_config") or {}
+    # required: a default vision config would load as a mismatch of hundreds of keys, not as a missing field
+    vraw = _required(raw, "vision_config", cfg_path)
+    if not isinstance(vraw, dict):
+        raise ValueError(f"{cfg_path}: vision_config must be an object, got {type(vraw).__name__}")
     if family == "qwen2_5_vl":
         vision = VisionConfig(
             patch_size=vraw.get("patch_size", 14), temporal_patch_size=vraw.get("temporal_patch_size", 2),
@@ -662,7 +740,7 @@ def _hf_config(path):
             raise ValueError(f"{cfg_path}: vision out_hidden_size {vraw['out_hidden_size']} != hidden_size "
                              f"{text['hidden_size']}")
     else:
-        vision = _qwen3_vision(_required(raw, "vision_config", cfg_path), text, cfg_path)
+        vision = _qwen3_vision(vraw, text, cfg_path)
     try:
         cfg = ModelConfig(
             vocab_size=raw.get("vocab_size") or text["vocab_size"], hidden_size=text["hidden_size"],
@@ -922,6 +1000,7 @@ def export_pretrained(model: VLA, dir, target: VLA | None = None, **token_ids):
     if unknown:
         raise TypeError(f"export_pretrained: unknown token id fields {unknown}; known: {list(TOKEN_ID_FIELDS)}")
     m = _exportable(model, target, dir)
+    check_output(dir, "qwen2_5_vl folder", overwrite=True)
     shapes, parts = _hf_layout(m)
     sd, tensors = m.state_dict(), {}
     for name, hf_names in parts.items():

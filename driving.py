@@ -63,6 +63,11 @@ from model import patchify  # model.py owns the Qwen2-VL flattening order, so th
 
 
 # ---- config ----
+# The most surround views a prompt may have: the toy target trains on every count 0..MAX_VIEWS (train.py's
+# --max-views), so the scripts refuse a geometry outside what the shipped checkpoints were trained for.
+MAX_VIEWS = 21
+
+
 @dataclass(frozen=True)
 class WorldConfig:
     height: int = 24               # front raster (px): 2 x 3 merged tokens per frame at PATCH 4, MERGE 3

@@ -251,8 +251,8 @@ def decoding_mode(temperature=0.0, top_k=None, top_p=None, seed=0):
     """The decoding settings of bench.py and rsd.py (their --temperature, --top-k, --top-p, --sampling-seed), checked
     before any work (ValueError), as the JSON's "decoding" object: mode "greedy" (temperature 0) or "sampling"."""
     speculate.check_sampling(temperature, top_k, top_p)
-    if not isinstance(seed, int) or seed < 0:
-        raise ValueError(f"the sampling seed must be an int >= 0, got {seed!r}")
+    if not isinstance(seed, int) or not 0 <= seed < 2**62:  # prompt i's generator takes seed + i, a 63-bit seed
+        raise ValueError(f"the sampling seed must be an int >= 0 and < 2**62, got {seed!r}")
     if temperature == 0 and (top_k is not None or top_p is not None):
         # a greedy decode reads only the argmax: the filters would be silently ignored
         raise ValueError("top_k / top_p filter a sampled distribution: give a temperature > 0 with them (0 = greedy)")

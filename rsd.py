@@ -30,6 +30,7 @@ run: python rsd.py [--json] [--plot]
 """
 import argparse
 import copy
+import importlib.util
 import json
 import os
 import statistics
@@ -51,15 +52,22 @@ ROWS = (("replica", "mrope"), ("flatrope", "flat"), ("flatrope+aarl", "aarl"))  
 GAMMAS = tuple(range(2, 9))
 # the draft trees a tree row chooses from on val (width 3: experiments/tree_sweep.py); --tree N keeps those of <= N nodes
 TREES = tuple(speculate.TreeShape(n, d, 3) for n in (16, 32) for d in (6, 8))
-SWEEP_JSON = "experiments/views_sweep.json"  # written by python experiments/views_sweep.py
+FIGURES = "figures"  # --plot's folder
+# written by python experiments/views_sweep.py; found from any working folder
+SWEEP_JSON = os.path.join(os.path.dirname(os.path.abspath(__file__)), "experiments", "views_sweep.json")
 
 # ---- checkpoints ----
 
 
 def parse_seeds(text):
-    seeds = [int(s) for s in text.split(",") if s.strip()]
+    try:
+        seeds = [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        seeds = []
     if not seeds or min(seeds) < 0:
-        raise ValueError(f"seeds must be non-negative integers, got {text!r}")
+        raise ValueError(f"--seeds must be non-negative integers, got {text!r}")
+    if len(set(seeds)) < len(seeds):  # a repeated seed would count twice in the mean and spread
+        raise ValueError(f"--seeds must not repeat a seed, got {text!r}")
     return seeds
 
 
@@ -77,7 +85,8 @@ def retrain(run, seeds, device="cpu", log=print):
 
 def _retrain(run, seeds, device, log):
     for seed in seeds:
-        if missing(run, [seed]):
+        sft = [os.path.join(run, "target")] + [checkpoint.draft_dir(run, kind, seed) for kind in ("mrope", "flat")]
+        if not all(os.path.isdir(p) for p in sft):  # a missing AARL draft alone retrains nothing
             stage = "all" if not os.path.isdir(os.path.join(run, "target")) else "drafts"
             log(f"training into {run}: stage {stage}, draft seed {seed} (train.py defaults)")
             T.run(T.TrainConfig(out=run, device=str(device), draft_seed=seed), stage=stage, log=log)
@@ -255,17 +264,13 @@ def print_sweep(sweep, rows, log=print):
 # ---- figures ----
 
 
-def plot(rows, out="figures", sweep_json=SWEEP_JSON):
+def plot(rows, out=FIGURES, sweep_json=SWEEP_JSON):
     """figures/attention.png (where each model's attention goes while it writes the CoC) and, from the views sweep
     of experiments/views_sweep.py, figures/views_sweep.png (tau of both drafts against the visual-token count)."""
-    try:
-        import matplotlib
+    import matplotlib  # main checks that it is installed before any work
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("--plot needs matplotlib: pip install matplotlib")
-        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
     os.makedirs(out, exist_ok=True)
     fig, ax = plt.subplots(figsize=(6, 3))
     names, bottom = [r["name"] for r in rows], [0.0] * len(rows)
@@ -274,7 +279,9 @@ def plot(rows, out="figures", sweep_json=SWEEP_JSON):
         bottom = [b + r[key] for b, r in zip(bottom, rows)]
     ax.set_ylabel("attention mass while writing the CoC")
     ax.legend(fontsize=7)
-    fig.savefig(os.path.join(out, "attention.png"), dpi=120, bbox_inches="tight")
+    save = lambda fig, name: checkpoint.atomic_write(  # noqa: E731
+        os.path.join(out, name), lambda p: fig.savefig(p, format="png", dpi=120, bbox_inches="tight"))
+    save(fig, "attention.png")
     written = [f"{out}/attention.png"]
     if os.path.exists(sweep_json):
         sweep = checkpoint.read_json(sweep_json)
@@ -289,7 +296,7 @@ def plot(rows, out="figures", sweep_json=SWEEP_JSON):
             ax.set_xlabel("visual tokens in the prompt")
             ax.set_ylabel(label)
             ax.legend(fontsize=7)
-        fig.savefig(os.path.join(out, "views_sweep.png"), dpi=120, bbox_inches="tight")
+        save(fig, "views_sweep.png")
         written.append(f"{out}/views_sweep.png")
     else:
         print(f"{sweep_json} not found: run python experiments/views_sweep.py for figures/views_sweep.png")
@@ -301,7 +308,8 @@ def plot(rows, out="figures", sweep_json=SWEEP_JSON):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description="The two-reasoner planner (RSD) on the synthetic driving world.")
-    ap.add_argument("--run", default="checkpoints/toy", help="checkpoint folder (the shipped one by default)")
+    ap.add_argument("--run", default=checkpoint.SHIPPED, help="checkpoint folder (default: the shipped "
+                    "checkpoints/toy)")
     ap.add_argument("--retrain", action="store_true", help="train whatever is missing in --run first")
     ap.add_argument("--seeds", default="0,1,2", help="draft seeds of every row (mean and spread over them)")
     ap.add_argument("--device", default="cpu", help="torch device")
@@ -320,7 +328,7 @@ def main(argv=None):
                     "(minutes of compilation; gamma is still chosen with the eager cost model)")
     ap.add_argument("--tree", type=int, default=32, help="draft-tree rows beside the chain rows, their node budget "
                     "at most this (the shape chosen on val from rsd.TREES); 0 = chain rows only")
-    ap.add_argument("--plot", action="store_true", help="write figures/ (needs matplotlib)")
+    ap.add_argument("--plot", action="store_true", help="write figures/ (needs matplotlib), after the report")
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     a = ap.parse_args(argv)
     if a.scenes < 1 or a.time_scenes < 1 or a.repeats < 1 or a.show < 0:
@@ -330,32 +338,33 @@ def main(argv=None):
                  "(0 = chain rows only)")
     if a.tree and a.compile:
         ap.error("--compile times the chain only (the tree's steps have no static-shape path yet): add --tree 0")
-    try:
+    if a.time_scenes > a.scenes or a.show > a.scenes:  # they are taken from the --scenes held-out scenes
+        ap.error(f"--time-scenes ({a.time_scenes}) and --show ({a.show}) must be at most --scenes ({a.scenes})")
+    if not 0 <= a.views <= driving.MAX_VIEWS:
+        ap.error(f"--views must be in 0..{driving.MAX_VIEWS} (the geometries the toy target was trained on), "
+                 f"got {a.views}")
+    with checkpoint.user_errors(ap):
         seeds = parse_seeds(a.seeds)
         decoding = evaluate.decoding_mode(a.temperature, a.top_k, a.top_p, a.sampling_seed)
-    except ValueError as e:
-        ap.error(str(e))
-    t0 = time.time()
-    try:
         device = checkpoint.check_device(a.device)
-    except ValueError as e:
-        ap.error(str(e))
+        if a.plot:  # figures come after minutes of work: their dependency and folder are checked first
+            if importlib.util.find_spec("matplotlib") is None:
+                raise ValueError("--plot needs matplotlib: pip install matplotlib")
+            checkpoint.check_writable(FIGURES)
+    t0 = time.time()
     if a.retrain:
-        try:
+        with checkpoint.user_errors(ap):
             retrain(a.run, seeds, device)
-        except (PermissionError, checkpoint.FolderLocked) as e:
-            ap.error(str(e))
     gone = missing(a.run, seeds)
     if gone:
         ap.error(f"missing checkpoints: {', '.join(gone)}; use the shipped checkpoints/toy, or train them with "
                  f"`python rsd.py --retrain --run {a.run}`")
     tok = driving.Tokenizer()
-    target = checkpoint.load(os.path.join(a.run, "target"), dtype=checkpoint.DTYPES[a.dtype], device=device).eval()
-    try:  # a draft distilled from another target than this folder's is stale: say which, before any work
+    with checkpoint.user_errors(ap):  # a corrupt file, or a draft distilled from another target: before any work
+        target = checkpoint.load(os.path.join(a.run, "target"), dtype=checkpoint.DTYPES[a.dtype],
+                                 device=device).eval()
         drafts = {row: {s: checkpoint.load(checkpoint.draft_dir(a.run, kind, s), target=target).eval() for s in seeds}
                   for row, kind in ROWS}
-    except ValueError as e:
-        ap.error(str(e))
     splits = {"val": Data("val", a.scenes, 0, tok, views=a.views), "test": Data("test", a.scenes, 0, tok, views=a.views)}
     test = splits["test"]
 
@@ -395,8 +404,6 @@ def main(argv=None):
     share = driving.routine_share("train")
     print(f"routine share of the world (the Bayes-optimal reader of the history, python driving.py): {share:.3f}")
     print(f"wall time {time.time() - t0:.0f} s")
-    if a.plot:
-        plot(rows)
     if a.json:
         keys = ("name", "gamma", "tau", "tau_spread", "tau_by_gamma", "tau_ceiling", "routine_fraction", "commit_acc",
                 "ms_per_token", "speedup", "ade", "attn_history", "attn_image", "attn_text")
@@ -409,6 +416,9 @@ def main(argv=None):
                           "prompt": {"visual_tokens": n_visual, "history_tokens": 3 * driving.WorldConfig().n_hist},
                           "routine_share_world": share, "seeds": seeds,
                           "rows": [{k: r.get(k) for k in keys + tree_keys} for r in rows]}))
+    if a.plot:  # after the report: a failing figure loses no result
+        with checkpoint.user_errors(ap):
+            plot(rows, FIGURES)
 
 
 if __name__ == "__main__":

@@ -63,9 +63,10 @@ class TrainConfig:
     amp: bool = True  # bf16 autocast for the matmuls (fp32 master weights): faster on a CPU with bf16 support
     eval_every: int = 1000  # steps between validation passes (and resumable checkpoints)
     views: int = driving.WorldConfig().views  # surround views of the drafts' training and of every evaluation
-    max_views: int = 21  # the target trains on every view count 0..max_views (one per batch): one target, any geometry
+    max_views: int = driving.MAX_VIEWS  # the target trains on every view count 0..max_views (one per batch)
     p_no_views: float = 0.8  # ... with this share of its batches at 0 views: short prompts, where a deep target first
     #                          learns to read the evidence cheaply (docs/toy-notes.md)
+    overwrite: bool = False  # retrain and replace checkpoints in out that have no resumable *.state.pt beside them
 
 
 # ---- distributed (torchrun) ----
@@ -303,7 +304,7 @@ def save_state(path, step, models, opts, cfg, rank, target=None):
 
 
 # Fields that cannot change what a run computes: resuming with other values is fine.
-RESUMABLE_CHANGES = ("out", "device", "eval_every", "n_val", "n_test")
+RESUMABLE_CHANGES = ("out", "device", "eval_every", "n_val", "n_test", "overwrite")
 
 
 def load_state(path, models, opts, cfg, device, target=None):
@@ -358,13 +359,23 @@ def fmt(metrics):
 # ---- main ----
 
 
-def parse_args(argv=None):
+def parse_args(argv=None, parser=False):
     ap = argparse.ArgumentParser(description="Train the toy target VLA and distil the FlatRoPE and M-RoPE drafts.")
     ap.add_argument("--stage", choices=["all", "target", "drafts"], default="all",
                     help="target: SFT only; drafts: distil from an existing out/target; all: both")
     checkpoint.add_config_flags(ap, TrainConfig, choices={"target_preset": sorted(M.PRESETS),
                                                           "draft_preset": sorted(M.DRAFT_PRESETS)})
     a = ap.parse_args(argv)
+    if a.draft_vocab > len(driving.Tokenizer()):  # here, not when the draft stage starts after the target's hour
+        ap.error(f"--draft-vocab must be at most the toy vocabulary's {len(driving.Tokenizer())} ids, "
+                 f"got {a.draft_vocab}")
+    for name in ("views", "max_views"):
+        if getattr(a, name) > driving.MAX_VIEWS:
+            ap.error(f"--{name.replace('_', '-')} must be at most {driving.MAX_VIEWS} (the world's surround views), "
+                     f"got {getattr(a, name)}")
+    for name in ("seed", "draft_seed"):  # combined into 64-bit torch seeds (target_views, Data.batch's order)
+        if not 0 <= getattr(a, name) < 2**30:
+            ap.error(f"--{name.replace('_', '-')} must be in 0..2**30-1, got {getattr(a, name)}")
     for name in ("n_train", "n_val", "n_test", "batch_size", "target_steps", "draft_steps", "eval_every"):
         if getattr(a, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
@@ -380,15 +391,39 @@ def parse_args(argv=None):
         checkpoint.check_device(a.device)
     except ValueError as e:
         ap.error(str(e))
-    return checkpoint.config_from_args(TrainConfig, a), a.stage
+    cfg = checkpoint.config_from_args(TrainConfig, a)
+    return (cfg, a.stage, ap) if parser else (cfg, a.stage)
+
+
+def check_outputs(cfg: TrainConfig, stage):
+    """Refuse, before any work, to replace what cannot be resumed: a target (or this seed's drafts) in out with no
+    *.state.pt beside it is a finished or shipped one; training would replace it, and a new target makes every draft
+    distilled from the old one stale. cfg.overwrite asks for it. Anything that is not a checkpoint of the kind to be
+    written is never replaced (checkpoint.check_output)."""
+    todo = []
+    if stage in ("all", "target"):
+        todo.append((os.path.join(cfg.out, "target"), "target", "target.state.pt",
+                     f"rerun with --overwrite to retrain it (every draft in {cfg.out} then becomes stale), or "
+                     f"`python train.py --out {cfg.out} --stage drafts --draft-seed N` to distil a new draft seed "
+                     "from it"))
+    if stage in ("all", "drafts"):
+        for kind in ("flat", "mrope"):
+            todo.append((checkpoint.draft_dir(cfg.out, kind, cfg.draft_seed), f"{kind} draft",
+                         f"drafts_s{cfg.draft_seed}.state.pt", "rerun with --overwrite to retrain it, or give "
+                         "another --draft-seed or --out"))
+    for path, kind, state, how in todo:
+        resumable = os.path.exists(os.path.join(cfg.out, state))
+        checkpoint.check_output(path, kind, cfg.overwrite or resumable, how)
 
 
 def run(cfg: TrainConfig, stage="all", log=print):
     """Train what `stage` asks for; returns {"target", "drafts", "metrics"} on rank 0. Rank 0 holds cfg.out's writer
-    lock throughout (checkpoint.writer_lock: a second run into the same folder stops at once, naming this one)."""
+    lock throughout (checkpoint.writer_lock: a second run into the same folder stops at once, naming this one); what
+    would be replaced is checked first (check_outputs)."""
     checkpoint.check_device(cfg.device)
     rank, world, device = setup_distributed(cfg.device)
     with checkpoint.writer_lock(cfg.out) if rank == 0 else contextlib.nullcontext():
+        check_outputs(cfg, stage)
         return _run(cfg, stage, log, rank, world, device)
 
 
@@ -421,9 +456,11 @@ def _run(cfg, stage, log, rank, world, device):
     return out
 
 
+def main(argv=None):
+    cfg, stage, ap = parse_args(argv, parser=True)
+    with checkpoint.user_errors(ap):  # a locked, read-only or existing --out, a full disk: one line
+        return run(cfg, stage)
+
+
 if __name__ == "__main__":
-    cfg, stage = parse_args()
-    try:
-        run(cfg, stage)
-    except (checkpoint.FolderLocked, PermissionError) as e:  # another run writes there / a read-only --out
-        raise SystemExit(f"train.py: error: {e}")
+    main()

@@ -66,6 +66,7 @@ def main(argv=None):
     ap.add_argument("--references", default="static,moving,none")
     ap.add_argument("--n-report", type=int, default=64)
     ap.add_argument("--out", default="experiments/aarl_ablation.json")
+    ap.add_argument("--overwrite", action="store_true", help="replace the drafts of an earlier ablation in --work")
     ap.add_argument("--summary", action="store_true", help="print the fixed-gamma table of --out's runs, run nothing")
     a = ap.parse_args(argv)
     if a.summary:
@@ -78,7 +79,8 @@ def main(argv=None):
     for ref in a.references.split(","):
         for seed in (int(s) for s in a.seeds.split(",")):
             cfg = dataclasses.replace(aarl.AARLConfig(), reference=ref, seed=seed)
-            res = aarl.run(cfg, a.run, a.n_report, out=checkpoint.draft_dir(a.work, f"aarl_{ref}", seed))
+            res = aarl.run(cfg, a.run, a.n_report, out=checkpoint.draft_dir(a.work, f"aarl_{ref}", seed),
+                           overwrite=a.overwrite)
             aarl.print_result(res)
             results.append(res)
     print(f"\n{'reference':9s} {'split':5s} {'gamma':>5s} {'SFT tau':>8s} {'AARL tau (mean, per seed)':>30s}")

@@ -51,6 +51,8 @@ def main(argv=None):
     parts = ["target"] + [os.path.basename(checkpoint.draft_dir(a.run, k, s)) for k in KINDS for s in seeds]
     for part in parts:
         dst = os.path.join(a.out, part)
+        # shipping replaces the shipped checkpoints, never anything else that sits at their names
+        checkpoint.check_output(dst, checkpoint.existing_kind(os.path.join(a.run, part)), overwrite=True)
         if os.path.exists(dst):
             shutil.rmtree(dst)
         shutil.copytree(os.path.join(a.run, part), dst)

@@ -1,0 +1,255 @@
+"""What a user points a command at is never destroyed, a bad flag is one line before any work, and an expected error
+(a bad value, a missing or existing file, a full disk) is one line `script: error: ...` with no traceback (issue #24).
+Each test stops before any training: tiny models, a few seconds for the file.
+
+run: python -m pytest -q tests/test_user_errors.py
+"""
+import importlib.util
+import json
+import os
+
+import pytest
+import torch
+
+import aarl
+import bench
+import checkpoint
+import rsd
+import train as T
+from model import make_draft
+from tiny_models import tiny_model
+
+
+def error_line(capsys):
+    """The one error line a script printed (argparse's `prog: error: ...`), and that no traceback came with it."""
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return [line for line in err.splitlines() if ": error: " in line][-1]
+
+
+def snapshot(path):
+    """{relative path: bytes} of everything under path (or the file itself)."""
+    if os.path.isfile(path):
+        return {"": open(path, "rb").read()}
+    return {os.path.relpath(os.path.join(d, n), path): open(os.path.join(d, n), "rb").read()
+            for d, _, names in os.walk(path) for n in names}
+
+
+class Started(Exception):
+    """Raised where a script's work would start: every check before it has passed."""
+
+
+@pytest.fixture
+def tiny_run(tmp_path):
+    """A run folder laid out as train.py leaves a finished (or shipped) one: target/, draft_{flat,mrope}_s0/, notes,
+    and no *.state.pt."""
+    run = tmp_path / "run"
+    target = tiny_model()
+    checkpoint.save(target, str(run / "target"))
+    for kind in ("flat", "mrope"):
+        checkpoint.save(make_draft(target, rope_mode=kind), checkpoint.draft_dir(str(run), kind, 0), target=target)
+    (run / "metrics.json").write_text("{}")
+    return run
+
+
+# ---- case 1: a save never replaces what is not a checkpoint of its kind ----
+
+def test_save_refuses_to_replace_a_folder_a_file_or_another_kind(tiny_run, tmp_path):
+    target = tiny_model()
+    draft = make_draft(target, rope_mode="flat")
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "todo.txt").write_text("keep me")
+    (tmp_path / "plain").write_text("keep me too")
+    before = {p: snapshot(p) for p in (str(tiny_run), str(notes), str(tmp_path / "plain"))}
+    for dest, what in ((tiny_run, r"a folder of 4 entries \(draft_flat_s0"), (notes, "a folder of 1 entries"),
+                       (tmp_path / "plain", "a file"), (tiny_run / "draft_mrope_s0", "a mrope draft checkpoint"),
+                       (tiny_run / "target", "a target checkpoint")):
+        with pytest.raises(FileExistsError, match=f"holds {what}.*not a flat draft checkpoint: refusing"):
+            checkpoint.save(draft, str(dest), target=target)
+    assert {p: snapshot(p) for p in before} == before
+    # a checkpoint of the same kind is replaced, and an empty folder holds nothing to lose
+    checkpoint.save(draft, str(tiny_run / "draft_flat_s0"), target=target)
+    (tmp_path / "empty").mkdir()
+    checkpoint.save(draft, str(tmp_path / "empty"), target=target)
+    assert checkpoint.existing_kind(str(tmp_path / "empty")) == "flat draft"
+
+
+def test_aarl_out_never_deletes_what_it_is_pointed_at(tiny_run, tmp_path, capsys):
+    """The issue's `aarl.py --run runs/copy --out runs/copy`, a folder of notes, a plain file, another kind of draft:
+    one line, before any work, nothing touched; an existing FlatRoPE draft only with --overwrite."""
+    (tmp_path / "plain").write_text("x")
+    before = snapshot(str(tiny_run))
+    for out, msg in ((tiny_run, "not a flat draft checkpoint: refusing to replace it"),
+                     (tmp_path / "plain", "holds a file, not a flat draft"),
+                     (tiny_run / "draft_mrope_s0", "holds a mrope draft checkpoint, not a flat draft"),
+                     (tiny_run / "draft_flat_s0", "holds a flat draft checkpoint already: rerun with --overwrite")):
+        with pytest.raises(SystemExit) as e:
+            aarl.main(["--run", str(tiny_run), "--out", str(out), "--steps", "1"])
+        assert e.value.code == 2 and msg in error_line(capsys)
+    assert snapshot(str(tiny_run)) == before and (tmp_path / "plain").read_text() == "x"
+
+
+# ---- case 2: train.py does not retrain what it cannot resume, and aarl.py's hint says --stage drafts ----
+
+def test_train_refuses_to_retrain_a_finished_target_unless_asked(tiny_run, monkeypatch, capsys):
+    def started(*a, **k):
+        raise Started
+
+    monkeypatch.setattr(T, "Data", started)  # the first work a run does
+    before = snapshot(str(tiny_run))
+    for argv, msg in (([], "target holds a target checkpoint already: rerun with --overwrite to retrain it"),
+                      (["--stage", "target"], "--stage drafts --draft-seed N` to distil a new draft seed"),
+                      (["--stage", "drafts"], "draft_flat_s0 holds a flat draft checkpoint already")):
+        with pytest.raises(SystemExit):
+            T.main(["--out", str(tiny_run)] + argv)
+        assert msg in error_line(capsys)
+    assert snapshot(str(tiny_run)) == before
+    for argv in (["--overwrite"], ["--stage", "drafts", "--draft-seed", "1"]):  # asked for, or a new seed: it runs
+        with pytest.raises(Started):
+            T.main(["--out", str(tiny_run)] + argv)
+    (tiny_run / "target.state.pt").write_bytes(b"")  # a resumable target is resumed, not refused
+    with pytest.raises(Started):
+        T.main(["--out", str(tiny_run), "--stage", "target"])
+
+
+def test_aarl_hint_trains_only_the_missing_draft(tiny_run, tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"--stage drafts --draft-seed 3`"):
+        aarl.load_run(str(tiny_run), 3, "cpu")
+    with pytest.raises(FileNotFoundError, match=r"`python train.py --out \S+empty`"):
+        aarl.load_run(str(tmp_path / "empty"), 0, "cpu")
+
+
+# ---- case 3: aarl.py's default output is a fresh folder, not the shipped draft ----
+
+def test_aarl_default_out_is_not_the_run_folder(tiny_run, tmp_path, monkeypatch):
+    seen = {}
+
+    def start(cfg, run_dir, n, device, out):
+        seen["out"] = out
+        raise Started
+
+    monkeypatch.setattr(aarl, "_run", start)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(Started):
+        aarl.main(["--run", str(tiny_run)])
+    assert seen["out"] == os.path.join("runs", "aarl", "draft_aarl_s0")
+    os.makedirs(os.path.join("runs", "aarl"), exist_ok=True)
+    checkpoint.save(tiny_model(), os.path.join("runs", "aarl", "draft_aarl_s0"))  # a target where a draft would go
+    with pytest.raises(SystemExit):
+        aarl.main(["--run", str(tiny_run), "--overwrite"])
+    assert checkpoint.existing_kind(os.path.join("runs", "aarl", "draft_aarl_s0")) == "target"
+
+
+# ---- case 4: rsd.py --plot checks matplotlib and its folder first, and prints the JSON before the figures ----
+
+def test_rsd_plot_checks_its_dependency_and_folder_before_any_work(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(checkpoint, "load", lambda *a, **k: pytest.fail("loaded checkpoints before the checks"))
+    find = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else find(name, *a))
+    with pytest.raises(SystemExit):
+        rsd.main(["--plot"])
+    assert "--plot needs matplotlib" in error_line(capsys)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "matplotlib" else
+                        find(name, *a))
+    (tmp_path / "file").write_text("")
+    monkeypatch.setattr(rsd, "FIGURES", str(tmp_path / "file" / "figures"))  # a folder that cannot be made
+    with pytest.raises(SystemExit):
+        rsd.main(["--plot"])
+    assert "figures: output folder is not writable" in error_line(capsys)
+
+
+# ---- case 6 and 8: bad flags are one line at parse time ----
+
+@pytest.mark.parametrize("argv, msg", [
+    (["--draft-vocab", "100000"], "--draft-vocab must be at most the toy vocabulary's 257 ids"),
+    (["--views", "40"], "--views must be at most 21"),
+    (["--max-views", "22"], "--max-views must be at most 21"),
+    (["--seed", str(2**64)], "--seed must be in 0..2**30-1"),
+    (["--draft-seed", str(2**40)], "--draft-seed must be in 0..2**30-1"),
+])
+def test_train_bad_flags_fail_at_parse_time(argv, msg, capsys):
+    with pytest.raises(SystemExit):
+        T.parse_args(argv)
+    assert msg in error_line(capsys)
+
+
+@pytest.mark.parametrize("argv, msg", [
+    (["--threads", "0"], "--threads must be >= 1"),
+    (["--threads", "-3"], "--threads must be >= 1"),
+    (["--views", "30"], "--views must be in 0..21"),
+    (["--views", "-1"], "--views must be in 0..21"),
+    (["--temperature", "0.6", "--sampling-seed", str(2**64 - 1)], "sampling seed must be an int >= 0 and < 2**62"),
+    (["--image-size", "abc"], "--image-size must be HxW"),
+    (["--image-size", "0x512"], "--image-size must be HxW"),
+    (["--image-size", "100000x100000"], "each in 1..8192"),
+    (["--min-pixels", "100", "--max-pixels", "10"], "1 <= min <= max, got 100 and 10"),
+    (["--min-pixels", "-5"], "1 <= min <= max"),
+    (["--images-dir", "."], "--images-dir goes with --target"),
+    (["--target", "/nonexistent"], "--target /nonexistent: folder not found"),
+    (["--draft", "/nonexistent"], "--draft /nonexistent: folder not found"),
+    (["--target", os.path.join(checkpoint.SHIPPED, "target")], "a checkpoint of this repo's own format"),
+])
+def test_bench_bad_flags_are_one_line(argv, msg, capsys):
+    with pytest.raises(SystemExit) as e:
+        bench.main(argv)
+    assert e.value.code == 2 and msg in error_line(capsys)
+
+
+@pytest.mark.parametrize("argv, msg", [
+    (["--views", "30"], "--views must be in 0..21"),
+    (["--seeds", "0,0"], "--seeds must not repeat a seed"),
+    (["--seeds", "a"], "--seeds must be non-negative integers"),
+    (["--scenes", "2", "--time-scenes", "16"], "--time-scenes (16) and --show (3) must be at most --scenes (2)"),
+    (["--temperature", "0.5", "--sampling-seed", str(2**64)], "sampling seed must be an int >= 0 and < 2**62"),
+])
+def test_rsd_bad_flags_are_one_line(argv, msg, capsys):
+    with pytest.raises(SystemExit):
+        rsd.main(argv)
+    assert msg in error_line(capsys)
+
+
+# ---- case 7: the shipped files are found from any working folder ----
+
+def test_shipped_files_are_found_from_another_folder(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert rsd.missing(checkpoint.SHIPPED, [0, 1, 2]) == [] and os.path.isfile(rsd.SWEEP_JSON)
+    with pytest.raises(SystemExit):  # the default --run is the shipped folder: only the seed-9 draft is missing
+        aarl.main(["--seed", "9"])
+    assert f"{checkpoint.draft_dir(checkpoint.SHIPPED, 'flat', 9)} not found" in error_line(capsys)
+
+
+# ---- case 8: files that are not what they claim, and a full disk ----
+
+def test_foreign_folders_are_named_with_their_cause(tmp_path):
+    with pytest.raises(ValueError, match="a checkpoint of this repo's own format"):
+        checkpoint.load_pretrained(os.path.join(checkpoint.SHIPPED, "target"))
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps({"model_type": "qwen2_5_vl", "hidden_size": 64}))
+    with pytest.raises(ValueError, match="missing config field 'vision_config'"):
+        checkpoint.load_pretrained(str(hf))
+    checkpoint.save(tiny_model(), str(tmp_path / "t"))
+    (tmp_path / "t" / "model.safetensors").write_text("version https://git-lfs.github.com/spec/v1\noid sha256:ab\n")
+    with pytest.raises(ValueError, match="a git-lfs pointer, not the weights: fetch them with `git lfs pull`"):
+        checkpoint.load(str(tmp_path / "t"))
+
+
+def test_a_full_disk_names_the_path_and_keeps_the_old_file(tmp_path, monkeypatch):
+    path = tmp_path / "state.pt"
+    checkpoint.torch_save({"step": 1}, str(path))
+
+    def full(obj, f):  # what torch's serializer raises when the disk fills
+        raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 64 vs 0")
+
+    monkeypatch.setattr(torch, "save", full)
+    with pytest.raises(OSError, match=r"state.pt: write failed \(.*inline_container.*\); \d+ MiB free on its disk"):
+        checkpoint.torch_save({"step": 2}, str(path))
+    monkeypatch.undo()
+    assert torch.load(str(path))["step"] == 1 and os.listdir(tmp_path) == ["state.pt"]
+
+    def enospc(p):
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError, match="t: write failed .*No space left on device.*: no space left on device"):
+        checkpoint.atomic_folder(str(tmp_path / "t"), enospc)
