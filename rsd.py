@@ -53,6 +53,8 @@ GAMMAS = tuple(range(2, 9))
 # the draft trees a tree row chooses from on val (width 3: experiments/tree_sweep.py); --tree N keeps those of <= N nodes
 TREES = tuple(speculate.TreeShape(n, d, 3) for n in (16, 32) for d in (6, 8))
 FIGURES = "figures"  # --plot's folder
+_EXP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "experiments")
+TREE_JSON, PATHS_JSON = (os.path.join(_EXP, f) for f in ("tree_sweep.json", "tree_paths.json"))  # --plot's tree data
 # written by python experiments/views_sweep.py; found from any working folder
 SWEEP_JSON = os.path.join(os.path.dirname(os.path.abspath(__file__)), "experiments", "views_sweep.json")
 
@@ -300,7 +302,43 @@ def plot(rows, out=FIGURES, sweep_json=SWEEP_JSON):
         written.append(f"{out}/views_sweep.png")
     else:
         print(f"{sweep_json} not found: run python experiments/views_sweep.py for figures/views_sweep.png")
+    if os.path.exists(TREE_JSON) and os.path.exists(PATHS_JSON):
+        written += plot_trees(plt, save, out)
+    else:
+        print(f"{TREE_JSON} or {PATHS_JSON} not found: run python experiments/tree_sweep.py and "
+              "experiments/tree_paths.py for figures/tree_budget.png and figures/tree_paths.png")
     print("figures written: " + ", ".join(written))
+
+
+def plot_trees(plt, save, out):
+    """figures/tree_budget.png: held-out tau against the draft tokens verified per round (the chain's gamma, the
+    tree's node budget N), each draft kind (experiments/tree_sweep.json); figures/tree_paths.png: who supplied each
+    held-out CoC token, routine words and commitments apart (experiments/tree_paths.json)."""
+    sweep, paths = checkpoint.read_json(TREE_JSON), checkpoint.read_json(PATHS_JSON)
+    fig, ax = plt.subplots(figsize=(5, 3))
+    for (row, r), color in zip(sweep["test"].items(), ("C0", "C1", "C2")):
+        for kind, style in (("chain", "--o"), ("tree", "-s")):
+            x = sorted(r[kind], key=int)
+            ax.plot([int(n) for n in x], [r[kind][n] for n in x], style, color=color, label=f"{row} {kind}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("draft tokens verified per round (gamma, or the tree's N)")
+    ax.set_ylabel("held-out tau (draft seed 0)")
+    ax.legend(fontsize=6)
+    save(fig, "tree_budget.png")
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3), sharey=True)
+    for ax, part in zip(axes, ("routine", "commitment")):
+        names = list(paths["rows"])
+        bottom = [0.0] * len(names)
+        for who, label in (("first_choice", "accepted, the draft's first choice"),
+                           ("lower_branch", "accepted from a lower branch"), ("target", "the target's own")):
+            share = [paths["rows"][n][part][who] / max(1, sum(paths["rows"][n][part].values())) for n in names]
+            ax.bar(names, share, bottom=bottom, label=label)
+            bottom = [b + s for b, s in zip(bottom, share)]
+        ax.set_title(f"{part} tokens (tree {'/'.join(map(str, paths['tree']))})", fontsize=9)
+    axes[0].set_ylabel("share of held-out CoC tokens")
+    axes[1].legend(fontsize=6)
+    save(fig, "tree_paths.png")
+    return [f"{out}/tree_budget.png", f"{out}/tree_paths.png"]
 
 
 # ---- main ----

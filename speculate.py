@@ -28,6 +28,13 @@ The prompt's last token (the assistant's <cot_start>) is held back from the
 prefill and plays x_last in the first round, so every emitted token, the first
 included, comes out of a verification round: tau = tokens / rounds exactly.
 
+Draft trees (gamma a TreeShape; "draft trees" below): instead of one chain the
+draft grows a tree of N candidates where it is unsure (EAGLE-2's dynamic tree),
+the target verifies x_last and all N nodes in one forward under a tree attention
+mask, and the round emits the longest path the target agrees with plus its own
+next token; the chain of gamma is the tree of width 1. The cache invariant is the
+same: after a round the accepted path's keys / values sit in consecutive slots.
+
 run: python speculate.py --device cpu
 """
 import argparse
