@@ -598,8 +598,15 @@ def drafts_for(target):
     with torch.no_grad():
         g = torch.Generator().manual_seed(2)
         for w in copy.parameters():
-            w.add_(0.1 * w.std() * torch.randn(w.shape, generator=g))
+            w.add_(0.1 * w.std() * torch.randn(w.shape, generator=g).to(w.device))  # CPU noise: the same on any device
     return {"random": random, "identical": target, "perturbed": copy}
+
+
+def test_drafts_for_builds_on_the_targets_device():
+    """drafts_for's noise goes to the parameters' device (the CUDA-graph test passes a CUDA target); the meta device
+    stands in for CUDA on a CPU: it refuses a CPU operand just as CUDA does."""
+    drafts = drafts_for(tiny_target().to("meta"))
+    assert {p.device.type for d in drafts.values() for p in d.parameters()} == {"meta"}
 
 
 def vla_prompts():
