@@ -128,10 +128,11 @@ def eager_dynamo(monkeypatch):
     torch._dynamo.reset()
 
 
-def test_a_compiled_step_compiles_only_in_its_warm_up(eager_dynamo):
+def test_a_compiled_step_compiles_only_in_its_compile_pass(eager_dynamo):
     """--compile: every step shape compiles in the decodes timed as compile_s and never again: not in the timed
-    passes' warm-up, the timed passes or the cost model (dynamo guards on the grad mode and the inputs' dispatch keys, so timing under another grad mode than the warm-up
-    recompiles every shape); the JSON counts the compilations per step shape."""
+    passes' warm-up, the timed passes or the cost model (dynamo guards on the grad mode and the inputs' dispatch
+    keys, so timing under another grad mode than the compile pass recompiles every shape); the JSON counts the
+    compilations per step shape."""
     target = tiny_model()
     draft = make_draft(target, n_layers=1).eval()
     prompts = [image_prompt(seed=s) for s in range(2)]
