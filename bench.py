@@ -28,6 +28,14 @@ model.StaticDecoder (fixed-shape steps over one persistent cache: the 1-token st
 on CUDA), with their own greedy check, cost model and compile time. Eager stays the default:
 compiling takes minutes, and where Python dispatch is not the bottleneck it buys nothing.
 
+What a reader of a GPU number needs besides it is in the JSON: `environment` (GPU, torch, the CUDA and cuDNN torch
+was built with, triton), `peak_memory`, `sdpa` (the attention kernel of the target's prefill, decode and verify
+steps, and of the static steps --compile compiles: sdpa_steps), and with --compile `compiled.compilations`
+(CompileWatch: dynamo's compilations per step shape in each phase, none allowed after the compile pass; on CUDA the
+CUDA graphs captured, replayed and skipped, with inductor's reasons). Random weights (--preset, or --target without
+--draft) predict the speed-up at a recorded toy acceptance: experiments/bench_cpu.json, or the --toy-json given,
+named in the report with its settings.
+
 A real checkpoint (--target) runs the whole plan on pixels (--images-dir, or generated images):
 prefill (vision tower + prompt), the reasoning step (both arms) and, for an Alpamayo folder, the
 trajectory (the flow-matching action expert over the cache of prompt + CoC), each timed; the CoC
@@ -270,8 +278,10 @@ class CompileWatch:
         if any(dec.copy_out for dec in decoders.values()):  # compiled on CUDA: CUDA graphs expected
             for attr in ("capture_begin", "replay"):
                 self._count_graph_calls(attr)
-            utils = importlib.import_module("torch._inductor.cudagraph_utils")
-            log = getattr(utils, "cudagraphs_log", None)  # inductor logs every skip reason there
+            try:  # private: inductor logs every skip reason to this logger (torch 2.11 to 2.13 at least)
+                log = importlib.import_module("torch._inductor.cudagraph_utils").cudagraphs_log
+            except (ImportError, AttributeError):
+                log = None  # the skip counter still counts them, without reasons
             if log is not None:
                 self.handler = _ListHandler(self.skip_reasons)
                 log.addHandler(self.handler)

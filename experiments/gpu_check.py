@@ -257,15 +257,28 @@ def compiled_stage(run):
     out = {"what": "torch.compile'd model.StaticDecoder steps (mode reduce-overhead on CUDA: CUDA graphs; inductor "
                    "with freezing on a CPU), step lengths 1, 2, gamma + 1; compile_s: the first three calls of each "
                    "shape; timings as in c_eager", "depths": {}}
-    for k in depths:
+    for i, k in enumerate(depths):
+        if i:  # a deeper model compiles longer: stop before a depth that the last one's time says would not fit
+            last = out["depths"][depths[i - 1]]
+            estimate = last["compile_s_total"] * k / depths[i - 1] + 30
+            if estimate > run.left():
+                out["skipped_depths"] = {"layers": depths[i:], "estimate_s": estimate, "left_s": run.left()}
+                break
         out["depths"][k] = compiled_costs(run, k)
         torch._dynamo.reset()
         print(f"[{run.elapsed():6.0f} s]   compiled at {k} layers: {out['depths'][k]['compile_s_total']:.0f} s "
               f"to compile", flush=True)
+    depths = sorted(out["depths"])
     if len(depths) >= 2:
         lo, hi = depths[0], depths[-1]
         d = out["depths"]
         out["compile_s_per_layer"] = (d[hi]["compile_s_total"] - d[lo]["compile_s_total"]) / (hi - lo)
+        full, g = M.PRESETS[run.args.preset].n_layers, run.args.gamma
+        per = {n: (d[hi]["t_target_ms"][n] - d[lo]["t_target_ms"][n]) / (hi - lo) for n in (1, g + 1)}
+        out["extrapolated_full_depth"] = {
+            "what": f"compiled T_target(n) at {full} layers, extrapolated linearly from these depths (a "
+                    "prediction: e_full measures it when the budget allows)",
+            "t_target_ms": {n: d[hi]["t_target_ms"][n] + per[n] * (full - hi) for n in (1, g + 1)}}
     return out
 
 
@@ -279,7 +292,8 @@ def full_stage(run, compiled):
         return {"skipped": True, "layers": full, "why": f"the full depth here ({full} layers) is one of stage d's "
                 "depths: its numbers are in d_compiled.json", "same_as": depths[full]}
     top = max(depths)
-    per_layer = compiled.get("compile_s_per_layer") or depths[top]["compile_s_total"] / top
+    # floored: a slope between two small depths can be noise, and an estimate too low would overrun the command
+    per_layer = max(compiled.get("compile_s_per_layer") or 0.0, depths[top]["compile_s_total"] / top / 4)
     estimate = depths[top]["compile_s_total"] + max(0.0, per_layer) * (full - top) + 30  # + build and timing
     left = run.left()
     if estimate > left:
