@@ -358,11 +358,17 @@ def sdpa_steps(target, prompt, gamma, static_len=None):
     "ok", or the first line of its refusal). A compiled step's kernel is chosen when the graph is traced, from the
     same arguments; it is not read back from the compiled graph."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.bias import CausalBias
     sdpa, seen = F.scaled_dot_product_attention, []
 
     def spy(*args, **kwargs):
         seen.append((args, kwargs))
-        return sdpa(*args, **kwargs)
+        # restored around the call: CausalBias dispatches only if F.scaled_dot_product_attention is the original
+        F.scaled_dot_product_attention = sdpa
+        try:
+            return sdpa(*args, **kwargs)
+        finally:
+            F.scaled_dot_product_attention = spy
 
     def first_call(fn):
         seen.clear()
@@ -396,7 +402,7 @@ def sdpa_steps(target, prompt, gamma, static_len=None):
         q, k, v = args[:3]
         mask = kwargs.get("attn_mask")
         causal, gqa = kwargs.get("is_causal", False), kwargs.get("enable_gqa", False)
-        lower_right = mask is not None and not isinstance(mask, torch.Tensor)  # torch.nn.attention.bias.CausalBias
+        lower_right = isinstance(mask, CausalBias)  # a Tensor subclass: tested before the plain-tensor case
         info = {"q": list(q.shape), "k": list(k.shape), "dtype": str(q.dtype).replace("torch.", ""),
                 "mask": "lower-right causal bias" if lower_right else
                         "none, is_causal" if causal else "none" if mask is None else f"{mask.dtype} tensor",

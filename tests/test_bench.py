@@ -182,6 +182,18 @@ def test_sdpa_steps_name_each_steps_shapes_and_kernel():
         assert s["backends"]["MATH"] == "ok" and s["backends"][s["dispatcher"]] == "ok", (name, s)
 
 
+def test_sdpa_steps_see_the_lower_right_verify_bias(monkeypatch):
+    """The CUDA verify step (SDPA's lower-right causal bias over unfolded heads, forced here) is named as such, and
+    its kernel follows torch.nn.attention.bias's rule (on a CPU neither fused kernel takes it: a materialised mask)."""
+    import model
+    monkeypatch.setattr(model, "lower_right_verify", lambda device: True)
+    target, prompt = tiny_model(), image_prompt()
+    v = bench.sdpa_steps(target, prompt, 3)["verify"]
+    assert v["mask"] == "lower-right causal bias" and v["enable_gqa"]
+    assert v["q"] == [1, target.cfg.n_heads, 4, target.cfg.head_dim] and v["dispatcher"] == "materialised mask"
+    assert v["backends"]["MATH"] == "ok"
+
+
 # ---- the toy acceptance behind the real-shape prediction ----
 
 
