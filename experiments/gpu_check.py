@@ -32,7 +32,6 @@ run: python experiments/gpu_check.py --out DIR [--budget 450]        (on the GPU
      python experiments/gpu_check.py --device cpu --layers 1 --out DIR  (the plumbing on a CPU; about 2-3 minutes)
 """
 import argparse
-import dataclasses
 import os
 import subprocess
 import sys
