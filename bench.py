@@ -28,6 +28,14 @@ model.StaticDecoder (fixed-shape steps over one persistent cache: the 1-token st
 on CUDA), with their own greedy check, cost model and compile time. Eager stays the default:
 compiling takes minutes, and where Python dispatch is not the bottleneck it buys nothing.
 
+What a reader of a GPU number needs besides it is in the JSON: `environment` (GPU, torch, the CUDA and cuDNN torch
+was built with, triton), `peak_memory`, `sdpa` (the attention kernel of the target's prefill, decode and verify
+steps, and of the static steps --compile compiles: sdpa_steps), and with --compile `compiled.compilations`
+(CompileWatch: dynamo's compilations per step shape in each phase, none allowed after the compile pass; on CUDA the
+CUDA graphs captured, replayed and skipped, with inductor's reasons). Random weights (--preset, or --target without
+--draft) predict the speed-up at a recorded toy acceptance: experiments/bench_cpu.json, or the --toy-json given,
+named in the report with its settings.
+
 A real checkpoint (--target) runs the whole plan on pixels (--images-dir, or generated images):
 prefill (vision tower + prompt), the reasoning step (both arms) and, for an Alpamayo folder, the
 trajectory (the flow-matching action expert over the cache of prompt + CoC), each timed; the CoC
@@ -44,13 +52,16 @@ run: python bench.py --device cpu [--compile]                     (the toy, from
 """
 import argparse
 import dataclasses
+import importlib.metadata
 import importlib.util
 import json
+import logging
 import math
 import os
 import platform
 import re
 import statistics
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -67,7 +78,13 @@ from evaluate import TARGET_ONLY
 from expert import config_field, speed_from_history
 
 TOY_DRAFT = ("aarl", 0)  # the toy mode's default draft: FlatRoPE + AARL (static anchor), seed 0
-TOY_JSON = "runs/bench_toy.json"  # the toy report, read back by the real-shape mode for its prediction
+TOY_JSON = "runs/bench_toy.json"  # where the toy mode writes its report (whatever settings that run had)
+ROOT = os.path.dirname(os.path.abspath(__file__))
+# The real-shape mode's prediction reads a recorded toy acceptance from a committed experiment (32 held-out
+# prompts, bf16, the shipped FlatRoPE + AARL draft, gamma 6, greedy), so a fresh machine needs no CPU run first
+# and the number does not depend on whichever toy benchmark ran last; --toy-json names another.
+TOY_ACCEPTANCE = os.path.join("experiments", "bench_cpu.json")  # relative to ROOT; the chain's (gamma 6)
+TOY_TREE_ACCEPTANCE = os.path.join("experiments", "bench_cpu_tree.json")  # the default tree's (evaluate.TREE)
 
 # ---- timing ----
 
@@ -103,14 +120,15 @@ def decoder_json(gamma):
     return {"kind": "chain", "gamma": gamma}
 
 
-@torch.inference_mode()
-def time_arms(target, drafts, prompts, gamma, max_new, stop_token, repeats, decoding=None, extra=None):
+@torch.no_grad()  # the grad mode the compiled steps were warmed up in (evaluate.spec_stats): see CompileWatch
+def time_arms(target, drafts, prompts, gamma, max_new, stop_token, repeats, decoding=None, extra=None,
+              on_timed=None):
     """Reasoning-step latency of target-only decoding (arm TARGET_ONLY) and of speculative
     decoding with each draft in `drafts` (name -> draft), on every prompt: a warm-up pass first
     (every prompt, every shape), then `repeats` passes in which the arms alternate. Greedy, or
     sampled under `decoding` (evaluate.decoding_mode) with the same seeds in every pass.
     extra: more arms {name: (target, draft or None)} timed in the same passes (--compile's
-    StaticDecoder pair).
+    StaticDecoder pair). on_timed: called between the warm-up and the timed passes (CompileWatch's phase).
 
     Returns {arm: {prefill_ms (per prompt), ms_per_token (reasoning step), speedup (vs
     target-only)}}, medians over the passes."""
@@ -119,6 +137,8 @@ def time_arms(target, drafts, prompts, gamma, max_new, stop_token, repeats, deco
         for i, p in enumerate(prompts):
             evaluate.decode(t, draft, p, gamma, max_new, stop_token, **evaluate.sampling_kwargs(decoding, i))
     passes = {name: [] for name in arms}
+    if on_timed is not None:
+        on_timed()
     for _ in range(repeats):
         for name, (t, draft) in arms.items():
             res = [evaluate.decode(t, draft, p, gamma, max_new, stop_token, timing=True,
@@ -156,9 +176,10 @@ def benchmark(target, draft, prompts, gamma, max_new, stop_token=None, repeats=3
     decoding = decoding or evaluate.decoding_mode()
     greedy = evaluate.spec_stats(target, {"speculative": draft}, prompts, gamma, max_new, stop_token)
     spec = greedy["speculative"]
-    extra, comp = None, {}
+    extra, comp, watch = None, {}, None
     if compile:
         ct, cd = compiled_pair(target, draft, prompts, gamma, max_new)
+        watch = CompileWatch({"target": ct, "draft": cd})
         clock = speculate.Clock(prompts[0]["input_ids"].device, enabled=True)
         # the compiled arms' greedy outputs; the first decodes compile every step shape, and the clock says how long
         cg = evaluate.spec_stats(ct, {"speculative": cd}, prompts, gamma, max_new, stop_token)
@@ -168,7 +189,14 @@ def benchmark(target, draft, prompts, gamma, max_new, stop_token=None, repeats=3
                                for arm, key in zip(COMPILED, (TARGET_ONLY, "speculative"))}
         comp["greedy_match"] = not any(comp["divergences"].values())
         extra = {COMPILED[0]: (ct, None), COMPILED[1]: (ct, cd)}
-    timing = time_arms(target, {"speculative": draft}, prompts, gamma, max_new, stop_token, repeats, decoding, extra)
+    if watch:
+        watch.next_phase("warm-up")  # time_arms' own warm-up pass: after compile_s, so nothing may compile here
+    try:
+        timing = time_arms(target, {"speculative": draft}, prompts, gamma, max_new, stop_token, repeats, decoding,
+                           extra, on_timed=watch and (lambda: watch.next_phase("timed")))
+    except BaseException:
+        watch and watch.close()
+        raise
     ar, spec_t = timing[TARGET_ONLY], timing["speculative"]
     res = {"decoding": decoding, "greedy_match": spec["greedy_match"], "tau": spec["tau"], "alpha": spec["alpha"],
            "routine_fraction": spec["routine_fraction"], "tokens": spec["n_tokens"], "prompts": len(prompts),
@@ -194,9 +222,269 @@ def benchmark(target, draft, prompts, gamma, max_new, stop_token=None, repeats=3
                     speedup=ar_c["ms_per_token"] / spec_c["ms_per_token"],  # compiled speculative vs compiled target
                     speedup_vs_eager=spec_c["speedup"],  # compiled speculative vs eager target-only
                     target_only_vs_eager=ar_c["speedup"])  # eager target-only / compiled target-only
-        comp.update(cost_model(ct, cd, prompts[0], gamma, timed["tau"]))
+        watch.next_phase("cost model")
+        try:
+            comp.update(cost_model(ct, cd, prompts[0], gamma, timed["tau"]))
+        finally:
+            watch.close()
+        comp["compilations"] = watch.report()
         res["compiled"] = comp
+    res["sdpa"] = sdpa_steps(target, prompts[0], gamma, static_len=ct.cache.max_len if compile else None)
     return res
+
+
+# ---- what a reader of a GPU number needs to trust it ----
+
+
+def _version(package):
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def environment(device):
+    """The software and the device a number was measured on: Python, torch, the CUDA and cuDNN torch was built with,
+    triton and transformers (None where absent), and on CUDA the GPU's name, compute capability and memory."""
+    device = torch.device(device)
+    env = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
+           "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
+           "triton": _version("triton"), "transformers": _version("transformers"), "platform": platform.platform()}
+    if device.type == "cuda":
+        p = torch.cuda.get_device_properties(device)
+        env.update(gpu=p.name, capability=f"{p.major}.{p.minor}", gpu_memory_gib=p.total_memory / 2 ** 30,
+                   driver_cuda=torch._C._cuda_getDriverVersion() if hasattr(torch._C, "_cuda_getDriverVersion")
+                   else None)
+    return env
+
+
+def reset_peak_memory(device):
+    if torch.device(device).type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_memory(device):
+    """Peak memory since reset_peak_memory, with what was read: on CUDA the caching allocator's peak allocated and
+    reserved bytes; on a CPU the process's peak resident set (all of its life, not only since the reset)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return {"what": "torch.cuda.max_memory_allocated / max_memory_reserved since the run began",
+                "allocated_gib": torch.cuda.max_memory_allocated(device) / 2 ** 30,
+                "reserved_gib": torch.cuda.max_memory_reserved(device) / 2 ** 30}
+    try:
+        import resource  # POSIX only
+    except ImportError:
+        return {"what": "not measured (no resource module)"}
+    return {"what": "the process's peak resident set (getrusage ru_maxrss)",
+            "rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20}  # KiB on Linux
+
+
+class CompileWatch:
+    """What the compiled steps really did, per phase ("compile" until next_phase is called, then the names given):
+    for each StaticDecoder (by name) and step length, the calls and dynamo's compilations during those calls (its
+    unique-graph counter), and on CUDA the graphs captured and replayed (counted on torch.cuda.CUDAGraph, which
+    inductor's CUDA-graph trees record through) and inductor's CUDA-graph skips with their logged reasons.
+
+    Why: dynamo guards on the grad mode and on the dispatch keys of the inputs (inference tensors have none of
+    autograd's), so a step warmed up under torch.no_grad and timed under torch.inference_mode compiles (and on CUDA
+    records its graph) a second time inside the timed passes; and a CUDA-graph step that is skipped, or re-recorded
+    past the limit, runs as plain inductor without a word. Both show here."""
+
+    def __init__(self, decoders):
+        from torch._dynamo.utils import counters
+        self.counters = counters
+        self.phase, self.counts = "compile", {}
+        self.captures = self.replays = 0
+        self.skip_reasons = []
+        self.skips0 = counters["inductor"]["cudagraph_skips"]
+        for name, dec in decoders.items():
+            dec._step = self._counted(name, dec._step)
+        self.patched = []
+        if any(dec.copy_out for dec in decoders.values()):  # compiled on CUDA: CUDA graphs expected
+            for attr in ("capture_begin", "replay"):
+                self._count_graph_calls(attr)
+            try:  # private: inductor logs every skip reason to this logger (torch 2.11 to 2.13 at least)
+                log = importlib.import_module("torch._inductor.cudagraph_utils").cudagraphs_log
+            except (ImportError, AttributeError):
+                log = None  # the skip counter still counts them, without reasons
+            if log is not None:
+                self.handler = _ListHandler(self.skip_reasons)
+                log.addHandler(self.handler)
+                self.patched.append(lambda: log.removeHandler(self.handler))
+
+    def _counted(self, name, step):
+        def counted(input_ids, input_pos, cache):
+            before = self.counters["stats"]["unique_graphs"]
+            out = step(input_ids, input_pos, cache)
+            c = self.counts.setdefault(self.phase, {}).setdefault(f"{name} T={input_ids.shape[1]}",
+                                                                  {"calls": 0, "compilations": 0})
+            c["calls"] += 1
+            c["compilations"] += self.counters["stats"]["unique_graphs"] - before
+            return out
+        return counted
+
+    def _count_graph_calls(self, attr):
+        cls, orig = torch.cuda.CUDAGraph, getattr(torch.cuda.CUDAGraph, attr)
+        field = "captures" if attr == "capture_begin" else "replays"
+
+        def counted(graph, *args, **kwargs):
+            setattr(self, field, getattr(self, field) + 1)
+            return orig(graph, *args, **kwargs)
+        setattr(cls, attr, counted)
+        self.patched.append(lambda: setattr(cls, attr, orig))
+
+    def next_phase(self, name):
+        self.phase = name
+
+    def recompiled(self):
+        """Compilations after the "compile" phase, by phase and step: {} when every step compiled only there."""
+        return {phase: {k: v["compilations"] for k, v in steps.items() if v["compilations"]}
+                for phase, steps in self.counts.items() if phase != "compile"
+                and any(v["compilations"] for v in steps.values())}
+
+    def report(self):
+        cuda = bool(self.patched)
+        skips = self.counters["inductor"]["cudagraph_skips"] - self.skips0
+        return {"what": "per phase and step: calls, and dynamo compilations (torch._dynamo.utils.counters['stats']"
+                        "['unique_graphs']) counted around each compiled call",
+                "steps": self.counts, "recompiled_after_compile": self.recompiled(),
+                "cuda_graphs": None if not cuda else {
+                    "ran": self.replays > 0 and skips == 0, "captured": self.captures, "replayed": self.replays,
+                    "skips": skips, "skip_reasons": self.skip_reasons,
+                    "what": "torch.cuda.CUDAGraph capture_begin / replay calls; inductor's cudagraph_skips counter "
+                            "and the reasons it logged"}}
+
+    def close(self):
+        for undo in self.patched:
+            undo()
+        self.patched = []
+
+
+class _ListHandler(logging.Handler):
+    def __init__(self, out):
+        super().__init__(logging.WARNING)
+        self.out = out
+
+    def emit(self, record):
+        self.out.append(record.getMessage())
+
+
+SDPA_BACKENDS = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION", "MATH")
+
+
+def sdpa_steps(target, prompt, gamma, static_len=None):
+    """The attention kernel behind the target's steps at this prompt: the prefill, the 1-token decode step, the
+    (gamma+1)-token verify step, and (static_len: a StaticDecoder's cache length) the static 1-token and verify
+    steps that --compile compiles. Each step runs once eagerly with F.scaled_dot_product_attention wrapped, and its
+    first layer's call (every layer's has the same shapes) is re-run on its own: `dispatcher` is the backend
+    torch's dispatcher picks for exactly those arguments (torch._fused_sdp_choice; for the lower-right causal bias of
+    the CUDA verify step the rule of torch.nn.attention.bias: flash, else memory-efficient, else a materialised
+    mask), and `backends` says for each backend whether it runs those arguments alone (sdpa_kernel([backend]):
+    "ok", or the first line of its refusal). A compiled step's kernel is chosen when the graph is traced, from the
+    same arguments; it is not read back from the compiled graph."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.bias import CausalBias
+    sdpa, seen = F.scaled_dot_product_attention, []
+
+    def spy(*args, **kwargs):
+        seen.append((args, kwargs))
+        # restored around the call: CausalBias dispatches only if F.scaled_dot_product_attention is the original
+        F.scaled_dot_product_attention = sdpa
+        try:
+            return sdpa(*args, **kwargs)
+        finally:
+            F.scaled_dot_product_attention = spy
+
+    def first_call(fn):
+        seen.clear()
+        F.scaled_dot_product_attention = spy
+        try:
+            fn()
+        finally:
+            F.scaled_dot_product_attention = sdpa
+        return seen[0]
+
+    L = prompt["input_ids"].shape[1]
+    x = prompt["input_ids"][:, -1:]
+    calls = {}
+    with torch.no_grad():
+        embeds, deepstack = speculate.embed_prompt(target, prompt)  # (1, L, D); the vision tower's SDPA not counted
+        cache = target.new_cache(batch=1, max_len=L + gamma + 1)
+        calls["prefill"] = first_call(lambda: speculate.prefill(target, prompt, embeds, cache, deepstack))
+        base = cache.length
+        for name, n in (("decode", 1), ("verify", gamma + 1)):
+            calls[name] = first_call(lambda: target(x.repeat(1, n), cache=cache))
+            cache.crop(base)
+        if static_len:
+            st = M.StaticDecoder(target, max(static_len, L + gamma + 1))
+            scache = st.new_cache()
+            speculate.prefill(st, prompt, embeds, scache, deepstack)
+            for name, n in (("static decode", 1), ("static verify", gamma + 1)):
+                calls[name] = first_call(lambda: st(x.repeat(1, n), cache=scache))
+                scache.crop(base)
+    out = {}
+    for name, (args, kwargs) in calls.items():
+        q, k, v = args[:3]
+        mask = kwargs.get("attn_mask")
+        causal, gqa = kwargs.get("is_causal", False), kwargs.get("enable_gqa", False)
+        lower_right = isinstance(mask, CausalBias)  # a Tensor subclass: tested before the plain-tensor case
+        info = {"q": list(q.shape), "k": list(k.shape), "dtype": str(q.dtype).replace("torch.", ""),
+                "mask": "lower-right causal bias" if lower_right else
+                        "none, is_causal" if causal else "none" if mask is None else f"{mask.dtype} tensor",
+                "enable_gqa": gqa}
+        with torch.no_grad():
+            if lower_right:
+                params = torch.backends.cuda.SDPAParams(q, k, v, None, 0.0, False, gqa)
+                info["dispatcher"] = ("FLASH_ATTENTION" if torch.backends.cuda.can_use_flash_attention(params) else
+                                      "EFFICIENT_ATTENTION" if torch.backends.cuda.can_use_efficient_attention(params)
+                                      else "materialised mask")
+            else:
+                try:  # private, positional (q, k, v, mask, dropout_p, is_causal), then scale, enable_gqa
+                    info["dispatcher"] = SDPBackend(torch._fused_sdp_choice(q, k, v, mask, 0.0, causal,
+                                                                            enable_gqa=gqa)).name
+                except (AttributeError, TypeError, RuntimeError) as e:
+                    info["dispatcher"] = f"unknown ({type(e).__name__}: {str(e)[:100]})"
+            info["backends"] = {}
+            for b in SDPA_BACKENDS:
+                if not hasattr(SDPBackend, b):
+                    continue
+                try:
+                    with warnings.catch_warnings(), sdpa_kernel([getattr(SDPBackend, b)]):
+                        warnings.simplefilter("ignore")  # the refusal's reasons come again in the error
+                        sdpa(*args, **kwargs)
+                    info["backends"][b] = "ok"
+                except RuntimeError as e:
+                    info["backends"][b] = (str(e).strip().splitlines() or ["refused"])[0][:200]
+        out[name] = info
+    return out
+
+
+def toy_acceptance(path, want=None):
+    """The toy's recorded acceptance that the real-shape prediction uses, with where it comes from: {source, alpha,
+    tau, gamma, prompts, dtype, draft, decoding, torch, hardware} from a toy bench.py JSON (TOY_ACCEPTANCE, or
+    --toy-json). A ValueError naming the file if it is not a toy report, if its draft was the target itself
+    (alpha 1 then says nothing about a draft), or if `want` (decoder_json) is a tree it did not run."""
+    full = path if os.path.isabs(path) or os.path.exists(path) else os.path.join(ROOT, path)
+    if not os.path.isfile(full):
+        raise ValueError(f"--toy-json {path}: no such file (the committed default is {TOY_ACCEPTANCE})")
+    try:
+        d = checkpoint.read_json(full)
+    except ValueError as e:
+        raise ValueError(f"--toy-json {path}: not JSON ({e})") from None
+    if not isinstance(d, dict) or d.get("mode") != "toy" or not isinstance(d.get("alpha"), (int, float)):
+        raise ValueError(f"--toy-json {path}: not a toy bench.py report (needs mode 'toy' and an alpha)")
+    draft = d.get("draft", "")
+    if os.path.basename(os.path.normpath(draft)) == "target" or draft == d.get("target"):
+        raise ValueError(f"--toy-json {path}: its draft {draft} is the target itself (alpha {d['alpha']:.3f} says "
+                         f"nothing about a draft)")
+    recorded = d.get("decoder") or {"kind": "chain", "gamma": d.get("gamma")}  # reports before trees: a chain
+    if want is not None and want["kind"] == "tree" and recorded != want:
+        raise ValueError(f"--toy-json {path} ran {decoder_text(recorded)}, this run {decoder_text(want)}: a tree's "
+                         "prediction needs the toy's tau with the same tree (python bench.py --device cpu --json with "
+                         "the same --tree flags writes one)")
+    return {"source": path, "alpha": d["alpha"], "tau": d.get("tau"), "gamma": d.get("gamma"), "decoder": recorded,
+            "prompts": d.get("prompts"), "dtype": d.get("dtype"), "draft": draft, "decoding": d.get("decoding"),
+            "torch": d.get("torch"), "hardware": d.get("hardware")}
 
 
 # ---- where greedy outputs part ----
@@ -297,7 +585,7 @@ def toy(args, device, dtype, decoding):
     prompts = evaluate.scene_prompts(driving.make_split("test", args.prompts, seed=0), tok, device, dtype, args.views)
     res = benchmark(target, draft, prompts, args.decoder, args.max_new, tok.cot_end_id, args.repeats, decoding,
                     args.compile)
-    res.update(mode="toy", draft=draft_dir)
+    res.update(mode="toy", draft=draft_dir, target=os.path.join(args.run, "target"))
     if args.peer:
         res["peers"] = peers(args, target, prompts, tok)
     return res
@@ -443,24 +731,22 @@ def real(args, device, dtype, decoding):
         nodes = (7, 15, 31, 63)
         tt = speculate.tree_step_times(target, draft, prompt, nodes, args.decoder.width, reps=5)
         res["verify_ratio"] = {n + 1: tt["target"][n] / (1e-3 * res["t_target_1"]) for n in nodes}
-    if not args.draft and args.tree:
-        # Random weights: acceptance says nothing; the cost model does, at the tau of the same tree on the toy
-        # (bench.py --device cpu writes it).
-        toy_res = checkpoint.read_json(TOY_JSON) if os.path.exists(TOY_JSON) else {}
-        if toy_res.get("decoder") == decoder_json(args.decoder):
-            res["toy_tau"] = toy_res["tau"]
+    if not args.draft:
+        # Random weights: acceptance says nothing; the cost model does. Predict the speed-up with a recorded toy
+        # acceptance (toy_acceptance: the committed experiment unless --toy-json names another; main read it): the
+        # chain's alpha through Leviathan's tau at this gamma, or the same tree's tau.
+        toy = args.toy_acceptance
+        res["toy_acceptance"] = toy
+        if args.tree:
+            res["toy_tau"] = toy["tau"]
             res["predicted_speedup_at_toy_tau"] = speculate.tree_speedup(
-                toy_res["tau"], res["t_target_1"], res["t_draft_1"], res["t_draft_level"], res["t_target_verify"],
+                toy["tau"], res["t_target_1"], res["t_draft_1"], res["t_draft_level"], res["t_target_verify"],
                 args.decoder)
-    if not args.draft and not args.tree:
-        # Random weights: acceptance says nothing; the cost model does. Predict the speed-up
-        # with the acceptance rate measured on the toy (bench.py --device cpu writes it).
-        if os.path.exists(TOY_JSON):
-            alpha = checkpoint.read_json(TOY_JSON)["alpha"]
-            tau = speculate.expected_tau(alpha, args.gamma)
-            res["toy_alpha"] = alpha
+        else:
+            res["toy_alpha"] = toy["alpha"]
             res["predicted_speedup_at_toy_alpha"] = speculate.measured_speedup(
-                tau, res["t_target_1"], res["t_draft_1"], res["t_target_gamma1"], args.gamma)
+                speculate.expected_tau(toy["alpha"], args.gamma), res["t_target_1"], res["t_draft_1"],
+                res["t_target_gamma1"], args.gamma)
     return res
 
 
@@ -545,11 +831,25 @@ def report(res, args):
         lines.append("tree verify    T_target(n) / T_target(1): " + "   ".join(f"n {n}: {r:.2f}"
                                                                          for n, r in res["verify_ratio"].items()))
     if "predicted_speedup_at_toy_tau" in res:
-        lines.append(f"at the toy's tau {res['toy_tau']:.2f} with this tree: predicted speed-up "
+        t = res["toy_acceptance"]
+        lines.append(f"at the toy's tau {res['toy_tau']:.2f} ({t['source']}: {t['prompts']} prompts, {t['dtype']}, "
+                     f"draft {t['draft']}, the same tree): predicted speed-up "
                      f"{res['predicted_speedup_at_toy_tau']:.2f}x")
     if "predicted_speedup_at_toy_alpha" in res:
-        lines.append(f"at the toy's alpha {res['toy_alpha']:.3f}: predicted speed-up "
-                     f"{res['predicted_speedup_at_toy_alpha']:.2f}x")
+        t = res["toy_acceptance"]
+        lines.append(f"at the toy's alpha {res['toy_alpha']:.3f} ({t['source']}: {t['prompts']} prompts, {t['dtype']}, "
+                     f"draft {t['draft']}, gamma {t['gamma']}, {t['decoding'] and t['decoding'].get('mode')}): "
+                     f"predicted speed-up {res['predicted_speedup_at_toy_alpha']:.2f}x at gamma {res['gamma']}")
+    if "compiled" in res:
+        c = res["compiled"]["compilations"]
+        g = c["cuda_graphs"]
+        lines.append("compilations   " + ("none after the compile pass" if not c["recompiled_after_compile"] else
+                                         f"AFTER the compile pass: {c['recompiled_after_compile']}")
+                     + ("" if g is None else f"   CUDA graphs {'ran' if g['ran'] else 'DID NOT all run'}: "
+                        f"{g['captured']} captured, {g['replayed']} replayed, {g['skips']} skipped"
+                        + (f" ({g['skip_reasons'][0]})" if g["skip_reasons"] else "")))
+    if "sdpa" in res:
+        lines.append("attention      " + "   ".join(f"{k}: {v.get('dispatcher', '?')}" for k, v in res["sdpa"].items()))
     if "coc" in res:
         n = len(res["coc_tokens"])
         lines += [f"prompt         {res['prompt_tokens']} tokens, {res['images']} images, {res['visual_tokens']} "
@@ -633,6 +933,9 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
     ap.add_argument("--peer", default=None, choices=["hf"], help="toy, greedy: also time transformers' generate and "
                     "assisted generation on the same weights and prompts (peer.py; needs transformers)")
+    ap.add_argument("--toy-json", default=None, help="random-weight runs: the toy bench.py JSON whose acceptance "
+                    f"the predicted speed-up uses (default: the committed {TOY_ACCEPTANCE} for the chain, "
+                    f"{TOY_TREE_ACCEPTANCE} for the default tree; runs/bench_toy.json is the last toy run's)")
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     args = ap.parse_args(argv)
     if args.target and args.preset:
@@ -663,6 +966,16 @@ def main(argv=None):
     except ValueError as e:
         ap.error(str(e))
     toy_mode = not (args.target or args.preset)
+    if args.draft and os.path.isfile(os.path.join(args.draft, checkpoint.CONFIG)) and \
+            checkpoint.read_json(os.path.join(args.draft, checkpoint.CONFIG)).get("draft") is False:
+        ap.error(f"--draft {args.draft} holds a target model, not a draft (as its own draft it accepts every token)")
+    args.toy_acceptance = None
+    if not toy_mode and not args.draft:
+        try:
+            args.toy_acceptance = toy_acceptance(args.toy_json or (TOY_TREE_ACCEPTANCE if args.tree else
+                                                                   TOY_ACCEPTANCE), decoder_json(args.decoder))
+        except ValueError as e:
+            ap.error(str(e))
     if args.peer and not toy_mode:
         ap.error("--peer runs on the toy checkpoints only (drop --target / --preset)")
     if args.peer and decoding["mode"] != "greedy":
@@ -684,14 +997,15 @@ def main(argv=None):
     if args.threads:
         torch.set_num_threads(args.threads)
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
+    reset_peak_memory(device)
     torch.manual_seed(0)
     with checkpoint.user_errors(ap):  # a bad folder or file, a gamma past the model's positions: one line
         res = toy(args, device, dtype, decoding) if toy_mode else real(args, device, dtype, decoding)
     hardware = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or
                                                                                   platform.machine())
     res.update(device=str(device), hardware=hardware, dtype=args.dtype, decoder=decoder_json(args.decoder),
-               gamma=None if args.tree else args.gamma,
-               threads=torch.get_num_threads(), torch=torch.__version__)
+               gamma=None if args.tree else args.gamma, threads=torch.get_num_threads(), torch=torch.__version__,
+               environment=environment(device), peak_memory=peak_memory(device))
     report(res, args)  # printed first: a failing write below loses no measurement
     if args.json:
         print(json.dumps(res))

@@ -150,6 +150,17 @@ class ActionExpert(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, vlm.rms_norm_eps)
         self.action_in_proj = ActionInProj(cfg)
         self.action_out_proj = nn.Linear(cfg.hidden_size, 2)
+        # the rotary frequencies by device, built once there: rebuilding them on the CPU and copying them over at
+        # every Euler step would put a host sync inside the timed action stage (a dict, not a buffer, so a dtype
+        # conversion of the module cannot round them)
+        self._inv_freq = {}
+
+    def inv_freq(self, device):
+        f = self._inv_freq.get(device)
+        if f is None:
+            c = self.layer_cfg
+            f = self._inv_freq[device] = rope_inv_freq(c.head_dim, c.rope_theta).to(device)  # (hd/2,) fp32
+        return f
 
     def stack(self, h, cache: KVCache):
         """The decoder over action tokens h (B, N, De) -> (B, N, De). Every layer attends to the same
@@ -157,12 +168,12 @@ class ActionExpert(nn.Module):
         tokens. Their K/V are written after cache.length, which never advances: the cache is unchanged
         for the next Euler step (Alpamayo appends them, then crops back)."""
         B, N, _ = h.shape
-        L, c = cache.length, self.layer_cfg
+        L = cache.length
         if L + N > cache.max_len:
             raise ValueError(f"the expert's {N} action tokens need a KV cache of {L} + {N} slots, max_len is "
                              f"{cache.max_len}")
         pos = decode_positions(L, N, cache.rope_delta)  # (B, N): after <|traj_future_start|>, equal on t, h, w
-        cos, sin = rope_cos_sin(pos, rope_inv_freq(c.head_dim, c.rope_theta).to(h.device))
+        cos, sin = rope_cos_sin(pos, self.inv_freq(h.device))
         cos, sin = cos.to(h.dtype).unsqueeze(2), sin.to(h.dtype).unsqueeze(2)  # (B, N, 1, hd)
         mask = None if cache.key_mask is None else cache.key_mask[:, None, None, :L + N]  # (B, 1, 1, L + N)
         for i, layer in enumerate(self.layers):

@@ -377,7 +377,7 @@ def median_time(fn, device, reps, timer=time.perf_counter):
     return statistics.median(times)
 
 
-@torch.inference_mode()
+@torch.no_grad()  # not inference_mode: a compiled step warmed up under no_grad would compile again under it
 def step_times(target, draft, prompt, lengths, reps=20, timer=time.perf_counter):
     """The measured cost model's step times in seconds: {"target": {n: T_target(n) for n in lengths}, "draft":
     T_draft(1)}, each a single forward on a cache that holds the prompt, followed by a crop back to it (the

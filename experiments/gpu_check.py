@@ -1,21 +1,37 @@
-"""The GPU run, ready: the CUDA-only tests and the reasoning-step benchmark at both real-shape presets (random
-weights), eager and torch.compile'd in the same process, written to one JSON. Paper: the ~4x lower reasoning-step
-latency is a GPU claim; this is the check a user with one GPU runs first (docs: README, "On a GPU").
+"""The first GPU run, in stages: what a user with one GPU runs first, sized for one command of at most ten minutes.
+Paper: the ~4x lower reasoning-step latency is a GPU claim; this measures the step times behind it at the real shape
+(qwen3-vl-8b, random weights) and checks the CUDA-only paths (the lower-right verify mask, CUDA-graph decoding).
 
-Each preset is `python bench.py --device cuda --preset NAME --compile --json`: target-only and speculative decoding,
-eager and compiled (CUDA graphs over the static cache, mode "reduce-overhead"), with the cost model of both and
-the greedy check of the compiled arms (bf16: divergences are named with the target's top-2 margin). The draft is
-random at these shapes, so tau is ~1 and the speed-up to read is the cost model's prediction at the toy's alpha
-(printed when runs/bench_toy.json exists: run `python bench.py --device cpu` first) and the measured step times.
-One failure does not lose the rest: it is recorded under its name.
+The stages run in the order of what they teach. Each writes DIR/<stage>.json (atomically) the moment it ends, so a
+run cut short keeps every stage it finished; a stage that fails records its traceback and the next one still runs.
 
-run: python experiments/gpu_check.py [--out experiments/gpu_check.json] [--presets qwen2.5-vl-7b,qwen3-vl-8b]
-     (plumbing on a CPU: python experiments/gpu_check.py --device cpu --layers 1 --images 1 --skip-tests
-      --max-new 3 --presets qwen2.5-vl-7b --out /tmp/gpu_check.json)
+  a_env          the machine (GPU, torch / CUDA / cuDNN / triton / transformers versions) and the attention kernel
+                 of the target's prefill, decode and verify steps and of the static steps --compile compiles, at
+                 the preset's shapes (bench.sdpa_steps: the dispatcher's choice and which backends run alone)
+  b_cuda_tests   only the CUDA tests (pytest -k cuda --slow), CUDA-graph skips made errors
+                 (TORCHINDUCTOR_CUDAGRAPH_OR_ERROR=1, and the CUDA-graph test asserts inductor's skip counter stayed
+                 at zero and graphs were captured and replayed)
+  c_eager        the eager cost model at full depth: T_target(n) for every n in --steps (1 to 64: a gamma + 1 verify
+                 and a draft tree's verify of up to 64 nodes, at the causal mask's cost), T_draft(1) with the full
+                 head and with a --draft-vocab head, the prefill (vision tower + prompt), and the speed-up these
+                 predict at gamma 1..8 at the toy's recorded acceptance (bench.toy_acceptance)
+  d_compiled     the compiled cost model (CUDA graphs, mode "reduce-overhead"; inductor on a CPU) at a few depths
+                 (--compiled-layers): compile time of each step shape, T_target(1), T_target(gamma+1), T_draft(1),
+                 and bench.CompileWatch's count of compilations after the compile pass (must be none) and of the
+                 CUDA graphs captured, replayed and skipped
+  e_full         the same at full depth, if the budget still allows it by the compile time per layer that (d)
+                 measured; otherwise written with skipped: true, the estimate and the reason
+
+Estimate on one H200 (from the operations each stage runs, not yet measured; a cold inductor cache): start and
+imports 15 s; (a) 20 s; (b) 120 s (the CUDA-graph test compiles six graphs of a tiny model); (c) 60 s (one 8B model
+built on the GPU, 64 step lengths x 11 steps, 3 prefills of ~2,900 tokens); (d) 150 s at 1 and 2 layers (three
+step shapes each, the 1-layer draft at each depth); (e) about 36 x (d)'s compile time per layer, so it runs only if
+(d) leaves the budget enough. Default run without (e): about 6 minutes, under the default --budget of 450 s.
+
+run: python experiments/gpu_check.py --out DIR [--budget 450]        (on the GPU machine: --out "$OUT")
+     python experiments/gpu_check.py --device cpu --layers 1 --out DIR  (the plumbing on a CPU; about 2-3 minutes)
 """
 import argparse
-import contextlib
-import io
 import os
 import subprocess
 import sys
@@ -27,63 +43,330 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import bench  # noqa: E402
 import checkpoint  # noqa: E402
+import model as M  # noqa: E402
+import speculate  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STAGES = ("a_env", "b_cuda_tests", "c_eager", "d_compiled", "e_full")
+GAMMAS = range(1, 9)
 
 
-def cuda_tests():
-    """The tests that only run on CUDA (the lower-right verify mask, CUDA-graph decoding), slow ones included."""
-    t0 = time.time()
-    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "tests", "--slow", "-k", "cuda"], cwd=ROOT,
-                       capture_output=True, text=True)
-    lines = p.stdout.strip().splitlines()
-    return {"returncode": p.returncode, "summary": lines[-1] if lines else "", "wall_s": time.time() - t0,
-            "output_tail": "\n".join(lines[-30:])}
+def parse_steps(text):
+    """'1-64' or '1,2,4' -> a sorted list of step lengths."""
+    out = set()
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        out.update(range(int(lo), int(hi or lo) + 1))
+    if not out or min(out) < 1:
+        raise ValueError(f"--steps takes step lengths >= 1 ('1-64' or '1,2,4'), got {text!r}")
+    return sorted(out)
 
 
-def preset_run(name, device, max_new, repeats, layers=None, images=16):
-    t0 = time.time()
-    out = io.StringIO()
-    argv = ["--device", device, "--preset", name, "--compile", "--max-new", str(max_new), "--repeats", str(repeats),
-            "--images", str(images)]
+class Run:
+    """The run's clock, budget and output folder: each stage's JSON written the moment it ends."""
+
+    def __init__(self, args):
+        self.args, self.t0 = args, time.time()
+        self.device = torch.device(args.device)
+        self.models = {}
+
+    def elapsed(self):
+        return time.time() - self.t0
+
+    def left(self):
+        return self.args.budget - self.elapsed()
+
+    def write(self, stage, res):
+        path = os.path.join(self.args.out, stage + ".json")
+        checkpoint.write_json(path, res)
+        print(f"[{self.elapsed():6.0f} s] {stage}: {res.get('status')} -> {path}", flush=True)
+
+    def stage(self, name, fn):
+        t = time.time()
+        try:
+            res = {"status": "ok", **fn(self)}
+        except Exception:  # recorded; the next stage still runs
+            res = {"status": "error", "error": traceback.format_exc()}
+        finally:
+            torch._dynamo.reset()  # the next stage's graphs are its own
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()
+                torch.cuda.empty_cache()
+        res.update(stage=name, wall_s=time.time() - t, run_elapsed_s=self.elapsed(), budget_s=self.args.budget,
+                   preset=self.args.preset, device=str(self.device))
+        self.write(name, res)
+        return res
+
+    def build(self, layers):
+        """The preset at `layers` decoder layers (random weights, seed 0) and its 1-layer draft, built once per depth
+        and kept for the later stages (random init of the 151,936 x 4,096 embedding and head is most of a build)."""
+        if layers not in self.models:
+            torch.manual_seed(0)
+            full = M.PRESETS[self.args.preset].n_layers
+            self.models[layers] = bench.build_preset(self.args.preset, self.device, checkpoint.DTYPES[self.args.dtype],
+                                                     None if layers == full else layers)
+        return self.models[layers]
+
+    def prompt(self, target):
+        p = bench.real_prompt(target.cfg, self.device, n_images=self.args.images, grid=self.args.image_grid)
+        if "pixel_values" in p:
+            p["pixel_values"] = p["pixel_values"].to(checkpoint.DTYPES[self.args.dtype])
+        return p
+
+    def depth(self):
+        return self.args.layers or M.PRESETS[self.args.preset].n_layers
+
+
+# ---- the stages ----
+
+
+def env_stage(run):
+    """(a) The machine and the attention kernels, on a 1-layer model of the preset (every layer's attention has the
+    same shapes)."""
+    target, _ = run.build(1)
+    prompt = run.prompt(target)
+    L = prompt["input_ids"].shape[1]
+    return {"environment": bench.environment(run.device), "prompt_tokens": L, "gamma": run.args.gamma,
+            "threads": torch.get_num_threads(),
+            "sdpa": bench.sdpa_steps(target, prompt, run.args.gamma, static_len=L + 2 * run.args.gamma + 1)}
+
+
+def tests_stage(run):
+    """(b) The CUDA tests only, slow ones included, in a subprocess (its own dynamo state), with CUDA-graph skips
+    made errors; bounded by what is left of the budget."""
+    env = dict(os.environ, TORCHINDUCTOR_CUDAGRAPH_OR_ERROR="1", HF_HUB_OFFLINE="1")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "tests", "--slow", "-k", "cuda", "-p", "no:cacheprovider"]
+    timeout = max(30.0, min(run.args.tests_timeout, run.left() - 60))
     try:
-        with contextlib.redirect_stdout(out):
-            res = bench.main(argv + (["--layers", str(layers)] if layers else []))
-    except Exception:  # recorded, and the next preset still runs
-        res = {"error": traceback.format_exc()}
+        p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+        lines = (p.stdout + p.stderr).strip().splitlines()
+        out = {"returncode": p.returncode, "summary": lines[-1] if lines else ""}
+    except subprocess.TimeoutExpired as e:
+        text = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        lines = text.strip().splitlines()
+        out = {"returncode": None, "summary": f"timed out after {timeout:.0f} s"}
+    out.update(command=" ".join(cmd[1:]), env="TORCHINDUCTOR_CUDAGRAPH_OR_ERROR=1", output_tail="\n".join(lines[-40:]),
+               ok=out["returncode"] == 0, ran=" passed" in out["summary"] or " failed" in out["summary"])
+    return out
+
+
+def step_costs(model, prompt, lengths, reps, embeds=None, deepstack=None):
+    """{n: T(n) in ms} for every step length n: the prompt (but its last token) prefilled once into a cache with room
+    for the longest step, then each n-token forward timed (speculate.median_time, after one warm-up) and cropped
+    back (the verifier's rollback), as speculate.step_times does for each n with one prefill per n."""
+    L = prompt["input_ids"].shape[1]
+    if embeds is None:
+        embeds, deepstack = speculate.embed_prompt(model, prompt)  # (1, L, D)
+    cache = model.new_cache(batch=1, max_len=L + max(lengths))
+    speculate.prefill(model, prompt, embeds, cache, deepstack)
+    base, x = cache.length, prompt["input_ids"][:, -1:]
+    out = {}
+    for n in lengths:
+        xs = x.repeat(1, n)  # (1, n): token values do not change a step's time
+
+        def step():
+            model(xs, cache=cache)
+            cache.crop(base)
+        out[n] = 1e3 * speculate.median_time(step, prompt["input_ids"].device, reps)
+    return out
+
+
+def predictions(t_target, t_draft, toy):
+    """The speed-up the cost model predicts at gamma 1..8 at the toy's alpha (gamma + 1 <= the longest timed step)."""
+    out = {}
+    for g in GAMMAS:
+        if g + 1 in t_target:
+            tau = speculate.expected_tau(toy["alpha"], g)
+            out[g] = speculate.measured_speedup(tau, t_target[1], t_draft, t_target[g + 1], g)
+    return out
+
+
+@torch.no_grad()
+def eager_stage(run):
+    """(c) The eager real-shape cost model at the run's depth."""
+    a = run.args
+    target, draft = run.build(run.depth())
+    prompt = run.prompt(target)
+    clock = speculate.Clock(run.device, enabled=True)
+
+    def prefill():
+        cache = target.new_cache(batch=1, max_len=prompt["input_ids"].shape[1])
+        e, ds = speculate.embed_prompt(target, prompt)
+        speculate.prefill(target, prompt, e, cache, ds)
+    prefill_ms = 1e3 * speculate.median_time(prefill, run.device, 3)
+    embeds, deepstack = speculate.embed_prompt(target, prompt)
+    t_target = step_costs(target, prompt, a.steps, a.reps, embeds, deepstack)
+    t_draft = step_costs(draft, prompt, [1], a.reps, embeds)[1]
+    del draft
+    reduced = M.make_draft(target, n_layers=1, vocab_ids=torch.arange(a.draft_vocab)).eval()
+    t_reduced = step_costs(reduced, prompt, [1], a.reps, embeds)[1]
+    toy = bench.toy_acceptance(a.toy_json)
+    return {"what": "eager steps (no_grad), median of --reps after one warm-up, each on a cache holding the prompt "
+                    "and cropped back; T(n) for a tree verify of n nodes is taken at the causal mask's cost",
+            "layers": run.depth(), "dtype": a.dtype, "images": a.images, "image_grid": a.image_grid,
+            "prompt_tokens": prompt["input_ids"].shape[1],
+            "reps": a.reps, "prefill_ms": prefill_ms, "t_target_ms": t_target, "t_draft_1_ms": t_draft,
+            "draft_vocab": a.draft_vocab, "t_draft_1_reduced_ms": t_reduced,
+            "c": t_draft / t_target[1], "c_reduced": t_reduced / t_target[1], "toy_acceptance": toy,
+            "predicted_speedup": predictions(t_target, t_draft, toy),
+            "predicted_speedup_reduced": predictions(t_target, t_reduced, toy),
+            "peak_memory": bench.peak_memory(run.device), "setup_and_timing_s": clock.lap()}
+
+
+@torch.no_grad()
+def compiled_costs(run, layers):
+    """Compiled steps at `layers` decoder layers: each shape's first calls timed (compile, and on CUDA the graph's
+    warm-up run and recording), then the step times, with what CompileWatch saw."""
+    a, g = run.args, run.args.gamma
+    target, draft = run.build(layers)
+    prompt = run.prompt(target)
+    L = prompt["input_ids"].shape[1]
+    lengths = (1, 2, g + 1)
+    ct, cd = (M.StaticDecoder(m, L + g + 1 + g, compile=True, step_lengths=lengths) for m in (target, draft))
+    watch = bench.CompileWatch({"target": ct, "draft": cd})
+    embeds, deepstack = speculate.embed_prompt(target, prompt)
+    x = prompt["input_ids"][:, -1:]
+    compile_s = {}
+    try:
+        for name, dec, n in (("target", ct, 1), ("target", ct, g + 1), ("draft", cd, 1)):
+            cache = dec.new_cache()
+            speculate.prefill(dec, prompt, embeds, cache, deepstack if name == "target" else None)
+            base = cache.length
+            clock = speculate.Clock(run.device, enabled=True)
+            for _ in range(3):  # compile; on CUDA the graph's warm-up run, then its recording
+                dec(x.repeat(1, n), cache=cache)
+                cache.crop(base)
+            compile_s[f"{name} T={n}"] = clock.lap()
+        watch.next_phase("timed")
+        t_target = step_costs(ct, prompt, [1, g + 1], a.reps, embeds, deepstack)
+        t_draft = step_costs(cd, prompt, [1], a.reps, embeds)[1]
     finally:
-        torch._dynamo.reset()  # the next preset's graphs are its own
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-    res["report"] = out.getvalue()
-    res["wall_s"] = time.time() - t0
-    print(res["report"] or res.get("error", ""), flush=True)
-    return res
+        watch.close()
+    toy = bench.toy_acceptance(a.toy_json)
+    tau = speculate.expected_tau(toy["alpha"], g)
+    return {"layers": layers, "compile_s": compile_s, "compile_s_total": sum(compile_s.values()),
+            "t_target_ms": t_target, "t_draft_1_ms": t_draft, "gamma": g,
+            "predicted_speedup_at_toy_alpha": speculate.measured_speedup(tau, t_target[1], t_draft, t_target[g + 1], g),
+            "compilations": watch.report(), "peak_memory": bench.peak_memory(run.device)}
+
+
+def compiled_stage(run):
+    """(d) The compiled cost model at a few depths, and the compile time per added layer."""
+    depths = [k for k in run.args.compiled_layers if k <= run.depth()]
+    out = {"what": "torch.compile'd model.StaticDecoder steps (mode reduce-overhead on CUDA: CUDA graphs; inductor "
+                   "with freezing on a CPU), step lengths 1, 2, gamma + 1; compile_s: the first three calls of each "
+                   "shape; timings as in c_eager", "depths": {}}
+    for i, k in enumerate(depths):
+        if i:  # a deeper model compiles longer: stop before a depth that the last one's time says would not fit
+            last = out["depths"][depths[i - 1]]
+            estimate = last["compile_s_total"] * k / depths[i - 1] + 30
+            if estimate > run.left():
+                out["skipped_depths"] = {"layers": depths[i:], "estimate_s": estimate, "left_s": run.left()}
+                break
+        out["depths"][k] = compiled_costs(run, k)
+        torch._dynamo.reset()
+        print(f"[{run.elapsed():6.0f} s]   compiled at {k} layers: {out['depths'][k]['compile_s_total']:.0f} s "
+              f"to compile", flush=True)
+    depths = sorted(out["depths"])
+    if len(depths) >= 2:
+        lo, hi = depths[0], depths[-1]
+        d = out["depths"]
+        out["compile_s_per_layer"] = (d[hi]["compile_s_total"] - d[lo]["compile_s_total"]) / (hi - lo)
+        full, g = M.PRESETS[run.args.preset].n_layers, run.args.gamma
+        per = {n: (d[hi]["t_target_ms"][n] - d[lo]["t_target_ms"][n]) / (hi - lo) for n in (1, g + 1)}
+        out["extrapolated_full_depth"] = {
+            "what": f"compiled T_target(n) at {full} layers, extrapolated linearly from these depths (a "
+                    "prediction: e_full measures it when the budget allows)",
+            "t_target_ms": {n: d[hi]["t_target_ms"][n] + per[n] * (full - hi) for n in (1, g + 1)}}
+    return out
+
+
+def full_stage(run, compiled):
+    """(e) The compiled cost model at full depth, if (d)'s compile times say it fits in what is left of the budget."""
+    full = run.depth()
+    depths = (compiled or {}).get("depths", {})
+    if not depths:
+        return {"skipped": True, "why": "stage d measured no depth, so there is no compile-time estimate"}
+    if full in depths:
+        return {"skipped": True, "layers": full, "why": f"the full depth here ({full} layers) is one of stage d's "
+                "depths: its numbers are in d_compiled.json", "same_as": depths[full]}
+    top = max(depths)
+    # floored: a slope between two small depths can be noise, and an estimate too low would overrun the command
+    per_layer = max(compiled.get("compile_s_per_layer") or 0.0, depths[top]["compile_s_total"] / top / 4)
+    estimate = depths[top]["compile_s_total"] + max(0.0, per_layer) * (full - top) + 30  # + build and timing
+    left = run.left()
+    if estimate > left:
+        return {"skipped": True, "layers": full, "estimate_s": estimate, "left_s": left,
+                "why": f"compiling {full} layers would take about {estimate:.0f} s by stage d's compile times, "
+                       f"{left:.0f} s of the --budget are left"}
+    return {"skipped": False, "estimate_s": estimate, **compiled_costs(run, full)}
+
+
+# ---- main ----
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description="CUDA tests + bench.py --device cuda --compile at the real presets.")
-    ap.add_argument("--out", default="experiments/gpu_check.json", help="the one JSON written (atomically)")
-    ap.add_argument("--presets", default="qwen2.5-vl-7b,qwen3-vl-8b", help="comma-separated bench.py presets")
-    ap.add_argument("--max-new", type=int, default=32, help="reasoning tokens per decode")
-    ap.add_argument("--repeats", type=int, default=3, help="timed passes (median)")
-    ap.add_argument("--skip-tests", action="store_true", help="only the benchmarks")
-    ap.add_argument("--device", default="cuda", help="cuda; cpu (with --layers 1) only checks the script's plumbing")
-    ap.add_argument("--layers", type=int, default=None, help="keep only this many decoder layers (plumbing checks)")
-    ap.add_argument("--images", type=int, default=16, help="images per prompt (16: Alpamayo's ~2,900 visual tokens)")
+    ap = argparse.ArgumentParser(description="The staged GPU check: environment, CUDA tests, eager and compiled "
+                                             "cost models at a real shape; one JSON per stage.")
+    ap.add_argument("--out", required=True, help="folder for the stages' JSON (on the GPU machine: $OUT)")
+    ap.add_argument("--budget", type=float, default=450.0, help="seconds the whole run may take; stage e runs only "
+                    "if its estimate fits (default 450)")
+    ap.add_argument("--device", default="cuda", help="cuda; cpu (with --layers 1) checks the plumbing")
+    ap.add_argument("--preset", default="qwen3-vl-8b", choices=sorted(k for k in M.PRESETS if not k.startswith("toy")))
+    ap.add_argument("--layers", type=int, default=None, help="the depth of stages c and e (default: the preset's)")
+    ap.add_argument("--compiled-layers", default="1,2", help="stage d's depths (comma-separated)")
+    ap.add_argument("--steps", default=None, help="stage c's step lengths (default 1-64 on CUDA, "
+                    "1,2,4,7,8,16,32,64 on a CPU)")
+    ap.add_argument("--reps", type=int, default=None, help="timed calls per step (median; default 10 on CUDA, 3 on "
+                    "a CPU)")
+    ap.add_argument("--images", type=int, default=None, help="images per prompt (default 16 on CUDA, Alpamayo's "
+                    "~2,900 visual tokens; 1 on a CPU)")
+    ap.add_argument("--image-grid", default=None, help="patches per image, TxHxW (default 1x20x36 on CUDA: 180 "
+                    "merged tokens, Alpamayo's; 1x4x8 on a CPU, where the 27-layer vision tower would take seconds)")
+    ap.add_argument("--gamma", type=int, default=6, help="draft length of the compiled verify step")
+    ap.add_argument("--draft-vocab", type=int, default=32768, help="stage c's reduced draft head (token ids)")
+    ap.add_argument("--dtype", default="bf16", choices=sorted(checkpoint.DTYPES))
+    ap.add_argument("--toy-json", default=bench.TOY_ACCEPTANCE, help="the toy acceptance of the predictions")
+    ap.add_argument("--tests-timeout", type=float, default=240.0, help="stage b's limit in seconds")
+    ap.add_argument("--stages", default=",".join(STAGES), help="the stages to run (comma-separated names)")
     args = ap.parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        ap.error("no CUDA device: this script is the GPU check (python bench.py --device cpu is the CPU one)")
-    os.chdir(ROOT)  # bench.py reads the toy's alpha from runs/bench_toy.json, relative to the repo
-    result = {"device": torch.cuda.get_device_name(0) if args.device == "cuda" else args.device,
-              "torch": torch.__version__, "layers": args.layers, "presets": {}}
-    if not args.skip_tests:
-        result["tests"] = cuda_tests()
-        print(f"CUDA tests: {result['tests']['summary']}", flush=True)
-    for name in args.presets.split(","):
-        result["presets"][name] = preset_run(name, args.device, args.max_new, args.repeats, args.layers, args.images)
-    checkpoint.write_json(args.out, result)
-    print(f"wrote {args.out}")
+    cuda = args.device == "cuda"
+    if cuda and not torch.cuda.is_available():
+        ap.error("--device cuda: no CUDA device here (--device cpu --layers 1 checks the plumbing)")
+    try:
+        checkpoint.check_device(args.device)
+        args.steps = parse_steps(args.steps or ("1-64" if cuda else "1,2,4,7,8,16,32,64"))
+        args.compiled_layers = sorted({int(k) for k in args.compiled_layers.split(",")})
+        args.image_grid = tuple(int(k) for k in (args.image_grid or ("1x20x36" if cuda else "1x4x8")).split("x"))
+        if len(args.image_grid) != 3 or min(args.image_grid) < 1:
+            raise ValueError(f"--image-grid takes TxHxW patches, got {args.image_grid}")
+        bench.toy_acceptance(args.toy_json)
+    except ValueError as e:
+        ap.error(str(e))
+    full = M.PRESETS[args.preset].n_layers
+    if args.layers is not None and not 1 <= args.layers <= full:
+        ap.error(f"--layers takes 1..{full} for {args.preset}, got {args.layers}")
+    if min(args.compiled_layers) < 1:
+        ap.error(f"--compiled-layers takes depths >= 1, got {args.compiled_layers}")
+    if args.gamma + 1 > max(args.steps) or 1 not in args.steps:
+        ap.error(f"--steps must hold 1 and gamma + 1 = {args.gamma + 1}")
+    stages = args.stages.split(",")
+    if set(stages) - set(STAGES):
+        ap.error(f"--stages takes names among {', '.join(STAGES)}, got {args.stages}")
+    args.reps = args.reps or (10 if cuda else 3)
+    args.images = args.images or (16 if cuda else 1)
+    os.makedirs(args.out, exist_ok=True)
+    checkpoint.check_writable(args.out)
+    run = Run(args)
+    bench.reset_peak_memory(run.device)
+    results = {}
+    for name, fn in (("a_env", env_stage), ("b_cuda_tests", tests_stage), ("c_eager", eager_stage),
+                     ("d_compiled", compiled_stage),
+                     ("e_full", lambda r: full_stage(r, results.get("d_compiled")))):
+        if name in stages:
+            results[name] = run.stage(name, fn)
+    print(f"done in {run.elapsed():.0f} s: " + ", ".join(f"{k} {v['status']}" for k, v in results.items()))
+    return results
 
 
 if __name__ == "__main__":

@@ -225,6 +225,25 @@ def test_euler_flow_runs_from_noise_to_data(model, monkeypatch):
     assert max_diff(out, x1) < 1e-5 and [round(float(t), 6) for _, t in seen] == [k / 10 for k in range(10)]
 
 
+def test_the_rotary_frequencies_are_built_once_per_device(model, monkeypatch):
+    """The expert's rotary table is built once per device, not at every Euler step (on CUDA a CPU build and copy per
+    step is a host sync inside the timed action stage); the plan is unchanged."""
+    import expert
+    builds, build = [], expert.rope_inv_freq
+    monkeypatch.setattr(expert, "rope_inv_freq", lambda *a: builds.append(a) or build(*a))
+    model.expert._inv_freq.clear()
+    with torch.no_grad():
+        cache = model.new_cache(max_len=64 + N_WP)
+        model(**qwen3_prompt(), cache=cache)
+        model(torch.tensor([[SPECIAL["<|traj_future_start|>"]]]), cache=cache)
+        plans = [model.expert(cache, torch.tensor([6.0]), generator=torch.Generator().manual_seed(0))
+                 for _ in range(2)]  # 2 plans x 10 Euler steps
+    assert len(builds) == 1, len(builds)
+    c = model.expert.layer_cfg
+    assert torch.equal(model.expert.inv_freq(torch.device("cpu")), build(c.head_dim, c.rope_theta))
+    assert torch.equal(plans[0], plans[1])
+
+
 def test_unicycle_straight_line_and_circle():
     cfg = ExpertConfig(n_waypoints=N_WP, accel_mean=0.0, accel_std=1.0, curvature_mean=0.0, curvature_std=1.0)
     v0 = torch.tensor([5.0])

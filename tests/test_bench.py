@@ -3,6 +3,7 @@ sampling settings reaching every timed decode, and the report's wording.
 
 run: python -m pytest -q tests/test_bench.py
 """
+import json
 import math
 
 import pytest
@@ -110,3 +111,113 @@ def test_decoding_mode_checks_the_flags():
                     (dict(temperature=1.0, seed=-1), "seed must be an int >= 0")):
         with pytest.raises(ValueError, match=msg):
             evaluate.decoding_mode(**kw)
+
+
+# ---- the compiled steps, and what the JSON says about them ----
+
+
+@pytest.fixture
+def eager_dynamo(monkeypatch):
+    """torch.compile through dynamo with the eager backend: dynamo's guards, graph breaks and recompilations are the
+    real ones (they are dynamo's, not inductor's), at a few seconds instead of minutes of inductor on a CPU."""
+    compile_ = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile_(fn, backend="eager", fullgraph=kw["fullgraph"],
+                                                                    dynamic=kw["dynamic"]))
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def test_a_compiled_step_compiles_only_in_its_compile_pass(eager_dynamo):
+    """--compile: every step shape compiles in the decodes timed as compile_s and never again: not in the timed
+    passes' warm-up, the timed passes or the cost model (dynamo guards on the grad mode and the inputs' dispatch
+    keys, so timing under another grad mode than the compile pass recompiles every shape); the JSON counts the
+    compilations per step shape."""
+    target = tiny_model()
+    draft = make_draft(target, n_layers=1).eval()
+    prompts = [image_prompt(seed=s) for s in range(2)]
+    res = bench.benchmark(target, draft, prompts, 3, 6, repeats=3, compile=True)
+    c = res["compiled"]["compilations"]
+    assert set(c["steps"]) == {"compile", "warm-up", "timed", "cost model"}, c["steps"].keys()
+    warm = c["steps"]["compile"]  # the decodes timed as compile_s
+    assert {"target T=1", "target T=4", "draft T=1"} <= set(warm) and all(v["compilations"] for v in warm.values())
+    for phase in ("warm-up", "timed", "cost model"):
+        steps = c["steps"][phase]
+        assert sum(v["calls"] for v in steps.values()) > 0
+        assert all(v["compilations"] == 0 for v in steps.values()), (phase, steps)
+    assert c["recompiled_after_compile"] == {} and c["cuda_graphs"] is None  # no CUDA graphs on a CPU
+    assert res["compiled"]["greedy_match"]
+
+
+def test_compile_watch_sees_a_recompilation(eager_dynamo):
+    """The counter the test above relies on moves: a step timed under inference_mode after a no_grad warm-up."""
+    import model
+    target = tiny_model()
+    st = model.StaticDecoder(target, 40, compile=True)
+    watch = bench.CompileWatch({"target": st})
+    prompt = image_prompt()
+    with torch.no_grad():
+        speculate.autoregressive(st, prompt, 3)
+    assert list(watch.counts["compile"]) == ["target T=1"] and watch.counts["compile"]["target T=1"]["compilations"]
+    watch.next_phase("timed")
+    with torch.inference_mode():
+        speculate.autoregressive(st, prompt, 3)
+    watch.close()
+    again = watch.recompiled()
+    assert list(again) == ["timed"] and list(again["timed"]) == ["target T=1"] and again["timed"]["target T=1"] >= 1
+
+
+def test_sdpa_steps_name_each_steps_shapes_and_kernel():
+    target = tiny_model()
+    prompt = image_prompt()
+    L, cfg = prompt["input_ids"].shape[1], target.cfg
+    steps = bench.sdpa_steps(target, prompt, 3, static_len=40)
+    assert set(steps) == {"prefill", "decode", "verify", "static decode", "static verify"}
+    g = cfg.n_heads // cfg.n_kv_heads
+    assert steps["prefill"]["q"] == [1, cfg.n_heads, L - 1, cfg.head_dim] and steps["prefill"]["mask"] == \
+        "none, is_causal"
+    assert steps["verify"]["q"] == [1, cfg.n_kv_heads, g * 4, cfg.head_dim]  # the CPU's grouped layout, 4 tokens
+    assert steps["static verify"]["k"] == [1, cfg.n_kv_heads, 40, cfg.head_dim]
+    for name, s in steps.items():
+        assert s["backends"]["MATH"] == "ok" and s["backends"][s["dispatcher"]] == "ok", (name, s)
+
+
+def test_sdpa_steps_see_the_lower_right_verify_bias(monkeypatch):
+    """The CUDA verify step (SDPA's lower-right causal bias over unfolded heads, forced here) is named as such, and
+    its kernel follows torch.nn.attention.bias's rule (on a CPU neither fused kernel takes it: a materialised mask)."""
+    import model
+    monkeypatch.setattr(model, "lower_right_verify", lambda device: True)
+    target, prompt = tiny_model(), image_prompt()
+    v = bench.sdpa_steps(target, prompt, 3)["verify"]
+    assert v["mask"] == "lower-right causal bias" and v["enable_gqa"]
+    assert v["q"] == [1, target.cfg.n_heads, 4, target.cfg.head_dim] and v["dispatcher"] == "materialised mask"
+    assert v["backends"]["MATH"] == "ok"
+
+
+# ---- the toy acceptance behind the real-shape prediction ----
+
+
+def test_the_prediction_reads_a_named_recorded_acceptance(tmp_path):
+    toy = bench.toy_acceptance(bench.TOY_ACCEPTANCE)  # the committed default, found from any working directory
+    assert toy["source"] == "experiments/bench_cpu.json" and 0 < toy["alpha"] < 1
+    assert (toy["prompts"], toy["dtype"], toy["gamma"], toy["decoding"]["mode"]) == (32, "bf16", 6, "greedy")
+    assert toy["draft"].endswith("draft_aarl_s0")
+    report = {"mode": "toy", "alpha": 1.0, "draft": "checkpoints/toy/target"}
+    (tmp_path / "self.json").write_text(json.dumps(report))
+    with pytest.raises(ValueError, match="self.json: its draft checkpoints/toy/target is the target itself"):
+        bench.toy_acceptance(str(tmp_path / "self.json"))
+    (tmp_path / "real.json").write_text(json.dumps({**report, "mode": "real", "draft": "x"}))
+    with pytest.raises(ValueError, match="real.json: not a toy bench.py report"):
+        bench.toy_acceptance(str(tmp_path / "real.json"))
+    with pytest.raises(ValueError, match="--toy-json nowhere.json: no such file"):
+        bench.toy_acceptance("nowhere.json")
+
+
+def test_a_draft_that_is_its_own_target_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        bench.main(["--device", "cpu", "--draft", "checkpoints/toy/target"])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "--draft checkpoints/toy/target holds a target model, not a draft" in err
+    with pytest.raises(SystemExit):
+        bench.main(["--device", "cpu", "--preset", "qwen3-vl-8b", "--toy-json", "nowhere.json"])
+    assert "--toy-json nowhere.json: no such file" in capsys.readouterr().err

@@ -170,6 +170,7 @@ def test_bench_toy_compiled(run_dir, capsys):
         assert c[key] > 0, key
     assert c["speedup"] == pytest.approx(c["ar_ms_per_token"] / c["spec_ms_per_token"])
     assert "compiled       target-only" in text
+    assert c["compilations"]["recompiled_after_compile"] == {}  # inductor: nothing compiles after compile_s
 
 
 @pytest.mark.slow
@@ -191,8 +192,19 @@ def test_bench_real_shape_preset(run_dir, capsys):
     out = json.loads(text.strip().splitlines()[-1])
     assert "not meaningful" in text
     assert out["prompt_tokens"] > 180 and out["model"] == "qwen2.5-vl-7b (1 layers), draft head over 4096 ids"
-    assert "predicted_speedup_at_toy_tau" in out  # the toy's bench.json from the test above, the same tree
+    # the prediction uses the committed toy run of the same tree, not whichever toy benchmark ran last
+    assert out["toy_acceptance"]["source"] == bench.TOY_TREE_ACCEPTANCE and "predicted_speedup_at_toy_tau" in out
+    assert out["toy_tau"] == checkpoint.read_json(os.path.join(bench.ROOT, bench.TOY_TREE_ACCEPTANCE))["tau"]
     assert set(out["verify_ratio"]) == {"8", "16", "32", "64"} and all(v > 0 for v in out["verify_ratio"].values())
+    assert {"prefill", "decode", "verify"} <= set(out["sdpa"]) and out["environment"]["torch"] == torch.__version__
+    # the chain's prediction reads the committed chain run's alpha, named in the report
+    bench.main(["--preset", "qwen2.5-vl-7b", "--layers", "1", "--images", "1", "--max-new", "3", "--repeats", "3",
+                "--tree", "0", "--run", str(run_dir), "--json"])
+    text = capsys.readouterr().out
+    out = json.loads(text.strip().splitlines()[-1])
+    assert out["toy_acceptance"]["source"] == bench.TOY_ACCEPTANCE and "predicted_speedup_at_toy_alpha" in out
+    assert out["toy_alpha"] == checkpoint.read_json(os.path.join(bench.ROOT, bench.TOY_ACCEPTANCE))["alpha"]
+    assert f"({bench.TOY_ACCEPTANCE}: 32 prompts, bf16, draft checkpoints/toy/draft_aarl_s0, gamma 6" in text
 
 
 def test_bench_sampling_reports_the_sampled_runs_beside_greedy(run_dir, capsys):

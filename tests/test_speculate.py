@@ -598,8 +598,15 @@ def drafts_for(target):
     with torch.no_grad():
         g = torch.Generator().manual_seed(2)
         for w in copy.parameters():
-            w.add_(0.1 * w.std() * torch.randn(w.shape, generator=g))
+            w.add_(0.1 * w.std() * torch.randn(w.shape, generator=g).to(w.device))  # CPU noise: the same on any device
     return {"random": random, "identical": target, "perturbed": copy}
+
+
+def test_drafts_for_builds_on_the_targets_device():
+    """drafts_for's noise goes to the parameters' device (the CUDA-graph test passes a CUDA target); the meta device
+    stands in for CUDA on a CPU: it refuses a CPU operand just as CUDA does."""
+    drafts = drafts_for(tiny_target().to("meta"))
+    assert {p.device.type for d in drafts.values() for p in d.parameters()} == {"meta"}
 
 
 def vla_prompts():
@@ -836,14 +843,22 @@ def test_vla_static_decoding_with_padded_steps():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs (mode reduce-overhead) need CUDA")
 def test_vla_compiled_decoding_on_cuda_equals_target():
     """On CUDA, --compile's steps are CUDA graphs over the persistent static cache (mode "reduce-overhead"): greedy
-    outputs equal eager target-only decoding (fp32), twice over (the second decode replays the graphs)."""
+    outputs equal eager target-only decoding (fp32), twice over (the second decode replays the graphs); graphs were
+    captured and replayed and none skipped (a skipped one would run as plain inductor and pass the token check)."""
+    import bench
     target = tiny_target().cuda()
     draft = drafts_for(target)["perturbed"]
     lengths = (1, 2, 4)
     ct, cd = (model.StaticDecoder(m, 64, compile=True, step_lengths=lengths) for m in (target, draft))
-    for _ in range(2):
-        for pname, prompt in vla_prompts().items():
-            prompt = {k: v.cuda() for k, v in prompt.items()}
-            ref = autoregressive(target, prompt, 16)
-            assert autoregressive(ct, prompt, 16).tokens == ref.tokens, pname
-            assert speculative(ct, cd, prompt, 3, 16).tokens == ref.tokens, pname
+    watch = bench.CompileWatch({"target": ct, "draft": cd})
+    try:
+        for _ in range(2):
+            for pname, prompt in vla_prompts().items():
+                prompt = {k: v.cuda() for k, v in prompt.items()}
+                ref = autoregressive(target, prompt, 16)
+                assert autoregressive(ct, prompt, 16).tokens == ref.tokens, pname
+                assert speculative(ct, cd, prompt, 3, 16).tokens == ref.tokens, pname
+    finally:
+        watch.close()
+    graphs = watch.report()["cuda_graphs"]
+    assert graphs["skips"] == 0 and graphs["captured"] and graphs["replayed"], graphs
