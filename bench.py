@@ -127,21 +127,23 @@ def time_arms(target, drafts, prompts, gamma, max_new, stop_token, repeats, deco
     decoding with each draft in `drafts` (name -> draft), on every prompt: a warm-up pass first
     (every prompt, every shape), then `repeats` passes in which the arms alternate. Greedy, or
     sampled under `decoding` (evaluate.decoding_mode) with the same seeds in every pass.
-    extra: more arms {name: (target, draft or None)} timed in the same passes (--compile's
-    StaticDecoder pair). on_timed: called between the warm-up and the timed passes (CompileWatch's phase).
+    extra: more arms {name: (target, draft or None[, gamma])} timed in the same passes (--compile's
+    StaticDecoder pair; with a gamma of its own, the chain beside a tree). on_timed: called between the warm-up and
+    the timed passes (CompileWatch's phase).
 
     Returns {arm: {prefill_ms (per prompt), ms_per_token (reasoning step), speedup (vs
     target-only)}}, medians over the passes."""
     arms = {TARGET_ONLY: (target, None), **{name: (target, d) for name, d in drafts.items()}, **(extra or {})}
-    for t, draft in arms.values():
+    arms = {name: (*arm, gamma)[:3] for name, arm in arms.items()}  # (target, draft, gamma) each
+    for t, draft, g in arms.values():
         for i, p in enumerate(prompts):
-            evaluate.decode(t, draft, p, gamma, max_new, stop_token, **evaluate.sampling_kwargs(decoding, i))
+            evaluate.decode(t, draft, p, g, max_new, stop_token, **evaluate.sampling_kwargs(decoding, i))
     passes = {name: [] for name in arms}
     if on_timed is not None:
         on_timed()
     for _ in range(repeats):
-        for name, (t, draft) in arms.items():
-            res = [evaluate.decode(t, draft, p, gamma, max_new, stop_token, timing=True,
+        for name, (t, draft, g) in arms.items():
+            res = [evaluate.decode(t, draft, p, g, max_new, stop_token, timing=True,
                                    **evaluate.sampling_kwargs(decoding, i)) for i, p in enumerate(prompts)]
             tokens = sum(len(r.tokens) for r in res)
             passes[name].append((1e3 * sum(r.prefill_s for r in res) / len(res),
@@ -154,6 +156,7 @@ def time_arms(target, drafts, prompts, gamma, max_new, stop_token, repeats, deco
 
 
 COMPILED = ("target-only compiled", "speculative compiled")  # --compile's arms, timed beside the eager ones
+CHAIN_ARM = "speculative chain"  # with a tree: the chain of evaluate.GAMMA, the same draft, timed in the same passes
 
 
 def compiled_pair(target, draft, prompts, gamma, max_new):
@@ -189,6 +192,9 @@ def benchmark(target, draft, prompts, gamma, max_new, stop_token=None, repeats=3
                                for arm, key in zip(COMPILED, (TARGET_ONLY, "speculative"))}
         comp["greedy_match"] = not any(comp["divergences"].values())
         extra = {COMPILED[0]: (ct, None), COMPILED[1]: (ct, cd)}
+    tree = isinstance(gamma, speculate.TreeShape)
+    if tree:  # the chain of evaluate.GAMMA with the same draft, in the same passes: is the tree faster here?
+        extra = {**(extra or {}), CHAIN_ARM: (target, draft, evaluate.GAMMA)}
     if watch:
         watch.next_phase("warm-up")  # time_arms' own warm-up pass: after compile_s, so nothing may compile here
     try:
@@ -204,6 +210,10 @@ def benchmark(target, draft, prompts, gamma, max_new, stop_token=None, repeats=3
            "ar_prefill_ms": ar["prefill_ms"], "spec_prefill_ms": spec_t["prefill_ms"],
            "ar_ms_per_token": ar["ms_per_token"], "spec_ms_per_token": spec_t["ms_per_token"],
            "speedup": spec_t["speedup"]}
+    if tree:
+        c = timing[CHAIN_ARM]
+        res["chain"] = {"gamma": evaluate.GAMMA, "ms_per_token": c["ms_per_token"], "speedup": c["speedup"],
+                        "tree_over_chain": c["ms_per_token"] / spec_t["ms_per_token"]}
     timed = spec
     if decoding["mode"] == "sampling":
         # the timed runs' own statistics: the same seeds, so the same tokens as every timed pass
@@ -229,7 +239,8 @@ def benchmark(target, draft, prompts, gamma, max_new, stop_token=None, repeats=3
             watch.close()
         comp["compilations"] = watch.report()
         res["compiled"] = comp
-    res["sdpa"] = sdpa_steps(target, prompts[0], gamma, static_len=ct.cache.max_len if compile else None)
+    res["sdpa"] = sdpa_steps(target, prompts[0], gamma.nodes if tree else gamma,
+                             static_len=ct.cache.max_len if compile else None, tree=tree)
     return res
 
 
@@ -372,10 +383,11 @@ class _ListHandler(logging.Handler):
 SDPA_BACKENDS = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION", "MATH")
 
 
-def sdpa_steps(target, prompt, gamma, static_len=None):
+def sdpa_steps(target, prompt, gamma, static_len=None, tree=False):
     """The attention kernel behind the target's steps at this prompt: the prefill, the 1-token decode step, the
     (gamma+1)-token verify step, and (static_len: a StaticDecoder's cache length) the static 1-token and verify
-    steps that --compile compiles. Each step runs once eagerly with F.scaled_dot_product_attention wrapped, and its
+    steps that --compile compiles; with tree (gamma is then its N) also the tree verify of N + 1 tokens (VLA.step).
+    Each step runs once eagerly with F.scaled_dot_product_attention wrapped, and its
     first layer's call (every layer's has the same shapes) is re-run on its own: `dispatcher` is the backend
     torch's dispatcher picks for exactly those arguments (torch._fused_sdp_choice; for the lower-right causal bias of
     the CUDA verify step the rule of torch.nn.attention.bias: flash, else memory-efficient, else a materialised
@@ -415,6 +427,9 @@ def sdpa_steps(target, prompt, gamma, static_len=None):
         for name, n in (("decode", 1), ("verify", gamma + 1)):
             calls[name] = first_call(lambda: target(x.repeat(1, n), cache=cache))
             cache.crop(base)
+        if tree:  # a tree's verify runs VLA.step under its mask (speculate.tree_round); gamma is then its N
+            slots = torch.arange(base, base + gamma + 1, device=x.device)  # (N+1,)
+            calls["tree verify"] = first_call(lambda: target.step(x.repeat(1, gamma + 1), slots, cache))
         if static_len:
             st = M.StaticDecoder(target, max(static_len, L + gamma + 1))
             scache = st.new_cache()
@@ -804,6 +819,10 @@ def report(res, args):
         lines.append(f"sampled        tau {s['tau']:.2f}   alpha {s['alpha']:.3f}   routine fraction "
                      f"{s['routine_fraction']:.3f}   (the timed runs; lossless in distribution, so not compared "
                      f"with target-only token by token)")
+    if "chain" in res:
+        c = res["chain"]
+        lines.append(f"chain arm      the same draft, gamma {c['gamma']}, in the same passes: {c['ms_per_token']:.3f} "
+                     f"ms/token, speed-up {c['speedup']:.2f}x; the tree is {c['tree_over_chain']:.2f}x the chain")
     lines += divergence_lines(res)
     if res["decoder"]["kind"] == "tree":
         lines += [

@@ -274,9 +274,11 @@ class KVCache:
         if src == dst:
             return
         src, dst = (torch.tensor(x, device=self.rope_delta.device) for x in (src, dst))
-        for i in range(self.n_layers):
-            for buf in self.layer(i):  # (B, Hk, max_len, hd)
-                buf.index_copy_(2, dst, buf.index_select(2, src))  # gathered first: a source is never overwritten
+        for buf in self.buffers():  # (n_layers, B, Hk, max_len, hd), or one layer's (B, Hk, max_len, hd)
+            buf.index_copy_(-2, dst, buf.index_select(-2, src))  # gathered first: a source is never overwritten
+
+    def buffers(self):
+        return self.k, self.v
 
     def repeat_rows(self, n):
         """A new cache whose rows are these rows, each repeated n times in a row (B -> B * n): n continuations of
@@ -314,6 +316,9 @@ class StaticCache(KVCache):
 
     def layer(self, i):
         return self.ks[i], self.vs[i]
+
+    def buffers(self):
+        return self.ks + self.vs
 
     def repeat_rows(self, n):
         raise NotImplementedError("a StaticCache decodes batch size 1")

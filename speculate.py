@@ -531,42 +531,48 @@ def draft_tree(draft, dcache, pending, shape):
     EAGLE-2's: the level-by-level growth, the top-k expansion by cumulative draft probability, the final top-N by
     the same score. Ours: ties go to the shallower node (a child never scores above its parent, log q <= 0, so the
     kept set is a tree), and the expanded nodes stay in the draft's cache so that the accepted ones need no re-feed."""
-    dev, k, S = pending.device, shape.width, dcache.max_len
+    dev, k, S, D = pending.device, shape.width, dcache.max_len, shape.depth
     base, P = dcache.length, pending.shape[1]
     logits = draft.step(pending, torch.arange(base, base + P, device=dev), dcache)[0, -1:]  # (1, V): q at the root
     dcache.length = root = base + P  # pending is committed; the tree's entries lie beyond the length
-    cols = torch.arange(S, device=dev)
+    # the (D - 1) k expanded nodes' slots, positions (committed length + depth) and own-slot mask rows, level by level
+    cols = torch.arange(S, device=dev)  # (S,)
+    slots = torch.arange(root, root + (D - 1) * k, device=dev)  # ((D-1) k,)
+    pos = (root + torch.arange(D - 1, device=dev)).repeat_interleave(k)  # ((D-1) k,): root - 1 + depth
+    own = cols[None] == slots[:, None]  # ((D-1) k, S)
     rows = (cols < root)[None]  # (F, S) what each expanded node sees; F = 1: the root
     f_idx, f_score = torch.full((1,), -1, device=dev), torch.zeros(1, device=dev)  # expanded: candidate id, log q
-    tok, score, parent, depth, fed = [], [], [], [], []
-    n, slot = 0, root
-    for level in range(1, shape.depth + 1):
+    tok, score, parent, expanded = [], [], [], []
+    n = 0
+    for level in range(1, D + 1):
         s, t = torch.log_softmax(logits.float(), -1).topk(k, -1)  # (F, k): each expanded node's k likeliest children
         tok.append(t.reshape(-1))
         score.append((f_score[:, None] + s).reshape(-1))  # (F*k,) cumulative log q
         parent.append(f_idx.repeat_interleave(k))
-        depth.append(torch.full((t.numel(),), level, device=dev))
-        fed.append(torch.full((t.numel(),), -1, device=dev))
-        if level == shape.depth:
+        if level == D:
             break
         top = score[-1].topk(k).indices  # (k,) this level's best, expanded next
         f_idx, f_score = n + top, score[-1][top]
-        slots = torch.arange(slot, slot + k, device=dev)  # (k,)
-        fed[-1][top] = slots
-        rows = rows[top // k] | (cols[None] == slots[:, None])  # (k, S) the parent's row plus the node's own slot
-        pos = torch.full((k,), root - 1 + level, device=dev)  # (k,) committed length + depth
-        logits = draft.step(tok[-1][top][None], slots, dcache, positions=pos, mask=rows)[0]  # (k, V)
-        n, slot = n + t.numel(), slot + k
-    tok, score, parent, depth, fed = (torch.cat(x) for x in (tok, score, parent, depth, fed))  # (C,) each
+        expanded.append(f_idx)
+        lv = slice((level - 1) * k, level * k)
+        rows = rows[top // k] | own[lv]  # (k, S) the parent's row plus the node's own slot
+        logits = draft.step(tok[-1][top][None], slots[lv], dcache, positions=pos[lv], mask=rows)[0]  # (k, V)
+        n += t.numel()
+    tok, score, parent = (torch.cat(x) for x in (tok, score, parent))  # (C,) each
+    depth = torch.tensor([1] * k + [d for d in range(2, D + 1) for _ in range(k * k)], device=dev)  # (C,)
+    fed = torch.full_like(tok, -1)  # (C,) the draft-cache slot of an expanded candidate
+    if expanded:
+        fed[torch.cat(expanded)] = slots
     # Candidates lie in depth order, and a stable sort keeps it among equal scores: a parent precedes its children.
     keep = score.sort(descending=True, stable=True).indices[:shape.nodes]  # (N,)
     new = torch.zeros(len(tok) + 1, dtype=torch.long, device=dev)  # candidate id + 1 -> node index (root: 0)
     new[keep + 1] = torch.arange(1, len(keep) + 1, device=dev)
     par = torch.cat([new.new_zeros(1), new[parent[keep] + 1]])  # (N+1,)
     anc, a = torch.eye(len(keep) + 1, dtype=torch.bool, device=dev), torch.arange(len(keep) + 1, device=dev)
-    for _ in range(shape.depth):  # walk every node up to the root, marking what it passes
+    rows = a
+    for _ in range(D):  # walk every node up to the root, marking what it passes
         a = par[a]
-        anc[torch.arange(len(a), device=dev), a] = True
+        anc[rows, a] = True
     tree = Tree(tok[keep], par, torch.cat([depth.new_zeros(1), depth[keep]]), anc,
                 torch.cat([fed.new_full((1,), -1), fed[keep]]))
     return tree, logits

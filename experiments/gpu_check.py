@@ -11,10 +11,11 @@ run cut short keeps every stage it finished; a stage that fails records its trac
   b_cuda_tests   only the CUDA tests (pytest -k cuda --slow), CUDA-graph skips made errors
                  (TORCHINDUCTOR_CUDAGRAPH_OR_ERROR=1, and the CUDA-graph test asserts inductor's skip counter stayed
                  at zero and graphs were captured and replayed)
-  c_eager        the eager cost model at full depth: T_target(n) for every n in --steps (1 to 64: a gamma + 1 verify
-                 and a draft tree's verify of up to 64 nodes, at the causal mask's cost), T_draft(1) with the full
-                 head and with a --draft-vocab head, the prefill (vision tower + prompt), and the speed-up these
-                 predict at gamma 1..8 at the toy's recorded acceptance (bench.toy_acceptance)
+  c_eager        the eager cost model at full depth: T_target(n) for every n in --steps (1 to 64: a gamma + 1 verify),
+                 a draft tree's verify over x_last + 8 / 16 / 32 / 64 nodes and one tree level of the draft
+                 (VLA.step under a tree mask, speculate.tree_step_times), T_draft(1) with the full head and with a
+                 --draft-vocab head, the prefill (vision tower + prompt), and the speed-up these predict at gamma
+                 1..8 at the toy's recorded acceptance and for the default tree at the toy's recorded tree tau
   d_compiled     the compiled cost model (CUDA graphs, mode "reduce-overhead"; inductor on a CPU) at a few depths
                  (--compiled-layers): compile time of each step shape, T_target(1), T_target(gamma+1), T_draft(1),
                  and bench.CompileWatch's count of compilations after the compile pass (must be none) and of the
@@ -43,12 +44,14 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import bench  # noqa: E402
 import checkpoint  # noqa: E402
+import evaluate  # noqa: E402
 import model as M  # noqa: E402
 import speculate  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STAGES = ("a_env", "b_cuda_tests", "c_eager", "d_compiled", "e_full")
 GAMMAS = range(1, 9)
+TREE_NODES = (8, 16, 32, 64)  # tree verifies timed in stage c: x_last + N nodes
 
 
 def parse_steps(text):
@@ -197,12 +200,22 @@ def eager_stage(run):
     embeds, deepstack = speculate.embed_prompt(target, prompt)
     t_target = step_costs(target, prompt, a.steps, a.reps, embeds, deepstack)
     t_draft = step_costs(draft, prompt, [1], a.reps, embeds)[1]
+    # the tree's own steps (VLA.step under a mask, as speculate.tree_round runs them): the verify over x_last + N
+    # nodes and one draft level of k nodes, with the full and the reduced head
+    tree = evaluate.TREE
+    tt = speculate.tree_step_times(target, draft, prompt, TREE_NODES, tree.width, a.reps)
     del draft
     reduced = M.make_draft(target, n_layers=1, vocab_ids=torch.arange(a.draft_vocab)).eval()
     t_reduced = step_costs(reduced, prompt, [1], a.reps, embeds)[1]
+    level_reduced = speculate.tree_step_times(target, reduced, prompt, (), tree.width, a.reps)["draft_level"]
     toy = bench.toy_acceptance(a.toy_json)
+    toy_tree = bench.toy_acceptance(bench.TOY_TREE_ACCEPTANCE, bench.decoder_json(tree))
+    t_verify = {n + 1: 1e3 * v for n, v in tt["target"].items()}  # (ms) keyed by tokens verified, x_last included
+    tree_pred = {head: speculate.tree_speedup(toy_tree["tau"], t_target[1], td, 1e3 * lv, t_verify[tree.nodes + 1],
+                                              tree)
+                 for head, td, lv in (("full", t_draft, tt["draft_level"]), ("reduced", t_reduced, level_reduced))}
     return {"what": "eager steps (no_grad), median of --reps after one warm-up, each on a cache holding the prompt "
-                    "and cropped back; T(n) for a tree verify of n nodes is taken at the causal mask's cost",
+                    "and cropped back; the tree's verify and draft level as speculate.tree_round runs them",
             "layers": run.depth(), "dtype": a.dtype, "images": a.images, "image_grid": a.image_grid,
             "prompt_tokens": prompt["input_ids"].shape[1],
             "reps": a.reps, "prefill_ms": prefill_ms, "t_target_ms": t_target, "t_draft_1_ms": t_draft,
@@ -210,6 +223,10 @@ def eager_stage(run):
             "c": t_draft / t_target[1], "c_reduced": t_reduced / t_target[1], "toy_acceptance": toy,
             "predicted_speedup": predictions(t_target, t_draft, toy),
             "predicted_speedup_reduced": predictions(t_target, t_reduced, toy),
+            "tree": bench.decoder_json(tree), "t_tree_verify_ms": t_verify,
+            "tree_verify_ratio": {n: v / t_target[1] for n, v in t_verify.items()},
+            "t_draft_level_ms": {"full": 1e3 * tt["draft_level"], "reduced": 1e3 * level_reduced},
+            "toy_tree_acceptance": toy_tree, "predicted_speedup_tree": tree_pred,
             "peak_memory": bench.peak_memory(run.device), "setup_and_timing_s": clock.lap()}
 
 
