@@ -684,7 +684,9 @@ def target_prompt(args, target, device, dtype):
         how = "Alpamayo-R1 prompt (alpamayo.build_prompt)"
     else:
         prompt = pixel_prompt(target.cfg, images, args.max_pixels, device)
-        how = "placeholder text ids around real pixels (no Alpamayo tokenizer in " + src + ")"
+        why = (f"no tokenizer in {src}" if not has_tok else
+               f"{os.path.join(args.target, checkpoint.CONFIG)} has no traj_token_ids (not an Alpamayo-R1 config)")
+        how = f"placeholder text ids around real pixels ({why})"
     prompt = {k: v.to(device) for k, v in prompt.items()}
     prompt["pixel_values"] = prompt["pixel_values"].to(dtype)
     return prompt, tok, stop, how

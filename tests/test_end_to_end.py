@@ -152,6 +152,9 @@ def test_bench_toy_json(run_dir, capsys):
         assert key in out, key
     t = evaluate.TREE
     assert out["decoder"] == {"kind": "tree", "nodes": t.nodes, "depth": t.depth, "width": t.width}
+    c = out["chain"]  # the chain arm, timed in the same passes as the tree
+    assert c["gamma"] == evaluate.GAMMA and c["tree_over_chain"] == pytest.approx(c["ms_per_token"]
+                                                                                  / out["spec_ms_per_token"])
     assert out["greedy_match"] is True and out["dtype"] == "fp32" and out["gamma"] is None
     assert out["speedup"] == pytest.approx(out["ar_ms_per_token"] / out["spec_ms_per_token"])
     assert os.path.exists(bench.TOY_JSON) and res["tau"] >= 1

@@ -262,3 +262,29 @@ def test_speculative_tree_distribution(monkeypatch):
                                     expected.reshape(-1))
         print(f"speculative tree T={temperature} {name}: N={N} chi2={stat:.1f} df={df} p={pval:.3g}")
         assert (pval > SIGNIFICANCE) == (name == "correct"), (name, stat, df, pval)
+
+
+def test_tree_on_static_caches_equals_target():
+    """Tree rounds on model.StaticDecoder's per-layer static caches (eager; StaticCache.move) emit target-only
+    greedy tokens, as on the growing KVCache."""
+    target = tiny_target()
+    prompt = vla_prompts()["image+video"]
+    ref = autoregressive(target, prompt, 20).tokens
+    for draft in drafts_for(target).values():
+        st, sd = (model.StaticDecoder(m, 160) for m in (target, draft))
+        assert speculative(st, sd, prompt, TreeShape(12, 4, 3), 20).tokens == ref
+
+
+def test_kv_cache_move_matches_on_both_layouts():
+    """KVCache.move over the stacked (n_layers, ...) buffers and StaticCache.move over per-layer buffers copy the same
+    slots, sources read before any is overwritten."""
+    g = torch.Generator().manual_seed(0)
+    a = model.KVCache(3, 1, 2, 10, 4)
+    b = model.StaticCache(3, 1, 2, 10, 4)
+    a.k.normal_(generator=g), a.v.normal_(generator=g)
+    for i in range(3):
+        b.ks[i].copy_(a.k[i]), b.vs[i].copy_(a.v[i])
+    before = a.k.clone()
+    src, dst = [4, 6, 9], [2, 3, 4]  # dst 4 is also a source: it must be read first
+    a.move(src, dst), b.move(src, dst)
+    assert torch.equal(a.k[:, :, :, dst], before[:, :, :, src]) and torch.equal(a.k, b.k) and torch.equal(a.v, b.v)
