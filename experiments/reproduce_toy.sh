@@ -26,6 +26,12 @@ for s in 0 1; do cp "runs/toy_s${s}_7500/train_metrics.json" "experiments/target
 python experiments/rope_base.py --run runs/toy                                  # -> experiments/rope_base.json
 python bench.py --device cpu --peer hf --prompts 16 --repeats 5 --json > runs/peer_hf.out  # ours beside HF generate
 tail -n 1 runs/peer_hf.out > experiments/peer_hf.json                           # and assisted generation (peer.py)
-python bench.py --device cpu --json | tail -n 1 > experiments/bench_cpu.json   # the README's speed paragraph
-python bench.py --device cpu --json --draft checkpoints/toy/draft_flat_s0 --gamma 7 | tail -n 1 > experiments/bench_cpu_flat_g7.json
-python rsd.py --json | tail -n 1 > experiments/rsd_toy.json                     # the README's table (idle: rsd_toy_idle.json)
+python bench.py --device cpu --json --tree 0 | tail -n 1 > experiments/bench_cpu.json  # the chain (before trees)
+python bench.py --device cpu --json --tree 0 --draft checkpoints/toy/draft_flat_s0 --gamma 7 | tail -n 1 > experiments/bench_cpu_flat_g7.json
+python experiments/tree_sweep.py                                                # -> experiments/tree_sweep.json
+python experiments/tree_paths.py                                                # -> experiments/tree_paths.json
+python experiments/tree_real.py                                                 # -> experiments/tree_real.json
+python bench.py --device cpu --json | tail -n 1 > experiments/bench_cpu_tree.json        # the default tree + chain arm
+python bench.py --device cpu --json | tail -n 1 > experiments/bench_cpu_tree_run2.json   # the same, a second run
+python bench.py --device cpu --json --draft checkpoints/toy/draft_flat_s0 | tail -n 1 > experiments/bench_cpu_tree_flat.json
+python rsd.py --json | tail -n 1 > experiments/rsd_toy.json                     # the README's table, tree rows included

@@ -334,3 +334,4 @@ def test_bench_target_runs_the_plan_on_pixels(folder, tmp_path, capsys):
     os.makedirs(tmp_path / "none")
     res = bench.main(common + ["--images", "2", "--image-size", "16x24", "--processor", str(tmp_path / "none")])
     assert res["prompt_source"].startswith("placeholder") and len(res["waypoints"]) == N_WP
+    assert f"no tokenizer in {tmp_path / 'none'}" in res["prompt_source"]  # the cause, named
