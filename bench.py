@@ -938,8 +938,8 @@ def main(argv=None):
     ap.add_argument("--min-pixels", type=int, default=alpamayo.MIN_PIXELS, help="with --target: image size bounds")
     ap.add_argument("--max-pixels", type=int, default=alpamayo.MAX_PIXELS, help="with --target: image size bounds")
     ap.add_argument("--gamma", type=int, default=evaluate.GAMMA, help="the chain's draft length (with --tree 0)")
-    ap.add_argument("--tree", type=int, default=evaluate.TREE.nodes, help="a draft tree of this many nodes (the "
-                    "node budget N); 0 = the chain of --gamma")
+    ap.add_argument("--tree", type=int, default=None, help="a draft tree of this many nodes (the node budget N); 0 = "
+                    f"the chain of --gamma; default {evaluate.TREE.nodes}, or the chain with --compile / --peer")
     ap.add_argument("--tree-depth", type=int, default=evaluate.TREE.depth, help="with --tree: its depth D")
     ap.add_argument("--tree-width", type=int, default=evaluate.TREE.width, help="with --tree: nodes expanded per "
                     "level and children per node, k")
@@ -974,6 +974,8 @@ def main(argv=None):
         ap.error(f"--layers keeps 1..n_layers decoder layers of a --preset"
                  + (f" (1..{M.PRESETS[args.preset].n_layers} for {args.preset})" if args.preset else "")
                  + f", got {args.layers}")
+    if args.tree is None:  # --compile and --peer time chains (no compiled tree path; transformers' assistant)
+        args.tree = 0 if (args.compile or args.peer) else evaluate.TREE.nodes
     if args.tree < 0:
         ap.error(f"--tree takes a node budget >= 1, or 0 for the chain; got {args.tree}")
     if args.tree and args.compile:

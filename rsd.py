@@ -336,7 +336,7 @@ def plot_trees(plt, save, out):
             bottom = [b + s for b, s in zip(bottom, share)]
         ax.set_title(f"{part} tokens (tree {'/'.join(map(str, paths['tree']))})", fontsize=9)
     axes[0].set_ylabel("share of held-out CoC tokens")
-    axes[1].legend(fontsize=6)
+    axes[0].legend(fontsize=7, loc="lower center", bbox_to_anchor=(1.0, -0.35), ncol=3)
     save(fig, "tree_paths.png")
     return [f"{out}/tree_budget.png", f"{out}/tree_paths.png"]
 
@@ -364,13 +364,16 @@ def main(argv=None):
                                 "times both arms sampling (prompt i = held-out scene i)")
     ap.add_argument("--compile", action="store_true", help="time both arms with torch.compile'd static-shape steps "
                     "(minutes of compilation; gamma is still chosen with the eager cost model)")
-    ap.add_argument("--tree", type=int, default=32, help="draft-tree rows beside the chain rows, their node budget "
-                    "at most this (the shape chosen on val from rsd.TREES); 0 = chain rows only")
+    ap.add_argument("--tree", type=int, default=None, help="draft-tree rows beside the chain rows, their node budget "
+                    "at most this (the shape chosen on val from rsd.TREES); 0 = chain rows only; default 32, or 0 "
+                    "with --compile")
     ap.add_argument("--plot", action="store_true", help="write figures/ (needs matplotlib), after the report")
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     a = ap.parse_args(argv)
     if a.scenes < 1 or a.time_scenes < 1 or a.repeats < 1 or a.show < 0:
         ap.error("--scenes, --time-scenes and --repeats must be >= 1, --show >= 0")
+    if a.tree is None:  # --compile times chains only (no compiled tree path yet)
+        a.tree = 0 if a.compile else 32
     if a.tree and not any(sh.nodes <= a.tree for sh in TREES):
         ap.error(f"--tree {a.tree}: the smallest tree rsd.py chooses from has {min(sh.nodes for sh in TREES)} nodes "
                  "(0 = chain rows only)")

@@ -313,7 +313,8 @@ def test_bench_rejects_bad_arguments(capsys):
                       (["--tree", "-1"], "--tree takes a node budget"),
                       (["--tree", "5", "--tree-depth", "8"], "needs at least 8 nodes"),
                       (["--tree", "64", "--tree-depth", "2", "--tree-width", "2"], "has 6 candidates"),
-                      (["--compile"], "--compile runs the chain only")):
+                      (["--compile", "--tree", "32"], "--compile runs the chain only"),
+                      (["--peer", "hf", "--tree", "16", "--tree-depth", "4"], "--peer compares")):
         with pytest.raises(SystemExit):
             bench.main(argv)
         assert msg in capsys.readouterr().err
