@@ -745,7 +745,7 @@ def real(args, device, dtype, decoding):
             waypoints, t = trajectory(target, prompt, spec.tokens, stop, args.repeats)
             res.update(trajectory_ms=1e3 * t, waypoints=waypoints[0].float().tolist())
     if args.tree:  # what a tree verify costs against one token at this shape: the number trees live by
-        nodes = (7, 15, 31, 63)
+        nodes = tuple(n for n in (7, 15, 31, 63) if n <= max(7, args.decoder.nodes))  # up to this tree's size
         tt = speculate.tree_step_times(target, draft, prompt, nodes, args.decoder.width, reps=5)
         res["verify_ratio"] = {n + 1: tt["target"][n] / (1e-3 * res["t_target_1"]) for n in nodes}
     if not args.draft:
