@@ -53,10 +53,7 @@ def main():
                 counts["commitment" if c else "routine"][who] += 1
         out["rows"][row] = counts
         print(row, json.dumps(counts), flush=True)
-    tmp = a.out + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(out, f, indent=1)
-    os.replace(tmp, a.out)
+    checkpoint.write_json(a.out, out)  # atomic
 
 
 if __name__ == "__main__":

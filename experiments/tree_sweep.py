@@ -75,10 +75,7 @@ def main():
                          "tree": {n: tau(d, "test", budget_shape(n)) for n in BUDGETS}}
                    for row, d in drafts.items()}
     out["wall_s"] = time.time() - t0
-    tmp = a.out + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(out, f, indent=1)
-    os.replace(tmp, a.out)
+    checkpoint.write_json(a.out, out)  # atomic
 
 
 if __name__ == "__main__":
