@@ -243,7 +243,6 @@ class KVCache:
     def __init__(self, n_layers, batch, n_kv_heads, max_len, head_dim, dtype=torch.float32, device=None):
         self.k = torch.zeros(n_layers, batch, n_kv_heads, max_len, head_dim, dtype=dtype, device=device)
         self.v = torch.zeros_like(self.k)
-        self.n_layers = n_layers
         self.max_len = max_len
         self.length = 0
         self.rope_delta = torch.zeros(batch, 1, dtype=torch.long, device=device)
@@ -300,7 +299,6 @@ class StaticCache(KVCache):
         self.ks = [torch.zeros(batch, n_kv_heads, max_len, head_dim, dtype=dtype, device=device)
                    for _ in range(n_layers)]
         self.vs = [torch.zeros_like(k) for k in self.ks]
-        self.n_layers = n_layers
         self.max_len = max_len
         self.length = 0
         self.rope_delta = torch.zeros(batch, 1, dtype=torch.long, device=device)

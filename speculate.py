@@ -569,10 +569,10 @@ def draft_tree(draft, dcache, pending, shape):
     new[keep + 1] = torch.arange(1, len(keep) + 1, device=dev)
     par = torch.cat([new.new_zeros(1), new[parent[keep] + 1]])  # (N+1,)
     anc, a = torch.eye(len(keep) + 1, dtype=torch.bool, device=dev), torch.arange(len(keep) + 1, device=dev)
-    rows = a
+    nodes = a.clone()  # (N+1,) each node's own index
     for _ in range(D):  # walk every node up to the root, marking what it passes
         a = par[a]
-        anc[rows, a] = True
+        anc[nodes, a] = True
     tree = Tree(tok[keep], par, torch.cat([depth.new_zeros(1), depth[keep]]), anc,
                 torch.cat([fed.new_full((1,), -1), fed[keep]]))
     return tree, logits
