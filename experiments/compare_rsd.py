@@ -1,0 +1,60 @@
+"""Compare the deterministic columns of two `python rsd.py --json` outputs (issue #23's behaviour-unchanged check).
+
+Deterministic: tau at every gamma on both splits (`sweep`, each row's `tau_by_gamma`), the tau ceiling, the
+target's CoC exact match / commitment accuracy / ADE, the world's routine share, each row's commitment accuracy,
+ADE and attention split, greedy identity. A row's gamma (or tree) is chosen with measured step times, so its `tau`,
+`tau_spread` and `routine_fraction` are compared only where both runs chose the same gamma. Timing columns
+(ms_per_token, speedup) are never compared. Floats agree to 1e-6 relative (the attention split's sums differ in
+their last bits between machines).
+
+run: python experiments/compare_rsd.py OLD.json NEW.json      (exit 1 on any difference)
+"""
+import json
+import math
+import sys
+
+ROW_ALWAYS = ("tau_by_gamma", "tau_ceiling", "commit_acc", "ade", "attn_history", "attn_image", "attn_text")
+ROW_AT_GAMMA = ("tau", "tau_spread", "routine_fraction")
+TOP = ("greedy_match", "tau_ceiling", "sweep", "target", "routine_share_world", "seeds", "prompt")
+
+
+def same(a, b, where, out):
+    if isinstance(a, dict) and isinstance(b, dict):
+        for k in a.keys() | b.keys():
+            if k not in a or k not in b:
+                out.append(f"{where}/{k}: only in {'new' if k in b else 'old'}")
+            else:
+                same(a[k], b[k], f"{where}/{k}", out)
+    elif isinstance(a, float) or isinstance(b, float):
+        if not (isinstance(a, (int, float)) and isinstance(b, (int, float)) and math.isclose(a, b, rel_tol=1e-6)):
+            out.append(f"{where}: {a} -> {b}")
+    elif a != b:
+        out.append(f"{where}: {a} -> {b}")
+
+
+def compare(old, new):
+    out, notes = [], []
+    for k in TOP:
+        same(old.get(k), new.get(k), k, out)
+    new_rows = {r["name"]: r for r in new["rows"]}
+    for r in old["rows"]:
+        s = new_rows.get(r["name"])
+        if s is None:
+            out.append(f"row {r['name']}: missing in new")
+            continue
+        for k in ROW_ALWAYS:
+            same(r.get(k), s.get(k), f"{r['name']}/{k}", out)
+        if r.get("gamma") == s.get("gamma"):
+            for k in ROW_AT_GAMMA:
+                same(r.get(k), s.get(k), f"{r['name']}/{k}", out)
+        else:
+            notes.append(f"{r['name']}: gamma {r.get('gamma')} -> {s.get('gamma')} (timing-chosen; tau compared "
+                         "through tau_by_gamma)")
+    return out, notes
+
+
+if __name__ == "__main__":
+    old, new = (json.load(open(p)) for p in sys.argv[1:3])
+    diffs, notes = compare(old, new)
+    print("\n".join(notes + diffs) or "", f"\n{len(diffs)} differences in the deterministic columns")
+    sys.exit(1 if diffs else 0)
