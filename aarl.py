@@ -54,7 +54,7 @@ import checkpoint
 import cli
 import driving
 import evaluate
-import runs
+import files
 import speculate
 from driving import Data, grid_kwargs, vision_kwargs
 
@@ -284,10 +284,10 @@ def run(cfg: AARLConfig, run_dir, n_report=64, device="cpu", out=None, overwrite
     """One AARL run from the SFT FlatRoPE draft of seed cfg.seed in run_dir: the before / after report on validation
     and held-out scenes, the draft saved to `out` (default out_dir(DEFAULT_OUT, ...)) -> the JSON-able result. Before
     any work: out must be new, or a FlatRoPE draft and overwrite given (checkpoint.check_output), and the writer lock
-    of out's folder is taken and held throughout (runs.writer_lock)."""
+    of out's folder is taken and held throughout (files.writer_lock)."""
     check_config(cfg)
     out = out or out_dir(DEFAULT_OUT, cfg.reference, cfg.seed)
-    with runs.writer_lock(os.path.dirname(os.path.abspath(out))):
+    with files.writer_lock(os.path.dirname(os.path.abspath(out))):
         checkpoint.check_output(out, "flat draft", overwrite,
                                 how="rerun with --overwrite to replace it, or give another --out")
         return _run(cfg, run_dir, n_report, device, out)

@@ -34,7 +34,7 @@ import torch
 
 from expert import config_field
 from hf import CONFIG
-from runs import read_json
+from files import read_json
 
 SYSTEM = "You are a driving assistant that generates safe and accurate actions."
 INSTRUCTION = "output the chain-of-thought reasoning of the driving process, then output the future trajectory."

@@ -71,10 +71,10 @@ import checkpoint
 import cli
 import driving
 import evaluate
+import files
 import hf
 import model as M
 import peer
-import runs
 import speculate
 from evaluate import TARGET_ONLY
 from expert import config_field, speed_from_history
@@ -485,7 +485,7 @@ def toy_acceptance(path, want=None):
     if not os.path.isfile(full):
         raise ValueError(f"--toy-json {path}: no such file (the committed default is {TOY_ACCEPTANCE})")
     try:
-        d = runs.read_json(full)
+        d = files.read_json(full)
     except ValueError as e:
         raise ValueError(f"--toy-json {path}: not JSON ({e})") from None
     if not isinstance(d, dict) or d.get("mode") != "toy" or not isinstance(d.get("alpha"), (int, float)):
@@ -670,7 +670,7 @@ def pixel_prompt(cfg: M.ModelConfig, images, max_pixels, device):
 def target_prompt(args, target, device, dtype):
     """The prompt of the --target run, its tokenizer (None without one), the id that ends the reasoning
     step (<|traj_future_start|> for Alpamayo, else None) and how the prompt was built."""
-    raw = runs.read_json(os.path.join(args.target, hf.CONFIG))
+    raw = files.read_json(os.path.join(args.target, hf.CONFIG))
     src = args.processor or args.target
     has_tok = any(os.path.isfile(os.path.join(src, n)) for n in ("tokenizer.json", "tokenizer_config.json"))
     stop = None
@@ -1015,7 +1015,7 @@ def main(argv=None):
                  f"them with `python rsd.py --retrain --run {args.run}`")
     if toy_mode:  # where the report goes, checked before the benchmark runs
         try:
-            runs.check_writable(os.path.dirname(TOY_JSON) or ".")
+            files.check_writable(os.path.dirname(TOY_JSON) or ".")
         except PermissionError as e:
             ap.error(str(e))
     if args.threads:
@@ -1035,7 +1035,7 @@ def main(argv=None):
         print(json.dumps(res))
     if res["mode"] == "toy":
         with cli.user_errors(ap):
-            runs.write_json(TOY_JSON, res)
+            files.write_json(TOY_JSON, res)
     return res
 
 

@@ -22,7 +22,7 @@ from safetensors.torch import save_file
 
 from expert import ActionExpert
 from model import VLA, ModelConfig, VisionConfig, check_vocab_ids
-from runs import atomic_write, read_json
+from files import atomic_write, read_json
 
 WEIGHTS, KEY = "model.safetensors", "rsd-vla"  # a checkpoint folder's one file, and its header's entry
 SHIPPED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "checkpoints", "toy")  # the scripts' default --run
@@ -122,9 +122,9 @@ def fingerprint(model) -> dict:
     fp, h = getattr(model, "checkpoint_fingerprint", None), hashlib.sha256()
     if fp is None and getattr(model, "checkpoint_files", None):  # load_pretrained's: hashed when first asked (16 GB)
         cfg_path, keys = model.checkpoint_files
-        files = {file: open_safetensors(file) for _, file in keys}
+        handles = {file: open_safetensors(file) for _, file in keys}
         for key, file in keys:
-            _hash(h, key, files[file].get_tensor(key))
+            _hash(h, key, handles[file].get_tensor(key))
         fp = model.checkpoint_fingerprint = {"config": _config_hash(read_json(cfg_path)), "weights": h.hexdigest()[:16]}
     if fp is None:
         for k, t in sorted(_stored(model).items()):

@@ -13,7 +13,7 @@ import tokenize
 
 import torch
 
-from runs import FolderLocked
+from files import FolderLocked
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

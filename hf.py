@@ -1,15 +1,11 @@
 """Hugging Face checkpoints: a Qwen2.5-VL / Qwen3-VL or Alpamayo-R1 folder read into model.VLA (load_pretrained), and
 the toy target or its replica draft written as a Qwen2.5-VL folder (export_pretrained), through one name / shape map.
 
-Paper: the deliberative reasoner is an unmodified Alpamayo-R1-style VLA (a Qwen-VL backbone); load_pretrained reads
-such checkpoints so that the same decoder, KV cache and speculative decoding run on real weights (docs/background.md,
-"Alpamayo-R1 prompt layout"); export_pretrained lets transformers' generate and assisted generation run the toy's
-weights (peer.py).
-
-config.json: a Qwen3-VL vision_config must hold depth, hidden_size, num_heads, intermediate_size, patch_size,
-temporal_patch_size, spatial_merge_size, in_channels, num_position_embeddings, deepstack_visual_indexes,
-out_hidden_size and hidden_act (a missing one is named); a Qwen2.5-VL one falls back to the released models' values.
-An Alpamayo folder with an `expert_cfg` loads its action expert (the fields expert.ExpertConfig.from_alpamayo lists).
+Paper: the deliberative reasoner is an unmodified Alpamayo-R1-style VLA (a Qwen-VL backbone): the same decoder, KV
+cache and speculative decoding run on its real weights (docs/background.md, "Alpamayo-R1 prompt layout"); the export
+lets transformers' generate and assisted generation run the toy's weights (peer.py). A Qwen3-VL vision_config must
+hold every field read (a missing one is named); a Qwen2.5-VL one falls back to the released models' values; an
+Alpamayo `expert_cfg` is read by expert.ExpertConfig.from_alpamayo.
 
 run: python -m pytest -q tests/test_checkpoint.py tests/test_export.py tests/test_alpamayo.py
 """
@@ -23,7 +19,7 @@ from safetensors.torch import save_file
 from checkpoint import WEIGHTS, check_keys, check_output, check_shape, empty_model, header, open_safetensors
 from expert import ExpertConfig, fourier_freqs
 from model import PRESETS, VLA, ModelConfig, VisionConfig
-from runs import atomic_write, read_json, write_json
+from files import atomic_write, read_json, write_json
 
 log = logging.getLogger(__name__)
 CONFIG = "config.json"
@@ -35,12 +31,10 @@ TOKEN_ID_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id", "vision_end_t
 
 
 def load_pretrained(path, dtype=None, device=None) -> VLA:
-    """Load a Hugging Face Qwen2.5-VL or Qwen3-VL folder (language model and vision tower, DeepStack mergers
-    included), or an Alpamayo-R1 folder ('vlm.' prefix) with its flow-matching action expert ('expert.*',
-    'action_in_proj.*', 'action_out_proj.*' -> `model.expert`); one file or shards with an index; either key layout
-    ('model.layers.*' / 'visual.*' or 'model.language_model.*' / 'model.visual.*'). Every key must be used and every
-    weight found, except action_in_proj's Fourier frequencies, which the config fixes (checked to agree). A plain
-    Qwen-VL's MLP trajectory head is not in the folder and stays randomly initialised. dtype None keeps the file's."""
+    """A Qwen2.5-VL / Qwen3-VL folder (vision tower and DeepStack included), or an Alpamayo-R1 one ('vlm.' prefix) with
+    its action expert as `model.expert`; one file or shards, either key layout. Every key must be used and every weight
+    found (action_in_proj's Fourier frequencies are checked against the config instead); a plain Qwen-VL's trajectory
+    head is not in the folder and stays random. dtype None keeps the file's."""
     if not os.path.isdir(path):
         raise FileNotFoundError(f"{path}: checkpoint folder not found")
     cfg, family, alpamayo, expert_cfg = _hf_config(path)
@@ -108,8 +102,7 @@ def _hf_name(key):
 
 
 def _hf_layout(model: VLA):
-    """{hf name: shape} the checkpoint must hold, and {our name: [hf names]} joined along dim 0 (fused q/k/v and
-    gate/up)."""
+    """{hf name: shape} a folder must hold, and {our name: [hf names]} joined along dim 0 (fused q/k/v, gate/up)."""
     cfg, shapes, parts = model.cfg, {}, {}
     for name, t in model.state_dict().items():
         if name.startswith("traj_head.") or (name == "lm_head.weight" and cfg.tie_word_embeddings):
@@ -146,7 +139,9 @@ def _hf_config(path):
     else:
         raise ValueError(f"{path}: a checkpoint of this repo's own format (checkpoint.save), not a Hugging Face "
                          "folder: load it with checkpoint.load (bench.py: its run folder as --run, a draft as --draft)")
-    raw = top = _object(read_json(cfg_path), cfg_path)
+    raw = top = read_json(cfg_path)
+    if not isinstance(raw, dict):
+        raise ValueError(f"{cfg_path}: expected a JSON object, got {type(raw).__name__}")
     alpamayo = "vlm_name_or_path" in raw or "alpamayo" in str(raw.get("model_type", "")).lower()
     if alpamayo:  # the VLM config is nested, or (released checkpoints) named by vlm_name_or_path
         vlm, name = raw.get("vlm_config"), str(raw.get("vlm_name_or_path", ""))
@@ -163,7 +158,7 @@ def _hf_config(path):
     if family not in ("qwen2_5_vl", "qwen3_vl"):
         raise ValueError(f"{cfg_path}: unsupported architecture model_type={family!r} "
                          f"(architectures={raw.get('architectures')}); supported: qwen2_5_vl, qwen3_vl, Alpamayo-R1")
-    text = _object(raw.get("text_config") or raw, cfg_path, "text_config")  # transformers 5 nests it
+    text = raw.get("text_config") or raw  # transformers 5 nests it
     _required(text, "hidden_size", cfg_path)
     rope = text.get("rope_parameters") or text.get("rope_scaling") or raw.get("rope_scaling") or {}
     for d, key in ((text, "rope_parameters"), (text, "rope_scaling"), (raw, "rope_parameters"), (raw, "rope_scaling")):
@@ -177,7 +172,7 @@ def _hf_config(path):
     if family == "qwen3_vl" and text.get("attention_bias"):
         raise ValueError(f"{cfg_path}: unsupported attention_bias=True for qwen3_vl")
     # required: a default vision config would load as a mismatch of hundreds of keys, not as a missing field
-    vraw = _object(_required(raw, "vision_config", cfg_path), cfg_path, "vision_config")
+    vraw = _required(raw, "vision_config", cfg_path)
     q3 = family == "qwen3_vl"
     try:
         cfg = ModelConfig(
@@ -239,27 +234,15 @@ def _required(d, key, where):
     return d[key]
 
 
-def _object(d, cfg_path, name=None):
-    if not isinstance(d, dict):
-        raise ValueError(f"{cfg_path}: {name + ' must be' if name else 'expected'} a JSON object, got "
-                         f"{type(d).__name__}")
-    return d
-
-
 # ---- export: our model as a Hugging Face Qwen2.5-VL folder ----
 
 
 def export_pretrained(model: VLA, dir, target: VLA | None = None, **token_ids):
-    """Write `model` as a Qwen2.5-VL folder (config.json + model.safetensors, in the model's dtype) that transformers
-    5.24 and load_pretrained read: the reverse of load_pretrained through _hf_layout (fused q/k/v and gate/up split,
-    the patch embedding as the Conv3d kernel). The TrajHead is not exported. A draft needs target=, the model whose
-    embedding and LM head it shares, and becomes a standalone Qwen2.5-VL with copies of the target's embedding, LM
-    head and vision tower (the assistant of transformers' assisted generation). Refused, named: FlatRoPE, the width
-    bridges, Qwen3-VL (not implemented), Alpamayo experts.
-
-    token_ids: bos_token_id, eos_token_id, pad_token_id (text_config), vision_end_token_id; transformers 5.24 takes
-    M-RoPE positions from mm_token_type_ids, so these only document the prompt format. A video whose scaled t ids
-    run past its spatial extent gets other positions in transformers 5.24 (rope.get_rope_index)."""
+    """Write `model` as a Qwen2.5-VL folder (config.json, model.safetensors in its dtype) that transformers 5.24 and
+    load_pretrained read: _hf_layout backwards (fused q/k/v and gate/up split, the patch embedding as a Conv3d kernel),
+    without the TrajHead. A draft needs target= and becomes a standalone Qwen2.5-VL with copies of the target's
+    embedding, LM head and vision tower (transformers' assistant). token_ids: TOKEN_ID_FIELDS, which only document the
+    prompt format (transformers 5.24 takes M-RoPE positions from mm_token_type_ids)."""
     unknown = sorted(set(token_ids) - set(TOKEN_ID_FIELDS))
     if unknown:
         raise TypeError(f"export_pretrained: unknown token id fields {unknown}; known: {list(TOKEN_ID_FIELDS)}")
@@ -270,7 +253,7 @@ def export_pretrained(model: VLA, dir, target: VLA | None = None, **token_ids):
     for name, hf_names in parts.items():
         t = sd[name].detach()
         if len(hf_names) > 1:  # (H*hd + 2*Hk*hd, D) -> q (H*hd, D), k, v (Hk*hd, D); or (2*I, D) -> gate, up (I, D)
-            pieces = [p.clone() for p in t.split([shapes[h][0] for h in hf_names])]  # safetensors refuses shared storage
+            pieces = [p.clone() for p in t.split([shapes[h][0] for h in hf_names])]  # copies: no shared storage
         else:  # as is, but the patch embedding: (C_vit, C*tp*p*p) -> the Conv3d kernel (C_vit, C, tp, p, p)
             pieces = [t.reshape(shapes[hf_names[0]]).contiguous()]
         for h, p in zip(hf_names, pieces):  # the hub's names: 'X' -> 'model.X'; 'visual.X', 'lm_head.weight' as is
@@ -282,42 +265,37 @@ def export_pretrained(model: VLA, dir, target: VLA | None = None, **token_ids):
 
 
 def _exportable(model: VLA, target: VLA | None, where):
-    """The standalone model export_pretrained writes: model itself, or for a draft a VLA of the draft's own layers
-    with the target's embedding, LM head and vision tower. Refuses, saying why, what Qwen2.5-VL lacks."""
-    cfg = model.cfg
-
-    def refuse(why):
-        raise ValueError(f"export_pretrained({where}): {why}")
-
-    if getattr(model, "expert", None) is not None:
-        refuse("an Alpamayo action expert has no Qwen2.5-VL counterpart (keep the model's Alpamayo folder)")
-    vision = (target.cfg if cfg.shared_width is not None and target is not None else cfg).vision
-    if cfg.qk_norm or cfg.mrope_interleaved or cfg.video_frame_blocks or (vision and vision.family != "qwen2_5_vl"):
-        refuse("Qwen3-VL export is not implemented: this writes Qwen2.5-VL folders only (chunked M-RoPE, no q/k norms, "
-               "the windowed ViT)")
-    if cfg.rope_mode != "mrope":
-        refuse(f"rope_mode {cfg.rope_mode!r}: FlatRoPE has no Hugging Face counterpart (transformers' Qwen2.5-VL "
-               "always gives image tokens 3D M-RoPE positions); only the M-RoPE replica draft can be exported")
-    if not cfg.qkv_bias:
-        refuse("qkv_bias is False, but Qwen2.5-VL's q/k/v projections always have biases")
-    if cfg.head_dim * cfg.n_heads != cfg.hidden_size:
-        refuse(f"head_dim {cfg.head_dim} != hidden_size {cfg.hidden_size} / n_heads {cfg.n_heads}: transformers' "
-               "Qwen2.5-VL derives head_dim from them")
-    if vision is not None and cfg.tokens_per_second != int(cfg.tokens_per_second):
-        refuse(f"tokens_per_second {cfg.tokens_per_second} is not an integer (an int in transformers' vision_config)")
-    if cfg.shared_width is None:
-        if model.visual is None:
-            refuse("the model has no vision tower, and a Qwen2.5-VL always has one")
+    """The standalone model export_pretrained writes: model itself, or for a draft a VLA of its own layers with the
+    target's embedding, LM head and vision tower. Refuses, saying why, what Qwen2.5-VL lacks."""
+    cfg, draft = model.cfg, model.cfg.shared_width is not None
+    vision = (target.cfg if draft and target is not None else cfg).vision
+    same = target is not None and target.embed_tokens is model.embed_tokens
+    qwen3 = cfg.qk_norm or cfg.mrope_interleaved or cfg.video_frame_blocks or (vision and vision.family != "qwen2_5_vl")
+    for refused, why in (
+            (getattr(model, "expert", None) is not None,
+             "an Alpamayo action expert has no Qwen2.5-VL counterpart (keep the model's Alpamayo folder)"),
+            (qwen3, "Qwen3-VL export is not implemented: this writes Qwen2.5-VL folders only (chunked M-RoPE, no "
+             "q/k norms, the windowed ViT)"),
+            (cfg.rope_mode != "mrope", f"rope_mode {cfg.rope_mode!r}: FlatRoPE has no Hugging Face counterpart "
+             "(transformers' Qwen2.5-VL always gives image tokens 3D M-RoPE positions); only the M-RoPE replica draft "
+             "can be exported"),
+            (not cfg.qkv_bias, "qkv_bias is False, but Qwen2.5-VL's q/k/v projections always have biases"),
+            (cfg.head_dim * cfg.n_heads != cfg.hidden_size, f"head_dim {cfg.head_dim} != hidden_size {cfg.hidden_size} "
+             f"/ n_heads {cfg.n_heads}: transformers' Qwen2.5-VL derives head_dim from them"),
+            (vision is not None and cfg.tokens_per_second != int(cfg.tokens_per_second), f"tokens_per_second "
+             f"{cfg.tokens_per_second} is not an integer (an int in transformers' vision_config)"),
+            (not draft and model.visual is None, "the model has no vision tower, and a Qwen2.5-VL always has one"),
+            (draft and target is None, "a draft shares its target's embedding and LM head: pass target= (the model it "
+             "was distilled from)"),
+            (draft and target is not None and not same,
+             "target= is not the model whose embedding and LM head this draft shares"),
+            (draft and cfg.shared_width != cfg.hidden_size, f"the draft's width {cfg.hidden_size} differs from its "
+             f"target's {cfg.shared_width}: its bridges proj_in / proj_out have no Qwen2.5-VL counterpart"),
+            (draft and same and target.visual is None, "the target has no vision tower, and a Qwen2.5-VL has one")):
+        if refused:
+            raise ValueError(f"export_pretrained({where}): {why}")
+    if not draft:
         return model
-    if target is None:
-        refuse("a draft shares its target's embedding and LM head: pass target= (the model it was distilled from)")
-    if target.embed_tokens is not model.embed_tokens:
-        refuse("target= is not the model whose embedding and LM head this draft shares")
-    if cfg.shared_width != cfg.hidden_size:
-        refuse(f"the draft's width {cfg.hidden_size} differs from its target's {cfg.shared_width}: its bridges "
-               "proj_in / proj_out have no Qwen2.5-VL counterpart")
-    if target.visual is None:
-        refuse("the target has no vision tower, and a Qwen2.5-VL always has one")
     # the draft reads the target's image features (speculate.embed_prompt); a standalone model computes them itself
     own = dataclasses.replace(cfg, shared_width=None, vision=target.cfg.vision,
                               tie_word_embeddings=target.cfg.tie_word_embeddings)

@@ -40,8 +40,8 @@ import time
 import torch
 
 import evaluate
-import hf
 import speculate
+from hf import export_pretrained
 
 PEER_DRAFT = ("mrope", 0)  # the draft both speculative arms use: the M-RoPE replica, seed 0
 ARMS = ("ours_target_only", "ours_speculative", "hf_generate", "hf_assisted", "hf_assisted_defaults")
@@ -149,9 +149,8 @@ def compare(target, draft, prompts, gamma, max_new, stop, pad, repeats=3):
     the target's dtype and device. Greedy."""
     w = target.embed_tokens.weight
     with tempfile.TemporaryDirectory() as folder:
-        hf.export_pretrained(target, os.path.join(folder, "target"), eos_token_id=stop, pad_token_id=pad)
-        hf.export_pretrained(draft, os.path.join(folder, "draft"), target=target, eos_token_id=stop,
-                                     pad_token_id=pad)
+        export_pretrained(target, os.path.join(folder, "target"), eos_token_id=stop, pad_token_id=pad)
+        export_pretrained(draft, os.path.join(folder, "draft"), target=target, eos_token_id=stop, pad_token_id=pad)
         hf_target = load_hf(os.path.join(folder, "target"), w.dtype, w.device)
         hf_draft = load_hf(os.path.join(folder, "draft"), w.dtype, w.device)
     inputs = [hf_inputs(p, target.cfg) for p in prompts]  # built once, outside the clock, as our prompts are

@@ -44,7 +44,7 @@ import checkpoint
 import cli
 import driving
 import evaluate
-import runs
+import files
 import speculate
 import train as T
 from driving import Data
@@ -83,7 +83,7 @@ def missing(run, seeds):
 def retrain(run, seeds, device="cpu", log=print):
     """Train what is missing in `run`: the target and both SFT drafts of every seed (train.py), then each seed's
     FlatRoPE draft's AARL post-training with the static anchor (aarl.py), under run's writer lock."""
-    with runs.writer_lock(run):
+    with files.writer_lock(run):
         _retrain(run, seeds, device, log)
 
 
@@ -283,12 +283,12 @@ def plot(rows, out=FIGURES, sweep_json=SWEEP_JSON):
         bottom = [b + r[key] for b, r in zip(bottom, rows)]
     ax.set_ylabel("attention mass while writing the CoC")
     ax.legend(fontsize=7)
-    save = lambda fig, name: runs.atomic_write(  # noqa: E731
+    save = lambda fig, name: files.atomic_write(  # noqa: E731
         os.path.join(out, name), lambda p: fig.savefig(p, format="png", dpi=120, bbox_inches="tight"))
     save(fig, "attention.png")
     written = [f"{out}/attention.png"]
     if os.path.exists(sweep_json):
-        sweep = runs.read_json(sweep_json)
+        sweep = files.read_json(sweep_json)
         fig, axes = plt.subplots(1, 2, figsize=(9, 3))
         for ax, (key, label) in zip(axes, (("tau", "held-out tau at gamma 6"), ("attn_history", "attention on history"))):
             for kind, style in (("mrope", "o-"), ("flat", "s-")):
@@ -316,7 +316,7 @@ def plot_trees(plt, save, out):
     """figures/tree_budget.png: held-out tau against the draft tokens verified per round (the chain's gamma, the
     tree's node budget N), each draft kind (experiments/tree_sweep.json); figures/tree_paths.png: who supplied each
     held-out CoC token, routine words and commitments apart (experiments/tree_paths.json)."""
-    sweep, paths = runs.read_json(TREE_JSON), runs.read_json(PATHS_JSON)
+    sweep, paths = files.read_json(TREE_JSON), files.read_json(PATHS_JSON)
     fig, ax = plt.subplots(figsize=(5, 3))
     for (row, r), color in zip(sweep["test"].items(), ("C0", "C1", "C2")):
         for kind, style in (("chain", "--o"), ("tree", "-s")):
@@ -393,7 +393,7 @@ def main(argv=None):
         if a.plot:  # figures come after minutes of work: their dependency and folder are checked first
             if importlib.util.find_spec("matplotlib") is None:
                 raise ValueError("--plot needs matplotlib: pip install matplotlib")
-            runs.check_writable(FIGURES)
+            files.check_writable(FIGURES)
     t0 = time.time()
     if a.retrain:
         with cli.user_errors(ap):

@@ -32,8 +32,8 @@ from tqdm import tqdm
 import checkpoint
 import cli
 import driving
+import files
 import model as M
-import runs
 from driving import Data, grid_kwargs, vision_kwargs
 from evaluate import autocast, evaluate_target
 
@@ -298,7 +298,7 @@ def save_state(path, step, models, opts, cfg, rank, target=None):
     (checkpoint.fingerprint). Rank 0 writes; all ranks wait."""
     if rank == 0:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        runs.torch_save({"step": step, "config": asdict(cfg), "target": target,
+        files.torch_save({"step": step, "config": asdict(cfg), "target": target,
                                "models": {k: m.state_dict() for k, m in models.items()},
                                "opts": {k: o.state_dict() for k, o in opts.items()}}, path)
     if dist.is_initialized():
@@ -420,11 +420,11 @@ def check_outputs(cfg: TrainConfig, stage):
 
 def run(cfg: TrainConfig, stage="all", log=print):
     """Train what `stage` asks for; returns {"target", "drafts", "metrics"} on rank 0. Rank 0 holds cfg.out's writer
-    lock throughout (runs.writer_lock: a second run into the same folder stops at once, naming this one); what
+    lock throughout (files.writer_lock: a second run into the same folder stops at once, naming this one); what
     would be replaced is checked first (check_outputs)."""
     cli.check_device(cfg.device)
     rank, world, device = setup_distributed(cfg.device)
-    with runs.writer_lock(cfg.out) if rank == 0 else contextlib.nullcontext():
+    with files.writer_lock(cfg.out) if rank == 0 else contextlib.nullcontext():
         check_outputs(cfg, stage)
         return _run(cfg, stage, log, rank, world, device)
 
@@ -448,7 +448,7 @@ def _run(cfg, stage, log, rank, world, device):
         test = Data("test", cfg.n_test, cfg.seed, tok, views=cfg.views)
         metrics = {"val": evaluate_target(out["target"], val), "test": evaluate_target(out["target"], test),
                    "scenes": {"val": cfg.n_val, "test": cfg.n_test}, "wall_s": time.time() - t0}
-        runs.write_json(os.path.join(cfg.out, "train_metrics.json"), metrics)
+        files.write_json(os.path.join(cfg.out, "train_metrics.json"), metrics)
         log(f"target val:  {fmt(metrics['val'])}")
         log(f"target test: {fmt(metrics['test'])}")
         log(f"wall time {metrics['wall_s']:.0f} s")

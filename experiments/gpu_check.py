@@ -45,8 +45,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import bench  # noqa: E402
 import cli  # noqa: E402
 import evaluate  # noqa: E402
+import files  # noqa: E402
 import model as M  # noqa: E402
-import runs  # noqa: E402
 import speculate  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -82,7 +82,7 @@ class Run:
 
     def write(self, stage, res):
         path = os.path.join(self.args.out, stage + ".json")
-        runs.write_json(path, res)
+        files.write_json(path, res)
         print(f"[{self.elapsed():6.0f} s] {stage}: {res.get('status')} -> {path}", flush=True)
 
     def stage(self, name, fn):
@@ -374,7 +374,7 @@ def main(argv=None):
     args.reps = args.reps or (10 if cuda else 3)
     args.images = args.images or (16 if cuda else 1)
     os.makedirs(args.out, exist_ok=True)
-    runs.check_writable(args.out)
+    files.check_writable(args.out)
     run = Run(args)
     bench.reset_peak_memory(run.device)
     results = {}

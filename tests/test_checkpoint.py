@@ -20,8 +20,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import checkpoint
-import hf
-import runs
+import files
 from checkpoint import load, save
 from hf import load_pretrained
 from model import make_draft
@@ -338,7 +337,8 @@ def resave(dir, sd=None, meta=None):
     path = os.path.join(dir, "model.safetensors")
     with safe_open(path, framework="pt") as f:
         raw = f.metadata()
-    save_file(load_file(path) if sd is None else sd, path, metadata=raw if meta is None else {"rsd-vla": json.dumps(meta)})
+    save_file(load_file(path) if sd is None else sd, path,
+              metadata=raw if meta is None else {"rsd-vla": json.dumps(meta)})
     return dir
 
 
@@ -515,14 +515,14 @@ def test_kill_9_during_a_save_keeps_the_previous_checkpoint(tmp_path):
     assert same_weights(load(tmp_path / "m"), new)
 
     # a single file (a training state): the previous one stays
-    runs.torch_save({"step": 1}, tmp_path / "s.pt")
+    files.torch_save({"step": 1}, tmp_path / "s.pt")
 
     def mid_state():
         torch.save = lambda obj, path: (open(path, "wb").write(b"partial"), die())
-        runs.torch_save({"step": 2}, tmp_path / "s.pt")
+        files.torch_save({"step": 2}, tmp_path / "s.pt")
     killed(mid_state)
     assert torch.load(tmp_path / "s.pt")["step"] == 1 and len(os.listdir(tmp_path)) == 3
-    runs.torch_save({"step": 2}, tmp_path / "s.pt")
+    files.torch_save({"step": 2}, tmp_path / "s.pt")
     assert torch.load(tmp_path / "s.pt")["step"] == 2
 
 
@@ -555,7 +555,7 @@ def test_saved_files_are_group_readable(tmp_path):
     umask = os.umask(0o022)
     try:
         save(tiny_model(), tmp_path / "m")
-        runs.torch_save({"step": 1}, tmp_path / "s.pt")
+        files.torch_save({"step": 1}, tmp_path / "s.pt")
     finally:
         os.umask(umask)
     for p in (tmp_path / "m" / "model.safetensors", tmp_path / "s.pt"):
@@ -569,7 +569,7 @@ def test_writer_lock_names_the_holder_and_outlives_no_kill_9(tmp_path, caplog):
     go_r, go_w = os.pipe()
 
     def hold_then_die():
-        with runs.writer_lock(tmp_path):
+        with files.writer_lock(tmp_path):
             os.write(ready_w, b"1")
             os.read(go_r, 1)  # hold the lock until the parent has tried
             die()  # ... and die holding it
@@ -580,19 +580,19 @@ def test_writer_lock_names_the_holder_and_outlives_no_kill_9(tmp_path, caplog):
         finally:
             os._exit(1)
     os.read(ready_r, 1)
-    with pytest.raises(runs.FolderLocked, match=rf"is being written by pid {pid} on .*: wait for it"):
-        with runs.writer_lock(tmp_path):
+    with pytest.raises(files.FolderLocked, match=rf"is being written by pid {pid} on .*: wait for it"):
+        with files.writer_lock(tmp_path):
             pass
     os.write(go_w, b"1")
     os.waitpid(pid, 0)
-    assert os.path.exists(tmp_path / runs.LOCK)  # the killed holder's file stays, but locks nothing
-    with caplog.at_level(logging.WARNING, logger="runs"):
-        with runs.writer_lock(tmp_path):
-            with runs.writer_lock(tmp_path):  # re-entrant within a process
+    assert os.path.exists(tmp_path / files.LOCK)  # the killed holder's file stays, but locks nothing
+    with caplog.at_level(logging.WARNING, logger="files"):
+        with files.writer_lock(tmp_path):
+            with files.writer_lock(tmp_path):  # re-entrant within a process
                 pass
     assert f"stale lock of pid {pid}" in caplog.text
-    assert not os.path.exists(tmp_path / runs.LOCK)  # released: nothing left behind
+    assert not os.path.exists(tmp_path / files.LOCK)  # released: nothing left behind
     (tmp_path / "file").write_text("")
     with pytest.raises(PermissionError, match="file/run: output folder is not writable"):
-        with runs.writer_lock(tmp_path / "file" / "run"):
+        with files.writer_lock(tmp_path / "file" / "run"):
             pass

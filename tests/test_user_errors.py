@@ -14,9 +14,9 @@ import torch
 import aarl
 import bench
 import checkpoint
+import files
 import hf
 import rsd
-import runs
 import train as T
 from model import make_draft
 from tiny_models import tiny_model
@@ -239,14 +239,14 @@ def test_foreign_folders_are_named_with_their_cause(tmp_path):
 
 def test_a_full_disk_names_the_path_and_keeps_the_old_file(tmp_path, monkeypatch):
     path = tmp_path / "state.pt"
-    runs.torch_save({"step": 1}, str(path))
+    files.torch_save({"step": 1}, str(path))
 
     def full(obj, f):  # what torch's serializer raises when the disk fills
         raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 64 vs 0")
 
     monkeypatch.setattr(torch, "save", full)
     with pytest.raises(OSError, match=r"state.pt: write failed \(.*inline_container.*\); \d+ MiB free on its disk"):
-        runs.torch_save({"step": 2}, str(path))
+        files.torch_save({"step": 2}, str(path))
     monkeypatch.undo()
     assert torch.load(str(path))["step"] == 1 and os.listdir(tmp_path) == ["state.pt"]
 
@@ -254,4 +254,4 @@ def test_a_full_disk_names_the_path_and_keeps_the_old_file(tmp_path, monkeypatch
         raise OSError(28, "No space left on device")
 
     with pytest.raises(OSError, match="t: write failed .*No space left on device.*: no space left on device"):
-        runs.atomic_write(str(tmp_path / "t"), enospc)
+        files.atomic_write(str(tmp_path / "t"), enospc)

@@ -1,7 +1,7 @@
 """What a run writes, safely: atomic files (a kill at any point leaves the previous file), JSON, resumable training
 state, and one writer per run folder (a lock that the kernel releases when its holder dies).
 
-run: python -m pytest -q tests/test_checkpoint.py -k "kill or lock or readable"
+run: python -m pytest -q tests/test_checkpoint.py tests/test_user_errors.py
 """
 import contextlib
 import errno
@@ -32,11 +32,11 @@ def atomic_write(path, write):
     try:
         try:
             write(tmp)
-        except (OSError, RuntimeError) as e:  # torch reports a full disk as a RuntimeError naming neither path nor cause
+        except (OSError, RuntimeError) as e:  # torch reports a full disk as a RuntimeError naming no path or cause
             free = shutil.disk_usage(parent).free if os.path.isdir(parent) else 0
-            full = getattr(e, "errno", None) == errno.ENOSPC or free < 2**20
+            full = ": no space left on device" if getattr(e, "errno", None) == errno.ENOSPC or free < 2**20 else ""
             raise OSError(f"{path}: write failed ({(str(e).strip() or type(e).__name__).splitlines()[-1]}); "
-                          f"{free / 2**20:.0f} MiB free on its disk" + (": no space left on device" if full else "")) from None
+                          f"{free / 2**20:.0f} MiB free on its disk{full}") from None
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)
@@ -113,7 +113,8 @@ def writer_lock(folder):
                 break
         os.close(fd)
     if stale := os.read(fd, 4096).decode(errors="replace").strip():
-        logging.getLogger(__name__).warning("%s: stale lock of %s, which is gone (killed?): taking it over", path, stale)
+        logging.getLogger(__name__).warning("%s: stale lock of %s, which is gone (killed?): taking it over", path,
+                                            stale)
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"pid {os.getpid()} on {os.uname().nodename} (`{' '.join(sys.argv)}`, since "
                   f"{time.strftime('%Y-%m-%d %H:%M:%S')})".encode(), 0)
