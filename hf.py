@@ -16,7 +16,7 @@ import os
 import torch
 from safetensors.torch import save_file
 
-from checkpoint import WEIGHTS, check_keys, check_output, check_shape, empty_model, header, open_safetensors
+from checkpoint import WEIGHTS, check_keys, check_output, check_shape, empty_model, existing_kind, open_safetensors
 from expert import ExpertConfig, fourier_freqs
 from model import PRESETS, VLA, ModelConfig, VisionConfig
 from files import atomic_write, read_json, write_json
@@ -132,11 +132,7 @@ def _hf_layout(model: VLA):
 def _hf_config(path):
     """(ModelConfig, family, alpamayo, ExpertConfig or None) from a Hugging Face / Alpamayo config.json."""
     cfg_path = os.path.join(path, CONFIG)
-    try:
-        header(path)
-    except (OSError, ValueError):  # not ours
-        pass
-    else:
+    if (existing_kind(path) or "").endswith(("target", " draft")):
         raise ValueError(f"{path}: a checkpoint of this repo's own format (checkpoint.save), not a Hugging Face "
                          "folder: load it with checkpoint.load (bench.py: its run folder as --run, a draft as --draft)")
     raw = top = read_json(cfg_path)
@@ -173,7 +169,7 @@ def _hf_config(path):
         raise ValueError(f"{cfg_path}: unsupported attention_bias=True for qwen3_vl")
     # required: a default vision config would load as a mismatch of hundreds of keys, not as a missing field
     vraw = _required(raw, "vision_config", cfg_path)
-    q3 = family == "qwen3_vl"
+    q3, vision = family == "qwen3_vl", _vision(family, vraw, text, cfg_path)
     try:
         cfg = ModelConfig(
             vocab_size=raw.get("vocab_size") or text["vocab_size"], hidden_size=text["hidden_size"],
@@ -187,7 +183,7 @@ def _hf_config(path):
             image_token_id=raw.get("image_token_id", 151655), video_token_id=raw.get("video_token_id", 151656),
             vision_start_token_id=raw.get("vision_start_token_id", 151652),
             tokens_per_second=vraw.get("tokens_per_second", 2), video_frame_blocks=q3,
-            spatial_merge_size=vraw.get("spatial_merge_size", 2), vision=_vision(family, vraw, text, cfg_path),
+            spatial_merge_size=vraw.get("spatial_merge_size", 2), vision=vision,
             traj_len=64, max_seq_len=text.get("max_position_embeddings", 8192))
     except KeyError as e:
         raise ValueError(f"{cfg_path}: missing config field {e}") from None
