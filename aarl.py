@@ -51,8 +51,10 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import checkpoint
+import cli
 import driving
 import evaluate
+import files
 import speculate
 from driving import Data, grid_kwargs, vision_kwargs
 
@@ -282,10 +284,10 @@ def run(cfg: AARLConfig, run_dir, n_report=64, device="cpu", out=None, overwrite
     """One AARL run from the SFT FlatRoPE draft of seed cfg.seed in run_dir: the before / after report on validation
     and held-out scenes, the draft saved to `out` (default out_dir(DEFAULT_OUT, ...)) -> the JSON-able result. Before
     any work: out must be new, or a FlatRoPE draft and overwrite given (checkpoint.check_output), and the writer lock
-    of out's folder is taken and held throughout (checkpoint.writer_lock)."""
+    of out's folder is taken and held throughout (files.writer_lock)."""
     check_config(cfg)
     out = out or out_dir(DEFAULT_OUT, cfg.reference, cfg.seed)
-    with checkpoint.writer_lock(os.path.dirname(os.path.abspath(out))):
+    with files.writer_lock(os.path.dirname(os.path.abspath(out))):
         checkpoint.check_output(out, "flat draft", overwrite,
                                 how="rerun with --overwrite to replace it, or give another --out")
         return _run(cfg, run_dir, n_report, device, out)
@@ -345,9 +347,9 @@ def main(argv=None):
     ap.add_argument("--overwrite", action="store_true", help="replace an existing draft at --out (only a FlatRoPE "
                     "draft is ever replaced)")
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
-    checkpoint.add_config_flags(ap, AARLConfig, choices={"reference": list(REFERENCES)})
+    cli.add_config_flags(ap, AARLConfig, choices={"reference": list(REFERENCES)})
     a = ap.parse_args(argv)
-    cfg = checkpoint.config_from_args(AARLConfig, a)
+    cfg = cli.config_from_args(AARLConfig, a)
     try:
         check_config(cfg)
     except ValueError as e:
@@ -355,10 +357,10 @@ def main(argv=None):
     if a.n_report < 1:
         ap.error(f"--n-report must be >= 1, got {a.n_report}")
     try:
-        checkpoint.check_device(a.device)
+        cli.check_device(a.device)
     except ValueError as e:
         ap.error(str(e))
-    with checkpoint.user_errors(ap):
+    with cli.user_errors(ap):
         res = run(cfg, a.run, a.n_report, a.device, a.out, a.overwrite)
     print_result(res)
     if a.json:

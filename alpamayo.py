@@ -32,8 +32,9 @@ from dataclasses import dataclass
 
 import torch
 
-from checkpoint import CONFIG, read_json
 from expert import config_field
+from hf import CONFIG
+from files import read_json
 
 SYSTEM = "You are a driving assistant that generates safe and accurate actions."
 INSTRUCTION = "output the chain-of-thought reasoning of the driving process, then output the future trajectory."

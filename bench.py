@@ -68,12 +68,14 @@ import torch.nn.functional as F
 
 import alpamayo
 import checkpoint
+import cli
 import driving
 import evaluate
+import files
+import hf
 import model as M
 import peer
 import speculate
-from checkpoint import DTYPES
 from evaluate import TARGET_ONLY
 from expert import config_field, speed_from_history
 
@@ -483,7 +485,7 @@ def toy_acceptance(path, want=None):
     if not os.path.isfile(full):
         raise ValueError(f"--toy-json {path}: no such file (the committed default is {TOY_ACCEPTANCE})")
     try:
-        d = checkpoint.read_json(full)
+        d = files.read_json(full)
     except ValueError as e:
         raise ValueError(f"--toy-json {path}: not JSON ({e})") from None
     if not isinstance(d, dict) or d.get("mode") != "toy" or not isinstance(d.get("alpha"), (int, float)):
@@ -668,7 +670,7 @@ def pixel_prompt(cfg: M.ModelConfig, images, max_pixels, device):
 def target_prompt(args, target, device, dtype):
     """The prompt of the --target run, its tokenizer (None without one), the id that ends the reasoning
     step (<|traj_future_start|> for Alpamayo, else None) and how the prompt was built."""
-    raw = checkpoint.read_json(os.path.join(args.target, checkpoint.CONFIG))
+    raw = files.read_json(os.path.join(args.target, hf.CONFIG))
     src = args.processor or args.target
     has_tok = any(os.path.isfile(os.path.join(src, n)) for n in ("tokenizer.json", "tokenizer_config.json"))
     stop = None
@@ -685,7 +687,7 @@ def target_prompt(args, target, device, dtype):
     else:
         prompt = pixel_prompt(target.cfg, images, args.max_pixels, device)
         why = (f"no tokenizer in {src}" if not has_tok else
-               f"{os.path.join(args.target, checkpoint.CONFIG)} has no traj_token_ids (not an Alpamayo-R1 config)")
+               f"{os.path.join(args.target, hf.CONFIG)} has no traj_token_ids (not an Alpamayo-R1 config)")
         how = f"placeholder text ids around real pixels ({why})"
     prompt = {k: v.to(device) for k, v in prompt.items()}
     prompt["pixel_values"] = prompt["pixel_values"].to(dtype)
@@ -720,7 +722,7 @@ def real(args, device, dtype, decoding):
     """A real checkpoint (--target): the whole plan on pixels; a real shape with random weights (--preset)."""
     stop = tok = None
     if args.target:
-        target = checkpoint.load_pretrained(args.target, dtype=dtype, device=device).eval()
+        target = hf.load_pretrained(args.target, dtype=dtype, device=device).eval()
         draft = (checkpoint.load(args.draft, target=target, dtype=dtype, device=device) if args.draft
                  else M.make_draft(target, n_layers=1)).eval()
         name = args.target
@@ -920,7 +922,7 @@ def check_geometry_flags(ap, args):
 def main(argv=None):
     ap = argparse.ArgumentParser(description="Reasoning-step latency: target-only vs speculative (RSD).")
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
-    ap.add_argument("--dtype", default="bf16", choices=sorted(DTYPES), help="weights, activations and KV cache")
+    ap.add_argument("--dtype", default="bf16", choices=sorted(cli.DTYPES), help="weights, activations and KV cache")
     ap.add_argument("--run", default=checkpoint.SHIPPED, help="toy checkpoints folder (default: the shipped "
                     "checkpoints/toy)")
     ap.add_argument("--target", default=None, help="Hugging Face Qwen2.5-VL / Qwen3-VL / Alpamayo folder")
@@ -984,13 +986,12 @@ def main(argv=None):
         ap.error("--peer compares with transformers' assisted generation, a chain: add --tree 0")
     try:
         args.decoder = decoder(args)
-        checkpoint.check_device(args.device)
+        cli.check_device(args.device)
         decoding = evaluate.decoding_mode(args.temperature, args.top_k, args.top_p, args.sampling_seed)
     except ValueError as e:
         ap.error(str(e))
     toy_mode = not (args.target or args.preset)
-    if args.draft and os.path.isfile(os.path.join(args.draft, checkpoint.CONFIG)) and \
-            checkpoint.read_json(os.path.join(args.draft, checkpoint.CONFIG)).get("draft") is False:
+    if args.draft and checkpoint.existing_kind(args.draft) == "target":
         ap.error(f"--draft {args.draft} holds a target model, not a draft (as its own draft it accepts every token)")
     args.toy_acceptance = None
     if not toy_mode and not args.draft:
@@ -1014,15 +1015,15 @@ def main(argv=None):
                  f"them with `python rsd.py --retrain --run {args.run}`")
     if toy_mode:  # where the report goes, checked before the benchmark runs
         try:
-            checkpoint.check_writable(os.path.dirname(TOY_JSON) or ".")
+            files.check_writable(os.path.dirname(TOY_JSON) or ".")
         except PermissionError as e:
             ap.error(str(e))
     if args.threads:
         torch.set_num_threads(args.threads)
-    device, dtype = torch.device(args.device), DTYPES[args.dtype]
+    device, dtype = torch.device(args.device), cli.DTYPES[args.dtype]
     reset_peak_memory(device)
     torch.manual_seed(0)
-    with checkpoint.user_errors(ap):  # a bad folder or file, a gamma past the model's positions: one line
+    with cli.user_errors(ap):  # a bad folder or file, a gamma past the model's positions: one line
         res = toy(args, device, dtype, decoding) if toy_mode else real(args, device, dtype, decoding)
     hardware = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or
                                                                                   platform.machine())
@@ -1033,8 +1034,8 @@ def main(argv=None):
     if args.json:
         print(json.dumps(res))
     if res["mode"] == "toy":
-        with checkpoint.user_errors(ap):
-            checkpoint.write_json(TOY_JSON, res)
+        with cli.user_errors(ap):
+            files.write_json(TOY_JSON, res)
     return res
 
 

@@ -1,6 +1,6 @@
 """A Qwen-VL-style VLA: decoder with KV cache and DeepStack injection, trajectory head, and the
 routine-reasoner draft, around a vision tower from vision.py. The same code runs the toy and real
-Qwen2.5-VL / Qwen3-VL / Alpamayo-R1 weights (checkpoint.load_pretrained reads those into it; an
+Qwen2.5-VL / Qwen3-VL / Alpamayo-R1 weights (hf.load_pretrained reads those into it; an
 Alpamayo folder's flow-matching action expert is expert.py).
 
 Paper map: `VLA` with rope_mode "mrope" is the deliberative reasoner (the unmodified target,

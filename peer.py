@@ -8,7 +8,7 @@ the unmodified target p that verifies them losslessly (docs/background.md, "Spec
 decoding"). A reader will compare this code with what they would otherwise run: transformers'
 generate on the target, and assisted generation with the same draft as `assistant_model`. The
 draft is the M-RoPE replica (checkpoints/toy/draft_mrope_s0): FlatRoPE has no transformers
-counterpart (checkpoint.export_pretrained refuses it), so both speculative arms use the replica.
+counterpart (hf.export_pretrained refuses it), so both speculative arms use the replica.
 
 What is timed: one call per prompt, end to end (vision tower + prefill + the reasoning step), from
 the prompt tensors to the token ids, read with speculate.Clock (the device synchronised), divided by
@@ -39,9 +39,9 @@ import time
 
 import torch
 
-import checkpoint
 import evaluate
 import speculate
+from hf import export_pretrained
 
 PEER_DRAFT = ("mrope", 0)  # the draft both speculative arms use: the M-RoPE replica, seed 0
 ARMS = ("ours_target_only", "ours_speculative", "hf_generate", "hf_assisted", "hf_assisted_defaults")
@@ -149,9 +149,8 @@ def compare(target, draft, prompts, gamma, max_new, stop, pad, repeats=3):
     the target's dtype and device. Greedy."""
     w = target.embed_tokens.weight
     with tempfile.TemporaryDirectory() as folder:
-        checkpoint.export_pretrained(target, os.path.join(folder, "target"), eos_token_id=stop, pad_token_id=pad)
-        checkpoint.export_pretrained(draft, os.path.join(folder, "draft"), target=target, eos_token_id=stop,
-                                     pad_token_id=pad)
+        export_pretrained(target, os.path.join(folder, "target"), eos_token_id=stop, pad_token_id=pad)
+        export_pretrained(draft, os.path.join(folder, "draft"), target=target, eos_token_id=stop, pad_token_id=pad)
         hf_target = load_hf(os.path.join(folder, "target"), w.dtype, w.device)
         hf_draft = load_hf(os.path.join(folder, "draft"), w.dtype, w.device)
     inputs = [hf_inputs(p, target.cfg) for p in prompts]  # built once, outside the clock, as our prompts are

@@ -41,8 +41,10 @@ import torch
 import aarl
 import bench
 import checkpoint
+import cli
 import driving
 import evaluate
+import files
 import speculate
 import train as T
 from driving import Data
@@ -81,7 +83,7 @@ def missing(run, seeds):
 def retrain(run, seeds, device="cpu", log=print):
     """Train what is missing in `run`: the target and both SFT drafts of every seed (train.py), then each seed's
     FlatRoPE draft's AARL post-training with the static anchor (aarl.py), under run's writer lock."""
-    with checkpoint.writer_lock(run):
+    with files.writer_lock(run):
         _retrain(run, seeds, device, log)
 
 
@@ -281,12 +283,12 @@ def plot(rows, out=FIGURES, sweep_json=SWEEP_JSON):
         bottom = [b + r[key] for b, r in zip(bottom, rows)]
     ax.set_ylabel("attention mass while writing the CoC")
     ax.legend(fontsize=7)
-    save = lambda fig, name: checkpoint.atomic_write(  # noqa: E731
+    save = lambda fig, name: files.atomic_write(  # noqa: E731
         os.path.join(out, name), lambda p: fig.savefig(p, format="png", dpi=120, bbox_inches="tight"))
     save(fig, "attention.png")
     written = [f"{out}/attention.png"]
     if os.path.exists(sweep_json):
-        sweep = checkpoint.read_json(sweep_json)
+        sweep = files.read_json(sweep_json)
         fig, axes = plt.subplots(1, 2, figsize=(9, 3))
         for ax, (key, label) in zip(axes, (("tau", "held-out tau at gamma 6"), ("attn_history", "attention on history"))):
             for kind, style in (("mrope", "o-"), ("flat", "s-")):
@@ -314,7 +316,7 @@ def plot_trees(plt, save, out):
     """figures/tree_budget.png: held-out tau against the draft tokens verified per round (the chain's gamma, the
     tree's node budget N), each draft kind (experiments/tree_sweep.json); figures/tree_paths.png: who supplied each
     held-out CoC token, routine words and commitments apart (experiments/tree_paths.json)."""
-    sweep, paths = checkpoint.read_json(TREE_JSON), checkpoint.read_json(PATHS_JSON)
+    sweep, paths = files.read_json(TREE_JSON), files.read_json(PATHS_JSON)
     fig, ax = plt.subplots(figsize=(5, 3))
     for (row, r), color in zip(sweep["test"].items(), ("C0", "C1", "C2")):
         for kind, style in (("chain", "--o"), ("tree", "-s")):
@@ -358,7 +360,7 @@ def main(argv=None):
     ap.add_argument("--time-scenes", type=int, default=16, help="of those, scenes timed for ms/token")
     ap.add_argument("--repeats", type=int, default=3, help="timed passes (median)")
     ap.add_argument("--show", type=int, default=3, help="scenes printed with routine / [deliberative] tokens")
-    ap.add_argument("--dtype", default="fp32", choices=sorted(checkpoint.DTYPES),
+    ap.add_argument("--dtype", default="fp32", choices=sorted(cli.DTYPES),
                     help="inference dtype (fp32: the exactness claims hold bit for bit)")
     evaluate.add_decoding_flags(ap, "> 0 also reports the sampled tau of real speculative decoding per row and "
                                 "times both arms sampling (prompt i = held-out scene i)")
@@ -384,25 +386,25 @@ def main(argv=None):
     if not 0 <= a.views <= driving.MAX_VIEWS:
         ap.error(f"--views must be in 0..{driving.MAX_VIEWS} (the geometries the toy target was trained on), "
                  f"got {a.views}")
-    with checkpoint.user_errors(ap):
+    with cli.user_errors(ap):
         seeds = parse_seeds(a.seeds)
         decoding = evaluate.decoding_mode(a.temperature, a.top_k, a.top_p, a.sampling_seed)
-        device = checkpoint.check_device(a.device)
+        device = cli.check_device(a.device)
         if a.plot:  # figures come after minutes of work: their dependency and folder are checked first
             if importlib.util.find_spec("matplotlib") is None:
                 raise ValueError("--plot needs matplotlib: pip install matplotlib")
-            checkpoint.check_writable(FIGURES)
+            files.check_writable(FIGURES)
     t0 = time.time()
     if a.retrain:
-        with checkpoint.user_errors(ap):
+        with cli.user_errors(ap):
             retrain(a.run, seeds, device)
     gone = missing(a.run, seeds)
     if gone:
         ap.error(f"missing checkpoints: {', '.join(gone)}; use the shipped checkpoints/toy, or train them with "
                  f"`python rsd.py --retrain --run {a.run}`")
     tok = driving.Tokenizer()
-    with checkpoint.user_errors(ap):  # a corrupt file, or a draft distilled from another target: before any work
-        target = checkpoint.load(os.path.join(a.run, "target"), dtype=checkpoint.DTYPES[a.dtype],
+    with cli.user_errors(ap):  # a corrupt file, or a draft distilled from another target: before any work
+        target = checkpoint.load(os.path.join(a.run, "target"), dtype=cli.DTYPES[a.dtype],
                                  device=device).eval()
         drafts = {row: {s: checkpoint.load(checkpoint.draft_dir(a.run, kind, s), target=target).eval() for s in seeds}
                   for row, kind in ROWS}
@@ -458,7 +460,7 @@ def main(argv=None):
                           "routine_share_world": share, "seeds": seeds,
                           "rows": [{k: r.get(k) for k in keys + tree_keys} for r in rows]}))
     if a.plot:  # after the report: a failing figure loses no result
-        with checkpoint.user_errors(ap):
+        with cli.user_errors(ap):
             plot(rows, FIGURES)
 
 

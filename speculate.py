@@ -770,7 +770,7 @@ def main():
     ap.add_argument("--noise", type=float, default=0.05, help="draft = target + noise * std(w) * N(0, 1) per weight")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
-    from checkpoint import check_device  # the demo's one use of it
+    from cli import check_device  # the demo's one use of it
     try:
         check_device(args.device)
     except ValueError as e:

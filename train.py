@@ -30,7 +30,9 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import checkpoint
+import cli
 import driving
+import files
 import model as M
 from driving import Data, grid_kwargs, vision_kwargs
 from evaluate import autocast, evaluate_target
@@ -296,7 +298,7 @@ def save_state(path, step, models, opts, cfg, rank, target=None):
     (checkpoint.fingerprint). Rank 0 writes; all ranks wait."""
     if rank == 0:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        checkpoint.torch_save({"step": step, "config": asdict(cfg), "target": target,
+        files.torch_save({"step": step, "config": asdict(cfg), "target": target,
                                "models": {k: m.state_dict() for k, m in models.items()},
                                "opts": {k: o.state_dict() for k, o in opts.items()}}, path)
     if dist.is_initialized():
@@ -363,7 +365,7 @@ def parse_args(argv=None, parser=False):
     ap = argparse.ArgumentParser(description="Train the toy target VLA and distil the FlatRoPE and M-RoPE drafts.")
     ap.add_argument("--stage", choices=["all", "target", "drafts"], default="all",
                     help="target: SFT only; drafts: distil from an existing out/target; all: both")
-    checkpoint.add_config_flags(ap, TrainConfig, choices={"target_preset": sorted(M.PRESETS),
+    cli.add_config_flags(ap, TrainConfig, choices={"target_preset": sorted(M.PRESETS),
                                                           "draft_preset": sorted(M.DRAFT_PRESETS)})
     a = ap.parse_args(argv)
     if a.draft_vocab > len(driving.Tokenizer()):  # here, not when the draft stage starts after the target's hour
@@ -388,10 +390,10 @@ def parse_args(argv=None, parser=False):
     if not 0 <= a.p_no_views <= 1:
         ap.error(f"--p-no-views must be in [0, 1], got {a.p_no_views}")
     try:
-        checkpoint.check_device(a.device)
+        cli.check_device(a.device)
     except ValueError as e:
         ap.error(str(e))
-    cfg = checkpoint.config_from_args(TrainConfig, a)
+    cfg = cli.config_from_args(TrainConfig, a)
     return (cfg, a.stage, ap) if parser else (cfg, a.stage)
 
 
@@ -418,11 +420,11 @@ def check_outputs(cfg: TrainConfig, stage):
 
 def run(cfg: TrainConfig, stage="all", log=print):
     """Train what `stage` asks for; returns {"target", "drafts", "metrics"} on rank 0. Rank 0 holds cfg.out's writer
-    lock throughout (checkpoint.writer_lock: a second run into the same folder stops at once, naming this one); what
+    lock throughout (files.writer_lock: a second run into the same folder stops at once, naming this one); what
     would be replaced is checked first (check_outputs)."""
-    checkpoint.check_device(cfg.device)
+    cli.check_device(cfg.device)
     rank, world, device = setup_distributed(cfg.device)
-    with checkpoint.writer_lock(cfg.out) if rank == 0 else contextlib.nullcontext():
+    with files.writer_lock(cfg.out) if rank == 0 else contextlib.nullcontext():
         check_outputs(cfg, stage)
         return _run(cfg, stage, log, rank, world, device)
 
@@ -446,7 +448,7 @@ def _run(cfg, stage, log, rank, world, device):
         test = Data("test", cfg.n_test, cfg.seed, tok, views=cfg.views)
         metrics = {"val": evaluate_target(out["target"], val), "test": evaluate_target(out["target"], test),
                    "scenes": {"val": cfg.n_val, "test": cfg.n_test}, "wall_s": time.time() - t0}
-        checkpoint.write_json(os.path.join(cfg.out, "train_metrics.json"), metrics)
+        files.write_json(os.path.join(cfg.out, "train_metrics.json"), metrics)
         log(f"target val:  {fmt(metrics['val'])}")
         log(f"target test: {fmt(metrics['test'])}")
         log(f"wall time {metrics['wall_s']:.0f} s")
@@ -458,7 +460,7 @@ def _run(cfg, stage, log, rank, world, device):
 
 def main(argv=None):
     cfg, stage, ap = parse_args(argv, parser=True)
-    with checkpoint.user_errors(ap):  # a locked, read-only or existing --out, a full disk: one line
+    with cli.user_errors(ap):  # a locked, read-only or existing --out, a full disk: one line
         return run(cfg, stage)
 
 

@@ -18,6 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import aarl  # noqa: E402
 import checkpoint  # noqa: E402
+import files  # noqa: E402
 
 
 def fixed_gamma_table(results, references, gammas=(4, 6, 8)):
@@ -70,7 +71,7 @@ def main(argv=None):
     ap.add_argument("--summary", action="store_true", help="print the fixed-gamma table of --out's runs, run nothing")
     a = ap.parse_args(argv)
     if a.summary:
-        saved = checkpoint.read_json(a.out)
+        saved = files.read_json(a.out)
         refs = list(dict.fromkeys(r["reference"] for r in saved["runs"]))
         print("\n".join(fixed_gamma_table(saved["runs"], refs, gammas=("4", "6", "8"))))  # JSON keys are strings
         summarise_training(saved["runs"], refs)
@@ -100,7 +101,7 @@ def main(argv=None):
                   + f"   change {statistics.mean(delta):+.3f} (spread {max(delta) - min(delta):.3f})")
     print("\n" + "\n".join(fixed_gamma_table(results, a.references.split(","))))
     summary.update(summarise_training(results, a.references.split(",")))
-    checkpoint.write_json(a.out, {"command": "python experiments/aarl_ablation.py " + " ".join(argv or sys.argv[1:]),
+    files.write_json(a.out, {"command": "python experiments/aarl_ablation.py " + " ".join(argv or sys.argv[1:]),
                                   "summary": summary, "runs": results, "wall_s": time.time() - t0})
     print(f"wrote {a.out} ({time.time() - t0:.0f} s)")
 

@@ -47,6 +47,7 @@ import bench  # noqa: E402
 import checkpoint  # noqa: E402
 import driving  # noqa: E402
 import evaluate  # noqa: E402
+import files  # noqa: E402
 import model as M  # noqa: E402
 import speculate  # noqa: E402
 import train as T  # noqa: E402
@@ -71,9 +72,9 @@ def train_arm(work, arm, k, steps, target, train):
         return
     cfg = T.TrainConfig(out=out, draft_steps=steps, draft_vocab=k, eval_every=10 ** 9)
     t0, c0 = time.time(), time.process_time()
-    with checkpoint.writer_lock(out):
+    with files.writer_lock(out):
         T.train_drafts(cfg, target, train)
-    checkpoint.write_json(os.path.join(out, "wall.json"), {"train_s": time.time() - t0, "steps": steps,
+    files.write_json(os.path.join(out, "wall.json"), {"train_s": time.time() - t0, "steps": steps,
                                                            "train_cpu_s": time.process_time() - c0,
                                                            "threads": torch.get_num_threads()})
 
@@ -125,7 +126,7 @@ def toy(a):
             "test_output_coverage": sum(t in inside for t in out_tokens) / len(out_tokens),
             **{f"tau_{kind}": {g: v["tau"] for g, v in evaluate.tau_by_gamma(matches[(arm, kind)], GAMMAS).items()}
                for kind in KINDS},
-            **({k: checkpoint.read_json(wall)[k] for k in ("train_s", "train_cpu_s")} if os.path.exists(wall) else {})}
+            **({k: files.read_json(wall)[k] for k in ("train_s", "train_cpu_s")} if os.path.exists(wall) else {})}
     prompt = evaluate.scene_prompts(test.scenes[:1], tok, "cpu")[0]
     flat = {arm: paths[(arm, "flat")] for arm in arms}
     for clock, timer in (("cpu", time.process_time), ("wall", time.perf_counter)):
@@ -232,7 +233,7 @@ def main(argv=None):
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
     command = "python experiments/draft_vocab.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    res = checkpoint.read_json(a.out) if os.path.exists(a.out) else {}
+    res = files.read_json(a.out) if os.path.exists(a.out) else {}
     for part, fn in (("toy", toy), ("real", real)):
         if getattr(a, part):
             t0, c0 = time.time(), time.process_time()
@@ -244,7 +245,7 @@ def main(argv=None):
                              "wall_s": time.time() - t0, "cpu_s": time.process_time() - c0}
                 if "toy" in res and "real" in res:
                     res["prediction"] = predict(res)
-                checkpoint.write_json(a.out, res)
+                files.write_json(a.out, res)
                 print(f"wrote {a.out} [{part}] ({time.time() - t0:.0f} s)")
 
 

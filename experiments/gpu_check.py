@@ -43,8 +43,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import bench  # noqa: E402
-import checkpoint  # noqa: E402
+import cli  # noqa: E402
 import evaluate  # noqa: E402
+import files  # noqa: E402
 import model as M  # noqa: E402
 import speculate  # noqa: E402
 
@@ -81,7 +82,7 @@ class Run:
 
     def write(self, stage, res):
         path = os.path.join(self.args.out, stage + ".json")
-        checkpoint.write_json(path, res)
+        files.write_json(path, res)
         print(f"[{self.elapsed():6.0f} s] {stage}: {res.get('status')} -> {path}", flush=True)
 
     def stage(self, name, fn):
@@ -106,14 +107,14 @@ class Run:
         if layers not in self.models:
             torch.manual_seed(0)
             full = M.PRESETS[self.args.preset].n_layers
-            self.models[layers] = bench.build_preset(self.args.preset, self.device, checkpoint.DTYPES[self.args.dtype],
+            self.models[layers] = bench.build_preset(self.args.preset, self.device, cli.DTYPES[self.args.dtype],
                                                      None if layers == full else layers)
         return self.models[layers]
 
     def prompt(self, target):
         p = bench.real_prompt(target.cfg, self.device, n_images=self.args.images, grid=self.args.image_grid)
         if "pixel_values" in p:
-            p["pixel_values"] = p["pixel_values"].to(checkpoint.DTYPES[self.args.dtype])
+            p["pixel_values"] = p["pixel_values"].to(cli.DTYPES[self.args.dtype])
         return p
 
     def depth(self):
@@ -342,7 +343,7 @@ def main(argv=None):
                     "merged tokens, Alpamayo's; 1x4x8 on a CPU, where the 27-layer vision tower would take seconds)")
     ap.add_argument("--gamma", type=int, default=6, help="draft length of the compiled verify step")
     ap.add_argument("--draft-vocab", type=int, default=32768, help="stage c's reduced draft head (token ids)")
-    ap.add_argument("--dtype", default="bf16", choices=sorted(checkpoint.DTYPES))
+    ap.add_argument("--dtype", default="bf16", choices=sorted(cli.DTYPES))
     ap.add_argument("--toy-json", default=bench.TOY_ACCEPTANCE, help="the toy acceptance of the predictions")
     ap.add_argument("--tests-timeout", type=float, default=240.0, help="stage b's limit in seconds")
     ap.add_argument("--stages", default=",".join(STAGES), help="the stages to run (comma-separated names)")
@@ -351,7 +352,7 @@ def main(argv=None):
     if cuda and not torch.cuda.is_available():
         ap.error("--device cuda: no CUDA device here (--device cpu --layers 1 checks the plumbing)")
     try:
-        checkpoint.check_device(args.device)
+        cli.check_device(args.device)
         args.steps = parse_steps(args.steps or ("1-64" if cuda else "1,2,4,7,8,16,32,64"))
         args.compiled_layers = sorted({int(k) for k in args.compiled_layers.split(",")})
         args.image_grid = tuple(int(k) for k in (args.image_grid or ("1x20x36" if cuda else "1x4x8")).split("x"))
@@ -373,7 +374,7 @@ def main(argv=None):
     args.reps = args.reps or (10 if cuda else 3)
     args.images = args.images or (16 if cuda else 1)
     os.makedirs(args.out, exist_ok=True)
-    checkpoint.check_writable(args.out)
+    files.check_writable(args.out)
     run = Run(args)
     bench.reset_peak_memory(run.device)
     results = {}

@@ -23,6 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import checkpoint  # noqa: E402
 import driving  # noqa: E402
 import evaluate  # noqa: E402
+import files  # noqa: E402
 import model as M  # noqa: E402
 import train as T  # noqa: E402
 from driving import Data  # noqa: E402
@@ -63,7 +64,7 @@ def main(argv=None):
             r = result[f"{base}/{k}"]
             print(f"base {base} {k:5s}: held-out tau at gamma {a.gamma} {r['tau_mean']:.3f} (spread "
                   f"{r['tau_spread']:.3f})  attention history {r['attn_history']:.3f} image {r['attn_image']:.3f}")
-    checkpoint.write_json(a.out, {"command": "python experiments/rope_base.py " + " ".join(argv or sys.argv[1:]),
+    files.write_json(a.out, {"command": "python experiments/rope_base.py " + " ".join(argv or sys.argv[1:]),
                                   "gamma": a.gamma, "seeds": seeds, "scenes": a.scenes, "result": result,
                                   "wall_s": time.time() - t0})
     print(f"wrote {a.out} ({time.time() - t0:.0f} s)")

@@ -17,6 +17,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import checkpoint  # noqa: E402
 import driving  # noqa: E402
 import evaluate  # noqa: E402
+import files  # noqa: E402
 from driving import Data  # noqa: E402
 
 KINDS = ("mrope", "flat", "aarl")
@@ -56,9 +57,9 @@ def main(argv=None):
         if os.path.exists(dst):
             shutil.rmtree(dst)
         shutil.copytree(os.path.join(a.run, part), dst)
-    metrics = {"train_metrics": checkpoint.read_json(os.path.join(a.run, "train_metrics.json")),
+    metrics = {"train_metrics": files.read_json(os.path.join(a.run, "train_metrics.json")),
                "check": check_metrics(a.out, seeds)}
-    checkpoint.write_json(os.path.join(a.out, "metrics.json"), metrics)
+    files.write_json(os.path.join(a.out, "metrics.json"), metrics)
     print(f"shipped {len(parts)} checkpoints to {a.out}; check: {metrics['check']}")
 
 

@@ -18,6 +18,7 @@ import torch  # noqa: E402
 import checkpoint  # noqa: E402
 import driving  # noqa: E402
 import evaluate  # noqa: E402
+import files  # noqa: E402
 import speculate  # noqa: E402
 
 KINDS = {"replica": "mrope", "flatrope": "flat", "flatrope+aarl": "aarl"}
@@ -53,7 +54,7 @@ def main():
                 counts["commitment" if c else "routine"][who] += 1
         out["rows"][row] = counts
         print(row, json.dumps(counts), flush=True)
-    checkpoint.write_json(a.out, out)  # atomic
+    files.write_json(a.out, out)  # atomic
 
 
 if __name__ == "__main__":

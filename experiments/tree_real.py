@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-import checkpoint  # noqa: E402
+import files  # noqa: E402
 import model as M  # noqa: E402
 import speculate  # noqa: E402
 from rope import rope_cos_sin, rope_inv_freq  # noqa: E402
@@ -94,7 +94,7 @@ def main():
         out["predicted_speedup"] = pred
     out["wall_s"] = time.time() - t0
     print(json.dumps(out), flush=True)
-    checkpoint.write_json(a.out, out)  # atomic
+    files.write_json(a.out, out)  # atomic
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ import torch  # noqa: E402
 import checkpoint  # noqa: E402
 import driving  # noqa: E402
 import evaluate  # noqa: E402
+import files  # noqa: E402
 import speculate  # noqa: E402
 from speculate import TreeShape  # noqa: E402
 
@@ -75,7 +76,7 @@ def main():
                          "tree": {n: tau(d, "test", budget_shape(n)) for n in BUDGETS}}
                    for row, d in drafts.items()}
     out["wall_s"] = time.time() - t0
-    checkpoint.write_json(a.out, out)  # atomic
+    files.write_json(a.out, out)  # atomic
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import checkpoint  # noqa: E402
 import driving  # noqa: E402
 import evaluate  # noqa: E402
+import files  # noqa: E402
 import train as T  # noqa: E402
 from driving import Data  # noqa: E402
 
@@ -76,7 +77,7 @@ def main(argv=None):
               + "  ".join(f"{k} {point[k]['tau']['mean']:.2f} (spread {point[k]['tau']['spread']:.2f}), "
                           f"attention history {point[k]['attn_history']['mean']:.3f} image "
                           f"{point[k]['attn_image']['mean']:.3f}" for k in KINDS), flush=True)
-    checkpoint.write_json(a.out, {"command": "python experiments/views_sweep.py " + " ".join(argv or sys.argv[1:]),
+    files.write_json(a.out, {"command": "python experiments/views_sweep.py " + " ".join(argv or sys.argv[1:]),
                                   "gamma": a.gamma, "seeds": seeds, "scenes": a.scenes, "points": points,
                                   "wall_s": time.time() - t0})
     print(f"wrote {a.out} ({time.time() - t0:.0f} s)")

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import aarl
-import checkpoint
 import driving
+import files
 import model as M
 import train as T
 from test_train import TINY, TINY_DRAFT, held_lock  # noqa: F401  (tiny sizes shared with the train tests)
@@ -162,7 +162,7 @@ def test_run_locks_its_folder_and_checks_its_arguments_before_any_work(tmp_path,
     """A second writer into the folder of the draft it would save stops at once, naming the first; a NaN weight or an
     unknown device stops at parse time."""
     with held_lock(tmp_path, command="python aarl.py --seed 0"):
-        with pytest.raises(checkpoint.FolderLocked, match=r"pid 4242 on elsewhere \(`python aarl.py --seed 0`"):
+        with pytest.raises(files.FolderLocked, match=r"pid 4242 on elsewhere \(`python aarl.py --seed 0`"):
             aarl.run(aarl.AARLConfig(), str(tmp_path), out=str(tmp_path / "draft_aarl_s0"))
     for argv, msg in ((["--agree-weight", "nan"], "agree_weight must be a number >= 0, got nan"),
                       (["--device", "tpu"], "unknown device 'tpu'")):

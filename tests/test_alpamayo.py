@@ -20,8 +20,8 @@ from safetensors.torch import load_file, save_file
 import bench
 import speculate
 from alpamayo import HistoryTokenizer, build_prompt
-from checkpoint import load_pretrained
 from expert import ExpertConfig, unicycle
+from hf import load_pretrained
 from tiny_models import IMG, VE, VID, VS, hf_qwen3, mm_token_type_ids, o1_init, qwen3_prompt
 
 tf = pytest.importorskip("transformers")

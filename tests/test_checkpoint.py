@@ -11,13 +11,18 @@ import logging
 import os
 import shutil
 import signal
+import subprocess
+import sys
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import checkpoint
-from checkpoint import load, load_pretrained, save
+import files
+from checkpoint import load, save
+from hf import load_pretrained
 from model import make_draft
 from rope import mrope_cos_sin, rope_inv_freq
 from speculate import EMBED_KEYS
@@ -324,7 +329,17 @@ def test_save_load_round_trip_target_and_draft(tmp_path):
         load(tmp_path / "draft")
     with pytest.raises(ValueError, match="draft expects a target of width 64"):
         load(tmp_path / "draft", target=tiny_model(hidden_size=128, n_heads=8))
-    assert sorted(os.listdir(tmp_path / "draft")) == ["config.json", "model.safetensors"]
+    assert os.listdir(tmp_path / "draft") == ["model.safetensors"]
+
+
+def resave(dir, sd=None, meta=None):
+    """Rewrite dir/model.safetensors with other tensors and / or another "rsd-vla" header (by default its own)."""
+    path = os.path.join(dir, "model.safetensors")
+    with safe_open(path, framework="pt") as f:
+        raw = f.metadata()
+    save_file(load_file(path) if sd is None else sd, path,
+              metadata=raw if meta is None else {"rsd-vla": json.dumps(meta)})
+    return dir
 
 
 def test_own_checkpoint_errors_and_atomic_write(tmp_path, monkeypatch):
@@ -334,12 +349,12 @@ def test_own_checkpoint_errors_and_atomic_write(tmp_path, monkeypatch):
         load(tmp_path / "nope")
     sd = load_file(tmp_path / "m" / "model.safetensors")
     sd["layers.0.mlp.gate_up.weight"] = sd["layers.0.mlp.gate_up.weight"][:10].clone()
-    save_file(sd, tmp_path / "m" / "model.safetensors")
+    resave(tmp_path / "m", sd)
     with pytest.raises(ValueError, match=r"shape mismatch for 'layers.0.mlp.gate_up.weight': expected \(192, 64\), "
                                          r"got \(10, 64\)"):
         load(tmp_path / "m")
     del sd["norm.weight"]
-    save_file(sd, tmp_path / "m" / "model.safetensors")
+    resave(tmp_path / "m", sd)
     with pytest.raises(ValueError, match=r"missing 1 \['norm.weight'\]"):
         load(tmp_path / "m")
 
@@ -347,30 +362,22 @@ def test_own_checkpoint_errors_and_atomic_write(tmp_path, monkeypatch):
     save(model, tmp_path / "m")
     before = open(tmp_path / "m" / "model.safetensors", "rb").read()
 
-    def crash(sd, path):
+    def crash(sd, path, **_):
         open(path, "wb").write(b"partial")
         raise KeyboardInterrupt
     monkeypatch.setattr(checkpoint, "save_file", crash)
     with pytest.raises(KeyboardInterrupt):
         save(tiny_model(seed=1), tmp_path / "m")
     assert open(tmp_path / "m" / "model.safetensors", "rb").read() == before
-    assert sorted(os.listdir(tmp_path / "m")) == ["config.json", "model.safetensors"]
+    assert os.listdir(tmp_path / "m") == ["model.safetensors"]
     assert checkpoint.load(tmp_path / "m").cfg == model.cfg
 
 
 def test_own_config_requires_every_field(tmp_path):
-    """Our format: a missing field is an error naming it (a default could change the logits), except the fields added
-    after folders had been written without them; config.json and the weights must belong together."""
+    """Our format: the file's header holds the config, and a missing field is an error naming it (a default could
+    change the logits); a file without our header (a Hugging Face one) is named as such."""
     save(tiny_model(), tmp_path / "m")
-    good = json.load(open(tmp_path / "m" / "config.json"))
-
-    def edited(edit, keep_fingerprint=False):
-        meta = json.loads(json.dumps(good))
-        if not keep_fingerprint:
-            meta.pop("fingerprint")  # as a folder written before fingerprints: only the field check speaks
-        meta = edit(meta) or meta
-        json.dump(meta, open(tmp_path / "m" / "config.json", "w"))
-        return tmp_path / "m"
+    good = checkpoint.header(tmp_path / "m")[0]
 
     def drop(*keys):
         def edit(meta):
@@ -379,30 +386,21 @@ def test_own_config_requires_every_field(tmp_path):
             del meta[keys[-1]]
         return edit
 
-    cases = ((drop("config", "rope_theta"), r"config.json: missing config field\(s\) \['rope_theta'\]"),
+    no_header = "model.safetensors: not a checkpoint written by checkpoint.save \\(no 'rsd-vla' header"
+    cases = ((drop("config", "rope_theta"), r"model.safetensors: missing config field\(s\) \['rope_theta'\]"),
              (drop("config", "vision", "window_size"), r"\['vision.window_size'\]"),
-             (drop("config"), "missing field 'config'"),
-             (drop("draft"), "missing or non-boolean field 'draft'"),
-             (lambda meta: [meta], "config.json: expected a JSON object, got list"),
+             (drop("config"), no_header), (drop("draft"), no_header), (lambda meta: [meta], no_header),
              (lambda meta: meta["config"].update(colour="red"), r"bad config: unknown ModelConfig fields"))
     for edit, msg in cases:
+        meta = json.loads(json.dumps(good))
         with pytest.raises(ValueError, match=msg):
-            load(edited(edit))
-    for later in (drop("config", "video_frame_blocks"), drop("config", "draft_vocab"),
-                  drop("config", "vision", "family")):
-        assert load(edited(later)).cfg == tiny_model().cfg
-    # config.json edited after the save (or weights from another save): the recorded fingerprint says so
-    with pytest.raises(ValueError, match=r"config.json and model.safetensors do not belong together \(config differ"):
-        load(edited(lambda m: m["config"].update(rope_theta=500.0), keep_fingerprint=True))
-    edited(lambda m: None, keep_fingerprint=True)
-    save(tiny_model(seed=1), tmp_path / "other")
-    shutil.copy(tmp_path / "other" / "model.safetensors", tmp_path / "m" / "model.safetensors")
-    with pytest.raises(ValueError, match=r"do not belong together \(weights differ"):
+            load(resave(tmp_path / "m", meta=edit(meta) or meta))
+    save_file(load_file(tmp_path / "m" / "model.safetensors"), tmp_path / "m" / "model.safetensors")
+    with pytest.raises(ValueError, match=no_header + ".*use hf.load_pretrained"):
         load(tmp_path / "m")
-    empty = tmp_path / "other" / "model.safetensors"
-    save_file({}, empty)
+    resave(tmp_path / "m", sd={}, meta=good)
     with pytest.raises(ValueError, match="model.safetensors: holds no tensors"):
-        load(tmp_path / "other")
+        load(tmp_path / "m")
 
 
 def test_hf_config_and_index_errors(qwen25, tmp_path):
@@ -452,14 +450,14 @@ def same_weights(a, b):
     return all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
 
 
-def test_draft_is_bound_to_its_target(tmp_path, caplog):
+def test_draft_is_bound_to_its_target(tmp_path):
     target = tiny_model()
     save(target, tmp_path / "target")
     draft = o1_init(make_draft(target, n_layers=1), seed=7)
     save(draft, tmp_path / "draft", target=target)
-    meta = json.load(open(tmp_path / "draft" / "config.json"))
+    meta = checkpoint.header(tmp_path / "draft")[0]
     assert meta["target"] == checkpoint.fingerprint(target)
-    assert meta["target"] == json.load(open(tmp_path / "target" / "config.json"))["fingerprint"]
+    assert meta["target"] == checkpoint.fingerprint(load(tmp_path / "target"))
     assert same_weights(load(tmp_path / "draft", target=load(tmp_path / "target")), draft)
     # the target read in another dtype keeps its file's fingerprint
     assert load(tmp_path / "draft", target=load(tmp_path / "target", dtype=torch.bfloat16)).cfg == draft.cfg
@@ -473,17 +471,9 @@ def test_draft_is_bound_to_its_target(tmp_path, caplog):
         save(draft, tmp_path / "d2")
     with pytest.raises(ValueError, match="not the model whose embedding"):
         save(draft, tmp_path / "d2", target=tiny_model(seed=1))
-    # folders written before fingerprints (no 'fingerprint', no 'target') still load; the draft with a warning
-    for part in ("target", "draft"):
-        old = json.load(open(tmp_path / part / "config.json"))
-        old.pop("fingerprint"), old.pop("target", None)
-        json.dump(old, open(tmp_path / part / "config.json", "w"))
-    with caplog.at_level(logging.WARNING, logger="checkpoint"):
-        assert same_weights(load(tmp_path / "draft", target=load(tmp_path / "target")), draft)
-    assert "draft saved without its target's fingerprint" in caplog.text
 
 
-# ---- whole-folder writes, kill -9, the writer lock ----
+# ---- atomic saves, kill -9, the writer lock ----
 
 
 def killed(write):
@@ -505,12 +495,12 @@ def die(*_):
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="kill -9 is simulated with os.fork")
 def test_kill_9_during_a_save_keeps_the_previous_checkpoint(tmp_path):
-    """kill -9 while the new weights are written, or between the two renames that swap the folder in: the previous
-    checkpoint still loads, and the next write (or load) leaves no stray file behind."""
+    """kill -9 while the new weights are written: the previous checkpoint still loads (the killed writer leaves at
+    most its hidden .tmp file), and the next save replaces it."""
     old, new = tiny_model(seed=0), tiny_model(seed=1)
     save(old, tmp_path / "m")
 
-    def partial(sd, path):
+    def partial(sd, path, **_):
         open(path, "wb").write(b"partial")
         die()
 
@@ -518,56 +508,68 @@ def test_kill_9_during_a_save_keeps_the_previous_checkpoint(tmp_path):
         checkpoint.save_file = partial
         save(new, tmp_path / "m")
     killed(mid_weights)
-    assert len(os.listdir(tmp_path)) == 2  # m and the killed writer's temporary folder
+    left = sorted(os.listdir(tmp_path / "m"))
+    assert left[1:] == ["model.safetensors"] and left[0].startswith(".model.safetensors.") and left[0].endswith(".tmp")
     assert same_weights(load(tmp_path / "m"), old)
     save(new, tmp_path / "m")
-    assert os.listdir(tmp_path) == ["m"] and same_weights(load(tmp_path / "m"), new)
+    assert same_weights(load(tmp_path / "m"), new)
 
-    def mid_swap():
-        rename = os.rename
-
-        def rename_then_die(src, dst):
-            rename(src, dst)
-            if str(dst).endswith(".old"):  # the current folder is set aside, the new one not yet in place
-                die()
-        os.rename = rename_then_die
-        save(old, tmp_path / "m")
-    killed(mid_swap)
-    assert "m" not in os.listdir(tmp_path) and len(os.listdir(tmp_path)) == 2
-    assert same_weights(load(tmp_path / "m"), new)  # load puts the set-aside folder back
-    assert os.listdir(tmp_path) == ["m"]
-
-    # a single file (a training state): the previous one stays, the killed writer's temporary file goes next time
-    checkpoint.torch_save({"step": 1}, tmp_path / "s.pt")
+    # a single file (a training state): the previous one stays
+    files.torch_save({"step": 1}, tmp_path / "s.pt")
 
     def mid_state():
         torch.save = lambda obj, path: (open(path, "wb").write(b"partial"), die())
-        checkpoint.torch_save({"step": 2}, tmp_path / "s.pt")
+        files.torch_save({"step": 2}, tmp_path / "s.pt")
     killed(mid_state)
     assert torch.load(tmp_path / "s.pt")["step"] == 1 and len(os.listdir(tmp_path)) == 3
-    checkpoint.torch_save({"step": 2}, tmp_path / "s.pt")
-    assert sorted(os.listdir(tmp_path)) == ["m", "s.pt"]
+    files.torch_save({"step": 2}, tmp_path / "s.pt")
+    assert torch.load(tmp_path / "s.pt")["step"] == 2
+
+
+SAVE_LOOP = """
+import sys
+from checkpoint import save
+from tiny_models import tiny_model
+models = [tiny_model(seed=0), tiny_model(seed=1)]
+for i in range(10**6):
+    save(models[i % 2], sys.argv[1])
+    print(i, flush=True)
+"""
+
+
+def test_kill_9_of_a_save_loop_leaves_a_loadable_checkpoint(tmp_path):
+    """A real kill -9 of another process that saves in a loop, at whatever point it is: the folder loads, and holds
+    one of the two models the loop writes."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.path.join(root, "tests")]), OMP_NUM_THREADS="1")
+    child = subprocess.Popen([sys.executable, "-c", SAVE_LOOP, str(tmp_path / "m")], stdout=subprocess.PIPE, env=env)
+    for _ in range(3):  # a few saves done: it is in the middle of the next one
+        assert child.stdout.readline(), "the save loop stopped"
+    child.send_signal(signal.SIGKILL)
+    assert child.wait() == -signal.SIGKILL
+    back = load(tmp_path / "m")
+    assert same_weights(back, tiny_model(seed=0)) or same_weights(back, tiny_model(seed=1))
 
 
 def test_saved_files_are_group_readable(tmp_path):
     umask = os.umask(0o022)
     try:
         save(tiny_model(), tmp_path / "m")
-        checkpoint.torch_save({"step": 1}, tmp_path / "s.pt")
+        files.torch_save({"step": 1}, tmp_path / "s.pt")
     finally:
         os.umask(umask)
-    for p in (tmp_path / "m" / "model.safetensors", tmp_path / "m" / "config.json", tmp_path / "s.pt"):
+    for p in (tmp_path / "m" / "model.safetensors", tmp_path / "s.pt"):
         assert os.stat(p).st_mode & 0o777 == 0o644, p
     assert os.stat(tmp_path / "m").st_mode & 0o777 == 0o755
 
 
-@pytest.mark.skipif(checkpoint.fcntl is None or not hasattr(os, "fork"), reason="POSIX file locks, os.fork")
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork")
 def test_writer_lock_names_the_holder_and_outlives_no_kill_9(tmp_path, caplog):
     ready_r, ready_w = os.pipe()
     go_r, go_w = os.pipe()
 
     def hold_then_die():
-        with checkpoint.writer_lock(tmp_path):
+        with files.writer_lock(tmp_path):
             os.write(ready_w, b"1")
             os.read(go_r, 1)  # hold the lock until the parent has tried
             die()  # ... and die holding it
@@ -578,19 +580,19 @@ def test_writer_lock_names_the_holder_and_outlives_no_kill_9(tmp_path, caplog):
         finally:
             os._exit(1)
     os.read(ready_r, 1)
-    with pytest.raises(checkpoint.FolderLocked, match=rf"is being written by pid {pid} on .*: wait for it"):
-        with checkpoint.writer_lock(tmp_path):
+    with pytest.raises(files.FolderLocked, match=rf"is being written by pid {pid} on .*: wait for it"):
+        with files.writer_lock(tmp_path):
             pass
     os.write(go_w, b"1")
     os.waitpid(pid, 0)
-    assert os.path.exists(tmp_path / checkpoint.LOCK)  # the killed holder's file stays, but locks nothing
-    with caplog.at_level(logging.WARNING, logger="checkpoint"):
-        with checkpoint.writer_lock(tmp_path):
-            with checkpoint.writer_lock(tmp_path):  # re-entrant within a process
+    assert os.path.exists(tmp_path / files.LOCK)  # the killed holder's file stays, but locks nothing
+    with caplog.at_level(logging.WARNING, logger="files"):
+        with files.writer_lock(tmp_path):
+            with files.writer_lock(tmp_path):  # re-entrant within a process
                 pass
     assert f"stale lock of pid {pid}" in caplog.text
-    assert not os.path.exists(tmp_path / checkpoint.LOCK)  # released: nothing left behind
+    assert not os.path.exists(tmp_path / files.LOCK)  # released: nothing left behind
     (tmp_path / "file").write_text("")
     with pytest.raises(PermissionError, match="file/run: output folder is not writable"):
-        with checkpoint.writer_lock(tmp_path / "file" / "run"):
+        with files.writer_lock(tmp_path / "file" / "run"):
             pass

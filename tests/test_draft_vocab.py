@@ -202,7 +202,7 @@ def test_checkpoint_round_trip_keeps_the_ids(tmp_path):
     ids = torch.tensor([5, 40, 3, 77, 12, 60])
     draft = M.make_draft(target, n_layers=1, hidden_size=32, vocab_ids=ids).eval()
     checkpoint.save(draft, tmp_path / "d", target=target)
-    meta = json.load(open(tmp_path / "d" / "config.json"))
+    meta = checkpoint.header(tmp_path / "d")[0]
     assert meta["config"]["draft_vocab"] == 6
     back = checkpoint.load(tmp_path / "d", target=target).eval()
     assert torch.equal(back.vocab_ids, ids) and back.lm_head is target.lm_head
@@ -215,9 +215,7 @@ def test_checkpoint_round_trip_keeps_the_ids(tmp_path):
     # ids that cannot be a head's (a repeat) in a folder without a fingerprint: named, not used
     sd = load_file(tmp_path / "d" / "model.safetensors")
     sd["vocab_ids"] = torch.tensor([5, 40, 3, 77, 12, 5])
-    save_file(sd, tmp_path / "d" / "model.safetensors")
-    meta.pop("fingerprint")
-    json.dump(meta, open(tmp_path / "d" / "config.json", "w"))
+    save_file(sd, tmp_path / "d" / "model.safetensors", metadata={"rsd-vla": json.dumps(meta)})
     with pytest.raises(ValueError, match=r"model.safetensors: vocab_ids repeat token ids"):
         checkpoint.load(tmp_path / "d", target=target)
 

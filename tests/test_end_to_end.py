@@ -18,6 +18,7 @@ import bench
 import checkpoint
 import driving
 import evaluate
+import files
 import model as M
 import rsd
 import speculate
@@ -217,7 +218,7 @@ def test_the_committed_tree_run_is_the_default_trees_acceptance():
     with pytest.raises(ValueError, match="the same tree"):
         bench.toy_acceptance(bench.TOY_TREE_ACCEPTANCE, {"kind": "tree", "nodes": 4, "depth": 2, "width": 2})
     chain = bench.toy_acceptance(bench.TOY_ACCEPTANCE, {"kind": "chain", "gamma": 6})  # the chain's: its alpha
-    assert chain["alpha"] == checkpoint.read_json(os.path.join(bench.ROOT, bench.TOY_ACCEPTANCE))["alpha"]
+    assert chain["alpha"] == files.read_json(os.path.join(bench.ROOT, bench.TOY_ACCEPTANCE))["alpha"]
     assert chain["decoder"] == {"kind": "chain", "gamma": 6}
 
 

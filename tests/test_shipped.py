@@ -13,7 +13,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "experiments"))
 
-import checkpoint  # noqa: E402
+import files  # noqa: E402
 import ship_toy  # noqa: E402
 
 SHIPPED = os.path.join(ROOT, "checkpoints", "toy")
@@ -21,7 +21,7 @@ SHIPPED = os.path.join(ROOT, "checkpoints", "toy")
 
 def test_shipped_checkpoints_reproduce_their_recorded_check():
     torch.set_num_threads(2)
-    recorded = checkpoint.read_json(os.path.join(SHIPPED, "metrics.json"))["check"]
+    recorded = files.read_json(os.path.join(SHIPPED, "metrics.json"))["check"]
     seeds = sorted({int(name.rsplit("_s", 1)[1]) for name in recorded["tau"]})
     now = ship_toy.check_metrics(SHIPPED, seeds)
     assert now["coc_exact"] == recorded["coc_exact"] and now["commitment_acc"] == recorded["commitment_acc"]

@@ -8,7 +8,6 @@ run: python -m pytest -q tests/test_train.py
 import contextlib
 import dataclasses
 import fcntl
-import json
 import os
 import socket
 
@@ -18,6 +17,7 @@ import torch.multiprocessing as mp
 
 import checkpoint
 import driving
+import files
 import model as M
 import train as T
 from driving import Data, vision_kwargs
@@ -230,9 +230,9 @@ def test_bad_arguments_fail_clearly(capsys):
 @contextlib.contextmanager
 def held_lock(folder, pid=4242, command="python train.py --seed 0"):
     """folder's writer lock held through another open file, with a holder's record, as another process holds it."""
-    fd = os.open(os.path.join(folder, checkpoint.LOCK), os.O_RDWR | os.O_CREAT)
+    fd = os.open(os.path.join(folder, files.LOCK), os.O_RDWR | os.O_CREAT)
     fcntl.flock(fd, fcntl.LOCK_EX)
-    os.write(fd, json.dumps({"pid": pid, "host": "elsewhere", "command": command, "since": "08:00"}).encode())
+    os.write(fd, f"pid {pid} on elsewhere (`{command}`, since 08:00)".encode())
     try:
         yield
     finally:
@@ -244,7 +244,7 @@ def test_run_checks_its_folder_and_device_before_any_work(tmp_path, monkeypatch)
     output folder that cannot be written: all before a single scene is generated."""
     monkeypatch.setattr(T, "Data", lambda *a, **k: pytest.fail("generated scenes before checking the run folder"))
     with held_lock(tmp_path):
-        with pytest.raises(checkpoint.FolderLocked, match=r"being written by pid 4242 on elsewhere \(`python train"):
+        with pytest.raises(files.FolderLocked, match=r"being written by pid 4242 on elsewhere \(`python train"):
             T.run(tiny_cfg(tmp_path))
     with pytest.raises(ValueError, match="unknown device 'tpu'"):
         T.run(tiny_cfg(tmp_path, device="tpu"))

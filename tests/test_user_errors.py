@@ -14,6 +14,8 @@ import torch
 import aarl
 import bench
 import checkpoint
+import files
+import hf
 import rsd
 import train as T
 from model import make_draft
@@ -223,12 +225,12 @@ def test_shipped_files_are_found_from_another_folder(tmp_path, monkeypatch, caps
 
 def test_foreign_folders_are_named_with_their_cause(tmp_path):
     with pytest.raises(ValueError, match="a checkpoint of this repo's own format"):
-        checkpoint.load_pretrained(os.path.join(checkpoint.SHIPPED, "target"))
-    hf = tmp_path / "hf"
-    hf.mkdir()
-    (hf / "config.json").write_text(json.dumps({"model_type": "qwen2_5_vl", "hidden_size": 64}))
+        hf.load_pretrained(os.path.join(checkpoint.SHIPPED, "target"))
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "qwen2_5_vl", "hidden_size": 64}))
     with pytest.raises(ValueError, match="missing config field 'vision_config'"):
-        checkpoint.load_pretrained(str(hf))
+        hf.load_pretrained(str(folder))
     checkpoint.save(tiny_model(), str(tmp_path / "t"))
     (tmp_path / "t" / "model.safetensors").write_text("version https://git-lfs.github.com/spec/v1\noid sha256:ab\n")
     with pytest.raises(ValueError, match="a git-lfs pointer, not the weights: fetch them with `git lfs pull`"):
@@ -237,14 +239,14 @@ def test_foreign_folders_are_named_with_their_cause(tmp_path):
 
 def test_a_full_disk_names_the_path_and_keeps_the_old_file(tmp_path, monkeypatch):
     path = tmp_path / "state.pt"
-    checkpoint.torch_save({"step": 1}, str(path))
+    files.torch_save({"step": 1}, str(path))
 
     def full(obj, f):  # what torch's serializer raises when the disk fills
         raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 64 vs 0")
 
     monkeypatch.setattr(torch, "save", full)
     with pytest.raises(OSError, match=r"state.pt: write failed \(.*inline_container.*\); \d+ MiB free on its disk"):
-        checkpoint.torch_save({"step": 2}, str(path))
+        files.torch_save({"step": 2}, str(path))
     monkeypatch.undo()
     assert torch.load(str(path))["step"] == 1 and os.listdir(tmp_path) == ["state.pt"]
 
@@ -252,4 +254,4 @@ def test_a_full_disk_names_the_path_and_keeps_the_old_file(tmp_path, monkeypatch
         raise OSError(28, "No space left on device")
 
     with pytest.raises(OSError, match="t: write failed .*No space left on device.*: no space left on device"):
-        checkpoint.atomic_folder(str(tmp_path / "t"), enospc)
+        files.atomic_write(str(tmp_path / "t"), enospc)

@@ -1,0 +1,127 @@
+"""What a run writes, safely: atomic files (a kill at any point leaves the previous file), JSON, resumable training
+state, and one writer per run folder (a lock that the kernel releases when its holder dies).
+
+run: python -m pytest -q tests/test_checkpoint.py tests/test_user_errors.py
+"""
+import contextlib
+import errno
+import fcntl
+import json
+import logging
+import os
+import pathlib
+import shutil
+import sys
+import tempfile
+import time
+
+import torch
+
+LOCK = ".lock"  # in a run folder: flock'ed by its writer, who writes into it who it is
+_HELD = set()  # realpaths of the run folders this process holds
+
+
+# ---- atomic files ----
+
+
+def atomic_write(path, write):
+    """write(tmp) to a temporary file beside path, fsync, os.replace over path: a kill at any point leaves the previous
+    file (and at most the hidden .tmp). The file gets any other output's permissions (safetensors writes 0600)."""
+    parent, name = os.path.split(os.path.abspath(path))
+    tmp = os.path.join(parent, f".{name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
+    try:
+        try:
+            write(tmp)
+        except (OSError, RuntimeError) as e:  # torch reports a full disk as a RuntimeError naming no path or cause
+            free = shutil.disk_usage(parent).free if os.path.isdir(parent) else 0
+            full = ": no space left on device" if getattr(e, "errno", None) == errno.ENOSPC or free < 2**20 else ""
+            raise OSError(f"{path}: write failed ({(str(e).strip() or type(e).__name__).splitlines()[-1]}); "
+                          f"{free / 2**20:.0f} MiB free on its disk{full}") from None
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
+        _fsync(tmp)
+        os.replace(tmp, path)
+        _fsync(parent)  # the rename is durable once its folder is synced
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def _fsync(path):
+    fd = os.open(path, os.O_RDONLY)
+    os.fsync(fd)
+    os.close(fd)
+
+
+def write_json(path, obj):
+    atomic_write(path, lambda p: pathlib.Path(p).write_text(json.dumps(obj, indent=1)))
+
+
+def torch_save(obj, path):
+    atomic_write(path, lambda p: torch.save(obj, p))
+
+
+def read_json(path):
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path}: file not found")
+    try:
+        return json.loads(pathlib.Path(path).read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+
+
+# ---- one writer per run folder ----
+
+
+class FolderLocked(RuntimeError):
+    """Another live process holds the run folder's writer lock."""
+
+
+def check_writable(folder):
+    """Create folder if needed and prove it takes a file, before any work."""
+    try:
+        os.makedirs(folder, exist_ok=True)
+        tempfile.TemporaryFile(dir=folder).close()
+    except OSError as e:
+        raise PermissionError(f"{folder}: output folder is not writable ({e.strerror or e})") from None
+
+
+@contextlib.contextmanager
+def writer_lock(folder):
+    """Hold folder's writer lock for the block: flock on folder/.lock, which the kernel releases when its holder exits,
+    kill -9 included; a second writer gets FolderLocked naming the holder. Creates folder and checks it is writable.
+    Re-entrant within a process (rsd.py's retrain runs train.py's run)."""
+    key = os.path.realpath(folder)
+    if key in _HELD:
+        yield
+        return
+    check_writable(folder)
+    path = os.path.join(folder, LOCK)
+    while True:  # lock the file that is at `path` (a holder unlinks it before it lets go)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 4096).decode(errors="replace").strip() or "an unknown process"
+            os.close(fd)
+            raise FolderLocked(f"{folder} is being written by {holder}: wait for it to finish, or write to another "
+                               "folder (--out)") from None
+        with contextlib.suppress(FileNotFoundError):
+            if os.path.samestat(os.fstat(fd), os.stat(path)):
+                break
+        os.close(fd)
+    if stale := os.read(fd, 4096).decode(errors="replace").strip():
+        logging.getLogger(__name__).warning("%s: stale lock of %s, which is gone (killed?): taking it over", path,
+                                            stale)
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"pid {os.getpid()} on {os.uname().nodename} (`{' '.join(sys.argv)}`, since "
+                  f"{time.strftime('%Y-%m-%d %H:%M:%S')})".encode(), 0)
+    _HELD.add(key)
+    try:
+        yield
+    finally:
+        _HELD.discard(key)
+        os.unlink(path)
+        os.close(fd)

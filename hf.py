@@ -1,0 +1,328 @@
+"""Hugging Face checkpoints: a Qwen2.5-VL / Qwen3-VL or Alpamayo-R1 folder read into model.VLA (load_pretrained), and
+the toy target or its replica draft written as a Qwen2.5-VL folder (export_pretrained), through one name / shape map.
+
+Paper: the deliberative reasoner is an unmodified Alpamayo-R1-style VLA (a Qwen-VL backbone): the same decoder, KV
+cache and speculative decoding run on its real weights (docs/background.md, "Alpamayo-R1 prompt layout"); the export
+lets transformers' generate and assisted generation run the toy's weights (peer.py). A Qwen3-VL vision_config must
+hold every field read (a missing one is named); a Qwen2.5-VL one falls back to the released models' values; an
+Alpamayo `expert_cfg` is read by expert.ExpertConfig.from_alpamayo.
+
+run: python -m pytest -q tests/test_checkpoint.py tests/test_export.py tests/test_alpamayo.py
+"""
+import dataclasses
+import logging
+import os
+
+import torch
+from safetensors.torch import save_file
+
+from checkpoint import WEIGHTS, check_keys, check_output, check_shape, empty_model, existing_kind, open_safetensors
+from expert import ExpertConfig, fourier_freqs
+from model import PRESETS, VLA, ModelConfig, VisionConfig
+from files import atomic_write, read_json, write_json
+
+log = logging.getLogger(__name__)
+CONFIG = "config.json"
+ALPAMAYO_EXPERT = ("expert.", "action_in_proj.", "action_out_proj.")  # the action expert's keys, next to 'vlm.'
+TOKEN_ID_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id", "vision_end_token_id")
+
+
+# ---- loading ----
+
+
+def load_pretrained(path, dtype=None, device=None) -> VLA:
+    """A Qwen2.5-VL / Qwen3-VL folder (vision tower and DeepStack included), or an Alpamayo-R1 one ('vlm.' prefix) with
+    its action expert as `model.expert`; one file or shards, either key layout. Every key must be used and every weight
+    found (action_in_proj's Fourier frequencies are checked against the config instead); a plain Qwen-VL's trajectory
+    head is not in the folder and stays random. dtype None keeps the file's."""
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"{path}: checkpoint folder not found")
+    cfg, family, alpamayo, expert_cfg = _hf_config(path)
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        weight_map = read_json(index)
+        weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index}: no 'weight_map' object (tensor name -> shard file)")
+        key_file = {k: os.path.join(path, v) for k, v in weight_map.items()}
+    elif os.path.isfile(os.path.join(path, WEIGHTS)):
+        key_file = dict.fromkeys(open_safetensors(os.path.join(path, WEIGHTS)).keys(), os.path.join(path, WEIGHTS))
+    else:
+        raise FileNotFoundError(f"{path}: no {WEIGHTS} or model.safetensors.index.json")
+    handles = {file: open_safetensors(file) for file in sorted(set(key_file.values()))}
+    found, freqs = {}, {}  # our name -> (file, key); the Fourier frequencies: key -> (file, tensor)
+    for key, file in key_file.items():
+        if alpamayo and key.startswith(ALPAMAYO_EXPERT):
+            if expert_cfg is not None and key.startswith("action_in_proj.") and key.endswith(".freqs"):
+                freqs[key] = (file, handles[file].get_tensor(key))
+                continue
+            k = key if key.startswith("expert.") else "expert." + key  # action_*_proj live in model.expert
+        else:
+            k = _hf_name(key[4:] if alpamayo and key.startswith("vlm.") else key)
+        if not (k == "lm_head.weight" and cfg.tie_word_embeddings):  # tied: embed_tokens.weight is the one that counts
+            found[k] = (file, key)
+    if expert_cfg is not None:
+        want = fourier_freqs(expert_cfg.fourier_feats, expert_cfg.max_freq)
+        for key, (file, t) in freqs.items():
+            got = t.float().flatten()  # stored (1, F / 2), possibly in bf16
+            if got.shape != want.shape or not torch.allclose(got, want, rtol=1e-2):
+                raise ValueError(f"{file}: {key!r} holds Fourier frequencies {got.tolist()}, but action_in_proj_cfg "
+                                 f"gives {want.tolist()}")
+    if not found:
+        raise ValueError(f"{path}: the safetensors file(s) hold no tensors")
+    for file, f in handles.items():  # an index that maps a key to the wrong shard
+        stray = sorted({key for fl, key in found.values() if fl == file} - set(f.keys()))
+        if stray:
+            raise ValueError(f"{index}: maps {len(stray)} key(s) to {file}, which does not hold them: {stray[:5]}")
+    first_file, first_key = found.get("embed_tokens.weight", next(iter(found.values())))
+    model = empty_model(cfg, None, dtype or handles[first_file].get_tensor(first_key).dtype, device or "cpu",
+                        expert_cfg)
+    shapes, parts = _hf_layout(model)
+    check_keys(shapes, found, f"{path} ({family}{', Alpamayo' if alpamayo else ''})")
+    for k, (file, key) in found.items():
+        check_shape(file, key, shapes[k], handles[file].get_slice(key).get_shape())
+    sd = model.state_dict()
+    with torch.no_grad():
+        for name, hf_names in parts.items():
+            ts = [handles[found[h][0]].get_tensor(found[h][1]) for h in hf_names]
+            sd[name].copy_(torch.cat(ts).reshape(sd[name].shape))
+        if model.traj_head is not None:
+            model.traj_head.apply(VLA._init_weights)
+            log.warning("load_pretrained(%s): trajectory head not in the checkpoint, randomly initialised", path)
+    model.checkpoint_files = (os.path.join(path, CONFIG), sorted((key, file) for file, key in found.values()))
+    return model
+
+
+def _hf_name(key):
+    """Both on-disk layouts -> one: 'model.language_model.X' / 'model.X' -> 'X'; 'model.visual.X' -> 'visual.X'."""
+    for prefix, new in (("model.language_model.", ""), ("model.visual.", "visual."), ("model.", "")):
+        if key.startswith(prefix):
+            return new + key[len(prefix):]
+    return key
+
+
+def _hf_layout(model: VLA):
+    """{hf name: shape} a folder must hold, and {our name: [hf names]} joined along dim 0 (fused q/k/v, gate/up)."""
+    cfg, shapes, parts = model.cfg, {}, {}
+    for name, t in model.state_dict().items():
+        if name.startswith("traj_head.") or (name == "lm_head.weight" and cfg.tie_word_embeddings):
+            continue
+        c = model.expert.layer_cfg if name.startswith("expert.") else cfg  # the expert's decoder has its own sizes
+        q, kv, inter = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim, c.intermediate_size
+        base, leaf = name.rsplit(".", 1)
+        if base.endswith("self_attn.qkv"):
+            split = [(base[:-3] + p, n) for p, n in (("q_proj", q), ("k_proj", kv), ("v_proj", kv))]
+        elif base.endswith("mlp.gate_up"):
+            split = [(base[:-7] + p, inter) for p in ("gate_proj", "up_proj")]
+        else:
+            split = [(base, None)]
+        parts[name] = [f"{b}.{leaf}" for b, _ in split]
+        for (b, n), hf in zip(split, parts[name]):
+            shapes[hf] = (n, *t.shape[1:]) if n is not None else tuple(t.shape)
+    if model.visual is not None:  # Qwen stores the patch embedding as a Conv3d kernel (hidden, C, tp, p, p)
+        v = model.cfg.vision
+        shapes["visual.patch_embed.proj.weight"] = (v.hidden, v.in_channels, v.temporal_patch_size, v.patch_size,
+                                                    v.patch_size)
+    return shapes, parts
+
+
+# ---- config.json ----
+
+
+def _hf_config(path):
+    """(ModelConfig, family, alpamayo, ExpertConfig or None) from a Hugging Face / Alpamayo config.json."""
+    cfg_path = os.path.join(path, CONFIG)
+    if (existing_kind(path) or "").endswith(("target", " draft")):
+        raise ValueError(f"{path}: a checkpoint of this repo's own format (checkpoint.save), not a Hugging Face "
+                         "folder: load it with checkpoint.load (bench.py: its run folder as --run, a draft as --draft)")
+    raw = top = read_json(cfg_path)
+    if not isinstance(raw, dict):
+        raise ValueError(f"{cfg_path}: expected a JSON object, got {type(raw).__name__}")
+    alpamayo = "vlm_name_or_path" in raw or "alpamayo" in str(raw.get("model_type", "")).lower()
+    if alpamayo:  # the VLM config is nested, or (released checkpoints) named by vlm_name_or_path
+        vlm, name = raw.get("vlm_config"), str(raw.get("vlm_name_or_path", ""))
+        if vlm is None and os.path.isfile(os.path.join(name, CONFIG)):
+            vlm = read_json(os.path.join(name, CONFIG))
+        elif vlm is None and name.rstrip("/").split("/")[-1].lower() == "qwen3-vl-8b-instruct":
+            cfg = dataclasses.replace(PRESETS["qwen3-vl-8b"], vocab_size=raw.get("vocab_size", 151936))
+            return _with_expert(cfg, "qwen3_vl", top, cfg_path)
+        elif vlm is None:
+            raise ValueError(f"{cfg_path}: Alpamayo config without a 'vlm_config' entry and unknown VLM {name!r}: add "
+                             "the VLM's config.json as 'vlm_config'")
+        raw = dict(vlm, vocab_size=raw.get("vocab_size", vlm.get("vocab_size")))
+    family = raw.get("model_type")
+    if family not in ("qwen2_5_vl", "qwen3_vl"):
+        raise ValueError(f"{cfg_path}: unsupported architecture model_type={family!r} "
+                         f"(architectures={raw.get('architectures')}); supported: qwen2_5_vl, qwen3_vl, Alpamayo-R1")
+    text = raw.get("text_config") or raw  # transformers 5 nests it
+    _required(text, "hidden_size", cfg_path)
+    rope = text.get("rope_parameters") or text.get("rope_scaling") or raw.get("rope_scaling") or {}
+    for d, key in ((text, "rope_parameters"), (text, "rope_scaling"), (raw, "rope_parameters"), (raw, "rope_scaling")):
+        r = d.get(key) if isinstance(d.get(key), dict) else {}
+        kind = r.get("rope_type", r.get("type", "default"))
+        if kind not in ("default", "mrope"):  # "mrope": older Qwen2-VL configs' name for the default M-RoPE
+            raise ValueError(f"{cfg_path}: unsupported RoPE scaling {key}.rope_type={kind!r}: this code implements "
+                             "unscaled (M-)RoPE only, and would silently ignore the scaling")
+    if text.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"{cfg_path}: unsupported hidden_act {text['hidden_act']!r}")
+    if family == "qwen3_vl" and text.get("attention_bias"):
+        raise ValueError(f"{cfg_path}: unsupported attention_bias=True for qwen3_vl")
+    # required: a default vision config would load as a mismatch of hundreds of keys, not as a missing field
+    vraw = _required(raw, "vision_config", cfg_path)
+    q3, vision = family == "qwen3_vl", _vision(family, vraw, text, cfg_path)
+    try:
+        cfg = ModelConfig(
+            vocab_size=raw.get("vocab_size") or text["vocab_size"], hidden_size=text["hidden_size"],
+            n_layers=text["num_hidden_layers"], n_heads=text["num_attention_heads"],
+            n_kv_heads=text.get("num_key_value_heads") or text["num_attention_heads"], head_dim=text.get("head_dim"),
+            intermediate_size=text["intermediate_size"],
+            rope_theta=rope.get("rope_theta", text.get("rope_theta", 5e6 if q3 else 1e6)),
+            mrope_section=tuple(rope.get("mrope_section", (24, 20, 20) if q3 else (16, 24, 24))),
+            mrope_interleaved=q3, qkv_bias=not q3, qk_norm=q3, rms_norm_eps=text.get("rms_norm_eps", 1e-6),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings") or text.get("tie_word_embeddings")),
+            image_token_id=raw.get("image_token_id", 151655), video_token_id=raw.get("video_token_id", 151656),
+            vision_start_token_id=raw.get("vision_start_token_id", 151652),
+            tokens_per_second=vraw.get("tokens_per_second", 2), video_frame_blocks=q3,
+            spatial_merge_size=vraw.get("spatial_merge_size", 2), vision=vision,
+            traj_len=64, max_seq_len=text.get("max_position_embeddings", 8192))
+    except KeyError as e:
+        raise ValueError(f"{cfg_path}: missing config field {e}") from None
+    except ValueError as e:
+        raise ValueError(f"{cfg_path}: {e}") from None
+    return _with_expert(cfg, family, top, cfg_path) if alpamayo else (cfg, family, False, None)
+
+
+def _vision(family, v, text, cfg_path):
+    """VisionConfig of a vision_config: Qwen3-VL's must hold every field read, Qwen2.5-VL's has the released
+    models' defaults."""
+    q3 = family == "qwen3_vl"
+
+    def get(key, default):
+        return _required(v, key, f"{cfg_path} (vision_config)") if q3 else v.get(key, default)
+
+    if get("hidden_act", "silu") != ("gelu_pytorch_tanh" if q3 else "silu"):
+        raise ValueError(f"{cfg_path}: unsupported vision hidden_act {v['hidden_act']!r}")
+    if get("out_hidden_size", text["hidden_size"]) != text["hidden_size"]:
+        raise ValueError(f"{cfg_path}: vision out_hidden_size {v['out_hidden_size']} != hidden_size "
+                         f"{text['hidden_size']}")
+    own = (dict(num_position_embeddings=get("num_position_embeddings", 0),
+                deepstack_visual_indexes=get("deepstack_visual_indexes", ())) if q3 else
+           dict(window_size=v.get("window_size", 112), fullatt_block_indexes=v.get("fullatt_block_indexes",
+                                                                                   (7, 15, 23, 31))))
+    return VisionConfig(
+        family=family, patch_size=get("patch_size", 14), temporal_patch_size=get("temporal_patch_size", 2),
+        spatial_merge_size=get("spatial_merge_size", 2), in_channels=get("in_channels", v.get("in_chans", 3)),
+        depth=get("depth", 32), hidden=get("hidden_size", 3584), heads=get("num_heads", 16),
+        intermediate=get("intermediate_size", 3420),
+        rope_theta=(v.get("rope_parameters") or {}).get("rope_theta", 10000.0), **own)
+
+
+def _with_expert(cfg, family, top, cfg_path):
+    """An Alpamayo folder with an expert_cfg plans with its action expert, not with an MLP head."""
+    if "expert_cfg" not in top:
+        return cfg, family, True, None
+    return dataclasses.replace(cfg, traj_len=0), family, True, ExpertConfig.from_alpamayo(top, cfg, cfg_path)
+
+
+def _required(d, key, where):
+    if key not in d:
+        raise ValueError(f"{where}: missing config field {key!r}")
+    return d[key]
+
+
+# ---- export: our model as a Hugging Face Qwen2.5-VL folder ----
+
+
+def export_pretrained(model: VLA, dir, target: VLA | None = None, **token_ids):
+    """Write `model` as a Qwen2.5-VL folder (config.json, model.safetensors in its dtype) that transformers 5.24 and
+    load_pretrained read: _hf_layout backwards (fused q/k/v and gate/up split, the patch embedding as a Conv3d kernel),
+    without the TrajHead. A draft needs target= and becomes a standalone Qwen2.5-VL with copies of the target's
+    embedding, LM head and vision tower (transformers' assistant). token_ids: TOKEN_ID_FIELDS, which only document the
+    prompt format (transformers 5.24 takes M-RoPE positions from mm_token_type_ids)."""
+    unknown = sorted(set(token_ids) - set(TOKEN_ID_FIELDS))
+    if unknown:
+        raise TypeError(f"export_pretrained: unknown token id fields {unknown}; known: {list(TOKEN_ID_FIELDS)}")
+    m = _exportable(model, target, dir)
+    check_output(dir, "qwen2_5_vl folder", overwrite=True)
+    shapes, parts = _hf_layout(m)
+    sd, tensors = m.state_dict(), {}
+    for name, hf_names in parts.items():
+        t = sd[name].detach()
+        if len(hf_names) > 1:  # (H*hd + 2*Hk*hd, D) -> q (H*hd, D), k, v (Hk*hd, D); or (2*I, D) -> gate, up (I, D)
+            pieces = [p.clone() for p in t.split([shapes[h][0] for h in hf_names])]  # copies: no shared storage
+        else:  # as is, but the patch embedding: (C_vit, C*tp*p*p) -> the Conv3d kernel (C_vit, C, tp, p, p)
+            pieces = [t.reshape(shapes[hf_names[0]]).contiguous()]
+        for h, p in zip(hf_names, pieces):  # the hub's names: 'X' -> 'model.X'; 'visual.X', 'lm_head.weight' as is
+            tensors[h if h.startswith("visual.") or h == "lm_head.weight" else "model." + h] = p
+    meta = _hf_json(m.cfg, next(iter(tensors.values())).dtype, token_ids)
+    os.makedirs(dir, exist_ok=True)  # weights first: a folder whose config.json is there is complete
+    atomic_write(os.path.join(dir, WEIGHTS), lambda p: save_file(tensors, p, metadata={"format": "pt"}))
+    write_json(os.path.join(dir, CONFIG), meta)
+
+
+def _exportable(model: VLA, target: VLA | None, where):
+    """The standalone model export_pretrained writes: model itself, or for a draft a VLA of its own layers with the
+    target's embedding, LM head and vision tower. Refuses, saying why, what Qwen2.5-VL lacks."""
+    cfg, draft = model.cfg, model.cfg.shared_width is not None
+    vision = (target.cfg if draft and target is not None else cfg).vision
+    same = target is not None and target.embed_tokens is model.embed_tokens
+    qwen3 = cfg.qk_norm or cfg.mrope_interleaved or cfg.video_frame_blocks or (vision and vision.family != "qwen2_5_vl")
+    for refused, why in (
+            (getattr(model, "expert", None) is not None,
+             "an Alpamayo action expert has no Qwen2.5-VL counterpart (keep the model's Alpamayo folder)"),
+            (qwen3, "Qwen3-VL export is not implemented: this writes Qwen2.5-VL folders only (chunked M-RoPE, no "
+             "q/k norms, the windowed ViT)"),
+            (cfg.rope_mode != "mrope", f"rope_mode {cfg.rope_mode!r}: FlatRoPE has no Hugging Face counterpart "
+             "(transformers' Qwen2.5-VL always gives image tokens 3D M-RoPE positions); only the M-RoPE replica draft "
+             "can be exported"),
+            (not cfg.qkv_bias, "qkv_bias is False, but Qwen2.5-VL's q/k/v projections always have biases"),
+            (cfg.head_dim * cfg.n_heads != cfg.hidden_size, f"head_dim {cfg.head_dim} != hidden_size {cfg.hidden_size} "
+             f"/ n_heads {cfg.n_heads}: transformers' Qwen2.5-VL derives head_dim from them"),
+            (vision is not None and cfg.tokens_per_second != int(cfg.tokens_per_second), f"tokens_per_second "
+             f"{cfg.tokens_per_second} is not an integer (an int in transformers' vision_config)"),
+            (not draft and model.visual is None, "the model has no vision tower, and a Qwen2.5-VL always has one"),
+            (draft and target is None, "a draft shares its target's embedding and LM head: pass target= (the model it "
+             "was distilled from)"),
+            (draft and target is not None and not same,
+             "target= is not the model whose embedding and LM head this draft shares"),
+            (draft and cfg.shared_width != cfg.hidden_size, f"the draft's width {cfg.hidden_size} differs from its "
+             f"target's {cfg.shared_width}: its bridges proj_in / proj_out have no Qwen2.5-VL counterpart"),
+            (draft and same and target.visual is None, "the target has no vision tower, and a Qwen2.5-VL has one")):
+        if refused:
+            raise ValueError(f"export_pretrained({where}): {why}")
+    if not draft:
+        return model
+    # the draft reads the target's image features (speculate.embed_prompt); a standalone model computes them itself
+    own = dataclasses.replace(cfg, shared_width=None, vision=target.cfg.vision,
+                              tie_word_embeddings=target.cfg.tie_word_embeddings)
+    w = model.embed_tokens.weight
+    standalone = empty_model(own, None, w.dtype, w.device)
+    standalone.load_state_dict({**model.state_dict(), "embed_tokens.weight": target.embed_tokens.weight,
+                                "lm_head.weight": target.lm_head.weight,
+                                **{"visual." + k: v for k, v in target.visual.state_dict().items()}})
+    return standalone
+
+
+def _hf_json(cfg: ModelConfig, dtype, token_ids):
+    """config.json in the form transformers 5.24's Qwen2_5_VLConfig reads (and _hf_config reads back)."""
+    v = cfg.vision
+    text = dict(model_type="qwen2_5_vl_text", vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+                intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.n_layers,
+                num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads, hidden_act="silu",
+                max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.rms_norm_eps, use_sliding_window=False,
+                rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta,
+                                 "mrope_section": list(cfg.mrope_section)},
+                **{k: token_ids.get(k) for k in TOKEN_ID_FIELDS[:3]})
+    vision = dict(model_type="qwen2_5_vl_vision", depth=v.depth, hidden_size=v.hidden, hidden_act="silu",
+                  intermediate_size=v.intermediate, num_heads=v.heads, in_channels=v.in_channels,
+                  patch_size=v.patch_size, temporal_patch_size=v.temporal_patch_size,
+                  spatial_merge_size=v.spatial_merge_size, tokens_per_second=int(cfg.tokens_per_second),
+                  window_size=v.window_size, fullatt_block_indexes=list(v.fullatt_block_indexes),
+                  out_hidden_size=cfg.hidden_size, rope_parameters={"rope_type": "axial", "rope_theta": v.rope_theta})
+    out = dict(architectures=["Qwen2_5_VLForConditionalGeneration"], model_type="qwen2_5_vl", text_config=text,
+               vision_config=vision, image_token_id=cfg.image_token_id, video_token_id=cfg.video_token_id,
+               vision_start_token_id=cfg.vision_start_token_id, tie_word_embeddings=cfg.tie_word_embeddings,
+               dtype=str(dtype).removeprefix("torch."))
+    if token_ids.get("vision_end_token_id") is not None:
+        out["vision_end_token_id"] = token_ids["vision_end_token_id"]
+    return out
