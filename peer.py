@@ -32,6 +32,7 @@ target's image features instead), which is part of what assisted generation cost
 
 run: python bench.py --device cpu --peer hf --json
 """
+import importlib.util
 import os
 import statistics
 import tempfile
@@ -80,6 +81,27 @@ def hf_generate(model, inputs, max_new, stop, pad, assistant=None, settings=None
     out = model.generate(**inputs, max_new_tokens=max_new, eos_token_id=stop, pad_token_id=pad, do_sample=False,
                          num_beams=1, use_cache=True, assistant_model=assistant)  # (1, L + T)
     return out[0, inputs["input_ids"].shape[1]:].tolist()
+
+
+def peers(args, target, prompts, tok):
+    """bench.py --peer hf on the toy: compare() with the M-RoPE replica draft of args.run (the one draft transformers
+    can run), on bench's prompts."""
+    draft_dir = checkpoint.draft_dir(args.run, *PEER_DRAFT)
+    draft = checkpoint.load(draft_dir, target=target).eval()
+    res = compare(target, draft, prompts, args.gamma, args.max_new, tok.cot_end_id, tok.pad_id, args.repeats)
+    res["draft"] = draft_dir
+    return res
+
+
+def flag_error(toy_mode, decoding):
+    """Why bench.py --peer hf cannot run with these flags (one line), or None."""
+    if not toy_mode:
+        return "--peer runs on the toy checkpoints only (drop --target / --preset)"
+    if decoding["mode"] != "greedy":
+        return "--peer compares greedy tokens and times: drop --temperature"
+    if importlib.util.find_spec("transformers") is None:
+        return "--peer hf needs transformers (pip install -r requirements-test.txt)"
+    return None
 
 
 # ---- timing ----

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import bench
+import timing
 import evaluate
 import speculate
 from model import make_draft
@@ -154,7 +155,7 @@ def test_compile_watch_sees_a_recompilation(eager_dynamo):
     import model
     target = tiny_model()
     st = model.StaticDecoder(target, 40, compile=True)
-    watch = bench.CompileWatch({"target": st})
+    watch = timing.CompileWatch({"target": st})
     prompt = image_prompt()
     with torch.no_grad():
         speculate.autoregressive(st, prompt, 3)
@@ -171,7 +172,7 @@ def test_sdpa_steps_name_each_steps_shapes_and_kernel():
     target = tiny_model()
     prompt = image_prompt()
     L, cfg = prompt["input_ids"].shape[1], target.cfg
-    steps = bench.sdpa_steps(target, prompt, 3, static_len=40)
+    steps = timing.sdpa_steps(target, prompt, 3, static_len=40)
     assert set(steps) == {"prefill", "decode", "verify", "static decode", "static verify"}
     g = cfg.n_heads // cfg.n_kv_heads
     assert steps["prefill"]["q"] == [1, cfg.n_heads, L - 1, cfg.head_dim] and steps["prefill"]["mask"] == \
@@ -188,7 +189,7 @@ def test_sdpa_steps_see_the_lower_right_verify_bias(monkeypatch):
     import model
     monkeypatch.setattr(model, "lower_right_verify", lambda device: True)
     target, prompt = tiny_model(), image_prompt()
-    v = bench.sdpa_steps(target, prompt, 3)["verify"]
+    v = timing.sdpa_steps(target, prompt, 3)["verify"]
     assert v["mask"] == "lower-right causal bias" and v["enable_gqa"]
     assert v["q"] == [1, target.cfg.n_heads, 4, target.cfg.head_dim] and v["dispatcher"] == "materialised mask"
     assert v["backends"]["MATH"] == "ok"
