@@ -1,17 +1,13 @@
 """Latency of the reasoning step: target-only decoding vs speculative decoding (draft q proposes, target p verifies),
 both arms in one process on the same prompts, beside the cost model that predicts their ratio (Leviathan et al.;
-docs/background.md, "Speculative decoding"):
+docs/background.md, "Speculative decoding"): speed-up = tau T_target(1) / (gamma T_draft(1) + T_target(gamma + 1)).
 
-    predicted speed-up = tau * T_target(1) / (gamma * T_draft(1) + T_target(gamma + 1))
-
-Paper: the reasoning step dominates a plan's latency and is what RSD accelerates (~4x on a GPU); the prefill (vision
-tower + prompt), shared by both arms, is reported apart. Fairness: the same KV-cached forward in both arms (the
-target-only arm is speculate.autoregressive), the same dtype, every shape warmed up, the device synchronised before
-each clock reading, the arms alternating within each repeat, medians reported. --temperature > 0 times both arms
-sampling (lossless in distribution, not token by token), so only greedy outputs are compared with target-only
-decoding; a divergence is named with the target's top-2 logit margin there (a bf16 near-tie, or a bug). --compile adds
-both arms through compiled model.StaticDecoder steps; timing.py records what a GPU number needs to be trusted. Random
-weights (--preset, or --target without --draft) predict the speed-up at a recorded toy acceptance (--toy-json).
+Paper: the reasoning step dominates a plan's latency and is what RSD accelerates (~4x on a GPU); the prefill, shared
+by both arms, is reported apart. Fairness: the same KV-cached forward and dtype in both arms, every shape warmed up,
+the device synchronised before each clock reading, the arms alternating within each repeat, medians reported. Only
+greedy outputs are compared token by token (--temperature samples both arms; timing.divergences names any part).
+--compile adds both arms through compiled model.StaticDecoder steps. Random weights (--preset, or --target without
+--draft) predict the speed-up at a recorded toy acceptance (--toy-json).
 
 run: python bench.py --device cpu [--compile]                          (the toy, from the shipped checkpoints/toy)
      python bench.py --device cuda --preset qwen3-vl-8b [--draft-vocab 32768]  (real shapes, random weights)
@@ -21,10 +17,9 @@ run: python bench.py --device cpu [--compile]                          (the toy,
 import argparse
 import dataclasses
 import json
-import math
 import os
 import platform
-import statistics
+from statistics import median
 
 import torch
 
@@ -42,10 +37,9 @@ from evaluate import TARGET_ONLY
 TOY_DRAFT = ("aarl", 0)  # the toy mode's default draft: FlatRoPE + AARL (static anchor), seed 0
 TOY_JSON = "runs/bench_toy.json"  # where the toy mode writes its report (whatever settings that run had)
 ROOT = os.path.dirname(os.path.abspath(__file__))
-# The real-shape prediction's recorded toy acceptance (32 held-out prompts, bf16, the shipped FlatRoPE + AARL draft,
-# greedy; relative to ROOT), so a fresh machine needs no CPU run first: the chain's (gamma 6), the default tree's.
-TOY_ACCEPTANCE = os.path.join("experiments", "bench_cpu.json")
-TOY_TREE_ACCEPTANCE = os.path.join("experiments", "bench_cpu_tree.json")
+# the random-weight prediction's recorded toy acceptances (32 held-out prompts, bf16, the shipped AARL draft, greedy;
+# relative to ROOT): the chain's (gamma 6) and the default tree's
+TOY_ACCEPTANCE, TOY_TREE_ACCEPTANCE = "experiments/bench_cpu.json", "experiments/bench_cpu_tree.json"
 COMPILED = ("target-only compiled", "speculative compiled")  # --compile's arms, timed beside the eager ones
 CHAIN_ARM = "speculative chain"  # with a tree: the chain of evaluate.GAMMA, the same draft, timed in the same passes
 
@@ -53,13 +47,10 @@ CHAIN_ARM = "speculative chain"  # with a tree: the chain of evaluate.GAMMA, the
 
 
 @torch.no_grad()  # the grad mode the compiled steps were warmed up in (evaluate.spec_stats): see timing.CompileWatch
-def time_arms(target, drafts, prompts, gamma, max_new, stop_token, repeats, decoding=None, extra=None,
-              on_timed=None):
-    """Reasoning-step latency of target-only decoding (TARGET_ONLY) and speculative decoding with each of `drafts`
-    (name -> draft) on every prompt: a warm-up pass (every shape), then `repeats` passes in which the arms alternate,
-    greedy or sampled under `decoding` with the same seeds in every pass. extra: more arms {name: (target, draft or
-    None[, gamma])} in the same passes; on_timed: called before the timed passes (CompileWatch's phase).
-    -> {arm: {prefill_ms (per prompt), ms_per_token (reasoning step), speedup (vs target-only)}}, medians."""
+def time_arms(target, drafts, prompts, gamma, max_new, stop_token, repeats, decoding=None, extra=None, on_timed=None):
+    """{arm: {prefill_ms (per prompt), ms_per_token (reasoning step), speedup}}: medians of `repeats` passes in which
+    the arms (TARGET_ONLY, `drafts` {name: draft}, extra {name: (target, draft or None[, gamma])}) alternate, after a
+    warm-up pass; greedy, or sampled under `decoding` with the same seeds in every pass. on_timed: before timing."""
     arms = {TARGET_ONLY: (target, None), **{name: (target, d) for name, d in drafts.items()}, **(extra or {})}
     arms = {name: (*arm, gamma)[:3] for name, arm in arms.items()}  # (target, draft, gamma) each
     for t, draft, g in arms.values():
@@ -74,7 +65,7 @@ def time_arms(target, drafts, prompts, gamma, max_new, stop_token, repeats, deco
                                    **evaluate.sampling_kwargs(decoding, i)) for i, p in enumerate(prompts)]
             passes[name].append((1e3 * sum(r.prefill_s for r in res) / len(res),
                                  1e3 * sum(r.decode_s for r in res) / sum(len(r.tokens) for r in res)))
-    out = {name: {"prefill_ms": statistics.median(p[0] for p in ps), "ms_per_token": statistics.median(p[1] for p in ps)}
+    out = {name: {"prefill_ms": median(p[0] for p in ps), "ms_per_token": median(p[1] for p in ps)}
            for name, ps in passes.items()}
     for arm in out.values():
         arm["speedup"] = out[TARGET_ONLY]["ms_per_token"] / arm["ms_per_token"]
@@ -82,22 +73,18 @@ def time_arms(target, drafts, prompts, gamma, max_new, stop_token, repeats, deco
 
 
 def compiled_pair(target, draft, prompts, gamma, max_new):
-    """target and draft as compiled model.StaticDecoder's: one cache length for every prompt (the longest decode or
-    cost-model step plus the padding's slack), steps of 1, 2 or gamma + 1 tokens (at most three graphs each)."""
+    """Compiled model.StaticDecoder's, one cache length for all prompts, steps of 1, 2 or gamma + 1 tokens."""
     max_len = max(p["input_ids"].shape[1] for p in prompts) + max(max_new, gamma + 1) + gamma
     return tuple(M.StaticDecoder(m, max_len, compile=True, step_lengths=(1, 2, gamma + 1)) for m in (target, draft))
 
 
-def both_arms(ar, spec):
-    return {"ar_prefill_ms": ar["prefill_ms"], "spec_prefill_ms": spec["prefill_ms"],
-            "ar_ms_per_token": ar["ms_per_token"], "spec_ms_per_token": spec["ms_per_token"]}
+def both_arms(ar, spec):  # {ar_prefill_ms, spec_prefill_ms, ar_ms_per_token, spec_ms_per_token}
+    return {f"{a}_{k}": arm[k] for k in ("prefill_ms", "ms_per_token") for a, arm in (("ar", ar), ("spec", spec))}
 
 
 def benchmark(target, draft, prompts, gamma, max_new, stop_token=None, repeats=3, decoding=None, compile=False):
-    """One draft's report: greedy statistics and divergences from target-only decoding, the sampled statistics when
-    `decoding` samples, both arms timed in that mode, the cost model on the first prompt and its predictions. compile:
-    also both arms through compiled model.StaticDecoder steps in the same passes, with their own greedy check, cost
-    model and compile time (res["compiled"])."""
+    """One draft's record: greedy (and sampled) statistics, divergences, both arms timed, the cost model on the first
+    prompt; compile: also both arms through compiled StaticDecoder steps, checked and timed alike (res["compiled"])."""
     decoding = decoding or evaluate.decoding_mode()
     greedy = evaluate.spec_stats(target, {"speculative": draft}, prompts, gamma, max_new, stop_token)
     spec, reference = greedy["speculative"], greedy[TARGET_ONLY]["tokens"]
@@ -110,7 +97,7 @@ def benchmark(target, draft, prompts, gamma, max_new, stop_token=None, repeats=3
         # the compiled arms' greedy outputs; the first decodes compile every step shape, and the clock says how long
         cg = evaluate.spec_stats(ct, {"speculative": cd}, prompts, gamma, max_new, stop_token)
         comp["compile_s"] = clock.lap()
-        comp["divergences"] = {arm: divergences(target, prompts, reference, cg[key]["tokens"])
+        comp["divergences"] = {arm: timing.divergences(target, prompts, reference, cg[key]["tokens"])
                                for arm, key in zip(COMPILED, (TARGET_ONLY, "speculative"))}
         comp["greedy_match"] = not any(comp["divergences"].values())
         extra = {COMPILED[0]: (ct, None), COMPILED[1]: (ct, cd)}
@@ -122,16 +109,16 @@ def benchmark(target, draft, prompts, gamma, max_new, stop_token=None, repeats=3
                       on_timed=watch and (lambda: watch.next_phase("timed")))
         res = {"decoding": decoding, "greedy_match": spec["greedy_match"], "tau": spec["tau"], "alpha": spec["alpha"],
                "routine_fraction": spec["routine_fraction"], "tokens": spec["n_tokens"], "prompts": len(prompts),
-               "divergences": divergences(target, prompts, reference, spec["tokens"]),
+               "divergences": timing.divergences(target, prompts, reference, spec["tokens"]),
                **both_arms(t[TARGET_ONLY], t["speculative"]), "speedup": t["speculative"]["speedup"]}
         if tree:
             c = t[CHAIN_ARM]
             res["chain"] = {"gamma": evaluate.GAMMA, "ms_per_token": c["ms_per_token"], "speedup": c["speedup"],
                             "tree_over_chain": c["ms_per_token"] / res["spec_ms_per_token"]}
-        timed = spec
-        if decoding["mode"] == "sampling":  # the timed runs' own statistics: the same seeds, so the same tokens
-            timed = evaluate.spec_stats(target, {"speculative": draft}, prompts, gamma, max_new, stop_token,
-                                        decoding=decoding)["speculative"]
+        sampled = decoding["mode"] == "sampling"  # then the timed runs' own statistics: the same seeds, the same tokens
+        timed = evaluate.spec_stats(target, {"speculative": draft}, prompts, gamma, max_new, stop_token,
+                                    decoding=decoding)["speculative"] if sampled else spec
+        if sampled:
             res["sampled"] = {k: timed[k] for k in ("tau", "alpha", "routine_fraction")} | {"tokens": timed["n_tokens"]}
         res.update(cost_model(target, draft, prompts[0], gamma, timed["tau"]))
         res["c"] = res["t_draft_1"] / res["t_target_1"]
@@ -155,8 +142,7 @@ def benchmark(target, draft, prompts, gamma, max_new, stop_token=None, repeats=3
 
 
 def cost_model(target, draft, prompt, gamma, tau, reps=20):
-    """The measured step times (ms) and the speed-up they predict at tau: T_target(1), T_draft(1) and for a chain
-    T_target(gamma + 1), for a tree (speculate.TreeShape) T_target(N + 1) of its verify and T_draft(k) of a level."""
+    """Step times (ms): T_target(1), T_draft(1), T_target(gamma + 1) or a tree's verify and level; speed-up at tau."""
     tree = isinstance(gamma, speculate.TreeShape)
     t = speculate.step_times(target, draft, prompt, (1,) if tree else (1, gamma + 1), reps)
     t1, td = t["target"][1], t["draft"]
@@ -169,48 +155,10 @@ def cost_model(target, draft, prompt, gamma, tau, reps=20):
             "predicted_speedup": speculate.tree_speedup(tau, t1, td, tl, tv, gamma)}
 
 
-def decoder(args):
-    """The chain of --gamma (--tree 0), or a speculate.TreeShape (ValueError if the shape is impossible)."""
-    return speculate.TreeShape(args.tree, args.tree_depth, args.tree_width) if args.tree else args.gamma
-
-
 def decoder_json(gamma):
     if isinstance(gamma, speculate.TreeShape):
         return {"kind": "tree", "nodes": gamma.nodes, "depth": gamma.depth, "width": gamma.width}
     return {"kind": "chain", "gamma": gamma}
-
-
-# ---- where greedy outputs part ----
-
-
-@torch.inference_mode()
-def top2_margin(target, prompt, prefix):
-    """The target's top-1 minus top-2 logit for the token after prompt + prefix (a list of ids), and that gap in
-    steps of the logits' dtype at the top logit (a bf16 step at a logit of 10 is 2^-4), prefilled as speculate does."""
-    cache = target.new_cache(batch=1, max_len=prompt["input_ids"].shape[1] + len(prefix))
-    embeds, deepstack = speculate.embed_prompt(target, prompt)  # (1, L, D)
-    x_last = speculate.prefill(target, prompt, embeds, cache, deepstack, name="target")  # (1, 1)
-    x = torch.cat([x_last, torch.tensor([prefix], dtype=torch.long, device=x_last.device).view(1, -1)], 1)  # (1, 1 + j)
-    top = target(x, cache=cache, logits_to_keep=1)[0, -1].topk(2).values  # (2,) in the logits' dtype
-    info = torch.finfo(top.dtype)
-    step = info.eps * 2.0 ** math.floor(math.log2(max(abs(float(top[0])), info.tiny)))  # spacing at the top logit
-    margin = float(top[0]) - float(top[1])  # in Python floats: a bf16 subtraction would round the gap itself
-    return margin, margin / step
-
-
-def divergences(target, prompts, reference, outputs):
-    """For each prompt whose greedy output leaves the reference (target-only decoding's): where, and the target's
-    top-2 margin there. Greedy speculative decoding is exact in fp32; in bf16 the verify step's batched matmuls round
-    differently from single-token steps and can flip a near-tie (a margin of a few steps): the margin tells which."""
-    out = []
-    for i, (prompt, ref, got) in enumerate(zip(prompts, reference, outputs)):
-        if ref != got:
-            j = next((k for k, (a, b) in enumerate(zip(ref, got)) if a != b), min(len(ref), len(got)))
-            margin, steps = top2_margin(target, prompt, ref[:j])
-            out.append({"prompt": i, "position": j, "top2_margin": margin, "margin_steps": steps,
-                        "target_only_token": ref[j] if j < len(ref) else None,
-                        "speculative_token": got[j] if j < len(got) else None})
-    return out
 
 
 # ---- the modes: the toy, a real shape (random weights), a real checkpoint ----
@@ -226,14 +174,11 @@ def toy(args, device, dtype, decoding):
     res = benchmark(target, draft, prompts, args.decoder, args.max_new, tok.cot_end_id, args.repeats, decoding,
                     args.compile)
     res.update(mode="toy", draft=draft_dir, target=os.path.join(args.run, "target"))
-    if args.peer:
-        res["peers"] = peer.peers(args, target, prompts, tok)
-    return res
+    return dict(res, peers=peer.peers(args, target, prompts, tok)) if args.peer else res
 
 
 def build_preset(name, device, dtype, layers=None, draft_vocab=0):
-    """Random weights of a real model's shape on the device in dtype, `layers` decoder layers only (a small machine);
-    draft_vocab K > 0: the draft's head over the first K ids (which ids does not change a step's cost)."""
+    """Random weights of a preset's shape on the device, `layers` decoder layers; the draft's head over K ids."""
     cfg = dataclasses.replace(M.PRESETS[name], n_layers=layers) if layers else M.PRESETS[name]
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -247,9 +192,8 @@ def build_preset(name, device, dtype, layers=None, draft_vocab=0):
 
 
 def toy_acceptance(path, want=None):
-    """A toy bench.py report's acceptance and settings, behind a random-weight prediction; a ValueError naming the
-    file if it is none, if its draft was the target itself (alpha 1 says nothing about a draft), or if `want`
-    (decoder_json) is a tree it did not run."""
+    """A toy bench.py report's acceptance and settings, for a random-weight prediction; a ValueError if it is none, if
+    its draft was the target itself (alpha 1 says nothing), or if `want` (decoder_json) is a tree it did not run."""
     full = path if os.path.isabs(path) or os.path.exists(path) else os.path.join(ROOT, path)
     if not os.path.isfile(full):
         raise ValueError(f"--toy-json {path}: no such file (the committed default is {TOY_ACCEPTANCE})")
@@ -258,13 +202,11 @@ def toy_acceptance(path, want=None):
         raise ValueError(f"--toy-json {path}: not a toy bench.py report (needs mode 'toy' and an alpha)")
     draft = d.get("draft", "")
     if os.path.basename(os.path.normpath(draft)) == "target" or draft == d.get("target"):
-        raise ValueError(f"--toy-json {path}: its draft {draft} is the target itself (alpha {d['alpha']:.3f} says "
-                         f"nothing about a draft)")
+        raise ValueError(f"--toy-json {path}: its draft {draft} is the target itself (its alpha says nothing)")
     recorded = d.get("decoder") or {"kind": "chain", "gamma": d.get("gamma")}  # reports before trees: a chain
     if want is not None and want["kind"] == "tree" and recorded != want:
         raise ValueError(f"--toy-json {path} ran {decoder_text(recorded)}, this run {decoder_text(want)}: a tree's "
-                         "prediction needs the toy's tau with the same tree (python bench.py --device cpu --json with "
-                         "the same --tree flags writes one)")
+                         "prediction needs the toy's tau with the same tree (bench.py --device cpu --json writes one)")
     return {"source": path, "alpha": d["alpha"], "tau": d.get("tau"), "gamma": d.get("gamma"), "decoder": recorded,
             "prompts": d.get("prompts"), "dtype": d.get("dtype"), "draft": draft, "decoding": d.get("decoding"),
             "torch": d.get("torch"), "hardware": d.get("hardware")}
@@ -272,11 +214,10 @@ def toy_acceptance(path, want=None):
 
 def real(args, device, dtype, decoding):
     """A real checkpoint (--target: the whole plan on pixels, alpamayo.py), or a real shape with random weights."""
-    stop = None
     if args.target:
         target, draft, prompt, stop, tok, how = alpamayo.load(args, device, dtype)
     else:
-        target, draft = build_preset(args.preset, device, dtype, args.layers, args.draft_vocab)
+        (target, draft), stop = build_preset(args.preset, device, dtype, args.layers, args.draft_vocab), None
         prompt = alpamayo.real_prompt(target.cfg, device, n_images=args.images)
         if "pixel_values" in prompt:
             prompt["pixel_values"] = prompt["pixel_values"].to(dtype)
@@ -290,18 +231,15 @@ def real(args, device, dtype, decoding):
         nodes = tuple(n for n in (7, 15, 31, 63) if n <= max(7, args.decoder.nodes))  # up to this tree's size
         tt = speculate.tree_step_times(target, draft, prompt, nodes, args.decoder.width, reps=5)
         res["verify_ratio"] = {n + 1: tt["target"][n] / (1e-3 * res["t_target_1"]) for n in nodes}
-    if not args.draft:  # random weights: acceptance says nothing; predict at the recorded toy's (main read it)
-        toy = res["toy_acceptance"] = args.toy_acceptance
+    if not args.draft:  # random weights: acceptance says nothing; predict at the recorded toy's (check_flags read it)
+        toy, t1, td = args.toy_acceptance, res["t_target_1"], res["t_draft_1"]
+        res["toy_acceptance"] = toy
         if args.tree:  # the same tree's tau
-            res["toy_tau"] = toy["tau"]
-            res["predicted_speedup_at_toy_tau"] = speculate.tree_speedup(
-                toy["tau"], res["t_target_1"], res["t_draft_1"], res["t_draft_level"], res["t_target_verify"],
-                args.decoder)
+            res.update(toy_tau=toy["tau"], predicted_speedup_at_toy_tau=speculate.tree_speedup(
+                toy["tau"], t1, td, res["t_draft_level"], res["t_target_verify"], args.decoder))
         else:  # the chain's alpha, through Leviathan's tau at this gamma
-            res["toy_alpha"] = toy["alpha"]
-            res["predicted_speedup_at_toy_alpha"] = speculate.measured_speedup(
-                speculate.expected_tau(toy["alpha"], args.gamma), res["t_target_1"], res["t_draft_1"],
-                res["t_target_gamma1"], args.gamma)
+            res.update(toy_alpha=toy["alpha"], predicted_speedup_at_toy_alpha=speculate.measured_speedup(
+                speculate.expected_tau(toy["alpha"], args.gamma), t1, td, res["t_target_gamma1"], args.gamma))
     return res
 
 
@@ -309,9 +247,8 @@ def real(args, device, dtype, decoding):
 
 
 def decoder_text(d):
-    if d["kind"] == "chain":
-        return f"chain draft, gamma {d['gamma']}"
-    return f"tree draft, {d['nodes']} nodes, depth {d['depth']}, width {d['width']}"
+    return f"chain draft, gamma {d['gamma']}" if d["kind"] == "chain" else (
+        f"tree draft, {d['nodes']} nodes, depth {d['depth']}, width {d['width']}")
 
 
 def decoding_text(d):
@@ -320,46 +257,27 @@ def decoding_text(d):
         f"prompt i's generator seeded {d['seed']} + i")
 
 
-def divergence_lines(res):
-    """'identical' only where every greedy output is; else each diverging prompt with the target's margin there."""
-    n, div, dt = res["prompts"], res["divergences"], res["dtype"]
-    if not div:
-        return [f"greedy outputs identical to target-only on all {n} prompts"]
-    return [f"greedy outputs identical to target-only on {n - len(div)} of {n} prompts; where the others diverge "
-            "(first differing token, the target's top-1 minus top-2 logit there):"] + [
-        f"  prompt {d['prompt']}: token {d['position']}, margin {d['top2_margin']:.4g} ({d['margin_steps']:.1f} {dt} "
-        "steps at the top logit)" for d in div] + [
-        "  greedy speculative decoding is exact in fp32 (tests/test_speculate.py): this is a bug" if dt == "fp32" else
-        f"  a margin of a few {dt} steps is a near-tie that the verify step's batched {dt} matmuls rounded the other "
-        "way; in fp32 the outputs are identical"]
-
-
-STEPS = {"t_target_1": "T_target(1)", "t_target_gamma1": "T_target(gamma+1)", "t_target_verify": "T_target(N+1)",
-         "t_draft_1": "T_draft(1)", "t_draft_level": "T_draft(k)"}  # the cost model's step times: JSON key -> name
-
-
 def report(res):
     """A table with 15-character row labels; --json's last line is the full record."""
     s, c = "sampled " if res["decoding"]["mode"] == "sampling" else "", res.get("compiled")
-    arms = lambda d, x: (f"target-only {d['ar_ms_per_token']:.3f} ms/token   speculative {d['spec_ms_per_token']:.3f} "  # noqa: E731
-                         f"ms/token   speed-up {x:.2f}x")
-    steps = lambda d: "   ".join(f"{v} {d[k]:.3f} ms" for k, v in STEPS.items() if k in d)  # noqa: E731
+    arms = lambda d, x: (f"target-only {d['ar_ms_per_token']:.3f} ms/token   speculative "  # noqa: E731
+                         f"{d['spec_ms_per_token']:.3f} ms/token   speed-up {x:.2f}x")
+    steps = lambda d: "   ".join(f"{k} {v:.3f} ms" for k, v in d.items() if k.startswith("t_"))  # noqa: E731
+    acceptance = "tau {tau:.2f}   alpha {alpha:.3f}   routine fraction {routine_fraction:.3f}".format
     rows = [("prefill", f"target-only {res['ar_prefill_ms']:.2f} ms   speculative {res['spec_prefill_ms']:.2f} ms"),
             ("reasoning step", arms(res, res["speedup"]) + ("   (both arms sampling)" if s else "")),
-            ("greedy", "tau {tau:.2f}   alpha {alpha:.3f}   routine fraction {routine_fraction:.3f}".format(**res))]
-    if s:
-        rows.append(("sampled", "tau {tau:.2f}   alpha {alpha:.3f}   routine fraction {routine_fraction:.3f}   (the "
-                     "timed runs; lossless in distribution, so not compared token by token)".format(**res["sampled"])))
-    if "chain" in res:
-        rows.append(("chain arm", "the same draft, gamma {gamma}: {ms_per_token:.3f} ms/token, speed-up {speedup:.2f}x;"
-                     " the tree is {tree_over_chain:.2f}x the chain".format(**res["chain"])))
-    if c:
-        rows.append(("compiled", arms(c, c["speedup"]) + f" ({c['speedup_vs_eager']:.2f}x over eager target-only)   "
-                     f"compile + first decodes {c['compile_s']:.0f} s"))
+            ("greedy", acceptance(**res))]
+    rows += [("sampled", acceptance(**res["sampled"]) + "   (the timed runs; lossless in distribution, so not "
+              "compared token by token)")] if s else []
+    rows += [("chain arm", "the same draft, gamma {gamma}: {ms_per_token:.3f} ms/token, speed-up {speedup:.2f}x; the "
+              "tree is {tree_over_chain:.2f}x the chain".format(**res["chain"]))] if "chain" in res else []
+    rows += [("compiled", arms(c, c["speedup"]) + f" ({c['speedup_vs_eager']:.2f}x over eager target-only, greedy "
+              f"{'identical' if c['greedy_match'] else 'DIFFERS'})   compile + first decodes {c['compile_s']:.0f} s"),
+             ("compiled cost", steps(c) + f"   predicted speed-up {c['predicted_speedup']:.2f}x")] if c else []
     rows += [("cost model", steps(res) + f"   c {res['c']:.3f}"),
              ("predicted", f"speed-up {res['predicted_speedup']:.2f}x (measured {s}tau)" + (
                  f"   {res['leviathan_speedup']:.2f}x (Leviathan, measured {s}alpha)" if "leviathan_speedup" in res
-                 else ""))] + ([("compiled cost", steps(c) + f"   predicted {c['predicted_speedup']:.2f}x")] if c else [])
+                 else ""))]
     if "toy_acceptance" in res:
         t, x = res["toy_acceptance"], "tau" if "toy_tau" in res else "alpha"
         rows.append((f"at toy {x}", f"{res['toy_' + x]:.3f} ({t['source']}: {t['prompts']} prompts, {t['dtype']}, "
@@ -368,9 +286,7 @@ def report(res):
              "the prediction at the toy's acceptance."] if res["mode"] == "real" and not res["trained_draft"] else []
     lines += [f"device {res['device']} ({res['hardware']}), dtype {res['dtype']}, threads {res['threads']}, "
               f"{decoder_text(res['decoder'])}, decoding {decoding_text(res['decoding'])}"]
-    lines += [f"{label:<15}{text}" for label, text in rows] + divergence_lines(res) + [
-        f"{arm}: {line}" for arm, d in (c or {}).get("divergences", {}).items()
-        for line in divergence_lines({**res, "divergences": d})]
+    lines += [f"{label:<15}{text}" for label, text in rows] + timing.divergence_lines(res)
     lines += alpamayo.report_lines(res) if "coc" in res else []
     print("\n".join(lines + (peer.report_lines(res["peers"], res["dtype"]) if "peers" in res else [])))
 
@@ -385,15 +301,13 @@ def main(argv=None):
     ap.add_argument("--run", default=checkpoint.SHIPPED, help="toy checkpoints folder (default: the shipped ones)")
     ap.add_argument("--target", help="Hugging Face Qwen2.5-VL / Qwen3-VL / Alpamayo folder")
     ap.add_argument("--draft", help="draft folder (checkpoint.save format) trained for that target")
-    ap.add_argument("--preset", choices=sorted(k for k in M.PRESETS if not k.startswith("toy")),
-                    help="real model shape with random weights")
+    ap.add_argument("--preset", choices=[k for k in sorted(M.PRESETS) if "toy" not in k], help="random weights")
     for flag, default, text in (
             ("--layers", None, "with --preset: keep only this many decoder layers"),
             ("--draft-vocab", 0, "with --preset: the draft's head covers only the first K token ids (0: all)"),
             ("--images", 16, "images in the real-shape / generated prompt"),
             ("--gamma", evaluate.GAMMA, "the chain's draft length (with --tree 0)"),
-            ("--tree", None, f"a draft tree of N nodes; 0: the chain of --gamma (default {evaluate.TREE.nodes}, or "
-                             "the chain with --compile / --peer)"),
+            ("--tree", None, f"a draft tree of N nodes, 0: the chain (default {evaluate.TREE.nodes}; --compile: 0)"),
             ("--tree-depth", evaluate.TREE.depth, "with --tree: its depth D"),
             ("--tree-width", evaluate.TREE.width, "with --tree: k, nodes expanded per level and children per node"),
             ("--max-new", evaluate.MAX_NEW_TOKENS, "reasoning tokens per prompt at most"),
@@ -404,12 +318,9 @@ def main(argv=None):
         ap.add_argument(flag, type=int, default=default, help=text)
     alpamayo.add_flags(ap)  # --images-dir, --image-size, --processor, --min-pixels, --max-pixels
     evaluate.add_decoding_flags(ap, "> 0 times both arms sampling (Alpamayo-R1 samples its CoC at 0.6, top-p 0.98)")
-    ap.add_argument("--compile", action="store_true", help="also time both arms with torch.compile'd static-shape "
-                    "steps (inductor on a CPU, CUDA graphs on CUDA); compiling takes minutes")
-    ap.add_argument("--peer", choices=["hf"], help="toy, greedy: also time transformers' generate and assisted "
-                    "generation on the same weights and prompts (peer.py)")
-    ap.add_argument("--toy-json", help="random weights: the toy bench.py JSON whose acceptance the prediction uses "
-                    f"(default: {TOY_ACCEPTANCE} for the chain, {TOY_TREE_ACCEPTANCE} for the default tree)")
+    ap.add_argument("--compile", action="store_true", help="also both arms through torch.compile'd static steps")
+    ap.add_argument("--peer", choices=["hf"], help="toy, greedy: also transformers' generate on the same weights")
+    ap.add_argument("--toy-json", help=f"random weights: the toy acceptance to predict at (default {TOY_ACCEPTANCE})")
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     args = ap.parse_args(argv)
     decoding = check_flags(ap, args)
@@ -456,31 +367,31 @@ def check_flags(ap, args):
                               ("draft_vocab", "takes 1..vocab_size token ids", "vocab_size")):
         v, hi = getattr(args, flag), args.preset and getattr(M.PRESETS[args.preset], field)
         if v != ap.get_default(flag) and not (hi and 1 <= v <= hi):
-            ap.error(f"--{flag.replace('_', '-')} {what} of a --preset" + (f" (1..{hi} for {args.preset})" if hi
-                                                                            else "") + f", got {v}")
+            ap.error(f"--{flag.replace('_', '-')} {what} of a --preset"
+                     + (f" (1..{hi} for {args.preset})" if hi else "") + f", got {v}")
     for flag in ("target", "draft", "images_dir", "processor"):
         if getattr(args, flag) is not None and not os.path.isdir(getattr(args, flag)):
             ap.error(f"--{flag.replace('_', '-')} {getattr(args, flag)}: folder not found")
     alpamayo.check_flags(ap, args)
     config = os.path.join(args.draft or "", checkpoint.CONFIG)
     with checkpoint.user_errors(ap):
-        args.decoder = decoder(args)
+        # the chain of --gamma (--tree 0), or a tree (a ValueError if the shape is impossible)
+        args.decoder = speculate.TreeShape(args.tree, args.tree_depth, args.tree_width) if args.tree else args.gamma
         checkpoint.check_device(args.device)
         decoding = evaluate.decoding_mode(args.temperature, args.top_k, args.top_p, args.sampling_seed)
         if args.draft and os.path.isfile(config) and checkpoint.read_json(config).get("draft") is False:
-            raise ValueError(f"--draft {args.draft} holds a target model, not a draft (as its own draft it accepts "
-                             "every token)")
+            raise ValueError(f"--draft {args.draft} holds a target model, not a draft (it would accept every token)")
         args.toy_acceptance = None if toy_mode or args.draft else toy_acceptance(
             args.toy_json or (TOY_TREE_ACCEPTANCE if args.tree else TOY_ACCEPTANCE), decoder_json(args.decoder))
         if args.peer and peer.flag_error(toy_mode, decoding):
             raise ValueError(peer.flag_error(toy_mode, decoding))
         needed = [os.path.join(args.run, "target"), args.draft or checkpoint.draft_dir(args.run, *TOY_DRAFT)]
         missing = [d for d in needed + [checkpoint.draft_dir(args.run, *peer.PEER_DRAFT)] * bool(args.peer)
-                   if not os.path.isdir(d)]
-        if toy_mode and missing:
+                   if toy_mode and not os.path.isdir(d)]
+        if missing:
             raise ValueError(f"no toy checkpoints (missing {', '.join(missing)}): use the shipped checkpoints/toy, or "
                              f"train them with `python rsd.py --retrain --run {args.run}`")
-        if toy_mode:  # the report's folder, checked before the benchmark runs
+        if toy_mode:  # the report's folder, before any work
             checkpoint.check_writable(os.path.dirname(TOY_JSON) or ".")
     return decoding
 

@@ -1,11 +1,13 @@
-"""What a reader of a latency number needs to trust it: the software and device it was measured on, peak memory,
-what the compiled steps really did (CompileWatch) and which attention kernel ran each step.
+"""What a reader of a benchmark number needs to trust it: the software and device it was measured on, peak memory,
+what the compiled steps really did (CompileWatch), which attention kernel ran each step, and where a greedy output
+parts from target-only decoding (a near-tie of the dtype, or a bug).
 
 run: python bench.py --device cpu --json        (the JSON's environment, peak_memory, sdpa and compiled keys)
 """
 import importlib
 import importlib.metadata
 import logging
+import math
 import platform
 import warnings
 
@@ -200,3 +202,50 @@ def sdpa_steps(target, prompt, gamma, static_len=None, tree=False):
                 calls[name] = first(lambda: st(x.repeat(1, n), cache=scache))
                 scache.crop(base)
     return {name: sdpa_kernel_of(*call) for name, call in calls.items()}
+
+
+# ---- where greedy outputs part ----
+
+
+@torch.inference_mode()
+def top2_margin(target, prompt, prefix):
+    """The target's top-1 minus top-2 logit for the token after prompt + prefix (a list of ids), and that gap in
+    steps of the logits' dtype at the top logit (a bf16 step at a logit of 10 is 2^-4), prefilled as speculate does."""
+    cache = target.new_cache(batch=1, max_len=prompt["input_ids"].shape[1] + len(prefix))
+    embeds, deepstack = speculate.embed_prompt(target, prompt)  # (1, L, D)
+    x_last = speculate.prefill(target, prompt, embeds, cache, deepstack, name="target")  # (1, 1)
+    x = torch.cat([x_last, torch.tensor([prefix], dtype=torch.long, device=x_last.device).view(1, -1)], 1)  # (1, 1 + j)
+    top = target(x, cache=cache, logits_to_keep=1)[0, -1].topk(2).values  # (2,) in the logits' dtype
+    info = torch.finfo(top.dtype)
+    step = info.eps * 2.0 ** math.floor(math.log2(max(abs(float(top[0])), info.tiny)))  # spacing at the top logit
+    margin = float(top[0]) - float(top[1])  # in Python floats: a bf16 subtraction would round the gap itself
+    return margin, margin / step
+
+
+def divergences(target, prompts, reference, outputs):
+    """For each prompt whose greedy output leaves the reference (target-only decoding's): where, and the target's
+    top-2 margin there. Greedy speculative decoding is exact in fp32; in bf16 the verify step's batched matmuls round
+    differently from single-token steps and can flip a near-tie (a margin of a few steps): the margin tells which."""
+    out = []
+    for i, (prompt, ref, got) in enumerate(zip(prompts, reference, outputs)):
+        if ref != got:
+            j = next((k for k, (a, b) in enumerate(zip(ref, got)) if a != b), min(len(ref), len(got)))
+            margin, steps = top2_margin(target, prompt, ref[:j])
+            out.append({"prompt": i, "position": j, "top2_margin": margin, "margin_steps": steps,
+                        "target_only_token": ref[j] if j < len(ref) else None,
+                        "speculative_token": got[j] if j < len(got) else None})
+    return out
+
+
+def divergence_lines(res):
+    """'identical' only where every greedy output is; else each diverging prompt with the target's margin there."""
+    n, div, dt = res["prompts"], res["divergences"], res["dtype"]
+    if not div:
+        return [f"greedy outputs identical to target-only on all {n} prompts"]
+    return [f"greedy outputs identical to target-only on {n - len(div)} of {n} prompts; where the others diverge "
+            "(first differing token, the target's top-1 minus top-2 logit there):"] + [
+        f"  prompt {d['prompt']}: token {d['position']}, margin {d['top2_margin']:.4g} ({d['margin_steps']:.1f} {dt} "
+        "steps at the top logit)" for d in div] + [
+        "  greedy speculative decoding is exact in fp32 (tests/test_speculate.py): this is a bug" if dt == "fp32" else
+        f"  a margin of a few {dt} steps is a near-tie that the verify step's batched {dt} matmuls rounded the other "
+        "way; in fp32 the outputs are identical"]

@@ -34,7 +34,7 @@ def test_divergences_name_the_prompt_the_position_and_the_targets_margin():
     flipped = ref[:j] + [(ref[j] + 1) % 80 + 10] + ref[j + 1:]  # a text id other than the target's choice
     assert flipped[j] != ref[j]
     first = [(ref[0] + 1) % 80 + 10] + ref[1:]
-    out = bench.divergences(target, [prompt] * 4, [ref] * 4, [flipped, ref, ref[:5], first])
+    out = timing.divergences(target, [prompt] * 4, [ref] * 4, [flipped, ref, ref[:5], first])
     assert [(d["prompt"], d["position"]) for d in out] == [(0, j), (2, 5), (3, 0)]  # prompt 1 is identical: no entry
     d = out[0]
     assert d["target_only_token"] == ref[j] and d["speculative_token"] == flipped[j]
@@ -47,13 +47,13 @@ def test_divergences_name_the_prompt_the_position_and_the_targets_margin():
     assert d["margin_steps"] == pytest.approx(margin / step, rel=1e-3)
     assert out[1]["speculative_token"] is None and out[1]["target_only_token"] == ref[5]  # an output cut short
     assert out[2]["top2_margin"] == pytest.approx(reference_margin(target, prompt, [])[0], abs=1e-4)
-    assert bench.divergences(target, [prompt], [ref], [list(ref)]) == []
+    assert timing.divergences(target, [prompt], [ref], [list(ref)]) == []
 
 
 def test_margin_steps_count_bf16_steps():
     target, prompt = tiny_model().to(torch.bfloat16), image_prompt()
     prompt = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in prompt.items()}
-    margin, steps = bench.top2_margin(target, prompt, [12, 13])
+    margin, steps = timing.top2_margin(target, prompt, [12, 13])
     with torch.no_grad():
         top1 = float(target(**dict(prompt, input_ids=torch.cat([prompt["input_ids"], torch.tensor([[12, 13]])], 1)))
                      [0, -1].max())
@@ -64,7 +64,7 @@ def test_margin_steps_count_bf16_steps():
 
 
 def report_of(divergences, dtype="bf16", n=4):
-    return "\n".join(bench.divergence_lines({"prompts": n, "divergences": divergences, "dtype": dtype}))
+    return "\n".join(timing.divergence_lines({"prompts": n, "divergences": divergences, "dtype": dtype}))
 
 
 def test_the_report_says_identical_only_where_it_is():
