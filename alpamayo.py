@@ -1,7 +1,5 @@
-"""Alpamayo-R1's prompt, built from a folder's own tokenizer and image processor.
-
-Paper: Alpamayo-R1 is the deliberative reasoner (target) that RSD accelerates; this is the prompt its
-reasoning step continues (bench.py --target times that step on it).
+"""Alpamayo-R1's prompt, built from a folder's own tokenizer and image processor, and the whole plan on pixels that
+`bench.py --target` times. Paper: Alpamayo-R1 is the deliberative reasoner (target) that RSD accelerates.
 
 Layout (NVIDIA's public Alpamayo-R1 inference code; docs/background.md, "The Alpamayo-R1 prompt
 layout"): a system turn; a user turn of 16 images (4 cameras x 4 frames, each
@@ -10,31 +8,32 @@ layout"): a system turn; a user turn of 16 images (4 cameras x 4 frames, each
 the model continues with the chain of causation, <|cot_end|> and <|traj_future_start|>.
 
 The text goes through the tokenizer's chat template and the images through the Qwen-VL image
-processor, both loaded with transformers (an optional extra, imported only in build_prompt). They
-are loaded one by one rather than through AutoProcessor: Qwen3-VL's processor also builds a video
-processor, which needs torchvision, and this prompt has no video; Alpamayo's own preprocessing
-likewise calls the image processor and expands each <|image_pad|> to its grid's token count.
+processor (transformers, an optional extra), loaded one by one rather than through AutoProcessor: Qwen3-VL's also
+builds a video processor, which needs torchvision. History tokens: `HistoryTokenizer`, per-step (x, y, z) deltas of
+the 16 past poses (10 Hz, ego frame at the current pose), each binned uniformly over [xyz_min, xyz_max], bin b of
+every axis being vocabulary id first_id + b. Config fields read (a missing required one is an error naming it):
+traj_token_start_idx, traj_tokenizer_cfg.num_bins (the history bins follow the future trajectory's),
+traj_token_ids.history / .future_start (checked against the tokenizer), hist_traj_tokenizer_cfg (upstream's
+defaults inside: num_bins 1000, ego_xyz_min (-4, -4, -10), ego_xyz_max (4, 4, 10), predict_yaw false).
 
-History tokens: `HistoryTokenizer`, a delta tokenizer of the 16 past poses (10 Hz, ego frame at
-the current pose): per-step (x, y, z) deltas, each binned uniformly over [xyz_min, xyz_max] into
-num_bins bins, bin b of every axis being vocabulary id first_id + b, 3 ids per pose.
-
-Config fields read from the Alpamayo config.json (a missing required one is an error naming it):
-traj_token_start_idx, traj_tokenizer_cfg.num_bins (the history bins follow the future trajectory's
-in the vocabulary), traj_token_ids.history and traj_token_ids.future_start (checked against the
-tokenizer), hist_traj_tokenizer_cfg (optional inside: num_bins 1000, ego_xyz_min (-4, -4, -10),
-ego_xyz_max (4, 4, 10), predict_yaw false: the upstream tokenizer's defaults).
-
-run: python -m pytest -q tests/test_alpamayo.py       (used by: python bench.py --target ALPAMAYO_DIR)
+run: python bench.py --device cuda --target ALPAMAYO_DIR [--images-dir CAMERAS]   (tests: tests/test_alpamayo.py)
 """
+import importlib.util
 import os
+import re
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
-from expert import config_field
-from hf import CONFIG
-from files import read_json
+import checkpoint
+import evaluate
+import files
+import hf
+import model as M
+import speculate
+from expert import config_field, speed_from_history
+from vision import patchify
 
 SYSTEM = "You are a driving assistant that generates safe and accurate actions."
 INSTRUCTION = "output the chain-of-thought reasoning of the driving process, then output the future trajectory."
@@ -88,8 +87,8 @@ def build_prompt(folder, images, history_xyz, processor_dir=None, min_pixels=MIN
     uint8, cameras then frames as the model was trained; history_xyz: (16, 3) past poses."""
     from transformers import AutoImageProcessor, AutoTokenizer  # optional extra: only this function needs it
 
-    where = os.path.join(folder, CONFIG)
-    raw = read_json(where)
+    where = os.path.join(folder, hf.CONFIG)
+    raw = files.read_json(where)
     hist = HistoryTokenizer.from_config(raw, where)
     src = processor_dir or folder
     tok = AutoTokenizer.from_pretrained(src)
@@ -119,3 +118,185 @@ def build_prompt(folder, images, history_xyz, processor_dir=None, min_pixels=MIN
     slots = ids == vocab["<|traj_history|>"]
     ids[slots] = hist.encode(torch.as_tensor(history_xyz)[None]).flatten()  # placeholders -> history ids
     return {"input_ids": ids, "pixel_values": vis["pixel_values"], "image_grid_thw": vis["image_grid_thw"]}
+
+
+# ---- a real checkpoint's plan on pixels (bench.py --target) ----
+
+
+def history_poses(speed=8.0, dt=0.1):
+    """16 past poses (16, 3) of a car driving straight at `speed` m/s, ego frame at the last one."""
+    t = torch.arange(-(N_POSES - 1), 1) * dt  # (16,) seconds, 0 = now
+    return torch.stack([speed * t, torch.zeros_like(t), torch.zeros_like(t)], -1)
+
+
+def scene_images(args):
+    """A list of (3, H, W) uint8 images: the files of --images-dir in name order (PIL, an optional
+    extra), or --images generated ones (a colour field with a ramp and noise, fixed by the seed)."""
+    if args.images_dir:
+        from PIL import Image  # optional extra: only a folder of images needs it
+        names = sorted(n for n in os.listdir(args.images_dir) if n.lower().endswith((".jpg", ".jpeg", ".png")))
+        if not names:
+            raise FileNotFoundError(f"{args.images_dir}: no .jpg / .png images")
+        images = [Image.open(os.path.join(args.images_dir, n)).convert("RGB") for n in names]
+        # (H * W * 3,) bytes -> (H, W, 3) -> (3, H, W)
+        return [torch.frombuffer(bytearray(im.tobytes()), dtype=torch.uint8).view(im.height, im.width, 3)
+                .permute(2, 0, 1) for im in images]
+    H, W = (int(s) for s in args.image_size.split("x"))
+    g = torch.Generator().manual_seed(0)
+    base = 255 * torch.rand(args.images, 3, 1, 1, generator=g)
+    ramp = torch.linspace(0.4, 1.0, W)  # (W,): a left-to-right brightness ramp
+    x = base * ramp + 20 * torch.randn(args.images, 3, H, W, generator=g)  # (n, 3, H, W)
+    return list(x.clamp(0, 255).to(torch.uint8))
+
+
+def real_prompt(cfg: M.ModelConfig, device, n_images=16, grid=(1, 20, 36), n_history=48, seed=0):
+    """An Alpamayo-shaped prompt for a Qwen-VL config: system text, n_images images of `grid` patches (180 merged
+    tokens each at merge 2, ~2900 in all), 48 history tokens, instruction text; random ids and pixels (only shapes
+    matter for latency). Without a vision tower: the placeholders and grids only."""
+    g = torch.Generator().manual_seed(seed)
+    m = cfg.spatial_merge_size
+    n_tok = grid[0] * (grid[1] // m) * (grid[2] // m)
+    V, special = cfg.vocab_size, (cfg.image_token_id, cfg.video_token_id, cfg.vision_start_token_id)
+    ordinary = torch.tensor([i for i in range(min(1000, V // 2), min(100_000, V)) if i not in special])
+    text = lambda n: ordinary[torch.randint(len(ordinary), (n,), generator=g)].tolist()  # noqa: E731
+    ids = text(24)
+    for _ in range(n_images):
+        ids += [cfg.vision_start_token_id] + [cfg.image_token_id] * n_tok + text(1)  # text(1): <|vision_end|>
+    ids += text(n_history + 2) + text(16)
+    prompt = {"input_ids": torch.tensor([ids], device=device),
+              "image_grid_thw": torch.tensor([grid] * n_images, device=device)}
+    if cfg.vision is not None:
+        v = cfg.vision
+        dim = v.in_channels * v.temporal_patch_size * v.patch_size ** 2
+        prompt["pixel_values"] = torch.randn(n_images * grid[0] * grid[1] * grid[2], dim, generator=g).to(device)
+    return prompt
+
+
+def pixel_prompt(cfg: M.ModelConfig, images, max_pixels, device):
+    """Without a tokenizer: real_prompt's layout (placeholder text ids) around the images, resized to
+    one grid under max_pixels, scaled to [-1, 1] and flattened by vision.patchify. Shapes and pixels
+    are real, token ids are not: a timing prompt."""
+    v = cfg.vision
+    f = v.patch_size * v.spatial_merge_size
+    H, W = images[0].shape[-2:]
+    s = min(1.0, (max_pixels / (H * W)) ** 0.5)
+    h, w = max(f, round(H * s / f) * f), max(f, round(W * s / f) * f)
+    x = torch.stack([F.interpolate(im[None].float(), size=(h, w), mode="bicubic")[0] for im in images])
+    x = (x / 255 - 0.5) / 0.5  # (n, 3, h, w)
+    prompt = real_prompt(cfg, device, n_images=len(images), grid=(1, h // v.patch_size, w // v.patch_size))
+    prompt["pixel_values"] = torch.cat([patchify(im[None], v.patch_size, v.temporal_patch_size,
+                                                 v.spatial_merge_size)[0] for im in x]).to(device)
+    return prompt
+
+
+def has_tokenizer(folder):
+    return any(os.path.isfile(os.path.join(folder, n)) for n in ("tokenizer.json", "tokenizer_config.json"))
+
+
+def load(args, device, dtype):
+    """The --target folder's model, the draft (--draft, else an untrained 1-layer one), its prompt on pixels, the id
+    that ends the reasoning step (<|traj_future_start|> for Alpamayo, else None), its tokenizer (None without one) and
+    how the prompt was built: Alpamayo-R1's (build_prompt) with a tokenizer, else placeholder ids around the pixels."""
+    target = hf.load_pretrained(args.target, dtype=dtype, device=device).eval()
+    draft = (checkpoint.load(args.draft, target=target, dtype=dtype, device=device) if args.draft
+             else M.make_draft(target, n_layers=1)).eval()
+    raw = files.read_json(os.path.join(args.target, hf.CONFIG))
+    src = args.processor or args.target
+    stop = tok = None
+    if getattr(target, "expert", None) is not None:  # the reasoning step ends where the expert takes over
+        stop = config_field(raw, "traj_token_ids.future_start", args.target)
+    images = scene_images(args)
+    if has_tokenizer(src) and "traj_token_ids" in raw:
+        from transformers import AutoTokenizer  # optional extra, as in build_prompt
+        tok = AutoTokenizer.from_pretrained(src)
+        prompt = build_prompt(args.target, images, history_poses(), args.processor, args.min_pixels, args.max_pixels)
+        how = "Alpamayo-R1 prompt (alpamayo.build_prompt)"
+    else:
+        prompt = pixel_prompt(target.cfg, images, args.max_pixels, device)
+        why = (f"no tokenizer in {src}" if not has_tokenizer(src) else
+               f"{os.path.join(args.target, hf.CONFIG)} has no traj_token_ids (not an Alpamayo-R1 config)")
+        how = f"placeholder text ids around real pixels ({why})"
+    prompt = {k: v.to(device) for k, v in prompt.items()}
+    prompt["pixel_values"] = prompt["pixel_values"].to(dtype)
+    return target, draft, prompt, stop, tok, how
+
+
+def marked_coc(tokens, from_draft, tok):
+    """The CoC as text pieces, the target's own tokens in [brackets] (rsd.py's display)."""
+    text = [tok.decode([t]) if tok is not None else str(t) for t in tokens]
+    return " ".join(s if d else f"[{s}]" for s, d in zip(text, from_draft))
+
+
+@torch.inference_mode()
+def trajectory(target, prompt, coc, future_start, repeats):
+    """The expert's waypoints (1, N, 2) after prompt + CoC + <|traj_future_start|> (appended when the
+    CoC did not end with it), and the median time (s) of the expert alone over `repeats` runs."""
+    exp = target.expert
+    seq = coc + ([] if coc[-1:] == [future_start] else [future_start])
+    L = prompt["input_ids"].shape[1]
+    cache = target.new_cache(max_len=L + len(seq) + exp.cfg.n_waypoints)
+    embeds, deepstack = speculate.embed_prompt(target, prompt)  # (1, L, D)
+    grids = {k: prompt[k] for k in speculate.GRID_KEYS if prompt.get(k) is not None}
+    target(prompt["input_ids"], inputs_embeds=embeds, deepstack=deepstack, cache=cache, logits_to_keep=1, **grids)
+    target(torch.tensor([seq], device=cache.k.device), cache=cache, logits_to_keep=1)  # the CoC, teacher-forced
+    v0 = speed_from_history(history_poses()[None]).to(cache.k.device)  # (1,)
+    g = torch.Generator(device=cache.k.device)
+    run = lambda: exp(cache, v0, generator=g.manual_seed(0))  # noqa: E731
+    return run(), speculate.median_time(run, cache.k.device, repeats)
+
+
+def plan(target, draft, prompt, stop, tok, how, args, decoding):
+    """The rest of the plan after the timed reasoning step: the CoC once more (marked), and for an Alpamayo folder
+    the trajectory, timed."""
+    spec = evaluate.decode(target, draft, prompt, args.decoder, args.max_new, stop,
+                           **evaluate.sampling_kwargs(decoding, 0))
+    res = {"prompt_source": how, "images": int(prompt["image_grid_thw"].shape[0]),
+           "visual_tokens": int((prompt["input_ids"] == target.cfg.image_token_id).sum()),
+           "coc_tokens": spec.tokens, "coc": marked_coc(spec.tokens, spec.from_draft, tok)}
+    if getattr(target, "expert", None) is not None:
+        waypoints, t = trajectory(target, prompt, spec.tokens, stop, args.repeats)
+        res.update(trajectory_ms=1e3 * t, waypoints=waypoints[0].float().tolist())
+    return res
+
+
+def report_lines(res):
+    """bench.py's printed lines for a plan."""
+    n, w = len(res["coc_tokens"]), res.get("waypoints")
+    at = lambda i: f"({w[min(i, len(w) - 1)][0]:.1f}, {w[min(i, len(w) - 1)][1]:.1f})"  # noqa: E731
+    return [f"prompt         {res['prompt_tokens']} tokens, {res['images']} images, {res['visual_tokens']} visual "
+            f"tokens: {res['prompt_source']}",
+            f"plan timings   prefill (vision tower + prompt) {res['ar_prefill_ms']:.2f} ms   reasoning step ({n} "
+            f"tokens) target-only {n * res['ar_ms_per_token']:.2f} ms, speculative {n * res['spec_ms_per_token']:.2f} "
+            "ms   trajectory (action expert) " + (f"{res['trajectory_ms']:.2f} ms" if w else "none: no action expert"),
+            f"CoC (routine, [deliberative]): {res['coc']}"] + ([] if not w else [
+            f"trajectory     {len(w)} waypoints (x, y) m, 10 Hz: 1 s {at(9)}, 3 s {at(29)}, last {at(-1)}"])
+
+
+# ---- the --target flags ----
+
+
+def add_flags(ap):
+    ap.add_argument("--images-dir", default=None, help="with --target: a folder of camera images (name order)")
+    ap.add_argument("--image-size", default="288x512", help="with --target: HxW of the generated images")
+    ap.add_argument("--processor", default=None, help="with --target: tokenizer + image processor folder "
+                    "(default: the target folder)")
+    ap.add_argument("--min-pixels", type=int, default=MIN_PIXELS, help="with --target: image size bounds")
+    ap.add_argument("--max-pixels", type=int, default=MAX_PIXELS, help="with --target: image size bounds")
+
+
+def check_flags(ap, args):
+    """Parse-time checks of the pixels' geometry and of what reading them needs: each bad value is one line."""
+    size = re.fullmatch(r"(\d+)x(\d+)", args.image_size)
+    if not size or not all(1 <= int(n) <= 8192 for n in size.groups()):  # 8192: a camera frame, not all of memory
+        ap.error(f"--image-size must be HxW in pixels, each in 1..8192 (e.g. 288x512), got {args.image_size!r}")
+    if not 1 <= args.min_pixels <= args.max_pixels:
+        ap.error(f"--min-pixels and --max-pixels must satisfy 1 <= min <= max, got {args.min_pixels} and "
+                 f"{args.max_pixels}")
+    for flag in ("images_dir", "processor"):
+        if getattr(args, flag) and not args.target:
+            ap.error(f"--{flag.replace('_', '-')} goes with --target")
+    if args.images_dir and importlib.util.find_spec("PIL") is None:
+        ap.error("--images-dir needs Pillow to read the images: pip install pillow")
+    src = args.processor or args.target
+    if src and importlib.util.find_spec("transformers") is None and has_tokenizer(src):
+        ap.error(f"{src} has a tokenizer, which needs transformers: pip install -r requirements-test.txt")

@@ -1,21 +1,16 @@
 """Alpamayo-R1's flow-matching action expert: the trajectory step that follows the chain of causation.
 
-A decoder stack of its own width (the VLM's layer count, KV heads and head_dim, so that expert
-layer i attends to layer i of the VLM's KV cache of prompt + CoC + <|traj_future_start|>) runs
-over 64 action tokens, one per 0.1 s step. Each token's input is the Fourier features of its
-normalised (acceleration, curvature) and of the flow time t through a small MLP; the tokens see
-the whole cache and each other (bidirectional), at positions continuing after
-<|traj_future_start|> on all three M-RoPE axes. `action_out_proj` reads the velocity of the flow;
-10 Euler steps carry noise (t = 0) to an action sequence (t = 1), which the unicycle model
-integrates from the current speed into 64 waypoints at 10 Hz.
+A decoder stack of its own width (the VLM's layer count, KV heads and head_dim: expert layer i attends to layer i of
+the VLM's KV cache of prompt + CoC + <|traj_future_start|>) runs over 64 action tokens, one per 0.1 s step. Each
+token's input is the Fourier features of its normalised (acceleration, curvature) and of the flow time t through a
+small MLP; the tokens see the whole cache and each other, at positions continuing after <|traj_future_start|> on all
+three M-RoPE axes. `action_out_proj` reads the flow's velocity; 10 Euler steps carry noise (t = 0) to actions
+(t = 1), which the unicycle model integrates from the current speed into 64 waypoints at 10 Hz.
 
-Paper: the deliberative reasoner is the unmodified Alpamayo-R1; RSD accelerates its reasoning
-step and leaves this step as it is (docs/background.md, "Alpamayo-R1's action expert"). Facts
-from NVIDIA's public Alpamayo-R1 code (models/alpamayo_r1.py, action_in_proj.py,
-diffusion/flow_matching.py, action_space/unicycle_accel_curvature.py); the code is ours.
-
-Letters: B batch, N action tokens (n_waypoints), De expert width, F Fourier features per input,
-L tokens in the VLM cache.
+Paper: the deliberative reasoner is the unmodified Alpamayo-R1; RSD accelerates its reasoning step and leaves this
+one as it is (docs/background.md, "Alpamayo-R1's action expert"). Facts from NVIDIA's public Alpamayo-R1 code
+(models/alpamayo_r1.py, action_in_proj.py, diffusion/flow_matching.py, action_space/unicycle_accel_curvature.py).
+Letters: B batch, N action tokens, De expert width, F Fourier features per input, L tokens in the VLM cache.
 
 run: python -m pytest -q tests/test_alpamayo.py
 """

@@ -1,37 +1,23 @@
-"""The peer arm of the benchmark: the same weights, on the same prompts, in the same process, through
-Hugging Face transformers' `generate` (greedy, KV cache) and its assisted generation (a draft model
-proposes, the target verifies: speculative decoding as transformers ships it), beside our
-target-only and speculative decoding.
+"""The peer arm of the benchmark: the same weights, prompts and process through Hugging Face transformers' `generate`
+(greedy, KV cache) and its assisted generation (a draft proposes, the target verifies: speculative decoding as
+transformers ships it), beside our target-only and speculative decoding (docs/background.md, "Speculative decoding").
+The draft is the M-RoPE replica (checkpoints/toy/draft_mrope_s0): FlatRoPE has no transformers counterpart.
 
-Paper: the reasoning step is accelerated by a draft q that proposes chain-of-causation tokens and
-the unmodified target p that verifies them losslessly (docs/background.md, "Speculative
-decoding"). A reader will compare this code with what they would otherwise run: transformers'
-generate on the target, and assisted generation with the same draft as `assistant_model`. The
-draft is the M-RoPE replica (checkpoints/toy/draft_mrope_s0): FlatRoPE has no transformers
-counterpart (hf.export_pretrained refuses it), so both speculative arms use the replica.
+Timed: one call per prompt, end to end (vision tower + prefill + reasoning step), read with speculate.Clock, over the
+tokens generated (generate does not report its prefill apart); our arms' own prefill + decode split beside it, and on
+a CPU the process's CPU time per token, which a shared machine does not inflate. A warm-up call per arm and prompt,
+then `repeats` passes in which all arms run each prompt in turn (the order rotated); medians. Greedy only: generate's
+tokens are compared with our target-only decoding, each speculative arm's with its own target-only arm.
 
-What is timed: one call per prompt, end to end (vision tower + prefill + the reasoning step), from
-the prompt tensors to the token ids, read with speculate.Clock (the device synchronised), divided by
-the tokens generated: transformers' generate does not report its prefill apart. Our arms' own split
-(prefill_s + decode_s, which leaves out their cache allocation and argument checks) is kept beside
-it, and on a CPU the process's CPU time per token, which a machine shared with other work does not
-inflate as it does the wall clock. Every arm runs every prompt once as a warm-up, then `repeats`
-passes in which all arms run each prompt in turn (the order rotated), so that a load that comes and
-goes reaches every arm alike; medians of the passes. Greedy only: the tokens are compared
-(transformers' generate against our target-only decoding; the speculative arms against their
-target-only arm).
-
-Settings of the transformers arms: eager, attn_implementation "sdpa", the dynamic KV cache (generate's
-default; a static cache with torch.compile is its other documented fast path and is not used, as
-our arms are eager too), eos_token_id = <cot_end>. Two assisted arms: `hf_assisted`, gamma fixed as
-in ours (num_assistant_tokens = gamma, schedule "constant", confidence threshold 0 = off), and
-`hf_assisted_defaults`, transformers' own assistant defaults (20 tokens, "constant", stop drafting
-below confidence 0.4; the threshold adapts only when scikit-learn is installed). The assistant is
-a whole Qwen2.5-VL: it runs its own copy of the vision tower at its prefill (our draft reads the
-target's image features instead), which is part of what assisted generation costs.
+transformers' settings: eager, attn_implementation "sdpa", the dynamic KV cache (generate's default), eos_token_id =
+<cot_end>. `hf_assisted` fixes gamma as ours (num_assistant_tokens = gamma, schedule "constant", confidence threshold
+0 = off); `hf_assisted_defaults` keeps transformers' assistant defaults. The assistant is a whole Qwen2.5-VL: it runs
+its own vision tower at its prefill (our draft reads the target's image features), part of what assisted generation
+costs.
 
 run: python bench.py --device cpu --peer hf --json
 """
+import importlib.util
 import os
 import statistics
 import tempfile
@@ -39,6 +25,7 @@ import time
 
 import torch
 
+import checkpoint
 import evaluate
 import speculate
 from hf import export_pretrained
@@ -80,6 +67,27 @@ def hf_generate(model, inputs, max_new, stop, pad, assistant=None, settings=None
     out = model.generate(**inputs, max_new_tokens=max_new, eos_token_id=stop, pad_token_id=pad, do_sample=False,
                          num_beams=1, use_cache=True, assistant_model=assistant)  # (1, L + T)
     return out[0, inputs["input_ids"].shape[1]:].tolist()
+
+
+def peers(args, target, prompts, tok):
+    """bench.py --peer hf on the toy: compare() with the M-RoPE replica draft of args.run (the one draft transformers
+    can run), on bench's prompts."""
+    draft_dir = checkpoint.draft_dir(args.run, *PEER_DRAFT)
+    draft = checkpoint.load(draft_dir, target=target).eval()
+    res = compare(target, draft, prompts, args.gamma, args.max_new, tok.cot_end_id, tok.pad_id, args.repeats)
+    res["draft"] = draft_dir
+    return res
+
+
+def flag_error(toy_mode, decoding):
+    """Why bench.py --peer hf cannot run with these flags (one line), or None."""
+    if not toy_mode:
+        return "--peer runs on the toy checkpoints only (drop --target / --preset)"
+    if decoding["mode"] != "greedy":
+        return "--peer compares greedy tokens and times: drop --temperature"
+    if importlib.util.find_spec("transformers") is None:
+        return "--peer hf needs transformers (pip install -r requirements-test.txt)"
+    return None
 
 
 # ---- timing ----

@@ -7,7 +7,7 @@ run cut short keeps every stage it finished; a stage that fails records its trac
 
   a_env          the machine (GPU, torch / CUDA / cuDNN / triton / transformers versions) and the attention kernel
                  of the target's prefill, decode and verify steps and of the static steps --compile compiles, at
-                 the preset's shapes (bench.sdpa_steps: the dispatcher's choice and which backends run alone)
+                 the preset's shapes (timing.sdpa_steps: the dispatcher's choice and which backends run alone)
   b_cuda_tests   only the CUDA tests (pytest -k cuda --slow), CUDA-graph skips made errors
                  (TORCHINDUCTOR_CUDAGRAPH_OR_ERROR=1, and the CUDA-graph test asserts inductor's skip counter stayed
                  at zero and graphs were captured and replayed)
@@ -18,7 +18,7 @@ run cut short keeps every stage it finished; a stage that fails records its trac
                  1..8 at the toy's recorded acceptance and for the default tree at the toy's recorded tree tau
   d_compiled     the compiled cost model (CUDA graphs, mode "reduce-overhead"; inductor on a CPU) at a few depths
                  (--compiled-layers): compile time of each step shape, T_target(1), T_target(gamma+1), T_draft(1),
-                 and bench.CompileWatch's count of compilations after the compile pass (must be none) and of the
+                 and timing.CompileWatch's count of compilations after the compile pass (must be none) and of the
                  CUDA graphs captured, replayed and skipped
   e_full         the same at full depth, if the budget still allows it by the compile time per layer that (d)
                  measured; otherwise written with skipped: true, the estimate and the reason
@@ -42,12 +42,14 @@ import traceback
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import alpamayo  # noqa: E402
 import bench  # noqa: E402
 import cli  # noqa: E402
 import evaluate  # noqa: E402
 import files  # noqa: E402
 import model as M  # noqa: E402
 import speculate  # noqa: E402
+import timing  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STAGES = ("a_env", "b_cuda_tests", "c_eager", "d_compiled", "e_full")
@@ -112,7 +114,7 @@ class Run:
         return self.models[layers]
 
     def prompt(self, target):
-        p = bench.real_prompt(target.cfg, self.device, n_images=self.args.images, grid=self.args.image_grid)
+        p = alpamayo.real_prompt(target.cfg, self.device, n_images=self.args.images, grid=self.args.image_grid)
         if "pixel_values" in p:
             p["pixel_values"] = p["pixel_values"].to(cli.DTYPES[self.args.dtype])
         return p
@@ -130,9 +132,9 @@ def env_stage(run):
     target, _ = run.build(1)
     prompt = run.prompt(target)
     L = prompt["input_ids"].shape[1]
-    return {"environment": bench.environment(run.device), "prompt_tokens": L, "gamma": run.args.gamma,
+    return {"environment": timing.environment(run.device), "prompt_tokens": L, "gamma": run.args.gamma,
             "threads": torch.get_num_threads(),
-            "sdpa": bench.sdpa_steps(target, prompt, run.args.gamma, static_len=L + 2 * run.args.gamma + 1)}
+            "sdpa": timing.sdpa_steps(target, prompt, run.args.gamma, static_len=L + 2 * run.args.gamma + 1)}
 
 
 def tests_stage(run):
@@ -228,7 +230,7 @@ def eager_stage(run):
             "tree_verify_ratio": {n: v / t_target[1] for n, v in t_verify.items()},
             "t_draft_level_ms": {"full": 1e3 * tt["draft_level"], "reduced": 1e3 * level_reduced},
             "toy_tree_acceptance": toy_tree, "predicted_speedup_tree": tree_pred,
-            "peak_memory": bench.peak_memory(run.device), "setup_and_timing_s": clock.lap()}
+            "peak_memory": timing.peak_memory(run.device), "setup_and_timing_s": clock.lap()}
 
 
 @torch.no_grad()
@@ -241,7 +243,7 @@ def compiled_costs(run, layers):
     L = prompt["input_ids"].shape[1]
     lengths = (1, 2, g + 1)
     ct, cd = (M.StaticDecoder(m, L + g + 1 + g, compile=True, step_lengths=lengths) for m in (target, draft))
-    watch = bench.CompileWatch({"target": ct, "draft": cd})
+    watch = timing.CompileWatch({"target": ct, "draft": cd})
     embeds, deepstack = speculate.embed_prompt(target, prompt)
     x = prompt["input_ids"][:, -1:]
     compile_s = {}
@@ -265,7 +267,7 @@ def compiled_costs(run, layers):
     return {"layers": layers, "compile_s": compile_s, "compile_s_total": sum(compile_s.values()),
             "t_target_ms": t_target, "t_draft_1_ms": t_draft, "gamma": g,
             "predicted_speedup_at_toy_alpha": speculate.measured_speedup(tau, t_target[1], t_draft, t_target[g + 1], g),
-            "compilations": watch.report(), "peak_memory": bench.peak_memory(run.device)}
+            "compilations": watch.report(), "peak_memory": timing.peak_memory(run.device)}
 
 
 def compiled_stage(run):
@@ -376,7 +378,7 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     files.check_writable(args.out)
     run = Run(args)
-    bench.reset_peak_memory(run.device)
+    timing.reset_peak_memory(run.device)
     results = {}
     for name, fn in (("a_env", env_stage), ("b_cuda_tests", tests_stage), ("c_eager", eager_stage),
                      ("d_compiled", compiled_stage),

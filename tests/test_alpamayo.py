@@ -17,11 +17,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+import alpamayo
 import bench
 import speculate
 from alpamayo import HistoryTokenizer, build_prompt
-from expert import ExpertConfig, unicycle
 from hf import load_pretrained
+from expert import ExpertConfig, unicycle
+from model import make_draft
 from tiny_models import IMG, VE, VID, VS, hf_qwen3, mm_token_type_ids, o1_init, qwen3_prompt
 
 tf = pytest.importorskip("transformers")
@@ -265,7 +267,7 @@ def test_unicycle_straight_line_and_circle():
 
 def test_history_tokenizer_bins_per_step_deltas():
     hist = HistoryTokenizer(first_id=48, num_bins=16)
-    xyz = bench.history_poses(speed=8.0)  # 0.8 m per step along x, the oldest pose at x = -12 m
+    xyz = alpamayo.history_poses(speed=8.0)  # 0.8 m per step along x, the oldest pose at x = -12 m
     ids = hist.encode(xyz[None])[0]
     assert ids.shape == (48,)
     # first delta: the oldest pose from the origin (-12, 0, 0): x saturates at bin 0; y, z in the middle
@@ -279,14 +281,14 @@ def test_prompt_through_the_folders_tokenizer_and_image_processor(folder, model,
     _, _, d = folder
     g = torch.Generator().manual_seed(0)
     images = [torch.randint(0, 256, (3, 24, 40), dtype=torch.uint8, generator=g) for _ in range(16)]
-    p = build_prompt(d, images, bench.history_poses(), min_pixels=64, max_pixels=256)
+    p = build_prompt(d, images, alpamayo.history_poses(), min_pixels=64, max_pixels=256)
     ids = p["input_ids"][0].tolist()
     n_img = (p["image_grid_thw"].prod(-1) // 4).tolist()
     assert len(n_img) == 16 and ids.count(IMG) == sum(n_img) and ids.count(VS) == 16
     h0 = ids.index(SPECIAL["<|traj_history_start|>"])
     assert ids[h0 + 49] == SPECIAL["<|traj_history_end|>"]
     assert ids[h0 + 1:h0 + 49] == HistoryTokenizer(first_id=TRAJ_START + FUTURE_BINS, num_bins=HIST_BINS).encode(
-        bench.history_poses()[None])[0].tolist()
+        alpamayo.history_poses()[None])[0].tolist()
     assert ids[0] == SPECIAL["<|im_start|>"] and ids[-1] == SPECIAL["<|cot_start|>"] and ids.index(VS) < h0
     logits = model(**p)
     assert torch.isfinite(logits).all()
@@ -294,7 +296,7 @@ def test_prompt_through_the_folders_tokenizer_and_image_processor(folder, model,
     def wrong(c):
         c["traj_token_ids"]["future_start"] = 70
     with pytest.raises(ValueError, match=r"traj_token_ids.future_start = 70 but the tokenizer"):
-        build_prompt(edited(d, tmp_path / "w", edit_cfg=wrong), images, bench.history_poses())
+        build_prompt(edited(d, tmp_path / "w", edit_cfg=wrong), images, alpamayo.history_poses())
 
 
 # ---- the reasoning step with DeepStack, and the benchmark ----
@@ -310,7 +312,7 @@ def test_greedy_decoding_with_deepstack_matches_transformers(folder, model):
     ids = torch.cat([prompt["input_ids"], torch.tensor([ar.tokens[:-1]])], 1)
     ref = hf(**dict(prompt, input_ids=ids), mm_token_type_ids=mm_token_type_ids(ids)).logits
     assert ref[0, -6:].argmax(-1).tolist() == ar.tokens
-    draft = bench.M.make_draft(model, n_layers=1)
+    draft = make_draft(model, n_layers=1)
     assert speculate.speculative(model, draft, prompt, 3, 6).tokens == ar.tokens
 
 

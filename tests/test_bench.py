@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import bench
+import timing
 import evaluate
 import speculate
 from model import make_draft
@@ -33,7 +34,7 @@ def test_divergences_name_the_prompt_the_position_and_the_targets_margin():
     flipped = ref[:j] + [(ref[j] + 1) % 80 + 10] + ref[j + 1:]  # a text id other than the target's choice
     assert flipped[j] != ref[j]
     first = [(ref[0] + 1) % 80 + 10] + ref[1:]
-    out = bench.divergences(target, [prompt] * 4, [ref] * 4, [flipped, ref, ref[:5], first])
+    out = timing.divergences(target, [prompt] * 4, [ref] * 4, [flipped, ref, ref[:5], first])
     assert [(d["prompt"], d["position"]) for d in out] == [(0, j), (2, 5), (3, 0)]  # prompt 1 is identical: no entry
     d = out[0]
     assert d["target_only_token"] == ref[j] and d["speculative_token"] == flipped[j]
@@ -46,13 +47,13 @@ def test_divergences_name_the_prompt_the_position_and_the_targets_margin():
     assert d["margin_steps"] == pytest.approx(margin / step, rel=1e-3)
     assert out[1]["speculative_token"] is None and out[1]["target_only_token"] == ref[5]  # an output cut short
     assert out[2]["top2_margin"] == pytest.approx(reference_margin(target, prompt, [])[0], abs=1e-4)
-    assert bench.divergences(target, [prompt], [ref], [list(ref)]) == []
+    assert timing.divergences(target, [prompt], [ref], [list(ref)]) == []
 
 
 def test_margin_steps_count_bf16_steps():
     target, prompt = tiny_model().to(torch.bfloat16), image_prompt()
     prompt = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in prompt.items()}
-    margin, steps = bench.top2_margin(target, prompt, [12, 13])
+    margin, steps = timing.top2_margin(target, prompt, [12, 13])
     with torch.no_grad():
         top1 = float(target(**dict(prompt, input_ids=torch.cat([prompt["input_ids"], torch.tensor([[12, 13]])], 1)))
                      [0, -1].max())
@@ -63,7 +64,7 @@ def test_margin_steps_count_bf16_steps():
 
 
 def report_of(divergences, dtype="bf16", n=4):
-    return "\n".join(bench.divergence_lines({"prompts": n, "divergences": divergences, "dtype": dtype}))
+    return "\n".join(timing.divergence_lines({"prompts": n, "divergences": divergences, "dtype": dtype}))
 
 
 def test_the_report_says_identical_only_where_it_is():
@@ -154,7 +155,7 @@ def test_compile_watch_sees_a_recompilation(eager_dynamo):
     import model
     target = tiny_model()
     st = model.StaticDecoder(target, 40, compile=True)
-    watch = bench.CompileWatch({"target": st})
+    watch = timing.CompileWatch({"target": st})
     prompt = image_prompt()
     with torch.no_grad():
         speculate.autoregressive(st, prompt, 3)
@@ -171,7 +172,7 @@ def test_sdpa_steps_name_each_steps_shapes_and_kernel():
     target = tiny_model()
     prompt = image_prompt()
     L, cfg = prompt["input_ids"].shape[1], target.cfg
-    steps = bench.sdpa_steps(target, prompt, 3, static_len=40)
+    steps = timing.sdpa_steps(target, prompt, 3, static_len=40)
     assert set(steps) == {"prefill", "decode", "verify", "static decode", "static verify"}
     g = cfg.n_heads // cfg.n_kv_heads
     assert steps["prefill"]["q"] == [1, cfg.n_heads, L - 1, cfg.head_dim] and steps["prefill"]["mask"] == \
@@ -188,7 +189,7 @@ def test_sdpa_steps_see_the_lower_right_verify_bias(monkeypatch):
     import model
     monkeypatch.setattr(model, "lower_right_verify", lambda device: True)
     target, prompt = tiny_model(), image_prompt()
-    v = bench.sdpa_steps(target, prompt, 3)["verify"]
+    v = timing.sdpa_steps(target, prompt, 3)["verify"]
     assert v["mask"] == "lower-right causal bias" and v["enable_gqa"]
     assert v["q"] == [1, target.cfg.n_heads, 4, target.cfg.head_dim] and v["dispatcher"] == "materialised mask"
     assert v["backends"]["MATH"] == "ok"

@@ -845,12 +845,12 @@ def test_vla_compiled_decoding_on_cuda_equals_target():
     """On CUDA, --compile's steps are CUDA graphs over the persistent static cache (mode "reduce-overhead"): greedy
     outputs equal eager target-only decoding (fp32), twice over (the second decode replays the graphs); graphs were
     captured and replayed and none skipped (a skipped one would run as plain inductor and pass the token check)."""
-    import bench
+    import timing
     target = tiny_target().cuda()
     draft = drafts_for(target)["perturbed"]
     lengths = (1, 2, 4)
     ct, cd = (model.StaticDecoder(m, 64, compile=True, step_lengths=lengths) for m in (target, draft))
-    watch = bench.CompileWatch({"target": ct, "draft": cd})
+    watch = timing.CompileWatch({"target": ct, "draft": cd})
     try:
         for _ in range(2):
             for pname, prompt in vla_prompts().items():

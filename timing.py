@@ -1,0 +1,251 @@
+"""What a reader of a benchmark number needs to trust it: the software and device it was measured on, peak memory,
+what the compiled steps really did (CompileWatch), which attention kernel ran each step, and where a greedy output
+parts from target-only decoding (a near-tie of the dtype, or a bug).
+
+run: python bench.py --device cpu --json        (the JSON's environment, peak_memory, sdpa and compiled keys)
+"""
+import importlib
+import importlib.metadata
+import logging
+import math
+import platform
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+import model as M
+import speculate
+
+# ---- the runtime a number was measured on ----
+
+
+def environment(device):
+    """Python, torch, the CUDA and cuDNN torch was built with, triton and transformers (None where absent), and on
+    CUDA the GPU's name, compute capability, memory and driver."""
+    version = lambda p: next((d.version for d in importlib.metadata.distributions(name=p)), None)  # noqa: E731
+    env = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
+           "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
+           "triton": version("triton"), "transformers": version("transformers"), "platform": platform.platform()}
+    if torch.device(device).type == "cuda":
+        p = torch.cuda.get_device_properties(device)
+        env.update(gpu=p.name, capability=f"{p.major}.{p.minor}", gpu_memory_gib=p.total_memory / 2 ** 30,
+                   driver_cuda=getattr(torch._C, "_cuda_getDriverVersion", lambda: None)())
+    return env
+
+
+def reset_peak_memory(device):
+    if torch.device(device).type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_memory(device):
+    """On CUDA the allocator's peak since reset_peak_memory; on a CPU the process's peak resident set (all its life)."""
+    if torch.device(device).type == "cuda":
+        return {"what": "torch.cuda.max_memory_allocated / max_memory_reserved since the run began",
+                "allocated_gib": torch.cuda.max_memory_allocated(device) / 2 ** 30,
+                "reserved_gib": torch.cuda.max_memory_reserved(device) / 2 ** 30}
+    import resource  # POSIX
+    return {"what": "the process's peak resident set (getrusage ru_maxrss)",
+            "rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20}  # KiB on Linux
+
+
+class CompileWatch:
+    """Per phase ("compile" until next_phase) and StaticDecoder step length: calls and dynamo's compilations; on CUDA
+    the graphs captured and replayed and inductor's CUDA-graph skips with their reasons. Why: dynamo guards on the
+    grad mode and dispatch keys (a step warmed up under no_grad and timed under inference_mode compiles again in the
+    timed passes), and a skipped CUDA graph runs as plain inductor without a word."""
+
+    def __init__(self, decoders):
+        from torch._dynamo.utils import counters
+        self.counters, self.phase, self.counts, self.patched, self.skip_reasons = counters, "compile", {}, [], []
+        self.captures = self.replays = 0
+        self.skips0 = counters["inductor"]["cudagraph_skips"]
+        for name, dec in decoders.items():
+            dec._step = self._counted(name, dec._step)
+        self.cuda = any(dec.copy_out for dec in decoders.values())  # compiled on CUDA: CUDA graphs expected
+        if self.cuda:
+            for attr, field in (("capture_begin", "captures"), ("replay", "replays")):
+                self._count_graph_calls(attr, field)
+            try:  # private: inductor logs every skip reason to this logger (torch 2.11 to 2.13 at least)
+                log = importlib.import_module("torch._inductor.cudagraph_utils").cudagraphs_log
+                handler = logging.Handler(logging.WARNING)
+                handler.emit = lambda record: self.skip_reasons.append(record.getMessage())
+                log.addHandler(handler)
+                self.patched.append(lambda: log.removeHandler(handler))
+            except (ImportError, AttributeError):
+                pass  # the skip counter still counts them, without reasons
+
+    def _counted(self, name, step):
+        def counted(input_ids, input_pos, cache):
+            before = self.counters["stats"]["unique_graphs"]
+            out = step(input_ids, input_pos, cache)
+            c = self.counts.setdefault(self.phase, {}).setdefault(f"{name} T={input_ids.shape[1]}",
+                                                                  {"calls": 0, "compilations": 0})
+            c["calls"] += 1
+            c["compilations"] += self.counters["stats"]["unique_graphs"] - before
+            return out
+        return counted
+
+    def _count_graph_calls(self, attr, field):
+        cls, orig = torch.cuda.CUDAGraph, getattr(torch.cuda.CUDAGraph, attr)
+
+        def counted(graph, *args, **kwargs):
+            setattr(self, field, getattr(self, field) + 1)
+            return orig(graph, *args, **kwargs)
+        setattr(cls, attr, counted)
+        self.patched.append(lambda: setattr(cls, attr, orig))
+
+    def next_phase(self, name):
+        self.phase = name
+
+    def recompiled(self):
+        """Compilations after the "compile" phase, by phase and step: {} when every step compiled only there."""
+        return {phase: again for phase, steps in self.counts.items() if phase != "compile"
+                and (again := {k: v["compilations"] for k, v in steps.items() if v["compilations"]})}
+
+    def report(self):
+        skips = self.counters["inductor"]["cudagraph_skips"] - self.skips0
+        return {"what": "per phase and step: calls, and dynamo compilations (torch._dynamo.utils.counters['stats']"
+                        "['unique_graphs']) counted around each compiled call",
+                "steps": self.counts, "recompiled_after_compile": self.recompiled(),
+                "cuda_graphs": None if not self.cuda else {
+                    "ran": self.replays > 0 and skips == 0, "captured": self.captures, "replayed": self.replays,
+                    "skips": skips, "skip_reasons": self.skip_reasons,
+                    "what": "torch.cuda.CUDAGraph capture_begin / replay calls; inductor's cudagraph_skips counter "
+                            "and the reasons it logged"}}
+
+    def close(self):
+        for undo in self.patched:
+            undo()
+        self.patched = []
+
+
+SDPA_BACKENDS = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION", "MATH")
+
+
+def first_sdpa_call(fn):
+    """(args, kwargs) of fn()'s first F.scaled_dot_product_attention call (every layer's has the same shapes)."""
+    sdpa, seen = F.scaled_dot_product_attention, []
+
+    def spy(*args, **kwargs):
+        seen.append((args, kwargs))
+        F.scaled_dot_product_attention = sdpa  # one call is enough, and CausalBias dispatches only to the original
+        return sdpa(*args, **kwargs)
+    F.scaled_dot_product_attention = spy
+    try:
+        fn()
+    finally:
+        F.scaled_dot_product_attention = sdpa
+    return seen[0]
+
+
+@torch.no_grad()
+def sdpa_kernel_of(args, kwargs):
+    """One SDPA call's shapes and mask; `dispatcher`: the backend torch picks for these arguments (_fused_sdp_choice;
+    for a lower-right CausalBias torch.nn.attention.bias's rule); `backends`: whether each runs them alone ("ok", or
+    the first line of its refusal). A compiled step's kernel is chosen at tracing from the same arguments."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.bias import CausalBias
+    q, k, v = args[:3]
+    mask, causal, gqa = kwargs.get("attn_mask"), kwargs.get("is_causal", False), kwargs.get("enable_gqa", False)
+    lower_right = isinstance(mask, CausalBias)  # a Tensor subclass: tested before the plain-tensor case
+    info = {"q": list(q.shape), "k": list(k.shape), "dtype": str(q.dtype).replace("torch.", ""),
+            "mask": "lower-right causal bias" if lower_right else
+                    "none, is_causal" if causal else "none" if mask is None else f"{mask.dtype} tensor",
+            "enable_gqa": gqa}
+    if lower_right:
+        params = torch.backends.cuda.SDPAParams(q, k, v, None, 0.0, False, gqa)
+        info["dispatcher"] = ("FLASH_ATTENTION" if torch.backends.cuda.can_use_flash_attention(params) else
+                              "EFFICIENT_ATTENTION" if torch.backends.cuda.can_use_efficient_attention(params)
+                              else "materialised mask")
+    else:
+        try:  # private, positional (q, k, v, mask, dropout_p, is_causal), then scale, enable_gqa
+            info["dispatcher"] = SDPBackend(torch._fused_sdp_choice(q, k, v, mask, 0.0, causal, enable_gqa=gqa)).name
+        except (AttributeError, TypeError, RuntimeError) as e:
+            info["dispatcher"] = f"unknown ({type(e).__name__}: {str(e)[:100]})"
+    info["backends"] = {}
+    for b in (b for b in SDPA_BACKENDS if hasattr(SDPBackend, b)):
+        try:
+            with warnings.catch_warnings(), sdpa_kernel([getattr(SDPBackend, b)]):
+                warnings.simplefilter("ignore")  # the refusal's reasons come again in the error
+                F.scaled_dot_product_attention(*args, **kwargs)
+            info["backends"][b] = "ok"
+        except RuntimeError as e:
+            info["backends"][b] = (str(e).strip().splitlines() or ["refused"])[0][:200]
+    return info
+
+
+def sdpa_steps(target, prompt, gamma, static_len=None, tree=False):
+    """sdpa_kernel_of for the target's steps at this prompt: the prefill, the 1-token decode, the
+    (gamma+1)-token verify, with tree (gamma is then its N) the tree verify of N + 1 tokens (VLA.step), and with
+    static_len (a StaticDecoder's cache length) the static 1-token and verify steps that --compile compiles. Each
+    step runs once, eagerly; the vision tower's SDPA is not counted."""
+    L, x = prompt["input_ids"].shape[1], prompt["input_ids"][:, -1:]
+    first, calls = first_sdpa_call, {}
+    with torch.no_grad():
+        embeds, deepstack = speculate.embed_prompt(target, prompt)  # (1, L, D)
+        cache = target.new_cache(batch=1, max_len=L + gamma + 1)
+        calls["prefill"] = first(lambda: speculate.prefill(target, prompt, embeds, cache, deepstack))
+        base = cache.length
+        for name, n in (("decode", 1), ("verify", gamma + 1)):
+            calls[name] = first(lambda: target(x.repeat(1, n), cache=cache))
+            cache.crop(base)
+        if tree:  # a tree's verify runs VLA.step under its mask (speculate.tree_round)
+            slots = torch.arange(base, base + gamma + 1, device=x.device)  # (N+1,)
+            calls["tree verify"] = first(lambda: target.step(x.repeat(1, gamma + 1), slots, cache))
+        if static_len:
+            st = M.StaticDecoder(target, max(static_len, L + gamma + 1))
+            scache = st.new_cache()
+            speculate.prefill(st, prompt, embeds, scache, deepstack)
+            for name, n in (("static decode", 1), ("static verify", gamma + 1)):
+                calls[name] = first(lambda: st(x.repeat(1, n), cache=scache))
+                scache.crop(base)
+    return {name: sdpa_kernel_of(*call) for name, call in calls.items()}
+
+
+# ---- where greedy outputs part ----
+
+
+@torch.inference_mode()
+def top2_margin(target, prompt, prefix):
+    """The target's top-1 minus top-2 logit for the token after prompt + prefix (a list of ids), and that gap in
+    steps of the logits' dtype at the top logit (a bf16 step at a logit of 10 is 2^-4), prefilled as speculate does."""
+    cache = target.new_cache(batch=1, max_len=prompt["input_ids"].shape[1] + len(prefix))
+    embeds, deepstack = speculate.embed_prompt(target, prompt)  # (1, L, D)
+    x_last = speculate.prefill(target, prompt, embeds, cache, deepstack, name="target")  # (1, 1)
+    x = torch.cat([x_last, torch.tensor([prefix], dtype=torch.long, device=x_last.device).view(1, -1)], 1)  # (1, 1 + j)
+    top = target(x, cache=cache, logits_to_keep=1)[0, -1].topk(2).values  # (2,) in the logits' dtype
+    info = torch.finfo(top.dtype)
+    step = info.eps * 2.0 ** math.floor(math.log2(max(abs(float(top[0])), info.tiny)))  # spacing at the top logit
+    margin = float(top[0]) - float(top[1])  # in Python floats: a bf16 subtraction would round the gap itself
+    return margin, margin / step
+
+
+def divergences(target, prompts, reference, outputs):
+    """For each prompt whose greedy output leaves the reference (target-only decoding's): where, and the target's
+    top-2 margin there. Greedy speculative decoding is exact in fp32; in bf16 the verify step's batched matmuls round
+    differently from single-token steps and can flip a near-tie (a margin of a few steps): the margin tells which."""
+    out = []
+    for i, (prompt, ref, got) in enumerate(zip(prompts, reference, outputs)):
+        if ref != got:
+            j = next((k for k, (a, b) in enumerate(zip(ref, got)) if a != b), min(len(ref), len(got)))
+            margin, steps = top2_margin(target, prompt, ref[:j])
+            out.append({"prompt": i, "position": j, "top2_margin": margin, "margin_steps": steps,
+                        "target_only_token": ref[j] if j < len(ref) else None,
+                        "speculative_token": got[j] if j < len(got) else None})
+    return out
+
+
+def divergence_lines(res):
+    """'identical' only where every greedy output is; else each diverging prompt with the target's margin there."""
+    n, div, dt = res["prompts"], res["divergences"], res["dtype"]
+    if not div:
+        return [f"greedy outputs identical to target-only on all {n} prompts"]
+    return [f"greedy outputs identical to target-only on {n - len(div)} of {n} prompts; where the others diverge "
+            "(first differing token, the target's top-1 minus top-2 logit there):"] + [
+        f"  prompt {d['prompt']}: token {d['position']}, margin {d['top2_margin']:.4g} ({d['margin_steps']:.1f} {dt} "
+        "steps at the top logit)" for d in div] + [
+        "  greedy speculative decoding is exact in fp32 (tests/test_speculate.py): this is a bug" if dt == "fp32" else
+        f"  a margin of a few {dt} steps is a near-tie that the verify step's batched {dt} matmuls rounded the other "
+        "way; in fp32 the outputs are identical"]
