@@ -99,12 +99,12 @@ def continue_prompts(target, batch, seqs, pad_id, amp=False):
 
 @torch.no_grad()
 def plan_trajectories(target, batch, cocs, tok, amp=False):
-    """Trajectories (B, traj_len, 2) after prompt + the given CoCs + <traj_future_start>,
-    read at each row's <traj_future_start>."""
+    """Trajectories (N, traj_len, 2) after prompt + the given CoCs (<cot_end> added where missing) +
+    <traj_future_start>, read at each row's <traj_future_start>, and continue_prompts' logits (N, 1 + T, V)."""
     seqs = [[t for t in c if t != tok.cot_end_id] + [tok.cot_end_id, tok.traj_future_start_id] for c in cocs]
-    _, hidden = continue_prompts(target, batch, seqs, tok.pad_id, amp)
+    logits, hidden = continue_prompts(target, batch, seqs, tok.pad_id, amp)
     last = torch.tensor([len(s) - 1 for s in seqs], device=hidden.device)
-    return target.traj(hidden[torch.arange(len(seqs)), last]).float()  # (B, traj_len, 2)
+    return target.traj(hidden[torch.arange(len(seqs)), last]).float(), logits  # (N, traj_len, 2)
 
 
 def repeat_scenes(inputs, n_scenes, G):
@@ -144,7 +144,7 @@ def trajectory_ade(target, data: Data, cocs, batch_size=EVAL_BATCH, amp=False):
     device = next(target.parameters()).device
     for i, batch in enumerate(data.batches(batch_size, device)):
         part = cocs[i * batch_size:(i + 1) * batch_size]
-        a, f = ade_fde(plan_trajectories(target, batch, part, data.tok, amp), batch["traj"].cpu())
+        a, f = ade_fde(plan_trajectories(target, batch, part, data.tok, amp)[0], batch["traj"].cpu())
         ade, fde = ade + a * len(part), fde + f * len(part)
     return ade / len(cocs), fde / len(cocs)
 
