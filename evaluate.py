@@ -419,9 +419,11 @@ def kl_to(draft, ref, target, data: Data, batch_size=EVAL_BATCH):
 
 # ---- argument checks ----
 VIEWS_RULE = f"in 0..{driving.MAX_VIEWS} (the geometries the toy target was trained on)"
+MAX_VIEWS_RULE = f"at most {driving.MAX_VIEWS} (the world's surround views)"
 RULES = {">= 1": lambda v: v >= 1, "> 0": lambda v: v > 0,  # "not v > 0" also catches NaN
          "a number >= 0": lambda v: v >= 0, "a finite number >= 0": lambda v: v >= 0 and math.isfinite(v),
          "in [0, 1]": lambda v: 0 <= v <= 1, VIEWS_RULE: lambda v: 0 <= v <= driving.MAX_VIEWS,
+         MAX_VIEWS_RULE: lambda v: v <= driving.MAX_VIEWS,
          "in 0..2**30-1": lambda v: 0 <= v < 2**30}  # seeds: combined into 64-bit torch seeds (driving.Data.batch)
 
 
