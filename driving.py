@@ -199,11 +199,9 @@ def coc_words(f):
 
 
 def _buckets(event, speed):
-    if event == "clear":
-        return [None]
-    if speed == "stand":
-        return [5]                      # waiting at the stop line
-    return [10, 15, 20]                 # 5 m is too close to stop or nudge in time from speed: roadside actors only
+    """Range rings of the in-lane actor / stop line: 5 m when waiting at the line, else 10-20 m (5 m is too close to
+    stop or nudge in time from speed: roadside actors only)."""
+    return [None] if event == "clear" else [5] if speed == "stand" else [10, 15, 20]
 
 
 def _roadside_options(event):

@@ -1,13 +1,10 @@
-"""Evaluation on the synthetic driving world: batched CoC generation (greedy or sampled),
-trajectories after a given CoC, teacher-forced commitment accuracy, ADE, the attention split,
-and speculative-decoding statistics (tau, alpha, routine share, tau ceiling, greedy match)
-over a set of prompts. train.py, aarl.py, bench.py and rsd.py all measure through this file.
-
-Paper: the columns of the paper's table. tau and the routine share (the fraction of CoC tokens
-the routine reasoner supplies) measure speculative decoding; commitment accuracy asks whether a
-model can supply the tokens that need the image; ADE scores the trajectory that follows the
-CoC; the attention split tests the FlatRoPE claim that the draft's attention moves from the
-image tokens to the trajectory history (docs/background.md).
+"""Evaluation on the synthetic driving world, the columns of the paper's table: batched CoC
+generation (greedy or sampled), ADE of the trajectory that follows a CoC, teacher-forced
+commitment accuracy (can a model supply the tokens that need the image?), the attention split
+(the FlatRoPE claim that the draft's attention moves from the image tokens to the trajectory
+history, docs/background.md) and speculative decoding's statistics over a set of prompts (tau,
+alpha, routine share: the fraction of CoC tokens the routine reasoner supplies, tau ceiling,
+greedy match). train.py, aarl.py, bench.py and rsd.py all measure through this file.
 
 Letters: B batch, P prompt length, L sequence, T generated tokens, V vocab, H heads.
 
