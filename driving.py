@@ -456,9 +456,8 @@ def render(kappa, actors, stop_line, seen_now, cfg):
 
 
 def _place(rng, bucket, l_range, in_lane, kappa, cfg, ego_lane, side):
-    """Rejection-sample an actor's (s, l) at t = 0 whose block sits in the bucket's rows, fully inside the raster,
-    with >= 2 of its pixels on the ego lane (in_lane) or none (off the lane), in the token column of `side`
-    ("left" / "centre" / "right")."""
+    """Rejection-sample an actor's (s, l) at t = 0 whose block sits in the bucket's rows inside the raster, with >= 2
+    of its pixels on the ego lane (in_lane) or none, in the token column of `side` ("left" / "centre" / "right")."""
     lo, hi = BUCKET_ROWS[bucket]
     for _ in range(1000):
         x = (cfg.ego_row - rng.integers(lo, hi + 1) + rng.uniform(-0.4, 0.4)) * cfg.res
@@ -652,13 +651,10 @@ def make_split(name, n, seed=0, cfg=WorldConfig()):
 
 
 class Data:
-    """The scenes of one split and their batches. Examples are built when a batch is drawn (the surround views are
-    rendered then, and a scene's pixels never sit in memory). Batch indices are a pure function of (seed, step), so a
-    resumed run sees exactly the batches it would have seen, on any number of ranks; batches walk a seeded
-    permutation per epoch, so no scene repeats before the split is used up.
-
-    views: the surround-view count of every batch, or a function step -> count (one geometry per batch, so that
-    prompts in a batch have equal length)."""
+    """The scenes of one split and their batches, built when drawn (the surround views are rendered then). Batch
+    indices are a pure function of (seed, step), so a resumed run sees the batches it would have seen on any number
+    of ranks, and walk a seeded permutation per epoch. views: the surround-view count of every batch, or a function
+    step -> count (one geometry per batch, so that prompts in a batch have equal length)."""
 
     def __init__(self, split, n, seed, tok, views=WorldConfig().views):
         self.scenes = make_split(split, n, seed)
