@@ -28,11 +28,7 @@ Why each choice:
   is not zero between resets: an anchor that follows the policy), and "none" (beta = 0).
 
 One run starts from the SFT FlatRoPE draft of seed S (checkpoint.draft_dir(run, "flat", S)) and
-uses S for its rollouts and batch order. The report, before and after, on validation and held-out
-scenes: tau at the speed-optimal gamma (chosen on validation with the measured cost model) and at
-gamma 4, 6, 8 (exact from one teacher-forced pass, evaluate.simulate_rounds), the routine share,
-the ADE after the draft's own CoC, the KL to the SFT draft, and whether real speculative decoding
-at that gamma emits the target's greedy output on every scene.
+uses S for its rollouts and batch order; `report` compares the draft before and after.
 
 run: python aarl.py --reference static|moving|none --seed S [--json]   (needs a run folder from train.py; writes
      runs/aarl/draft_aarl[_REFERENCE]_s<S> by default, never over the shipped checkpoints; --overwrite replaces an
@@ -61,10 +57,9 @@ from driving import Data, grid_kwargs, vision_kwargs
 REFERENCES = ("static", "moving", "none")
 REPORT_GAMMAS = tuple(range(2, 9))  # the speed-optimal gamma is chosen among these
 SHOWN_GAMMAS = (4, 6, 8)
+DEFAULT_OUT = "runs/aarl"  # a fresh folder: a default run never replaces the shipped FlatRoPE + AARL drafts
 
 # ---- config ----
-
-
 @dataclass
 class AARLConfig:
     steps: int = 120  # policy updates
@@ -82,34 +77,7 @@ class AARLConfig:
     views: int = driving.WorldConfig().views  # surround views of the training scenes
 
 
-def check_config(cfg: AARLConfig):
-    """Clear errors before any work."""
-    if cfg.reference not in REFERENCES:
-        raise ValueError(f"reference must be one of {REFERENCES}, got {cfg.reference!r}")
-    if cfg.group < 2:
-        raise ValueError(f"group must be >= 2 for group-relative advantages, got {cfg.group}")
-    if cfg.reference == "moving" and cfg.refresh < 10:
-        raise ValueError(f"refresh must be >= 10 updates (a reference reset every update has zero KL), "
-                         f"got {cfg.refresh}")
-    for name in ("steps", "scenes", "n_train", "max_new"):
-        if getattr(cfg, name) < 1:
-            raise ValueError(f"{name} must be >= 1, got {getattr(cfg, name)}")
-    for name in ("lr", "temperature"):
-        if not getattr(cfg, name) > 0:
-            raise ValueError(f"{name} must be > 0, got {getattr(cfg, name)}")
-    if not 0 <= cfg.seed < 2**30:  # combined into a 64-bit torch seed for the batch order (driving.Data.batch)
-        raise ValueError(f"seed must be in 0..2**30-1, got {cfg.seed}")
-    if not 0 <= cfg.views <= driving.MAX_VIEWS:
-        raise ValueError(f"views must be in 0..{driving.MAX_VIEWS} (the geometries the toy target was trained on), "
-                         f"got {cfg.views}")
-    for name in ("beta", "agree_weight"):
-        if not getattr(cfg, name) >= 0:  # also catches NaN
-            raise ValueError(f"{name} must be a number >= 0, got {getattr(cfg, name)}")
-
-
 # ---- rollouts ----
-
-
 def rollout(draft, embeds, batch, G, temperature, max_new, stop, generator):
     """Sample G CoCs per scene from q with the KV cache (evaluate.generate, the loop that also
     decodes greedily). embeds (S, P, D) are the target's prompt embeddings. Returns tokens
@@ -131,30 +99,21 @@ def coc_logprobs(draft, embeds, batch, toks, G):
 
 
 # ---- reward ----
-
-
 @torch.no_grad()
 def reward(target, batch, toks, mask, G, tok, agree_weight):
     """Action quality (-ADE in metres of the target's trajectory after the drafted CoC) plus
     agree_weight * the share of the CoC's tokens equal to the target's greedy choice after the same
     prefix. Each scene's prompt is prefilled once for its G rollouts. Returns (reward (S*G,), ade
     (S*G,), agree (S*G,))."""
-    N = toks.shape[0]
-    # the CoC up to <cot_end> (added if the rollout hit max_new first), then <traj_future_start>
-    seqs = [[t for t in toks[r][mask[r]].tolist() if t != tok.cot_end_id] + [tok.cot_end_id, tok.traj_future_start_id]
-            for r in range(N)]
-    logits, hidden = evaluate.continue_prompts(target, batch, seqs, tok.pad_id)  # (N, 1+T', V), (N, T', D)
-    last = torch.tensor([len(s) - 1 for s in seqs], device=toks.device)
-    traj = target.traj(hidden[torch.arange(N), last]).float()  # (N, traj_len, 2)
-    ade = driving.ade_fde(traj, batch["traj"].repeat_interleave(G, 0), per_scene=True)[0]  # (N,)
+    cocs = [t[m].tolist() for t, m in zip(toks, mask)]  # <cot_end> is added where a rollout hit max_new first
+    traj, logits = evaluate.plan_trajectories(target, batch, cocs, tok)  # (N, traj_len, 2), (N, 1+T', V)
+    ade = evaluate.ade_fde(traj, batch["traj"].repeat_interleave(G, 0), per_scene=True)[0]  # (N,)
     # agreement: row t of logits is p after the prompt and the rollout's first t tokens
     agree = ((logits[:, :toks.shape[1]].argmax(-1) == toks) & mask).sum(1) / mask.sum(1).clamp(min=1)  # (N,)
     return -ade + agree_weight * agree.float(), ade, agree.float()
 
 
 # ---- the update ----
-
-
 def group_advantages(r, G, eps=1e-6):
     """(S*G,) rewards -> group-relative advantages; an all-equal group gives zeros, not NaN."""
     g = r.view(-1, G)
@@ -177,8 +136,6 @@ def aarl_loss(logq, logr, toks, mask, adv, beta):
 
 
 # ---- training loop ----
-
-
 def train_aarl(target, draft, data: Data, cfg: AARLConfig, ref=None, log=None):
     """Post-train `draft` in place with AARL; returns it. The reference starts as `ref` (default: a
     frozen copy of the draft taken now, the SFT draft); "moving" resets it to the policy every
@@ -228,16 +185,12 @@ def train_aarl(target, draft, data: Data, cfg: AARLConfig, ref=None, log=None):
 
 
 # ---- report ----
-
-
 @torch.no_grad()
 def report(target, draft, sft, splits, times, outputs, gamma=None):
-    """{split: stats} of `draft`: tau at every gamma of REPORT_GAMMAS (exact, from one teacher-forced pass on the
-    target's greedy outputs), the speed-optimal gamma chosen on the "val" split with the measured cost model, tau's
-    ceiling there (a draft never rejected), the routine share, the ADE after the draft's own CoC, the mean KL to the
-    SFT draft, and greedy_match: real speculative decoding at that gamma emits the target's greedy output on every
-    scene. gamma: use this one instead of choosing (the after-report uses the before-report's, so that both are
-    compared at one draft length)."""
+    """{split: stats} of `draft`: tau at every gamma of REPORT_GAMMAS (exact replay of one teacher-forced pass on the
+    target's greedy outputs) and, at the speed-optimal gamma (chosen on "val" with the measured cost model, or the
+    `gamma` given), tau's ceiling, the routine share, the ADE after the draft's own CoC, the mean KL to the SFT draft
+    and greedy_match: real speculative decoding emits the target's greedy output on every scene."""
     taus = {name: evaluate.tau_by_gamma(evaluate.draft_matches({"q": draft}, target, data, outputs[name])["q"],
                                         REPORT_GAMMAS) for name, data in splits.items()}
     # One gamma for the before / after comparison: the SFT draft's speed-optimal one (on val), where it is deployed.
@@ -272,9 +225,6 @@ def load_run(run, seed, device):
     return target, checkpoint.load(paths["draft"], target=target, device=device).eval()
 
 
-DEFAULT_OUT = "runs/aarl"  # a fresh folder: a default run never replaces the shipped FlatRoPE + AARL drafts
-
-
 def out_dir(run, reference, seed):
     """Where a run's draft goes in a run folder: the static anchor's is the table's "FlatRoPE + AARL" draft."""
     return checkpoint.draft_dir(run, "aarl" if reference == "static" else f"aarl_{reference}", seed)
@@ -282,9 +232,8 @@ def out_dir(run, reference, seed):
 
 def run(cfg: AARLConfig, run_dir, n_report=64, device="cpu", out=None, overwrite=False):
     """One AARL run from the SFT FlatRoPE draft of seed cfg.seed in run_dir: the before / after report on validation
-    and held-out scenes, the draft saved to `out` (default out_dir(DEFAULT_OUT, ...)) -> the JSON-able result. Before
-    any work: out must be new, or a FlatRoPE draft and overwrite given (checkpoint.check_output), and the writer lock
-    of out's folder is taken and held throughout (files.writer_lock)."""
+    and held-out scenes, the draft saved to `out` (default out_dir(DEFAULT_OUT, ...)) -> the JSON-able result. out's
+    folder stays locked throughout (files.writer_lock), and out must be new, or a FlatRoPE draft and overwrite."""
     check_config(cfg)
     out = out or out_dir(DEFAULT_OUT, cfg.reference, cfg.seed)
     with files.writer_lock(os.path.dirname(os.path.abspath(out))):
@@ -324,6 +273,7 @@ def training_summary(updates, k=20):
             "last": {key: mean(updates[-k:], key) for key in keys}, "updates": len(updates)}
 
 
+# ---- the command line and argument checks ----
 def print_result(res):
     for name in ("val", "test"):
         b, f = res["before"][name], res["after"][name]
@@ -352,11 +302,7 @@ def main(argv=None):
     cfg = cli.config_from_args(AARLConfig, a)
     try:
         check_config(cfg)
-    except ValueError as e:
-        ap.error(str(e))
-    if a.n_report < 1:
-        ap.error(f"--n-report must be >= 1, got {a.n_report}")
-    try:
+        evaluate.check_values(a, [(">= 1", ("n_report",))], flags=True)
         cli.check_device(a.device)
     except ValueError as e:
         ap.error(str(e))
@@ -366,6 +312,20 @@ def main(argv=None):
     if a.json:
         print(json.dumps(res))
     return res
+
+
+def check_config(cfg: AARLConfig):
+    """Clear errors before any work."""
+    if cfg.reference not in REFERENCES:
+        raise ValueError(f"reference must be one of {REFERENCES}, got {cfg.reference!r}")
+    if cfg.group < 2:
+        raise ValueError(f"group must be >= 2 for group-relative advantages, got {cfg.group}")
+    if cfg.reference == "moving" and cfg.refresh < 10:
+        raise ValueError(f"refresh must be >= 10 updates (a reference reset every update has zero KL), "
+                         f"got {cfg.refresh}")
+    evaluate.check_values(cfg, [(">= 1", ("steps", "scenes", "n_train", "max_new")), ("> 0", ("lr", "temperature")),
+                                ("in 0..2**30-1", ("seed",)), (evaluate.VIEWS_RULE, ("views",)),
+                                ("a number >= 0", ("beta", "agree_weight"))])
 
 
 if __name__ == "__main__":

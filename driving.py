@@ -2,51 +2,22 @@
 tokens are *routine*, predictable from the ego-trajectory history; a few are
 *commitments* that need fresh visual evidence) holds by construction and is measured.
 
-Each scene mirrors Alpamayo-R1's prompt and CoC layout (docs/background.md): camera
-images, 16 past steps at 10 Hz as 48 binned (dx, dy, dheading) history tokens, a CoC
-"state , decision , roadside actors" such as
+Each scene mirrors Alpamayo-R1's prompt and CoC layout (docs/background.md): a 2-frame
+front-camera video (12 merged tokens, all the decision evidence), `views` surround images of
+roadside clutter (24 merged tokens each: 396 visual tokens at the default 16), 16 past steps at
+10 Hz as 48 binned (dx, dy, dheading) history tokens, a CoC "state , decision , roadside actors"
+such as
 
     slowing in a sharp left curve at 30 km/h , follow the braking vehicle 15 m ahead ,
     cone 10 m left and cyclist 20 m right
 
-and 32 future waypoints from a unicycle rollout of (acceleration, curvature) that
-follows the decision.
-
-The prompt's geometry is Alpamayo's in miniature: many visual tokens, few history tokens.
-The front camera is a 2-frame bird's-eye raster fed as a video (2 x 3 merged tokens per
-frame, 12 tokens) and holds all the decision evidence; `views` surround-camera images of
-4 x 6 merged tokens each (24 tokens) show roadside clutter only. At the default 16 views
-the prompt holds 396 visual tokens against 48 history tokens. Under M-RoPE each view
-spans 6 position ids, under a flat 1D index 24 (docs/background.md, "FlatRoPE").
-
-Which tokens are commitments (`commitment_mask`; the grammar is `coc_words`):
-  - the state clause restates the history class: speed profile, speed band (10-40 km/h,
-    read from the latest dx tokens), turn direction and how sharp the curve is (the ratio
-    of the dh and dx tokens): routine, but only for a reader of the history tokens;
-  - the decision word (keep / follow / stop / nudge / proceed / stay / start) needs the
-    image: the kind of the actor in the ego lane, or the light's colour;
-  - the lead vehicle's state (braking or steady) and the in-lane actor's range ring;
-  - the other actor off the ego lane: its kind, range ring and side of the view;
-  - everything else follows from (history class, CoC prefix).
-A CoC has ~5.7 commitments among ~22 tokens; `routine_share` gives the share a
-perfect history-only reader gets right.
-
-Reading the evidence takes more than one attention hop (the deliberative reasoner's
-deep attention over the images vs the routine reasoner's one layer). The front raster
-is object-level (see CHANNELS) and split across the two frames: the earlier frame
-(t = -0.5 s) shows what each actor *is* (kind, brake lights), the current frame (t = 0)
-where it *is* (occupancy, ego lane, range). Most scenes hold a second actor of another
-kind off the ego lane, so the kinds in view do not say which one is in the lane: that
-needs finding the in-lane token and reading what is drawn at the same place in the
-earlier frame (two hops), or, in the half of the scenes whose current frame shows the
-kinds too (seen_now), reading the kind on the in-lane token (one selective hop). Each
-actor stays inside one merged video token across the two frames and actors never share
-a token, so the link is exact. The vision tower attends within windows of one merged
-token (train.target_config says why), so it cannot make the cross-frame link: the
-language model has to. `read_raster` and `read_history` in tests/test_driving.py are the
-exact readers of the evidence and of the history.
-
-`Data` holds the scenes of one split and batches them for training and evaluation.
+and 32 future waypoints from a unicycle rollout of (acceleration, curvature) that follows the
+decision. `commitment_mask` marks the ~5.7 of ~22 tokens that the history class and the CoC
+prefix leave open; `routine_share` is the share a perfect history-only reader gets right.
+Reading the evidence takes two attention hops, across the two frames. docs/toy-notes.md ("Why
+the world is shaped so") has the design and its reasons; `read_raster` and `read_history` in
+tests/test_driving.py are the exact readers of the evidence and of the history. `Data` holds the
+scenes of one split and batches them for training and evaluation.
 
 run: python driving.py --seed 0
 """
@@ -55,16 +26,16 @@ import copy
 from collections import Counter, defaultdict
 from dataclasses import dataclass, replace
 from functools import lru_cache
+from itertools import product
 
 import numpy as np
 import torch
 
-from model import patchify  # model.py owns the Qwen2-VL flattening order, so the vision tower sees HF's layout
+from vision import patchify  # vision.py owns the Qwen2-VL flattening order, so the vision tower sees HF's layout
 
 
 # ---- config ----
-# The most surround views a prompt may have: the toy target trains on every count 0..MAX_VIEWS (train.py's
-# --max-views), so the scripts refuse a geometry outside what the shipped checkpoints were trained for.
+# the most surround views a prompt may have: the toy target trains on every count 0..MAX_VIEWS (train.py)
 MAX_VIEWS = 21
 
 
@@ -74,17 +45,14 @@ class WorldConfig:
     width: int = 36
     res: float = 1.25              # metres per pixel: the view reaches ~26 m ahead of the ego and ~22 m to each side
     ego_row: int = 21              # ego's pixel row (x = 0); rows above it are ahead
-    ego_col: int = 18              # ego's pixel column (ego-lane centre at y = 0): the middle of the centre token
-    #                                column, which holds the ego lane; the left and right token columns the roadside
+    ego_col: int = 18              # ego's pixel column (ego-lane centre at y = 0): the middle token column's centre
     dt: float = 0.1                # 10 Hz poses, as in Alpamayo
     n_hist: int = 16               # past steps -> 16 x (dx, dy, dh) = 48 history tokens
     n_future: int = 32             # future waypoints (3.2 s)
-    # Per-step history bins (lo, hi, n). Fine enough that the tokens determine every routine factor exactly: the speed
-    # band from dx alone, the curve's sharpness from dh / dx (tests/test_driving.py, read_history).
+    # per-step history bins (lo, hi, n), fine enough that the tokens fix every routine factor (read_history)
     dx_bins: tuple = (0.0, 1.6, 32)          # forward motion (m): 0.05 m = 0.5 m/s per bin
     dy_bins: tuple = (-0.032, 0.032, 16)     # lateral motion in the previous pose's frame (m)
-    dh_bins: tuple = (-0.03225, 0.03225, 129)  # heading change (rad), 0.0005 per bin; an odd count puts straight
-    #                                          driving in one bin
+    dh_bins: tuple = (-0.03225, 0.03225, 129)  # heading change (rad), 0.0005 per bin; straight driving: one bin
     lane_width: float = 3.5        # the ego lane spans l in [-1.75, 1.75], the oncoming lane [1.75, 5.25]
     stop_margin: float = 1.5       # a stop ends at least this far (m) before the stop line / actor
     stop_within: float = 3.0       # ... and within this many seconds, so stops finish inside the 3.2 s horizon
@@ -93,23 +61,19 @@ class WorldConfig:
     view_size: tuple = (48, 72)    # (H, W) px of a surround view: 4 x 6 merged tokens
 
 
-# One plane per channel: an object-level raster, as a perception stack's output would be drawn. In the front camera, at
-# t = -0.5 s an actor paints what it is (APPEARANCE): its kind, "brake" when its brake lights are lit, a light's colour.
-# At t = 0 it paints where it is: "object", "in_lane" when it stands in the ego lane, and its range ring (the row bands
-# of BUCKET_ROWS, 5 m apart), plus its appearance again when the scene is seen_now (P_SEEN_NOW). The road itself is
-# not drawn there: its curvature is in the history. The surround views draw roadside clutter (CLUTTER) and nothing of
-# the front camera's channels, so every decision-relevant pixel is in the front camera, as evidence is localised in
-# real camera images.
+# One plane per channel of an object-level raster, as a perception stack draws its output (render says what each frame
+# paints; the surround views draw CLUTTER only).
 CHANNELS = ("stop_line", "ego", "vehicle", "pedestrian", "cone", "cyclist", "light_red", "light_green", "brake",
             "object", "in_lane", "range_5", "range_10", "range_15", "range_20",
             "building", "vegetation", "curb", "lane_line")
 APPEARANCE = ("vehicle", "pedestrian", "cone", "cyclist", "light_red", "light_green", "brake")  # what an actor is
 CLUTTER = ("building", "vegetation", "curb", "lane_line")
-# The raster's tokenisation (train.target_config builds the vision tower with the same numbers): 4-px patches merged
-# 3x3, so a merged token covers 12 x 12 px; M-RoPE gives every visual token distinct (t, h, w) ids.
+# the raster's tokenisation (train.target_config's vision tower): 4-px patches merged 3x3, a token per 12 x 12 px
 PATCH, MERGE = 4, 3
-SPECIALS = ("<pad>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>", "<traj_history_start>",
-            "<traj_history_end>", "<cot_start>", "<cot_end>", "<traj_future_start>")
+SPECIALS = {"pad": "<pad>", "vision_start": "<|vision_start|>", "vision_end": "<|vision_end|>",  # Tokenizer.<name>_id
+            "image_token": "<|image_pad|>", "video_token": "<|video_pad|>", "hist_start": "<traj_history_start>",
+            "hist_end": "<traj_history_end>", "cot_start": "<cot_start>", "cot_end": "<cot_end>",
+            "traj_future_start": "<traj_future_start>"}
 SYSTEM = "you are the driving planner of the ego car ."
 INSTRUCTION = "explain your decision then plan the trajectory"
 
@@ -117,9 +81,8 @@ INSTRUCTION = "explain your decision then plan the trajectory"
 ROADS = {"straight": 0.35, "curve_left": 0.275, "curve_right": 0.275, "intersection": 0.1}
 TURN = {"straight": "straight", "curve_left": "left", "curve_right": "right", "intersection": "straight"}
 FLAT = {"cruise": .4, "accel": .3, "decel": .3}
-# event -> (P(event | non-intersection road), P(history speed profile | event)); intersections hold red / green only
-# (50/50). "clear" means nothing in the ego lane; it usually holds another actor off the lane. Histories correlate
-# with the decision (slowing -> stop) but never fix it: that residual ambiguity is what a commitment token is.
+# event -> (P(event | non-intersection road), P(history speed profile | event)); intersections: red / green, 50/50.
+# Histories correlate with the decision but never fix it: that residual ambiguity is what a commitment token is.
 EVENTS = {
     "clear":         (0.15, FLAT),
     "lead_cruise":   (0.17, FLAT),
@@ -131,41 +94,30 @@ EVENTS = {
     "green":         (0.0,  {"cruise": .4, "decel": .1, "accel": .2, "stand": .3}),
 }
 KINDS = ("vehicle", "pedestrian", "cone", "cyclist")
-# P(an actor beside the ego lane, on each side of the view, away from intersections): never of the in-lane actor's
-# kind, so the kinds in view leave the in-lane one open.
+# P(an actor beside the ego lane, per side): never of the in-lane actor's kind, so the kinds in view leave it open
 P_ROADSIDE = 0.6
-# P(the current frame shows what the actors are): otherwise (a detector dropout, for the whole frame) only the earlier
-# frame does. Scenes with the appearance in view now can be read in one hop; they also give a target trained from
-# scratch an easier version of the two-hop reading to start from.
+# P(the current frame shows what the actors are, one-hop readable); otherwise only the earlier frame does
 P_SEEN_NOW = 0.5
-# Held-out (event, roadside kind, road): never in train/val, the whole test split. On a left curve a cone and a
-# pedestrian are never in view together in training, nor on a right curve a pedestrian and a vehicle, whichever of the
-# two is in the lane; each event is seen on that road with its other roadside kinds, and every decision word after
-# every state clause. Both assignments of a pair are held out, so that "which kinds are in view" plus the road never gives the
-# answer (docs/toy-notes.md has what holding out one alone did).
+# Held-out (event, roadside kind, road): never in train/val, the whole test split; both assignments of a kind pair
+# are held out, so that the kinds in view plus the road never give the answer (docs/toy-notes.md).
 HELD_OUT = (("cone_lane", "pedestrian", "curve_left"), ("ped_cross", "cone", "curve_left"),
             ("ped_cross", "vehicle", "curve_right"), ("lead_cruise", "pedestrian", "curve_right"),
             ("lead_brake", "pedestrian", "curve_right"))
 SPLITS = {"train": 0, "val": 1, "test": 2}
-# Speed bands (km/h word -> current speed range in m/s): gaps of >= 2.8 dx bins between bands, so the latest dx token
-# alone gives the band. A slowing history starts 3.2 m/s faster, an accelerating one 2.4 m/s slower (HIST_ACCEL).
+# speed bands (km/h word -> current speed range in m/s), >= 2.8 dx bins apart: the latest dx token gives the band
 BAND_V = {"10": (2.2, 3.6), "20": (5.0, 6.4), "30": (7.6, 9.0), "40": (10.4, 11.8)}
 BANDS = {"cruise": ("10", "20", "30", "40"), "decel": ("10", "20", "30"), "accel": ("20", "30", "40"), "stand": (None,)}
 HIST_ACCEL = {"cruise": 0.0, "decel": -2.0, "accel": 1.5, "stand": 0.0}  # m/s^2 over the 1.6 s history
-# Curvature ranges (1/m) of a gentle and a sharp curve: far enough apart that dh / dx, from the bins, separates them at
-# every speed band, and gentle enough that an actor in the ego lane stays in the centre token column up to 20 m.
+# curvature ranges (1/m): dh / dx tells them apart at every band; an in-lane actor stays in the centre token column
 KAPPA = {"gentle": (0.006, 0.010), "sharp": (0.020, 0.025)}
 # Range rings: bands of 4 pixel rows (5 m) ahead of the ego; an actor is placed so that its block lies in its ring.
 BUCKET_ROWS = {5: (16, 19), 10: (12, 15), 15: (8, 11), 20: (4, 7)}
-# An actor is drawn as the 2x2-px block that holds its position; "in the ego lane" means that at least 2 of its 4
-# pixels lie on the ego lane (lane_planes), "off" that none does. Placement rejects anything in between, so the
-# evidence is unambiguous. l intervals (lateral offset at t = 0, one drawn) span both token columns (ego_col).
+# An actor is a 2x2-px block: "in the ego lane" when >= 2 of its pixels are on it, "off" when none is (_place rejects
+# anything in between, so the evidence is unambiguous). IN_LANE_L, ROADSIDE_L: lateral offsets (m) drawn at t = 0.
 ACTORS = {  # in-lane event -> kind
     "lead_cruise": "vehicle", "lead_brake": "vehicle", "ped_cross": "pedestrian", "cone_lane": "cone",
     "cyclist_lane": "cyclist"}
 IN_LANE_L = (-1.2, 1.2)
-# Roadside actors, by side of the road; placement keeps each in its side's token column (the side word is the side of
-# the view), so no two actors share a token, whatever the curve.
 ROADSIDE_L = {"left": (3.0, 25.0), "right": (-25.0, -3.0)}
 COLUMN = {"left": 0, "centre": 1, "right": 2}  # token column of each part of the front view
 
@@ -247,11 +199,9 @@ def coc_words(f):
 
 
 def _buckets(event, speed):
-    if event == "clear":
-        return [None]
-    if speed == "stand":
-        return [5]                      # waiting at the stop line
-    return [10, 15, 20]                 # 5 m is too close to stop or nudge in time from speed: roadside actors only
+    """Range rings of the in-lane actor / stop line: 5 m when waiting at the line, else 10-20 m (5 m is too close to
+    stop or nudge in time from speed: roadside actors only)."""
+    return [None] if event == "clear" else [5] if speed == "stand" else [10, 15, 20]
 
 
 def _roadside_options(event):
@@ -293,14 +243,11 @@ def main_distribution(split):
             allowed = float(split != "test") if road == "intersection" else sum(
                 pl * pr for l, pl in opts for r, pr in opts if _held_out(road, event, l, r) == (split == "test"))
             for speed, p_speed in EVENTS[event][1].items():
-                sharps = list(KAPPA) if road.startswith("curve") else [None]
-                buckets = _buckets(event, speed)
-                for band in BANDS[speed]:
-                    for sharp in sharps:
-                        for bucket in buckets:
-                            p = p_road * p_event * allowed * p_speed / len(BANDS[speed]) / len(sharps) / len(buckets)
-                            if p > 0:
-                                rows.append((Factors(road, event, speed, band, sharp, bucket), p))
+                sharps, buckets = list(KAPPA) if road.startswith("curve") else [None], _buckets(event, speed)
+                for band, sharp, bucket in product(BANDS[speed], sharps, buckets):
+                    p = p_road * p_event * allowed * p_speed / len(BANDS[speed]) / len(sharps) / len(buckets)
+                    if p > 0:
+                        rows.append((Factors(road, event, speed, band, sharp, bucket), p))
     z = sum(p for _, p in rows)
     return [(f, p / z) for f, p in rows]
 
@@ -392,16 +339,6 @@ def xy_to_road(x, y, kappa):
     return R * np.arctan2(x / R, (R - y) / R), R - np.sign(R) * rho
 
 
-def pixel_grid(cfg):
-    r, c = np.mgrid[0:cfg.height, 0:cfg.width]
-    return (cfg.ego_row - r) * cfg.res, (cfg.ego_col - c) * cfg.res  # x, y of each pixel centre
-
-
-def to_pixel(s, l, kappa, cfg):
-    x, y = road_to_xy(s, l, kappa)
-    return int(round(cfg.ego_row - x / cfg.res)), int(round(cfg.ego_col - y / cfg.res))
-
-
 # ---- scene ----
 @dataclass
 class Scene:
@@ -469,15 +406,16 @@ def plan(f, v0, kappa, dist, cfg):
 
 def lane_planes(kappa, cfg):
     """Per-pixel lane coordinates (S, L) and the ego_lane plane: pixel centres with |l| < lane_width / 2."""
-    X, Y = pixel_grid(cfg)
-    S, L = xy_to_road(X, Y, kappa)
+    r, c = np.mgrid[0:cfg.height, 0:cfg.width]
+    S, L = xy_to_road((cfg.ego_row - r) * cfg.res, (cfg.ego_col - c) * cfg.res, kappa)  # at each pixel centre
     return S, L, np.abs(L) < cfg.lane_width / 2
 
 
 def block(s, l, kappa, cfg):
     """The 2x2-px block (top-left pixel (r, c), both even) that holds (s, l). Even-aligned, it never straddles a
     PATCH = 4 ViT patch, so an actor's kind, lane and range sit in one patch's pixels."""
-    r, c = to_pixel(s, l, kappa, cfg)
+    x, y = road_to_xy(s, l, kappa)
+    r, c = int(round(cfg.ego_row - x / cfg.res)), int(round(cfg.ego_col - y / cfg.res))
     return r - r % 2, c - c % 2
 
 
@@ -517,31 +455,22 @@ def render(kappa, actors, stop_line, seen_now, cfg):
     return out
 
 
-def _lane_hits(s, l, kappa, cfg, ego_lane):
-    """(r, c) of the block holding (s, l) and how many of its 4 pixels are in the ego lane (-1 if clipped)."""
-    r, c = block(s, l, kappa, cfg)
-    if not (0 <= r <= cfg.height - 2 and 0 <= c <= cfg.width - 2):
-        return r, c, -1
-    return r, c, int(ego_lane[r:r + 2, c:c + 2].sum())
-
-
 def _place(rng, bucket, l_range, in_lane, kappa, cfg, ego_lane, side):
-    """Rejection-sample an actor's (s, l) at t = 0 whose block sits in the bucket's rows, fully inside the raster,
-    with >= 2 of its pixels on the ego lane (in_lane) or none (off the lane), in the token column of `side`
-    ("left" / "centre" / "right")."""
+    """Rejection-sample an actor's (s, l) at t = 0 whose block sits in the bucket's rows inside the raster, with >= 2
+    of its pixels on the ego lane (in_lane) or none, in the token column of `side` ("left" / "centre" / "right")."""
     lo, hi = BUCKET_ROWS[bucket]
     for _ in range(1000):
         x = (cfg.ego_row - rng.integers(lo, hi + 1) + rng.uniform(-0.4, 0.4)) * cfg.res
         l = rng.uniform(*l_range)
         # the arc length at which lateral offset l reaches forward distance x (road_to_xy: x = (1/kappa - l) sin phi)
         s = x if kappa == 0 else np.arcsin(np.clip(x / (1 / kappa - l), -1, 1)) / kappa
-        r, c, hits = _lane_hits(s, l, kappa, cfg, ego_lane)
-        if token_of(r, c)[1] != COLUMN[side]:
+        r, c = block(s, l, kappa, cfg)
+        if token_of(r, c)[1] != COLUMN[side] or not (lo <= r <= hi and r <= cfg.height - 2 and 0 <= c <= cfg.width - 2):
             continue
-        if lo <= r <= hi and hits >= 0 and (hits >= 2 if in_lane else hits == 0):
+        hits = int(ego_lane[r:r + 2, c:c + 2].sum())  # pixels of the block in the ego lane
+        if hits >= 2 if in_lane else hits == 0:
             return float(s), float(l)
     raise RuntimeError("actor placement failed")
-
 
 
 def make_scene(rng, split="train", cfg=WorldConfig()):
@@ -601,17 +530,11 @@ class Tokenizer:
         hist = [f"<{k}{i}>" for k, spec in self.bins.items() for i in range(spec[2])]
         words = set((SYSTEM + " " + INSTRUCTION).split())
         mains, sides = _options_by_class()
-        for options in list(mains.values()) + list(sides.values()):
-            for o in options:
-                words.update(o)
-        words -= set(SPECIALS)
-        self.vocab = list(SPECIALS) + hist + sorted(words)
+        words.update(w for options in [*mains.values(), *sides.values()] for o in options for w in o)
+        words -= set(SPECIALS.values())
+        self.vocab = list(SPECIALS.values()) + hist + sorted(words)
         self.id = {w: i for i, w in enumerate(self.vocab)}
-        for name, w in [("pad", "<pad>"), ("vision_start", "<|vision_start|>"), ("vision_end", "<|vision_end|>"),
-                        ("image_token", "<|image_pad|>"), ("video_token", "<|video_pad|>"),
-                        ("hist_start", "<traj_history_start>"), ("hist_end", "<traj_history_end>"),
-                        ("cot_start", "<cot_start>"), ("cot_end", "<cot_end>"),
-                        ("traj_future_start", "<traj_future_start>")]:
+        for name, w in SPECIALS.items():
             setattr(self, name + "_id", self.id[w])
 
     def __len__(self):
@@ -728,13 +651,10 @@ def make_split(name, n, seed=0, cfg=WorldConfig()):
 
 
 class Data:
-    """The scenes of one split and their batches. Examples are built when a batch is drawn (the surround views are
-    rendered then, and a scene's pixels never sit in memory). Batch indices are a pure function of (seed, step), so a
-    resumed run sees exactly the batches it would have seen, on any number of ranks; batches walk a seeded
-    permutation per epoch, so no scene repeats before the split is used up.
-
-    views: the surround-view count of every batch, or a function step -> count (one geometry per batch, so that
-    prompts in a batch have equal length)."""
+    """The scenes of one split and their batches, built when drawn (the surround views are rendered then). Batch
+    indices are a pure function of (seed, step), so a resumed run sees the batches it would have seen on any number
+    of ranks, and walk a seeded permutation per epoch. views: the surround-view count of every batch, or a function
+    step -> count (one geometry per batch, so that prompts in a batch have equal length)."""
 
     def __init__(self, split, n, seed, tok, views=WorldConfig().views):
         self.scenes = make_split(split, n, seed)
@@ -773,30 +693,6 @@ class Data:
                                     self.tok.pad_id), device)
 
 
-# ---- metrics ----
-def ade_fde(pred, true, per_scene=False):
-    """(B, 32, 2) waypoints -> (average, final) displacement error in metres: floats averaged over the batch, or
-    (B,) tensors with per_scene."""
-    d = torch.linalg.vector_norm(torch.as_tensor(pred) - torch.as_tensor(true), dim=-1)   # (B, 32)
-    if per_scene:
-        return d.mean(-1), d[:, -1]
-    return d.mean().item(), d[:, -1].mean().item()
-
-
-def coc_exact_match(pred, true):
-    """Fraction of CoCs (id lists up to and including <cot_end>) generated exactly."""
-    return sum(list(p) == list(t) for p, t in zip(pred, true)) / len(true)
-
-
-def commitment_hits(pred_next, input_ids, commit_mask):
-    """Teacher-forced: pred_next (B, L) is the argmax at each position, input_ids[:, i + 1] its target -> (right,
-    total) commitment tokens, integers, so that batches add up exactly (accuracy = right / total). Teacher forcing
-    scores every commitment token on the reference prefix, so an early miss cannot hide later ones."""
-    hit = pred_next[:, :-1] == input_ids[:, 1:]                    # (B, L-1)
-    m = commit_mask[:, :-1]
-    return (hit & m).sum().item(), m.sum().item()
-
-
 # ---- demo ----
 GLYPHS = (("ego", "E"), ("vehicle", "V"), ("pedestrian", "P"), ("cone", "C"), ("light_red", "R"),
           ("light_green", "G"), ("in_lane", "L"), ("object", "o"), ("stop_line", "="))
@@ -805,14 +701,9 @@ GLYPHS = (("ego", "E"), ("vehicle", "V"), ("pedestrian", "P"), ("cone", "C"), ("
 def ascii_render(frames):
     """Both frames side by side, one character per pixel, the first matching channel of GLYPHS wins."""
     ch = {n: i for i, n in enumerate(CHANNELS)}
-    rows = []
-    for r in range(frames.shape[2]):
-        line = []
-        for f in range(frames.shape[0]):
-            line.append("".join(next((g for n, g in GLYPHS if frames[f, ch[n], r, c] > 0), " ")
-                                for c in range(frames.shape[3])))
-        rows.append("   ".join(line))
-    return "\n".join(rows)
+    glyph = lambda f, r, c: next((g for n, g in GLYPHS if frames[f, ch[n], r, c] > 0), " ")  # noqa: E731
+    return "\n".join("   ".join("".join(glyph(f, r, c) for c in range(frames.shape[3])) for f in range(frames.shape[0]))
+                     for r in range(frames.shape[2]))
 
 
 def main():

@@ -1,19 +1,17 @@
-"""Evaluation on the synthetic driving world: batched CoC generation (greedy or sampled),
-trajectories after a given CoC, teacher-forced commitment accuracy, ADE, the attention split,
-and speculative-decoding statistics (tau, alpha, routine share, tau ceiling, greedy match)
-over a set of prompts. train.py, aarl.py, bench.py and rsd.py all measure through this file.
-
-Paper: the columns of the paper's table. tau and the routine share (the fraction of CoC tokens
-the routine reasoner supplies) measure speculative decoding; commitment accuracy asks whether a
-model can supply the tokens that need the image; ADE scores the trajectory that follows the
-CoC; the attention split tests the FlatRoPE claim that the draft's attention moves from the
-image tokens to the trajectory history (docs/background.md).
+"""Evaluation on the synthetic driving world, the columns of the paper's table: batched CoC
+generation (greedy or sampled), ADE of the trajectory that follows a CoC, teacher-forced
+commitment accuracy (can a model supply the tokens that need the image?), the attention split
+(the FlatRoPE claim that the draft's attention moves from the image tokens to the trajectory
+history, docs/background.md) and speculative decoding's statistics over a set of prompts (tau,
+alpha, routine share: the fraction of CoC tokens the routine reasoner supplies, tau ceiling,
+greedy match). train.py, aarl.py, bench.py and rsd.py all measure through this file.
 
 Letters: B batch, P prompt length, L sequence, T generated tokens, V vocab, H heads.
 
 run: python -m pytest -q tests/test_evaluate.py
 """
 import contextlib
+import math
 
 import torch
 
@@ -30,8 +28,6 @@ EVAL_BATCH = 64  # scenes per batched evaluation forward
 TARGET_ONLY = "target-only"  # the baseline arm: plain KV-cached decoding by the target
 
 # ---- batched generation ----
-
-
 def autocast(device, enabled):
     """bf16 autocast for the matmuls when enabled (weights stay fp32), else nothing."""
     if not enabled:
@@ -100,12 +96,12 @@ def continue_prompts(target, batch, seqs, pad_id, amp=False):
 
 @torch.no_grad()
 def plan_trajectories(target, batch, cocs, tok, amp=False):
-    """Trajectories (B, traj_len, 2) after prompt + the given CoCs + <traj_future_start>,
-    read at each row's <traj_future_start>."""
+    """Trajectories (N, traj_len, 2) after prompt + the given CoCs (<cot_end> added where missing) +
+    <traj_future_start>, read at each row's <traj_future_start>, and continue_prompts' logits (N, 1 + T, V)."""
     seqs = [[t for t in c if t != tok.cot_end_id] + [tok.cot_end_id, tok.traj_future_start_id] for c in cocs]
-    _, hidden = continue_prompts(target, batch, seqs, tok.pad_id, amp)
+    logits, hidden = continue_prompts(target, batch, seqs, tok.pad_id, amp)
     last = torch.tensor([len(s) - 1 for s in seqs], device=hidden.device)
-    return target.traj(hidden[torch.arange(len(seqs)), last]).float()  # (B, traj_len, 2)
+    return target.traj(hidden[torch.arange(len(seqs)), last]).float(), logits  # (N, traj_len, 2)
 
 
 def repeat_scenes(inputs, n_scenes, G):
@@ -114,7 +110,28 @@ def repeat_scenes(inputs, n_scenes, G):
     return {k: v.view(n_scenes, -1, *v.shape[1:]).repeat_interleave(G, 0).flatten(0, 1) for k, v in inputs.items()}
 
 
-# ---- target metrics: ADE, commitment accuracy, CoC exact match ----
+# ---- metrics: ADE, commitment accuracy, CoC exact match ----
+def ade_fde(pred, true, per_scene=False):
+    """(B, 32, 2) waypoints -> (average, final) displacement error in metres: floats averaged over the batch, or
+    (B,) tensors with per_scene."""
+    d = torch.linalg.vector_norm(torch.as_tensor(pred) - torch.as_tensor(true), dim=-1)   # (B, 32)
+    if per_scene:
+        return d.mean(-1), d[:, -1]
+    return d.mean().item(), d[:, -1].mean().item()
+
+
+def coc_exact_match(pred, true):
+    """Fraction of CoCs (id lists up to and including <cot_end>) generated exactly."""
+    return sum(list(p) == list(t) for p, t in zip(pred, true)) / len(true)
+
+
+def commitment_hits(pred_next, input_ids, commit_mask):
+    """Teacher-forced: pred_next (B, L) is the argmax at each position, input_ids[:, i + 1] its target -> (right,
+    total) commitment tokens, integers, so that batches add up exactly (accuracy = right / total). Teacher forcing
+    scores every commitment token on the reference prefix, so an early miss cannot hide later ones."""
+    hit = pred_next[:, :-1] == input_ids[:, 1:]                    # (B, L-1)
+    m = commit_mask[:, :-1]
+    return (hit & m).sum().item(), m.sum().item()
 
 
 def trajectory_ade(target, data: Data, cocs, batch_size=EVAL_BATCH, amp=False):
@@ -124,7 +141,7 @@ def trajectory_ade(target, data: Data, cocs, batch_size=EVAL_BATCH, amp=False):
     device = next(target.parameters()).device
     for i, batch in enumerate(data.batches(batch_size, device)):
         part = cocs[i * batch_size:(i + 1) * batch_size]
-        a, f = driving.ade_fde(plan_trajectories(target, batch, part, data.tok, amp), batch["traj"].cpu())
+        a, f = ade_fde(plan_trajectories(target, batch, part, data.tok, amp)[0], batch["traj"].cpu())
         ade, fde = ade + a * len(part), fde + f * len(part)
     return ade / len(cocs), fde / len(cocs)
 
@@ -143,7 +160,7 @@ def commitment_acc(model, target, data: Data, batch_size=EVAL_BATCH, amp=False):
             else:
                 embeds = target.embed(batch["input_ids"], **vision_kwargs(batch))  # (B, L, D)
                 logits = model(batch["input_ids"], inputs_embeds=embeds, **grid_kwargs(batch))
-        h, m = driving.commitment_hits(logits.argmax(-1), batch["input_ids"], batch["commit_mask"])
+        h, m = commitment_hits(logits.argmax(-1), batch["input_ids"], batch["commit_mask"])
         hits, n = hits + h, n + m
     return hits / max(n, 1)
 
@@ -153,17 +170,13 @@ def evaluate_target(target, data: Data, batch_size=EVAL_BATCH, amp=False):
     """coc_exact (greedy), commitment_acc (teacher-forced argmax on commitment tokens),
     ade / fde (trajectory after the model's own greedy CoC), in metres."""
     target.eval()
-    device = next(target.parameters()).device
-    cocs = [c for batch in data.batches(batch_size, device)
-            for c in greedy_coc(target, batch, data.tok.cot_end_id, amp=amp)]
+    cocs = greedy_outputs(target, data, batch_size=batch_size, amp=amp)
     ade, fde = trajectory_ade(target, data, cocs, batch_size, amp)
-    return {"coc_exact": driving.coc_exact_match(cocs, data.coc_ids()),
+    return {"coc_exact": coc_exact_match(cocs, data.coc_ids()),
             "commitment_acc": commitment_acc(target, target, data, batch_size, amp), "ade": ade, "fde": fde}
 
 
 # ---- attention split ----
-
-
 def key_groups(input_ids, tok):
     """Which key tokens are image (video placeholders), trajectory history (bins and their two
     markers) or other text -> three bool masks (B, L)."""
@@ -225,8 +238,6 @@ def attention_split(model, target, data: Data, n=16):
 
 
 # ---- speculative decoding over a set of prompts ----
-
-
 def scene_prompts(scenes, tok, device, dtype=None, views=driving.WorldConfig().views):
     """Batch-1 prompts (driving.build_prompt) on device, floating inputs cast to dtype when given."""
     prompts = []
@@ -234,31 +245,6 @@ def scene_prompts(scenes, tok, device, dtype=None, views=driving.WorldConfig().v
         p = {k: v.to(device) for k, v in driving.build_prompt(s, tok, views).items()}
         prompts.append({k: v.to(dtype) if dtype is not None and v.is_floating_point() else v for k, v in p.items()})
     return prompts
-
-
-def add_decoding_flags(ap, temperature_help):
-    """--temperature, --top-k, --top-p, --sampling-seed on a script's parser (bench.py, rsd.py); decoding_mode
-    checks them. temperature_help: what sampling changes in that script's report."""
-    ap.add_argument("--temperature", type=float, default=0.0, help=f"0 = greedy; {temperature_help}")
-    ap.add_argument("--top-k", type=int, default=None, help="with --temperature: sample among the k likeliest tokens")
-    ap.add_argument("--top-p", type=float, default=None, help="with --temperature: sample among the likeliest tokens "
-                    "whose mass reaches p")
-    ap.add_argument("--sampling-seed", type=int, default=0, help="with --temperature: prompt i's generator is seeded "
-                    "this + i")
-
-
-def decoding_mode(temperature=0.0, top_k=None, top_p=None, seed=0):
-    """The decoding settings of bench.py and rsd.py (their --temperature, --top-k, --top-p, --sampling-seed), checked
-    before any work (ValueError), as the JSON's "decoding" object: mode "greedy" (temperature 0) or "sampling"."""
-    speculate.check_sampling(temperature, top_k, top_p)
-    if not isinstance(seed, int) or not 0 <= seed < 2**62:  # prompt i's generator takes seed + i, a 63-bit seed
-        raise ValueError(f"the sampling seed must be an int >= 0 and < 2**62, got {seed!r}")
-    if temperature == 0 and (top_k is not None or top_p is not None):
-        # a greedy decode reads only the argmax: the filters would be silently ignored
-        raise ValueError("top_k / top_p filter a sampled distribution: give a temperature > 0 with them (0 = greedy)")
-    if temperature == 0:
-        return {"mode": "greedy", "temperature": 0.0, "top_k": None, "top_p": None, "seed": None}
-    return {"mode": "sampling", "temperature": float(temperature), "top_k": top_k, "top_p": top_p, "seed": seed}
 
 
 def sampling_kwargs(decoding, i):
@@ -312,16 +298,19 @@ def spec_stats(target, drafts, prompts, gamma, max_new=MAX_NEW_TOKENS, stop_toke
     return out
 
 
+def marked_coc(tokens, from_draft, tok):
+    """'routine words [DELIBERATIVE] ...': the words the routine reasoner supplied, the target's own in brackets."""
+    return " ".join(tok.vocab[t] if d else f"[{tok.vocab[t]}]" for t, d in zip(tokens, from_draft))
+
+
 # ---- greedy speculative decoding, simulated exactly from one teacher-forced pass ----
-
-
 @torch.no_grad()
-def greedy_outputs(target, data: Data, max_new=MAX_NEW_TOKENS, batch_size=EVAL_BATCH):
+def greedy_outputs(target, data: Data, max_new=MAX_NEW_TOKENS, batch_size=EVAL_BATCH, amp=False):
     """The target's greedy CoC of every scene of data (ids up to and including <cot_end> when written): what greedy
     speculative decoding must emit, whatever the draft."""
     device = next(target.parameters()).device
     return [c for batch in data.batches(batch_size, device)
-            for c in greedy_coc(target, batch, data.tok.cot_end_id, max_new)]
+            for c in greedy_coc(target, batch, data.tok.cot_end_id, max_new, amp)]
 
 
 @torch.no_grad()
@@ -386,8 +375,6 @@ def speed_optimal_gamma(taus, times):
 
 
 # ---- what a draft writes on its own, and how far it moved ----
-
-
 @torch.no_grad()
 def drafted_ade(target, draft, data: Data, max_new=MAX_NEW_TOKENS, batch_size=EVAL_BATCH):
     """ADE (m) of the target's trajectories after the draft's own greedy CoC, written without verification: the
@@ -425,3 +412,48 @@ def kl_to(draft, ref, target, data: Data, batch_size=EVAL_BATCH):
         total += float(exact_kl_terms(logq, logr).sum())
         n += int(m.sum())
     return total / max(n, 1)
+
+
+# ---- argument checks ----
+VIEWS_RULE = f"in 0..{driving.MAX_VIEWS} (the geometries the toy target was trained on)"
+MAX_VIEWS_RULE = f"at most {driving.MAX_VIEWS} (the world's surround views)"
+RULES = {">= 1": lambda v: v >= 1, "> 0": lambda v: v > 0,  # "not v > 0" also catches NaN
+         "a number >= 0": lambda v: v >= 0, "a finite number >= 0": lambda v: v >= 0 and math.isfinite(v),
+         "in [0, 1]": lambda v: 0 <= v <= 1, VIEWS_RULE: lambda v: 0 <= v <= driving.MAX_VIEWS,
+         MAX_VIEWS_RULE: lambda v: v <= driving.MAX_VIEWS,
+         "in 0..2**30-1": lambda v: 0 <= v < 2**30}  # seeds: combined into 64-bit torch seeds (driving.Data.batch)
+
+
+def check_values(obj, rules, flags=False):
+    """ValueError naming the first field of obj (a config or parsed flags) that breaks its rule, before any work;
+    rules: [(a key of RULES, field names)]; flags: name the fields as the command-line flags."""
+    for rule, names in rules:
+        for name in names:
+            if not RULES[rule](getattr(obj, name)):
+                shown = "--" + name.replace("_", "-") if flags else name
+                raise ValueError(f"{shown} must be {rule}, got {getattr(obj, name)}")
+
+
+def add_decoding_flags(ap, temperature_help):
+    """--temperature, --top-k, --top-p, --sampling-seed on a script's parser (bench.py, rsd.py); decoding_mode
+    checks them. temperature_help: what sampling changes in that script's report."""
+    ap.add_argument("--temperature", type=float, default=0.0, help=f"0 = greedy; {temperature_help}")
+    ap.add_argument("--top-k", type=int, default=None, help="with --temperature: sample among the k likeliest tokens")
+    ap.add_argument("--top-p", type=float, default=None, help="with --temperature: sample among the likeliest tokens "
+                    "whose mass reaches p")
+    ap.add_argument("--sampling-seed", type=int, default=0, help="with --temperature: prompt i's generator is seeded "
+                    "this + i")
+
+
+def decoding_mode(temperature=0.0, top_k=None, top_p=None, seed=0):
+    """The decoding settings of bench.py and rsd.py (their --temperature, --top-k, --top-p, --sampling-seed), checked
+    before any work (ValueError), as the JSON's "decoding" object: mode "greedy" (temperature 0) or "sampling"."""
+    speculate.check_sampling(temperature, top_k, top_p)
+    if not isinstance(seed, int) or not 0 <= seed < 2**62:  # prompt i's generator takes seed + i, a 63-bit seed
+        raise ValueError(f"the sampling seed must be an int >= 0 and < 2**62, got {seed!r}")
+    if temperature == 0 and (top_k is not None or top_p is not None):
+        # a greedy decode reads only the argmax: the filters would be silently ignored
+        raise ValueError("top_k / top_p filter a sampled distribution: give a temperature > 0 with them (0 = greedy)")
+    if temperature == 0:
+        return {"mode": "greedy", "temperature": 0.0, "top_k": None, "top_p": None, "seed": None}
+    return {"mode": "sampling", "temperature": float(temperature), "top_k": top_k, "top_p": top_p, "seed": seed}

@@ -8,28 +8,18 @@ losslessly and writes the commitment tokens itself; the trajectory head then pla
 prompt + CoC. Rows of the table: target-only decoding, the replica draft of standard
 speculative decoding (the target's M-RoPE), the FlatRoPE draft, FlatRoPE + AARL.
 
-Each draft row is the mean over the draft seeds found in the run folder (three ship in
-checkpoints/toy, all distilled from the same target), at that row's speed-optimal gamma: the
-gamma with the best speed-up under the measured cost model on the validation split, as a user
-would tune it. tau at every gamma comes exactly from one teacher-forced pass of each draft over
-the target's greedy outputs (evaluate.simulate_rounds); real speculative decoding with each
-row's seed-0 draft checks that the outputs equal target-only decoding and times the speed-up.
-With --temperature > 0 (--top-k, --top-p) the CoC is sampled, as Alpamayo-R1's released inference
-does: the greedy replay has no sampled counterpart, so each row also gets the tau of real sampled
-speculative decoding with its first seed's draft on the held-out scenes (scene i's generator seeded
---sampling-seed + i), and both arms are timed sampling; the greedy columns and checks stay as they are.
-
-The shipped checkpoints (checkpoints/toy, with the command that made them) need no training;
---retrain trains whatever is missing in --run (train.py: the target and both drafts per seed,
-then aarl.py: AARL with the static anchor).
+Each draft row is the mean over the run folder's draft seeds at its speed-optimal gamma (chosen
+on validation with the measured cost model). tau at every gamma comes exactly from one
+teacher-forced pass over the target's greedy outputs (evaluate.simulate_rounds); real speculative
+decoding with each row's first draft checks the outputs and times the speed-up, and with
+--temperature > 0 gives the sampled tau. --retrain trains what is missing (train.py, aarl.py).
 
 rsd.py is the top of the layering: it may call the scripts train.py, aarl.py and bench.py;
-they import only the library modules (rope, model, checkpoint, speculate, driving, evaluate).
+they import only the library modules.
 
 run: python rsd.py [--json] [--plot]
 """
 import argparse
-import copy
 import importlib.util
 import json
 import os
@@ -55,115 +45,36 @@ GAMMAS = tuple(range(2, 9))
 # the draft trees a tree row chooses from on val (width 3: experiments/tree_sweep.py); --tree N keeps those of <= N nodes
 TREES = tuple(speculate.TreeShape(n, d, 3) for n in (16, 32) for d in (6, 8))
 FIGURES = "figures"  # --plot's folder
-_EXP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "experiments")
-TREE_JSON, PATHS_JSON = (os.path.join(_EXP, f) for f in ("tree_sweep.json", "tree_paths.json"))  # --plot's tree data
-# written by python experiments/views_sweep.py; found from any working folder
+# --plot's views sweep, written by python experiments/views_sweep.py; found from any working folder
 SWEEP_JSON = os.path.join(os.path.dirname(os.path.abspath(__file__)), "experiments", "views_sweep.json")
-
-# ---- checkpoints ----
-
-
-def parse_seeds(text):
-    try:
-        seeds = [int(s) for s in text.split(",") if s.strip()]
-    except ValueError:
-        seeds = []
-    if not seeds or min(seeds) < 0:
-        raise ValueError(f"--seeds must be non-negative integers, got {text!r}")
-    if len(set(seeds)) < len(seeds):  # a repeated seed would count twice in the mean and spread
-        raise ValueError(f"--seeds must not repeat a seed, got {text!r}")
-    return seeds
-
-
-def missing(run, seeds):
-    paths = [os.path.join(run, "target")] + [checkpoint.draft_dir(run, kind, s) for _, kind in ROWS for s in seeds]
-    return [p for p in paths if not os.path.isdir(p)]
-
-
-def retrain(run, seeds, device="cpu", log=print):
-    """Train what is missing in `run`: the target and both SFT drafts of every seed (train.py), then each seed's
-    FlatRoPE draft's AARL post-training with the static anchor (aarl.py), under run's writer lock."""
-    with files.writer_lock(run):
-        _retrain(run, seeds, device, log)
-
-
-def _retrain(run, seeds, device, log):
-    for seed in seeds:
-        sft = [os.path.join(run, "target")] + [checkpoint.draft_dir(run, kind, seed) for kind in ("mrope", "flat")]
-        if not all(os.path.isdir(p) for p in sft):  # a missing AARL draft alone retrains nothing
-            stage = "all" if not os.path.isdir(os.path.join(run, "target")) else "drafts"
-            log(f"training into {run}: stage {stage}, draft seed {seed} (train.py defaults)")
-            T.run(T.TrainConfig(out=run, device=str(device), draft_seed=seed), stage=stage, log=log)
-        if not os.path.isdir(checkpoint.draft_dir(run, "aarl", seed)):
-            log(f"post-training the FlatRoPE draft of seed {seed} with AARL (aarl.py defaults, static anchor)")
-            cfg = aarl.AARLConfig(seed=seed)
-            target, sft = aarl.load_run(run, seed, device)
-            draft = aarl.train_aarl(target, copy.deepcopy(sft), Data("train", cfg.n_train, 0, driving.Tokenizer()),
-                                    cfg, ref=sft)
-            checkpoint.save(draft, aarl.out_dir(run, "static", seed), target=target)
-
-
-# ---- display ----
-
-
-def marked_coc(tokens, from_draft, tok):
-    """'routine words [DELIBERATIVE] ...': the target's own tokens in brackets."""
-    return " ".join(tok.vocab[t] if d else f"[{tok.vocab[t]}]" for t, d in zip(tokens, from_draft))
-
-
-def show_scenes(target, draft, data: Data, gamma, n, log=print, decoding=None):
-    """A few scenes planned by the two reasoners, next to target-only decoding (both sampled under `decoding`)."""
-    tok, device = data.tok, next(target.parameters()).device
-    prompts = evaluate.scene_prompts(data.scenes[:n], tok, device, views=data.views_at(0))
-    for i, (scene, prompt) in enumerate(zip(data.scenes, prompts)):
-        sampling = evaluate.sampling_kwargs(decoding, i)
-        spec = evaluate.decode(target, draft, prompt, gamma, MAX_NEW_TOKENS, tok.cot_end_id, **sampling)
-        base = evaluate.decode(target, None, prompt, gamma, MAX_NEW_TOKENS, tok.cot_end_id, **sampling)
-        # sampled outputs share the target's distribution, not its tokens: no token-by-token comparison
-        same = "" if sampling else f"   identical: {spec.tokens == base.tokens}"
-        log(f"scene {i} ({scene.f.road}, {scene.f.event}, history {scene.f.hist_class}):")
-        log(f"  RSD    tau {spec.tau:.1f}: {marked_coc(spec.tokens, spec.from_draft, tok)}")
-        log(f"  target-only: {tok.decode(base.tokens)}{same}")
 
 
 # ---- the table ----
-
-
-def tau_tables(target, drafts, splits, outputs):
-    """{split: {row: [tau_by_gamma per seed]}} from one teacher-forced pass per draft (evaluate.draft_matches)."""
-    out = {}
-    for split, data in splits.items():
-        flat = {(row, s): d for row, by_seed in drafts.items() for s, d in by_seed.items()}
-        matches = evaluate.draft_matches(flat, target, data, outputs[split])
-        out[split] = {row: [evaluate.tau_by_gamma(matches[(row, s)], GAMMAS) for s in by_seed]
-                      for row, by_seed in drafts.items()}
-    return out
-
-
-def mean_tau(per_seed, g):
-    return statistics.mean(t[g]["tau"] for t in per_seed)
-
-
 def paper_table(target, drafts, splits, n_time, repeats, decoding=None, compile=False):
-    """Rows target-only + one per draft kind: the row's speed-optimal gamma (chosen on val), tau on the held-out split
-    (mean over seeds, spread = max - min) and at every gamma, routine share, teacher-forced commitment accuracy,
-    reasoning ms/token and speed-up (real speculative decoding with the first seed's draft, timed against target-only
-    decoding in the same passes), ADE of the trajectory after the arm's own CoC, and the attention split while
-    writing the CoC (means over seeds). Also the sweep: mean tau per split and gamma, and the ceiling.
-    decoding (evaluate.decoding_mode) sampling: ms/token is timed sampling, and each row gets sampled_tau and
-    sampled_alpha of real sampled speculative decoding with the first seed's draft at the row's gamma.
-    compile: both timed arms run torch.compile'd static-shape steps (bench.compiled_pair); gamma is still chosen
-    with the eager cost model, and everything but ms/token and speed-up is unchanged."""
+    """Rows target-only + one per draft kind: the speed-optimal gamma (chosen on val), held-out tau there (mean over
+    seeds, spread = max - min) and at every gamma, routine share, teacher-forced commitment accuracy, ms/token and
+    speed-up (the first seed's draft, timed against target-only in the same passes), ADE after the arm's own CoC and
+    the attention split while writing it; and the sweep: mean tau per split and gamma, and the ceiling. Sampling
+    `decoding`: ms/token timed sampling, and sampled_tau / sampled_alpha of real sampled speculative decoding.
+    compile: both timed arms run torch.compile'd static-shape steps (bench.compiled_pair); nothing else changes."""
     test = splits["test"]
     device = next(target.parameters()).device
     stop = test.tok.cot_end_id
     outputs = {split: evaluate.greedy_outputs(target, data) for split, data in splits.items()}
-    taus = tau_tables(target, drafts, splits, outputs)
+    mean_tau = lambda per_seed, g: statistics.mean(t[g]["tau"] for t in per_seed)  # noqa: E731
+    flat = {(row, s): d for row, by_seed in drafts.items() for s, d in by_seed.items()}
+    taus = {}  # {split: {row: [tau_by_gamma of each seed]}}, from one teacher-forced pass per draft
+    for split, data in splits.items():
+        matches = evaluate.draft_matches(flat, target, data, outputs[split])
+        taus[split] = {row: [evaluate.tau_by_gamma(matches[(row, s)], GAMMAS) for s in by_seed]
+                       for row, by_seed in drafts.items()}
+    sweep = {split: {g: {"ceiling": speculate.tau_ceiling([len(o) for o in outputs[split]], g),
+                         **{row: mean_tau(taus[split][row], g) for row in drafts}} for g in GAMMAS}
+             for split in splits}
     prompts = evaluate.scene_prompts(test.scenes, test.tok, device, views=test.views_at(0))
     first = {row: next(iter(by_seed.values())) for row, by_seed in drafts.items()}
     times = speculate.step_times(target, first["flatrope"], prompts[0], [1] + [g + 1 for g in GAMMAS])
     ade = evaluate.trajectory_ade(target, test, outputs["test"])[0]  # every arm emits the target's greedy CoC
-    ceiling = lambda g: speculate.tau_ceiling([len(o) for o in outputs["test"]], g)
     attn = evaluate.attention_split(target, target, test)
     sampling = decoding is not None and decoding["mode"] == "sampling"
     rows = [{"name": TARGET_ONLY, "gamma": None, "tau": 1.0, "tau_spread": 0.0, "tau_by_gamma": None,
@@ -175,15 +86,15 @@ def paper_table(target, drafts, splits, n_time, repeats, decoding=None, compile=
         per_seed = taus["test"][name]
         g = evaluate.speed_optimal_gamma({gg: mean_tau(taus["val"][name], gg) for gg in GAMMAS}, times)
         spec = evaluate.spec_stats(target, {name: first[name]}, prompts, g, stop_token=stop, check_greedy=False)[name]
-        t, d = target, first[name]
-        if compile:
-            t, d = bench.compiled_pair(target, first[name], prompts[:n_time], g, MAX_NEW_TOKENS)
+        t, d = (bench.compiled_pair(target, first[name], prompts[:n_time], g, MAX_NEW_TOKENS) if compile
+                else (target, first[name]))
         timing = bench.time_arms(t, {name: d}, prompts[:n_time], g, MAX_NEW_TOKENS, stop, repeats, decoding)
         rows[0].setdefault("ms_per_token", timing[TARGET_ONLY]["ms_per_token"])
         attn = [evaluate.attention_split(d, target, test) for d in by_seed.values()]
         rows.append({"name": name, "gamma": g, "tau": mean_tau(per_seed, g),
                      "tau_spread": max(t[g]["tau"] for t in per_seed) - min(t[g]["tau"] for t in per_seed),
-                     "tau_by_gamma": {gg: mean_tau(per_seed, gg) for gg in GAMMAS}, "tau_ceiling": ceiling(g),
+                     "tau_by_gamma": {gg: mean_tau(per_seed, gg) for gg in GAMMAS},
+                     "tau_ceiling": sweep["test"][g]["ceiling"],
                      "routine_fraction": statistics.mean(t[g]["routine_fraction"] for t in per_seed),
                      "commit_acc": statistics.mean(evaluate.commitment_acc(d, target, test) for d in by_seed.values()),
                      "ms_per_token": timing[name]["ms_per_token"], "speedup": timing[name]["speedup"], "ade": ade,
@@ -194,23 +105,17 @@ def paper_table(target, drafts, splits, n_time, repeats, decoding=None, compile=
         if sampling:  # the replay is greedy; sampled tau needs real decoding
             s = evaluate.spec_stats(target, {name: first[name]}, prompts, g, stop_token=stop, decoding=decoding)[name]
             rows[-1].update(sampled_tau=s["tau"], sampled_alpha=s["alpha"])
-    sweep = {split: {g: {"ceiling": speculate.tau_ceiling([len(o) for o in outputs[split]], g),
-                         **{row: mean_tau(taus[split][row], g) for row in drafts}} for g in GAMMAS}
-             for split in splits}
     return rows, sweep, times
 
 
 def tree_rows(target, drafts, chain_rows, prompts, n_time, repeats, decoding=None, max_nodes=32):
     """One row per draft kind with a draft tree (speculate.tree_round) beside its chain row: the shape of TREES (at
-    most max_nodes nodes) with the best predicted speed-up on val (the first seed's real tree decoding, the tree's
-    measured step times), then on the held-out split every seed's real tree decoding (tau mean and spread, greedy
-    output identical to target-only), alpha per depth and nodes per round (first seed), and the speed-up timed
-    against target-only in the same passes. The teacher-forced columns (commitment accuracy, attention, ADE) are the
-    chain row's: they are the draft's, not the decoder's."""
+    most max_nodes nodes) with the best predicted speed-up on val (the first seed's tree decoding, the tree's measured
+    step times), then every seed's held-out tree decoding (tau mean and spread, greedy output identical to
+    target-only), alpha per depth and nodes per round (first seed) and the timed speed-up. The teacher-forced columns
+    (commitment accuracy, attention, ADE) are the chain row's: they are the draft's, not the decoder's."""
     stop = driving.Tokenizer().cot_end_id
     shapes = [sh for sh in TREES if sh.nodes <= max_nodes]
-    if not shapes:
-        raise ValueError(f"--tree {max_nodes}: no tree of {[sh.nodes for sh in TREES]} nodes fits")
     val, test = prompts["val"], prompts["test"]
     first = {row: next(iter(by_seed.values())) for row, by_seed in drafts.items()}
     times = speculate.step_times(target, first["flatrope"], val[0], (1,))
@@ -242,6 +147,22 @@ def tree_rows(target, drafts, chain_rows, prompts, n_time, repeats, decoding=Non
     return rows
 
 
+# ---- display ----
+def show_scenes(target, draft, data: Data, gamma, n, log=print, decoding=None):
+    """A few scenes planned by the two reasoners, next to target-only decoding (both sampled under `decoding`)."""
+    tok, device = data.tok, next(target.parameters()).device
+    prompts = evaluate.scene_prompts(data.scenes[:n], tok, device, views=data.views_at(0))
+    for i, (scene, prompt) in enumerate(zip(data.scenes, prompts)):
+        sampling = evaluate.sampling_kwargs(decoding, i)
+        spec = evaluate.decode(target, draft, prompt, gamma, MAX_NEW_TOKENS, tok.cot_end_id, **sampling)
+        base = evaluate.decode(target, None, prompt, gamma, MAX_NEW_TOKENS, tok.cot_end_id, **sampling)
+        # sampled outputs share the target's distribution, not its tokens: no token-by-token comparison
+        same = "" if sampling else f"   identical: {spec.tokens == base.tokens}"
+        log(f"scene {i} ({scene.f.road}, {scene.f.event}, history {scene.f.hist_class}):")
+        log(f"  RSD    tau {spec.tau:.1f}: {evaluate.marked_coc(spec.tokens, spec.from_draft, tok)}")
+        log(f"  target-only: {tok.decode(base.tokens)}{same}")
+
+
 def print_table(rows, log=print):
     sampled = "sampled_tau" in rows[0]  # a column only when the run samples
     log(f"{'':20s} {'gamma':>7s} {'tau':>11s} " + (f"{'tau sampled':>11s} " if sampled else "")
@@ -266,8 +187,6 @@ def print_sweep(sweep, rows, log=print):
 
 
 # ---- figures ----
-
-
 def plot(rows, out=FIGURES, sweep_json=SWEEP_JSON):
     """figures/attention.png (where each model's attention goes while it writes the CoC) and, from the views sweep
     of experiments/views_sweep.py, figures/views_sweep.png (tau of both drafts against the visual-token count)."""
@@ -304,96 +223,12 @@ def plot(rows, out=FIGURES, sweep_json=SWEEP_JSON):
         written.append(f"{out}/views_sweep.png")
     else:
         print(f"{sweep_json} not found: run python experiments/views_sweep.py for figures/views_sweep.png")
-    if os.path.exists(TREE_JSON) and os.path.exists(PATHS_JSON):
-        written += plot_trees(plt, save, out)
-    else:
-        print(f"{TREE_JSON} or {PATHS_JSON} not found: run python experiments/tree_sweep.py and "
-              "experiments/tree_paths.py for figures/tree_budget.png and figures/tree_paths.png")
     print("figures written: " + ", ".join(written))
 
 
-def plot_trees(plt, save, out):
-    """figures/tree_budget.png: held-out tau against the draft tokens verified per round (the chain's gamma, the
-    tree's node budget N), each draft kind (experiments/tree_sweep.json); figures/tree_paths.png: who supplied each
-    held-out CoC token, routine words and commitments apart (experiments/tree_paths.json)."""
-    sweep, paths = files.read_json(TREE_JSON), files.read_json(PATHS_JSON)
-    fig, ax = plt.subplots(figsize=(5, 3))
-    for (row, r), color in zip(sweep["test"].items(), ("C0", "C1", "C2")):
-        for kind, style in (("chain", "--o"), ("tree", "-s")):
-            x = sorted(r[kind], key=int)
-            ax.plot([int(n) for n in x], [r[kind][n] for n in x], style, color=color, label=f"{row} {kind}")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("draft tokens verified per round (gamma, or the tree's N)")
-    ax.set_ylabel("held-out tau (draft seed 0)")
-    ax.legend(fontsize=6)
-    save(fig, "tree_budget.png")
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3), sharey=True)
-    for ax, part in zip(axes, ("routine", "commitment")):
-        names = list(paths["rows"])
-        bottom = [0.0] * len(names)
-        for who, label in (("first_choice", "accepted, the draft's first choice"),
-                           ("lower_branch", "accepted from a lower branch"), ("target", "the target's own")):
-            share = [paths["rows"][n][part][who] / max(1, sum(paths["rows"][n][part].values())) for n in names]
-            ax.bar(names, share, bottom=bottom, label=label)
-            bottom = [b + s for b, s in zip(bottom, share)]
-        ax.set_title(f"{part} tokens (tree {'/'.join(map(str, paths['tree']))})", fontsize=9)
-    axes[0].set_ylabel("share of held-out CoC tokens")
-    axes[0].legend(fontsize=7, loc="lower center", bbox_to_anchor=(1.0, -0.35), ncol=3)
-    save(fig, "tree_paths.png")
-    return [f"{out}/tree_budget.png", f"{out}/tree_paths.png"]
-
-
 # ---- main ----
-
-
 def main(argv=None):
-    ap = argparse.ArgumentParser(description="The two-reasoner planner (RSD) on the synthetic driving world.")
-    ap.add_argument("--run", default=checkpoint.SHIPPED, help="checkpoint folder (default: the shipped "
-                    "checkpoints/toy)")
-    ap.add_argument("--retrain", action="store_true", help="train whatever is missing in --run first")
-    ap.add_argument("--seeds", default="0,1,2", help="draft seeds of every row (mean and spread over them)")
-    ap.add_argument("--device", default="cpu", help="torch device")
-    ap.add_argument("--views", type=int, default=driving.WorldConfig().views,
-                    help="surround views per prompt (the geometry the drafts were trained at)")
-    ap.add_argument("--scenes", type=int, default=64, help="held-out test scenes for the table (and val scenes for "
-                                                         "the choice of gamma)")
-    ap.add_argument("--time-scenes", type=int, default=16, help="of those, scenes timed for ms/token")
-    ap.add_argument("--repeats", type=int, default=3, help="timed passes (median)")
-    ap.add_argument("--show", type=int, default=3, help="scenes printed with routine / [deliberative] tokens")
-    ap.add_argument("--dtype", default="fp32", choices=sorted(cli.DTYPES),
-                    help="inference dtype (fp32: the exactness claims hold bit for bit)")
-    evaluate.add_decoding_flags(ap, "> 0 also reports the sampled tau of real speculative decoding per row and "
-                                "times both arms sampling (prompt i = held-out scene i)")
-    ap.add_argument("--compile", action="store_true", help="time both arms with torch.compile'd static-shape steps "
-                    "(minutes of compilation; gamma is still chosen with the eager cost model)")
-    ap.add_argument("--tree", type=int, default=None, help="draft-tree rows beside the chain rows, their node budget "
-                    "at most this (the shape chosen on val from rsd.TREES); 0 = chain rows only; default 32, or 0 "
-                    "with --compile")
-    ap.add_argument("--plot", action="store_true", help="write figures/ (needs matplotlib), after the report")
-    ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
-    a = ap.parse_args(argv)
-    if a.scenes < 1 or a.time_scenes < 1 or a.repeats < 1 or a.show < 0:
-        ap.error("--scenes, --time-scenes and --repeats must be >= 1, --show >= 0")
-    if a.tree is None:  # --compile times chains only (no compiled tree path yet)
-        a.tree = 0 if a.compile else 32
-    if a.tree and not any(sh.nodes <= a.tree for sh in TREES):
-        ap.error(f"--tree {a.tree}: the smallest tree rsd.py chooses from has {min(sh.nodes for sh in TREES)} nodes "
-                 "(0 = chain rows only)")
-    if a.tree and a.compile:
-        ap.error("--compile times the chain only (the tree's steps have no static-shape path yet): add --tree 0")
-    if a.time_scenes > a.scenes or a.show > a.scenes:  # they are taken from the --scenes held-out scenes
-        ap.error(f"--time-scenes ({a.time_scenes}) and --show ({a.show}) must be at most --scenes ({a.scenes})")
-    if not 0 <= a.views <= driving.MAX_VIEWS:
-        ap.error(f"--views must be in 0..{driving.MAX_VIEWS} (the geometries the toy target was trained on), "
-                 f"got {a.views}")
-    with cli.user_errors(ap):
-        seeds = parse_seeds(a.seeds)
-        decoding = evaluate.decoding_mode(a.temperature, a.top_k, a.top_p, a.sampling_seed)
-        device = cli.check_device(a.device)
-        if a.plot:  # figures come after minutes of work: their dependency and folder are checked first
-            if importlib.util.find_spec("matplotlib") is None:
-                raise ValueError("--plot needs matplotlib: pip install matplotlib")
-            files.check_writable(FIGURES)
+    ap, a, seeds, decoding, device = parse_args(argv)
     t0 = time.time()
     if a.retrain:
         with cli.user_errors(ap):
@@ -408,9 +243,8 @@ def main(argv=None):
                                  device=device).eval()
         drafts = {row: {s: checkpoint.load(checkpoint.draft_dir(a.run, kind, s), target=target).eval() for s in seeds}
                   for row, kind in ROWS}
-    splits = {"val": Data("val", a.scenes, 0, tok, views=a.views), "test": Data("test", a.scenes, 0, tok, views=a.views)}
+    splits = {split: Data(split, a.scenes, 0, tok, views=a.views) for split in ("val", "test")}
     test = splits["test"]
-
     metrics = evaluate.evaluate_target(target, test)
     print(f"target on the held-out test split: CoC exact {metrics['coc_exact']:.3f}, "
           f"commitment accuracy {metrics['commitment_acc']:.3f}, ADE {metrics['ade']:.2f} m")
@@ -420,9 +254,9 @@ def main(argv=None):
         prompts = {k: evaluate.scene_prompts(d.scenes, tok, device, views=d.views_at(0)) for k, d in splits.items()}
         rows += tree_rows(target, drafts, rows, prompts, a.time_scenes, a.repeats, decoding, a.tree)
     show_scenes(target, drafts["flatrope+aarl"][seeds[0]], test, aarl_row["gamma"], a.show, decoding=decoding)
-    prompt = evaluate.scene_prompts(test.scenes[:1], tok, device, views=a.views)[0]
-    n_visual = int(((prompt["input_ids"] == tok.image_token_id) | (prompt["input_ids"] == tok.video_token_id)).sum())
-    print(f"\nheld-out test split, {a.scenes} scenes, {n_visual} visual and {3 * driving.WorldConfig().n_hist} history "
+    ids = evaluate.scene_prompts(test.scenes[:1], tok, device, views=a.views)[0]["input_ids"]
+    n_visual, n_hist = int(((ids == tok.image_token_id) | (ids == tok.video_token_id)).sum()), 3 * tok.cfg.n_hist
+    print(f"\nheld-out test split, {a.scenes} scenes, {n_visual} visual and {n_hist} history "
           f"tokens per prompt, {a.dtype} on {a.device} ({torch.get_num_threads()} threads); draft rows: mean ± half "
           f"the spread over seeds {seeds} at the row's speed-optimal gamma (chosen on {a.scenes} val scenes); "
           f"speed-up = reasoning-step ms/token vs target-only, seed {seeds[0]}'s draft"
@@ -441,8 +275,7 @@ def main(argv=None):
                   + " ".join("-" if x is None else f"{x:.2f}" for x in r["alpha_by_depth"]) + f" (seed {seeds[0]})")
     greedy_match = all(r["greedy_match"] for r in rows)
     print(f"greedy outputs identical to target-only on every scene and draft: {greedy_match}; real speculative "
-          f"decoding's tau equals the replay's: {all(r.get('replay_exact', True) for r in rows)}")
-    print()
+          f"decoding's tau equals the replay's: {all(r.get('replay_exact', True) for r in rows)}\n")
     print_sweep(sweep, rows)
     share = driving.routine_share("train")
     print(f"routine share of the world (the Bayes-optimal reader of the history, python driving.py): {share:.3f}")
@@ -451,17 +284,98 @@ def main(argv=None):
         keys = ("name", "gamma", "tau", "tau_spread", "tau_by_gamma", "tau_ceiling", "routine_fraction", "commit_acc",
                 "ms_per_token", "speedup", "ade", "attn_history", "attn_image", "attn_text")
         keys += ("sampled_tau", "sampled_alpha") if decoding["mode"] == "sampling" else ()
-        tree_keys = ("tree", "tau_by_seed", "val_tau", "alpha_by_depth", "nodes_per_round")  # None on chain rows
+        keys += ("tree", "tau_by_seed", "val_tau", "alpha_by_depth", "nodes_per_round")  # None on chain rows
         print(json.dumps({"decoding": decoding, "compiled": a.compile, "greedy_match": greedy_match,
-                          "tau_ceiling": aarl_row["tau_ceiling"],
-                          "sweep": sweep,
+                          "tau_ceiling": aarl_row["tau_ceiling"], "sweep": sweep,
                           "target": {k: metrics[k] for k in ("coc_exact", "commitment_acc", "ade")},
-                          "prompt": {"visual_tokens": n_visual, "history_tokens": 3 * driving.WorldConfig().n_hist},
+                          "prompt": {"visual_tokens": n_visual, "history_tokens": n_hist},
                           "routine_share_world": share, "seeds": seeds,
-                          "rows": [{k: r.get(k) for k in keys + tree_keys} for r in rows]}))
+                          "rows": [{k: r.get(k) for k in keys} for r in rows]}))
     if a.plot:  # after the report: a failing figure loses no result
         with cli.user_errors(ap):
             plot(rows, FIGURES)
+
+
+# ---- operations: checkpoints, retraining, the command line and its checks ----
+def missing(run, seeds):
+    paths = [os.path.join(run, "target")] + [checkpoint.draft_dir(run, kind, s) for _, kind in ROWS for s in seeds]
+    return [p for p in paths if not os.path.isdir(p)]
+
+
+def retrain(run, seeds, device="cpu", log=print):
+    """Train what is missing in `run`, under its writer lock: the target and both SFT drafts of every seed (train.py),
+    then each seed's AARL post-training of its FlatRoPE draft with the static anchor (aarl.py)."""
+    with files.writer_lock(run):
+        for seed in seeds:
+            sft = [os.path.join(run, "target")] + [checkpoint.draft_dir(run, kind, seed) for kind in ("mrope", "flat")]
+            if not all(os.path.isdir(p) for p in sft):  # a missing AARL draft alone retrains nothing
+                stage = "all" if not os.path.isdir(sft[0]) else "drafts"
+                log(f"training into {run}: stage {stage}, draft seed {seed} (train.py defaults)")
+                T.run(T.TrainConfig(out=run, device=str(device), draft_seed=seed), stage=stage, log=log)
+            if not os.path.isdir(aarl.out_dir(run, "static", seed)):
+                log(f"post-training the FlatRoPE draft of seed {seed} with AARL (aarl.py defaults, static anchor)")
+                aarl.print_result(aarl.run(aarl.AARLConfig(seed=seed), run, device=device,
+                                           out=aarl.out_dir(run, "static", seed)))
+
+
+def parse_args(argv):
+    """(parser, flags, seeds, decoding, device), every flag checked before any work: one line `rsd.py: error: ...`."""
+    ap = argparse.ArgumentParser(description="The two-reasoner planner (RSD) on the synthetic driving world.")
+    ap.add_argument("--run", default=checkpoint.SHIPPED, help="run folder (default: the shipped checkpoints/toy)")
+    ap.add_argument("--retrain", action="store_true", help="train whatever is missing in --run first")
+    ap.add_argument("--seeds", default="0,1,2", help="draft seeds of every row (mean and spread over them)")
+    ap.add_argument("--device", default="cpu", help="torch device")
+    ap.add_argument("--views", type=int, default=driving.WorldConfig().views,
+                    help="surround views per prompt (the geometry the drafts were trained at)")
+    ap.add_argument("--scenes", type=int, default=64, help="held-out scenes of the table (and val scenes for gamma)")
+    ap.add_argument("--time-scenes", type=int, default=16, help="of those, scenes timed for ms/token")
+    ap.add_argument("--repeats", type=int, default=3, help="timed passes (median)")
+    ap.add_argument("--show", type=int, default=3, help="scenes printed with routine / [deliberative] tokens")
+    ap.add_argument("--dtype", default="fp32", choices=sorted(cli.DTYPES),
+                    help="inference dtype (fp32: the exactness claims hold bit for bit)")
+    evaluate.add_decoding_flags(ap, "> 0 also reports the sampled tau of real speculative decoding per row and "
+                                "times both arms sampling (prompt i = held-out scene i)")
+    ap.add_argument("--compile", action="store_true", help="time both arms with torch.compile'd static-shape steps "
+                    "(minutes of compilation; gamma is still chosen with the eager cost model)")
+    ap.add_argument("--tree", type=int, default=None, help="draft-tree rows beside the chain rows of at most this many "
+                    "nodes (the shape chosen on val from rsd.TREES); 0 = chain rows; default 32 (0 with --compile)")
+    ap.add_argument("--plot", action="store_true", help="write figures/ (needs matplotlib), after the report")
+    ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    a = ap.parse_args(argv)
+    if a.tree is None:  # --compile times chains only (no compiled tree path yet)
+        a.tree = 0 if a.compile else 32
+    with cli.user_errors(ap):
+        evaluate.check_values(a, [(">= 1", ("scenes", "time_scenes", "repeats")), ("a number >= 0", ("show",)),
+                                  (evaluate.VIEWS_RULE, ("views",))], flags=True)
+        if a.tree and not any(sh.nodes <= a.tree for sh in TREES):
+            raise ValueError(f"--tree {a.tree}: the smallest tree rsd.py chooses from has "
+                             f"{min(sh.nodes for sh in TREES)} nodes (0 = chain rows only)")
+        if a.tree and a.compile:
+            raise ValueError("--compile times the chain only (the tree's steps have no static-shape path yet): "
+                             "add --tree 0")
+        if a.time_scenes > a.scenes or a.show > a.scenes:  # they are taken from the --scenes held-out scenes
+            raise ValueError(f"--time-scenes ({a.time_scenes}) and --show ({a.show}) must be at most --scenes "
+                             f"({a.scenes})")
+        seeds = parse_seeds(a.seeds)
+        decoding = evaluate.decoding_mode(a.temperature, a.top_k, a.top_p, a.sampling_seed)
+        device = cli.check_device(a.device)
+        if a.plot:  # figures come after minutes of work: their dependency and folder are checked first
+            if importlib.util.find_spec("matplotlib") is None:
+                raise ValueError("--plot needs matplotlib: pip install matplotlib")
+            files.check_writable(FIGURES)
+    return ap, a, seeds, decoding, device
+
+
+def parse_seeds(text):
+    try:
+        seeds = [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        seeds = []
+    if not seeds or min(seeds) < 0:
+        raise ValueError(f"--seeds must be non-negative integers, got {text!r}")
+    if len(set(seeds)) < len(seeds):  # a repeated seed would count twice in the mean and spread
+        raise ValueError(f"--seeds must not repeat a seed, got {text!r}")
+    return seeds
 
 
 if __name__ == "__main__":

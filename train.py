@@ -2,17 +2,13 @@
 VLA) and distillation of the two routine-reasoner drafts from it.
 
 Paper: the target is the unmodified VLA (Alpamayo-R1 style: CoC next-token loss plus a
-trajectory loss); the drafts are the paper's routine reasoner (FlatRoPE, 1D positions)
-and the baseline replica draft of standard speculative decoding (the target's M-RoPE),
-trained with the same data, steps and seed so that only the position scheme differs.
-The SFT FlatRoPE draft is also AARL's static reference (aarl.py).
-
-Both drafts are distilled in one loop: every step runs the frozen target once (its
-prompt embeddings, image features included, and its CoC distributions p) and updates
-each draft q with the forward KL(p || q) on the CoC positions. Sharing the target's
-forward halves the cost without coupling the drafts (separate weights, optimisers).
-With --draft-vocab K both drafts get a reduced-vocabulary head (model.VLA.head) over the K ids
-select_draft_vocab picks from the training CoCs; distill_loss says how their loss stays finite.
+trajectory loss); the drafts are the paper's routine reasoner (FlatRoPE, 1D positions) and the
+baseline replica draft of standard speculative decoding (the target's M-RoPE), trained with the
+same data, steps and seed so that only the position scheme differs. The SFT FlatRoPE draft is
+also AARL's static reference (aarl.py). Both drafts are distilled in one loop: every step runs
+the frozen target once (its prompt embeddings and its CoC distributions p) and updates each
+draft q with the forward KL(p || q) on the CoC positions, which halves the cost without coupling
+the drafts. --draft-vocab K gives both a reduced-vocabulary head (select_draft_vocab).
 
 run: python train.py --device cpu                 (target + both drafts into runs/toy; --help lists the flags)
      torchrun --nproc_per_node 2 train.py         (the same with DistributedDataParallel)
@@ -35,11 +31,9 @@ import driving
 import files
 import model as M
 from driving import Data, grid_kwargs, vision_kwargs
-from evaluate import autocast, evaluate_target
+from evaluate import MAX_VIEWS_RULE, autocast, check_values, evaluate_target
 
 # ---- config ----
-
-
 @dataclass
 class TrainConfig:
     out: str = "runs/toy"  # checkpoints: out/target, out/draft_{flat,mrope}_s<draft_seed> (+ *.state.pt to resume)
@@ -66,51 +60,17 @@ class TrainConfig:
     eval_every: int = 1000  # steps between validation passes (and resumable checkpoints)
     views: int = driving.WorldConfig().views  # surround views of the drafts' training and of every evaluation
     max_views: int = driving.MAX_VIEWS  # the target trains on every view count 0..max_views (one per batch)
-    p_no_views: float = 0.8  # ... with this share of its batches at 0 views: short prompts, where a deep target first
-    #                          learns to read the evidence cheaply (docs/toy-notes.md)
+    p_no_views: float = 0.8  # ... this share of its batches at 0 views, where it learns to read cheaply (toy-notes)
     overwrite: bool = False  # retrain and replace checkpoints in out that have no resumable *.state.pt beside them
 
 
-# ---- distributed (torchrun) ----
-
-
-def setup_distributed(device):
-    """(rank, world_size, device). Under torchrun: gloo on CPU, nccl on CUDA, one GPU per rank."""
-    if "RANK" not in os.environ:
-        return 0, 1, torch.device(device)
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    if device.startswith("cuda"):
-        local = int(os.environ.get("LOCAL_RANK", 0))
-        torch.cuda.set_device(local)
-        dist.init_process_group("nccl")
-        return rank, world, torch.device("cuda", local)
-    dist.init_process_group("gloo")
-    return rank, world, torch.device(device)
-
-
-def unwrap(m):
-    return m.module if isinstance(m, torch.nn.parallel.DistributedDataParallel) else m
-
-
-def wrap(m, world, device):
-    if world == 1:
-        return m
-    ids = [device.index] if device.type == "cuda" else None
-    return torch.nn.parallel.DistributedDataParallel(m, device_ids=ids)
-
-
 # ---- model construction ----
-
-
 def target_config(tok: driving.Tokenizer, preset="toy-target") -> M.ModelConfig:
     """The toy target: model.PRESETS[preset] with the world's vocabulary, token ids and raster channels."""
     base = M.PRESETS[preset]
-    # The world's tokenisation (driving.PATCH, driving.MERGE). Every block is windowed, a window being one merged
-    # token (PATCH * MERGE = 12 px): the frozen tower is random, and a random frame-wide attention block mixes every
-    # token with the whole frame, so the in-lane actor's token would also carry the off-lane decoy's kind. A
-    # pretrained tower keeps its tokens local; a random one has to be made to (docs/toy-notes.md, "The toy target").
-    # One block of width 32 is enough for a frozen random feature map of sparse object rasters, and keeps the ~3,500
-    # patches of a default prompt cheap to encode.
+    # The world's tokenisation, every block windowed to one merged token (12 px): a random frame-wide attention block
+    # would mix the off-lane decoy's kind into the in-lane actor's token; a pretrained tower keeps tokens local, a
+    # random one has to be made to. One block of width 32 keeps ~3,500 patches cheap (docs/toy-notes.md).
     vision = replace(base.vision, in_channels=len(driving.CHANNELS), patch_size=driving.PATCH, temporal_patch_size=1,
                      spatial_merge_size=driving.MERGE, window_size=driving.PATCH * driving.MERGE,
                      fullatt_block_indexes=(), depth=1, hidden=32, heads=2, intermediate=64)
@@ -141,10 +101,9 @@ def make_drafts(target, preset, vocab_ids=None):
 
 
 def select_draft_vocab(cocs, k, stop_id, vocab_size):
-    """The K token ids of a reduced-vocabulary draft head (EAGLE-3's reduced draft vocabulary): the stop token
-    (<cot_end>, which ends every reasoning step, so a draft without it could never propose the end) and the K - 1
-    other ids most frequent in `cocs` (lists of ids: the training split's CoCs), in order of frequency, ties and
-    never-seen ids by id. Returns a long tensor (K,), most frequent first."""
+    """The K ids of a reduced-vocabulary draft head (EAGLE-3's reduced draft vocabulary), a long tensor (K), most
+    frequent first: the stop token (<cot_end>: a draft without it could never propose the end) and the K - 1 other ids
+    most frequent in `cocs` (id lists: the training CoCs), ties and never-seen ids by id."""
     if not isinstance(k, int) or not 1 <= k <= vocab_size:
         raise ValueError(f"draft vocabulary K must be an int in 1..{vocab_size} (the target's vocabulary), got {k!r}")
     if not 0 <= stop_id < vocab_size:
@@ -159,8 +118,6 @@ def select_draft_vocab(cocs, k, stop_id, vocab_size):
 
 
 # ---- losses ----
-
-
 def coc_targets(batch):
     """Next-token labels (B, L): the token at i + 1 where position i predicts a CoC token, else -100."""
     ids = batch["input_ids"]
@@ -195,21 +152,17 @@ def distill_loss(draft, embeds, p_logp, batch):
     return F.kl_div(q_logp, p_logp, log_target=True, reduction="batchmean")
 
 
-# ---- checkpoints (resumable training state) ----
-
-
-def lr_at(step, steps, lr, warmup):
-    if step < warmup:
-        return lr * (step + 1) / warmup
+# ---- stages ----
+def set_lr(opt, step, steps, lr, warmup):
+    """Linear warm-up over `warmup` steps, then cosine decay to 10% of the peak lr at `steps`."""
     frac = (step - warmup) / max(1, steps - warmup)
-    return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+    lr = lr * (step + 1) / warmup if step < warmup else lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+    for grp in opt.param_groups:
+        grp["lr"] = lr
 
 
 def make_optimizer(params, cfg, lr):
     return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
-
-
-# ---- stages ----
 
 
 def train_target(cfg: TrainConfig, tok, train: Data, val: Data, rank=0, world=1, device="cpu", log=print):
@@ -217,10 +170,8 @@ def train_target(cfg: TrainConfig, tok, train: Data, val: Data, rank=0, world=1,
     torch.manual_seed(cfg.seed)
     target = M.VLA(target_config(tok, cfg.target_preset)).to(device)
     if not cfg.train_vision:
-        # Frozen, as a pretrained encoder often is in VLA fine-tuning. Trained along with the LM under Adam, the
-        # merger's output grows far above the text embeddings' scale and the video tokens of a scene become nearly
-        # collinear: the LM can then tell which features are somewhere in the video, not which token holds them.
-        # The untrained features stay diverse (docs/toy-notes.md, "The frozen vision tower").
+        # Frozen, as a pretrained encoder often is in VLA fine-tuning: trained with the LM, the video tokens of a scene
+        # become nearly collinear (docs/toy-notes.md, "The frozen vision tower").
         target.visual.requires_grad_(False)
     opt = make_optimizer([p for p in target.parameters() if p.requires_grad], cfg, cfg.target_lr)
     state_path = os.path.join(cfg.out, "target.state.pt")
@@ -230,8 +181,7 @@ def train_target(cfg: TrainConfig, tok, train: Data, val: Data, rank=0, world=1,
                total=cfg.target_steps)
     for step in bar:
         ddp.train()
-        for grp in opt.param_groups:
-            grp["lr"] = lr_at(step, cfg.target_steps, cfg.target_lr, cfg.warmup)
+        set_lr(opt, step, cfg.target_steps, cfg.target_lr, cfg.warmup)
         batch = train.batch(step, cfg.batch_size, rank, world, device)
         with autocast(device, cfg.amp):
             loss, ce, l1 = target_loss(ddp, batch, cfg.traj_weight)
@@ -253,9 +203,8 @@ def train_target(cfg: TrainConfig, tok, train: Data, val: Data, rank=0, world=1,
 def train_drafts(cfg: TrainConfig, target, train: Data, rank=0, world=1, device="cpu"):
     """Distil both drafts from the frozen target in one loop; saves out/draft_flat_s<draft_seed>, out/draft_mrope_s..."""
     target.eval().requires_grad_(False)
-    vocab_ids = None
-    if cfg.draft_vocab:
-        vocab_ids = select_draft_vocab(train.coc_ids(), cfg.draft_vocab, train.tok.cot_end_id, target.cfg.vocab_size)
+    vocab_ids = (select_draft_vocab(train.coc_ids(), cfg.draft_vocab, train.tok.cot_end_id, target.cfg.vocab_size)
+                 if cfg.draft_vocab else None)
     torch.manual_seed(cfg.seed + 1 + 1000 * cfg.draft_seed)
     drafts = make_drafts(target, cfg.draft_preset, vocab_ids)
     opts = {k: make_optimizer(d.parameters(), cfg, cfg.draft_lr) for k, d in drafts.items()}
@@ -274,8 +223,7 @@ def train_drafts(cfg: TrainConfig, target, train: Data, rank=0, world=1, device=
         losses = {}
         for k, d in ddps.items():
             d.train()
-            for grp in opts[k].param_groups:
-                grp["lr"] = lr_at(step, cfg.draft_steps, cfg.draft_lr, cfg.warmup)
+            set_lr(opts[k], step, cfg.draft_steps, cfg.draft_lr, cfg.warmup)
             with autocast(device, cfg.amp):
                 loss = distill_loss(d, embeds, p_logp, batch)
             opts[k].zero_grad(set_to_none=True)
@@ -291,6 +239,70 @@ def train_drafts(cfg: TrainConfig, target, train: Data, rank=0, world=1, device=
         for k, d in drafts.items():
             checkpoint.save(d, checkpoint.draft_dir(cfg.out, k, cfg.draft_seed), target=target)
     return drafts
+
+
+def run(cfg: TrainConfig, stage="all", log=print):
+    """Train what `stage` asks for; returns {"target", "drafts", "metrics"} on rank 0, which holds cfg.out's writer
+    lock throughout (files.writer_lock) and first checks what would be replaced (check_outputs)."""
+    cli.check_device(cfg.device)
+    rank, world, device = setup_distributed(cfg.device)
+    with files.writer_lock(cfg.out) if rank == 0 else contextlib.nullcontext():
+        check_outputs(cfg, stage)
+        return _run(cfg, stage, log, rank, world, device)
+
+
+def _run(cfg, stage, log, rank, world, device):
+    if cfg.batch_size % world:
+        raise ValueError(f"batch_size {cfg.batch_size} is not divisible by the {world} ranks")
+    tok = driving.Tokenizer()
+    t0 = time.time()
+    train = Data("train", cfg.n_train, cfg.seed, tok, views=cfg.views)
+    val = Data("val", cfg.n_val, cfg.seed, tok, views=cfg.views)
+    out = {}
+    if stage in ("all", "target"):
+        out["target"] = train_target(cfg, tok, train.with_views(target_views(cfg)), val, rank, world, device, log)
+    else:
+        out["target"] = checkpoint.load(os.path.join(cfg.out, "target"), device=device)
+    if stage in ("all", "drafts"):
+        out["drafts"] = train_drafts(cfg, out["target"], train, rank, world, device)
+    if rank == 0:
+        test = Data("test", cfg.n_test, cfg.seed, tok, views=cfg.views)
+        metrics = {"val": evaluate_target(out["target"], val), "test": evaluate_target(out["target"], test),
+                   "scenes": {"val": cfg.n_val, "test": cfg.n_test}, "wall_s": time.time() - t0}
+        files.write_json(os.path.join(cfg.out, "train_metrics.json"), metrics)
+        log(f"target val:  {fmt(metrics['val'])}")
+        log(f"target test: {fmt(metrics['test'])}")
+        log(f"wall time {metrics['wall_s']:.0f} s")
+        out["metrics"] = metrics
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return out
+
+
+# ---- operations: distributed ranks, resumable state, what a run may replace, the command line ----
+def setup_distributed(device):
+    """(rank, world_size, device). Under torchrun: gloo on CPU, nccl on CUDA, one GPU per rank."""
+    if "RANK" not in os.environ:
+        return 0, 1, torch.device(device)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if device.startswith("cuda"):
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(local)
+        dist.init_process_group("nccl")
+        return rank, world, torch.device("cuda", local)
+    dist.init_process_group("gloo")
+    return rank, world, torch.device(device)
+
+
+def unwrap(m):
+    return m.module if isinstance(m, torch.nn.parallel.DistributedDataParallel) else m
+
+
+def wrap(m, world, device):
+    if world == 1:
+        return m
+    ids = [device.index] if device.type == "cuda" else None
+    return torch.nn.parallel.DistributedDataParallel(m, device_ids=ids)
 
 
 def save_state(path, step, models, opts, cfg, rank, target=None):
@@ -343,8 +355,7 @@ def load_state(path, models, opts, cfg, device, target=None):
 
 
 def check_loss(name, value, step, state_path):
-    """Stop at a non-finite loss, before the update it caused can be saved: the state on disk stays the last good
-    one."""
+    """Stop at a non-finite loss before the update it caused is saved: the state on disk stays the last good one."""
     if math.isfinite(value):
         return
     kept = "no state was saved yet"
@@ -358,9 +369,6 @@ def fmt(metrics):
     return " ".join(f"{k}={v:.3f}" for k, v in metrics.items())
 
 
-# ---- main ----
-
-
 def parse_args(argv=None, parser=False):
     ap = argparse.ArgumentParser(description="Train the toy target VLA and distil the FlatRoPE and M-RoPE drafts.")
     ap.add_argument("--stage", choices=["all", "target", "drafts"], default="all",
@@ -371,25 +379,12 @@ def parse_args(argv=None, parser=False):
     if a.draft_vocab > len(driving.Tokenizer()):  # here, not when the draft stage starts after the target's hour
         ap.error(f"--draft-vocab must be at most the toy vocabulary's {len(driving.Tokenizer())} ids, "
                  f"got {a.draft_vocab}")
-    for name in ("views", "max_views"):
-        if getattr(a, name) > driving.MAX_VIEWS:
-            ap.error(f"--{name.replace('_', '-')} must be at most {driving.MAX_VIEWS} (the world's surround views), "
-                     f"got {getattr(a, name)}")
-    for name in ("seed", "draft_seed"):  # combined into 64-bit torch seeds (target_views, Data.batch's order)
-        if not 0 <= getattr(a, name) < 2**30:
-            ap.error(f"--{name.replace('_', '-')} must be in 0..2**30-1, got {getattr(a, name)}")
-    for name in ("n_train", "n_val", "n_test", "batch_size", "target_steps", "draft_steps", "eval_every"):
-        if getattr(a, name) < 1:
-            ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
-    for name in ("target_lr", "draft_lr", "grad_clip"):
-        if not getattr(a, name) > 0:  # also catches NaN
-            ap.error(f"--{name.replace('_', '-')} must be > 0, got {getattr(a, name)}")
-    for name in ("traj_weight", "weight_decay", "warmup", "views", "max_views", "seed", "draft_seed", "draft_vocab"):
-        if not (getattr(a, name) >= 0 and math.isfinite(getattr(a, name))):
-            ap.error(f"--{name.replace('_', '-')} must be a finite number >= 0, got {getattr(a, name)}")
-    if not 0 <= a.p_no_views <= 1:
-        ap.error(f"--p-no-views must be in [0, 1], got {a.p_no_views}")
     try:
+        check_values(a, [(MAX_VIEWS_RULE, ("views", "max_views")), ("in 0..2**30-1", ("seed", "draft_seed")),
+                         (">= 1", ("n_train", "n_val", "n_test", "batch_size", "target_steps", "draft_steps",
+                                   "eval_every")), ("> 0", ("target_lr", "draft_lr", "grad_clip")),
+                         ("a finite number >= 0", ("traj_weight", "weight_decay", "warmup", "views", "max_views",
+                                                   "draft_vocab")), ("in [0, 1]", ("p_no_views",))], flags=True)
         cli.check_device(a.device)
     except ValueError as e:
         ap.error(str(e))
@@ -398,10 +393,9 @@ def parse_args(argv=None, parser=False):
 
 
 def check_outputs(cfg: TrainConfig, stage):
-    """Refuse, before any work, to replace what cannot be resumed: a target (or this seed's drafts) in out with no
-    *.state.pt beside it is a finished or shipped one; training would replace it, and a new target makes every draft
-    distilled from the old one stale. cfg.overwrite asks for it. Anything that is not a checkpoint of the kind to be
-    written is never replaced (checkpoint.check_output)."""
+    """Refuse, before any work, to replace what cannot be resumed unless cfg.overwrite: a target (or this seed's drafts)
+    with no *.state.pt beside it is a finished or shipped one, and a new target makes every draft of the old one stale.
+    What is not a checkpoint of the kind to be written is never replaced (checkpoint.check_output)."""
     todo = []
     if stage in ("all", "target"):
         todo.append((os.path.join(cfg.out, "target"), "target", "target.state.pt",
@@ -416,46 +410,6 @@ def check_outputs(cfg: TrainConfig, stage):
     for path, kind, state, how in todo:
         resumable = os.path.exists(os.path.join(cfg.out, state))
         checkpoint.check_output(path, kind, cfg.overwrite or resumable, how)
-
-
-def run(cfg: TrainConfig, stage="all", log=print):
-    """Train what `stage` asks for; returns {"target", "drafts", "metrics"} on rank 0. Rank 0 holds cfg.out's writer
-    lock throughout (files.writer_lock: a second run into the same folder stops at once, naming this one); what
-    would be replaced is checked first (check_outputs)."""
-    cli.check_device(cfg.device)
-    rank, world, device = setup_distributed(cfg.device)
-    with files.writer_lock(cfg.out) if rank == 0 else contextlib.nullcontext():
-        check_outputs(cfg, stage)
-        return _run(cfg, stage, log, rank, world, device)
-
-
-def _run(cfg, stage, log, rank, world, device):
-    if cfg.batch_size % world:
-        raise ValueError(f"batch_size {cfg.batch_size} is not divisible by the {world} ranks")
-    tok = driving.Tokenizer()
-    t0 = time.time()
-    train = Data("train", cfg.n_train, cfg.seed, tok, views=cfg.views)
-    val = Data("val", cfg.n_val, cfg.seed, tok, views=cfg.views)
-    out = {}
-    if stage in ("all", "target"):
-        out["target"] = train_target(cfg, tok, train.with_views(target_views(cfg)), val, rank, world, device, log)
-    else:
-        path = os.path.join(cfg.out, "target")
-        out["target"] = checkpoint.load(path, device=device)
-    if stage in ("all", "drafts"):
-        out["drafts"] = train_drafts(cfg, out["target"], train, rank, world, device)
-    if rank == 0:
-        test = Data("test", cfg.n_test, cfg.seed, tok, views=cfg.views)
-        metrics = {"val": evaluate_target(out["target"], val), "test": evaluate_target(out["target"], test),
-                   "scenes": {"val": cfg.n_val, "test": cfg.n_test}, "wall_s": time.time() - t0}
-        files.write_json(os.path.join(cfg.out, "train_metrics.json"), metrics)
-        log(f"target val:  {fmt(metrics['val'])}")
-        log(f"target test: {fmt(metrics['test'])}")
-        log(f"wall time {metrics['wall_s']:.0f} s")
-        out["metrics"] = metrics
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    return out
 
 
 def main(argv=None):

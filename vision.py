@@ -1,12 +1,11 @@
 """The VLA's vision towers: Qwen2.5-VL's windowed ViT and Qwen3-VL's ViT with DeepStack, both
 ending in an m x m patch merger into the language model's width, and `patchify`, the Qwen-VL
-image processor's patch flattening.
+image processor's patch flattening. Semantics follow Hugging Face transformers' vision models
+(the version pinned in requirements-test.txt), written anew here.
 
-Paper: the deliberative reasoner is Alpamayo-R1, whose released checkpoints use a Qwen3-VL-8B
-backbone (the paper era used Qwen2.5-VL); the vision features fill the image placeholders of the
-prompt, ~2,900 visual tokens against 48 history tokens (docs/background.md, "Qwen3-VL's vision
-tower and DeepStack"). Semantics follow Hugging Face transformers' Qwen2.5-VL / Qwen3-VL vision
-models (the version pinned in requirements-test.txt), written anew here.
+Paper: the deliberative reasoner is Alpamayo-R1 (a Qwen3-VL-8B backbone; the paper era used
+Qwen2.5-VL), whose vision features fill the prompt's image placeholders: ~2,900 visual tokens
+against 48 history tokens (docs/background.md, "Qwen3-VL's vision tower and DeepStack").
 
 Letters: N patches (every frame of every image / video, in patchify order), C tower width,
 m spatial merge, hd head dim, n_seg attention segments (frames or windows), Lmax their longest.
@@ -25,8 +24,6 @@ from rope import apply_rope, rope_inv_freq
 FAMILIES = ("qwen2_5_vl", "qwen3_vl")
 
 # ---- config ----
-
-
 @dataclass
 class VisionConfig:
     family: str = "qwen2_5_vl"  # "qwen2_5_vl": windowed ViT, RMSNorm, SwiGLU; "qwen3_vl": learned positions, DeepStack
@@ -47,29 +44,10 @@ class VisionConfig:
     def __post_init__(self):
         self.fullatt_block_indexes = tuple(self.fullatt_block_indexes)
         self.deepstack_visual_indexes = tuple(self.deepstack_visual_indexes)
-        if self.family not in FAMILIES:
-            raise ValueError(f"vision family must be one of {FAMILIES}, got {self.family!r}")
-        hd = self.hidden // self.heads
-        if self.hidden % self.heads or hd % 4:
-            raise ValueError(f"vision hidden {self.hidden} must split into {self.heads} heads of a size divisible by 4")
-        if self.family == "qwen2_5_vl":
-            if self.window_size % (self.patch_size * self.spatial_merge_size):
-                raise ValueError(f"vision window_size {self.window_size} must be a multiple of patch_size * "
-                                 f"spatial_merge_size = {self.patch_size * self.spatial_merge_size}")
-            if any(not 0 <= i < self.depth for i in self.fullatt_block_indexes):
-                raise ValueError(f"fullatt_block_indexes {self.fullatt_block_indexes} out of range for depth "
-                                 f"{self.depth}")
-        else:
-            if round(self.num_position_embeddings ** 0.5) ** 2 != self.num_position_embeddings:
-                raise ValueError(f"num_position_embeddings {self.num_position_embeddings} is not a square grid")
-            if any(not 0 <= i < self.depth for i in self.deepstack_visual_indexes):
-                raise ValueError(f"deepstack_visual_indexes {self.deepstack_visual_indexes} out of range for depth "
-                                 f"{self.depth}")
+        check_config(self)
 
 
 # ---- shared layers ----
-
-
 class RMSNorm(nn.Module):
     """Qwen's RMSNorm, used by the Qwen2.5-VL tower and the decoder (model.py)."""
 
@@ -124,15 +102,11 @@ class VisionAttention(nn.Module):
     def forward(self, x, cos, sin, seg):
         N, C = x.shape
         q, k, v = self.qkv(x).view(N, 3, self.heads, -1).unbind(1)  # 3 x (N, heads, hd)
-        q = apply_rope(q.float(), cos, sin).to(x.dtype)  # rotary in fp32 as Qwen does; cos (N, 1, hd)
-        k = apply_rope(k.float(), cos, sin).to(x.dtype)
+        q, k = (apply_rope(t.float(), cos, sin).to(x.dtype) for t in (q, k))  # rotary in fp32 as Qwen; cos (N, 1, hd)
         idx, valid = seg  # attention stays inside each frame / window: pad segments into a batch
         q, k, v = (t[idx].transpose(1, 2) for t in (q, k, v))  # (n_seg, heads, Lmax, hd)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=valid[:, None, None, :])
         return self.proj(y.transpose(1, 2)[valid].reshape(N, C))  # (n_seg, Lmax, heads, hd) -> (N, C)
-
-
-# ---- Qwen2.5-VL tower ----
 
 
 class VisionMLP(nn.Module):
@@ -146,18 +120,48 @@ class VisionMLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-class VisionBlock(nn.Module):
+class Qwen3VisionMLP(nn.Module):
     def __init__(self, vc: VisionConfig):
         super().__init__()
-        self.norm1, self.norm2 = RMSNorm(vc.hidden), RMSNorm(vc.hidden)
-        self.attn = VisionAttention(vc)
-        self.mlp = VisionMLP(vc)
+        self.linear_fc1 = nn.Linear(vc.hidden, vc.intermediate)
+        self.linear_fc2 = nn.Linear(vc.intermediate, vc.hidden)
+
+    def forward(self, x):
+        return self.linear_fc2(F.gelu(self.linear_fc1(x), approximate="tanh"))  # Qwen3-VL: gelu_pytorch_tanh
+
+
+class VisionBlock(nn.Module):
+    """Pre-norm attention + MLP: Qwen2.5-VL's RMSNorm and SwiGLU, or Qwen3-VL's LayerNorm and GELU MLP."""
+
+    def __init__(self, vc: VisionConfig):
+        super().__init__()
+        qwen3 = vc.family == "qwen3_vl"
+        norm = (lambda: nn.LayerNorm(vc.hidden, eps=1e-6)) if qwen3 else (lambda: RMSNorm(vc.hidden))  # noqa: E731
+        self.norm1, self.norm2, self.attn = norm(), norm(), VisionAttention(vc)
+        self.mlp = Qwen3VisionMLP(vc) if qwen3 else VisionMLP(vc)
 
     def forward(self, x, cos, sin, seg):
         x = x + self.attn(self.norm1(x), cos, sin, seg)
         return x + self.mlp(self.norm2(x))
 
 
+class _Tower(nn.Module):
+    """What both towers share: the patch embedding, a Linear over the flattened (C, tp, p, p) patch (== Qwen's
+    stride-p Conv3d), and the 2D rotary's frequencies."""
+
+    def __init__(self, vc: VisionConfig, bias):
+        super().__init__()
+        self.vc = vc
+        self.patch_embed = nn.Module()
+        self.patch_embed.proj = nn.Linear(vc.in_channels * vc.temporal_patch_size * vc.patch_size ** 2, vc.hidden,
+                                          bias=bias)
+
+    def reset_buffers(self, device=None):
+        hd = self.vc.hidden // self.vc.heads  # rows and cols each take hd/4 frequency pairs
+        self.register_buffer("inv_freq", rope_inv_freq(hd // 2, self.vc.rope_theta).to(device), persistent=False)
+
+
+# ---- Qwen2.5-VL tower ----
 class PatchMerger(nn.Module):
     def __init__(self, vc: VisionConfig, out_dim):
         super().__init__()
@@ -169,24 +173,15 @@ class PatchMerger(nn.Module):
         return self.mlp(self.ln_q(x).view(-1, self.width))  # (N, C) -> (N / m^2, m^2 C) -> (N / m^2, D)
 
 
-class VisionTower(nn.Module):
+class VisionTower(_Tower):
     """Qwen2.5-VL ViT: patch embedding, blocks with 2D rotary (row, col) positions, window
     attention except in fullatt blocks, and an m x m patch merger into the LM width."""
 
     def __init__(self, vc: VisionConfig, out_dim):
-        super().__init__()
-        self.vc = vc
-        # a Linear over the flattened (C, tp, p, p) patch == Qwen's stride-p Conv3d
-        self.patch_embed = nn.Module()
-        self.patch_embed.proj = nn.Linear(vc.in_channels * vc.temporal_patch_size * vc.patch_size ** 2, vc.hidden,
-                                          bias=False)
+        super().__init__(vc, bias=False)
         self.blocks = nn.ModuleList(VisionBlock(vc) for _ in range(vc.depth))
         self.merger = PatchMerger(vc, out_dim)
         self.reset_buffers()
-
-    def reset_buffers(self, device=None):
-        hd = self.vc.hidden // self.vc.heads  # rows and cols each take hd/4 frequency pairs
-        self.register_buffer("inv_freq", rope_inv_freq(hd // 2, self.vc.rope_theta).to(device), persistent=False)
 
     def windows(self, grid):
         """Permutation of merged tokens into windows of ws x ws merged tokens (ragged at the edges),
@@ -209,48 +204,21 @@ class VisionTower(nn.Module):
     def forward(self, pixel_values, grid_thw):
         """pixel_values (N, C*tp*p*p) in patchify order, grid_thw (n, 3) -> (N / m^2, D)."""
         mu = self.vc.spatial_merge_size ** 2
-        grid = grid_thw.tolist()
-        dev = pixel_values.device
+        grid, dev = grid_thw.tolist(), pixel_values.device
         x = self.patch_embed.proj(pixel_values.to(self.patch_embed.proj.weight.dtype))  # (N, C)
         N = x.shape[0]
-        order, win_lens = self.windows(grid)
-        order = order.to(dev)
+        order, win_lens = (t.to(dev) for t in self.windows(grid))
         x = x.view(N // mu, mu, -1)[order].view(N, -1)  # (N/m^2, m^2, C): merge groups regrouped by window
-        pos = patch_positions(grid, self.vc.spatial_merge_size).to(dev)
-        pos = pos.view(N // mu, mu, 2)[order].view(N, 2)  # (N, 2) in the same order
+        pos = patch_positions(grid, self.vc.spatial_merge_size).to(dev).view(N // mu, mu, 2)[order].view(N, 2)  # (N, 2)
         cos, sin = rotary_2d(pos, self.inv_freq)
         frames = frame_segments(grid, dev)
-        wins = _segments(win_lens.to(dev))
+        wins = _segments(win_lens)
         for i, blk in enumerate(self.blocks):
             x = blk(x, cos, sin, frames if i in self.vc.fullatt_block_indexes else wins)
         return self.merger(x)[torch.argsort(order)]  # (N / m^2, D), back in patchify order
 
 
 # ---- Qwen3-VL tower with DeepStack ----
-
-
-class Qwen3VisionMLP(nn.Module):
-    def __init__(self, vc: VisionConfig):
-        super().__init__()
-        self.linear_fc1 = nn.Linear(vc.hidden, vc.intermediate)
-        self.linear_fc2 = nn.Linear(vc.intermediate, vc.hidden)
-
-    def forward(self, x):
-        return self.linear_fc2(F.gelu(self.linear_fc1(x), approximate="tanh"))  # Qwen3-VL: gelu_pytorch_tanh
-
-
-class Qwen3VisionBlock(nn.Module):
-    def __init__(self, vc: VisionConfig):
-        super().__init__()
-        self.norm1, self.norm2 = nn.LayerNorm(vc.hidden, eps=1e-6), nn.LayerNorm(vc.hidden, eps=1e-6)
-        self.attn = VisionAttention(vc)
-        self.mlp = Qwen3VisionMLP(vc)
-
-    def forward(self, x, cos, sin, seg):
-        x = x + self.attn(self.norm1(x), cos, sin, seg)
-        return x + self.mlp(self.norm2(x))
-
-
 class Qwen3PatchMerger(nn.Module):
     """m x m patches -> one LM token. The final merger normalises each patch before the merge; the
     DeepStack mergers (postshuffle) normalise the merged m^2 C vector."""
@@ -268,27 +236,20 @@ class Qwen3PatchMerger(nn.Module):
         return self.linear_fc2(F.gelu(self.linear_fc1(x)))  # (N / m^2, D)
 
 
-class Qwen3VisionTower(nn.Module):
+class Qwen3VisionTower(_Tower):
     """Qwen3-VL ViT: patch embedding (with bias) plus a learned position embedding, a square grid
     resampled bilinearly (corners aligned) to each image's grid; blocks with 2D rotary positions and
     full attention within each frame; the final m x m patch merger, and one DeepStack merger per
     listed block whose features the decoder adds at the visual positions of its first layers."""
 
     def __init__(self, vc: VisionConfig, out_dim):
-        super().__init__()
-        self.vc = vc
-        self.patch_embed = nn.Module()  # a Linear over the flattened (C, tp, p, p) patch == Qwen's Conv3d
-        self.patch_embed.proj = nn.Linear(vc.in_channels * vc.temporal_patch_size * vc.patch_size ** 2, vc.hidden)
+        super().__init__(vc, bias=True)
         self.pos_embed = nn.Embedding(vc.num_position_embeddings, vc.hidden)
-        self.blocks = nn.ModuleList(Qwen3VisionBlock(vc) for _ in range(vc.depth))
+        self.blocks = nn.ModuleList(VisionBlock(vc) for _ in range(vc.depth))
         self.merger = Qwen3PatchMerger(vc, out_dim, postshuffle=False)
         self.deepstack_merger_list = nn.ModuleList(Qwen3PatchMerger(vc, out_dim, postshuffle=True)
                                                    for _ in vc.deepstack_visual_indexes)
         self.reset_buffers()
-
-    def reset_buffers(self, device=None):
-        hd = self.vc.hidden // self.vc.heads
-        self.register_buffer("inv_freq", rope_inv_freq(hd // 2, self.vc.rope_theta).to(device), persistent=False)
 
     def position_embedding(self, grid):
         """The learned side x side grid resampled to each (h, w), in patchify order -> (N, C) fp32."""
@@ -304,8 +265,7 @@ class Qwen3VisionTower(nn.Module):
     def forward(self, pixel_values, grid_thw):
         """pixel_values (N, C*tp*p*p) in patchify order, grid_thw (n, 3) -> merged features (N / m^2, D)
         and the DeepStack features, one (N / m^2, D) per entry of deepstack_visual_indexes."""
-        grid = grid_thw.tolist()
-        dev = pixel_values.device
+        grid, dev = grid_thw.tolist(), pixel_values.device
         x = self.patch_embed.proj(pixel_values.to(self.patch_embed.proj.weight.dtype))  # (N, C)
         x = x + self.position_embedding(grid).to(dev, x.dtype)
         cos, sin = rotary_2d(patch_positions(grid, self.vc.spatial_merge_size).to(dev), self.inv_freq)
@@ -318,13 +278,11 @@ class Qwen3VisionTower(nn.Module):
         return self.merger(x), deepstack
 
 
-def make_tower(vc: VisionConfig, out_dim):
+def make_tower(vc: VisionConfig, out_dim):  # the family's tower
     return VisionTower(vc, out_dim) if vc.family == "qwen2_5_vl" else Qwen3VisionTower(vc, out_dim)
 
 
 # ---- patchify ----
-
-
 def patchify(frames, patch_size, temporal_patch_size, merge_size):
     """frames (T, C, H, W), already normalised -> pixel_values (N, C*tp*p*p), grid_thw (3,).
 
@@ -343,3 +301,20 @@ def patchify(frames, patch_size, temporal_patch_size, merge_size):
     x = rearrange(frames, "(gt tp) c (bh mr ph) (bw mc pw) -> (gt bh bw mr mc) (c tp ph pw)",
                   tp=tp, mr=m, mc=m, ph=p, pw=p)
     return x, torch.tensor([gt, gh, gw])
+
+
+# ---- config checks ----
+def check_config(vc: VisionConfig):
+    """A clear error for a config the towers cannot build (a preset, a checkpoint's config)."""
+    if vc.family not in FAMILIES:
+        raise ValueError(f"vision family must be one of {FAMILIES}, got {vc.family!r}")
+    if vc.hidden % vc.heads or (vc.hidden // vc.heads) % 4:
+        raise ValueError(f"vision hidden {vc.hidden} must split into {vc.heads} heads of a size divisible by 4")
+    if vc.family == "qwen2_5_vl" and vc.window_size % (vc.patch_size * vc.spatial_merge_size):
+        raise ValueError(f"vision window_size {vc.window_size} must be a multiple of patch_size * "
+                         f"spatial_merge_size = {vc.patch_size * vc.spatial_merge_size}")
+    if vc.family == "qwen3_vl" and round(vc.num_position_embeddings ** 0.5) ** 2 != vc.num_position_embeddings:
+        raise ValueError(f"num_position_embeddings {vc.num_position_embeddings} is not a square grid")
+    name = "fullatt_block_indexes" if vc.family == "qwen2_5_vl" else "deepstack_visual_indexes"
+    if any(not 0 <= i < vc.depth for i in getattr(vc, name)):
+        raise ValueError(f"{name} {getattr(vc, name)} out of range for depth {vc.depth}")

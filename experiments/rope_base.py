@@ -21,9 +21,9 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import checkpoint  # noqa: E402
+import files  # noqa: E402
 import driving  # noqa: E402
 import evaluate  # noqa: E402
-import files  # noqa: E402
 import model as M  # noqa: E402
 import train as T  # noqa: E402
 from driving import Data  # noqa: E402
@@ -61,13 +61,14 @@ def main(argv=None):
             attn = [evaluate.attention_split(drafts[(base, k, s)], target, data) for s in seeds]
             result[f"{base}/{k}"] = {"tau": taus, "tau_mean": statistics.mean(taus), "tau_spread": max(taus) - min(taus),
                                      **{f"attn_{x}": statistics.mean(t[x] for t in attn) for x in ("history", "image")}}
-            r = result[f"{base}/{k}"]
-            print(f"base {base} {k:5s}: held-out tau at gamma {a.gamma} {r['tau_mean']:.3f} (spread "
-                  f"{r['tau_spread']:.3f})  attention history {r['attn_history']:.3f} image {r['attn_image']:.3f}")
-    files.write_json(a.out, {"command": "python experiments/rope_base.py " + " ".join(argv or sys.argv[1:]),
-                                  "gamma": a.gamma, "seeds": seeds, "scenes": a.scenes, "result": result,
-                                  "wall_s": time.time() - t0})
-    print(f"wrote {a.out} ({time.time() - t0:.0f} s)")
+    for name, r in result.items():
+        print(f"base {name.replace('/', ' '):9s}: held-out tau at gamma {a.gamma} {r['tau_mean']:.3f} (spread "
+              f"{r['tau_spread']:.3f})  attention history {r['attn_history']:.3f} image {r['attn_image']:.3f}")
+    wall = time.time() - t0
+    command = "python experiments/rope_base.py " + " ".join(argv or sys.argv[1:])
+    files.write_json(a.out, dict(command=command, gamma=a.gamma, seeds=seeds, scenes=a.scenes, result=result,
+                                      wall_s=wall))
+    print(f"wrote {a.out} ({wall:.0f} s)")
 
 
 if __name__ == "__main__":

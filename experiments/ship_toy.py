@@ -36,7 +36,7 @@ def check_metrics(run, seeds):
               for k in KINDS for s in seeds}
     matches = evaluate.draft_matches(drafts, target, data, outputs)
     return {"scenes": CHECK_SCENES, "gamma": CHECK_GAMMA,
-            "coc_exact": driving.coc_exact_match(outputs, data.coc_ids()),
+            "coc_exact": evaluate.coc_exact_match(outputs, data.coc_ids()),
             "commitment_acc": evaluate.commitment_acc(target, target, data),
             "tau": {name: evaluate.tau_by_gamma(m, [CHECK_GAMMA])[CHECK_GAMMA]["tau"] for name, m in matches.items()}}
 

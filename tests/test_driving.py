@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import driving as D
+import evaluate
 from rope import flat_position_ids, get_rope_index
 
 CFG = D.WorldConfig()
@@ -339,16 +340,16 @@ def test_metrics(train, tok):
     p = t.clone()
     p[:, :, 1] = 3.0
     p[1, -1, 1] = 4.0
-    ade, fde = D.ade_fde(p, t)
+    ade, fde = evaluate.ade_fde(p, t)
     assert ade == pytest.approx(3.0 + 0.5 / 32) and fde == pytest.approx(3.5)
-    assert D.coc_exact_match([[1, 2], [1, 3]], [[1, 2], [1, 2]]) == 0.5
+    assert evaluate.coc_exact_match([[1, 2], [1, 3]], [[1, 2], [1, 2]]) == 0.5
     b = D.collate([D.make_example(s, tok, 0) for s in train[:3]], tok.pad_id)
     perfect = torch.cat([b["input_ids"][:, 1:], b["input_ids"][:, :1]], dim=1)   # argmax at i = token i + 1
-    hits, n = D.commitment_hits(perfect, b["input_ids"], b["commit_mask"])
+    hits, n = evaluate.commitment_hits(perfect, b["input_ids"], b["commit_mask"])
     assert n > 0 and hits == n
     wrong = perfect.clone()
     wrong[b["commit_mask"]] = tok.pad_id
-    assert D.commitment_hits(wrong, b["input_ids"], b["commit_mask"])[0] == 0
+    assert evaluate.commitment_hits(wrong, b["input_ids"], b["commit_mask"])[0] == 0
 
 
 def test_batches_walk_a_permutation(tok):

@@ -1,0 +1,65 @@
+"""The draft-tree figures, from the committed runs of experiments/tree_sweep.py (tree_sweep.json) and
+experiments/tree_paths.py (tree_paths.json): figures/tree_budget.png and figures/tree_paths.png
+(needs matplotlib).
+
+run: python experiments/tree_figures.py [--out figures]
+"""
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import files  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def plot_trees(plt, save, out, tree_json, paths_json):
+    """figures/tree_budget.png: held-out tau against the draft tokens verified per round (the chain's gamma, the
+    tree's node budget N), each draft kind (experiments/tree_sweep.json); figures/tree_paths.png: who supplied each
+    held-out CoC token, routine words and commitments apart (experiments/tree_paths.json)."""
+    sweep, paths = files.read_json(tree_json), files.read_json(paths_json)
+    fig, ax = plt.subplots(figsize=(5, 3))
+    for (row, r), color in zip(sweep["test"].items(), ("C0", "C1", "C2")):
+        for kind, style in (("chain", "--o"), ("tree", "-s")):
+            x = sorted(r[kind], key=int)
+            ax.plot([int(n) for n in x], [r[kind][n] for n in x], style, color=color, label=f"{row} {kind}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("draft tokens verified per round (gamma, or the tree's N)")
+    ax.set_ylabel("held-out tau (draft seed 0)")
+    ax.legend(fontsize=6)
+    save(fig, "tree_budget.png")
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3), sharey=True)
+    for ax, part in zip(axes, ("routine", "commitment")):
+        names = list(paths["rows"])
+        bottom = [0.0] * len(names)
+        for who, label in (("first_choice", "accepted, the draft's first choice"),
+                           ("lower_branch", "accepted from a lower branch"), ("target", "the target's own")):
+            share = [paths["rows"][n][part][who] / max(1, sum(paths["rows"][n][part].values())) for n in names]
+            ax.bar(names, share, bottom=bottom, label=label)
+            bottom = [b + s for b, s in zip(bottom, share)]
+        ax.set_title(f"{part} tokens (tree {'/'.join(map(str, paths['tree']))})", fontsize=9)
+    axes[0].set_ylabel("share of held-out CoC tokens")
+    axes[0].legend(fontsize=7, loc="lower center", bbox_to_anchor=(1.0, -0.35), ncol=3)
+    save(fig, "tree_paths.png")
+    return [f"{out}/tree_budget.png", f"{out}/tree_paths.png"]
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default="figures", help="folder of the figures")
+    ap.add_argument("--tree-json", default=os.path.join(HERE, "tree_sweep.json"))
+    ap.add_argument("--paths-json", default=os.path.join(HERE, "tree_paths.json"))
+    a = ap.parse_args(argv)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    os.makedirs(a.out, exist_ok=True)
+    save = lambda fig, name: files.atomic_write(  # noqa: E731
+        os.path.join(a.out, name), lambda p: fig.savefig(p, format="png", dpi=120, bbox_inches="tight"))
+    print("figures written: " + ", ".join(plot_trees(plt, save, a.out, a.tree_json, a.paths_json)))
+
+
+if __name__ == "__main__":
+    main()
