@@ -221,12 +221,6 @@ def load(args, device, dtype):
     return target, draft, prompt, stop, tok, how
 
 
-def marked_coc(tokens, from_draft, tok):
-    """The CoC as text pieces, the target's own tokens in [brackets] (rsd.py's display)."""
-    text = [tok.decode([t]) if tok is not None else str(t) for t in tokens]
-    return " ".join(s if d else f"[{s}]" for s, d in zip(text, from_draft))
-
-
 @torch.inference_mode()
 def trajectory(target, prompt, coc, future_start, repeats):
     """The expert's waypoints (1, N, 2) after prompt + CoC + <|traj_future_start|> (appended when the
@@ -250,9 +244,10 @@ def plan(target, draft, prompt, stop, tok, how, args, decoding):
     the trajectory, timed."""
     spec = evaluate.decode(target, draft, prompt, args.decoder, args.max_new, stop,
                            **evaluate.sampling_kwargs(decoding, 0))
+    words = [tok.decode([t]) if tok is not None else str(t) for t in spec.tokens]
     res = {"prompt_source": how, "images": int(prompt["image_grid_thw"].shape[0]),
            "visual_tokens": int((prompt["input_ids"] == target.cfg.image_token_id).sum()),
-           "coc_tokens": spec.tokens, "coc": marked_coc(spec.tokens, spec.from_draft, tok)}
+           "coc_tokens": spec.tokens, "coc": evaluate.marked_coc(words, spec.from_draft)}
     if getattr(target, "expert", None) is not None:
         waypoints, t = trajectory(target, prompt, spec.tokens, stop, args.repeats)
         res.update(trajectory_ms=1e3 * t, waypoints=waypoints[0].float().tolist())

@@ -298,9 +298,9 @@ def spec_stats(target, drafts, prompts, gamma, max_new=MAX_NEW_TOKENS, stop_toke
     return out
 
 
-def marked_coc(tokens, from_draft, tok):
+def marked_coc(words, from_draft):
     """'routine words [DELIBERATIVE] ...': the words the routine reasoner supplied, the target's own in brackets."""
-    return " ".join(tok.vocab[t] if d else f"[{tok.vocab[t]}]" for t, d in zip(tokens, from_draft))
+    return " ".join(w if d else f"[{w}]" for w, d in zip(words, from_draft))
 
 
 # ---- greedy speculative decoding, simulated exactly from one teacher-forced pass ----

@@ -159,7 +159,8 @@ def show_scenes(target, draft, data: Data, gamma, n, log=print, decoding=None):
         # sampled outputs share the target's distribution, not its tokens: no token-by-token comparison
         same = "" if sampling else f"   identical: {spec.tokens == base.tokens}"
         log(f"scene {i} ({scene.f.road}, {scene.f.event}, history {scene.f.hist_class}):")
-        log(f"  RSD    tau {spec.tau:.1f}: {evaluate.marked_coc(spec.tokens, spec.from_draft, tok)}")
+        words = [tok.vocab[t] for t in spec.tokens]
+        log(f"  RSD    tau {spec.tau:.1f}: {evaluate.marked_coc(words, spec.from_draft)}")
         log(f"  target-only: {tok.decode(base.tokens)}{same}")
 
 
