@@ -11,7 +11,7 @@ The cost model beside it (Leviathan et al.; docs/background.md, "Speculative dec
 
 Fairness: the target-only arm is speculate.autoregressive, the same KV-cached single-token
 forward the verifier uses, in the same dtype; every shape is warmed up first; the device is
-synchronised before each clock reading (speculate.Clock, the one timer); the arms alternate
+synchronised before each clock reading (timing.Clock, the one timer); the arms alternate
 within each repeat and the median of the repeats is reported. tau, alpha and greedy exactness
 come from evaluate.spec_stats, as in rsd.py and aarl.py.
 
@@ -76,6 +76,8 @@ import speculate
 from checkpoint import DTYPES
 from evaluate import TARGET_ONLY
 from expert import config_field, speed_from_history
+from timing import Clock, measured_speedup, median_time, step_times, tree_speedup, tree_step_times
+from tree import TreeShape
 
 TOY_DRAFT = ("aarl", 0)  # the toy mode's default draft: FlatRoPE + AARL (static anchor), seed 0
 TOY_JSON = "runs/bench_toy.json"  # where the toy mode writes its report (whatever settings that run had)
@@ -91,31 +93,31 @@ TOY_TREE_ACCEPTANCE = os.path.join("experiments", "bench_cpu_tree.json")  # the 
 
 def cost_model(target, draft, prompt, gamma, tau, reps=20):
     """The measured step times in ms and the speed-up they predict at the measured tau. The chain (gamma an int):
-    T_target(1), T_target(gamma + 1), T_draft(1) (speculate.step_times, speculate.measured_speedup). A tree (gamma a
-    speculate.TreeShape): also T_target(N + 1) of its verify and T_draft(k) of one level (speculate.tree_step_times,
-    speculate.tree_speedup)."""
-    if not isinstance(gamma, speculate.TreeShape):
-        t = speculate.step_times(target, draft, prompt, (1, gamma + 1), reps)
+    T_target(1), T_target(gamma + 1), T_draft(1) (timing.step_times, timing.measured_speedup). A tree (gamma a
+    tree.TreeShape): also T_target(N + 1) of its verify and T_draft(k) of one level (timing.tree_step_times,
+    timing.tree_speedup)."""
+    if not isinstance(gamma, TreeShape):
+        t = step_times(target, draft, prompt, (1, gamma + 1), reps)
         t1, tg, td = t["target"][1], t["target"][gamma + 1], t["draft"]
         return {"t_target_1": 1e3 * t1, "t_target_gamma1": 1e3 * tg, "t_draft_1": 1e3 * td,
-                "predicted_speedup": speculate.measured_speedup(tau, t1, td, tg, gamma)}
-    t = speculate.step_times(target, draft, prompt, (1,), reps)
-    tt = speculate.tree_step_times(target, draft, prompt, (gamma.nodes,), gamma.width, reps)
+                "predicted_speedup": measured_speedup(tau, t1, td, tg, gamma)}
+    t = step_times(target, draft, prompt, (1,), reps)
+    tt = tree_step_times(target, draft, prompt, (gamma.nodes,), gamma.width, reps)
     t1, td, tv, tl = t["target"][1], t["draft"], tt["target"][gamma.nodes], tt["draft_level"]
     return {"t_target_1": 1e3 * t1, "t_target_verify": 1e3 * tv, "t_draft_1": 1e3 * td, "t_draft_level": 1e3 * tl,
-            "predicted_speedup": speculate.tree_speedup(tau, t1, td, tl, tv, gamma)}
+            "predicted_speedup": tree_speedup(tau, t1, td, tl, tv, gamma)}
 
 
 def decoder(args):
-    """The decoder the flags ask for: the chain of --gamma (--tree 0), or a speculate.TreeShape (ValueError if the
+    """The decoder the flags ask for: the chain of --gamma (--tree 0), or a tree.TreeShape (ValueError if the
     shape is impossible)."""
     if not args.tree:
         return args.gamma
-    return speculate.TreeShape(args.tree, args.tree_depth, args.tree_width)
+    return TreeShape(args.tree, args.tree_depth, args.tree_width)
 
 
 def decoder_json(gamma):
-    if isinstance(gamma, speculate.TreeShape):
+    if isinstance(gamma, TreeShape):
         return {"kind": "tree", "nodes": gamma.nodes, "depth": gamma.depth, "width": gamma.width}
     return {"kind": "chain", "gamma": gamma}
 
@@ -183,7 +185,7 @@ def benchmark(target, draft, prompts, gamma, max_new, stop_token=None, repeats=3
     if compile:
         ct, cd = compiled_pair(target, draft, prompts, gamma, max_new)
         watch = CompileWatch({"target": ct, "draft": cd})
-        clock = speculate.Clock(prompts[0]["input_ids"].device, enabled=True)
+        clock = Clock(prompts[0]["input_ids"].device, enabled=True)
         # the compiled arms' greedy outputs; the first decodes compile every step shape, and the clock says how long
         cg = evaluate.spec_stats(ct, {"speculative": cd}, prompts, gamma, max_new, stop_token)
         comp["compile_s"] = clock.lap()
@@ -192,7 +194,7 @@ def benchmark(target, draft, prompts, gamma, max_new, stop_token=None, repeats=3
                                for arm, key in zip(COMPILED, (TARGET_ONLY, "speculative"))}
         comp["greedy_match"] = not any(comp["divergences"].values())
         extra = {COMPILED[0]: (ct, None), COMPILED[1]: (ct, cd)}
-    tree = isinstance(gamma, speculate.TreeShape)
+    tree = isinstance(gamma, TreeShape)
     if tree:  # the chain of evaluate.GAMMA with the same draft, in the same passes: is the tree faster here?
         extra = {**(extra or {}), CHAIN_ARM: (target, draft, evaluate.GAMMA)}
     if watch:
@@ -223,7 +225,7 @@ def benchmark(target, draft, prompts, gamma, max_new, stop_token=None, repeats=3
                           "tokens": timed["n_tokens"]}
     res.update(cost_model(target, draft, prompts[0], gamma, timed["tau"]))
     res["c"] = res["t_draft_1"] / res["t_target_1"]
-    if not isinstance(gamma, speculate.TreeShape):  # Leviathan's closed form is the chain's
+    if not isinstance(gamma, TreeShape):  # Leviathan's closed form is the chain's
         res["leviathan_speedup"] = speculate.expected_speedup(timed["alpha"], gamma, res["c"])
     if compile:
         ar_c, spec_c = timing[COMPILED[0]], timing[COMPILED[1]]
@@ -427,7 +429,7 @@ def sdpa_steps(target, prompt, gamma, static_len=None, tree=False):
         for name, n in (("decode", 1), ("verify", gamma + 1)):
             calls[name] = first_call(lambda: target(x.repeat(1, n), cache=cache))
             cache.crop(base)
-        if tree:  # a tree's verify runs VLA.step under its mask (speculate.tree_round); gamma is then its N
+        if tree:  # a tree's verify runs VLA.step under its mask (tree.tree_round); gamma is then its N
             slots = torch.arange(base, base + gamma + 1, device=x.device)  # (N+1,)
             calls["tree verify"] = first_call(lambda: target.step(x.repeat(1, gamma + 1), slots, cache))
         if static_len:
@@ -713,7 +715,7 @@ def trajectory(target, prompt, coc, future_start, repeats):
     v0 = speed_from_history(history_poses()[None]).to(cache.k.device)  # (1,)
     g = torch.Generator(device=cache.k.device)
     run = lambda: exp(cache, v0, generator=g.manual_seed(0))  # noqa: E731
-    return run(), speculate.median_time(run, cache.k.device, repeats)
+    return run(), median_time(run, cache.k.device, repeats)
 
 
 def real(args, device, dtype, decoding):
@@ -746,7 +748,7 @@ def real(args, device, dtype, decoding):
             res.update(trajectory_ms=1e3 * t, waypoints=waypoints[0].float().tolist())
     if args.tree:  # what a tree verify costs against one token at this shape: the number trees live by
         nodes = tuple(n for n in (7, 15, 31, 63) if n <= max(7, args.decoder.nodes))  # up to this tree's size
-        tt = speculate.tree_step_times(target, draft, prompt, nodes, args.decoder.width, reps=5)
+        tt = tree_step_times(target, draft, prompt, nodes, args.decoder.width, reps=5)
         res["verify_ratio"] = {n + 1: tt["target"][n] / (1e-3 * res["t_target_1"]) for n in nodes}
     if not args.draft:
         # Random weights: acceptance says nothing; the cost model does. Predict the speed-up with a recorded toy
@@ -756,12 +758,12 @@ def real(args, device, dtype, decoding):
         res["toy_acceptance"] = toy
         if args.tree:
             res["toy_tau"] = toy["tau"]
-            res["predicted_speedup_at_toy_tau"] = speculate.tree_speedup(
+            res["predicted_speedup_at_toy_tau"] = tree_speedup(
                 toy["tau"], res["t_target_1"], res["t_draft_1"], res["t_draft_level"], res["t_target_verify"],
                 args.decoder)
         else:
             res["toy_alpha"] = toy["alpha"]
-            res["predicted_speedup_at_toy_alpha"] = speculate.measured_speedup(
+            res["predicted_speedup_at_toy_alpha"] = measured_speedup(
                 speculate.expected_tau(toy["alpha"], args.gamma), res["t_target_1"], res["t_draft_1"],
                 res["t_target_gamma1"], args.gamma)
     return res

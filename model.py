@@ -617,7 +617,7 @@ class VLA(nn.Module):
         cache.max_len) and what each new token sees is a mask over its slots.
 
         Defaults, the chain's steps (decode, verify): token i sits at position input_pos[i] and sees slots
-        <= input_pos[i]. A draft tree (speculate.draft_tree / verify_tree) passes its own: positions (T,) the cache
+        <= input_pos[i]. A draft tree (tree.draft_tree / verify_tree) passes its own: positions (T,) the cache
         index each token would have in a plain sequence (committed length + its depth in the tree), and mask (T,
         S_max) bool, the committed slots plus the slots of the token's own ancestors (a tree attention mask). The
         rotary positions are positions + rope_delta, forward's decode rule (all three M-RoPE axes equal on text). No

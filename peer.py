@@ -11,7 +11,7 @@ draft is the M-RoPE replica (checkpoints/toy/draft_mrope_s0): FlatRoPE has no tr
 counterpart (checkpoint.export_pretrained refuses it), so both speculative arms use the replica.
 
 What is timed: one call per prompt, end to end (vision tower + prefill + the reasoning step), from
-the prompt tensors to the token ids, read with speculate.Clock (the device synchronised), divided by
+the prompt tensors to the token ids, read with timing.Clock (the device synchronised), divided by
 the tokens generated: transformers' generate does not report its prefill apart. Our arms' own split
 (prefill_s + decode_s, which leaves out their cache allocation and argument checks) is kept beside
 it, and on a CPU the process's CPU time per token, which a machine shared with other work does not
@@ -42,6 +42,7 @@ import torch
 import checkpoint
 import evaluate
 import speculate
+from timing import Clock, median_time
 
 PEER_DRAFT = ("mrope", 0)  # the draft both speculative arms use: the M-RoPE replica, seed 0
 ARMS = ("ours_target_only", "ours_speculative", "hf_generate", "hf_assisted", "hf_assisted_defaults")
@@ -103,19 +104,19 @@ def one_token_forward(target, hf_target, prompt, inputs, reps=20):
         hf_target(input_ids=x, cache=hf_cache, use_cache=True)
         hf_cache.crop(-1)
 
-    return {name: 1e3 * speculate.median_time(fn, device, reps) for name, fn in (("ours", ours), ("hf", hf))}
+    return {name: 1e3 * median_time(fn, device, reps) for name, fn in (("ours", ours), ("hf", hf))}
 
 
 def time_calls(arms, prompts, device, repeats):
     """arms: name -> fn(i, prompt) returning (tokens, inner seconds or None). A warm-up call per arm and prompt, then
-    `repeats` passes in which the arms alternate on every prompt, each call timed with speculate.Clock.
+    `repeats` passes in which the arms alternate on every prompt, each call timed with timing.Clock.
     Returns {name: {tokens (list per prompt, from the warm-up), ms_per_token, ms_per_prompt, inner_ms_per_token (when
     fn gives it), cpu_ms_per_token (on a CPU)}}: medians of the passes; a pass's ms per token is its total time over
     its total tokens. cpu_ms_per_token is this process's CPU time (time.process_time) per token: on a shared CPU the
     wall clock also counts the time the process waited for a core, the CPU time only the work."""
     tokens = {name: [fn(i, p)[0] for i, p in enumerate(prompts)] for name, fn in arms.items()}
     passes = {name: [] for name in arms}
-    clock, names = speculate.Clock(device, enabled=True), list(arms)
+    clock, names = Clock(device, enabled=True), list(arms)
     for r in range(repeats):
         sums = {name: [0.0, 0.0, 0.0, 0] for name in names}  # wall s, CPU s, inner s, tokens
         for i, p in enumerate(prompts):

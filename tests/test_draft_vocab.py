@@ -156,7 +156,7 @@ def reduced_toy(q_logits, ids):
     masked = torch.full_like(q_logits, float("-inf"))
     masked[:, ids] = q_logits[:, ids]
     draft = ToyLM(masked)
-    draft.vocab_ids = ids  # speculate.live_ids: the -inf outside the set are by construction
+    draft.vocab_ids = ids  # speculate.check_finite: the -inf outside the set are by construction
     return draft
 
 

@@ -21,8 +21,10 @@ import torch
 
 import model
 import speculate
-from speculate import (autoregressive, expected_speedup, expected_tau, measured_speedup, process_logits,
-                       speculative, tau_ceiling, verify_greedy, verify_sample)
+import timing
+from speculate import (autoregressive, expected_speedup, expected_tau, process_logits, speculative, tau_ceiling,
+                       verify_greedy, verify_sample)
+from timing import measured_speedup
 
 SIGNIFICANCE = 1e-3
 
@@ -745,7 +747,7 @@ def test_step_times_read_the_clock_they_are_given():
     target = tiny_target()
     draft = drafts_for(target)["random"]
     ticks = iter(range(10 ** 6))
-    times = speculate.step_times(target, draft, vla_prompts()["text"], (1, 3), reps=3, timer=lambda: next(ticks))
+    times = timing.step_times(target, draft, vla_prompts()["text"], (1, 3), reps=3, timer=lambda: next(ticks))
     assert times == {"target": {1: 1, 3: 1}, "draft": 1}
 
 
