@@ -1,16 +1,14 @@
-"""A Qwen-VL-style VLA: decoder with KV cache and DeepStack injection, trajectory head, and the
-routine-reasoner draft, around a vision tower from vision.py. The same code runs the toy and real
-Qwen2.5-VL / Qwen3-VL / Alpamayo-R1 weights (checkpoint.load_pretrained reads those into it; an
-Alpamayo folder's flow-matching action expert is expert.py).
+"""A Qwen-VL-style VLA: decoder with KV cache and DeepStack injection, trajectory head, and the routine-reasoner
+draft, around a vision tower from vision.py. The same code runs the toy and real Qwen2.5-VL / Qwen3-VL / Alpamayo-R1
+weights (checkpoint.load_pretrained reads those into it; an Alpamayo folder's action expert is expert.py).
 
-Paper map: `VLA` with rope_mode "mrope" is the deliberative reasoner (the unmodified target,
-3D M-RoPE); `make_draft` builds the routine reasoner (1-2 layers, FlatRoPE, shares the
-target's embedding and LM head, reads the target's image embeddings; with `vocab_ids` its head covers only K
-of the target's token ids, EAGLE-3's reduced draft vocabulary); `TrajHead` is the toy's
-cheap parallel trajectory step that follows the chain of causation (docs/background.md, "The
-paper in five lines"). The verify step of speculative decoding is a multi-token forward over a
-`KVCache`; `StaticDecoder` runs the same steps at fixed shapes over one persistent cache, the form
-torch.compile and CUDA graphs need (bench.py --compile).
+Paper map: `VLA` with rope_mode "mrope" is the deliberative reasoner (the unmodified target, 3D M-RoPE);
+`make_draft` builds the routine reasoner (1-2 layers, FlatRoPE, shares the target's embedding and LM head, reads the
+target's image embeddings; with `vocab_ids` its head covers only K of the target's token ids, EAGLE-3's reduced
+draft vocabulary); `TrajHead` is the toy's cheap parallel trajectory step that follows the chain of causation
+(docs/background.md, "The paper in five lines"). The verify step of speculative decoding is a multi-token forward
+over a `KVCache`; `VLA.step` is the same cached step at fixed shapes, which `StaticDecoder` runs over one persistent
+cache, the form torch.compile and CUDA graphs need (bench.py --compile), and draft trees run under their own mask.
 
 Letters: B batch, T new tokens, S keys (cached + new), D hidden, H heads, Hk KV heads,
 hd head dim, g = H / Hk, V vocab, K reduced draft vocab, N vision patches, m spatial merge, n_vis visual tokens.
@@ -110,11 +108,10 @@ QWEN3_VISION = VisionConfig(family="qwen3_vl", patch_size=16, temporal_patch_siz
                             deepstack_visual_indexes=(8, 16, 24))
 QWEN_IDS = dict(image_token_id=151655, video_token_id=151656, vision_start_token_id=151652)
 PRESETS = {
-    # the toy target of the synthetic driving world (train.target_config sets vocab_size, token ids, vision input).
-    # Narrow, so that a CPU training step is cheap; 20 layers deep, so that the 1-layer draft costs a small fraction
-    # of a target step, as a 1-layer draft does against a 36-layer Qwen3-VL. RoPE base 1e4: Qwen2.5-VL pairs a base of
-    # 1e6 with a 32k context (about 30 per position); the toy's prompts span a few hundred positions, and at 1e6 most
-    # frequency pairs would barely rotate across them (experiments/rope_base.py compares the drafts at both bases).
+    # the toy target of the synthetic driving world (train.target_config sets vocab_size, token ids, vision input):
+    # narrow, so a CPU training step is cheap; 20 layers, so the 1-layer draft costs a small fraction of a step, as
+    # against a 36-layer Qwen3-VL. RoPE base 1e4: at 1e6 most frequency pairs would barely rotate across the toy's
+    # few hundred positions (experiments/rope_base.py compares the drafts at both bases).
     "toy-target": ModelConfig(hidden_size=128, n_layers=20, n_heads=2, n_kv_heads=1, intermediate_size=384,
                               rope_theta=1e4),
     # real shapes, random weights (benchmarks)
@@ -138,9 +135,9 @@ DRAFT_PRESETS = {  # make_draft(target, **DRAFT_PRESETS[name])
 
 def lower_right_verify(device):
     """Whether a cached multi-token step (the verify step) attends through SDPA's lower-right causal bias over
-    unfolded heads rather than a boolean mask over folded heads (Attention.forward). On CUDA the bias reaches the
-    flash / memory-efficient kernels without a mask in memory, and they read the shared K/V heads in place; on a CPU
-    SDPA would materialise the bias and copy K/V per query head, slower than the folded layout."""
+    unfolded heads rather than a boolean mask over folded heads. On CUDA the bias reaches the flash / memory-efficient
+    kernels without a mask in memory, reading the shared K/V heads in place; on a CPU SDPA would materialise the bias
+    and copy K/V per query head, slower than the folded layout."""
     return device.type == "cuda"
 
 
@@ -170,34 +167,28 @@ class Attention(nn.Module):
             k = apply_rope(self.k_norm(qkv[:, :, H:H + Hk]), cos, sin)  # (B, T, Hk, hd)
         return q.transpose(1, 2), k.transpose(1, 2), qkv[:, :, H + Hk:].transpose(1, 2)  # (B, H|Hk, T, hd)
 
-    def forward(self, x, cos, sin, cache, layer, mask, causal, grouped):
+    def forward(self, x, cos, sin, cache=None, layer=0, mask=None, grouped=False, input_pos=None):
+        """x (B, T, D) -> (B, T, D). With a cache the T new keys / values are written first: at [length, length + T),
+        the queries then reading the cached prefix and themselves (VLA.forward), or at slots input_pos (T,), the
+        queries reading the whole buffer (VLA.step's fixed shapes). mask: which keys each query sees; None: causal over
+        the new tokens at a prefill, every key over a non-empty cache (the expert's bidirectional action tokens).
+        grouped: the g query heads sharing a KV head become g*T query rows of that head, so no K/V copies (enable_gqa
+        is slow on CPU in bf16), mask rows tiled to match; ungrouped: a prefill, or the lower-right verify bias."""
         B, T, _ = x.shape
         H, Hk, hd = self.H, self.Hk, self.hd
         q, k, v = self.project(x, cos, sin)
-        if cache is not None:
+        if input_pos is not None:  # the fixed-shape step: always grouped, over the whole buffer (B, Hk, S_max, hd)
+            kb, vb = cache.layer(layer)
+            k, v, grouped = kb.index_copy_(2, input_pos, k), vb.index_copy_(2, input_pos, v), True
+        elif cache is not None:
+            prefill = cache.length == 0
             k, v = cache.update(layer, k, v)  # (B, Hk, S, hd)
         if grouped:
-            # cached step: the g query heads sharing a KV head become g*T query rows of that head,
-            # so no K/V copies (enable_gqa is slow on CPU in bf16); mask rows were tiled to match
             q = q.reshape(B, Hk, (H // Hk) * T, hd)  # (B, Hk, g*T, hd)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask).reshape(B, H, T, hd)
-        else:  # prefill, or the verify step through the lower-right causal bias (lower_right_verify)
+        else:
+            causal = mask is None and T > 1 and (cache is None or prefill)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=True)
-        return self.o_proj(y.transpose(1, 2).reshape(B, T, H * hd))  # (B, H, T, hd) -> (B, T, D)
-
-    def static_step(self, x, cos, sin, cache, layer, input_pos, mask):
-        """The cached step at fixed shapes (VLA.step): the T new keys / values are written at cache indices
-        input_pos (T,), and the queries attend over the whole preallocated buffer, `mask` (g*T, S_max) saying which
-        slots each query sees (VLA.step: its own position and before, or a tree's ancestors; never a slot unwritten
-        or left behind by a rollback)."""
-        B, T, _ = x.shape
-        H, Hk, hd = self.H, self.Hk, self.hd
-        q, k, v = self.project(x, cos, sin)
-        kb, vb = cache.layer(layer)  # (B, Hk, S_max, hd): the layer's whole buffers
-        kb.index_copy_(2, input_pos, k)  # (B, Hk, T, hd) into slots input_pos
-        vb.index_copy_(2, input_pos, v)
-        q = q.reshape(B, Hk, (H // Hk) * T, hd)  # (B, Hk, g*T, hd): the grouped layout of forward's cached step
-        y = F.scaled_dot_product_attention(q, kb, vb, attn_mask=mask).reshape(B, H, T, hd)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, H * hd))  # (B, H, T, hd) -> (B, T, D)
 
 
@@ -220,12 +211,8 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, x, cos, sin, cache, layer, mask, causal, grouped):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, mask, causal, grouped)
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-    def static_step(self, x, cos, sin, cache, layer, input_pos, mask):
-        x = x + self.self_attn.static_step(self.input_layernorm(x), cos, sin, cache, layer, input_pos, mask)
+    def forward(self, x, cos, sin, cache=None, layer=0, mask=None, grouped=False, input_pos=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, mask, grouped, input_pos)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -235,10 +222,9 @@ class Block(nn.Module):
 class KVCache:
     """Preallocated K/V buffers (n_layers, B, Hk, max_len, hd) and the committed length.
 
-    Writes go to [length, length + T); the model advances `length` after all layers have
-    written. `crop(n)` rolls back to the first n committed positions (speculative rejection).
-    `rope_delta` (B, 1) is set at prefill: a token at cache index c gets position c + rope_delta.
-    `key_mask` (B, max_len) is kept only when the prefill had padding."""
+    Writes go to [length, length + T); the model advances `length` after all layers have written. `crop(n)` rolls
+    back to the first n committed positions (speculative rejection). `rope_delta` (B, 1) is set at prefill: a token at
+    cache index c gets position c + rope_delta. `key_mask` (B, max_len) is kept only when the prefill had padding."""
 
     def __init__(self, n_layers, batch, n_kv_heads, max_len, head_dim, dtype=torch.float32, device=None):
         self.k = torch.zeros(n_layers, batch, n_kv_heads, max_len, head_dim, dtype=dtype, device=device)
@@ -290,10 +276,9 @@ class KVCache:
 
 
 class StaticCache(KVCache):
-    """The KV cache of StaticDecoder: the same object, with one K and one V buffer per layer instead of slices of
-    one tensor. A compiled step writes a graph input in place only when the input is a whole tensor; a write into a
-    view of one (n_layers, ...) tensor makes the compiled step copy the whole tensor back, every step. `k` / `v`
-    stack the layers (a copy, for reading: tests, inspection)."""
+    """StaticDecoder's cache: one K and one V tensor per layer. A compiled step writes a graph input in place only
+    when it is a whole tensor; a write into a view of one (n_layers, ...) tensor makes it copy the whole tensor back,
+    every step. `k` / `v` stack the layers (a copy, for reading)."""
 
     def __init__(self, n_layers, batch, n_kv_heads, max_len, head_dim, dtype=torch.float32, device=None):
         self.ks = [torch.zeros(batch, n_kv_heads, max_len, head_dim, dtype=dtype, device=device)
@@ -326,14 +311,9 @@ class StaticCache(KVCache):
 
 
 class TrajHead(nn.Module):
-    """Waypoints (x, y) in metres, ego frame, from the final hidden state of <traj_future_start>.
-
-    The toy's trajectory step. Alpamayo-R1 runs a flow-matching action expert that attends to the
-    VLM's KV cache (expert.py, loaded with an Alpamayo folder). The paper accelerates the reasoning
-    step, and the trajectory step only has to be cheap, parallel and conditioned on prompt + CoC; the
-    <traj_future_start> state already attends to both through the cache, so a 2-layer MLP to
-    traj_len x 2 keeps AARL's action reward (one trajectory per sampled CoC) meaningful at a fraction
-    of the expert's cost: 10 passes of a decoder stack per trajectory."""
+    """Waypoints (x, y) in metres, ego frame, from the final hidden state of <traj_future_start>: the toy's cheap,
+    parallel trajectory step, conditioned on prompt + CoC through the cache (Alpamayo-R1's flow-matching action
+    expert is expert.py; the paper accelerates the reasoning step). It keeps AARL's action reward meaningful."""
 
     def __init__(self, dim, traj_len):
         super().__init__()
@@ -348,12 +328,11 @@ class TrajHead(nn.Module):
 
 
 class VLA(nn.Module):
-    """Vision tower + decoder + LM head + trajectory head. With cfg.shared_width set it is a draft:
-    no vision tower, and `embed_tokens` / `lm_head` are the target's modules held as plain
-    attributes, so draft.parameters() and draft.state_dict() contain only the draft's own weights.
-    A draft with cfg.draft_vocab = K > 0 also holds `vocab_ids` (K,), a persistent buffer (saved with
-    its weights): the target token ids its head covers (see `head`).
-    A model loaded from an Alpamayo folder also holds `expert` (expert.ActionExpert) and no TrajHead."""
+    """Vision tower + decoder + LM head + trajectory head. With cfg.shared_width set it is a draft: no vision tower,
+    and `embed_tokens` / `lm_head` are the target's modules held as plain attributes, so draft.parameters() and
+    draft.state_dict() contain only the draft's own weights. A draft with cfg.draft_vocab = K > 0 also holds
+    `vocab_ids` (K,), a persistent buffer: the target token ids its head covers (`head`). A model loaded from an
+    Alpamayo folder also holds `expert` (expert.ActionExpert) and no TrajHead."""
 
     def __init__(self, cfg: ModelConfig, shared: "VLA | None" = None):
         super().__init__()
@@ -432,16 +411,10 @@ class VLA(nn.Module):
             self.vocab_ids.copy_(ids)  # in place: the version bump tells head_rows to gather again
 
     def head_rows(self):
-        """The target head's rows at vocab_ids, (K, D_out), gathered once and kept.
-
-        Why a kept copy: F.linear(h, W[ids]) would gather K rows out of V on every step, a read of the
-        K rows plus a write of the copy before the matmul reads it again; a contiguous (K, D_out) copy
-        makes the step's read K rows, the point of the reduced head (at real shape: K x 4096 instead of
-        151,936 x 4096). The cost is K x D_out more memory. The copy is gathered again when the target's
-        head is moved, cast, replaced or written in place (its tensor, dtype, device and version counter
-        are the key), or the ids change; the target's head is frozen while drafts train (train.py,
-        aarl.py), so during training and decoding the copy is gathered once. A draft moved with .to()
-        drops it (_apply)."""
+        """The target head's rows at vocab_ids, (K, D_out), gathered once and kept: W[ids] on every step would read
+        K rows, write a copy and read it again, where the point of the reduced head is a step that reads K rows (at
+        real shape K x 4096 instead of 151,936 x 4096). Gathered again when the target's head is moved, cast,
+        replaced or written in place (tensor, dtype, device and version counter are the key) or the ids change."""
         W = self.lm_head.weight  # (V, D_out), the target's
         version = lambda t: -1 if t.is_inference() else t._version  # noqa: E731  inference tensors keep none
         key = (W.data_ptr(), W.dtype, W.device, version(W), self.vocab_ids.data_ptr(), version(self.vocab_ids))
@@ -452,10 +425,8 @@ class VLA(nn.Module):
         return self._rows
 
     def head(self, h):
-        """Logits (..., V) from final hidden states h (..., D_out): the LM head; for a reduced-head draft the
-        K logits at vocab_ids and -inf at every other id, so that speculative decoding needs no change and
-        stays lossless: a token outside the set is never proposed (greedy), and under sampling q is 0 there
-        and the verifier's residual max(0, p - q) covers it (Leviathan et al. 2023, Algorithm 1)."""
+        """Logits (..., V) from final hidden states h (..., D_out); a reduced-head draft's K logits at vocab_ids and
+        -inf at every other id, so speculative decoding needs no change and stays lossless (speculate.py)."""
         if not self.cfg.draft_vocab:
             return self.lm_head(h)
         W = self.lm_head.weight
@@ -476,12 +447,10 @@ class VLA(nn.Module):
 
     def embed(self, input_ids, pixel_values=None, image_grid_thw=None, pixel_values_videos=None, video_grid_thw=None,
               return_deepstack=False):
-        """Token embeddings (B, L, D) with vision features scattered into the placeholder slots
-        (row-major over the batch, images / videos in grid order, as in transformers).
-
-        return_deepstack: also return the DeepStack features forward(deepstack=...) adds after the
-        first decoder layers, a list of (slots (B, L) bool, [(n_vis, D) per level]), one entry per
-        modality with pixels; empty for a tower without DeepStack (Qwen2.5-VL, the toy)."""
+        """Token embeddings (B, L, D) with vision features scattered into the placeholder slots (row-major over the
+        batch, images / videos in grid order, as in transformers). return_deepstack: also the DeepStack features
+        forward(deepstack=...) adds after the first decoder layers, a list of (slots (B, L) bool, [(n_vis, D) per
+        level]), one entry per modality with pixels; empty without DeepStack (Qwen2.5-VL, the toy)."""
         x = self.embed_tokens(input_ids)  # (B, L, D)
         m2 = self.cfg.spatial_merge_size ** 2
         deepstack = []
@@ -539,21 +508,21 @@ class VLA(nn.Module):
             cache.rope_delta = delta.to(cache.rope_delta.device)
         return mrope_cos_sin(position_ids, self.inv_freq, self.cfg.mrope_section, self.cfg.mrope_interleaved)
 
+
     def forward(self, input_ids=None, pixel_values=None, image_grid_thw=None, pixel_values_videos=None,
                 video_grid_thw=None, second_per_grid_ts=None, attention_mask=None, cache=None, inputs_embeds=None,
                 position_ids=None, return_hidden=False, logits_to_keep=0, deepstack=None):
         """Logits (B, T, V), or (logits, hidden (B, T, D_out)) with return_hidden.
 
-        Positions: without a cache or with an empty one (prefill) they come from get_rope_index
-        (rope_mode "mrope") or flat_position_ids ("flat"), and the cache keeps rope_delta; with a
-        non-empty cache the T new tokens get cache.length + arange(T) + rope_delta on all axes.
-        A cached forward appends T tokens (causal over the cached prefix for T > 1: the verify
-        step). attention_mask (B, L) is read at prefill only; the cache remembers the padding.
-        logits_to_keep > 0 computes logits for the last that many positions only.
+        Positions: without a cache or with an empty one (prefill) they come from get_rope_index (rope_mode "mrope")
+        or flat_position_ids ("flat"), and the cache keeps rope_delta; with a non-empty cache the T new tokens get
+        cache.length + arange(T) + rope_delta on all axes. A cached forward appends T tokens (causal over the cached
+        prefix for T > 1: the verify step). attention_mask (B, L) is read at prefill only; the cache remembers the
+        padding. logits_to_keep > 0 computes logits for the last that many positions only.
 
-        DeepStack (Qwen3-VL): decoder layer i's output gets the tower's level-i features added at
-        the visual slots, at prefill; computed here from pixels, or passed as `deepstack` (from
-        embed(..., return_deepstack=True)) with inputs_embeds, whose T columns are the slots' first T."""
+        DeepStack (Qwen3-VL): decoder layer i's output gets the tower's level-i features added at the visual slots,
+        at prefill; computed here from pixels, or passed as `deepstack` (from embed(..., return_deepstack=True)) with
+        inputs_embeds, whose T columns are the slots' first T."""
         if inputs_embeds is None:
             inputs_embeds, deepstack = self.embed(input_ids, pixel_values, image_grid_thw, pixel_values_videos,
                                                   video_grid_thw, return_deepstack=True)
@@ -565,18 +534,18 @@ class VLA(nn.Module):
         if past + T > self.cfg.max_seq_len:  # beyond the positions the model was built (and trained) for
             raise ValueError(f"sequence of {past + T} tokens is longer than the model's max_seq_len "
                              f"{self.cfg.max_seq_len}")
+        if deepstack and past > 0:
+            raise ValueError("DeepStack features are added at prefill only (an empty cache)")
         cos, sin = self.rope_tables(input_ids, x, image_grid_thw, video_grid_thw, second_per_grid_ts,
                                     attention_mask, cache, position_ids)
-        cos, sin = cos.to(x.dtype).unsqueeze(2), sin.to(x.dtype).unsqueeze(2)  # (B, T, 1, hd)
-
-        mask, causal, grouped = None, T > 1, past > 0
-        if past == 0:  # prefill
+        mask, grouped = None, past > 0
+        if past == 0:  # prefill: causal, or causal & real keys under padding (the diagonal keeps padded rows finite)
             valid = None if attention_mask is None or bool(attention_mask.all()) else attention_mask.bool()
-            if valid is not None:  # causal & real keys; the diagonal keeps padded query rows finite
+            if valid is not None:
                 ar = torch.arange(T, device=x.device)
                 mask = ((ar[None, :] <= ar[:, None]) & valid[:, None, :]) | torch.eye(T, dtype=torch.bool,
                                                                                     device=x.device)
-                mask, causal = mask[:, None], False  # (B, 1, T, T)
+                mask = mask[:, None]  # (B, 1, T, T)
             if cache is not None:
                 cache.key_mask = None
                 if valid is not None:
@@ -585,60 +554,48 @@ class VLA(nn.Module):
         else:
             if T > 1 and cache.key_mask is None and lower_right_verify(x.device):
                 # the mask below (new token i sees keys <= past + i) as a bias: causal aligned to the lower right
-                mask, causal, grouped = causal_lower_right(T, past + T), False, False
-            elif T > 1:  # verify step: new token i sees the prefix and new tokens <= i
+                mask, grouped = causal_lower_right(T, past + T), False
+            elif T > 1:  # verify step: new token i sees the prefix and new tokens <= i, (g*T, S) grouped rows
                 ar = torch.arange(past + T, device=x.device)
                 mask = (ar[None, :] <= past + ar[:T, None]).repeat(self.cfg.n_heads // self.cfg.n_kv_heads, 1)
             if cache.key_mask is not None:
                 km = cache.key_mask[:, None, None, :past + T]  # (B, 1, 1, S)
                 mask = km if mask is None else mask & km
-
-        if deepstack and past > 0:
-            raise ValueError("DeepStack features are added at prefill only (an empty cache)")
-        if self.proj_in is not None:
-            x = self.proj_in(x)
-        for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, cache, i, mask, causal, grouped)
-            for slots, levels in deepstack or ():
-                if i < len(levels):  # x[slots] += level i, out of place
-                    x = x.index_put((slots[:, :T],), levels[i], accumulate=True)
+        h = self.decoder(x, cos, sin, cache, mask, grouped, deepstack=deepstack)
         if cache is not None:
             cache.length = past + T
-        h = self.norm(x)
-        if self.proj_out is not None:
-            h = self.proj_out(h)
         logits = self.head(h[:, -logits_to_keep:] if logits_to_keep else h)
         return (logits, h) if return_hidden else logits
 
     def step(self, input_ids, input_pos, cache, positions=None, mask=None):
         """A cached decode step at fixed shapes: logits (B, T, V) of T new tokens input_ids (B, T) whose keys / values
-        go to cache slots input_pos (T,) (a tensor: the cache's length is not read, so a compiled step never recompiles
-        as it grows, and `cache.length` is the caller's to advance). Keys are the whole buffer (S_max =
-        cache.max_len) and what each new token sees is a mask over its slots.
+        go to cache slots input_pos (T,), a tensor (the cache's length is not read, so a compiled step never
+        recompiles as it grows; advancing `cache.length` is the caller's). Keys are the whole buffer (S_max).
 
-        Defaults, the chain's steps (decode, verify): token i sits at position input_pos[i] and sees slots
-        <= input_pos[i]. A draft tree (tree.draft_tree / verify_tree) passes its own: positions (T,) the cache
-        index each token would have in a plain sequence (committed length + its depth in the tree), and mask (T,
-        S_max) bool, the committed slots plus the slots of the token's own ancestors (a tree attention mask). The
-        rotary positions are positions + rope_delta, forward's decode rule (all three M-RoPE axes equal on text). No
-        padding (cache.key_mask None), no DeepStack (prefill only). forward is the slow, obvious path it is tested
-        against (tests/test_model.py, tests/test_speculate.py)."""
+        Defaults, the chain's steps: token i sits at position input_pos[i] and sees slots <= input_pos[i]. A draft tree
+        (tree.draft_tree / tree_round) passes positions (T,), committed length + the token's depth, and mask (T, S_max)
+        bool, the committed slots plus the token's own ancestors. Rotary positions are positions + rope_delta, as in
+        forward. No padding, no DeepStack. forward is the path it is tested against (tests/test_model.py)."""
         if positions is None:
             positions = input_pos
         if mask is None:
             mask = torch.arange(cache.max_len, device=input_pos.device)[None, :] <= input_pos[:, None]  # (T, S)
-        cos, sin = rope_cos_sin(positions[None] + cache.rope_delta, self.inv_freq)  # (B, T, hd)
-        x = self.embed_tokens(input_ids)  # (B, T, D)
-        cos, sin = cos.to(x.dtype).unsqueeze(2), sin.to(x.dtype).unsqueeze(2)  # (B, T, 1, hd)
         mask = mask.repeat(self.cfg.n_heads // self.cfg.n_kv_heads, 1)  # (g*T, S): the grouped query rows
+        cos, sin = rope_cos_sin(positions[None] + cache.rope_delta, self.inv_freq)  # (B, T, hd)
+        return self.head(self.decoder(self.embed_tokens(input_ids), cos, sin, cache, mask, True, input_pos))
+
+    def decoder(self, x, cos, sin, cache, mask, grouped, input_pos=None, deepstack=None):
+        """The decoder layers, final norm and projection to the shared width: x (B, T, D) -> h (B, T, D_out)."""
+        cos, sin = cos.to(x.dtype).unsqueeze(2), sin.to(x.dtype).unsqueeze(2)  # (B, T, 1, hd)
         if self.proj_in is not None:
             x = self.proj_in(x)
         for i, layer in enumerate(self.layers):
-            x = layer.static_step(x, cos, sin, cache, i, input_pos, mask)
+            x = layer(x, cos, sin, cache, i, mask, grouped, input_pos)
+            for slots, levels in deepstack or ():
+                if i < len(levels):  # x[slots] += level i, out of place
+                    x = x.index_put((slots[:, :x.shape[1]],), levels[i], accumulate=True)
         h = self.norm(x)
-        if self.proj_out is not None:
-            h = self.proj_out(h)
-        return self.head(h)  # (B, T, V)
+        return h if self.proj_out is None else self.proj_out(h)
 
     def traj(self, hidden_last):
         """Trajectory from the final hidden state of <traj_future_start>: (B, D) -> (B, traj_len, 2)."""
@@ -669,18 +626,13 @@ def check_vocab_ids(ids, vocab_size, k=None):
 
 def make_draft(target: VLA, n_layers=1, hidden_size=None, rope_mode="flat", n_heads=None, n_kv_heads=None,
                intermediate_size=None, rope_theta=None, vocab_ids=None) -> VLA:
-    """The routine reasoner: a small text-only decoder on FlatRoPE positions (rope_mode "mrope"
-    gives the baseline replica draft) that shares the target's token embedding and LM head
-    (the same module objects) and reads the target's prompt embeddings, image features included,
-    via draft(input_ids, inputs_embeds=target.embed(...), <grids>, cache=...): no second vision encoder.
-
-    Training: draft.parameters() are exactly the draft's own weights (the shared modules are not
-    registered in it), so an optimizer over them never updates the target; gradients still flow
-    into the shared modules unless the caller freezes the target. Width defaults to the target's;
-    a narrower draft keeps the target's head_dim (so M-RoPE sections stay valid) with
-    hidden_size // head_dim heads, and gets linear in/out projections. rope_theta: the draft's own
-    RoPE base (default the target's). vocab_ids: K target token ids (train.select_draft_vocab picks the
-    K most frequent in the training CoCs) for a reduced-vocabulary head, VLA.head; None = the full head."""
+    """The routine reasoner: a small text-only decoder on FlatRoPE positions (rope_mode "mrope" gives the baseline
+    replica draft) that shares the target's token embedding and LM head (the same module objects) and reads the
+    target's prompt embeddings, image features included, via draft(input_ids, inputs_embeds=target.embed(...),
+    <grids>, cache=...): no second vision encoder. draft.parameters() are exactly its own weights, so an optimizer
+    over them never updates the target (gradients still reach the shared modules unless the caller freezes them).
+    A narrower draft keeps the target's head_dim (M-RoPE sections stay valid) with hidden_size // head_dim heads and
+    linear in/out projections. vocab_ids: K target token ids (train.select_draft_vocab) for a reduced head."""
     t = target.cfg
     D = hidden_size or t.hidden_size
     H = n_heads or (t.n_heads if D == t.hidden_size else D // t.head_dim)
@@ -698,8 +650,7 @@ def make_draft(target: VLA, n_layers=1, hidden_size=None, rope_mode="flat", n_he
         check_vocab_ids(vocab_ids, t.vocab_size)
     cfg = dataclasses.replace(t, hidden_size=D, n_layers=n_layers, n_heads=H, n_kv_heads=Hk, head_dim=t.head_dim,
                               intermediate_size=inter, rope_mode=rope_mode, rope_theta=rope_theta or t.rope_theta,
-                              vision=None,
-                              spatial_merge_size=t.spatial_merge_size, traj_len=0, tie_word_embeddings=False,
+                              vision=None, spatial_merge_size=t.spatial_merge_size, traj_len=0, tie_word_embeddings=False,
                               shared_width=t.hidden_size, draft_vocab=0 if vocab_ids is None else len(vocab_ids))
     w = target.embed_tokens.weight
     draft = VLA(cfg, shared=target)
@@ -707,30 +658,22 @@ def make_draft(target: VLA, n_layers=1, hidden_size=None, rope_mode="flat", n_he
         draft.set_vocab(vocab_ids)
     return draft.to(device=w.device, dtype=w.dtype)
 
-
 # ---- static-shape decoding (torch.compile, CUDA graphs) ----
 
 
 class StaticDecoder:
-    """A model whose cached steps run at fixed shapes over one persistent cache, eager or compiled: the recipe of
-    gpt-fast (a static cache written at `input_pos`, the one-token and multi-token steps compiled with
-    `torch.compile(..., mode="reduce-overhead", fullgraph=True)`), here behind the model's own calling convention so
-    that speculate.py runs it unchanged:
+    """A model whose cached steps run at fixed shapes over one persistent cache, eager or compiled: gpt-fast's recipe
+    (a static cache written at `input_pos`, steps compiled with mode "reduce-overhead", fullgraph) behind the model's
+    own calling convention, so speculate.py runs it unchanged. `new_cache` returns the persistent cache, emptied (its
+    buffers never move: a CUDA graph replays fixed addresses); a cached step `decoder(x (1, T), cache=cache)` is
+    VLA.step at input_pos = length + arange(T), one compiled graph per T, rollback an integer (`crop`); everything
+    else (the prefill, a call with logits_to_keep) is the model's eager forward.
 
-    - `new_cache` returns the persistent cache (capacity `max_len`), emptied: its buffers never move, which CUDA
-      graphs need (a graph replays fixed addresses);
-    - a plain cached step, `decoder(x (1, T), cache=cache)`, goes to VLA.step with input_pos = length + arange(T);
-      the target's 1-token step, its (gamma+1)-token verify step and the draft's 1- or 2-token step are then one
-      compiled graph each (a shorter last round adds one more), and rollback stays an integer (`crop`);
-    - everything else (the prefill, a call with logits_to_keep) is the model's forward, eager.
-
-    compile: False runs VLA.step eagerly (the static shapes alone); True compiles it, with inductor on a CPU (weights
-    frozen into the graph) and mode "reduce-overhead" (CUDA graphs) on CUDA. The first call of each shape compiles
-    (seconds to minutes): warm every shape up before timing (bench.py does).
-    step_lengths: if given (e.g. (1, 2, gamma + 1)), a step of T tokens runs padded to the shortest of them >= T,
-    so a round that drafts fewer tokens near max_new_tokens reuses the (gamma+1)-token graph instead of compiling
-    its own. The padding's keys land after the new length, in slots every later step overwrites before any query
-    reaches them (the mask hides slots after a query's position), so max_len needs max(step_lengths) - 1 of slack."""
+    compile: True compiles VLA.step, with inductor on a CPU (weights frozen into the graph) and CUDA graphs on CUDA;
+    the first call of each shape compiles: warm every shape up before timing (bench.py does). step_lengths (e.g.
+    (1, 2, gamma + 1)): a step of T tokens runs padded to the shortest of them >= T, so a short last round reuses a
+    graph; the padding's keys land after the new length, in slots every later step overwrites before any query
+    reaches them, so max_len needs max(step_lengths) - 1 of slack."""
 
     def __init__(self, model: VLA, max_len: int, compile: bool = False, step_lengths=None):
         if max_len > model.cfg.max_seq_len:
@@ -742,21 +685,17 @@ class StaticDecoder:
         self.cache = StaticCache(model.cfg.n_layers, 1, model.cfg.n_kv_heads, max_len, model.cfg.head_dim, w.dtype,
                                  w.device)
         cuda = w.device.type == "cuda"
-        # A CUDA graph's outputs are overwritten by its next replay; speculate keeps the last logits of each model
-        # for its end-of-decode NaN check, so they are copied out (V floats per step).
-        self.copy_out = compile and cuda
+        self.copy_out = compile and cuda  # a CUDA graph's next replay overwrites its outputs; speculate keeps logits
         self._step = model.step
         if compile:
-            # Shapes per model: T = 1 and gamma + 1 (target), 1 and 2 (draft), and a shorter last round; the target
-            # and the draft share VLA.step's code object, whose default limit of 8 compiled variants would send the
-            # rest back to eager without a word.
+            # the target and the draft share VLA.step's code object, whose default limit of 8 compiled variants
+            # would send the rest back to eager without a word
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
             if cuda:  # the buffers are graph inputs at fixed addresses, written in place (as HF's StaticCache)
                 for buf in self.cache.ks + self.cache.vs:
                     torch._dynamo.mark_static_address(buf)
                 self._step = torch.compile(model.step, mode="reduce-overhead", fullgraph=True, dynamic=False)
-            else:  # freezing: the weights become constants of the graph, prepacked for the CPU's matmul library
-                # (a compiled graph is then stale if the weights change: decode only, no training through it)
+            else:  # freezing: the weights become graph constants (stale if they change: decode only, no training)
                 self._step = torch.compile(model.step, fullgraph=True, dynamic=False, options={"freezing": True})
 
     def __getattr__(self, name):  # cfg, embed, visual, expert, ...: the model's
@@ -778,10 +717,8 @@ class StaticDecoder:
     def __call__(self, input_ids=None, cache=None, **kwargs):
         if cache is None or cache.length == 0 or kwargs:
             return self.model(input_ids, cache=cache, **kwargs)
-        if cache is not self.cache:
-            raise ValueError("StaticDecoder steps only its own cache (from its new_cache)")
-        if cache.key_mask is not None:
-            raise ValueError("static decoding needs an unpadded prompt (the cache has a padding mask)")
+        if cache is not self.cache or cache.key_mask is not None:
+            raise ValueError("StaticDecoder steps only its own cache (from its new_cache), of an unpadded prompt")
         T = n = input_ids.shape[1]
         if self.step_lengths is not None:
             n = next((s for s in self.step_lengths if s >= T), None)

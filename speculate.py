@@ -1,24 +1,17 @@
 """Lossless speculative decoding of the reasoning (chain-of-causation) step.
 
-The routine reasoner (draft, q) proposes gamma tokens one at a time; the deliberative reasoner (the unmodified
-target VLA, p) checks all of them in one forward over [x_last, d_1..d_gamma] and keeps the longest prefix it agrees
-with, plus one token of its own (the correction, or a bonus when every draft token was accepted). Greedy output is
-identical to the target's; sampled output is distributed exactly as the target's (Leviathan et al. 2023, Algorithm
-1). Greedy identity is exact in fp32; in bf16 the batched verify forward can flip near-tied argmaxes relative to
-single-token decoding. Paper: the routine and deliberative reasoners cooperate in the speculative-decoding template;
-tau and the speed-up statistics follow Leviathan et al. (docs/background.md, "Speculative decoding").
+The routine reasoner (draft, q) proposes gamma tokens one at a time; the deliberative reasoner (the unmodified target
+VLA, p) checks them in one forward over [x_last, d_1..d_gamma] and keeps the longest prefix it agrees with, plus one
+token of its own (the correction, or a bonus when every draft was accepted). Greedy output is the target's (exact in
+fp32; in bf16 the batched verify can flip near-tied argmaxes); sampled output is distributed exactly as the target's
+(Leviathan et al. 2023, Algorithm 1; docs/background.md, "Speculative decoding"). Draft trees are tree.py.
 
-Cache discipline, the invariant every round keeps: both caches hold the prompt and the emitted tokens except the
-*pending* suffix. The target has seen all but the last emitted token x_last; the draft has seen all but `pending`,
-which is [x_last] or, after a round that accepted all gamma drafts, [d_gamma, x_last] (the draft never fed d_gamma
-to itself). The next round's first draft forward feeds exactly `pending`, so no token is skipped or fed twice.
-
-A draft with a reduced vocabulary (model.VLA.head: -inf outside K target ids) needs nothing here: greedy drafting
-never proposes a token outside its set, and in sampling q is 0 there, so the residual max(0, p - q) covers them.
-
-The prompt's last token (the assistant's <cot_start>) is held back from the prefill and plays x_last in the first
-round, so every emitted token, the first included, comes out of a verification round: tau = tokens / rounds exactly.
-Draft trees (gamma a tree.TreeShape) are tree.py; the chain of gamma is the tree of width 1.
+Cache invariant of every round: both caches hold the prompt and the emitted tokens except the *pending* suffix. The
+target has seen all but the last emitted token x_last; the draft all but `pending`, [x_last] or, after a round that
+accepted all gamma drafts, [d_gamma, x_last]; the next round's first draft forward feeds exactly `pending`. The
+prompt's last token (<cot_start>) is held back from the prefill and plays x_last in the first round, so every
+emitted token comes out of a verification round: tau = tokens / rounds exactly. A reduced-vocabulary draft
+(model.VLA.head) needs nothing here: q is 0 outside its set, and the residual max(0, p - q) covers those tokens.
 
 run: python speculate.py --device cpu
 """
@@ -35,25 +28,20 @@ from model import PRESETS, VLA
 
 # ---- processed distributions ----
 
-# Keys of the prompt dict: the first group goes to target.embed, the grids also
-# to forward (M-RoPE positions need them even when inputs_embeds is given).
+# Keys of the prompt dict: the first group goes to target.embed, the grids also to forward (M-RoPE positions need
+# them even when inputs_embeds is given).
 EMBED_KEYS = ("input_ids", "pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
 GRID_KEYS = ("image_grid_thw", "video_grid_thw", "second_per_grid_ts")
 
 
 def process_logits(logits, temperature, top_k=None, top_p=None):
-    """Logits (..., V) -> the probabilities (..., V) a token is sampled from.
-
-    The one function behind both p and q, so the verifier compares exactly the
-    distributions that were sampled from (Leviathan's proof needs this).
-    Order as in Hugging Face generate: temperature, top-k, top-p.
-    temperature 0 is the greedy point mass on the argmax.
-    """
+    """Logits (..., V) -> the probabilities (..., V) a token is sampled from: the one function behind both p and q,
+    so the verifier compares exactly the distributions that were sampled from (Leviathan's proof needs this). Order
+    as in Hugging Face generate: temperature, top-k, top-p; temperature 0 is the point mass on the argmax."""
     logits = logits.float()
     if temperature == 0:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
-    # Subtract the max before dividing: a tiny temperature then sends the
-    # others to -inf, never to inf - inf = NaN.
+    # Subtract the max before dividing: a tiny temperature then sends the others to -inf, never to inf - inf = NaN.
     logits = (logits - logits.amax(-1, keepdim=True)) / temperature
     if top_k is not None and top_k < logits.shape[-1]:
         kth = logits.topk(top_k, dim=-1).values[..., -1:]  # (..., 1)
@@ -79,28 +67,20 @@ def sample(probs, generator):
 
 
 def verify_greedy(draft_tokens, target_logits):
-    """Greedy verification. draft_tokens (..., gamma), target_logits (..., gamma+1, V).
-
-    Returns (n_accepted, next_token), integer tensors of shape (...): the drafts
-    d_1..d_n equal the target's argmaxes t_0..t_{n-1}, next_token is t_n (the
-    correction, or the bonus when n == gamma). Tensors, not ints, so the decode
-    loop syncs with the device once per round, not once per call.
-    """
+    """Greedy verification. draft_tokens (..., gamma), target_logits (..., gamma+1, V) -> (n_accepted, next_token),
+    integer tensors (...): d_1..d_n equal the target's argmaxes t_0..t_{n-1}, next_token is t_n (the correction, or
+    the bonus when n == gamma). Tensors, not ints: the decode loop syncs with the device once per round."""
     t = target_logits.argmax(-1)  # (..., gamma+1)
     n = (draft_tokens == t[..., :-1]).long().cumprod(-1).sum(-1)  # (...) length of the agreeing prefix
     return n, t.gather(-1, n.unsqueeze(-1)).squeeze(-1)
 
 
 def verify_sample(draft_tokens, q, p, generator=None):
-    """Sampling verification (Leviathan et al. 2023, Algorithm 1).
-
-    draft_tokens (..., gamma) were sampled from q (..., gamma, V); p
-    (..., gamma+1, V) are the target's processed probabilities at the same
-    positions plus one. d_i is accepted with probability min(1, p_i(d_i) / q_i(d_i)),
-    a fresh uniform per position; at the first rejection the next token is
-    drawn from normalise(max(0, p_i - q_i)), and after gamma acceptances the
-    bonus is drawn from p_gamma. Returns (n_accepted, next_token) of shape (...).
-    """
+    """Sampling verification (Leviathan et al. 2023, Algorithm 1). draft_tokens (..., gamma) were sampled from q
+    (..., gamma, V); p (..., gamma+1, V) is the target's processed distribution at the same positions plus one. d_i
+    is accepted with probability min(1, p_i(d_i) / q_i(d_i)), a fresh uniform per position; at the first rejection
+    the next token is drawn from normalise(max(0, p_i - q_i)), after gamma acceptances the bonus from p_gamma.
+    Returns (n_accepted, next_token) of shape (...)."""
     idx = draft_tokens.unsqueeze(-1)  # (..., gamma, 1)
     p_d = p[..., :-1, :].gather(-1, idx).squeeze(-1)  # (..., gamma)
     q_d = q.gather(-1, idx).squeeze(-1)  # (..., gamma)
@@ -112,9 +92,8 @@ def verify_sample(draft_tokens, q, p, generator=None):
     # mass ~ 0 means p == q up to rounding: a rejection there has probability ~mass,
     # and p is then the right distribution (and keeps multinomial defined).
     residual = torch.where(mass > torch.finfo(p.dtype).eps, residual, p[..., :-1, :])
-    # Draw a candidate for every possible outcome n = 0..gamma and pick one on
-    # device: the draws are independent of u, so the picked one has the right
-    # law, and the round needs no host sync before its end.
+    # A candidate for every outcome n = 0..gamma, picked on device: the draws are independent of u, so the picked one
+    # has the right law, and the round needs no host sync before its end.
     candidates = sample(torch.cat([residual, p[..., -1:, :]], -2), generator)  # (..., gamma+1)
     return n, candidates.gather(-1, n.unsqueeze(-1)).squeeze(-1)
 
@@ -146,9 +125,8 @@ class SpecResult:
 
     @property
     def alpha(self):
-        """Acceptance rate of the draft tokens the verifier reached: the estimate of
-        Leviathan's alpha that expected_speedup takes. Tokens behind a rejection
-        were never tested, so n_accepted / n_drafted would understate alpha."""
+        """Acceptance rate of the draft tokens the verifier reached (Leviathan's alpha, as expected_speedup takes it):
+        tokens behind a rejection were never tested, so n_accepted / n_drafted would understate alpha."""
         return self.n_accepted / max(self.n_tested, 1)
 
     @property
@@ -167,8 +145,7 @@ class SpecResult:
 
     def summary(self):
         return dict(tokens=len(self.tokens), tau=self.tau, alpha=self.alpha, acceptance_rate=self.acceptance_rate,
-                    rounds=self.rounds,
-                    target_forwards=self.target_forwards, draft_forwards=self.draft_forwards,
+                    rounds=self.rounds, target_forwards=self.target_forwards, draft_forwards=self.draft_forwards,
                     n_drafted=self.n_drafted, n_accepted=self.n_accepted, n_tested=self.n_tested,
                     from_draft=sum(self.from_draft) / max(len(self.from_draft), 1))
 
@@ -186,9 +163,9 @@ def expected_speedup(alpha, gamma, c):
 
 
 def tau_ceiling(lengths, gamma):
-    """tau of a draft (gamma: the chain's length or a TreeShape) the verifier never rejects, over sequences of the given lengths (stop token included):
-    each round yields at most gamma + 1 tokens, so a sequence of n tokens takes ceil(n / (gamma + 1)) rounds.
-    Short outputs cap tau well below gamma + 1, whatever the draft (a 17-token CoC at gamma 6: 17 / 3)."""
+    """tau of a draft (gamma: the chain's length or a TreeShape) the verifier never rejects, over sequences of these
+    lengths: a round yields at most gamma + 1 tokens, so n tokens take ceil(n / (gamma + 1)) rounds. Short outputs cap
+    tau well below gamma + 1, whatever the draft (a 17-token CoC at gamma 6: 17 / 3)."""
     g = getattr(gamma, "depth", gamma)  # a tree emits at most depth + 1 per round
     return sum(lengths) / sum(math.ceil(n / (g + 1)) for n in lengths)
 
@@ -197,12 +174,8 @@ def tau_ceiling(lengths, gamma):
 
 
 def new_cache(model, prompt, max_new_tokens, max_len, slack=0):
-    """A cache that fits the whole decode; the size check comes before any forward.
-
-    The largest length is L - 1 + max_new_tokens: the last round drafts only as
-    many tokens as are still needed, so no round writes past the final token.
-    slack: slots beyond it (not positions) for a tree round's branches, which sit after the committed length.
-    """
+    """A cache that fits the whole decode, checked before any forward: L - 1 + max_new_tokens (the last round drafts
+    only what is still needed), plus `slack` slots (not positions) for a tree round's branches."""
     need = prompt["input_ids"].shape[1] - 1 + max_new_tokens
     cfg = config_of(model)  # a Hugging Face config's max_position_embeddings, or our ModelConfig.max_seq_len
     limit = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "max_seq_len", None)
@@ -223,13 +196,9 @@ def embed_prompt(target, prompt):
 
 
 def prefill(model, prompt, embeds, cache, deepstack=None, name="model"):
-    """Feed the prompt except its last token; returns that token (1, 1), the first x_last.
-
-    embeds (1, L, D) come from target.embed once and serve both models, so the
-    draft sees the target's image features and no second vision tower runs.
-    deepstack: the target's DeepStack features (embed_prompt), for the target only.
-    name: how an error names the model (NaN / inf logits).
-    """
+    """Feed the prompt except its last token; returns that token (1, 1), the first x_last. embeds (1, L, D) come
+    from target.embed once and serve both models, so the draft sees the target's image features and no second vision
+    tower runs. deepstack: the target's DeepStack features, for the target only. name: how an error names the model."""
     ids = prompt["input_ids"]  # (1, L)
     grids = {k: prompt[k] for k in GRID_KEYS if prompt.get(k) is not None}
     if deepstack:
@@ -251,13 +220,9 @@ def make_generator(device, seed):
 
 
 def spec_round(target, draft, tcache, dcache, pending, gamma, temperature, top_k, top_p, generator, last=None):
-    """One draft-then-verify round.
-
-    pending (1, k): emitted tokens the draft has not seen; its last one, x_last,
-    is the only one the target has not seen. Returns (n_accepted, drafted
-    tokens (list of gamma ints), next token (int), new pending (1, k')).
-    last: a dict that receives the latest logits of "draft" and "target" (for the end-of-decode NaN check).
-    """
+    """One draft-then-verify round. pending (1, k): emitted tokens the draft has not seen; its last one, x_last, is
+    the only one the target has not seen. Returns (n_accepted, drafted tokens (list of gamma ints), next token (int),
+    new pending (1, k')). last: receives the latest logits of "draft" and "target" (the end-of-decode NaN check)."""
     ell = tcache.length  # committed tokens in the target cache, x_last excluded
     x, drafted, qs = pending, [], []
     last = {} if last is None else last
@@ -282,9 +247,8 @@ def spec_round(target, draft, tcache, dcache, pending, gamma, temperature, top_k
     # Keep the committed tokens: ell + x_last + n accepted drafts; the new x_last stays out.
     tcache.crop(ell + 1 + n_int)
     dcache.crop(min(dcache.length, ell + 1 + n_int))
-    # The new pending is what the draft's cache lacks of [old pending, d_1..d_n, next]:
-    # [next] after a rejection, [d_gamma, next] after a full acceptance (the draft
-    # fed itself d_1..d_{gamma-1} only), old pending + [next] when gamma == 0.
+    # The new pending is what the draft's cache lacks of [old pending, d_1..d_n, next]: [next] after a rejection,
+    # [d_gamma, next] after a full acceptance (the draft fed itself d_1..d_{gamma-1}), old pending + [next] at gamma 0.
     tail = torch.cat([pending, d[:n_int].view(1, -1), nxt.view(1, 1)], 1)  # (1, k + n + 1)
     pending = tail[:, dcache.length - (ell + 1 - pending.shape[1]):]
     return n_int, d_list, nxt_int, pending
@@ -359,8 +323,8 @@ def speculative(target, draft, prompt, gamma, max_new_tokens, temperature=0.0, t
 @torch.no_grad()
 def autoregressive(target, prompt, max_new_tokens, temperature=0.0, top_k=None, top_p=None,
                    seed=None, stop_token=None, max_len=None, timing=False):
-    """Plain decoding, the baseline arm: the same prefill and KV-cached
-    single-token target forwards, the same sampling. Returns SpecResult (tau = 1)."""
+    """Plain decoding, the baseline arm: the same prefill, KV-cached single-token target forwards and sampling.
+    Returns SpecResult (tau = 1)."""
     check_inputs(target, None, prompt, max_new_tokens, temperature, top_k, top_p, stop_token)
     cache = new_cache(target, prompt, max_new_tokens, max_len)
     generator = make_generator(prompt["input_ids"].device, seed)
@@ -486,22 +450,18 @@ def main():
     except ValueError as e:
         ap.error(str(e))
     torch.manual_seed(args.seed)
-    cfg = copy.deepcopy(PRESETS["toy-target"])
-    target = VLA(cfg).to(args.device).eval()
+    target = VLA(copy.deepcopy(PRESETS["toy-target"])).to(args.device).eval()
     with torch.no_grad():  # weights of O(1) effect, so the random target has peaked, non-trivial logits
-        for w in target.parameters():
-            if w.dim() > 1:
-                w.normal_(0.0, 1.0 / w.shape[-1] ** 0.5)
-    draft = copy.deepcopy(target)
-    with torch.no_grad():
+        for w in (w for w in target.parameters() if w.dim() > 1):
+            w.normal_(0.0, 1.0 / w.shape[-1] ** 0.5)
+        draft = copy.deepcopy(target)
         for w in draft.parameters():
             w.add_(args.noise * w.std() * torch.randn_like(w))
     # text-only prompt; ids above the special tokens (image / video / vision-start)
-    prompt = dict(input_ids=torch.randint(10, cfg.vocab_size, (1, 16), device=args.device))
+    prompt = dict(input_ids=torch.randint(10, target.cfg.vocab_size, (1, 16), device=args.device))
     base = autoregressive(target, prompt, args.tokens, temperature=args.temperature, seed=args.seed)
     spec = speculative(target, draft, prompt, args.gamma, args.tokens, temperature=args.temperature, seed=args.seed)
-    print(f"autoregressive: {base.summary()}")
-    print(f"speculative:    {spec.summary()}")
+    print(f"autoregressive: {base.summary()}\nspeculative:    {spec.summary()}")
     print(f"expected tau at this alpha (Leviathan): {expected_tau(spec.alpha, args.gamma):.2f}")
     if args.temperature == 0:
         print(f"greedy outputs identical: {base.tokens == spec.tokens}")

@@ -5,7 +5,7 @@ draft's full and reduced-vocabulary heads.
 Paper: the deliberative reasoner verifies every branch of the routine reasoner's tree in one forward
 (tree.tree_round); whether that pays depends on what a wider verify costs. Measured on the qwen3-vl-8b shape
 (random weights, bf16, the real width, heads and 151,936-token vocabulary), CPU time of one thread, by parts: one
-decoder layer's cached step over n tokens under a tree-shaped mask (model.Block.static_step, the step VLA.step runs
+decoder layer's cached step over n tokens under a tree-shaped mask (model.Block with input_pos, the step VLA.step runs
 per layer) on a cache holding a 128-token prompt, and the LM head over n rows (full, or K rows for a reduced draft
 head). A step is then n_layers x layer + head: T_target(n) = 36 T_layer(n) + T_head(n), T_draft(1) = T_layer(1) +
 T_head(1), one tree level T_draft(k) = T_layer(k) + T_head(k). Timing the parts directly avoids extrapolating from
@@ -46,7 +46,7 @@ def layer_ms(cfg, n, prompt_len, reps):
     cos, sin = (t.to(torch.bfloat16).unsqueeze(2) for t in rope_cos_sin(pos[None], rope_inv_freq(cfg.head_dim,
                                                                                                cfg.rope_theta)))
     mask = (torch.arange(prompt_len + n)[None] <= pos[:, None]).repeat(cfg.n_heads // cfg.n_kv_heads, 1)  # (g*n, S)
-    return 1e3 * median_time(lambda: block.static_step(x, cos, sin, cache, 0, pos, mask), "cpu", reps,
+    return 1e3 * median_time(lambda: block(x, cos, sin, cache, 0, mask, True, pos), "cpu", reps,
                                        time.process_time)
 
 
