@@ -154,8 +154,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps) if cfg.qk_norm else None
 
     def project(self, x, cos, sin):
-        """x (B, T, D) -> rotated q (B, H, T, hd), rotated k and v (B, Hk, T, hd). Also the entry
-        point of evaluate.attention_probs, the diagnostic that recomputes attention weights."""
+        """x (B, T, D) -> rotated q (B, H, T, hd), rotated k and v (B, Hk, T, hd) (also evaluate.attention_probs')."""
         B, T, _ = x.shape
         H, Hk, hd = self.H, self.Hk, self.hd
         qkv = self.qkv(x).view(B, T, H + 2 * Hk, hd)  # (B, T, H + 2Hk, hd)
@@ -253,9 +252,8 @@ class KVCache:
         self.length = n
 
     def move(self, src, dst):
-        """Copy the keys / values of slots src to slots dst (lists of ints, in increasing order, dst[i] <= src[i]):
-        after a tree round, the accepted path's entries go to consecutive slots, and the rejected branches stay
-        only beyond the new length, where no query reaches them."""
+        """Copy the keys / values of slots src to slots dst (increasing int lists, dst[i] <= src[i]): a tree round's
+        accepted path to consecutive slots, the rejected branches left beyond the new length, where no query looks."""
         if src == dst:
             return
         src, dst = (torch.tensor(x, device=self.rope_delta.device) for x in (src, dst))
@@ -266,8 +264,7 @@ class KVCache:
         return self.k, self.v
 
     def repeat_rows(self, n):
-        """A new cache whose rows are these rows, each repeated n times in a row (B -> B * n): n continuations of
-        every cached prompt share its prefill."""
+        """A new cache with each row repeated n times (B -> B * n): n continuations of a prompt share its prefill."""
         new = copy.copy(self)
         new.k, new.v = self.k.repeat_interleave(n, 1), self.v.repeat_interleave(n, 1)  # (layers, B * n, Hk, S, hd)
         new.rope_delta = self.rope_delta.repeat_interleave(n, 0)  # (B * n, 1)
@@ -302,9 +299,6 @@ class StaticCache(KVCache):
 
     def buffers(self):
         return self.ks + self.vs
-
-    def repeat_rows(self, n):
-        raise NotImplementedError("a StaticCache decodes batch size 1")
 
 
 # ---- trajectory head ----
@@ -512,17 +506,13 @@ class VLA(nn.Module):
     def forward(self, input_ids=None, pixel_values=None, image_grid_thw=None, pixel_values_videos=None,
                 video_grid_thw=None, second_per_grid_ts=None, attention_mask=None, cache=None, inputs_embeds=None,
                 position_ids=None, return_hidden=False, logits_to_keep=0, deepstack=None):
-        """Logits (B, T, V), or (logits, hidden (B, T, D_out)) with return_hidden.
-
-        Positions: without a cache or with an empty one (prefill) they come from get_rope_index (rope_mode "mrope")
-        or flat_position_ids ("flat"), and the cache keeps rope_delta; with a non-empty cache the T new tokens get
-        cache.length + arange(T) + rope_delta on all axes. A cached forward appends T tokens (causal over the cached
-        prefix for T > 1: the verify step). attention_mask (B, L) is read at prefill only; the cache remembers the
-        padding. logits_to_keep > 0 computes logits for the last that many positions only.
-
-        DeepStack (Qwen3-VL): decoder layer i's output gets the tower's level-i features added at the visual slots,
-        at prefill; computed here from pixels, or passed as `deepstack` (from embed(..., return_deepstack=True)) with
-        inputs_embeds, whose T columns are the slots' first T."""
+        """Logits (B, T, V), or (logits, hidden (B, T, D_out)) with return_hidden. Positions: at a prefill (no cache or
+        an empty one) from get_rope_index ("mrope") or flat_position_ids ("flat"), the cache keeping rope_delta; over
+        a non-empty cache cache.length + arange(T) + rope_delta on all axes, causal over the cached prefix for T > 1
+        (the verify step). attention_mask (B, L) is read at prefill only (the cache remembers the padding).
+        logits_to_keep > 0: logits of the last that many positions only. DeepStack (Qwen3-VL): layer i's output gets
+        the tower's level-i features at the visual slots, at prefill, from pixels or passed as `deepstack` (embed(...,
+        return_deepstack=True)) with inputs_embeds."""
         if inputs_embeds is None:
             inputs_embeds, deepstack = self.embed(input_ids, pixel_values, image_grid_thw, pixel_values_videos,
                                                   video_grid_thw, return_deepstack=True)
