@@ -23,7 +23,7 @@ differs (in bf16 the verify step's batched matmuls can flip a near-tie), the rep
 first differing token and the target's top-2 logit margin there.
 
 --compile adds two arms timed in the same passes: target-only and speculative decoding through
-model.StaticDecoder (fixed-shape steps over one persistent cache: the 1-token step, the
+static.StaticDecoder (fixed-shape steps over one persistent cache: the 1-token step, the
 (gamma+1)-token verify step and the draft's step, torch.compile'd; inductor on a CPU, CUDA graphs
 on CUDA), with their own greedy check, cost model and compile time. Eager stays the default:
 compiling takes minutes, and where Python dispatch is not the bottleneck it buys nothing.
@@ -73,6 +73,7 @@ import evaluate
 import model as M
 import peer
 import speculate
+import static
 from checkpoint import DTYPES
 from evaluate import TARGET_ONLY
 from expert import config_field, speed_from_history
@@ -162,21 +163,21 @@ CHAIN_ARM = "speculative chain"  # with a tree: the chain of evaluate.GAMMA, the
 
 
 def compiled_pair(target, draft, prompts, gamma, max_new):
-    """target and draft as compiled model.StaticDecoder's with one static cache length for every prompt (the longest
+    """target and draft as compiled static.StaticDecoder's with one static cache length for every prompt (the longest
     prompt's decode or cost-model step, plus the padding's slack) and steps of 1, 2 or gamma + 1 tokens, so each
     model compiles at most three graphs."""
     L = max(p["input_ids"].shape[1] for p in prompts)
     max_len = L + max(max_new, gamma + 1) + gamma
     lengths = (1, 2, gamma + 1)
-    return (M.StaticDecoder(target, max_len, compile=True, step_lengths=lengths),
-            M.StaticDecoder(draft, max_len, compile=True, step_lengths=lengths))
+    return (static.StaticDecoder(target, max_len, compile=True, step_lengths=lengths),
+            static.StaticDecoder(draft, max_len, compile=True, step_lengths=lengths))
 
 
 def benchmark(target, draft, prompts, gamma, max_new, stop_token=None, repeats=3, decoding=None, compile=False):
     """The full report for one draft: greedy statistics and where greedy outputs diverge from target-only decoding,
     the sampled statistics when `decoding` (evaluate.decoding_mode) samples, both arms timed in that mode, the cost
     model on the first prompt, the predictions at the timed mode's tau and alpha.
-    compile: also both arms with torch.compile'd static-shape steps (model.StaticDecoder), timed in the same passes
+    compile: also both arms with torch.compile'd static-shape steps (static.StaticDecoder), timed in the same passes
     as the eager ones, with their own greedy check, cost model and compile time (res["compiled"])."""
     decoding = decoding or evaluate.decoding_mode()
     greedy = evaluate.spec_stats(target, {"speculative": draft}, prompts, gamma, max_new, stop_token)
@@ -433,7 +434,7 @@ def sdpa_steps(target, prompt, gamma, static_len=None, tree=False):
             slots = torch.arange(base, base + gamma + 1, device=x.device)  # (N+1,)
             calls["tree verify"] = first_call(lambda: target.step(x.repeat(1, gamma + 1), slots, cache))
         if static_len:
-            st = M.StaticDecoder(target, max(static_len, L + gamma + 1))
+            st = static.StaticDecoder(target, max(static_len, L + gamma + 1))
             scache = st.new_cache()
             speculate.prefill(st, prompt, embeds, scache, deepstack)
             for name, n in (("static decode", 1), ("static verify", gamma + 1)):

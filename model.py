@@ -3,12 +3,10 @@ draft, around a vision tower from vision.py. The same code runs the toy and real
 weights (checkpoint.load_pretrained reads those into it; an Alpamayo folder's action expert is expert.py).
 
 Paper map: `VLA` with rope_mode "mrope" is the deliberative reasoner (the unmodified target, 3D M-RoPE);
-`make_draft` builds the routine reasoner (1-2 layers, FlatRoPE, shares the target's embedding and LM head, reads the
-target's image embeddings; with `vocab_ids` its head covers only K of the target's token ids, EAGLE-3's reduced
-draft vocabulary); `TrajHead` is the toy's cheap parallel trajectory step that follows the chain of causation
-(docs/background.md, "The paper in five lines"). The verify step of speculative decoding is a multi-token forward
-over a `KVCache`; `VLA.step` is the same cached step at fixed shapes, which `StaticDecoder` runs over one persistent
-cache, the form torch.compile and CUDA graphs need (bench.py --compile), and draft trees run under their own mask.
+`make_draft` the routine reasoner (1-2 layers, FlatRoPE, the target's embedding, LM head and image embeddings;
+`vocab_ids`: EAGLE-3's reduced draft vocabulary, K target ids); `TrajHead` the toy's cheap trajectory step after the
+chain of causation (docs/background.md). The verify step is a multi-token forward over a `KVCache`; `VLA.step` the
+same cached step at fixed shapes (draft trees' masks; static.py compiles it).
 
 Letters: B batch, T new tokens, S keys (cached + new), D hidden, H heads, Hk KV heads,
 hd head dim, g = H / Hk, V vocab, K reduced draft vocab, N vision patches, m spatial merge, n_vis visual tokens.
@@ -60,35 +58,17 @@ class ModelConfig:
     traj_len: int = 32  # waypoints emitted by the trajectory head (0 = no head)
     max_seq_len: int = 4096  # positions a sequence may span (prompt + generated; longer is refused); default cache
     shared_width: int | None = None  # drafts only: width of the target's shared embedding / LM head
-    # drafts only: K > 0 gives a reduced-vocabulary head, logits over K target ids (VLA.vocab_ids) and -inf at the
-    # other V - K; 0 = the full head
-    draft_vocab: int = 0
+    draft_vocab: int = 0  # drafts only: K > 0, a reduced head over K target ids (VLA.vocab_ids), -inf at the rest
 
     def __post_init__(self):
         if isinstance(self.vision, dict):
             self.vision = VisionConfig(**self.vision)
         self.mrope_section = tuple(self.mrope_section)
-        if self.head_dim is None:
-            if self.hidden_size % self.n_heads:
-                raise ValueError(f"hidden_size {self.hidden_size} is not divisible by n_heads {self.n_heads}")
+        if self.head_dim is None and not self.hidden_size % self.n_heads:
             self.head_dim = self.hidden_size // self.n_heads
-        if self.n_heads % self.n_kv_heads:
-            raise ValueError(f"n_heads {self.n_heads} is not divisible by n_kv_heads {self.n_kv_heads}")
-        check_mrope_section(self.mrope_section, self.head_dim)
-        if self.rope_mode not in ("mrope", "flat"):
-            raise ValueError(f"rope_mode must be 'mrope' or 'flat', got {self.rope_mode!r}")
-        vm = self.vision.spatial_merge_size if self.vision is not None else None
+        check_config(self)
         if self.spatial_merge_size is None:
-            self.spatial_merge_size = vm or 2
-        elif vm is not None and vm != self.spatial_merge_size:
-            raise ValueError(f"spatial_merge_size {self.spatial_merge_size} != vision.spatial_merge_size {vm}")
-        K = self.draft_vocab
-        if not isinstance(K, int) or isinstance(K, bool) or not 0 <= K <= self.vocab_size:
-            raise ValueError(f"draft_vocab must be 0 (the full head) or a number of token ids 1..vocab_size "
-                             f"{self.vocab_size}, got {K!r}")
-        if K and self.shared_width is None:
-            raise ValueError(f"draft_vocab {K}: a reduced-vocabulary head is for drafts only (shared_width set, "
-                             "model.make_draft); a target's head must cover its whole vocabulary")
+            self.spatial_merge_size = getattr(self.vision, "spatial_merge_size", None) or 2
 
     def to_dict(self):
         return dataclasses.asdict(self)
@@ -101,6 +81,27 @@ class ModelConfig:
         return cls(**d)
 
 
+def check_config(c: ModelConfig):
+    """A bad shape would fail deep in a forward; a target with a reduced head would silently never emit V - K ids."""
+    vm = getattr(c.vision, "spatial_merge_size", None)
+    if c.head_dim is None:
+        raise ValueError(f"hidden_size {c.hidden_size} is not divisible by n_heads {c.n_heads}")
+    if c.n_heads % c.n_kv_heads:
+        raise ValueError(f"n_heads {c.n_heads} is not divisible by n_kv_heads {c.n_kv_heads}")
+    check_mrope_section(c.mrope_section, c.head_dim)
+    if c.rope_mode not in ("mrope", "flat"):
+        raise ValueError(f"rope_mode must be 'mrope' or 'flat', got {c.rope_mode!r}")
+    if None not in (vm, c.spatial_merge_size) and vm != c.spatial_merge_size:
+        raise ValueError(f"spatial_merge_size {c.spatial_merge_size} != vision.spatial_merge_size {vm}")
+    K = c.draft_vocab
+    if not isinstance(K, int) or isinstance(K, bool) or not 0 <= K <= c.vocab_size:
+        raise ValueError(f"draft_vocab must be 0 (the full head) or a number of token ids 1..vocab_size "
+                         f"{c.vocab_size}, got {K!r}")
+    if K and c.shared_width is None:
+        raise ValueError(f"draft_vocab {K}: a reduced-vocabulary head is for drafts only (shared_width set, "
+                         "model.make_draft); a target's head must cover its whole vocabulary")
+
+
 QWEN25_VISION = VisionConfig(patch_size=14, temporal_patch_size=2, spatial_merge_size=2, depth=32, hidden=1280,
                              heads=16, intermediate=3420, window_size=112, fullatt_block_indexes=(7, 15, 23, 31))
 QWEN3_VISION = VisionConfig(family="qwen3_vl", patch_size=16, temporal_patch_size=2, spatial_merge_size=2, depth=27,
@@ -108,10 +109,9 @@ QWEN3_VISION = VisionConfig(family="qwen3_vl", patch_size=16, temporal_patch_siz
                             deepstack_visual_indexes=(8, 16, 24))
 QWEN_IDS = dict(image_token_id=151655, video_token_id=151656, vision_start_token_id=151652)
 PRESETS = {
-    # the toy target of the synthetic driving world (train.target_config sets vocab_size, token ids, vision input):
-    # narrow, so a CPU training step is cheap; 20 layers, so the 1-layer draft costs a small fraction of a step, as
-    # against a 36-layer Qwen3-VL. RoPE base 1e4: at 1e6 most frequency pairs would barely rotate across the toy's
-    # few hundred positions (experiments/rope_base.py compares the drafts at both bases).
+    # the toy target (train.target_config sets vocab, token ids, vision): narrow, so a CPU training step is cheap; 20
+    # layers, so the 1-layer draft is a small fraction of a step, as against a 36-layer Qwen3-VL. RoPE base 1e4: at 1e6
+    # most pairs would barely rotate over the toy's few hundred positions (experiments/rope_base.py compares both).
     "toy-target": ModelConfig(hidden_size=128, n_layers=20, n_heads=2, n_kv_heads=1, intermediate_size=384,
                               rope_theta=1e4),
     # real shapes, random weights (benchmarks)
@@ -134,16 +134,13 @@ DRAFT_PRESETS = {  # make_draft(target, **DRAFT_PRESETS[name])
 
 
 def lower_right_verify(device):
-    """Whether a cached multi-token step (the verify step) attends through SDPA's lower-right causal bias over
-    unfolded heads rather than a boolean mask over folded heads. On CUDA the bias reaches the flash / memory-efficient
-    kernels without a mask in memory, reading the shared K/V heads in place; on a CPU SDPA would materialise the bias
-    and copy K/V per query head, slower than the folded layout."""
+    """The verify step through SDPA's lower-right causal bias over unfolded heads (CUDA: flash / memory-efficient
+    kernels, no mask in memory, K/V read in place) or a boolean mask over folded heads (a CPU: faster there)."""
     return device.type == "cuda"
 
 
 class Attention(nn.Module):
-    """Grouped-query attention. q, k, v come from one fused projection (one matmul per step on
-    the decode hot path); the checkpoint loaders split / join Qwen's q_proj, k_proj, v_proj."""
+    """Grouped-query attention; one fused q, k, v projection: one matmul per decode step (checkpoint.py splits it)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -167,12 +164,10 @@ class Attention(nn.Module):
         return q.transpose(1, 2), k.transpose(1, 2), qkv[:, :, H + Hk:].transpose(1, 2)  # (B, H|Hk, T, hd)
 
     def forward(self, x, cos, sin, cache=None, layer=0, mask=None, grouped=False, input_pos=None):
-        """x (B, T, D) -> (B, T, D). With a cache the T new keys / values are written first: at [length, length + T),
-        the queries then reading the cached prefix and themselves (VLA.forward), or at slots input_pos (T,), the
-        queries reading the whole buffer (VLA.step's fixed shapes). mask: which keys each query sees; None: causal over
-        the new tokens at a prefill, every key over a non-empty cache (the expert's bidirectional action tokens).
-        grouped: the g query heads sharing a KV head become g*T query rows of that head, so no K/V copies (enable_gqa
-        is slow on CPU in bf16), mask rows tiled to match; ungrouped: a prefill, or the lower-right verify bias."""
+        """New keys / values go to the cache first, at [length, length + T) (VLA.forward) or at slots input_pos, the
+        queries then reading the whole buffer (VLA.step). mask None: causal at a prefill, every key over a non-empty
+        cache (the expert's bidirectional tokens). grouped: the g query heads of a KV head become its g*T query rows,
+        so no K/V copies (enable_gqa is slow on CPU in bf16); ungrouped: a prefill, or the lower-right verify bias."""
         B, T, _ = x.shape
         H, Hk, hd = self.H, self.Hk, self.hd
         q, k, v = self.project(x, cos, sin)
@@ -219,11 +214,9 @@ class Block(nn.Module):
 
 
 class KVCache:
-    """Preallocated K/V buffers (n_layers, B, Hk, max_len, hd) and the committed length.
-
-    Writes go to [length, length + T); the model advances `length` after all layers have written. `crop(n)` rolls
-    back to the first n committed positions (speculative rejection). `rope_delta` (B, 1) is set at prefill: a token at
-    cache index c gets position c + rope_delta. `key_mask` (B, max_len) is kept only when the prefill had padding."""
+    """Preallocated K/V buffers (n_layers, B, Hk, max_len, hd) and the committed length, which the model advances
+    after all layers have written; `crop(n)` rolls back (speculative rejection). `rope_delta` (B, 1), set at prefill:
+    cache index c is position c + rope_delta. `key_mask` (B, max_len): only when the prefill had padding."""
 
     def __init__(self, n_layers, batch, n_kv_heads, max_len, head_dim, dtype=torch.float32, device=None):
         self.k = torch.zeros(n_layers, batch, n_kv_heads, max_len, head_dim, dtype=dtype, device=device)
@@ -242,8 +235,7 @@ class KVCache:
         vb[:, :, self.length:end] = v
         return kb[:, :, :end], vb[:, :, :end]  # (B, Hk, S, hd) views
 
-    def layer(self, i):
-        """Layer i's whole K and V buffers (B, Hk, max_len, hd), for VLA.step's writes at input_pos."""
+    def layer(self, i):  # layer i's whole K and V buffers (B, Hk, max_len, hd), for VLA.step's writes at input_pos
         return self.k[i], self.v[i]
 
     def crop(self, n):
@@ -272,42 +264,12 @@ class KVCache:
         return new
 
 
-class StaticCache(KVCache):
-    """StaticDecoder's cache: one K and one V tensor per layer. A compiled step writes a graph input in place only
-    when it is a whole tensor; a write into a view of one (n_layers, ...) tensor makes it copy the whole tensor back,
-    every step. `k` / `v` stack the layers (a copy, for reading)."""
-
-    def __init__(self, n_layers, batch, n_kv_heads, max_len, head_dim, dtype=torch.float32, device=None):
-        self.ks = [torch.zeros(batch, n_kv_heads, max_len, head_dim, dtype=dtype, device=device)
-                   for _ in range(n_layers)]
-        self.vs = [torch.zeros_like(k) for k in self.ks]
-        self.max_len = max_len
-        self.length = 0
-        self.rope_delta = torch.zeros(batch, 1, dtype=torch.long, device=device)
-        self.key_mask = None
-
-    @property
-    def k(self):
-        return torch.stack(self.ks)  # (n_layers, B, Hk, max_len, hd)
-
-    @property
-    def v(self):
-        return torch.stack(self.vs)
-
-    def layer(self, i):
-        return self.ks[i], self.vs[i]
-
-    def buffers(self):
-        return self.ks + self.vs
-
-
 # ---- trajectory head ----
 
 
 class TrajHead(nn.Module):
-    """Waypoints (x, y) in metres, ego frame, from the final hidden state of <traj_future_start>: the toy's cheap,
-    parallel trajectory step, conditioned on prompt + CoC through the cache (Alpamayo-R1's flow-matching action
-    expert is expert.py; the paper accelerates the reasoning step). It keeps AARL's action reward meaningful."""
+    """Waypoints (x, y) in metres, ego frame: the toy's cheap parallel trajectory step after the CoC (Alpamayo-R1's
+    flow-matching action expert is expert.py), which keeps AARL's action reward meaningful."""
 
     def __init__(self, dim, traj_len):
         super().__init__()
@@ -322,11 +284,10 @@ class TrajHead(nn.Module):
 
 
 class VLA(nn.Module):
-    """Vision tower + decoder + LM head + trajectory head. With cfg.shared_width set it is a draft: no vision tower,
-    and `embed_tokens` / `lm_head` are the target's modules held as plain attributes, so draft.parameters() and
-    draft.state_dict() contain only the draft's own weights. A draft with cfg.draft_vocab = K > 0 also holds
-    `vocab_ids` (K,), a persistent buffer: the target token ids its head covers (`head`). A model loaded from an
-    Alpamayo folder also holds `expert` (expert.ActionExpert) and no TrajHead."""
+    """Vision tower + decoder + LM head + trajectory head. A draft (cfg.shared_width set) has no tower and holds the
+    target's `embed_tokens` / `lm_head` as plain attributes, so its parameters() / state_dict() are its own weights;
+    with cfg.draft_vocab = K it holds `vocab_ids` (K,), the target ids its head covers. From an Alpamayo folder it
+    also holds `expert` (expert.ActionExpert) and no TrajHead."""
 
     def __init__(self, cfg: ModelConfig, shared: "VLA | None" = None):
         super().__init__()
@@ -395,7 +356,6 @@ class VLA(nn.Module):
     # ---- the reduced-vocabulary head (drafts with cfg.draft_vocab = K) ----
 
     def set_vocab(self, ids):
-        """Make this reduced-head draft cover the target token ids `ids` (K distinct ids)."""
         if not self.cfg.draft_vocab:
             raise ValueError("set_vocab: this model has the full head (draft_vocab 0); build the draft with "
                              "make_draft(target, vocab_ids=...)")
@@ -405,10 +365,9 @@ class VLA(nn.Module):
             self.vocab_ids.copy_(ids)  # in place: the version bump tells head_rows to gather again
 
     def head_rows(self):
-        """The target head's rows at vocab_ids, (K, D_out), gathered once and kept: W[ids] on every step would read
-        K rows, write a copy and read it again, where the point of the reduced head is a step that reads K rows (at
-        real shape K x 4096 instead of 151,936 x 4096). Gathered again when the target's head is moved, cast,
-        replaced or written in place (tensor, dtype, device and version counter are the key) or the ids change."""
+        """The target head's rows at vocab_ids (K, D_out), kept: W[ids] per step would read, write and re-read K rows,
+        where the point is a step that reads K rows (K x 4096, not 151,936 x 4096). Gathered again when the head is
+        moved, cast, replaced or written in place (tensor, dtype, device, version are the key) or the ids change."""
         W = self.lm_head.weight  # (V, D_out), the target's
         version = lambda t: -1 if t.is_inference() else t._version  # noqa: E731  inference tensors keep none
         key = (W.data_ptr(), W.dtype, W.device, version(W), self.vocab_ids.data_ptr(), version(self.vocab_ids))
@@ -419,15 +378,14 @@ class VLA(nn.Module):
         return self._rows
 
     def head(self, h):
-        """Logits (..., V) from final hidden states h (..., D_out); a reduced-head draft's K logits at vocab_ids and
-        -inf at every other id, so speculative decoding needs no change and stays lossless (speculate.py)."""
+        """Logits (..., V) from h (..., D_out); a reduced head's -inf off vocab_ids keeps speculate.py lossless."""
         if not self.cfg.draft_vocab:
             return self.lm_head(h)
         W = self.lm_head.weight
         if torch.is_grad_enabled() and W.requires_grad:
             w = W[self.vocab_ids]  # the slow, obvious path: a fresh gather per call, so gradients reach the head
         elif torch.compiler.is_compiling():
-            w = self._rows  # gathered by StaticDecoder before each compiled step (head_rows' checks do not trace)
+            w = self._rows  # gathered by static.StaticDecoder before each compiled step (head_rows' checks do not trace)
         else:
             w = self.head_rows()  # the kept copy: the target's head is frozen here
         small = F.linear(h, w)  # (..., D_out) x (K, D_out)^T -> (..., K)
@@ -441,31 +399,17 @@ class VLA(nn.Module):
 
     def embed(self, input_ids, pixel_values=None, image_grid_thw=None, pixel_values_videos=None, video_grid_thw=None,
               return_deepstack=False):
-        """Token embeddings (B, L, D) with vision features scattered into the placeholder slots (row-major over the
-        batch, images / videos in grid order, as in transformers). return_deepstack: also the DeepStack features
-        forward(deepstack=...) adds after the first decoder layers, a list of (slots (B, L) bool, [(n_vis, D) per
-        level]), one entry per modality with pixels; empty without DeepStack (Qwen2.5-VL, the toy)."""
+        """Token embeddings (B, L, D), vision features scattered into the placeholder slots (row-major over the batch,
+        grid order, as in transformers). return_deepstack: also forward's `deepstack`, a list of (slots (B, L) bool,
+        [(n_vis, D) per level]) per modality with pixels; empty without DeepStack (Qwen2.5-VL, the toy)."""
         x = self.embed_tokens(input_ids)  # (B, L, D)
-        m2 = self.cfg.spatial_merge_size ** 2
         deepstack = []
         for pv, grid, tok, name in ((pixel_values, image_grid_thw, self.cfg.image_token_id, "image"),
                                     (pixel_values_videos, video_grid_thw, self.cfg.video_token_id, "video")):
             if pv is None:
                 continue
-            if self.visual is None:
-                raise ValueError(f"{name} pixels given but this model has no vision tower "
-                                 "(a draft reads inputs_embeds=target.embed(...))")
-            if grid is None:
-                raise ValueError(f"{name} pixels given without {name}_grid_thw")
-            n_patch = int(grid.prod(-1).sum())
-            if pv.shape[0] != n_patch:
-                raise ValueError(f"{name} pixel values have {pv.shape[0]} patches but {name}_grid_thw "
-                                 f"{grid.tolist()} describes {n_patch}")
             slots = input_ids == tok  # (B, L)
-            n_tok = int(slots.sum())
-            if n_tok != n_patch // m2:
-                raise ValueError(f"{n_tok} {name} tokens (id {tok}) in input_ids but {name}_grid_thw "
-                                 f"{grid.tolist()} gives {n_patch // m2} merged tokens")
+            check_vision_input(self, name, pv, grid, slots, tok)
             out = self.visual(pv, grid)  # Qwen3-VL's tower also returns its DeepStack features
             feats, levels = out if isinstance(out, tuple) else (out, [])
             x = x.masked_scatter(slots[..., None], feats.to(x.dtype))  # (n_tok, D) into the slots
@@ -483,8 +427,8 @@ class VLA(nn.Module):
             if self.cfg.rope_mode == "mrope" and input_ids is not None:
                 c = self.cfg
                 if c.video_frame_blocks and video_grid_thw is not None:
-                    # Qwen3-VL: a video of t temporal patches is t blocks of one frame each, with a
-                    # timestamp in text between them, so each starts at the next free id (t id = start)
+                    # Qwen3-VL: t temporal patches are t one-frame blocks (timestamps in text between), each at the
+                    # next free id (t id = start)
                     video_grid_thw = video_grid_thw.repeat_interleave(video_grid_thw[:, 0], 0)  # (sum t, 3)
                     video_grid_thw = torch.cat([torch.ones_like(video_grid_thw[:, :1]), video_grid_thw[:, 1:]], 1)
                 position_ids, delta = get_rope_index(
@@ -502,25 +446,20 @@ class VLA(nn.Module):
             cache.rope_delta = delta.to(cache.rope_delta.device)
         return mrope_cos_sin(position_ids, self.inv_freq, self.cfg.mrope_section, self.cfg.mrope_interleaved)
 
-
     def forward(self, input_ids=None, pixel_values=None, image_grid_thw=None, pixel_values_videos=None,
                 video_grid_thw=None, second_per_grid_ts=None, attention_mask=None, cache=None, inputs_embeds=None,
                 position_ids=None, return_hidden=False, logits_to_keep=0, deepstack=None):
-        """Logits (B, T, V), or (logits, hidden (B, T, D_out)) with return_hidden. Positions: at a prefill (no cache or
-        an empty one) from get_rope_index ("mrope") or flat_position_ids ("flat"), the cache keeping rope_delta; over
-        a non-empty cache cache.length + arange(T) + rope_delta on all axes, causal over the cached prefix for T > 1
-        (the verify step). attention_mask (B, L) is read at prefill only (the cache remembers the padding).
-        logits_to_keep > 0: logits of the last that many positions only. DeepStack (Qwen3-VL): layer i's output gets
-        the tower's level-i features at the visual slots, at prefill, from pixels or passed as `deepstack` (embed(...,
-        return_deepstack=True)) with inputs_embeds."""
+        """Logits (B, T, V) (and hidden (B, T, D_out)). Positions: at a prefill from get_rope_index ("mrope") or
+        flat_position_ids ("flat"), the cache keeping rope_delta; over a non-empty cache length + arange(T) + rope_delta
+        on all axes, causal over the prefix for T > 1 (the verify step). attention_mask is read at prefill only (the
+        cache remembers the padding). DeepStack (Qwen3-VL), at prefill: layer i's output gets the tower's level-i
+        features at the visual slots (from pixels, or `deepstack` from embed beside inputs_embeds)."""
         if inputs_embeds is None:
             inputs_embeds, deepstack = self.embed(input_ids, pixel_values, image_grid_thw, pixel_values_videos,
                                                   video_grid_thw, return_deepstack=True)
-        x = inputs_embeds
-        B, T, _ = x.shape
+        x = inputs_embeds  # (B, T, D)
+        T = x.shape[1]
         past = cache.length if cache is not None else 0
-        if cache is not None and past + T > cache.max_len:
-            raise ValueError(f"KV cache overflow: {past} + {T} tokens > max_len {cache.max_len}")
         if past + T > self.cfg.max_seq_len:  # beyond the positions the model was built (and trained) for
             raise ValueError(f"sequence of {past + T} tokens is longer than the model's max_seq_len "
                              f"{self.cfg.max_seq_len}")
@@ -532,15 +471,10 @@ class VLA(nn.Module):
         if past == 0:  # prefill: causal, or causal & real keys under padding (the diagonal keeps padded rows finite)
             valid = None if attention_mask is None or bool(attention_mask.all()) else attention_mask.bool()
             if valid is not None:
-                ar = torch.arange(T, device=x.device)
-                mask = ((ar[None, :] <= ar[:, None]) & valid[:, None, :]) | torch.eye(T, dtype=torch.bool,
-                                                                                    device=x.device)
-                mask = mask[:, None]  # (B, 1, T, T)
-            if cache is not None:
-                cache.key_mask = None
-                if valid is not None:
-                    cache.key_mask = torch.ones(B, cache.max_len, dtype=torch.bool, device=x.device)
-                    cache.key_mask[:, :T] = valid
+                causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()  # (T, T)
+                mask = ((causal & valid[:, None, :]) | torch.eye(T, dtype=torch.bool, device=x.device))[:, None]
+            if cache is not None:  # (B, max_len): the real keys, for every later step
+                cache.key_mask = None if valid is None else F.pad(valid, (0, cache.max_len - T), value=True)
         else:
             if T > 1 and cache.key_mask is None and lower_right_verify(x.device):
                 # the mask below (new token i sees keys <= past + i) as a bias: causal aligned to the lower right
@@ -558,14 +492,10 @@ class VLA(nn.Module):
         return (logits, h) if return_hidden else logits
 
     def step(self, input_ids, input_pos, cache, positions=None, mask=None):
-        """A cached decode step at fixed shapes: logits (B, T, V) of T new tokens input_ids (B, T) whose keys / values
-        go to cache slots input_pos (T,), a tensor (the cache's length is not read, so a compiled step never
-        recompiles as it grows; advancing `cache.length` is the caller's). Keys are the whole buffer (S_max).
-
-        Defaults, the chain's steps: token i sits at position input_pos[i] and sees slots <= input_pos[i]. A draft tree
-        (tree.draft_tree / tree_round) passes positions (T,), committed length + the token's depth, and mask (T, S_max)
-        bool, the committed slots plus the token's own ancestors. Rotary positions are positions + rope_delta, as in
-        forward. No padding, no DeepStack. forward is the path it is tested against (tests/test_model.py)."""
+        """A cached step at fixed shapes: keys / values of input_ids (B, T) go to slots input_pos (T,), queries read
+        the whole buffer (S_max); cache.length is neither read (a compiled step never recompiles as it grows) nor
+        advanced. Default: token i at position input_pos[i] sees slots <= input_pos[i]; a draft tree passes positions
+        (T,), length + depth, and mask (T, S_max), committed slots + ancestors. No padding, no DeepStack."""
         if positions is None:
             positions = input_pos
         if mask is None:
@@ -597,32 +527,13 @@ class VLA(nn.Module):
 # ---- draft (routine reasoner) ----
 
 
-def check_vocab_ids(ids, vocab_size, k=None):
-    """The ids of a reduced draft head: a 1-D tensor of 1..V distinct token ids of the vocabulary (k of them when
-    given), else a ValueError naming what is wrong."""
-    if ids.dim() != 1 or ids.dtype != torch.long:
-        raise ValueError(f"vocab_ids must be a 1-D tensor of token ids (long), got shape {tuple(ids.shape)} "
-                         f"dtype {ids.dtype}")
-    if not 1 <= len(ids) <= vocab_size:
-        raise ValueError(f"a reduced draft head covers 1..{vocab_size} token ids (the vocabulary), got {len(ids)}")
-    if k is not None and len(ids) != k:
-        raise ValueError(f"{len(ids)} vocab_ids for a head of draft_vocab {k}")
-    lo, hi = int(ids.min()), int(ids.max())
-    if lo < 0 or hi >= vocab_size:
-        raise ValueError(f"vocab_ids hold token id {lo if lo < 0 else hi}, outside the vocabulary 0..{vocab_size - 1}")
-    if len(ids.unique()) != len(ids):
-        raise ValueError(f"vocab_ids repeat token ids ({len(ids) - len(ids.unique())} duplicates)")
-
-
 def make_draft(target: VLA, n_layers=1, hidden_size=None, rope_mode="flat", n_heads=None, n_kv_heads=None,
                intermediate_size=None, rope_theta=None, vocab_ids=None) -> VLA:
-    """The routine reasoner: a small text-only decoder on FlatRoPE positions (rope_mode "mrope" gives the baseline
-    replica draft) that shares the target's token embedding and LM head (the same module objects) and reads the
-    target's prompt embeddings, image features included, via draft(input_ids, inputs_embeds=target.embed(...),
-    <grids>, cache=...): no second vision encoder. draft.parameters() are exactly its own weights, so an optimizer
-    over them never updates the target (gradients still reach the shared modules unless the caller freezes them).
-    A narrower draft keeps the target's head_dim (M-RoPE sections stay valid) with hidden_size // head_dim heads and
-    linear in/out projections. vocab_ids: K target token ids (train.select_draft_vocab) for a reduced head."""
+    """The routine reasoner: a small text-only decoder on FlatRoPE positions ("mrope": the baseline replica draft)
+    sharing the target's embedding and LM head (the same modules) and reading the target's prompt embeddings, image
+    features included (inputs_embeds=target.embed(...)): no second vision encoder. An optimizer over its parameters()
+    never updates the target (gradients still reach the shared modules unless frozen). A narrower draft keeps
+    head_dim (M-RoPE sections stay valid) with in/out projections. vocab_ids: K target ids for a reduced head."""
     t = target.cfg
     D = hidden_size or t.hidden_size
     H = n_heads or (t.n_heads if D == t.hidden_size else D // t.head_dim)
@@ -648,78 +559,37 @@ def make_draft(target: VLA, n_layers=1, hidden_size=None, rope_mode="flat", n_he
         draft.set_vocab(vocab_ids)
     return draft.to(device=w.device, dtype=w.dtype)
 
-# ---- static-shape decoding (torch.compile, CUDA graphs) ----
+
+# ---- checks ----
 
 
-class StaticDecoder:
-    """A model whose cached steps run at fixed shapes over one persistent cache, eager or compiled: gpt-fast's recipe
-    (a static cache written at `input_pos`, steps compiled with mode "reduce-overhead", fullgraph) behind the model's
-    own calling convention, so speculate.py runs it unchanged. `new_cache` returns the persistent cache, emptied (its
-    buffers never move: a CUDA graph replays fixed addresses); a cached step `decoder(x (1, T), cache=cache)` is
-    VLA.step at input_pos = length + arange(T), one compiled graph per T, rollback an integer (`crop`); everything
-    else (the prefill, a call with logits_to_keep) is the model's eager forward.
+def check_vision_input(model, name, pv, grid, slots, tok):
+    """Pixels, grid and placeholders that disagree would scatter features into the wrong slots, or fail obscurely."""
+    if model.visual is None:
+        raise ValueError(f"{name} pixels given but this model has no vision tower "
+                         "(a draft reads inputs_embeds=target.embed(...))")
+    if grid is None:
+        raise ValueError(f"{name} pixels given without {name}_grid_thw")
+    n_patch, n_tok, m2 = int(grid.prod(-1).sum()), int(slots.sum()), model.cfg.spatial_merge_size ** 2
+    if pv.shape[0] != n_patch:
+        raise ValueError(f"{name} pixel values have {pv.shape[0]} patches but {name}_grid_thw {grid.tolist()} "
+                         f"describes {n_patch}")
+    if n_tok != n_patch // m2:
+        raise ValueError(f"{n_tok} {name} tokens (id {tok}) in input_ids but {name}_grid_thw {grid.tolist()} gives "
+                         f"{n_patch // m2} merged tokens")
 
-    compile: True compiles VLA.step, with inductor on a CPU (weights frozen into the graph) and CUDA graphs on CUDA;
-    the first call of each shape compiles: warm every shape up before timing (bench.py does). step_lengths (e.g.
-    (1, 2, gamma + 1)): a step of T tokens runs padded to the shortest of them >= T, so a short last round reuses a
-    graph; the padding's keys land after the new length, in slots every later step overwrites before any query
-    reaches them, so max_len needs max(step_lengths) - 1 of slack."""
 
-    def __init__(self, model: VLA, max_len: int, compile: bool = False, step_lengths=None):
-        if max_len > model.cfg.max_seq_len:
-            raise ValueError(f"static cache of {max_len} positions is longer than the model's max_seq_len "
-                             f"{model.cfg.max_seq_len}")
-        self.model, self.compiled = model, compile
-        self.step_lengths = sorted(step_lengths) if step_lengths else None
-        w = model.layers[0].self_attn.qkv.weight
-        self.cache = StaticCache(model.cfg.n_layers, 1, model.cfg.n_kv_heads, max_len, model.cfg.head_dim, w.dtype,
-                                 w.device)
-        cuda = w.device.type == "cuda"
-        self.copy_out = compile and cuda  # a CUDA graph's next replay overwrites its outputs; speculate keeps logits
-        self._step = model.step
-        if compile:
-            # the target and the draft share VLA.step's code object, whose default limit of 8 compiled variants
-            # would send the rest back to eager without a word
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-            if cuda:  # the buffers are graph inputs at fixed addresses, written in place (as HF's StaticCache)
-                for buf in self.cache.ks + self.cache.vs:
-                    torch._dynamo.mark_static_address(buf)
-                self._step = torch.compile(model.step, mode="reduce-overhead", fullgraph=True, dynamic=False)
-            else:  # freezing: the weights become graph constants (stale if they change: decode only, no training)
-                self._step = torch.compile(model.step, fullgraph=True, dynamic=False, options={"freezing": True})
-
-    def __getattr__(self, name):  # cfg, embed, visual, expert, ...: the model's
-        return getattr(self.model, name)
-
-    def new_cache(self, batch=1, max_len=None, dtype=None, device=None) -> KVCache:
-        c = self.cache
-        if batch != 1:
-            raise ValueError(f"StaticDecoder decodes batch size 1, got batch {batch}")
-        if max_len is not None and max_len > c.max_len:
-            raise ValueError(f"a decode needs a cache of {max_len} positions, the static cache holds {c.max_len}: "
-                             f"build the StaticDecoder with a larger max_len")
-        k0 = c.ks[0]
-        if dtype not in (None, k0.dtype) or (device is not None and torch.device(device) != k0.device):
-            raise ValueError(f"the static cache is {k0.dtype} on {k0.device}, asked for {dtype} on {device}")
-        c.length, c.key_mask = 0, None
-        return c
-
-    def __call__(self, input_ids=None, cache=None, **kwargs):
-        if cache is None or cache.length == 0 or kwargs:
-            return self.model(input_ids, cache=cache, **kwargs)
-        if cache is not self.cache or cache.key_mask is not None:
-            raise ValueError("StaticDecoder steps only its own cache (from its new_cache), of an unpadded prompt")
-        T = n = input_ids.shape[1]
-        if self.step_lengths is not None:
-            n = next((s for s in self.step_lengths if s >= T), None)
-            if n is None:
-                raise ValueError(f"a step of {T} tokens is longer than the longest step length {self.step_lengths}")
-            input_ids = torch.cat([input_ids, input_ids[:, -1:].expand(-1, n - T)], 1)  # (1, n): any ids will do
-        if cache.length + n > cache.max_len:
-            raise ValueError(f"KV cache overflow: {cache.length} + {n} tokens > max_len {cache.max_len}")
-        if self.compiled and self.model.cfg.draft_vocab:
-            self.model.head_rows()  # a reduced head's kept rows, checked (and gathered if stale) outside the graph
-        input_pos = torch.arange(cache.length, cache.length + n, device=input_ids.device)  # (n,)
-        logits = self._step(input_ids, input_pos, cache)[:, :T]  # (1, T, V): the padding's logits dropped
-        cache.length += T
-        return logits.clone() if self.copy_out else logits
+def check_vocab_ids(ids, vocab_size, k=None):
+    """A reduced head's ids: 1..V distinct token ids (k when given); out-of-range ids would index garbage rows."""
+    if ids.dim() != 1 or ids.dtype != torch.long:
+        raise ValueError(f"vocab_ids must be a 1-D tensor of token ids (long), got shape {tuple(ids.shape)} "
+                         f"dtype {ids.dtype}")
+    if not 1 <= len(ids) <= vocab_size:
+        raise ValueError(f"a reduced draft head covers 1..{vocab_size} token ids (the vocabulary), got {len(ids)}")
+    if k is not None and len(ids) != k:
+        raise ValueError(f"{len(ids)} vocab_ids for a head of draft_vocab {k}")
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or hi >= vocab_size:
+        raise ValueError(f"vocab_ids hold token id {lo if lo < 0 else hi}, outside the vocabulary 0..{vocab_size - 1}")
+    if len(ids.unique()) != len(ids):
+        raise ValueError(f"vocab_ids repeat token ids ({len(ids) - len(ids.unique())} duplicates)")

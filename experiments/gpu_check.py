@@ -47,6 +47,7 @@ import checkpoint  # noqa: E402
 import evaluate  # noqa: E402
 import model as M  # noqa: E402
 import speculate  # noqa: E402
+import static  # noqa: E402
 from timing import Clock, measured_speedup, median_time, tree_speedup, tree_step_times  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -240,7 +241,7 @@ def compiled_costs(run, layers):
     prompt = run.prompt(target)
     L = prompt["input_ids"].shape[1]
     lengths = (1, 2, g + 1)
-    ct, cd = (M.StaticDecoder(m, L + g + 1 + g, compile=True, step_lengths=lengths) for m in (target, draft))
+    ct, cd = (static.StaticDecoder(m, L + g + 1 + g, compile=True, step_lengths=lengths) for m in (target, draft))
     watch = bench.CompileWatch({"target": ct, "draft": cd})
     embeds, deepstack = speculate.embed_prompt(target, prompt)
     x = prompt["input_ids"][:, -1:]
@@ -271,7 +272,7 @@ def compiled_costs(run, layers):
 def compiled_stage(run):
     """(d) The compiled cost model at a few depths, and the compile time per added layer."""
     depths = [k for k in run.args.compiled_layers if k <= run.depth()]
-    out = {"what": "torch.compile'd model.StaticDecoder steps (mode reduce-overhead on CUDA: CUDA graphs; inductor "
+    out = {"what": "torch.compile'd static.StaticDecoder steps (mode reduce-overhead on CUDA: CUDA graphs; inductor "
                    "with freezing on a CPU), step lengths 1, 2, gamma + 1; compile_s: the first three calls of each "
                    "shape; timings as in c_eager", "depths": {}}
     for i, k in enumerate(depths):

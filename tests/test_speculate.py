@@ -21,6 +21,7 @@ import torch
 
 import model
 import speculate
+import static
 import timing
 from speculate import (autoregressive, expected_speedup, expected_tau, process_logits, speculative, tau_ceiling,
                        verify_greedy, verify_sample)
@@ -764,11 +765,11 @@ def test_timing_does_not_change_the_output():
     assert base.tokens == autoregressive(target, prompt, 12).tokens and base.decode_s > 0
 
 
-# ---- static-shape decoding (model.StaticDecoder): eager, and compiled (slow) ----
+# ---- static-shape decoding (static.StaticDecoder): eager, and compiled (slow) ----
 
 
 def static_pair(target, draft, compile=False, max_len=64):
-    return model.StaticDecoder(target, max_len, compile), model.StaticDecoder(draft, max_len, compile)
+    return static.StaticDecoder(target, max_len, compile), static.StaticDecoder(draft, max_len, compile)
 
 
 def test_vla_static_decoding_greedy_equals_target():
@@ -795,7 +796,7 @@ def test_vla_static_decoding_errors():
     with pytest.raises(ValueError, match="static cache holds 32"):
         speculative(st, sd, prompt, 4, 24)  # needs 26 + 24 positions
     with pytest.raises(ValueError, match="max_seq_len"):
-        model.StaticDecoder(target, target.cfg.max_seq_len + 1)
+        static.StaticDecoder(target, target.cfg.max_seq_len + 1)
     with pytest.raises(ValueError, match="batch size 1"):
         st.new_cache(batch=2)
 
@@ -834,7 +835,7 @@ def test_vla_static_decoding_with_padded_steps():
 
     for pname, prompt in vla_prompts().items():
         ref = autoregressive(target, prompt, 13)
-        st, sd = (model.StaticDecoder(m, 64, step_lengths=(1, 2, 5)) for m in (target, draft))
+        st, sd = (static.StaticDecoder(m, 64, step_lengths=(1, 2, 5)) for m in (target, draft))
         for dec in (st, sd):
             dec._step = lambda ids, pos, cache, step=dec._step: run.append(ids.shape[1]) or step(ids, pos, cache)
         assert speculative(Asked(st), Asked(sd), prompt, 4, 13).tokens == ref.tokens, pname
@@ -851,7 +852,7 @@ def test_vla_compiled_decoding_on_cuda_equals_target():
     target = tiny_target().cuda()
     draft = drafts_for(target)["perturbed"]
     lengths = (1, 2, 4)
-    ct, cd = (model.StaticDecoder(m, 64, compile=True, step_lengths=lengths) for m in (target, draft))
+    ct, cd = (static.StaticDecoder(m, 64, compile=True, step_lengths=lengths) for m in (target, draft))
     watch = bench.CompileWatch({"target": ct, "draft": cd})
     try:
         for _ in range(2):

@@ -16,6 +16,7 @@ import torch
 
 import model
 import speculate
+import static
 import tree as trees
 from speculate import autoregressive, speculative
 from test_speculate import (SIGNIFICANCE, assert_cache_matches_prefill, chi_square, drafts_for, joint_first3,
@@ -266,13 +267,13 @@ def test_speculative_tree_distribution(monkeypatch):
 
 
 def test_tree_on_static_caches_equals_target():
-    """Tree rounds on model.StaticDecoder's per-layer static caches (eager; StaticCache.move) emit target-only
+    """Tree rounds on static.StaticDecoder's per-layer static caches (eager; StaticCache.move) emit target-only
     greedy tokens, as on the growing KVCache."""
     target = tiny_target()
     prompt = vla_prompts()["image+video"]
     ref = autoregressive(target, prompt, 20).tokens
     for draft in drafts_for(target).values():
-        st, sd = (model.StaticDecoder(m, 160) for m in (target, draft))
+        st, sd = (static.StaticDecoder(m, 160) for m in (target, draft))
         assert speculative(st, sd, prompt, TreeShape(12, 4, 3), 20).tokens == ref
 
 
@@ -281,7 +282,7 @@ def test_kv_cache_move_matches_on_both_layouts():
     slots, sources read before any is overwritten."""
     g = torch.Generator().manual_seed(0)
     a = model.KVCache(3, 1, 2, 10, 4)
-    b = model.StaticCache(3, 1, 2, 10, 4)
+    b = static.StaticCache(3, 1, 2, 10, 4)
     a.k.normal_(generator=g), a.v.normal_(generator=g)
     for i in range(3):
         b.ks[i].copy_(a.k[i]), b.vs[i].copy_(a.v[i])
