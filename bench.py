@@ -77,7 +77,8 @@ import static
 from checkpoint import DTYPES
 from evaluate import TARGET_ONLY
 from expert import config_field, speed_from_history
-from timing import Clock, measured_speedup, median_time, step_times, tree_speedup, tree_step_times
+from timing import (Clock, expected_speedup, expected_tau, measured_speedup, median_time, step_times, tree_speedup,
+                    tree_step_times)
 from tree import TreeShape
 
 TOY_DRAFT = ("aarl", 0)  # the toy mode's default draft: FlatRoPE + AARL (static anchor), seed 0
@@ -227,7 +228,7 @@ def benchmark(target, draft, prompts, gamma, max_new, stop_token=None, repeats=3
     res.update(cost_model(target, draft, prompts[0], gamma, timed["tau"]))
     res["c"] = res["t_draft_1"] / res["t_target_1"]
     if not isinstance(gamma, TreeShape):  # Leviathan's closed form is the chain's
-        res["leviathan_speedup"] = speculate.expected_speedup(timed["alpha"], gamma, res["c"])
+        res["leviathan_speedup"] = expected_speedup(timed["alpha"], gamma, res["c"])
     if compile:
         ar_c, spec_c = timing[COMPILED[0]], timing[COMPILED[1]]
         comp.update(ar_prefill_ms=ar_c["prefill_ms"], spec_prefill_ms=spec_c["prefill_ms"],
@@ -765,7 +766,7 @@ def real(args, device, dtype, decoding):
         else:
             res["toy_alpha"] = toy["alpha"]
             res["predicted_speedup_at_toy_alpha"] = measured_speedup(
-                speculate.expected_tau(toy["alpha"], args.gamma), res["t_target_1"], res["t_draft_1"],
+                expected_tau(toy["alpha"], args.gamma), res["t_target_1"], res["t_draft_1"],
                 res["t_target_gamma1"], args.gamma)
     return res
 

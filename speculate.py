@@ -13,18 +13,15 @@ prompt's last token (<cot_start>) is held back from the prefill and plays x_last
 emitted token comes out of a verification round: tau = tokens / rounds exactly. A reduced-vocabulary draft
 (model.VLA.head) needs nothing here: q is 0 outside its set, and the residual max(0, p - q) covers those tokens.
 
-run: python speculate.py --device cpu
+run: python -m pytest -q tests/test_speculate.py        (demo: python experiments/speculate_demo.py --device cpu)
 """
-import argparse
 import contextlib
-import copy
 import math
 import time
 from dataclasses import dataclass, field
 
 import torch
 
-from model import PRESETS, VLA
 
 # ---- processed distributions ----
 
@@ -67,20 +64,17 @@ def sample(probs, generator):
 
 
 def verify_greedy(draft_tokens, target_logits):
-    """Greedy verification. draft_tokens (..., gamma), target_logits (..., gamma+1, V) -> (n_accepted, next_token),
-    integer tensors (...): d_1..d_n equal the target's argmaxes t_0..t_{n-1}, next_token is t_n (the correction, or
-    the bonus when n == gamma). Tensors, not ints: the decode loop syncs with the device once per round."""
+    """draft_tokens (..., gamma), target_logits (..., gamma+1, V) -> (n_accepted, next_token) (...): d_1..d_n equal
+    the argmaxes t_0..t_{n-1}, next is t_n (correction or bonus). Tensors: the loop syncs once per round."""
     t = target_logits.argmax(-1)  # (..., gamma+1)
     n = (draft_tokens == t[..., :-1]).long().cumprod(-1).sum(-1)  # (...) length of the agreeing prefix
     return n, t.gather(-1, n.unsqueeze(-1)).squeeze(-1)
 
 
 def verify_sample(draft_tokens, q, p, generator=None):
-    """Sampling verification (Leviathan et al. 2023, Algorithm 1). draft_tokens (..., gamma) were sampled from q
-    (..., gamma, V); p (..., gamma+1, V) is the target's processed distribution at the same positions plus one. d_i
-    is accepted with probability min(1, p_i(d_i) / q_i(d_i)), a fresh uniform per position; at the first rejection
-    the next token is drawn from normalise(max(0, p_i - q_i)), after gamma acceptances the bonus from p_gamma.
-    Returns (n_accepted, next_token) of shape (...)."""
+    """Leviathan et al. 2023, Algorithm 1: draft_tokens (..., gamma) sampled from q (..., gamma, V); p (..., gamma+1,
+    V). d_i is accepted with probability min(1, p_i(d_i) / q_i(d_i)); at the first rejection the next token is drawn
+    from normalise(max(0, p_i - q_i)), after gamma acceptances the bonus from p_gamma. -> (n_accepted, next) (...)."""
     idx = draft_tokens.unsqueeze(-1)  # (..., gamma, 1)
     p_d = p[..., :-1, :].gather(-1, idx).squeeze(-1)  # (..., gamma)
     q_d = q.gather(-1, idx).squeeze(-1)  # (..., gamma)
@@ -98,7 +92,7 @@ def verify_sample(draft_tokens, q, p, generator=None):
     return n, candidates.gather(-1, n.unsqueeze(-1)).squeeze(-1)
 
 
-# ---- statistics and cost model ----
+# ---- statistics ----
 
 
 @dataclass
@@ -119,19 +113,17 @@ class SpecResult:
     decode_s: float = 0.0  # wall time of the reasoning step after the prefill (timing=True only)
 
     @property
-    def tau(self):
-        """Tokens per target verification forward, bonus included (plain decoding: 1.0)."""
+    def tau(self):  # tokens per target verification forward, bonus included (plain decoding: 1.0)
         return len(self.tokens) / max(self.rounds, 1)
 
     @property
     def alpha(self):
-        """Acceptance rate of the draft tokens the verifier reached (Leviathan's alpha, as expected_speedup takes it):
+        """Acceptance rate of the draft tokens the verifier reached (Leviathan's alpha, timing.expected_speedup's):
         tokens behind a rejection were never tested, so n_accepted / n_drafted would understate alpha."""
         return self.n_accepted / max(self.n_tested, 1)
 
     @property
-    def acceptance_rate(self):
-        """Share of all proposed draft tokens that were accepted."""
+    def acceptance_rate(self):  # share of all proposed draft tokens that were accepted
         return self.n_accepted / max(self.n_drafted, 1)
 
     def alpha_by_depth(self):
@@ -150,22 +142,9 @@ class SpecResult:
                     from_draft=sum(self.from_draft) / max(len(self.from_draft), 1))
 
 
-def expected_tau(alpha, gamma):
-    """Expected tokens per round for an i.i.d. acceptance rate alpha: (1 - a^(g+1)) / (1 - a)."""
-    if alpha >= 1.0:
-        return gamma + 1.0
-    return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
-
-
-def expected_speedup(alpha, gamma, c):
-    """Leviathan et al. Theorem 3.8: (1 - a^(g+1)) / ((1 - a)(g c + 1)), c = draft step / target step."""
-    return expected_tau(alpha, gamma) / (gamma * c + 1.0)
-
-
 def tau_ceiling(lengths, gamma):
-    """tau of a draft (gamma: the chain's length or a TreeShape) the verifier never rejects, over sequences of these
-    lengths: a round yields at most gamma + 1 tokens, so n tokens take ceil(n / (gamma + 1)) rounds. Short outputs cap
-    tau well below gamma + 1, whatever the draft (a 17-token CoC at gamma 6: 17 / 3)."""
+    """tau of a never-rejected draft (gamma, or a TreeShape) over outputs of these lengths: n tokens take at least
+    ceil(n / (gamma + 1)) rounds, so short outputs cap tau whatever the draft (a 17-token CoC at gamma 6: 17 / 3)."""
     g = getattr(gamma, "depth", gamma)  # a tree emits at most depth + 1 per round
     return sum(lengths) / sum(math.ceil(n / (g + 1)) for n in lengths)
 
@@ -174,31 +153,27 @@ def tau_ceiling(lengths, gamma):
 
 
 def new_cache(model, prompt, max_new_tokens, max_len, slack=0):
-    """A cache that fits the whole decode, checked before any forward: L - 1 + max_new_tokens (the last round drafts
-    only what is still needed), plus `slack` slots (not positions) for a tree round's branches."""
+    """A cache for the whole decode, L - 1 + max_new_tokens (+ `slack` slots for a tree's branches), checked first."""
     need = prompt["input_ids"].shape[1] - 1 + max_new_tokens
     cfg = config_of(model)  # a Hugging Face config's max_position_embeddings, or our ModelConfig.max_seq_len
     limit = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "max_seq_len", None)
+    what = f"prompt ({prompt['input_ids'].shape[1]}) + max_new_tokens ({max_new_tokens}) needs"
     if limit is not None and need > limit:
-        raise ValueError(f"prompt ({prompt['input_ids'].shape[1]}) + max_new_tokens ({max_new_tokens}) "
-                         f"needs {need} positions, the model has {limit}")
+        raise ValueError(f"{what} {need} positions, the model has {limit}")
     if max_len is not None and need + slack > max_len:
-        raise ValueError(f"prompt ({prompt['input_ids'].shape[1]}) + max_new_tokens ({max_new_tokens}) "
-                         f"needs a cache of {need + slack}, max_len is {max_len}")
+        raise ValueError(f"{what} a cache of {need + slack}, max_len is {max_len}")
     return model.new_cache(batch=1, max_len=max_len or need + slack, device=prompt["input_ids"].device)
 
 
 def embed_prompt(target, prompt):
-    """The target's prompt embeddings (1, L, D) and its DeepStack features (Qwen3-VL; [] without).
-    A model whose embed knows no DeepStack returns the embeddings alone."""
+    """The target's prompt embeddings (1, L, D) and DeepStack features (Qwen3-VL; [] without, or from an HF embed)."""
     out = target.embed(**{k: prompt[k] for k in EMBED_KEYS if prompt.get(k) is not None}, return_deepstack=True)
     return out if isinstance(out, tuple) else (out, [])
 
 
 def prefill(model, prompt, embeds, cache, deepstack=None, name="model"):
-    """Feed the prompt except its last token; returns that token (1, 1), the first x_last. embeds (1, L, D) come
-    from target.embed once and serve both models, so the draft sees the target's image features and no second vision
-    tower runs. deepstack: the target's DeepStack features, for the target only. name: how an error names the model."""
+    """Feed the prompt but its last token, returned (1, 1) as the first x_last. embeds (1, L, D), target.embed's, serve
+    both models: the draft sees the target's image features, no second tower runs. deepstack: the target's only."""
     ids = prompt["input_ids"]  # (1, L)
     grids = {k: prompt[k] for k in GRID_KEYS if prompt.get(k) is not None}
     if deepstack:
@@ -220,9 +195,8 @@ def make_generator(device, seed):
 
 
 def spec_round(target, draft, tcache, dcache, pending, gamma, temperature, top_k, top_p, generator, last=None):
-    """One draft-then-verify round. pending (1, k): emitted tokens the draft has not seen; its last one, x_last, is
-    the only one the target has not seen. Returns (n_accepted, drafted tokens (list of gamma ints), next token (int),
-    new pending (1, k')). last: receives the latest logits of "draft" and "target" (the end-of-decode NaN check)."""
+    """One draft-then-verify round. pending (1, k): emitted tokens the draft has not seen, the last (x_last) the only
+    one the target has not. -> (n_accepted, drafted ints, next int, new pending); last: latest logits (NaN guard)."""
     ell = tcache.length  # committed tokens in the target cache, x_last excluded
     x, drafted, qs = pending, [], []
     last = {} if last is None else last
@@ -267,14 +241,9 @@ def now(device, timing):
 @torch.no_grad()
 def speculative(target, draft, prompt, gamma, max_new_tokens, temperature=0.0, top_k=None, top_p=None,
                 seed=None, stop_token=None, max_len=None, timing=False):
-    """Decode up to max_new_tokens with draft q proposing and target p verifying.
-
-    gamma: the chain's draft length (spec_round), or a tree.TreeShape, whose own `round` method runs a tree round
-    (tree.tree_round; this module never imports tree.py, which builds on it).
-    prompt: dict of target.forward kwargs, batch 1 (input_ids (1, L) and optional pixel_values / image_grid_thw /
-    pixel_values_videos / video_grid_thw / second_per_grid_ts). max_len: cache size, default the exact need.
-    timing: fill SpecResult.prefill_s / decode_s. Returns SpecResult.
-    """
+    """Decode up to max_new_tokens with draft q proposing and target p verifying. gamma: the chain's draft length
+    (spec_round), or a tree.TreeShape, whose `round` runs a tree round (tree.py builds on this module, never the
+    reverse). prompt: target.forward kwargs, batch 1 (EMBED_KEYS, GRID_KEYS). max_len: cache size, default the need."""
     check_inputs(target, draft, prompt, max_new_tokens, temperature, top_k, top_p, stop_token, gamma)
     chain = isinstance(gamma, int)
     t_slack, d_slack = (0, 0) if chain else gamma.slack  # a tree's branches sit beyond the committed length
@@ -323,8 +292,7 @@ def speculative(target, draft, prompt, gamma, max_new_tokens, temperature=0.0, t
 @torch.no_grad()
 def autoregressive(target, prompt, max_new_tokens, temperature=0.0, top_k=None, top_p=None,
                    seed=None, stop_token=None, max_len=None, timing=False):
-    """Plain decoding, the baseline arm: the same prefill, KV-cached single-token target forwards and sampling.
-    Returns SpecResult (tau = 1)."""
+    """Plain decoding, the baseline arm: the same prefill, cached one-token target steps and sampling (tau = 1)."""
     check_inputs(target, None, prompt, max_new_tokens, temperature, top_k, top_p, stop_token)
     cache = new_cache(target, prompt, max_new_tokens, max_len)
     generator = make_generator(prompt["input_ids"].device, seed)
@@ -359,8 +327,7 @@ def config_of(model):
 
 
 def check_inputs(target, draft, prompt, max_new_tokens, temperature, top_k, top_p, stop_token, gamma=1):
-    """Clear errors before any work: a bad prompt or setting would otherwise fail deep inside a forward, or not at
-    all (a stop token out of range never stops; a draft of another vocabulary cannot be verified)."""
+    """A bad prompt or setting would fail deep in a forward, or silently (a stop token out of range never stops)."""
     unknown = set(prompt) - set(EMBED_KEYS) - set(GRID_KEYS) - {"attention_mask"}
     if unknown:
         raise ValueError(f"prompt has keys speculate does not understand: {sorted(unknown)}")
@@ -390,8 +357,7 @@ def check_inputs(target, draft, prompt, max_new_tokens, temperature, top_k, top_
         raise ValueError(f"stop_token {stop_token!r} is not a token id of the target's vocabulary 0..{V - 1}")
     Vq = getattr(config_of(draft), "vocab_size", V) if draft is not None else V
     if Vq != V:
-        raise ValueError(f"the draft's vocabulary ({Vq} tokens) is not the target's ({V}): its tokens cannot be "
-                         "verified")
+        raise ValueError(f"the draft's vocabulary ({Vq} tokens) is not the target's ({V}): it cannot be verified")
 
 
 def check_sampling(temperature, top_k, top_p):
@@ -405,8 +371,7 @@ def check_sampling(temperature, top_k, top_p):
 
 
 def check_finite(logits, name, when, model=None):
-    """A NaN / inf logit is an error naming the model: greedy decoding would emit argmax(NaN) tokens silently.
-    A reduced-vocabulary draft's logits are checked at its vocab_ids only (the -inf elsewhere are by construction)."""
+    """Greedy decoding would emit argmax(NaN) silently. A reduced draft head is checked at its vocab_ids only."""
     ids = getattr(model, "vocab_ids", None)
     if not bool(torch.isfinite(logits if ids is None else logits.index_select(-1, ids)).all()):
         raise FloatingPointError(f"{name}: NaN or inf logits {when} (NaN / inf weights, or an overflow in "
@@ -415,57 +380,16 @@ def check_finite(logits, name, when, model=None):
 
 @contextlib.contextmanager
 def nonfinite_named(last, draft=None):
-    """Around a decode that fills last = {name: that model's latest logits}: NaN / inf that enters a KV cache
-    reaches every later row, so the last logits tell, checked once on leaving (after the clock has stopped: no cost
-    inside the timed decode); a sampling error mid-decode (torch.multinomial refuses NaN) names the model too."""
-    models = {"draft": draft}
+    """last = {name: that model's latest logits}: a NaN in a KV cache reaches every later row, so they tell, checked
+    on leaving (no cost inside the timed decode), or at a sampling error mid-decode (multinomial refuses NaN)."""
     try:
         yield
     except RuntimeError as e:
         for name, logits in last.items():
             try:
-                check_finite(logits, name, "during the decode", models.get(name))
+                check_finite(logits, name, "during the decode", draft if name == "draft" else None)
             except FloatingPointError as nan:
                 raise nan from e
         raise
     for name, logits in last.items():
-        check_finite(logits, name, "at the end of the decode", models.get(name))
-
-
-# ---- demo ----
-
-
-def main():
-    ap = argparse.ArgumentParser(description="tau of a small random target with a perturbed-copy draft")
-    ap.add_argument("--device", default="cpu", help="torch device")
-    ap.add_argument("--gamma", type=int, default=4, help="draft length")
-    ap.add_argument("--tokens", type=int, default=64, help="max_new_tokens")
-    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    ap.add_argument("--noise", type=float, default=0.05, help="draft = target + noise * std(w) * N(0, 1) per weight")
-    ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args()
-    from checkpoint import check_device  # the demo's one use of it
-    try:
-        check_device(args.device)
-    except ValueError as e:
-        ap.error(str(e))
-    torch.manual_seed(args.seed)
-    target = VLA(copy.deepcopy(PRESETS["toy-target"])).to(args.device).eval()
-    with torch.no_grad():  # weights of O(1) effect, so the random target has peaked, non-trivial logits
-        for w in (w for w in target.parameters() if w.dim() > 1):
-            w.normal_(0.0, 1.0 / w.shape[-1] ** 0.5)
-        draft = copy.deepcopy(target)
-        for w in draft.parameters():
-            w.add_(args.noise * w.std() * torch.randn_like(w))
-    # text-only prompt; ids above the special tokens (image / video / vision-start)
-    prompt = dict(input_ids=torch.randint(10, target.cfg.vocab_size, (1, 16), device=args.device))
-    base = autoregressive(target, prompt, args.tokens, temperature=args.temperature, seed=args.seed)
-    spec = speculative(target, draft, prompt, args.gamma, args.tokens, temperature=args.temperature, seed=args.seed)
-    print(f"autoregressive: {base.summary()}\nspeculative:    {spec.summary()}")
-    print(f"expected tau at this alpha (Leviathan): {expected_tau(spec.alpha, args.gamma):.2f}")
-    if args.temperature == 0:
-        print(f"greedy outputs identical: {base.tokens == spec.tokens}")
-
-
-if __name__ == "__main__":
-    main()
+        check_finite(logits, name, "at the end of the decode", draft if name == "draft" else None)

@@ -1,5 +1,5 @@
 # ---- step times ----
-"""Step times for the measured cost model (Leviathan et al. Theorem 3.8 with measured T_target, T_draft): the
+"""The cost model (Leviathan et al. Theorem 3.8), expected from alpha or from measured T_target, T_draft: the
 synchronised Clock, medians of single steps, and the speed-ups they predict for a chain or a draft tree."""
 import statistics
 import time
@@ -100,3 +100,14 @@ def measured_speedup(tau, t_target_1, t_draft_1, t_target_gamma1, gamma):
     """tau * T_target(1) / (gamma * T_draft(1) + T_target(gamma+1)), from measured step times."""
     return tau * t_target_1 / (gamma * t_draft_1 + t_target_gamma1)
 
+
+def expected_tau(alpha, gamma):
+    """Expected tokens per round for an i.i.d. acceptance rate alpha: (1 - a^(g+1)) / (1 - a)."""
+    if alpha >= 1.0:
+        return gamma + 1.0
+    return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
+
+
+def expected_speedup(alpha, gamma, c):
+    """Leviathan et al. Theorem 3.8: (1 - a^(g+1)) / ((1 - a)(g c + 1)), c = draft step / target step."""
+    return expected_tau(alpha, gamma) / (gamma * c + 1.0)

@@ -48,7 +48,7 @@ import evaluate  # noqa: E402
 import model as M  # noqa: E402
 import speculate  # noqa: E402
 import static  # noqa: E402
-from timing import Clock, measured_speedup, median_time, tree_speedup, tree_step_times  # noqa: E402
+from timing import Clock, expected_tau, measured_speedup, median_time, tree_speedup, tree_step_times  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STAGES = ("a_env", "b_cuda_tests", "c_eager", "d_compiled", "e_full")
@@ -181,7 +181,7 @@ def predictions(t_target, t_draft, toy):
     out = {}
     for g in GAMMAS:
         if g + 1 in t_target:
-            tau = speculate.expected_tau(toy["alpha"], g)
+            tau = expected_tau(toy["alpha"], g)
             out[g] = measured_speedup(tau, t_target[1], t_draft, t_target[g + 1], g)
     return out
 
@@ -262,7 +262,7 @@ def compiled_costs(run, layers):
     finally:
         watch.close()
     toy = bench.toy_acceptance(a.toy_json)
-    tau = speculate.expected_tau(toy["alpha"], g)
+    tau = expected_tau(toy["alpha"], g)
     return {"layers": layers, "compile_s": compile_s, "compile_s_total": sum(compile_s.values()),
             "t_target_ms": t_target, "t_draft_1_ms": t_draft, "gamma": g,
             "predicted_speedup_at_toy_alpha": measured_speedup(tau, t_target[1], t_draft, t_target[g + 1], g),

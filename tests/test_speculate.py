@@ -23,9 +23,8 @@ import model
 import speculate
 import static
 import timing
-from speculate import (autoregressive, expected_speedup, expected_tau, process_logits, speculative, tau_ceiling,
-                       verify_greedy, verify_sample)
-from timing import measured_speedup
+from speculate import autoregressive, process_logits, speculative, tau_ceiling, verify_greedy, verify_sample
+from timing import expected_speedup, expected_tau, measured_speedup
 
 SIGNIFICANCE = 1e-3
 
