@@ -53,6 +53,7 @@ import evaluate
 import files
 import speculate
 from driving import Data, grid_kwargs, vision_kwargs
+from timing import step_times
 
 REFERENCES = ("static", "moving", "none")
 REPORT_GAMMAS = tuple(range(2, 9))  # the speed-optimal gamma is chosen among these
@@ -255,7 +256,7 @@ def _run(cfg, run_dir, n_report, device, out):
         raise ValueError(f"max_new {cfg.max_new}: a prompt of {prompt['input_ids'].shape[1]} tokens and its CoC need "
                          f"more than the target's {target.cfg.max_seq_len} positions")
     outputs = {name: evaluate.greedy_outputs(target, data) for name, data in splits.items()}
-    times = speculate.step_times(target, sft, prompt, [1] + [g + 1 for g in REPORT_GAMMAS])
+    times = step_times(target, sft, prompt, [1] + [g + 1 for g in REPORT_GAMMAS])
     before = report(target, sft, sft, splits, times, outputs)
     updates = []  # every update's statistics: what the reward, its spread within a group and the KL did
     draft = train_aarl(target, copy.deepcopy(sft), train, cfg, ref=sft, log=updates.append)

@@ -32,6 +32,7 @@ import files
 import hf
 import model as M
 import speculate
+import timing
 from expert import config_field, speed_from_history
 from vision import patchify
 
@@ -236,7 +237,7 @@ def trajectory(target, prompt, coc, future_start, repeats):
     v0 = speed_from_history(history_poses()[None]).to(cache.k.device)  # (1,)
     g = torch.Generator(device=cache.k.device)
     run = lambda: exp(cache, v0, generator=g.manual_seed(0))  # noqa: E731
-    return run(), speculate.median_time(run, cache.k.device, repeats)
+    return run(), timing.median_time(run, cache.k.device, repeats)
 
 
 def plan(target, draft, prompt, stop, tok, how, args, decoding):

@@ -6,7 +6,7 @@ Paper: the reasoning step dominates a plan's latency and is what RSD accelerates
 by both arms, is reported apart. Fairness: the same KV-cached forward and dtype in both arms, every shape warmed up,
 the device synchronised before each clock reading, the arms alternating within each repeat, medians reported. Only
 greedy outputs are compared token by token (--temperature samples both arms; timing.divergences names any part).
---compile adds both arms through compiled model.StaticDecoder steps. Random weights (--preset, or --target without
+--compile adds both arms through compiled static.StaticDecoder steps. Random weights (--preset, or --target without
 --draft) predict the speed-up at a recorded toy acceptance (--toy-json).
 
 run: python bench.py --device cpu [--compile]                          (the toy, from the shipped checkpoints/toy)
@@ -32,9 +32,11 @@ import files
 import model as M
 import peer
 import speculate
+import static
 import timing
 from cli import DTYPES
 from evaluate import TARGET_ONLY
+from tree import TreeShape
 
 TOY_DRAFT = ("aarl", 0)  # the toy mode's default draft: FlatRoPE + AARL (static anchor), seed 0
 TOY_JSON = "runs/bench_toy.json"  # where the toy mode writes its report (whatever settings that run had)
@@ -75,9 +77,9 @@ def time_arms(target, drafts, prompts, gamma, max_new, stop_token, repeats, deco
 
 
 def compiled_pair(target, draft, prompts, gamma, max_new):
-    """Compiled model.StaticDecoder's, one cache length for all prompts, steps of 1, 2 or gamma + 1 tokens."""
+    """Compiled static.StaticDecoder's, one cache length for all prompts, steps of 1, 2 or gamma + 1 tokens."""
     max_len = max(p["input_ids"].shape[1] for p in prompts) + max(max_new, gamma + 1) + gamma
-    return tuple(M.StaticDecoder(m, max_len, compile=True, step_lengths=(1, 2, gamma + 1)) for m in (target, draft))
+    return tuple(static.StaticDecoder(m, max_len, compile=True, step_lengths=(1, 2, gamma + 1)) for m in (target, draft))
 
 
 def both_arms(ar, spec):  # {ar_prefill_ms, spec_prefill_ms, ar_ms_per_token, spec_ms_per_token}
@@ -90,12 +92,12 @@ def benchmark(target, draft, prompts, gamma, max_new, stop_token=None, repeats=3
     decoding = decoding or evaluate.decoding_mode()
     greedy = evaluate.spec_stats(target, {"speculative": draft}, prompts, gamma, max_new, stop_token)
     spec, reference = greedy["speculative"], greedy[TARGET_ONLY]["tokens"]
-    tree = isinstance(gamma, speculate.TreeShape)
+    tree = isinstance(gamma, TreeShape)
     extra, comp, watch = {}, {}, None
     if compile:
         ct, cd = compiled_pair(target, draft, prompts, gamma, max_new)
         watch = timing.CompileWatch({"target": ct, "draft": cd})
-        clock = speculate.Clock(prompts[0]["input_ids"].device, enabled=True)
+        clock = timing.Clock(prompts[0]["input_ids"].device, enabled=True)
         # the compiled arms' greedy outputs; the first decodes compile every step shape, and the clock says how long
         cg = evaluate.spec_stats(ct, {"speculative": cd}, prompts, gamma, max_new, stop_token)
         comp["compile_s"] = clock.lap()
@@ -125,7 +127,7 @@ def benchmark(target, draft, prompts, gamma, max_new, stop_token=None, repeats=3
         res.update(cost_model(target, draft, prompts[0], gamma, timed["tau"]))
         res["c"] = res["t_draft_1"] / res["t_target_1"]
         if not tree:  # Leviathan's closed form is the chain's
-            res["leviathan_speedup"] = speculate.expected_speedup(timed["alpha"], gamma, res["c"])
+            res["leviathan_speedup"] = timing.expected_speedup(timed["alpha"], gamma, res["c"])
         if compile:
             ar_c, spec_c = t[COMPILED[0]], t[COMPILED[1]]
             comp.update(both_arms(ar_c, spec_c), speedup=ar_c["ms_per_token"] / spec_c["ms_per_token"],
@@ -145,20 +147,20 @@ def benchmark(target, draft, prompts, gamma, max_new, stop_token=None, repeats=3
 
 def cost_model(target, draft, prompt, gamma, tau, reps=20):
     """Step times (ms): T_target(1), T_draft(1), T_target(gamma + 1) or a tree's verify and level; speed-up at tau."""
-    tree = isinstance(gamma, speculate.TreeShape)
-    t = speculate.step_times(target, draft, prompt, (1,) if tree else (1, gamma + 1), reps)
+    tree = isinstance(gamma, TreeShape)
+    t = timing.step_times(target, draft, prompt, (1,) if tree else (1, gamma + 1), reps)
     t1, td = t["target"][1], t["draft"]
     if not tree:
         return {"t_target_1": 1e3 * t1, "t_target_gamma1": 1e3 * t["target"][gamma + 1], "t_draft_1": 1e3 * td,
-                "predicted_speedup": speculate.measured_speedup(tau, t1, td, t["target"][gamma + 1], gamma)}
-    tt = speculate.tree_step_times(target, draft, prompt, (gamma.nodes,), gamma.width, reps)
+                "predicted_speedup": timing.measured_speedup(tau, t1, td, t["target"][gamma + 1], gamma)}
+    tt = timing.tree_step_times(target, draft, prompt, (gamma.nodes,), gamma.width, reps)
     tv, tl = tt["target"][gamma.nodes], tt["draft_level"]
     return {"t_target_1": 1e3 * t1, "t_target_verify": 1e3 * tv, "t_draft_1": 1e3 * td, "t_draft_level": 1e3 * tl,
-            "predicted_speedup": speculate.tree_speedup(tau, t1, td, tl, tv, gamma)}
+            "predicted_speedup": timing.tree_speedup(tau, t1, td, tl, tv, gamma)}
 
 
 def decoder_json(gamma):
-    if isinstance(gamma, speculate.TreeShape):
+    if isinstance(gamma, TreeShape):
         return {"kind": "tree", "nodes": gamma.nodes, "depth": gamma.depth, "width": gamma.width}
     return {"kind": "chain", "gamma": gamma}
 
@@ -231,17 +233,17 @@ def real(args, device, dtype, decoding):
         res.update(alpamayo.plan(target, draft, prompt, stop, tok, how, args, decoding))
     if args.tree:  # what a tree verify costs against one token at this shape: the number trees live by
         nodes = tuple(n for n in (7, 15, 31, 63) if n <= max(7, args.decoder.nodes))  # up to this tree's size
-        tt = speculate.tree_step_times(target, draft, prompt, nodes, args.decoder.width, reps=5)
+        tt = timing.tree_step_times(target, draft, prompt, nodes, args.decoder.width, reps=5)
         res["verify_ratio"] = {n + 1: tt["target"][n] / (1e-3 * res["t_target_1"]) for n in nodes}
     if not args.draft:  # random weights: acceptance says nothing; predict at the recorded toy's (check_flags read it)
         toy, t1, td = args.toy_acceptance, res["t_target_1"], res["t_draft_1"]
         res["toy_acceptance"] = toy
         if args.tree:  # the same tree's tau
-            res.update(toy_tau=toy["tau"], predicted_speedup_at_toy_tau=speculate.tree_speedup(
+            res.update(toy_tau=toy["tau"], predicted_speedup_at_toy_tau=timing.tree_speedup(
                 toy["tau"], t1, td, res["t_draft_level"], res["t_target_verify"], args.decoder))
         else:  # the chain's alpha, through Leviathan's tau at this gamma
-            res.update(toy_alpha=toy["alpha"], predicted_speedup_at_toy_alpha=speculate.measured_speedup(
-                speculate.expected_tau(toy["alpha"], args.gamma), t1, td, res["t_target_gamma1"], args.gamma))
+            res.update(toy_alpha=toy["alpha"], predicted_speedup_at_toy_alpha=timing.measured_speedup(
+                timing.expected_tau(toy["alpha"], args.gamma), t1, td, res["t_target_gamma1"], args.gamma))
     return res
 
 
@@ -377,7 +379,7 @@ def check_flags(ap, args):
     alpamayo.check_flags(ap, args)
     with cli.user_errors(ap):
         # the chain of --gamma (--tree 0), or a tree (a ValueError if the shape is impossible)
-        args.decoder = speculate.TreeShape(args.tree, args.tree_depth, args.tree_width) if args.tree else args.gamma
+        args.decoder = TreeShape(args.tree, args.tree_depth, args.tree_width) if args.tree else args.gamma
         cli.check_device(args.device)
         decoding = evaluate.decoding_mode(args.temperature, args.top_k, args.top_p, args.sampling_seed)
         if args.draft and checkpoint.existing_kind(args.draft) == "target":

@@ -18,12 +18,14 @@ import torch
 import driving
 import speculate
 from driving import Data, grid_kwargs, vision_kwargs
+from timing import measured_speedup
+from tree import TreeShape
 
 MAX_NEW_TOKENS = 32  # CoC token limit per decode: the toy's CoCs are 12-28 tokens with <cot_end>
 GAMMA = 6  # draft length of the table, the benchmark and AARL's logged tau
 # the benchmark's default draft tree (N nodes, depth D, width k): chosen on the validation split by the measured cost
 # model (experiments/tree_sweep.py); bench.py --tree 0 runs the chain of GAMMA instead
-TREE = speculate.TreeShape(32, 8, 3)
+TREE = TreeShape(32, 8, 3)
 EVAL_BATCH = 64  # scenes per batched evaluation forward
 TARGET_ONLY = "target-only"  # the baseline arm: plain KV-cached decoding by the target
 
@@ -369,8 +371,8 @@ def tau_by_gamma(matches, gammas, max_new=MAX_NEW_TOKENS):
 
 def speed_optimal_gamma(taus, times):
     """The gamma of taus ({gamma: tau}) with the highest speed-up under the measured cost model
-    tau * T_target(1) / (gamma * T_draft(1) + T_target(gamma + 1)); times from speculate.step_times."""
-    return max(taus, key=lambda g: speculate.measured_speedup(taus[g], times["target"][1], times["draft"],
+    tau * T_target(1) / (gamma * T_draft(1) + T_target(gamma + 1)); times from timing.step_times."""
+    return max(taus, key=lambda g: measured_speedup(taus[g], times["target"][1], times["draft"],
                                                               times["target"][g + 1], g))
 
 

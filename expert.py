@@ -172,7 +172,7 @@ class ActionExpert(nn.Module):
         cos, sin = cos.to(h.dtype).unsqueeze(2), sin.to(h.dtype).unsqueeze(2)  # (B, N, 1, hd)
         mask = None if cache.key_mask is None else cache.key_mask[:, None, None, :L + N]  # (B, 1, 1, L + N)
         for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, cache, i, mask, False, False)  # not causal: bidirectional action tokens
+            h = layer(h, cos, sin, cache, i, mask)  # not causal: bidirectional action tokens
         return self.norm(h)
 
     def velocity(self, x, t, cache):

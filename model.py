@@ -1,16 +1,12 @@
-"""A Qwen-VL-style VLA: decoder with KV cache and DeepStack injection, trajectory head, and the
-routine-reasoner draft, around a vision tower from vision.py. The same code runs the toy and real
-Qwen2.5-VL / Qwen3-VL / Alpamayo-R1 weights (hf.load_pretrained reads those into it; an
-Alpamayo folder's flow-matching action expert is expert.py).
+"""A Qwen-VL-style VLA: decoder with KV cache and DeepStack injection, trajectory head, and the routine-reasoner
+draft, around a vision tower from vision.py. The same code runs the toy and real Qwen2.5-VL / Qwen3-VL / Alpamayo-R1
+weights (hf.load_pretrained reads those into it; an Alpamayo folder's action expert is expert.py).
 
-Paper map: `VLA` with rope_mode "mrope" is the deliberative reasoner (the unmodified target,
-3D M-RoPE); `make_draft` builds the routine reasoner (1-2 layers, FlatRoPE, shares the
-target's embedding and LM head, reads the target's image embeddings; with `vocab_ids` its head covers only K
-of the target's token ids, EAGLE-3's reduced draft vocabulary); `TrajHead` is the toy's
-cheap parallel trajectory step that follows the chain of causation (docs/background.md, "The
-paper in five lines"). The verify step of speculative decoding is a multi-token forward over a
-`KVCache`; `StaticDecoder` runs the same steps at fixed shapes over one persistent cache, the form
-torch.compile and CUDA graphs need (bench.py --compile).
+Paper map: `VLA` with rope_mode "mrope" is the deliberative reasoner (the unmodified target, 3D M-RoPE);
+`make_draft` the routine reasoner (1-2 layers, FlatRoPE, the target's embedding, LM head and image embeddings;
+`vocab_ids`: EAGLE-3's reduced draft vocabulary, K target ids); `TrajHead` the toy's cheap trajectory step after the
+chain of causation (docs/background.md). The verify step is a multi-token forward over a `KVCache`; `VLA.step` the
+same cached step at fixed shapes (draft trees' masks; static.py compiles it).
 
 Letters: B batch, T new tokens, S keys (cached + new), D hidden, H heads, Hk KV heads,
 hd head dim, g = H / Hk, V vocab, K reduced draft vocab, N vision patches, m spatial merge, n_vis visual tokens.
@@ -62,35 +58,17 @@ class ModelConfig:
     traj_len: int = 32  # waypoints emitted by the trajectory head (0 = no head)
     max_seq_len: int = 4096  # positions a sequence may span (prompt + generated; longer is refused); default cache
     shared_width: int | None = None  # drafts only: width of the target's shared embedding / LM head
-    # drafts only: K > 0 gives a reduced-vocabulary head, logits over K target ids (VLA.vocab_ids) and -inf at the
-    # other V - K; 0 = the full head
-    draft_vocab: int = 0
+    draft_vocab: int = 0  # drafts only: K > 0, a reduced head over K target ids (VLA.vocab_ids), -inf at the rest
 
     def __post_init__(self):
         if isinstance(self.vision, dict):
             self.vision = VisionConfig(**self.vision)
         self.mrope_section = tuple(self.mrope_section)
-        if self.head_dim is None:
-            if self.hidden_size % self.n_heads:
-                raise ValueError(f"hidden_size {self.hidden_size} is not divisible by n_heads {self.n_heads}")
+        if self.head_dim is None and not self.hidden_size % self.n_heads:
             self.head_dim = self.hidden_size // self.n_heads
-        if self.n_heads % self.n_kv_heads:
-            raise ValueError(f"n_heads {self.n_heads} is not divisible by n_kv_heads {self.n_kv_heads}")
-        check_mrope_section(self.mrope_section, self.head_dim)
-        if self.rope_mode not in ("mrope", "flat"):
-            raise ValueError(f"rope_mode must be 'mrope' or 'flat', got {self.rope_mode!r}")
-        vm = self.vision.spatial_merge_size if self.vision is not None else None
+        check_config(self)
         if self.spatial_merge_size is None:
-            self.spatial_merge_size = vm or 2
-        elif vm is not None and vm != self.spatial_merge_size:
-            raise ValueError(f"spatial_merge_size {self.spatial_merge_size} != vision.spatial_merge_size {vm}")
-        K = self.draft_vocab
-        if not isinstance(K, int) or isinstance(K, bool) or not 0 <= K <= self.vocab_size:
-            raise ValueError(f"draft_vocab must be 0 (the full head) or a number of token ids 1..vocab_size "
-                             f"{self.vocab_size}, got {K!r}")
-        if K and self.shared_width is None:
-            raise ValueError(f"draft_vocab {K}: a reduced-vocabulary head is for drafts only (shared_width set, "
-                             "model.make_draft); a target's head must cover its whole vocabulary")
+            self.spatial_merge_size = getattr(self.vision, "spatial_merge_size", None) or 2
 
     def to_dict(self):
         return dataclasses.asdict(self)
@@ -103,6 +81,27 @@ class ModelConfig:
         return cls(**d)
 
 
+def check_config(c: ModelConfig):
+    """A bad shape would fail deep in a forward; a target with a reduced head would silently never emit V - K ids."""
+    vm = getattr(c.vision, "spatial_merge_size", None)
+    if c.head_dim is None:
+        raise ValueError(f"hidden_size {c.hidden_size} is not divisible by n_heads {c.n_heads}")
+    if c.n_heads % c.n_kv_heads:
+        raise ValueError(f"n_heads {c.n_heads} is not divisible by n_kv_heads {c.n_kv_heads}")
+    check_mrope_section(c.mrope_section, c.head_dim)
+    if c.rope_mode not in ("mrope", "flat"):
+        raise ValueError(f"rope_mode must be 'mrope' or 'flat', got {c.rope_mode!r}")
+    if None not in (vm, c.spatial_merge_size) and vm != c.spatial_merge_size:
+        raise ValueError(f"spatial_merge_size {c.spatial_merge_size} != vision.spatial_merge_size {vm}")
+    K = c.draft_vocab
+    if not isinstance(K, int) or isinstance(K, bool) or not 0 <= K <= c.vocab_size:
+        raise ValueError(f"draft_vocab must be 0 (the full head) or a number of token ids 1..vocab_size "
+                         f"{c.vocab_size}, got {K!r}")
+    if K and c.shared_width is None:
+        raise ValueError(f"draft_vocab {K}: a reduced-vocabulary head is for drafts only (shared_width set, "
+                         "model.make_draft); a target's head must cover its whole vocabulary")
+
+
 QWEN25_VISION = VisionConfig(patch_size=14, temporal_patch_size=2, spatial_merge_size=2, depth=32, hidden=1280,
                              heads=16, intermediate=3420, window_size=112, fullatt_block_indexes=(7, 15, 23, 31))
 QWEN3_VISION = VisionConfig(family="qwen3_vl", patch_size=16, temporal_patch_size=2, spatial_merge_size=2, depth=27,
@@ -110,11 +109,9 @@ QWEN3_VISION = VisionConfig(family="qwen3_vl", patch_size=16, temporal_patch_siz
                             deepstack_visual_indexes=(8, 16, 24))
 QWEN_IDS = dict(image_token_id=151655, video_token_id=151656, vision_start_token_id=151652)
 PRESETS = {
-    # the toy target of the synthetic driving world (train.target_config sets vocab_size, token ids, vision input).
-    # Narrow, so that a CPU training step is cheap; 20 layers deep, so that the 1-layer draft costs a small fraction
-    # of a target step, as a 1-layer draft does against a 36-layer Qwen3-VL. RoPE base 1e4: Qwen2.5-VL pairs a base of
-    # 1e6 with a 32k context (about 30 per position); the toy's prompts span a few hundred positions, and at 1e6 most
-    # frequency pairs would barely rotate across them (experiments/rope_base.py compares the drafts at both bases).
+    # the toy target (train.target_config sets vocab, token ids, vision): narrow, so a CPU training step is cheap; 20
+    # layers, so the 1-layer draft is a small fraction of a step, as against a 36-layer Qwen3-VL. RoPE base 1e4: at 1e6
+    # most pairs would barely rotate over the toy's few hundred positions (experiments/rope_base.py compares both).
     "toy-target": ModelConfig(hidden_size=128, n_layers=20, n_heads=2, n_kv_heads=1, intermediate_size=384,
                               rope_theta=1e4),
     # real shapes, random weights (benchmarks)
@@ -137,16 +134,13 @@ DRAFT_PRESETS = {  # make_draft(target, **DRAFT_PRESETS[name])
 
 
 def lower_right_verify(device):
-    """Whether a cached multi-token step (the verify step) attends through SDPA's lower-right causal bias over
-    unfolded heads rather than a boolean mask over folded heads (Attention.forward). On CUDA the bias reaches the
-    flash / memory-efficient kernels without a mask in memory, and they read the shared K/V heads in place; on a CPU
-    SDPA would materialise the bias and copy K/V per query head, slower than the folded layout."""
+    """The verify step through SDPA's lower-right causal bias over unfolded heads (CUDA: flash / memory-efficient
+    kernels, no mask in memory, K/V read in place) or a boolean mask over folded heads (a CPU: faster there)."""
     return device.type == "cuda"
 
 
 class Attention(nn.Module):
-    """Grouped-query attention. q, k, v come from one fused projection (one matmul per step on
-    the decode hot path); the checkpoint loaders split / join Qwen's q_proj, k_proj, v_proj."""
+    """Grouped-query attention; one fused q, k, v projection: one matmul per decode step (checkpoint.py splits it)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -157,8 +151,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps) if cfg.qk_norm else None
 
     def project(self, x, cos, sin):
-        """x (B, T, D) -> rotated q (B, H, T, hd), rotated k and v (B, Hk, T, hd). Also the entry
-        point of evaluate.attention_probs, the diagnostic that recomputes attention weights."""
+        """x (B, T, D) -> rotated q (B, H, T, hd), rotated k and v (B, Hk, T, hd) (also evaluate.attention_probs')."""
         B, T, _ = x.shape
         H, Hk, hd = self.H, self.Hk, self.hd
         qkv = self.qkv(x).view(B, T, H + 2 * Hk, hd)  # (B, T, H + 2Hk, hd)
@@ -170,34 +163,26 @@ class Attention(nn.Module):
             k = apply_rope(self.k_norm(qkv[:, :, H:H + Hk]), cos, sin)  # (B, T, Hk, hd)
         return q.transpose(1, 2), k.transpose(1, 2), qkv[:, :, H + Hk:].transpose(1, 2)  # (B, H|Hk, T, hd)
 
-    def forward(self, x, cos, sin, cache, layer, mask, causal, grouped):
+    def forward(self, x, cos, sin, cache=None, layer=0, mask=None, grouped=False, input_pos=None):
+        """New keys / values go to the cache first, at [length, length + T) (VLA.forward) or at slots input_pos, the
+        queries then reading the whole buffer (VLA.step). mask None: causal at a prefill, every key over a non-empty
+        cache (the expert's bidirectional tokens). grouped: the g query heads of a KV head become its g*T query rows,
+        so no K/V copies (enable_gqa is slow on CPU in bf16); ungrouped: a prefill, or the lower-right verify bias."""
         B, T, _ = x.shape
         H, Hk, hd = self.H, self.Hk, self.hd
         q, k, v = self.project(x, cos, sin)
-        if cache is not None:
+        if input_pos is not None:  # the fixed-shape step: always grouped, over the whole buffer (B, Hk, S_max, hd)
+            kb, vb = cache.layer(layer)
+            k, v, grouped = kb.index_copy_(2, input_pos, k), vb.index_copy_(2, input_pos, v), True
+        elif cache is not None:
+            prefill = cache.length == 0
             k, v = cache.update(layer, k, v)  # (B, Hk, S, hd)
         if grouped:
-            # cached step: the g query heads sharing a KV head become g*T query rows of that head,
-            # so no K/V copies (enable_gqa is slow on CPU in bf16); mask rows were tiled to match
             q = q.reshape(B, Hk, (H // Hk) * T, hd)  # (B, Hk, g*T, hd)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask).reshape(B, H, T, hd)
-        else:  # prefill, or the verify step through the lower-right causal bias (lower_right_verify)
+        else:
+            causal = mask is None and T > 1 and (cache is None or prefill)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=True)
-        return self.o_proj(y.transpose(1, 2).reshape(B, T, H * hd))  # (B, H, T, hd) -> (B, T, D)
-
-    def static_step(self, x, cos, sin, cache, layer, input_pos, mask):
-        """The cached step at fixed shapes (VLA.step): the T new keys / values are written at cache indices
-        input_pos (T,), and the queries attend over the whole preallocated buffer, `mask` (g*T, S_max) saying which
-        slots each query sees (VLA.step: its own position and before, or a tree's ancestors; never a slot unwritten
-        or left behind by a rollback)."""
-        B, T, _ = x.shape
-        H, Hk, hd = self.H, self.Hk, self.hd
-        q, k, v = self.project(x, cos, sin)
-        kb, vb = cache.layer(layer)  # (B, Hk, S_max, hd): the layer's whole buffers
-        kb.index_copy_(2, input_pos, k)  # (B, Hk, T, hd) into slots input_pos
-        vb.index_copy_(2, input_pos, v)
-        q = q.reshape(B, Hk, (H // Hk) * T, hd)  # (B, Hk, g*T, hd): the grouped layout of forward's cached step
-        y = F.scaled_dot_product_attention(q, kb, vb, attn_mask=mask).reshape(B, H, T, hd)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, H * hd))  # (B, H, T, hd) -> (B, T, D)
 
 
@@ -220,12 +205,8 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, x, cos, sin, cache, layer, mask, causal, grouped):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, mask, causal, grouped)
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-    def static_step(self, x, cos, sin, cache, layer, input_pos, mask):
-        x = x + self.self_attn.static_step(self.input_layernorm(x), cos, sin, cache, layer, input_pos, mask)
+    def forward(self, x, cos, sin, cache=None, layer=0, mask=None, grouped=False, input_pos=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, mask, grouped, input_pos)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -233,12 +214,9 @@ class Block(nn.Module):
 
 
 class KVCache:
-    """Preallocated K/V buffers (n_layers, B, Hk, max_len, hd) and the committed length.
-
-    Writes go to [length, length + T); the model advances `length` after all layers have
-    written. `crop(n)` rolls back to the first n committed positions (speculative rejection).
-    `rope_delta` (B, 1) is set at prefill: a token at cache index c gets position c + rope_delta.
-    `key_mask` (B, max_len) is kept only when the prefill had padding."""
+    """Preallocated K/V buffers (n_layers, B, Hk, max_len, hd) and the committed length, which the model advances
+    after all layers have written; `crop(n)` rolls back (speculative rejection). `rope_delta` (B, 1), set at prefill:
+    cache index c is position c + rope_delta. `key_mask` (B, max_len): only when the prefill had padding."""
 
     def __init__(self, n_layers, batch, n_kv_heads, max_len, head_dim, dtype=torch.float32, device=None):
         self.k = torch.zeros(n_layers, batch, n_kv_heads, max_len, head_dim, dtype=dtype, device=device)
@@ -257,8 +235,7 @@ class KVCache:
         vb[:, :, self.length:end] = v
         return kb[:, :, :end], vb[:, :, :end]  # (B, Hk, S, hd) views
 
-    def layer(self, i):
-        """Layer i's whole K and V buffers (B, Hk, max_len, hd), for VLA.step's writes at input_pos."""
+    def layer(self, i):  # layer i's whole K and V buffers (B, Hk, max_len, hd), for VLA.step's writes at input_pos
         return self.k[i], self.v[i]
 
     def crop(self, n):
@@ -267,9 +244,8 @@ class KVCache:
         self.length = n
 
     def move(self, src, dst):
-        """Copy the keys / values of slots src to slots dst (lists of ints, in increasing order, dst[i] <= src[i]):
-        after a tree round, the accepted path's entries go to consecutive slots, and the rejected branches stay
-        only beyond the new length, where no query reaches them."""
+        """Copy the keys / values of slots src to slots dst (increasing int lists, dst[i] <= src[i]): a tree round's
+        accepted path to consecutive slots, the rejected branches left beyond the new length, where no query looks."""
         if src == dst:
             return
         src, dst = (torch.tensor(x, device=self.rope_delta.device) for x in (src, dst))
@@ -280,8 +256,7 @@ class KVCache:
         return self.k, self.v
 
     def repeat_rows(self, n):
-        """A new cache whose rows are these rows, each repeated n times in a row (B -> B * n): n continuations of
-        every cached prompt share its prefill."""
+        """A new cache with each row repeated n times (B -> B * n): n continuations of a prompt share its prefill."""
         new = copy.copy(self)
         new.k, new.v = self.k.repeat_interleave(n, 1), self.v.repeat_interleave(n, 1)  # (layers, B * n, Hk, S, hd)
         new.rope_delta = self.rope_delta.repeat_interleave(n, 0)  # (B * n, 1)
@@ -289,51 +264,12 @@ class KVCache:
         return new
 
 
-class StaticCache(KVCache):
-    """The KV cache of StaticDecoder: the same object, with one K and one V buffer per layer instead of slices of
-    one tensor. A compiled step writes a graph input in place only when the input is a whole tensor; a write into a
-    view of one (n_layers, ...) tensor makes the compiled step copy the whole tensor back, every step. `k` / `v`
-    stack the layers (a copy, for reading: tests, inspection)."""
-
-    def __init__(self, n_layers, batch, n_kv_heads, max_len, head_dim, dtype=torch.float32, device=None):
-        self.ks = [torch.zeros(batch, n_kv_heads, max_len, head_dim, dtype=dtype, device=device)
-                   for _ in range(n_layers)]
-        self.vs = [torch.zeros_like(k) for k in self.ks]
-        self.max_len = max_len
-        self.length = 0
-        self.rope_delta = torch.zeros(batch, 1, dtype=torch.long, device=device)
-        self.key_mask = None
-
-    @property
-    def k(self):
-        return torch.stack(self.ks)  # (n_layers, B, Hk, max_len, hd)
-
-    @property
-    def v(self):
-        return torch.stack(self.vs)
-
-    def layer(self, i):
-        return self.ks[i], self.vs[i]
-
-    def buffers(self):
-        return self.ks + self.vs
-
-    def repeat_rows(self, n):
-        raise NotImplementedError("a StaticCache decodes batch size 1")
-
-
 # ---- trajectory head ----
 
 
 class TrajHead(nn.Module):
-    """Waypoints (x, y) in metres, ego frame, from the final hidden state of <traj_future_start>.
-
-    The toy's trajectory step. Alpamayo-R1 runs a flow-matching action expert that attends to the
-    VLM's KV cache (expert.py, loaded with an Alpamayo folder). The paper accelerates the reasoning
-    step, and the trajectory step only has to be cheap, parallel and conditioned on prompt + CoC; the
-    <traj_future_start> state already attends to both through the cache, so a 2-layer MLP to
-    traj_len x 2 keeps AARL's action reward (one trajectory per sampled CoC) meaningful at a fraction
-    of the expert's cost: 10 passes of a decoder stack per trajectory."""
+    """Waypoints (x, y) in metres, ego frame: the toy's cheap parallel trajectory step after the CoC (Alpamayo-R1's
+    flow-matching action expert is expert.py), which keeps AARL's action reward meaningful."""
 
     def __init__(self, dim, traj_len):
         super().__init__()
@@ -348,12 +284,10 @@ class TrajHead(nn.Module):
 
 
 class VLA(nn.Module):
-    """Vision tower + decoder + LM head + trajectory head. With cfg.shared_width set it is a draft:
-    no vision tower, and `embed_tokens` / `lm_head` are the target's modules held as plain
-    attributes, so draft.parameters() and draft.state_dict() contain only the draft's own weights.
-    A draft with cfg.draft_vocab = K > 0 also holds `vocab_ids` (K,), a persistent buffer (saved with
-    its weights): the target token ids its head covers (see `head`).
-    A model loaded from an Alpamayo folder also holds `expert` (expert.ActionExpert) and no TrajHead."""
+    """Vision tower + decoder + LM head + trajectory head. A draft (cfg.shared_width set) has no tower and holds the
+    target's `embed_tokens` / `lm_head` as plain attributes, so its parameters() / state_dict() are its own weights;
+    with cfg.draft_vocab = K it holds `vocab_ids` (K,), the target ids its head covers. From an Alpamayo folder it
+    also holds `expert` (expert.ActionExpert) and no TrajHead."""
 
     def __init__(self, cfg: ModelConfig, shared: "VLA | None" = None):
         super().__init__()
@@ -422,7 +356,6 @@ class VLA(nn.Module):
     # ---- the reduced-vocabulary head (drafts with cfg.draft_vocab = K) ----
 
     def set_vocab(self, ids):
-        """Make this reduced-head draft cover the target token ids `ids` (K distinct ids)."""
         if not self.cfg.draft_vocab:
             raise ValueError("set_vocab: this model has the full head (draft_vocab 0); build the draft with "
                              "make_draft(target, vocab_ids=...)")
@@ -432,16 +365,9 @@ class VLA(nn.Module):
             self.vocab_ids.copy_(ids)  # in place: the version bump tells head_rows to gather again
 
     def head_rows(self):
-        """The target head's rows at vocab_ids, (K, D_out), gathered once and kept.
-
-        Why a kept copy: F.linear(h, W[ids]) would gather K rows out of V on every step, a read of the
-        K rows plus a write of the copy before the matmul reads it again; a contiguous (K, D_out) copy
-        makes the step's read K rows, the point of the reduced head (at real shape: K x 4096 instead of
-        151,936 x 4096). The cost is K x D_out more memory. The copy is gathered again when the target's
-        head is moved, cast, replaced or written in place (its tensor, dtype, device and version counter
-        are the key), or the ids change; the target's head is frozen while drafts train (train.py,
-        aarl.py), so during training and decoding the copy is gathered once. A draft moved with .to()
-        drops it (_apply)."""
+        """The target head's rows at vocab_ids (K, D_out), kept: W[ids] per step would read, write and re-read K rows,
+        where the point is a step that reads K rows (K x 4096, not 151,936 x 4096). Gathered again when the head is
+        moved, cast, replaced or written in place (tensor, dtype, device, version are the key) or the ids change."""
         W = self.lm_head.weight  # (V, D_out), the target's
         version = lambda t: -1 if t.is_inference() else t._version  # noqa: E731  inference tensors keep none
         key = (W.data_ptr(), W.dtype, W.device, version(W), self.vocab_ids.data_ptr(), version(self.vocab_ids))
@@ -452,17 +378,14 @@ class VLA(nn.Module):
         return self._rows
 
     def head(self, h):
-        """Logits (..., V) from final hidden states h (..., D_out): the LM head; for a reduced-head draft the
-        K logits at vocab_ids and -inf at every other id, so that speculative decoding needs no change and
-        stays lossless: a token outside the set is never proposed (greedy), and under sampling q is 0 there
-        and the verifier's residual max(0, p - q) covers it (Leviathan et al. 2023, Algorithm 1)."""
+        """Logits (..., V) from h (..., D_out); a reduced head's -inf off vocab_ids keeps speculate.py lossless."""
         if not self.cfg.draft_vocab:
             return self.lm_head(h)
         W = self.lm_head.weight
         if torch.is_grad_enabled() and W.requires_grad:
             w = W[self.vocab_ids]  # the slow, obvious path: a fresh gather per call, so gradients reach the head
         elif torch.compiler.is_compiling():
-            w = self._rows  # gathered by StaticDecoder before each compiled step (head_rows' checks do not trace)
+            w = self._rows  # gathered by static.StaticDecoder before each compiled step (head_rows' checks do not trace)
         else:
             w = self.head_rows()  # the kept copy: the target's head is frozen here
         small = F.linear(h, w)  # (..., D_out) x (K, D_out)^T -> (..., K)
@@ -476,33 +399,17 @@ class VLA(nn.Module):
 
     def embed(self, input_ids, pixel_values=None, image_grid_thw=None, pixel_values_videos=None, video_grid_thw=None,
               return_deepstack=False):
-        """Token embeddings (B, L, D) with vision features scattered into the placeholder slots
-        (row-major over the batch, images / videos in grid order, as in transformers).
-
-        return_deepstack: also return the DeepStack features forward(deepstack=...) adds after the
-        first decoder layers, a list of (slots (B, L) bool, [(n_vis, D) per level]), one entry per
-        modality with pixels; empty for a tower without DeepStack (Qwen2.5-VL, the toy)."""
+        """Token embeddings (B, L, D), vision features scattered into the placeholder slots (row-major over the batch,
+        grid order, as in transformers). return_deepstack: also forward's `deepstack`, a list of (slots (B, L) bool,
+        [(n_vis, D) per level]) per modality with pixels; empty without DeepStack (Qwen2.5-VL, the toy)."""
         x = self.embed_tokens(input_ids)  # (B, L, D)
-        m2 = self.cfg.spatial_merge_size ** 2
         deepstack = []
         for pv, grid, tok, name in ((pixel_values, image_grid_thw, self.cfg.image_token_id, "image"),
                                     (pixel_values_videos, video_grid_thw, self.cfg.video_token_id, "video")):
             if pv is None:
                 continue
-            if self.visual is None:
-                raise ValueError(f"{name} pixels given but this model has no vision tower "
-                                 "(a draft reads inputs_embeds=target.embed(...))")
-            if grid is None:
-                raise ValueError(f"{name} pixels given without {name}_grid_thw")
-            n_patch = int(grid.prod(-1).sum())
-            if pv.shape[0] != n_patch:
-                raise ValueError(f"{name} pixel values have {pv.shape[0]} patches but {name}_grid_thw "
-                                 f"{grid.tolist()} describes {n_patch}")
             slots = input_ids == tok  # (B, L)
-            n_tok = int(slots.sum())
-            if n_tok != n_patch // m2:
-                raise ValueError(f"{n_tok} {name} tokens (id {tok}) in input_ids but {name}_grid_thw "
-                                 f"{grid.tolist()} gives {n_patch // m2} merged tokens")
+            check_vision_input(self, name, pv, grid, slots, tok)
             out = self.visual(pv, grid)  # Qwen3-VL's tower also returns its DeepStack features
             feats, levels = out if isinstance(out, tuple) else (out, [])
             x = x.masked_scatter(slots[..., None], feats.to(x.dtype))  # (n_tok, D) into the slots
@@ -520,8 +427,8 @@ class VLA(nn.Module):
             if self.cfg.rope_mode == "mrope" and input_ids is not None:
                 c = self.cfg
                 if c.video_frame_blocks and video_grid_thw is not None:
-                    # Qwen3-VL: a video of t temporal patches is t blocks of one frame each, with a
-                    # timestamp in text between them, so each starts at the next free id (t id = start)
+                    # Qwen3-VL: t temporal patches are t one-frame blocks (timestamps in text between), each at the
+                    # next free id (t id = start)
                     video_grid_thw = video_grid_thw.repeat_interleave(video_grid_thw[:, 0], 0)  # (sum t, 3)
                     video_grid_thw = torch.cat([torch.ones_like(video_grid_thw[:, :1]), video_grid_thw[:, 1:]], 1)
                 position_ids, delta = get_rope_index(
@@ -542,103 +449,73 @@ class VLA(nn.Module):
     def forward(self, input_ids=None, pixel_values=None, image_grid_thw=None, pixel_values_videos=None,
                 video_grid_thw=None, second_per_grid_ts=None, attention_mask=None, cache=None, inputs_embeds=None,
                 position_ids=None, return_hidden=False, logits_to_keep=0, deepstack=None):
-        """Logits (B, T, V), or (logits, hidden (B, T, D_out)) with return_hidden.
-
-        Positions: without a cache or with an empty one (prefill) they come from get_rope_index
-        (rope_mode "mrope") or flat_position_ids ("flat"), and the cache keeps rope_delta; with a
-        non-empty cache the T new tokens get cache.length + arange(T) + rope_delta on all axes.
-        A cached forward appends T tokens (causal over the cached prefix for T > 1: the verify
-        step). attention_mask (B, L) is read at prefill only; the cache remembers the padding.
-        logits_to_keep > 0 computes logits for the last that many positions only.
-
-        DeepStack (Qwen3-VL): decoder layer i's output gets the tower's level-i features added at
-        the visual slots, at prefill; computed here from pixels, or passed as `deepstack` (from
-        embed(..., return_deepstack=True)) with inputs_embeds, whose T columns are the slots' first T."""
+        """Logits (B, T, V) (and hidden (B, T, D_out)). Positions: at a prefill from get_rope_index ("mrope") or
+        flat_position_ids ("flat"), the cache keeping rope_delta; over a non-empty cache length + arange(T) + rope_delta
+        on all axes, causal over the prefix for T > 1 (the verify step). attention_mask is read at prefill only (the
+        cache remembers the padding). DeepStack (Qwen3-VL), at prefill: layer i's output gets the tower's level-i
+        features at the visual slots (from pixels, or `deepstack` from embed beside inputs_embeds)."""
         if inputs_embeds is None:
             inputs_embeds, deepstack = self.embed(input_ids, pixel_values, image_grid_thw, pixel_values_videos,
                                                   video_grid_thw, return_deepstack=True)
-        x = inputs_embeds
-        B, T, _ = x.shape
+        x = inputs_embeds  # (B, T, D)
+        T = x.shape[1]
         past = cache.length if cache is not None else 0
-        if cache is not None and past + T > cache.max_len:
-            raise ValueError(f"KV cache overflow: {past} + {T} tokens > max_len {cache.max_len}")
         if past + T > self.cfg.max_seq_len:  # beyond the positions the model was built (and trained) for
             raise ValueError(f"sequence of {past + T} tokens is longer than the model's max_seq_len "
                              f"{self.cfg.max_seq_len}")
+        if deepstack and past > 0:
+            raise ValueError("DeepStack features are added at prefill only (an empty cache)")
         cos, sin = self.rope_tables(input_ids, x, image_grid_thw, video_grid_thw, second_per_grid_ts,
                                     attention_mask, cache, position_ids)
-        cos, sin = cos.to(x.dtype).unsqueeze(2), sin.to(x.dtype).unsqueeze(2)  # (B, T, 1, hd)
-
-        mask, causal, grouped = None, T > 1, past > 0
-        if past == 0:  # prefill
+        mask, grouped = None, past > 0
+        if past == 0:  # prefill: causal, or causal & real keys under padding (the diagonal keeps padded rows finite)
             valid = None if attention_mask is None or bool(attention_mask.all()) else attention_mask.bool()
-            if valid is not None:  # causal & real keys; the diagonal keeps padded query rows finite
-                ar = torch.arange(T, device=x.device)
-                mask = ((ar[None, :] <= ar[:, None]) & valid[:, None, :]) | torch.eye(T, dtype=torch.bool,
-                                                                                    device=x.device)
-                mask, causal = mask[:, None], False  # (B, 1, T, T)
-            if cache is not None:
-                cache.key_mask = None
-                if valid is not None:
-                    cache.key_mask = torch.ones(B, cache.max_len, dtype=torch.bool, device=x.device)
-                    cache.key_mask[:, :T] = valid
+            if valid is not None:
+                causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()  # (T, T)
+                mask = ((causal & valid[:, None, :]) | torch.eye(T, dtype=torch.bool, device=x.device))[:, None]
+            if cache is not None:  # (B, max_len): the real keys, for every later step
+                cache.key_mask = None if valid is None else F.pad(valid, (0, cache.max_len - T), value=True)
         else:
             if T > 1 and cache.key_mask is None and lower_right_verify(x.device):
                 # the mask below (new token i sees keys <= past + i) as a bias: causal aligned to the lower right
-                mask, causal, grouped = causal_lower_right(T, past + T), False, False
-            elif T > 1:  # verify step: new token i sees the prefix and new tokens <= i
+                mask, grouped = causal_lower_right(T, past + T), False
+            elif T > 1:  # verify step: new token i sees the prefix and new tokens <= i, (g*T, S) grouped rows
                 ar = torch.arange(past + T, device=x.device)
                 mask = (ar[None, :] <= past + ar[:T, None]).repeat(self.cfg.n_heads // self.cfg.n_kv_heads, 1)
             if cache.key_mask is not None:
                 km = cache.key_mask[:, None, None, :past + T]  # (B, 1, 1, S)
                 mask = km if mask is None else mask & km
-
-        if deepstack and past > 0:
-            raise ValueError("DeepStack features are added at prefill only (an empty cache)")
-        if self.proj_in is not None:
-            x = self.proj_in(x)
-        for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, cache, i, mask, causal, grouped)
-            for slots, levels in deepstack or ():
-                if i < len(levels):  # x[slots] += level i, out of place
-                    x = x.index_put((slots[:, :T],), levels[i], accumulate=True)
+        h = self.decoder(x, cos, sin, cache, mask, grouped, deepstack=deepstack)
         if cache is not None:
             cache.length = past + T
-        h = self.norm(x)
-        if self.proj_out is not None:
-            h = self.proj_out(h)
         logits = self.head(h[:, -logits_to_keep:] if logits_to_keep else h)
         return (logits, h) if return_hidden else logits
 
     def step(self, input_ids, input_pos, cache, positions=None, mask=None):
-        """A cached decode step at fixed shapes: logits (B, T, V) of T new tokens input_ids (B, T) whose keys / values
-        go to cache slots input_pos (T,) (a tensor: the cache's length is not read, so a compiled step never recompiles
-        as it grows, and `cache.length` is the caller's to advance). Keys are the whole buffer (S_max =
-        cache.max_len) and what each new token sees is a mask over its slots.
-
-        Defaults, the chain's steps (decode, verify): token i sits at position input_pos[i] and sees slots
-        <= input_pos[i]. A draft tree (speculate.draft_tree / verify_tree) passes its own: positions (T,) the cache
-        index each token would have in a plain sequence (committed length + its depth in the tree), and mask (T,
-        S_max) bool, the committed slots plus the slots of the token's own ancestors (a tree attention mask). The
-        rotary positions are positions + rope_delta, forward's decode rule (all three M-RoPE axes equal on text). No
-        padding (cache.key_mask None), no DeepStack (prefill only). forward is the slow, obvious path it is tested
-        against (tests/test_model.py, tests/test_speculate.py)."""
+        """A cached step at fixed shapes: keys / values of input_ids (B, T) go to slots input_pos (T,), queries read
+        the whole buffer (S_max); cache.length is neither read (a compiled step never recompiles as it grows) nor
+        advanced. Default: token i at position input_pos[i] sees slots <= input_pos[i]; a draft tree passes positions
+        (T,), length + depth, and mask (T, S_max), committed slots + ancestors. No padding, no DeepStack."""
         if positions is None:
             positions = input_pos
         if mask is None:
             mask = torch.arange(cache.max_len, device=input_pos.device)[None, :] <= input_pos[:, None]  # (T, S)
-        cos, sin = rope_cos_sin(positions[None] + cache.rope_delta, self.inv_freq)  # (B, T, hd)
-        x = self.embed_tokens(input_ids)  # (B, T, D)
-        cos, sin = cos.to(x.dtype).unsqueeze(2), sin.to(x.dtype).unsqueeze(2)  # (B, T, 1, hd)
         mask = mask.repeat(self.cfg.n_heads // self.cfg.n_kv_heads, 1)  # (g*T, S): the grouped query rows
+        cos, sin = rope_cos_sin(positions[None] + cache.rope_delta, self.inv_freq)  # (B, T, hd)
+        return self.head(self.decoder(self.embed_tokens(input_ids), cos, sin, cache, mask, True, input_pos))
+
+    def decoder(self, x, cos, sin, cache, mask, grouped, input_pos=None, deepstack=None):
+        """The decoder layers, final norm and projection to the shared width: x (B, T, D) -> h (B, T, D_out)."""
+        cos, sin = cos.to(x.dtype).unsqueeze(2), sin.to(x.dtype).unsqueeze(2)  # (B, T, 1, hd)
         if self.proj_in is not None:
             x = self.proj_in(x)
         for i, layer in enumerate(self.layers):
-            x = layer.static_step(x, cos, sin, cache, i, input_pos, mask)
+            x = layer(x, cos, sin, cache, i, mask, grouped, input_pos)
+            for slots, levels in deepstack or ():
+                if i < len(levels):  # x[slots] += level i, out of place
+                    x = x.index_put((slots[:, :x.shape[1]],), levels[i], accumulate=True)
         h = self.norm(x)
-        if self.proj_out is not None:
-            h = self.proj_out(h)
-        return self.head(h)  # (B, T, V)
+        return h if self.proj_out is None else self.proj_out(h)
 
     def traj(self, hidden_last):
         """Trajectory from the final hidden state of <traj_future_start>: (B, D) -> (B, traj_len, 2)."""
@@ -650,37 +527,13 @@ class VLA(nn.Module):
 # ---- draft (routine reasoner) ----
 
 
-def check_vocab_ids(ids, vocab_size, k=None):
-    """The ids of a reduced draft head: a 1-D tensor of 1..V distinct token ids of the vocabulary (k of them when
-    given), else a ValueError naming what is wrong."""
-    if ids.dim() != 1 or ids.dtype != torch.long:
-        raise ValueError(f"vocab_ids must be a 1-D tensor of token ids (long), got shape {tuple(ids.shape)} "
-                         f"dtype {ids.dtype}")
-    if not 1 <= len(ids) <= vocab_size:
-        raise ValueError(f"a reduced draft head covers 1..{vocab_size} token ids (the vocabulary), got {len(ids)}")
-    if k is not None and len(ids) != k:
-        raise ValueError(f"{len(ids)} vocab_ids for a head of draft_vocab {k}")
-    lo, hi = int(ids.min()), int(ids.max())
-    if lo < 0 or hi >= vocab_size:
-        raise ValueError(f"vocab_ids hold token id {lo if lo < 0 else hi}, outside the vocabulary 0..{vocab_size - 1}")
-    if len(ids.unique()) != len(ids):
-        raise ValueError(f"vocab_ids repeat token ids ({len(ids) - len(ids.unique())} duplicates)")
-
-
 def make_draft(target: VLA, n_layers=1, hidden_size=None, rope_mode="flat", n_heads=None, n_kv_heads=None,
                intermediate_size=None, rope_theta=None, vocab_ids=None) -> VLA:
-    """The routine reasoner: a small text-only decoder on FlatRoPE positions (rope_mode "mrope"
-    gives the baseline replica draft) that shares the target's token embedding and LM head
-    (the same module objects) and reads the target's prompt embeddings, image features included,
-    via draft(input_ids, inputs_embeds=target.embed(...), <grids>, cache=...): no second vision encoder.
-
-    Training: draft.parameters() are exactly the draft's own weights (the shared modules are not
-    registered in it), so an optimizer over them never updates the target; gradients still flow
-    into the shared modules unless the caller freezes the target. Width defaults to the target's;
-    a narrower draft keeps the target's head_dim (so M-RoPE sections stay valid) with
-    hidden_size // head_dim heads, and gets linear in/out projections. rope_theta: the draft's own
-    RoPE base (default the target's). vocab_ids: K target token ids (train.select_draft_vocab picks the
-    K most frequent in the training CoCs) for a reduced-vocabulary head, VLA.head; None = the full head."""
+    """The routine reasoner: a small text-only decoder on FlatRoPE positions ("mrope": the baseline replica draft)
+    sharing the target's embedding and LM head (the same modules) and reading the target's prompt embeddings, image
+    features included (inputs_embeds=target.embed(...)): no second vision encoder. An optimizer over its parameters()
+    never updates the target (gradients still reach the shared modules unless frozen). A narrower draft keeps
+    head_dim (M-RoPE sections stay valid) with in/out projections. vocab_ids: K target ids for a reduced head."""
     t = target.cfg
     D = hidden_size or t.hidden_size
     H = n_heads or (t.n_heads if D == t.hidden_size else D // t.head_dim)
@@ -698,8 +551,7 @@ def make_draft(target: VLA, n_layers=1, hidden_size=None, rope_mode="flat", n_he
         check_vocab_ids(vocab_ids, t.vocab_size)
     cfg = dataclasses.replace(t, hidden_size=D, n_layers=n_layers, n_heads=H, n_kv_heads=Hk, head_dim=t.head_dim,
                               intermediate_size=inter, rope_mode=rope_mode, rope_theta=rope_theta or t.rope_theta,
-                              vision=None,
-                              spatial_merge_size=t.spatial_merge_size, traj_len=0, tie_word_embeddings=False,
+                              vision=None, spatial_merge_size=t.spatial_merge_size, traj_len=0, tie_word_embeddings=False,
                               shared_width=t.hidden_size, draft_vocab=0 if vocab_ids is None else len(vocab_ids))
     w = target.embed_tokens.weight
     draft = VLA(cfg, shared=target)
@@ -708,91 +560,36 @@ def make_draft(target: VLA, n_layers=1, hidden_size=None, rope_mode="flat", n_he
     return draft.to(device=w.device, dtype=w.dtype)
 
 
-# ---- static-shape decoding (torch.compile, CUDA graphs) ----
+# ---- checks ----
 
 
-class StaticDecoder:
-    """A model whose cached steps run at fixed shapes over one persistent cache, eager or compiled: the recipe of
-    gpt-fast (a static cache written at `input_pos`, the one-token and multi-token steps compiled with
-    `torch.compile(..., mode="reduce-overhead", fullgraph=True)`), here behind the model's own calling convention so
-    that speculate.py runs it unchanged:
+def check_vision_input(model, name, pv, grid, slots, tok):
+    """Pixels, grid and placeholders that disagree would scatter features into the wrong slots, or fail obscurely."""
+    if model.visual is None:
+        raise ValueError(f"{name} pixels given but this model has no vision tower "
+                         "(a draft reads inputs_embeds=target.embed(...))")
+    if grid is None:
+        raise ValueError(f"{name} pixels given without {name}_grid_thw")
+    n_patch, n_tok, m2 = int(grid.prod(-1).sum()), int(slots.sum()), model.cfg.spatial_merge_size ** 2
+    if pv.shape[0] != n_patch:
+        raise ValueError(f"{name} pixel values have {pv.shape[0]} patches but {name}_grid_thw {grid.tolist()} "
+                         f"describes {n_patch}")
+    if n_tok != n_patch // m2:
+        raise ValueError(f"{n_tok} {name} tokens (id {tok}) in input_ids but {name}_grid_thw {grid.tolist()} gives "
+                         f"{n_patch // m2} merged tokens")
 
-    - `new_cache` returns the persistent cache (capacity `max_len`), emptied: its buffers never move, which CUDA
-      graphs need (a graph replays fixed addresses);
-    - a plain cached step, `decoder(x (1, T), cache=cache)`, goes to VLA.step with input_pos = length + arange(T);
-      the target's 1-token step, its (gamma+1)-token verify step and the draft's 1- or 2-token step are then one
-      compiled graph each (a shorter last round adds one more), and rollback stays an integer (`crop`);
-    - everything else (the prefill, a call with logits_to_keep) is the model's forward, eager.
 
-    compile: False runs VLA.step eagerly (the static shapes alone); True compiles it, with inductor on a CPU (weights
-    frozen into the graph) and mode "reduce-overhead" (CUDA graphs) on CUDA. The first call of each shape compiles
-    (seconds to minutes): warm every shape up before timing (bench.py does).
-    step_lengths: if given (e.g. (1, 2, gamma + 1)), a step of T tokens runs padded to the shortest of them >= T,
-    so a round that drafts fewer tokens near max_new_tokens reuses the (gamma+1)-token graph instead of compiling
-    its own. The padding's keys land after the new length, in slots every later step overwrites before any query
-    reaches them (the mask hides slots after a query's position), so max_len needs max(step_lengths) - 1 of slack."""
-
-    def __init__(self, model: VLA, max_len: int, compile: bool = False, step_lengths=None):
-        if max_len > model.cfg.max_seq_len:
-            raise ValueError(f"static cache of {max_len} positions is longer than the model's max_seq_len "
-                             f"{model.cfg.max_seq_len}")
-        self.model, self.compiled = model, compile
-        self.step_lengths = sorted(step_lengths) if step_lengths else None
-        w = model.layers[0].self_attn.qkv.weight
-        self.cache = StaticCache(model.cfg.n_layers, 1, model.cfg.n_kv_heads, max_len, model.cfg.head_dim, w.dtype,
-                                 w.device)
-        cuda = w.device.type == "cuda"
-        # A CUDA graph's outputs are overwritten by its next replay; speculate keeps the last logits of each model
-        # for its end-of-decode NaN check, so they are copied out (V floats per step).
-        self.copy_out = compile and cuda
-        self._step = model.step
-        if compile:
-            # Shapes per model: T = 1 and gamma + 1 (target), 1 and 2 (draft), and a shorter last round; the target
-            # and the draft share VLA.step's code object, whose default limit of 8 compiled variants would send the
-            # rest back to eager without a word.
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-            if cuda:  # the buffers are graph inputs at fixed addresses, written in place (as HF's StaticCache)
-                for buf in self.cache.ks + self.cache.vs:
-                    torch._dynamo.mark_static_address(buf)
-                self._step = torch.compile(model.step, mode="reduce-overhead", fullgraph=True, dynamic=False)
-            else:  # freezing: the weights become constants of the graph, prepacked for the CPU's matmul library
-                # (a compiled graph is then stale if the weights change: decode only, no training through it)
-                self._step = torch.compile(model.step, fullgraph=True, dynamic=False, options={"freezing": True})
-
-    def __getattr__(self, name):  # cfg, embed, visual, expert, ...: the model's
-        return getattr(self.model, name)
-
-    def new_cache(self, batch=1, max_len=None, dtype=None, device=None) -> KVCache:
-        c = self.cache
-        if batch != 1:
-            raise ValueError(f"StaticDecoder decodes batch size 1, got batch {batch}")
-        if max_len is not None and max_len > c.max_len:
-            raise ValueError(f"a decode needs a cache of {max_len} positions, the static cache holds {c.max_len}: "
-                             f"build the StaticDecoder with a larger max_len")
-        k0 = c.ks[0]
-        if dtype not in (None, k0.dtype) or (device is not None and torch.device(device) != k0.device):
-            raise ValueError(f"the static cache is {k0.dtype} on {k0.device}, asked for {dtype} on {device}")
-        c.length, c.key_mask = 0, None
-        return c
-
-    def __call__(self, input_ids=None, cache=None, **kwargs):
-        if cache is None or cache.length == 0 or kwargs:
-            return self.model(input_ids, cache=cache, **kwargs)
-        if cache is not self.cache:
-            raise ValueError("StaticDecoder steps only its own cache (from its new_cache)")
-        if cache.key_mask is not None:
-            raise ValueError("static decoding needs an unpadded prompt (the cache has a padding mask)")
-        T = n = input_ids.shape[1]
-        if self.step_lengths is not None:
-            n = next((s for s in self.step_lengths if s >= T), None)
-            if n is None:
-                raise ValueError(f"a step of {T} tokens is longer than the longest step length {self.step_lengths}")
-            input_ids = torch.cat([input_ids, input_ids[:, -1:].expand(-1, n - T)], 1)  # (1, n): any ids will do
-        if cache.length + n > cache.max_len:
-            raise ValueError(f"KV cache overflow: {cache.length} + {n} tokens > max_len {cache.max_len}")
-        if self.compiled and self.model.cfg.draft_vocab:
-            self.model.head_rows()  # a reduced head's kept rows, checked (and gathered if stale) outside the graph
-        input_pos = torch.arange(cache.length, cache.length + n, device=input_ids.device)  # (n,)
-        logits = self._step(input_ids, input_pos, cache)[:, :T]  # (1, T, V): the padding's logits dropped
-        cache.length += T
-        return logits.clone() if self.copy_out else logits
+def check_vocab_ids(ids, vocab_size, k=None):
+    """A reduced head's ids: 1..V distinct token ids (k when given); out-of-range ids would index garbage rows."""
+    if ids.dim() != 1 or ids.dtype != torch.long:
+        raise ValueError(f"vocab_ids must be a 1-D tensor of token ids (long), got shape {tuple(ids.shape)} "
+                         f"dtype {ids.dtype}")
+    if not 1 <= len(ids) <= vocab_size:
+        raise ValueError(f"a reduced draft head covers 1..{vocab_size} token ids (the vocabulary), got {len(ids)}")
+    if k is not None and len(ids) != k:
+        raise ValueError(f"{len(ids)} vocab_ids for a head of draft_vocab {k}")
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or hi >= vocab_size:
+        raise ValueError(f"vocab_ids hold token id {lo if lo < 0 else hi}, outside the vocabulary 0..{vocab_size - 1}")
+    if len(ids.unique()) != len(ids):
+        raise ValueError(f"vocab_ids repeat token ids ({len(ids) - len(ids.unique())} duplicates)")

@@ -3,7 +3,7 @@
 transformers ships it), beside our target-only and speculative decoding (docs/background.md, "Speculative decoding").
 The draft is the M-RoPE replica (checkpoints/toy/draft_mrope_s0): FlatRoPE has no transformers counterpart.
 
-Timed: one call per prompt, end to end (vision tower + prefill + reasoning step), read with speculate.Clock, over the
+Timed: one call per prompt, end to end (vision tower + prefill + reasoning step), read with timing.Clock, over the
 tokens generated (generate does not report its prefill apart); our arms' own prefill + decode split beside it, and on
 a CPU the process's CPU time per token, which a shared machine does not inflate. A warm-up call per arm and prompt,
 then `repeats` passes in which all arms run each prompt in turn (the order rotated); medians. Greedy only: generate's
@@ -28,6 +28,7 @@ import torch
 import checkpoint
 import evaluate
 import speculate
+import timing
 from hf import export_pretrained
 
 PEER_DRAFT = ("mrope", 0)  # the draft both speculative arms use: the M-RoPE replica, seed 0
@@ -111,19 +112,19 @@ def one_token_forward(target, hf_target, prompt, inputs, reps=20):
         hf_target(input_ids=x, cache=hf_cache, use_cache=True)
         hf_cache.crop(-1)
 
-    return {name: 1e3 * speculate.median_time(fn, device, reps) for name, fn in (("ours", ours), ("hf", hf))}
+    return {name: 1e3 * timing.median_time(fn, device, reps) for name, fn in (("ours", ours), ("hf", hf))}
 
 
 def time_calls(arms, prompts, device, repeats):
     """arms: name -> fn(i, prompt) returning (tokens, inner seconds or None). A warm-up call per arm and prompt, then
-    `repeats` passes in which the arms alternate on every prompt, each call timed with speculate.Clock.
+    `repeats` passes in which the arms alternate on every prompt, each call timed with timing.Clock.
     Returns {name: {tokens (list per prompt, from the warm-up), ms_per_token, ms_per_prompt, inner_ms_per_token (when
     fn gives it), cpu_ms_per_token (on a CPU)}}: medians of the passes; a pass's ms per token is its total time over
     its total tokens. cpu_ms_per_token is this process's CPU time (time.process_time) per token: on a shared CPU the
     wall clock also counts the time the process waited for a core, the CPU time only the work."""
     tokens = {name: [fn(i, p)[0] for i, p in enumerate(prompts)] for name, fn in arms.items()}
     passes = {name: [] for name in arms}
-    clock, names = speculate.Clock(device, enabled=True), list(arms)
+    clock, names = timing.Clock(device, enabled=True), list(arms)
     for r in range(repeats):
         sums = {name: [0.0, 0.0, 0.0, 0] for name in names}  # wall s, CPU s, inner s, tokens
         for i, p in enumerate(prompts):

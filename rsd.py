@@ -39,11 +39,13 @@ import speculate
 import train as T
 from driving import Data
 from evaluate import MAX_NEW_TOKENS, TARGET_ONLY
+from timing import step_times, tree_speedup, tree_step_times
+from tree import TreeShape
 
 ROWS = (("replica", "mrope"), ("flatrope", "flat"), ("flatrope+aarl", "aarl"))  # table row -> draft kind on disk
 GAMMAS = tuple(range(2, 9))
 # the draft trees a tree row chooses from on val (width 3: experiments/tree_sweep.py); --tree N keeps those of <= N nodes
-TREES = tuple(speculate.TreeShape(n, d, 3) for n in (16, 32) for d in (6, 8))
+TREES = tuple(TreeShape(n, d, 3) for n in (16, 32) for d in (6, 8))
 FIGURES = "figures"  # --plot's folder
 # --plot's views sweep, written by python experiments/views_sweep.py; found from any working folder
 SWEEP_JSON = os.path.join(os.path.dirname(os.path.abspath(__file__)), "experiments", "views_sweep.json")
@@ -73,7 +75,7 @@ def paper_table(target, drafts, splits, n_time, repeats, decoding=None, compile=
              for split in splits}
     prompts = evaluate.scene_prompts(test.scenes, test.tok, device, views=test.views_at(0))
     first = {row: next(iter(by_seed.values())) for row, by_seed in drafts.items()}
-    times = speculate.step_times(target, first["flatrope"], prompts[0], [1] + [g + 1 for g in GAMMAS])
+    times = step_times(target, first["flatrope"], prompts[0], [1] + [g + 1 for g in GAMMAS])
     ade = evaluate.trajectory_ade(target, test, outputs["test"])[0]  # every arm emits the target's greedy CoC
     attn = evaluate.attention_split(target, target, test)
     sampling = decoding is not None and decoding["mode"] == "sampling"
@@ -109,7 +111,7 @@ def paper_table(target, drafts, splits, n_time, repeats, decoding=None, compile=
 
 
 def tree_rows(target, drafts, chain_rows, prompts, n_time, repeats, decoding=None, max_nodes=32):
-    """One row per draft kind with a draft tree (speculate.tree_round) beside its chain row: the shape of TREES (at
+    """One row per draft kind with a draft tree (tree.tree_round) beside its chain row: the shape of TREES (at
     most max_nodes nodes) with the best predicted speed-up on val (the first seed's tree decoding, the tree's measured
     step times), then every seed's held-out tree decoding (tau mean and spread, greedy output identical to
     target-only), alpha per depth and nodes per round (first seed) and the timed speed-up. The teacher-forced columns
@@ -118,10 +120,10 @@ def tree_rows(target, drafts, chain_rows, prompts, n_time, repeats, decoding=Non
     shapes = [sh for sh in TREES if sh.nodes <= max_nodes]
     val, test = prompts["val"], prompts["test"]
     first = {row: next(iter(by_seed.values())) for row, by_seed in drafts.items()}
-    times = speculate.step_times(target, first["flatrope"], val[0], (1,))
+    times = step_times(target, first["flatrope"], val[0], (1,))
     t1, td = times["target"][1], times["draft"]
-    tt = speculate.tree_step_times(target, first["flatrope"], val[0], sorted({sh.nodes for sh in shapes}), 3)
-    predicted = lambda tau, sh: speculate.tree_speedup(tau, t1, td, tt["draft_level"], tt["target"][sh.nodes], sh)  # noqa: E731
+    tt = tree_step_times(target, first["flatrope"], val[0], sorted({sh.nodes for sh in shapes}), 3)
+    predicted = lambda tau, sh: tree_speedup(tau, t1, td, tt["draft_level"], tt["target"][sh.nodes], sh)  # noqa: E731
     rows = []
     for name, by_seed in drafts.items():
         chain = next(r for r in chain_rows if r["name"] == name)

@@ -1,75 +1,44 @@
 """Lossless speculative decoding of the reasoning (chain-of-causation) step.
 
-The routine reasoner (draft, q) proposes gamma tokens one at a time; the
-deliberative reasoner (the unmodified target VLA, p) checks all of them in one
-forward over [x_last, d_1..d_gamma] and keeps the longest prefix it agrees with,
-plus one token of its own (the correction, or a bonus when every draft token
-was accepted). Greedy output is identical to the target's; sampled output is
-distributed exactly as the target's (Leviathan et al. 2023, Algorithm 1).
-Greedy identity is exact in fp32; in bf16 the batched verify forward can flip
-near-tied argmaxes relative to single-token decoding. Paper: the routine and
-deliberative reasoners cooperate in the speculative-decoding template; tau and
-the speed-up statistics follow Leviathan et al. (docs/background.md,
-"Speculative decoding").
+The routine reasoner (draft, q) proposes gamma tokens one at a time; the deliberative reasoner (the unmodified target
+VLA, p) checks them in one forward over [x_last, d_1..d_gamma] and keeps the longest prefix it agrees with, plus one
+token of its own (the correction, or a bonus when every draft was accepted). Greedy output is the target's (exact in
+fp32; in bf16 the batched verify can flip near-tied argmaxes); sampled output is distributed exactly as the target's
+(Leviathan et al. 2023, Algorithm 1; docs/background.md, "Speculative decoding"). Draft trees are tree.py.
 
-Cache discipline, the invariant every round keeps: both caches hold the prompt
-and the emitted tokens except the *pending* suffix. The target has seen all but
-the last emitted token x_last; the draft has seen all but `pending`, which is
-[x_last] or, after a round that accepted all gamma drafts, [d_gamma, x_last]
-(the draft never fed d_gamma to itself). The next round's first draft forward
-feeds exactly `pending`, so no token is skipped or fed twice.
+Cache invariant of every round: both caches hold the prompt and the emitted tokens except the *pending* suffix. The
+target has seen all but the last emitted token x_last; the draft all but `pending`, [x_last] or, after a round that
+accepted all gamma drafts, [d_gamma, x_last]; the next round's first draft forward feeds exactly `pending`. The
+prompt's last token (<cot_start>) is held back from the prefill and plays x_last in the first round, so every
+emitted token comes out of a verification round: tau = tokens / rounds exactly. A reduced-vocabulary draft
+(model.VLA.head) needs nothing here: q is 0 outside its set, and the residual max(0, p - q) covers those tokens.
 
-A draft with a reduced vocabulary (model.VLA.head: logits over K target ids, -inf at the
-others) needs nothing here: greedy drafting never proposes a token outside its set, and in
-sampling q is 0 there, so the residual max(0, p - q) covers those tokens and the output stays
-distributed as the target's.
-
-The prompt's last token (the assistant's <cot_start>) is held back from the
-prefill and plays x_last in the first round, so every emitted token, the first
-included, comes out of a verification round: tau = tokens / rounds exactly.
-
-Draft trees (gamma a TreeShape; "draft trees" below): instead of one chain the
-draft grows a tree of N candidates where it is unsure (EAGLE-2's dynamic tree),
-the target verifies x_last and all N nodes in one forward under a tree attention
-mask, and the round emits the longest path the target agrees with plus its own
-next token; the chain of gamma is the tree of width 1. The cache invariant is the
-same: after a round the accepted path's keys / values sit in consecutive slots.
-
-run: python speculate.py --device cpu
+run: python -m pytest -q tests/test_speculate.py        (demo: python experiments/speculate_demo.py --device cpu)
 """
-import argparse
 import contextlib
-import copy
 import math
-import statistics
 import time
 from dataclasses import dataclass, field
 
 import torch
 
-from model import PRESETS, VLA
 
 # ---- processed distributions ----
 
-# Keys of the prompt dict: the first group goes to target.embed, the grids also
-# to forward (M-RoPE positions need them even when inputs_embeds is given).
+# Keys of the prompt dict: the first group goes to target.embed, the grids also to forward (M-RoPE positions need
+# them even when inputs_embeds is given).
 EMBED_KEYS = ("input_ids", "pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
 GRID_KEYS = ("image_grid_thw", "video_grid_thw", "second_per_grid_ts")
 
 
 def process_logits(logits, temperature, top_k=None, top_p=None):
-    """Logits (..., V) -> the probabilities (..., V) a token is sampled from.
-
-    The one function behind both p and q, so the verifier compares exactly the
-    distributions that were sampled from (Leviathan's proof needs this).
-    Order as in Hugging Face generate: temperature, top-k, top-p.
-    temperature 0 is the greedy point mass on the argmax.
-    """
+    """Logits (..., V) -> the probabilities (..., V) a token is sampled from: the one function behind both p and q,
+    so the verifier compares exactly the distributions that were sampled from (Leviathan's proof needs this). Order
+    as in Hugging Face generate: temperature, top-k, top-p; temperature 0 is the point mass on the argmax."""
     logits = logits.float()
     if temperature == 0:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
-    # Subtract the max before dividing: a tiny temperature then sends the
-    # others to -inf, never to inf - inf = NaN.
+    # Subtract the max before dividing: a tiny temperature then sends the others to -inf, never to inf - inf = NaN.
     logits = (logits - logits.amax(-1, keepdim=True)) / temperature
     if top_k is not None and top_k < logits.shape[-1]:
         kth = logits.topk(top_k, dim=-1).values[..., -1:]  # (..., 1)
@@ -95,28 +64,17 @@ def sample(probs, generator):
 
 
 def verify_greedy(draft_tokens, target_logits):
-    """Greedy verification. draft_tokens (..., gamma), target_logits (..., gamma+1, V).
-
-    Returns (n_accepted, next_token), integer tensors of shape (...): the drafts
-    d_1..d_n equal the target's argmaxes t_0..t_{n-1}, next_token is t_n (the
-    correction, or the bonus when n == gamma). Tensors, not ints, so the decode
-    loop syncs with the device once per round, not once per call.
-    """
+    """draft_tokens (..., gamma), target_logits (..., gamma+1, V) -> (n_accepted, next_token) (...): d_1..d_n equal
+    the argmaxes t_0..t_{n-1}, next is t_n (correction or bonus). Tensors: the loop syncs once per round."""
     t = target_logits.argmax(-1)  # (..., gamma+1)
     n = (draft_tokens == t[..., :-1]).long().cumprod(-1).sum(-1)  # (...) length of the agreeing prefix
     return n, t.gather(-1, n.unsqueeze(-1)).squeeze(-1)
 
 
 def verify_sample(draft_tokens, q, p, generator=None):
-    """Sampling verification (Leviathan et al. 2023, Algorithm 1).
-
-    draft_tokens (..., gamma) were sampled from q (..., gamma, V); p
-    (..., gamma+1, V) are the target's processed probabilities at the same
-    positions plus one. d_i is accepted with probability min(1, p_i(d_i) / q_i(d_i)),
-    a fresh uniform per position; at the first rejection the next token is
-    drawn from normalise(max(0, p_i - q_i)), and after gamma acceptances the
-    bonus is drawn from p_gamma. Returns (n_accepted, next_token) of shape (...).
-    """
+    """Leviathan et al. 2023, Algorithm 1: draft_tokens (..., gamma) sampled from q (..., gamma, V); p (..., gamma+1,
+    V). d_i is accepted with probability min(1, p_i(d_i) / q_i(d_i)); at the first rejection the next token is drawn
+    from normalise(max(0, p_i - q_i)), after gamma acceptances the bonus from p_gamma. -> (n_accepted, next) (...)."""
     idx = draft_tokens.unsqueeze(-1)  # (..., gamma, 1)
     p_d = p[..., :-1, :].gather(-1, idx).squeeze(-1)  # (..., gamma)
     q_d = q.gather(-1, idx).squeeze(-1)  # (..., gamma)
@@ -128,14 +86,13 @@ def verify_sample(draft_tokens, q, p, generator=None):
     # mass ~ 0 means p == q up to rounding: a rejection there has probability ~mass,
     # and p is then the right distribution (and keeps multinomial defined).
     residual = torch.where(mass > torch.finfo(p.dtype).eps, residual, p[..., :-1, :])
-    # Draw a candidate for every possible outcome n = 0..gamma and pick one on
-    # device: the draws are independent of u, so the picked one has the right
-    # law, and the round needs no host sync before its end.
+    # A candidate for every outcome n = 0..gamma, picked on device: the draws are independent of u, so the picked one
+    # has the right law, and the round needs no host sync before its end.
     candidates = sample(torch.cat([residual, p[..., -1:, :]], -2), generator)  # (..., gamma+1)
     return n, candidates.gather(-1, n.unsqueeze(-1)).squeeze(-1)
 
 
-# ---- statistics and cost model ----
+# ---- statistics ----
 
 
 @dataclass
@@ -156,20 +113,17 @@ class SpecResult:
     decode_s: float = 0.0  # wall time of the reasoning step after the prefill (timing=True only)
 
     @property
-    def tau(self):
-        """Tokens per target verification forward, bonus included (plain decoding: 1.0)."""
+    def tau(self):  # tokens per target verification forward, bonus included (plain decoding: 1.0)
         return len(self.tokens) / max(self.rounds, 1)
 
     @property
     def alpha(self):
-        """Acceptance rate of the draft tokens the verifier reached: the estimate of
-        Leviathan's alpha that expected_speedup takes. Tokens behind a rejection
-        were never tested, so n_accepted / n_drafted would understate alpha."""
+        """Acceptance rate of the draft tokens the verifier reached (Leviathan's alpha, timing.expected_speedup's):
+        tokens behind a rejection were never tested, so n_accepted / n_drafted would understate alpha."""
         return self.n_accepted / max(self.n_tested, 1)
 
     @property
-    def acceptance_rate(self):
-        """Share of all proposed draft tokens that were accepted."""
+    def acceptance_rate(self):  # share of all proposed draft tokens that were accepted
         return self.n_accepted / max(self.n_drafted, 1)
 
     def alpha_by_depth(self):
@@ -183,249 +137,51 @@ class SpecResult:
 
     def summary(self):
         return dict(tokens=len(self.tokens), tau=self.tau, alpha=self.alpha, acceptance_rate=self.acceptance_rate,
-                    rounds=self.rounds,
-                    target_forwards=self.target_forwards, draft_forwards=self.draft_forwards,
+                    rounds=self.rounds, target_forwards=self.target_forwards, draft_forwards=self.draft_forwards,
                     n_drafted=self.n_drafted, n_accepted=self.n_accepted, n_tested=self.n_tested,
                     from_draft=sum(self.from_draft) / max(len(self.from_draft), 1))
 
 
-def expected_tau(alpha, gamma):
-    """Expected tokens per round for an i.i.d. acceptance rate alpha: (1 - a^(g+1)) / (1 - a)."""
-    if alpha >= 1.0:
-        return gamma + 1.0
-    return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
-
-
-def expected_speedup(alpha, gamma, c):
-    """Leviathan et al. Theorem 3.8: (1 - a^(g+1)) / ((1 - a)(g c + 1)), c = draft step / target step."""
-    return expected_tau(alpha, gamma) / (gamma * c + 1.0)
-
-
 def tau_ceiling(lengths, gamma):
-    """tau of a draft (gamma: the chain's length or a TreeShape) the verifier never rejects, over sequences of the given lengths (stop token included):
-    each round yields at most gamma + 1 tokens, so a sequence of n tokens takes ceil(n / (gamma + 1)) rounds.
-    Short outputs cap tau well below gamma + 1, whatever the draft (a 17-token CoC at gamma 6: 17 / 3)."""
-    g = gamma.depth if isinstance(gamma, TreeShape) else gamma  # a tree emits at most depth + 1 per round
+    """tau of a never-rejected draft (gamma, or a TreeShape) over outputs of these lengths: n tokens take at least
+    ceil(n / (gamma + 1)) rounds, so short outputs cap tau whatever the draft (a 17-token CoC at gamma 6: 17 / 3)."""
+    g = getattr(gamma, "depth", gamma)  # a tree emits at most depth + 1 per round
     return sum(lengths) / sum(math.ceil(n / (g + 1)) for n in lengths)
 
 
-def measured_speedup(tau, t_target_1, t_draft_1, t_target_gamma1, gamma):
-    """tau * T_target(1) / (gamma * T_draft(1) + T_target(gamma+1)), from measured step times."""
-    return tau * t_target_1 / (gamma * t_draft_1 + t_target_gamma1)
-
-
-# ---- arguments, caches, prefill ----
-
-
-def check_args(prompt, max_new_tokens, temperature, top_k, top_p, gamma=None):
-    """Clear errors before any work."""
-    unknown = set(prompt) - set(EMBED_KEYS) - set(GRID_KEYS) - {"attention_mask"}
-    if unknown:
-        raise ValueError(f"prompt has keys speculate does not understand: {sorted(unknown)}")
-    ids = prompt["input_ids"]
-    if ids.dim() != 2 or ids.shape[0] != 1:
-        raise ValueError(f"speculative decoding here is batch size 1: input_ids must be (1, L), got {tuple(ids.shape)}")
-    mask = prompt.get("attention_mask")
-    if mask is not None and not bool(mask.all()):
-        raise ValueError("padded prompts are not supported (batch size 1, attention_mask must be all ones)")
-    if ids.shape[1] < 2:
-        # An empty cache makes the model read its input as a prompt (3D positions from the
-        # token ids); the decode rounds must never start from one.
-        raise ValueError("the prompt needs at least 2 tokens: all but the last are prefilled, the last is decoded")
-    if gamma is not None and not isinstance(gamma, TreeShape) and (not isinstance(gamma, int) or gamma < 1):
-        raise ValueError(f"gamma (draft length) must be an int >= 1 or a TreeShape, got {gamma!r}")
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-    check_sampling(temperature, top_k, top_p)
-
-
-def check_sampling(temperature, top_k, top_p):
-    """The sampling settings alone (the scripts check their flags with it before any work)."""
-    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature >= 0):
-        raise ValueError(f"temperature must be finite and >= 0 (0 = greedy), got {temperature!r}")
-    if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
-        raise ValueError(f"top_k must be None or an int >= 1, got {top_k!r}")
-    if top_p is not None and not (0.0 < top_p <= 1.0):
-        raise ValueError(f"top_p must be None or in (0, 1], got {top_p!r}")
-
-
-def check_vocab(target, draft, prompt, stop_token):
-    """Token ids, the stop token and the draft's vocabulary against the target's, before any work (an id out of
-    range fails deep inside an embedding lookup; a stop token out of range never stops)."""
-    V = getattr(config_of(target), "vocab_size", None)
-    if V is None:
-        return
-    ids = prompt["input_ids"]
-    lo, hi = int(ids.min()), int(ids.max())
-    if lo < 0 or hi >= V:
-        raise ValueError(f"input_ids hold token id {lo if lo < 0 else hi}, outside the target's vocabulary 0..{V - 1}")
-    if stop_token is not None and not (isinstance(stop_token, int) and 0 <= stop_token < V):
-        raise ValueError(f"stop_token {stop_token!r} is not a token id of the target's vocabulary 0..{V - 1}")
-    Vq = getattr(config_of(draft), "vocab_size", V) if draft is not None else V
-    if Vq != V:
-        raise ValueError(f"the draft's vocabulary ({Vq} tokens) is not the target's ({V}): its tokens cannot be "
-                         "verified")
-
-
-def live_ids(model):
-    """The token ids whose logits a model computes: a reduced-vocabulary draft's vocab_ids (K,) (its other logits
-    are -inf by construction, model.VLA.head), None for a model whose head covers the vocabulary."""
-    return getattr(model, "vocab_ids", None)
-
-
-def check_finite(logits, name, when, ids=None):
-    """A NaN / inf logit row is an error naming the model: greedy decoding would emit argmax(NaN) tokens silently.
-    ids (K,): check only those columns (live_ids)."""
-    if ids is not None:
-        logits = logits.index_select(-1, ids)  # (..., K)
-    if not bool(torch.isfinite(logits).all()):
-        raise FloatingPointError(f"{name}: NaN or inf logits {when} (NaN / inf weights, or an overflow in "
-                                 f"{logits.dtype})")
+# ---- caches and prefill ----
 
 
 def new_cache(model, prompt, max_new_tokens, max_len, slack=0):
-    """A cache that fits the whole decode; the size check comes before any forward.
-
-    The largest length is L - 1 + max_new_tokens: the last round drafts only as
-    many tokens as are still needed, so no round writes past the final token.
-    slack: slots beyond it (not positions) for a tree round's branches, which sit after the committed length.
-    """
+    """A cache for the whole decode, L - 1 + max_new_tokens (+ `slack` slots for a tree's branches), checked first."""
     need = prompt["input_ids"].shape[1] - 1 + max_new_tokens
     cfg = config_of(model)  # a Hugging Face config's max_position_embeddings, or our ModelConfig.max_seq_len
     limit = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "max_seq_len", None)
+    what = f"prompt ({prompt['input_ids'].shape[1]}) + max_new_tokens ({max_new_tokens}) needs"
     if limit is not None and need > limit:
-        raise ValueError(f"prompt ({prompt['input_ids'].shape[1]}) + max_new_tokens ({max_new_tokens}) "
-                         f"needs {need} positions, the model has {limit}")
+        raise ValueError(f"{what} {need} positions, the model has {limit}")
     if max_len is not None and need + slack > max_len:
-        raise ValueError(f"prompt ({prompt['input_ids'].shape[1]}) + max_new_tokens ({max_new_tokens}) "
-                         f"needs a cache of {need + slack}, max_len is {max_len}")
+        raise ValueError(f"{what} a cache of {need + slack}, max_len is {max_len}")
     return model.new_cache(batch=1, max_len=max_len or need + slack, device=prompt["input_ids"].device)
 
 
-def config_of(model):
-    return getattr(model, "cfg", None) or getattr(model, "config", None)
-
-
-def check_last_token(model, prompt):
-    # The held-back last token is decoded as text; an image placeholder there
-    # would split the vision features from their slots.
-    last = int(prompt["input_ids"][0, -1])
-    cfg = config_of(model)
-    if last in (getattr(cfg, "image_token_id", None), getattr(cfg, "video_token_id", None)):
-        raise ValueError("the prompt must end with a text token (e.g. <cot_start>), not an image/video placeholder")
-
-
 def embed_prompt(target, prompt):
-    """The target's prompt embeddings (1, L, D) and its DeepStack features (Qwen3-VL; [] without).
-    A model whose embed knows no DeepStack returns the embeddings alone."""
+    """The target's prompt embeddings (1, L, D) and DeepStack features (Qwen3-VL; [] without, or from an HF embed)."""
     out = target.embed(**{k: prompt[k] for k in EMBED_KEYS if prompt.get(k) is not None}, return_deepstack=True)
     return out if isinstance(out, tuple) else (out, [])
 
 
 def prefill(model, prompt, embeds, cache, deepstack=None, name="model"):
-    """Feed the prompt except its last token; returns that token (1, 1), the first x_last.
-
-    embeds (1, L, D) come from target.embed once and serve both models, so the
-    draft sees the target's image features and no second vision tower runs.
-    deepstack: the target's DeepStack features (embed_prompt), for the target only.
-    name: how an error names the model (NaN / inf logits).
-    """
+    """Feed the prompt but its last token, returned (1, 1) as the first x_last. embeds (1, L, D), target.embed's, serve
+    both models: the draft sees the target's image features, no second tower runs. deepstack: the target's only."""
     ids = prompt["input_ids"]  # (1, L)
     grids = {k: prompt[k] for k in GRID_KEYS if prompt.get(k) is not None}
     if deepstack:
         grids["deepstack"] = deepstack
-    # The prefill's logits are only checked: logits_to_keep=1 skips an (L, V) LM-head product. NaN / inf weights
-    # reach every position, so one row and one host sync per decode catch them.
+    # logits_to_keep=1 skips an (L, V) LM-head product: the one row is only checked (NaN weights reach every row).
     logits = model(ids[:, :-1], inputs_embeds=embeds[:, :-1], cache=cache, logits_to_keep=1, **grids)  # (1, 1, V)
-    check_finite(logits, name, "after the prefill", live_ids(model))
+    check_finite(logits, name, "after the prefill", model)
     return ids[:, -1:]
-
-
-class Clock:
-    """Wall-clock marks for timing=True: the device is synchronised before each reading, so
-    queued GPU work is counted where it belongs (prefill vs decode). Disabled: no syncs.
-    timer: the clock read; time.process_time counts only this process's CPU time, which on a CPU
-    shared with other work is its own cost where the wall clock would add its waits (CPU only)."""
-
-    def __init__(self, device, enabled, timer=time.perf_counter):
-        self.enabled = enabled
-        self.cuda = enabled and torch.device(device).type == "cuda"
-        self.timer = timer
-        self.t = self.now()
-
-    def now(self):
-        if not self.enabled:
-            return 0.0
-        if self.cuda:
-            torch.cuda.synchronize()
-        return self.timer()
-
-    def lap(self):
-        t, self.t = self.t, self.now()
-        return self.t - t
-
-
-def median_time(fn, device, reps, timer=time.perf_counter):
-    """Median time (s) of fn() over reps calls, after one warm-up call, read with Clock (timer: its clock, by default
-    the wall clock)."""
-    fn()
-    clock, times = Clock(device, enabled=True, timer=timer), []
-    for _ in range(reps):
-        clock.lap()
-        fn()
-        times.append(clock.lap())
-    return statistics.median(times)
-
-
-@torch.no_grad()  # not inference_mode: a compiled step warmed up under no_grad would compile again under it
-def step_times(target, draft, prompt, lengths, reps=20, timer=time.perf_counter):
-    """The measured cost model's step times in seconds: {"target": {n: T_target(n) for n in lengths}, "draft":
-    T_draft(1)}, each a single forward on a cache that holds the prompt, followed by a crop back to it (the
-    verifier's rollback). timer: Clock's clock (time.process_time: CPU time, for a shared CPU)."""
-    device = prompt["input_ids"].device
-    L = prompt["input_ids"].shape[1]
-    embeds = target.embed(**{k: prompt[k] for k in EMBED_KEYS if prompt.get(k) is not None})  # (1, L, D)
-
-    def time_step(m, n):
-        cache = m.new_cache(batch=1, max_len=L + n)
-        prefill(m, prompt, embeds, cache)  # the prompt except its last token
-        x = prompt["input_ids"][:, -1:].repeat(1, n)  # (1, n) tokens; their values do not matter for time
-        base = cache.length
-
-        def step():
-            m(x, cache=cache)
-            cache.crop(base)
-
-        return median_time(step, device, reps, timer)
-
-    return {"target": {n: time_step(target, n) for n in lengths}, "draft": time_step(draft, 1)}
-
-
-@torch.inference_mode()
-def tree_step_times(target, draft, prompt, nodes, width, reps=20, timer=time.perf_counter):
-    """The tree round's step times in seconds, each a single VLA.step on a cache that holds the prompt (as
-    tree_round calls it; the mask's values do not change the work): {"target": {n: T_verify(n + 1)} for n in nodes,
-    the target over x_last and n nodes, "draft_level": T_draft(width), one level's forward over `width` expanded
-    nodes}."""
-    device = prompt["input_ids"].device
-    L = prompt["input_ids"].shape[1]
-    embeds = target.embed(**{k: prompt[k] for k in EMBED_KEYS if prompt.get(k) is not None})  # (1, L, D)
-
-    def time_step(m, n):
-        cache = m.new_cache(batch=1, max_len=L + n)
-        prefill(m, prompt, embeds, cache)
-        x = prompt["input_ids"][:, -1:].repeat(1, n)  # (1, n)
-        slots = torch.arange(L - 1, L - 1 + n, device=device)  # (n,)
-        mask = torch.arange(cache.max_len, device=device)[None] <= slots[:, None]  # (n, S)
-        return median_time(lambda: m.step(x, slots, cache, positions=slots, mask=mask), device, reps, timer)
-
-    return {"target": {n: time_step(target, n + 1) for n in nodes}, "draft_level": time_step(draft, width)}
-
-
-def tree_speedup(tau, t_target_1, t_draft_1, t_draft_level, t_verify, shape):
-    """tau * T_target(1) / (T_draft(1) + (D - 1) T_draft(k) + T_verify(N + 1)): a tree round drafts its root level
-    from the pending token, then D - 1 levels of k expanded nodes, and verifies x_last + N nodes in one forward."""
-    return tau * t_target_1 / (t_draft_1 + (shape.depth - 1) * t_draft_level + t_verify)
 
 
 def make_generator(device, seed):
@@ -435,18 +191,12 @@ def make_generator(device, seed):
     return g
 
 
-# ---- decoding ----
+# ---- the chain round ----
 
 
 def spec_round(target, draft, tcache, dcache, pending, gamma, temperature, top_k, top_p, generator, last=None):
-    """One draft-then-verify round.
-
-    pending (1, k): emitted tokens the draft has not seen; its last one, x_last,
-    is the only one the target has not seen. Returns (n_accepted, drafted
-    tokens (list of gamma ints), next token (int), new pending (1, k')).
-    last: a dict that receives the latest logits of "draft" and "target" (for the
-    end-of-decode check: references only, no work).
-    """
+    """One draft-then-verify round. pending (1, k): emitted tokens the draft has not seen, the last (x_last) the only
+    one the target has not. -> (n_accepted, drafted ints, next int, new pending); last: latest logits (NaN guard)."""
     ell = tcache.length  # committed tokens in the target cache, x_last excluded
     x, drafted, qs = pending, [], []
     last = {} if last is None else last
@@ -461,9 +211,8 @@ def spec_round(target, draft, tcache, dcache, pending, gamma, temperature, top_k
         x = d.view(1, 1)
     d = torch.cat(drafted) if gamma else pending.new_empty(0)  # (gamma,)
     # One target forward over [x_last, d_1..d_gamma] gives p at gamma + 1 positions.
-    logits_p = target(torch.cat([pending[:, -1:], d.view(1, -1)], 1), cache=tcache)[0]  # (gamma+1, V)
-    last["target"] = logits_p
-    if temperature == 0:
+    logits_p = last["target"] = target(torch.cat([pending[:, -1:], d.view(1, -1)], 1), cache=tcache)[0]
+    if temperature == 0:  # logits_p (gamma+1, V)
         n, nxt = verify_greedy(d, logits_p)
     else:
         q = torch.stack(qs) if gamma else logits_p.new_empty(0, logits_p.shape[-1])  # (gamma, V)
@@ -472,236 +221,53 @@ def spec_round(target, draft, tcache, dcache, pending, gamma, temperature, top_k
     # Keep the committed tokens: ell + x_last + n accepted drafts; the new x_last stays out.
     tcache.crop(ell + 1 + n_int)
     dcache.crop(min(dcache.length, ell + 1 + n_int))
-    # The new pending is what the draft's cache lacks of [old pending, d_1..d_n, next]:
-    # [next] after a rejection, [d_gamma, next] after a full acceptance (the draft
-    # fed itself d_1..d_{gamma-1} only), old pending + [next] when gamma == 0.
+    # The new pending is what the draft's cache lacks of [old pending, d_1..d_n, next]: [next] after a rejection,
+    # [d_gamma, next] after a full acceptance (the draft fed itself d_1..d_{gamma-1}), old pending + [next] at gamma 0.
     tail = torch.cat([pending, d[:n_int].view(1, -1), nxt.view(1, 1)], 1)  # (1, k + n + 1)
     pending = tail[:, dcache.length - (ell + 1 - pending.shape[1]):]
     return n_int, d_list, nxt_int, pending
 
 
-# ---- draft trees: EAGLE-2's dynamic tree, verified in one target forward ----
+# ---- decoding ----
 
 
-@dataclass(frozen=True)
-class TreeShape:
-    """How a round's draft tree grows (EAGLE-2, Li et al. 2024): from the root x_last, `depth` levels; at each level
-    the `width` nodes of highest cumulative log q get `width` children each (the draft's top-k, one batched draft
-    forward per level); the `nodes` candidates of highest cumulative log q are what the target verifies. The chain
-    of gamma tokens is TreeShape(gamma, gamma, 1)."""
-    nodes: int  # N: draft tokens verified per round, besides x_last (the node budget)
-    depth: int  # D: the longest path, = draft forwards per round
-    width: int  # k: nodes expanded per level, and children per expanded node
-
-    def __post_init__(self):
-        for name in ("nodes", "depth", "width"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"tree {name} must be an int >= 1, got {v!r}")
-        if not self.depth <= self.nodes <= self.candidates(self.depth):
-            raise ValueError(f"a tree of depth {self.depth} and width {self.width} has {self.candidates(self.depth)} "
-                             f"candidates and needs at least {self.depth} nodes to reach its depth; got {self.nodes}")
-
-    def candidates(self, depth):
-        """Candidates a tree of this width grows to `depth`: width at level 1, width^2 at each level after it."""
-        return 0 if depth == 0 else self.width + (depth - 1) * self.width ** 2
-
-    def at_most(self, depth):
-        """This shape cut to `depth` levels (the last rounds, where fewer tokens are left to emit)."""
-        if depth >= self.depth:
-            return self
-        return TreeShape(min(self.nodes, self.candidates(depth)), depth, self.width)
-
-
-@dataclass
-class Tree:
-    """A draft tree of N nodes plus its root x_last (index 0); a parent precedes its children."""
-    tokens: torch.Tensor  # (N,) token of node i + 1
-    parent: torch.Tensor  # (N+1,) parent index (the root is its own)
-    depth: torch.Tensor  # (N+1,) depth (the root 0)
-    anc: torch.Tensor  # (N+1, N+1) bool: anc[i, j] = node j is node i or one of its ancestors
-    fed: torch.Tensor  # (N+1,) the draft-cache slot of a node the draft was fed (an expanded node), else -1
-
-
-def draft_tree(draft, dcache, pending, shape):
-    """The routine reasoner's tree for one round. Feeds `pending` (committed from then on), then one forward per
-    level over the expanded nodes, each at slot after the committed length, position committed + depth, seeing the
-    committed cache and its own ancestors. Returns (Tree, the last level's logits (F, V)).
-
-    EAGLE-2's: the level-by-level growth, the top-k expansion by cumulative draft probability, the final top-N by
-    the same score. Ours: ties go to the shallower node (a child never scores above its parent, log q <= 0, so the
-    kept set is a tree), and the expanded nodes stay in the draft's cache so that the accepted ones need no re-feed."""
-    dev, k, S, D = pending.device, shape.width, dcache.max_len, shape.depth
-    base, P = dcache.length, pending.shape[1]
-    logits = draft.step(pending, torch.arange(base, base + P, device=dev), dcache)[0, -1:]  # (1, V): q at the root
-    dcache.length = root = base + P  # pending is committed; the tree's entries lie beyond the length
-    # the (D - 1) k expanded nodes' slots, positions (committed length + depth) and own-slot mask rows, level by level
-    cols = torch.arange(S, device=dev)  # (S,)
-    slots = torch.arange(root, root + (D - 1) * k, device=dev)  # ((D-1) k,)
-    pos = (root + torch.arange(D - 1, device=dev)).repeat_interleave(k)  # ((D-1) k,): root - 1 + depth
-    own = cols[None] == slots[:, None]  # ((D-1) k, S)
-    rows = (cols < root)[None]  # (F, S) what each expanded node sees; F = 1: the root
-    f_idx, f_score = torch.full((1,), -1, device=dev), torch.zeros(1, device=dev)  # expanded: candidate id, log q
-    tok, score, parent, expanded = [], [], [], []
-    n = 0
-    for level in range(1, D + 1):
-        s, t = torch.log_softmax(logits.float(), -1).topk(k, -1)  # (F, k): each expanded node's k likeliest children
-        tok.append(t.reshape(-1))
-        score.append((f_score[:, None] + s).reshape(-1))  # (F*k,) cumulative log q
-        parent.append(f_idx.repeat_interleave(k))
-        if level == D:
-            break
-        top = score[-1].topk(k).indices  # (k,) this level's best, expanded next
-        f_idx, f_score = n + top, score[-1][top]
-        expanded.append(f_idx)
-        lv = slice((level - 1) * k, level * k)
-        rows = rows[top // k] | own[lv]  # (k, S) the parent's row plus the node's own slot
-        logits = draft.step(tok[-1][top][None], slots[lv], dcache, positions=pos[lv], mask=rows)[0]  # (k, V)
-        n += t.numel()
-    tok, score, parent = (torch.cat(x) for x in (tok, score, parent))  # (C,) each
-    depth = torch.tensor([1] * k + [d for d in range(2, D + 1) for _ in range(k * k)], device=dev)  # (C,)
-    fed = torch.full_like(tok, -1)  # (C,) the draft-cache slot of an expanded candidate
-    if expanded:
-        fed[torch.cat(expanded)] = slots
-    # Candidates lie in depth order, and a stable sort keeps it among equal scores: a parent precedes its children.
-    keep = score.sort(descending=True, stable=True).indices[:shape.nodes]  # (N,)
-    new = torch.zeros(len(tok) + 1, dtype=torch.long, device=dev)  # candidate id + 1 -> node index (root: 0)
-    new[keep + 1] = torch.arange(1, len(keep) + 1, device=dev)
-    par = torch.cat([new.new_zeros(1), new[parent[keep] + 1]])  # (N+1,)
-    anc, a = torch.eye(len(keep) + 1, dtype=torch.bool, device=dev), torch.arange(len(keep) + 1, device=dev)
-    nodes = a.clone()  # (N+1,) each node's own index
-    for _ in range(D):  # walk every node up to the root, marking what it passes
-        a = par[a]
-        anc[nodes, a] = True
-    tree = Tree(tok[keep], par, torch.cat([depth.new_zeros(1), depth[keep]]), anc,
-                torch.cat([fed.new_full((1,), -1), fed[keep]]))
-    return tree, logits
-
-
-def verify_tree(tree, logits_p, temperature, top_k=None, top_p=None, generator=None):
-    """Which path of the tree the target keeps. logits_p (N+1, V): p at every node. Returns (the accepted path's
-    last node, the token after it), (0-d) tensors.
-
-    The rule: at node v draw y_v from p(. | the path to v) (its argmax when greedy); if a child of v holds y_v,
-    descend into it, else emit y_v and stop. Why it is exact: every emitted token is one draw from p given exactly
-    the tokens emitted before it, each node's draw is independent and used at most once, and the tree depends on q
-    alone, fixed before any y is drawn, so it changes how many tokens a round emits, never their law. It is
-    Leviathan's rule (and SpecInfer's multi-round rule) with q a point mass at each child tried in turn: child x is
-    accepted with min(1, p(x) / 1) = p(x), and after a rejection the residual is p without x, renormalised, so the
-    children are accepted with probabilities p(x_1), p(x_2), ..., exactly as a single draw from p would choose
-    them; a node accepts with probability sum over its children of p(child), the most any rule can accept from a
-    fixed set of candidates. All nodes are drawn at once on the device: no host sync before the round's end."""
-    if temperature == 0:
-        y = logits_p.argmax(-1)  # (N+1,)
-    else:
-        y = sample(process_logits(logits_p, temperature, top_k, top_p), generator)  # (N+1,) one draw per node
-    drawn = torch.cat([tree.anc.new_ones(1), tree.tokens == y[tree.parent[1:]]])  # (N+1,) node = its parent's draw
-    on_path = ~(tree.anc & ~drawn[None]).any(-1)  # (N+1,) drawn, and so is every ancestor: one path from the root
-    best = (on_path * (tree.depth + 1)).argmax()  # its deepest node
-    return best, y[best]
-
-
-def tree_round(target, draft, tcache, dcache, pending, shape, temperature, top_k, top_p, generator, last=None):
-    """One round with a draft tree; the same contract as spec_round (returns n_accepted, the accepted tokens, the
-    next token, the new pending). After it both caches hold exactly the committed tokens: the accepted path's
-    keys / values are moved to consecutive slots (KVCache.move), the rejected branches stay beyond the length."""
-    ell, dev = tcache.length, pending.device
-    last = {} if last is None else last
-    if shape is None:  # nothing left to draft: a plain target step, the draft untouched
-        tree = Tree(pending.new_empty(0), pending.new_zeros(1), pending.new_zeros(1),
-                    torch.ones(1, 1, dtype=torch.bool, device=dev), pending.new_full((1,), -1))
-    else:
-        tree, last["draft"] = draft_tree(draft, dcache, pending, shape)
-    N = len(tree.tokens)
-    mask = torch.zeros(N + 1, tcache.max_len, dtype=torch.bool, device=dev)  # (N+1, S) the tree attention mask
-    mask[:, :ell] = True  # the committed cache
-    mask[:, ell:ell + N + 1] = tree.anc  # x_last and the node's own ancestors
-    x = torch.cat([pending[:, -1:], tree.tokens[None]], 1)  # (1, N+1): x_last, then the nodes
-    logits_p = last["target"] = target.step(x, torch.arange(ell, ell + N + 1, device=dev), tcache,
-                                             positions=ell + tree.depth, mask=mask)[0]  # (N+1, V)
-    best, nxt = verify_tree(tree, logits_p, temperature, top_k, top_p, generator)
-    # the round's one host sync
-    best, nxt, *rest = torch.cat([best.view(1), nxt.view(1), tree.parent, tree.tokens, tree.fed]).tolist()
-    parent, tokens, fed = rest[:N + 1], rest[N + 1:2 * N + 1], rest[2 * N + 1:]
-    path = []  # accepted nodes, root excluded, top-down
-    while best:
-        path.append(best)
-        best = parent[best]
-    path.reverse()
-    n = len(path)
-    tcache.move([ell + v for v in path], list(range(ell + 1, ell + 1 + n)))  # node v sits at slot ell + v
-    tcache.length = ell + 1 + n
-    m = 0  # the draft was fed the accepted nodes it expanded: a prefix of the path (a node's parent was expanded)
-    while m < n and fed[path[m]] >= 0:
-        m += 1
-    dcache.move([fed[v] for v in path[:m]], list(range(dcache.length, dcache.length + m)))
-    dcache.length += m
-    accepted = [tokens[v - 1] for v in path]
-    unfed = pending if shape is None else pending[:, :0]  # the draft has not seen these yet
-    pending = torch.cat([unfed, torch.tensor([accepted[m:] + [nxt]], device=dev)], 1)
-    return n, accepted, nxt, pending
-
-
-@contextlib.contextmanager
-def _naming_nonfinite(last, live=None):
-    """A sampling error mid-decode (torch.multinomial refuses NaN probabilities) becomes the error naming the model.
-    live: {name: live_ids of that model}."""
-    try:
-        yield
-    except RuntimeError as e:
-        for name, logits in last.items():
-            ids = (live or {}).get(name)
-            if not bool(torch.isfinite(logits if ids is None else logits.index_select(-1, ids)).all()):
-                raise FloatingPointError(f"{name}: NaN or inf logits during the decode") from e
-        raise
-
-
-def _check_last(last, live=None):
-    # NaN / inf that enters a KV cache reaches every later row, so the last logits of each model tell, after the
-    # clock has stopped: no cost inside the timed decode.
-    for name, logits in last.items():
-        check_finite(logits, name, "at the end of the decode", (live or {}).get(name))
+def now(device, timing):
+    """The wall clock for timing=True, read after the device has finished its queued work; 0 without timing."""
+    if timing and torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() if timing else 0.0
 
 
 @torch.no_grad()
 def speculative(target, draft, prompt, gamma, max_new_tokens, temperature=0.0, top_k=None, top_p=None,
                 seed=None, stop_token=None, max_len=None, timing=False):
-    """Decode up to max_new_tokens with draft q proposing and target p verifying.
-
-    gamma: the chain's draft length (spec_round), or a TreeShape for a draft tree (tree_round).
-    prompt: dict of target.forward kwargs, batch 1 (input_ids (1, L) and
-    optional pixel_values / image_grid_thw / pixel_values_videos /
-    video_grid_thw / second_per_grid_ts). max_len: cache size, default the
-    exact need. timing: fill SpecResult.prefill_s / decode_s. Returns SpecResult.
-    """
-    check_args(prompt, max_new_tokens, temperature, top_k, top_p, gamma)
-    check_last_token(target, prompt)
-    check_vocab(target, draft, prompt, stop_token)
-    tree = gamma if isinstance(gamma, TreeShape) else None
-    # a tree round's branches sit beyond the committed length: N slots in the target, (D - 1) k in the draft
-    tcache = new_cache(target, prompt, max_new_tokens, max_len, slack=tree.nodes if tree else 0)
-    dcache = new_cache(draft, prompt, max_new_tokens, max_len, slack=(tree.depth - 1) * tree.width if tree else 0)
+    """Decode up to max_new_tokens with draft q proposing and target p verifying. gamma: the chain's draft length
+    (spec_round), or a tree.TreeShape, whose `round` runs a tree round (tree.py builds on this module, never the
+    reverse). prompt: target.forward kwargs, batch 1 (EMBED_KEYS, GRID_KEYS). max_len: cache size, default the need."""
+    check_inputs(target, draft, prompt, max_new_tokens, temperature, top_k, top_p, stop_token, gamma)
+    chain = isinstance(gamma, int)
+    t_slack, d_slack = (0, 0) if chain else gamma.slack  # a tree's branches sit beyond the committed length
+    tcache = new_cache(target, prompt, max_new_tokens, max_len, t_slack)
+    dcache = new_cache(draft, prompt, max_new_tokens, max_len, d_slack)
     generator = make_generator(prompt["input_ids"].device, seed)
-    clock = Clock(prompt["input_ids"].device, timing)
+    sampling = (temperature, top_k, top_p, generator)
+    t0 = now(prompt["input_ids"].device, timing)
     embeds, deepstack = embed_prompt(target, prompt)  # (1, L, D)
     pending = prefill(target, prompt, embeds, tcache, deepstack, name="target")
     prefill(draft, prompt, embeds, dcache, name="draft")
-    res = SpecResult(target_forwards=1, draft_forwards=1, prefill_s=clock.lap())  # the prefills
+    t1 = now(prompt["input_ids"].device, timing)
+    res = SpecResult(target_forwards=1, draft_forwards=1, prefill_s=t1 - t0)  # the prefills
     last = {}  # the latest logits of each model, checked once at the end
-    live = {"draft": live_ids(draft)}  # a reduced-vocabulary draft's -inf outside its ids are no error
-    with _naming_nonfinite(last, live):
+    with nonfinite_named(last, draft):
         while len(res.tokens) < max_new_tokens:
             # Draft only what can still be emitted: the round then ends exactly at max_new_tokens.
             left = max_new_tokens - len(res.tokens) - 1
-            if tree is None:
+            if chain:
                 g = depth = min(gamma, left)
-                n, drafted, nxt, pending = spec_round(target, draft, tcache, dcache, pending, g,
-                                                      temperature, top_k, top_p, generator, last)
-            else:
-                shape = tree.at_most(left) if left else None  # None: one token left, the target's own
-                g, depth = (shape.nodes, shape.depth) if shape else (0, 0)
-                n, drafted, nxt, pending = tree_round(target, draft, tcache, dcache, pending, shape,
-                                                      temperature, top_k, top_p, generator, last)
+                n, drafted, nxt, pending = spec_round(target, draft, tcache, dcache, pending, g, *sampling, last)
+            else:  # g: nodes drafted, depth: the tree's longest path
+                g, depth, (n, drafted, nxt, pending) = gamma.round(left, target, draft, tcache, dcache, pending,
+                                                                   *sampling, last)
             block, flags = drafted[:n] + [nxt], [True] * n + [False]
             if stop_token is not None and stop_token in block:
                 cut = block.index(stop_token) + 1
@@ -719,27 +285,23 @@ def speculative(target, draft, prompt, gamma, max_new_tokens, temperature=0.0, t
             res.n_tested += n + (n < depth)  # the tree: each level reached is one test, as each chain position
             if stop_token is not None and block[-1] == stop_token:
                 break
-    res.decode_s = clock.lap()
-    _check_last(last, live)
+        res.decode_s = now(prompt["input_ids"].device, timing) - t1
     return res
 
 
 @torch.no_grad()
 def autoregressive(target, prompt, max_new_tokens, temperature=0.0, top_k=None, top_p=None,
                    seed=None, stop_token=None, max_len=None, timing=False):
-    """Plain decoding, the baseline arm: the same prefill and KV-cached
-    single-token target forwards, the same sampling. Returns SpecResult (tau = 1)."""
-    check_args(prompt, max_new_tokens, temperature, top_k, top_p)
-    check_last_token(target, prompt)
-    check_vocab(target, None, prompt, stop_token)
+    """Plain decoding, the baseline arm: the same prefill, cached one-token target steps and sampling (tau = 1)."""
+    check_inputs(target, None, prompt, max_new_tokens, temperature, top_k, top_p, stop_token)
     cache = new_cache(target, prompt, max_new_tokens, max_len)
     generator = make_generator(prompt["input_ids"].device, seed)
-    clock = Clock(prompt["input_ids"].device, timing)
+    t0 = now(prompt["input_ids"].device, timing)
     embeds, deepstack = embed_prompt(target, prompt)  # (1, L, D)
     x = prefill(target, prompt, embeds, cache, deepstack, name="target")  # (1, 1)
-    prefill_s = clock.lap()
+    t1 = now(prompt["input_ids"].device, timing)
     out, last = [], {}
-    with _naming_nonfinite(last):
+    with nonfinite_named(last):
         for _ in range(max_new_tokens):
             logits = last["target"] = target(x, cache=cache)[0, -1]  # (V,)
             if temperature == 0:
@@ -751,51 +313,83 @@ def autoregressive(target, prompt, max_new_tokens, temperature=0.0, top_k=None, 
             # Without a stop token nothing needs the value now: no per-token host sync.
             if stop_token is not None and int(nxt) == stop_token:
                 break
-    tokens = torch.cat(out).tolist()  # the host sync that ends the reasoning step
-    res = SpecResult(tokens=tokens, from_draft=[False] * len(tokens), blocks=[1] * len(tokens),
-                     rounds=len(tokens), target_forwards=len(tokens) + 1, prefill_s=prefill_s, decode_s=clock.lap())
-    _check_last(last)
-    return res
+        tokens = torch.cat(out).tolist()  # the host sync that ends the reasoning step
+        decode_s = now(prompt["input_ids"].device, timing) - t1
+    return SpecResult(tokens=tokens, from_draft=[False] * len(tokens), blocks=[1] * len(tokens), rounds=len(tokens),
+                      target_forwards=len(tokens) + 1, prefill_s=t1 - t0, decode_s=decode_s)
 
 
-# ---- demo ----
+# ---- input checks and NaN guards ----
 
 
-def main():
-    ap = argparse.ArgumentParser(description="tau of a small random target with a perturbed-copy draft")
-    ap.add_argument("--device", default="cpu", help="torch device")
-    ap.add_argument("--gamma", type=int, default=4, help="draft length")
-    ap.add_argument("--tokens", type=int, default=64, help="max_new_tokens")
-    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    ap.add_argument("--noise", type=float, default=0.05, help="draft = target + noise * std(w) * N(0, 1) per weight")
-    ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args()
-    from cli import check_device  # the demo's one use of it
+def config_of(model):
+    return getattr(model, "cfg", None) or getattr(model, "config", None)
+
+
+def check_inputs(target, draft, prompt, max_new_tokens, temperature, top_k, top_p, stop_token, gamma=1):
+    """A bad prompt or setting would fail deep in a forward, or silently (a stop token out of range never stops)."""
+    unknown = set(prompt) - set(EMBED_KEYS) - set(GRID_KEYS) - {"attention_mask"}
+    if unknown:
+        raise ValueError(f"prompt has keys speculate does not understand: {sorted(unknown)}")
+    ids, mask = prompt["input_ids"], prompt.get("attention_mask")
+    if ids.dim() != 2 or ids.shape[0] != 1:
+        raise ValueError(f"speculative decoding here is batch size 1: input_ids must be (1, L), got {tuple(ids.shape)}")
+    if mask is not None and not bool(mask.all()):
+        raise ValueError("padded prompts are not supported (batch size 1, attention_mask must be all ones)")
+    if ids.shape[1] < 2:  # an empty cache would make the model read the first decoded token as a prompt
+        raise ValueError("the prompt needs at least 2 tokens: all but the last are prefilled, the last is decoded")
+    if not hasattr(gamma, "round") and (not isinstance(gamma, int) or gamma < 1):
+        raise ValueError(f"gamma (draft length) must be an int >= 1 or a TreeShape, got {gamma!r}")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+    check_sampling(temperature, top_k, top_p)
+    cfg = config_of(target)
+    # the held-back last token is decoded as text; an image placeholder there would split features from slots
+    if int(ids[0, -1]) in (getattr(cfg, "image_token_id", None), getattr(cfg, "video_token_id", None)):
+        raise ValueError("the prompt must end with a text token (e.g. <cot_start>), not an image/video placeholder")
+    V = getattr(cfg, "vocab_size", None)
+    if V is None:
+        return
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or hi >= V:
+        raise ValueError(f"input_ids hold token id {lo if lo < 0 else hi}, outside the target's vocabulary 0..{V - 1}")
+    if stop_token is not None and not (isinstance(stop_token, int) and 0 <= stop_token < V):
+        raise ValueError(f"stop_token {stop_token!r} is not a token id of the target's vocabulary 0..{V - 1}")
+    Vq = getattr(config_of(draft), "vocab_size", V) if draft is not None else V
+    if Vq != V:
+        raise ValueError(f"the draft's vocabulary ({Vq} tokens) is not the target's ({V}): it cannot be verified")
+
+
+def check_sampling(temperature, top_k, top_p):
+    """The sampling settings alone (the scripts check their flags with it before any work)."""
+    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature >= 0):
+        raise ValueError(f"temperature must be finite and >= 0 (0 = greedy), got {temperature!r}")
+    if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
+        raise ValueError(f"top_k must be None or an int >= 1, got {top_k!r}")
+    if top_p is not None and not (0.0 < top_p <= 1.0):
+        raise ValueError(f"top_p must be None or in (0, 1], got {top_p!r}")
+
+
+def check_finite(logits, name, when, model=None):
+    """Greedy decoding would emit argmax(NaN) silently. A reduced draft head is checked at its vocab_ids only."""
+    ids = getattr(model, "vocab_ids", None)
+    if not bool(torch.isfinite(logits if ids is None else logits.index_select(-1, ids)).all()):
+        raise FloatingPointError(f"{name}: NaN or inf logits {when} (NaN / inf weights, or an overflow in "
+                                 f"{logits.dtype})")
+
+
+@contextlib.contextmanager
+def nonfinite_named(last, draft=None):
+    """last = {name: that model's latest logits}: a NaN in a KV cache reaches every later row, so they tell, checked
+    on leaving (no cost inside the timed decode), or at a sampling error mid-decode (multinomial refuses NaN)."""
     try:
-        check_device(args.device)
-    except ValueError as e:
-        ap.error(str(e))
-    torch.manual_seed(args.seed)
-    cfg = copy.deepcopy(PRESETS["toy-target"])
-    target = VLA(cfg).to(args.device).eval()
-    with torch.no_grad():  # weights of O(1) effect, so the random target has peaked, non-trivial logits
-        for w in target.parameters():
-            if w.dim() > 1:
-                w.normal_(0.0, 1.0 / w.shape[-1] ** 0.5)
-    draft = copy.deepcopy(target)
-    with torch.no_grad():
-        for w in draft.parameters():
-            w.add_(args.noise * w.std() * torch.randn_like(w))
-    # text-only prompt; ids above the special tokens (image / video / vision-start)
-    prompt = dict(input_ids=torch.randint(10, cfg.vocab_size, (1, 16), device=args.device))
-    base = autoregressive(target, prompt, args.tokens, temperature=args.temperature, seed=args.seed)
-    spec = speculative(target, draft, prompt, args.gamma, args.tokens, temperature=args.temperature, seed=args.seed)
-    print(f"autoregressive: {base.summary()}")
-    print(f"speculative:    {spec.summary()}")
-    print(f"expected tau at this alpha (Leviathan): {expected_tau(spec.alpha, args.gamma):.2f}")
-    if args.temperature == 0:
-        print(f"greedy outputs identical: {base.tokens == spec.tokens}")
-
-
-if __name__ == "__main__":
-    main()
+        yield
+    except RuntimeError as e:
+        for name, logits in last.items():
+            try:
+                check_finite(logits, name, "during the decode", draft if name == "draft" else None)
+            except FloatingPointError as nan:
+                raise nan from e
+        raise
+    for name, logits in last.items():
+        check_finite(logits, name, "at the end of the decode", draft if name == "draft" else None)

@@ -13,7 +13,7 @@ the smallest K covering all of the training CoC tokens and the smallest covering
 batches and steps in every arm (--steps: half the shipped drafts' 300, so that each arm trains in about 4 min of one
 core's time on a machine shared with other training; the shipped 300-step drafts are evaluated beside them for
 scale). Held-out tau by gamma from the exact greedy replay (evaluate.draft_matches, tau_by_gamma), and T_draft(1),
-T_target(1), T_target(gamma + 1) (speculate.step_times, medians over interleaved passes) in fp32 and bf16. Drafts are
+T_target(1), T_target(gamma + 1) (timing.step_times, medians over interleaved passes) in fp32 and bf16. Drafts are
 trained into --work (skipped when there), one arm per run with --arms, so that no single training run is long.
 
 Clocks: the steps are timed by this process's CPU time (time.process_time, on --threads 1), which on a CPU shared
@@ -49,9 +49,9 @@ import driving  # noqa: E402
 import evaluate  # noqa: E402
 import files  # noqa: E402
 import model as M  # noqa: E402
-import speculate  # noqa: E402
 import train as T  # noqa: E402
 from driving import Data  # noqa: E402
+from timing import measured_speedup, step_times  # noqa: E402
 
 GAMMAS = tuple(range(2, 9))
 KINDS = ("flat", "mrope")
@@ -81,7 +81,7 @@ def train_arm(work, arm, k, steps, target, train):
 
 def toy_times(run, drafts_by_arm, prompt, dtype, passes, reps, gamma, timer):
     """{arm: {t_draft_1, t_target_1, t_target_gamma1} in ms}: medians over `passes` interleaved passes of
-    speculate.step_times (each a median of reps steps, read by timer) with the target and the arm's FlatRoPE draft
+    timing.step_times (each a median of reps steps, read by timer) with the target and the arm's FlatRoPE draft
     in dtype."""
     target = checkpoint.load(os.path.join(run, "target"), dtype=dtype).eval()
     drafts = {arm: checkpoint.load(path, target=target).eval() for arm, path in drafts_by_arm.items()}
@@ -89,7 +89,7 @@ def toy_times(run, drafts_by_arm, prompt, dtype, passes, reps, gamma, timer):
     got = {arm: [] for arm in drafts}
     for _ in range(passes):
         for arm, d in drafts.items():
-            got[arm].append(speculate.step_times(target, d, p, (1, gamma + 1), reps, timer))
+            got[arm].append(step_times(target, d, p, (1, gamma + 1), reps, timer))
     return {arm: {"t_draft_1": 1e3 * statistics.median(t["draft"] for t in ts),
                   "t_target_1": 1e3 * statistics.median(t["target"][1] for t in ts),
                   "t_target_gamma1": 1e3 * statistics.median(t["target"][gamma + 1] for t in ts)}
@@ -155,7 +155,7 @@ def real(a):
     g = torch.Generator().manual_seed(0)
     prompt = {"input_ids": torch.randint(1000, 100_000, (1, a.prompt_len), generator=g)}  # ordinary Qwen ids
     ks = [int(k) for k in a.real_ks.split(",")]
-    ms = lambda t, d, lengths: speculate.step_times(t, d, prompt, lengths, a.real_reps, time.process_time)  # noqa: E731
+    ms = lambda t, d, lengths: step_times(t, d, prompt, lengths, a.real_reps, time.process_time)  # noqa: E731
     target_ms, draft_ms = {}, {}
     for layers in (1, 2):
         target, draft = bench.build_preset(a.preset, "cpu", torch.bfloat16, layers=layers)
@@ -197,7 +197,7 @@ def predict(res):
     tau = taus.get(g, taus.get(str(g)))  # int keys in memory, str keys once read back from the JSON
     t = next(v for k, v in real.items() if k.startswith("extrapolated_"))
     return {"tau": tau, "gamma": g, "tau_from": "toy shipped FlatRoPE draft, held-out",
-            "speedup": {head: speculate.measured_speedup(tau, t["t_target_1"], ms, t["t_target_gamma1"], g)
+            "speedup": {head: measured_speedup(tau, t["t_target_1"], ms, t["t_target_gamma1"], g)
                         for head, ms in real["t_draft_1_ms"].items()}}
 
 

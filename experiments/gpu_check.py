@@ -13,7 +13,7 @@ run cut short keeps every stage it finished; a stage that fails records its trac
                  at zero and graphs were captured and replayed)
   c_eager        the eager cost model at full depth: T_target(n) for every n in --steps (1 to 64: a gamma + 1 verify),
                  a draft tree's verify over x_last + 8 / 16 / 32 / 64 nodes and one tree level of the draft
-                 (VLA.step under a tree mask, speculate.tree_step_times), T_draft(1) with the full head and with a
+                 (VLA.step under a tree mask, timing.tree_step_times), T_draft(1) with the full head and with a
                  --draft-vocab head, the prefill (vision tower + prompt), and the speed-up these predict at gamma
                  1..8 at the toy's recorded acceptance and for the default tree at the toy's recorded tree tau
   d_compiled     the compiled cost model (CUDA graphs, mode "reduce-overhead"; inductor on a CPU) at a few depths
@@ -49,6 +49,7 @@ import evaluate  # noqa: E402
 import files  # noqa: E402
 import model as M  # noqa: E402
 import speculate  # noqa: E402
+import static  # noqa: E402
 import timing  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -158,8 +159,8 @@ def tests_stage(run):
 
 def step_costs(model, prompt, lengths, reps, embeds=None, deepstack=None):
     """{n: T(n) in ms} for every step length n: the prompt (but its last token) prefilled once into a cache with room
-    for the longest step, then each n-token forward timed (speculate.median_time, after one warm-up) and cropped
-    back (the verifier's rollback), as speculate.step_times does for each n with one prefill per n."""
+    for the longest step, then each n-token forward timed (timing.median_time, after one warm-up) and cropped
+    back (the verifier's rollback), as timing.step_times does for each n with one prefill per n."""
     L = prompt["input_ids"].shape[1]
     if embeds is None:
         embeds, deepstack = speculate.embed_prompt(model, prompt)  # (1, L, D)
@@ -173,7 +174,7 @@ def step_costs(model, prompt, lengths, reps, embeds=None, deepstack=None):
         def step():
             model(xs, cache=cache)
             cache.crop(base)
-        out[n] = 1e3 * speculate.median_time(step, prompt["input_ids"].device, reps)
+        out[n] = 1e3 * timing.median_time(step, prompt["input_ids"].device, reps)
     return out
 
 
@@ -182,8 +183,8 @@ def predictions(t_target, t_draft, toy):
     out = {}
     for g in GAMMAS:
         if g + 1 in t_target:
-            tau = speculate.expected_tau(toy["alpha"], g)
-            out[g] = speculate.measured_speedup(tau, t_target[1], t_draft, t_target[g + 1], g)
+            tau = timing.expected_tau(toy["alpha"], g)
+            out[g] = timing.measured_speedup(tau, t_target[1], t_draft, t_target[g + 1], g)
     return out
 
 
@@ -193,32 +194,32 @@ def eager_stage(run):
     a = run.args
     target, draft = run.build(run.depth())
     prompt = run.prompt(target)
-    clock = speculate.Clock(run.device, enabled=True)
+    clock = timing.Clock(run.device, enabled=True)
 
     def prefill():
         cache = target.new_cache(batch=1, max_len=prompt["input_ids"].shape[1])
         e, ds = speculate.embed_prompt(target, prompt)
         speculate.prefill(target, prompt, e, cache, ds)
-    prefill_ms = 1e3 * speculate.median_time(prefill, run.device, 3)
+    prefill_ms = 1e3 * timing.median_time(prefill, run.device, 3)
     embeds, deepstack = speculate.embed_prompt(target, prompt)
     t_target = step_costs(target, prompt, a.steps, a.reps, embeds, deepstack)
     t_draft = step_costs(draft, prompt, [1], a.reps, embeds)[1]
-    # the tree's own steps (VLA.step under a mask, as speculate.tree_round runs them): the verify over x_last + N
+    # the tree's own steps (VLA.step under a mask, as tree.tree_round runs them): the verify over x_last + N
     # nodes and one draft level of k nodes, with the full and the reduced head
     tree = evaluate.TREE
-    tt = speculate.tree_step_times(target, draft, prompt, TREE_NODES, tree.width, a.reps)
+    tt = timing.tree_step_times(target, draft, prompt, TREE_NODES, tree.width, a.reps)
     del draft
     reduced = M.make_draft(target, n_layers=1, vocab_ids=torch.arange(a.draft_vocab)).eval()
     t_reduced = step_costs(reduced, prompt, [1], a.reps, embeds)[1]
-    level_reduced = speculate.tree_step_times(target, reduced, prompt, (), tree.width, a.reps)["draft_level"]
+    level_reduced = timing.tree_step_times(target, reduced, prompt, (), tree.width, a.reps)["draft_level"]
     toy = bench.toy_acceptance(a.toy_json)
     toy_tree = bench.toy_acceptance(bench.TOY_TREE_ACCEPTANCE, bench.decoder_json(tree))
     t_verify = {n + 1: 1e3 * v for n, v in tt["target"].items()}  # (ms) keyed by tokens verified, x_last included
-    tree_pred = {head: speculate.tree_speedup(toy_tree["tau"], t_target[1], td, 1e3 * lv, t_verify[tree.nodes + 1],
+    tree_pred = {head: timing.tree_speedup(toy_tree["tau"], t_target[1], td, 1e3 * lv, t_verify[tree.nodes + 1],
                                               tree)
                  for head, td, lv in (("full", t_draft, tt["draft_level"]), ("reduced", t_reduced, level_reduced))}
     return {"what": "eager steps (no_grad), median of --reps after one warm-up, each on a cache holding the prompt "
-                    "and cropped back; the tree's verify and draft level as speculate.tree_round runs them",
+                    "and cropped back; the tree's verify and draft level as tree.tree_round runs them",
             "layers": run.depth(), "dtype": a.dtype, "images": a.images, "image_grid": a.image_grid,
             "prompt_tokens": prompt["input_ids"].shape[1],
             "reps": a.reps, "prefill_ms": prefill_ms, "t_target_ms": t_target, "t_draft_1_ms": t_draft,
@@ -242,7 +243,7 @@ def compiled_costs(run, layers):
     prompt = run.prompt(target)
     L = prompt["input_ids"].shape[1]
     lengths = (1, 2, g + 1)
-    ct, cd = (M.StaticDecoder(m, L + g + 1 + g, compile=True, step_lengths=lengths) for m in (target, draft))
+    ct, cd = (static.StaticDecoder(m, L + g + 1 + g, compile=True, step_lengths=lengths) for m in (target, draft))
     watch = timing.CompileWatch({"target": ct, "draft": cd})
     embeds, deepstack = speculate.embed_prompt(target, prompt)
     x = prompt["input_ids"][:, -1:]
@@ -252,7 +253,7 @@ def compiled_costs(run, layers):
             cache = dec.new_cache()
             speculate.prefill(dec, prompt, embeds, cache, deepstack if name == "target" else None)
             base = cache.length
-            clock = speculate.Clock(run.device, enabled=True)
+            clock = timing.Clock(run.device, enabled=True)
             for _ in range(3):  # compile; on CUDA the graph's warm-up run, then its recording
                 dec(x.repeat(1, n), cache=cache)
                 cache.crop(base)
@@ -263,17 +264,17 @@ def compiled_costs(run, layers):
     finally:
         watch.close()
     toy = bench.toy_acceptance(a.toy_json)
-    tau = speculate.expected_tau(toy["alpha"], g)
+    tau = timing.expected_tau(toy["alpha"], g)
     return {"layers": layers, "compile_s": compile_s, "compile_s_total": sum(compile_s.values()),
             "t_target_ms": t_target, "t_draft_1_ms": t_draft, "gamma": g,
-            "predicted_speedup_at_toy_alpha": speculate.measured_speedup(tau, t_target[1], t_draft, t_target[g + 1], g),
+            "predicted_speedup_at_toy_alpha": timing.measured_speedup(tau, t_target[1], t_draft, t_target[g + 1], g),
             "compilations": watch.report(), "peak_memory": timing.peak_memory(run.device)}
 
 
 def compiled_stage(run):
     """(d) The compiled cost model at a few depths, and the compile time per added layer."""
     depths = [k for k in run.args.compiled_layers if k <= run.depth()]
-    out = {"what": "torch.compile'd model.StaticDecoder steps (mode reduce-overhead on CUDA: CUDA graphs; inductor "
+    out = {"what": "torch.compile'd static.StaticDecoder steps (mode reduce-overhead on CUDA: CUDA graphs; inductor "
                    "with freezing on a CPU), step lengths 1, 2, gamma + 1; compile_s: the first three calls of each "
                    "shape; timings as in c_eager", "depths": {}}
     for i, k in enumerate(depths):

@@ -3,7 +3,7 @@ who supplied it (an accepted draft token that was the draft's argmax, an accepte
 the target's own) and by what it is (a routine word or a commitment, driving.commitment_mask).
 
 Paper: the routine reasoner supplies the routine tokens, the deliberative reasoner the commitments; a tree lets the
-draft hedge between its top candidates where it is unsure (EAGLE-2's dynamic tree, speculate.draft_tree).
+draft hedge between its top candidates where it is unsure (EAGLE-2's dynamic tree, tree.draft_tree).
 
 run: python experiments/tree_paths.py [--tree 32/8/3] [--scenes 64] [--out experiments/tree_paths.json]
 """
@@ -20,6 +20,7 @@ import driving  # noqa: E402
 import evaluate  # noqa: E402
 import files  # noqa: E402
 import speculate  # noqa: E402
+from tree import TreeShape  # noqa: E402
 
 KINDS = {"replica": "mrope", "flatrope": "flat", "flatrope+aarl": "aarl"}
 
@@ -32,7 +33,7 @@ def main():
     ap.add_argument("--out", default="experiments/tree_paths.json")
     a = ap.parse_args()
     torch.set_num_threads(1)
-    shape = speculate.TreeShape(*map(int, a.tree.split("/")))
+    shape = TreeShape(*map(int, a.tree.split("/")))
     tok = driving.Tokenizer()
     target = checkpoint.load(os.path.join(a.run, "target")).eval()
     data = driving.Data("test", a.scenes, 0, tok)

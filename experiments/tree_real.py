@@ -3,9 +3,9 @@
 draft's full and reduced-vocabulary heads.
 
 Paper: the deliberative reasoner verifies every branch of the routine reasoner's tree in one forward
-(speculate.tree_round); whether that pays depends on what a wider verify costs. Measured on the qwen3-vl-8b shape
+(tree.tree_round); whether that pays depends on what a wider verify costs. Measured on the qwen3-vl-8b shape
 (random weights, bf16, the real width, heads and 151,936-token vocabulary), CPU time of one thread, by parts: one
-decoder layer's cached step over n tokens under a tree-shaped mask (model.Block.static_step, the step VLA.step runs
+decoder layer's cached step over n tokens under a tree-shaped mask (model.Block with input_pos, the step VLA.step runs
 per layer) on a cache holding a 128-token prompt, and the LM head over n rows (full, or K rows for a reduced draft
 head). A step is then n_layers x layer + head: T_target(n) = 36 T_layer(n) + T_head(n), T_draft(1) = T_layer(1) +
 T_head(1), one tree level T_draft(k) = T_layer(k) + T_head(k). Timing the parts directly avoids extrapolating from
@@ -27,8 +27,9 @@ import torch.nn.functional as F  # noqa: E402
 
 import files  # noqa: E402
 import model as M  # noqa: E402
-import speculate  # noqa: E402
 from rope import rope_cos_sin, rope_inv_freq  # noqa: E402
+from timing import measured_speedup, median_time, tree_speedup  # noqa: E402
+from tree import TreeShape  # noqa: E402
 
 NODES = (8, 16, 32, 64)  # node budgets N of experiments/tree_sweep.py; the verify covers x_last + N tokens
 WIDTH = 3  # the tree's k: one draft level covers k nodes
@@ -45,7 +46,7 @@ def layer_ms(cfg, n, prompt_len, reps):
     cos, sin = (t.to(torch.bfloat16).unsqueeze(2) for t in rope_cos_sin(pos[None], rope_inv_freq(cfg.head_dim,
                                                                                                cfg.rope_theta)))
     mask = (torch.arange(prompt_len + n)[None] <= pos[:, None]).repeat(cfg.n_heads // cfg.n_kv_heads, 1)  # (g*n, S)
-    return 1e3 * speculate.median_time(lambda: block.static_step(x, cos, sin, cache, 0, pos, mask), "cpu", reps,
+    return 1e3 * median_time(lambda: block(x, cos, sin, cache, 0, mask, True, pos), "cpu", reps,
                                        time.process_time)
 
 
@@ -54,7 +55,7 @@ def head_ms(cfg, n, rows, reps):
     """CPU ms of the LM head over n hidden states with `rows` output rows (the vocabulary, or a reduced head's K)."""
     w = torch.randn(rows, cfg.hidden_size, dtype=torch.bfloat16) * 0.02  # (K, D)
     h = torch.randn(1, n, cfg.hidden_size, dtype=torch.bfloat16)  # (1, n, D)
-    return 1e3 * speculate.median_time(lambda: F.linear(h, w), "cpu", reps, time.process_time)
+    return 1e3 * median_time(lambda: F.linear(h, w), "cpu", reps, time.process_time)
 
 
 def main():
@@ -85,11 +86,11 @@ def main():
         sweep = json.load(open(a.sweep))["test"]["flatrope"]
         pred = {}
         for nodes in NODES:
-            tau, shape = sweep["tree"][str(nodes)], speculate.TreeShape(nodes, 8, WIDTH)  # the sweep's trees
-            pred[f"tree_{nodes}"] = {"tau": tau, **{name: speculate.tree_speedup(
+            tau, shape = sweep["tree"][str(nodes)], TreeShape(nodes, 8, WIDTH)  # the sweep's trees
+            pred[f"tree_{nodes}"] = {"tau": tau, **{name: tree_speedup(
                 tau, target[1], d["1"], d["level"], target[nodes + 1], shape) for name, d in draft.items()}}
         tau6 = sweep["chain"]["6"]
-        pred["chain_6"] = {"tau": tau6, **{name: speculate.measured_speedup(tau6, target[1], d["1"], target[7], 6)
+        pred["chain_6"] = {"tau": tau6, **{name: measured_speedup(tau6, target[1], d["1"], target[7], 6)
                                            for name, d in draft.items()}}
         out["predicted_speedup"] = pred
     out["wall_s"] = time.time() - t0

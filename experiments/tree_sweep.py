@@ -22,7 +22,8 @@ import driving  # noqa: E402
 import evaluate  # noqa: E402
 import files  # noqa: E402
 import speculate  # noqa: E402
-from speculate import TreeShape  # noqa: E402
+from timing import step_times, tree_step_times  # noqa: E402
+from tree import TreeShape  # noqa: E402
 
 KINDS = {"replica": "mrope", "flatrope": "flat", "flatrope+aarl": "aarl"}
 # the shapes compared on val with the FlatRoPE draft (seed 0): which width, depth and budget pay
@@ -54,8 +55,8 @@ def main():
     # step times, CPU time of one thread (time.process_time): on a CPU shared with other work it counts a step's own
     # cost; the chain's verify is forward over a growing cache, the tree's VLA.step under a mask
     d0 = drafts["flatrope"]
-    chain_t = speculate.step_times(target, d0, prompts["val"][0], [1] + [g + 1 for g in CHAIN], timer=time.process_time)
-    tree_t = speculate.tree_step_times(target, d0, prompts["val"][0], (7, 15, 31, 63), 3, timer=time.process_time)
+    chain_t = step_times(target, d0, prompts["val"][0], [1] + [g + 1 for g in CHAIN], timer=time.process_time)
+    tree_t = tree_step_times(target, d0, prompts["val"][0], (7, 15, 31, 63), 3, timer=time.process_time)
     t1 = chain_t["target"][1]
     out = {"scenes": a.scenes, "draft_seed": 0, "threads": 1, "timer": "process_time",
            "step_ms": {"target_1": 1e3 * t1, "draft_1": 1e3 * chain_t["draft"],

@@ -152,9 +152,9 @@ def test_a_compiled_step_compiles_only_in_its_compile_pass(eager_dynamo):
 
 def test_compile_watch_sees_a_recompilation(eager_dynamo):
     """The counter the test above relies on moves: a step timed under inference_mode after a no_grad warm-up."""
-    import model
+    import static
     target = tiny_model()
-    st = model.StaticDecoder(target, 40, compile=True)
+    st = static.StaticDecoder(target, 40, compile=True)
     watch = timing.CompileWatch({"target": st})
     prompt = image_prompt()
     with torch.no_grad():

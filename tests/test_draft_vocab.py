@@ -22,6 +22,7 @@ from safetensors.torch import load_file, save_file
 import checkpoint
 import model as M
 import speculate
+import static
 import train as T
 from speculate import autoregressive, process_logits, speculative
 from test_speculate import SIGNIFICANCE, ToyLM, chi_square, joint_first3, markov_pair, prompt_of, vla_prompts
@@ -156,7 +157,7 @@ def reduced_toy(q_logits, ids):
     masked = torch.full_like(q_logits, float("-inf"))
     masked[:, ids] = q_logits[:, ids]
     draft = ToyLM(masked)
-    draft.vocab_ids = ids  # speculate.live_ids: the -inf outside the set are by construction
+    draft.vocab_ids = ids  # speculate.check_finite: the -inf outside the set are by construction
     return draft
 
 
@@ -279,8 +280,8 @@ def test_bad_sizes_are_refused_by_name():
 def reduced_pair(target, compile):
     """A reduced-head full-depth copy of the target, both as StaticDecoder's (steps of 1, 2, 4 tokens)."""
     draft = full_copy_draft(target, EVEN)
-    return (M.StaticDecoder(target, 64, compile, step_lengths=(1, 2, 4)),
-            M.StaticDecoder(draft, 64, compile, step_lengths=(1, 2, 4)))
+    return (static.StaticDecoder(target, 64, compile, step_lengths=(1, 2, 4)),
+            static.StaticDecoder(draft, 64, compile, step_lengths=(1, 2, 4)))
 
 
 def test_static_decoding_with_a_reduced_draft_equals_target_only():

@@ -24,6 +24,7 @@ import rsd
 import speculate
 import train as T
 from test_train import TINY, TINY_DRAFT, tiny_cfg
+from tree import TreeShape
 
 
 VIEWS = 2  # surround views of the tiny world's prompts: 12 + 2 x 24 = 60 visual tokens, fast to test
@@ -78,7 +79,7 @@ def test_rsd_json_contract_and_exactness(run_dir, capsys):
     test = driving.Data("test", 6, 0, tok, views=VIEWS)
     prompts = evaluate.scene_prompts(test.scenes, tok, "cpu", views=test.views_at(0))
     for r in out["rows"][4:]:  # tree rows: a shape of rsd.TREES, every seed's real tree decoding on the test scenes
-        shape = speculate.TreeShape(*r["tree"])
+        shape = TreeShape(*r["tree"])
         assert shape in rsd.TREES and r["gamma"] is None and len(r["tau_by_seed"]) == 2
         kind = dict(rsd.ROWS)[r["name"].removesuffix(" tree")]
         draft = checkpoint.load(checkpoint.draft_dir(str(run_dir), kind, 1), target=target).eval()
@@ -235,7 +236,7 @@ def test_bench_sampling_reports_the_sampled_runs_beside_greedy(run_dir, capsys):
     target = checkpoint.load(run_dir / "target").eval()
     draft = checkpoint.load(out["draft"], target=target).eval()
     prompts = evaluate.scene_prompts(driving.make_split("test", 3, seed=0), tok, "cpu", torch.float32, VIEWS)
-    shape = speculate.TreeShape(*(out["decoder"][k] for k in ("nodes", "depth", "width")))
+    shape = TreeShape(*(out["decoder"][k] for k in ("nodes", "depth", "width")))
     res = [speculate.speculative(target, draft, p, shape, evaluate.MAX_NEW_TOKENS, temperature=0.8, top_p=0.95,
                                  seed=7 + i, stop_token=tok.cot_end_id) for i, p in enumerate(prompts)]
     n = sum(len(r.tokens) for r in res)

@@ -286,7 +286,7 @@ def test_static_step_equals_cached_forward():
     """VLA.step (fixed shapes: keys = the whole buffer, causal rule and positions from input_pos) against forward's
     cached step (the slow, obvious path): the same logits and the same cache contents, for a 1-token step, a
     3-token verify step, and after a rollback whose stale slots the mask must hide."""
-    from model import StaticDecoder
+    from static import StaticDecoder
     model = tiny_model()
     draft = make_draft(model, n_layers=1, hidden_size=32)  # FlatRoPE, width bridge
     prompt = image_prompt()

@@ -21,8 +21,10 @@ import torch
 
 import model
 import speculate
-from speculate import (autoregressive, expected_speedup, expected_tau, measured_speedup, process_logits,
-                       speculative, tau_ceiling, verify_greedy, verify_sample)
+import static
+import timing
+from speculate import autoregressive, process_logits, speculative, tau_ceiling, verify_greedy, verify_sample
+from timing import expected_speedup, expected_tau, measured_speedup
 
 SIGNIFICANCE = 1e-3
 
@@ -745,7 +747,7 @@ def test_step_times_read_the_clock_they_are_given():
     target = tiny_target()
     draft = drafts_for(target)["random"]
     ticks = iter(range(10 ** 6))
-    times = speculate.step_times(target, draft, vla_prompts()["text"], (1, 3), reps=3, timer=lambda: next(ticks))
+    times = timing.step_times(target, draft, vla_prompts()["text"], (1, 3), reps=3, timer=lambda: next(ticks))
     assert times == {"target": {1: 1, 3: 1}, "draft": 1}
 
 
@@ -762,11 +764,11 @@ def test_timing_does_not_change_the_output():
     assert base.tokens == autoregressive(target, prompt, 12).tokens and base.decode_s > 0
 
 
-# ---- static-shape decoding (model.StaticDecoder): eager, and compiled (slow) ----
+# ---- static-shape decoding (static.StaticDecoder): eager, and compiled (slow) ----
 
 
 def static_pair(target, draft, compile=False, max_len=64):
-    return model.StaticDecoder(target, max_len, compile), model.StaticDecoder(draft, max_len, compile)
+    return static.StaticDecoder(target, max_len, compile), static.StaticDecoder(draft, max_len, compile)
 
 
 def test_vla_static_decoding_greedy_equals_target():
@@ -793,7 +795,7 @@ def test_vla_static_decoding_errors():
     with pytest.raises(ValueError, match="static cache holds 32"):
         speculative(st, sd, prompt, 4, 24)  # needs 26 + 24 positions
     with pytest.raises(ValueError, match="max_seq_len"):
-        model.StaticDecoder(target, target.cfg.max_seq_len + 1)
+        static.StaticDecoder(target, target.cfg.max_seq_len + 1)
     with pytest.raises(ValueError, match="batch size 1"):
         st.new_cache(batch=2)
 
@@ -832,7 +834,7 @@ def test_vla_static_decoding_with_padded_steps():
 
     for pname, prompt in vla_prompts().items():
         ref = autoregressive(target, prompt, 13)
-        st, sd = (model.StaticDecoder(m, 64, step_lengths=(1, 2, 5)) for m in (target, draft))
+        st, sd = (static.StaticDecoder(m, 64, step_lengths=(1, 2, 5)) for m in (target, draft))
         for dec in (st, sd):
             dec._step = lambda ids, pos, cache, step=dec._step: run.append(ids.shape[1]) or step(ids, pos, cache)
         assert speculative(Asked(st), Asked(sd), prompt, 4, 13).tokens == ref.tokens, pname
@@ -845,11 +847,11 @@ def test_vla_compiled_decoding_on_cuda_equals_target():
     """On CUDA, --compile's steps are CUDA graphs over the persistent static cache (mode "reduce-overhead"): greedy
     outputs equal eager target-only decoding (fp32), twice over (the second decode replays the graphs); graphs were
     captured and replayed and none skipped (a skipped one would run as plain inductor and pass the token check)."""
-    import timing
+    import bench
     target = tiny_target().cuda()
     draft = drafts_for(target)["perturbed"]
     lengths = (1, 2, 4)
-    ct, cd = (model.StaticDecoder(m, 64, compile=True, step_lengths=lengths) for m in (target, draft))
+    ct, cd = (static.StaticDecoder(m, 64, compile=True, step_lengths=lengths) for m in (target, draft))
     watch = timing.CompileWatch({"target": ct, "draft": cd})
     try:
         for _ in range(2):

@@ -1,4 +1,4 @@
-"""Tests for draft trees (speculate.TreeShape, draft_tree, verify_tree, tree_round): greedy tree decoding equals
+"""Tests for draft trees (tree.TreeShape, draft_tree, verify_tree, tree_round): greedy tree decoding equals
 target-only decoding token for token (fp32), every node's verify logits equal a cache-free forward over its path,
 both caches hold exactly the committed tokens after every round, and sampled tree decoding keeps the target's law.
 
@@ -16,9 +16,12 @@ import torch
 
 import model
 import speculate
-from speculate import TreeShape, autoregressive, speculative
+import static
+import tree as trees
+from speculate import autoregressive, speculative
 from test_speculate import (SIGNIFICANCE, assert_cache_matches_prefill, chi_square, drafts_for, joint_first3,
                             markov_pair, o1_init, tiny_target, vla_greedy_reference, vla_prompts)
+from tree import Tree, TreeShape, tree_round, verify_tree
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -95,13 +98,13 @@ def test_tree_verify_logits_equal_a_cache_free_forward_over_each_path(monkeypatc
     target = tiny_target()
     draft = drafts_for(target)["perturbed"]
     seen = {}
-    honest = speculate.verify_tree
+    honest = trees.verify_tree
 
     def spy(tree, logits_p, *a, **kw):
         seen.setdefault("first", (tree, logits_p.clone()))
         return honest(tree, logits_p, *a, **kw)
 
-    monkeypatch.setattr(speculate, "verify_tree", spy)
+    monkeypatch.setattr(trees, "verify_tree", spy)
     worst = 0.0
     for prompt in vla_prompts().values():
         seen.clear()
@@ -140,8 +143,8 @@ def test_tree_caches_hold_exactly_the_committed_tokens():
         emitted = []
         with torch.no_grad():
             for _ in range(5):
-                n, acc, nxt, pending = speculate.tree_round(target, draft, tcache, dcache, pending, shape, 0.0, None,
-                                                           None, None)
+                n, acc, nxt, pending = tree_round(target, draft, tcache, dcache, pending, shape, 0.0, None, None,
+                                                      None)
                 kinds.add("zero" if n == 0 else "full" if n == shape.depth else "partial")
                 emitted += acc + [nxt]
                 committed = prompt["input_ids"][0, -1:].tolist() + emitted
@@ -177,7 +180,7 @@ def reused_draw(probs, generator):
 
 def markov_tree(Q, x0, k, depth):
     """The full k-ary tree of depth `depth` of a Markov draft Q (V, V) after x0, each node's children its top-k:
-    (speculate.Tree, token of every node incl. the root (N+1,))."""
+    (tree.Tree, token of every node incl. the root (N+1,))."""
     toks, parent, depth_of = [x0], [0], [0]
     frontier = [0]
     for d in range(1, depth + 1):
@@ -193,8 +196,7 @@ def markov_tree(Q, x0, k, depth):
         while u:
             u = parent[u]
             anc[v, u] = True
-    tree = speculate.Tree(torch.tensor(toks[1:]), torch.tensor(parent), torch.tensor(depth_of), anc,
-                          torch.full((n,), -1))
+    tree = Tree(torch.tensor(toks[1:]), torch.tensor(parent), torch.tensor(depth_of), anc, torch.full((n,), -1))
     return tree, torch.tensor(toks)
 
 
@@ -216,7 +218,7 @@ def test_verify_tree_distribution(temperature, top_p, monkeypatch):
             seq, last = [], x0
             while len(seq) < 3:
                 tree, toks = trees[last]
-                best, nxt = speculate.verify_tree(tree, p_logits[toks], temperature, None, top_p, g)
+                best, nxt = verify_tree(tree, p_logits[toks], temperature, None, top_p, g)
                 path, u = [], int(best)
                 while u:
                     path.append(int(toks[u]))
@@ -265,13 +267,13 @@ def test_speculative_tree_distribution(monkeypatch):
 
 
 def test_tree_on_static_caches_equals_target():
-    """Tree rounds on model.StaticDecoder's per-layer static caches (eager; StaticCache.move) emit target-only
+    """Tree rounds on static.StaticDecoder's per-layer static caches (eager; StaticCache.move) emit target-only
     greedy tokens, as on the growing KVCache."""
     target = tiny_target()
     prompt = vla_prompts()["image+video"]
     ref = autoregressive(target, prompt, 20).tokens
     for draft in drafts_for(target).values():
-        st, sd = (model.StaticDecoder(m, 160) for m in (target, draft))
+        st, sd = (static.StaticDecoder(m, 160) for m in (target, draft))
         assert speculative(st, sd, prompt, TreeShape(12, 4, 3), 20).tokens == ref
 
 
@@ -280,7 +282,7 @@ def test_kv_cache_move_matches_on_both_layouts():
     slots, sources read before any is overwritten."""
     g = torch.Generator().manual_seed(0)
     a = model.KVCache(3, 1, 2, 10, 4)
-    b = model.StaticCache(3, 1, 2, 10, 4)
+    b = static.StaticCache(3, 1, 2, 10, 4)
     a.k.normal_(generator=g), a.v.normal_(generator=g)
     for i in range(3):
         b.ks[i].copy_(a.k[i]), b.vs[i].copy_(a.v[i])
