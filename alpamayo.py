@@ -1,20 +1,15 @@
 """Alpamayo-R1's prompt, built from a folder's own tokenizer and image processor, and the whole plan on pixels that
 `bench.py --target` times. Paper: Alpamayo-R1 is the deliberative reasoner (target) that RSD accelerates.
 
-Layout (NVIDIA's public Alpamayo-R1 inference code; docs/background.md, "The Alpamayo-R1 prompt
-layout"): a system turn; a user turn of 16 images (4 cameras x 4 frames, each
-<|vision_start|> <|image_pad|> x n <|vision_end|>), then <|traj_history_start|>, 48 history ids,
-<|traj_history_end|> and the instruction; the assistant turn opened with <|cot_start|>, which
-the model continues with the chain of causation, <|cot_end|> and <|traj_future_start|>.
+Layout (NVIDIA's public Alpamayo-R1 inference code; docs/background.md, "The Alpamayo-R1 prompt layout"): a system
+turn; a user turn of 16 images (4 cameras x 4 frames, each <|vision_start|> <|image_pad|> x n <|vision_end|>), then
+<|traj_history_start|>, 48 history ids, <|traj_history_end|> and the instruction; the assistant turn opened with
+<|cot_start|>, which the model continues with the chain of causation, <|cot_end|> and <|traj_future_start|>.
 
-The text goes through the tokenizer's chat template and the images through the Qwen-VL image
-processor (transformers, an optional extra), loaded one by one rather than through AutoProcessor: Qwen3-VL's also
-builds a video processor, which needs torchvision. History tokens: `HistoryTokenizer`, per-step (x, y, z) deltas of
-the 16 past poses (10 Hz, ego frame at the current pose), each binned uniformly over [xyz_min, xyz_max], bin b of
-every axis being vocabulary id first_id + b. Config fields read (a missing required one is an error naming it):
-traj_token_start_idx, traj_tokenizer_cfg.num_bins (the history bins follow the future trajectory's),
-traj_token_ids.history / .future_start (checked against the tokenizer), hist_traj_tokenizer_cfg (upstream's
-defaults inside: num_bins 1000, ego_xyz_min (-4, -4, -10), ego_xyz_max (4, 4, 10), predict_yaw false).
+The text goes through the tokenizer's chat template, the images through the Qwen-VL image processor (transformers, an
+optional extra; not AutoProcessor: Qwen3-VL's also builds a video processor, which needs torchvision). History tokens
+(`HistoryTokenizer`): per-step (x, y, z) deltas of the 16 past poses (10 Hz, ego frame at the current pose), each
+binned uniformly over [xyz_min, xyz_max], bin b of every axis being id first_id + b, after the future trajectory's.
 
 run: python bench.py --device cuda --target ALPAMAYO_DIR [--images-dir CAMERAS]   (tests: tests/test_alpamayo.py)
 """
@@ -44,7 +39,7 @@ TOKENS = ("<|traj_history_start|>", "<|traj_history|>", "<|traj_history_end|>", 
           "<|traj_future_start|>")  # Alpamayo's added tokens the prompt and the plan need
 
 
-# ---- history tokens ----
+# ---- the prompt: history tokens, chat template, images ----
 
 
 @dataclass
@@ -61,8 +56,7 @@ class HistoryTokenizer:
             raise ValueError(f"{where}: hist_traj_tokenizer_cfg is {hist['_target_']!r}; only the delta tokenizer")
         if hist.get("predict_yaw", False):
             raise ValueError(f"{where}: hist_traj_tokenizer_cfg.predict_yaw (4 ids per pose) is not implemented")
-        first = config_field(raw, "traj_token_start_idx", where) + config_field(raw, "traj_tokenizer_cfg.num_bins",
-                                                                                  where)
+        first = sum(config_field(raw, f, where) for f in ("traj_token_start_idx", "traj_tokenizer_cfg.num_bins"))
         return cls(first_id=int(first), num_bins=int(hist.get("num_bins", cls.num_bins)),
                    xyz_min=tuple(hist.get("ego_xyz_min", cls.xyz_min)),
                    xyz_max=tuple(hist.get("ego_xyz_max", cls.xyz_max)))
@@ -76,16 +70,10 @@ class HistoryTokenizer:
         return bins.flatten(1) + self.first_id  # (B, 16, 3) -> (B, 48)
 
 
-# ---- the prompt ----
-
-
 def build_prompt(folder, images, history_xyz, processor_dir=None, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS):
-    """Alpamayo-R1's prompt for one scene -> {input_ids (1, L), pixel_values (N, C*tp*p*p),
-    image_grid_thw (n_images, 3)}, the model's forward / speculate inputs.
-
-    folder: the Alpamayo checkpoint (config.json); processor_dir: where the tokenizer (with
-    Alpamayo's added tokens) and image processor are, default folder. images: (n_images, 3, H, W)
-    uint8, cameras then frames as the model was trained; history_xyz: (16, 3) past poses."""
+    """Alpamayo-R1's prompt for one scene -> {input_ids (1, L), pixel_values (N, C*tp*p*p), image_grid_thw
+    (n_images, 3)}. folder: the checkpoint; processor_dir (default folder): its tokenizer, with Alpamayo's added tokens,
+    and image processor. images: (n_images, 3, H, W) uint8, cameras then frames; history_xyz: (16, 3) past poses."""
     from transformers import AutoImageProcessor, AutoTokenizer  # optional extra: only this function needs it
 
     where = os.path.join(folder, hf.CONFIG)
@@ -131,8 +119,7 @@ def history_poses(speed=8.0, dt=0.1):
 
 
 def scene_images(args):
-    """A list of (3, H, W) uint8 images: the files of --images-dir in name order (PIL, an optional
-    extra), or --images generated ones (a colour field with a ramp and noise, fixed by the seed)."""
+    """(3, H, W) uint8 images: --images-dir's files in name order (PIL), or --images generated ones (seeded noise)."""
     if args.images_dir:
         from PIL import Image  # optional extra: only a folder of images needs it
         names = sorted(n for n in os.listdir(args.images_dir) if n.lower().endswith((".jpg", ".jpeg", ".png")))
@@ -151,11 +138,9 @@ def scene_images(args):
 
 
 def real_prompt(cfg: M.ModelConfig, device, n_images=16, grid=(1, 20, 36), n_history=48, seed=0):
-    """An Alpamayo-shaped prompt for a Qwen-VL config: system text, n_images images of `grid` patches (180 merged
-    tokens each at merge 2, ~2900 in all), 48 history tokens, instruction text; random ids and pixels (only shapes
-    matter for latency). Without a vision tower: the placeholders and grids only."""
-    g = torch.Generator().manual_seed(seed)
-    m = cfg.spatial_merge_size
+    """An Alpamayo-shaped prompt for a Qwen-VL config: text, n_images images of `grid` patches (180 merged tokens
+    each at merge 2), 48 history tokens, text; random ids and pixels (only shapes matter), none without a tower."""
+    g, m = torch.Generator().manual_seed(seed), cfg.spatial_merge_size
     n_tok = grid[0] * (grid[1] // m) * (grid[2] // m)
     V, special = cfg.vocab_size, (cfg.image_token_id, cfg.video_token_id, cfg.vision_start_token_id)
     ordinary = torch.tensor([i for i in range(min(1000, V // 2), min(100_000, V)) if i not in special])
@@ -174,9 +159,8 @@ def real_prompt(cfg: M.ModelConfig, device, n_images=16, grid=(1, 20, 36), n_his
 
 
 def pixel_prompt(cfg: M.ModelConfig, images, max_pixels, device):
-    """Without a tokenizer: real_prompt's layout (placeholder text ids) around the images, resized to
-    one grid under max_pixels, scaled to [-1, 1] and flattened by vision.patchify. Shapes and pixels
-    are real, token ids are not: a timing prompt."""
+    """Without a tokenizer: real_prompt's placeholder ids around the images, resized to one grid under max_pixels,
+    scaled to [-1, 1] and flattened by vision.patchify (real shapes and pixels, not real ids: a timing prompt)."""
     v = cfg.vision
     f = v.patch_size * v.spatial_merge_size
     H, W = images[0].shape[-2:]
@@ -195,9 +179,8 @@ def has_tokenizer(folder):
 
 
 def load(args, device, dtype):
-    """The --target folder's model, the draft (--draft, else an untrained 1-layer one), its prompt on pixels, the id
-    that ends the reasoning step (<|traj_future_start|> for Alpamayo, else None), its tokenizer (None without one) and
-    how the prompt was built: Alpamayo-R1's (build_prompt) with a tokenizer, else placeholder ids around the pixels."""
+    """--target's model, the draft (--draft, else an untrained 1-layer one), the prompt on pixels (build_prompt with a
+    tokenizer, else pixel_prompt), the id ending the reasoning step (Alpamayo's <|traj_future_start|>), tok, how."""
     target = hf.load_pretrained(args.target, dtype=dtype, device=device).eval()
     draft = (checkpoint.load(args.draft, target=target, dtype=dtype, device=device) if args.draft
              else M.make_draft(target, n_layers=1)).eval()
@@ -228,8 +211,7 @@ def trajectory(target, prompt, coc, future_start, repeats):
     CoC did not end with it), and the median time (s) of the expert alone over `repeats` runs."""
     exp = target.expert
     seq = coc + ([] if coc[-1:] == [future_start] else [future_start])
-    L = prompt["input_ids"].shape[1]
-    cache = target.new_cache(max_len=L + len(seq) + exp.cfg.n_waypoints)
+    cache = target.new_cache(max_len=prompt["input_ids"].shape[1] + len(seq) + exp.cfg.n_waypoints)
     embeds, deepstack = speculate.embed_prompt(target, prompt)  # (1, L, D)
     grids = {k: prompt[k] for k in speculate.GRID_KEYS if prompt.get(k) is not None}
     target(prompt["input_ids"], inputs_embeds=embeds, deepstack=deepstack, cache=cache, logits_to_keep=1, **grids)
@@ -241,8 +223,7 @@ def trajectory(target, prompt, coc, future_start, repeats):
 
 
 def plan(target, draft, prompt, stop, tok, how, args, decoding):
-    """The rest of the plan after the timed reasoning step: the CoC once more (marked), and for an Alpamayo folder
-    the trajectory, timed."""
+    """After the timed reasoning step: the CoC once more (marked), and with an action expert the trajectory, timed."""
     spec = evaluate.decode(target, draft, prompt, args.decoder, args.max_new, stop,
                            **evaluate.sampling_kwargs(decoding, 0))
     words = [tok.decode([t]) if tok is not None else str(t) for t in spec.tokens]
@@ -256,7 +237,6 @@ def plan(target, draft, prompt, stop, tok, how, args, decoding):
 
 
 def report_lines(res):
-    """bench.py's printed lines for a plan."""
     n, w = len(res["coc_tokens"]), res.get("waypoints")
     at = lambda i: f"({w[min(i, len(w) - 1)][0]:.1f}, {w[min(i, len(w) - 1)][1]:.1f})"  # noqa: E731
     return [f"prompt         {res['prompt_tokens']} tokens, {res['images']} images, {res['visual_tokens']} visual "
@@ -274,8 +254,7 @@ def report_lines(res):
 def add_flags(ap):
     ap.add_argument("--images-dir", default=None, help="with --target: a folder of camera images (name order)")
     ap.add_argument("--image-size", default="288x512", help="with --target: HxW of the generated images")
-    ap.add_argument("--processor", default=None, help="with --target: tokenizer + image processor folder "
-                    "(default: the target folder)")
+    ap.add_argument("--processor", help="with --target: tokenizer + image processor folder (default: --target)")
     ap.add_argument("--min-pixels", type=int, default=MIN_PIXELS, help="with --target: image size bounds")
     ap.add_argument("--max-pixels", type=int, default=MAX_PIXELS, help="with --target: image size bounds")
 

@@ -5,9 +5,8 @@ docs/background.md, "Speculative decoding"): speed-up = tau T_target(1) / (gamma
 Paper: the reasoning step dominates a plan's latency and is what RSD accelerates (~4x on a GPU); the prefill, shared
 by both arms, is reported apart. Fairness: the same KV-cached forward and dtype in both arms, every shape warmed up,
 the device synchronised before each clock reading, the arms alternating within each repeat, medians reported. Only
-greedy outputs are compared token by token (--temperature samples both arms; timing.divergences names any part).
---compile adds both arms through compiled static.StaticDecoder steps. Random weights (--preset, or --target without
---draft) predict the speed-up at a recorded toy acceptance (--toy-json).
+greedy outputs are compared token by token (timing.divergences names any part). Random weights (--preset, or
+--target without --draft) predict the speed-up at a recorded toy acceptance (--toy-json).
 
 run: python bench.py --device cpu [--compile]                          (the toy, from the shipped checkpoints/toy)
      python bench.py --device cuda --preset qwen3-vl-8b [--draft-vocab 32768]  (real shapes, random weights)
@@ -31,7 +30,6 @@ import evaluate
 import files
 import model as M
 import peer
-import speculate
 import static
 import timing
 from cli import DTYPES
@@ -41,8 +39,7 @@ from tree import TreeShape
 TOY_DRAFT = ("aarl", 0)  # the toy mode's default draft: FlatRoPE + AARL (static anchor), seed 0
 TOY_JSON = "runs/bench_toy.json"  # where the toy mode writes its report (whatever settings that run had)
 ROOT = os.path.dirname(os.path.abspath(__file__))
-# the random-weight prediction's recorded toy acceptances (32 held-out prompts, bf16, the shipped AARL draft, greedy;
-# relative to ROOT): the chain's (gamma 6) and the default tree's
+# the recorded toy acceptances (relative to ROOT) random weights predict at: the chain's (gamma 6), the default tree's
 TOY_ACCEPTANCE, TOY_TREE_ACCEPTANCE = "experiments/bench_cpu.json", "experiments/bench_cpu_tree.json"
 COMPILED = ("target-only compiled", "speculative compiled")  # --compile's arms, timed beside the eager ones
 CHAIN_ARM = "speculative chain"  # with a tree: the chain of evaluate.GAMMA, the same draft, timed in the same passes
@@ -52,9 +49,8 @@ CHAIN_ARM = "speculative chain"  # with a tree: the chain of evaluate.GAMMA, the
 
 @torch.no_grad()  # the grad mode the compiled steps were warmed up in (evaluate.spec_stats): see timing.CompileWatch
 def time_arms(target, drafts, prompts, gamma, max_new, stop_token, repeats, decoding=None, extra=None, on_timed=None):
-    """{arm: {prefill_ms (per prompt), ms_per_token (reasoning step), speedup}}: medians of `repeats` passes in which
-    the arms (TARGET_ONLY, `drafts` {name: draft}, extra {name: (target, draft or None[, gamma])}) alternate, after a
-    warm-up pass; greedy, or sampled under `decoding` with the same seeds in every pass. on_timed: before timing."""
+    """{arm: {prefill_ms, ms_per_token, speedup}}: medians of `repeats` passes after a warm-up, alternating TARGET_ONLY,
+    `drafts` {name: draft} and extra {name: (target, draft or None[, gamma])}; sampled: the same seeds each pass."""
     arms = {TARGET_ONLY: (target, None), **{name: (target, d) for name, d in drafts.items()}, **(extra or {})}
     arms = {name: (*arm, gamma)[:3] for name, arm in arms.items()}  # (target, draft, gamma) each
     for t, draft, g in arms.values():
@@ -77,7 +73,6 @@ def time_arms(target, drafts, prompts, gamma, max_new, stop_token, repeats, deco
 
 
 def compiled_pair(target, draft, prompts, gamma, max_new):
-    """Compiled static.StaticDecoder's, one cache length for all prompts, steps of 1, 2 or gamma + 1 tokens."""
     max_len = max(p["input_ids"].shape[1] for p in prompts) + max(max_new, gamma + 1) + gamma
     return tuple(static.StaticDecoder(m, max_len, compile=True, step_lengths=(1, 2, gamma + 1)) for m in (target, draft))
 
@@ -262,7 +257,6 @@ def decoding_text(d):
 
 
 def report(res):
-    """A table with 15-character row labels; --json's last line is the full record."""
     s, c = "sampled " if res["decoding"]["mode"] == "sampling" else "", res.get("compiled")
     arms = lambda d, x: (f"target-only {d['ar_ms_per_token']:.3f} ms/token   speculative "  # noqa: E731
                          f"{d['spec_ms_per_token']:.3f} ms/token   speed-up {x:.2f}x")
@@ -377,8 +371,7 @@ def check_flags(ap, args):
         if getattr(args, flag) is not None and not os.path.isdir(getattr(args, flag)):
             ap.error(f"--{flag.replace('_', '-')} {getattr(args, flag)}: folder not found")
     alpamayo.check_flags(ap, args)
-    with cli.user_errors(ap):
-        # the chain of --gamma (--tree 0), or a tree (a ValueError if the shape is impossible)
+    with cli.user_errors(ap):  # below: the chain of --gamma (--tree 0), or a tree (a ValueError if it is impossible)
         args.decoder = TreeShape(args.tree, args.tree_depth, args.tree_width) if args.tree else args.gamma
         cli.check_device(args.device)
         decoding = evaluate.decoding_mode(args.temperature, args.top_k, args.top_p, args.sampling_seed)

@@ -66,12 +66,8 @@ class ExpertConfig:
 
     @classmethod
     def from_alpamayo(cls, raw: dict, vlm: ModelConfig, where="config.json"):
-        """The expert's config from an Alpamayo config.json (dict), checked against the VLM's.
-
-        Reads every path in FIELDS, and when present: expert_cfg.head_dim and
-        expert_cfg.num_key_value_heads (must equal the VLM's: the expert reads its cache),
-        diffusion_cfg.int_method ("euler"), expert_non_causal_attention (true: the action tokens
-        see each other). A missing required field is an error naming it."""
+        """Every path in FIELDS of an Alpamayo config.json (dict), checked against the VLM's: the expert reads its KV
+        cache, so head_dim and KV heads must match; only Euler integration and non-causal action tokens."""
         cfg = cls(**{f.name: type(f.default)(config_field(raw, cls.FIELDS[f.name], where))
                      for f in dataclasses.fields(cls)})
         ex = raw["expert_cfg"]
@@ -158,10 +154,9 @@ class ActionExpert(nn.Module):
         return f
 
     def stack(self, h, cache: KVCache):
-        """The decoder over action tokens h (B, N, De) -> (B, N, De). Every layer attends to the same
-        layer of `cache` (its `length` tokens: prompt + CoC + <|traj_future_start|>) and to all N
-        tokens. Their K/V are written after cache.length, which never advances: the cache is unchanged
-        for the next Euler step (Alpamayo appends them, then crops back)."""
+        """Action tokens h (B, N, De) -> (B, N, De), each layer attending to the same layer of `cache` (prompt + CoC +
+        <|traj_future_start|>) and to all N tokens. Their K/V are written after cache.length, which never advances:
+        the cache is unchanged for the next Euler step (Alpamayo appends them, then crops back)."""
         B, N, _ = h.shape
         L = cache.length
         if L + N > cache.max_len:
@@ -201,11 +196,9 @@ class ActionExpert(nn.Module):
 
 
 def unicycle(action, v0, cfg: ExpertConfig):
-    """Normalised (acceleration, curvature) per step (B, N, 2) -> (x, y) waypoints (B, N, 2).
-
-    Unicycle model from speed v0 (B,), heading 0 at the origin: v_(k+1) = v_k + a_k dt;
-    theta_(k+1) = theta_k + kappa_k (v_k dt + a_k dt^2 / 2) (the arc length of the step); positions
-    by the trapezoid rule on v cos(theta), v sin(theta)."""
+    """Normalised (acceleration, curvature) per step (B, N, 2) -> (x, y) waypoints (B, N, 2), by the unicycle model
+    from speed v0 (B,), heading 0 at the origin: v_(k+1) = v_k + a_k dt; theta_(k+1) = theta_k + kappa_k (v_k dt +
+    a_k dt^2 / 2) (the step's arc length); positions by the trapezoid rule on v cos(theta), v sin(theta)."""
     a = action[..., 0].float() * cfg.accel_std + cfg.accel_mean  # (B, N)
     kappa = action[..., 1].float() * cfg.curvature_std + cfg.curvature_mean
     dt = cfg.dt

@@ -3,17 +3,15 @@
 transformers ships it), beside our target-only and speculative decoding (docs/background.md, "Speculative decoding").
 The draft is the M-RoPE replica (checkpoints/toy/draft_mrope_s0): FlatRoPE has no transformers counterpart.
 
-Timed: one call per prompt, end to end (vision tower + prefill + reasoning step), read with timing.Clock, over the
-tokens generated (generate does not report its prefill apart); our arms' own prefill + decode split beside it, and on
-a CPU the process's CPU time per token, which a shared machine does not inflate. A warm-up call per arm and prompt,
-then `repeats` passes in which all arms run each prompt in turn (the order rotated); medians. Greedy only: generate's
-tokens are compared with our target-only decoding, each speculative arm's with its own target-only arm.
+Timed: one call per prompt, end to end (vision tower + prefill + reasoning step; generate does not report its prefill
+apart), over the tokens generated; our arms' own prefill + decode beside it, and on a CPU the CPU time per token,
+which a shared machine does not inflate. Greedy only: generate's tokens are compared with our target-only decoding,
+each speculative arm's with its own target-only arm.
 
 transformers' settings: eager, attn_implementation "sdpa", the dynamic KV cache (generate's default), eos_token_id =
 <cot_end>. `hf_assisted` fixes gamma as ours (num_assistant_tokens = gamma, schedule "constant", confidence threshold
 0 = off); `hf_assisted_defaults` keeps transformers' assistant defaults. The assistant is a whole Qwen2.5-VL: it runs
-its own vision tower at its prefill (our draft reads the target's image features), part of what assisted generation
-costs.
+its own vision tower at its prefill (our draft reads the target's image features), part of assisted generation's cost.
 
 run: python bench.py --device cpu --peer hf --json
 """
@@ -34,6 +32,10 @@ from hf import export_pretrained
 PEER_DRAFT = ("mrope", 0)  # the draft both speculative arms use: the M-RoPE replica, seed 0
 ARMS = ("ours_target_only", "ours_speculative", "hf_generate", "hf_assisted", "hf_assisted_defaults")
 DEFAULTS = ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")
+# the `ratios` (ms/token of the first arm over the second's; > 1: ours faster), the first three also in CPU time
+RATIOS = (("hf_generate", "ours_target_only"), ("hf_assisted", "ours_speculative"),
+          ("hf_assisted_defaults", "ours_speculative"), ("hf_generate", "hf_assisted"),
+          ("ours_target_only", "ours_speculative"))
 
 # ---- the transformers side ----
 
@@ -51,13 +53,6 @@ def load_hf(folder, dtype, device):
     from transformers import Qwen2_5_VLForConditionalGeneration  # optional extra, as in the parity tests
     return Qwen2_5_VLForConditionalGeneration.from_pretrained(folder, dtype=dtype,
                                                               attn_implementation="sdpa").to(device).eval()
-
-
-def assistant_settings(gamma):
-    """{arm: generation_config fields of the assistant}: gamma fixed, or transformers' defaults (None = its default)."""
-    return {"hf_assisted": {"num_assistant_tokens": gamma, "num_assistant_tokens_schedule": "constant",
-                            "assistant_confidence_threshold": 0.0},
-            "hf_assisted_defaults": dict.fromkeys(DEFAULTS)}
 
 
 def hf_generate(model, inputs, max_new, stop, pad, assistant=None, settings=None):
@@ -95,9 +90,8 @@ def flag_error(toy_mode, decoding):
 
 
 def one_token_forward(target, hf_target, prompt, inputs, reps=20):
-    """{"ours", "hf"}: ms of one cached one-token forward of each implementation after the same prompt (the step both
-    decode loops repeat, without either loop around it), median of reps after a warm-up, the cache rolled back after
-    each step. It tells model code from generation-loop code in the end-to-end ratio."""
+    """{"ours", "hf"}: ms of one cached one-token forward of each after the same prompt (the step both decode loops
+    repeat), median of reps, the cache rolled back each time: model code apart from generation-loop code."""
     device, L = prompt["input_ids"].device, prompt["input_ids"].shape[1]
     x = prompt["input_ids"][:, -1:]  # (1, 1): any token; its value does not change the time
     cache = target.new_cache(max_len=L + 1)
@@ -117,11 +111,9 @@ def one_token_forward(target, hf_target, prompt, inputs, reps=20):
 
 def time_calls(arms, prompts, device, repeats):
     """arms: name -> fn(i, prompt) returning (tokens, inner seconds or None). A warm-up call per arm and prompt, then
-    `repeats` passes in which the arms alternate on every prompt, each call timed with timing.Clock.
-    Returns {name: {tokens (list per prompt, from the warm-up), ms_per_token, ms_per_prompt, inner_ms_per_token (when
-    fn gives it), cpu_ms_per_token (on a CPU)}}: medians of the passes; a pass's ms per token is its total time over
-    its total tokens. cpu_ms_per_token is this process's CPU time (time.process_time) per token: on a shared CPU the
-    wall clock also counts the time the process waited for a core, the CPU time only the work."""
+    `repeats` passes, the arms alternating on every prompt -> {name: {tokens (per prompt), ms_per_token, ms_per_prompt,
+    inner_ms_per_token, cpu_ms_per_token (on a CPU: time.process_time, which on a shared CPU leaves out the waits for
+    a core)}}: medians of the passes, each pass's total time over its total tokens."""
     tokens = {name: [fn(i, p)[0] for i, p in enumerate(prompts)] for name, fn in arms.items()}
     passes = {name: [] for name in arms}
     clock, names = timing.Clock(device, enabled=True), list(arms)
@@ -153,9 +145,8 @@ def time_calls(arms, prompts, device, repeats):
 
 @torch.inference_mode()
 def compare(target, draft, prompts, gamma, max_new, stop, pad, repeats=3):
-    """The `peers` object of bench.py --peer hf: our target-only and speculative decoding (with `draft`) and
-    transformers' generate and assisted generation on the same weights, exported to a temporary folder and loaded in
-    the target's dtype and device. Greedy."""
+    """bench.py --peer hf's `peers`: our target-only and speculative decoding and transformers' generate and assisted
+    generation, greedy, on the same weights (exported to a temporary folder, loaded in the target's dtype, device)."""
     w = target.embed_tokens.weight
     with tempfile.TemporaryDirectory() as folder:
         export_pretrained(target, os.path.join(folder, "target"), eos_token_id=stop, pad_token_id=pad)
@@ -163,7 +154,8 @@ def compare(target, draft, prompts, gamma, max_new, stop, pad, repeats=3):
         hf_target = load_hf(os.path.join(folder, "target"), w.dtype, w.device)
         hf_draft = load_hf(os.path.join(folder, "draft"), w.dtype, w.device)
     inputs = [hf_inputs(p, target.cfg) for p in prompts]  # built once, outside the clock, as our prompts are
-    settings = assistant_settings(gamma)
+    settings = {"hf_assisted": {"num_assistant_tokens": gamma, "num_assistant_tokens_schedule": "constant",
+                                "assistant_confidence_threshold": 0.0}, "hf_assisted_defaults": dict.fromkeys(DEFAULTS)}
 
     def ours(d):
         def fn(i, p):
@@ -178,40 +170,26 @@ def compare(target, draft, prompts, gamma, max_new, stop, pad, repeats=3):
     arms = {"ours_target_only": ours(None), "ours_speculative": ours(draft),
             **{arm: hf(arm) for arm in ARMS[2:]}}
     res = time_calls(arms, prompts, w.device, repeats)
-    step = one_token_forward(target, hf_target, prompts[0], inputs[0])
-    ref, hf_ref = res["ours_target_only"]["tokens"], res["hf_generate"]["tokens"]
-    same = lambda arm, reference: sum(a == b for a, b in zip(res[arm]["tokens"], reference))  # noqa: E731
     out = {arm: dict(r, tokens=sum(map(len, r["tokens"]))) for arm, r in res.items()}
     import transformers
     from transformers import GenerationConfig
     defaults = {k: GenerationConfig._get_default_generation_params()[k] for k in DEFAULTS}
-    ms = {arm: out[arm]["ms_per_token"] for arm in ARMS}
+    ratios = lambda key, pairs: {f"{a}_over_{b}": out[a][key] / out[b][key] for a, b in pairs}  # noqa: E731
     out.update(
         prompts=len(prompts), gamma=gamma, max_new=max_new, repeats=repeats, transformers=transformers.__version__,
-        attn_implementation="sdpa", one_token_forward_ms=step,
+        attn_implementation="sdpa", one_token_forward_ms=one_token_forward(target, hf_target, prompts[0], inputs[0]),
         timed="one call per prompt, end to end (vision tower + prefill + reasoning step), over the tokens generated",
         assistant={"hf_assisted": settings["hf_assisted"], "hf_assisted_defaults": defaults},
-        greedy_match={"hf_generate_vs_ours_target_only": same("hf_generate", ref),
-                      "ours_speculative_vs_ours_target_only": same("ours_speculative", ref),
-                      "hf_assisted_vs_hf_generate": same("hf_assisted", hf_ref),
-                      "hf_assisted_defaults_vs_hf_generate": same("hf_assisted_defaults", hf_ref)},
-        # > 1: ours is faster (ms/token of the transformers arm over ours)
-        ratios={"hf_generate_over_ours_target_only": ms["hf_generate"] / ms["ours_target_only"],
-                "hf_assisted_over_ours_speculative": ms["hf_assisted"] / ms["ours_speculative"],
-                "hf_assisted_defaults_over_ours_speculative": ms["hf_assisted_defaults"] / ms["ours_speculative"],
-                "hf_generate_over_hf_assisted": ms["hf_generate"] / ms["hf_assisted"],
-                "ours_target_only_over_ours_speculative": ms["ours_target_only"] / ms["ours_speculative"]})
+        greedy_match={f"{a}_vs_{b}": sum(x == y for x, y in zip(res[a]["tokens"], res[b]["tokens"])) for a, b in (
+            ("hf_generate", "ours_target_only"), ("ours_speculative", "ours_target_only"),
+            ("hf_assisted", "hf_generate"), ("hf_assisted_defaults", "hf_generate"))},
+        ratios=ratios("ms_per_token", RATIOS))
     if "cpu_ms_per_token" in out["hf_generate"]:  # the same ratios in CPU time: what a busy machine does not inflate
-        cpu = {arm: out[arm]["cpu_ms_per_token"] for arm in ARMS}
-        out["ratios_cpu_time"] = {"hf_generate_over_ours_target_only": cpu["hf_generate"] / cpu["ours_target_only"],
-                                  "hf_assisted_over_ours_speculative": cpu["hf_assisted"] / cpu["ours_speculative"],
-                                  "hf_assisted_defaults_over_ours_speculative":
-                                      cpu["hf_assisted_defaults"] / cpu["ours_speculative"]}
+        out["ratios_cpu_time"] = ratios("cpu_ms_per_token", RATIOS[:3])
     return out
 
 
 def report_lines(peers, dtype):
-    """bench.py's printed lines for the peers object."""
     n, g, r = peers["prompts"], peers["greedy_match"], peers["ratios"]
     lines = [f"peers          transformers {peers['transformers']} (sdpa, dynamic cache) on the same weights, "
              f"{n} prompts, end to end per call (vision + prefill + reasoning), draft: the M-RoPE replica, gamma "

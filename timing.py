@@ -18,7 +18,6 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-import model as M
 import speculate
 import static
 from speculate import EMBED_KEYS, prefill
@@ -134,8 +133,7 @@ def expected_speedup(alpha, gamma, c):
 
 
 def environment(device):
-    """Python, torch, the CUDA and cuDNN torch was built with, triton and transformers (None where absent), and on
-    CUDA the GPU's name, compute capability, memory and driver."""
+    """Python, torch (and its CUDA, cuDNN), triton, transformers (None where absent); on CUDA the GPU and driver."""
     version = lambda p: next((d.version for d in importlib.metadata.distributions(name=p)), None)  # noqa: E731
     env = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
            "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
@@ -153,7 +151,6 @@ def reset_peak_memory(device):
 
 
 def peak_memory(device):
-    """On CUDA the allocator's peak since reset_peak_memory; on a CPU the process's peak resident set (all its life)."""
     if torch.device(device).type == "cuda":
         return {"what": "torch.cuda.max_memory_allocated / max_memory_reserved since the run began",
                 "allocated_gib": torch.cuda.max_memory_allocated(device) / 2 ** 30,
@@ -164,22 +161,25 @@ def peak_memory(device):
 
 
 class CompileWatch:
-    """Per phase ("compile" until next_phase) and StaticDecoder step length: calls and dynamo's compilations; on CUDA
-    the graphs captured and replayed and inductor's CUDA-graph skips with their reasons. Why: dynamo guards on the
-    grad mode and dispatch keys (a step warmed up under no_grad and timed under inference_mode compiles again in the
-    timed passes), and a skipped CUDA graph runs as plain inductor without a word."""
+    """Per phase (from "compile" to next_phase's) and step length: calls and dynamo's compilations; on CUDA the graphs
+    captured and replayed and inductor's CUDA-graph skips with reasons. Why: dynamo guards on the grad mode (a step
+    warmed up under no_grad compiles again under inference_mode), and a skipped CUDA graph runs without a word."""
 
     def __init__(self, decoders):
         from torch._dynamo.utils import counters
         self.counters, self.phase, self.counts, self.patched, self.skip_reasons = counters, "compile", {}, [], []
-        self.captures = self.replays = 0
-        self.skips0 = counters["inductor"]["cudagraph_skips"]
+        self.graphs, self.skips0 = {"captured": 0, "replayed": 0}, counters["inductor"]["cudagraph_skips"]
         for name, dec in decoders.items():
             dec._step = self._counted(name, dec._step)
         self.cuda = any(dec.copy_out for dec in decoders.values())  # compiled on CUDA: CUDA graphs expected
         if self.cuda:
-            for attr, field in (("capture_begin", "captures"), ("replay", "replays")):
-                self._count_graph_calls(attr, field)
+            G = torch.cuda.CUDAGraph
+            for attr, field in (("capture_begin", "captured"), ("replay", "replayed")):
+                def counted(graph, *args, _orig=getattr(G, attr), _field=field, **kwargs):
+                    self.graphs[_field] += 1
+                    return _orig(graph, *args, **kwargs)
+                self.patched.append(lambda attr=attr, orig=getattr(G, attr): setattr(G, attr, orig))
+                setattr(G, attr, counted)
             try:  # private: inductor logs every skip reason to this logger (torch 2.11 to 2.13 at least)
                 log = importlib.import_module("torch._inductor.cudagraph_utils").cudagraphs_log
                 handler = logging.Handler(logging.WARNING)
@@ -200,15 +200,6 @@ class CompileWatch:
             return out
         return counted
 
-    def _count_graph_calls(self, attr, field):
-        cls, orig = torch.cuda.CUDAGraph, getattr(torch.cuda.CUDAGraph, attr)
-
-        def counted(graph, *args, **kwargs):
-            setattr(self, field, getattr(self, field) + 1)
-            return orig(graph, *args, **kwargs)
-        setattr(cls, attr, counted)
-        self.patched.append(lambda: setattr(cls, attr, orig))
-
     def next_phase(self, name):
         self.phase = name
 
@@ -223,18 +214,14 @@ class CompileWatch:
                         "['unique_graphs']) counted around each compiled call",
                 "steps": self.counts, "recompiled_after_compile": self.recompiled(),
                 "cuda_graphs": None if not self.cuda else {
-                    "ran": self.replays > 0 and skips == 0, "captured": self.captures, "replayed": self.replays,
-                    "skips": skips, "skip_reasons": self.skip_reasons,
+                    "ran": self.graphs["replayed"] > 0 and skips == 0, **self.graphs, "skips": skips,
+                    "skip_reasons": self.skip_reasons,
                     "what": "torch.cuda.CUDAGraph capture_begin / replay calls; inductor's cudagraph_skips counter "
                             "and the reasons it logged"}}
 
     def close(self):
-        for undo in self.patched:
-            undo()
-        self.patched = []
-
-
-SDPA_BACKENDS = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION", "MATH")
+        while self.patched:
+            self.patched.pop()()
 
 
 def first_sdpa_call(fn):
@@ -255,9 +242,8 @@ def first_sdpa_call(fn):
 
 @torch.no_grad()
 def sdpa_kernel_of(args, kwargs):
-    """One SDPA call's shapes and mask; `dispatcher`: the backend torch picks for these arguments (_fused_sdp_choice;
-    for a lower-right CausalBias torch.nn.attention.bias's rule); `backends`: whether each runs them alone ("ok", or
-    the first line of its refusal). A compiled step's kernel is chosen at tracing from the same arguments."""
+    """One SDPA call's shapes and mask; `dispatcher`: the backend torch picks (_fused_sdp_choice, or CausalBias's rule);
+    `backends`: "ok" or the first line of each one's refusal. A compiled step's kernel is chosen from the same."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.attention.bias import CausalBias
     q, k, v = args[:3]
@@ -278,7 +264,8 @@ def sdpa_kernel_of(args, kwargs):
         except (AttributeError, TypeError, RuntimeError) as e:
             info["dispatcher"] = f"unknown ({type(e).__name__}: {str(e)[:100]})"
     info["backends"] = {}
-    for b in (b for b in SDPA_BACKENDS if hasattr(SDPBackend, b)):
+    for b in (b for b in ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION", "MATH")
+              if hasattr(SDPBackend, b)):
         try:
             with warnings.catch_warnings(), sdpa_kernel([getattr(SDPBackend, b)]):
                 warnings.simplefilter("ignore")  # the refusal's reasons come again in the error
@@ -290,30 +277,26 @@ def sdpa_kernel_of(args, kwargs):
 
 
 def sdpa_steps(target, prompt, gamma, static_len=None, tree=False):
-    """sdpa_kernel_of for the target's steps at this prompt: the prefill, the 1-token decode, the
-    (gamma+1)-token verify, with tree (gamma is then its N) the tree verify of N + 1 tokens (VLA.step), and with
-    static_len (a StaticDecoder's cache length) the static 1-token and verify steps that --compile compiles. Each
-    step runs once, eagerly; the vision tower's SDPA is not counted."""
+    """sdpa_kernel_of for the target's prefill, 1-token decode and (gamma+1)-token verify at this prompt, each run once
+    eagerly; with tree (gamma is its N) the tree verify of N + 1 tokens, with static_len (a StaticDecoder's cache
+    length) the static steps that --compile compiles. The vision tower's SDPA is not counted."""
     L, x = prompt["input_ids"].shape[1], prompt["input_ids"][:, -1:]
-    first, calls = first_sdpa_call, {}
     with torch.no_grad():
         embeds, deepstack = speculate.embed_prompt(target, prompt)  # (1, L, D)
         cache = target.new_cache(batch=1, max_len=L + gamma + 1)
-        calls["prefill"] = first(lambda: speculate.prefill(target, prompt, embeds, cache, deepstack))
-        base = cache.length
-        for name, n in (("decode", 1), ("verify", gamma + 1)):
-            calls[name] = first(lambda: target(x.repeat(1, n), cache=cache))
-            cache.crop(base)
-        if tree:  # a tree's verify runs VLA.step under its mask (tree.tree_round)
-            slots = torch.arange(base, base + gamma + 1, device=x.device)  # (N+1,)
-            calls["tree verify"] = first(lambda: target.step(x.repeat(1, gamma + 1), slots, cache))
+        calls = {"prefill": first_sdpa_call(lambda: speculate.prefill(target, prompt, embeds, cache, deepstack))}
+        base, steps = cache.length, [("", target, cache)]
         if static_len:
             st = static.StaticDecoder(target, max(static_len, L + gamma + 1))
-            scache = st.new_cache()
-            speculate.prefill(st, prompt, embeds, scache, deepstack)
-            for name, n in (("static decode", 1), ("static verify", gamma + 1)):
-                calls[name] = first(lambda: st(x.repeat(1, n), cache=scache))
-                scache.crop(base)
+            steps.append(("static ", st, st.new_cache()))
+            speculate.prefill(st, prompt, embeds, steps[-1][2], deepstack)
+        for kind, m, c in steps:
+            for name, n in (("decode", 1), ("verify", gamma + 1)):
+                calls[kind + name] = first_sdpa_call(lambda: m(x.repeat(1, n), cache=c))
+                c.crop(base)
+        if tree:  # a tree's verify runs VLA.step under its mask (tree.tree_round)
+            slots = torch.arange(base, base + gamma + 1, device=x.device)  # (N+1,)
+            calls["tree verify"] = first_sdpa_call(lambda: target.step(x.repeat(1, gamma + 1), slots, cache))
     return {name: sdpa_kernel_of(*call) for name, call in calls.items()}
 
 
@@ -322,8 +305,7 @@ def sdpa_steps(target, prompt, gamma, static_len=None, tree=False):
 
 @torch.inference_mode()
 def top2_margin(target, prompt, prefix):
-    """The target's top-1 minus top-2 logit for the token after prompt + prefix (a list of ids), and that gap in
-    steps of the logits' dtype at the top logit (a bf16 step at a logit of 10 is 2^-4), prefilled as speculate does."""
+    """The target's top-1 minus top-2 logit after prompt + prefix (ids), and in steps of its dtype at the top logit."""
     cache = target.new_cache(batch=1, max_len=prompt["input_ids"].shape[1] + len(prefix))
     embeds, deepstack = speculate.embed_prompt(target, prompt)  # (1, L, D)
     x_last = speculate.prefill(target, prompt, embeds, cache, deepstack, name="target")  # (1, 1)
@@ -336,9 +318,8 @@ def top2_margin(target, prompt, prefix):
 
 
 def divergences(target, prompts, reference, outputs):
-    """For each prompt whose greedy output leaves the reference (target-only decoding's): where, and the target's
-    top-2 margin there. Greedy speculative decoding is exact in fp32; in bf16 the verify step's batched matmuls round
-    differently from single-token steps and can flip a near-tie (a margin of a few steps): the margin tells which."""
+    """Each greedy output that leaves the reference (target-only's): where, and the target's top-2 margin there. In
+    bf16 the verify step's batched matmuls round unlike single steps and can flip a near-tie: the margin tells."""
     out = []
     for i, (prompt, ref, got) in enumerate(zip(prompts, reference, outputs)):
         if ref != got:
