@@ -1,23 +1,16 @@
-"""Synthetic driving world: a toy where the paper's premise (most chain-of-causation
-tokens are *routine*, predictable from the ego-trajectory history; a few are
-*commitments* that need fresh visual evidence) holds by construction and is measured.
+"""Synthetic driving world: a toy where the paper's premise (most chain-of-causation tokens are *routine*, predictable
+from the ego-trajectory history; a few are *commitments* that need fresh visual evidence) holds by construction.
 
-Each scene mirrors Alpamayo-R1's prompt and CoC layout (docs/background.md): a 2-frame
-front-camera video (12 merged tokens, all the decision evidence), `views` surround images of
-roadside clutter (24 merged tokens each: 396 visual tokens at the default 16), 16 past steps at
-10 Hz as 48 binned (dx, dy, dheading) history tokens, a CoC "state , decision , roadside actors"
-such as
+Each scene mirrors Alpamayo-R1's prompt and CoC layout (docs/background.md): a 2-frame front-camera video (12 merged
+tokens, all the decision evidence), `views` surround images of roadside clutter (24 merged tokens each), 16 past steps
+at 10 Hz as 48 binned (dx, dy, dheading) history tokens, a CoC "state , decision , roadside actors" such as
 
     slowing in a sharp left curve at 30 km/h , follow the braking vehicle 15 m ahead ,
     cone 10 m left and cyclist 20 m right
 
-and 32 future waypoints from a unicycle rollout of (acceleration, curvature) that follows the
-decision. `commitment_mask` marks the ~5.7 of ~22 tokens that the history class and the CoC
-prefix leave open; `routine_share` is the share a perfect history-only reader gets right.
-Reading the evidence takes two attention hops, across the two frames. docs/toy-notes.md ("Why
-the world is shaped so") has the design and its reasons; `read_raster` and `read_history` in
-tests/test_driving.py are the exact readers of the evidence and of the history. `Data` holds the
-scenes of one split and batches them for training and evaluation.
+and 32 future waypoints from a unicycle rollout of (acceleration, curvature) that follows the decision.
+`commitment_mask` marks the ~5.7 of ~22 tokens that the history class and the CoC prefix leave open; `routine_share`
+is the share a perfect history-only reader gets right. docs/toy-notes.md has the design and its reasons.
 
 run: python driving.py --seed 0
 """
@@ -61,8 +54,7 @@ class WorldConfig:
     view_size: tuple = (48, 72)    # (H, W) px of a surround view: 4 x 6 merged tokens
 
 
-# One plane per channel of an object-level raster, as a perception stack draws its output (render says what each frame
-# paints; the surround views draw CLUTTER only).
+# one plane per channel of an object-level raster, as a perception stack draws it (the surround views: CLUTTER only)
 CHANNELS = ("stop_line", "ego", "vehicle", "pedestrian", "cone", "cyclist", "light_red", "light_green", "brake",
             "object", "in_lane", "range_5", "range_10", "range_15", "range_20",
             "building", "vegetation", "curb", "lane_line")
@@ -114,9 +106,8 @@ KAPPA = {"gentle": (0.006, 0.010), "sharp": (0.020, 0.025)}
 BUCKET_ROWS = {5: (16, 19), 10: (12, 15), 15: (8, 11), 20: (4, 7)}
 # An actor is a 2x2-px block: "in the ego lane" when >= 2 of its pixels are on it, "off" when none is (_place rejects
 # anything in between, so the evidence is unambiguous). IN_LANE_L, ROADSIDE_L: lateral offsets (m) drawn at t = 0.
-ACTORS = {  # in-lane event -> kind
-    "lead_cruise": "vehicle", "lead_brake": "vehicle", "ped_cross": "pedestrian", "cone_lane": "cone",
-    "cyclist_lane": "cyclist"}
+ACTORS = {"lead_cruise": "vehicle", "lead_brake": "vehicle", "ped_cross": "pedestrian", "cone_lane": "cone",
+          "cyclist_lane": "cyclist"}  # in-lane event -> kind
 IN_LANE_L = (-1.2, 1.2)
 ROADSIDE_L = {"left": (3.0, 25.0), "right": (-25.0, -3.0)}
 COLUMN = {"left": 0, "centre": 1, "right": 2}  # token column of each part of the front view
@@ -144,11 +135,9 @@ class Factors:
 
     @property
     def decision(self):
-        if self.event == "clear":
-            return "keep"
-        if self.event in ("red", "green") and self.speed == "stand":
+        if self.speed == "stand":  # only ever at a light (EVENTS)
             return "stay" if self.event == "red" else "start"
-        return {"lead_cruise": "follow", "lead_brake": "follow", "ped_cross": "stop", "red": "stop",
+        return {"clear": "keep", "lead_cruise": "follow", "lead_brake": "follow", "ped_cross": "stop", "red": "stop",
                 "cone_lane": "nudge", "cyclist_lane": "slow", "green": "proceed"}[self.event]
 
 
@@ -163,8 +152,7 @@ def state_words(f):
 
 
 def main_words(f):
-    """The main clause: state , decision. The decision word, the lead vehicle's state and the range ring need the
-    image."""
+    """State , decision: the decision word, the lead vehicle's state and the range ring need the image."""
     ahead = [] if f.bucket is None else [str(f.bucket), "m", "ahead"]
     act = {
         "keep": ["keep", "lane", "and"] + {"cruise": ["maintain", "speed"], "decel": ["resume", "speed"],
@@ -193,15 +181,8 @@ def roadside_words(left, right):
 
 
 def coc_words(f):
-    """CoC = state , decision [, roadside actors], e.g. "slowing in a sharp left curve at 30 km/h , follow the braking
-    vehicle 15 m ahead , cone 10 m left and cyclist 20 m right"."""
+    """CoC = state , decision [, roadside actors] (the file docstring has an example)."""
     return main_words(f) + ([] if f.road == "intersection" else roadside_words(f.left, f.right))
-
-
-def _buckets(event, speed):
-    """Range rings of the in-lane actor / stop line: 5 m when waiting at the line, else 10-20 m (5 m is too close to
-    stop or nudge in time from speed: roadside actors only)."""
-    return [None] if event == "clear" else [5] if speed == "stand" else [10, 15, 20]
 
 
 def _roadside_options(event):
@@ -211,18 +192,19 @@ def _roadside_options(event):
     return [(None, 1 - P_ROADSIDE)] + [((k, b), p) for k in kinds for b in BUCKET_ROWS]
 
 
-def _held_out(road, event, left, right):
-    return any((event, a[0], road) in HELD_OUT for a in (left, right) if a is not None)
+def _roadside_prior(road, event, split):
+    """[((left, right), prior)] that the split allows: held-out combinations only in test, never elsewhere."""
+    opts = _roadside_options(event)
+    return [((l, r), pl * pr) for l, pl in opts for r, pr in opts
+            if any((event, a[0], road) in HELD_OUT for a in (l, r) if a is not None) == (split == "test")]
 
 
 @lru_cache(maxsize=None)
 def roadside_distribution(road, event, split):
-    """[((left, right), probability)] for the split: held-out combinations only in test, never elsewhere."""
+    """[((left, right), probability)] for the split (_roadside_prior normalised)."""
     if road == "intersection":
         return [((None, None), 1.0)]
-    opts = _roadside_options(event)
-    rows = [((l, r), pl * pr) for l, pl in opts for r, pr in opts
-            if _held_out(road, event, l, r) == (split == "test")]
+    rows = _roadside_prior(road, event, split)
     z = sum(p for _, p in rows)
     return [(lr, p / z) for lr, p in rows]
 
@@ -239,11 +221,13 @@ def main_distribution(split):
             z = sum(EVENTS[e][0] for e in EVENTS)
             events = {e: EVENTS[e][0] / z for e in EVENTS if EVENTS[e][0] > 0}
         for event, p_event in events.items():
-            opts = _roadside_options(event)
             allowed = float(split != "test") if road == "intersection" else sum(
-                pl * pr for l, pl in opts for r, pr in opts if _held_out(road, event, l, r) == (split == "test"))
+                p for _, p in _roadside_prior(road, event, split))
             for speed, p_speed in EVENTS[event][1].items():
-                sharps, buckets = list(KAPPA) if road.startswith("curve") else [None], _buckets(event, speed)
+                sharps = list(KAPPA) if road.startswith("curve") else [None]
+                # rings of the in-lane actor / stop line: 5 m only when waiting at the line (too close to stop or
+                # nudge in time from speed: roadside actors only)
+                buckets = [None] if event == "clear" else [5] if speed == "stand" else [10, 15, 20]
                 for band, sharp, bucket in product(BANDS[speed], sharps, buckets):
                     p = p_road * p_event * allowed * p_speed / len(BANDS[speed]) / len(sharps) / len(buckets)
                     if p > 0:
@@ -266,37 +250,31 @@ def sample_factors(rng, split):
     return replace(f, left=left, right=right)
 
 
+def _main_clause(f):
+    """The main clause and the token after it: <cot_end> at an intersection, else the roadside clause's ","."""
+    return main_words(f) + (["<cot_end>"] if f.road == "intersection" else [","])
+
+
 @lru_cache(maxsize=None)
-def _options_by_class():
-    """history class -> every main clause (+ the token after it) the world can pair with it; event -> every roadside
-    clause (+ <cot_end>). The roadside clause depends only on the event, which the main clause fixes."""
-    mains = defaultdict(set)
-    for split in ("train", "test"):
-        for f, _ in main_distribution(split):
-            mains[f.hist_class].add(tuple(main_words(f)) + (("<cot_end>",) if f.road == "intersection" else (",",)))
-    sides = {e: {tuple(roadside_words(l, r)[1:]) + ("<cot_end>",) for l, _ in _roadside_options(e)
-                 for r, _ in _roadside_options(e)} for e in EVENTS}
-    return {k: list(v) for k, v in mains.items()}, {k: list(v) for k, v in sides.items()}
-
-
-def _branching(options, words):
-    """Per position of words: do the options that share its prefix continue with more than one word?"""
-    return [len({o[i] for o in options if o[:i] == words[:i]}) > 1 for i in range(len(words))]
+def _continuations():
+    """(history class, main-clause prefix) and (event, roadside-clause prefix) -> every word the world can write next,
+    over both splits. The roadside clause (+ <cot_end>) depends only on the event, which the main clause fixes."""
+    clauses = {(f.hist_class, tuple(_main_clause(f))) for s in ("train", "test") for f, _ in main_distribution(s)}
+    clauses |= {(e, tuple(roadside_words(l, r)[1:]) + ("<cot_end>",))
+                for e in EVENTS for (l, _), (r, _) in product(_roadside_options(e), repeat=2)}
+    nxt = defaultdict(set)
+    for key, words in clauses:
+        for i, w in enumerate(words):
+            nxt[key, words[:i]].add(w)
+    return nxt
 
 
 @lru_cache(maxsize=65536)
-def _mask(f):
-    mains, sides = _options_by_class()
-    main = main_words(f)
-    if f.road == "intersection":
-        return tuple(_branching(mains[f.hist_class], tuple(main) + ("<cot_end>",)))
-    rest = tuple(roadside_words(f.left, f.right)[1:]) + ("<cot_end>",)
-    return tuple(_branching(mains[f.hist_class], tuple(main) + (",",)) + _branching(sides[f.event], rest))
-
-
 def commitment_mask(f):
     """One bool per CoC word plus <cot_end>: True where history class + prefix leave more than one continuation."""
-    return list(_mask(f))
+    rest = [] if f.road == "intersection" else roadside_words(f.left, f.right)[1:] + ["<cot_end>"]
+    return tuple(len(_continuations()[key, tuple(words[:i])]) > 1
+                 for key, words in ((f.hist_class, _main_clause(f)), (f.event, rest)) for i in range(len(words)))
 
 
 def routine_share(split="train"):
@@ -306,7 +284,7 @@ def routine_share(split="train"):
     world; in the roadside clause, whose distribution depends only on (road, event), it maximises that."""
     ctx, length, right = defaultdict(Counter), 0.0, 0.0
     for f, p in main_distribution(split):
-        words = main_words(f) + (["<cot_end>"] if f.road == "intersection" else [","])
+        words = _main_clause(f)
         for i, w in enumerate(words):
             ctx[(f.hist_class, tuple(words[:i]))][w] += p
         length += p * len(words)
@@ -497,7 +475,7 @@ def make_scene(rng, split="train", cfg=WorldConfig()):
     frames = render(kappa, actors, stop_line, seen_now, cfg)
     coc = coc_words(f)
     return Scene(f, float(kappa), float(v0), dist, hist, frames, seen_now, int(rng.integers(2**31)), coc,
-                 commitment_mask(f), plan(f, v0, kappa, dist, cfg))
+                 list(commitment_mask(f)), plan(f, v0, kappa, dist, cfg))
 
 
 def render_views(seed, n, cfg=WorldConfig()):
@@ -529,8 +507,7 @@ class Tokenizer:
         self.bins = {"dx": cfg.dx_bins, "dy": cfg.dy_bins, "dh": cfg.dh_bins}
         hist = [f"<{k}{i}>" for k, spec in self.bins.items() for i in range(spec[2])]
         words = set((SYSTEM + " " + INSTRUCTION).split())
-        mains, sides = _options_by_class()
-        words.update(w for options in [*mains.values(), *sides.values()] for o in options for w in o)
+        words.update(w for nxt in _continuations().values() for w in nxt)
         words -= set(SPECIALS.values())
         self.vocab = list(SPECIALS.values()) + hist + sorted(words)
         self.id = {w: i for i, w in enumerate(self.vocab)}
