@@ -58,6 +58,7 @@ class WorldConfig:
 CHANNELS = ("stop_line", "ego", "vehicle", "pedestrian", "cone", "cyclist", "light_red", "light_green", "brake",
             "object", "in_lane", "range_5", "range_10", "range_15", "range_20",
             "building", "vegetation", "curb", "lane_line")
+CH = {name: i for i, name in enumerate(CHANNELS)}  # channel name -> plane
 APPEARANCE = ("vehicle", "pedestrian", "cone", "cyclist", "light_red", "light_green", "brake")  # what an actor is
 CLUTTER = ("building", "vegetation", "curb", "lane_line")
 # the raster's tokenisation (train.target_config's vision tower): 4-px patches merged 3x3, a token per 12 x 12 px
@@ -278,10 +279,9 @@ def commitment_mask(f):
 
 
 def routine_share(split="train"):
-    """The share of CoC tokens (with <cot_end>) that the Bayes-optimal reader of the history class and the CoC prefix
-    gets right, computed exactly from the split's factor distribution: the toy's counterpart of the paper's ~78% of
-    routine tokens. Bayes' guess at a main-clause position maximises P(next word | history class, prefix) over the
-    world; in the roadside clause, whose distribution depends only on (road, event), it maximises that."""
+    """The exact share of CoC tokens (with <cot_end>) that the Bayes-optimal reader of the history class and the CoC
+    prefix gets right under the split's distribution (in the roadside clause, P given (road, event)): the toy's
+    counterpart of the paper's ~78% of routine tokens."""
     ctx, length, right = defaultdict(Counter), 0.0, 0.0
     for f, p in main_distribution(split):
         words = _main_clause(f)
@@ -307,14 +307,6 @@ def road_to_xy(s, l, kappa):
         return s, l
     phi = kappa * s
     return (1 / kappa - l) * np.sin(phi), l * np.cos(phi) + (1 - np.cos(phi)) / kappa
-
-
-def xy_to_road(x, y, kappa):
-    if kappa == 0:
-        return x, y
-    R = 1 / kappa
-    rho = np.hypot(x, y - R)
-    return R * np.arctan2(x / R, (R - y) / R), R - np.sign(R) * rho
 
 
 # ---- scene ----
@@ -363,17 +355,13 @@ def plan(f, v0, kappa, dist, cfg):
     acc, kap = np.zeros(n), np.full(n, kappa)                       # (n,) per-step acceleration and curvature
     if f.decision in ("keep", "proceed"):
         acc[:] = {"cruise": 0.0, "decel": 1.0, "accel": 1.5}[f.speed]  # maintain / resume speed / keep accelerating
-    elif f.decision == "follow":
-        acc[:] = -2.5 if f.event == "lead_brake" else 0.0
     elif f.decision == "stop":
         # standstill stop_margin before the obstacle, or earlier so that it happens inside the horizon
         s_stop = min(dist - cfg.stop_margin, 0.5 * v0 * cfg.stop_within)
         acc[:] = -v0 ** 2 / (2 * s_stop)
-    elif f.decision == "slow":
-        acc[:] = -1.5                                               # drop back behind a slower cyclist
-    elif f.decision == "start":
-        acc[:] = 2.0
-    elif f.decision == "nudge":
+    else:  # follow the lead's braking, drop back behind a slower cyclist, start on green
+        acc[:] = {"follow": -2.5 if f.event == "lead_brake" else 0.0, "slow": -1.5, "start": 2.0}.get(f.decision, 0.0)
+    if f.decision == "nudge":
         # curvature doublet (left, then back): lateral offset ~ k v^2 tau^2, heading restored to the lane's
         tau = 8
         k = cfg.nudge_offset / (v0 * tau * cfg.dt) ** 2
@@ -385,7 +373,10 @@ def plan(f, v0, kappa, dist, cfg):
 def lane_planes(kappa, cfg):
     """Per-pixel lane coordinates (S, L) and the ego_lane plane: pixel centres with |l| < lane_width / 2."""
     r, c = np.mgrid[0:cfg.height, 0:cfg.width]
-    S, L = xy_to_road((cfg.ego_row - r) * cfg.res, (cfg.ego_col - c) * cfg.res, kappa)  # at each pixel centre
+    S, L = x, y = (cfg.ego_row - r) * cfg.res, (cfg.ego_col - c) * cfg.res  # ego frame at each pixel centre
+    if kappa != 0:  # road_to_xy inverted
+        R = 1 / kappa
+        S, L = R * np.arctan2(x / R, (R - y) / R), R - np.sign(R) * np.hypot(x, y - R)
     return S, L, np.abs(L) < cfg.lane_width / 2
 
 
@@ -409,27 +400,20 @@ def render(kappa, actors, stop_line, seen_now, cfg):
     paints "object", "in_lane" where >= 2 of the block's pixels lie in the ego lane, its range ring, and its
     appearance again if seen_now. The ego and a stop line across the ego lane are drawn in both frames."""
     S, L, ego_lane = lane_planes(kappa, cfg)
-    ch = {n: i for i, n in enumerate(CHANNELS)}
     ring_of_row = {r: b for b, (lo, hi) in BUCKET_ROWS.items() for r in range(lo, hi + 1)}
     out = np.zeros((2, len(CHANNELS), cfg.height, cfg.width), dtype=np.uint8)
-    for f in range(2):
-        img = out[f]
-        if stop_line is not None:
-            img[ch["stop_line"]] = (np.abs(S - stop_line) < cfg.res / 2) & (np.abs(L) <= cfg.lane_width / 2)
-        img[ch["ego"], cfg.ego_row:cfg.ego_row + 2, cfg.ego_col] = 1
-        for appearance, pose in actors:
-            r, c = block(*pose, kappa, cfg)
-            rs, cs = slice(r, r + 2), slice(c, c + 2)   # placement keeps every block inside the raster
-            if f == 0 or seen_now:
-                for name in appearance:
-                    img[ch[name], rs, cs] = 1
-            if f == 0:
-                continue
-            img[ch["object"], rs, cs] = 1
-            if ego_lane[rs, cs].sum() >= 2:
-                img[ch["in_lane"], rs, cs] = 1
-            if r in ring_of_row:
-                img[ch[f"range_{ring_of_row[r]}"], rs, cs] = 1
+    if stop_line is not None:
+        out[:, CH["stop_line"]] = (np.abs(S - stop_line) < cfg.res / 2) & (np.abs(L) <= cfg.lane_width / 2)
+    out[:, CH["ego"], cfg.ego_row:cfg.ego_row + 2, cfg.ego_col] = 1
+    for appearance, pose in actors:
+        r, c = block(*pose, kappa, cfg)
+        rs, cs = slice(r, r + 2), slice(c, c + 2)   # placement keeps every block inside the raster
+        out[:1 + seen_now, [CH[name] for name in appearance], rs, cs] = 1
+        out[1, CH["object"], rs, cs] = 1
+        if ego_lane[rs, cs].sum() >= 2:
+            out[1, CH["in_lane"], rs, cs] = 1
+        if r in ring_of_row:
+            out[1, CH[f"range_{ring_of_row[r]}"], rs, cs] = 1
     return out
 
 
@@ -583,7 +567,7 @@ def make_example(scene, tok, views=WorldConfig().views):
             **{k: prompt[k] for k in VISION_KEYS if k in prompt}}
 
 
-def collate(examples, pad_id, length=None):
+def collate(examples, pad_id, length=None, device="cpu"):
     """Right-pad to `length` (default: the longest example); vision inputs concatenate in batch order, as the model
     scatters them."""
     B, L = len(examples), max([len(e["input_ids"]) for e in examples] + [length or 0])
@@ -601,11 +585,7 @@ def collate(examples, pad_id, length=None):
     for k in VISION_KEYS:   # pixel rows (B * N, C*tp*p*p) and grids (B * n_blocks, 3)
         if any(k in e for e in examples):
             out[k] = torch.cat([e[k] for e in examples if k in e])
-    return out
-
-
-def to_device(batch, device):
-    return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
+    return {k: v.to(device) if torch.is_tensor(v) else v for k, v in out.items()}
 
 
 def vision_kwargs(batch):
@@ -628,10 +608,9 @@ def make_split(name, n, seed=0, cfg=WorldConfig()):
 
 
 class Data:
-    """The scenes of one split and their batches, built when drawn (the surround views are rendered then). Batch
-    indices are a pure function of (seed, step), so a resumed run sees the batches it would have seen on any number
-    of ranks, and walk a seeded permutation per epoch. views: the surround-view count of every batch, or a function
-    step -> count (one geometry per batch, so that prompts in a batch have equal length)."""
+    """The scenes of one split and their batches, built when drawn. Batch indices are a pure function of (seed, step),
+    so a resumed run sees the batches it would have seen on any number of ranks. views: the surround-view count of
+    every batch, or a function step -> count (one geometry per batch: prompts in a batch have equal length)."""
 
     def __init__(self, split, n, seed, tok, views=WorldConfig().views):
         self.scenes = make_split(split, n, seed)
@@ -661,13 +640,13 @@ class Data:
         # One padded length per geometry: a CPU's bf16 kernels are built per input shape, and a new shape every step
         # would rebuild them every step.
         length = examples[0]["prompt_len"] + MAX_COC + 2
-        return to_device(collate(examples, self.tok.pad_id, length), device)
+        return collate(examples, self.tok.pad_id, length, device)
 
     def batches(self, size, device="cpu"):
         """The whole split in order, for evaluation, at the view count of step 0."""
         for i in range(0, len(self.scenes), size):
-            yield to_device(collate([make_example(s, self.tok, self.views_at(0)) for s in self.scenes[i:i + size]],
-                                    self.tok.pad_id), device)
+            yield collate([make_example(s, self.tok, self.views_at(0)) for s in self.scenes[i:i + size]],
+                          self.tok.pad_id, device=device)
 
 
 # ---- demo ----
@@ -677,8 +656,7 @@ GLYPHS = (("ego", "E"), ("vehicle", "V"), ("pedestrian", "P"), ("cone", "C"), ("
 
 def ascii_render(frames):
     """Both frames side by side, one character per pixel, the first matching channel of GLYPHS wins."""
-    ch = {n: i for i, n in enumerate(CHANNELS)}
-    glyph = lambda f, r, c: next((g for n, g in GLYPHS if frames[f, ch[n], r, c] > 0), " ")  # noqa: E731
+    glyph = lambda f, r, c: next((g for n, g in GLYPHS if frames[f, CH[n], r, c] > 0), " ")  # noqa: E731
     return "\n".join("   ".join("".join(glyph(f, r, c) for c in range(frames.shape[3])) for f in range(frames.shape[0]))
                      for r in range(frames.shape[2]))
 
