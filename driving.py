@@ -394,11 +394,10 @@ def token_of(r, c):
 
 
 def render(kappa, actors, stop_line, seen_now, cfg):
-    """actors: [(appearance channels, (s, l))]; stop_line: s or None -> (2, C, H, W) uint8.
-    Frame 0 is an earlier detection registered to the current ego pose, as a perception stack's tracks are: it paints
-    each actor's appearance (APPEARANCE: kind, brake, light colour) on the block where the actor is now. Frame 1 (t = 0)
-    paints "object", "in_lane" where >= 2 of the block's pixels lie in the ego lane, its range ring, and its
-    appearance again if seen_now. The ego and a stop line across the ego lane are drawn in both frames."""
+    """actors: [(appearance channels, (s, l))]; stop_line: s or None -> (2, C, H, W) uint8. Frame 0, an earlier
+    detection registered to the current ego pose as a perception stack's tracks are, paints each actor's APPEARANCE
+    on the block where it is now; frame 1 (t = 0) "object", "in_lane" (>= 2 of the block's pixels in the ego lane),
+    its range ring, and its appearance again if seen_now. Both draw the ego and a stop line across the ego lane."""
     S, L, ego_lane = lane_planes(kappa, cfg)
     ring_of_row = {r: b for b, (lo, hi) in BUCKET_ROWS.items() for r in range(lo, hi + 1)}
     out = np.zeros((2, len(CHANNELS), cfg.height, cfg.width), dtype=np.uint8)
@@ -537,7 +536,7 @@ def build_prompt(scene, tok, views=WorldConfig().views):
     prompt = {"pixel_values_videos": pixels, "video_grid_thw": grid.view(1, 3)}
     if views:
         imgs = torch.from_numpy(render_views(scene.view_seed, views)).float()  # (views, C, 48, 72)
-        patches = [patchify(img[None], PATCH, 1, MERGE) for img in imgs]      # per view: (216, C*16), (3,) = (1, 12, 18)
+        patches = [patchify(img[None], PATCH, 1, MERGE) for img in imgs]  # per view: (216, C*16), (3,) = (1, 12, 18)
         prompt["pixel_values"] = torch.cat([p for p, _ in patches])          # (views * 216, C*16)
         prompt["image_grid_thw"] = torch.stack([g for _, g in patches])      # (views, 3)
         n_img = int(patches[0][1].prod()) // MERGE ** 2                       # 4 x 6 = 24 merged tokens per view
@@ -549,7 +548,7 @@ def build_prompt(scene, tok, views=WorldConfig().views):
 
 
 VISION_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
-MAX_COC = 27  # the longest CoC in words (a roadside actor on each side); a batch pads to it + <cot_end>, <traj_future_start>
+MAX_COC = 27  # the longest CoC in words (an actor each side); a batch pads to it + <cot_end>, <traj_future_start>
 
 
 def make_example(scene, tok, views=WorldConfig().views):
@@ -559,7 +558,7 @@ def make_example(scene, tok, views=WorldConfig().views):
     coc = tok.encode(scene.coc) + [tok.cot_end_id]
     ids = torch.cat([prompt["input_ids"][0], torch.tensor(coc + [tok.traj_future_start_id])])  # (L,), L = P + n + 2
     loss_mask = torch.zeros(len(ids), dtype=torch.bool)
-    loss_mask[P - 1:P + n] = True                                   # <cot_start> predicts word 0 ... last word predicts <cot_end>
+    loss_mask[P - 1:P + n] = True  # <cot_start> predicts word 0 ... the last word predicts <cot_end>
     commit_mask = torch.zeros(len(ids), dtype=torch.bool)
     commit_mask[P - 1:P + n] = torch.tensor(scene.commit)
     return {"input_ids": ids, "loss_mask": loss_mask, "commit_mask": commit_mask, "prompt_len": P,
@@ -600,8 +599,7 @@ def grid_kwargs(batch):
 
 # ---- splits ----
 def make_split(name, n, seed=0, cfg=WorldConfig()):
-    """Scene i of a split has its own generator seeded by (seed, split, i): splits never share a stream, and a
-    prefix of a larger split equals the smaller split."""
+    """Scene i has its own generator seeded by (seed, split, i): splits never share a stream, prefixes are stable."""
     if name not in SPLITS:
         raise ValueError(f"unknown split {name!r}; expected one of {list(SPLITS)}")
     return [make_scene(np.random.default_rng([seed, SPLITS[name], i]), name, cfg) for i in range(n)]
@@ -637,8 +635,7 @@ class Data:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch + order * 7_919_000_011)
         idx = torch.randperm(len(self.scenes), generator=g)[k * size:(k + 1) * size][rank::world]
         examples = [make_example(self.scenes[i], self.tok, self.views_at(step)) for i in idx]
-        # One padded length per geometry: a CPU's bf16 kernels are built per input shape, and a new shape every step
-        # would rebuild them every step.
+        # one padded length per geometry: a CPU's bf16 kernels are built per input shape
         length = examples[0]["prompt_len"] + MAX_COC + 2
         return collate(examples, self.tok.pad_id, length, device)
 
