@@ -1,23 +1,16 @@
-"""Synthetic driving world: a toy where the paper's premise (most chain-of-causation
-tokens are *routine*, predictable from the ego-trajectory history; a few are
-*commitments* that need fresh visual evidence) holds by construction and is measured.
+"""Synthetic driving world: a toy where the paper's premise (most chain-of-causation tokens are *routine*, predictable
+from the ego-trajectory history; a few are *commitments* that need fresh visual evidence) holds by construction.
 
-Each scene mirrors Alpamayo-R1's prompt and CoC layout (docs/background.md): a 2-frame
-front-camera video (12 merged tokens, all the decision evidence), `views` surround images of
-roadside clutter (24 merged tokens each: 396 visual tokens at the default 16), 16 past steps at
-10 Hz as 48 binned (dx, dy, dheading) history tokens, a CoC "state , decision , roadside actors"
-such as
+Each scene mirrors Alpamayo-R1's prompt and CoC layout (docs/background.md): a 2-frame front-camera video (12 merged
+tokens, all the decision evidence), `views` surround images of roadside clutter (24 merged tokens each), 16 past steps
+at 10 Hz as 48 binned (dx, dy, dheading) history tokens, a CoC "state , decision , roadside actors" such as
 
     slowing in a sharp left curve at 30 km/h , follow the braking vehicle 15 m ahead ,
     cone 10 m left and cyclist 20 m right
 
-and 32 future waypoints from a unicycle rollout of (acceleration, curvature) that follows the
-decision. `commitment_mask` marks the ~5.7 of ~22 tokens that the history class and the CoC
-prefix leave open; `routine_share` is the share a perfect history-only reader gets right.
-Reading the evidence takes two attention hops, across the two frames. docs/toy-notes.md ("Why
-the world is shaped so") has the design and its reasons; `read_raster` and `read_history` in
-tests/test_driving.py are the exact readers of the evidence and of the history. `Data` holds the
-scenes of one split and batches them for training and evaluation.
+and 32 future waypoints from a unicycle rollout of (acceleration, curvature) that follows the decision.
+`commitment_mask` marks the ~5.7 of ~22 tokens that the history class and the CoC prefix leave open; `routine_share`
+is the share a perfect history-only reader gets right. docs/toy-notes.md has the design and its reasons.
 
 run: python driving.py --seed 0
 """
@@ -61,11 +54,11 @@ class WorldConfig:
     view_size: tuple = (48, 72)    # (H, W) px of a surround view: 4 x 6 merged tokens
 
 
-# One plane per channel of an object-level raster, as a perception stack draws its output (render says what each frame
-# paints; the surround views draw CLUTTER only).
+# one plane per channel of an object-level raster, as a perception stack draws it (the surround views: CLUTTER only)
 CHANNELS = ("stop_line", "ego", "vehicle", "pedestrian", "cone", "cyclist", "light_red", "light_green", "brake",
             "object", "in_lane", "range_5", "range_10", "range_15", "range_20",
             "building", "vegetation", "curb", "lane_line")
+CH = {name: i for i, name in enumerate(CHANNELS)}  # channel name -> plane
 APPEARANCE = ("vehicle", "pedestrian", "cone", "cyclist", "light_red", "light_green", "brake")  # what an actor is
 CLUTTER = ("building", "vegetation", "curb", "lane_line")
 # the raster's tokenisation (train.target_config's vision tower): 4-px patches merged 3x3, a token per 12 x 12 px
@@ -114,9 +107,8 @@ KAPPA = {"gentle": (0.006, 0.010), "sharp": (0.020, 0.025)}
 BUCKET_ROWS = {5: (16, 19), 10: (12, 15), 15: (8, 11), 20: (4, 7)}
 # An actor is a 2x2-px block: "in the ego lane" when >= 2 of its pixels are on it, "off" when none is (_place rejects
 # anything in between, so the evidence is unambiguous). IN_LANE_L, ROADSIDE_L: lateral offsets (m) drawn at t = 0.
-ACTORS = {  # in-lane event -> kind
-    "lead_cruise": "vehicle", "lead_brake": "vehicle", "ped_cross": "pedestrian", "cone_lane": "cone",
-    "cyclist_lane": "cyclist"}
+ACTORS = {"lead_cruise": "vehicle", "lead_brake": "vehicle", "ped_cross": "pedestrian", "cone_lane": "cone",
+          "cyclist_lane": "cyclist"}  # in-lane event -> kind
 IN_LANE_L = (-1.2, 1.2)
 ROADSIDE_L = {"left": (3.0, 25.0), "right": (-25.0, -3.0)}
 COLUMN = {"left": 0, "centre": 1, "right": 2}  # token column of each part of the front view
@@ -144,11 +136,9 @@ class Factors:
 
     @property
     def decision(self):
-        if self.event == "clear":
-            return "keep"
-        if self.event in ("red", "green") and self.speed == "stand":
+        if self.speed == "stand":  # only ever at a light (EVENTS)
             return "stay" if self.event == "red" else "start"
-        return {"lead_cruise": "follow", "lead_brake": "follow", "ped_cross": "stop", "red": "stop",
+        return {"clear": "keep", "lead_cruise": "follow", "lead_brake": "follow", "ped_cross": "stop", "red": "stop",
                 "cone_lane": "nudge", "cyclist_lane": "slow", "green": "proceed"}[self.event]
 
 
@@ -163,8 +153,7 @@ def state_words(f):
 
 
 def main_words(f):
-    """The main clause: state , decision. The decision word, the lead vehicle's state and the range ring need the
-    image."""
+    """State , decision: the decision word, the lead vehicle's state and the range ring need the image."""
     ahead = [] if f.bucket is None else [str(f.bucket), "m", "ahead"]
     act = {
         "keep": ["keep", "lane", "and"] + {"cruise": ["maintain", "speed"], "decel": ["resume", "speed"],
@@ -193,15 +182,8 @@ def roadside_words(left, right):
 
 
 def coc_words(f):
-    """CoC = state , decision [, roadside actors], e.g. "slowing in a sharp left curve at 30 km/h , follow the braking
-    vehicle 15 m ahead , cone 10 m left and cyclist 20 m right"."""
+    """CoC = state , decision [, roadside actors] (the file docstring has an example)."""
     return main_words(f) + ([] if f.road == "intersection" else roadside_words(f.left, f.right))
-
-
-def _buckets(event, speed):
-    """Range rings of the in-lane actor / stop line: 5 m when waiting at the line, else 10-20 m (5 m is too close to
-    stop or nudge in time from speed: roadside actors only)."""
-    return [None] if event == "clear" else [5] if speed == "stand" else [10, 15, 20]
 
 
 def _roadside_options(event):
@@ -211,18 +193,19 @@ def _roadside_options(event):
     return [(None, 1 - P_ROADSIDE)] + [((k, b), p) for k in kinds for b in BUCKET_ROWS]
 
 
-def _held_out(road, event, left, right):
-    return any((event, a[0], road) in HELD_OUT for a in (left, right) if a is not None)
+def _roadside_prior(road, event, split):
+    """[((left, right), prior)] that the split allows: held-out combinations only in test, never elsewhere."""
+    opts = _roadside_options(event)
+    return [((l, r), pl * pr) for l, pl in opts for r, pr in opts
+            if any((event, a[0], road) in HELD_OUT for a in (l, r) if a is not None) == (split == "test")]
 
 
 @lru_cache(maxsize=None)
 def roadside_distribution(road, event, split):
-    """[((left, right), probability)] for the split: held-out combinations only in test, never elsewhere."""
+    """[((left, right), probability)] for the split (_roadside_prior normalised)."""
     if road == "intersection":
         return [((None, None), 1.0)]
-    opts = _roadside_options(event)
-    rows = [((l, r), pl * pr) for l, pl in opts for r, pr in opts
-            if _held_out(road, event, l, r) == (split == "test")]
+    rows = _roadside_prior(road, event, split)
     z = sum(p for _, p in rows)
     return [(lr, p / z) for lr, p in rows]
 
@@ -239,11 +222,13 @@ def main_distribution(split):
             z = sum(EVENTS[e][0] for e in EVENTS)
             events = {e: EVENTS[e][0] / z for e in EVENTS if EVENTS[e][0] > 0}
         for event, p_event in events.items():
-            opts = _roadside_options(event)
             allowed = float(split != "test") if road == "intersection" else sum(
-                pl * pr for l, pl in opts for r, pr in opts if _held_out(road, event, l, r) == (split == "test"))
+                p for _, p in _roadside_prior(road, event, split))
             for speed, p_speed in EVENTS[event][1].items():
-                sharps, buckets = list(KAPPA) if road.startswith("curve") else [None], _buckets(event, speed)
+                sharps = list(KAPPA) if road.startswith("curve") else [None]
+                # rings of the in-lane actor / stop line: 5 m only when waiting at the line (too close to stop or
+                # nudge in time from speed: roadside actors only)
+                buckets = [None] if event == "clear" else [5] if speed == "stand" else [10, 15, 20]
                 for band, sharp, bucket in product(BANDS[speed], sharps, buckets):
                     p = p_road * p_event * allowed * p_speed / len(BANDS[speed]) / len(sharps) / len(buckets)
                     if p > 0:
@@ -266,47 +251,40 @@ def sample_factors(rng, split):
     return replace(f, left=left, right=right)
 
 
+def _main_clause(f):
+    """The main clause and the token after it: <cot_end> at an intersection, else the roadside clause's ","."""
+    return main_words(f) + (["<cot_end>"] if f.road == "intersection" else [","])
+
+
 @lru_cache(maxsize=None)
-def _options_by_class():
-    """history class -> every main clause (+ the token after it) the world can pair with it; event -> every roadside
-    clause (+ <cot_end>). The roadside clause depends only on the event, which the main clause fixes."""
-    mains = defaultdict(set)
-    for split in ("train", "test"):
-        for f, _ in main_distribution(split):
-            mains[f.hist_class].add(tuple(main_words(f)) + (("<cot_end>",) if f.road == "intersection" else (",",)))
-    sides = {e: {tuple(roadside_words(l, r)[1:]) + ("<cot_end>",) for l, _ in _roadside_options(e)
-                 for r, _ in _roadside_options(e)} for e in EVENTS}
-    return {k: list(v) for k, v in mains.items()}, {k: list(v) for k, v in sides.items()}
-
-
-def _branching(options, words):
-    """Per position of words: do the options that share its prefix continue with more than one word?"""
-    return [len({o[i] for o in options if o[:i] == words[:i]}) > 1 for i in range(len(words))]
+def _continuations():
+    """(history class, main-clause prefix) and (event, roadside-clause prefix) -> every word the world can write next,
+    over both splits. The roadside clause (+ <cot_end>) depends only on the event, which the main clause fixes."""
+    clauses = {(f.hist_class, tuple(_main_clause(f))) for s in ("train", "test") for f, _ in main_distribution(s)}
+    clauses |= {(e, tuple(roadside_words(l, r)[1:]) + ("<cot_end>",))
+                for e in EVENTS for (l, _), (r, _) in product(_roadside_options(e), repeat=2)}
+    nxt = defaultdict(set)
+    for key, words in clauses:
+        for i, w in enumerate(words):
+            nxt[key, words[:i]].add(w)
+    return nxt
 
 
 @lru_cache(maxsize=65536)
-def _mask(f):
-    mains, sides = _options_by_class()
-    main = main_words(f)
-    if f.road == "intersection":
-        return tuple(_branching(mains[f.hist_class], tuple(main) + ("<cot_end>",)))
-    rest = tuple(roadside_words(f.left, f.right)[1:]) + ("<cot_end>",)
-    return tuple(_branching(mains[f.hist_class], tuple(main) + (",",)) + _branching(sides[f.event], rest))
-
-
 def commitment_mask(f):
     """One bool per CoC word plus <cot_end>: True where history class + prefix leave more than one continuation."""
-    return list(_mask(f))
+    rest = [] if f.road == "intersection" else roadside_words(f.left, f.right)[1:] + ["<cot_end>"]
+    return tuple(len(_continuations()[key, tuple(words[:i])]) > 1
+                 for key, words in ((f.hist_class, _main_clause(f)), (f.event, rest)) for i in range(len(words)))
 
 
 def routine_share(split="train"):
-    """The share of CoC tokens (with <cot_end>) that the Bayes-optimal reader of the history class and the CoC prefix
-    gets right, computed exactly from the split's factor distribution: the toy's counterpart of the paper's ~78% of
-    routine tokens. Bayes' guess at a main-clause position maximises P(next word | history class, prefix) over the
-    world; in the roadside clause, whose distribution depends only on (road, event), it maximises that."""
+    """The exact share of CoC tokens (with <cot_end>) that the Bayes-optimal reader of the history class and the CoC
+    prefix gets right under the split's distribution (in the roadside clause, P given (road, event)): the toy's
+    counterpart of the paper's ~78% of routine tokens."""
     ctx, length, right = defaultdict(Counter), 0.0, 0.0
     for f, p in main_distribution(split):
-        words = main_words(f) + (["<cot_end>"] if f.road == "intersection" else [","])
+        words = _main_clause(f)
         for i, w in enumerate(words):
             ctx[(f.hist_class, tuple(words[:i]))][w] += p
         length += p * len(words)
@@ -329,14 +307,6 @@ def road_to_xy(s, l, kappa):
         return s, l
     phi = kappa * s
     return (1 / kappa - l) * np.sin(phi), l * np.cos(phi) + (1 - np.cos(phi)) / kappa
-
-
-def xy_to_road(x, y, kappa):
-    if kappa == 0:
-        return x, y
-    R = 1 / kappa
-    rho = np.hypot(x, y - R)
-    return R * np.arctan2(x / R, (R - y) / R), R - np.sign(R) * rho
 
 
 # ---- scene ----
@@ -385,17 +355,13 @@ def plan(f, v0, kappa, dist, cfg):
     acc, kap = np.zeros(n), np.full(n, kappa)                       # (n,) per-step acceleration and curvature
     if f.decision in ("keep", "proceed"):
         acc[:] = {"cruise": 0.0, "decel": 1.0, "accel": 1.5}[f.speed]  # maintain / resume speed / keep accelerating
-    elif f.decision == "follow":
-        acc[:] = -2.5 if f.event == "lead_brake" else 0.0
     elif f.decision == "stop":
         # standstill stop_margin before the obstacle, or earlier so that it happens inside the horizon
         s_stop = min(dist - cfg.stop_margin, 0.5 * v0 * cfg.stop_within)
         acc[:] = -v0 ** 2 / (2 * s_stop)
-    elif f.decision == "slow":
-        acc[:] = -1.5                                               # drop back behind a slower cyclist
-    elif f.decision == "start":
-        acc[:] = 2.0
-    elif f.decision == "nudge":
+    else:  # follow the lead's braking, drop back behind a slower cyclist, start on green
+        acc[:] = {"follow": -2.5 if f.event == "lead_brake" else 0.0, "slow": -1.5, "start": 2.0}.get(f.decision, 0.0)
+    if f.decision == "nudge":
         # curvature doublet (left, then back): lateral offset ~ k v^2 tau^2, heading restored to the lane's
         tau = 8
         k = cfg.nudge_offset / (v0 * tau * cfg.dt) ** 2
@@ -407,7 +373,10 @@ def plan(f, v0, kappa, dist, cfg):
 def lane_planes(kappa, cfg):
     """Per-pixel lane coordinates (S, L) and the ego_lane plane: pixel centres with |l| < lane_width / 2."""
     r, c = np.mgrid[0:cfg.height, 0:cfg.width]
-    S, L = xy_to_road((cfg.ego_row - r) * cfg.res, (cfg.ego_col - c) * cfg.res, kappa)  # at each pixel centre
+    S, L = x, y = (cfg.ego_row - r) * cfg.res, (cfg.ego_col - c) * cfg.res  # ego frame at each pixel centre
+    if kappa != 0:  # road_to_xy inverted
+        R = 1 / kappa
+        S, L = R * np.arctan2(x / R, (R - y) / R), R - np.sign(R) * np.hypot(x, y - R)
     return S, L, np.abs(L) < cfg.lane_width / 2
 
 
@@ -425,33 +394,25 @@ def token_of(r, c):
 
 
 def render(kappa, actors, stop_line, seen_now, cfg):
-    """actors: [(appearance channels, (s, l))]; stop_line: s or None -> (2, C, H, W) uint8.
-    Frame 0 is an earlier detection registered to the current ego pose, as a perception stack's tracks are: it paints
-    each actor's appearance (APPEARANCE: kind, brake, light colour) on the block where the actor is now. Frame 1 (t = 0)
-    paints "object", "in_lane" where >= 2 of the block's pixels lie in the ego lane, its range ring, and its
-    appearance again if seen_now. The ego and a stop line across the ego lane are drawn in both frames."""
+    """actors: [(appearance channels, (s, l))]; stop_line: s or None -> (2, C, H, W) uint8. Frame 0, an earlier
+    detection registered to the current ego pose as a perception stack's tracks are, paints each actor's APPEARANCE
+    on the block where it is now; frame 1 (t = 0) "object", "in_lane" (>= 2 of the block's pixels in the ego lane),
+    its range ring, and its appearance again if seen_now. Both draw the ego and a stop line across the ego lane."""
     S, L, ego_lane = lane_planes(kappa, cfg)
-    ch = {n: i for i, n in enumerate(CHANNELS)}
     ring_of_row = {r: b for b, (lo, hi) in BUCKET_ROWS.items() for r in range(lo, hi + 1)}
     out = np.zeros((2, len(CHANNELS), cfg.height, cfg.width), dtype=np.uint8)
-    for f in range(2):
-        img = out[f]
-        if stop_line is not None:
-            img[ch["stop_line"]] = (np.abs(S - stop_line) < cfg.res / 2) & (np.abs(L) <= cfg.lane_width / 2)
-        img[ch["ego"], cfg.ego_row:cfg.ego_row + 2, cfg.ego_col] = 1
-        for appearance, pose in actors:
-            r, c = block(*pose, kappa, cfg)
-            rs, cs = slice(r, r + 2), slice(c, c + 2)   # placement keeps every block inside the raster
-            if f == 0 or seen_now:
-                for name in appearance:
-                    img[ch[name], rs, cs] = 1
-            if f == 0:
-                continue
-            img[ch["object"], rs, cs] = 1
-            if ego_lane[rs, cs].sum() >= 2:
-                img[ch["in_lane"], rs, cs] = 1
-            if r in ring_of_row:
-                img[ch[f"range_{ring_of_row[r]}"], rs, cs] = 1
+    if stop_line is not None:
+        out[:, CH["stop_line"]] = (np.abs(S - stop_line) < cfg.res / 2) & (np.abs(L) <= cfg.lane_width / 2)
+    out[:, CH["ego"], cfg.ego_row:cfg.ego_row + 2, cfg.ego_col] = 1
+    for appearance, pose in actors:
+        r, c = block(*pose, kappa, cfg)
+        rs, cs = slice(r, r + 2), slice(c, c + 2)   # placement keeps every block inside the raster
+        out[:1 + seen_now, [CH[name] for name in appearance], rs, cs] = 1
+        out[1, CH["object"], rs, cs] = 1
+        if ego_lane[rs, cs].sum() >= 2:
+            out[1, CH["in_lane"], rs, cs] = 1
+        if r in ring_of_row:
+            out[1, CH[f"range_{ring_of_row[r]}"], rs, cs] = 1
     return out
 
 
@@ -497,7 +458,7 @@ def make_scene(rng, split="train", cfg=WorldConfig()):
     frames = render(kappa, actors, stop_line, seen_now, cfg)
     coc = coc_words(f)
     return Scene(f, float(kappa), float(v0), dist, hist, frames, seen_now, int(rng.integers(2**31)), coc,
-                 commitment_mask(f), plan(f, v0, kappa, dist, cfg))
+                 list(commitment_mask(f)), plan(f, v0, kappa, dist, cfg))
 
 
 def render_views(seed, n, cfg=WorldConfig()):
@@ -529,8 +490,7 @@ class Tokenizer:
         self.bins = {"dx": cfg.dx_bins, "dy": cfg.dy_bins, "dh": cfg.dh_bins}
         hist = [f"<{k}{i}>" for k, spec in self.bins.items() for i in range(spec[2])]
         words = set((SYSTEM + " " + INSTRUCTION).split())
-        mains, sides = _options_by_class()
-        words.update(w for options in [*mains.values(), *sides.values()] for o in options for w in o)
+        words.update(w for nxt in _continuations().values() for w in nxt)
         words -= set(SPECIALS.values())
         self.vocab = list(SPECIALS.values()) + hist + sorted(words)
         self.id = {w: i for i, w in enumerate(self.vocab)}
@@ -576,7 +536,7 @@ def build_prompt(scene, tok, views=WorldConfig().views):
     prompt = {"pixel_values_videos": pixels, "video_grid_thw": grid.view(1, 3)}
     if views:
         imgs = torch.from_numpy(render_views(scene.view_seed, views)).float()  # (views, C, 48, 72)
-        patches = [patchify(img[None], PATCH, 1, MERGE) for img in imgs]      # per view: (216, C*16), (3,) = (1, 12, 18)
+        patches = [patchify(img[None], PATCH, 1, MERGE) for img in imgs]  # per view: (216, C*16), (3,) = (1, 12, 18)
         prompt["pixel_values"] = torch.cat([p for p, _ in patches])          # (views * 216, C*16)
         prompt["image_grid_thw"] = torch.stack([g for _, g in patches])      # (views, 3)
         n_img = int(patches[0][1].prod()) // MERGE ** 2                       # 4 x 6 = 24 merged tokens per view
@@ -588,7 +548,7 @@ def build_prompt(scene, tok, views=WorldConfig().views):
 
 
 VISION_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
-MAX_COC = 27  # the longest CoC in words (a roadside actor on each side); a batch pads to it + <cot_end>, <traj_future_start>
+MAX_COC = 27  # the longest CoC in words (an actor each side); a batch pads to it + <cot_end>, <traj_future_start>
 
 
 def make_example(scene, tok, views=WorldConfig().views):
@@ -598,7 +558,7 @@ def make_example(scene, tok, views=WorldConfig().views):
     coc = tok.encode(scene.coc) + [tok.cot_end_id]
     ids = torch.cat([prompt["input_ids"][0], torch.tensor(coc + [tok.traj_future_start_id])])  # (L,), L = P + n + 2
     loss_mask = torch.zeros(len(ids), dtype=torch.bool)
-    loss_mask[P - 1:P + n] = True                                   # <cot_start> predicts word 0 ... last word predicts <cot_end>
+    loss_mask[P - 1:P + n] = True  # <cot_start> predicts word 0 ... the last word predicts <cot_end>
     commit_mask = torch.zeros(len(ids), dtype=torch.bool)
     commit_mask[P - 1:P + n] = torch.tensor(scene.commit)
     return {"input_ids": ids, "loss_mask": loss_mask, "commit_mask": commit_mask, "prompt_len": P,
@@ -606,7 +566,7 @@ def make_example(scene, tok, views=WorldConfig().views):
             **{k: prompt[k] for k in VISION_KEYS if k in prompt}}
 
 
-def collate(examples, pad_id, length=None):
+def collate(examples, pad_id, length=None, device="cpu"):
     """Right-pad to `length` (default: the longest example); vision inputs concatenate in batch order, as the model
     scatters them."""
     B, L = len(examples), max([len(e["input_ids"]) for e in examples] + [length or 0])
@@ -624,11 +584,7 @@ def collate(examples, pad_id, length=None):
     for k in VISION_KEYS:   # pixel rows (B * N, C*tp*p*p) and grids (B * n_blocks, 3)
         if any(k in e for e in examples):
             out[k] = torch.cat([e[k] for e in examples if k in e])
-    return out
-
-
-def to_device(batch, device):
-    return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
+    return {k: v.to(device) if torch.is_tensor(v) else v for k, v in out.items()}
 
 
 def vision_kwargs(batch):
@@ -643,18 +599,16 @@ def grid_kwargs(batch):
 
 # ---- splits ----
 def make_split(name, n, seed=0, cfg=WorldConfig()):
-    """Scene i of a split has its own generator seeded by (seed, split, i): splits never share a stream, and a
-    prefix of a larger split equals the smaller split."""
+    """Scene i has its own generator seeded by (seed, split, i): splits never share a stream, prefixes are stable."""
     if name not in SPLITS:
         raise ValueError(f"unknown split {name!r}; expected one of {list(SPLITS)}")
     return [make_scene(np.random.default_rng([seed, SPLITS[name], i]), name, cfg) for i in range(n)]
 
 
 class Data:
-    """The scenes of one split and their batches, built when drawn (the surround views are rendered then). Batch
-    indices are a pure function of (seed, step), so a resumed run sees the batches it would have seen on any number
-    of ranks, and walk a seeded permutation per epoch. views: the surround-view count of every batch, or a function
-    step -> count (one geometry per batch, so that prompts in a batch have equal length)."""
+    """The scenes of one split and their batches, built when drawn. Batch indices are a pure function of (seed, step),
+    so a resumed run sees the batches it would have seen on any number of ranks. views: the surround-view count of
+    every batch, or a function step -> count (one geometry per batch: prompts in a batch have equal length)."""
 
     def __init__(self, split, n, seed, tok, views=WorldConfig().views):
         self.scenes = make_split(split, n, seed)
@@ -681,16 +635,15 @@ class Data:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch + order * 7_919_000_011)
         idx = torch.randperm(len(self.scenes), generator=g)[k * size:(k + 1) * size][rank::world]
         examples = [make_example(self.scenes[i], self.tok, self.views_at(step)) for i in idx]
-        # One padded length per geometry: a CPU's bf16 kernels are built per input shape, and a new shape every step
-        # would rebuild them every step.
+        # one padded length per geometry: a CPU's bf16 kernels are built per input shape
         length = examples[0]["prompt_len"] + MAX_COC + 2
-        return to_device(collate(examples, self.tok.pad_id, length), device)
+        return collate(examples, self.tok.pad_id, length, device)
 
     def batches(self, size, device="cpu"):
         """The whole split in order, for evaluation, at the view count of step 0."""
         for i in range(0, len(self.scenes), size):
-            yield to_device(collate([make_example(s, self.tok, self.views_at(0)) for s in self.scenes[i:i + size]],
-                                    self.tok.pad_id), device)
+            yield collate([make_example(s, self.tok, self.views_at(0)) for s in self.scenes[i:i + size]],
+                          self.tok.pad_id, device=device)
 
 
 # ---- demo ----
@@ -700,8 +653,7 @@ GLYPHS = (("ego", "E"), ("vehicle", "V"), ("pedestrian", "P"), ("cone", "C"), ("
 
 def ascii_render(frames):
     """Both frames side by side, one character per pixel, the first matching channel of GLYPHS wins."""
-    ch = {n: i for i, n in enumerate(CHANNELS)}
-    glyph = lambda f, r, c: next((g for n, g in GLYPHS if frames[f, ch[n], r, c] > 0), " ")  # noqa: E731
+    glyph = lambda f, r, c: next((g for n, g in GLYPHS if frames[f, CH[n], r, c] > 0), " ")  # noqa: E731
     return "\n".join("   ".join("".join(glyph(f, r, c) for c in range(frames.shape[3])) for f in range(frames.shape[0]))
                      for r in range(frames.shape[2]))
 

@@ -39,13 +39,10 @@ def autocast(device, enabled):
 
 @torch.no_grad()
 def generate(model, input_ids, max_new, stop, temperature=0.0, generator=None, **forward_kwargs):
-    """Batched decoding with the KV cache from prompts of equal length, input_ids (B, P).
-
-    Each step takes the argmax (temperature 0) or a sample from speculate.process_logits, the
-    distribution speculative decoding verifies against; decoding stops once every row has
-    written `stop`. forward_kwargs go to the prefill (vision inputs, or inputs_embeds and grids
-    for a draft). Returns tokens (B, T) and mask (B, T), True up to and including each row's
-    first stop token."""
+    """Batched KV-cached decoding from prompts of equal length, input_ids (B, P): argmax (temperature 0) or a sample
+    from speculate.process_logits, the distribution speculative decoding verifies against, until every row wrote
+    `stop`. forward_kwargs go to the prefill (vision inputs, or inputs_embeds and grids for a draft). Returns tokens
+    (B, T) and mask (B, T), True up to and including each row's first stop token."""
     B, P = input_ids.shape
     cache = model.new_cache(batch=B, max_len=P + max_new)
     logits = model(input_ids, cache=cache, logits_to_keep=1, **forward_kwargs)[:, -1]  # (B, V)
@@ -66,8 +63,7 @@ def generate(model, input_ids, max_new, stop, temperature=0.0, generator=None, *
 
 
 def greedy_coc(target, batch, stop, max_new=MAX_NEW_TOKENS, amp=False):
-    """Greedy CoCs of a batch of equal-length prompts -> list of id lists, each ending with the
-    stop token (<cot_end>) when the model wrote it."""
+    """Greedy CoCs of a batch of equal-length prompts: id lists, ending with the stop token when the model wrote it."""
     P = int(batch["prompt_len"][0])
     assert bool((batch["prompt_len"] == P).all()), "greedy_coc needs equal prompt lengths"
     with autocast(batch["input_ids"].device, amp):
@@ -76,16 +72,17 @@ def greedy_coc(target, batch, stop, max_new=MAX_NEW_TOKENS, amp=False):
 
 
 @torch.no_grad()
-def continue_prompts(target, batch, seqs, pad_id, amp=False):
-    """Feed each scene's prompt once, then continuations seqs (lists of ids; len(seqs) a multiple k of the batch's
-    scenes, scene-major: k continuations per prompt share its prefill) through the KV cache: each continuation is
-    decoded as text whatever its ids (exactly as during generation), and right padding is fine because attention is
-    causal. Returns logits (N, 1 + T, V), where row t predicts continuation token t (row 0 comes from the prompt's
-    last position), and final hidden states (N, T, D) of the continuation."""
+def plan_trajectories(target, batch, cocs, tok, amp=False):
+    """Trajectories (N, traj_len, 2) after prompt + the given CoCs (<cot_end> added where missing) +
+    <traj_future_start>, read at each row's <traj_future_start>, and logits (N, 1 + T, V), where row t predicts
+    continuation token t (row 0 comes from the prompt's last position). len(cocs) is a multiple k of the batch's
+    scenes, scene-major: k continuations per prompt share its prefill. Each continuation goes through the KV cache,
+    decoded as text whatever its ids (exactly as during generation); right padding is fine: attention is causal."""
+    seqs = [[t for t in c if t != tok.cot_end_id] + [tok.cot_end_id, tok.traj_future_start_id] for c in cocs]
     P, S = int(batch["prompt_len"][0]), batch["input_ids"].shape[0]
     k, T = len(seqs) // S, max(map(len, seqs))
     ids = batch["input_ids"][:, :P]  # (S, P)
-    cont = torch.full((len(seqs), T), pad_id, dtype=torch.long, device=ids.device)  # (N, T), N = S * k
+    cont = torch.full((len(seqs), T), tok.pad_id, dtype=torch.long, device=ids.device)  # (N, T), N = S * k
     for b, s in enumerate(seqs):
         cont[b, :len(s)] = torch.tensor(s)
     cache = target.new_cache(batch=S, max_len=P + T)
@@ -93,17 +90,9 @@ def continue_prompts(target, batch, seqs, pad_id, amp=False):
         first = target(ids, cache=cache, logits_to_keep=1, **vision_kwargs(batch))  # (S, 1, V)
         cache = cache.repeat_rows(k) if k > 1 else cache
         logits, hidden = target(cont, cache=cache, return_hidden=True)  # (N, T, V), (N, T, D)
-    return torch.cat([first.repeat_interleave(k, 0), logits], 1), hidden
-
-
-@torch.no_grad()
-def plan_trajectories(target, batch, cocs, tok, amp=False):
-    """Trajectories (N, traj_len, 2) after prompt + the given CoCs (<cot_end> added where missing) +
-    <traj_future_start>, read at each row's <traj_future_start>, and continue_prompts' logits (N, 1 + T, V)."""
-    seqs = [[t for t in c if t != tok.cot_end_id] + [tok.cot_end_id, tok.traj_future_start_id] for c in cocs]
-    logits, hidden = continue_prompts(target, batch, seqs, tok.pad_id, amp)
     last = torch.tensor([len(s) - 1 for s in seqs], device=hidden.device)
-    return target.traj(hidden[torch.arange(len(seqs)), last]).float(), logits  # (N, traj_len, 2)
+    traj = target.traj(hidden[torch.arange(len(seqs)), last]).float()  # (N, traj_len, 2)
+    return traj, torch.cat([first.repeat_interleave(k, 0), logits], 1)
 
 
 def repeat_scenes(inputs, n_scenes, G):
@@ -128,17 +117,16 @@ def coc_exact_match(pred, true):
 
 
 def commitment_hits(pred_next, input_ids, commit_mask):
-    """Teacher-forced: pred_next (B, L) is the argmax at each position, input_ids[:, i + 1] its target -> (right,
-    total) commitment tokens, integers, so that batches add up exactly (accuracy = right / total). Teacher forcing
-    scores every commitment token on the reference prefix, so an early miss cannot hide later ones."""
+    """Teacher-forced argmax pred_next (B, L) against input_ids shifted by one -> (right, total) commitment tokens,
+    integers that add up exactly over batches. Teacher forcing scores every commitment token on the reference
+    prefix, so an early miss cannot hide later ones."""
     hit = pred_next[:, :-1] == input_ids[:, 1:]                    # (B, L-1)
     m = commit_mask[:, :-1]
     return (hit & m).sum().item(), m.sum().item()
 
 
 def trajectory_ade(target, data: Data, cocs, batch_size=EVAL_BATCH, amp=False):
-    """(ADE, FDE) in metres, averaged over the scenes of data, of the target's trajectories after
-    the given CoCs (one per scene, in order)."""
+    """(ADE, FDE) in metres over the scenes of data of the target's trajectories after cocs (one per scene)."""
     ade = fde = 0.0
     device = next(target.parameters()).device
     for i, batch in enumerate(data.batches(batch_size, device)):
@@ -150,9 +138,8 @@ def trajectory_ade(target, data: Data, cocs, batch_size=EVAL_BATCH, amp=False):
 
 @torch.no_grad()
 def commitment_acc(model, target, data: Data, batch_size=EVAL_BATCH, amp=False):
-    """Teacher-forced argmax accuracy on the commitment tokens, for the target (model is target) or
-    a draft (reading the target's prompt embeddings, image features included, as when it drafts):
-    can this model supply the tokens that need the image?"""
+    """Teacher-forced argmax accuracy on the commitment tokens of the target (model is target) or a draft (reading
+    the target's prompt embeddings, as when it drafts): can this model supply the tokens that need the image?"""
     hits = n = 0
     device = next(target.parameters()).device
     for batch in data.batches(batch_size, device):
@@ -192,9 +179,8 @@ def key_groups(input_ids, tok):
 @torch.no_grad()
 def iter_attention_probs(model, input_ids, **forward_kwargs):
     """Per-layer attention probabilities (B, H, L, L) of a cache-free forward, one layer at a time, recomputed from
-    each layer's own q/k projections and the rope tables the model passed it (the slow, obvious path:
-    softmax(q k^T / sqrt(hd)) under the causal mask). tests/test_evaluate.py checks that probs @ v through o_proj
-    reproduces the layer's real output."""
+    each layer's own q/k projections and rope tables (the slow, obvious path: softmax(q k^T / sqrt(hd)) under the
+    causal mask); tests/test_evaluate.py checks that probs @ v through o_proj reproduces the layer's output."""
     captured = []
 
     def grab(module, args):
@@ -223,10 +209,9 @@ def attention_probs(model, input_ids, **forward_kwargs):
 
 @torch.no_grad()
 def attention_split(model, target, data: Data, n=16):
-    """The model's attention mass on image / history / other-text keys while it predicts the CoC
-    (query rows = CoC positions, teacher-forced), averaged over rows, heads and layers, on the
-    first n scenes. The model reads the target's prompt embeddings, as a draft does when it drafts
-    (for the target itself they are its own)."""
+    """The model's attention mass on image / history / other-text keys while it predicts the CoC (teacher-forced),
+    averaged over CoC rows, heads and layers, on the first n scenes, reading the target's prompt embeddings as a
+    draft does when it drafts."""
     batch = next(data.batches(n, next(model.parameters()).device))
     embeds = target.embed(batch["input_ids"], **vision_kwargs(batch))  # (B, L, D)
     groups = key_groups(batch["input_ids"], data.tok)
@@ -270,16 +255,13 @@ def decode(target, draft, prompt, gamma, max_new, stop_token, timing=False, **sa
 @torch.no_grad()
 def spec_stats(target, drafts, prompts, gamma, max_new=MAX_NEW_TOKENS, stop_token=None, check_greedy=True,
                decoding=None):
-    """Decoding of every prompt (batch 1) by speculative decoding with each draft of `drafts` (name -> draft)
-    and, when check_greedy, by the target alone (arm TARGET_ONLY, first). Greedy unless `decoding` (decoding_mode)
-    samples; sampled outputs are never compared token by token (lossless verification keeps their distribution,
-    not the tokens), so check_greedy is then off.
-
-    Returns {arm: stats}: tokens (the emitted id lists), n_tokens, tau (tokens per target
-    verification, over all prompts), alpha (accepted / tested draft tokens, Leviathan's alpha),
-    routine_fraction (share of emitted tokens that were accepted drafts: the routine reasoner's
-    share), tau_ceiling (the tau of a draft the verifier never rejects, on these outputs) and
-    greedy_match (the same tokens as target-only decoding on every prompt; None unless checked)."""
+    """Decoding of every prompt (batch 1) by speculative decoding with each draft of `drafts` (name -> draft) and,
+    when check_greedy, by the target alone (arm TARGET_ONLY, first). Greedy unless `decoding` (decoding_mode) samples;
+    sampled outputs are never compared token by token (lossless verification keeps their distribution, not the
+    tokens), so check_greedy is then off. Returns {arm: stats}: tau (tokens per target verification, over all
+    prompts), alpha (accepted / tested draft tokens, Leviathan's alpha), routine_fraction (share of emitted tokens
+    that were accepted drafts), tau_ceiling (the tau of a draft the verifier never rejects, on these outputs),
+    greedy_match (the same tokens as target-only decoding on every prompt; None unless checked), ..."""
     check_greedy = check_greedy and (decoding is None or decoding["mode"] == "greedy")
     arms = {TARGET_ONLY: None, **drafts} if check_greedy else dict(drafts)
     out = {}
@@ -317,10 +299,9 @@ def greedy_outputs(target, data: Data, max_new=MAX_NEW_TOKENS, batch_size=EVAL_B
 
 @torch.no_grad()
 def draft_matches(drafts, target, data: Data, outputs, batch_size=EVAL_BATCH):
-    """{name: match} for every draft of drafts (name -> draft): match[s][k] says whether the draft's argmax after
-    prompt + outputs[s][:k] equals outputs[s][k]. One cache-free forward per draft and batch over prompt + output
-    (teacher forcing on the target's own output), reading the target's embeddings as a draft does when it drafts;
-    the target embeds each batch once for all drafts."""
+    """{name: match} for drafts (name -> draft): match[s][k] says whether the draft's argmax after prompt +
+    outputs[s][:k] equals outputs[s][k]. One cache-free forward per draft and batch, teacher-forced on the target's
+    own output, reading the target's embeddings (computed once per batch) as a draft does when it drafts."""
     device = next(target.parameters()).device
     out = {name: [] for name in drafts}
     for i, batch in enumerate(data.batches(batch_size, device)):
@@ -370,8 +351,8 @@ def tau_by_gamma(matches, gammas, max_new=MAX_NEW_TOKENS):
 
 
 def speed_optimal_gamma(taus, times):
-    """The gamma of taus ({gamma: tau}) with the highest speed-up under the measured cost model
-    tau * T_target(1) / (gamma * T_draft(1) + T_target(gamma + 1)); times from timing.step_times."""
+    """The gamma of taus ({gamma: tau}) with the highest speed-up under the measured cost model of
+    timing.measured_speedup; times from timing.step_times."""
     return max(taus, key=lambda g: measured_speedup(taus[g], times["target"][1], times["draft"],
                                                               times["target"][g + 1], g))
 

@@ -345,7 +345,7 @@ def test_bench_checks_its_output_first_and_prints_before_writing(run_dir, tmp_pa
 
     def read_only(path, obj):
         raise PermissionError(f"{path}: read-only file system")
-    monkeypatch.setattr(bench.checkpoint, "write_json", read_only)
+    monkeypatch.setattr(bench.files, "write_json", read_only)
     with pytest.raises(SystemExit):  # one line naming the file, after the report
         bench.main(["--run", str(run_dir), "--prompts", "1", "--max-new", "4", "--dtype", "fp32", "--views",
                     str(VIEWS)])
