@@ -28,9 +28,8 @@ TOKEN_ID_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id", "vision_end_t
 
 
 def load_pretrained(path, dtype=None, device=None) -> VLA:
-    """A Qwen2.5-VL / Qwen3-VL folder (vision tower and DeepStack included), or an Alpamayo-R1 one ('vlm.' prefix) with
-    its action expert as `model.expert`; one file or shards. Every key must be used and every weight found (the Fourier
-    frequencies are checked against the config); a plain Qwen-VL's trajectory head stays random."""
+    """A Qwen2.5-VL / Qwen3-VL folder (vision tower, DeepStack) or an Alpamayo-R1 one (its action expert as
+    `model.expert`), one file or shards; every key used, every weight found; a Qwen-VL's trajectory head is random."""
     if not os.path.isdir(path):
         raise FileNotFoundError(f"{path}: checkpoint folder not found")
     cfg, family, alpamayo = _hf_config(path)  # alpamayo: an Alpamayo folder's own config.json, else None
@@ -40,10 +39,9 @@ def load_pretrained(path, dtype=None, device=None) -> VLA:
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index):
         weight_map = read_json(index)
-        weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
-        if not isinstance(weight_map, dict):
+        if not isinstance(weight_map, dict) or not isinstance(weight_map.get("weight_map"), dict):
             raise ValueError(f"{index}: no 'weight_map' object (tensor name -> shard file)")
-        key_file = {k: os.path.join(path, v) for k, v in weight_map.items()}
+        key_file = {k: os.path.join(path, v) for k, v in weight_map["weight_map"].items()}
     elif os.path.isfile(os.path.join(path, WEIGHTS)):
         key_file = dict.fromkeys(open_safetensors(os.path.join(path, WEIGHTS)).keys(), os.path.join(path, WEIGHTS))
     else:
@@ -204,10 +202,9 @@ def _required(d, key, where):
 
 
 def export_pretrained(model: VLA, dir, target: VLA | None = None, **token_ids):
-    """Write `model` as a Qwen2.5-VL folder that transformers 5.24 and load_pretrained read, without the TrajHead. A
-    draft needs target= and becomes a standalone Qwen2.5-VL with copies of the target's embedding, LM head and vision
-    tower (transformers' assistant). token_ids (TOKEN_ID_FIELDS) only document the prompt format (transformers 5.24
-    takes M-RoPE positions from mm_token_type_ids)."""
+    """Write `model` as a Qwen2.5-VL folder that transformers 5.24 and load_pretrained read, without the TrajHead; a
+    draft needs target= and becomes a standalone Qwen2.5-VL (transformers' assistant). token_ids (TOKEN_ID_FIELDS) only
+    document the prompt format (transformers 5.24 takes M-RoPE positions from mm_token_type_ids)."""
     if unknown := sorted(set(token_ids) - set(TOKEN_ID_FIELDS)):
         raise TypeError(f"export_pretrained: unknown token id fields {unknown}; known: {list(TOKEN_ID_FIELDS)}")
     cfg, draft = model.cfg, model.cfg.shared_width is not None
@@ -276,9 +273,8 @@ def _hf_json(cfg: ModelConfig, dtype, token_ids):
                   spatial_merge_size=v.spatial_merge_size, tokens_per_second=int(cfg.tokens_per_second),
                   window_size=v.window_size, fullatt_block_indexes=list(v.fullatt_block_indexes),
                   out_hidden_size=cfg.hidden_size, rope_parameters={"rope_type": "axial", "rope_theta": v.rope_theta})
-    out = dict(architectures=["Qwen2_5_VLForConditionalGeneration"], model_type="qwen2_5_vl", text_config=text,
-               vision_config=vision, image_token_id=cfg.image_token_id, video_token_id=cfg.video_token_id,
-               vision_start_token_id=cfg.vision_start_token_id, tie_word_embeddings=cfg.tie_word_embeddings,
-               dtype=str(dtype).removeprefix("torch."))
-    end = token_ids.get("vision_end_token_id")
-    return out if end is None else out | {"vision_end_token_id": end}
+    return dict(architectures=["Qwen2_5_VLForConditionalGeneration"], model_type="qwen2_5_vl", text_config=text,
+                vision_config=vision, image_token_id=cfg.image_token_id, video_token_id=cfg.video_token_id,
+                vision_start_token_id=cfg.vision_start_token_id, tie_word_embeddings=cfg.tie_word_embeddings,
+                dtype=str(dtype).removeprefix("torch."),  # and vision_end_token_id, if given
+                **{k: token_ids[k] for k in TOKEN_ID_FIELDS[3:] if token_ids.get(k) is not None})
