@@ -18,28 +18,15 @@ from files import FolderLocked
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-# ---- flags ----
-
-
-def field_comments(cls):
-    """{field: the comment on its line in the class body}."""
+def add_config_flags(ap: argparse.ArgumentParser, cls, choices=None):
+    """--field-name per field of the dataclass cls, of its type and default, the comment on its line as help; a bool
+    field defaulting to False is --field-name, one defaulting to True is --no-field-name."""
     try:
         src = textwrap.dedent(inspect.getsource(cls))
     except (OSError, TypeError):  # no source (e.g. a frozen build): flags without help
-        return {}
-    names, comments = {}, {}
-    for t in tokenize.generate_tokens(io.StringIO(src).readline):
-        if t.type == tokenize.NAME:
-            names.setdefault(t.start[0], t.string)
-        elif t.type == tokenize.COMMENT and t.start[0] in names:
-            comments[names[t.start[0]]] = t.string.lstrip("#").strip()
-    return comments
-
-
-def add_config_flags(ap: argparse.ArgumentParser, cls, choices=None):
-    """--field-name per field of the dataclass cls, of its type and default; a bool field defaulting to False is
-    --field-name, one defaulting to True is --no-field-name."""
-    helps, choices = field_comments(cls), choices or {}
+        src = ""
+    helps = {t.line.split(":")[0].strip(): t.string.lstrip("#").strip()  # `name: type = default  # help`
+             for t in tokenize.generate_tokens(io.StringIO(src).readline) if t.type == tokenize.COMMENT}
     for f in dataclasses.fields(cls):
         flag, default = "--" + f.name.replace("_", "-"), f.default
         text = helps.get(f.name, "").replace("%", "%%")  # argparse formats help with %
@@ -48,7 +35,7 @@ def add_config_flags(ap: argparse.ArgumentParser, cls, choices=None):
         elif default is False:
             ap.add_argument(flag, dest=f.name, action="store_true", help=text)
         else:
-            ap.add_argument(flag, dest=f.name, type=type(default), default=default, choices=choices.get(f.name),
+            ap.add_argument(flag, dest=f.name, type=type(default), default=default, choices=(choices or {}).get(f.name),
                             help=f"{text} (default: %(default)s)")
 
 
@@ -75,8 +62,7 @@ def check_device(name):
 
 @contextlib.contextmanager
 def user_errors(ap: argparse.ArgumentParser):
-    """Expected errors (a bad value, a missing, unwritable or existing file, a full disk, a locked run folder) as
-    argparse's one line `prog: error: ...`, exit status 2; anything else is a bug and keeps its traceback."""
+    """Expected errors (a bad value or file, a full disk, a locked run folder) as argparse's one line, exit status 2."""
     try:
         yield
     except (ValueError, OSError, FolderLocked) as e:

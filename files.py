@@ -91,8 +91,7 @@ def check_writable(folder):
 @contextlib.contextmanager
 def writer_lock(folder):
     """Hold folder's writer lock for the block: flock on folder/.lock, which the kernel releases when its holder exits,
-    kill -9 included; a second writer gets FolderLocked naming the holder. Creates folder and checks it is writable.
-    Re-entrant within a process (rsd.py's retrain runs train.py's run)."""
+    kill -9 included; a second writer gets FolderLocked naming the holder. Re-entrant (rsd.py's retrain trains)."""
     key = os.path.realpath(folder)
     if key in _HELD:
         yield

@@ -3,15 +3,14 @@ the toy target or its replica draft written as a Qwen2.5-VL folder (export_pretr
 
 Paper: the deliberative reasoner is an unmodified Alpamayo-R1-style VLA (a Qwen-VL backbone): the same decoder, KV
 cache and speculative decoding run on its real weights (docs/background.md, "Alpamayo-R1 prompt layout"); the export
-lets transformers' generate and assisted generation run the toy's weights (peer.py). A Qwen3-VL vision_config must
-hold every field read (a missing one is named); a Qwen2.5-VL one falls back to the released models' values; an
-Alpamayo `expert_cfg` is read by expert.ExpertConfig.from_alpamayo.
+lets transformers' generate and assisted generation run the toy's weights (peer.py).
 
 run: python -m pytest -q tests/test_checkpoint.py tests/test_export.py tests/test_alpamayo.py
 """
 import dataclasses
 import logging
 import os
+import re
 
 import torch
 from safetensors.torch import save_file
@@ -21,9 +20,7 @@ from expert import ExpertConfig, fourier_freqs
 from model import PRESETS, VLA, ModelConfig, VisionConfig
 from files import atomic_write, read_json, write_json
 
-log = logging.getLogger(__name__)
 CONFIG = "config.json"
-ALPAMAYO_EXPERT = ("expert.", "action_in_proj.", "action_out_proj.")  # the action expert's keys, next to 'vlm.'
 TOKEN_ID_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id", "vision_end_token_id")
 
 
@@ -31,52 +28,48 @@ TOKEN_ID_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id", "vision_end_t
 
 
 def load_pretrained(path, dtype=None, device=None) -> VLA:
-    """A Qwen2.5-VL / Qwen3-VL folder (vision tower and DeepStack included), or an Alpamayo-R1 one ('vlm.' prefix) with
-    its action expert as `model.expert`; one file or shards, either key layout. Every key must be used and every weight
-    found (action_in_proj's Fourier frequencies are checked against the config instead); a plain Qwen-VL's trajectory
-    head is not in the folder and stays random. dtype None keeps the file's."""
+    """A Qwen2.5-VL / Qwen3-VL folder (vision tower, DeepStack) or an Alpamayo-R1 one (its action expert as
+    `model.expert`), one file or shards; every key used, every weight found; a Qwen-VL's trajectory head is random."""
     if not os.path.isdir(path):
         raise FileNotFoundError(f"{path}: checkpoint folder not found")
-    cfg, family, alpamayo, expert_cfg = _hf_config(path)
+    cfg, family, alpamayo = _hf_config(path)  # alpamayo: an Alpamayo folder's own config.json, else None
+    expert_cfg = (ExpertConfig.from_alpamayo(alpamayo, cfg, os.path.join(path, CONFIG))
+                  if "expert_cfg" in (alpamayo or {}) else None)
+    cfg = cfg if expert_cfg is None else dataclasses.replace(cfg, traj_len=0)  # it plans with its expert, not a head
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index):
         weight_map = read_json(index)
-        weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
-        if not isinstance(weight_map, dict):
+        if not isinstance(weight_map, dict) or not isinstance(weight_map.get("weight_map"), dict):
             raise ValueError(f"{index}: no 'weight_map' object (tensor name -> shard file)")
-        key_file = {k: os.path.join(path, v) for k, v in weight_map.items()}
+        key_file = {k: os.path.join(path, v) for k, v in weight_map["weight_map"].items()}
     elif os.path.isfile(os.path.join(path, WEIGHTS)):
         key_file = dict.fromkeys(open_safetensors(os.path.join(path, WEIGHTS)).keys(), os.path.join(path, WEIGHTS))
     else:
         raise FileNotFoundError(f"{path}: no {WEIGHTS} or model.safetensors.index.json")
     handles = {file: open_safetensors(file) for file in sorted(set(key_file.values()))}
-    found, freqs = {}, {}  # our name -> (file, key); the Fourier frequencies: key -> (file, tensor)
+    found = {}  # our name -> (file, key)
+    want = None if expert_cfg is None else fourier_freqs(expert_cfg.fourier_feats, expert_cfg.max_freq)
     for key, file in key_file.items():
-        if alpamayo and key.startswith(ALPAMAYO_EXPERT):
-            if expert_cfg is not None and key.startswith("action_in_proj.") and key.endswith(".freqs"):
-                freqs[key] = (file, handles[file].get_tensor(key))
+        if alpamayo and key.startswith(("expert.", "action_in_proj.", "action_out_proj.")):  # the action expert's
+            if want is not None and key.startswith("action_in_proj.") and key.endswith(".freqs"):
+                got = handles[file].get_tensor(key).float().flatten()  # stored (1, F / 2), possibly in bf16
+                if got.shape != want.shape or not torch.allclose(got, want, rtol=1e-2):
+                    raise ValueError(f"{file}: {key!r} holds Fourier frequencies {got.tolist()}, but "
+                                     f"action_in_proj_cfg gives {want.tolist()}")
                 continue
             k = key if key.startswith("expert.") else "expert." + key  # action_*_proj live in model.expert
         else:
-            k = _hf_name(key[4:] if alpamayo and key.startswith("vlm.") else key)
+            # both on-disk layouts -> one: 'model.language_model.X' / 'model.X' -> 'X'; 'model.visual.X' -> 'visual.X'
+            k = re.sub(r"^model\.(language_model\.)?", "", key.removeprefix("vlm.") if alpamayo else key)
         if not (k == "lm_head.weight" and cfg.tie_word_embeddings):  # tied: embed_tokens.weight is the one that counts
             found[k] = (file, key)
-    if expert_cfg is not None:
-        want = fourier_freqs(expert_cfg.fourier_feats, expert_cfg.max_freq)
-        for key, (file, t) in freqs.items():
-            got = t.float().flatten()  # stored (1, F / 2), possibly in bf16
-            if got.shape != want.shape or not torch.allclose(got, want, rtol=1e-2):
-                raise ValueError(f"{file}: {key!r} holds Fourier frequencies {got.tolist()}, but action_in_proj_cfg "
-                                 f"gives {want.tolist()}")
     if not found:
         raise ValueError(f"{path}: the safetensors file(s) hold no tensors")
     for file, f in handles.items():  # an index that maps a key to the wrong shard
-        stray = sorted({key for fl, key in found.values() if fl == file} - set(f.keys()))
-        if stray:
+        if stray := sorted({key for fl, key in found.values() if fl == file} - set(f.keys())):
             raise ValueError(f"{index}: maps {len(stray)} key(s) to {file}, which does not hold them: {stray[:5]}")
-    first_file, first_key = found.get("embed_tokens.weight", next(iter(found.values())))
-    model = empty_model(cfg, None, dtype or handles[first_file].get_tensor(first_key).dtype, device or "cpu",
-                        expert_cfg)
+    file, key = found.get("embed_tokens.weight", next(iter(found.values())))  # dtype None keeps the file's
+    model = empty_model(cfg, None, dtype or handles[file].get_tensor(key).dtype, device or "cpu", expert_cfg)
     shapes, parts = _hf_layout(model)
     check_keys(shapes, found, f"{path} ({family}{', Alpamayo' if alpamayo else ''})")
     for k, (file, key) in found.items():
@@ -88,17 +81,10 @@ def load_pretrained(path, dtype=None, device=None) -> VLA:
             sd[name].copy_(torch.cat(ts).reshape(sd[name].shape))
         if model.traj_head is not None:
             model.traj_head.apply(VLA._init_weights)
-            log.warning("load_pretrained(%s): trajectory head not in the checkpoint, randomly initialised", path)
+            logging.getLogger(__name__).warning("load_pretrained(%s): trajectory head not in the checkpoint, randomly "
+                                                "initialised", path)
     model.checkpoint_files = (os.path.join(path, CONFIG), sorted((key, file) for file, key in found.values()))
     return model
-
-
-def _hf_name(key):
-    """Both on-disk layouts -> one: 'model.language_model.X' / 'model.X' -> 'X'; 'model.visual.X' -> 'visual.X'."""
-    for prefix, new in (("model.language_model.", ""), ("model.visual.", "visual."), ("model.", "")):
-        if key.startswith(prefix):
-            return new + key[len(prefix):]
-    return key
 
 
 def _hf_layout(model: VLA):
@@ -110,15 +96,10 @@ def _hf_layout(model: VLA):
         c = model.expert.layer_cfg if name.startswith("expert.") else cfg  # the expert's decoder has its own sizes
         q, kv, inter = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim, c.intermediate_size
         base, leaf = name.rsplit(".", 1)
-        if base.endswith("self_attn.qkv"):
-            split = [(base[:-3] + p, n) for p, n in (("q_proj", q), ("k_proj", kv), ("v_proj", kv))]
-        elif base.endswith("mlp.gate_up"):
-            split = [(base[:-7] + p, inter) for p in ("gate_proj", "up_proj")]
-        else:
-            split = [(base, None)]
-        parts[name] = [f"{b}.{leaf}" for b, _ in split]
-        for (b, n), hf in zip(split, parts[name]):
-            shapes[hf] = (n, *t.shape[1:]) if n is not None else tuple(t.shape)
+        split = ((("q_proj", q), ("k_proj", kv), ("v_proj", kv)) if base.endswith("self_attn.qkv") else
+                 (("gate_proj", inter), ("up_proj", inter)) if base.endswith("mlp.gate_up") else ())
+        parts[name] = [f"{base.rsplit('.', 1)[0]}.{p}.{leaf}" for p, _ in split] or [name]
+        shapes.update({hf: (n, *t.shape[1:]) for hf, (_, n) in zip(parts[name], split)} or {name: tuple(t.shape)})
     if model.visual is not None:  # Qwen stores the patch embedding as a Conv3d kernel (hidden, C, tp, p, p)
         v = model.cfg.vision
         shapes["visual.patch_embed.proj.weight"] = (v.hidden, v.in_channels, v.temporal_patch_size, v.patch_size,
@@ -130,7 +111,7 @@ def _hf_layout(model: VLA):
 
 
 def _hf_config(path):
-    """(ModelConfig, family, alpamayo, ExpertConfig or None) from a Hugging Face / Alpamayo config.json."""
+    """(ModelConfig, family, the Alpamayo config.json or None) from a Hugging Face / Alpamayo config.json."""
     cfg_path = os.path.join(path, CONFIG)
     if (existing_kind(path) or "").endswith(("target", " draft")):
         raise ValueError(f"{path}: a checkpoint of this repo's own format (checkpoint.save), not a Hugging Face "
@@ -145,7 +126,7 @@ def _hf_config(path):
             vlm = read_json(os.path.join(name, CONFIG))
         elif vlm is None and name.rstrip("/").split("/")[-1].lower() == "qwen3-vl-8b-instruct":
             cfg = dataclasses.replace(PRESETS["qwen3-vl-8b"], vocab_size=raw.get("vocab_size", 151936))
-            return _with_expert(cfg, "qwen3_vl", top, cfg_path)
+            return cfg, "qwen3_vl", top
         elif vlm is None:
             raise ValueError(f"{cfg_path}: Alpamayo config without a 'vlm_config' entry and unknown VLM {name!r}: add "
                              "the VLM's config.json as 'vlm_config'")
@@ -185,21 +166,15 @@ def _hf_config(path):
             tokens_per_second=vraw.get("tokens_per_second", 2), video_frame_blocks=q3,
             spatial_merge_size=vraw.get("spatial_merge_size", 2), vision=vision,
             traj_len=64, max_seq_len=text.get("max_position_embeddings", 8192))
-    except KeyError as e:
-        raise ValueError(f"{cfg_path}: missing config field {e}") from None
-    except ValueError as e:
-        raise ValueError(f"{cfg_path}: {e}") from None
-    return _with_expert(cfg, family, top, cfg_path) if alpamayo else (cfg, family, False, None)
+    except (KeyError, ValueError) as e:
+        raise ValueError(f"{cfg_path}: {'missing config field ' if isinstance(e, KeyError) else ''}{e}") from None
+    return cfg, family, top if alpamayo else None
 
 
 def _vision(family, v, text, cfg_path):
-    """VisionConfig of a vision_config: Qwen3-VL's must hold every field read, Qwen2.5-VL's has the released
-    models' defaults."""
+    """Qwen3-VL's vision_config must hold every field read; Qwen2.5-VL's falls back to the released models' values."""
     q3 = family == "qwen3_vl"
-
-    def get(key, default):
-        return _required(v, key, f"{cfg_path} (vision_config)") if q3 else v.get(key, default)
-
+    get = lambda k, default: _required(v, k, f"{cfg_path} (vision_config)") if q3 else v.get(k, default)  # noqa: E731
     if get("hidden_act", "silu") != ("gelu_pytorch_tanh" if q3 else "silu"):
         raise ValueError(f"{cfg_path}: unsupported vision hidden_act {v['hidden_act']!r}")
     if get("out_hidden_size", text["hidden_size"]) != text["hidden_size"]:
@@ -217,13 +192,6 @@ def _vision(family, v, text, cfg_path):
         rope_theta=(v.get("rope_parameters") or {}).get("rope_theta", 10000.0), **own)
 
 
-def _with_expert(cfg, family, top, cfg_path):
-    """An Alpamayo folder with an expert_cfg plans with its action expert, not with an MLP head."""
-    if "expert_cfg" not in top:
-        return cfg, family, True, None
-    return dataclasses.replace(cfg, traj_len=0), family, True, ExpertConfig.from_alpamayo(top, cfg, cfg_path)
-
-
 def _required(d, key, where):
     if key not in d:
         raise ValueError(f"{where}: missing config field {key!r}")
@@ -234,35 +202,11 @@ def _required(d, key, where):
 
 
 def export_pretrained(model: VLA, dir, target: VLA | None = None, **token_ids):
-    """Write `model` as a Qwen2.5-VL folder (config.json, model.safetensors in its dtype) that transformers 5.24 and
-    load_pretrained read: _hf_layout backwards (fused q/k/v and gate/up split, the patch embedding as a Conv3d kernel),
-    without the TrajHead. A draft needs target= and becomes a standalone Qwen2.5-VL with copies of the target's
-    embedding, LM head and vision tower (transformers' assistant). token_ids: TOKEN_ID_FIELDS, which only document the
-    prompt format (transformers 5.24 takes M-RoPE positions from mm_token_type_ids)."""
-    unknown = sorted(set(token_ids) - set(TOKEN_ID_FIELDS))
-    if unknown:
+    """Write `model` as a Qwen2.5-VL folder that transformers 5.24 and load_pretrained read, without the TrajHead; a
+    draft needs target= and becomes a standalone Qwen2.5-VL (transformers' assistant). token_ids (TOKEN_ID_FIELDS) only
+    document the prompt format (transformers 5.24 takes M-RoPE positions from mm_token_type_ids)."""
+    if unknown := sorted(set(token_ids) - set(TOKEN_ID_FIELDS)):
         raise TypeError(f"export_pretrained: unknown token id fields {unknown}; known: {list(TOKEN_ID_FIELDS)}")
-    m = _exportable(model, target, dir)
-    check_output(dir, "qwen2_5_vl folder", overwrite=True)
-    shapes, parts = _hf_layout(m)
-    sd, tensors = m.state_dict(), {}
-    for name, hf_names in parts.items():
-        t = sd[name].detach()
-        if len(hf_names) > 1:  # (H*hd + 2*Hk*hd, D) -> q (H*hd, D), k, v (Hk*hd, D); or (2*I, D) -> gate, up (I, D)
-            pieces = [p.clone() for p in t.split([shapes[h][0] for h in hf_names])]  # copies: no shared storage
-        else:  # as is, but the patch embedding: (C_vit, C*tp*p*p) -> the Conv3d kernel (C_vit, C, tp, p, p)
-            pieces = [t.reshape(shapes[hf_names[0]]).contiguous()]
-        for h, p in zip(hf_names, pieces):  # the hub's names: 'X' -> 'model.X'; 'visual.X', 'lm_head.weight' as is
-            tensors[h if h.startswith("visual.") or h == "lm_head.weight" else "model." + h] = p
-    meta = _hf_json(m.cfg, next(iter(tensors.values())).dtype, token_ids)
-    os.makedirs(dir, exist_ok=True)  # weights first: a folder whose config.json is there is complete
-    atomic_write(os.path.join(dir, WEIGHTS), lambda p: save_file(tensors, p, metadata={"format": "pt"}))
-    write_json(os.path.join(dir, CONFIG), meta)
-
-
-def _exportable(model: VLA, target: VLA | None, where):
-    """The standalone model export_pretrained writes: model itself, or for a draft a VLA of its own layers with the
-    target's embedding, LM head and vision tower. Refuses, saying why, what Qwen2.5-VL lacks."""
     cfg, draft = model.cfg, model.cfg.shared_width is not None
     vision = (target.cfg if draft and target is not None else cfg).vision
     same = target is not None and target.embed_tokens is model.embed_tokens
@@ -289,18 +233,28 @@ def _exportable(model: VLA, target: VLA | None, where):
              f"target's {cfg.shared_width}: its bridges proj_in / proj_out have no Qwen2.5-VL counterpart"),
             (draft and same and target.visual is None, "the target has no vision tower, and a Qwen2.5-VL has one")):
         if refused:
-            raise ValueError(f"export_pretrained({where}): {why}")
-    if not draft:
-        return model
-    # the draft reads the target's image features (speculate.embed_prompt); a standalone model computes them itself
-    own = dataclasses.replace(cfg, shared_width=None, vision=target.cfg.vision,
-                              tie_word_embeddings=target.cfg.tie_word_embeddings)
-    w = model.embed_tokens.weight
-    standalone = empty_model(own, None, w.dtype, w.device)
-    standalone.load_state_dict({**model.state_dict(), "embed_tokens.weight": target.embed_tokens.weight,
-                                "lm_head.weight": target.lm_head.weight,
-                                **{"visual." + k: v for k, v in target.visual.state_dict().items()}})
-    return standalone
+            raise ValueError(f"export_pretrained({dir}): {why}")
+    m = model
+    if draft:  # a standalone VLA of the draft's layers with copies of the target's embedding, LM head and vision tower
+        # the draft reads the target's image features (speculate.embed_prompt); a standalone model computes them itself
+        own = dataclasses.replace(cfg, shared_width=None, vision=target.cfg.vision,
+                                  tie_word_embeddings=target.cfg.tie_word_embeddings)
+        m = empty_model(own, None, model.embed_tokens.weight.dtype, model.embed_tokens.weight.device)
+        m.load_state_dict({**model.state_dict(), "embed_tokens.weight": target.embed_tokens.weight,
+                           "lm_head.weight": target.lm_head.weight,
+                           **{"visual." + k: v for k, v in target.visual.state_dict().items()}})
+    check_output(dir, "qwen2_5_vl folder", overwrite=True)
+    shapes, parts = _hf_layout(m)
+    sd, tensors = m.state_dict(), {}
+    for name, hf_names in parts.items():
+        # (H*hd + 2*Hk*hd, D) -> q (H*hd, D), k, v (Hk*hd, D); (2*I, D) -> gate, up (I, D), copies: no shared storage;
+        # the rest as is, but the patch embedding: (C_vit, C*tp*p*p) -> the Conv3d kernel (C_vit, C, tp, p, p)
+        for h, p in zip(hf_names, sd[name].detach().split([shapes[h][0] for h in hf_names])):
+            p = p.clone() if len(hf_names) > 1 else p.reshape(shapes[h]).contiguous()
+            tensors[h if h.startswith("visual.") or h == "lm_head.weight" else "model." + h] = p  # the hub's names
+    os.makedirs(dir, exist_ok=True)  # weights first: a folder whose config.json is there is complete
+    atomic_write(os.path.join(dir, WEIGHTS), lambda p: save_file(tensors, p, metadata={"format": "pt"}))
+    write_json(os.path.join(dir, CONFIG), _hf_json(m.cfg, next(iter(tensors.values())).dtype, token_ids))
 
 
 def _hf_json(cfg: ModelConfig, dtype, token_ids):
@@ -319,10 +273,8 @@ def _hf_json(cfg: ModelConfig, dtype, token_ids):
                   spatial_merge_size=v.spatial_merge_size, tokens_per_second=int(cfg.tokens_per_second),
                   window_size=v.window_size, fullatt_block_indexes=list(v.fullatt_block_indexes),
                   out_hidden_size=cfg.hidden_size, rope_parameters={"rope_type": "axial", "rope_theta": v.rope_theta})
-    out = dict(architectures=["Qwen2_5_VLForConditionalGeneration"], model_type="qwen2_5_vl", text_config=text,
-               vision_config=vision, image_token_id=cfg.image_token_id, video_token_id=cfg.video_token_id,
-               vision_start_token_id=cfg.vision_start_token_id, tie_word_embeddings=cfg.tie_word_embeddings,
-               dtype=str(dtype).removeprefix("torch."))
-    if token_ids.get("vision_end_token_id") is not None:
-        out["vision_end_token_id"] = token_ids["vision_end_token_id"]
-    return out
+    return dict(architectures=["Qwen2_5_VLForConditionalGeneration"], model_type="qwen2_5_vl", text_config=text,
+                vision_config=vision, image_token_id=cfg.image_token_id, video_token_id=cfg.video_token_id,
+                vision_start_token_id=cfg.vision_start_token_id, tie_word_embeddings=cfg.tie_word_embeddings,
+                dtype=str(dtype).removeprefix("torch."),  # and vision_end_token_id, if given
+                **{k: token_ids[k] for k in TOKEN_ID_FIELDS[3:] if token_ids.get(k) is not None})
