@@ -12,6 +12,7 @@ run: python -m pytest -q tests/test_checkpoint.py
 """
 import contextlib
 import dataclasses
+import glob
 import hashlib
 import json
 import os
@@ -49,6 +50,8 @@ def save(model: VLA, dir, target: VLA | None = None):
     check_output(dir, f"{model.cfg.rope_mode} draft" if draft else "target", overwrite=True)
     meta = {"draft": draft, "config": model.cfg.to_dict(), **({"target": fingerprint(target)} if draft else {})}
     os.makedirs(dir, exist_ok=True)
+    for stale in glob.glob(os.path.join(glob.escape(dir), f".{WEIGHTS}.*.tmp")):  # a killed save's (one writer per run)
+        os.unlink(stale)
     sd = {k: v.detach().contiguous() for k, v in _stored(model).items()}
     atomic_write(os.path.join(dir, WEIGHTS), lambda p: save_file(sd, p, metadata={KEY: json.dumps(meta)}))
 
@@ -155,7 +158,7 @@ def existing_kind(path):
     "<rope_mode> draft" (ours), "qwen2_5_vl folder" (hf.export_pretrained's), else words saying what is there."""
     if not os.path.isdir(path):
         return "a file" if os.path.lexists(path) else None
-    if not (names := os.listdir(path)):
+    if not (names := [n for n in os.listdir(path) if not n.endswith(".tmp")]):  # a killed save's leftover is not data
         return None
     with contextlib.suppress(OSError, ValueError):
         meta, cfg = header(path)

@@ -512,7 +512,13 @@ def test_kill_9_during_a_save_keeps_the_previous_checkpoint(tmp_path):
     assert left[1:] == ["model.safetensors"] and left[0].startswith(".model.safetensors.") and left[0].endswith(".tmp")
     assert same_weights(load(tmp_path / "m"), old)
     save(new, tmp_path / "m")
-    assert same_weights(load(tmp_path / "m"), new)
+    assert same_weights(load(tmp_path / "m"), new) and os.listdir(tmp_path / "m") == ["model.safetensors"]
+
+    # a killed first save leaves only its .tmp: the folder counts as empty, and the retry writes the checkpoint
+    killed(lambda: (setattr(checkpoint, "save_file", partial), save(new, tmp_path / "first")))
+    assert checkpoint.existing_kind(tmp_path / "first") is None
+    save(new, tmp_path / "first")
+    assert os.listdir(tmp_path / "first") == ["model.safetensors"]
 
     # a single file (a training state): the previous one stays
     files.torch_save({"step": 1}, tmp_path / "s.pt")
@@ -521,7 +527,7 @@ def test_kill_9_during_a_save_keeps_the_previous_checkpoint(tmp_path):
         torch.save = lambda obj, path: (open(path, "wb").write(b"partial"), die())
         files.torch_save({"step": 2}, tmp_path / "s.pt")
     killed(mid_state)
-    assert torch.load(tmp_path / "s.pt")["step"] == 1 and len(os.listdir(tmp_path)) == 3
+    assert torch.load(tmp_path / "s.pt")["step"] == 1 and len(os.listdir(tmp_path)) == 4
     files.torch_save({"step": 2}, tmp_path / "s.pt")
     assert torch.load(tmp_path / "s.pt")["step"] == 2
 
