@@ -124,11 +124,8 @@ PRESETS = {
                                mrope_interleaved=True, qkv_bias=False, qk_norm=True, vision=QWEN3_VISION,
                                video_frame_blocks=True, traj_len=64, max_seq_len=8192, **QWEN_IDS),
 }
-DRAFT_PRESETS = {  # make_draft(target, **DRAFT_PRESETS[name])
-    "toy-draft": dict(n_layers=1),  # one decoder layer of the target's shape
-    "qwen2.5-vl-7b-draft": dict(n_layers=1),
-    "qwen3-vl-8b-draft": dict(n_layers=1),
-}
+# make_draft(target, **DRAFT_PRESETS[name]): one decoder layer of the target's shape
+DRAFT_PRESETS = {f"{name}-draft": dict(n_layers=1) for name in ("toy", "qwen2.5-vl-7b", "qwen3-vl-8b")}
 
 # ---- decoder ----
 
@@ -164,10 +161,9 @@ class Attention(nn.Module):
         return q.transpose(1, 2), k.transpose(1, 2), qkv[:, :, H + Hk:].transpose(1, 2)  # (B, H|Hk, T, hd)
 
     def forward(self, x, cos, sin, cache=None, layer=0, mask=None, grouped=False, input_pos=None):
-        """New keys / values go to the cache first, at [length, length + T) (VLA.forward) or at slots input_pos, the
-        queries then reading the whole buffer (VLA.step). mask None: causal at a prefill, every key over a non-empty
-        cache (the expert's bidirectional tokens). grouped: the g query heads of a KV head become its g*T query rows,
-        so no K/V copies (enable_gqa is slow on CPU in bf16); ungrouped: a prefill, or the lower-right verify bias."""
+        """New keys / values go to the cache first: at [length, length + T) (VLA.forward), or at slots input_pos
+        (VLA.step: queries read the whole buffer). mask None: causal at a prefill, else every key (the expert's tokens).
+        grouped: a KV head's g query heads as its g*T query rows, no K/V copies (enable_gqa is slow on CPU in bf16)."""
         B, T, _ = x.shape
         H, Hk, hd = self.H, self.Hk, self.hd
         q, k, v = self.project(x, cos, sin)
@@ -294,15 +290,14 @@ class VLA(nn.Module):
         self.cfg = cfg
         D = cfg.hidden_size
         self.proj_in = self.proj_out = None
+        self.visual = make_tower(cfg.vision, D) if cfg.vision is not None and cfg.shared_width is None else None
         if cfg.shared_width is None:
-            self.visual = make_tower(cfg.vision, D) if cfg.vision is not None else None
             self.embed_tokens = nn.Embedding(cfg.vocab_size, D)
             self.lm_head = nn.Linear(D, cfg.vocab_size, bias=False)
         else:
             if shared is None:
                 raise ValueError("a draft config (shared_width set) needs its target: "
                                  "use make_draft or load(dir, target=...)")
-            self.visual = None
             self.__dict__["embed_tokens"] = shared.embed_tokens  # shared, deliberately not registered
             self.__dict__["lm_head"] = shared.lm_head
             if cfg.shared_width != D:  # bridge the target's width and the narrower draft
@@ -365,9 +360,8 @@ class VLA(nn.Module):
             self.vocab_ids.copy_(ids)  # in place: the version bump tells head_rows to gather again
 
     def head_rows(self):
-        """The target head's rows at vocab_ids (K, D_out), kept: W[ids] per step would read, write and re-read K rows,
-        where the point is a step that reads K rows (K x 4096, not 151,936 x 4096). Gathered again when the head is
-        moved, cast, replaced or written in place (tensor, dtype, device, version are the key) or the ids change."""
+        """The target head's rows at vocab_ids (K, D_out), kept (W[ids] per step would read, write and re-read K rows);
+        gathered again when the ids or the head change (moved, cast, replaced, written in place: the key below)."""
         W = self.lm_head.weight  # (V, D_out), the target's
         version = lambda t: -1 if t.is_inference() else t._version  # noqa: E731  inference tensors keep none
         key = (W.data_ptr(), W.dtype, W.device, version(W), self.vocab_ids.data_ptr(), version(self.vocab_ids))
@@ -385,7 +379,7 @@ class VLA(nn.Module):
         if torch.is_grad_enabled() and W.requires_grad:
             w = W[self.vocab_ids]  # the slow, obvious path: a fresh gather per call, so gradients reach the head
         elif torch.compiler.is_compiling():
-            w = self._rows  # gathered by static.StaticDecoder before each compiled step (head_rows' checks do not trace)
+            w = self._rows  # gathered by static.StaticDecoder before each compiled step (head_rows does not trace)
         else:
             w = self.head_rows()  # the kept copy: the target's head is frozen here
         small = F.linear(h, w)  # (..., D_out) x (K, D_out)^T -> (..., K)
@@ -423,37 +417,35 @@ class VLA(nn.Module):
         past = cache.length if cache is not None else 0
         if position_ids is None and past > 0:  # decode / verify: c + rope_delta on all three axes == 1D RoPE
             return rope_cos_sin(decode_positions(past, x.shape[1], cache.rope_delta), self.inv_freq)
-        if position_ids is None:
-            if self.cfg.rope_mode == "mrope" and input_ids is not None:
-                c = self.cfg
-                if c.video_frame_blocks and video_grid_thw is not None:
-                    # Qwen3-VL: t temporal patches are t one-frame blocks (timestamps in text between), each at the
-                    # next free id (t id = start)
-                    video_grid_thw = video_grid_thw.repeat_interleave(video_grid_thw[:, 0], 0)  # (sum t, 3)
-                    video_grid_thw = torch.cat([torch.ones_like(video_grid_thw[:, :1]), video_grid_thw[:, 1:]], 1)
-                position_ids, delta = get_rope_index(
-                    input_ids, image_grid_thw, video_grid_thw, second_per_grid_ts, attention_mask,
-                    spatial_merge_size=c.spatial_merge_size, image_token_id=c.image_token_id,
-                    video_token_id=c.video_token_id, vision_start_token_id=c.vision_start_token_id,
-                    tokens_per_second=c.tokens_per_second)
-            else:  # FlatRoPE (or no ids to find images in): 1D index over the whole sequence
-                position_ids, delta = flat_position_ids(x[..., 0], attention_mask)
-        else:
+        c = self.cfg
+        if position_ids is not None:
             if position_ids.dim() == 2:
                 position_ids = position_ids.expand(3, -1, -1)
             delta = position_ids.amax(dim=(0, 2))[:, None] + 1 - position_ids.shape[2]
+        elif c.rope_mode == "mrope" and input_ids is not None:
+            if c.video_frame_blocks and video_grid_thw is not None:
+                # Qwen3-VL: t temporal patches are t one-frame blocks (timestamps in text between), each at the next
+                # free id (t id = start)
+                video_grid_thw = video_grid_thw.repeat_interleave(video_grid_thw[:, 0], 0)  # (sum t, 3)
+                video_grid_thw = torch.cat([torch.ones_like(video_grid_thw[:, :1]), video_grid_thw[:, 1:]], 1)
+            position_ids, delta = get_rope_index(
+                input_ids, image_grid_thw, video_grid_thw, second_per_grid_ts, attention_mask,
+                spatial_merge_size=c.spatial_merge_size, image_token_id=c.image_token_id,
+                video_token_id=c.video_token_id, vision_start_token_id=c.vision_start_token_id,
+                tokens_per_second=c.tokens_per_second)
+        else:  # FlatRoPE (or no ids to find images in): 1D index over the whole sequence
+            position_ids, delta = flat_position_ids(x[..., 0], attention_mask)
         if cache is not None and past == 0:
             cache.rope_delta = delta.to(cache.rope_delta.device)
-        return mrope_cos_sin(position_ids, self.inv_freq, self.cfg.mrope_section, self.cfg.mrope_interleaved)
+        return mrope_cos_sin(position_ids, self.inv_freq, c.mrope_section, c.mrope_interleaved)
 
     def forward(self, input_ids=None, pixel_values=None, image_grid_thw=None, pixel_values_videos=None,
                 video_grid_thw=None, second_per_grid_ts=None, attention_mask=None, cache=None, inputs_embeds=None,
                 position_ids=None, return_hidden=False, logits_to_keep=0, deepstack=None):
-        """Logits (B, T, V) (and hidden (B, T, D_out)). Positions: at a prefill from get_rope_index ("mrope") or
-        flat_position_ids ("flat"), the cache keeping rope_delta; over a non-empty cache length + arange(T) + rope_delta
-        on all axes, causal over the prefix for T > 1 (the verify step). attention_mask is read at prefill only (the
-        cache remembers the padding). DeepStack (Qwen3-VL), at prefill: layer i's output gets the tower's level-i
-        features at the visual slots (from pixels, or `deepstack` from embed beside inputs_embeds)."""
+        """Logits (B, T, V) (and hidden (B, T, D_out)). Positions: at a prefill get_rope_index's ("mrope") or
+        flat_position_ids' ("flat"), the cache keeping rope_delta; then length + arange(T) + rope_delta on all axes,
+        causal over the prefix (the verify step). attention_mask: read at prefill only. DeepStack (Qwen3-VL), prefill:
+        layer i's output gets the tower's level-i features at the visual slots (from pixels, or embed's `deepstack`)."""
         if inputs_embeds is None:
             inputs_embeds, deepstack = self.embed(input_ids, pixel_values, image_grid_thw, pixel_values_videos,
                                                   video_grid_thw, return_deepstack=True)
@@ -530,20 +522,17 @@ class VLA(nn.Module):
 def make_draft(target: VLA, n_layers=1, hidden_size=None, rope_mode="flat", n_heads=None, n_kv_heads=None,
                intermediate_size=None, rope_theta=None, vocab_ids=None) -> VLA:
     """The routine reasoner: a small text-only decoder on FlatRoPE positions ("mrope": the baseline replica draft)
-    sharing the target's embedding and LM head (the same modules) and reading the target's prompt embeddings, image
-    features included (inputs_embeds=target.embed(...)): no second vision encoder. An optimizer over its parameters()
-    never updates the target (gradients still reach the shared modules unless frozen). A narrower draft keeps
-    head_dim (M-RoPE sections stay valid) with in/out projections. vocab_ids: K target ids for a reduced head."""
+    sharing the target's embedding and LM head (the same modules) and reading its prompt embeddings, image features
+    included (inputs_embeds=target.embed(...)): no second vision encoder; an optimizer over its parameters() never
+    updates the target (gradients still reach the shared modules unless frozen). A narrower draft keeps head_dim
+    (M-RoPE sections stay valid) with in/out projections. vocab_ids: K target ids for a reduced head."""
     t = target.cfg
     D = hidden_size or t.hidden_size
     H = n_heads or (t.n_heads if D == t.hidden_size else D // t.head_dim)
     if H < 1:
         raise ValueError(f"draft hidden_size {D} is smaller than the target's head_dim {t.head_dim}")
-    Hk = n_kv_heads
-    if Hk is None:  # as many KV heads as the target, at most H, dividing H
-        Hk = min(t.n_kv_heads, H)
-        while H % Hk:
-            Hk -= 1
+    # default: as many KV heads as the target, at most H, dividing H
+    Hk = n_kv_heads if n_kv_heads is not None else max(h for h in range(1, min(t.n_kv_heads, H) + 1) if not H % h)
     inter = intermediate_size or (t.intermediate_size if D == t.hidden_size
                                   else int(t.intermediate_size * D / t.hidden_size))
     if vocab_ids is not None:

@@ -23,17 +23,10 @@ def rope_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
 
 
 def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor):
-    """1D RoPE tables: positions (B, L) int -> cos, sin (B, L, D) float32.
-
-    The decode fast path: a token with equal t/h/w ids gets exactly these tables from M-RoPE."""
+    """1D RoPE tables: positions (B, L) int -> cos, sin (B, L, D) float32; M-RoPE's for equal t/h/w ids (decode)."""
     angles = positions[..., None].float() * inv_freq  # (B, L, 1) * (D/2,) -> (B, L, D/2)
     emb = torch.cat((angles, angles), dim=-1)  # (B, L, D): rotate-half pairs j and j + D/2
     return emb.cos(), emb.sin()
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -41,7 +34,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     they are (e.g. (B, L, 1, D) for x laid out (B, L, H, D), or (N, 1, D) for x (N, H, D))."""
     if cos.dim() == x.dim() - 1:
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, L, D)
-    return x * cos + rotate_half(x) * sin
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin  # rotate-half: pair (j, j + D/2) rotated by angle j
 
 
 # ---- 3D M-RoPE ----
@@ -72,11 +66,9 @@ def mrope_axis(mrope_section, interleaved: bool) -> torch.Tensor:
 
 
 def mrope_cos_sin(position_ids: torch.Tensor, inv_freq: torch.Tensor, mrope_section, interleaved: bool):
-    """M-RoPE tables: position_ids (3, B, L) -> cos, sin (B, L, D) float32.
-
-    Frequency pair j rotates by position_ids[axis[j]] * inv_freq[j]; with t == h == w this is
-    exactly 1D RoPE (rope_cos_sin), which is why the FlatRoPE draft is the same decoder fed
-    equal ids on all three axes."""
+    """M-RoPE tables: position_ids (3, B, L) -> cos, sin (B, L, D) float32. Pair j rotates by
+    position_ids[axis[j]] * inv_freq[j]; with t == h == w this is exactly 1D RoPE (rope_cos_sin),
+    which is why the FlatRoPE draft is the same decoder fed equal ids on all three axes."""
     check_mrope_section(mrope_section, 2 * inv_freq.numel())
     axis = mrope_axis(mrope_section, interleaved).to(position_ids.device)
     pos = position_ids.permute(1, 2, 0)[..., axis]  # (B, L, 3) -> (B, L, D/2): the id each pair reads
@@ -100,19 +92,14 @@ def get_rope_index(input_ids, image_grid_thw=None, video_grid_thw=None, second_p
     Text after a block resumes at max(previous ids) + 1 (Qwen's rule; see below).
     Grids are consumed in order across the batch, one per block, as in transformers.
 
-    Left/right padding: rows are read through attention_mask; padded slots get id 0.
-    rope_delta = max(id) + 1 - L with L the *padded* length, so the decode-time rule
-    "token at cache index c gets c + rope_delta on all three axes" holds per row
-    (transformers 5.x subtracts the unpadded length instead and adds a mask cumsum at decode;
-    the resulting ids are identical).
+    Padding: rows are read through attention_mask, padded slots get id 0, and rope_delta =
+    max(id) + 1 - L with L the *padded* length, so "cache index c is position c + rope_delta on
+    all three axes" holds per row (transformers 5.x gives the same ids another way).
 
-    Deviation noted: for a video whose scaled t ids run past its spatial extent
-    (t*interval > max(H, W)/m), transformers 5.24 resumes text at s + max(H, W)/m, which can
-    reuse ids; we follow the original Qwen2.5-VL code (transformers <= 5.2, docs/background.md)
-    and resume at max + 1. The two agree for every image and for short videos.
-
-    vision_start_token_id, when given, is checked to open every vision block (Qwen's prompt
-    format: <|vision_start|> placeholders <|vision_end|>)."""
+    Deviation: for a video whose scaled t ids run past its spatial extent, transformers 5.24
+    resumes text at s + max(H, W)/m, which can reuse ids; we follow the original Qwen2.5-VL code
+    (docs/background.md) and resume at max + 1. The two agree for every image and short videos.
+    vision_start_token_id, when given, must open every vision block (<|vision_start|> ...)."""
     B, L = input_ids.shape
     device = input_ids.device
     position_ids = torch.zeros(3, B, L, dtype=torch.long, device=device)
@@ -122,8 +109,8 @@ def get_rope_index(input_ids, image_grid_thw=None, video_grid_thw=None, second_p
     n_video = 0
     m = spatial_merge_size
     for b in range(B):
-        keep = attention_mask[b].bool() if attention_mask is not None else None
-        ids = input_ids[b] if keep is None else input_ids[b][keep]
+        keep = torch.ones(L, dtype=torch.bool, device=device) if attention_mask is None else attention_mask[b].bool()
+        ids = input_ids[b][keep]
         ids_list = ids.tolist()
         vis = ((ids == image_token_id) | (ids == video_token_id)).nonzero().flatten().tolist()
         chunks, p, i, k = [], 0, 0, 0  # p: next free id, i: next token, k: index into vis
@@ -164,10 +151,7 @@ def get_rope_index(input_ids, image_grid_thw=None, video_grid_thw=None, second_p
         if i < len(ids_list):
             chunks.append(torch.arange(p, p + len(ids_list) - i).expand(3, -1))
         row = torch.cat(chunks, dim=1).to(device) if chunks else torch.zeros(3, 0, dtype=torch.long, device=device)
-        if keep is None:
-            position_ids[:, b] = row
-        else:
-            position_ids[:, b, keep] = row
+        position_ids[:, b, keep] = row
         deltas[b, 0] = (int(row.max()) + 1 if row.numel() else 0) - L
     for kind, name in ((image_token_id, "image"), (video_token_id, "video")):
         if next(grids[kind], None) is not None:
@@ -176,14 +160,11 @@ def get_rope_index(input_ids, image_grid_thw=None, video_grid_thw=None, second_p
 
 
 def flat_position_ids(input_ids, attention_mask=None):
-    """FlatRoPE: the draft's ids 0, 1, 2, ... over the whole sequence, image tokens included,
-    equal on all three axes -> position_ids (3, B, L), rope_delta (B, 1) (0 without padding).
-
-    Only input_ids' shape and device are read. Why it matters (the paper's FlatRoPE): under
-    M-RoPE a block of h x w merged tokens spans only max(h, w) ids, so the ~2900 image tokens
-    of an Alpamayo prompt sit a few dozen ids from the text and dominate attention; under a
-    flat index they span their full token count, are far from the CoC being written, and
-    RoPE's distance decay moves the draft's attention to the nearby trajectory-history tokens."""
+    """FlatRoPE: the draft's ids 0, 1, 2, ... over the whole sequence, image tokens included, equal on all
+    three axes -> position_ids (3, B, L), rope_delta (B, 1) (0 without padding); reads only input_ids' shape and device.
+    Why (the paper): under M-RoPE the ~2900 image tokens of an Alpamayo prompt span only max(h, w) ids, a few
+    dozen from the text, and dominate attention; flat, they lie far from the CoC being written, and RoPE's
+    distance decay moves the draft's attention to the nearby trajectory-history tokens."""
     B, L = input_ids.shape[:2]
     device = input_ids.device
     if attention_mask is None:

@@ -25,8 +25,7 @@ import torch
 
 # ---- processed distributions ----
 
-# Keys of the prompt dict: the first group goes to target.embed, the grids also to forward (M-RoPE positions need
-# them even when inputs_embeds is given).
+# prompt keys: the first group goes to target.embed, the grids also to forward (M-RoPE positions, inputs_embeds or not)
 EMBED_KEYS = ("input_ids", "pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
 GRID_KEYS = ("image_grid_thw", "video_grid_thw", "second_per_grid_ts")
 
@@ -47,8 +46,7 @@ def process_logits(logits, temperature, top_k=None, top_p=None):
     if top_p is not None and top_p < 1.0:
         sorted_p, order = probs.sort(-1, descending=True)  # (..., V)
         before = sorted_p.cumsum(-1) - sorted_p  # mass strictly above each token
-        # Smallest head of the sorted list whose mass reaches top_p; the top token always stays.
-        sorted_p = sorted_p.masked_fill(before >= top_p, 0.0)
+        sorted_p = sorted_p.masked_fill(before >= top_p, 0.0)  # the smallest head reaching top_p; the top token stays
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
         probs = probs / probs.sum(-1, keepdim=True)
     return probs
@@ -118,8 +116,7 @@ class SpecResult:
 
     @property
     def alpha(self):
-        """Acceptance rate of the draft tokens the verifier reached (Leviathan's alpha, timing.expected_speedup's):
-        tokens behind a rejection were never tested, so n_accepted / n_drafted would understate alpha."""
+        """Leviathan's alpha (timing's): acceptance of the draft tokens the verifier reached, not the untested ones."""
         return self.n_accepted / max(self.n_tested, 1)
 
     @property
@@ -186,9 +183,7 @@ def prefill(model, prompt, embeds, cache, deepstack=None, name="model"):
 
 def make_generator(device, seed):
     # seed None: draw one from torch's global RNG, so torch.manual_seed still governs the run.
-    g = torch.Generator(device=device)
-    g.manual_seed(int(torch.randint(2**62, (1,))) if seed is None else seed)
-    return g
+    return torch.Generator(device=device).manual_seed(int(torch.randint(2**62, (1,))) if seed is None else seed)
 
 
 # ---- the chain round ----
@@ -241,9 +236,8 @@ def now(device, timing):
 @torch.no_grad()
 def speculative(target, draft, prompt, gamma, max_new_tokens, temperature=0.0, top_k=None, top_p=None,
                 seed=None, stop_token=None, max_len=None, timing=False):
-    """Decode up to max_new_tokens with draft q proposing and target p verifying. gamma: the chain's draft length
-    (spec_round), or a tree.TreeShape, whose `round` runs a tree round (tree.py builds on this module, never the
-    reverse). prompt: target.forward kwargs, batch 1 (EMBED_KEYS, GRID_KEYS). max_len: cache size, default the need."""
+    """Decode up to max_new_tokens, q proposing and p verifying. gamma: the chain's draft length, or a tree.TreeShape
+    (its `round`; tree.py builds on this module). prompt: forward kwargs, batch 1; max_len: cache size (None: need)."""
     check_inputs(target, draft, prompt, max_new_tokens, temperature, top_k, top_p, stop_token, gamma)
     chain = isinstance(gamma, int)
     t_slack, d_slack = (0, 0) if chain else gamma.slack  # a tree's branches sit beyond the committed length

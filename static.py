@@ -13,9 +13,8 @@ from model import KVCache, VLA
 
 
 class StaticCache(KVCache):
-    """StaticDecoder's cache: one K and one V tensor per layer. A compiled step writes a graph input in place only
-    when it is a whole tensor; a write into a view of one (n_layers, ...) tensor makes it copy the whole tensor back,
-    every step. `k` / `v` stack the layers (a copy, for reading)."""
+    """One K and one V tensor per layer: a compiled step writes a graph input in place only when it is a whole tensor
+    (a view of one (n_layers, ...) tensor is copied back whole, every step). `k` / `v` stack the layers (a copy)."""
 
     def __init__(self, n_layers, batch, n_kv_heads, max_len, head_dim, dtype=torch.float32, device=None):
         self.ks = [torch.zeros(batch, n_kv_heads, max_len, head_dim, dtype=dtype, device=device)
@@ -26,13 +25,8 @@ class StaticCache(KVCache):
         self.rope_delta = torch.zeros(batch, 1, dtype=torch.long, device=device)
         self.key_mask = None
 
-    @property
-    def k(self):
-        return torch.stack(self.ks)  # (n_layers, B, Hk, max_len, hd)
-
-    @property
-    def v(self):
-        return torch.stack(self.vs)
+    k = property(lambda self: torch.stack(self.ks))  # (n_layers, B, Hk, max_len, hd)
+    v = property(lambda self: torch.stack(self.vs))
 
     def layer(self, i):
         return self.ks[i], self.vs[i]
@@ -45,18 +39,15 @@ class StaticCache(KVCache):
 
 
 class StaticDecoder:
-    """A model whose cached steps run at fixed shapes over one persistent cache, eager or compiled: gpt-fast's recipe
-    (a static cache written at `input_pos`, steps compiled with mode "reduce-overhead", fullgraph) behind the model's
-    own calling convention, so speculate.py runs it unchanged. `new_cache` returns the persistent cache, emptied (its
-    buffers never move: a CUDA graph replays fixed addresses); a cached step `decoder(x (1, T), cache=cache)` is
-    VLA.step at input_pos = length + arange(T), one compiled graph per T, rollback an integer (`crop`); everything
-    else (the prefill, a call with logits_to_keep) is the model's eager forward.
+    """gpt-fast's recipe (a static cache written at `input_pos`, steps compiled "reduce-overhead", fullgraph), eager or
+    compiled. `new_cache` returns the persistent cache, emptied (CUDA graphs replay fixed addresses); a cached step
+    `decoder(x (1, T), cache=cache)` is VLA.step at input_pos = length + arange(T), one graph per T, rollback an
+    integer (`crop`); anything else (the prefill, a call with logits_to_keep) is the model's eager forward.
 
-    compile: True compiles VLA.step, with inductor on a CPU (weights frozen into the graph) and CUDA graphs on CUDA;
-    the first call of each shape compiles: warm every shape up before timing (bench.py does). step_lengths (e.g.
-    (1, 2, gamma + 1)): a step of T tokens runs padded to the shortest of them >= T, so a short last round reuses a
-    graph; the padding's keys land after the new length, in slots every later step overwrites before any query
-    reaches them, so max_len needs max(step_lengths) - 1 of slack."""
+    compile: VLA.step through inductor on a CPU (weights frozen), CUDA graphs on CUDA; each shape compiles at its
+    first call (bench.py warms every shape up). step_lengths (e.g. (1, 2, gamma + 1)): a step of T tokens runs padded
+    to the shortest of them >= T, so a short last round reuses a graph; the padding's keys land after the new length,
+    where every later step writes before any query reads, so max_len needs max(step_lengths) - 1 of slack."""
 
     def __init__(self, model: VLA, max_len: int, compile: bool = False, step_lengths=None):
         if max_len > model.cfg.max_seq_len:
@@ -71,8 +62,7 @@ class StaticDecoder:
         self.copy_out = compile and cuda  # a CUDA graph's next replay overwrites its outputs; speculate keeps logits
         self._step = model.step
         if compile:
-            # the target and the draft share VLA.step's code object, whose default limit of 8 compiled variants
-            # would send the rest back to eager without a word
+            # target and draft share VLA.step's code object: past the default 8 variants it falls back to eager silently
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
             if cuda:  # the buffers are graph inputs at fixed addresses, written in place (as HF's StaticCache)
                 for buf in self.cache.ks + self.cache.vs:

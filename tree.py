@@ -42,9 +42,7 @@ class TreeShape:
 
     def at_most(self, depth):
         """This shape cut to `depth` levels (the last rounds, where fewer tokens are left to emit)."""
-        if depth >= self.depth:
-            return self
-        return TreeShape(min(self.nodes, self.candidates(depth)), depth, self.width)
+        return self if depth >= self.depth else TreeShape(min(self.nodes, self.candidates(depth)), depth, self.width)
 
     @property
     def slack(self):
@@ -52,8 +50,7 @@ class TreeShape:
         return self.nodes, (self.depth - 1) * self.width
 
     def round(self, left, target, draft, tcache, dcache, pending, temperature, top_k, top_p, generator, last=None):
-        """speculative's round when `left` tokens may still be drafted: (nodes drafted, depth, tree_round's
-        outputs); with none left, a plain target step."""
+        """speculative's round, `left` tokens left to draft -> (nodes, depth, tree_round's); none: a target step."""
         shape = self.at_most(left) if left else None
         g, depth = (shape.nodes, shape.depth) if shape else (0, 0)
         return g, depth, tree_round(target, draft, tcache, dcache, pending, shape, temperature, top_k, top_p,
@@ -74,13 +71,11 @@ class Tree:
 
 
 def draft_tree(draft, dcache, pending, shape):
-    """The routine reasoner's tree for one round. Feeds `pending` (committed from then on), then one forward per
-    level over the expanded nodes, each at slot after the committed length, position committed + depth, seeing the
-    committed cache and its own ancestors. Returns (Tree, the last level's logits (F, V)).
-
-    EAGLE-2's: the level-by-level growth, the top-k expansion by cumulative draft probability, the final top-N by
-    the same score. Ours: ties go to the shallower node (a child never scores above its parent, log q <= 0, so the
-    kept set is a tree), and the expanded nodes stay in the draft's cache so that the accepted ones need no re-feed."""
+    """The routine reasoner's tree for one round -> (Tree, the last level's logits (F, V)). Feeds `pending`
+    (committed from then on), then one forward per level over the expanded nodes, each at a slot after the committed
+    length, position committed + depth, seeing the committed cache and its own ancestors. EAGLE-2's: the level-wise
+    growth, top-k expansion and final top-N by cumulative log q. Ours: ties go to the shallower node (a child never
+    scores above its parent, so the kept set is a tree); expanded nodes stay in the draft's cache (no re-feed)."""
     dev, k, S, D = pending.device, shape.width, dcache.max_len, shape.depth
     base, P = dcache.length, pending.shape[1]
     logits = draft.step(pending, torch.arange(base, base + P, device=dev), dcache)[0, -1:]  # (1, V): q at the root
@@ -92,8 +87,7 @@ def draft_tree(draft, dcache, pending, shape):
     own = cols[None] == slots[:, None]  # ((D-1) k, S)
     rows = (cols < root)[None]  # (F, S) what each expanded node sees; F = 1: the root
     f_idx, f_score = torch.full((1,), -1, device=dev), torch.zeros(1, device=dev)  # expanded: candidate id, log q
-    tok, score, parent, expanded = [], [], [], []
-    n = 0
+    tok, score, parent, expanded, n = [], [], [], [], 0  # n: candidates before this level
     for level in range(1, D + 1):
         s, t = torch.log_softmax(logits.float(), -1).topk(k, -1)  # (F, k): each expanded node's k likeliest children
         tok.append(t.reshape(-1))
@@ -129,22 +123,17 @@ def draft_tree(draft, dcache, pending, shape):
 
 
 def verify_tree(tree, logits_p, temperature, top_k=None, top_p=None, generator=None):
-    """Which path of the tree the target keeps. logits_p (N+1, V): p at every node. Returns (the accepted path's
-    last node, the token after it), (0-d) tensors.
-
-    The rule: at node v draw y_v from p(. | the path to v) (its argmax when greedy); if a child of v holds y_v,
-    descend into it, else emit y_v and stop. Why it is exact: every emitted token is one draw from p given exactly
-    the tokens emitted before it, each node's draw is independent and used at most once, and the tree depends on q
-    alone, fixed before any y is drawn, so it changes how many tokens a round emits, never their law. It is
-    Leviathan's rule (and SpecInfer's multi-round rule) with q a point mass at each child tried in turn: child x is
-    accepted with min(1, p(x) / 1) = p(x), and after a rejection the residual is p without x, renormalised, so the
-    children are accepted with probabilities p(x_1), p(x_2), ..., exactly as a single draw from p would choose
-    them; a node accepts with probability sum over its children of p(child), the most any rule can accept from a
-    fixed set of candidates. All nodes are drawn at once on the device: no host sync before the round's end."""
+    """Which path of the tree the target keeps: logits_p (N+1, V), p at every node -> (the accepted path's last
+    node, the token after it), 0-d tensors. At node v draw y_v from p(. | the path to v) (argmax when greedy); if a
+    child of v holds y_v descend into it, else emit y_v and stop. Exact: every emitted token is one draw from p given
+    the tokens before it, each draw is independent and used at most once, and the tree (q's alone) is fixed before
+    any y is drawn. It is Leviathan's (and SpecInfer's multi-round) rule with q a point mass at each child in turn:
+    child x is accepted with min(1, p(x) / 1) = p(x), the residual is p without x renormalised, so a node accepts
+    with probability sum of p(child), the most any rule can from fixed candidates. No host sync: all drawn at once."""
     if temperature == 0:
         y = logits_p.argmax(-1)  # (N+1,)
     else:
-        y = speculate.sample(speculate.process_logits(logits_p, temperature, top_k, top_p), generator)  # (N+1,) one draw per node
+        y = speculate.sample(speculate.process_logits(logits_p, temperature, top_k, top_p), generator)  # (N+1,)
     drawn = torch.cat([tree.anc.new_ones(1), tree.tokens == y[tree.parent[1:]]])  # (N+1,) node = its parent's draw
     on_path = ~(tree.anc & ~drawn[None]).any(-1)  # (N+1,) drawn, and so is every ancestor: one path from the root
     best = (on_path * (tree.depth + 1)).argmax()  # its deepest node
@@ -152,9 +141,8 @@ def verify_tree(tree, logits_p, temperature, top_k=None, top_p=None, generator=N
 
 
 def tree_round(target, draft, tcache, dcache, pending, shape, temperature, top_k, top_p, generator, last=None):
-    """One round with a draft tree; the same contract as spec_round (returns n_accepted, the accepted tokens, the
-    next token, the new pending). After it both caches hold exactly the committed tokens: the accepted path's
-    keys / values are moved to consecutive slots (KVCache.move), the rejected branches stay beyond the length."""
+    """One round with a draft tree, spec_round's contract. The caches then hold exactly the committed tokens: the
+    accepted path's keys / values moved to consecutive slots (KVCache.move), rejected branches beyond the length."""
     ell, dev = tcache.length, pending.device
     last = {} if last is None else last
     if shape is None:  # nothing left to draft: a plain target step, the draft untouched
@@ -170,9 +158,8 @@ def tree_round(target, draft, tcache, dcache, pending, shape, temperature, top_k
     logits_p = last["target"] = target.step(x, torch.arange(ell, ell + N + 1, device=dev), tcache,
                                              positions=ell + tree.depth, mask=mask)[0]  # (N+1, V)
     best, nxt = verify_tree(tree, logits_p, temperature, top_k, top_p, generator)
-    # the round's one host sync
     best, nxt, *rest = torch.cat([best.view(1), nxt.view(1), tree.parent, tree.tokens, tree.fed]).tolist()
-    parent, tokens, fed = rest[:N + 1], rest[N + 1:2 * N + 1], rest[2 * N + 1:]
+    parent, tokens, fed = rest[:N + 1], rest[N + 1:2 * N + 1], rest[2 * N + 1:]  # split from the round's one host sync
     path = []  # accepted nodes, root excluded, top-down
     while best:
         path.append(best)
@@ -181,9 +168,8 @@ def tree_round(target, draft, tcache, dcache, pending, shape, temperature, top_k
     n = len(path)
     tcache.move([ell + v for v in path], list(range(ell + 1, ell + 1 + n)))  # node v sits at slot ell + v
     tcache.length = ell + 1 + n
-    m = 0  # the draft was fed the accepted nodes it expanded: a prefix of the path (a node's parent was expanded)
-    while m < n and fed[path[m]] >= 0:
-        m += 1
+    # the draft was fed the accepted nodes it expanded: a prefix of the path (a node's parent was expanded)
+    m = next((i for i, v in enumerate(path) if fed[v] < 0), n)
     dcache.move([fed[v] for v in path[:m]], list(range(dcache.length, dcache.length + m)))
     dcache.length += m
     accepted = [tokens[v - 1] for v in path]
