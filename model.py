@@ -24,8 +24,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 from rope import (apply_rope, check_mrope_section, decode_positions, flat_position_ids, get_rope_index,
                   mrope_cos_sin, rope_cos_sin, rope_inv_freq)
-# patchify lives with the towers; `from model import patchify` (driving.py) keeps working
-from vision import RMSNorm, VisionConfig, make_tower, patchify  # noqa: F401
+from vision import RMSNorm, VisionConfig, make_tower
 
 # ---- config ----
 

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import model
+import vision
 import speculate
 import static
 import timing
@@ -613,8 +614,8 @@ def test_drafts_for_builds_on_the_targets_device():
 
 def vla_prompts():
     g = torch.Generator().manual_seed(0)
-    pv, ig = model.patchify(torch.randn(1, 3, 8, 8, generator=g), 2, 1, 2)  # one image -> 4 merged tokens
-    vv, vg = model.patchify(torch.randn(2, 3, 8, 12, generator=g), 2, 1, 2)  # 2-frame video -> 12 tokens
+    pv, ig = vision.patchify(torch.randn(1, 3, 8, 8, generator=g), 2, 1, 2)  # one image -> 4 merged tokens
+    vv, vg = vision.patchify(torch.randn(2, 3, 8, 12, generator=g), 2, 1, 2)  # 2-frame video -> 12 tokens
     ids = [5, 6, VS] + [IMG] * 4 + [VE, 10, 11, VS] + [VID] * 12 + [VE, 7, 8, 9]
     return {
         "text": dict(input_ids=torch.tensor([[12, 40, 7, 33, 61]])),

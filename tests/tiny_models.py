@@ -4,7 +4,8 @@ run: imported by tests/test_model.py, tests/test_checkpoint.py and tests/test_al
 """
 import torch
 
-from model import VLA, ModelConfig, VisionConfig, patchify
+from model import VLA, ModelConfig, VisionConfig
+from vision import patchify
 
 IMG, VID, VS, VE = 90, 91, 88, 89
 
