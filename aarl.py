@@ -27,12 +27,8 @@ Why each choice:
   "moving", the reference reset to the current policy every `refresh` updates (K >= 10, so its KL
   is not zero between resets: an anchor that follows the policy), and "none" (beta = 0).
 
-One run starts from the SFT FlatRoPE draft of seed S (checkpoint.draft_dir(run, "flat", S)) and
-uses S for its rollouts and batch order; `report` compares the draft before and after.
-
 run: python aarl.py --reference static|moving|none --seed S [--json]   (needs a run folder from train.py; writes
-     runs/aarl/draft_aarl[_REFERENCE]_s<S> by default, never over the shipped checkpoints; --overwrite replaces an
-     existing draft there)
+     runs/aarl/draft_aarl[_REFERENCE]_s<S> by default, never over the shipped checkpoints)
 """
 import argparse
 import copy
@@ -57,7 +53,6 @@ from timing import step_times
 
 REFERENCES = ("static", "moving", "none")
 REPORT_GAMMAS = tuple(range(2, 9))  # the speed-optimal gamma is chosen among these
-SHOWN_GAMMAS = (4, 6, 8)
 DEFAULT_OUT = "runs/aarl"  # a fresh folder: a default run never replaces the shipped FlatRoPE + AARL drafts
 
 # ---- config ----
@@ -80,9 +75,8 @@ class AARLConfig:
 
 # ---- rollouts ----
 def rollout(draft, embeds, batch, G, temperature, max_new, stop, generator):
-    """Sample G CoCs per scene from q with the KV cache (evaluate.generate, the loop that also
-    decodes greedily). embeds (S, P, D) are the target's prompt embeddings. Returns tokens
-    (S*G, T) and a mask (S*G, T) that is True up to and including each row's <cot_end>."""
+    """G CoCs per scene sampled from q with the KV cache (evaluate.generate) after the target's prompt embeddings
+    embeds (S, P, D) -> tokens (S*G, T) and a mask (S*G, T), True up to and including each row's <cot_end>."""
     S, P = embeds.shape[:2]
     ids = batch["input_ids"][:, :P].repeat_interleave(G, 0)  # (S*G, P)
     return evaluate.generate(draft, ids, max_new, stop, temperature, generator,
@@ -102,10 +96,8 @@ def coc_logprobs(draft, embeds, batch, toks, G):
 # ---- reward ----
 @torch.no_grad()
 def reward(target, batch, toks, mask, G, tok, agree_weight):
-    """Action quality (-ADE in metres of the target's trajectory after the drafted CoC) plus
-    agree_weight * the share of the CoC's tokens equal to the target's greedy choice after the same
-    prefix. Each scene's prompt is prefilled once for its G rollouts. Returns (reward (S*G,), ade
-    (S*G,), agree (S*G,))."""
+    """Action quality (-ADE in metres of the target's trajectory after the drafted CoC) plus agree_weight * the share
+    of the CoC's tokens equal to the target's greedy choice after the same prefix -> reward, ade, agree (S*G,) each."""
     cocs = [t[m].tolist() for t, m in zip(toks, mask)]  # <cot_end> is added where a rollout hit max_new first
     traj, logits = evaluate.plan_trajectories(target, batch, cocs, tok)  # (N, traj_len, 2), (N, 1+T', V)
     ade = evaluate.ade_fde(traj, batch["traj"].repeat_interleave(G, 0), per_scene=True)[0]  # (N,)
@@ -123,25 +115,21 @@ def group_advantages(r, G, eps=1e-6):
 
 def exact_kl(logq, logr, mask):
     """mean over valid positions of KL(q || r) = sum_v q (log q - log r); logq, logr (N, T, V)."""
-    kl = evaluate.exact_kl_terms(logq, logr)  # (N, T)
-    return (kl * mask).sum() / mask.sum().clamp(min=1)
+    return (evaluate.exact_kl_terms(logq, logr) * mask).sum() / mask.sum().clamp(min=1)  # terms (N, T)
 
 
 def aarl_loss(logq, logr, toks, mask, adv, beta):
     """Policy-gradient loss with group advantages plus beta * exact KL -> (loss, kl)."""
     tok_logq = logq.gather(-1, toks[..., None])[..., 0]  # (N, T) log q of the sampled tokens
     per_seq = (tok_logq * mask).sum(1) / mask.sum(1).clamp(min=1)  # (N,) mean log q per CoC
-    pg = -(adv * per_seq).mean()
     kl = exact_kl(logq, logr, mask) if logr is not None else logq.new_zeros(())
-    return pg + beta * kl, kl
+    return -(adv * per_seq).mean() + beta * kl, kl  # the policy gradient's surrogate + beta * KL
 
 
 # ---- training loop ----
 def train_aarl(target, draft, data: Data, cfg: AARLConfig, ref=None, log=None):
-    """Post-train `draft` in place with AARL; returns it. The reference starts as `ref` (default: a
-    frozen copy of the draft taken now, the SFT draft); "moving" resets it to the policy every
-    cfg.refresh updates; "none" drops the KL term. The target and a static reference never change.
-    log, if given, is called with a dict of every update's statistics."""
+    """Post-train `draft` in place with AARL; returns it. The reference starts as `ref` (default: a frozen copy of the
+    draft taken now, the SFT draft); the target and a static reference never change; log gets each update's stats."""
     check_config(cfg)
     device = next(target.parameters()).device
     target.eval().requires_grad_(False)
@@ -163,10 +151,8 @@ def train_aarl(target, draft, data: Data, cfg: AARLConfig, ref=None, log=None):
                              data.tok.cot_end_id, gen)
         r, ade, agree = reward(target, batch, toks, mask, cfg.group, data.tok, cfg.agree_weight)
         adv = group_advantages(r, cfg.group)
-        logr = None
-        if cfg.reference != "none":
-            with torch.no_grad():
-                logr = coc_logprobs(ref, embeds, batch, toks, cfg.group)
+        with torch.no_grad():  # "none": no reference, no KL term
+            logr = coc_logprobs(ref, embeds, batch, toks, cfg.group) if cfg.reference != "none" else None
         draft.train()
         logq = coc_logprobs(draft, embeds, batch, toks, cfg.group)
         loss, kl = aarl_loss(logq, logr, toks, mask.float(), adv, cfg.beta)
@@ -188,10 +174,9 @@ def train_aarl(target, draft, data: Data, cfg: AARLConfig, ref=None, log=None):
 # ---- report ----
 @torch.no_grad()
 def report(target, draft, sft, splits, times, outputs, gamma=None):
-    """{split: stats} of `draft`: tau at every gamma of REPORT_GAMMAS (exact replay of one teacher-forced pass on the
-    target's greedy outputs) and, at the speed-optimal gamma (chosen on "val" with the measured cost model, or the
-    `gamma` given), tau's ceiling, the routine share, the ADE after the draft's own CoC, the mean KL to the SFT draft
-    and greedy_match: real speculative decoding emits the target's greedy output on every scene."""
+    """{split: stats} of `draft`: tau at every gamma of REPORT_GAMMAS (an exact replay of one teacher-forced pass on the
+    target's greedy outputs) and the rest at the speed-optimal gamma (chosen on "val" with the measured cost model, or
+    `gamma`); greedy_match: real speculative decoding emits the target's greedy output on every scene."""
     taus = {name: evaluate.tau_by_gamma(evaluate.draft_matches({"q": draft}, target, data, outputs[name])["q"],
                                         REPORT_GAMMAS) for name, data in splits.items()}
     # One gamma for the before / after comparison: the SFT draft's speed-optimal one (on val), where it is deployed.
@@ -232,9 +217,8 @@ def out_dir(run, reference, seed):
 
 
 def run(cfg: AARLConfig, run_dir, n_report=64, device="cpu", out=None, overwrite=False):
-    """One AARL run from the SFT FlatRoPE draft of seed cfg.seed in run_dir: the before / after report on validation
-    and held-out scenes, the draft saved to `out` (default out_dir(DEFAULT_OUT, ...)) -> the JSON-able result. out's
-    folder stays locked throughout (files.writer_lock), and out must be new, or a FlatRoPE draft and overwrite."""
+    """One AARL run from the SFT FlatRoPE draft of seed cfg.seed in run_dir -> the JSON-able before / after report on
+    val and test; the draft goes to `out` (default out_dir(DEFAULT_OUT, ...)): new, or a FlatRoPE draft + overwrite."""
     check_config(cfg)
     out = out or out_dir(DEFAULT_OUT, cfg.reference, cfg.seed)
     with files.writer_lock(os.path.dirname(os.path.abspath(out))):
@@ -249,8 +233,7 @@ def _run(cfg, run_dir, n_report, device, out):
     target, sft = load_run(run_dir, cfg.seed, device)
     tok = driving.Tokenizer()
     train = Data("train", cfg.n_train, 0, tok, views=cfg.views)
-    splits = {"val": Data("val", n_report, 0, tok, views=cfg.views),
-              "test": Data("test", n_report, 0, tok, views=cfg.views)}
+    splits = {name: Data(name, n_report, 0, tok, views=cfg.views) for name in ("val", "test")}
     prompt = evaluate.scene_prompts(splits["val"].scenes[:1], tok, device, views=cfg.views)[0]
     if prompt["input_ids"].shape[1] + cfg.max_new > target.cfg.max_seq_len:  # else the first rollout fails, minutes in
         raise ValueError(f"max_new {cfg.max_new}: a prompt of {prompt['input_ids'].shape[1]} tokens and its CoC need "
@@ -268,17 +251,15 @@ def _run(cfg, run_dir, n_report, device, out):
 
 def training_summary(updates, k=20):
     """Means of each update statistic over the first and the last k updates."""
-    keys = [key for key in updates[0] if key != "step"]
-    mean = lambda rows, key: sum(u[key] for u in rows) / len(rows)
-    return {"first": {key: mean(updates[:k], key) for key in keys},
-            "last": {key: mean(updates[-k:], key) for key in keys}, "updates": len(updates)}
+    mean = lambda rows: {key: sum(u[key] for u in rows) / len(rows) for key in rows[0] if key != "step"}  # noqa: E731
+    return {"first": mean(updates[:k]), "last": mean(updates[-k:]), "updates": len(updates)}
 
 
 # ---- the command line and argument checks ----
 def print_result(res):
     for name in ("val", "test"):
         b, f = res["before"][name], res["after"][name]
-        shown = "  ".join(f"g{g} {b['tau_by_gamma'][g]:.2f}->{f['tau_by_gamma'][g]:.2f}" for g in SHOWN_GAMMAS)
+        shown = "  ".join(f"g{g} {b['tau_by_gamma'][g]:.2f}->{f['tau_by_gamma'][g]:.2f}" for g in (4, 6, 8))
         print(f"{name:4s} tau@{f['gamma']} {b['tau']:.2f}->{f['tau']:.2f}  {shown}  routine "
               f"{b['routine_fraction']:.3f}->{f['routine_fraction']:.3f}  drafted-CoC ADE {b['drafted_ade']:.2f}->"
               f"{f['drafted_ade']:.2f} m  KL to SFT {f['kl_to_sft']:.4f}  greedy identical {f['greedy_match']}")
@@ -301,13 +282,10 @@ def main(argv=None):
     cli.add_config_flags(ap, AARLConfig, choices={"reference": list(REFERENCES)})
     a = ap.parse_args(argv)
     cfg = cli.config_from_args(AARLConfig, a)
-    try:
+    with cli.user_errors(ap):
         check_config(cfg)
         evaluate.check_values(a, [(">= 1", ("n_report",))], flags=True)
         cli.check_device(a.device)
-    except ValueError as e:
-        ap.error(str(e))
-    with cli.user_errors(ap):
         res = run(cfg, a.run, a.n_report, a.device, a.out, a.overwrite)
     print_result(res)
     if a.json:

@@ -53,27 +53,23 @@ SWEEP_JSON = os.path.join(os.path.dirname(os.path.abspath(__file__)), "experimen
 
 # ---- the table ----
 def paper_table(target, drafts, splits, n_time, repeats, decoding=None, compile=False):
-    """Rows target-only + one per draft kind: the speed-optimal gamma (chosen on val), held-out tau there (mean over
-    seeds, spread = max - min) and at every gamma, routine share, teacher-forced commitment accuracy, ms/token and
-    speed-up (the first seed's draft, timed against target-only in the same passes), ADE after the arm's own CoC and
-    the attention split while writing it; and the sweep: mean tau per split and gamma, and the ceiling. Sampling
-    `decoding`: ms/token timed sampling, and sampled_tau / sampled_alpha of real sampled speculative decoding.
-    compile: both timed arms run torch.compile'd static-shape steps (bench.compiled_pair); nothing else changes."""
+    """The chain rows, target-only + one per draft kind at its speed-optimal gamma (ms/token: the first seed's draft,
+    timed against target-only in the same passes), and the sweep: mean tau per split and gamma, and the ceiling.
+    Sampling `decoding`: ms/token timed sampling, plus sampled_tau / sampled_alpha of real sampled decoding. compile:
+    both timed arms run torch.compile'd static-shape steps (bench.compiled_pair); nothing else changes."""
     test = splits["test"]
-    device = next(target.parameters()).device
     stop = test.tok.cot_end_id
     outputs = {split: evaluate.greedy_outputs(target, data) for split, data in splits.items()}
     mean_tau = lambda per_seed, g: statistics.mean(t[g]["tau"] for t in per_seed)  # noqa: E731
     flat = {(row, s): d for row, by_seed in drafts.items() for s, d in by_seed.items()}
-    taus = {}  # {split: {row: [tau_by_gamma of each seed]}}, from one teacher-forced pass per draft
-    for split, data in splits.items():
-        matches = evaluate.draft_matches(flat, target, data, outputs[split])
-        taus[split] = {row: [evaluate.tau_by_gamma(matches[(row, s)], GAMMAS) for s in by_seed]
-                       for row, by_seed in drafts.items()}
+    # {split: {row: [tau_by_gamma of each seed]}}, from one teacher-forced pass per draft
+    matches = {split: evaluate.draft_matches(flat, target, data, outputs[split]) for split, data in splits.items()}
+    taus = {split: {row: [evaluate.tau_by_gamma(m[(row, s)], GAMMAS) for s in by_seed]
+                    for row, by_seed in drafts.items()} for split, m in matches.items()}
     sweep = {split: {g: {"ceiling": speculate.tau_ceiling([len(o) for o in outputs[split]], g),
                          **{row: mean_tau(taus[split][row], g) for row in drafts}} for g in GAMMAS}
              for split in splits}
-    prompts = evaluate.scene_prompts(test.scenes, test.tok, device, views=test.views_at(0))
+    prompts = evaluate.scene_prompts(test.scenes, test.tok, next(target.parameters()).device, views=test.views_at(0))
     first = {row: next(iter(by_seed.values())) for row, by_seed in drafts.items()}
     times = step_times(target, first["flatrope"], prompts[0], [1] + [g + 1 for g in GAMMAS])
     ade = evaluate.trajectory_ade(target, test, outputs["test"])[0]  # every arm emits the target's greedy CoC
@@ -110,15 +106,15 @@ def paper_table(target, drafts, splits, n_time, repeats, decoding=None, compile=
     return rows, sweep, times
 
 
-def tree_rows(target, drafts, chain_rows, prompts, n_time, repeats, decoding=None, max_nodes=32):
+def tree_rows(target, drafts, chain_rows, splits, n_time, repeats, decoding=None, max_nodes=32):
     """One row per draft kind with a draft tree (tree.tree_round) beside its chain row: the shape of TREES (at
     most max_nodes nodes) with the best predicted speed-up on val (the first seed's tree decoding, the tree's measured
-    step times), then every seed's held-out tree decoding (tau mean and spread, greedy output identical to
-    target-only), alpha per depth and nodes per round (first seed) and the timed speed-up. The teacher-forced columns
-    (commitment accuracy, attention, ADE) are the chain row's: they are the draft's, not the decoder's."""
+    step times), then every seed's held-out tree decoding. The teacher-forced columns (commitment accuracy, attention,
+    ADE) are the chain row's: they are the draft's, not the decoder's."""
     stop = driving.Tokenizer().cot_end_id
     shapes = [sh for sh in TREES if sh.nodes <= max_nodes]
-    val, test = prompts["val"], prompts["test"]
+    val, test = (evaluate.scene_prompts(d.scenes, d.tok, next(target.parameters()).device, views=d.views_at(0))
+                 for d in (splits["val"], splits["test"]))
     first = {row: next(iter(by_seed.values())) for row, by_seed in drafts.items()}
     times = step_times(target, first["flatrope"], val[0], (1,))
     t1, td = times["target"][1], times["draft"]
@@ -161,8 +157,7 @@ def show_scenes(target, draft, data: Data, gamma, n, log=print, decoding=None):
         # sampled outputs share the target's distribution, not its tokens: no token-by-token comparison
         same = "" if sampling else f"   identical: {spec.tokens == base.tokens}"
         log(f"scene {i} ({scene.f.road}, {scene.f.event}, history {scene.f.hist_class}):")
-        words = [tok.vocab[t] for t in spec.tokens]
-        log(f"  RSD    tau {spec.tau:.1f}: {evaluate.marked_coc(words, spec.from_draft)}")
+        log(f"  RSD    tau {spec.tau:.1f}: {evaluate.marked_coc([tok.vocab[t] for t in spec.tokens], spec.from_draft)}")
         log(f"  target-only: {tok.decode(base.tokens)}{same}")
 
 
@@ -218,9 +213,7 @@ def plot(rows, out=FIGURES, sweep_json=SWEEP_JSON):
                 x, y, e = zip(*pts)
                 ax.errorbar(x, y, yerr=[s / 2 for s in e], fmt=style, capsize=3,
                             label={"mrope": "replica (M-RoPE)", "flat": "FlatRoPE"}[kind])
-            ax.set_xscale("log")
-            ax.set_xlabel("visual tokens in the prompt")
-            ax.set_ylabel(label)
+            ax.set(xscale="log", xlabel="visual tokens in the prompt", ylabel=label)
             ax.legend(fontsize=7)
         save(fig, "views_sweep.png")
         written.append(f"{out}/views_sweep.png")
@@ -233,19 +226,18 @@ def plot(rows, out=FIGURES, sweep_json=SWEEP_JSON):
 def main(argv=None):
     ap, a, seeds, decoding, device = parse_args(argv)
     t0 = time.time()
-    if a.retrain:
-        with cli.user_errors(ap):
+    with cli.user_errors(ap):  # a failed retrain, a corrupt file, a draft distilled from another target: one line
+        if a.retrain:
             retrain(a.run, seeds, device)
-    gone = missing(a.run, seeds)
-    if gone:
-        ap.error(f"missing checkpoints: {', '.join(gone)}; use the shipped checkpoints/toy, or train them with "
-                 f"`python rsd.py --retrain --run {a.run}`")
-    tok = driving.Tokenizer()
-    with cli.user_errors(ap):  # a corrupt file, or a draft distilled from another target: before any work
+        gone = missing(a.run, seeds)
+        if gone:
+            raise ValueError(f"missing checkpoints: {', '.join(gone)}; use the shipped checkpoints/toy, or train them "
+                             f"with `python rsd.py --retrain --run {a.run}`")
         target = checkpoint.load(os.path.join(a.run, "target"), dtype=cli.DTYPES[a.dtype],
                                  device=device).eval()
         drafts = {row: {s: checkpoint.load(checkpoint.draft_dir(a.run, kind, s), target=target).eval() for s in seeds}
                   for row, kind in ROWS}
+    tok = driving.Tokenizer()
     splits = {split: Data(split, a.scenes, 0, tok, views=a.views) for split in ("val", "test")}
     test = splits["test"]
     metrics = evaluate.evaluate_target(target, test)
@@ -254,8 +246,7 @@ def main(argv=None):
     rows, sweep, times = paper_table(target, drafts, splits, a.time_scenes, a.repeats, decoding, a.compile)
     aarl_row = rows[-1]
     if a.tree:
-        prompts = {k: evaluate.scene_prompts(d.scenes, tok, device, views=d.views_at(0)) for k, d in splits.items()}
-        rows += tree_rows(target, drafts, rows, prompts, a.time_scenes, a.repeats, decoding, a.tree)
+        rows += tree_rows(target, drafts, rows, splits, a.time_scenes, a.repeats, decoding, a.tree)
     show_scenes(target, drafts["flatrope+aarl"][seeds[0]], test, aarl_row["gamma"], a.show, decoding=decoding)
     ids = evaluate.scene_prompts(test.scenes[:1], tok, device, views=a.views)[0]["input_ids"]
     n_visual, n_hist = int(((ids == tok.image_token_id) | (ids == tok.video_token_id)).sum()), 3 * tok.cfg.n_hist
@@ -345,8 +336,7 @@ def parse_args(argv):
     ap.add_argument("--plot", action="store_true", help="write figures/ (needs matplotlib), after the report")
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     a = ap.parse_args(argv)
-    if a.tree is None:  # --compile times chains only (no compiled tree path yet)
-        a.tree = 0 if a.compile else 32
+    a.tree = (0 if a.compile else 32) if a.tree is None else a.tree  # --compile times chains only (no compiled trees)
     with cli.user_errors(ap):
         evaluate.check_values(a, [(">= 1", ("scenes", "time_scenes", "repeats")), ("a number >= 0", ("show",)),
                                   (evaluate.VIEWS_RULE, ("views",))], flags=True)
@@ -359,7 +349,14 @@ def parse_args(argv):
         if a.time_scenes > a.scenes or a.show > a.scenes:  # they are taken from the --scenes held-out scenes
             raise ValueError(f"--time-scenes ({a.time_scenes}) and --show ({a.show}) must be at most --scenes "
                              f"({a.scenes})")
-        seeds = parse_seeds(a.seeds)
+        try:
+            seeds = [int(s) for s in a.seeds.split(",") if s.strip()]
+        except ValueError:
+            seeds = []
+        if not seeds or min(seeds) < 0:
+            raise ValueError(f"--seeds must be non-negative integers, got {a.seeds!r}")
+        if len(set(seeds)) < len(seeds):  # a repeated seed would count twice in the mean and spread
+            raise ValueError(f"--seeds must not repeat a seed, got {a.seeds!r}")
         decoding = evaluate.decoding_mode(a.temperature, a.top_k, a.top_p, a.sampling_seed)
         device = cli.check_device(a.device)
         if a.plot:  # figures come after minutes of work: their dependency and folder are checked first
@@ -367,18 +364,6 @@ def parse_args(argv):
                 raise ValueError("--plot needs matplotlib: pip install matplotlib")
             files.check_writable(FIGURES)
     return ap, a, seeds, decoding, device
-
-
-def parse_seeds(text):
-    try:
-        seeds = [int(s) for s in text.split(",") if s.strip()]
-    except ValueError:
-        seeds = []
-    if not seeds or min(seeds) < 0:
-        raise ValueError(f"--seeds must be non-negative integers, got {text!r}")
-    if len(set(seeds)) < len(seeds):  # a repeated seed would count twice in the mean and spread
-        raise ValueError(f"--seeds must not repeat a seed, got {text!r}")
-    return seeds
 
 
 if __name__ == "__main__":

@@ -7,8 +7,7 @@ baseline replica draft of standard speculative decoding (the target's M-RoPE), t
 same data, steps and seed so that only the position scheme differs. The SFT FlatRoPE draft is
 also AARL's static reference (aarl.py). Both drafts are distilled in one loop: every step runs
 the frozen target once (its prompt embeddings and its CoC distributions p) and updates each
-draft q with the forward KL(p || q) on the CoC positions, which halves the cost without coupling
-the drafts. --draft-vocab K gives both a reduced-vocabulary head (select_draft_vocab).
+draft q with the forward KL(p || q) on the CoC positions, which halves the cost without coupling the drafts.
 
 run: python train.py --device cpu                 (target + both drafts into runs/toy; --help lists the flags)
      torchrun --nproc_per_node 2 train.py         (the same with DistributedDataParallel)
@@ -77,8 +76,7 @@ def target_config(tok: driving.Tokenizer, preset="toy-target") -> M.ModelConfig:
     # One M-RoPE t id per frame: the front camera's two frames are consecutive video frames.
     return replace(base, vocab_size=len(tok), image_token_id=tok.image_token_id, video_token_id=tok.video_token_id,
                    vision_start_token_id=tok.vision_start_id, tokens_per_second=1.0, vision=vision,
-                   spatial_merge_size=driving.MERGE,
-                   traj_len=driving.WorldConfig().n_future, max_seq_len=1024)
+                   spatial_merge_size=driving.MERGE, traj_len=driving.WorldConfig().n_future, max_seq_len=1024)
 
 
 def target_views(cfg: TrainConfig):
@@ -95,9 +93,8 @@ def target_views(cfg: TrainConfig):
 def make_drafts(target, preset, vocab_ids=None):
     """The two drafts of equal size: FlatRoPE (routine reasoner) and the M-RoPE replica; vocab_ids (K,): both with
     the reduced-vocabulary head over those target ids (select_draft_vocab)."""
-    kw = dict(M.DRAFT_PRESETS[preset], vocab_ids=vocab_ids)
-    return {"flat": M.make_draft(target, rope_mode="flat", **kw),
-            "mrope": M.make_draft(target, rope_mode="mrope", **kw)}
+    return {mode: M.make_draft(target, rope_mode=mode, **dict(M.DRAFT_PRESETS[preset], vocab_ids=vocab_ids))
+            for mode in ("flat", "mrope")}  # flat first: the order of their initialisation
 
 
 def select_draft_vocab(cocs, k, stop_id, vocab_size):
@@ -131,9 +128,8 @@ def target_loss(target, batch, traj_weight):
     logits, hidden = target(batch["input_ids"], return_hidden=True, **vision_kwargs(batch))  # (B, L, V), (B, L, D)
     ce = F.cross_entropy(logits.flatten(0, 1).float(), coc_targets(batch).flatten())
     h_traj = hidden[torch.arange(hidden.shape[0]), batch["traj_index"]]  # (B, D): the <traj_future_start> states
-    pred = unwrap(target).traj(h_traj).float()  # (B, traj_len, 2)
-    huber = F.smooth_l1_loss(pred, batch["traj"])
-    return ce + traj_weight * huber, ce, (pred - batch["traj"]).abs().mean()
+    pred = getattr(target, "module", target).traj(h_traj).float()  # (B, traj_len, 2); .module: under DDP
+    return ce + traj_weight * F.smooth_l1_loss(pred, batch["traj"]), ce, (pred - batch["traj"]).abs().mean()
 
 
 def distill_loss(draft, embeds, p_logp, batch):
@@ -145,7 +141,7 @@ def distill_loss(draft, embeds, p_logp, batch):
     (sum over the set of p log(p / q)), and so the draft that best matches the target where it can propose."""
     logits_q = draft(batch["input_ids"], inputs_embeds=embeds, **grid_kwargs(batch))  # (B, L, V)
     logits_q = logits_q[batch["loss_mask"]].float()  # (N, V)
-    ids = getattr(unwrap(draft), "vocab_ids", None)
+    ids = getattr(getattr(draft, "module", draft), "vocab_ids", None)  # .module: under DDP
     if ids is not None:
         logits_q, p_logp = logits_q[:, ids], F.log_softmax(p_logp[:, ids], -1)  # (N, K) each; log p_S
     q_logp = F.log_softmax(logits_q, -1)  # (N, V) or (N, K)
@@ -153,12 +149,17 @@ def distill_loss(draft, embeds, p_logp, batch):
 
 
 # ---- stages ----
-def set_lr(opt, step, steps, lr, warmup):
-    """Linear warm-up over `warmup` steps, then cosine decay to 10% of the peak lr at `steps`."""
-    frac = (step - warmup) / max(1, steps - warmup)
-    lr = lr * (step + 1) / warmup if step < warmup else lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+def update(opt, loss, model, step, steps, lr, cfg):
+    """One clipped AdamW step at the schedule's lr: linear warm-up over cfg.warmup steps, then cosine decay to 10% of
+    the peak lr at `steps`."""
+    frac = (step - cfg.warmup) / max(1, steps - cfg.warmup)
+    lr = lr * (step + 1) / cfg.warmup if step < cfg.warmup else lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
     for grp in opt.param_groups:
         grp["lr"] = lr
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+    opt.step()
 
 
 def make_optimizer(params, cfg, lr):
@@ -169,10 +170,9 @@ def train_target(cfg: TrainConfig, tok, train: Data, val: Data, rank=0, world=1,
     """SFT of the deliberative reasoner; saves out/target (checkpoint.save) and returns the model."""
     torch.manual_seed(cfg.seed)
     target = M.VLA(target_config(tok, cfg.target_preset)).to(device)
-    if not cfg.train_vision:
-        # Frozen, as a pretrained encoder often is in VLA fine-tuning: trained with the LM, the video tokens of a scene
-        # become nearly collinear (docs/toy-notes.md, "The frozen vision tower").
-        target.visual.requires_grad_(False)
+    # Frozen by default, as a pretrained encoder often is in VLA fine-tuning: trained with the LM, the video tokens of
+    # a scene become nearly collinear (docs/toy-notes.md, "The frozen vision tower").
+    target.visual.requires_grad_(cfg.train_vision)
     opt = make_optimizer([p for p in target.parameters() if p.requires_grad], cfg, cfg.target_lr)
     state_path = os.path.join(cfg.out, "target.state.pt")
     start = load_state(state_path, {"target": target}, {"target": opt}, cfg, device)
@@ -181,14 +181,10 @@ def train_target(cfg: TrainConfig, tok, train: Data, val: Data, rank=0, world=1,
                total=cfg.target_steps)
     for step in bar:
         ddp.train()
-        set_lr(opt, step, cfg.target_steps, cfg.target_lr, cfg.warmup)
         batch = train.batch(step, cfg.batch_size, rank, world, device)
         with autocast(device, cfg.amp):
             loss, ce, l1 = target_loss(ddp, batch, cfg.traj_weight)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(target.parameters(), cfg.grad_clip)
-        opt.step()
+        update(opt, loss, target, step, cfg.target_steps, cfg.target_lr, cfg)
         bar.set_postfix(ce=f"{ce.item():.3f}", traj_l1=f"{l1.item():.2f}")
         check_loss("target", loss.item(), step, state_path)  # a sync the line above already pays
         if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.target_steps:
@@ -201,7 +197,7 @@ def train_target(cfg: TrainConfig, tok, train: Data, val: Data, rank=0, world=1,
 
 
 def train_drafts(cfg: TrainConfig, target, train: Data, rank=0, world=1, device="cpu"):
-    """Distil both drafts from the frozen target in one loop; saves out/draft_flat_s<draft_seed>, out/draft_mrope_s..."""
+    """Distil both drafts from the frozen target in one loop; saves out/draft_{flat,mrope}_s<draft_seed>."""
     target.eval().requires_grad_(False)
     vocab_ids = (select_draft_vocab(train.coc_ids(), cfg.draft_vocab, train.tok.cot_end_id, target.cfg.vocab_size)
                  if cfg.draft_vocab else None)
@@ -223,13 +219,9 @@ def train_drafts(cfg: TrainConfig, target, train: Data, rank=0, world=1, device=
         losses = {}
         for k, d in ddps.items():
             d.train()
-            set_lr(opts[k], step, cfg.draft_steps, cfg.draft_lr, cfg.warmup)
             with autocast(device, cfg.amp):
                 loss = distill_loss(d, embeds, p_logp, batch)
-            opts[k].zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(drafts[k].parameters(), cfg.grad_clip)
-            opts[k].step()
+            update(opts[k], loss, drafts[k], step, cfg.draft_steps, cfg.draft_lr, cfg)
             losses[k] = loss.item()
             check_loss(f"{k} draft", losses[k], step, state_path)
         bar.set_postfix({f"kl_{k}": f"{v:.3f}" for k, v in losses.items()})
@@ -248,35 +240,31 @@ def run(cfg: TrainConfig, stage="all", log=print):
     rank, world, device = setup_distributed(cfg.device)
     with files.writer_lock(cfg.out) if rank == 0 else contextlib.nullcontext():
         check_outputs(cfg, stage)
-        return _run(cfg, stage, log, rank, world, device)
-
-
-def _run(cfg, stage, log, rank, world, device):
-    if cfg.batch_size % world:
-        raise ValueError(f"batch_size {cfg.batch_size} is not divisible by the {world} ranks")
-    tok = driving.Tokenizer()
-    t0 = time.time()
-    train = Data("train", cfg.n_train, cfg.seed, tok, views=cfg.views)
-    val = Data("val", cfg.n_val, cfg.seed, tok, views=cfg.views)
-    out = {}
-    if stage in ("all", "target"):
-        out["target"] = train_target(cfg, tok, train.with_views(target_views(cfg)), val, rank, world, device, log)
-    else:
-        out["target"] = checkpoint.load(os.path.join(cfg.out, "target"), device=device)
-    if stage in ("all", "drafts"):
-        out["drafts"] = train_drafts(cfg, out["target"], train, rank, world, device)
-    if rank == 0:
-        test = Data("test", cfg.n_test, cfg.seed, tok, views=cfg.views)
-        metrics = {"val": evaluate_target(out["target"], val), "test": evaluate_target(out["target"], test),
-                   "scenes": {"val": cfg.n_val, "test": cfg.n_test}, "wall_s": time.time() - t0}
-        files.write_json(os.path.join(cfg.out, "train_metrics.json"), metrics)
-        log(f"target val:  {fmt(metrics['val'])}")
-        log(f"target test: {fmt(metrics['test'])}")
-        log(f"wall time {metrics['wall_s']:.0f} s")
-        out["metrics"] = metrics
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    return out
+        if cfg.batch_size % world:
+            raise ValueError(f"batch_size {cfg.batch_size} is not divisible by the {world} ranks")
+        tok = driving.Tokenizer()
+        t0 = time.time()
+        train = Data("train", cfg.n_train, cfg.seed, tok, views=cfg.views)
+        val = Data("val", cfg.n_val, cfg.seed, tok, views=cfg.views)
+        out = {}
+        if stage in ("all", "target"):
+            out["target"] = train_target(cfg, tok, train.with_views(target_views(cfg)), val, rank, world, device, log)
+        else:
+            out["target"] = checkpoint.load(os.path.join(cfg.out, "target"), device=device)
+        if stage in ("all", "drafts"):
+            out["drafts"] = train_drafts(cfg, out["target"], train, rank, world, device)
+        if rank == 0:
+            test = Data("test", cfg.n_test, cfg.seed, tok, views=cfg.views)
+            metrics = {"val": evaluate_target(out["target"], val), "test": evaluate_target(out["target"], test),
+                       "scenes": {"val": cfg.n_val, "test": cfg.n_test}, "wall_s": time.time() - t0}
+            files.write_json(os.path.join(cfg.out, "train_metrics.json"), metrics)
+            log(f"target val:  {fmt(metrics['val'])}")
+            log(f"target test: {fmt(metrics['test'])}")
+            log(f"wall time {metrics['wall_s']:.0f} s")
+            out["metrics"] = metrics
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        return out
 
 
 # ---- operations: distributed ranks, resumable state, what a run may replace, the command line ----
@@ -284,30 +272,21 @@ def setup_distributed(device):
     """(rank, world_size, device). Under torchrun: gloo on CPU, nccl on CUDA, one GPU per rank."""
     if "RANK" not in os.environ:
         return 0, 1, torch.device(device)
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    if device.startswith("cuda"):
-        local = int(os.environ.get("LOCAL_RANK", 0))
+    cuda, local = device.startswith("cuda"), int(os.environ.get("LOCAL_RANK", 0))
+    if cuda:
         torch.cuda.set_device(local)
-        dist.init_process_group("nccl")
-        return rank, world, torch.device("cuda", local)
-    dist.init_process_group("gloo")
-    return rank, world, torch.device(device)
-
-
-def unwrap(m):
-    return m.module if isinstance(m, torch.nn.parallel.DistributedDataParallel) else m
+    dist.init_process_group("nccl" if cuda else "gloo")
+    return (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]),
+            torch.device("cuda", local) if cuda else torch.device(device))
 
 
 def wrap(m, world, device):
-    if world == 1:
-        return m
-    ids = [device.index] if device.type == "cuda" else None
-    return torch.nn.parallel.DistributedDataParallel(m, device_ids=ids)
+    return m if world == 1 else torch.nn.parallel.DistributedDataParallel(
+        m, device_ids=[device.index] if device.type == "cuda" else None)
 
 
 def save_state(path, step, models, opts, cfg, rank, target=None):
-    """Resumable state: weights, optimiser moments, step, config, and for the drafts the fingerprint of their target
-    (checkpoint.fingerprint). Rank 0 writes; all ranks wait."""
+    """Rank 0 writes the resumable state (for the drafts with their target's checkpoint.fingerprint); all ranks wait."""
     if rank == 0:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         files.torch_save({"step": step, "config": asdict(cfg), "target": target,
@@ -356,13 +335,11 @@ def load_state(path, models, opts, cfg, device, target=None):
 
 def check_loss(name, value, step, state_path):
     """Stop at a non-finite loss before the update it caused is saved: the state on disk stays the last good one."""
-    if math.isfinite(value):
-        return
-    kept = "no state was saved yet"
-    if os.path.exists(state_path):
-        saved = torch.load(state_path, map_location="cpu", weights_only=True)["step"]
-        kept = f"the last good state is {state_path} (step {saved})"
-    raise FloatingPointError(f"{name} loss is {value} at step {step}: stopped; {kept}")
+    if not math.isfinite(value):
+        kept = (f"the last good state is {state_path} (step "
+                f"{torch.load(state_path, map_location='cpu', weights_only=True)['step']})"
+                if os.path.exists(state_path) else "no state was saved yet")
+        raise FloatingPointError(f"{name} loss is {value} at step {step}: stopped; {kept}")
 
 
 def fmt(metrics):
@@ -376,18 +353,16 @@ def parse_args(argv=None, parser=False):
     cli.add_config_flags(ap, TrainConfig, choices={"target_preset": sorted(M.PRESETS),
                                                           "draft_preset": sorted(M.DRAFT_PRESETS)})
     a = ap.parse_args(argv)
-    if a.draft_vocab > len(driving.Tokenizer()):  # here, not when the draft stage starts after the target's hour
-        ap.error(f"--draft-vocab must be at most the toy vocabulary's {len(driving.Tokenizer())} ids, "
-                 f"got {a.draft_vocab}")
-    try:
+    with cli.user_errors(ap):
+        if a.draft_vocab > len(driving.Tokenizer()):  # here, not when the draft stage starts after the target's hour
+            raise ValueError(f"--draft-vocab must be at most the toy vocabulary's {len(driving.Tokenizer())} ids, "
+                             f"got {a.draft_vocab}")
         check_values(a, [(MAX_VIEWS_RULE, ("views", "max_views")), ("in 0..2**30-1", ("seed", "draft_seed")),
                          (">= 1", ("n_train", "n_val", "n_test", "batch_size", "target_steps", "draft_steps",
                                    "eval_every")), ("> 0", ("target_lr", "draft_lr", "grad_clip")),
                          ("a finite number >= 0", ("traj_weight", "weight_decay", "warmup", "views", "max_views",
                                                    "draft_vocab")), ("in [0, 1]", ("p_no_views",))], flags=True)
         cli.check_device(a.device)
-    except ValueError as e:
-        ap.error(str(e))
     cfg = cli.config_from_args(TrainConfig, a)
     return (cfg, a.stage, ap) if parser else (cfg, a.stage)
 
@@ -403,13 +378,11 @@ def check_outputs(cfg: TrainConfig, stage):
                      f"`python train.py --out {cfg.out} --stage drafts --draft-seed N` to distil a new draft seed "
                      "from it"))
     if stage in ("all", "drafts"):
-        for kind in ("flat", "mrope"):
-            todo.append((checkpoint.draft_dir(cfg.out, kind, cfg.draft_seed), f"{kind} draft",
-                         f"drafts_s{cfg.draft_seed}.state.pt", "rerun with --overwrite to retrain it, or give "
-                         "another --draft-seed or --out"))
-    for path, kind, state, how in todo:
-        resumable = os.path.exists(os.path.join(cfg.out, state))
-        checkpoint.check_output(path, kind, cfg.overwrite or resumable, how)
+        todo += [(checkpoint.draft_dir(cfg.out, kind, cfg.draft_seed), f"{kind} draft", f"drafts_s{cfg.draft_seed}"
+                  ".state.pt", "rerun with --overwrite to retrain it, or give another --draft-seed or --out")
+                 for kind in ("flat", "mrope")]
+    for path, kind, state, how in todo:  # a *.state.pt beside it: a run to resume, not a checkpoint to protect
+        checkpoint.check_output(path, kind, cfg.overwrite or os.path.exists(os.path.join(cfg.out, state)), how)
 
 
 def main(argv=None):

@@ -75,8 +75,7 @@ def patch_positions(grid, m):
     for t, h, w in grid:
         rc = torch.stack(torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij"), -1)  # (h, w, 2)
         # (h, w, 2) -> (h*w, 2) in merge-block order: block row, block col, row in block, col in block
-        rc = rearrange(rc, "(bh mr) (bw mc) two -> (bh bw mr mc) two", mr=m, mc=m)
-        out.append(rc.repeat(t, 1))
+        out.append(rearrange(rc, "(bh mr) (bw mc) two -> (bh bw mr mc) two", mr=m, mc=m).repeat(t, 1))
     return torch.cat(out)
 
 
@@ -110,23 +109,19 @@ class VisionAttention(nn.Module):
 
 
 class VisionMLP(nn.Module):
+    """Qwen2.5-VL's SwiGLU or Qwen3-VL's GELU MLP, each with its Hugging Face parameter names."""
+
     def __init__(self, vc: VisionConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(vc.hidden, vc.intermediate)
-        self.up_proj = nn.Linear(vc.hidden, vc.intermediate)
-        self.down_proj = nn.Linear(vc.intermediate, vc.hidden)
+        self.swiglu, C, inter = vc.family == "qwen2_5_vl", vc.hidden, vc.intermediate
+        if self.swiglu:
+            self.gate_proj, self.up_proj, self.down_proj = nn.Linear(C, inter), nn.Linear(C, inter), nn.Linear(inter, C)
+        else:
+            self.linear_fc1, self.linear_fc2 = nn.Linear(C, inter), nn.Linear(inter, C)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-class Qwen3VisionMLP(nn.Module):
-    def __init__(self, vc: VisionConfig):
-        super().__init__()
-        self.linear_fc1 = nn.Linear(vc.hidden, vc.intermediate)
-        self.linear_fc2 = nn.Linear(vc.intermediate, vc.hidden)
-
-    def forward(self, x):
+        if self.swiglu:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
         return self.linear_fc2(F.gelu(self.linear_fc1(x), approximate="tanh"))  # Qwen3-VL: gelu_pytorch_tanh
 
 
@@ -138,7 +133,7 @@ class VisionBlock(nn.Module):
         qwen3 = vc.family == "qwen3_vl"
         norm = (lambda: nn.LayerNorm(vc.hidden, eps=1e-6)) if qwen3 else (lambda: RMSNorm(vc.hidden))  # noqa: E731
         self.norm1, self.norm2, self.attn = norm(), norm(), VisionAttention(vc)
-        self.mlp = Qwen3VisionMLP(vc) if qwen3 else VisionMLP(vc)
+        self.mlp = VisionMLP(vc)
 
     def forward(self, x, cos, sin, seg):
         x = x + self.attn(self.norm1(x), cos, sin, seg)
@@ -155,6 +150,7 @@ class _Tower(nn.Module):
         self.patch_embed = nn.Module()
         self.patch_embed.proj = nn.Linear(vc.in_channels * vc.temporal_patch_size * vc.patch_size ** 2, vc.hidden,
                                           bias=bias)
+        self.reset_buffers()
 
     def reset_buffers(self, device=None):
         hd = self.vc.hidden // self.vc.heads  # rows and cols each take hd/4 frequency pairs
@@ -174,18 +170,15 @@ class PatchMerger(nn.Module):
 
 
 class VisionTower(_Tower):
-    """Qwen2.5-VL ViT: patch embedding, blocks with 2D rotary (row, col) positions, window
-    attention except in fullatt blocks, and an m x m patch merger into the LM width."""
+    """Qwen2.5-VL ViT: patch embedding, 2D rotary blocks, window attention except in fullatt blocks, m x m merger."""
 
     def __init__(self, vc: VisionConfig, out_dim):
         super().__init__(vc, bias=False)
         self.blocks = nn.ModuleList(VisionBlock(vc) for _ in range(vc.depth))
         self.merger = PatchMerger(vc, out_dim)
-        self.reset_buffers()
 
     def windows(self, grid):
-        """Permutation of merged tokens into windows of ws x ws merged tokens (ragged at the edges),
-        and the window lengths in patches."""
+        """Permutation of merged tokens into ws x ws windows (ragged at the edges), and the window lengths (patches)."""
         m, ws = self.vc.spatial_merge_size, self.vc.window_size // self.vc.spatial_merge_size // self.vc.patch_size
         order, lens, off = [], [], 0
         for t, h, w in grid:
@@ -211,8 +204,7 @@ class VisionTower(_Tower):
         x = x.view(N // mu, mu, -1)[order].view(N, -1)  # (N/m^2, m^2, C): merge groups regrouped by window
         pos = patch_positions(grid, self.vc.spatial_merge_size).to(dev).view(N // mu, mu, 2)[order].view(N, 2)  # (N, 2)
         cos, sin = rotary_2d(pos, self.inv_freq)
-        frames = frame_segments(grid, dev)
-        wins = _segments(win_lens)
+        frames, wins = frame_segments(grid, dev), _segments(win_lens)
         for i, blk in enumerate(self.blocks):
             x = blk(x, cos, sin, frames if i in self.vc.fullatt_block_indexes else wins)
         return self.merger(x)[torch.argsort(order)]  # (N / m^2, D), back in patchify order
@@ -220,15 +212,13 @@ class VisionTower(_Tower):
 
 # ---- Qwen3-VL tower with DeepStack ----
 class Qwen3PatchMerger(nn.Module):
-    """m x m patches -> one LM token. The final merger normalises each patch before the merge; the
-    DeepStack mergers (postshuffle) normalise the merged m^2 C vector."""
+    """m x m patches -> one LM token; DeepStack's (postshuffle) normalise after the merge, the final merger before."""
 
     def __init__(self, vc: VisionConfig, out_dim, postshuffle):
         super().__init__()
         self.width, self.postshuffle = vc.hidden * vc.spatial_merge_size ** 2, postshuffle
         self.norm = nn.LayerNorm(self.width if postshuffle else vc.hidden, eps=1e-6)
-        self.linear_fc1 = nn.Linear(self.width, self.width)
-        self.linear_fc2 = nn.Linear(self.width, out_dim)
+        self.linear_fc1, self.linear_fc2 = nn.Linear(self.width, self.width), nn.Linear(self.width, out_dim)
 
     def forward(self, x):
         # (N, C) -> (N / m^2, m^2 C), normalised after the merge (postshuffle) or before it
@@ -237,9 +227,8 @@ class Qwen3PatchMerger(nn.Module):
 
 
 class Qwen3VisionTower(_Tower):
-    """Qwen3-VL ViT: patch embedding (with bias) plus a learned position embedding, a square grid
-    resampled bilinearly (corners aligned) to each image's grid; blocks with 2D rotary positions and
-    full attention within each frame; the final m x m patch merger, and one DeepStack merger per
+    """Qwen3-VL ViT: patch embedding (with bias) plus a learned position embedding (position_embedding); blocks with 2D
+    rotary positions and full attention within each frame; the final m x m patch merger, and one DeepStack merger per
     listed block whose features the decoder adds at the visual positions of its first layers."""
 
     def __init__(self, vc: VisionConfig, out_dim):
@@ -249,10 +238,9 @@ class Qwen3VisionTower(_Tower):
         self.merger = Qwen3PatchMerger(vc, out_dim, postshuffle=False)
         self.deepstack_merger_list = nn.ModuleList(Qwen3PatchMerger(vc, out_dim, postshuffle=True)
                                                    for _ in vc.deepstack_visual_indexes)
-        self.reset_buffers()
 
     def position_embedding(self, grid):
-        """The learned side x side grid resampled to each (h, w), in patchify order -> (N, C) fp32."""
+        """The learned grid, resampled bilinearly (corners aligned) to each (h, w), in patchify order -> (N, C) fp32."""
         m, side = self.vc.spatial_merge_size, round(self.vc.num_position_embeddings ** 0.5)
         table = self.pos_embed.weight.float().T.reshape(1, -1, side, side)  # (side^2, C) -> (1, C, side, side)
         out = []
@@ -284,11 +272,8 @@ def make_tower(vc: VisionConfig, out_dim):  # the family's tower
 
 # ---- patchify ----
 def patchify(frames, patch_size, temporal_patch_size, merge_size):
-    """frames (T, C, H, W), already normalised -> pixel_values (N, C*tp*p*p), grid_thw (3,).
-
-    The Qwen2-VL image processor's flattening: patches in (t, row block, col block, row in block,
-    col in block) order, each flattened as (C, tp, p, p); T is padded to a multiple of
-    temporal_patch_size by repeating the last frame."""
+    """frames (T, C, H, W), already normalised -> pixel_values (N, C*tp*p*p), grid_thw (3,): the Qwen2-VL image
+    processor's flattening; T is padded to a multiple of temporal_patch_size by repeating the last frame."""
     T, C, H, W = frames.shape
     p, tp, m = patch_size, temporal_patch_size, merge_size
     if H % (p * m) or W % (p * m):
