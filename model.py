@@ -1,12 +1,9 @@
-"""A Qwen-VL-style VLA: decoder with KV cache and DeepStack injection, trajectory head, and the routine-reasoner
-draft, around a vision tower from vision.py. The same code runs the toy and real Qwen2.5-VL / Qwen3-VL / Alpamayo-R1
-weights (hf.load_pretrained reads those into it; an Alpamayo folder's action expert is expert.py).
+"""A Qwen-VL-style VLA (decoder, KV cache, DeepStack, trajectory head) and its draft, around vision.py's tower: the
+toy and real Qwen2.5-VL / Qwen3-VL / Alpamayo-R1 weights (hf.py loads them; an Alpamayo action expert is expert.py).
 
-Paper map: `VLA` with rope_mode "mrope" is the deliberative reasoner (the unmodified target, 3D M-RoPE);
-`make_draft` the routine reasoner (1-2 layers, FlatRoPE, the target's embedding, LM head and image embeddings;
-`vocab_ids`: EAGLE-3's reduced draft vocabulary, K target ids); `TrajHead` the toy's cheap trajectory step after the
-chain of causation (docs/background.md). The verify step is a multi-token forward over a `KVCache`; `VLA.step` the
-same cached step at fixed shapes (draft trees' masks; static.py compiles it).
+Paper: `VLA` (rope_mode "mrope") is the deliberative reasoner p; `make_draft` the routine reasoner q (FlatRoPE, the
+target's embedding and LM head; `vocab_ids`: EAGLE-3's reduced vocabulary). Verification is a multi-token forward
+over a `KVCache`; `VLA.step` the same at fixed shapes (draft trees' masks; static.py compiles it).
 
 Letters: B batch, T new tokens, S keys (cached + new), D hidden, H heads, Hk KV heads,
 hd head dim, g = H / Hk, V vocab, K reduced draft vocab, N vision patches, m spatial merge, n_vis visual tokens.
@@ -74,8 +71,7 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, d):
-        unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
-        if unknown:
+        if unknown := set(d) - {f.name for f in dataclasses.fields(cls)}:
             raise ValueError(f"unknown ModelConfig fields {sorted(unknown)}")
         return cls(**d)
 
@@ -108,9 +104,7 @@ QWEN3_VISION = VisionConfig(family="qwen3_vl", patch_size=16, temporal_patch_siz
                             deepstack_visual_indexes=(8, 16, 24))
 QWEN_IDS = dict(image_token_id=151655, video_token_id=151656, vision_start_token_id=151652)
 PRESETS = {
-    # the toy target (train.target_config sets vocab, token ids, vision): narrow, so a CPU training step is cheap; 20
-    # layers, so the 1-layer draft is a small fraction of a step, as against a 36-layer Qwen3-VL. RoPE base 1e4: at 1e6
-    # most pairs would barely rotate over the toy's few hundred positions (experiments/rope_base.py compares both).
+    # the toy target (train.target_config sets vocab, token ids, vision); why 20 narrow layers and base 1e4: docs/
     "toy-target": ModelConfig(hidden_size=128, n_layers=20, n_heads=2, n_kv_heads=1, intermediate_size=384,
                               rope_theta=1e4),
     # real shapes, random weights (benchmarks)
@@ -130,8 +124,7 @@ DRAFT_PRESETS = {f"{name}-draft": dict(n_layers=1) for name in ("toy", "qwen2.5-
 
 
 def lower_right_verify(device):
-    """The verify step through SDPA's lower-right causal bias over unfolded heads (CUDA: flash / memory-efficient
-    kernels, no mask in memory, K/V read in place) or a boolean mask over folded heads (a CPU: faster there)."""
+    """CUDA: the verify step through SDPA's lower-right causal bias (flash kernels, no mask in memory); else a mask."""
     return device.type == "cuda"
 
 
@@ -280,9 +273,8 @@ class TrajHead(nn.Module):
 
 class VLA(nn.Module):
     """Vision tower + decoder + LM head + trajectory head. A draft (cfg.shared_width set) has no tower and holds the
-    target's `embed_tokens` / `lm_head` as plain attributes, so its parameters() / state_dict() are its own weights;
-    with cfg.draft_vocab = K it holds `vocab_ids` (K,), the target ids its head covers. From an Alpamayo folder it
-    also holds `expert` (expert.ActionExpert) and no TrajHead."""
+    target's `embed_tokens` / `lm_head` as plain attributes (not its parameters(); gradients reach them unless frozen);
+    with draft_vocab K, `vocab_ids` (K,). An Alpamayo model holds `expert` (expert.ActionExpert), no TrajHead."""
 
     def __init__(self, cfg: ModelConfig, shared: "VLA | None" = None):
         super().__init__()
@@ -330,8 +322,7 @@ class VLA(nn.Module):
             self.visual.reset_buffers(device)
 
     def _apply(self, fn, recurse=True):
-        # .to(bf16) / .half() would round the rotary frequencies (and so every angle) to 8 bits;
-        # recompute them in fp32 on the new device after any conversion, as Qwen's code keeps them.
+        # recompute the rotary frequencies in fp32 after any conversion: .to(bf16) would round every angle to 8 bits
         super()._apply(fn, recurse)
         self.reset_buffers(self.inv_freq.device)
         self._rows = self._rows_key = None
@@ -418,13 +409,11 @@ class VLA(nn.Module):
             return rope_cos_sin(decode_positions(past, x.shape[1], cache.rope_delta), self.inv_freq)
         c = self.cfg
         if position_ids is not None:
-            if position_ids.dim() == 2:
-                position_ids = position_ids.expand(3, -1, -1)
+            position_ids = position_ids.expand(3, -1, -1)  # 1D ids (B, T) -> (3, B, T); (3, B, T) as is
             delta = position_ids.amax(dim=(0, 2))[:, None] + 1 - position_ids.shape[2]
         elif c.rope_mode == "mrope" and input_ids is not None:
             if c.video_frame_blocks and video_grid_thw is not None:
-                # Qwen3-VL: t temporal patches are t one-frame blocks (timestamps in text between), each at the next
-                # free id (t id = start)
+                # Qwen3-VL: t temporal patches are t one-frame blocks (text timestamps between), t id = start
                 video_grid_thw = video_grid_thw.repeat_interleave(video_grid_thw[:, 0], 0)  # (sum t, 3)
                 video_grid_thw = torch.cat([torch.ones_like(video_grid_thw[:, :1]), video_grid_thw[:, 1:]], 1)
             position_ids, delta = get_rope_index(
@@ -448,8 +437,7 @@ class VLA(nn.Module):
         if inputs_embeds is None:
             inputs_embeds, deepstack = self.embed(input_ids, pixel_values, image_grid_thw, pixel_values_videos,
                                                   video_grid_thw, return_deepstack=True)
-        x = inputs_embeds  # (B, T, D)
-        T = x.shape[1]
+        x, T = inputs_embeds, inputs_embeds.shape[1]  # (B, T, D)
         past = cache.length if cache is not None else 0
         if past + T > self.cfg.max_seq_len:  # beyond the positions the model was built (and trained) for
             raise ValueError(f"sequence of {past + T} tokens is longer than the model's max_seq_len "
@@ -487,8 +475,7 @@ class VLA(nn.Module):
         the whole buffer (S_max); cache.length is neither read (a compiled step never recompiles as it grows) nor
         advanced. Default: token i at position input_pos[i] sees slots <= input_pos[i]; a draft tree passes positions
         (T,), length + depth, and mask (T, S_max), committed slots + ancestors. No padding, no DeepStack."""
-        if positions is None:
-            positions = input_pos
+        positions = input_pos if positions is None else positions
         if mask is None:
             mask = torch.arange(cache.max_len, device=input_pos.device)[None, :] <= input_pos[:, None]  # (T, S)
         mask = mask.repeat(self.cfg.n_heads // self.cfg.n_kv_heads, 1)  # (g*T, S): the grouped query rows
@@ -509,10 +496,9 @@ class VLA(nn.Module):
         return h if self.proj_out is None else self.proj_out(h)
 
     def traj(self, hidden_last):
-        """Trajectory from the final hidden state of <traj_future_start>: (B, D) -> (B, traj_len, 2)."""
         if self.traj_head is None:
             raise ValueError("this model has no trajectory head (traj_len = 0)")
-        return self.traj_head(hidden_last)
+        return self.traj_head(hidden_last)  # <traj_future_start>'s final hidden (B, D) -> (B, traj_len, 2)
 
 
 # ---- draft (routine reasoner) ----
@@ -520,11 +506,9 @@ class VLA(nn.Module):
 
 def make_draft(target: VLA, n_layers=1, hidden_size=None, rope_mode="flat", n_heads=None, n_kv_heads=None,
                intermediate_size=None, rope_theta=None, vocab_ids=None) -> VLA:
-    """The routine reasoner: a small text-only decoder on FlatRoPE positions ("mrope": the baseline replica draft)
-    sharing the target's embedding and LM head (the same modules) and reading its prompt embeddings, image features
-    included (inputs_embeds=target.embed(...)): no second vision encoder; an optimizer over its parameters() never
-    updates the target (gradients still reach the shared modules unless frozen). A narrower draft keeps head_dim
-    (M-RoPE sections stay valid) with in/out projections. vocab_ids: K target ids for a reduced head."""
+    """The routine reasoner: a small text-only decoder on FlatRoPE positions ("mrope": the replica draft) sharing the
+    target's embedding and LM head and reading inputs_embeds=target.embed(...), image features included: no second
+    tower. A narrower draft keeps head_dim (M-RoPE sections stay valid), with in/out projections."""
     t = target.cfg
     D = hidden_size or t.hidden_size
     H = n_heads or (t.n_heads if D == t.hidden_size else D // t.head_dim)
@@ -532,8 +516,7 @@ def make_draft(target: VLA, n_layers=1, hidden_size=None, rope_mode="flat", n_he
         raise ValueError(f"draft hidden_size {D} is smaller than the target's head_dim {t.head_dim}")
     # default: as many KV heads as the target, at most H, dividing H
     Hk = n_kv_heads if n_kv_heads is not None else max(h for h in range(1, min(t.n_kv_heads, H) + 1) if not H % h)
-    inter = intermediate_size or (t.intermediate_size if D == t.hidden_size
-                                  else int(t.intermediate_size * D / t.hidden_size))
+    inter = intermediate_size or int(t.intermediate_size * D / t.hidden_size)  # == the target's at its width
     if vocab_ids is not None:
         vocab_ids = torch.as_tensor(vocab_ids, dtype=torch.long)
         check_vocab_ids(vocab_ids, t.vocab_size)
@@ -541,11 +524,10 @@ def make_draft(target: VLA, n_layers=1, hidden_size=None, rope_mode="flat", n_he
                               intermediate_size=inter, rope_mode=rope_mode, rope_theta=rope_theta or t.rope_theta,
                               vision=None, spatial_merge_size=t.spatial_merge_size, traj_len=0, tie_word_embeddings=False,
                               shared_width=t.hidden_size, draft_vocab=0 if vocab_ids is None else len(vocab_ids))
-    w = target.embed_tokens.weight
     draft = VLA(cfg, shared=target)
     if vocab_ids is not None:
         draft.set_vocab(vocab_ids)
-    return draft.to(device=w.device, dtype=w.dtype)
+    return draft.to(target.embed_tokens.weight.device, target.embed_tokens.weight.dtype)
 
 
 # ---- checks ----
