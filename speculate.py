@@ -9,9 +9,8 @@ fp32; in bf16 the batched verify can flip near-tied argmaxes); sampled output is
 Cache invariant of every round: both caches hold the prompt and the emitted tokens except the *pending* suffix. The
 target has seen all but the last emitted token x_last; the draft all but `pending`, [x_last] or, after a round that
 accepted all gamma drafts, [d_gamma, x_last]; the next round's first draft forward feeds exactly `pending`. The
-prompt's last token (<cot_start>) is held back from the prefill and plays x_last in the first round, so every
-emitted token comes out of a verification round: tau = tokens / rounds exactly. A reduced-vocabulary draft
-(model.VLA.head) needs nothing here: q is 0 outside its set, and the residual max(0, p - q) covers those tokens.
+prompt's last token (<cot_start>) is held back from the prefill and plays x_last in the first round, so every emitted
+token comes out of a verification round: tau = tokens / rounds exactly.
 
 run: python -m pytest -q tests/test_speculate.py        (demo: python experiments/speculate_demo.py --device cpu)
 """
@@ -52,8 +51,7 @@ def process_logits(logits, temperature, top_k=None, top_p=None):
     return probs
 
 
-def sample(probs, generator):
-    """One token from each row of probs (..., V) -> (...)."""
+def sample(probs, generator):  # one token per row: probs (..., V) -> (...)
     flat = probs.reshape(-1, probs.shape[-1])  # (N, V)
     return torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])
 
@@ -77,12 +75,10 @@ def verify_sample(draft_tokens, q, p, generator=None):
     p_d = p[..., :-1, :].gather(-1, idx).squeeze(-1)  # (..., gamma)
     q_d = q.gather(-1, idx).squeeze(-1)  # (..., gamma)
     u = torch.rand(draft_tokens.shape, generator=generator, device=p.device)  # (..., gamma)
-    # u < p/q written without the division; q_d > 0 because d was sampled from q.
-    n = (u * q_d < p_d).long().cumprod(-1).sum(-1)  # (...)
+    n = (u * q_d < p_d).long().cumprod(-1).sum(-1)  # (...); u < p/q without the division (q_d > 0: d came from q)
     residual = (p[..., :-1, :] - q).clamp_min(0.0)  # (..., gamma, V)
     mass = residual.sum(-1, keepdim=True)  # (..., gamma, 1)
-    # mass ~ 0 means p == q up to rounding: a rejection there has probability ~mass,
-    # and p is then the right distribution (and keeps multinomial defined).
+    # mass ~ 0: p == q up to rounding, a rejection has probability ~mass, and p is the right law (multinomial defined)
     residual = torch.where(mass > torch.finfo(p.dtype).eps, residual, p[..., :-1, :])
     # A candidate for every outcome n = 0..gamma, picked on device: the draws are independent of u, so the picked one
     # has the right law, and the round needs no host sync before its end.
@@ -115,8 +111,7 @@ class SpecResult:
         return len(self.tokens) / max(self.rounds, 1)
 
     @property
-    def alpha(self):
-        """Leviathan's alpha (timing's): acceptance of the draft tokens the verifier reached, not the untested ones."""
+    def alpha(self):  # Leviathan's alpha: acceptance of the draft tokens the verifier reached, not the untested ones
         return self.n_accepted / max(self.n_tested, 1)
 
     @property
@@ -205,9 +200,8 @@ def spec_round(target, draft, tcache, dcache, pending, gamma, temperature, top_k
         drafted.append(d)
         x = d.view(1, 1)
     d = torch.cat(drafted) if gamma else pending.new_empty(0)  # (gamma,)
-    # One target forward over [x_last, d_1..d_gamma] gives p at gamma + 1 positions.
-    logits_p = last["target"] = target(torch.cat([pending[:, -1:], d.view(1, -1)], 1), cache=tcache)[0]
-    if temperature == 0:  # logits_p (gamma+1, V)
+    logits_p = last["target"] = target(torch.cat([pending[:, -1:], d.view(1, -1)], 1), cache=tcache)[0]  # (gamma+1, V)
+    if temperature == 0:
         n, nxt = verify_greedy(d, logits_p)
     else:
         q = torch.stack(qs) if gamma else logits_p.new_empty(0, logits_p.shape[-1])  # (gamma, V)
@@ -243,8 +237,7 @@ def speculative(target, draft, prompt, gamma, max_new_tokens, temperature=0.0, t
     t_slack, d_slack = (0, 0) if chain else gamma.slack  # a tree's branches sit beyond the committed length
     tcache = new_cache(target, prompt, max_new_tokens, max_len, t_slack)
     dcache = new_cache(draft, prompt, max_new_tokens, max_len, d_slack)
-    generator = make_generator(prompt["input_ids"].device, seed)
-    sampling = (temperature, top_k, top_p, generator)
+    sampling = (temperature, top_k, top_p, make_generator(prompt["input_ids"].device, seed))
     t0 = now(prompt["input_ids"].device, timing)
     embeds, deepstack = embed_prompt(target, prompt)  # (1, L, D)
     pending = prefill(target, prompt, embeds, tcache, deepstack, name="target")
@@ -262,12 +255,11 @@ def speculative(target, draft, prompt, gamma, max_new_tokens, temperature=0.0, t
             else:  # g: nodes drafted, depth: the tree's longest path
                 g, depth, (n, drafted, nxt, pending) = gamma.round(left, target, draft, tcache, dcache, pending,
                                                                    *sampling, last)
-            block, flags = drafted[:n] + [nxt], [True] * n + [False]
+            block = drafted[:n] + [nxt]
             if stop_token is not None and stop_token in block:
-                cut = block.index(stop_token) + 1
-                block, flags = block[:cut], flags[:cut]
+                block = block[:block.index(stop_token) + 1]
             res.tokens += block
-            res.from_draft += flags
+            res.from_draft += ([True] * n + [False])[:len(block)]
             res.blocks.append(len(block))
             res.accepted.append(n)
             res.depths.append(depth)
@@ -322,8 +314,7 @@ def config_of(model):
 
 def check_inputs(target, draft, prompt, max_new_tokens, temperature, top_k, top_p, stop_token, gamma=1):
     """A bad prompt or setting would fail deep in a forward, or silently (a stop token out of range never stops)."""
-    unknown = set(prompt) - set(EMBED_KEYS) - set(GRID_KEYS) - {"attention_mask"}
-    if unknown:
+    if unknown := set(prompt) - set(EMBED_KEYS) - set(GRID_KEYS) - {"attention_mask"}:
         raise ValueError(f"prompt has keys speculate does not understand: {sorted(unknown)}")
     ids, mask = prompt["input_ids"], prompt.get("attention_mask")
     if ids.dim() != 2 or ids.shape[0] != 1:
