@@ -1,9 +1,7 @@
 """Hugging Face checkpoints: a Qwen2.5-VL / Qwen3-VL or Alpamayo-R1 folder read into model.VLA (load_pretrained), and
-the toy target or its replica draft written as a Qwen2.5-VL folder (export_pretrained), through one name / shape map.
-
-Paper: the deliberative reasoner is an unmodified Alpamayo-R1-style VLA (a Qwen-VL backbone): the same decoder, KV
-cache and speculative decoding run on its real weights (docs/background.md, "Alpamayo-R1 prompt layout"); the export
-lets transformers' generate and assisted generation run the toy's weights (peer.py).
+the toy target or its replica draft written as a Qwen2.5-VL folder for transformers (export_pretrained; peer.py),
+through one name / shape map. Paper: the deliberative reasoner is an unmodified Alpamayo-R1 (a Qwen-VL backbone)
+(docs/background.md, "Alpamayo-R1 prompt layout").
 
 run: python -m pytest -q tests/test_checkpoint.py tests/test_export.py tests/test_alpamayo.py
 """
@@ -17,7 +15,7 @@ from safetensors.torch import save_file
 
 from checkpoint import WEIGHTS, check_keys, check_output, check_shape, empty_model, existing_kind, open_safetensors
 from expert import ExpertConfig, fourier_freqs
-from model import PRESETS, VLA, ModelConfig, VisionConfig
+from model import PRESETS, QWEN_IDS, VLA, ModelConfig, VisionConfig
 from files import atomic_write, read_json, write_json
 
 CONFIG = "config.json"
@@ -28,8 +26,7 @@ TOKEN_ID_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id", "vision_end_t
 
 
 def load_pretrained(path, dtype=None, device=None) -> VLA:
-    """A Qwen2.5-VL / Qwen3-VL folder (vision tower, DeepStack) or an Alpamayo-R1 one (its action expert as
-    `model.expert`), one file or shards; every key used, every weight found; a Qwen-VL's trajectory head is random."""
+    """One file or shards, every key used, every weight found; an Alpamayo action expert as `model.expert`."""
     if not os.path.isdir(path):
         raise FileNotFoundError(f"{path}: checkpoint folder not found")
     cfg, family, alpamayo = _hf_config(path)  # alpamayo: an Alpamayo folder's own config.json, else None
@@ -101,9 +98,8 @@ def _hf_layout(model: VLA):
         parts[name] = [f"{base.rsplit('.', 1)[0]}.{p}.{leaf}" for p, _ in split] or [name]
         shapes.update({hf: (n, *t.shape[1:]) for hf, (_, n) in zip(parts[name], split)} or {name: tuple(t.shape)})
     if model.visual is not None:  # Qwen stores the patch embedding as a Conv3d kernel (hidden, C, tp, p, p)
-        v = model.cfg.vision
-        shapes["visual.patch_embed.proj.weight"] = (v.hidden, v.in_channels, v.temporal_patch_size, v.patch_size,
-                                                    v.patch_size)
+        v = cfg.vision
+        shapes["visual.patch_embed.proj.weight"] = (v.hidden, v.in_channels, v.temporal_patch_size, *[v.patch_size] * 2)
     return shapes, parts
 
 
@@ -148,8 +144,7 @@ def _hf_config(path):
         raise ValueError(f"{cfg_path}: unsupported hidden_act {text['hidden_act']!r}")
     if family == "qwen3_vl" and text.get("attention_bias"):
         raise ValueError(f"{cfg_path}: unsupported attention_bias=True for qwen3_vl")
-    # required: a default vision config would load as a mismatch of hundreds of keys, not as a missing field
-    vraw = _required(raw, "vision_config", cfg_path)
+    vraw = _required(raw, "vision_config", cfg_path)  # a default one would load as a mismatch of hundreds of keys
     q3, vision = family == "qwen3_vl", _vision(family, vraw, text, cfg_path)
     try:
         cfg = ModelConfig(
@@ -161,8 +156,7 @@ def _hf_config(path):
             mrope_section=tuple(rope.get("mrope_section", (24, 20, 20) if q3 else (16, 24, 24))),
             mrope_interleaved=q3, qkv_bias=not q3, qk_norm=q3, rms_norm_eps=text.get("rms_norm_eps", 1e-6),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings") or text.get("tie_word_embeddings")),
-            image_token_id=raw.get("image_token_id", 151655), video_token_id=raw.get("video_token_id", 151656),
-            vision_start_token_id=raw.get("vision_start_token_id", 151652),
+            **{k: raw.get(k, default) for k, default in QWEN_IDS.items()},
             tokens_per_second=vraw.get("tokens_per_second", 2), video_frame_blocks=q3,
             spatial_merge_size=vraw.get("spatial_merge_size", 2), vision=vision,
             traj_len=64, max_seq_len=text.get("max_position_embeddings", 8192))
@@ -175,15 +169,11 @@ def _vision(family, v, text, cfg_path):
     """Qwen3-VL's vision_config must hold every field read; Qwen2.5-VL's falls back to the released models' values."""
     q3 = family == "qwen3_vl"
     get = lambda k, default: _required(v, k, f"{cfg_path} (vision_config)") if q3 else v.get(k, default)  # noqa: E731
-    if get("hidden_act", "silu") != ("gelu_pytorch_tanh" if q3 else "silu"):
-        raise ValueError(f"{cfg_path}: unsupported vision hidden_act {v['hidden_act']!r}")
-    if get("out_hidden_size", text["hidden_size"]) != text["hidden_size"]:
-        raise ValueError(f"{cfg_path}: vision out_hidden_size {v['out_hidden_size']} != hidden_size "
-                         f"{text['hidden_size']}")
-    own = (dict(num_position_embeddings=get("num_position_embeddings", 0),
-                deepstack_visual_indexes=get("deepstack_visual_indexes", ())) if q3 else
-           dict(window_size=v.get("window_size", 112), fullatt_block_indexes=v.get("fullatt_block_indexes",
-                                                                                   (7, 15, 23, 31))))
+    for key, want in (("hidden_act", "gelu_pytorch_tanh" if q3 else "silu"), ("out_hidden_size", text["hidden_size"])):
+        if get(key, want) != want:
+            raise ValueError(f"{cfg_path}: unsupported vision {key} {v[key]!r} (expected {want!r})")
+    own = {k: get(k, d) for k, d in ((("num_position_embeddings", 0), ("deepstack_visual_indexes", ())) if q3 else
+                                     (("window_size", 112), ("fullatt_block_indexes", (7, 15, 23, 31))))}
     return VisionConfig(
         family=family, patch_size=get("patch_size", 14), temporal_patch_size=get("temporal_patch_size", 2),
         spatial_merge_size=get("spatial_merge_size", 2), in_channels=get("in_channels", v.get("in_chans", 3)),
@@ -202,9 +192,8 @@ def _required(d, key, where):
 
 
 def export_pretrained(model: VLA, dir, target: VLA | None = None, **token_ids):
-    """Write `model` as a Qwen2.5-VL folder that transformers 5.24 and load_pretrained read, without the TrajHead; a
-    draft needs target= and becomes a standalone Qwen2.5-VL (transformers' assistant). token_ids (TOKEN_ID_FIELDS) only
-    document the prompt format (transformers 5.24 takes M-RoPE positions from mm_token_type_ids)."""
+    """A Qwen2.5-VL folder that transformers 5.24 and load_pretrained read, no TrajHead; a draft (target=) becomes a
+    standalone one (transformers' assistant). token_ids (TOKEN_ID_FIELDS) only document the prompt format."""
     if unknown := sorted(set(token_ids) - set(TOKEN_ID_FIELDS)):
         raise TypeError(f"export_pretrained: unknown token id fields {unknown}; known: {list(TOKEN_ID_FIELDS)}")
     cfg, draft = model.cfg, model.cfg.shared_width is not None
@@ -235,8 +224,7 @@ def export_pretrained(model: VLA, dir, target: VLA | None = None, **token_ids):
         if refused:
             raise ValueError(f"export_pretrained({dir}): {why}")
     m = model
-    if draft:  # a standalone VLA of the draft's layers with copies of the target's embedding, LM head and vision tower
-        # the draft reads the target's image features (speculate.embed_prompt); a standalone model computes them itself
+    if draft:  # the draft's layers with copies of the target's embedding, LM head and tower (for its image features)
         own = dataclasses.replace(cfg, shared_width=None, vision=target.cfg.vision,
                                   tie_word_embeddings=target.cfg.tie_word_embeddings)
         m = empty_model(own, None, model.embed_tokens.weight.dtype, model.embed_tokens.weight.device)
