@@ -1,14 +1,12 @@
-"""The VLA's vision towers: Qwen2.5-VL's windowed ViT and Qwen3-VL's ViT with DeepStack, both
-ending in an m x m patch merger into the language model's width, and `patchify`, the Qwen-VL
-image processor's patch flattening. Semantics follow Hugging Face transformers' vision models
-(the version pinned in requirements-test.txt), written anew here.
+"""The VLA's vision towers: Qwen2.5-VL's windowed ViT and Qwen3-VL's ViT with DeepStack, both ending in an m x m patch
+merger into the language model's width, and `patchify`, the Qwen-VL image processor's patch flattening; semantics as
+transformers' vision models (the version pinned in requirements-test.txt), written anew.
 
-Paper: the deliberative reasoner is Alpamayo-R1 (a Qwen3-VL-8B backbone; the paper era used
-Qwen2.5-VL), whose vision features fill the prompt's image placeholders: ~2,900 visual tokens
-against 48 history tokens (docs/background.md, "Qwen3-VL's vision tower and DeepStack").
+Paper: the deliberative reasoner Alpamayo-R1 (Qwen3-VL-8B; the paper era used Qwen2.5-VL) fills the prompt's image
+placeholders with ~2,900 visual tokens (docs/background.md, "Qwen3-VL's vision tower and DeepStack").
 
-Letters: N patches (every frame of every image / video, in patchify order), C tower width,
-m spatial merge, hd head dim, n_seg attention segments (frames or windows), Lmax their longest.
+Letters: N patches (every frame of every image / video, in patchify order), C tower width, m spatial merge, hd head
+dim, n_seg attention segments (frames or windows), Lmax their longest.
 
 run: python -m pytest -q tests/test_model.py tests/test_checkpoint.py
 """
@@ -48,9 +46,7 @@ class VisionConfig:
 
 
 # ---- shared layers ----
-class RMSNorm(nn.Module):
-    """Qwen's RMSNorm, used by the Qwen2.5-VL tower and the decoder (model.py)."""
-
+class RMSNorm(nn.Module):  # Qwen's, for the Qwen2.5-VL tower and the decoder (model.py)
     def __init__(self, dim, eps=1e-6):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
@@ -108,9 +104,7 @@ class VisionAttention(nn.Module):
         return self.proj(y.transpose(1, 2)[valid].reshape(N, C))  # (n_seg, Lmax, heads, hd) -> (N, C)
 
 
-class VisionMLP(nn.Module):
-    """Qwen2.5-VL's SwiGLU or Qwen3-VL's GELU MLP, each with its Hugging Face parameter names."""
-
+class VisionMLP(nn.Module):  # Qwen2.5-VL's SwiGLU or Qwen3-VL's GELU MLP, each with its Hugging Face names
     def __init__(self, vc: VisionConfig):
         super().__init__()
         self.swiglu, C, inter = vc.family == "qwen2_5_vl", vc.hidden, vc.intermediate
@@ -125,15 +119,12 @@ class VisionMLP(nn.Module):
         return self.linear_fc2(F.gelu(self.linear_fc1(x), approximate="tanh"))  # Qwen3-VL: gelu_pytorch_tanh
 
 
-class VisionBlock(nn.Module):
-    """Pre-norm attention + MLP: Qwen2.5-VL's RMSNorm and SwiGLU, or Qwen3-VL's LayerNorm and GELU MLP."""
-
+class VisionBlock(nn.Module):  # pre-norm attention + MLP; Qwen2.5-VL's norm is RMSNorm, Qwen3-VL's LayerNorm
     def __init__(self, vc: VisionConfig):
         super().__init__()
         qwen3 = vc.family == "qwen3_vl"
         norm = (lambda: nn.LayerNorm(vc.hidden, eps=1e-6)) if qwen3 else (lambda: RMSNorm(vc.hidden))  # noqa: E731
-        self.norm1, self.norm2, self.attn = norm(), norm(), VisionAttention(vc)
-        self.mlp = VisionMLP(vc)
+        self.norm1, self.norm2, self.attn, self.mlp = norm(), norm(), VisionAttention(vc), VisionMLP(vc)
 
     def forward(self, x, cos, sin, seg):
         x = x + self.attn(self.norm1(x), cos, sin, seg)
@@ -227,9 +218,8 @@ class Qwen3PatchMerger(nn.Module):
 
 
 class Qwen3VisionTower(_Tower):
-    """Qwen3-VL ViT: patch embedding (with bias) plus a learned position embedding (position_embedding); blocks with 2D
-    rotary positions and full attention within each frame; the final m x m patch merger, and one DeepStack merger per
-    listed block whose features the decoder adds at the visual positions of its first layers."""
+    """Qwen3-VL ViT: patch embedding (with bias) plus learned positions; 2D rotary blocks, full attention per frame; the
+    m x m merger, and a DeepStack merger per listed block, whose features the first decoder layers add."""
 
     def __init__(self, vc: VisionConfig, out_dim):
         super().__init__(vc, bias=True)
@@ -281,8 +271,7 @@ def patchify(frames, patch_size, temporal_patch_size, merge_size):
     if T % tp:
         frames = torch.cat([frames, frames[-1:].expand(tp - T % tp, -1, -1, -1)])
     gt, gh, gw = frames.shape[0] // tp, H // p, W // p
-    # (gt*tp, C, gh*p, gw*p) -> (gt*gh*gw, C*tp*p*p): patches by (t, block row, block col, row in block,
-    # col in block), each patch flattened as (C, tp, p, p)
+    # (gt*tp, C, gh*p, gw*p) -> (gt*gh*gw, C*tp*p*p): patches in merge-block order, each flattened as (C, tp, p, p)
     x = rearrange(frames, "(gt tp) c (bh mr ph) (bw mc pw) -> (gt bh bw mr mc) (c tp ph pw)",
                   tp=tp, mr=m, mc=m, ph=p, pw=p)
     return x, torch.tensor([gt, gh, gw])
