@@ -1,15 +1,13 @@
 """Alpamayo-R1's flow-matching action expert: the trajectory step that follows the chain of causation.
 
-A decoder stack of its own width (the VLM's layer count, KV heads and head_dim: expert layer i attends to layer i of
-the VLM's KV cache of prompt + CoC + <|traj_future_start|>) runs over 64 action tokens, one per 0.1 s step. Each
-token's input is the Fourier features of its normalised (acceleration, curvature) and of the flow time t through a
-small MLP; the tokens see the whole cache and each other, at positions continuing after <|traj_future_start|> on all
-three M-RoPE axes. `action_out_proj` reads the flow's velocity; 10 Euler steps carry noise (t = 0) to actions
-(t = 1), which the unicycle model integrates from the current speed into 64 waypoints at 10 Hz.
+A decoder stack of its own width (the VLM's layer count, KV heads and head_dim; layer i attends to layer i of the VLM's
+KV cache of prompt + CoC + <|traj_future_start|>) runs over 64 action tokens, one per 0.1 s step, each the Fourier
+features of its normalised (acceleration, curvature) and of the flow time t through a small MLP; they see the whole
+cache and each other, at positions after <|traj_future_start|> on all three M-RoPE axes. `action_out_proj` reads the
+flow's velocity; 10 Euler steps carry noise (t = 0) to actions (t = 1), which the unicycle model integrates.
 
-Paper: the deliberative reasoner is the unmodified Alpamayo-R1; RSD accelerates its reasoning step and leaves this
-one as it is (docs/background.md, "Alpamayo-R1's action expert"). Facts from NVIDIA's public Alpamayo-R1 code
-(models/alpamayo_r1.py, action_in_proj.py, diffusion/flow_matching.py, action_space/unicycle_accel_curvature.py).
+Paper: RSD accelerates the unmodified Alpamayo-R1's reasoning step and leaves this one as it is (docs/background.md,
+"Alpamayo-R1's action expert"; facts from NVIDIA's public Alpamayo-R1 code).
 Letters: B batch, N action tokens, De expert width, F Fourier features per input, L tokens in the VLM cache.
 
 run: python -m pytest -q tests/test_alpamayo.py
@@ -119,8 +117,7 @@ class ActionInProj(nn.Module):
         c, N = self.cfg, x.shape[1]
         feats = [fourier(x[..., i], c.fourier_feats, c.max_freq) for i in range(2)]  # 2 x (B, N, F)
         feats.append(fourier(t, c.fourier_feats, c.max_freq)[:, None].expand(-1, N, -1))  # (B, F) -> (B, N, F)
-        h = self.encoder.trunk(torch.cat(feats, -1).to(self.norm.weight.dtype))  # (B, N, 3F) -> (B, N, De)
-        return self.norm(h)
+        return self.norm(self.encoder.trunk(torch.cat(feats, -1).to(self.norm.weight.dtype)))  # 3F -> De
 
 
 # ---- the expert ----
@@ -141,30 +138,25 @@ class ActionExpert(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, vlm.rms_norm_eps)
         self.action_in_proj = ActionInProj(cfg)
         self.action_out_proj = nn.Linear(cfg.hidden_size, 2)
-        # the rotary frequencies by device, built once there: rebuilding them on the CPU and copying them over at
-        # every Euler step would put a host sync inside the timed action stage (a dict, not a buffer, so a dtype
-        # conversion of the module cannot round them)
+        # rotary frequencies per device, built once (a copy per Euler step would host-sync inside the timed action
+        # stage); a dict, not a buffer: a dtype conversion of the module cannot round them
         self._inv_freq = {}
 
-    def inv_freq(self, device):
-        f = self._inv_freq.get(device)
-        if f is None:
-            c = self.layer_cfg
-            f = self._inv_freq[device] = rope_inv_freq(c.head_dim, c.rope_theta).to(device)  # (hd/2,) fp32
-        return f
+    def inv_freq(self, device):  # (hd/2,) fp32
+        if device not in self._inv_freq:
+            self._inv_freq[device] = rope_inv_freq(self.layer_cfg.head_dim, self.layer_cfg.rope_theta).to(device)
+        return self._inv_freq[device]
 
     def stack(self, h, cache: KVCache):
         """Action tokens h (B, N, De) -> (B, N, De), each layer attending to the same layer of `cache` (prompt + CoC +
         <|traj_future_start|>) and to all N tokens. Their K/V are written after cache.length, which never advances:
         the cache is unchanged for the next Euler step (Alpamayo appends them, then crops back)."""
-        B, N, _ = h.shape
-        L = cache.length
+        N, L = h.shape[1], cache.length
         if L + N > cache.max_len:
             raise ValueError(f"the expert's {N} action tokens need a KV cache of {L} + {N} slots, max_len is "
                              f"{cache.max_len}")
         pos = decode_positions(L, N, cache.rope_delta)  # (B, N): after <|traj_future_start|>, equal on t, h, w
-        cos, sin = rope_cos_sin(pos, self.inv_freq(h.device))
-        cos, sin = cos.to(h.dtype).unsqueeze(2), sin.to(h.dtype).unsqueeze(2)  # (B, N, 1, hd)
+        cos, sin = (t.to(h.dtype).unsqueeze(2) for t in rope_cos_sin(pos, self.inv_freq(h.device)))  # (B, N, 1, hd)
         mask = None if cache.key_mask is None else cache.key_mask[:, None, None, :L + N]  # (B, 1, 1, L + N)
         for i, layer in enumerate(self.layers):
             h = layer(h, cos, sin, cache, i, mask)  # not causal: bidirectional action tokens
@@ -182,8 +174,7 @@ class ActionExpert(nn.Module):
         B, n = cache.k.shape[1], self.cfg.euler_steps
         x = torch.randn(B, self.cfg.n_waypoints, 2, generator=generator, device=cache.k.device)
         for k in range(n):
-            t = torch.full((B,), k / n, device=x.device)
-            x = x + self.velocity(x, t, cache) / n
+            x = x + self.velocity(x, torch.full((B,), k / n, device=x.device), cache) / n  # t = k / n
         return x
 
     def forward(self, cache, v0, generator=None):
