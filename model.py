@@ -104,7 +104,7 @@ QWEN3_VISION = VisionConfig(family="qwen3_vl", patch_size=16, temporal_patch_siz
                             deepstack_visual_indexes=(8, 16, 24))
 QWEN_IDS = dict(image_token_id=151655, video_token_id=151656, vision_start_token_id=151652)
 PRESETS = {
-    # the toy target (train.target_config sets vocab, token ids, vision); why 20 narrow layers and base 1e4: docs/
+    # the toy target (train.target_config sets vocab, token ids, vision); why this shape: docs/toy-notes.md
     "toy-target": ModelConfig(hidden_size=128, n_layers=20, n_heads=2, n_kv_heads=1, intermediate_size=384,
                               rope_theta=1e4),
     # real shapes, random weights (benchmarks)
