@@ -1,31 +1,15 @@
-"""AARL: Action-aware RL post-training of the routine reasoner (the FlatRoPE draft).
-
-Paper: AARL post-trains the draft with an action-quality reward (how good is the trajectory that
-follows from the drafted reasoning) plus a KL penalty to a *static* reference, the frozen SFT
-draft, rather than a moving one (docs/background.md).
-
-The objective per scene s, with G CoCs c_1..c_G sampled from the draft q:
+"""AARL: Action-aware RL post-training of the routine reasoner (the FlatRoPE draft). Paper: an action-quality reward
+(how good the trajectory that follows from the drafted reasoning is) plus a KL penalty to a *static* reference, the
+frozen SFT draft, rather than a moving one (docs/background.md). Per scene s, with G CoCs c_1..c_G sampled from q:
 
     r_i   = -ADE(traj_p(s, c_i), traj_gt)  +  w_agree * agree(c_i)
     A_i   = (r_i - mean_j r_j) / (std_j r_j + eps)                  (group-relative, GRPO)
     loss  = -mean_i A_i * mean_t log q(c_i,t)  +  beta * mean_t KL(q || q_ref)
 
-Why each choice:
-- traj_p is the *target's* trajectory head read after prompt + c_i: the draft proposes the
-  reasoning, the unmodified VLA turns it into an action, so the reward scores the reasoning by the
-  action it leads to (the paper's action-quality reward). It is deterministic given c_i.
-- agree(c_i) is the share of c_i's tokens that equal the target's greedy choice after the same
-  prefix, each the event "this draft token would be accepted" of greedy verification. The action
-  term is flat across rollouts that differ only in words the trajectory does not depend on, and
-  this term is what tau measures; w_agree = 0 gives the pure action reward (a flag).
-- Group-relative advantages rather than REINFORCE with a learned baseline: G rollouts of the same
-  scene give an unbiased per-scene baseline for free, with no value network to train, and
-  normalising by the group's spread keeps the step size independent of the reward's scale.
-- KL(q || q_ref) is computed exactly over the vocabulary at every sampled position (the toy
-  vocabulary is small), not by a sampled estimator, so it is zero exactly at the reference.
-- The reference: "static" is the frozen SFT draft (the paper's anchor); the ablations are
-  "moving", the reference reset to the current policy every `refresh` updates (K >= 10, so its KL
-  is not zero between resets: an anchor that follows the policy), and "none" (beta = 0).
+traj_p is the *target's* trajectory head after prompt + c_i: the draft proposes the reasoning, the unmodified VLA turns
+it into the action the reward scores. agree(c_i) is the share of c_i's tokens equal to the target's greedy choice after
+the same prefix (what tau measures; w_agree = 0: the pure action reward). KL(q || q_ref) is exact over the vocabulary.
+Ablations of the reference: "moving" (reset to the policy every `refresh` >= 10 updates) and "none" (beta = 0).
 
 run: python aarl.py --reference static|moving|none --seed S [--json]   (needs a run folder from train.py; writes
      runs/aarl/draft_aarl[_REFERENCE]_s<S> by default, never over the shipped checkpoints)

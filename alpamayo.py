@@ -1,15 +1,9 @@
 """Alpamayo-R1's prompt, built from a folder's own tokenizer and image processor, and the whole plan on pixels that
-`bench.py --target` times. Paper: Alpamayo-R1 is the deliberative reasoner (target) that RSD accelerates.
-
-Layout (NVIDIA's public Alpamayo-R1 inference code; docs/background.md, "The Alpamayo-R1 prompt layout"): a system
-turn; a user turn of 16 images (4 cameras x 4 frames, each <|vision_start|> <|image_pad|> x n <|vision_end|>), then
-<|traj_history_start|>, 48 history ids, <|traj_history_end|> and the instruction; the assistant turn opened with
-<|cot_start|>, which the model continues with the chain of causation, <|cot_end|> and <|traj_future_start|>.
-
-The text goes through the tokenizer's chat template, the images through the Qwen-VL image processor (transformers, an
-optional extra; not AutoProcessor: Qwen3-VL's also builds a video processor, which needs torchvision). History tokens
-(`HistoryTokenizer`): per-step (x, y, z) deltas of the 16 past poses (10 Hz, ego frame at the current pose), each
-binned uniformly over [xyz_min, xyz_max], bin b of every axis being id first_id + b, after the future trajectory's.
+`bench.py --target` times. Paper: Alpamayo-R1 is the deliberative reasoner (target) that RSD accelerates. The layout
+(NVIDIA's public inference code; docs/background.md, "The Alpamayo-R1 prompt layout"): a system turn; a user turn of
+16 images (4 cameras x 4 frames, each <|vision_start|> <|image_pad|> x n <|vision_end|>), 48 history ids between
+<|traj_history_start|> and <|traj_history_end|> (HistoryTokenizer), the instruction; the assistant turn opened with
+<|cot_start|>. Images: the Qwen-VL image processor (not AutoProcessor: Qwen3-VL's also needs torchvision).
 
 run: python bench.py --device cuda --target ALPAMAYO_DIR [--images-dir CAMERAS]   (tests: tests/test_alpamayo.py)
 """
@@ -39,9 +33,6 @@ TOKENS = ("<|traj_history_start|>", "<|traj_history|>", "<|traj_history_end|>", 
           "<|traj_future_start|>")  # Alpamayo's added tokens the prompt and the plan need
 
 
-# ---- the prompt: history tokens, chat template, images ----
-
-
 @dataclass
 class HistoryTokenizer:
     first_id: int  # vocabulary id of bin 0
@@ -62,8 +53,7 @@ class HistoryTokenizer:
                    xyz_max=tuple(hist.get("ego_xyz_max", cls.xyz_max)))
 
     def encode(self, xyz):
-        """Past poses xyz (B, 16, 3) -> vocabulary ids (B, 48) in (pose, axis) order. The first delta
-        is the oldest pose itself (from the origin), as upstream; it saturates for histories > 4 m."""
+        """Past poses (B, 16, 3) -> ids (B, 48), (pose, axis) order; the first delta is the oldest pose, as upstream."""
         lo, hi = torch.tensor(self.xyz_min), torch.tensor(self.xyz_max)
         deltas = torch.diff(xyz.float(), dim=1, prepend=torch.zeros_like(xyz[:, :1]).float())  # (B, 16, 3)
         bins = ((deltas - lo) / (hi - lo) * (self.num_bins - 1)).round().long().clamp(0, self.num_bins - 1)
@@ -71,9 +61,8 @@ class HistoryTokenizer:
 
 
 def build_prompt(folder, images, history_xyz, processor_dir=None, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS):
-    """Alpamayo-R1's prompt for one scene -> {input_ids (1, L), pixel_values (N, C*tp*p*p), image_grid_thw
-    (n_images, 3)}. folder: the checkpoint; processor_dir (default folder): its tokenizer, with Alpamayo's added tokens,
-    and image processor. images: (n_images, 3, H, W) uint8, cameras then frames; history_xyz: (16, 3) past poses."""
+    """One scene's prompt -> {input_ids (1, L), pixel_values (N, C*tp*p*p), image_grid_thw (n_images, 3)}. images
+    (n_images, 3, H, W) uint8, cameras then frames; history_xyz (16, 3) past poses; processor_dir: default folder."""
     from transformers import AutoImageProcessor, AutoTokenizer  # optional extra: only this function needs it
 
     where = os.path.join(folder, hf.CONFIG)
@@ -104,8 +93,7 @@ def build_prompt(folder, images, history_xyz, processor_dir=None, min_pixels=MIN
     counts = (vis["image_grid_thw"].prod(-1) // proc.merge_size ** 2).tolist()  # merged tokens per image
     text = pieces[0] + "".join("<|image_pad|>" * n + p for n, p in zip(counts, pieces[1:]))
     ids = tok(text, return_tensors="pt", add_special_tokens=False)["input_ids"]  # (1, L)
-    slots = ids == vocab["<|traj_history|>"]
-    ids[slots] = hist.encode(torch.as_tensor(history_xyz)[None]).flatten()  # placeholders -> history ids
+    ids[ids == vocab["<|traj_history|>"]] = hist.encode(torch.as_tensor(history_xyz)[None]).flatten()  # (48,)
     return {"input_ids": ids, "pixel_values": vis["pixel_values"], "image_grid_thw": vis["image_grid_thw"]}
 
 
@@ -151,8 +139,7 @@ def real_prompt(cfg: M.ModelConfig, device, n_images=16, grid=(1, 20, 36), n_his
     ids += text(n_history + 2) + text(16)
     prompt = {"input_ids": torch.tensor([ids], device=device),
               "image_grid_thw": torch.tensor([grid] * n_images, device=device)}
-    if cfg.vision is not None:
-        v = cfg.vision
+    if (v := cfg.vision) is not None:
         dim = v.in_channels * v.temporal_patch_size * v.patch_size ** 2
         prompt["pixel_values"] = torch.randn(n_images * grid[0] * grid[1] * grid[2], dim, generator=g).to(device)
     return prompt
@@ -200,8 +187,7 @@ def load(args, device, dtype):
         why = (f"no tokenizer in {src}" if not has_tokenizer(src) else
                f"{os.path.join(args.target, hf.CONFIG)} has no traj_token_ids (not an Alpamayo-R1 config)")
         how = f"placeholder text ids around real pixels ({why})"
-    prompt = {k: v.to(device) for k, v in prompt.items()}
-    prompt["pixel_values"] = prompt["pixel_values"].to(dtype)
+    prompt = {k: v.to(device, dtype) if k == "pixel_values" else v.to(device) for k, v in prompt.items()}
     return target, draft, prompt, stop, tok, how
 
 
@@ -246,9 +232,6 @@ def report_lines(res):
             "ms   trajectory (action expert) " + (f"{res['trajectory_ms']:.2f} ms" if w else "none: no action expert"),
             f"CoC (routine, [deliberative]): {res['coc']}"] + ([] if not w else [
             f"trajectory     {len(w)} waypoints (x, y) m, 10 Hz: 1 s {at(9)}, 3 s {at(29)}, last {at(-1)}"])
-
-
-# ---- the --target flags ----
 
 
 def add_flags(ap):

@@ -1,8 +1,6 @@
-"""Timing and what a reader of a benchmark number needs to trust it: the cost model (Leviathan et al. Theorem 3.8),
-expected from alpha or from measured T_target, T_draft (a synchronised clock, medians of single steps, the speed-ups
-they predict for a chain or a draft tree); the software and device a number was measured on, peak memory, what the
-compiled steps really did (CompileWatch), which attention kernel ran each step, and where a greedy output parts
-from target-only decoding (a near-tie of the dtype, or a bug).
+"""What a benchmark number needs to be trusted: the cost model (Leviathan et al. Theorem 3.8; from alpha, or from
+measured step times for a chain or a draft tree), the runtime, peak memory, what compiled steps did (CompileWatch),
+which attention kernel ran, and where a greedy output parts from target-only decoding (a dtype's near-tie, or a bug).
 
 run: python bench.py --device cpu --json        (the JSON's cost_model, environment, peak_memory, sdpa and compiled keys)
 """
@@ -26,23 +24,17 @@ from speculate import EMBED_KEYS, prefill
 
 
 class Clock:
-    """Wall-clock marks for timing=True: the device is synchronised before each reading, so
-    queued GPU work is counted where it belongs (prefill vs decode). Disabled: no syncs.
-    timer: the clock read; time.process_time counts only this process's CPU time, which on a CPU
-    shared with other work is its own cost where the wall clock would add its waits (CPU only)."""
+    """Clock marks, the device synchronised before each (queued GPU work counted where it belongs); disabled: no syncs.
+    timer: the clock read; time.process_time counts this process's CPU time alone, without a shared CPU's waits."""
 
     def __init__(self, device, enabled, timer=time.perf_counter):
-        self.enabled = enabled
-        self.cuda = enabled and torch.device(device).type == "cuda"
-        self.timer = timer
+        self.enabled, self.timer, self.cuda = enabled, timer, enabled and torch.device(device).type == "cuda"
         self.t = self.now()
 
     def now(self):
-        if not self.enabled:
-            return 0.0
-        if self.cuda:
+        if self.cuda:  # only when enabled
             torch.cuda.synchronize()
-        return self.timer()
+        return self.timer() if self.enabled else 0.0
 
     def lap(self):
         t, self.t = self.t, self.now()
@@ -50,8 +42,7 @@ class Clock:
 
 
 def median_time(fn, device, reps, timer=time.perf_counter):
-    """Median time (s) of fn() over reps calls, after one warm-up call, read with Clock (timer: its clock, by default
-    the wall clock)."""
+    """Median time (s) of fn() over reps calls, after one warm-up call, read with Clock (timer: its clock)."""
     fn()
     clock, times = Clock(device, enabled=True, timer=timer), []
     for _ in range(reps):
@@ -63,17 +54,33 @@ def median_time(fn, device, reps, timer=time.perf_counter):
 
 @torch.no_grad()  # not inference_mode: a compiled step warmed up under no_grad would compile again under it
 def step_times(target, draft, prompt, lengths, reps=20, timer=time.perf_counter):
-    """The measured cost model's step times in seconds: {"target": {n: T_target(n) for n in lengths}, "draft":
-    T_draft(1)}, each a single forward on a cache that holds the prompt, followed by a crop back to it (the
-    verifier's rollback). timer: Clock's clock (time.process_time: CPU time, for a shared CPU)."""
-    device = prompt["input_ids"].device
-    L = prompt["input_ids"].shape[1]
+    """The measured cost model's step times (s): {"target": {n: T_target(n) for n in lengths}, "draft": T_draft(1)}."""
+    time_step = _step_timer(target, prompt, reps, timer)
+    return {"target": {n: time_step(target, n) for n in lengths}, "draft": time_step(draft, 1)}
+
+
+@torch.inference_mode()
+def tree_step_times(target, draft, prompt, nodes, width, reps=20, timer=time.perf_counter):
+    """The tree round's step times (s): {"target": {n: T_verify(n + 1) for n in nodes} (x_last and n nodes),
+    "draft_level": T_draft(width), one level's forward over `width` expanded nodes}."""
+    time_step = _step_timer(target, prompt, reps, timer, tree=True)
+    return {"target": {n: time_step(target, n + 1) for n in nodes}, "draft_level": time_step(draft, width)}
+
+
+def _step_timer(target, prompt, reps, timer, tree=False):
+    """(m, n) -> median_time of one n-token forward of m after the prompt: with tree a VLA.step as tree_round calls it
+    (the mask's values do not change the work), else a forward and a crop back to the prompt (the verifier's undo)."""
+    device, L = prompt["input_ids"].device, prompt["input_ids"].shape[1]
     embeds = target.embed(**{k: prompt[k] for k in EMBED_KEYS if prompt.get(k) is not None})  # (1, L, D)
 
     def time_step(m, n):
         cache = m.new_cache(batch=1, max_len=L + n)
         prefill(m, prompt, embeds, cache)  # the prompt except its last token
         x = prompt["input_ids"][:, -1:].repeat(1, n)  # (1, n) tokens; their values do not matter for time
+        if tree:
+            slots = torch.arange(L - 1, L - 1 + n, device=device)  # (n,)
+            mask = torch.arange(cache.max_len, device=device)[None] <= slots[:, None]  # (n, S)
+            return median_time(lambda: m.step(x, slots, cache, positions=slots, mask=mask), device, reps, timer)
         base = cache.length
 
         def step():
@@ -82,28 +89,7 @@ def step_times(target, draft, prompt, lengths, reps=20, timer=time.perf_counter)
 
         return median_time(step, device, reps, timer)
 
-    return {"target": {n: time_step(target, n) for n in lengths}, "draft": time_step(draft, 1)}
-
-
-@torch.inference_mode()
-def tree_step_times(target, draft, prompt, nodes, width, reps=20, timer=time.perf_counter):
-    """The tree round's step times in seconds, each a single VLA.step on a cache that holds the prompt (as
-    tree_round calls it; the mask's values do not change the work): {"target": {n: T_verify(n + 1)} for n in nodes,
-    the target over x_last and n nodes, "draft_level": T_draft(width), one level's forward over `width` expanded
-    nodes}."""
-    device = prompt["input_ids"].device
-    L = prompt["input_ids"].shape[1]
-    embeds = target.embed(**{k: prompt[k] for k in EMBED_KEYS if prompt.get(k) is not None})  # (1, L, D)
-
-    def time_step(m, n):
-        cache = m.new_cache(batch=1, max_len=L + n)
-        prefill(m, prompt, embeds, cache)
-        x = prompt["input_ids"][:, -1:].repeat(1, n)  # (1, n)
-        slots = torch.arange(L - 1, L - 1 + n, device=device)  # (n,)
-        mask = torch.arange(cache.max_len, device=device)[None] <= slots[:, None]  # (n, S)
-        return median_time(lambda: m.step(x, slots, cache, positions=slots, mask=mask), device, reps, timer)
-
-    return {"target": {n: time_step(target, n + 1) for n in nodes}, "draft_level": time_step(draft, width)}
+    return time_step
 
 
 def tree_speedup(tau, t_target_1, t_draft_1, t_draft_level, t_verify, shape):
@@ -119,9 +105,7 @@ def measured_speedup(tau, t_target_1, t_draft_1, t_target_gamma1, gamma):
 
 def expected_tau(alpha, gamma):
     """Expected tokens per round for an i.i.d. acceptance rate alpha: (1 - a^(g+1)) / (1 - a)."""
-    if alpha >= 1.0:
-        return gamma + 1.0
-    return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
+    return gamma + 1.0 if alpha >= 1.0 else (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
 
 
 def expected_speedup(alpha, gamma, c):
@@ -170,7 +154,15 @@ class CompileWatch:
         self.counters, self.phase, self.counts, self.patched, self.skip_reasons = counters, "compile", {}, [], []
         self.graphs, self.skips0 = {"captured": 0, "replayed": 0}, counters["inductor"]["cudagraph_skips"]
         for name, dec in decoders.items():
-            dec._step = self._counted(name, dec._step)
+            def counted(input_ids, input_pos, cache, _name=name, _step=dec._step):
+                before = self.counters["stats"]["unique_graphs"]
+                out = _step(input_ids, input_pos, cache)
+                c = self.counts.setdefault(self.phase, {}).setdefault(f"{_name} T={input_ids.shape[1]}",
+                                                                      {"calls": 0, "compilations": 0})
+                c["calls"] += 1
+                c["compilations"] += self.counters["stats"]["unique_graphs"] - before
+                return out
+            dec._step = counted
         self.cuda = any(dec.copy_out for dec in decoders.values())  # compiled on CUDA: CUDA graphs expected
         if self.cuda:
             G = torch.cuda.CUDAGraph
@@ -188,17 +180,6 @@ class CompileWatch:
                 self.patched.append(lambda: log.removeHandler(handler))
             except (ImportError, AttributeError):
                 pass  # the skip counter still counts them, without reasons
-
-    def _counted(self, name, step):
-        def counted(input_ids, input_pos, cache):
-            before = self.counters["stats"]["unique_graphs"]
-            out = step(input_ids, input_pos, cache)
-            c = self.counts.setdefault(self.phase, {}).setdefault(f"{name} T={input_ids.shape[1]}",
-                                                                  {"calls": 0, "compilations": 0})
-            c["calls"] += 1
-            c["compilations"] += self.counters["stats"]["unique_graphs"] - before
-            return out
-        return counted
 
     def next_phase(self, name):
         self.phase = name
@@ -264,8 +245,7 @@ def sdpa_kernel_of(args, kwargs):
         except (AttributeError, TypeError, RuntimeError) as e:
             info["dispatcher"] = f"unknown ({type(e).__name__}: {str(e)[:100]})"
     info["backends"] = {}
-    for b in (b for b in ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION", "MATH")
-              if hasattr(SDPBackend, b)):
+    for b in ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION", "MATH"):  # all in torch >= 2.4
         try:
             with warnings.catch_warnings(), sdpa_kernel([getattr(SDPBackend, b)]):
                 warnings.simplefilter("ignore")  # the refusal's reasons come again in the error

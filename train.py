@@ -1,13 +1,8 @@
-"""Training on the synthetic driving world: SFT of the deliberative reasoner (the target
-VLA) and distillation of the two routine-reasoner drafts from it.
-
-Paper: the target is the unmodified VLA (Alpamayo-R1 style: CoC next-token loss plus a
-trajectory loss); the drafts are the paper's routine reasoner (FlatRoPE, 1D positions) and the
-baseline replica draft of standard speculative decoding (the target's M-RoPE), trained with the
-same data, steps and seed so that only the position scheme differs. The SFT FlatRoPE draft is
-also AARL's static reference (aarl.py). Both drafts are distilled in one loop: every step runs
-the frozen target once (its prompt embeddings and its CoC distributions p) and updates each
-draft q with the forward KL(p || q) on the CoC positions, which halves the cost without coupling the drafts.
+"""Training on the synthetic driving world: SFT of the deliberative reasoner (the target VLA, Alpamayo-R1 style: CoC
+next-token loss plus a trajectory loss) and distillation of the two routine-reasoner drafts, FlatRoPE (1D positions)
+and the M-RoPE replica of standard speculative decoding (same data, steps and seed: only the position scheme differs),
+in one loop: each step runs the frozen target once and updates each draft q with KL(p || q) on the CoC positions.
+The SFT FlatRoPE draft is also AARL's static reference (aarl.py).
 
 run: python train.py --device cpu                 (target + both drafts into runs/toy; --help lists the flags)
      torchrun --nproc_per_node 2 train.py         (the same with DistributedDataParallel)
@@ -67,9 +62,8 @@ class TrainConfig:
 def target_config(tok: driving.Tokenizer, preset="toy-target") -> M.ModelConfig:
     """The toy target: model.PRESETS[preset] with the world's vocabulary, token ids and raster channels."""
     base = M.PRESETS[preset]
-    # The world's tokenisation, every block windowed to one merged token (12 px): a random frame-wide attention block
-    # would mix the off-lane decoy's kind into the in-lane actor's token; a pretrained tower keeps tokens local, a
-    # random one has to be made to. One block of width 32 keeps ~3,500 patches cheap (docs/toy-notes.md).
+    # Every block windowed to one merged token (12 px): a random frame-wide block would mix the off-lane decoy's kind
+    # into the in-lane actor's token (a pretrained tower keeps tokens local); one 32-wide block: docs/toy-notes.md.
     vision = replace(base.vision, in_channels=len(driving.CHANNELS), patch_size=driving.PATCH, temporal_patch_size=1,
                      spatial_merge_size=driving.MERGE, window_size=driving.PATCH * driving.MERGE,
                      fullatt_block_indexes=(), depth=1, hidden=32, heads=2, intermediate=64)
@@ -80,8 +74,7 @@ def target_config(tok: driving.Tokenizer, preset="toy-target") -> M.ModelConfig:
 
 
 def target_views(cfg: TrainConfig):
-    """step -> the surround-view count of the target's batch at that step: 0 with probability p_no_views, else uniform
-    in 1..max_views, seeded by (seed, step) so that a resumed run sees the same geometry."""
+    """step -> its batch's views: 0 at probability p_no_views, else uniform in 1..max_views, seeded by (seed, step)."""
     def views(step):
         g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
         if cfg.max_views == 0 or float(torch.rand((), generator=g)) < cfg.p_no_views:
@@ -98,9 +91,8 @@ def make_drafts(target, preset, vocab_ids=None):
 
 
 def select_draft_vocab(cocs, k, stop_id, vocab_size):
-    """The K ids of a reduced-vocabulary draft head (EAGLE-3's reduced draft vocabulary), a long tensor (K), most
-    frequent first: the stop token (<cot_end>: a draft without it could never propose the end) and the K - 1 other ids
-    most frequent in `cocs` (id lists: the training CoCs), ties and never-seen ids by id."""
+    """EAGLE-3's reduced draft vocabulary (K,), most frequent first: the stop token (<cot_end>: without it a draft could
+    never propose the end) and the K - 1 other ids commonest in `cocs` (training CoCs), ties and unseen ids by id."""
     if not isinstance(k, int) or not 1 <= k <= vocab_size:
         raise ValueError(f"draft vocabulary K must be an int in 1..{vocab_size} (the target's vocabulary), got {k!r}")
     if not 0 <= stop_id < vocab_size:
@@ -133,12 +125,9 @@ def target_loss(target, batch, traj_weight):
 
 
 def distill_loss(draft, embeds, p_logp, batch):
-    """Forward KL(p || q) averaged over CoC positions; p_logp (N, V) are the target's log-probs there.
-
-    A reduced-vocabulary draft (vocab_ids, K ids) has q = 0 outside its set, so KL(p || q) is infinite wherever p
-    puts mass there. Its loss is KL(p_S || q) over the K ids, p_S being p restricted to the set and renormalised: per
-    position the q on the set that minimises it is p_S, the same q that minimises the finite part of KL(p || q)
-    (sum over the set of p log(p / q)), and so the draft that best matches the target where it can propose."""
+    """Forward KL(p || q) averaged over CoC positions; p_logp (N, V) are the target's log-probs there. A reduced-
+    vocabulary draft (K ids) has q = 0 elsewhere, where KL(p || q) is infinite: its loss is KL(p_S || q), p_S being p
+    renormalised on the set, minimised by the q that minimises the finite part of KL(p || q) (the sum over the set)."""
     logits_q = draft(batch["input_ids"], inputs_embeds=embeds, **grid_kwargs(batch))  # (B, L, V)
     logits_q = logits_q[batch["loss_mask"]].float()  # (N, V)
     ids = getattr(getattr(draft, "module", draft), "vocab_ids", None)  # .module: under DDP
@@ -150,8 +139,7 @@ def distill_loss(draft, embeds, p_logp, batch):
 
 # ---- stages ----
 def update(opt, loss, model, step, steps, lr, cfg):
-    """One clipped AdamW step at the schedule's lr: linear warm-up over cfg.warmup steps, then cosine decay to 10% of
-    the peak lr at `steps`."""
+    """One clipped AdamW step; lr: linear warm-up over cfg.warmup steps, then cosine decay to 10% of it at `steps`."""
     frac = (step - cfg.warmup) / max(1, steps - cfg.warmup)
     lr = lr * (step + 1) / cfg.warmup if step < cfg.warmup else lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
     for grp in opt.param_groups:
@@ -246,11 +234,8 @@ def run(cfg: TrainConfig, stage="all", log=print):
         t0 = time.time()
         train = Data("train", cfg.n_train, cfg.seed, tok, views=cfg.views)
         val = Data("val", cfg.n_val, cfg.seed, tok, views=cfg.views)
-        out = {}
-        if stage in ("all", "target"):
-            out["target"] = train_target(cfg, tok, train.with_views(target_views(cfg)), val, rank, world, device, log)
-        else:
-            out["target"] = checkpoint.load(os.path.join(cfg.out, "target"), device=device)
+        out = {"target": train_target(cfg, tok, train.with_views(target_views(cfg)), val, rank, world, device, log)
+               if stage in ("all", "target") else checkpoint.load(os.path.join(cfg.out, "target"), device=device)}
         if stage in ("all", "drafts"):
             out["drafts"] = train_drafts(cfg, out["target"], train, rank, world, device)
         if rank == 0:
@@ -301,9 +286,8 @@ RESUMABLE_CHANGES = ("out", "device", "eval_every", "n_val", "n_test", "overwrit
 
 
 def load_state(path, models, opts, cfg, device, target=None):
-    """Resume from path if it exists -> the step to continue from (0 for a fresh start). A state written with another
-    config, or (drafts) from another target than `target`'s fingerprint, is refused, naming what differs: resuming it
-    would silently mix two runs."""
+    """Resume from path if it exists -> the step to continue from (0: fresh). A state of another config, or (drafts) of
+    another target than the `target` fingerprint, is refused, naming what differs: resuming would mix two runs."""
     if not os.path.exists(path):
         return 0
     try:
@@ -368,9 +352,8 @@ def parse_args(argv=None, parser=False):
 
 
 def check_outputs(cfg: TrainConfig, stage):
-    """Refuse, before any work, to replace what cannot be resumed unless cfg.overwrite: a target (or this seed's drafts)
-    with no *.state.pt beside it is a finished or shipped one, and a new target makes every draft of the old one stale.
-    What is not a checkpoint of the kind to be written is never replaced (checkpoint.check_output)."""
+    """Unless cfg.overwrite, refuse before any work to replace a target (or this seed's drafts) with no *.state.pt
+    beside it, a finished or shipped one (a new target makes its drafts stale); never what is not such a checkpoint."""
     todo = []
     if stage in ("all", "target"):
         todo.append((os.path.join(cfg.out, "target"), "target", "target.state.pt",
