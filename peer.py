@@ -29,8 +29,6 @@ RATIOS = (("hf_generate", "ours_target_only"), ("hf_assisted", "ours_speculative
           ("ours_target_only", "ours_speculative"))
 
 # ---- the transformers side ----
-
-
 def hf_inputs(prompt, cfg):
     """Our prompt dict (batch 1) -> transformers' generate inputs: the same tensors, an all-ones attention_mask, and
     mm_token_type_ids (1 image, 2 video placeholder), from which transformers 5 builds the M-RoPE positions."""
@@ -70,8 +68,6 @@ def flag_error(toy_mode, decoding):
 
 
 # ---- timing ----
-
-
 def one_token_forward(target, hf_target, prompt, inputs, reps=20):
     """{"ours", "hf"}: ms of one cached one-token forward of each after the same prompt (the step both decode loops
     repeat), median of reps, the cache rolled back each time: model code apart from generation-loop code."""
