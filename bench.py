@@ -2,11 +2,8 @@
 both arms in one process on the same prompts, beside the cost model that predicts their ratio (Leviathan et al.;
 docs/background.md, "Speculative decoding"): speed-up = tau T_target(1) / (gamma T_draft(1) + T_target(gamma + 1)).
 
-Paper: the reasoning step dominates a plan's latency and is what RSD accelerates (~4x on a GPU); the prefill, shared
-by both arms, is reported apart. Fairness: the same KV-cached forward and dtype in both arms, every shape warmed up,
-the device synchronised before each clock reading, the arms alternating within each repeat, medians reported. Only
-greedy outputs are compared token by token (timing.divergences names any part). Random weights (--preset, or
---target without --draft) predict the speed-up at a recorded toy acceptance (--toy-json).
+Paper: RSD accelerates the reasoning step; the prefill, shared by both arms, is reported apart. Random weights
+(--preset, or --target without --draft) predict the speed-up at a recorded toy acceptance (--toy-json).
 
 run: python bench.py --device cpu [--compile]                          (the toy, from the shipped checkpoints/toy)
      python bench.py --device cuda --preset qwen3-vl-8b [--draft-vocab 32768]  (real shapes, random weights)
@@ -32,7 +29,6 @@ import model as M
 import peer
 import static
 import timing
-from cli import DTYPES
 from evaluate import TARGET_ONLY
 from tree import TreeShape
 
@@ -45,12 +41,10 @@ COMPILED = ("target-only compiled", "speculative compiled")  # --compile's arms,
 CHAIN_ARM = "speculative chain"  # with a tree: the chain of evaluate.GAMMA, the same draft, timed in the same passes
 
 # ---- the two arms, timed in the same passes ----
-
-
 @torch.no_grad()  # the grad mode the compiled steps were warmed up in (evaluate.spec_stats): see timing.CompileWatch
 def time_arms(target, drafts, prompts, gamma, max_new, stop_token, repeats, decoding=None, extra=None, on_timed=None):
-    """{arm: {prefill_ms, ms_per_token, speedup}}: medians of `repeats` passes after a warm-up, alternating TARGET_ONLY,
-    `drafts` {name: draft} and extra {name: (target, draft or None[, gamma])}; sampled: the same seeds each pass."""
+    """{arm: {prefill_ms, ms_per_token, speedup}}: medians of `repeats` passes after a warm-up, the arms alternating;
+    extra: {name: (target, draft or None[, gamma])}; sampled: the same seeds each pass."""
     arms = {TARGET_ONLY: (target, None), **{name: (target, d) for name, d in drafts.items()}, **(extra or {})}
     arms = {name: (*arm, gamma)[:3] for name, arm in arms.items()}  # (target, draft, gamma) each
     for t, draft, g in arms.values():
@@ -65,11 +59,9 @@ def time_arms(target, drafts, prompts, gamma, max_new, stop_token, repeats, deco
                                    **evaluate.sampling_kwargs(decoding, i)) for i, p in enumerate(prompts)]
             passes[name].append((1e3 * sum(r.prefill_s for r in res) / len(res),
                                  1e3 * sum(r.decode_s for r in res) / sum(len(r.tokens) for r in res)))
-    out = {name: {"prefill_ms": median(p[0] for p in ps), "ms_per_token": median(p[1] for p in ps)}
-           for name, ps in passes.items()}
-    for arm in out.values():
-        arm["speedup"] = out[TARGET_ONLY]["ms_per_token"] / arm["ms_per_token"]
-    return out
+    ms = {name: median(p[1] for p in ps) for name, ps in passes.items()}  # per token
+    return {name: {"prefill_ms": median(p[0] for p in ps), "ms_per_token": ms[name],
+                   "speedup": ms[TARGET_ONLY] / ms[name]} for name, ps in passes.items()}
 
 
 def compiled_pair(target, draft, prompts, gamma, max_new):
@@ -82,8 +74,7 @@ def both_arms(ar, spec):  # {ar_prefill_ms, spec_prefill_ms, ar_ms_per_token, sp
 
 
 def benchmark(target, draft, prompts, gamma, max_new, stop_token=None, repeats=3, decoding=None, compile=False):
-    """One draft's record: greedy (and sampled) statistics, divergences, both arms timed, the cost model on the first
-    prompt; compile: also both arms through compiled StaticDecoder steps, checked and timed alike (res["compiled"])."""
+    """One draft's record: statistics, divergences, both arms timed, the cost model; compile: all that, compiled."""
     decoding = decoding or evaluate.decoding_mode()
     greedy = evaluate.spec_stats(target, {"speculative": draft}, prompts, gamma, max_new, stop_token)
     spec, reference = greedy["speculative"], greedy[TARGET_ONLY]["tokens"]
@@ -94,11 +85,10 @@ def benchmark(target, draft, prompts, gamma, max_new, stop_token=None, repeats=3
         watch = timing.CompileWatch({"target": ct, "draft": cd})
         clock = timing.Clock(prompts[0]["input_ids"].device, enabled=True)
         # the compiled arms' greedy outputs; the first decodes compile every step shape, and the clock says how long
-        cg = evaluate.spec_stats(ct, {"speculative": cd}, prompts, gamma, max_new, stop_token)
-        comp["compile_s"] = clock.lap()
-        comp["divergences"] = {arm: timing.divergences(target, prompts, reference, cg[key]["tokens"])
-                               for arm, key in zip(COMPILED, (TARGET_ONLY, "speculative"))}
-        comp["greedy_match"] = not any(comp["divergences"].values())
+        cg, compile_s = evaluate.spec_stats(ct, {"speculative": cd}, prompts, gamma, max_new, stop_token), clock.lap()
+        div = {arm: timing.divergences(target, prompts, reference, cg[key]["tokens"])
+               for arm, key in zip(COMPILED, (TARGET_ONLY, "speculative"))}
+        comp = {"compile_s": compile_s, "divergences": div, "greedy_match": not any(div.values())}
         extra = {COMPILED[0]: (ct, None), COMPILED[1]: (ct, cd)}
         watch.next_phase("warm-up")  # time_arms' own warm-up pass: after compile_s, so nothing may compile here
     if tree:  # the chain of evaluate.GAMMA with the same draft, in the same passes: is the tree faster here?
@@ -161,23 +151,18 @@ def decoder_json(gamma):
 
 
 # ---- the modes: the toy, a real shape (random weights), a real checkpoint ----
-
-
 def toy(args, device, dtype, decoding):
-    """The toy checkpoints (written by rsd.py) on held-out test scenes."""
     target = checkpoint.load(os.path.join(args.run, "target"), dtype=dtype, device=device).eval()
     draft_dir = args.draft or checkpoint.draft_dir(args.run, *TOY_DRAFT)
     draft = checkpoint.load(draft_dir, target=target).eval()  # in the target's dtype: they share embedding and head
     tok = driving.Tokenizer()
     prompts = evaluate.scene_prompts(driving.make_split("test", args.prompts, seed=0), tok, device, dtype, args.views)
     res = benchmark(target, draft, prompts, args.decoder, args.max_new, tok.cot_end_id, args.repeats, decoding,
-                    args.compile)
-    res.update(mode="toy", draft=draft_dir, target=os.path.join(args.run, "target"))
+                    args.compile) | {"mode": "toy", "draft": draft_dir, "target": os.path.join(args.run, "target")}
     return dict(res, peers=peer.peers(args, target, prompts, tok)) if args.peer else res
 
 
 def build_preset(name, device, dtype, layers=None, draft_vocab=0):
-    """Random weights of a preset's shape on the device, `layers` decoder layers; the draft's head over K ids."""
     cfg = dataclasses.replace(M.PRESETS[name], n_layers=layers) if layers else M.PRESETS[name]
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -191,8 +176,7 @@ def build_preset(name, device, dtype, layers=None, draft_vocab=0):
 
 
 def toy_acceptance(path, want=None):
-    """A toy bench.py report's acceptance and settings, for a random-weight prediction; a ValueError if it is none, if
-    its draft was the target itself (alpha 1 says nothing), or if `want` (decoder_json) is a tree it did not run."""
+    """A toy report's acceptance for a random-weight prediction; a ValueError if it has none worth predicting at."""
     full = path if os.path.isabs(path) or os.path.exists(path) else os.path.join(ROOT, path)
     if not os.path.isfile(full):
         raise ValueError(f"--toy-json {path}: no such file (the committed default is {TOY_ACCEPTANCE})")
@@ -206,9 +190,8 @@ def toy_acceptance(path, want=None):
     if want is not None and want["kind"] == "tree" and recorded != want:
         raise ValueError(f"--toy-json {path} ran {decoder_text(recorded)}, this run {decoder_text(want)}: a tree's "
                          "prediction needs the toy's tau with the same tree (bench.py --device cpu --json writes one)")
-    return {"source": path, "alpha": d["alpha"], "tau": d.get("tau"), "gamma": d.get("gamma"), "decoder": recorded,
-            "prompts": d.get("prompts"), "dtype": d.get("dtype"), "draft": draft, "decoding": d.get("decoding"),
-            "torch": d.get("torch"), "hardware": d.get("hardware")}
+    return {"source": path, "alpha": d["alpha"], "decoder": recorded, "draft": draft,
+            **{k: d.get(k) for k in ("tau", "gamma", "prompts", "dtype", "decoding", "torch", "hardware")}}
 
 
 def real(args, device, dtype, decoding):
@@ -243,8 +226,6 @@ def real(args, device, dtype, decoding):
 
 
 # ---- the report ----
-
-
 def decoder_text(d):
     return f"chain draft, gamma {d['gamma']}" if d["kind"] == "chain" else (
         f"tree draft, {d['nodes']} nodes, depth {d['depth']}, width {d['width']}")
@@ -290,12 +271,10 @@ def report(res):
 
 
 # ---- the flags ----
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description="Reasoning-step latency: target-only vs speculative (RSD).")
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
-    ap.add_argument("--dtype", default="bf16", choices=sorted(DTYPES), help="weights, activations and KV cache")
+    ap.add_argument("--dtype", default="bf16", choices=sorted(cli.DTYPES), help="weights, activations and KV cache")
     ap.add_argument("--run", default=checkpoint.SHIPPED, help="toy checkpoints folder (default: the shipped ones)")
     ap.add_argument("--target", help="Hugging Face Qwen2.5-VL / Qwen3-VL / Alpamayo folder")
     ap.add_argument("--draft", help="draft folder (checkpoint.save format) trained for that target")
@@ -324,7 +303,7 @@ def main(argv=None):
     decoding = check_flags(ap, args)
     if args.threads:
         torch.set_num_threads(args.threads)
-    device, dtype = torch.device(args.device), DTYPES[args.dtype]
+    device, dtype = torch.device(args.device), cli.DTYPES[args.dtype]
     timing.reset_peak_memory(device)
     torch.manual_seed(0)
     with cli.user_errors(ap):  # a bad folder or file, a gamma past the model's positions: one line

@@ -1,17 +1,8 @@
-"""The peer arm of the benchmark: the same weights, prompts and process through Hugging Face transformers' `generate`
-(greedy, KV cache) and its assisted generation (a draft proposes, the target verifies: speculative decoding as
-transformers ships it), beside our target-only and speculative decoding (docs/background.md, "Speculative decoding").
-The draft is the M-RoPE replica (checkpoints/toy/draft_mrope_s0): FlatRoPE has no transformers counterpart.
-
-Timed: one call per prompt, end to end (vision tower + prefill + reasoning step; generate does not report its prefill
-apart), over the tokens generated; our arms' own prefill + decode beside it, and on a CPU the CPU time per token,
-which a shared machine does not inflate. Greedy only: generate's tokens are compared with our target-only decoding,
-each speculative arm's with its own target-only arm.
-
-transformers' settings: eager, attn_implementation "sdpa", the dynamic KV cache (generate's default), eos_token_id =
-<cot_end>. `hf_assisted` fixes gamma as ours (num_assistant_tokens = gamma, schedule "constant", confidence threshold
-0 = off); `hf_assisted_defaults` keeps transformers' assistant defaults. The assistant is a whole Qwen2.5-VL: it runs
-its own vision tower at its prefill (our draft reads the target's image features), part of assisted generation's cost.
+"""The peer arm of bench.py: the same weights, prompts and process through Hugging Face transformers' `generate`
+(greedy, KV cache, sdpa) and its assisted generation (speculative decoding as transformers ships it), beside ours; the
+draft is the M-RoPE replica (FlatRoPE has no transformers counterpart). Timed one call per prompt, end to end, greedy
+only. `hf_assisted` fixes gamma as ours (constant schedule, confidence threshold off); `hf_assisted_defaults` keeps
+transformers' assistant defaults.
 
 run: python bench.py --device cpu --peer hf --json
 """
@@ -38,8 +29,6 @@ RATIOS = (("hf_generate", "ours_target_only"), ("hf_assisted", "ours_speculative
           ("ours_target_only", "ours_speculative"))
 
 # ---- the transformers side ----
-
-
 def hf_inputs(prompt, cfg):
     """Our prompt dict (batch 1) -> transformers' generate inputs: the same tensors, an all-ones attention_mask, and
     mm_token_type_ids (1 image, 2 video placeholder), from which transformers 5 builds the M-RoPE positions."""
@@ -49,25 +38,17 @@ def hf_inputs(prompt, cfg):
     return dict(out, attention_mask=torch.ones_like(ids), mm_token_type_ids=mm)
 
 
-def load_hf(folder, dtype, device):
-    from transformers import Qwen2_5_VLForConditionalGeneration  # optional extra, as in the parity tests
-    return Qwen2_5_VLForConditionalGeneration.from_pretrained(folder, dtype=dtype,
-                                                              attn_implementation="sdpa").to(device).eval()
-
-
 def hf_generate(model, inputs, max_new, stop, pad, assistant=None, settings=None):
     """transformers' greedy generate (assisted when `assistant` is given) -> the generated ids, the stop included."""
-    if assistant is not None:
-        for k, v in settings.items():
-            setattr(assistant.generation_config, k, v)
+    for k, v in (settings or {}).items():  # on the assistant, shared by both assisted arms: set before each call
+        setattr(assistant.generation_config, k, v)
     out = model.generate(**inputs, max_new_tokens=max_new, eos_token_id=stop, pad_token_id=pad, do_sample=False,
                          num_beams=1, use_cache=True, assistant_model=assistant)  # (1, L + T)
     return out[0, inputs["input_ids"].shape[1]:].tolist()
 
 
 def peers(args, target, prompts, tok):
-    """bench.py --peer hf on the toy: compare() with the M-RoPE replica draft of args.run (the one draft transformers
-    can run), on bench's prompts."""
+    """bench.py --peer hf on the toy: compare() with args.run's M-RoPE replica, the one draft transformers can run."""
     draft_dir = checkpoint.draft_dir(args.run, *PEER_DRAFT)
     draft = checkpoint.load(draft_dir, target=target).eval()
     res = compare(target, draft, prompts, args.gamma, args.max_new, tok.cot_end_id, tok.pad_id, args.repeats)
@@ -87,8 +68,6 @@ def flag_error(toy_mode, decoding):
 
 
 # ---- timing ----
-
-
 def one_token_forward(target, hf_target, prompt, inputs, reps=20):
     """{"ours", "hf"}: ms of one cached one-token forward of each after the same prompt (the step both decode loops
     repeat), median of reps, the cache rolled back each time: model code apart from generation-loop code."""
@@ -110,12 +89,11 @@ def one_token_forward(target, hf_target, prompt, inputs, reps=20):
 
 
 def time_calls(arms, prompts, device, repeats):
-    """arms: name -> fn(i, prompt) returning (tokens, inner seconds or None). A warm-up call per arm and prompt, then
-    `repeats` passes, the arms alternating on every prompt -> {name: {tokens (per prompt), ms_per_token, ms_per_prompt,
-    inner_ms_per_token, cpu_ms_per_token (on a CPU: time.process_time, which on a shared CPU leaves out the waits for
-    a core)}}: medians of the passes, each pass's total time over its total tokens."""
+    """arms: name -> fn(i, prompt) -> (tokens, inner seconds or None). A warm-up call per arm and prompt, then `repeats`
+    passes alternating the arms on every prompt -> {name: {tokens (per prompt), ms_per_token, ms_per_prompt,
+    inner_ms_per_token, cpu_ms_per_token (on a CPU: process time, which leaves out a shared CPU's waits)}}: medians."""
     tokens = {name: [fn(i, p)[0] for i, p in enumerate(prompts)] for name, fn in arms.items()}
-    passes = {name: [] for name in arms}
+    passes, on_cpu = {name: [] for name in arms}, torch.device(device).type == "cpu"
     clock, names = timing.Clock(device, enabled=True), list(arms)
     for r in range(repeats):
         sums = {name: [0.0, 0.0, 0.0, 0] for name in names}  # wall s, CPU s, inner s, tokens
@@ -127,32 +105,29 @@ def time_calls(arms, prompts, device, repeats):
                 clock.lap()
                 c0 = time.process_time()
                 toks, inner_s = arms[name](i, p)
-                s = sums[name]
-                s[0] += clock.lap()
-                s[1] += time.process_time() - c0
-                s[2], s[3] = s[2] + (inner_s or 0.0), s[3] + len(toks)
+                step = (clock.lap(), time.process_time() - c0, inner_s or 0.0, len(toks))
+                sums[name] = [a + b for a, b in zip(sums[name], step)]
         for name, (wall, cpu, inner, n) in sums.items():
-            passes[name].append({"ms_per_token": wall / n, "ms_per_prompt": wall / len(prompts),
-                                 "inner_ms_per_token": inner / n if inner else None, "cpu_ms_per_token": cpu / n})
-    out = {}
-    for name in arms:
-        out[name] = {"tokens": tokens[name]}
-        for key in passes[name][0]:
-            if passes[name][0][key] is not None and (key != "cpu_ms_per_token" or torch.device(device).type == "cpu"):
-                out[name][key] = 1e3 * statistics.median(p[key] for p in passes[name])
-    return out
+            passes[name].append({"ms_per_token": wall / n, "ms_per_prompt": wall / len(prompts)}
+                                | ({"inner_ms_per_token": inner / n} if inner else {})
+                                | ({"cpu_ms_per_token": cpu / n} if on_cpu else {}))
+    return {name: {"tokens": tokens[name], **{k: 1e3 * statistics.median(p[k] for p in ps) for k in ps[0]}}
+            for name, ps in passes.items()}
 
 
 @torch.inference_mode()
 def compare(target, draft, prompts, gamma, max_new, stop, pad, repeats=3):
     """bench.py --peer hf's `peers`: our target-only and speculative decoding and transformers' generate and assisted
     generation, greedy, on the same weights (exported to a temporary folder, loaded in the target's dtype, device)."""
+    import transformers  # an optional extra, as in the parity tests
+    from transformers import GenerationConfig, Qwen2_5_VLForConditionalGeneration
     w = target.embed_tokens.weight
     with tempfile.TemporaryDirectory() as folder:
         export_pretrained(target, os.path.join(folder, "target"), eos_token_id=stop, pad_token_id=pad)
         export_pretrained(draft, os.path.join(folder, "draft"), target=target, eos_token_id=stop, pad_token_id=pad)
-        hf_target = load_hf(os.path.join(folder, "target"), w.dtype, w.device)
-        hf_draft = load_hf(os.path.join(folder, "draft"), w.dtype, w.device)
+        hf_target, hf_draft = (Qwen2_5_VLForConditionalGeneration.from_pretrained(
+            os.path.join(folder, m), dtype=w.dtype, attn_implementation="sdpa").to(w.device).eval()
+            for m in ("target", "draft"))
     inputs = [hf_inputs(p, target.cfg) for p in prompts]  # built once, outside the clock, as our prompts are
     settings = {"hf_assisted": {"num_assistant_tokens": gamma, "num_assistant_tokens_schedule": "constant",
                                 "assistant_confidence_threshold": 0.0}, "hf_assisted_defaults": dict.fromkeys(DEFAULTS)}
@@ -167,12 +142,9 @@ def compare(target, draft, prompts, gamma, max_new, stop, pad, repeats=3):
         assistant = hf_draft if arm != "hf_generate" else None
         return lambda i, p: (hf_generate(hf_target, inputs[i], max_new, stop, pad, assistant, settings.get(arm)), None)
 
-    arms = {"ours_target_only": ours(None), "ours_speculative": ours(draft),
-            **{arm: hf(arm) for arm in ARMS[2:]}}
+    arms = {"ours_target_only": ours(None), "ours_speculative": ours(draft), **{arm: hf(arm) for arm in ARMS[2:]}}
     res = time_calls(arms, prompts, w.device, repeats)
     out = {arm: dict(r, tokens=sum(map(len, r["tokens"]))) for arm, r in res.items()}
-    import transformers
-    from transformers import GenerationConfig
     defaults = {k: GenerationConfig._get_default_generation_params()[k] for k in DEFAULTS}
     ratios = lambda key, pairs: {f"{a}_over_{b}": out[a][key] / out[b][key] for a, b in pairs}  # noqa: E731
     out.update(

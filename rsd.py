@@ -1,23 +1,9 @@
-"""Reasoning-aware Speculative Decoding, end to end: the two-reasoner planner on the
-synthetic driving world, and the paper's table on its held-out test split.
+"""The paper's table, end to end on the synthetic driving world's held-out test split: target-only, the replica draft
+(M-RoPE), the FlatRoPE draft and FlatRoPE + AARL at their speed-optimal gamma on val (mean over the draft seeds), then
+their draft trees. tau at every gamma comes from one teacher-forced replay of the target's greedy outputs
+(evaluate.simulate_rounds); real speculative decoding checks the outputs and times the speed-up.
 
-Paper: a driving VLA writes a chain-of-causation (CoC) before its trajectory. The routine
-reasoner (a 1-layer draft on FlatRoPE positions, post-trained with AARL) proposes CoC
-tokens; the deliberative reasoner (the unmodified target VLA, M-RoPE) verifies them
-losslessly and writes the commitment tokens itself; the trajectory head then plans from
-prompt + CoC. Rows of the table: target-only decoding, the replica draft of standard
-speculative decoding (the target's M-RoPE), the FlatRoPE draft, FlatRoPE + AARL.
-
-Each draft row is the mean over the run folder's draft seeds at its speed-optimal gamma (chosen
-on validation with the measured cost model). tau at every gamma comes exactly from one
-teacher-forced pass over the target's greedy outputs (evaluate.simulate_rounds); real speculative
-decoding with each row's first draft checks the outputs and times the speed-up, and with
---temperature > 0 gives the sampled tau. --retrain trains what is missing (train.py, aarl.py).
-
-rsd.py is the top of the layering: it may call the scripts train.py, aarl.py and bench.py;
-they import only the library modules.
-
-run: python rsd.py [--json] [--plot]
+run: python rsd.py [--json] [--plot]        (--retrain trains what is missing: train.py, aarl.py)
 """
 import argparse
 import importlib.util
@@ -53,12 +39,10 @@ SWEEP_JSON = os.path.join(os.path.dirname(os.path.abspath(__file__)), "experimen
 
 # ---- the table ----
 def paper_table(target, drafts, splits, n_time, repeats, decoding=None, compile=False):
-    """The chain rows, target-only + one per draft kind at its speed-optimal gamma (ms/token: the first seed's draft,
-    timed against target-only in the same passes), and the sweep: mean tau per split and gamma, and the ceiling.
-    Sampling `decoding`: ms/token timed sampling, plus sampled_tau / sampled_alpha of real sampled decoding. compile:
-    both timed arms run torch.compile'd static-shape steps (bench.compiled_pair); nothing else changes."""
-    test = splits["test"]
-    stop = test.tok.cot_end_id
+    """The chain rows (ms/token: the first seed's draft against target-only in the same passes) and the sweep (mean tau
+    per split and gamma, and the ceiling). Sampling `decoding`: timed sampling, plus real sampled decoding's
+    sampled_tau / sampled_alpha; compile: both timed arms on compiled static-shape steps (bench.compiled_pair)."""
+    test, stop = splits["test"], splits["test"].tok.cot_end_id
     outputs = {split: evaluate.greedy_outputs(target, data) for split, data in splits.items()}
     mean_tau = lambda per_seed, g: statistics.mean(t[g]["tau"] for t in per_seed)  # noqa: E731
     flat = {(row, s): d for row, by_seed in drafts.items() for s, d in by_seed.items()}
@@ -77,9 +61,8 @@ def paper_table(target, drafts, splits, n_time, repeats, decoding=None, compile=
     sampling = decoding is not None and decoding["mode"] == "sampling"
     rows = [{"name": TARGET_ONLY, "gamma": None, "tau": 1.0, "tau_spread": 0.0, "tau_by_gamma": None,
              "tau_ceiling": 1.0, "routine_fraction": 0.0, "commit_acc": evaluate.commitment_acc(target, target, test),
-             "speedup": 1.0, "ade": ade, "greedy_match": True, **{f"attn_{k}": v for k, v in attn.items()}}]
-    if sampling:
-        rows[0].update(sampled_tau=1.0, sampled_alpha=None)
+             "speedup": 1.0, "ade": ade, "greedy_match": True, **{f"attn_{k}": v for k, v in attn.items()},
+             **({"sampled_tau": 1.0, "sampled_alpha": None} if sampling else {})}]
     for name, by_seed in drafts.items():
         per_seed = taus["test"][name]
         g = evaluate.speed_optimal_gamma({gg: mean_tau(taus["val"][name], gg) for gg in GAMMAS}, times)
@@ -107,10 +90,8 @@ def paper_table(target, drafts, splits, n_time, repeats, decoding=None, compile=
 
 
 def tree_rows(target, drafts, chain_rows, splits, n_time, repeats, decoding=None, max_nodes=32):
-    """One row per draft kind with a draft tree (tree.tree_round) beside its chain row: the shape of TREES (at
-    most max_nodes nodes) with the best predicted speed-up on val (the first seed's tree decoding, the tree's measured
-    step times), then every seed's held-out tree decoding. The teacher-forced columns (commitment accuracy, attention,
-    ADE) are the chain row's: they are the draft's, not the decoder's."""
+    """One tree row per draft kind: the shape of TREES (<= max_nodes nodes) predicted fastest on val, then every seed's
+    held-out tree decoding. Commitment accuracy, attention and ADE are the chain row's: the draft's, not the decoder's."""
     stop = driving.Tokenizer().cot_end_id
     shapes = [sh for sh in TREES if sh.nodes <= max_nodes]
     val, test = (evaluate.scene_prompts(d.scenes, d.tok, next(target.parameters()).device, views=d.views_at(0))
@@ -189,7 +170,6 @@ def plot(rows, out=FIGURES, sweep_json=SWEEP_JSON):
     """figures/attention.png (where each model's attention goes while it writes the CoC) and, from the views sweep
     of experiments/views_sweep.py, figures/views_sweep.png (tau of both drafts against the visual-token count)."""
     import matplotlib  # main checks that it is installed before any work
-
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     os.makedirs(out, exist_ok=True)
@@ -229,12 +209,10 @@ def main(argv=None):
     with cli.user_errors(ap):  # a failed retrain, a corrupt file, a draft distilled from another target: one line
         if a.retrain:
             retrain(a.run, seeds, device)
-        gone = missing(a.run, seeds)
-        if gone:
+        if gone := missing(a.run, seeds):
             raise ValueError(f"missing checkpoints: {', '.join(gone)}; use the shipped checkpoints/toy, or train them "
                              f"with `python rsd.py --retrain --run {a.run}`")
-        target = checkpoint.load(os.path.join(a.run, "target"), dtype=cli.DTYPES[a.dtype],
-                                 device=device).eval()
+        target = checkpoint.load(os.path.join(a.run, "target"), dtype=cli.DTYPES[a.dtype], device=device).eval()
         drafts = {row: {s: checkpoint.load(checkpoint.draft_dir(a.run, kind, s), target=target).eval() for s in seeds}
                   for row, kind in ROWS}
     tok = driving.Tokenizer()
@@ -297,8 +275,7 @@ def missing(run, seeds):
 
 
 def retrain(run, seeds, device="cpu", log=print):
-    """Train what is missing in `run`, under its writer lock: the target and both SFT drafts of every seed (train.py),
-    then each seed's AARL post-training of its FlatRoPE draft with the static anchor (aarl.py)."""
+    """Train what `run` lacks, under its writer lock: the target and SFT drafts (train.py), then AARL's (aarl.py)."""
     with files.writer_lock(run):
         for seed in seeds:
             sft = [os.path.join(run, "target")] + [checkpoint.draft_dir(run, kind, seed) for kind in ("mrope", "flat")]
@@ -340,23 +317,21 @@ def parse_args(argv):
     with cli.user_errors(ap):
         evaluate.check_values(a, [(">= 1", ("scenes", "time_scenes", "repeats")), ("a number >= 0", ("show",)),
                                   (evaluate.VIEWS_RULE, ("views",))], flags=True)
-        if a.tree and not any(sh.nodes <= a.tree for sh in TREES):
-            raise ValueError(f"--tree {a.tree}: the smallest tree rsd.py chooses from has "
-                             f"{min(sh.nodes for sh in TREES)} nodes (0 = chain rows only)")
-        if a.tree and a.compile:
-            raise ValueError("--compile times the chain only (the tree's steps have no static-shape path yet): "
-                             "add --tree 0")
-        if a.time_scenes > a.scenes or a.show > a.scenes:  # they are taken from the --scenes held-out scenes
-            raise ValueError(f"--time-scenes ({a.time_scenes}) and --show ({a.show}) must be at most --scenes "
-                             f"({a.scenes})")
         try:
             seeds = [int(s) for s in a.seeds.split(",") if s.strip()]
         except ValueError:
             seeds = []
-        if not seeds or min(seeds) < 0:
-            raise ValueError(f"--seeds must be non-negative integers, got {a.seeds!r}")
-        if len(set(seeds)) < len(seeds):  # a repeated seed would count twice in the mean and spread
-            raise ValueError(f"--seeds must not repeat a seed, got {a.seeds!r}")
+        for bad, msg in ((a.tree and not any(sh.nodes <= a.tree for sh in TREES), f"--tree {a.tree}: the smallest tree "
+                          f"rsd.py chooses from has {min(sh.nodes for sh in TREES)} nodes (0 = chain rows only)"),
+                         (a.tree and a.compile, "--compile times the chain only (the tree's steps have no static-shape "
+                          "path yet): add --tree 0"),  # below: both are taken from the --scenes held-out scenes
+                         (a.time_scenes > a.scenes or a.show > a.scenes, f"--time-scenes ({a.time_scenes}) and --show "
+                          f"({a.show}) must be at most --scenes ({a.scenes})"),
+                         (not seeds or min(seeds) < 0, f"--seeds must be non-negative integers, got {a.seeds!r}"),
+                         (len(set(seeds)) < len(seeds),  # a repeated seed would count twice in the mean and spread
+                          f"--seeds must not repeat a seed, got {a.seeds!r}")):
+            if bad:
+                raise ValueError(msg)
         decoding = evaluate.decoding_mode(a.temperature, a.top_k, a.top_p, a.sampling_seed)
         device = cli.check_device(a.device)
         if a.plot:  # figures come after minutes of work: their dependency and folder are checked first
