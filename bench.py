@@ -2,7 +2,9 @@
 both arms in one process on the same prompts, beside the cost model that predicts their ratio (Leviathan et al.;
 docs/background.md, "Speculative decoding"): speed-up = tau T_target(1) / (gamma T_draft(1) + T_target(gamma + 1)).
 
-Paper: RSD accelerates the reasoning step; the prefill, shared by both arms, is reported apart. Random weights
+Paper: RSD accelerates the reasoning step; the prefill, shared by both arms, is reported apart. Fairness: the same
+KV-cached forward and dtype in both arms, every shape warmed up, the device synchronised before each clock reading,
+the arms alternating within each repeat, medians reported; greedy outputs compared token by token. Random weights
 (--preset, or --target without --draft) predict the speed-up at a recorded toy acceptance (--toy-json).
 
 run: python bench.py --device cpu [--compile]                          (the toy, from the shipped checkpoints/toy)

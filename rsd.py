@@ -1,7 +1,10 @@
-"""The paper's table, end to end on the synthetic driving world's held-out test split: target-only, the replica draft
-(M-RoPE), the FlatRoPE draft and FlatRoPE + AARL at their speed-optimal gamma on val (mean over the draft seeds), then
-their draft trees. tau at every gamma comes from one teacher-forced replay of the target's greedy outputs
-(evaluate.simulate_rounds); real speculative decoding checks the outputs and times the speed-up.
+"""Reasoning-aware Speculative Decoding end to end (the paper's table). The routine reasoner (a 1-layer FlatRoPE draft,
+post-trained with AARL) proposes CoC tokens, the deliberative reasoner (the unmodified target, M-RoPE) verifies them
+and writes the commitments itself, the trajectory head plans from prompt + CoC. On the synthetic driving world's
+held-out test split: target-only, the replica draft (M-RoPE), the FlatRoPE draft and FlatRoPE + AARL at their
+speed-optimal gamma on val (mean over the draft seeds), then their draft trees. tau at every gamma comes from one
+teacher-forced replay of the target's greedy outputs (evaluate.simulate_rounds); real speculative decoding checks the
+outputs and times the speed-up. The top of the layering: it calls the scripts train.py, aarl.py and bench.py.
 
 run: python rsd.py [--json] [--plot]        (--retrain trains what is missing: train.py, aarl.py)
 """
