@@ -3,14 +3,9 @@ from the ego-trajectory history; a few are *commitments* that need fresh visual 
 
 Each scene mirrors Alpamayo-R1's prompt and CoC layout (docs/background.md): a 2-frame front-camera video (12 merged
 tokens, all the decision evidence), `views` surround images of roadside clutter (24 merged tokens each), 16 past steps
-at 10 Hz as 48 binned (dx, dy, dheading) history tokens, a CoC "state , decision , roadside actors" such as
-
-    slowing in a sharp left curve at 30 km/h , follow the braking vehicle 15 m ahead ,
-    cone 10 m left and cyclist 20 m right
-
-and 32 future waypoints from a unicycle rollout of (acceleration, curvature) that follows the decision.
-`commitment_mask` marks the ~5.7 of ~22 tokens that the history class and the CoC prefix leave open; `routine_share`
-is the share a perfect history-only reader gets right. docs/toy-notes.md has the design and its reasons.
+at 10 Hz as 48 binned (dx, dy, dheading) history tokens, a CoC "state , decision , roadside actors" (docs/results.md
+has an example) and 32 future waypoints from a unicycle rollout that follows the decision. `commitment_mask` marks
+the ~5.7 of ~22 tokens that the history class and the CoC prefix leave open. Design: docs/toy-notes.md.
 
 run: python driving.py --seed 0
 """
@@ -28,8 +23,7 @@ from vision import patchify  # vision.py owns the Qwen2-VL flattening order, so 
 
 
 # ---- config ----
-# the most surround views a prompt may have: the toy target trains on every count 0..MAX_VIEWS (train.py)
-MAX_VIEWS = 21
+MAX_VIEWS = 21  # the most surround views a prompt may have: the toy target trains on every count 0..MAX_VIEWS
 
 
 @dataclass(frozen=True)
@@ -105,12 +99,9 @@ HIST_ACCEL = {"cruise": 0.0, "decel": -2.0, "accel": 1.5, "stand": 0.0}  # m/s^2
 KAPPA = {"gentle": (0.006, 0.010), "sharp": (0.020, 0.025)}
 # Range rings: bands of 4 pixel rows (5 m) ahead of the ego; an actor is placed so that its block lies in its ring.
 BUCKET_ROWS = {5: (16, 19), 10: (12, 15), 15: (8, 11), 20: (4, 7)}
-# An actor is a 2x2-px block: "in the ego lane" when >= 2 of its pixels are on it, "off" when none is (_place rejects
-# anything in between, so the evidence is unambiguous). IN_LANE_L, ROADSIDE_L: lateral offsets (m) drawn at t = 0.
 ACTORS = {"lead_cruise": "vehicle", "lead_brake": "vehicle", "ped_cross": "pedestrian", "cone_lane": "cone",
           "cyclist_lane": "cyclist"}  # in-lane event -> kind
-IN_LANE_L = (-1.2, 1.2)
-ROADSIDE_L = {"left": (3.0, 25.0), "right": (-25.0, -3.0)}
+IN_LANE_L, ROADSIDE_L = (-1.2, 1.2), {"left": (3.0, 25.0), "right": (-25.0, -3.0)}  # lateral offsets (m) at t = 0
 COLUMN = {"left": 0, "centre": 1, "right": 2}  # token column of each part of the front view
 
 
@@ -126,13 +117,8 @@ class Factors:
     left: object = None     # (kind, range ring) of the actor on the left of the view, or None
     right: object = None    # the same on the right
 
-    @property
-    def turn(self):
-        return TURN[self.road]
-
-    @property
-    def hist_class(self):
-        return self.speed, self.band, self.turn, self.sharp
+    turn = property(lambda self: TURN[self.road])
+    hist_class = property(lambda self: (self.speed, self.band, self.turn, self.sharp))
 
     @property
     def decision(self):
@@ -143,17 +129,12 @@ class Factors:
 
 
 # ---- grammar ----
-def state_words(f):
-    """The state clause: what the history tokens tell (routine for a reader of the history)."""
-    if f.speed == "stand":
-        return ["standing", "at", "the", "line"]
-    verb = {"cruise": "cruising", "decel": "slowing", "accel": "accelerating"}[f.speed]
-    road = ["straight"] if f.turn == "straight" else ["in", "a", f.sharp, f.turn, "curve"]
-    return [verb] + road + ["at", f.band, "km/h"]
-
-
 def main_words(f):
-    """State , decision: the decision word, the lead vehicle's state and the range ring need the image."""
+    """State , decision: the state is what the history tokens tell; the decision word, the lead vehicle's state and
+    the range ring need the image."""
+    verb = {"cruise": "cruising", "decel": "slowing", "accel": "accelerating"}.get(f.speed)
+    road = ["straight"] if f.turn == "straight" else ["in", "a", f.sharp, f.turn, "curve"]
+    state = ["standing", "at", "the", "line"] if f.speed == "stand" else [verb] + road + ["at", f.band, "km/h"]
     ahead = [] if f.bucket is None else [str(f.bucket), "m", "ahead"]
     act = {
         "keep": ["keep", "lane", "and"] + {"cruise": ["maintain", "speed"], "decel": ["resume", "speed"],
@@ -167,7 +148,7 @@ def main_words(f):
         "stay": ["stay", "stopped", "at", "the", "red", "light"],
         "start": ["start", "moving", "on", "the", "green", "light"],
     }[f.decision]
-    return state_words(f) + [","] + act
+    return state + [","] + act
 
 
 def roadside_words(left, right):
@@ -182,7 +163,7 @@ def roadside_words(left, right):
 
 
 def coc_words(f):
-    """CoC = state , decision [, roadside actors] (the file docstring has an example)."""
+    """CoC = state , decision [, roadside actors]."""
     return main_words(f) + ([] if f.road == "intersection" else roadside_words(f.left, f.right))
 
 
@@ -214,13 +195,10 @@ def roadside_distribution(road, event, split):
 def main_distribution(split):
     """[(Factors without roadside actors, probability)] for the split: the prior over road, event, history class
     and range ring, times the prior mass of the roadside combinations the split allows."""
-    rows = []
+    rows, z = [], sum(EVENTS[e][0] for e in EVENTS)
     for road, p_road in ROADS.items():
-        if road == "intersection":
-            events = {"red": 0.5, "green": 0.5}
-        else:
-            z = sum(EVENTS[e][0] for e in EVENTS)
-            events = {e: EVENTS[e][0] / z for e in EVENTS if EVENTS[e][0] > 0}
+        events = {"red": 0.5, "green": 0.5} if road == "intersection" else {
+            e: EVENTS[e][0] / z for e in EVENTS if EVENTS[e][0] > 0}
         for event, p_event in events.items():
             allowed = float(split != "test") if road == "intersection" else sum(
                 p for _, p in _roadside_prior(road, event, split))
@@ -325,15 +303,6 @@ class Scene:
     traj: np.ndarray        # (32, 2) future waypoints (x, y) in metres, ego frame
 
 
-def history_deltas(v0, speed, kappa, cfg):
-    """16 per-step (dx, dy, dh) of a constant-acceleration, constant-curvature unicycle that ends at speed v0."""
-    a = HIST_ACCEL[speed]
-    v = v0 - a * cfg.dt * np.arange(cfg.n_hist, -1, -1)            # (17,) speeds at the 17 poses
-    ds = 0.5 * (v[:-1] + v[1:]) * cfg.dt                           # (16,) arc length per step
-    dh = kappa * ds
-    return np.stack([ds * np.cos(dh / 2), ds * np.sin(dh / 2), dh], axis=1)  # chord in the previous pose's frame
-
-
 def rollout(v0, accel, kappa, cfg):
     """Unicycle: per-step acceleration and curvature (n_future,) -> waypoints (n_future, 2); speed clamps at 0."""
     x = y = th = 0.0
@@ -341,32 +310,26 @@ def rollout(v0, accel, kappa, cfg):
     for a, k in zip(accel, kappa):
         v_next = max(v + a * cfg.dt, 0.0)
         ds = 0.5 * (v + v_next) * cfg.dt if v_next > 0 else (v * v / (-2 * a) if a < 0 else 0.0)  # exact at standstill
-        x += ds * np.cos(th + k * ds / 2)
-        y += ds * np.sin(th + k * ds / 2)
-        th += k * ds
-        v = v_next
+        x, y, th, v = x + ds * np.cos(th + k * ds / 2), y + ds * np.sin(th + k * ds / 2), th + k * ds, v_next
         out.append((x, y))
     return np.array(out, dtype=np.float32)
 
 
 def plan(f, v0, kappa, dist, cfg):
     """The trajectory follows the decision (and, for follow, the cause): tests/test_driving.py checks it."""
-    n = cfg.n_future
-    acc, kap = np.zeros(n), np.full(n, kappa)                       # (n,) per-step acceleration and curvature
-    if f.decision in ("keep", "proceed"):
-        acc[:] = {"cruise": 0.0, "decel": 1.0, "accel": 1.5}[f.speed]  # maintain / resume speed / keep accelerating
-    elif f.decision == "stop":
+    acc, kap = np.zeros(cfg.n_future), np.full(cfg.n_future, kappa)  # (n_future,) per-step acceleration, curvature
+    keep = {"cruise": 0.0, "decel": 1.0, "accel": 1.5}.get(f.speed)  # maintain / resume speed / keep accelerating
+    # follow the lead's braking, drop back behind a slower cyclist, start on green
+    acc[:] = {"keep": keep, "proceed": keep, "follow": -2.5 if f.event == "lead_brake" else 0.0, "slow": -1.5,
+              "start": 2.0}.get(f.decision, 0.0)
+    if f.decision == "stop":
         # standstill stop_margin before the obstacle, or earlier so that it happens inside the horizon
-        s_stop = min(dist - cfg.stop_margin, 0.5 * v0 * cfg.stop_within)
-        acc[:] = -v0 ** 2 / (2 * s_stop)
-    else:  # follow the lead's braking, drop back behind a slower cyclist, start on green
-        acc[:] = {"follow": -2.5 if f.event == "lead_brake" else 0.0, "slow": -1.5, "start": 2.0}.get(f.decision, 0.0)
+        acc[:] = -v0 ** 2 / (2 * min(dist - cfg.stop_margin, 0.5 * v0 * cfg.stop_within))
     if f.decision == "nudge":
         # curvature doublet (left, then back): lateral offset ~ k v^2 tau^2, heading restored to the lane's
         tau = 8
         k = cfg.nudge_offset / (v0 * tau * cfg.dt) ** 2
-        kap[:tau] += k
-        kap[tau:2 * tau] -= k
+        kap[:2 * tau] += np.repeat([k, -k], tau)
     return rollout(v0, acc, kap, cfg)                               # "stay": v0 = 0, acc = 0
 
 
@@ -395,9 +358,9 @@ def token_of(r, c):
 
 def render(kappa, actors, stop_line, seen_now, cfg):
     """actors: [(appearance channels, (s, l))]; stop_line: s or None -> (2, C, H, W) uint8. Frame 0, an earlier
-    detection registered to the current ego pose as a perception stack's tracks are, paints each actor's APPEARANCE
-    on the block where it is now; frame 1 (t = 0) "object", "in_lane" (>= 2 of the block's pixels in the ego lane),
-    its range ring, and its appearance again if seen_now. Both draw the ego and a stop line across the ego lane."""
+    detection registered to the current ego pose as a perception stack's tracks are, paints each actor's APPEARANCE on
+    its block now; frame 1 (t = 0) "object", "in_lane" (>= 2 of its pixels in the ego lane), its range ring and, if
+    seen_now, its appearance again."""
     S, L, ego_lane = lane_planes(kappa, cfg)
     ring_of_row = {r: b for b, (lo, hi) in BUCKET_ROWS.items() for r in range(lo, hi + 1)}
     out = np.zeros((2, len(CHANNELS), cfg.height, cfg.width), dtype=np.uint8)
@@ -438,33 +401,31 @@ def make_scene(rng, split="train", cfg=WorldConfig()):
     f = sample_factors(rng, split)
     kappa = {"curve_left": 1.0, "curve_right": -1.0}.get(f.road, 0.0) * (rng.uniform(*KAPPA[f.sharp]) if f.sharp else 0)
     v0 = rng.uniform(*BAND_V[f.band]) if f.band else 0.0
-    hist = history_deltas(v0, f.speed, kappa, cfg)
+    # history (16, 3): per step the chord (dx, dy) in the previous pose's frame and dh; constant accel, curvature to v0
+    v = v0 - HIST_ACCEL[f.speed] * cfg.dt * np.arange(cfg.n_hist, -1, -1)  # (17,) speeds at the 17 poses
+    ds = 0.5 * (v[:-1] + v[1:]) * cfg.dt                                 # (16,) arc length per step
+    hist = np.stack([ds * np.cos(kappa * ds / 2), ds * np.sin(kappa * ds / 2), kappa * ds], axis=1)
     ego_lane = lane_planes(kappa, cfg)[2]
     actors, stop_line, dist = [], None, float("nan")
     if f.event in ("red", "green"):
-        dist, _ = _place(rng, f.bucket, (0.0, 0.0), True, 0.0, cfg, ego_lane, "centre")
-        stop_line = dist
+        dist = stop_line = _place(rng, f.bucket, (0.0, 0.0), True, 0.0, cfg, ego_lane, "centre")[0]
         actors.append((("light_" + f.event,), (dist, -3.0)))    # beside the stop line
     else:
         if f.event != "clear":
             dist, l = _place(rng, f.bucket, IN_LANE_L, True, kappa, cfg, ego_lane, "centre")
             actors.append((("vehicle", "brake") if f.event == "lead_brake" else (ACTORS[f.event],), (dist, l)))
-        for side in ("left", "right"):  # each in its side's token column: no two actors share a token
-            actor = getattr(f, side)
+        for side, actor in (("left", f.left), ("right", f.right)):  # each in its side's token column: one per token
             if actor is not None:
-                pose = _place(rng, actor[1], ROADSIDE_L[side], False, kappa, cfg, ego_lane, side)
-                actors.append(((actor[0],), pose))
+                actors.append(((actor[0],), _place(rng, actor[1], ROADSIDE_L[side], False, kappa, cfg, ego_lane, side)))
     seen_now = bool(rng.random() < P_SEEN_NOW)
     frames = render(kappa, actors, stop_line, seen_now, cfg)
-    coc = coc_words(f)
-    return Scene(f, float(kappa), float(v0), dist, hist, frames, seen_now, int(rng.integers(2**31)), coc,
+    return Scene(f, float(kappa), float(v0), dist, hist, frames, seen_now, int(rng.integers(2**31)), coc_words(f),
                  list(commitment_mask(f)), plan(f, v0, kappa, dist, cfg))
 
 
 def render_views(seed, n, cfg=WorldConfig()):
-    """n surround-camera images (n, C, H, W) uint8 of roadside clutter: each CLUTTER channel sets 2x2-px blocks at a
-    density drawn per view, so every view (and every merged token) looks different, and none carries any of the
-    front camera's channels. View v depends only on (seed, v): fewer views are a prefix of more."""
+    """n surround-camera images (n, C, H, W) uint8: 2x2-px blocks of each CLUTTER channel at a density drawn per view
+    (every merged token differs; no front-camera channel). View v depends only on (seed, v): fewer are a prefix."""
     H, W = cfg.view_size
     out = np.zeros((n, len(CHANNELS), H, W), dtype=np.uint8)
     first = CHANNELS.index(CLUTTER[0])
@@ -489,9 +450,7 @@ class Tokenizer:
         self.cfg = cfg
         self.bins = {"dx": cfg.dx_bins, "dy": cfg.dy_bins, "dh": cfg.dh_bins}
         hist = [f"<{k}{i}>" for k, spec in self.bins.items() for i in range(spec[2])]
-        words = set((SYSTEM + " " + INSTRUCTION).split())
-        words.update(w for nxt in _continuations().values() for w in nxt)
-        words -= set(SPECIALS.values())
+        words = set((SYSTEM + " " + INSTRUCTION).split()).union(*_continuations().values()) - set(SPECIALS.values())
         self.vocab = list(SPECIALS.values()) + hist + sorted(words)
         self.id = {w: i for i, w in enumerate(self.vocab)}
         for name, w in SPECIALS.items():
@@ -508,21 +467,15 @@ class Tokenizer:
 
     def encode_history(self, hist):
         """(16, 3) deltas -> 48 ids, uniform bins, values clipped into the outer bins."""
-        out = []
-        for row in hist:
-            for (k, spec), v in zip(self.bins.items(), row):
-                lo, w, n = bin_edges(spec)
-                out.append(self.id[f"<{k}{int(np.clip((v - lo) // w, 0, n - 1))}>"])
-        return out
+        edges = [(k, *bin_edges(spec)) for k, spec in self.bins.items()]
+        return [self.id[f"<{k}{int(np.clip((v - lo) // w, 0, n - 1))}>"]
+                for row in hist for (k, lo, w, n), v in zip(edges, row)]
 
     def decode_history(self, ids):
         """48 ids -> (16, 3) bin centres."""
-        vals = []
-        for i in ids:
-            word = self.vocab[int(i)]
-            lo, w, _ = bin_edges(self.bins[word[1:3]])
-            vals.append(lo + (int(word[3:-1]) + 0.5) * w)
-        return np.array(vals).reshape(-1, 3)
+        words = [self.vocab[int(i)] for i in ids]  # "<dx12>": the bin's name and index
+        edges = [bin_edges(self.bins[w[1:3]]) for w in words]
+        return np.array([lo + (int(w[3:-1]) + 0.5) * width for w, (lo, width, _) in zip(words, edges)]).reshape(-1, 3)
 
 
 # ---- prompts and training examples ----
@@ -557,28 +510,24 @@ def make_example(scene, tok, views=WorldConfig().views):
     P, n = prompt["input_ids"].shape[1], len(scene.coc)
     coc = tok.encode(scene.coc) + [tok.cot_end_id]
     ids = torch.cat([prompt["input_ids"][0], torch.tensor(coc + [tok.traj_future_start_id])])  # (L,), L = P + n + 2
-    loss_mask = torch.zeros(len(ids), dtype=torch.bool)
-    loss_mask[P - 1:P + n] = True  # <cot_start> predicts word 0 ... the last word predicts <cot_end>
-    commit_mask = torch.zeros(len(ids), dtype=torch.bool)
-    commit_mask[P - 1:P + n] = torch.tensor(scene.commit)
+    loss_mask, commit_mask = torch.zeros(len(ids), dtype=torch.bool), torch.zeros(len(ids), dtype=torch.bool)
+    # <cot_start> predicts word 0 ... the last word predicts <cot_end>
+    loss_mask[P - 1:P + n], commit_mask[P - 1:P + n] = True, torch.tensor(scene.commit)
     return {"input_ids": ids, "loss_mask": loss_mask, "commit_mask": commit_mask, "prompt_len": P,
             "coc_ids": coc, "traj_index": P + n + 1, "traj": torch.from_numpy(scene.traj),
             **{k: prompt[k] for k in VISION_KEYS if k in prompt}}
 
 
 def collate(examples, pad_id, length=None, device="cpu"):
-    """Right-pad to `length` (default: the longest example); vision inputs concatenate in batch order, as the model
-    scatters them."""
+    """Right-pad to `length` (default: the longest); vision inputs concatenate in batch order, as the model scatters."""
     B, L = len(examples), max([len(e["input_ids"]) for e in examples] + [length or 0])
-    ids = torch.full((B, L), pad_id, dtype=torch.long)
-    attn, loss, commit = (torch.zeros(B, L, dtype=torch.long),
-                          torch.zeros(B, L, dtype=torch.bool), torch.zeros(B, L, dtype=torch.bool))
+    ids, attn = torch.full((B, L), pad_id, dtype=torch.long), torch.zeros(B, L, dtype=torch.long)
+    loss, commit = torch.zeros(B, L, dtype=torch.bool), torch.zeros(B, L, dtype=torch.bool)
     for b, e in enumerate(examples):
         n = len(e["input_ids"])
         ids[b, :n], attn[b, :n], loss[b, :n], commit[b, :n] = e["input_ids"], 1, e["loss_mask"], e["commit_mask"]
     out = {"input_ids": ids, "attention_mask": attn, "loss_mask": loss, "commit_mask": commit,
-           "traj_index": torch.tensor([e["traj_index"] for e in examples]),
-           "prompt_len": torch.tensor([e["prompt_len"] for e in examples]),
+           **{k: torch.tensor([e[k] for e in examples]) for k in ("traj_index", "prompt_len")},
            "traj": torch.stack([e["traj"] for e in examples]),                            # (B, 32, 2)
            "coc_ids": [e["coc_ids"] for e in examples]}
     for k in VISION_KEYS:   # pixel rows (B * N, C*tp*p*p) and grids (B * n_blocks, 3)
@@ -588,7 +537,6 @@ def collate(examples, pad_id, length=None, device="cpu"):
 
 
 def vision_kwargs(batch):
-    """The camera inputs of a collated batch (pixels and grids), as model.forward / model.embed take them."""
     return {k: batch[k] for k in VISION_KEYS if k in batch}
 
 
@@ -636,8 +584,7 @@ class Data:
         idx = torch.randperm(len(self.scenes), generator=g)[k * size:(k + 1) * size][rank::world]
         examples = [make_example(self.scenes[i], self.tok, self.views_at(step)) for i in idx]
         # one padded length per geometry: a CPU's bf16 kernels are built per input shape
-        length = examples[0]["prompt_len"] + MAX_COC + 2
-        return collate(examples, self.tok.pad_id, length, device)
+        return collate(examples, self.tok.pad_id, examples[0]["prompt_len"] + MAX_COC + 2, device)
 
     def batches(self, size, device="cpu"):
         """The whole split in order, for evaluation, at the view count of step 0."""

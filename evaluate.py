@@ -1,10 +1,6 @@
-"""Evaluation on the synthetic driving world, the columns of the paper's table: batched CoC
-generation (greedy or sampled), ADE of the trajectory that follows a CoC, teacher-forced
-commitment accuracy (can a model supply the tokens that need the image?), the attention split
-(the FlatRoPE claim that the draft's attention moves from the image tokens to the trajectory
-history, docs/background.md) and speculative decoding's statistics over a set of prompts (tau,
-alpha, routine share: the fraction of CoC tokens the routine reasoner supplies, tau ceiling,
-greedy match). train.py, aarl.py, bench.py and rsd.py all measure through this file.
+"""Evaluation on the synthetic driving world, the columns of the paper's table: batched CoC generation (greedy or
+sampled), ADE of the trajectory after a CoC, teacher-forced commitment accuracy, the attention split (FlatRoPE's claim,
+docs/background.md) and speculative decoding's statistics over a set of prompts (tau, alpha, routine share).
 
 Letters: B batch, P prompt length, L sequence, T generated tokens, V vocab, H heads.
 
@@ -31,27 +27,22 @@ TARGET_ONLY = "target-only"  # the baseline arm: plain KV-cached decoding by the
 
 # ---- batched generation ----
 def autocast(device, enabled):
-    """bf16 autocast for the matmuls when enabled (weights stay fp32), else nothing."""
-    if not enabled:
-        return contextlib.nullcontext()
-    return torch.autocast(torch.device(device).type, dtype=torch.bfloat16)
+    """bf16 autocast for the matmuls when enabled (weights stay fp32)."""
+    return torch.autocast(torch.device(device).type, dtype=torch.bfloat16) if enabled else contextlib.nullcontext()
 
 
 @torch.no_grad()
 def generate(model, input_ids, max_new, stop, temperature=0.0, generator=None, **forward_kwargs):
-    """Batched KV-cached decoding from prompts of equal length, input_ids (B, P): argmax (temperature 0) or a sample
-    from speculate.process_logits, the distribution speculative decoding verifies against, until every row wrote
-    `stop`. forward_kwargs go to the prefill (vision inputs, or inputs_embeds and grids for a draft). Returns tokens
-    (B, T) and mask (B, T), True up to and including each row's first stop token."""
+    """Batched KV-cached decoding from equal-length prompts (B, P) until every row wrote `stop`: argmax, or a sample of
+    speculate.process_logits (what speculative decoding verifies against). forward_kwargs go to the prefill. Returns
+    tokens (B, T) and mask (B, T), True up to and including each row's first stop token."""
     B, P = input_ids.shape
     cache = model.new_cache(batch=B, max_len=P + max_new)
     logits = model(input_ids, cache=cache, logits_to_keep=1, **forward_kwargs)[:, -1]  # (B, V)
     out, done = [], torch.zeros(B, dtype=torch.bool, device=input_ids.device)
     for _ in range(max_new):
-        if temperature == 0:
-            nxt = logits.argmax(-1)  # (B,)
-        else:
-            nxt = speculate.sample(speculate.process_logits(logits, temperature), generator)  # (B,)
+        nxt = logits.argmax(-1) if temperature == 0 else speculate.sample(  # (B,)
+            speculate.process_logits(logits, temperature), generator)
         out.append(nxt)
         done |= nxt == stop
         if bool(done.all()):
@@ -73,11 +64,9 @@ def greedy_coc(target, batch, stop, max_new=MAX_NEW_TOKENS, amp=False):
 
 @torch.no_grad()
 def plan_trajectories(target, batch, cocs, tok, amp=False):
-    """Trajectories (N, traj_len, 2) after prompt + the given CoCs (<cot_end> added where missing) +
-    <traj_future_start>, read at each row's <traj_future_start>, and logits (N, 1 + T, V), where row t predicts
-    continuation token t (row 0 comes from the prompt's last position). len(cocs) is a multiple k of the batch's
-    scenes, scene-major: k continuations per prompt share its prefill. Each continuation goes through the KV cache,
-    decoded as text whatever its ids (exactly as during generation); right padding is fine: attention is causal."""
+    """Trajectories (N, traj_len, 2) at <traj_future_start> after prompt + cocs (<cot_end> added where missing), and
+    logits (N, 1 + T, V), row t predicting continuation token t. cocs: k per scene, scene-major, sharing its prefill;
+    each goes through the KV cache as during generation; right padding is fine: attention is causal."""
     seqs = [[t for t in c if t != tok.cot_end_id] + [tok.cot_end_id, tok.traj_future_start_id] for c in cocs]
     P, S = int(batch["prompt_len"][0]), batch["input_ids"].shape[0]
     k, T = len(seqs) // S, max(map(len, seqs))
@@ -117,9 +106,8 @@ def coc_exact_match(pred, true):
 
 
 def commitment_hits(pred_next, input_ids, commit_mask):
-    """Teacher-forced argmax pred_next (B, L) against input_ids shifted by one -> (right, total) commitment tokens,
-    integers that add up exactly over batches. Teacher forcing scores every commitment token on the reference
-    prefix, so an early miss cannot hide later ones."""
+    """Teacher-forced argmax pred_next (B, L) against input_ids shifted by one -> (right, total) commitment tokens
+    (integers: exact over batches). Teacher forcing scores each on the reference prefix: no miss hides later ones."""
     hit = pred_next[:, :-1] == input_ids[:, 1:]                    # (B, L-1)
     m = commit_mask[:, :-1]
     return (hit & m).sum().item(), m.sum().item()
@@ -128,8 +116,7 @@ def commitment_hits(pred_next, input_ids, commit_mask):
 def trajectory_ade(target, data: Data, cocs, batch_size=EVAL_BATCH, amp=False):
     """(ADE, FDE) in metres over the scenes of data of the target's trajectories after cocs (one per scene)."""
     ade = fde = 0.0
-    device = next(target.parameters()).device
-    for i, batch in enumerate(data.batches(batch_size, device)):
+    for i, batch in enumerate(data.batches(batch_size, next(target.parameters()).device)):
         part = cocs[i * batch_size:(i + 1) * batch_size]
         a, f = ade_fde(plan_trajectories(target, batch, part, data.tok, amp)[0], batch["traj"].cpu())
         ade, fde = ade + a * len(part), fde + f * len(part)
@@ -156,8 +143,7 @@ def commitment_acc(model, target, data: Data, batch_size=EVAL_BATCH, amp=False):
 
 @torch.no_grad()
 def evaluate_target(target, data: Data, batch_size=EVAL_BATCH, amp=False):
-    """coc_exact (greedy), commitment_acc (teacher-forced argmax on commitment tokens),
-    ade / fde (trajectory after the model's own greedy CoC), in metres."""
+    """coc_exact (greedy), commitment_acc, ade / fde (m) of the trajectory after the model's own greedy CoC."""
     target.eval()
     cocs = greedy_outputs(target, data, batch_size=batch_size, amp=amp)
     ade, fde = trajectory_ade(target, data, cocs, batch_size, amp)
@@ -170,9 +156,8 @@ def key_groups(input_ids, tok):
     """Which key tokens are image (video placeholders), trajectory history (bins and their two
     markers) or other text -> three bool masks (B, L)."""
     image = (input_ids == tok.video_token_id) | (input_ids == tok.image_token_id)
-    start = (input_ids == tok.hist_start_id).cumsum(-1)
-    end = (input_ids == tok.hist_end_id).cumsum(-1)
-    history = (start > end) | (input_ids == tok.hist_end_id)  # from <traj_history_start> to <traj_history_end>
+    end = input_ids == tok.hist_end_id
+    history = ((input_ids == tok.hist_start_id).cumsum(-1) > end.cumsum(-1)) | end  # from <traj_history_start> to end
     return {"image": image, "history": history, "text": ~image & ~history}
 
 
@@ -203,8 +188,7 @@ def iter_attention_probs(model, input_ids, **forward_kwargs):
 
 
 def attention_probs(model, input_ids, **forward_kwargs):
-    """[(B, H, L, L)] per layer: iter_attention_probs as a list."""
-    return list(iter_attention_probs(model, input_ids, **forward_kwargs))
+    return list(iter_attention_probs(model, input_ids, **forward_kwargs))  # [(B, H, L, L)] per layer
 
 
 @torch.no_grad()
@@ -227,11 +211,8 @@ def attention_split(model, target, data: Data, n=16):
 # ---- speculative decoding over a set of prompts ----
 def scene_prompts(scenes, tok, device, dtype=None, views=driving.WorldConfig().views):
     """Batch-1 prompts (driving.build_prompt) on device, floating inputs cast to dtype when given."""
-    prompts = []
-    for s in scenes:
-        p = {k: v.to(device) for k, v in driving.build_prompt(s, tok, views).items()}
-        prompts.append({k: v.to(dtype) if dtype is not None and v.is_floating_point() else v for k, v in p.items()})
-    return prompts
+    return [{k: v.to(device).to(dtype) if dtype is not None and v.is_floating_point() else v.to(device)
+             for k, v in driving.build_prompt(s, tok, views).items()} for s in scenes]
 
 
 def sampling_kwargs(decoding, i):
@@ -255,13 +236,10 @@ def decode(target, draft, prompt, gamma, max_new, stop_token, timing=False, **sa
 @torch.no_grad()
 def spec_stats(target, drafts, prompts, gamma, max_new=MAX_NEW_TOKENS, stop_token=None, check_greedy=True,
                decoding=None):
-    """Decoding of every prompt (batch 1) by speculative decoding with each draft of `drafts` (name -> draft) and,
-    when check_greedy, by the target alone (arm TARGET_ONLY, first). Greedy unless `decoding` (decoding_mode) samples;
-    sampled outputs are never compared token by token (lossless verification keeps their distribution, not the
-    tokens), so check_greedy is then off. Returns {arm: stats}: tau (tokens per target verification, over all
-    prompts), alpha (accepted / tested draft tokens, Leviathan's alpha), routine_fraction (share of emitted tokens
-    that were accepted drafts), tau_ceiling (the tau of a draft the verifier never rejects, on these outputs),
-    greedy_match (the same tokens as target-only decoding on every prompt; None unless checked), ..."""
+    """{arm: stats} of every prompt (batch 1) decoded with each draft of `drafts` (name -> draft) and, when
+    check_greedy, by the target alone (arm TARGET_ONLY, first). Greedy unless `decoding` (decoding_mode) samples;
+    then check_greedy is off: lossless verification keeps the sampled distribution, not the tokens. alpha is
+    Leviathan's; tau_ceiling is the tau of a draft the verifier never rejects, on these outputs."""
     check_greedy = check_greedy and (decoding is None or decoding["mode"] == "greedy")
     arms = {TARGET_ONLY: None, **drafts} if check_greedy else dict(drafts)
     out = {}
@@ -292,8 +270,7 @@ def marked_coc(words, from_draft):
 def greedy_outputs(target, data: Data, max_new=MAX_NEW_TOKENS, batch_size=EVAL_BATCH, amp=False):
     """The target's greedy CoC of every scene of data (ids up to and including <cot_end> when written): what greedy
     speculative decoding must emit, whatever the draft."""
-    device = next(target.parameters()).device
-    return [c for batch in data.batches(batch_size, device)
+    return [c for batch in data.batches(batch_size, next(target.parameters()).device)
             for c in greedy_coc(target, batch, data.tok.cot_end_id, max_new, amp)]
 
 
@@ -385,9 +362,8 @@ def exact_kl_terms(logq, logr):
 def kl_to(draft, ref, target, data: Data, batch_size=EVAL_BATCH):
     """Mean exact KL(q || q_ref) over the CoC positions of data's reference CoCs (teacher-forced), both drafts
     reading the target's embeddings."""
-    device = next(target.parameters()).device
     total = n = 0.0
-    for batch in data.batches(batch_size, device):
+    for batch in data.batches(batch_size, next(target.parameters()).device):
         embeds = target.embed(batch["input_ids"], **vision_kwargs(batch))  # (B, L, D)
         m = batch["loss_mask"]  # (B, L) positions that predict CoC tokens
         logq, logr = (torch.log_softmax(d(batch["input_ids"], inputs_embeds=embeds, **grid_kwargs(batch))[m].float(),
@@ -437,6 +413,6 @@ def decoding_mode(temperature=0.0, top_k=None, top_p=None, seed=0):
     if temperature == 0 and (top_k is not None or top_p is not None):
         # a greedy decode reads only the argmax: the filters would be silently ignored
         raise ValueError("top_k / top_p filter a sampled distribution: give a temperature > 0 with them (0 = greedy)")
-    if temperature == 0:
-        return {"mode": "greedy", "temperature": 0.0, "top_k": None, "top_p": None, "seed": None}
-    return {"mode": "sampling", "temperature": float(temperature), "top_k": top_k, "top_p": top_p, "seed": seed}
+    greedy = temperature == 0  # then top_k and top_p are None (checked above)
+    return {"mode": "greedy" if greedy else "sampling", "temperature": 0.0 if greedy else float(temperature),
+            "top_k": top_k, "top_p": top_p, "seed": None if greedy else seed}
