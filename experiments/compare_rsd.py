@@ -9,6 +9,7 @@ their last bits between machines).
 
 run: python experiments/compare_rsd.py OLD.json NEW.json      (exit 1 on any difference)
 """
+import argparse
 import json
 import math
 import sys
@@ -54,7 +55,11 @@ def compare(old, new):
 
 
 if __name__ == "__main__":
-    old, new = (json.load(open(p)) for p in sys.argv[1:3])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("old", help="an earlier rsd.py --json output")
+    ap.add_argument("new", help="the output to check against it")
+    a = ap.parse_args()
+    old, new = (json.load(open(p)) for p in (a.old, a.new))
     diffs, notes = compare(old, new)
     print("\n".join(notes + diffs) or "", f"\n{len(diffs)} differences in the deterministic columns")
     sys.exit(1 if diffs else 0)
