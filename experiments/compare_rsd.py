@@ -1,11 +1,11 @@
 """Compare the deterministic columns of two `python rsd.py --json` outputs (issue #23's behaviour-unchanged check).
 
-Deterministic: tau at every gamma on both splits (`sweep`, each row's `tau_by_gamma`), the tau ceiling, the
-target's CoC exact match / commitment accuracy / ADE, the world's routine share, each row's commitment accuracy,
+Deterministic: tau at every gamma on both splits (`sweep`, each row's `tau_by_gamma`), the tau ceiling at every gamma,
+the target's CoC exact match / commitment accuracy / ADE, the world's routine share, each row's commitment accuracy,
 ADE and attention split, greedy identity. A row's gamma (or tree) is chosen with measured step times, so its `tau`,
-`tau_spread` and `routine_fraction` are compared only where both runs chose the same gamma. Timing columns
-(ms_per_token, speedup) are never compared. Floats agree to 1e-6 relative (the attention split's sums differ in
-their last bits between machines).
+`tau_spread`, `routine_fraction` and `tau_ceiling` are compared only where both runs chose the same gamma. Timing
+columns (ms_per_token, speedup) are never compared. Floats agree to 1e-6 relative (the attention split's sums differ
+in their last bits between machines).
 
 run: python experiments/compare_rsd.py OLD.json NEW.json      (exit 1 on any difference)
 """
@@ -14,9 +14,9 @@ import json
 import math
 import sys
 
-ROW_ALWAYS = ("tau_by_gamma", "tau_ceiling", "commit_acc", "ade", "attn_history", "attn_image", "attn_text")
-ROW_AT_GAMMA = ("tau", "tau_spread", "routine_fraction")
-TOP = ("greedy_match", "tau_ceiling", "sweep", "target", "routine_share_world", "seeds", "prompt")
+ROW_ALWAYS = ("tau_by_gamma", "commit_acc", "ade", "attn_history", "attn_image", "attn_text")
+ROW_AT_GAMMA = ("tau", "tau_spread", "routine_fraction", "tau_ceiling")
+TOP = ("greedy_match", "sweep", "target", "routine_share_world", "seeds", "prompt")
 
 
 def same(a, b, where, out):
@@ -37,6 +37,8 @@ def compare(old, new):
     out, notes = [], []
     for k in TOP:
         same(old.get(k), new.get(k), k, out)
+    if [r.get("gamma") for r in old["rows"]] == [r.get("gamma") for r in new["rows"][:len(old["rows"])]]:
+        same(old.get("tau_ceiling"), new.get("tau_ceiling"), "tau_ceiling", out)  # the ceiling at the chosen gamma
     new_rows = {r["name"]: r for r in new["rows"]}
     for r in old["rows"]:
         s = new_rows.get(r["name"])
