@@ -1,0 +1,251 @@
+"""Scenes a user has, and the target's own chains of causation on them: the data a routine reasoner for a real
+target is distilled from. Paper: the routine reasoner (draft q) is distilled from the deliberative reasoner (target
+p); a real target has no ground-truth CoCs, so it writes its own (self-distillation, as EAGLE regenerates its data
+with the target), and the draft learns the distribution it is verified against, <|cot_end|> included.
+
+The scene folder, one folder per scene, named by its id (write_scene writes one, load_scenes checks them all):
+    SCENES/<id>/cameras/        PNG or JPEG images (any size, read with PIL) whose sorted names are Alpamayo-R1's
+                                order: 4 cameras x 4 frames, cameras then frames (write_scene: 00.png ... 15.png)
+    SCENES/<id>/poses.json      {"past": 16 x [x, y, z], "future": 64 x [x, y, z]}: ego poses in metres, 10 Hz, in
+                                the ego frame at the current pose (the last past one); "future" (optional) is what
+                                the action reward and ADE score against
+    SCENES/<id>/instruction.txt optional: a plain Qwen-VL prompt's instruction (such a folder, any image count and
+                                no poses: load_scenes(root, n_images=None, poses=False))
+
+The distillation data (distill_data writes it, read_distill_data reads it):
+    OUT/index.json          the settings (temperature, top_p, samples, max_new, stop_ids, seed, the target's
+                            fingerprint) and each shard's records (scene, sample, n ids, complete); rewritten
+                            atomically after each shard, so a killed run loses at most the shard it was writing
+    OUT/shard_00000.bin     the shard's token ids, uint32 little-endian, its records' ids one after another
+Only token ids are stored: the CoC through stop_ids (<|cot_end|> <|traj_future_start|> for Alpamayo; <cot_end> for
+the toy, whose planner reads at a <traj_future_start> it is given). The teacher's distributions are recomputed online
+in training (one teacher-forced target forward per batch), cheaper than reading V = 152k floats per id from disk.
+Disk: 4 bytes x CoC length per record + about 80 bytes of index: 1,000 scenes x 1 sample of 64 ids = 0.26 + 0.08 MB.
+Time: one target decode per record (prefill with the vision tower, then one KV-cached step per id); index.json sums
+the measured prefill_s and decode_s, so (prefill_s + decode_s) / records is the seconds per record on the user's
+machine. The target's fingerprint reads a load_pretrained folder's safetensors once per run (16 GB for Alpamayo-R1).
+
+run: python -m pytest -q tests/test_scenes.py
+"""
+import hashlib
+import json
+import os
+import pathlib
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+import checkpoint
+import evaluate
+import files
+import speculate
+
+N_IMAGES, N_PAST, N_FUTURE = 16, 16, 64  # Alpamayo-R1: 4 cameras x 4 frames; 1.6 s of past, 6.4 s of future at 10 Hz
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
+POSES, INSTRUCTION, INDEX = "poses.json", "instruction.txt", "index.json"
+SHARD_SCENES = 64  # scenes per shard: what a killed run can lose
+
+
+# ---- the scene folder ----
+
+
+@dataclass
+class Scene:
+    scene_id: str
+    image_paths: list  # the camera images in the model's order
+    past: torch.Tensor | None  # (16, 3) x / y / z in metres, float32
+    future: torch.Tensor | None  # (64, 3), or None
+    instruction: str | None  # instruction.txt, or None
+
+    def images(self):
+        """[(3, H, W) uint8] in the model's order, read now: a folder of scenes never sits in memory."""
+        from PIL import Image  # optional extra: only reading and writing images needs it
+        out = []
+        for p in self.image_paths:
+            try:
+                with Image.open(p) as im:
+                    out.append(torch.from_numpy(np.array(im.convert("RGB"))).permute(2, 0, 1))  # (H, W, 3) -> (3, H, W)
+            except OSError as e:
+                raise ValueError(f"scene {self.scene_id}: {p} unreadable ({e})") from None
+        return out
+
+
+def _poses(raw, key, rows, problems):
+    """raw[key] as a (rows, 3) float32 tensor, or None with its defect appended to problems."""
+    try:
+        xyz = torch.tensor(raw[key], dtype=torch.float32)
+        bad = f"has shape {tuple(xyz.shape)}, expected ({rows}, 3)" if tuple(xyz.shape) != (rows, 3) else None
+        bad = bad or (None if bool(torch.isfinite(xyz).all()) else "holds non-finite values")
+    except (TypeError, ValueError):
+        bad = "is not a list of [x, y, z] rows"
+    problems += [f"{POSES} '{key}' {bad}"] if bad else []
+    return None if bad else xyz
+
+
+def _check_scene(d, scene_id, n_images, poses):
+    """(Scene or None, [problems]) of one scene folder. Images are opened and verified (header, and PNG's checksums)
+    without decoding them: a truncated JPEG surfaces when Scene.images reads it, as an error naming the scene."""
+    from PIL import Image  # optional extra
+    problems, paths, cams = [], [], os.path.join(d, "cameras")
+    if not os.path.isdir(cams):
+        problems.append("no cameras/ folder")
+    else:
+        paths = [os.path.join(cams, n) for n in sorted(os.listdir(cams))
+                 if not n.startswith(".") and n.lower().endswith(IMAGE_SUFFIXES)]
+        if not paths or (n_images is not None and len(paths) != n_images):
+            problems.append(f"cameras/ holds {len(paths)} PNG / JPEG images, expected {n_images or 'at least 1'}")
+        for p in paths:
+            try:
+                with Image.open(p) as im:
+                    im.verify()
+            except Exception as e:  # PIL raises several kinds (OSError, SyntaxError, struct.error) for a bad file
+                problems.append(f"cameras/{os.path.basename(p)} unreadable ({type(e).__name__}: {e})")
+    past = future = raw = None
+    if os.path.exists(os.path.join(d, POSES)):
+        try:
+            raw = json.loads(pathlib.Path(d, POSES).read_text())
+            past = _poses(raw, "past", N_PAST, problems)
+            future = _poses(raw, "future", N_FUTURE, problems) if raw.get("future") is not None else None
+        except (OSError, ValueError, KeyError, AttributeError) as e:  # unreadable, not JSON, no "past", not a dict
+            problems.append(f"{POSES} unreadable ({type(e).__name__}: {e})")
+    elif poses:
+        problems.append(f"no {POSES}")
+    text = pathlib.Path(d, INSTRUCTION)
+    text = text.read_text(encoding="utf-8").strip() if text.exists() else None
+    return (None if problems else Scene(scene_id, paths, past, future, text)), problems
+
+
+def load_scenes(root, n_images=N_IMAGES, poses=True):
+    """Every scene of root (sorted by id), each checked before any work: one ValueError names each bad scene with
+    every defect found. n_images: the camera count every scene must have (None: any); poses: poses.json required."""
+    if not os.path.isdir(root):
+        raise FileNotFoundError(f"{root}: no such scene folder")
+    ids = sorted(n for n in os.listdir(root) if not n.startswith(".") and os.path.isdir(os.path.join(root, n)))
+    if not ids:
+        raise ValueError(f"{root} holds no scene folders (SCENES/<scene_id>/cameras, poses.json)")
+    scenes, bad = [], []
+    for i in ids:
+        scene, problems = _check_scene(os.path.join(root, i), i, n_images, poses)
+        scenes.append(scene)
+        bad += [f"  {i}: {p}" for p in problems]
+    if bad:
+        raise ValueError(f"{root}: {sum(s is None for s in scenes)} of {len(ids)} scenes are bad:\n" + "\n".join(bad))
+    return scenes
+
+
+def write_scene(root, scene_id, images, past, future=None, instruction=None):
+    """Write one scene folder: images uint8 (N, 3, H, W) in the model's order, past (16, 3), future (64, 3) or None.
+    Each file is written atomically (a temporary file renamed over it); a rewrite removes the old scene's extra
+    images and files it no longer has."""
+    from PIL import Image  # optional extra
+    d, cams = os.path.join(root, scene_id), os.path.join(root, scene_id, "cameras")
+    os.makedirs(cams, exist_ok=True)
+    names = [f"{i:02d}.png" for i in range(len(images))]
+    for img, n in zip(torch.as_tensor(images), names):
+        png = Image.fromarray(img.permute(1, 2, 0).contiguous().numpy())  # (3, H, W) -> (H, W, 3)
+        files.atomic_write(os.path.join(cams, n), lambda p: png.save(p, format="PNG"))
+    for n in set(os.listdir(cams)) - set(names):
+        if n.lower().endswith(IMAGE_SUFFIXES):
+            os.remove(os.path.join(cams, n))
+    raw = {k: torch.as_tensor(v).tolist() for k, v in (("past", past), ("future", future)) if v is not None}
+    files.write_json(os.path.join(d, POSES), raw)
+    path = os.path.join(d, INSTRUCTION)
+    if instruction is not None:
+        files.atomic_write(path, lambda p: pathlib.Path(p).write_text(instruction, encoding="utf-8"))
+    elif os.path.exists(path):
+        os.remove(path)
+    return d
+
+
+def alpamayo_prompts(folder, scenes, **kw):
+    """(scene_id, prompt) for distill_data, each prompt built by alpamayo.build_prompt (kw: its processor_dir,
+    min_pixels, max_pixels) only when asked, so that a resumed run builds none for the scenes it has."""
+    import alpamayo  # needs transformers (optional extra)
+    return [(s.scene_id, lambda s=s: alpamayo.build_prompt(folder, s.images(), s.past, **kw)) for s in scenes]
+
+
+# ---- self-distillation data ----
+
+
+def sample_seed(seed, scene_id, k):
+    """Sample k's generator seed: (seed, scene, k) alone, so that a resumed or reordered run draws the same records."""
+    return int(hashlib.sha256(f"{seed}/{scene_id}/{k}".encode()).hexdigest()[:15], 16)  # < 2**60
+
+
+def distill_data(target, prompts, out, stop_ids, max_new, temperature=0.0, top_p=None, samples=1, seed=0,
+                 shard_scenes=SHARD_SCENES, log=None):
+    """The target's own CoCs -> OUT (module docstring), resumably: scenes already in OUT are skipped; a rerun with
+    another setting is refused, naming it. prompts: (scene_id, prompt) pairs, a prompt being speculate's batch-1 dict
+    or a function returning it (alpamayo_prompts; driving.build_prompt for the toy); stop_ids: the ids that end the
+    reasoning, in order: decoding stops at the last one and keeps them all; a record is complete when its CoC ends
+    with them. Greedy (temperature 0), or `samples` draws per scene at temperature / top_p (Alpamayo-R1's release:
+    0.6 / 0.98), each seeded by sample_seed. Decoding: speculate.autoregressive, batch 1. Returns the index."""
+    evaluate.decoding_mode(temperature, None, top_p, seed)  # the settings checked before any work
+    stop_ids = [int(t) for t in stop_ids]
+    for bad, why in [(not isinstance(max_new, int) or max_new < 1, f"max_new must be an int >= 1, got {max_new!r}"),
+                     (not isinstance(samples, int) or samples < 1 or (temperature == 0 and samples > 1),
+                      f"samples must be an int >= 1, and 1 when greedy (greedy samples are equal), got {samples!r}"),
+                     (not stop_ids, "stop_ids is empty: give the ids that end the reasoning")]:
+        if bad:
+            raise ValueError(why)
+    settings = {"temperature": float(temperature), "top_p": top_p, "samples": samples, "max_new": max_new,
+                "stop_ids": stop_ids, "seed": seed, "target": checkpoint.fingerprint(target)}
+    path, w = os.path.join(out, INDEX), next(target.parameters())
+    with files.writer_lock(out):
+        index = {"settings": settings, "shards": [], "prefill_s": 0.0, "decode_s": 0.0}
+        if os.path.exists(path):
+            index = files.read_json(path)
+            for k, v in settings.items():
+                if index["settings"].get(k) != v:
+                    raise ValueError(f"{out} holds data written with {k} = {index['settings'].get(k)!r}, this run "
+                                     f"asks {v!r}: resuming would mix the two; write to another folder")
+        done = {r["scene"] for s in index["shards"] for r in s["records"]}
+        records, ids, n_scenes = [], [], 0
+
+        def flush():
+            name = f"shard_{len(index['shards']):05d}.bin"  # a shard a killed run left unindexed is overwritten
+            files.atomic_write(os.path.join(out, name), np.asarray(ids, dtype="<u4").tofile)
+            index["shards"].append({"file": name, "records": list(records)})
+            files.write_json(path, index)
+            if log:
+                log(f"{out}/{name}: {len(records)} records, {len(ids)} ids ({n_scenes} scenes decoded this run)")
+            del records[:], ids[:]
+
+        for scene_id, prompt in prompts:
+            if scene_id in done:
+                continue
+            done.add(scene_id)
+            prompt = prompt() if callable(prompt) else prompt  # pixels in the target's dtype, as evaluate.scene_prompts
+            prompt = {k: v.to(w.device, w.dtype if v.is_floating_point() else None) for k, v in prompt.items()}
+            for k in range(samples):
+                res = speculate.autoregressive(target, prompt, max_new, temperature, top_p=top_p,
+                                               seed=sample_seed(seed, scene_id, k), stop_token=stop_ids[-1],
+                                               timing=True)
+                index["prefill_s"] += res.prefill_s
+                index["decode_s"] += res.decode_s
+                records.append({"scene": scene_id, "sample": k, "n": len(res.tokens),
+                                "complete": res.tokens[-len(stop_ids):] == stop_ids})
+                ids.extend(res.tokens)
+            n_scenes += 1
+            if n_scenes % shard_scenes == 0:
+                flush()
+        if records:
+            flush()
+    return index
+
+
+def read_distill_data(out):
+    """[{scene, sample, n, complete, tokens}] of OUT in the order written; a shard whose size disagrees with its index
+    entry is an error naming it."""
+    index = files.read_json(os.path.join(out, INDEX))
+    recs = []
+    for shard in index["shards"]:
+        p = os.path.join(out, shard["file"])
+        ids = np.fromfile(p, dtype="<u4") if os.path.exists(p) else None
+        if ids is None or len(ids) != sum(r["n"] for r in shard["records"]):
+            raise ValueError(f"{p}: {'missing' if ids is None else f'{len(ids)} ids'}, its index entry expects "
+                             f"{sum(r['n'] for r in shard['records'])}: the folder is damaged")
+        offsets = np.cumsum([0] + [r["n"] for r in shard["records"]])
+        recs += [dict(r, tokens=ids[a:b].tolist()) for r, a, b in zip(shard["records"], offsets[:-1], offsets[1:])]
+    return recs

@@ -1,0 +1,203 @@
+"""Tests for scenes.py: every kind of bad scene named before any work, a scene folder's round trip, and the
+self-distillation data: greedy records equal to speculate.autoregressive and to the target's teacher-forced argmax,
+a killed run resumed without duplicates, a changed setting refused by name, sampled records reproducible from the
+seed whatever the order, and the two prompt sources (the toy's driving.build_prompt, a tiny Alpamayo folder's
+alpamayo.build_prompt on a scene folder).
+
+run: python -m pytest -q tests/test_scenes.py
+"""
+import dataclasses
+import json
+import os
+
+import pytest
+import torch
+
+import checkpoint
+import driving
+import model as M
+import scenes
+import speculate
+from tiny_models import image_prompt, tiny_model
+
+try:  # the tiny Alpamayo-shaped folder of tests/test_alpamayo.py, a fixture
+    from test_alpamayo import SPECIAL, folder
+except (ImportError, pytest.skip.Exception):  # no transformers: that test module skips itself
+    SPECIAL = folder = None
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+STOP = [29, 48]  # two ids the tiny target writes in a row in 3 of the 4 prompts (within 12 tokens), never in one
+MAX_NEW = 12
+
+
+def pixels(n=16, h=6, w=8, seed=0):
+    return torch.randint(0, 256, (n, 3, h, w), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+
+
+def poses(rows, seed=0):
+    return torch.randn(rows, 3, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_model()
+
+
+def prompts(n=4):
+    # prompts whose 12 greedy ids hold no image / video placeholder id, which a cache-free forward cannot take as text
+    return [(f"s{i}", image_prompt(seed=s, text_after=(7, 8, 9 + s))) for i, s in enumerate([0, 1, 4, 5][:n])]
+
+
+# ---- the scene folder ----
+
+
+def test_round_trip_write_then_load(tmp_path):
+    imgs, past, future = pixels(), poses(16), poses(64, seed=1)
+    scenes.write_scene(tmp_path, "b", imgs, past, future)
+    scenes.write_scene(tmp_path, "a", pixels(seed=2), past)
+    a, b = scenes.load_scenes(tmp_path)
+    assert (a.scene_id, b.scene_id) == ("a", "b") and a.future is None and a.instruction is None
+    assert torch.equal(torch.stack(b.images()), imgs)  # (16, 3, 6, 8), PNG: lossless
+    assert torch.equal(b.past, past) and torch.equal(b.future, future)
+    # a rewrite with fewer images and no future leaves nothing of the old scene
+    scenes.write_scene(tmp_path, "b", imgs[:4], past, instruction="keep lane")
+    (b,) = scenes.load_scenes(tmp_path, n_images=None)[1:]
+    assert len(b.images()) == 4 and b.future is None and b.instruction == "keep lane"
+    # a plain Qwen-VL folder: images and an instruction, no poses
+    os.remove(tmp_path / "b" / "poses.json")
+    assert scenes.load_scenes(tmp_path, n_images=None, poses=False)[1].past is None
+
+
+def test_every_bad_scene_is_named_with_its_defects(tmp_path):
+    good = dict(images=pixels(), past=poses(16), future=poses(64))
+    for name in ["good", "missing", "unreadable", "no_poses", "short_past", "nan_future", "long_future", "bad_json"]:
+        scenes.write_scene(tmp_path, name, **good)
+    os.remove(tmp_path / "missing" / "cameras" / "07.png")
+    (tmp_path / "unreadable" / "cameras" / "03.png").write_bytes(b"not a png")
+    os.remove(tmp_path / "no_poses" / "poses.json")
+    scenes.write_scene(tmp_path, "short_past", pixels(), poses(15))
+    scenes.write_scene(tmp_path, "nan_future", pixels(), poses(16), torch.full((64, 3), float("nan")))
+    scenes.write_scene(tmp_path, "long_future", pixels(), poses(16), poses(65))
+    (tmp_path / "bad_json" / "poses.json").write_text("{past: ")
+    os.makedirs(tmp_path / "no_cameras")
+    with pytest.raises(ValueError) as e:
+        scenes.load_scenes(tmp_path)
+    msg = str(e.value)
+    assert "8 of 9 scenes are bad" in msg and "good:" not in msg
+    for line in ["missing: cameras/ holds 15 PNG / JPEG images, expected 16", "unreadable: cameras/03.png unreadable",
+                 "no_poses: no poses.json", "short_past: poses.json 'past' has shape (15, 3), expected (16, 3)",
+                 "nan_future: poses.json 'future' holds non-finite values",
+                 "long_future: poses.json 'future' has shape (65, 3), expected (64, 3)",
+                 "bad_json: poses.json unreadable", "no_cameras: no cameras/ folder", "no_cameras: no poses.json"]:
+        assert "  " + line in msg, (line, msg)
+
+
+# ---- self-distillation data ----
+
+
+@torch.no_grad()
+def test_greedy_records_are_the_targets_own_decoding(target, tmp_path):
+    index = scenes.distill_data(target, prompts(), tmp_path, STOP, MAX_NEW)
+    recs = scenes.read_distill_data(tmp_path)
+    assert [(r["scene"], r["sample"]) for r in recs] == [(f"s{i}", 0) for i in range(4)]
+    assert [r["complete"] for r in recs] == [True, False, True, True]
+    for (sid, p), r in zip(prompts(), recs):
+        assert r["tokens"] == speculate.autoregressive(target, p, MAX_NEW, stop_token=STOP[-1]).tokens
+        # the slow, obvious path: each id is the argmax of one cache-free forward over prompt + the ids before it
+        ids = torch.cat([p["input_ids"], torch.tensor([r["tokens"][:-1]])], 1)
+        logits = target(**dict(p, input_ids=ids))[0, -len(r["tokens"]):]  # (T, V)
+        assert logits.argmax(-1).tolist() == r["tokens"]
+    assert recs[0]["tokens"][-2:] == STOP and len(recs[1]["tokens"]) == MAX_NEW
+    assert index["decode_s"] > 0 and os.path.getsize(tmp_path / "shard_00000.bin") == 4 * sum(
+        len(r["tokens"]) for r in recs)  # 4 bytes per id
+
+
+def test_a_killed_run_resumes_without_duplicates(target, tmp_path, monkeypatch):
+    whole = tmp_path / "whole"
+    scenes.distill_data(target, prompts(), whole, STOP, MAX_NEW, shard_scenes=2)
+    run, calls, real = tmp_path / "run", [], speculate.autoregressive
+
+    def dies_at_the_4th(*a, **k):
+        calls.append(1)
+        if len(calls) == 4:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+    monkeypatch.setattr(speculate, "autoregressive", dies_at_the_4th)
+    with pytest.raises(KeyboardInterrupt):
+        scenes.distill_data(target, prompts(), run, STOP, MAX_NEW, shard_scenes=2)
+    assert [r["scene"] for r in scenes.read_distill_data(run)] == ["s0", "s1"]  # the first shard only
+    monkeypatch.setattr(speculate, "autoregressive", real)
+    # killed between a shard and its index entry: the unindexed shard is overwritten by the rerun
+    (run / "shard_00001.bin").write_bytes(b"\0" * 12)
+    scenes.distill_data(target, prompts(), run, STOP, MAX_NEW, shard_scenes=2)
+    assert scenes.read_distill_data(run) == scenes.read_distill_data(whole)
+    scenes.distill_data(target, prompts(), run, STOP, MAX_NEW, shard_scenes=2)  # all done: nothing added
+    assert len(json.load(open(run / "index.json"))["shards"]) == 2
+    (run / "shard_00001.bin").write_bytes(b"\0" * 12)
+    with pytest.raises(ValueError, match=r"shard_00001.bin: 3 ids, its index entry expects"):
+        scenes.read_distill_data(run)
+
+
+def test_a_changed_setting_is_refused_by_name(target, tmp_path):
+    scenes.distill_data(target, prompts(1), tmp_path, STOP, MAX_NEW)
+    for field, kw in [("temperature", dict(temperature=0.6)), ("max_new", dict(max_new=8)),
+                      ("stop_ids", dict(stop_ids=[48]))]:
+        args = dict(dict(target=target, prompts=prompts(2), out=tmp_path, stop_ids=STOP, max_new=MAX_NEW), **kw)
+        with pytest.raises(ValueError, match=rf"written with {field} = .*, this run asks"):
+            scenes.distill_data(**args)
+    with pytest.raises(ValueError, match=r"written with target = "):
+        scenes.distill_data(tiny_model(seed=1), prompts(2), tmp_path, STOP, MAX_NEW)
+    with pytest.raises(ValueError, match=r"1 when greedy"):
+        scenes.distill_data(target, prompts(2), tmp_path / "x", STOP, MAX_NEW, samples=2)
+    assert len(scenes.read_distill_data(tmp_path)) == 1  # nothing written by the refused runs
+
+
+def test_sampled_records_are_reproducible_from_the_seed_in_any_order(target, tmp_path):
+    kw = dict(stop_ids=STOP, max_new=MAX_NEW, temperature=0.6, top_p=0.98, samples=3)
+    scenes.distill_data(target, prompts(), tmp_path / "a", seed=5, **kw)
+    scenes.distill_data(target, prompts()[::-1], tmp_path / "b", seed=5, **kw)
+    scenes.distill_data(target, prompts(), tmp_path / "c", seed=6, **kw)
+    a, b, c = (sorted(scenes.read_distill_data(tmp_path / d), key=lambda r: (r["scene"], r["sample"])) for d in "abc")
+    assert a == b and len(a) == 12 and a != c
+    assert len({tuple(r["tokens"]) for r in a}) > 4  # the samples differ from each other
+    p = dict(prompts())["s2"]
+    assert a[7]["tokens"] == speculate.autoregressive(target, p, MAX_NEW, 0.6, top_p=0.98, stop_token=STOP[-1],
+                                                      seed=scenes.sample_seed(5, "s2", 1)).tokens
+
+
+# ---- the prompt sources ----
+
+
+def test_the_toy_world_is_a_prompt_source(tmp_path):
+    tok = driving.Tokenizer()
+    import train  # the toy target's config
+    cfg = dataclasses.replace(train.target_config(tok), hidden_size=32, n_layers=1, n_heads=2, n_kv_heads=1,
+                              intermediate_size=48, head_dim=16, mrope_section=(2, 3, 3))
+    torch.manual_seed(0)
+    toy = M.VLA(cfg).eval()
+    world = driving.make_split("train", 2)
+    source = [(f"toy{i}", lambda s=s: driving.build_prompt(s, tok, views=1)) for i, s in enumerate(world)]
+    scenes.distill_data(toy, source, tmp_path, [tok.cot_end_id], 6)
+    recs = scenes.read_distill_data(tmp_path)
+    assert [r["tokens"] for r in recs] == [speculate.autoregressive(toy, driving.build_prompt(s, tok, views=1), 6,
+                                                                   stop_token=tok.cot_end_id).tokens for s in world]
+
+
+@pytest.mark.skipif(folder is None, reason="needs transformers (optional extra)")
+@torch.no_grad()
+def test_a_scene_folder_through_alpamayos_prompt(folder, tmp_path):
+    from alpamayo import build_prompt
+    from hf import load_pretrained
+    d = folder[2]
+    alp = load_pretrained(d)
+    for i in range(2):
+        scenes.write_scene(tmp_path / "scenes", f"clip{i}", pixels(h=24, w=40, seed=i), poses(16, seed=i) * 0.1)
+    clips = scenes.load_scenes(tmp_path / "scenes")
+    stop = [SPECIAL["<|cot_end|>"], SPECIAL["<|traj_future_start|>"]]
+    kw = dict(min_pixels=64, max_pixels=256)
+    scenes.distill_data(alp, scenes.alpamayo_prompts(d, clips, **kw), tmp_path / "out", stop, 5)
+    recs = scenes.read_distill_data(tmp_path / "out")
+    assert [r["scene"] for r in recs] == ["clip0", "clip1"]
+    for s, r in zip(clips, recs):
+        p = build_prompt(d, s.images(), s.past, **kw)
+        assert r["tokens"] == speculate.autoregressive(alp, p, 5, stop_token=stop[-1]).tokens
