@@ -11,6 +11,7 @@ import argparse
 import contextlib
 import math
 import os
+import sys
 import time
 from dataclasses import asdict, dataclass, replace
 
@@ -24,6 +25,7 @@ import cli
 import driving
 import files
 import model as M
+import speculate
 from driving import Data, grid_kwargs, vision_kwargs
 from evaluate import MAX_VIEWS_RULE, autocast, check_values, evaluate_target
 
@@ -140,14 +142,18 @@ def distill_loss(draft, embeds, p_logp, batch):
 # ---- stages ----
 def update(opt, loss, model, step, steps, lr, cfg):
     """One clipped AdamW step; lr: linear warm-up over cfg.warmup steps, then cosine decay to 10% of it at `steps`."""
-    frac = (step - cfg.warmup) / max(1, steps - cfg.warmup)
-    lr = lr * (step + 1) / cfg.warmup if step < cfg.warmup else lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
     for grp in opt.param_groups:
-        grp["lr"] = lr
+        grp["lr"] = lr_at(step, steps, lr, cfg)
     opt.zero_grad(set_to_none=True)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
     opt.step()
+
+
+def lr_at(step, steps, lr, cfg):
+    """Linear warm-up over cfg.warmup steps, then cosine decay to 10% of lr at `steps`."""
+    frac = (step - cfg.warmup) / max(1, steps - cfg.warmup)
+    return lr * (step + 1) / cfg.warmup if step < cfg.warmup else lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
 
 
 def make_optimizer(params, cfg, lr):
@@ -252,6 +258,168 @@ def run(cfg: TrainConfig, stage="all", log=print):
         return out
 
 
+# ---- a draft for any target: distilled on the target's own CoCs ----
+@dataclass
+class DraftConfig:
+    target: str = ""  # a Hugging Face Qwen2.5-VL / Qwen3-VL or Alpamayo-R1 folder (hf.load_pretrained), or our format
+    scenes: str = ""  # the training scenes, scenes.py's folder format (or --toy-scenes)
+    toy_scenes: int = 0  # N > 0: the prompts are the toy world's first N training scenes (for an exported toy target)
+    out: str = "runs/draft"  # out/data: the target's CoCs (scenes.distill_data); out/draft_<kind>_s<seed>
+    kind: str = "flat"  # flat: FlatRoPE, the routine reasoner; mrope: the replica of standard speculative decoding
+    device: str = "cpu"  # torch device (cpu, cuda)
+    dtype: str = "fp32"  # the frozen target's weights (bf16 on a GPU); the draft's own weights stay fp32
+    amp: bool = False  # bf16 autocast for the matmuls of both models
+    steps: int = 300  # draft updates
+    batch_size: int = 16  # CoCs per update, one sequence at a time (gradient accumulation), batch_size / world per rank
+    lr: float = 3e-3  # peak learning rate
+    warmup: int = 20  # linear warm-up steps, then cosine decay to 10%
+    weight_decay: float = 0.01  # AdamW weight decay
+    grad_clip: float = 1.0  # gradient-norm clip
+    seed: int = 0  # seeds the draft's initialisation, the record order and the sampled CoCs
+    init: str = "random"  # random, or last: the draft's layers start as copies of the target's last decoder layers
+    draft_vocab: int = 0  # K > 0: the head covers the K ids commonest in the target's own CoCs; 0 = all
+    save_every: int = 100  # updates between resumable states
+    samples: int = 1  # CoCs per training scene (1 when greedy)
+    temperature: float = 0.0  # the target's CoCs: 0 = greedy; Alpamayo-R1's release samples at 0.6 / top-p 0.98
+    top_p: float = 0.98  # with temperature > 0
+    max_new: int = 128  # CoC token limit per scene
+    min_pixels: int = 163840  # the images' size bounds in the target's image processor (Alpamayo's: 160-192 tokens)
+    max_pixels: int = 196608
+    views: int = driving.WorldConfig().views  # --toy-scenes: the surround views of the toy prompts
+    overwrite: bool = False  # replace a finished draft of this kind and seed in out
+
+
+def load_target(path, dtype=None, device=None):
+    """A folder with config.json through hf.load_pretrained, else our format (checkpoint.load)."""
+    import hf  # its loader reads safetensors only: no transformers needed
+    load = hf.load_pretrained if os.path.exists(os.path.join(path, hf.CONFIG)) else checkpoint.load
+    return load(path, dtype=dtype, device=device)
+
+
+def prompt_source(cfg: DraftConfig):
+    """([(scene_id, prompt or a function building it)], stop_ids): the toy world's scenes (--toy-scenes) or a scene
+    folder through the target's own tokenizer and image processor; stop_ids end the reasoning, in order."""
+    if cfg.toy_scenes:
+        tok = driving.Tokenizer()
+        world = driving.make_split("train", cfg.toy_scenes, 0)  # train.py's scenes (TrainConfig.seed 0)
+        return [(f"toy{i}", lambda s=s: driving.build_prompt(s, tok, cfg.views)) for i, s in enumerate(world)], \
+            [tok.cot_end_id]
+    import scenes
+    from transformers import AutoTokenizer  # the Alpamayo-R1 prompt needs transformers (optional extra)
+    vocab = AutoTokenizer.from_pretrained(cfg.target).get_vocab()
+    stop = [vocab.get(t) for t in ("<|cot_end|>", "<|traj_future_start|>")]
+    if None in stop:
+        raise ValueError(f"{cfg.target}: the tokenizer lacks <|cot_end|> / <|traj_future_start|>: only Alpamayo-R1 "
+                         "folders (or --toy-scenes) have CoCs to distil")
+    return scenes.alpamayo_prompts(cfg.target, scenes.load_scenes(cfg.scenes), min_pixels=cfg.min_pixels,
+                                   max_pixels=cfg.max_pixels), stop
+
+
+def record_order(step, batch_size, n, seed):
+    """The global record indices of update `step`: epochs of seeded permutations of range(n), read batch_size at a
+    time, so that a resumed run, or one on other ranks, takes the same records in the same updates."""
+    first = step * batch_size
+    idx = []
+    while len(idx) < batch_size:
+        epoch, at = divmod(first + len(idx), n)
+        perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch)).tolist()
+        idx += perm[at:at + batch_size - len(idx)]
+    return idx
+
+
+def sequence_kl(target, draft, prompt, coc):
+    """KL(p || q) averaged over the positions that predict the CoC: one teacher-forced forward of each model over
+    prompt + coc (T ids), the LM heads on the last T positions only (152k columns at thousands of prompt rows would
+    not fit)."""
+    ids = torch.cat([prompt["input_ids"], torch.tensor([coc], device=prompt["input_ids"].device)], 1)  # (1, L + T)
+    T = len(coc)
+    with torch.no_grad():
+        embeds, deepstack = speculate.embed_prompt(target, dict(prompt, input_ids=ids))  # (1, L + T, D)
+        grids = {k: prompt[k] for k in speculate.GRID_KEYS if prompt.get(k) is not None}
+        logits_p = target(ids, inputs_embeds=embeds, deepstack=deepstack, logits_to_keep=T + 1, **grids)[:, :-1]
+    p_logp = F.log_softmax(logits_p[0].float(), -1)  # (T, V): row t is p after the prompt and coc[:t]
+    batch = {"input_ids": ids, "loss_mask": torch.arange(ids.shape[1], device=ids.device)[None] >= ids.shape[1] - T - 1,
+             **grids}
+    batch["loss_mask"][:, -1] = False  # (1, L + T): the T positions L - 1 .. L + T - 2
+    return distill_loss(draft, embeds, p_logp, batch)
+
+
+def distill_draft(cfg: DraftConfig, target, records, prompt_of, rank=0, world=1, device="cpu", log=print):
+    """Distil a `cfg.kind` draft from the frozen target on its own CoCs (records: scenes.read_distill_data's), one
+    sequence per forward, batch_size per update accumulated over the ranks' shares; resumable; saves
+    out/draft_<kind>_s<seed> bound to the target. prompt_of: scene_id -> prompt or a function building it."""
+    target.eval().requires_grad_(False)
+    vocab_ids = (select_draft_vocab([r["tokens"] for r in records], cfg.draft_vocab, records[0]["tokens"][-1],
+                                    target.cfg.vocab_size) if cfg.draft_vocab else None)
+    torch.manual_seed(cfg.seed)
+    draft = M.make_draft(target, n_layers=1, rope_mode=cfg.kind, vocab_ids=vocab_ids).float()  # fp32 master weights
+    if cfg.init == "last":  # a layer of the target's shape starting where the target ends its stack
+        for d_layer, t_layer in zip(draft.layers, target.layers[-len(draft.layers):]):
+            d_layer.load_state_dict({k: v.float() for k, v in t_layer.state_dict().items()})
+    opt = make_optimizer(draft.parameters(), cfg, cfg.lr)
+    state_path = os.path.join(cfg.out, f"draft_{cfg.kind}_s{cfg.seed}.state.pt")
+    bound = checkpoint.fingerprint(target)
+    start = load_state(state_path, {cfg.kind: draft}, {cfg.kind: opt}, cfg, device, bound, DraftConfig)
+    ddp = wrap(draft, world, device)
+    per_rank = cfg.batch_size // world
+    w = next(target.parameters())
+    bar = tqdm(range(start, cfg.steps), desc=f"draft_{cfg.kind}", disable=rank != 0, initial=start, total=cfg.steps)
+    for step in bar:
+        ddp.train()
+        mine = record_order(step, cfg.batch_size, len(records), cfg.seed)[rank::world]  # this rank's share
+        loss_sum, n_tok, t0 = 0.0, 0, time.time()
+        for i, j in enumerate(mine):
+            prompt = prompt_of[records[j]["scene"]]
+            prompt = prompt() if callable(prompt) else prompt
+            prompt = {k: v.to(device, w.dtype if v.is_floating_point() else None) for k, v in prompt.items()}
+            last = i == len(mine) - 1  # DDP averages the gradients across ranks at the last backward only
+            with (contextlib.nullcontext() if last or world == 1 else ddp.no_sync()), autocast(device, cfg.amp):
+                loss = sequence_kl(target, ddp, prompt, records[j]["tokens"]) / per_rank
+                loss.backward()
+            loss_sum, n_tok = loss_sum + loss.item(), n_tok + len(records[j]["tokens"])
+        check_loss(f"{cfg.kind} draft", loss_sum, step, state_path)
+        for grp in opt.param_groups:
+            grp["lr"] = lr_at(step, cfg.steps, cfg.lr, cfg)
+        torch.nn.utils.clip_grad_norm_(draft.parameters(), cfg.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        bar.set_postfix(kl=f"{loss_sum:.3f}", tok_s=f"{n_tok * world / (time.time() - t0):.0f}")
+        if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
+            save_state(state_path, step + 1, {cfg.kind: draft}, {cfg.kind: opt}, cfg, rank, bound)
+    if rank == 0:
+        checkpoint.save(draft.to(w.dtype), checkpoint.draft_dir(cfg.out, cfg.kind, cfg.seed), target=target)
+    return draft
+
+
+def run_draft(cfg: DraftConfig, stage="all", log=print):
+    """The target's CoCs on the training scenes (out/data, rank 0, resumable), then the draft (every rank)."""
+    import scenes
+    cli.check_device(cfg.device)
+    rank, world, device = setup_distributed(cfg.device)
+    if cfg.batch_size % world:
+        raise ValueError(f"batch_size {cfg.batch_size} is not divisible by the {world} ranks")
+    target = load_target(cfg.target, cli.DTYPES[cfg.dtype], device)
+    prompts, stop = prompt_source(cfg)
+    data = os.path.join(cfg.out, "data")
+    with files.writer_lock(cfg.out) if rank == 0 else contextlib.nullcontext():
+        if rank == 0:
+            checkpoint.check_output(checkpoint.draft_dir(cfg.out, cfg.kind, cfg.seed), f"{cfg.kind} draft",
+                                    cfg.overwrite or os.path.exists(os.path.join(
+                                        cfg.out, f"draft_{cfg.kind}_s{cfg.seed}.state.pt")),
+                                    "rerun with --overwrite to retrain it, or give another --seed or --out")
+            sampled = (dict(temperature=cfg.temperature, top_p=cfg.top_p, samples=cfg.samples, seed=cfg.seed)
+                       if cfg.temperature else {})  # greedy data is one for every seed
+            scenes.distill_data(target, prompts, data, stop, cfg.max_new, log=log, **sampled)
+        if dist.is_initialized():
+            dist.barrier()  # every rank reads the data rank 0 finished
+        out = {"data": scenes.read_distill_data(data)}
+        if stage == "all":
+            out["draft"] = distill_draft(cfg, target, out["data"], dict(prompts), rank, world, device, log)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return out
+
+
 # ---- operations: distributed ranks, resumable state, what a run may replace, the command line ----
 def setup_distributed(device):
     """(rank, world_size, device). Under torchrun: gloo on CPU, nccl on CUDA, one GPU per rank."""
@@ -282,10 +450,10 @@ def save_state(path, step, models, opts, cfg, rank, target=None):
 
 
 # Fields that cannot change what a run computes: resuming with other values is fine.
-RESUMABLE_CHANGES = ("out", "device", "eval_every", "n_val", "n_test", "overwrite")
+RESUMABLE_CHANGES = ("out", "device", "eval_every", "save_every", "n_val", "n_test", "overwrite")
 
 
-def load_state(path, models, opts, cfg, device, target=None):
+def load_state(path, models, opts, cfg, device, target=None, config=TrainConfig):
     """Resume from path if it exists -> the step to continue from (0: fresh). A state of another config, or (drafts) of
     another target than the `target` fingerprint, is refused, naming what differs: resuming would mix two runs."""
     if not os.path.exists(path):
@@ -295,7 +463,7 @@ def load_state(path, models, opts, cfg, device, target=None):
     except Exception as e:  # a truncated or foreign file: say which, do not silently restart
         raise ValueError(f"cannot resume from {path}: {e}; delete it to start over") from e
     # a field added to TrainConfig after the state was saved counts as its default, which is what that run used
-    saved, now = {**asdict(TrainConfig()), **state.get("config", {})}, asdict(cfg)
+    saved, now = {**asdict(config()), **state.get("config", {})}, asdict(cfg)
     differ = sorted(k for k in set(saved) | set(now) if k not in RESUMABLE_CHANGES and saved.get(k) != now.get(k))
     if differ:
         raise ValueError(f"{path} was written by a run with other settings: "
@@ -368,7 +536,39 @@ def check_outputs(cfg: TrainConfig, stage):
         checkpoint.check_output(path, kind, cfg.overwrite or os.path.exists(os.path.join(cfg.out, state)), how)
 
 
+def parse_draft_args(argv):
+    """`train.py --target DIR ...`: DraftConfig's flags, each checked before any work."""
+    ap = argparse.ArgumentParser(description="Distil a routine reasoner for a real target (or an exported toy one) "
+                                 "on the target's own CoCs over a folder of scenes.")
+    ap.add_argument("--stage", choices=["all", "data"], default="all",
+                    help="data: only write the target's CoCs (out/data); all: the data, then the draft")
+    cli.add_config_flags(ap, DraftConfig, choices={"kind": ["flat", "mrope"], "init": ["random", "last"],
+                                                   "dtype": sorted(cli.DTYPES)})
+    a = ap.parse_args(argv)
+    with cli.user_errors(ap):
+        check_values(a, [("in 0..2**30-1", ("seed",)), (">= 1", ("steps", "batch_size", "save_every", "samples",
+                                                                   "max_new", "min_pixels", "max_pixels")),
+                         ("> 0", ("lr", "grad_clip", "top_p")), ("in [0, 1]", ("top_p",)),
+                         ("a finite number >= 0", ("warmup", "weight_decay", "draft_vocab", "temperature", "views",
+                                                   "toy_scenes"))], flags=True)
+        if not os.path.isdir(a.target):
+            raise FileNotFoundError(f"--target {a.target}: no such folder")
+        if bool(a.scenes) == bool(a.toy_scenes):
+            raise ValueError("give the training scenes: --scenes SCENES (a scene folder) or --toy-scenes N")
+        if a.dtype != "fp32" and not a.amp:  # fp32 master weights meet the target's bf16 ones under autocast
+            raise ValueError(f"--dtype {a.dtype} needs --amp (the draft's own weights stay fp32)")
+        if a.temperature == 0 and a.samples > 1:
+            raise ValueError("--samples > 1 needs --temperature > 0 (greedy CoCs of a scene are all equal)")
+        cli.check_device(a.device)
+    return cli.config_from_args(DraftConfig, a), a.stage, ap
+
+
 def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if any(a == "--target" or a.startswith("--target=") for a in argv):  # a real target: the general path
+        cfg, stage, ap = parse_draft_args(argv)
+        with cli.user_errors(ap):
+            return run_draft(cfg, stage)
     cfg, stage, ap = parse_args(argv, parser=True)
     with cli.user_errors(ap):  # a locked, read-only or existing --out, a full disk: one line
         return run(cfg, stage)

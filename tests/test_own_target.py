@@ -1,0 +1,181 @@
+"""A routine reasoner for the user's own target (train.py --target): on a tiny random Alpamayo-shaped folder with
+generated scene folders, and on an exported toy target, the whole distillation path: the target's own CoCs
+(scenes.distill_data), the draft distilled on them one sequence at a time, a killed run resumed exactly, 2 gloo ranks
+equal to 1, the loss equal to KL(p || q) computed independently, and bad arguments named before any work.
+
+2 ranks vs 1: the ranks' gradients are summed by all-reduce in another order than one process accumulates them, so
+the weights agree to float32 rounding, not bit for bit: max |diff| <= 1e-5 after 4 updates (measured ~1e-7).
+run: python -m pytest -q tests/test_own_target.py
+"""
+import dataclasses
+import os
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+import checkpoint
+import driving
+import hf
+import model as M
+import scenes
+import train as T
+
+try:  # the tiny Alpamayo-shaped folder of tests/test_alpamayo.py, a fixture
+    from test_alpamayo import SPECIAL, folder
+except (ImportError, pytest.skip.Exception):  # no transformers: that test module skips itself
+    SPECIAL = folder = None
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+needs_tf = pytest.mark.skipif(folder is None, reason="needs transformers (optional extra)")
+RANK_TOL = 1e-5
+
+
+def write_scenes(root, n=4):
+    g = torch.Generator().manual_seed(0)
+    for i in range(n):
+        images = torch.randint(0, 256, (16, 3, 24, 40), dtype=torch.uint8, generator=g)
+        past = 0.1 * torch.randn(16, 3, generator=g)
+        scenes.write_scene(root, f"clip{i}", images, past, torch.randn(64, 3, generator=g) if i % 2 else None)
+    return str(root)
+
+
+def alpamayo_cfg(d, root, out, **kw):
+    return T.DraftConfig(**dict(dict(target=d, scenes=root, out=str(out), steps=4, batch_size=2, save_every=2,
+                                     warmup=1, lr=1e-2, max_new=6, min_pixels=64, max_pixels=256), **kw))
+
+
+@pytest.fixture(scope="module")
+def alpamayo_run(folder, tmp_path_factory):
+    """(folder, scenes root, straight 4-update run's output) on 4 generated scenes."""
+    d, tmp = str(folder[2]), tmp_path_factory.mktemp("own")
+    root = write_scenes(tmp / "scenes")
+    return d, root, T.run_draft(alpamayo_cfg(d, root, tmp / "straight"), log=lambda *_: None)
+
+
+@needs_tf
+def test_the_data_is_the_targets_own_cocs_through_cot_end(alpamayo_run):
+    d, root, out = alpamayo_run
+    assert [r["scene"] for r in out["data"]] == [f"clip{i}" for i in range(4)]
+    target = T.load_target(d)
+    stop = [SPECIAL["<|cot_end|>"], SPECIAL["<|traj_future_start|>"]]
+    import alpamayo
+    import speculate
+    for s, r in zip(scenes.load_scenes(root), out["data"]):
+        p = alpamayo.build_prompt(d, s.images(), s.past, min_pixels=64, max_pixels=256)
+        assert r["tokens"] == speculate.autoregressive(target, p, 6, stop_token=stop[-1]).tokens
+        assert r["complete"] == (r["tokens"][-2:] == stop)
+
+
+@needs_tf
+def test_a_killed_run_resumes_exactly_and_its_draft_loads(alpamayo_run, tmp_path, monkeypatch):
+    d, root, out = alpamayo_run
+    cfg = alpamayo_cfg(d, root, tmp_path)
+    save_state = T.save_state
+
+    class Killed(Exception):
+        pass
+
+    def save_then_die(path, step, *args):
+        save_state(path, step, *args)
+        raise Killed
+
+    monkeypatch.setattr(T, "save_state", save_then_die)
+    with pytest.raises(Killed):
+        T.run_draft(cfg, log=lambda *_: None)
+    monkeypatch.setattr(T, "save_state", save_state)
+    resumed = T.run_draft(cfg, log=lambda *_: None)["draft"]
+    fresh = dict(M.make_draft(T.load_target(d), n_layers=1).named_parameters())
+    for (name, a), b in zip(out["draft"].named_parameters(), resumed.parameters()):
+        assert torch.equal(a, b), name
+        assert not torch.equal(a, fresh[name]), f"{name} never moved"
+    target = T.load_target(d)
+    loaded = checkpoint.load(checkpoint.draft_dir(tmp_path, "flat", 0), target=target)
+    for (name, a), b in zip(resumed.named_parameters(), loaded.parameters()):
+        assert torch.equal(a, b), name
+    with pytest.raises(ValueError, match="other settings: lr"):  # a resume with another lr is refused by name
+        os.remove(os.path.join(checkpoint.draft_dir(tmp_path, "flat", 0), checkpoint.WEIGHTS))
+        T.run_draft(dataclasses.replace(cfg, lr=1e-3), log=lambda *_: None)
+
+
+def _rank_worker(rank, world, d, root, out, port):
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    draft = T.run_draft(alpamayo_cfg(d, root, out), log=lambda *_: None)["draft"]
+    torch.save(draft.state_dict(), os.path.join(out, f"rank{rank}.pt"))
+
+
+@needs_tf
+def test_two_gloo_ranks_equal_one(alpamayo_run, tmp_path):
+    d, root, out = alpamayo_run
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_rank_worker, args=(2, d, root, str(tmp_path), port), nprocs=2, join=True)
+    a, b = (torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1))
+    for k, v in out["draft"].state_dict().items():
+        assert torch.equal(a[k], b[k]), k  # DDP keeps the ranks identical
+        assert (a[k] - v).abs().max().item() <= RANK_TOL, k
+
+
+@needs_tf
+@torch.no_grad()
+def test_the_loss_is_kl_p_q_on_the_coc_positions(alpamayo_run):
+    """sequence_kl against full-vocabulary, full-length forwards of both models (no logits_to_keep)."""
+    d, root, out = alpamayo_run
+    import alpamayo
+    import speculate
+    target, rec = T.load_target(d), out["data"][1]
+    draft = M.make_draft(target, n_layers=1)
+    s = scenes.load_scenes(root)[1]
+    prompt = alpamayo.build_prompt(d, s.images(), s.past, min_pixels=64, max_pixels=256)
+    ids = torch.cat([prompt["input_ids"], torch.tensor([rec["tokens"]])], 1)  # (1, L + T)
+    embeds, deepstack = speculate.embed_prompt(target, dict(prompt, input_ids=ids))
+    L, T_ = prompt["input_ids"].shape[1], len(rec["tokens"])
+    p = F.log_softmax(target(ids, inputs_embeds=embeds, deepstack=deepstack,
+                             image_grid_thw=prompt["image_grid_thw"])[0, L - 1:L + T_ - 1], -1)  # (T, V)
+    q = F.log_softmax(draft(ids, inputs_embeds=embeds, image_grid_thw=prompt["image_grid_thw"])[0, L - 1:L + T_ - 1], -1)
+    want = (p.exp() * (p - q)).sum(-1).mean()
+    got = T.sequence_kl(target, draft, prompt, rec["tokens"])
+    assert abs(got.item() - want.item()) <= 1e-5 * max(1.0, want.item()), (got.item(), want.item())
+
+
+def test_an_exported_toy_target_takes_the_same_path(tmp_path):
+    """A tiny random toy target exported as a Qwen2.5-VL folder and loaded back: the toy world's scenes as prompts,
+    its greedy CoCs as data, a draft distilled and saved bound to the loaded target."""
+    tok = driving.Tokenizer()
+    cfg = dataclasses.replace(T.target_config(tok), hidden_size=32, n_layers=1, n_heads=2, n_kv_heads=1,
+                              intermediate_size=48, head_dim=16, mrope_section=(2, 3, 3))
+    torch.manual_seed(0)
+    hf.export_pretrained(M.VLA(cfg).eval(), tmp_path / "hf")
+    run = T.DraftConfig(target=str(tmp_path / "hf"), toy_scenes=3, out=str(tmp_path / "run"), steps=2,
+                        batch_size=2, max_new=6, views=1)
+    out = T.run_draft(run, log=lambda *_: None)
+    target = T.load_target(run.target)
+    world = driving.make_split("train", 3, 0)
+    import speculate
+    assert [r["tokens"] for r in out["data"]] == [speculate.autoregressive(
+        target, driving.build_prompt(s, tok, 1), 6, stop_token=tok.cot_end_id).tokens for s in world]
+    checkpoint.load(checkpoint.draft_dir(run.out, "flat", 0), target=target)
+
+
+@pytest.mark.parametrize("argv, msg", [
+    (["--toy-scenes", "2"], "no such folder"),
+    (["--steps", "0"], "--steps must be >= 1"),
+    (["--top-p", "0"], "--top-p must be > 0"),
+    (["--dtype", "bf16"], "--dtype bf16 needs --amp"),
+    (["--samples", "2"], "--samples > 1 needs --temperature > 0"),
+    (["--device", "tpu"], "unknown device 'tpu'"),
+])
+def test_bad_arguments_are_named_before_any_work(argv, msg, tmp_path, capsys):
+    base = ["--target", str(tmp_path if argv[0] != "--toy-scenes" else tmp_path / "missing")]
+    if argv[0] != "--toy-scenes":
+        base += ["--toy-scenes", "2"]
+    with pytest.raises(SystemExit):
+        T.main(base + argv)
+    assert msg in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # no training scenes, or both kinds
+        T.main(["--target", str(tmp_path)])
+    assert "give the training scenes" in capsys.readouterr().err
