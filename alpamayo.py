@@ -5,12 +5,19 @@
 <|traj_history_start|> and <|traj_history_end|> (HistoryTokenizer), the instruction; the assistant turn opened with
 <|cot_start|>. Images: the Qwen-VL image processor (not AutoProcessor: Qwen3-VL's also needs torchvision).
 
+Held out (bench.py --scenes): over a scene folder (scenes.py), tau, alpha per draft position and the routine share
+(the CoC tokens q proposed and p accepted), greedy identity with p alone, each plan stage's latency, and the ADE of
+the expert's plan after the speculative CoC.
+
 run: python bench.py --device cuda --target ALPAMAYO_DIR [--images-dir CAMERAS]   (tests: tests/test_alpamayo.py)
+     python bench.py --device cuda --target ALPAMAYO_DIR --draft DRAFT --scenes SCENES --tree 0
+                                                                                    (tests: tests/test_heldout.py)
 """
 import importlib.util
 import os
 import re
 from dataclasses import dataclass
+from statistics import median
 
 import torch
 import torch.nn.functional as F
@@ -63,7 +70,7 @@ class HistoryTokenizer:
 def build_prompt(folder, images, history_xyz, processor_dir=None, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS):
     """One scene's prompt -> {input_ids (1, L), pixel_values (N, C*tp*p*p), image_grid_thw (n_images, 3)}. images
     (n_images, 3, H, W) uint8, cameras then frames; history_xyz (16, 3) past poses; processor_dir: default folder."""
-    from transformers import AutoImageProcessor, AutoTokenizer  # optional extra: only this function needs it
+    from transformers import AutoTokenizer  # optional extra: only the prompt builders need it
 
     where = os.path.join(folder, hf.CONFIG)
     raw = files.read_json(where)
@@ -85,6 +92,15 @@ def build_prompt(folder, images, history_xyz, processor_dir=None, min_pixels=MIN
                  + [{"type": "text", "text": history + INSTRUCTION}]},
                 {"role": "assistant", "content": [{"type": "text", "text": "<|cot_start|>"}]}]
     text = tok.apply_chat_template(messages, tokenize=False, continue_final_message=True)
+    prompt = with_images(tok, text, images, src, min_pixels, max_pixels)
+    ids = prompt["input_ids"]  # (1, L)
+    ids[ids == vocab["<|traj_history|>"]] = hist.encode(torch.as_tensor(history_xyz)[None]).flatten()  # (48,)
+    return prompt
+
+
+def with_images(tok, text, images, src, min_pixels, max_pixels):
+    """The prompt dict of a chat text holding one <|image_pad|> per image, each widened to its merged-token count."""
+    from transformers import AutoImageProcessor  # optional extra, as in build_prompt
     proc = AutoImageProcessor.from_pretrained(src, min_pixels=min_pixels, max_pixels=max_pixels)
     vis = proc(images=list(images), return_tensors="pt")
     pieces = text.split("<|image_pad|>")
@@ -93,8 +109,18 @@ def build_prompt(folder, images, history_xyz, processor_dir=None, min_pixels=MIN
     counts = (vis["image_grid_thw"].prod(-1) // proc.merge_size ** 2).tolist()  # merged tokens per image
     text = pieces[0] + "".join("<|image_pad|>" * n + p for n, p in zip(counts, pieces[1:]))
     ids = tok(text, return_tensors="pt", add_special_tokens=False)["input_ids"]  # (1, L)
-    ids[ids == vocab["<|traj_history|>"]] = hist.encode(torch.as_tensor(history_xyz)[None]).flatten()  # (48,)
     return {"input_ids": ids, "pixel_values": vis["pixel_values"], "image_grid_thw": vis["image_grid_thw"]}
+
+
+def qwen_prompt(src, images, instruction, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS):
+    """A plain Qwen-VL prompt (no Alpamayo tokens): one user turn of the images and the instruction, then the
+    assistant turn the chat template opens."""
+    from transformers import AutoTokenizer  # optional extra, as in build_prompt
+    tok = AutoTokenizer.from_pretrained(src)
+    messages = [{"role": "user", "content": [{"type": "image"} for _ in images]
+                 + [{"type": "text", "text": instruction}]}]
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return with_images(tok, text, images, src, min_pixels, max_pixels)
 
 
 # ---- a real checkpoint's plan on pixels (bench.py --target) ----
@@ -165,12 +191,18 @@ def has_tokenizer(folder):
     return any(os.path.isfile(os.path.join(folder, n)) for n in ("tokenizer.json", "tokenizer_config.json"))
 
 
+def load_pair(args, device, dtype):
+    """--target's model and its draft: --draft (checkpoint.load refuses one of another target), else an untrained
+    1-layer one."""
+    target = hf.load_pretrained(args.target, dtype=dtype, device=device).eval()
+    return target, (checkpoint.load(args.draft, target=target, dtype=dtype, device=device) if args.draft
+                    else M.make_draft(target, n_layers=1)).eval()
+
+
 def load(args, device, dtype):
     """--target's model, the draft (--draft, else an untrained 1-layer one), the prompt on pixels (build_prompt with a
     tokenizer, else pixel_prompt), the id ending the reasoning step (Alpamayo's <|traj_future_start|>), tok, how."""
-    target = hf.load_pretrained(args.target, dtype=dtype, device=device).eval()
-    draft = (checkpoint.load(args.draft, target=target, dtype=dtype, device=device) if args.draft
-             else M.make_draft(target, n_layers=1)).eval()
+    target, draft = load_pair(args, device, dtype)
     raw = files.read_json(os.path.join(args.target, hf.CONFIG))
     src = args.processor or args.target
     stop = tok = None
@@ -192,9 +224,10 @@ def load(args, device, dtype):
 
 
 @torch.inference_mode()
-def trajectory(target, prompt, coc, future_start, repeats):
+def trajectory(target, prompt, coc, future_start, repeats, past=None):
     """The expert's waypoints (1, N, 2) after prompt + CoC + <|traj_future_start|> (appended when the
-    CoC did not end with it), and the median time (s) of the expert alone over `repeats` runs."""
+    CoC did not end with it), and the median time (s) of the expert alone over `repeats` runs. past: the
+    scene's (16, 3) poses the start speed is read from (default history_poses())."""
     exp = target.expert
     seq = coc + ([] if coc[-1:] == [future_start] else [future_start])
     cache = target.new_cache(max_len=prompt["input_ids"].shape[1] + len(seq) + exp.cfg.n_waypoints)
@@ -202,7 +235,7 @@ def trajectory(target, prompt, coc, future_start, repeats):
     grids = {k: prompt[k] for k in speculate.GRID_KEYS if prompt.get(k) is not None}
     target(prompt["input_ids"], inputs_embeds=embeds, deepstack=deepstack, cache=cache, logits_to_keep=1, **grids)
     target(torch.tensor([seq], device=cache.k.device), cache=cache, logits_to_keep=1)  # the CoC, teacher-forced
-    v0 = speed_from_history(history_poses()[None]).to(cache.k.device)  # (1,)
+    v0 = speed_from_history((history_poses() if past is None else past)[None]).to(cache.k.device)  # (1,)
     g = torch.Generator(device=cache.k.device)
     run = lambda: exp(cache, v0, generator=g.manual_seed(0))  # noqa: E731
     return run(), timing.median_time(run, cache.k.device, repeats)
@@ -234,12 +267,170 @@ def report_lines(res):
             f"trajectory     {len(w)} waypoints (x, y) m, 10 Hz: 1 s {at(9)}, 3 s {at(29)}, last {at(-1)}"])
 
 
+# ---- held-out scenes: acceptance, greedy identity, latency per stage, ADE (bench.py --scenes) ----
+
+FUTURE_DT = 0.1  # s between scenes.py's future poses (10 Hz)
+STAGES = ("vision", "prefill", "draft_prefill", "reasoning_target_only", "reasoning_speculative", "action_expert")
+
+
+def reasoning_stop(raw, tok, where):
+    """The id ending the reasoning step: Alpamayo's <|traj_future_start|> (its CoC ends <|cot_end|>
+    <|traj_future_start|>), else a plain Qwen-VL's chat turn end <|im_end|>, else the tokenizer's eos."""
+    if "traj_token_ids" in raw:
+        return config_field(raw, "traj_token_ids.future_start", where)
+    stop = tok.get_vocab().get("<|im_end|>", tok.eos_token_id)
+    if stop is None:
+        raise ValueError(f"{where}: not an Alpamayo config (no traj_token_ids) and its tokenizer has neither "
+                         "<|im_end|> nor an eos token: nothing ends the reasoning step")
+    return stop
+
+
+@torch.inference_mode()
+def heldout(target, draft, scenes, prompts, stop, max_new, gamma, repeats, words=str):
+    """{rows: one per scene, and the aggregate}: greedy target-only (p alone) vs speculative (q drafts, p verifies)
+    decoding of each scene's prompt, and the plan's stages timed, medians of `repeats` after a warm-up. scenes:
+    scenes.Scene (past / future poses); prompts: their (scene_id, batch-1 prompt dict or a function returning it);
+    gamma: the chain's draft length or a tree.TreeShape; words: token id -> text, for the marked CoC."""
+    w, rows = next(target.parameters()), []
+    for scene, (scene_id, prompt) in zip(scenes, prompts):
+        p = prompt() if callable(prompt) else prompt
+        p = {k: v.to(w.device, w.dtype if v.is_floating_point() else None) for k, v in p.items()}
+        dev, L = w.device, p["input_ids"].shape[1]
+        ar_s, spec_s = [], []
+        for r in range(repeats + 1):  # the arms alternate; pass 0 warms up every shape
+            ar = speculate.autoregressive(target, p, max_new, stop_token=stop, timing=True)
+            spec = speculate.speculative(target, draft, p, gamma, max_new, stop_token=stop, timing=True)
+            if r:
+                ar_s.append(ar.decode_s)
+                spec_s.append(spec.decode_s)
+        embeds, deepstack = speculate.embed_prompt(target, p)  # (1, L, D)
+
+        def prefill_time(m, ds):  # one prompt forward into a cache reset to empty: the decode's own prefill
+            cache = m.new_cache(batch=1, max_len=L)
+            return timing.median_time(lambda: (cache.crop(0), speculate.prefill(m, p, embeds, cache, ds)), dev, repeats)
+
+        s = {"vision": timing.median_time(lambda: target.visual(p["pixel_values"], p["image_grid_thw"]), dev, repeats),
+             "prefill": prefill_time(target, deepstack), "draft_prefill": prefill_time(draft, None),
+             "reasoning_target_only": median(ar_s), "reasoning_speculative": median(spec_s), "action_expert": None}
+        n, n_vis = len(spec.tokens), int((p["input_ids"] == target.cfg.image_token_id).sum())
+        row = {"scene": scene_id, "prompt_tokens": L, "visual_tokens": n_vis, "tokens": n, "rounds": spec.rounds,
+               "tau": spec.tau, "alpha": spec.alpha, "alpha_by_position": spec.alpha_by_depth(),
+               "routine_tokens": sum(spec.from_draft), "routine_share": sum(spec.from_draft) / n,
+               "identical": spec.tokens == ar.tokens,
+               "divergence": (timing.divergences(target, [p], [ar.tokens], [spec.tokens]) or [None])[0],
+               "accepted": spec.accepted, "depths": spec.depths, "n_accepted": spec.n_accepted,
+               "n_tested": spec.n_tested, "coc_tokens": spec.tokens,
+               "coc": evaluate.marked_coc([words(t) for t in spec.tokens], spec.from_draft), "ade_m": None,
+               "fde_m": None}
+        if getattr(target, "expert", None) is not None:  # the plan's last stage, after the speculative CoC
+            waypoints, s["action_expert"] = trajectory(target, p, spec.tokens, stop, repeats, past=scene.past)
+            row["waypoints"] = waypoints[0].float().tolist()  # (N, 2) x, y in metres
+            if scene.future is not None:
+                if target.expert.cfg.dt != FUTURE_DT:
+                    raise ValueError(f"the expert's waypoints are {target.expert.cfg.dt} s apart, scene {scene_id}'s "
+                                     f"future poses {FUTURE_DT} s: no ADE between them")
+                k = min(waypoints.shape[1], len(scene.future))
+                ade, fde = evaluate.ade_fde(waypoints[:, :k].float().cpu(), scene.future[None, :k, :2])  # x, y
+                row.update(ade_m=ade, fde_m=fde)
+        row["ms"] = {k: None if v is None else 1e3 * v for k, v in s.items()}
+        rows.append(row)
+    return dict(heldout_aggregate(rows, gamma), rows=rows)
+
+
+def heldout_aggregate(rows, gamma):
+    """The scenes pooled: tau and alpha over all rounds, alpha per draft position, the routine share of all tokens,
+    each stage's mean over scenes of its medians, the whole plan in both arms, ADE over the scenes with futures."""
+    n, sum_of = sum(r["tokens"] for r in rows), lambda k: sum(r[k] for r in rows)  # noqa: E731
+    ms = {k: None if any(r["ms"][k] is None for r in rows) else sum(r["ms"][k] for r in rows) / len(rows)
+          for k in STAGES}
+    shared = sum(ms[k] or 0 for k in ("vision", "prefill", "action_expert"))
+    plan = {"target_only": shared + ms["reasoning_target_only"],
+            "speculative": shared + ms["draft_prefill"] + ms["reasoning_speculative"]}
+    ade = [r["ade_m"] for r in rows if r["ade_m"] is not None]
+    pooled = speculate.SpecResult(accepted=[a for r in rows for a in r["accepted"]],
+                                  depths=[d for r in rows for d in r["depths"]])
+    return {"scenes": len(rows), "identical": sum(r["identical"] for r in rows), "tokens": n,
+            "tau": n / sum_of("rounds"), "tau_ceiling": speculate.tau_ceiling([r["tokens"] for r in rows], gamma),
+            "alpha": sum_of("n_accepted") / max(1, sum_of("n_tested")), "alpha_by_position": pooled.alpha_by_depth(),
+            "routine_share": sum_of("routine_tokens") / n, "ms": ms, "plan_ms": plan,
+            "reasoning_speedup": ms["reasoning_target_only"] / ms["reasoning_speculative"],
+            "plan_speedup": plan["target_only"] / plan["speculative"],
+            "ade_m": sum(ade) / len(ade) if ade else None, "ade_scenes": len(ade)}
+
+
+def is_alpamayo(folder):
+    """Whether folder's config.json is Alpamayo-R1's (its traj_token_ids), not a plain Qwen-VL's."""
+    return "traj_token_ids" in files.read_json(os.path.join(folder, hf.CONFIG))
+
+
+def heldout_bench(args, device, dtype, found):
+    """bench.py --scenes on the scenes found there (scenes.load_scenes): each one's prompt, the reasoning step's stop,
+    the models, then heldout(). Alpamayo: build_prompt on the 16 images and past poses; else a plain Qwen-VL prompt
+    of the images and instruction.txt."""
+    from transformers import AutoTokenizer  # optional extra, as in build_prompt
+    where, src = os.path.join(args.target, hf.CONFIG), args.processor or args.target
+    if not has_tokenizer(src):
+        raise ValueError(f"--scenes builds each scene's prompt with the folder's tokenizer and image processor; {src} "
+                         "has none (give --processor DIR)")
+    tok, raw, pixels = AutoTokenizer.from_pretrained(src), files.read_json(where), (args.min_pixels, args.max_pixels)
+    if "traj_token_ids" in raw:
+        prompts = [(s.scene_id, lambda s=s: build_prompt(args.target, s.images(), s.past, args.processor, *pixels))
+                   for s in found]
+    else:
+        if missing := [s.scene_id for s in found if not s.instruction]:
+            raise ValueError(f"--scenes {args.scenes}: scenes {missing} have no instruction.txt, which a plain Qwen-VL "
+                             "prompt is made of")
+        prompts = [(s.scene_id, lambda s=s: qwen_prompt(src, s.images(), s.instruction, *pixels)) for s in found]
+    stop = reasoning_stop(raw, tok, where)
+    target, draft = load_pair(args, device, dtype)
+    res = heldout(target, draft, found, prompts, stop, args.max_new, args.decoder, args.repeats,
+                  words=lambda t: tok.decode([t]))
+    return dict(res, mode="heldout", decoding=evaluate.decoding_mode(), model=args.target, draft=args.draft,
+                trained_draft=bool(args.draft), scenes_dir=args.scenes, stop=stop,
+                prompt_source="Alpamayo-R1 prompt (alpamayo.build_prompt)" if "traj_token_ids" in raw
+                else "plain Qwen-VL prompt (alpamayo.qwen_prompt)")
+
+
+def heldout_lines(res):
+    """bench.py --scenes' table: the aggregate, then one row per scene."""
+    f = lambda v, p=2: "-" if v is None else f"{v:.{p}f}"  # noqa: E731
+    ms, plan, ade = res["ms"], res["plan_ms"], res["ade_m"]
+    lines = ["NOTE: untrained draft (no --draft) -> tau, alpha and the routine share say nothing about RSD; only the "
+             "stage latencies do."] if not res["trained_draft"] else []
+    lines += [f"held-out       {res['scenes']} scenes of {res['scenes_dir']}: {res['prompt_source']}, {res['tokens']} "
+              f"CoC tokens, stop id {res['stop']}",
+              f"greedy         speculative identical to target-only on {res['identical']} of {res['scenes']} scenes"
+              + ("" if res["identical"] == res["scenes"] else "   DIFFERS: see the rows' divergence"),
+              f"acceptance     tau {res['tau']:.2f} (ceiling {res['tau_ceiling']:.2f})   alpha {res['alpha']:.3f}   "
+              f"by {'level' if res['decoder']['kind'] == 'tree' else 'position'} "
+              f"{' '.join(f(a, 2) for a in res['alpha_by_position'])}   routine share "
+              f"{res['routine_share']:.3f}",
+              f"stages (ms)    vision {f(ms['vision'])}   prefill {f(ms['prefill'])}   draft prefill "
+              f"{f(ms['draft_prefill'])}   reasoning target-only {f(ms['reasoning_target_only'])}, speculative "
+              f"{f(ms['reasoning_speculative'])} ({res['reasoning_speedup']:.2f}x)   action expert "
+              + (f(ms["action_expert"]) if ms["action_expert"] is not None else "none"),
+              f"plan (ms)      target-only {plan['target_only']:.2f}   speculative {plan['speculative']:.2f} "
+              f"({res['plan_speedup']:.2f}x)   (mean over scenes of per-scene medians)"]
+    lines += [f"ADE            {ade:.3f} m over {res['ade_scenes']} scenes (the expert after the speculative CoC vs "
+              "poses.json's future, x / y)"] if ade is not None else []
+    lines += [f"{'scene':<16}{'tokens':>7}{'tau':>6}{'alpha':>7}{'routine':>8}  same{'vision':>8}{'prefill':>8}"
+              f"{'AR':>9}{'spec':>9}{'expert':>8}{'ADE m':>7}"]
+    lines += [f"{r['scene'][:15]:<16}{r['tokens']:>7}{r['tau']:>6.2f}{r['alpha']:>7.3f}{r['routine_share']:>8.3f}  "
+              f"{'yes' if r['identical'] else 'NO':<4}" + "".join(
+                  f"{f(r['ms'][k]):>{n}}" for k, n in (("vision", 8), ("prefill", 8), ("reasoning_target_only", 9),
+                                                       ("reasoning_speculative", 9), ("action_expert", 8)))
+              + f"{f(r['ade_m'], 3):>7}" for r in res["rows"]]
+    return lines
+
+
 def add_flags(ap):
     ap.add_argument("--images-dir", default=None, help="with --target: a folder of camera images (name order)")
     ap.add_argument("--image-size", default="288x512", help="with --target: HxW of the generated images")
     ap.add_argument("--processor", help="with --target: tokenizer + image processor folder (default: --target)")
     ap.add_argument("--min-pixels", type=int, default=MIN_PIXELS, help="with --target: image size bounds")
     ap.add_argument("--max-pixels", type=int, default=MAX_PIXELS, help="with --target: image size bounds")
+    ap.add_argument("--scenes", help="with --target: a scene folder (scenes.py) measured held out: tau, alpha per "
+                    "draft position, routine share, greedy identity, latency per stage, ADE")
 
 
 def check_flags(ap, args):
@@ -250,9 +441,17 @@ def check_flags(ap, args):
     if not 1 <= args.min_pixels <= args.max_pixels:
         ap.error(f"--min-pixels and --max-pixels must satisfy 1 <= min <= max, got {args.min_pixels} and "
                  f"{args.max_pixels}")
-    for flag in ("images_dir", "processor"):
+    for flag in ("images_dir", "processor", "scenes"):
         if getattr(args, flag) and not args.target:
             ap.error(f"--{flag.replace('_', '-')} goes with --target")
+    for bad, flag in ((args.images_dir, "--images-dir (the scenes hold the images)"),
+                      (args.temperature > 0, "--temperature (greedy only: its outputs are compared token by token)"),
+                      (args.compile, "--compile (the eager decoders are timed)")):
+        if args.scenes and bad:
+            ap.error(f"--scenes takes no {flag}")
+    if args.scenes and importlib.util.find_spec("transformers") is None:
+        ap.error("--scenes builds prompts with the folder's tokenizer, which needs transformers: "
+                 "pip install -r requirements-test.txt")
     if args.images_dir and importlib.util.find_spec("PIL") is None:
         ap.error("--images-dir needs Pillow to read the images: pip install pillow")
     src = args.processor or args.target

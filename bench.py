@@ -10,6 +10,7 @@ the arms alternating within each repeat, medians reported; greedy outputs compar
 run: python bench.py --device cpu [--compile]                          (the toy, from the shipped checkpoints/toy)
      python bench.py --device cuda --preset qwen3-vl-8b [--draft-vocab 32768]  (real shapes, random weights)
      python bench.py --device cuda --target PATH [--draft PATH]   (a Hugging Face / Alpamayo folder: alpamayo.py)
+     python bench.py --device cuda --target PATH --draft PATH --scenes SCENES --tree 0   (held out: alpamayo.heldout)
      python bench.py --device cpu --peer hf              (also transformers' generate on the same weights: peer.py)
 """
 import argparse
@@ -29,6 +30,7 @@ import evaluate
 import files
 import model as M
 import peer
+import scenes
 import static
 import timing
 from evaluate import TARGET_ONLY
@@ -198,6 +200,9 @@ def toy_acceptance(path, want=None):
 
 def real(args, device, dtype, decoding):
     """A real checkpoint (--target: the whole plan on pixels, alpamayo.py), or a real shape with random weights."""
+    if args.scenes:  # tau, alpha, identity, stage latencies and ADE over a scene folder (alpamayo.heldout)
+        plain = {} if alpamayo.is_alpamayo(args.target) else {"n_images": None, "poses": False}  # any images, text
+        return alpamayo.heldout_bench(args, device, dtype, scenes.load_scenes(args.scenes, **plain))
     if args.target:
         target, draft, prompt, stop, tok, how = alpamayo.load(args, device, dtype)
     else:
@@ -239,7 +244,14 @@ def decoding_text(d):
         f"prompt i's generator seeded {d['seed']} + i")
 
 
+def run_line(res):
+    return (f"device {res['device']} ({res['hardware']}), dtype {res['dtype']}, threads {res['threads']}, "
+            f"{decoder_text(res['decoder'])}, decoding {decoding_text(res['decoding'])}")
+
+
 def report(res):
+    if res["mode"] == "heldout":
+        return print("\n".join([run_line(res)] + alpamayo.heldout_lines(res)))
     s, c = "sampled " if res["decoding"]["mode"] == "sampling" else "", res.get("compiled")
     arms = lambda d, x: (f"target-only {d['ar_ms_per_token']:.3f} ms/token   speculative "  # noqa: E731
                          f"{d['spec_ms_per_token']:.3f} ms/token   speed-up {x:.2f}x")
@@ -265,9 +277,7 @@ def report(res):
                      f"{decoder_text(t['decoder'])}): predicted speed-up {res['predicted_speedup_at_toy_' + x]:.2f}x"))
     lines = ["NOTE: untrained draft -> acceptance (tau, alpha, speed-up) is not meaningful; read the cost model and "
              "the prediction at the toy's acceptance."] if res["mode"] == "real" and not res["trained_draft"] else []
-    lines += [f"device {res['device']} ({res['hardware']}), dtype {res['dtype']}, threads {res['threads']}, "
-              f"{decoder_text(res['decoder'])}, decoding {decoding_text(res['decoding'])}"]
-    lines += [f"{label:<15}{text}" for label, text in rows] + timing.divergence_lines(res)
+    lines += [run_line(res)] + [f"{label:<15}{text}" for label, text in rows] + timing.divergence_lines(res)
     lines += alpamayo.report_lines(res) if "coc" in res else []
     print("\n".join(lines + (peer.report_lines(res["peers"], res["dtype"]) if "peers" in res else [])))
 
@@ -295,7 +305,7 @@ def main(argv=None):
             ("--repeats", 3, "timed passes (median reported), >= 3"),
             ("--threads", None, "CPU threads (default: torch's)")):
         ap.add_argument(flag, type=int, default=default, help=text)
-    alpamayo.add_flags(ap)  # --images-dir, --image-size, --processor, --min-pixels, --max-pixels
+    alpamayo.add_flags(ap)  # --images-dir, --image-size, --processor, --min-pixels, --max-pixels, --scenes
     evaluate.add_decoding_flags(ap, "> 0 times both arms sampling (Alpamayo-R1 samples its CoC at 0.6, top-p 0.98)")
     ap.add_argument("--compile", action="store_true", help="also both arms through torch.compile'd static steps")
     ap.add_argument("--peer", choices=["hf"], help="toy, greedy: also transformers' generate on the same weights")
@@ -348,7 +358,7 @@ def check_flags(ap, args):
         if v != ap.get_default(flag) and not (hi and 1 <= v <= hi):
             ap.error(f"--{flag.replace('_', '-')} {what} of a --preset"
                      + (f" (1..{hi} for {args.preset})" if hi else "") + f", got {v}")
-    for flag in ("target", "draft", "images_dir", "processor"):
+    for flag in ("target", "draft", "images_dir", "processor", "scenes"):
         if getattr(args, flag) is not None and not os.path.isdir(getattr(args, flag)):
             ap.error(f"--{flag.replace('_', '-')} {getattr(args, flag)}: folder not found")
     alpamayo.check_flags(ap, args)
@@ -358,7 +368,7 @@ def check_flags(ap, args):
         decoding = evaluate.decoding_mode(args.temperature, args.top_k, args.top_p, args.sampling_seed)
         if args.draft and checkpoint.existing_kind(args.draft) == "target":
             raise ValueError(f"--draft {args.draft} holds a target model, not a draft (it would accept every token)")
-        args.toy_acceptance = None if toy_mode or args.draft else toy_acceptance(
+        args.toy_acceptance = None if toy_mode or args.draft or args.scenes else toy_acceptance(
             args.toy_json or (TOY_TREE_ACCEPTANCE if args.tree else TOY_ACCEPTANCE), decoder_json(args.decoder))
         if args.peer and peer.flag_error(toy_mode, decoding):
             raise ValueError(peer.flag_error(toy_mode, decoding))

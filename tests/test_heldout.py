@@ -1,0 +1,163 @@
+"""Tests for bench.py --scenes (alpamayo.heldout) on the tiny Alpamayo folder and 3 written scenes with future poses:
+greedy speculative output identical to target-only on every scene, tau / alpha per draft position / routine share
+equal to what speculate.speculative's own SpecResult gives (recomputed here from its per-round acceptance), every
+stage timed, ADE against the future poses, the command end to end, and its errors as one line.
+
+run: python -m pytest -q tests/test_heldout.py
+"""
+import json
+import math
+
+import pytest
+import torch
+
+import alpamayo
+import bench
+import checkpoint
+import scenes
+import speculate
+from model import make_draft
+
+try:  # the tiny Alpamayo-shaped folder of tests/test_alpamayo.py, a fixture
+    from test_alpamayo import SPECIAL, edited, folder, save_processor
+except (ImportError, pytest.skip.Exception):  # no transformers: that test module skips itself
+    SPECIAL = edited = folder = save_processor = None
+
+pytestmark = [pytest.mark.usefixtures("one_thread"),
+              pytest.mark.skipif(folder is None, reason="needs transformers (optional extra)")]
+MAX_NEW, GAMMA, REPEATS = 8, 3, 3
+PIXELS = dict(min_pixels=64, max_pixels=256)
+
+
+def write_scenes(root, n=3):
+    g = torch.Generator().manual_seed(0)
+    t = torch.arange(1, 65) * 0.1  # (64,) s ahead
+    for i in range(n):
+        images = torch.randint(0, 256, (16, 3, 24, 40), dtype=torch.uint8, generator=g)
+        future = torch.stack([(6 + i) * t, 0.1 * i * t ** 2, torch.zeros_like(t)], -1)  # (64, 3)
+        scenes.write_scene(root, f"clip{i}", images, alpamayo.history_poses(speed=6 + i), future)
+    return root
+
+
+@pytest.fixture(scope="module")
+def setup(folder, tmp_path_factory):
+    """(the Alpamayo folder, its target, a draft dir, that draft as bench loads it, the scene folder)."""
+    from hf import load_pretrained
+    d = folder[2]
+    target = load_pretrained(d).eval()
+    torch.manual_seed(0)
+    draft = make_draft(target, n_layers=1)
+    with torch.no_grad():  # the target's first layer, perturbed: a draft that agrees sometimes, not always
+        for p, q in zip(draft.layers[0].parameters(), target.layers[0].parameters()):
+            p.copy_(q + 0.3 * q.std() * torch.randn_like(q))
+    ddir = tmp_path_factory.mktemp("draft")
+    checkpoint.save(draft, ddir, target=target)
+    root = write_scenes(tmp_path_factory.mktemp("scenes"))
+    return d, target, ddir, checkpoint.load(ddir, target=target).eval(), root
+
+
+def alpha_at(results, d):
+    """Acceptance at draft position d over these SpecResults' rounds, among the rounds that reached it: d - 1 drafts
+    accepted before it and at least d drafted."""
+    rounds = [(a, g) for r in results for a, g in zip(r.accepted, r.depths)]
+    reached = [a for a, g in rounds if a >= d - 1 and g >= d]
+    return sum(a >= d for a in reached) / len(reached) if reached else None
+
+
+def test_heldout_is_what_speculative_decoding_gives(setup):
+    d, target, _, draft, root = setup
+    found = scenes.load_scenes(root)
+    prompts = scenes.alpamayo_prompts(d, found, **PIXELS)
+    stop = SPECIAL["<|traj_future_start|>"]
+    res = alpamayo.heldout(target, draft, found, prompts, stop, MAX_NEW, GAMMA, REPEATS)
+    json.dumps(res)  # JSON-serialisable as it is
+    assert res["scenes"] == 3 and res["identical"] == 3
+    spec = []
+    for row, (scene, (_, prompt)) in zip(res["rows"], zip(found, prompts)):
+        p = prompt()
+        s = speculate.speculative(target, draft, p, GAMMA, MAX_NEW, stop_token=stop)
+        spec.append(s)
+        assert row["identical"] and s.tokens == speculate.autoregressive(target, p, MAX_NEW, stop_token=stop).tokens
+        assert row["coc_tokens"] == s.tokens and row["tau"] == s.tau == len(s.tokens) / s.rounds
+        assert row["routine_share"] == sum(s.from_draft) / len(s.tokens)
+        assert row["alpha_by_position"] == [alpha_at([s], k) for k in range(1, GAMMA + 1)]
+        assert all(v > 0 for v in row["ms"].values()), row["ms"]
+        waypoints, _ = alpamayo.trajectory(target, p, s.tokens, stop, 1, past=scene.past)  # (1, 64, 2)
+        assert torch.equal(torch.tensor(row["waypoints"]), waypoints[0])  # the plan after the speculative CoC
+        true = scene.future[:, :2]  # (64, 2) x, y
+        ade = torch.linalg.vector_norm(torch.tensor(row["waypoints"]) - true, dim=-1).mean().item()
+        assert math.isclose(row["ade_m"], ade, rel_tol=1e-6)
+    n = sum(len(s.tokens) for s in spec)
+    assert res["tau"] == n / sum(s.rounds for s in spec)
+    assert res["routine_share"] == sum(sum(s.from_draft) for s in spec) / n
+    assert res["alpha_by_position"] == [alpha_at(spec, k) for k in range(1, GAMMA + 1)]
+    assert 0 < res["alpha"] < 1, "the perturbed draft should be accepted sometimes, not always"
+    assert res["plan_ms"]["speculative"] > 0 and res["ade_scenes"] == 3
+
+
+def test_bench_scenes_end_to_end(setup, capsys):
+    d, _, ddir, _, root = setup
+    res = bench.main(["--target", str(d), "--scenes", str(root), "--draft", str(ddir), "--device", "cpu",
+                      "--dtype", "fp32", "--max-new", str(MAX_NEW), "--tree", "0", "--gamma", str(GAMMA),
+                      "--repeats", str(REPEATS), "--min-pixels", "64", "--max-pixels", "256", "--json"])
+    out = capsys.readouterr().out
+    assert json.loads(out.strip().splitlines()[-1]) == json.loads(json.dumps(res))  # bench's --json: the last line
+    assert res["mode"] == "heldout" and res["identical"] == 3 and len(res["rows"]) == 3 and res["trained_draft"]
+    assert res["stop"] == SPECIAL["<|traj_future_start|>"] and res["ade_m"] is not None
+    assert "speculative identical to target-only on 3 of 3 scenes" in out and "untrained draft" not in out
+    assert "stages (ms)    vision" in out and all(f"clip{i}" in out for i in range(3))
+    assert alpamayo.heldout_lines(dict(res, trained_draft=False))[0].startswith("NOTE: untrained draft")
+
+
+def test_the_stop_of_a_plain_qwen_vl_folder(setup):
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(setup[0])
+    assert alpamayo.reasoning_stop({}, tok, "config.json") == SPECIAL["<|im_end|>"]
+    assert alpamayo.reasoning_stop({"traj_token_ids": {"future_start": 69}}, tok, "config.json") == 69
+
+
+def test_a_plain_qwen_vl_folder_stops_at_im_end(folder, tmp_path, capsys):
+    """No traj_token_ids: each scene's images (any count) and instruction.txt, the untrained draft, no expert."""
+    d = tmp_path / "qwen3vl"
+    folder[0].save_pretrained(d)  # the tiny Alpamayo's VLM alone: a plain Qwen3-VL folder
+    save_processor(d)
+    g = torch.Generator().manual_seed(3)
+    for i in range(2):
+        scenes.write_scene(tmp_path / "s", f"q{i}", torch.randint(0, 256, (2, 3, 24, 40), dtype=torch.uint8,
+                                                                   generator=g), alpamayo.history_poses(),
+                           instruction="keep lane because clear ahead")
+    res = bench.main(["--target", str(d), "--scenes", str(tmp_path / "s"), "--dtype", "fp32", "--max-new", "4",
+                      "--tree", "0", "--repeats", "3", "--min-pixels", "64", "--max-pixels", "256"])
+    assert res["stop"] == SPECIAL["<|im_end|>"] and res["prompt_source"].startswith("plain Qwen-VL")
+    assert res["identical"] == 2 and res["ms"]["action_expert"] is None and res["ade_m"] is None
+    out = capsys.readouterr().out
+    assert out.startswith("device") and "NOTE: untrained draft" in out and "action expert none" in out
+
+
+def test_errors_are_one_line(setup, tmp_path, capsys):
+    d, target, ddir, _, root = setup
+    common = ["--device", "cpu", "--dtype", "fp32", "--max-new", "4", "--tree", "0", "--min-pixels", "64",
+              "--max-pixels", "256"]
+
+    def error(*argv):
+        with pytest.raises(SystemExit) as e:
+            bench.main(list(argv) + common)
+        assert e.value.code == 2
+        return capsys.readouterr().err
+
+    assert "--scenes goes with --target" in error("--scenes", str(root))
+    assert "--scenes takes no --temperature" in error("--target", str(d), "--scenes", str(root), "--temperature", "1")
+    (tmp_path / "empty").mkdir()
+    assert "holds no scene folders" in error("--target", str(d), "--scenes", str(tmp_path / "empty"))
+    bad = write_scenes(tmp_path / "bad", n=1)
+    (bad / "clip0" / "poses.json").unlink()
+    err = error("--target", str(d), "--scenes", str(bad))
+    assert "1 of 1 scenes are bad" in err and "clip0: no poses.json" in err
+
+    def moved(sd):  # another target: one weight changed
+        sd[next(k for k in sorted(sd) if k.startswith("vlm.") and k.endswith("norm.weight"))] += 1
+    other_dir = edited(d, tmp_path / "other", edit_sd=moved)
+    from hf import load_pretrained
+    other = load_pretrained(other_dir)
+    checkpoint.save(make_draft(other, n_layers=1), tmp_path / "stale", target=other)
+    assert "stale draft" in error("--target", str(d), "--scenes", str(root), "--draft", str(tmp_path / "stale"))
