@@ -11,14 +11,23 @@ it into the action the reward scores. agree(c_i) is the share of c_i's tokens eq
 the same prefix (what tau measures; w_agree = 0: the pure action reward). KL(q || q_ref) is exact over the vocabulary.
 Ablations of the reference: "moving" (reset to the policy every `refresh` >= 10 updates) and "none" (beta = 0).
 
+A real target (section "a real target"): p is Alpamayo-R1 (hf.load_pretrained) and traj_p its flow-matching action
+expert (noise seeded 0: r_i is a deterministic function of c_i); traj_gt is the scene's logged future, or, without
+one, p's plan after p's own greedy CoC. Batch 1 per scene (prompt lengths differ): p embeds the prompt and fills its
+KV cache once, each c_i's tokens and action tokens are written after it and cropped away; S scenes per update are
+accumulated gradients. Reference: static only (the --draft checkpoint, frozen); agree_weight = 0 (the action reward).
+
 run: python aarl.py --reference static|moving|none --seed S [--json]   (needs a run folder from train.py; writes
      runs/aarl/draft_aarl[_REFERENCE]_s<S> by default, never over the shipped checkpoints)
+     python aarl.py --target ALPAMAYO_DIR --draft SFT_DRAFT --scenes SCENES --out OUT [--steps --group ...]
+     (writes OUT/draft_aarl_s<seed>; tests: tests/test_aarl_real.py)
 """
 import argparse
 import copy
 import dataclasses
 import json
 import os
+import sys
 import time
 from dataclasses import dataclass
 
@@ -26,13 +35,17 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+import alpamayo
 import checkpoint
 import cli
 import driving
 import evaluate
 import files
+import hf
+import scenes
 import speculate
 from driving import Data, grid_kwargs, vision_kwargs
+from expert import config_field, speed_from_history
 from timing import step_times
 
 REFERENCES = ("static", "moving", "none")
@@ -253,7 +266,11 @@ def print_result(res):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description="AARL post-training of the FlatRoPE draft (needs train.py's checkpoints)")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if any(a == "--target" or a.startswith("--target=") for a in argv):
+        return main_real(argv)
+    ap = argparse.ArgumentParser(description="AARL post-training of the FlatRoPE draft (needs train.py's checkpoints; "
+                                 "a real target: python aarl.py --target DIR --help)")
     ap.add_argument("--run", default=checkpoint.SHIPPED, help="folder with target/ and draft_flat_s<seed>/ "
                     "(default: the shipped checkpoints/toy)")
     ap.add_argument("--device", default="cpu", help="torch device")
@@ -289,6 +306,190 @@ def check_config(cfg: AARLConfig):
     evaluate.check_values(cfg, [(">= 1", ("steps", "scenes", "n_train", "max_new")), ("> 0", ("lr", "temperature")),
                                 ("in 0..2**30-1", ("seed",)), (evaluate.VIEWS_RULE, ("views",)),
                                 ("a number >= 0", ("beta", "agree_weight"))])
+
+
+# ---- a real target: Alpamayo-R1 on scene folders ----
+@dataclass
+class RealConfig:
+    steps: int = 50  # policy updates
+    per_update: int = 4  # S: scenes per update, accumulated one batch-1 scene at a time (prompt lengths differ)
+    group: int = 8  # G: CoCs sampled per scene
+    temperature: float = 1.0  # rollout temperature of q
+    lr: float = 1e-5  # AdamW learning rate of the draft
+    beta: float = 0.2  # KL weight
+    max_new: int = 128  # CoC token limit per rollout
+    seed: int = 0  # rollouts and scene order
+    min_pixels: int = alpamayo.MIN_PIXELS  # image size bounds of the prompt (alpamayo.build_prompt)
+    max_pixels: int = alpamayo.MAX_PIXELS
+
+
+def close_coc(coc, cot_end, future_start):
+    """The CoC as the expert reads it: through <|cot_end|> <|traj_future_start|>, appended where a rollout stopped at
+    max_new."""
+    return coc if coc[-1:] == [future_start] else coc + ([] if coc[-1:] == [cot_end] else [cot_end]) + [future_start]
+
+
+@torch.no_grad()
+def prefill_target(target, prompt, embeds, deepstack, room):
+    """p's KV cache of the prompt, with `room` slots after it: every rollout's CoC and the expert's action tokens are
+    written there and cropped away (KVCache.crop), so the vision tower and the prompt run once per scene, not G
+    times."""
+    cache = target.new_cache(max_len=prompt["input_ids"].shape[1] + room)
+    grids = {k: prompt[k] for k in speculate.GRID_KEYS if prompt.get(k) is not None}
+    target(prompt["input_ids"], inputs_embeds=embeds, deepstack=deepstack, cache=cache, logits_to_keep=1, **grids)
+    return cache
+
+
+@torch.no_grad()
+def expert_plan(target, cache, L, seq, v0):
+    """p's action expert after the prompt (the cache's first L slots) + seq (ending with <|traj_future_start|>) ->
+    waypoints (1, N, 2). The noise is seeded 0 every call (as alpamayo.trajectory's): the plan, and so the reward, is a
+    deterministic function of the CoC, and the advantages compare CoCs, not noise draws."""
+    cache.crop(L)
+    target(torch.tensor([seq], device=cache.k.device), cache=cache, logits_to_keep=1)  # the CoC, teacher-forced
+    return target.expert(cache, v0, generator=torch.Generator(device=cache.k.device).manual_seed(0))
+
+
+def real_rewards(target, cache, L, cocs, v0, traj_ref, ids):
+    """r_i = -ADE(expert plan after prompt + c_i, traj_ref (N, 2)) for the id lists cocs -> (G,); ids: (cot_end,
+    future_start)."""
+    plans = torch.cat([expert_plan(target, cache, L, close_coc(c, *ids), v0) for c in cocs])  # (G, N, 2)
+    return -evaluate.ade_fde(plans, traj_ref.to(plans)[None].expand_as(plans), per_scene=True)[0]
+
+
+@torch.no_grad()
+def reference_plan(target, prompt, scene, v0, cfg, ids):
+    """The reward's reference (N, 2): the scene's future (x, y) when it has one, else p's plan after p's own greedy CoC
+    (what the draft should reproduce when no logged future exists)."""
+    if scene.future is not None:
+        return scene.future[:, :2]  # (N, 3) -> (N, 2)
+    coc = speculate.autoregressive(target, prompt, cfg.max_new, stop_token=ids[1]).tokens
+    embeds, deepstack = speculate.embed_prompt(target, prompt)  # (1, L, D)
+    L = prompt["input_ids"].shape[1]
+    cache = prefill_target(target, prompt, embeds, deepstack, cfg.max_new + 2 + target.expert.cfg.n_waypoints)
+    return expert_plan(target, cache, L, close_coc(coc, *ids), v0)[0].float().cpu()
+
+
+def real_scene_loss(target, draft, ref, prompt, v0, traj_ref, cfg, ids, gen):
+    """One scene's AARL loss (batch 1, G rollouts): the prompt embedded by p once, G CoCs from q, their rewards from
+    p's expert, group advantages, exact KL(q || q_ref) -> (loss, kl, rewards (G,))."""
+    with torch.no_grad():
+        embeds, deepstack = speculate.embed_prompt(target, prompt)  # (1, L, D)
+    L = embeds.shape[1]
+    draft.eval()
+    toks, mask = rollout(draft, embeds, prompt, cfg.group, cfg.temperature, cfg.max_new, ids[1], gen)  # (G, T) each
+    cache = prefill_target(target, prompt, embeds, deepstack, toks.shape[1] + 2 + target.expert.cfg.n_waypoints)
+    r = real_rewards(target, cache, L, [t[m].tolist() for t, m in zip(toks, mask)], v0, traj_ref, ids)  # (G,)
+    del cache  # p's prompt cache is not needed by the backward: freed before it
+    with torch.no_grad():
+        logr = coc_logprobs(ref, embeds, prompt, toks, cfg.group)  # (G, T, V)
+    draft.train()
+    logq = coc_logprobs(draft, embeds, prompt, toks, cfg.group)  # (G, T, V)
+    loss, kl = aarl_loss(logq, logr, toks, mask.float(), group_advantages(r, cfg.group), cfg.beta)
+    return loss, kl, r
+
+
+def train_real(target, draft, ref, scenes_, prompts, cfg: RealConfig, ids, log=None):
+    """Post-train `draft` in place against the frozen static reference `ref` (the SFT draft); returns it. prompts:
+    scenes.alpamayo_prompts' (scene_id, fn) pairs of scenes_; ids: (cot_end, future_start)."""
+    device, dtype = target.embed_tokens.weight.device, target.embed_tokens.weight.dtype
+    target.eval().requires_grad_(False)
+    ref.eval().requires_grad_(False)
+    opt = torch.optim.AdamW(draft.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    gen = torch.Generator(device=device).manual_seed(cfg.seed)
+    order = torch.randperm(len(scenes_), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
+    refs = {}  # scene_id -> (v0, reference plan): p's greedy plan is computed once per scene, not once per update
+    for step in (bar := tqdm(range(cfg.steps), desc="aarl[real]")):
+        opt.zero_grad(set_to_none=True)
+        stats = []
+        for j in range(cfg.per_update):
+            k = order[(step * cfg.per_update + j) % len(scenes_)]
+            scene, prompt = scenes_[k], prompts[k][1]()
+            prompt = {key: v.to(device, dtype if v.is_floating_point() else None) for key, v in prompt.items()}
+            if scene.scene_id not in refs:
+                v0 = speed_from_history(scene.past[None]).to(device)  # (1,) m/s, from the scene's own past
+                refs[scene.scene_id] = v0, reference_plan(target, prompt, scene, v0, cfg, ids)
+            loss, kl, r = real_scene_loss(target, draft, ref, prompt, *refs[scene.scene_id], cfg, ids, gen)
+            if not torch.isfinite(loss):
+                raise FloatingPointError(f"AARL loss is {loss.item()} at update {step} (scene {scene.scene_id}): the "
+                                         "draft is left as it was before this update and nothing was saved")
+            (loss / cfg.per_update).backward()  # gradient accumulation: the mean over the S scenes
+            stats.append({"reward": r.mean().item(), "kl": kl.item(), "reward_std_in_group": r.std().item()})
+        torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
+        opt.step()
+        stats = {key: sum(s[key] for s in stats) / len(stats) for key in stats[0]}
+        bar.set_postfix({key: f"{v:.3f}" for key, v in stats.items()})
+        if log is not None:
+            log({"step": step, **stats})
+    return draft.eval()
+
+
+def load_real(args, cfg, device, dtype):
+    """p (an Alpamayo folder with its action expert), q (--draft) and the frozen q_ref (--draft again), the scenes
+    (checked first) and their prompts, and the ids (cot_end, future_start); a target without an expert is refused."""
+    from transformers import AutoTokenizer  # optional extra: the Alpamayo prompt needs it
+    clips = scenes.load_scenes(args.scenes)  # every scene checked before the target loads
+    target = hf.load_pretrained(args.target, dtype=dtype, device=device).eval()
+    if getattr(target, "expert", None) is None:
+        raise ValueError(f"{args.target} has no action expert: AARL's reward scores the expert's plan after each CoC "
+                         "(an Alpamayo-R1 folder); the toy's AARL (python aarl.py without --target) uses its own head")
+    if (n := target.expert.cfg.n_waypoints) != scenes.N_FUTURE and any(s.future is not None for s in clips):
+        raise ValueError(f"{args.target}: the expert plans {n} waypoints, a scene's future has {scenes.N_FUTURE}")
+    vocab = AutoTokenizer.from_pretrained(args.target).get_vocab()
+    raw = files.read_json(os.path.join(args.target, hf.CONFIG))
+    ids = vocab.get("<|cot_end|>"), config_field(raw, "traj_token_ids.future_start", args.target)
+    if ids[0] is None:
+        raise ValueError(f"{args.target}: the tokenizer has no <|cot_end|> (not Alpamayo-R1's tokenizer)")
+    draft = checkpoint.load(args.draft, target=target).eval()  # q_ref: a second copy, never updated (static)
+    ref = checkpoint.load(args.draft, target=target).eval()
+    prompts = scenes.alpamayo_prompts(args.target, clips, min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels)
+    return target, draft, ref, clips, prompts, ids
+
+
+def main_real(argv):
+    ap = argparse.ArgumentParser(description="AARL post-training of a draft (distilled for --target) with the reward "
+                                 "of the target's action expert on scene folders (scenes.py)")
+    ap.add_argument("--target", required=True, help="Alpamayo-R1 folder (hf.load_pretrained, with its tokenizer)")
+    ap.add_argument("--draft", required=True, help="the SFT draft of --target (checkpoint.load): the policy's start "
+                    "and the static KL reference")
+    ap.add_argument("--scenes", required=True, help="scene folder (scenes.load_scenes: SCENES/<id>/cameras, "
+                    "poses.json)")
+    ap.add_argument("--out", required=True, help="output folder: the draft goes to OUT/draft_aarl_s<seed>")
+    ap.add_argument("--device", default="cpu", help="torch device")
+    ap.add_argument("--dtype", default="fp32", choices=sorted(cli.DTYPES), help="weights and activations (AdamW on "
+                    "the draft's weights in this dtype)")
+    ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    cli.add_config_flags(ap, RealConfig)
+    a = ap.parse_args(argv)
+    cfg = cli.config_from_args(RealConfig, a)
+    with cli.user_errors(ap):
+        evaluate.check_values(cfg, [(">= 1", ("steps", "per_update", "max_new", "min_pixels", "max_pixels")),
+                                    ("> 0", ("lr", "temperature")), ("in 0..2**30-1", ("seed",)),
+                                    ("a finite number >= 0", ("beta",))], flags=True)
+        if cfg.group < 2:
+            raise ValueError(f"--group must be >= 2 for group-relative advantages, got {cfg.group}")
+        device = cli.check_device(a.device)
+        for flag, path in (("--target", a.target), ("--draft", a.draft), ("--scenes", a.scenes)):
+            if not os.path.isdir(path):
+                raise FileNotFoundError(f"{flag} {path}: no such folder")
+        out = checkpoint.draft_dir(a.out, "aarl", cfg.seed)
+        with files.writer_lock(a.out):
+            if (have := checkpoint.existing_kind(out)) is not None:
+                raise FileExistsError(f"{out} holds {have if have.startswith('a ') else 'a ' + have + ' checkpoint'} "
+                                      "already: refusing to replace it; give another --out or --seed")
+            t0 = time.time()
+            target, draft, ref, clips, prompts, ids = load_real(a, cfg, device, cli.DTYPES[a.dtype])
+            updates = []
+            train_real(target, draft, ref, clips, prompts, cfg, ids, log=updates.append)
+            checkpoint.save(draft, out, target=target)
+    res = {"out": out, "scenes": len(clips), "config": dataclasses.asdict(cfg), "wall_s": time.time() - t0,
+           "training": training_summary(updates)}
+    first, last = res["training"]["first"], res["training"]["last"]
+    print("updates, first -> last 20: " + "  ".join(f"{k} {first[k]:.3f}->{last[k]:.3f}" for k in first))
+    print(f"AARL (real target, {len(clips)} scenes) wall time {res['wall_s']:.0f} s; draft saved to {out}")
+    if a.json:
+        print(json.dumps(res))
+    return res
 
 
 if __name__ == "__main__":
