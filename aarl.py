@@ -45,7 +45,7 @@ import hf
 import scenes
 import speculate
 from driving import Data, grid_kwargs, vision_kwargs
-from expert import config_field, speed_from_history
+from expert import speed_from_history
 from timing import step_times
 
 REFERENCES = ("static", "moving", "none")
@@ -391,7 +391,7 @@ def real_scene_loss(target, draft, ref, prompt, v0, traj_ref, cfg, ids, gen):
 
 def train_real(target, draft, ref, scenes_, prompts, cfg: RealConfig, ids, log=None):
     """Post-train `draft` in place against the frozen static reference `ref` (the SFT draft); returns it. prompts:
-    scenes.alpamayo_prompts' (scene_id, fn) pairs of scenes_; ids: (cot_end, future_start)."""
+    scenes.scene_prompts' (scene_id, fn) pairs of scenes_; ids: (cot_end, future_start)."""
     device, dtype = target.embed_tokens.weight.device, target.embed_tokens.weight.dtype
     target.eval().requires_grad_(False)
     ref.eval().requires_grad_(False)
@@ -427,23 +427,17 @@ def train_real(target, draft, ref, scenes_, prompts, cfg: RealConfig, ids, log=N
 def load_real(args, cfg, device, dtype):
     """p (an Alpamayo folder with its action expert), q (--draft) and the frozen q_ref (--draft again), the scenes
     (checked first) and their prompts, and the ids (cot_end, future_start); a target without an expert is refused."""
-    from transformers import AutoTokenizer  # optional extra: the Alpamayo prompt needs it
-    clips = scenes.load_scenes(args.scenes)  # every scene checked before the target loads
-    target = hf.load_pretrained(args.target, dtype=dtype, device=device).eval()
-    if getattr(target, "expert", None) is None:
+    if "expert_cfg" not in files.read_json(os.path.join(args.target, hf.CONFIG)):  # what hf.load_pretrained reads
         raise ValueError(f"{args.target} has no action expert: AARL's reward scores the expert's plan after each CoC "
                          "(an Alpamayo-R1 folder); the toy's AARL (python aarl.py without --target) uses its own head")
+    clips, prompts, ids, _ = scenes.scene_prompts(args.target, args.scenes, min_pixels=cfg.min_pixels,
+                                                  max_pixels=cfg.max_pixels)  # every scene checked before p loads
+    target = hf.load_pretrained(args.target, dtype=dtype, device=device).eval()
     if (n := target.expert.cfg.n_waypoints) != scenes.N_FUTURE and any(s.future is not None for s in clips):
         raise ValueError(f"{args.target}: the expert plans {n} waypoints, a scene's future has {scenes.N_FUTURE}")
-    vocab = AutoTokenizer.from_pretrained(args.target).get_vocab()
-    raw = files.read_json(os.path.join(args.target, hf.CONFIG))
-    ids = vocab.get("<|cot_end|>"), config_field(raw, "traj_token_ids.future_start", args.target)
-    if ids[0] is None:
-        raise ValueError(f"{args.target}: the tokenizer has no <|cot_end|> (not Alpamayo-R1's tokenizer)")
     draft = checkpoint.load(args.draft, target=target).eval()  # q_ref: a second copy, never updated (static)
     ref = checkpoint.load(args.draft, target=target).eval()
-    prompts = scenes.alpamayo_prompts(args.target, clips, min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels)
-    return target, draft, ref, clips, prompts, ids
+    return target, draft, ref, clips, prompts, tuple(ids)
 
 
 def main_real(argv):

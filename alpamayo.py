@@ -13,6 +13,7 @@ run: python bench.py --device cuda --target ALPAMAYO_DIR [--images-dir CAMERAS] 
      python bench.py --device cuda --target ALPAMAYO_DIR --draft DRAFT --scenes SCENES --tree 0
                                                                                     (tests: tests/test_heldout.py)
 """
+import functools
 import importlib.util
 import os
 import re
@@ -67,16 +68,28 @@ class HistoryTokenizer:
         return bins.flatten(1) + self.first_id  # (B, 16, 3) -> (B, 48)
 
 
+@functools.lru_cache(maxsize=8)
+def tokenizer(src):
+    """src's tokenizer, read once per process: a prompt is built per scene, and per scene again in every training
+    step that draws it."""
+    from transformers import AutoTokenizer  # optional extra: only the prompt builders need it
+    return AutoTokenizer.from_pretrained(src)
+
+
+@functools.lru_cache(maxsize=8)
+def image_processor(src, min_pixels, max_pixels):
+    from transformers import AutoImageProcessor  # optional extra, as tokenizer()
+    return AutoImageProcessor.from_pretrained(src, min_pixels=min_pixels, max_pixels=max_pixels)
+
+
 def build_prompt(folder, images, history_xyz, processor_dir=None, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS):
     """One scene's prompt -> {input_ids (1, L), pixel_values (N, C*tp*p*p), image_grid_thw (n_images, 3)}. images
     (n_images, 3, H, W) uint8, cameras then frames; history_xyz (16, 3) past poses; processor_dir: default folder."""
-    from transformers import AutoTokenizer  # optional extra: only the prompt builders need it
-
     where = os.path.join(folder, hf.CONFIG)
     raw = files.read_json(where)
     hist = HistoryTokenizer.from_config(raw, where)
     src = processor_dir or folder
-    tok = AutoTokenizer.from_pretrained(src)
+    tok = tokenizer(src)
     vocab = tok.get_vocab()
     missing = [t for t in TOKENS if t not in vocab]
     if missing:
@@ -100,8 +113,7 @@ def build_prompt(folder, images, history_xyz, processor_dir=None, min_pixels=MIN
 
 def with_images(tok, text, images, src, min_pixels, max_pixels):
     """The prompt dict of a chat text holding one <|image_pad|> per image, each widened to its merged-token count."""
-    from transformers import AutoImageProcessor  # optional extra, as in build_prompt
-    proc = AutoImageProcessor.from_pretrained(src, min_pixels=min_pixels, max_pixels=max_pixels)
+    proc = image_processor(src, min_pixels, max_pixels)
     vis = proc(images=list(images), return_tensors="pt")
     pieces = text.split("<|image_pad|>")
     if len(pieces) != len(images) + 1:
@@ -115,8 +127,7 @@ def with_images(tok, text, images, src, min_pixels, max_pixels):
 def qwen_prompt(src, images, instruction, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS):
     """A plain Qwen-VL prompt (no Alpamayo tokens): one user turn of the images and the instruction, then the
     assistant turn the chat template opens."""
-    from transformers import AutoTokenizer  # optional extra, as in build_prompt
-    tok = AutoTokenizer.from_pretrained(src)
+    tok = tokenizer(src)
     messages = [{"role": "user", "content": [{"type": "image"} for _ in images]
                  + [{"type": "text", "text": instruction}]}]
     text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -210,8 +221,7 @@ def load(args, device, dtype):
         stop = config_field(raw, "traj_token_ids.future_start", args.target)
     images = scene_images(args)
     if has_tokenizer(src) and "traj_token_ids" in raw:
-        from transformers import AutoTokenizer  # optional extra, as in build_prompt
-        tok = AutoTokenizer.from_pretrained(src)
+        tok = tokenizer(src)
         prompt = build_prompt(args.target, images, history_poses(), args.processor, args.min_pixels, args.max_pixels)
         how = "Alpamayo-R1 prompt (alpamayo.build_prompt)"
     else:
@@ -273,16 +283,16 @@ FUTURE_DT = 0.1  # s between scenes.py's future poses (10 Hz)
 STAGES = ("vision", "prefill", "draft_prefill", "reasoning_target_only", "reasoning_speculative", "action_expert")
 
 
-def reasoning_stop(raw, tok, where):
-    """The id ending the reasoning step: Alpamayo's <|traj_future_start|> (its CoC ends <|cot_end|>
-    <|traj_future_start|>), else a plain Qwen-VL's chat turn end <|im_end|>, else the tokenizer's eos."""
+def reasoning_stop_ids(raw, tok, where):
+    """The ids ending the reasoning step, the last one where decoding stops: Alpamayo's <|cot_end|>
+    <|traj_future_start|> (the expert takes over after it), else a plain Qwen-VL's turn end <|im_end|> (or eos)."""
     if "traj_token_ids" in raw:
-        return config_field(raw, "traj_token_ids.future_start", where)
+        return [tok.get_vocab()["<|cot_end|>"], config_field(raw, "traj_token_ids.future_start", where)]
     stop = tok.get_vocab().get("<|im_end|>", tok.eos_token_id)
     if stop is None:
         raise ValueError(f"{where}: not an Alpamayo config (no traj_token_ids) and its tokenizer has neither "
                          "<|im_end|> nor an eos token: nothing ends the reasoning step")
-    return stop
+    return [stop]
 
 
 @torch.inference_mode()
@@ -358,37 +368,14 @@ def heldout_aggregate(rows, gamma):
             "ade_m": sum(ade) / len(ade) if ade else None, "ade_scenes": len(ade)}
 
 
-def is_alpamayo(folder):
-    """Whether folder's config.json is Alpamayo-R1's (its traj_token_ids), not a plain Qwen-VL's."""
-    return "traj_token_ids" in files.read_json(os.path.join(folder, hf.CONFIG))
-
-
-def heldout_bench(args, device, dtype, found):
-    """bench.py --scenes on the scenes found there (scenes.load_scenes): each one's prompt, the reasoning step's stop,
-    the models, then heldout(). Alpamayo: build_prompt on the 16 images and past poses; else a plain Qwen-VL prompt
-    of the images and instruction.txt."""
-    from transformers import AutoTokenizer  # optional extra, as in build_prompt
-    where, src = os.path.join(args.target, hf.CONFIG), args.processor or args.target
-    if not has_tokenizer(src):
-        raise ValueError(f"--scenes builds each scene's prompt with the folder's tokenizer and image processor; {src} "
-                         "has none (give --processor DIR)")
-    tok, raw, pixels = AutoTokenizer.from_pretrained(src), files.read_json(where), (args.min_pixels, args.max_pixels)
-    if "traj_token_ids" in raw:
-        prompts = [(s.scene_id, lambda s=s: build_prompt(args.target, s.images(), s.past, args.processor, *pixels))
-                   for s in found]
-    else:
-        if missing := [s.scene_id for s in found if not s.instruction]:
-            raise ValueError(f"--scenes {args.scenes}: scenes {missing} have no instruction.txt, which a plain Qwen-VL "
-                             "prompt is made of")
-        prompts = [(s.scene_id, lambda s=s: qwen_prompt(src, s.images(), s.instruction, *pixels)) for s in found]
-    stop = reasoning_stop(raw, tok, where)
+def heldout_bench(args, device, dtype, found, prompts, stop, how):
+    """bench.py --scenes: the models, then heldout() over scenes.scene_prompts' scenes, prompts and stop id."""
     target, draft = load_pair(args, device, dtype)
+    tok = tokenizer(args.processor or args.target)
     res = heldout(target, draft, found, prompts, stop, args.max_new, args.decoder, args.repeats,
                   words=lambda t: tok.decode([t]))
     return dict(res, mode="heldout", decoding=evaluate.decoding_mode(), model=args.target, draft=args.draft,
-                trained_draft=bool(args.draft), scenes_dir=args.scenes, stop=stop,
-                prompt_source="Alpamayo-R1 prompt (alpamayo.build_prompt)" if "traj_token_ids" in raw
-                else "plain Qwen-VL prompt (alpamayo.qwen_prompt)")
+                trained_draft=bool(args.draft), scenes_dir=args.scenes, stop=stop, prompt_source=how)
 
 
 def heldout_lines(res):

@@ -201,8 +201,9 @@ def toy_acceptance(path, want=None):
 def real(args, device, dtype, decoding):
     """A real checkpoint (--target: the whole plan on pixels, alpamayo.py), or a real shape with random weights."""
     if args.scenes:  # tau, alpha, identity, stage latencies and ADE over a scene folder (alpamayo.heldout)
-        plain = {} if alpamayo.is_alpamayo(args.target) else {"n_images": None, "poses": False}  # any images, text
-        return alpamayo.heldout_bench(args, device, dtype, scenes.load_scenes(args.scenes, **plain))
+        found, prompts, stop, how = scenes.scene_prompts(args.target, args.scenes, args.processor,
+                                                         min_pixels=args.min_pixels, max_pixels=args.max_pixels)
+        return alpamayo.heldout_bench(args, device, dtype, found, prompts, stop[-1], how)
     if args.target:
         target, draft, prompt, stop, tok, how = alpamayo.load(args, device, dtype)
     else:

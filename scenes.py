@@ -158,11 +158,29 @@ def write_scene(root, scene_id, images, past, future=None, instruction=None):
     return d
 
 
-def alpamayo_prompts(folder, scenes, **kw):
-    """(scene_id, prompt) for distill_data, each prompt built by alpamayo.build_prompt (kw: its processor_dir,
-    min_pixels, max_pixels) only when asked, so that a resumed run builds none for the scenes it has."""
+def scene_prompts(folder, root, processor=None, **pixels):
+    """(scenes, [(scene_id, a function building its prompt)], stop_ids, how) for the target `folder`'s scenes in root,
+    each prompt built through the folder's tokenizer and image processor (or `processor`'s) only when asked, so that
+    a resumed run builds none for the scenes it has. Alpamayo-R1 (traj_token_ids in its config): alpamayo.build_prompt
+    on 16 images and the past poses, the reasoning ending <|cot_end|> <|traj_future_start|>; a plain Qwen-VL folder:
+    alpamayo.qwen_prompt on any images and instruction.txt, ending <|im_end|>. pixels: min_pixels, max_pixels."""
     import alpamayo  # needs transformers (optional extra)
-    return [(s.scene_id, lambda s=s: alpamayo.build_prompt(folder, s.images(), s.past, **kw)) for s in scenes]
+    where, src = os.path.join(folder, "config.json"), processor or folder
+    if not alpamayo.has_tokenizer(src):
+        raise ValueError(f"{src} has no tokenizer: a scene's prompt is built with the target's tokenizer and image "
+                         "processor (give the folder that has them)")
+    raw, tok = files.read_json(where), alpamayo.tokenizer(src)
+    if "traj_token_ids" in raw:
+        found = load_scenes(root)
+        return found, [(s.scene_id, lambda s=s: alpamayo.build_prompt(folder, s.images(), s.past, processor, **pixels))
+                       for s in found], alpamayo.reasoning_stop_ids(raw, tok, where), \
+            "Alpamayo-R1 prompt (alpamayo.build_prompt)"
+    found = load_scenes(root, n_images=None, poses=False)
+    if missing := [s.scene_id for s in found if not s.instruction]:
+        raise ValueError(f"{root}: scenes {missing} have no {INSTRUCTION}, which a plain Qwen-VL prompt is made of")
+    return found, [(s.scene_id, lambda s=s: alpamayo.qwen_prompt(src, s.images(), s.instruction, **pixels))
+                   for s in found], alpamayo.reasoning_stop_ids(raw, tok, where), \
+        "plain Qwen-VL prompt (alpamayo.qwen_prompt)"
 
 
 # ---- self-distillation data ----
@@ -177,7 +195,7 @@ def distill_data(target, prompts, out, stop_ids, max_new, temperature=0.0, top_p
                  shard_scenes=SHARD_SCENES, log=None):
     """The target's own CoCs -> OUT (module docstring), resumably: scenes already in OUT are skipped; a rerun with
     another setting is refused, naming it. prompts: (scene_id, prompt) pairs, a prompt being speculate's batch-1 dict
-    or a function returning it (alpamayo_prompts; driving.build_prompt for the toy); stop_ids: the ids that end the
+    or a function returning it (scene_prompts; driving.build_prompt for the toy); stop_ids: the ids that end the
     reasoning, in order: decoding stops at the last one and keeps them all; a record is complete when its CoC ends
     with them. Greedy (temperature 0), or `samples` draws per scene at temperature / top_p (Alpamayo-R1's release:
     0.6 / 0.98), each seeded by sample_seed. Decoding: speculate.autoregressive, batch 1. Returns the index."""

@@ -298,21 +298,16 @@ def load_target(path, dtype=None, device=None):
 
 def prompt_source(cfg: DraftConfig):
     """([(scene_id, prompt or a function building it)], stop_ids): the toy world's scenes (--toy-scenes) or a scene
-    folder through the target's own tokenizer and image processor; stop_ids end the reasoning, in order."""
+    folder (scenes.scene_prompts: Alpamayo-R1 or plain Qwen-VL); stop_ids end the reasoning, in order."""
     if cfg.toy_scenes:
         tok = driving.Tokenizer()
         world = driving.make_split("train", cfg.toy_scenes, 0)  # train.py's scenes (TrainConfig.seed 0)
         return [(f"toy{i}", lambda s=s: driving.build_prompt(s, tok, cfg.views)) for i, s in enumerate(world)], \
             [tok.cot_end_id]
     import scenes
-    from transformers import AutoTokenizer  # the Alpamayo-R1 prompt needs transformers (optional extra)
-    vocab = AutoTokenizer.from_pretrained(cfg.target).get_vocab()
-    stop = [vocab.get(t) for t in ("<|cot_end|>", "<|traj_future_start|>")]
-    if None in stop:
-        raise ValueError(f"{cfg.target}: the tokenizer lacks <|cot_end|> / <|traj_future_start|>: only Alpamayo-R1 "
-                         "folders (or --toy-scenes) have CoCs to distil")
-    return scenes.alpamayo_prompts(cfg.target, scenes.load_scenes(cfg.scenes), min_pixels=cfg.min_pixels,
-                                   max_pixels=cfg.max_pixels), stop
+    found, prompts, stop, _ = scenes.scene_prompts(cfg.target, cfg.scenes, min_pixels=cfg.min_pixels,
+                                                   max_pixels=cfg.max_pixels)
+    return prompts, stop
 
 
 def record_order(step, batch_size, n, seed):

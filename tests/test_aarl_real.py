@@ -45,8 +45,7 @@ def setup(folder, tmp_path_factory):
         scenes.write_scene(root / "scenes", f"s{i}", pixels, past, future)
     torch.manual_seed(0)
     checkpoint.save(M.make_draft(target, n_layers=1), str(root / "sft"), target=target)
-    clips = scenes.load_scenes(root / "scenes")
-    prompts = scenes.alpamayo_prompts(d, clips, min_pixels=64, max_pixels=256)
+    clips, prompts, _, _ = scenes.scene_prompts(d, root / "scenes", min_pixels=64, max_pixels=256)
     return target, str(root / "sft"), str(root / "scenes"), clips, prompts
 
 

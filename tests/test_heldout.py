@@ -66,9 +66,9 @@ def alpha_at(results, d):
 
 def test_heldout_is_what_speculative_decoding_gives(setup):
     d, target, _, draft, root = setup
-    found = scenes.load_scenes(root)
-    prompts = scenes.alpamayo_prompts(d, found, **PIXELS)
-    stop = SPECIAL["<|traj_future_start|>"]
+    found, prompts, stop_ids, _ = scenes.scene_prompts(d, root, **PIXELS)
+    assert stop_ids == [SPECIAL["<|cot_end|>"], SPECIAL["<|traj_future_start|>"]]
+    stop = stop_ids[-1]
     res = alpamayo.heldout(target, draft, found, prompts, stop, MAX_NEW, GAMMA, REPEATS)
     json.dumps(res)  # JSON-serialisable as it is
     assert res["scenes"] == 3 and res["identical"] == 3
@@ -112,8 +112,9 @@ def test_bench_scenes_end_to_end(setup, capsys):
 def test_the_stop_of_a_plain_qwen_vl_folder(setup):
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(setup[0])
-    assert alpamayo.reasoning_stop({}, tok, "config.json") == SPECIAL["<|im_end|>"]
-    assert alpamayo.reasoning_stop({"traj_token_ids": {"future_start": 69}}, tok, "config.json") == 69
+    assert alpamayo.reasoning_stop_ids({}, tok, "config.json") == [SPECIAL["<|im_end|>"]]
+    assert alpamayo.reasoning_stop_ids({"traj_token_ids": {"future_start": 69}}, tok, "config.json") == [
+        SPECIAL["<|cot_end|>"], 69]
 
 
 def test_a_plain_qwen_vl_folder_stops_at_im_end(folder, tmp_path, capsys):

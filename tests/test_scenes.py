@@ -192,10 +192,10 @@ def test_a_scene_folder_through_alpamayos_prompt(folder, tmp_path):
     alp = load_pretrained(d)
     for i in range(2):
         scenes.write_scene(tmp_path / "scenes", f"clip{i}", pixels(h=24, w=40, seed=i), poses(16, seed=i) * 0.1)
-    clips = scenes.load_scenes(tmp_path / "scenes")
-    stop = [SPECIAL["<|cot_end|>"], SPECIAL["<|traj_future_start|>"]]
     kw = dict(min_pixels=64, max_pixels=256)
-    scenes.distill_data(alp, scenes.alpamayo_prompts(d, clips, **kw), tmp_path / "out", stop, 5)
+    clips, prompts, stop, _ = scenes.scene_prompts(d, tmp_path / "scenes", **kw)
+    assert stop == [SPECIAL["<|cot_end|>"], SPECIAL["<|traj_future_start|>"]]
+    scenes.distill_data(alp, prompts, tmp_path / "out", stop, 5)
     recs = scenes.read_distill_data(tmp_path / "out")
     assert [r["scene"] for r in recs] == ["clip0", "clip1"]
     for s, r in zip(clips, recs):
