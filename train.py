@@ -4,8 +4,14 @@ and the M-RoPE replica of standard speculative decoding (same data, steps and se
 in one loop: each step runs the frozen target once and updates each draft q with KL(p || q) on the CoC positions.
 The SFT FlatRoPE draft is also AARL's static reference (aarl.py).
 
+A draft for any target (section "a draft for any target"): a real target has no ground-truth CoCs, so it writes its
+own on the user's scenes (scenes.distill_data) and the draft is distilled on them with the same KL(p || q), one
+sequence per forward (prompt lengths differ) and batch_size sequences per update by gradient accumulation.
+
 run: python train.py --device cpu                 (target + both drafts into runs/toy; --help lists the flags)
      torchrun --nproc_per_node 2 train.py         (the same with DistributedDataParallel)
+     python train.py --target ALPAMAYO_DIR --scenes SCENES --out RUN --device cuda --dtype bf16 --amp
+     torchrun --nproc_per_node 8 train.py --target ALPAMAYO_DIR --scenes SCENES --out RUN --device cuda --dtype bf16 --amp
 """
 import argparse
 import contextlib

@@ -16,6 +16,8 @@ import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+import aarl
+import bench
 import checkpoint
 import driving
 import hf
@@ -24,17 +26,17 @@ import scenes
 import train as T
 
 try:  # the tiny Alpamayo-shaped folder of tests/test_alpamayo.py, a fixture
-    from test_alpamayo import SPECIAL, folder
+    from test_alpamayo import SPECIAL, folder, save_processor
 except (ImportError, pytest.skip.Exception):  # no transformers: that test module skips itself
-    SPECIAL = folder = None
+    SPECIAL = folder = save_processor = None
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 needs_tf = pytest.mark.skipif(folder is None, reason="needs transformers (optional extra)")
 RANK_TOL = 1e-5
 
 
-def write_scenes(root, n=4):
-    g = torch.Generator().manual_seed(0)
+def write_scenes(root, n=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
     for i in range(n):
         images = torch.randint(0, 256, (16, 3, 24, 40), dtype=torch.uint8, generator=g)
         past = 0.1 * torch.randn(16, 3, generator=g)
@@ -140,6 +142,44 @@ def test_the_loss_is_kl_p_q_on_the_coc_positions(alpamayo_run):
     want = (p.exp() * (p - q)).sum(-1).mean()
     got = T.sequence_kl(target, draft, prompt, rec["tokens"])
     assert abs(got.item() - want.item()) <= 1e-5 * max(1.0, want.item()), (got.item(), want.item())
+
+
+@needs_tf
+def test_the_whole_path_on_the_command_line(alpamayo_run, tmp_path):
+    """train.py --target, then aarl.py --target on its draft, then bench.py --scenes on held-out scenes with the
+    post-trained draft: the commands a user runs, in order, each reading what the one before wrote."""
+    d, root, _ = alpamayo_run
+    held, run, px = write_scenes(tmp_path / "held", n=2, seed=1), str(tmp_path / "run"), [
+        "--min-pixels", "64", "--max-pixels", "256", "--max-new", "6"]
+    T.main(["--target", d, "--scenes", root, "--out", run, "--steps", "2", "--batch-size", "2", *px])
+    aarl.main(["--target", d, "--draft", checkpoint.draft_dir(run, "flat", 0), "--scenes", root, "--out", run,
+               "--steps", "1", "--per-update", "2", "--group", "2", *px])
+    res = bench.main(["--target", d, "--draft", checkpoint.draft_dir(run, "aarl", 0), "--scenes", held, "--tree",
+                      "0", "--repeats", "3", "--dtype", "fp32", *px])
+    assert res["identical"] == res["scenes"] == 2 and res["trained_draft"] and res["ms"]["action_expert"] > 0
+
+
+@needs_tf
+def test_a_plain_qwen3_vl_folder_takes_the_same_path(folder, tmp_path):
+    """No Alpamayo tokens: each scene's images and instruction.txt, the CoC ending at <|im_end|>."""
+    import alpamayo
+    import speculate
+    d = tmp_path / "qwen3vl"
+    folder[0].save_pretrained(d)  # the tiny Alpamayo's VLM alone: a plain Qwen3-VL folder
+    save_processor(d)
+    g = torch.Generator().manual_seed(3)
+    for i in range(2):
+        scenes.write_scene(tmp_path / "s", f"q{i}", torch.randint(0, 256, (2, 3, 24, 40), dtype=torch.uint8,
+                                                                   generator=g), alpamayo.history_poses(),
+                           instruction="keep lane because clear ahead")
+    cfg = T.DraftConfig(target=str(d), scenes=str(tmp_path / "s"), out=str(tmp_path / "run"), steps=2, batch_size=2,
+                        max_new=4, min_pixels=64, max_pixels=256)
+    out = T.run_draft(cfg, log=lambda *_: None)
+    target = T.load_target(str(d))
+    for s, r in zip(scenes.load_scenes(tmp_path / "s", n_images=None, poses=False), out["data"]):
+        p = alpamayo.qwen_prompt(str(d), s.images(), s.instruction, min_pixels=64, max_pixels=256)
+        assert r["tokens"] == speculate.autoregressive(target, p, 4, stop_token=SPECIAL["<|im_end|>"]).tokens
+    checkpoint.load(checkpoint.draft_dir(cfg.out, "flat", 0), target=target)
 
 
 def test_an_exported_toy_target_takes_the_same_path(tmp_path):
