@@ -137,7 +137,12 @@ def distill_loss(draft, embeds, p_logp, batch):
     vocabulary draft (K ids) has q = 0 elsewhere, where KL(p || q) is infinite: its loss is KL(p_S || q), p_S being p
     renormalised on the set, minimised by the q that minimises the finite part of KL(p || q) (the sum over the set)."""
     logits_q = draft(batch["input_ids"], inputs_embeds=embeds, **grid_kwargs(batch))  # (B, L, V)
-    logits_q = logits_q[batch["loss_mask"]].float()  # (N, V)
+    return kl_p_q(draft, logits_q[batch["loss_mask"]].float(), p_logp)  # (N, V) of q, (N, V) of log p
+
+
+def kl_p_q(draft, logits_q, p_logp):
+    """batchmean KL(p || q) of q's logits (N, V) against log p (N, V), on the reduced-vocabulary set if the draft has
+    one (distill_loss says why)."""
     ids = getattr(getattr(draft, "module", draft), "vocab_ids", None)  # .module: under DDP
     if ids is not None:
         logits_q, p_logp = logits_q[:, ids], F.log_softmax(p_logp[:, ids], -1)  # (N, K) each; log p_S
@@ -329,34 +334,41 @@ def record_order(step, batch_size, n, seed):
 
 
 def sequence_kl(target, draft, prompt, coc):
-    """KL(p || q) averaged over the positions that predict the CoC: one teacher-forced forward of each model over
-    prompt + coc (T ids), the LM heads on the last T positions only (152k columns at thousands of prompt rows would
-    not fit)."""
+    """KL(p || q) averaged over the T positions that predict the CoC (coc: T ids): one teacher-forced forward of each
+    model over prompt + coc, each LM head on those T rows only (152k columns at thousands of prompt rows would not
+    fit in memory)."""
     ids = torch.cat([prompt["input_ids"], torch.tensor([coc], device=prompt["input_ids"].device)], 1)  # (1, L + T)
-    T = len(coc)
+    T, grids = len(coc), {k: prompt[k] for k in speculate.GRID_KEYS if prompt.get(k) is not None}
     with torch.no_grad():
         embeds, deepstack = speculate.embed_prompt(target, dict(prompt, input_ids=ids))  # (1, L + T, D)
-        grids = {k: prompt[k] for k in speculate.GRID_KEYS if prompt.get(k) is not None}
-        logits_p = target(ids, inputs_embeds=embeds, deepstack=deepstack, logits_to_keep=T + 1, **grids)[:, :-1]
-    p_logp = F.log_softmax(logits_p[0].float(), -1)  # (T, V): row t is p after the prompt and coc[:t]
-    batch = {"input_ids": ids, "loss_mask": torch.arange(ids.shape[1], device=ids.device)[None] >= ids.shape[1] - T - 1,
-             **grids}
-    batch["loss_mask"][:, -1] = False  # (1, L + T): the T positions L - 1 .. L + T - 2
-    return distill_loss(draft, embeds, p_logp, batch)
+        logits_p = target(ids, inputs_embeds=embeds, deepstack=deepstack, logits_to_keep=T + 1, **grids)  # (1, T+1, V)
+    # rows L - 1 .. L + T - 2: p and q after the prompt and coc[:t] (the last row predicts past the CoC)
+    p_logp = F.log_softmax(logits_p[0, :-1].float(), -1)  # (T, V)
+    logits_q = draft(ids, inputs_embeds=embeds, logits_to_keep=T + 1, **grids)[0, :-1].float()  # (T, V)
+    return kl_p_q(draft, logits_q, p_logp)
 
 
-def distill_draft(cfg: DraftConfig, target, records, prompt_of, rank=0, world=1, device="cpu", log=print):
+def new_draft(target, kind, init="random", vocab_ids=None):
+    """The routine reasoner's start: one decoder layer of the target's shape (model.make_draft: the target's embedding
+    and LM head, shared and frozen), fp32 master weights; init "last": its layer a copy of the target's last one,
+    which already maps the target's hidden states to what its final norm and LM head read."""
+    draft = M.make_draft(target, n_layers=1, rope_mode=kind, vocab_ids=vocab_ids).float()
+    if init == "last":
+        draft.layers[0].load_state_dict({k: v.float() for k, v in target.layers[-1].state_dict().items()})
+        draft.norm.load_state_dict({k: v.float() for k, v in target.norm.state_dict().items()})
+    return draft
+
+
+def distill_draft(cfg: DraftConfig, target, records, prompt_of, stop_id, rank=0, world=1, device="cpu"):
     """Distil a `cfg.kind` draft from the frozen target on its own CoCs (records: scenes.read_distill_data's), one
     sequence per forward, batch_size per update accumulated over the ranks' shares; resumable; saves
-    out/draft_<kind>_s<seed> bound to the target. prompt_of: scene_id -> prompt or a function building it."""
+    out/draft_<kind>_s<seed> bound to the target. prompt_of: scene_id -> prompt or a function building it; stop_id:
+    the id ending the reasoning (kept in a reduced vocabulary)."""
     target.eval().requires_grad_(False)
-    vocab_ids = (select_draft_vocab([r["tokens"] for r in records], cfg.draft_vocab, records[0]["tokens"][-1],
-                                    target.cfg.vocab_size) if cfg.draft_vocab else None)
+    vocab_ids = (select_draft_vocab([r["tokens"] for r in records], cfg.draft_vocab, stop_id, target.cfg.vocab_size)
+                 if cfg.draft_vocab else None)
     torch.manual_seed(cfg.seed)
-    draft = M.make_draft(target, n_layers=1, rope_mode=cfg.kind, vocab_ids=vocab_ids).float()  # fp32 master weights
-    if cfg.init == "last":  # a layer of the target's shape starting where the target ends its stack
-        for d_layer, t_layer in zip(draft.layers, target.layers[-len(draft.layers):]):
-            d_layer.load_state_dict({k: v.float() for k, v in t_layer.state_dict().items()})
+    draft = new_draft(target, cfg.kind, cfg.init, vocab_ids)
     opt = make_optimizer(draft.parameters(), cfg, cfg.lr)
     state_path = os.path.join(cfg.out, f"draft_{cfg.kind}_s{cfg.seed}.state.pt")
     bound = checkpoint.fingerprint(target)
@@ -393,7 +405,8 @@ def distill_draft(cfg: DraftConfig, target, records, prompt_of, rank=0, world=1,
 
 
 def run_draft(cfg: DraftConfig, stage="all", log=print):
-    """The target's CoCs on the training scenes (out/data, rank 0, resumable), then the draft (every rank)."""
+    """The target's CoCs on the training scenes, each rank decoding its share into out/data/part<rank> (resumable,
+    whatever the number of ranks before), then the draft, every rank reading every part."""
     import scenes
     cli.check_device(cfg.device)
     rank, world, device = setup_distributed(cfg.device)
@@ -401,24 +414,42 @@ def run_draft(cfg: DraftConfig, stage="all", log=print):
         raise ValueError(f"batch_size {cfg.batch_size} is not divisible by the {world} ranks")
     target = load_target(cfg.target, cli.DTYPES[cfg.dtype], device)
     prompts, stop = prompt_source(cfg)
-    data = os.path.join(cfg.out, "data")
+    root = os.path.join(cfg.out, "data")
     with files.writer_lock(cfg.out) if rank == 0 else contextlib.nullcontext():
         if rank == 0:
             checkpoint.check_output(checkpoint.draft_dir(cfg.out, cfg.kind, cfg.seed), f"{cfg.kind} draft",
                                     cfg.overwrite or os.path.exists(os.path.join(
                                         cfg.out, f"draft_{cfg.kind}_s{cfg.seed}.state.pt")),
                                     "rerun with --overwrite to retrain it, or give another --seed or --out")
-            sampled = (dict(temperature=cfg.temperature, top_p=cfg.top_p, samples=cfg.samples, seed=cfg.seed)
-                       if cfg.temperature else {})  # greedy data is one for every seed
-            scenes.distill_data(target, prompts, data, stop, cfg.max_new, log=log, **sampled)
-        if dist.is_initialized():
-            dist.barrier()  # every rank reads the data rank 0 finished
-        out = {"data": scenes.read_distill_data(data)}
+        done = {r["scene"] for r in read_parts(root)}  # read by every rank before any writes
+        barrier()
+        sampled = dict(temperature=cfg.temperature, top_p=cfg.top_p, samples=cfg.samples) if cfg.temperature else {}
+        scenes.distill_data(target, [p for p in prompts[rank::world] if p[0] not in done],
+                            os.path.join(root, f"part{rank}"), stop, cfg.max_new, log=log if rank == 0 else None,
+                            **sampled)
+        barrier()
+        order = {scene_id: i for i, (scene_id, _) in enumerate(prompts)}  # the same records order for any world size
+        # records of scenes no longer in the folder are left out
+        out = {"data": sorted((r for r in read_parts(root) if r["scene"] in order),
+                              key=lambda r: (order[r["scene"]], r["sample"]))}
         if stage == "all":
-            out["draft"] = distill_draft(cfg, target, out["data"], dict(prompts), rank, world, device, log)
+            out["draft"] = distill_draft(cfg, target, out["data"], dict(prompts), stop[-1], rank, world, device)
     if dist.is_initialized():
         dist.destroy_process_group()
     return out
+
+
+def read_parts(root):
+    """The records of every part under root (scenes.read_distill_data of each), part by part."""
+    import scenes
+    parts = sorted(p for p in (os.listdir(root) if os.path.isdir(root) else ())
+                   if os.path.exists(os.path.join(root, p, scenes.INDEX)))
+    return [r for p in parts for r in scenes.read_distill_data(os.path.join(root, p))]
+
+
+def barrier():
+    if dist.is_initialized():
+        dist.barrier()
 
 
 # ---- operations: distributed ranks, resumable state, what a run may replace, the command line ----

@@ -92,7 +92,7 @@ def main():
         print(f"seed {seed}: test tau {runs[seed]['test_tau']:.3f}, greedy identical on "
               f"{runs[seed]['greedy_identical']} / {args.identity_scenes} scenes, {runs[seed]['wall_s']:.0f} s",
               flush=True)
-    data = files.read_json(os.path.join(args.work, "data", "index.json"))
+    data = files.read_json(os.path.join(args.work, "data", "part0", "index.json"))  # one process: one part
     new, old = [r["test_tau"] for r in runs.values()], list(shipped_tau.values())
     result = {"settings": vars(args), "loaded_target_greedy_equal": [same_target, len(outputs)],
               "data": {"records": sum(len(s["records"]) for s in data["shards"]),

@@ -116,10 +116,23 @@ def test_two_gloo_ranks_equal_one(alpamayo_run, tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     mp.spawn(_rank_worker, args=(2, d, root, str(tmp_path), port), nprocs=2, join=True)
+    assert sorted(os.listdir(tmp_path / "data")) == ["part0", "part1"]  # each rank decoded its share of the scenes
+    key = lambda r: r["scene"]  # noqa: E731
+    assert sorted(T.read_parts(tmp_path / "data"), key=key) == sorted(out["data"], key=key)
     a, b = (torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1))
     for k, v in out["draft"].state_dict().items():
         assert torch.equal(a[k], b[k]), k  # DDP keeps the ranks identical
         assert (a[k] - v).abs().max().item() <= RANK_TOL, k
+
+
+@needs_tf
+def test_a_draft_can_start_from_the_targets_last_layer(alpamayo_run):
+    target = T.load_target(alpamayo_run[0])
+    draft = T.new_draft(target, "flat", init="last")
+    want = dict(target.layers[-1].state_dict(), **{"norm." + k: v for k, v in target.norm.state_dict().items()})
+    got = dict(draft.layers[0].state_dict(), **{"norm." + k: v for k, v in draft.norm.state_dict().items()})
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    assert not torch.equal(T.new_draft(target, "flat").layers[0].mlp.down_proj.weight, want["mlp.down_proj.weight"])
 
 
 @needs_tf
