@@ -86,8 +86,10 @@ def coc_logprobs(draft, embeds, batch, toks, G):
     S, P = embeds.shape[:2]
     ids = torch.cat([batch["input_ids"][:, :P].repeat_interleave(G, 0), toks[:, :-1]], 1)  # (S*G, P+T-1)
     x = torch.cat([embeds.repeat_interleave(G, 0), draft.embed_tokens(toks[:, :-1])], 1)  # (S*G, P+T-1, D)
-    logits = draft(ids, inputs_embeds=x, **evaluate.repeat_scenes(grid_kwargs(batch), S, G))  # (S*G, P+T-1, V)
-    return F.log_softmax(logits[:, P - 1:].float(), -1)  # (S*G, T, V)
+    # the LM head on the T rows that generated toks only (the prompt's rows would be G x 3,000 x 152k at Alpamayo's)
+    logits = draft(ids, inputs_embeds=x, logits_to_keep=toks.shape[1],
+                   **evaluate.repeat_scenes(grid_kwargs(batch), S, G))  # (S*G, T, V)
+    return F.log_softmax(logits.float(), -1)  # (S*G, T, V)
 
 
 # ---- reward ----
@@ -321,6 +323,7 @@ class RealConfig:
     seed: int = 0  # rollouts and scene order
     min_pixels: int = alpamayo.MIN_PIXELS  # image size bounds of the prompt (alpamayo.build_prompt)
     max_pixels: int = alpamayo.MAX_PIXELS
+    processor: str = ""  # the tokenizer + image processor folder (default: --target)
 
 
 def close_coc(coc, cot_end, future_start):
@@ -395,6 +398,8 @@ def train_real(target, draft, ref, scenes_, prompts, cfg: RealConfig, ids, log=N
     device, dtype = target.embed_tokens.weight.device, target.embed_tokens.weight.dtype
     target.eval().requires_grad_(False)
     ref.eval().requires_grad_(False)
+    draft.float()  # fp32 master weights: AdamW at lr 1e-5 on bf16 weights would lose most updates to rounding
+    amp = evaluate.autocast(device, dtype != torch.float32)  # the fp32 policy meets p's bf16 weights under autocast
     opt = torch.optim.AdamW(draft.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
     gen = torch.Generator(device=device).manual_seed(cfg.seed)
     order = torch.randperm(len(scenes_), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
@@ -409,7 +414,8 @@ def train_real(target, draft, ref, scenes_, prompts, cfg: RealConfig, ids, log=N
             if scene.scene_id not in refs:
                 v0 = speed_from_history(scene.past[None]).to(device)  # (1,) m/s, from the scene's own past
                 refs[scene.scene_id] = v0, reference_plan(target, prompt, scene, v0, cfg, ids)
-            loss, kl, r = real_scene_loss(target, draft, ref, prompt, *refs[scene.scene_id], cfg, ids, gen)
+            with amp:
+                loss, kl, r = real_scene_loss(target, draft, ref, prompt, *refs[scene.scene_id], cfg, ids, gen)
             if not torch.isfinite(loss):
                 raise FloatingPointError(f"AARL loss is {loss.item()} at update {step} (scene {scene.scene_id}): the "
                                          "draft is left as it was before this update and nothing was saved")
@@ -430,7 +436,7 @@ def load_real(args, cfg, device, dtype):
     if "expert_cfg" not in files.read_json(os.path.join(args.target, hf.CONFIG)):  # what hf.load_pretrained reads
         raise ValueError(f"{args.target} has no action expert: AARL's reward scores the expert's plan after each CoC "
                          "(an Alpamayo-R1 folder); the toy's AARL (python aarl.py without --target) uses its own head")
-    clips, prompts, ids, _ = scenes.scene_prompts(args.target, args.scenes, min_pixels=cfg.min_pixels,
+    clips, prompts, ids, _ = scenes.scene_prompts(args.target, args.scenes, cfg.processor or None, min_pixels=cfg.min_pixels,
                                                   max_pixels=cfg.max_pixels)  # every scene checked before p loads
     target = hf.load_pretrained(args.target, dtype=dtype, device=device).eval()
     if (n := target.expert.cfg.n_waypoints) != scenes.N_FUTURE and any(s.future is not None for s in clips):
@@ -450,8 +456,8 @@ def main_real(argv):
                     "poses.json)")
     ap.add_argument("--out", required=True, help="output folder: the draft goes to OUT/draft_aarl_s<seed>")
     ap.add_argument("--device", default="cpu", help="torch device")
-    ap.add_argument("--dtype", default="fp32", choices=sorted(cli.DTYPES), help="weights and activations (AdamW on "
-                    "the draft's weights in this dtype)")
+    ap.add_argument("--dtype", default="fp32", choices=sorted(cli.DTYPES), help="p's weights (bf16 on a GPU: then "
+                    "under autocast); the draft trains on fp32 master weights and is saved in this dtype")
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     cli.add_config_flags(ap, RealConfig)
     a = ap.parse_args(argv)
@@ -460,6 +466,8 @@ def main_real(argv):
         evaluate.check_values(cfg, [(">= 1", ("steps", "per_update", "max_new", "min_pixels", "max_pixels")),
                                     ("> 0", ("lr", "temperature")), ("in 0..2**30-1", ("seed",)),
                                     ("a finite number >= 0", ("beta",))], flags=True)
+        if cfg.min_pixels > cfg.max_pixels:
+            raise ValueError(f"--min-pixels {cfg.min_pixels} is above --max-pixels {cfg.max_pixels}")
         if cfg.group < 2:
             raise ValueError(f"--group must be >= 2 for group-relative advantages, got {cfg.group}")
         device = cli.check_device(a.device)
@@ -475,7 +483,7 @@ def main_real(argv):
             target, draft, ref, clips, prompts, ids = load_real(a, cfg, device, cli.DTYPES[a.dtype])
             updates = []
             train_real(target, draft, ref, clips, prompts, cfg, ids, log=updates.append)
-            checkpoint.save(draft, out, target=target)
+            checkpoint.save(draft.to(target.embed_tokens.weight.dtype), out, target=target)
     res = {"out": out, "scenes": len(clips), "config": dataclasses.asdict(cfg), "wall_s": time.time() - t0,
            "training": training_summary(updates)}
     first, last = res["training"]["first"], res["training"]["last"]

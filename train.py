@@ -15,6 +15,8 @@ run: python train.py --device cpu                 (target + both drafts into run
 """
 import argparse
 import contextlib
+import datetime
+import hashlib
 import math
 import os
 import sys
@@ -286,7 +288,7 @@ class DraftConfig:
     warmup: int = 20  # linear warm-up steps, then cosine decay to 10%
     weight_decay: float = 0.01  # AdamW weight decay
     grad_clip: float = 1.0  # gradient-norm clip
-    seed: int = 0  # seeds the draft's initialisation, the record order and the sampled CoCs
+    seed: int = 0  # seeds the draft's initialisation and the record order (the data is one for every seed)
     init: str = "random"  # random, or last: the draft's layers start as copies of the target's last decoder layers
     draft_vocab: int = 0  # K > 0: the head covers the K ids commonest in the target's own CoCs; 0 = all
     save_every: int = 100  # updates between resumable states
@@ -296,6 +298,7 @@ class DraftConfig:
     max_new: int = 128  # CoC token limit per scene
     min_pixels: int = 163840  # the images' size bounds in the target's image processor (Alpamayo's: 160-192 tokens)
     max_pixels: int = 196608
+    processor: str = ""  # the tokenizer + image processor folder (default: --target)
     views: int = driving.WorldConfig().views  # --toy-scenes: the surround views of the toy prompts
     overwrite: bool = False  # replace a finished draft of this kind and seed in out
 
@@ -316,8 +319,8 @@ def prompt_source(cfg: DraftConfig):
         return [(f"toy{i}", lambda s=s: driving.build_prompt(s, tok, cfg.views)) for i, s in enumerate(world)], \
             [tok.cot_end_id]
     import scenes
-    found, prompts, stop, _ = scenes.scene_prompts(cfg.target, cfg.scenes, min_pixels=cfg.min_pixels,
-                                                   max_pixels=cfg.max_pixels)
+    found, prompts, stop, _ = scenes.scene_prompts(cfg.target, cfg.scenes, cfg.processor or None,
+                                                   min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels)
     return prompts, stop
 
 
@@ -372,7 +375,10 @@ def distill_draft(cfg: DraftConfig, target, records, prompt_of, stop_id, rank=0,
     opt = make_optimizer(draft.parameters(), cfg, cfg.lr)
     state_path = os.path.join(cfg.out, f"draft_{cfg.kind}_s{cfg.seed}.state.pt")
     bound = checkpoint.fingerprint(target)
-    start = load_state(state_path, {cfg.kind: draft}, {cfg.kind: opt}, cfg, device, bound, DraftConfig)
+    # the records the state's updates drew: a resume after the scenes changed would draw others at the same steps
+    data = {"records": len(records), "sha256": hashlib.sha256(repr(
+        [(r["scene"], r["sample"], r["tokens"]) for r in records]).encode()).hexdigest()[:16]}
+    start = load_state(state_path, {cfg.kind: draft}, {cfg.kind: opt}, cfg, device, bound, DraftConfig, data)
     ddp = wrap(draft, world, device)
     per_rank = cfg.batch_size // world
     w = next(target.parameters())
@@ -390,6 +396,8 @@ def distill_draft(cfg: DraftConfig, target, records, prompt_of, stop_id, rank=0,
                 loss = sequence_kl(target, ddp, prompt, records[j]["tokens"]) / per_rank
                 loss.backward()
             loss_sum, n_tok = loss_sum + loss.item(), n_tok + len(records[j]["tokens"])
+        if world > 1:  # every rank sees a NaN on any rank: its gradients were already averaged into everyone's
+            loss_sum = all_mean(loss_sum, device)
         check_loss(f"{cfg.kind} draft", loss_sum, step, state_path)
         for grp in opt.param_groups:
             grp["lr"] = lr_at(step, cfg.steps, cfg.lr, cfg)
@@ -398,7 +406,7 @@ def distill_draft(cfg: DraftConfig, target, records, prompt_of, stop_id, rank=0,
         opt.zero_grad(set_to_none=True)
         bar.set_postfix(kl=f"{loss_sum:.3f}", tok_s=f"{n_tok * world / (time.time() - t0):.0f}")
         if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
-            save_state(state_path, step + 1, {cfg.kind: draft}, {cfg.kind: opt}, cfg, rank, bound)
+            save_state(state_path, step + 1, {cfg.kind: draft}, {cfg.kind: opt}, cfg, rank, bound, data)
     if rank == 0:
         checkpoint.save(draft.to(w.dtype), checkpoint.draft_dir(cfg.out, cfg.kind, cfg.seed), target=target)
     return draft
@@ -424,7 +432,7 @@ def run_draft(cfg: DraftConfig, stage="all", log=print):
         done = {r["scene"] for r in read_parts(root)}  # read by every rank before any writes
         barrier()
         sampled = dict(temperature=cfg.temperature, top_p=cfg.top_p, samples=cfg.samples) if cfg.temperature else {}
-        scenes.distill_data(target, [p for p in prompts[rank::world] if p[0] not in done],
+        scenes.distill_data(target, [p for p in prompts if p[0] not in done][rank::world],  # what is left, shared
                             os.path.join(root, f"part{rank}"), stop, cfg.max_new, log=log if rank == 0 else None,
                             **sampled)
         barrier()
@@ -452,6 +460,12 @@ def barrier():
         dist.barrier()
 
 
+def all_mean(value, device):
+    t = torch.tensor(float(value), device=device)
+    dist.all_reduce(t)
+    return t.item() / dist.get_world_size()
+
+
 # ---- operations: distributed ranks, resumable state, what a run may replace, the command line ----
 def setup_distributed(device):
     """(rank, world_size, device). Under torchrun: gloo on CPU, nccl on CUDA, one GPU per rank."""
@@ -460,7 +474,8 @@ def setup_distributed(device):
     cuda, local = device.startswith("cuda"), int(os.environ.get("LOCAL_RANK", 0))
     if cuda:
         torch.cuda.set_device(local)
-    dist.init_process_group("nccl" if cuda else "gloo")
+    # one rank's share of the data decode, or of a slow save, can outlast the 10-minute default at a barrier
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(hours=2))
     return (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]),
             torch.device("cuda", local) if cuda else torch.device(device))
 
@@ -470,22 +485,25 @@ def wrap(m, world, device):
         m, device_ids=[device.index] if device.type == "cuda" else None)
 
 
-def save_state(path, step, models, opts, cfg, rank, target=None):
-    """Rank 0 writes the resumable state (for the drafts with their target's checkpoint.fingerprint); all ranks wait."""
+def save_state(path, step, models, opts, cfg, rank, target=None, data=None):
+    """Rank 0 writes the resumable state (for the drafts with their target's checkpoint.fingerprint, and for a real
+    target's draft its records' fingerprint `data`); all ranks wait."""
     if rank == 0:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        files.torch_save({"step": step, "config": asdict(cfg), "target": target,
+        files.torch_save({"step": step, "config": asdict(cfg), "target": target, "data": data,
                                "models": {k: m.state_dict() for k, m in models.items()},
                                "opts": {k: o.state_dict() for k, o in opts.items()}}, path)
     if dist.is_initialized():
         dist.barrier()
 
 
-# Fields that cannot change what a run computes: resuming with other values is fine.
-RESUMABLE_CHANGES = ("out", "device", "eval_every", "save_every", "n_val", "n_test", "overwrite")
+# Fields that cannot change what a run computes: resuming with other values is fine. A moved target or scene folder
+# (target, scenes, processor) is fine too: the fingerprints of the target and of the records are checked instead.
+RESUMABLE_CHANGES = ("out", "device", "eval_every", "save_every", "n_val", "n_test", "overwrite", "target", "scenes",
+                     "processor")
 
 
-def load_state(path, models, opts, cfg, device, target=None, config=TrainConfig):
+def load_state(path, models, opts, cfg, device, target=None, config=TrainConfig, data=None):
     """Resume from path if it exists -> the step to continue from (0: fresh). A state of another config, or (drafts) of
     another target than the `target` fingerprint, is refused, naming what differs: resuming would mix two runs."""
     if not os.path.exists(path):
@@ -505,6 +523,9 @@ def load_state(path, models, opts, cfg, device, target=None, config=TrainConfig)
     if target is not None and state.get("target") not in (None, target):
         raise ValueError(f"{path} holds drafts distilled from another target ({state['target']['weights']} there, "
                          f"{target['weights']} now): delete it to distil from the current target")
+    if data is not None and state.get("data") != data:
+        raise ValueError(f"{path} was distilled on other records ({state.get('data')} there, {data} now): the scenes "
+                         "changed since; delete it to start over, or restore the scene folder")
     if set(state["models"]) != set(models):
         raise ValueError(f"{path} holds models {sorted(state['models'])}, expected {sorted(models)}")
     for k, m in models.items():
@@ -587,6 +608,8 @@ def parse_draft_args(argv):
             raise FileNotFoundError(f"--target {a.target}: no such folder")
         if bool(a.scenes) == bool(a.toy_scenes):
             raise ValueError("give the training scenes: --scenes SCENES (a scene folder) or --toy-scenes N")
+        if a.min_pixels > a.max_pixels:
+            raise ValueError(f"--min-pixels {a.min_pixels} is above --max-pixels {a.max_pixels}")
         if a.dtype != "fp32" and not a.amp:  # fp32 master weights meet the target's bf16 ones under autocast
             raise ValueError(f"--dtype {a.dtype} needs --amp (the draft's own weights stay fp32)")
         if a.temperature == 0 and a.samples > 1:

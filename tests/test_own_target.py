@@ -45,7 +45,7 @@ def write_scenes(root, n=4, seed=0):
 
 
 def alpamayo_cfg(d, root, out, **kw):
-    return T.DraftConfig(**dict(dict(target=d, scenes=root, out=str(out), steps=4, batch_size=2, save_every=2,
+    return T.DraftConfig(**dict(dict(target=d, scenes=root, out=str(out), steps=4, batch_size=4, save_every=2,
                                      warmup=1, lr=1e-2, max_new=6, min_pixels=64, max_pixels=256), **kw))
 
 
@@ -97,9 +97,12 @@ def test_a_killed_run_resumes_exactly_and_its_draft_loads(alpamayo_run, tmp_path
     loaded = checkpoint.load(checkpoint.draft_dir(tmp_path, "flat", 0), target=target)
     for (name, a), b in zip(resumed.named_parameters(), loaded.parameters()):
         assert torch.equal(a, b), name
+    os.remove(os.path.join(checkpoint.draft_dir(tmp_path, "flat", 0), checkpoint.WEIGHTS))  # a run to resume again
     with pytest.raises(ValueError, match="other settings: lr"):  # a resume with another lr is refused by name
-        os.remove(os.path.join(checkpoint.draft_dir(tmp_path, "flat", 0), checkpoint.WEIGHTS))
         T.run_draft(dataclasses.replace(cfg, lr=1e-3), log=lambda *_: None)
+    write_scenes(root + "_more", n=5)  # one more scene: the records differ, and so would the updates' draws
+    with pytest.raises(ValueError, match="distilled on other records"):
+        T.run_draft(dataclasses.replace(cfg, scenes=root + "_more"), log=lambda *_: None)
 
 
 def _rank_worker(rank, world, d, root, out, port):
