@@ -436,8 +436,8 @@ def load_real(args, cfg, device, dtype):
     if "expert_cfg" not in files.read_json(os.path.join(args.target, hf.CONFIG)):  # what hf.load_pretrained reads
         raise ValueError(f"{args.target} has no action expert: AARL's reward scores the expert's plan after each CoC "
                          "(an Alpamayo-R1 folder); the toy's AARL (python aarl.py without --target) uses its own head")
-    clips, prompts, ids, _ = scenes.scene_prompts(args.target, args.scenes, cfg.processor or None, min_pixels=cfg.min_pixels,
-                                                  max_pixels=cfg.max_pixels)  # every scene checked before p loads
+    clips, prompts, ids, _ = scenes.scene_prompts(args.target, args.scenes, cfg.processor or None,  # checked first
+                                                  min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels)
     target = hf.load_pretrained(args.target, dtype=dtype, device=device).eval()
     if (n := target.expert.cfg.n_waypoints) != scenes.N_FUTURE and any(s.future is not None for s in clips):
         raise ValueError(f"{args.target}: the expert plans {n} waypoints, a scene's future has {scenes.N_FUTURE}")

@@ -11,7 +11,8 @@ sequence per forward (prompt lengths differ) and batch_size sequences per update
 run: python train.py --device cpu                 (target + both drafts into runs/toy; --help lists the flags)
      torchrun --nproc_per_node 2 train.py         (the same with DistributedDataParallel)
      python train.py --target ALPAMAYO_DIR --scenes SCENES --out RUN --device cuda --dtype bf16 --amp
-     torchrun --nproc_per_node 8 train.py --target ALPAMAYO_DIR --scenes SCENES --out RUN --device cuda --dtype bf16 --amp
+     torchrun --nproc_per_node 8 train.py --target ALPAMAYO_DIR --scenes SCENES --out RUN --device cuda --dtype bf16 \
+         --amp                                    (eight GPUs: the scenes sharded over the ranks; docs/own-target.md)
 """
 import argparse
 import contextlib
@@ -166,7 +167,8 @@ def update(opt, loss, model, step, steps, lr, cfg):
 def lr_at(step, steps, lr, cfg):
     """Linear warm-up over cfg.warmup steps, then cosine decay to 10% of lr at `steps`."""
     frac = (step - cfg.warmup) / max(1, steps - cfg.warmup)
-    return lr * (step + 1) / cfg.warmup if step < cfg.warmup else lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+    cosine = 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac))
+    return lr * (step + 1) / cfg.warmup if step < cfg.warmup else lr * cosine
 
 
 def make_optimizer(params, cfg, lr):
@@ -292,6 +294,7 @@ class DraftConfig:
     init: str = "random"  # random, or last: the draft's layers start as copies of the target's last decoder layers
     draft_vocab: int = 0  # K > 0: the head covers the K ids commonest in the target's own CoCs; 0 = all
     save_every: int = 100  # updates between resumable states
+    workers: int = 0  # DataLoader processes building the prompts ahead (images read and resized on the CPU); 0: inline
     samples: int = 1  # CoCs per training scene (1 when greedy)
     temperature: float = 0.0  # the target's CoCs: 0 = greedy; Alpamayo-R1's release samples at 0.6 / top-p 0.98
     top_p: float = 0.98  # with temperature > 0
@@ -351,6 +354,26 @@ def sequence_kl(target, draft, prompt, coc):
     return kl_p_q(draft, logits_q, p_logp)
 
 
+class RankPrompts(torch.utils.data.Dataset):
+    """(record index, its prompt) for this rank's share of every update from `start` on, in training order. Under a
+    DataLoader with workers the prompts are built ahead in other processes: reading and resizing a scene's 16 camera
+    images takes longer than the target's forward on a GPU."""
+
+    def __init__(self, records, prompt_of, cfg, start, rank, world):
+        self.records, self.prompt_of, self.cfg, self.start, self.rank, self.world = records, prompt_of, cfg, start, \
+            rank, world
+
+    def __len__(self):
+        return (self.cfg.steps - self.start) * (self.cfg.batch_size // self.world)
+
+    def __getitem__(self, k):
+        step, i = divmod(k, self.cfg.batch_size // self.world)
+        order = record_order(self.start + step, self.cfg.batch_size, len(self.records), self.cfg.seed)
+        j = order[self.rank::self.world][i]
+        prompt = self.prompt_of[self.records[j]["scene"]]
+        return j, prompt() if callable(prompt) else prompt
+
+
 def new_draft(target, kind, init="random", vocab_ids=None):
     """The routine reasoner's start: one decoder layer of the target's shape (model.make_draft: the target's embedding
     and LM head, shared and frozen), fp32 master weights; init "last": its layer a copy of the target's last one,
@@ -380,18 +403,17 @@ def distill_draft(cfg: DraftConfig, target, records, prompt_of, stop_id, rank=0,
         [(r["scene"], r["sample"], r["tokens"]) for r in records]).encode()).hexdigest()[:16]}
     start = load_state(state_path, {cfg.kind: draft}, {cfg.kind: opt}, cfg, device, bound, DraftConfig, data)
     ddp = wrap(draft, world, device)
-    per_rank = cfg.batch_size // world
-    w = next(target.parameters())
+    per_rank, w = cfg.batch_size // world, next(target.parameters())
+    stream = iter(torch.utils.data.DataLoader(RankPrompts(records, prompt_of, cfg, start, rank, world), batch_size=None,
+                                              num_workers=cfg.workers))
     bar = tqdm(range(start, cfg.steps), desc=f"draft_{cfg.kind}", disable=rank != 0, initial=start, total=cfg.steps)
     for step in bar:
         ddp.train()
-        mine = record_order(step, cfg.batch_size, len(records), cfg.seed)[rank::world]  # this rank's share
         loss_sum, n_tok, t0 = 0.0, 0, time.time()
-        for i, j in enumerate(mine):
-            prompt = prompt_of[records[j]["scene"]]
-            prompt = prompt() if callable(prompt) else prompt
+        for i in range(per_rank):  # this rank's share of the update's records
+            j, prompt = next(stream)
             prompt = {k: v.to(device, w.dtype if v.is_floating_point() else None) for k, v in prompt.items()}
-            last = i == len(mine) - 1  # DDP averages the gradients across ranks at the last backward only
+            last = i == per_rank - 1  # DDP averages the gradients across ranks at the last backward only
             with (contextlib.nullcontext() if last or world == 1 else ddp.no_sync()), autocast(device, cfg.amp):
                 loss = sequence_kl(target, ddp, prompt, records[j]["tokens"]) / per_rank
                 loss.backward()
@@ -500,7 +522,7 @@ def save_state(path, step, models, opts, cfg, rank, target=None, data=None):
 # Fields that cannot change what a run computes: resuming with other values is fine. A moved target or scene folder
 # (target, scenes, processor) is fine too: the fingerprints of the target and of the records are checked instead.
 RESUMABLE_CHANGES = ("out", "device", "eval_every", "save_every", "n_val", "n_test", "overwrite", "target", "scenes",
-                     "processor")
+                     "processor", "workers")
 
 
 def load_state(path, models, opts, cfg, device, target=None, config=TrainConfig, data=None):
@@ -603,7 +625,7 @@ def parse_draft_args(argv):
                                                                    "max_new", "min_pixels", "max_pixels")),
                          ("> 0", ("lr", "grad_clip", "top_p")), ("in [0, 1]", ("top_p",)),
                          ("a finite number >= 0", ("warmup", "weight_decay", "draft_vocab", "temperature", "views",
-                                                   "toy_scenes"))], flags=True)
+                                                   "toy_scenes", "workers"))], flags=True)
         if not os.path.isdir(a.target):
             raise FileNotFoundError(f"--target {a.target}: no such folder")
         if bool(a.scenes) == bool(a.toy_scenes):
