@@ -5,14 +5,15 @@ world's training scenes written by scenes.distill_data, and FlatRoPE drafts dist
 reasoner (draft q) is distilled from the deliberative reasoner (target p). The drafts are scored as the shipped ones
 are (evaluate.draft_matches + evaluate.tau_by_gamma: the exact replay of greedy speculative decoding on the held-out
 test scenes), the shipped FlatRoPE drafts beside them under the same scoring, and greedy speculative decoding with each
-new draft is checked token for token against target-only decoding of the loaded-back target.
+new draft is measured by bench.py --scenes' own function (alpamayo.heldout: real speculative decoding of the first 64
+test scenes against target-only decoding of the loaded-back target, token for token).
 
 Same budget as the shipped drafts (train.py's defaults): 300 updates of 16 sequences, lr 3e-3, 20 warm-up steps;
 4,800 training scenes, one pass (the shipped drafts draw 4,800 of their 32,000). What differs: the CoCs are the
 target's own greedy ones, not the world's ground truth, and the draft's initialisation seed.
 
 run: python experiments/toy_roundtrip.py [--seeds 0,1,2] [--n-train 4800] [--work runs/toy_roundtrip]
-     (writes experiments/toy_roundtrip.json)
+     (writes experiments/toy_roundtrip.json; drafts already in --work are scored again, not retrained)
 """
 import argparse
 import dataclasses
@@ -20,16 +21,17 @@ import os
 import statistics
 import sys
 import time
+from types import SimpleNamespace
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import alpamayo  # noqa: E402
 import checkpoint  # noqa: E402
 import driving  # noqa: E402
 import evaluate  # noqa: E402
 import files  # noqa: E402
 import hf  # noqa: E402
-import speculate  # noqa: E402
 import train as T  # noqa: E402
 from driving import Data  # noqa: E402
 
@@ -40,16 +42,14 @@ def test_tau(target, drafts, data, outputs, gamma):
     return {k: evaluate.tau_by_gamma(matches[k], [gamma])[gamma]["tau"] for k in drafts}
 
 
-def greedy_identical(target, draft, data, n, gamma):
-    """Scenes (of the first n test scenes) whose greedy speculative output equals target-only greedy decoding."""
-    same = 0
-    for scene in data.scenes[:n]:
-        prompt = driving.build_prompt(scene, data.tok, data.views)
-        ar = speculate.autoregressive(target, prompt, evaluate.MAX_NEW_TOKENS, stop_token=data.tok.cot_end_id)
-        spec = speculate.speculative(target, draft, prompt, gamma, evaluate.MAX_NEW_TOKENS,
-                                     stop_token=data.tok.cot_end_id)
-        same += spec.tokens == ar.tokens
-    return same
+def heldout(target, draft, data, n, gamma):
+    """bench.py --scenes' measurement (alpamayo.heldout), the real target's evaluation path, on the first n test
+    scenes: real speculative decoding against target-only decoding, tau, routine share and greedy identity."""
+    scenes_ = [SimpleNamespace(past=None, future=None)] * n  # the toy target has no action expert: no poses read
+    prompts = [(f"test{i}", driving.build_prompt(s, data.tok, data.views)) for i, s in enumerate(data.scenes[:n])]
+    res = alpamayo.heldout(target, draft, scenes_, prompts, data.tok.cot_end_id, evaluate.MAX_NEW_TOKENS, gamma,
+                           repeats=1)
+    return {k: res[k] for k in ("scenes", "identical", "tau", "alpha", "alpha_by_position", "routine_share")}
 
 
 def main():
@@ -61,7 +61,7 @@ def main():
     ap.add_argument("--n-test", type=int, default=256)
     ap.add_argument("--steps", type=int, default=T.DraftConfig.steps, help="draft updates (train.py's 300)")
     ap.add_argument("--gamma", type=int, default=6)
-    ap.add_argument("--identity-scenes", type=int, default=32)
+    ap.add_argument("--identity-scenes", type=int, default=64, help="test scenes decoded by alpamayo.heldout")
     ap.add_argument("--out", default="experiments/toy_roundtrip.json")
     args = ap.parse_args()
     seeds = [int(s) for s in args.seeds.split(",")]
@@ -79,19 +79,23 @@ def main():
     shipped = {f"shipped_s{s}": checkpoint.load(checkpoint.draft_dir(args.run, "flat", s), target=ours).eval()
                for s in (0, 1, 2)}
     shipped_tau = test_tau(ours, shipped, test, evaluate.greedy_outputs(ours, test), args.gamma)
-    runs = {}
+    runs, before = {}, files.read_json(args.out) if os.path.exists(args.out) else {"roundtrip": {}}
     for seed in seeds:
         cfg = dataclasses.replace(T.DraftConfig(), target=folder, toy_scenes=args.n_train, out=args.work, seed=seed,
                                   steps=args.steps, max_new=evaluate.MAX_NEW_TOKENS)
-        t = time.time()
-        res = T.run_draft(cfg)
-        draft = res["draft"].eval()
+        t, path = time.time(), checkpoint.draft_dir(args.work, "flat", seed)
+        if checkpoint.existing_kind(path) is None:  # else trained by an earlier run of this script: scored again
+            T.run_draft(cfg)
+            wall = time.time() - t
+        else:
+            old = before["roundtrip"].get(str(seed), {})
+            wall = old.get("train_wall_s", old.get("wall_s"))
+        draft = checkpoint.load(path, target=loaded).eval()
         runs[seed] = {"test_tau": test_tau(loaded, {"flat": draft}, test, outputs, args.gamma)["flat"],
-                      "greedy_identical": greedy_identical(loaded, draft, test, args.identity_scenes, args.gamma),
-                      "wall_s": time.time() - t}
-        print(f"seed {seed}: test tau {runs[seed]['test_tau']:.3f}, greedy identical on "
-              f"{runs[seed]['greedy_identical']} / {args.identity_scenes} scenes, {runs[seed]['wall_s']:.0f} s",
-              flush=True)
+                      "heldout": heldout(loaded, draft, test, args.identity_scenes, args.gamma), "train_wall_s": wall}
+        h = runs[seed]["heldout"]
+        print(f"seed {seed}: test tau {runs[seed]['test_tau']:.3f} (replay, {len(outputs)} scenes); alpamayo.heldout "
+              f"on {h['scenes']} scenes: tau {h['tau']:.3f}, greedy identical on {h['identical']}", flush=True)
     data = files.read_json(os.path.join(args.work, "data", "part0", "index.json"))  # one process: one part
     new, old = [r["test_tau"] for r in runs.values()], list(shipped_tau.values())
     result = {"settings": vars(args), "loaded_target_greedy_equal": [same_target, len(outputs)],
