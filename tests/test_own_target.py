@@ -129,6 +129,19 @@ def test_two_gloo_ranks_equal_one(alpamayo_run, tmp_path):
 
 
 @needs_tf
+def test_a_reduced_vocabulary_head_covers_the_targets_own_cocs(alpamayo_run, tmp_path):
+    """--draft-vocab K: the head's ids are the K commonest in the target's own CoCs, the reasoning's stop id kept."""
+    d, root, out = alpamayo_run
+    cfg = alpamayo_cfg(d, root, tmp_path, steps=1, draft_vocab=4)
+    draft = T.run_draft(cfg, log=lambda *_: None)["draft"]
+    want = T.select_draft_vocab([r["tokens"] for r in out["data"]], 4, SPECIAL["<|traj_future_start|>"],
+                                draft.cfg.vocab_size)
+    assert torch.equal(draft.vocab_ids.cpu(), want) and SPECIAL["<|traj_future_start|>"] in want.tolist()
+    loaded = checkpoint.load(checkpoint.draft_dir(tmp_path, "flat", 0), target=T.load_target(d))
+    assert torch.equal(loaded.vocab_ids.cpu(), want)
+
+
+@needs_tf
 def test_a_draft_can_start_from_the_targets_last_layer(alpamayo_run):
     target = T.load_target(alpamayo_run[0])
     draft = T.new_draft(target, "flat", init="last")
