@@ -5,7 +5,8 @@ Paper: the routine reasoner q (one decoder layer, the target's frozen embedding 
 deliberative reasoner p's own CoCs (train.py, "a draft for any target"). Per scene the data stage (scenes.distill_data)
 runs p's vision tower, one prefill over the prompt and one KV-cached decode step per CoC token; per record the training
 stage (train.sequence_kl) runs p teacher-forced over prompt + CoC (no grad, LM head on the T CoC rows), then q forward +
-backward over the same sequence, and every batch_size records one AdamW step of q's own fp32 parameters.
+backward over the same sequence (its LM head on the same T rows), and every batch_size records one AdamW step of q's own
+fp32 parameters.
 
 What is measured (random weights, the preset's real widths, heads and 151,936-token vocabulary, the real Alpamayo
 prompt of alpamayo.real_prompt: 16 images x 180 merged tokens; median of --reps after a warm-up):
@@ -17,9 +18,8 @@ prompt of alpamayo.real_prompt: 16 images x 180 merged tokens; median of --reps 
     is the size of one layer, and it would carry the embedding and LM-head costs, measured apart here. The positions'
     values (FlatRoPE ids here, M-RoPE in p) do not change a layer's cost. The model is still built with 2 layers;
   - the LM head for 1 row (a decode step) and for T rows (the teacher-forced p);
-  - q forward + backward, fp32 master weights (bf16 autocast unless --dtype fp32), twice: exactly as train.py runs it
-    (train.distill_loss: q's LM head over all L + T rows, the loss reading T of them) and with the head on the T CoC
-    rows only (logits_to_keep). The first is what the estimate uses: it is what the code does today;
+  - q forward + backward, fp32 master weights (bf16 autocast unless --dtype fp32), as train.sequence_kl runs it: q over
+    prompt + CoC with logits_to_keep=T + 1, rows [:-1], train.kl_p_q against p's log-probs, backward;
   - clip_grad_norm_ + AdamW step of q (train.make_optimizer).
 Then extrapolated to the full model: 36 layers, 27 vision blocks. Memory: p's parameters counted exactly from the
 config (the preset built on the meta device: nothing allocated), KV cache and q's weights / grads / AdamW state
@@ -30,7 +30,7 @@ process CPU time (one thread); CUDA clocks are wall time with a sync before each
 run: python experiments/cost_per_1000_scenes.py --device cuda --dtype bf16 [--preset qwen3-vl-8b] [--images 16]
          [--coc-tokens 40] [--samples 1] [--epochs 1] [--reps 3]
      OMP_NUM_THREADS=1 python experiments/cost_per_1000_scenes.py --device cpu --dtype fp32 --reps 1 \
-         --out experiments/cost_per_1000_scenes_cpu.json                          (about 5 min on one CPU thread)
+         --out experiments/cost_per_1000_scenes_cpu.json                          (about 2.5 min on one CPU thread)
 """
 import argparse
 import dataclasses
@@ -66,8 +66,7 @@ FORMULAS = {
     "disk_bytes": "1000 * samples * (4 * coc_tokens + 80)   (uint32 ids + index.json per record)",
     "kv_cache_bytes": "2 * n_layers * n_kv_heads * head_dim * (L + coc_tokens) * dtype_bytes",
     "draft_state_bytes": "draft_params * 4 * (1 weights + 1 grads + 2 AdamW moments)",
-    "logits_bytes": "rows * vocab * bytes: p's T rows (fp32 log-probs); q's L + T rows (train.distill_loss) and "
-                    "their gradient, or T rows with logits_to_keep",
+    "logits_bytes": "p: coc_tokens * vocab * 4 (fp32 log-probs); q: 2 * coc_tokens * vocab * 4 (fp32 logits + grad)",
 }
 
 
@@ -155,35 +154,28 @@ def measure(target, draft, prompt, coc, device, amp, reps):
     seq = torch.cat([ids, torch.tensor([coc], device=device)], 1)  # (1, L + T)
     embeds = torch.randn(1, L + Tn, D, device=device, dtype=dt) * 0.02  # (1, L + T, D)
     p_logp = F.log_softmax(torch.randn(Tn, cfg.vocab_size, device=device), -1)  # (T, V)
-    mask = torch.arange(L + Tn, device=device)[None] >= L - 1  # (1, L + T): positions L - 1 .. L + T - 2, as
-    mask[:, -1] = False  # train.sequence_kl's loss_mask
-    batch = {"input_ids": seq, "loss_mask": mask, "image_grid_thw": grid}
 
-    def as_train_py():  # train.distill_loss: q's head over all L + T rows
-        with autocast(device, amp):
-            T.distill_loss(draft, embeds, p_logp, batch).backward()
-
-    def head_on_T():  # the same loss with q's head on the T rows that predict the CoC
-        with autocast(device, amp):
-            logits_q = draft(seq, inputs_embeds=embeds, logits_to_keep=Tn + 1, image_grid_thw=grid)[0, :-1]  # (T, V)
-            F.kl_div(F.log_softmax(logits_q.float(), -1), p_logp, log_target=True, reduction="batchmean").backward()
+    def step():  # train.sequence_kl's draft lines, then the backward distill_draft runs under the same autocast
+        with autocast(device, amp):  # rows L - 1 .. L + T - 2 predict the CoC: the last kept row is dropped
+            logits_q = draft(seq, inputs_embeds=embeds, logits_to_keep=Tn + 1,
+                             image_grid_thw=grid)[0, :-1].float()  # (T, V)
+            T.kl_p_q(draft, logits_q, p_logp).backward()
 
     params = {p.untyped_storage().data_ptr() for m in (target, draft) for p in m.parameters()}
-    for name, fn in (("draft_fwd_bwd", as_train_py), ("draft_fwd_bwd_head_T", head_on_T)):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-            base = torch.cuda.memory_allocated(device)
-            torch.cuda.reset_peak_memory_stats(device)
-        first = [fn]  # median_time's warm-up call counts the saved bytes; the timed calls run bare
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    first = [step]  # median_time's warm-up call counts the saved bytes; the timed calls run bare
 
-        def call(fn=fn, name=name):
-            if first:
-                mem[f"{name}_saved_activations"] = saved_bytes(first.pop(), params)
-            else:
-                fn()
-        sec[name] = t(call)
-        if device.type == "cuda":
-            mem[f"{name}_cuda_peak_above_weights"] = torch.cuda.max_memory_allocated(device) - base
+    def call():
+        if first:
+            mem["draft_fwd_bwd_saved_activations"] = saved_bytes(first.pop(), params)
+        else:
+            step()
+    sec["draft_fwd_bwd"] = t(call)
+    if device.type == "cuda":
+        mem["draft_fwd_bwd_cuda_peak_above_weights"] = torch.cuda.max_memory_allocated(device) - base
     opt = T.make_optimizer(draft.parameters(), T.DraftConfig(), 1e-3)
 
     def adamw():  # the per-update work of distill_draft: clip, step (the grads are kept: the next step needs them)
@@ -201,15 +193,14 @@ def extrapolate(cfg, sec, mem, counts, draft_params, L, a, dtype_bytes):
            + (len(v.deepstack_visual_indexes) - 1) * sec["deepstack_merger"])
     data = a.samples * (vis + n * sec["prefill_layer"] + a.coc_tokens * (n * sec["decode_layer"] + sec["head_1"]))
     target_fwd = vis + n * sec["prefill_layer"] + sec["head_T"]
-    per_record = {k: target_fwd + sec[k] for k in ("draft_fwd_bwd", "draft_fwd_bwd_head_T")}
+    per_record = target_fwd + sec["draft_fwd_bwd"]
     records = 1000 * a.samples * a.epochs
     updates = math.ceil(records / a.batch_size)
-    train = {k: records * s + updates * sec["adamw_step"] for k, s in per_record.items()}
+    train = records * per_record + updates * sec["adamw_step"]
     Tn, V = a.coc_tokens, cfg.vocab_size
     kv = 2 * n * cfg.n_kv_heads * cfg.head_dim * (L + Tn) * dtype_bytes
-    act_bytes = 2 if a.dtype != "fp32" else 4  # q's logits come out of an autocast matmul in bf16
-    logits = {"p_T_rows_fp32": Tn * V * 4, "q_all_rows_and_grad": 2 * (L + Tn) * V * act_bytes,
-              "q_T_rows_and_grad": 2 * Tn * V * act_bytes}
+    # sequence_kl takes q's T rows to fp32 (.float()) before kl_p_q: (T, V) fp32 and its gradient, at any --dtype
+    logits = {"p_T_rows_fp32": Tn * V * 4, "q_T_rows_fp32_and_grad": 2 * Tn * V * 4}
     weights = counts["total"] * dtype_bytes
     state = draft_params * 4 * 4
     act = mem.get("draft_fwd_bwd_cuda_peak_above_weights")  # measured on CUDA: activations + logits + temporaries
@@ -217,13 +208,12 @@ def extrapolate(cfg, sec, mem, counts, draft_params, L, a, dtype_bytes):
     if act is not None:
         act -= draft_params * 4
     else:  # CPU: the saved activations (measured) + the logits and their gradient (analytic)
-        act, act_src = mem["draft_fwd_bwd_saved_activations"] + logits["q_all_rows_and_grad"], \
-            "saved activations (measured) + q's (L + T) x V logits and gradient (analytic)"
+        act, act_src = mem["draft_fwd_bwd_saved_activations"] + logits["q_T_rows_fp32_and_grad"], \
+            "saved activations (measured) + q's T x V fp32 logits and gradient (analytic)"
     return {
         "vision_s": vis, "target_forward_s": target_fwd,
         "data_s_per_scene": data, "data_s_per_1000_scenes": 1000 * data,
-        "train_s_per_record": per_record["draft_fwd_bwd"], "train_s_per_1000_scenes": train["draft_fwd_bwd"],
-        "train_s_per_1000_scenes_if_head_on_T_rows": train["draft_fwd_bwd_head_T"],
+        "train_s_per_record": per_record, "train_s_per_1000_scenes": train,
         "records": records, "updates": updates,
         "disk_bytes_per_1000_scenes": 1000 * a.samples * (4 * Tn + INDEX_BYTES),
         "memory_bytes": {"target_weights": weights, "kv_cache_one_scene": kv, "draft_weights_grads_adamw": state,
@@ -245,7 +235,6 @@ def table(sec, est, a):
         ("  training: s per record", f"{est['train_s_per_record']:.2f} s"),
         (f"  training: total ({a.epochs} epoch, {est['updates']} updates)",
          f"{est['train_s_per_1000_scenes'] / h:.2f} h"),
-        ("  training if q's head ran on T rows", f"{est['train_s_per_1000_scenes_if_head_on_T_rows'] / h:.2f} h"),
         ("  disk (CoC ids + index)", f"{est['disk_bytes_per_1000_scenes'] / 1e3:.0f} kB"),
         ("memory", ""),
         ("  p's weights (full preset)", f"{mb['target_weights'] / gib:.2f} GiB"),
@@ -309,9 +298,7 @@ def main():
            "notes": ["CPU times are process CPU time of one thread; CUDA times wall time with a sync per reading",
                      "the training forward covers L + T rows, the formula charges the prompt's L (1.3% fewer)",
                      "distill_data's KV cache holds L - 1 + max_new slots (128 by default), the estimate L + T",
-                     "the Alpamayo action expert is not in the preset: not counted (train.py --target never runs it)",
-                     "train.distill_loss runs q's LM head over all L + T rows: train_s_per_1000_scenes_if_head_on_T_"
-                     "rows is what logits_to_keep there would give"],
+                     "the Alpamayo action expert is not in the preset: not counted (train.py --target never runs it)"],
            "environment": {"device": str(device), "hardware": hardware(device), "dtype": a.dtype,
                            "threads": torch.get_num_threads(), **timing.environment(device)},
            "wall_s": time.time() - t0}
