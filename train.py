@@ -357,7 +357,7 @@ def sequence_kl(target, draft, prompt, coc):
 class RankPrompts(torch.utils.data.Dataset):
     """(record index, its prompt) for this rank's share of every update from `start` on, in training order. Under a
     DataLoader with workers the prompts are built ahead in other processes: reading and resizing a scene's 16 camera
-    images takes longer than the target's forward on a GPU."""
+    images is CPU work that would otherwise stall the GPU between forwards."""
 
     def __init__(self, records, prompt_of, cfg, start, rank, world):
         self.records, self.prompt_of, self.cfg, self.start, self.rank, self.world = records, prompt_of, cfg, start, \
