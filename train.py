@@ -33,7 +33,9 @@ import checkpoint
 import cli
 import driving
 import files
+import hf
 import model as M
+import scenes
 import speculate
 from driving import Data, grid_kwargs, vision_kwargs
 from evaluate import MAX_VIEWS_RULE, autocast, check_values, evaluate_target
@@ -291,7 +293,7 @@ class DraftConfig:
     weight_decay: float = 0.01  # AdamW weight decay
     grad_clip: float = 1.0  # gradient-norm clip
     seed: int = 0  # seeds the draft's initialisation and the record order (the data is one for every seed)
-    init: str = "random"  # random, or last: the draft's layers start as copies of the target's last decoder layers
+    init: str = "random"  # random, or last: the draft's layer starts as a copy of the target's last one (+ final norm)
     draft_vocab: int = 0  # K > 0: the head covers the K ids commonest in the target's own CoCs; 0 = all
     save_every: int = 100  # updates between resumable states
     workers: int = 0  # DataLoader processes building the prompts ahead (images read and resized on the CPU); 0: inline
@@ -308,7 +310,6 @@ class DraftConfig:
 
 def load_target(path, dtype=None, device=None):
     """A folder with config.json through hf.load_pretrained, else our format (checkpoint.load)."""
-    import hf  # its loader reads safetensors only: no transformers needed
     load = hf.load_pretrained if os.path.exists(os.path.join(path, hf.CONFIG)) else checkpoint.load
     return load(path, dtype=dtype, device=device)
 
@@ -321,9 +322,8 @@ def prompt_source(cfg: DraftConfig):
         world = driving.make_split("train", cfg.toy_scenes, 0)  # train.py's scenes (TrainConfig.seed 0)
         return [(f"toy{i}", lambda s=s: driving.build_prompt(s, tok, cfg.views)) for i, s in enumerate(world)], \
             [tok.cot_end_id]
-    import scenes
-    found, prompts, stop, _ = scenes.scene_prompts(cfg.target, cfg.scenes, cfg.processor or None,
-                                                   min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels)
+    _, prompts, stop, _ = scenes.scene_prompts(cfg.target, cfg.scenes, cfg.processor or None,
+                                               min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels)
     return prompts, stop
 
 
@@ -360,14 +360,14 @@ class RankPrompts(torch.utils.data.Dataset):
     images is CPU work that would otherwise stall the GPU between forwards."""
 
     def __init__(self, records, prompt_of, cfg, start, rank, world):
-        self.records, self.prompt_of, self.cfg, self.start, self.rank, self.world = records, prompt_of, cfg, start, \
-            rank, world
+        self.records, self.prompt_of, self.cfg = records, prompt_of, cfg
+        self.start, self.rank, self.world, self.per_rank = start, rank, world, cfg.batch_size // world
 
     def __len__(self):
-        return (self.cfg.steps - self.start) * (self.cfg.batch_size // self.world)
+        return (self.cfg.steps - self.start) * self.per_rank
 
     def __getitem__(self, k):
-        step, i = divmod(k, self.cfg.batch_size // self.world)
+        step, i = divmod(k, self.per_rank)
         order = record_order(self.start + step, self.cfg.batch_size, len(self.records), self.cfg.seed)
         j = order[self.rank::self.world][i]
         prompt = self.prompt_of[self.records[j]["scene"]]
@@ -437,7 +437,6 @@ def distill_draft(cfg: DraftConfig, target, records, prompt_of, stop_id, rank=0,
 def run_draft(cfg: DraftConfig, stage="all", log=print):
     """The target's CoCs on the training scenes, each rank decoding its share into out/data/part<rank> (resumable,
     whatever the number of ranks before), then the draft, every rank reading every part."""
-    import scenes
     cli.check_device(cfg.device)
     rank, world, device = setup_distributed(cfg.device)
     if cfg.batch_size % world:
@@ -471,7 +470,6 @@ def run_draft(cfg: DraftConfig, stage="all", log=print):
 
 def read_parts(root):
     """The records of every part under root (scenes.read_distill_data of each), part by part."""
-    import scenes
     parts = sorted(p for p in (os.listdir(root) if os.path.isdir(root) else ())
                    if os.path.exists(os.path.join(root, p, scenes.INDEX)))
     return [r for p in parts for r in scenes.read_distill_data(os.path.join(root, p))]
