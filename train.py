@@ -572,7 +572,8 @@ def fmt(metrics):
 
 
 def parse_args(argv=None, parser=False):
-    ap = argparse.ArgumentParser(description="Train the toy target VLA and distil the FlatRoPE and M-RoPE drafts.")
+    ap = argparse.ArgumentParser(description="Train the toy target VLA and distil the FlatRoPE and M-RoPE drafts "
+                                 "(a draft for a real target: python train.py --target DIR --help).")
     ap.add_argument("--stage", choices=["all", "target", "drafts"], default="all",
                     help="target: SFT only; drafts: distil from an existing out/target; all: both")
     cli.add_config_flags(ap, TrainConfig, choices={"target_preset": sorted(M.PRESETS),
