@@ -1,5 +1,5 @@
-"""Shared pytest setup: offline Hugging Face hub, the repo importable, a one-thread fixture, the `slow` and `peer`
-markers.
+"""Shared pytest setup: offline Hugging Face hub, the repo importable, a one-thread fixture, a run killed after its
+first save, the `slow` and `peer` markers.
 
 Tests marked `@pytest.mark.slow` (torch.compile: minutes of compilation on a CPU) are skipped unless pytest gets
 --slow, so the default suite keeps its budget on 2 CPU cores.
@@ -25,6 +25,32 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+class Killed(Exception):
+    """What a run 'killed' by the kill_after_save fixture raises."""
+
+
+@pytest.fixture
+def kill_after_save(monkeypatch):
+    """A context: train.py's runs inside it die right after their first resumable state is written (as a kill -9
+    then would leave them), raising Killed; outside it they save as usual."""
+    import contextlib
+    import train
+
+    @contextlib.contextmanager
+    def killed():
+        save_state = train.save_state
+
+        def save_then_die(path, step, *args):
+            save_state(path, step, *args)
+            raise Killed
+
+        monkeypatch.setattr(train, "save_state", save_then_die)
+        with pytest.raises(Killed):
+            yield
+        monkeypatch.setattr(train, "save_state", save_state)
+    return killed
 
 
 def pytest_addoption(parser):

@@ -117,16 +117,23 @@ def test_the_stop_of_a_plain_qwen_vl_folder(setup):
         SPECIAL["<|cot_end|>"], 69]
 
 
-def test_a_plain_qwen_vl_folder_stops_at_im_end(folder, tmp_path, capsys):
-    """No traj_token_ids: each scene's images (any count) and instruction.txt, the untrained draft, no expert."""
+def plain_qwen3_vl(folder, tmp_path):
+    """A plain Qwen3-VL folder (the tiny Alpamayo's VLM alone, its tokenizer and image processor) at tmp_path/qwen3vl
+    and 2 scenes of 2 images and an instruction at tmp_path/s."""
     d = tmp_path / "qwen3vl"
-    folder[0].save_pretrained(d)  # the tiny Alpamayo's VLM alone: a plain Qwen3-VL folder
+    folder[0].save_pretrained(d)
     save_processor(d)
     g = torch.Generator().manual_seed(3)
     for i in range(2):
         scenes.write_scene(tmp_path / "s", f"q{i}", torch.randint(0, 256, (2, 3, 24, 40), dtype=torch.uint8,
                                                                    generator=g), alpamayo.history_poses(),
                            instruction="keep lane because clear ahead")
+    return d
+
+
+def test_a_plain_qwen_vl_folder_stops_at_im_end(folder, tmp_path, capsys):
+    """No traj_token_ids: each scene's images (any count) and instruction.txt, the untrained draft, no expert."""
+    d = plain_qwen3_vl(folder, tmp_path)
     res = bench.main(["--target", str(d), "--scenes", str(tmp_path / "s"), "--dtype", "fp32", "--max-new", "4",
                       "--tree", "0", "--repeats", "3", "--min-pixels", "64", "--max-pixels", "256"])
     assert res["stop"] == SPECIAL["<|im_end|>"] and res["prompt_source"].startswith("plain Qwen-VL")

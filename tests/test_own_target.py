@@ -26,9 +26,9 @@ import scenes
 import train as T
 
 try:  # the tiny Alpamayo-shaped folder of tests/test_alpamayo.py, a fixture
-    from test_alpamayo import SPECIAL, folder, save_processor
+    from test_alpamayo import SPECIAL, folder
 except (ImportError, pytest.skip.Exception):  # no transformers: that test module skips itself
-    SPECIAL = folder = save_processor = None
+    SPECIAL = folder = None
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 needs_tf = pytest.mark.skipif(folder is None, reason="needs transformers (optional extra)")
@@ -72,22 +72,12 @@ def test_the_data_is_the_targets_own_cocs_through_cot_end(alpamayo_run):
 
 
 @needs_tf
-def test_a_killed_run_resumes_exactly_and_its_draft_loads(alpamayo_run, tmp_path, monkeypatch):
+def test_a_killed_run_resumes_exactly_and_its_draft_loads(alpamayo_run, tmp_path, kill_after_save):
     d, root, out = alpamayo_run
     cfg = alpamayo_cfg(d, root, tmp_path)
-    save_state = T.save_state
-
-    class Killed(Exception):
-        pass
-
-    def save_then_die(path, step, *args):
-        save_state(path, step, *args)
-        raise Killed
-
-    monkeypatch.setattr(T, "save_state", save_then_die)
-    with pytest.raises(Killed):
+    with kill_after_save():
         T.run_draft(cfg, log=lambda *_: None)
-    monkeypatch.setattr(T, "save_state", save_state)
+    assert torch.load(tmp_path / "draft_flat_s0.state.pt", weights_only=True)["step"] == 2
     resumed = T.run_draft(dataclasses.replace(cfg, workers=2), log=lambda *_: None)["draft"]  # prompts built ahead
     fresh = dict(M.make_draft(T.load_target(d), n_layers=1).named_parameters())
     for (name, a), b in zip(out["draft"].named_parameters(), resumed.parameters()):
@@ -194,14 +184,8 @@ def test_a_plain_qwen3_vl_folder_takes_the_same_path(folder, tmp_path):
     """No Alpamayo tokens: each scene's images and instruction.txt, the CoC ending at <|im_end|>."""
     import alpamayo
     import speculate
-    d = tmp_path / "qwen3vl"
-    folder[0].save_pretrained(d)  # the tiny Alpamayo's VLM alone: a plain Qwen3-VL folder
-    save_processor(d)
-    g = torch.Generator().manual_seed(3)
-    for i in range(2):
-        scenes.write_scene(tmp_path / "s", f"q{i}", torch.randint(0, 256, (2, 3, 24, 40), dtype=torch.uint8,
-                                                                   generator=g), alpamayo.history_poses(),
-                           instruction="keep lane because clear ahead")
+    from test_heldout import plain_qwen3_vl
+    d = plain_qwen3_vl(folder, tmp_path)
     cfg = T.DraftConfig(target=str(d), scenes=str(tmp_path / "s"), out=str(tmp_path / "run"), steps=2, batch_size=2,
                         max_new=4, min_pixels=64, max_pixels=256)
     out = T.run_draft(cfg, log=lambda *_: None)

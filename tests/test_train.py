@@ -140,25 +140,14 @@ def test_toy_video_tokens_hold_only_their_own_patches(tok):
     torch.testing.assert_close(poked[1:], base[1:], rtol=0, atol=0)
 
 
-def test_resume_is_exact(tmp_path, tok, monkeypatch):
+def test_resume_is_exact(tmp_path, tok, kill_after_save):
     """4 steps straight == a run killed right after its checkpoint at step 2, resumed to 4 in a fresh call."""
     data = Data("train", 64, 0, tok)
     straight = T.train_target(tiny_cfg(tmp_path / "a", target_steps=4), tok, data, data)
     cfg = tiny_cfg(tmp_path / "c", target_steps=4, eval_every=2)
-    save_state = T.save_state
-
-    class Killed(Exception):
-        pass
-
-    def save_then_die(path, step, *args):
-        save_state(path, step, *args)
-        raise Killed
-
-    monkeypatch.setattr(T, "save_state", save_then_die)
-    with pytest.raises(Killed):
+    with kill_after_save():
         T.train_target(cfg, tok, data, data)
     assert torch.load(tmp_path / "c" / "target.state.pt", weights_only=True)["step"] == 2
-    monkeypatch.setattr(T, "save_state", save_state)
     resumed = T.train_target(cfg, tok, data, data)
     for (name, a), b in zip(straight.state_dict().items(), resumed.state_dict().values()):
         assert torch.equal(a, b), name
