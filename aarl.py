@@ -324,6 +324,7 @@ class RealConfig:
     min_pixels: int = alpamayo.MIN_PIXELS  # image size bounds of the prompt (alpamayo.build_prompt)
     max_pixels: int = alpamayo.MAX_PIXELS
     processor: str = ""  # the tokenizer + image processor folder (default: --target)
+    save_every: int = 10  # updates between resumable states (OUT/draft_aarl_s<seed>.state.pt)
 
 
 def close_coc(coc, cot_end, future_start):
@@ -392,9 +393,10 @@ def real_scene_loss(target, draft, ref, prompt, v0, traj_ref, cfg, ids, gen):
     return loss, kl, r
 
 
-def train_real(target, draft, ref, scenes_, prompts, cfg: RealConfig, ids, log=None):
+def train_real(target, draft, ref, scenes_, prompts, cfg: RealConfig, ids, log=None, state_path=None):
     """Post-train `draft` in place against the frozen static reference `ref` (the SFT draft); returns it. prompts:
-    scenes.scene_prompts' (scene_id, fn) pairs of scenes_; ids: (cot_end, future_start)."""
+    scenes.scene_prompts' (scene_id, fn) pairs of scenes_; ids: (cot_end, future_start); state_path: resumable state
+    written every cfg.save_every updates, resumed from when it exists (resume_real)."""
     device, dtype = target.embed_tokens.weight.device, target.embed_tokens.weight.dtype
     target.eval().requires_grad_(False)
     ref.eval().requires_grad_(False)
@@ -404,7 +406,9 @@ def train_real(target, draft, ref, scenes_, prompts, cfg: RealConfig, ids, log=N
     gen = torch.Generator(device=device).manual_seed(cfg.seed)
     order = torch.randperm(len(scenes_), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
     refs = {}  # scene_id -> (v0, reference plan): p's greedy plan is computed once per scene, not once per update
-    for step in (bar := tqdm(range(cfg.steps), desc="aarl[real]")):
+    bound = {"target": checkpoint.fingerprint(target), "reference": checkpoint.fingerprint(ref)}
+    start = resume_real(state_path, draft, opt, gen, cfg, bound) if state_path else 0
+    for step in (bar := tqdm(range(start, cfg.steps), desc="aarl[real]", initial=start, total=cfg.steps)):
         opt.zero_grad(set_to_none=True)
         stats = []
         for j in range(cfg.per_update):
@@ -418,7 +422,8 @@ def train_real(target, draft, ref, scenes_, prompts, cfg: RealConfig, ids, log=N
                 loss, kl, r = real_scene_loss(target, draft, ref, prompt, *refs[scene.scene_id], cfg, ids, gen)
             if not torch.isfinite(loss):
                 raise FloatingPointError(f"AARL loss is {loss.item()} at update {step} (scene {scene.scene_id}): the "
-                                         "draft is left as it was before this update and nothing was saved")
+                                         "draft is left as it was before this update, and the last saved state is "
+                                         "the last good one")
             (loss / cfg.per_update).backward()  # gradient accumulation: the mean over the S scenes
             stats.append({"reward": r.mean().item(), "kl": kl.item(), "reward_std_in_group": r.std().item()})
         torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
@@ -427,7 +432,35 @@ def train_real(target, draft, ref, scenes_, prompts, cfg: RealConfig, ids, log=N
         bar.set_postfix({key: f"{v:.3f}" for key, v in stats.items()})
         if log is not None:
             log({"step": step, **stats})
+        if state_path and ((step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps):
+            files.torch_save({"step": step + 1, "config": dataclasses.asdict(cfg), "bound": bound,
+                              "draft": draft.state_dict(), "opt": opt.state_dict(), "generator": gen.get_state()},
+                             state_path)
     return draft.eval()
+
+
+def resume_real(path, draft, opt, gen, cfg: RealConfig, bound):
+    """The update to continue from (0: fresh), with the draft, AdamW and the rollouts' generator as they were then. A
+    state of other settings, or of another target or SFT draft (`bound`'s fingerprints), is refused, naming it."""
+    if not os.path.exists(path):
+        return 0
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # a truncated or foreign file: say which, do not silently restart
+        raise ValueError(f"cannot resume from {path}: {e}; delete it to start over") from e
+    now = dataclasses.asdict(cfg)
+    differ = sorted(k for k in now if k not in ("save_every", "processor") and state["config"].get(k) != now[k])
+    if differ:
+        raise ValueError(f"{path} was written by a run with other settings: " + ", ".join(
+            f"{k} {state['config'].get(k)!r} there, {now[k]!r} now" for k in differ) + "; delete it to start over")
+    for k in bound:
+        if state["bound"][k] != bound[k]:
+            raise ValueError(f"{path} was written for another {k} ({state['bound'][k]['weights']} there, "
+                             f"{bound[k]['weights']} now): delete it to start over")
+    draft.load_state_dict(state["draft"])
+    opt.load_state_dict(state["opt"])
+    gen.set_state(state["generator"])
+    return int(state["step"])
 
 
 def load_real(args, cfg, device, dtype):
@@ -463,7 +496,8 @@ def main_real(argv):
     a = ap.parse_args(argv)
     cfg = cli.config_from_args(RealConfig, a)
     with cli.user_errors(ap):
-        evaluate.check_values(cfg, [(">= 1", ("steps", "per_update", "max_new", "min_pixels", "max_pixels")),
+        evaluate.check_values(cfg, [(">= 1", ("steps", "per_update", "max_new", "min_pixels", "max_pixels",
+                                              "save_every")),
                                     ("> 0", ("lr", "temperature")), ("in 0..2**30-1", ("seed",)),
                                     ("a finite number >= 0", ("beta",))], flags=True)
         if cfg.min_pixels > cfg.max_pixels:
@@ -482,7 +516,8 @@ def main_real(argv):
             t0 = time.time()
             target, draft, ref, clips, prompts, ids = load_real(a, cfg, device, cli.DTYPES[a.dtype])
             updates = []
-            train_real(target, draft, ref, clips, prompts, cfg, ids, log=updates.append)
+            train_real(target, draft, ref, clips, prompts, cfg, ids, log=updates.append,
+                       state_path=os.path.join(a.out, f"draft_aarl_s{cfg.seed}.state.pt"))  # resumed if there
             checkpoint.save(draft.to(target.embed_tokens.weight.dtype), out, target=target)
     res = {"out": out, "scenes": len(clips), "config": dataclasses.asdict(cfg), "wall_s": time.time() - t0,
            "training": training_summary(updates)}

@@ -15,6 +15,7 @@ import torch
 import aarl
 import alpamayo
 import checkpoint
+import files
 import model as M
 import scenes
 import speculate
@@ -118,3 +119,38 @@ def test_bad_inputs_are_named(setup, folder, tmp_path, capsys):
         with pytest.raises(SystemExit):
             aarl.main(argv)
         assert words in capsys.readouterr().err, argv
+
+
+def test_a_killed_run_resumes_exactly(setup, tmp_path, monkeypatch):
+    """2 updates straight == a run killed right after its state at update 1, resumed in a fresh call (the draft,
+    AdamW and the rollouts' generator restored); a resume with another lr is refused by name."""
+    target, sft, _, clips, prompts = setup
+    cfg = dataclasses.replace(CFG, steps=2, save_every=1, group=2)
+    state = str(tmp_path / "draft_aarl_s0.state.pt")
+
+    def run(state_path, c=cfg):
+        draft, ref = checkpoint.load(sft, target=target), checkpoint.load(sft, target=target)
+        return aarl.train_real(target, draft, ref, clips, prompts, c, IDS, state_path=state_path)
+
+    straight = run(None)
+    save = files.torch_save
+
+    class Killed(Exception):
+        pass
+
+    def save_then_die(obj, path):
+        save(obj, path)
+        raise Killed
+
+    monkeypatch.setattr(files, "torch_save", save_then_die)
+    with pytest.raises(Killed):
+        run(state)
+    monkeypatch.setattr(files, "torch_save", save)
+    assert torch.load(state, weights_only=True)["step"] == 1
+    resumed = run(state)
+    sft_draft = checkpoint.load(sft, target=target)
+    for (name, a), b, c in zip(straight.named_parameters(), resumed.parameters(), sft_draft.parameters()):
+        assert torch.equal(a, b), name
+        assert not torch.equal(a, c.float()), f"{name} never moved"
+    with pytest.raises(ValueError, match="other settings: lr"):
+        run(state, dataclasses.replace(cfg, lr=1e-3))
