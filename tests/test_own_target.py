@@ -51,10 +51,17 @@ def alpamayo_cfg(d, root, out, **kw):
 
 @pytest.fixture(scope="module")
 def alpamayo_run(folder, tmp_path_factory):
-    """(folder, scenes root, straight 4-update run's output) on 4 generated scenes."""
+    """(folder, scenes root, straight 4-update run's output) on 4 generated scenes, on one thread as the tests that
+    compare runs against it (a module fixture is set up before their one_thread; other thread counts sum in other
+    orders)."""
     d, tmp = str(folder[2]), tmp_path_factory.mktemp("own")
     root = write_scenes(tmp / "scenes")
-    return d, root, T.run_draft(alpamayo_cfg(d, root, tmp / "straight"), log=lambda *_: None)
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return d, root, T.run_draft(alpamayo_cfg(d, root, tmp / "straight"), log=lambda *_: None)
+    finally:
+        torch.set_num_threads(n)
 
 
 @needs_tf
