@@ -333,31 +333,11 @@ def close_coc(coc, cot_end, future_start):
     return coc if coc[-1:] == [future_start] else coc + ([] if coc[-1:] == [cot_end] else [cot_end]) + [future_start]
 
 
-@torch.no_grad()
-def prefill_target(target, prompt, embeds, deepstack, room):
-    """p's KV cache of the prompt, with `room` slots after it: every rollout's CoC and the expert's action tokens are
-    written there and cropped away (KVCache.crop), so the vision tower and the prompt run once per scene, not G
-    times."""
-    cache = target.new_cache(max_len=prompt["input_ids"].shape[1] + room)
-    grids = {k: prompt[k] for k in speculate.GRID_KEYS if prompt.get(k) is not None}
-    target(prompt["input_ids"], inputs_embeds=embeds, deepstack=deepstack, cache=cache, logits_to_keep=1, **grids)
-    return cache
-
-
-@torch.no_grad()
-def expert_plan(target, cache, L, seq, v0):
-    """p's action expert after the prompt (the cache's first L slots) + seq (ending with <|traj_future_start|>) ->
-    waypoints (1, N, 2). The noise is seeded 0 every call (as alpamayo.trajectory's): the plan, and so the reward, is a
-    deterministic function of the CoC, and the advantages compare CoCs, not noise draws."""
-    cache.crop(L)
-    target(torch.tensor([seq], device=cache.k.device), cache=cache, logits_to_keep=1)  # the CoC, teacher-forced
-    return target.expert(cache, v0, generator=torch.Generator(device=cache.k.device).manual_seed(0))
-
-
 def real_rewards(target, cache, L, cocs, v0, traj_ref, ids):
     """r_i = -ADE(expert plan after prompt + c_i, traj_ref (N, 2)) for the id lists cocs -> (G,); ids: (cot_end,
     future_start)."""
-    plans = torch.cat([expert_plan(target, cache, L, close_coc(c, *ids), v0) for c in cocs])  # (G, N, 2)
+    # one prompt cache for the G CoCs (alpamayo.expert_plan crops it back to L): the tower and prompt run once
+    plans = torch.cat([alpamayo.expert_plan(target, cache, L, close_coc(c, *ids), v0) for c in cocs])  # (G, N, 2)
     return -evaluate.ade_fde(plans, traj_ref.to(plans)[None].expand_as(plans), per_scene=True)[0]
 
 
@@ -370,8 +350,8 @@ def reference_plan(target, prompt, scene, v0, cfg, ids):
     coc = speculate.autoregressive(target, prompt, cfg.max_new, stop_token=ids[1]).tokens
     embeds, deepstack = speculate.embed_prompt(target, prompt)  # (1, L, D)
     L = prompt["input_ids"].shape[1]
-    cache = prefill_target(target, prompt, embeds, deepstack, cfg.max_new + 2 + target.expert.cfg.n_waypoints)
-    return expert_plan(target, cache, L, close_coc(coc, *ids), v0)[0].float().cpu()
+    cache = alpamayo.prefill_cache(target, prompt, embeds, deepstack, cfg.max_new + 2 + target.expert.cfg.n_waypoints)
+    return alpamayo.expert_plan(target, cache, L, close_coc(coc, *ids), v0)[0].float().cpu()
 
 
 def real_scene_loss(target, draft, ref, prompt, v0, traj_ref, cfg, ids, gen):
@@ -382,7 +362,8 @@ def real_scene_loss(target, draft, ref, prompt, v0, traj_ref, cfg, ids, gen):
     L = embeds.shape[1]
     draft.eval()
     toks, mask = rollout(draft, embeds, prompt, cfg.group, cfg.temperature, cfg.max_new, ids[1], gen)  # (G, T) each
-    cache = prefill_target(target, prompt, embeds, deepstack, toks.shape[1] + 2 + target.expert.cfg.n_waypoints)
+    cache = alpamayo.prefill_cache(target, prompt, embeds, deepstack,
+                                   toks.shape[1] + 2 + target.expert.cfg.n_waypoints)
     r = real_rewards(target, cache, L, [t[m].tolist() for t, m in zip(toks, mask)], v0, traj_ref, ids)  # (G,)
     del cache  # p's prompt cache is not needed by the backward: freed before it
     with torch.no_grad():
@@ -414,7 +395,7 @@ def train_real(target, draft, ref, scenes_, prompts, cfg: RealConfig, ids, log=N
         for j in range(cfg.per_update):
             k = order[(step * cfg.per_update + j) % len(scenes_)]
             scene, prompt = scenes_[k], prompts[k][1]()
-            prompt = {key: v.to(device, dtype if v.is_floating_point() else None) for key, v in prompt.items()}
+            prompt = speculate.on_model(prompt, target)
             if scene.scene_id not in refs:
                 v0 = speed_from_history(scene.past[None]).to(device)  # (1,) m/s, from the scene's own past
                 refs[scene.scene_id] = v0, reference_plan(target, prompt, scene, v0, cfg, ids)

@@ -238,17 +238,33 @@ def trajectory(target, prompt, coc, future_start, repeats, past=None):
     """The expert's waypoints (1, N, 2) after prompt + CoC + <|traj_future_start|> (appended when the
     CoC did not end with it), and the median time (s) of the expert alone over `repeats` runs. past: the
     scene's (16, 3) poses the start speed is read from (default history_poses())."""
-    exp = target.expert
     seq = coc + ([] if coc[-1:] == [future_start] else [future_start])
-    cache = target.new_cache(max_len=prompt["input_ids"].shape[1] + len(seq) + exp.cfg.n_waypoints)
     embeds, deepstack = speculate.embed_prompt(target, prompt)  # (1, L, D)
+    cache = prefill_cache(target, prompt, embeds, deepstack, len(seq) + target.expert.cfg.n_waypoints)
+    v0 = speed_from_history((history_poses() if past is None else past)[None]).to(cache.k.device)  # (1,)
+    waypoints = expert_plan(target, cache, prompt["input_ids"].shape[1], seq, v0)
+    g = torch.Generator(device=cache.k.device)  # the expert alone timed, on the cache expert_plan left
+    return waypoints, timing.median_time(lambda: target.expert(cache, v0, generator=g.manual_seed(0)),
+                                         cache.k.device, repeats)
+
+
+@torch.no_grad()
+def prefill_cache(target, prompt, embeds, deepstack, room):
+    """p's KV cache of the prompt, with `room` slots after it for a CoC and the expert's action tokens."""
+    cache = target.new_cache(max_len=prompt["input_ids"].shape[1] + room)
     grids = {k: prompt[k] for k in speculate.GRID_KEYS if prompt.get(k) is not None}
     target(prompt["input_ids"], inputs_embeds=embeds, deepstack=deepstack, cache=cache, logits_to_keep=1, **grids)
+    return cache
+
+
+@torch.no_grad()
+def expert_plan(target, cache, L, seq, v0):
+    """p's action expert after the prompt (the cache's first L slots, anything after cropped away) + seq (ending with
+    <|traj_future_start|>) -> waypoints (1, N, 2). The noise is seeded 0 every call: the plan is a deterministic
+    function of the CoC (AARL's advantages compare CoCs, not noise draws)."""
+    cache.crop(L)
     target(torch.tensor([seq], device=cache.k.device), cache=cache, logits_to_keep=1)  # the CoC, teacher-forced
-    v0 = speed_from_history((history_poses() if past is None else past)[None]).to(cache.k.device)  # (1,)
-    g = torch.Generator(device=cache.k.device)
-    run = lambda: exp(cache, v0, generator=g.manual_seed(0))  # noqa: E731
-    return run(), timing.median_time(run, cache.k.device, repeats)
+    return target.expert(cache, v0, generator=torch.Generator(device=cache.k.device).manual_seed(0))
 
 
 def plan(target, draft, prompt, stop, tok, how, args, decoding):
@@ -304,7 +320,7 @@ def heldout(target, draft, scenes, prompts, stop, max_new, gamma, repeats, words
     w, rows = next(target.parameters()), []
     for scene, (scene_id, prompt) in zip(scenes, prompts):
         p = prompt() if callable(prompt) else prompt
-        p = {k: v.to(w.device, w.dtype if v.is_floating_point() else None) for k, v in p.items()}
+        p = speculate.on_model(p, target)
         dev, L = w.device, p["input_ids"].shape[1]
         ar_s, spec_s = [], []
         for r in range(repeats + 1):  # the arms alternate; pass 0 warms up every shape

@@ -209,7 +209,7 @@ def distill_data(target, prompts, out, stop_ids, max_new, temperature=0.0, top_p
             raise ValueError(why)
     settings = {"temperature": float(temperature), "top_p": top_p, "samples": samples, "max_new": max_new,
                 "stop_ids": stop_ids, "seed": seed, "target": checkpoint.fingerprint(target)}
-    path, w = os.path.join(out, INDEX), next(target.parameters())
+    path = os.path.join(out, INDEX)
     with files.writer_lock(out):
         index = {"settings": settings, "shards": [], "prefill_s": 0.0, "decode_s": 0.0}
         if os.path.exists(path):
@@ -235,7 +235,7 @@ def distill_data(target, prompts, out, stop_ids, max_new, temperature=0.0, top_p
                 continue
             done.add(scene_id)
             prompt = prompt() if callable(prompt) else prompt  # pixels in the target's dtype, as evaluate.scene_prompts
-            prompt = {k: v.to(w.device, w.dtype if v.is_floating_point() else None) for k, v in prompt.items()}
+            prompt = speculate.on_model(prompt, target)
             for k in range(samples):
                 res = speculate.autoregressive(target, prompt, max_new, temperature, top_p=top_p,
                                                seed=sample_seed(seed, scene_id, k), stop_token=stop_ids[-1],

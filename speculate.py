@@ -157,6 +157,12 @@ def new_cache(model, prompt, max_new_tokens, max_len, slack=0):
     return model.new_cache(batch=1, max_len=max_len or need + slack, device=prompt["input_ids"].device)
 
 
+def on_model(prompt, model):
+    """A prompt dict's tensors on the model's device, its pixels in the model's dtype (ids stay integers)."""
+    w = next(model.parameters())
+    return {k: v.to(w.device, w.dtype if v.is_floating_point() else None) for k, v in prompt.items()}
+
+
 def embed_prompt(target, prompt):
     """The target's prompt embeddings (1, L, D) and DeepStack features (Qwen3-VL; [] without, or from an HF embed)."""
     out = target.embed(**{k: prompt[k] for k in EMBED_KEYS if prompt.get(k) is not None}, return_deepstack=True)

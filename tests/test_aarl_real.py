@@ -59,7 +59,7 @@ def test_reward_is_minus_ade_of_the_experts_plan(setup):
     v0 = torch.tensor([8.0])  # alpamayo.trajectory's speed; s0's own past gives the same
     assert torch.allclose(aarl.speed_from_history(scene.past[None]), v0)
     L = prompt["input_ids"].shape[1]
-    cache = aarl.prefill_target(target, prompt, embeds, deepstack, 5 + 2 + 64)
+    cache = alpamayo.prefill_cache(target, prompt, embeds, deepstack, 5 + 2 + 64)
     r = aarl.real_rewards(target, cache, L, cocs, v0, scene.future[:, :2], IDS)  # (3,)
     for c, ri in zip(cocs, r):  # an independent plan: a fresh prefill per CoC, alpamayo.trajectory
         plan = alpamayo.trajectory(target, prompt, aarl.close_coc(c, *IDS), IDS[1], repeats=1)[0][0]  # (64, 2)
