@@ -15,26 +15,24 @@ run: python bench.py --device cpu [--compile]                          (the toy,
 """
 import argparse
 import dataclasses
+import importlib.util
 import json
 import os
 import platform
+import re
 from statistics import median
 
 import torch
 
-import alpamayo
-import checkpoint
-import cli
 import driving
 import evaluate
-import files
-import model as M
-import peer
-import scenes
-import static
-import timing
 from evaluate import TARGET_ONLY
-from tree import TreeShape
+import model as M
+from ops import checkpoint, cli, files, timing
+from real import alpamayo, peer, scenes
+import speculate
+import static
+from tree import TreeShape, tree_speedup
 
 TOY_DRAFT = ("aarl", 0)  # the toy mode's default draft: FlatRoPE + AARL (static anchor), seed 0
 TOY_JSON = "runs/bench_toy.json"  # where the toy mode writes its report (whatever settings that run had)
@@ -79,7 +77,7 @@ def both_arms(ar, spec):  # {ar_prefill_ms, spec_prefill_ms, ar_ms_per_token, sp
 
 def benchmark(target, draft, prompts, gamma, max_new, stop_token=None, repeats=3, decoding=None, compile=False):
     """One draft's record: statistics, divergences, both arms timed, the cost model; compile: all that, compiled."""
-    decoding = decoding or evaluate.decoding_mode()
+    decoding = decoding or cli.decoding_mode()
     greedy = evaluate.spec_stats(target, {"speculative": draft}, prompts, gamma, max_new, stop_token)
     spec, reference = greedy["speculative"], greedy[TARGET_ONLY]["tokens"]
     tree = isinstance(gamma, TreeShape)
@@ -116,7 +114,7 @@ def benchmark(target, draft, prompts, gamma, max_new, stop_token=None, repeats=3
         res.update(cost_model(target, draft, prompts[0], gamma, timed["tau"]))
         res["c"] = res["t_draft_1"] / res["t_target_1"]
         if not tree:  # Leviathan's closed form is the chain's
-            res["leviathan_speedup"] = timing.expected_speedup(timed["alpha"], gamma, res["c"])
+            res["leviathan_speedup"] = speculate.expected_speedup(timed["alpha"], gamma, res["c"])
         if compile:
             ar_c, spec_c = t[COMPILED[0]], t[COMPILED[1]]
             comp.update(both_arms(ar_c, spec_c), speedup=ar_c["ms_per_token"] / spec_c["ms_per_token"],
@@ -141,11 +139,11 @@ def cost_model(target, draft, prompt, gamma, tau, reps=20):
     t1, td = t["target"][1], t["draft"]
     if not tree:
         return {"t_target_1": 1e3 * t1, "t_target_gamma1": 1e3 * t["target"][gamma + 1], "t_draft_1": 1e3 * td,
-                "predicted_speedup": timing.measured_speedup(tau, t1, td, t["target"][gamma + 1], gamma)}
+                "predicted_speedup": speculate.measured_speedup(tau, t1, td, t["target"][gamma + 1], gamma)}
     tt = timing.tree_step_times(target, draft, prompt, (gamma.nodes,), gamma.width, reps)
     tv, tl = tt["target"][gamma.nodes], tt["draft_level"]
     return {"t_target_1": 1e3 * t1, "t_target_verify": 1e3 * tv, "t_draft_1": 1e3 * td, "t_draft_level": 1e3 * tl,
-            "predicted_speedup": timing.tree_speedup(tau, t1, td, tl, tv, gamma)}
+            "predicted_speedup": tree_speedup(tau, t1, td, tl, tv, gamma)}
 
 
 def decoder_json(gamma):
@@ -163,7 +161,8 @@ def toy(args, device, dtype, decoding):
     prompts = evaluate.scene_prompts(driving.make_split("test", args.prompts, seed=0), tok, device, dtype, args.views)
     res = benchmark(target, draft, prompts, args.decoder, args.max_new, tok.cot_end_id, args.repeats, decoding,
                     args.compile) | {"mode": "toy", "draft": draft_dir, "target": os.path.join(args.run, "target")}
-    return dict(res, peers=peer.peers(args, target, prompts, tok)) if args.peer else res
+    return dict(res, peers=peer.peers(args.run, target, prompts, tok, args.gamma, args.max_new, args.repeats)) \
+        if args.peer else res
 
 
 def build_preset(name, device, dtype, layers=None, draft_vocab=0):
@@ -203,9 +202,12 @@ def real(args, device, dtype, decoding):
     if args.scenes:  # tau, alpha, identity, stage latencies and ADE over a scene folder (alpamayo.heldout)
         found, prompts, stop, how = scenes.scene_prompts(args.target, args.scenes, args.processor,
                                                          min_pixels=args.min_pixels, max_pixels=args.max_pixels)
-        return alpamayo.heldout_bench(args, device, dtype, found, prompts, stop[-1], how)
+        return alpamayo.heldout_bench(args.target, args.draft, args.scenes, found, prompts, stop[-1], how, args.decoder,
+                                      args.max_new, args.repeats, device, dtype, args.processor)
     if args.target:
-        target, draft, prompt, stop, tok, how = alpamayo.load(args, device, dtype)
+        images = alpamayo.scene_images(args.images_dir, args.images, args.image_size)
+        target, draft, prompt, stop, tok, how = alpamayo.load(args.target, args.draft, images, device, dtype,
+                                                              args.processor, args.min_pixels, args.max_pixels)
     else:
         (target, draft), stop = build_preset(args.preset, device, dtype, args.layers, args.draft_vocab), None
         prompt = alpamayo.real_prompt(target.cfg, device, n_images=args.images)
@@ -216,7 +218,8 @@ def real(args, device, dtype, decoding):
     res = benchmark(target, draft, [prompt], args.decoder, args.max_new, stop, args.repeats, decoding, args.compile)
     res.update(mode="real", model=name, prompt_tokens=prompt["input_ids"].shape[1], trained_draft=bool(args.draft))
     if args.target:
-        res.update(alpamayo.plan(target, draft, prompt, stop, tok, how, args, decoding))
+        res.update(alpamayo.plan(target, draft, prompt, stop, tok, how, args.decoder, args.max_new, args.repeats,
+                                 decoding))
     if args.tree:  # what a tree verify costs against one token at this shape: the number trees live by
         nodes = tuple(n for n in (7, 15, 31, 63) if n <= max(7, args.decoder.nodes))  # up to this tree's size
         tt = timing.tree_step_times(target, draft, prompt, nodes, args.decoder.width, reps=5)
@@ -225,11 +228,11 @@ def real(args, device, dtype, decoding):
         toy, t1, td = args.toy_acceptance, res["t_target_1"], res["t_draft_1"]
         res["toy_acceptance"] = toy
         if args.tree:  # the same tree's tau
-            res.update(toy_tau=toy["tau"], predicted_speedup_at_toy_tau=timing.tree_speedup(
+            res.update(toy_tau=toy["tau"], predicted_speedup_at_toy_tau=tree_speedup(
                 toy["tau"], t1, td, res["t_draft_level"], res["t_target_verify"], args.decoder))
         else:  # the chain's alpha, through Leviathan's tau at this gamma
-            res.update(toy_alpha=toy["alpha"], predicted_speedup_at_toy_alpha=timing.measured_speedup(
-                timing.expected_tau(toy["alpha"], args.gamma), t1, td, res["t_target_gamma1"], args.gamma))
+            res.update(toy_alpha=toy["alpha"], predicted_speedup_at_toy_alpha=speculate.measured_speedup(
+                speculate.expected_tau(toy["alpha"], args.gamma), t1, td, res["t_target_gamma1"], args.gamma))
     return res
 
 
@@ -306,8 +309,8 @@ def main(argv=None):
             ("--repeats", 3, "timed passes (median reported), >= 3"),
             ("--threads", None, "CPU threads (default: torch's)")):
         ap.add_argument(flag, type=int, default=default, help=text)
-    alpamayo.add_flags(ap)  # --images-dir, --image-size, --processor, --min-pixels, --max-pixels, --scenes
-    evaluate.add_decoding_flags(ap, "> 0 times both arms sampling (Alpamayo-R1 samples its CoC at 0.6, top-p 0.98)")
+    add_real_flags(ap)
+    cli.add_decoding_flags(ap, "> 0 times both arms sampling (Alpamayo-R1 samples its CoC at 0.6, top-p 0.98)")
     ap.add_argument("--compile", action="store_true", help="also both arms through torch.compile'd static steps")
     ap.add_argument("--peer", choices=["hf"], help="toy, greedy: also transformers' generate on the same weights")
     ap.add_argument("--toy-json", help=f"random weights: the toy acceptance to predict at (default {TOY_ACCEPTANCE})")
@@ -362,11 +365,11 @@ def check_flags(ap, args):
     for flag in ("target", "draft", "images_dir", "processor", "scenes"):
         if getattr(args, flag) is not None and not os.path.isdir(getattr(args, flag)):
             ap.error(f"--{flag.replace('_', '-')} {getattr(args, flag)}: folder not found")
-    alpamayo.check_flags(ap, args)
+    check_real_flags(ap, args)
     with cli.user_errors(ap):  # below: the chain of --gamma (--tree 0), or a tree (a ValueError if it is impossible)
         args.decoder = TreeShape(args.tree, args.tree_depth, args.tree_width) if args.tree else args.gamma
         cli.check_device(args.device)
-        decoding = evaluate.decoding_mode(args.temperature, args.top_k, args.top_p, args.sampling_seed)
+        decoding = cli.decoding_mode(args.temperature, args.top_k, args.top_p, args.sampling_seed)
         if args.draft and checkpoint.existing_kind(args.draft) == "target":
             raise ValueError(f"--draft {args.draft} holds a target model, not a draft (it would accept every token)")
         args.toy_acceptance = None if toy_mode or args.draft or args.scenes else toy_acceptance(
@@ -382,6 +385,44 @@ def check_flags(ap, args):
         if toy_mode:  # the report's folder, before any work
             files.check_writable(os.path.dirname(TOY_JSON) or ".")
     return decoding
+
+
+
+def add_real_flags(ap):
+    """--images-dir, --image-size, --processor, --min-pixels, --max-pixels, --scenes: a real checkpoint's prompt."""
+    ap.add_argument("--images-dir", default=None, help="with --target: a folder of camera images (name order)")
+    ap.add_argument("--image-size", default="288x512", help="with --target: HxW of the generated images")
+    ap.add_argument("--processor", help="with --target: tokenizer + image processor folder (default: --target)")
+    ap.add_argument("--min-pixels", type=int, default=alpamayo.MIN_PIXELS, help="with --target: image size bounds")
+    ap.add_argument("--max-pixels", type=int, default=alpamayo.MAX_PIXELS, help="with --target: image size bounds")
+    ap.add_argument("--scenes", help="with --target: a scene folder (scenes.py) measured held out: tau, alpha per "
+                    "draft position, routine share, greedy identity, latency per stage, ADE")
+
+
+def check_real_flags(ap, args):
+    """Parse-time checks of the pixels' geometry and of what reading them needs: each bad value is one line."""
+    size = re.fullmatch(r"(\d+)x(\d+)", args.image_size)
+    if not size or not all(1 <= int(n) <= 8192 for n in size.groups()):  # 8192: a camera frame, not all of memory
+        ap.error(f"--image-size must be HxW in pixels, each in 1..8192 (e.g. 288x512), got {args.image_size!r}")
+    if not 1 <= args.min_pixels <= args.max_pixels:
+        ap.error(f"--min-pixels and --max-pixels must satisfy 1 <= min <= max, got {args.min_pixels} and "
+                 f"{args.max_pixels}")
+    for flag in ("images_dir", "processor", "scenes"):
+        if getattr(args, flag) and not args.target:
+            ap.error(f"--{flag.replace('_', '-')} goes with --target")
+    for bad, flag in ((args.images_dir, "--images-dir (the scenes hold the images)"),
+                      (args.temperature > 0, "--temperature (greedy only: its outputs are compared token by token)"),
+                      (args.compile, "--compile (the eager decoders are timed)")):
+        if args.scenes and bad:
+            ap.error(f"--scenes takes no {flag}")
+    if args.scenes and importlib.util.find_spec("transformers") is None:
+        ap.error("--scenes builds prompts with the folder's tokenizer, which needs transformers: "
+                 "pip install -r requirements-test.txt")
+    if args.images_dir and importlib.util.find_spec("PIL") is None:
+        ap.error("--images-dir needs Pillow to read the images: pip install pillow")
+    src = args.processor or args.target
+    if src and importlib.util.find_spec("transformers") is None and alpamayo.has_tokenizer(src):
+        ap.error(f"{src} has a tokenizer, which needs transformers: pip install -r requirements-test.txt")
 
 
 if __name__ == "__main__":

@@ -10,8 +10,8 @@ the ~5.7 of ~22 tokens that the history class and the CoC prefix leave open. Des
 run: python driving.py --seed 0
 """
 import argparse
-import copy
 from collections import Counter, defaultdict
+import copy
 from dataclasses import dataclass, replace
 from functools import lru_cache
 from itertools import product
@@ -20,7 +20,6 @@ import numpy as np
 import torch
 
 from vision import patchify  # vision.py owns the Qwen2-VL flattening order, so the vision tower sees HF's layout
-
 
 # ---- config ----
 MAX_VIEWS = 21  # the most surround views a prompt may have: the toy target trains on every count 0..MAX_VIEWS

@@ -7,14 +7,13 @@ Letters: B batch, P prompt length, L sequence, T generated tokens, V vocab, H he
 run: python -m pytest -q tests/test_evaluate.py
 """
 import contextlib
-import math
 
 import torch
 
 import driving
-import speculate
 from driving import Data, grid_kwargs, vision_kwargs
-from timing import measured_speedup
+import speculate
+import tree
 from tree import TreeShape
 
 MAX_NEW_TOKENS = 32  # CoC token limit per decode: the toy's CoCs are 12-28 tokens with <cot_end>
@@ -229,8 +228,8 @@ def decode(target, draft, prompt, gamma, max_new, stop_token, timing=False, **sa
     sampling: speculate's temperature / top_k / top_p / seed (sampling_kwargs); none = greedy."""
     if draft is None:
         return speculate.autoregressive(target, prompt, max_new, stop_token=stop_token, timing=timing, **sampling)
-    return speculate.speculative(target, draft, prompt, gamma, max_new, stop_token=stop_token, timing=timing,
-                                 **sampling)
+    decoder = tree.speculative if isinstance(gamma, TreeShape) else speculate.speculative
+    return decoder(target, draft, prompt, gamma, max_new, stop_token=stop_token, timing=timing, **sampling)
 
 
 @torch.no_grad()
@@ -248,14 +247,11 @@ def spec_stats(target, drafts, prompts, gamma, max_new=MAX_NEW_TOKENS, stop_toke
                for i, p in enumerate(prompts)]
         if name == TARGET_ONLY:
             reference = [r.tokens for r in res]
-        n = sum(len(r.tokens) for r in res)
-        out[name] = {"tokens": [r.tokens for r in res], "n_tokens": n, "tau": n / sum(r.rounds for r in res),
-                     "alpha": sum(r.n_accepted for r in res) / max(1, sum(r.n_tested for r in res)),
-                     "routine_fraction": sum(sum(r.from_draft) for r in res) / n,
+        all_ = speculate.SpecResult.pooled(res)
+        out[name] = {"tokens": [r.tokens for r in res], "n_tokens": len(all_.tokens), "tau": all_.tau,
+                     "alpha": all_.alpha, "routine_fraction": all_.routine_share,
                      "tau_ceiling": speculate.tau_ceiling([len(r.tokens) for r in res], gamma),
-                     "nodes_per_round": sum(r.n_drafted for r in res) / sum(r.rounds for r in res),
-                     "alpha_by_depth": speculate.SpecResult(accepted=[a for r in res for a in r.accepted],
-                                                            depths=[d for r in res for d in r.depths]).alpha_by_depth(),
+                     "nodes_per_round": all_.n_drafted / all_.rounds, "alpha_by_depth": all_.alpha_by_depth(),
                      "greedy_match": all(r.tokens == t for r, t in zip(res, reference)) if check_greedy else None}
     return out
 
@@ -329,8 +325,8 @@ def tau_by_gamma(matches, gammas, max_new=MAX_NEW_TOKENS):
 
 def speed_optimal_gamma(taus, times):
     """The gamma of taus ({gamma: tau}) with the highest speed-up under the measured cost model of
-    timing.measured_speedup; times from timing.step_times."""
-    return max(taus, key=lambda g: measured_speedup(taus[g], times["target"][1], times["draft"],
+    speculate.measured_speedup; times from timing.step_times."""
+    return max(taus, key=lambda g: speculate.measured_speedup(taus[g], times["target"][1], times["draft"],
                                                               times["target"][g + 1], g))
 
 
@@ -371,48 +367,3 @@ def kl_to(draft, ref, target, data: Data, batch_size=EVAL_BATCH):
         total += float(exact_kl_terms(logq, logr).sum())
         n += int(m.sum())
     return total / max(n, 1)
-
-
-# ---- argument checks ----
-VIEWS_RULE = f"in 0..{driving.MAX_VIEWS} (the geometries the toy target was trained on)"
-MAX_VIEWS_RULE = f"at most {driving.MAX_VIEWS} (the world's surround views)"
-RULES = {">= 1": lambda v: v >= 1, "> 0": lambda v: v > 0,  # "not v > 0" also catches NaN
-         "a number >= 0": lambda v: v >= 0, "a finite number >= 0": lambda v: v >= 0 and math.isfinite(v),
-         "in [0, 1]": lambda v: 0 <= v <= 1, VIEWS_RULE: lambda v: 0 <= v <= driving.MAX_VIEWS,
-         MAX_VIEWS_RULE: lambda v: v <= driving.MAX_VIEWS,
-         "in 0..2**30-1": lambda v: 0 <= v < 2**30}  # seeds: combined into 64-bit torch seeds (driving.Data.batch)
-
-
-def check_values(obj, rules, flags=False):
-    """ValueError naming the first field of obj (a config or parsed flags) that breaks its rule, before any work;
-    rules: [(a key of RULES, field names)]; flags: name the fields as the command-line flags."""
-    for rule, names in rules:
-        for name in names:
-            if not RULES[rule](getattr(obj, name)):
-                shown = "--" + name.replace("_", "-") if flags else name
-                raise ValueError(f"{shown} must be {rule}, got {getattr(obj, name)}")
-
-
-def add_decoding_flags(ap, temperature_help):
-    """--temperature, --top-k, --top-p, --sampling-seed on a script's parser (bench.py, rsd.py); decoding_mode
-    checks them. temperature_help: what sampling changes in that script's report."""
-    ap.add_argument("--temperature", type=float, default=0.0, help=f"0 = greedy; {temperature_help}")
-    ap.add_argument("--top-k", type=int, default=None, help="with --temperature: sample among the k likeliest tokens")
-    ap.add_argument("--top-p", type=float, default=None, help="with --temperature: sample among the likeliest tokens "
-                    "whose mass reaches p")
-    ap.add_argument("--sampling-seed", type=int, default=0, help="with --temperature: prompt i's generator is seeded "
-                    "this + i")
-
-
-def decoding_mode(temperature=0.0, top_k=None, top_p=None, seed=0):
-    """The decoding settings of bench.py and rsd.py (their --temperature, --top-k, --top-p, --sampling-seed), checked
-    before any work (ValueError), as the JSON's "decoding" object: mode "greedy" (temperature 0) or "sampling"."""
-    speculate.check_sampling(temperature, top_k, top_p)
-    if not isinstance(seed, int) or not 0 <= seed < 2**62:  # prompt i's generator takes seed + i, a 63-bit seed
-        raise ValueError(f"the sampling seed must be an int >= 0 and < 2**62, got {seed!r}")
-    if temperature == 0 and (top_k is not None or top_p is not None):
-        # a greedy decode reads only the argmax: the filters would be silently ignored
-        raise ValueError("top_k / top_p filter a sampled distribution: give a temperature > 0 with them (0 = greedy)")
-    greedy = temperature == 0  # then top_k and top_p are None (checked above)
-    return {"mode": "greedy" if greedy else "sampling", "temperature": 0.0 if greedy else float(temperature),
-            "top_k": top_k, "top_p": top_p, "seed": None if greedy else seed}

@@ -16,12 +16,20 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
+import torch.nn.functional as F
 
-from rope import (apply_rope, check_mrope_section, decode_positions, flat_position_ids, get_rope_index,
-                  mrope_cos_sin, rope_cos_sin, rope_inv_freq)
-from vision import RMSNorm, VisionConfig, make_tower
+from rope import (
+    apply_rope,
+    check_mrope_section,
+    decode_positions,
+    flat_position_ids,
+    get_rope_index,
+    mrope_cos_sin,
+    rope_cos_sin,
+    rope_inv_freq
+)
+from vision import VisionConfig, make_tower
 
 # ---- config ----
 
@@ -121,6 +129,15 @@ PRESETS = {
 DRAFT_PRESETS = {f"{name}-draft": dict(n_layers=1) for name in ("toy", "qwen2.5-vl-7b", "qwen3-vl-8b")}
 
 # ---- decoder ----
+class RMSNorm(nn.Module):  # Qwen's: the decoder's, the action expert's and the Qwen2.5-VL tower's (vision.make_tower)
+    def __init__(self, dim, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        # normalise in fp32, cast back, then scale: Qwen's order (matters in bf16)
+        return F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype) * self.weight
 
 
 def lower_right_verify(device):
@@ -281,7 +298,8 @@ class VLA(nn.Module):
         self.cfg = cfg
         D = cfg.hidden_size
         self.proj_in = self.proj_out = None
-        self.visual = make_tower(cfg.vision, D) if cfg.vision is not None and cfg.shared_width is None else None
+        has_tower = cfg.vision is not None and cfg.shared_width is None
+        self.visual = make_tower(cfg.vision, D, RMSNorm) if has_tower else None
         if cfg.shared_width is None:
             self.embed_tokens = nn.Embedding(cfg.vocab_size, D)
             self.lm_head = nn.Linear(D, cfg.vocab_size, bias=False)

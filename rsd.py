@@ -19,17 +19,15 @@ import torch
 
 import aarl
 import bench
-import checkpoint
-import cli
 import driving
+from driving import Data
 import evaluate
-import files
+from evaluate import MAX_NEW_TOKENS, TARGET_ONLY
+from ops import checkpoint, cli, files
+from ops.timing import step_times, tree_step_times
 import speculate
 import train as T
-from driving import Data
-from evaluate import MAX_NEW_TOKENS, TARGET_ONLY
-from timing import step_times, tree_speedup, tree_step_times
-from tree import TreeShape
+from tree import TreeShape, tree_speedup
 
 ROWS = (("replica", "mrope"), ("flatrope", "flat"), ("flatrope+aarl", "aarl"))  # table row -> draft kind on disk
 GAMMAS = tuple(range(2, 9))
@@ -307,7 +305,7 @@ def parse_args(argv):
     ap.add_argument("--show", type=int, default=3, help="scenes printed with routine / [deliberative] tokens")
     ap.add_argument("--dtype", default="fp32", choices=sorted(cli.DTYPES),
                     help="inference dtype (fp32: the exactness claims hold bit for bit)")
-    evaluate.add_decoding_flags(ap, "> 0 also reports the sampled tau of real speculative decoding per row and "
+    cli.add_decoding_flags(ap, "> 0 also reports the sampled tau of real speculative decoding per row and "
                                 "times both arms sampling (prompt i = held-out scene i)")
     ap.add_argument("--compile", action="store_true", help="time both arms with torch.compile'd static-shape steps "
                     "(minutes of compilation; gamma is still chosen with the eager cost model)")
@@ -318,8 +316,8 @@ def parse_args(argv):
     a = ap.parse_args(argv)
     a.tree = (0 if a.compile else 32) if a.tree is None else a.tree  # --compile times chains only (no compiled trees)
     with cli.user_errors(ap):
-        evaluate.check_values(a, [(">= 1", ("scenes", "time_scenes", "repeats")), ("a number >= 0", ("show",)),
-                                  (evaluate.VIEWS_RULE, ("views",))], flags=True)
+        cli.check_values(a, [(">= 1", ("scenes", "time_scenes", "repeats")), ("a number >= 0", ("show",)),
+                                  (cli.VIEWS_RULE, ("views",))], flags=True)
         try:
             seeds = [int(s) for s in a.seeds.split(",") if s.strip()]
         except ValueError:
@@ -335,7 +333,7 @@ def parse_args(argv):
                           f"--seeds must not repeat a seed, got {a.seeds!r}")):
             if bad:
                 raise ValueError(msg)
-        decoding = evaluate.decoding_mode(a.temperature, a.top_k, a.top_p, a.sampling_seed)
+        decoding = cli.decoding_mode(a.temperature, a.top_k, a.top_p, a.sampling_seed)
         device = cli.check_device(a.device)
         if a.plot:  # figures come after minutes of work: their dependency and folder are checked first
             if importlib.util.find_spec("matplotlib") is None:

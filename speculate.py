@@ -15,12 +15,11 @@ token comes out of a verification round: tau = tokens / rounds exactly.
 run: python -m pytest -q tests/test_speculate.py        (demo: python experiments/speculate_demo.py --device cpu)
 """
 import contextlib
+from dataclasses import dataclass, field
 import math
 import time
-from dataclasses import dataclass, field
 
 import torch
-
 
 # ---- processed distributions ----
 
@@ -125,6 +124,23 @@ class SpecResult:
         for d in range(1, max(self.depths, default=0) + 1):
             reached = sum(a >= d - 1 and g >= d for a, g in zip(self.accepted, self.depths))
             out.append(sum(a >= d for a in self.accepted) / reached if reached else None)
+        return out
+
+    @property
+    def routine_share(self):  # share of emitted tokens that were accepted drafts (the routine reasoner's)
+        return sum(self.from_draft) / max(len(self.from_draft), 1)
+
+    @staticmethod
+    def pooled(results):
+        """Many decodes as one: tau, alpha and alpha_by_depth over all their rounds, the tokens concatenated (the one
+        way every report turns decodes into tau and alpha)."""
+        out = SpecResult()
+        for r in results:
+            for f in ("tokens", "from_draft", "blocks", "accepted", "depths"):
+                getattr(out, f).extend(getattr(r, f))
+            for f in ("rounds", "target_forwards", "draft_forwards", "n_drafted", "n_accepted", "n_tested",
+                      "prefill_s", "decode_s"):
+                setattr(out, f, getattr(out, f) + getattr(r, f))
         return out
 
     def summary(self):
@@ -235,11 +251,12 @@ def now(device, timing):
 
 @torch.no_grad()
 def speculative(target, draft, prompt, gamma, max_new_tokens, temperature=0.0, top_k=None, top_p=None,
-                seed=None, stop_token=None, max_len=None, timing=False):
-    """Decode up to max_new_tokens, q proposing and p verifying. gamma: the chain's draft length, or a tree.TreeShape
-    (its `round`; tree.py builds on this module). prompt: forward kwargs, batch 1; max_len: cache size (None: need)."""
-    check_inputs(target, draft, prompt, max_new_tokens, temperature, top_k, top_p, stop_token, gamma)
-    chain = isinstance(gamma, int)
+                seed=None, stop_token=None, max_len=None, timing=False, tree_round=None):
+    """Decode up to max_new_tokens, q proposing and p verifying. gamma: the chain's draft length; or, with tree_round
+    (tree.speculative passes tree.tree_round), a tree.TreeShape whose rounds draft and verify a tree. prompt: forward
+    kwargs, batch 1; max_len: cache size (None: what the decode needs)."""
+    check_inputs(target, draft, prompt, max_new_tokens, temperature, top_k, top_p, stop_token, gamma, tree_round)
+    chain = tree_round is None
     t_slack, d_slack = (0, 0) if chain else gamma.slack  # a tree's branches sit beyond the committed length
     tcache = new_cache(target, prompt, max_new_tokens, max_len, t_slack)
     dcache = new_cache(draft, prompt, max_new_tokens, max_len, d_slack)
@@ -258,9 +275,10 @@ def speculative(target, draft, prompt, gamma, max_new_tokens, temperature=0.0, t
             if chain:
                 g = depth = min(gamma, left)
                 n, drafted, nxt, pending = spec_round(target, draft, tcache, dcache, pending, g, *sampling, last)
-            else:  # g: nodes drafted, depth: the tree's longest path
-                g, depth, (n, drafted, nxt, pending) = gamma.round(left, target, draft, tcache, dcache, pending,
-                                                                   *sampling, last)
+            else:  # the tree cut to what is left (none: a plain target step); g: nodes drafted, depth: longest path
+                shape = gamma.at_most(left) if left else None
+                g, depth = (shape.nodes, shape.depth) if shape else (0, 0)
+                n, drafted, nxt, pending = tree_round(target, draft, tcache, dcache, pending, shape, *sampling, last)
             block = drafted[:n] + [nxt]
             if stop_token is not None and stop_token in block:
                 block = block[:block.index(stop_token) + 1]
@@ -311,6 +329,24 @@ def autoregressive(target, prompt, max_new_tokens, temperature=0.0, top_k=None, 
                       target_forwards=len(tokens) + 1, prefill_s=t1 - t0, decode_s=decode_s)
 
 
+# ---- the speed-up model (Leviathan et al. 2023, section 3) ----
+
+
+def measured_speedup(tau, t_target_1, t_draft_1, t_target_gamma1, gamma):
+    """tau * T_target(1) / (gamma * T_draft(1) + T_target(gamma+1)), from measured step times."""
+    return tau * t_target_1 / (gamma * t_draft_1 + t_target_gamma1)
+
+
+def expected_tau(alpha, gamma):
+    """Expected tokens per round for an i.i.d. acceptance rate alpha: (1 - a^(g+1)) / (1 - a)."""
+    return gamma + 1.0 if alpha >= 1.0 else (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
+
+
+def expected_speedup(alpha, gamma, c):
+    """Leviathan et al. Theorem 3.8: (1 - a^(g+1)) / ((1 - a)(g c + 1)), c = draft step / target step."""
+    return expected_tau(alpha, gamma) / (gamma * c + 1.0)
+
+
 # ---- input checks and NaN guards ----
 
 
@@ -318,7 +354,8 @@ def config_of(model):
     return getattr(model, "cfg", None) or getattr(model, "config", None)
 
 
-def check_inputs(target, draft, prompt, max_new_tokens, temperature, top_k, top_p, stop_token, gamma=1):
+def check_inputs(target, draft, prompt, max_new_tokens, temperature, top_k, top_p, stop_token, gamma=1,
+                 tree_round=None):
     """A bad prompt or setting would fail deep in a forward, or silently (a stop token out of range never stops)."""
     if unknown := set(prompt) - set(EMBED_KEYS) - set(GRID_KEYS) - {"attention_mask"}:
         raise ValueError(f"prompt has keys speculate does not understand: {sorted(unknown)}")
@@ -329,8 +366,9 @@ def check_inputs(target, draft, prompt, max_new_tokens, temperature, top_k, top_
         raise ValueError("padded prompts are not supported (batch size 1, attention_mask must be all ones)")
     if ids.shape[1] < 2:  # an empty cache would make the model read the first decoded token as a prompt
         raise ValueError("the prompt needs at least 2 tokens: all but the last are prefilled, the last is decoded")
-    if not hasattr(gamma, "round") and (not isinstance(gamma, int) or gamma < 1):
-        raise ValueError(f"gamma (draft length) must be an int >= 1 or a TreeShape, got {gamma!r}")
+    if tree_round is None and (not isinstance(gamma, int) or isinstance(gamma, bool) or gamma < 1):
+        raise ValueError(f"gamma (draft length) must be an int >= 1, got {gamma!r} (a tree.TreeShape decodes through "
+                         "tree.speculative)")
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
     check_sampling(temperature, top_k, top_p)

@@ -7,7 +7,7 @@ run: python -m pytest -q tests/test_speculate.py -k static
 """
 import torch
 
-from model import KVCache, VLA
+from model import VLA, KVCache
 
 # ---- static cache ----
 

@@ -2,9 +2,9 @@
 
 Instead of one chain the routine reasoner grows a tree of N candidates where it is unsure, the target verifies x_last
 and all N nodes in one forward under a tree attention mask, and the round emits the longest path the target agrees
-with plus its own next token; the chain of gamma is the tree of width 1. speculate.speculative(..., gamma=TreeShape)
-runs these rounds through TreeShape.round. The cache invariant is speculate.py's: after a round the accepted path's
-keys / values sit in consecutive slots.
+with plus its own next token; the chain of gamma is the tree of width 1. tree.speculative is speculate.speculative's
+decode with these rounds in place of the chain's. The cache invariant is speculate.py's: after a round the accepted
+path's keys / values sit in consecutive slots.
 
 run: python -m pytest -q tests/test_tree.py      (the tree rows: python rsd.py --device cpu)
 """
@@ -48,13 +48,6 @@ class TreeShape:
     def slack(self):
         """Cache slots beyond the committed length a round writes: (target: the N nodes, draft: (D - 1) k)."""
         return self.nodes, (self.depth - 1) * self.width
-
-    def round(self, left, target, draft, tcache, dcache, pending, temperature, top_k, top_p, generator, last=None):
-        """speculative's round, `left` tokens left to draft -> (nodes, depth, tree_round's); none: a target step."""
-        shape = self.at_most(left) if left else None
-        g, depth = (shape.nodes, shape.depth) if shape else (0, 0)
-        return g, depth, tree_round(target, draft, tcache, dcache, pending, shape, temperature, top_k, top_p,
-                                    generator, last)
 
 
 # ---- draft, verify, one round ----
@@ -176,3 +169,14 @@ def tree_round(target, draft, tcache, dcache, pending, shape, temperature, top_k
     unfed = pending if shape is None else pending[:, :0]  # the draft has not seen these yet
     pending = torch.cat([unfed, torch.tensor([accepted[m:] + [nxt]], device=dev)], 1)
     return n, accepted, nxt, pending
+
+
+def speculative(target, draft, prompt, shape: TreeShape, max_new_tokens, **kwargs):
+    """speculate.speculative with a draft tree of `shape` per round (tree_round) in place of the chain."""
+    return speculate.speculative(target, draft, prompt, shape, max_new_tokens, tree_round=tree_round, **kwargs)
+
+
+def tree_speedup(tau, t_target_1, t_draft_1, t_draft_level, t_verify, shape):
+    """tau * T_target(1) / (T_draft(1) + (D - 1) T_draft(k) + T_verify(N + 1)): a tree round drafts its root level
+    from the pending token, then D - 1 levels of k expanded nodes, and verifies x_last + N nodes in one forward."""
+    return tau * t_target_1 / (t_draft_1 + (shape.depth - 1) * t_draft_level + t_verify)

@@ -12,10 +12,10 @@ run: python -m pytest -q tests/test_model.py tests/test_checkpoint.py
 """
 from dataclasses import dataclass
 
+from einops import rearrange
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from einops import rearrange
 
 from rope import apply_rope, rope_inv_freq
 
@@ -46,17 +46,6 @@ class VisionConfig:
 
 
 # ---- shared layers ----
-class RMSNorm(nn.Module):  # Qwen's, for the Qwen2.5-VL tower and the decoder (model.py)
-    def __init__(self, dim, eps=1e-6):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x):
-        # normalise in fp32, cast back, then scale: Qwen's order (matters in bf16)
-        return F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype) * self.weight
-
-
 def _segments(lengths: torch.Tensor):
     """Contiguous segments of a packed sequence as a padded gather: idx, valid (n_seg, Lmax)."""
     starts = lengths.cumsum(0) - lengths
@@ -120,11 +109,11 @@ class VisionMLP(nn.Module):  # Qwen2.5-VL's SwiGLU or Qwen3-VL's GELU MLP, each 
 
 
 class VisionBlock(nn.Module):  # pre-norm attention + MLP; Qwen2.5-VL's norm is RMSNorm, Qwen3-VL's LayerNorm
-    def __init__(self, vc: VisionConfig):
+    def __init__(self, vc: VisionConfig, rms_norm):
         super().__init__()
-        qwen3 = vc.family == "qwen3_vl"
-        norm = (lambda: nn.LayerNorm(vc.hidden, eps=1e-6)) if qwen3 else (lambda: RMSNorm(vc.hidden))  # noqa: E731
-        self.norm1, self.norm2, self.attn, self.mlp = norm(), norm(), VisionAttention(vc), VisionMLP(vc)
+        self.norm1, self.norm2 = (nn.LayerNorm(vc.hidden, eps=1e-6) if vc.family == "qwen3_vl" else rms_norm(vc.hidden)
+                                  for _ in range(2))
+        self.attn, self.mlp = VisionAttention(vc), VisionMLP(vc)
 
     def forward(self, x, cos, sin, seg):
         x = x + self.attn(self.norm1(x), cos, sin, seg)
@@ -150,10 +139,10 @@ class _Tower(nn.Module):
 
 # ---- Qwen2.5-VL tower ----
 class PatchMerger(nn.Module):
-    def __init__(self, vc: VisionConfig, out_dim):
+    def __init__(self, vc: VisionConfig, out_dim, rms_norm):
         super().__init__()
         self.width = vc.hidden * vc.spatial_merge_size ** 2
-        self.ln_q = RMSNorm(vc.hidden)
+        self.ln_q = rms_norm(vc.hidden)
         self.mlp = nn.Sequential(nn.Linear(self.width, self.width), nn.GELU(), nn.Linear(self.width, out_dim))
 
     def forward(self, x):
@@ -163,10 +152,10 @@ class PatchMerger(nn.Module):
 class VisionTower(_Tower):
     """Qwen2.5-VL ViT: patch embedding, 2D rotary blocks, window attention except in fullatt blocks, m x m merger."""
 
-    def __init__(self, vc: VisionConfig, out_dim):
+    def __init__(self, vc: VisionConfig, out_dim, rms_norm):
         super().__init__(vc, bias=False)
-        self.blocks = nn.ModuleList(VisionBlock(vc) for _ in range(vc.depth))
-        self.merger = PatchMerger(vc, out_dim)
+        self.blocks = nn.ModuleList(VisionBlock(vc, rms_norm) for _ in range(vc.depth))
+        self.merger = PatchMerger(vc, out_dim, rms_norm)
 
     def windows(self, grid):
         """Permutation of merged tokens into ws x ws windows (ragged at the edges), and the window lengths (patches)."""
@@ -224,7 +213,7 @@ class Qwen3VisionTower(_Tower):
     def __init__(self, vc: VisionConfig, out_dim):
         super().__init__(vc, bias=True)
         self.pos_embed = nn.Embedding(vc.num_position_embeddings, vc.hidden)
-        self.blocks = nn.ModuleList(VisionBlock(vc) for _ in range(vc.depth))
+        self.blocks = nn.ModuleList(VisionBlock(vc, None) for _ in range(vc.depth))
         self.merger = Qwen3PatchMerger(vc, out_dim, postshuffle=False)
         self.deepstack_merger_list = nn.ModuleList(Qwen3PatchMerger(vc, out_dim, postshuffle=True)
                                                    for _ in vc.deepstack_visual_indexes)
@@ -256,8 +245,10 @@ class Qwen3VisionTower(_Tower):
         return self.merger(x), deepstack
 
 
-def make_tower(vc: VisionConfig, out_dim):  # the family's tower
-    return VisionTower(vc, out_dim) if vc.family == "qwen2_5_vl" else Qwen3VisionTower(vc, out_dim)
+def make_tower(vc: VisionConfig, out_dim, rms_norm):
+    """The family's tower. rms_norm: the decoder's RMSNorm class (model.RMSNorm), which Qwen2.5-VL's tower uses too;
+    passed in because model.py imports this file, not the other way round."""
+    return VisionTower(vc, out_dim, rms_norm) if vc.family == "qwen2_5_vl" else Qwen3VisionTower(vc, out_dim)
 
 
 # ---- patchify ----

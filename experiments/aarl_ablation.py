@@ -17,8 +17,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import aarl  # noqa: E402
-import checkpoint  # noqa: E402
-import files  # noqa: E402
+from ops import checkpoint  # noqa: E402
+from ops import files  # noqa: E402
 
 
 def fixed_gamma_table(results, references, gammas=(4, 6, 8)):

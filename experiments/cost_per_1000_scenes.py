@@ -1,10 +1,10 @@
-"""Expected time, memory and disk of `train.py --target DIR --scenes SCENES` per 1,000 scenes at the real shape
+"""Expected time, memory and disk of `python -m real.distill --target DIR --scenes SCENES` per 1,000 scenes at the real shape
 (Alpamayo-R1: Qwen3-VL-8B + its vision tower), estimated from measured per-part costs: an estimate, not a timed run.
 
 Paper: the routine reasoner q (one decoder layer, the target's frozen embedding and LM head) distilled on the
 deliberative reasoner p's own CoCs (train.py, "a draft for any target"). Per scene the data stage (scenes.distill_data)
 runs p's vision tower, one prefill over the prompt and one KV-cached decode step per CoC token; per record the training
-stage (train.sequence_kl) runs p teacher-forced over prompt + CoC (no grad, LM head on the T CoC rows), then q forward +
+stage (distill.sequence_kl) runs p teacher-forced over prompt + CoC (no grad, LM head on the T CoC rows), then q forward +
 backward over the same sequence (its LM head on the same T rows), and every batch_size records one AdamW step of q's own
 fp32 parameters.
 
@@ -18,9 +18,9 @@ prompt of alpamayo.real_prompt: 16 images x 180 merged tokens; median of --reps 
     is the size of one layer, and it would carry the embedding and LM-head costs, measured apart here. The positions'
     values (FlatRoPE ids here, M-RoPE in p) do not change a layer's cost. The model is still built with 2 layers;
   - the LM head for 1 row (a decode step) and for T rows (the teacher-forced p);
-  - q forward + backward, fp32 master weights (bf16 autocast unless --dtype fp32), as train.sequence_kl runs it: q over
+  - q forward + backward, fp32 master weights (bf16 autocast unless --dtype fp32), as distill.sequence_kl runs it: q over
     prompt + CoC with logits_to_keep=T + 1, rows [:-1], train.kl_p_q against p's log-probs, backward;
-  - clip_grad_norm_ + AdamW step of q (train.make_optimizer).
+  - clip_grad_norm_ + AdamW step of q (ops.runs.make_optimizer).
 Then extrapolated to the full model: 36 layers, 27 vision blocks. Memory: p's parameters counted exactly from the
 config (the preset built on the meta device: nothing allocated), KV cache and q's weights / grads / AdamW state
 analytically, q's backward activations measured as the bytes autograd saves (saved_tensors_hooks, distinct storages,
@@ -44,12 +44,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-import alpamayo  # noqa: E402
-import cli  # noqa: E402
-import files  # noqa: E402
+from real import alpamayo  # noqa: E402
+from ops import cli  # noqa: E402
+from ops import files  # noqa: E402
 import model as M  # noqa: E402
-import timing  # noqa: E402
+from ops import timing  # noqa: E402
 import train as T  # noqa: E402
+from ops import runs  # noqa: E402
+from real import distill  # noqa: E402
 import vision  # noqa: E402
 from evaluate import autocast  # noqa: E402
 from rope import rope_cos_sin  # noqa: E402
@@ -96,7 +98,7 @@ def build(cfg, device, dtype):
     finally:
         torch.set_default_dtype(default)
     torch.manual_seed(0)
-    draft = M.make_draft(target, n_layers=1, rope_mode="flat").float()  # train.distill_draft's q
+    draft = M.make_draft(target, n_layers=1, rope_mode="flat").float()  # distill.distill_draft's q
     return target, draft
 
 
@@ -155,7 +157,7 @@ def measure(target, draft, prompt, coc, device, amp, reps):
     embeds = torch.randn(1, L + Tn, D, device=device, dtype=dt) * 0.02  # (1, L + T, D)
     p_logp = F.log_softmax(torch.randn(Tn, cfg.vocab_size, device=device), -1)  # (T, V)
 
-    def step():  # train.sequence_kl's draft lines, then the backward distill_draft runs under the same autocast
+    def step():  # distill.sequence_kl's draft lines, then the backward distill_draft runs under the same autocast
         with autocast(device, amp):  # rows L - 1 .. L + T - 2 predict the CoC: the last kept row is dropped
             logits_q = draft(seq, inputs_embeds=embeds, logits_to_keep=Tn + 1,
                              image_grid_thw=grid)[0, :-1].float()  # (T, V)
@@ -176,7 +178,7 @@ def measure(target, draft, prompt, coc, device, amp, reps):
     sec["draft_fwd_bwd"] = t(call)
     if device.type == "cuda":
         mem["draft_fwd_bwd_cuda_peak_above_weights"] = torch.cuda.max_memory_allocated(device) - base
-    opt = T.make_optimizer(draft.parameters(), T.DraftConfig(), 1e-3)
+    opt = runs.make_optimizer(draft.parameters(), 1e-3, distill.DraftConfig().weight_decay)
 
     def adamw():  # the per-update work of distill_draft: clip, step (the grads are kept: the next step needs them)
         torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
@@ -298,7 +300,7 @@ def main():
            "notes": ["CPU times are process CPU time of one thread; CUDA times wall time with a sync per reading",
                      "the training forward covers L + T rows, the formula charges the prompt's L (1.3% fewer)",
                      "distill_data's KV cache holds L - 1 + max_new slots (128 by default), the estimate L + T",
-                     "the Alpamayo action expert is not in the preset: not counted (train.py --target never runs it)"],
+                     "the Alpamayo action expert is not in the preset: not counted (real/distill.py never runs it)"],
            "environment": {"device": str(device), "hardware": hardware(device), "dtype": a.dtype,
                            "threads": torch.get_num_threads(), **timing.environment(device)},
            "wall_s": time.time() - t0}

@@ -44,14 +44,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 import bench  # noqa: E402
-import checkpoint  # noqa: E402
+from ops import checkpoint  # noqa: E402
 import driving  # noqa: E402
 import evaluate  # noqa: E402
-import files  # noqa: E402
+from ops import files  # noqa: E402
 import model as M  # noqa: E402
 import train as T  # noqa: E402
 from driving import Data  # noqa: E402
-from timing import measured_speedup, step_times  # noqa: E402
+from ops.timing import step_times  # noqa: E402
+from speculate import measured_speedup  # noqa: E402
 
 GAMMAS = tuple(range(2, 9))
 KINDS = ("flat", "mrope")

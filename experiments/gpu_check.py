@@ -42,15 +42,15 @@ import traceback
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import alpamayo  # noqa: E402
+from real import alpamayo  # noqa: E402
 import bench  # noqa: E402
-import cli  # noqa: E402
+from ops import cli  # noqa: E402
 import evaluate  # noqa: E402
-import files  # noqa: E402
+from ops import files  # noqa: E402
 import model as M  # noqa: E402
 import speculate  # noqa: E402
 import static  # noqa: E402
-import timing  # noqa: E402
+from ops import timing  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STAGES = ("a_env", "b_cuda_tests", "c_eager", "d_compiled", "e_full")
@@ -183,8 +183,8 @@ def predictions(t_target, t_draft, toy):
     out = {}
     for g in GAMMAS:
         if g + 1 in t_target:
-            tau = timing.expected_tau(toy["alpha"], g)
-            out[g] = timing.measured_speedup(tau, t_target[1], t_draft, t_target[g + 1], g)
+            tau = speculate.expected_tau(toy["alpha"], g)
+            out[g] = speculate.measured_speedup(tau, t_target[1], t_draft, t_target[g + 1], g)
     return out
 
 
@@ -215,7 +215,7 @@ def eager_stage(run):
     toy = bench.toy_acceptance(a.toy_json)
     toy_tree = bench.toy_acceptance(bench.TOY_TREE_ACCEPTANCE, bench.decoder_json(tree))
     t_verify = {n + 1: 1e3 * v for n, v in tt["target"].items()}  # (ms) keyed by tokens verified, x_last included
-    tree_pred = {head: timing.tree_speedup(toy_tree["tau"], t_target[1], td, 1e3 * lv, t_verify[tree.nodes + 1],
+    tree_pred = {head: tree.tree_speedup(toy_tree["tau"], t_target[1], td, 1e3 * lv, t_verify[tree.nodes + 1],
                                               tree)
                  for head, td, lv in (("full", t_draft, tt["draft_level"]), ("reduced", t_reduced, level_reduced))}
     return {"what": "eager steps (no_grad), median of --reps after one warm-up, each on a cache holding the prompt "
@@ -264,10 +264,10 @@ def compiled_costs(run, layers):
     finally:
         watch.close()
     toy = bench.toy_acceptance(a.toy_json)
-    tau = timing.expected_tau(toy["alpha"], g)
+    tau = speculate.expected_tau(toy["alpha"], g)
     return {"layers": layers, "compile_s": compile_s, "compile_s_total": sum(compile_s.values()),
             "t_target_ms": t_target, "t_draft_1_ms": t_draft, "gamma": g,
-            "predicted_speedup_at_toy_alpha": timing.measured_speedup(tau, t_target[1], t_draft, t_target[g + 1], g),
+            "predicted_speedup_at_toy_alpha": speculate.measured_speedup(tau, t_target[1], t_draft, t_target[g + 1], g),
             "compilations": watch.report(), "peak_memory": timing.peak_memory(run.device)}
 
 

@@ -14,10 +14,10 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import checkpoint  # noqa: E402
+from ops import checkpoint  # noqa: E402
 import driving  # noqa: E402
 import evaluate  # noqa: E402
-import files  # noqa: E402
+from ops import files  # noqa: E402
 from driving import Data  # noqa: E402
 
 KINDS = ("mrope", "flat", "aarl")

@@ -11,10 +11,10 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
-from cli import check_device  # noqa: E402
+from ops.cli import check_device  # noqa: E402
 from model import PRESETS, VLA  # noqa: E402
 from speculate import autoregressive, speculative  # noqa: E402
-from timing import expected_tau  # noqa: E402
+from speculate import expected_tau  # noqa: E402
 
 
 def main():

@@ -1,7 +1,7 @@
 """The toy target through the path a real target takes: exported as a Hugging Face Qwen2.5-VL folder
-(hf.export_pretrained), loaded back (hf.load_pretrained, through train.load_target), its own greedy CoCs on the toy
-world's training scenes written by scenes.distill_data, and FlatRoPE drafts distilled on them by train.distill_draft
-(`train.py --target DIR --toy-scenes N`), one sequence per forward with gradient accumulation. Paper: the routine
+(hf.export_pretrained), loaded back (hf.load_pretrained, through distill.load_target), its own greedy CoCs on the toy
+world's training scenes written by scenes.distill_data, and FlatRoPE drafts distilled on them by distill.distill_draft
+(`python -m real.distill --target DIR --toy-scenes N`), one sequence per forward with gradient accumulation. Paper: the routine
 reasoner (draft q) is distilled from the deliberative reasoner (target p). The drafts are scored as the shipped ones
 are (evaluate.draft_matches + evaluate.tau_by_gamma: the exact replay of greedy speculative decoding on the held-out
 test scenes), the shipped FlatRoPE drafts beside them under the same scoring, and greedy speculative decoding with each
@@ -26,13 +26,13 @@ from types import SimpleNamespace
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import alpamayo  # noqa: E402
-import checkpoint  # noqa: E402
+from real import alpamayo  # noqa: E402
+from ops import checkpoint  # noqa: E402
 import driving  # noqa: E402
 import evaluate  # noqa: E402
-import files  # noqa: E402
-import hf  # noqa: E402
-import train as T  # noqa: E402
+from ops import files  # noqa: E402
+from real import hf  # noqa: E402
+from real import distill  # noqa: E402
 from driving import Data  # noqa: E402
 
 
@@ -59,7 +59,7 @@ def main():
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--n-train", type=int, default=4800)
     ap.add_argument("--n-test", type=int, default=256)
-    ap.add_argument("--steps", type=int, default=T.DraftConfig.steps, help="draft updates (train.py's 300)")
+    ap.add_argument("--steps", type=int, default=distill.DraftConfig.steps, help="draft updates (train.py's 300)")
     ap.add_argument("--gamma", type=int, default=6)
     ap.add_argument("--identity-scenes", type=int, default=64, help="test scenes decoded by alpamayo.heldout")
     ap.add_argument("--out", default="experiments/toy_roundtrip.json")
@@ -70,7 +70,7 @@ def main():
     folder = os.path.join(args.work, "hf_target")
     if not os.path.exists(os.path.join(folder, hf.CONFIG)):
         hf.export_pretrained(ours, folder)
-    loaded = T.load_target(folder).eval()
+    loaded = distill.load_target(folder).eval()
     tok = driving.Tokenizer()
     test = Data("test", args.n_test, 0, tok)
     outputs = evaluate.greedy_outputs(loaded, test)
@@ -81,11 +81,11 @@ def main():
     shipped_tau = test_tau(ours, shipped, test, evaluate.greedy_outputs(ours, test), args.gamma)
     runs, before = {}, files.read_json(args.out) if os.path.exists(args.out) else {"roundtrip": {}}
     for seed in seeds:
-        cfg = dataclasses.replace(T.DraftConfig(), target=folder, toy_scenes=args.n_train, out=args.work, seed=seed,
+        cfg = dataclasses.replace(distill.DraftConfig(), target=folder, toy_scenes=args.n_train, out=args.work, seed=seed,
                                   steps=args.steps, max_new=evaluate.MAX_NEW_TOKENS)
         t, path = time.time(), checkpoint.draft_dir(args.work, "flat", seed)
         if checkpoint.existing_kind(path) is None:  # else trained by an earlier run of this script: scored again
-            T.run_draft(cfg)
+            distill.run_draft(cfg)
             wall = time.time() - t
         else:
             old = before["roundtrip"].get(str(seed), {})

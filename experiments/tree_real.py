@@ -25,10 +25,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-import files  # noqa: E402
+from ops import files  # noqa: E402
 import model as M  # noqa: E402
 from rope import rope_cos_sin, rope_inv_freq  # noqa: E402
-from timing import measured_speedup, median_time, tree_speedup  # noqa: E402
+from ops.timing import median_time  # noqa: E402
+from speculate import measured_speedup  # noqa: E402
+from tree import tree_speedup  # noqa: E402
 from tree import TreeShape  # noqa: E402
 
 NODES = (8, 16, 32, 64)  # node budgets N of experiments/tree_sweep.py; the verify covers x_last + N tokens

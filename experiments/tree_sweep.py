@@ -17,12 +17,12 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
-import checkpoint  # noqa: E402
+from ops import checkpoint  # noqa: E402
 import driving  # noqa: E402
 import evaluate  # noqa: E402
-import files  # noqa: E402
+from ops import files  # noqa: E402
 import speculate  # noqa: E402
-from timing import step_times, tree_step_times  # noqa: E402
+from ops.timing import step_times, tree_step_times  # noqa: E402
 from tree import TreeShape  # noqa: E402
 
 KINDS = {"replica": "mrope", "flatrope": "flat", "flatrope+aarl": "aarl"}

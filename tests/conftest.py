@@ -33,23 +33,24 @@ class Killed(Exception):
 
 @pytest.fixture
 def kill_after_save(monkeypatch):
-    """A context: train.py's runs inside it die right after their first resumable state is written (as a kill -9
-    then would leave them), raising Killed; outside it they save as usual."""
+    """A context: training runs inside it (train.py, real/distill.py, real/aarl_real.py) die right after their first
+    resumable state is written (as a kill -9 then would leave them), raising Killed; outside it they save as usual."""
     import contextlib
-    import train
+
+    from ops import runs
 
     @contextlib.contextmanager
     def killed():
-        save_state = train.save_state
+        save_state = runs.save_state
 
-        def save_then_die(path, step, *args):
-            save_state(path, step, *args)
+        def save_then_die(path, step, *args, **kwargs):
+            save_state(path, step, *args, **kwargs)
             raise Killed
 
-        monkeypatch.setattr(train, "save_state", save_then_die)
+        monkeypatch.setattr(runs, "save_state", save_then_die)
         with pytest.raises(Killed):
             yield
-        monkeypatch.setattr(train, "save_state", save_state)
+        monkeypatch.setattr(runs, "save_state", save_state)
     return killed
 
 

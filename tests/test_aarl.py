@@ -7,14 +7,14 @@ run: python -m pytest -q tests/test_aarl.py
 import copy
 
 import pytest
+from test_train import TINY, TINY_DRAFT, held_lock  # noqa: F401  (tiny sizes shared with the train tests)
 import torch
 
 import aarl
 import driving
-import files
 import model as M
+from ops import files
 import train as T
-from test_train import TINY, TINY_DRAFT, held_lock  # noqa: F401  (tiny sizes shared with the train tests)
 
 
 @pytest.fixture(autouse=True)

@@ -1,4 +1,4 @@
-"""Tests for aarl.py's real-target path on the tiny Alpamayo-shaped folder of tests/test_alpamayo.py and 3 written
+"""Tests for aarl_real.py's real-target path on the tiny Alpamayo-shaped folder of tests/test_alpamayo.py and 3 written
 scenes (two with a logged future, one without): the reward is -ADE of alpamayo.trajectory's plan, recomputed here,
 and a deterministic function of the CoC; the reference of a scene without a future is p's plan after p's greedy CoC;
 one update moves the draft and neither p nor q_ref, with KL 0 at the first update (q == q_ref); a NaN loss names its
@@ -12,12 +12,9 @@ import dataclasses
 import pytest
 import torch
 
-import aarl
-import alpamayo
-import checkpoint
-import files
 import model as M
-import scenes
+from ops import checkpoint, files
+from real import aarl_real, alpamayo, scenes
 import speculate
 
 try:  # the tiny Alpamayo-shaped folder of tests/test_alpamayo.py, a fixture
@@ -27,7 +24,7 @@ except (ImportError, pytest.skip.Exception):  # no transformers: that test modul
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 IDS = (SPECIAL["<|cot_end|>"], SPECIAL["<|traj_future_start|>"])
-CFG = aarl.RealConfig(steps=1, per_update=1, group=3, max_new=5, min_pixels=64, max_pixels=256)
+CFG = aarl_real.RealConfig(steps=1, per_update=1, group=3, max_new=5, min_pixels=64, max_pixels=256)
 FLAGS = ["--min-pixels", "64", "--max-pixels", "256", "--max-new", "4", "--group", "2", "--steps", "1"]
 
 
@@ -35,7 +32,7 @@ FLAGS = ["--min-pixels", "64", "--max-pixels", "256", "--max-new", "4", "--group
 def setup(folder, tmp_path_factory):
     """(target, SFT draft folder, scene folder, scenes, prompts): s0 and s2 drive at alpamayo.history_poses' 8 m/s
     (the speed alpamayo.trajectory assumes), s1 slower; s2 has no future."""
-    from hf import load_pretrained
+    from real.hf import load_pretrained
     d, root = folder[2], tmp_path_factory.mktemp("aarl_real")
     target = load_pretrained(d).eval()
     g = torch.Generator().manual_seed(0)
@@ -54,17 +51,17 @@ def test_reward_is_minus_ade_of_the_experts_plan(setup):
     target, sft, _, clips, prompts = setup
     draft, scene, prompt = checkpoint.load(sft, target=target), clips[0], prompts[0][1]()
     embeds, deepstack = speculate.embed_prompt(target, prompt)  # (1, L, D)
-    toks, mask = aarl.rollout(draft, embeds, prompt, 3, 1.0, 5, IDS[1], torch.Generator().manual_seed(0))
+    toks, mask = aarl_real.rollout(draft, embeds, prompt, 3, 1.0, 5, IDS[1], torch.Generator().manual_seed(0))
     cocs = [t[m].tolist() for t, m in zip(toks, mask)]
     v0 = torch.tensor([8.0])  # alpamayo.trajectory's speed; s0's own past gives the same
-    assert torch.allclose(aarl.speed_from_history(scene.past[None]), v0)
+    assert torch.allclose(aarl_real.speed_from_history(scene.past[None]), v0)
     L = prompt["input_ids"].shape[1]
     cache = alpamayo.prefill_cache(target, prompt, embeds, deepstack, 5 + 2 + 64)
-    r = aarl.real_rewards(target, cache, L, cocs, v0, scene.future[:, :2], IDS)  # (3,)
+    r = aarl_real.real_rewards(target, cache, L, cocs, v0, scene.future[:, :2], IDS)  # (3,)
     for c, ri in zip(cocs, r):  # an independent plan: a fresh prefill per CoC, alpamayo.trajectory
-        plan = alpamayo.trajectory(target, prompt, aarl.close_coc(c, *IDS), IDS[1], repeats=1)[0][0]  # (64, 2)
+        plan = alpamayo.trajectory(target, prompt, aarl_real.close_coc(c, *IDS), IDS[1], repeats=1)[0][0]  # (64, 2)
         assert torch.allclose(ri, -(plan - scene.future[:, :2]).norm(dim=-1).mean(), atol=1e-5)
-    again = aarl.real_rewards(target, cache, L, cocs[::-1], v0, scene.future[:, :2], IDS)  # after other CoCs
+    again = aarl_real.real_rewards(target, cache, L, cocs[::-1], v0, scene.future[:, :2], IDS)  # after other CoCs
     assert torch.equal(again, r.flip(0)) and len(set(r.tolist())) > 1, r  # deterministic, and CoCs differ
 
 
@@ -72,9 +69,9 @@ def test_reference_without_future_is_ps_own_plan(setup):
     target, _, _, clips, prompts = setup
     scene, prompt = clips[2], prompts[2][1]()
     assert scene.future is None
-    ref = aarl.reference_plan(target, prompt, scene, torch.tensor([8.0]), CFG, IDS)  # (64, 2)
+    ref = aarl_real.reference_plan(target, prompt, scene, torch.tensor([8.0]), CFG, IDS)  # (64, 2)
     coc = speculate.autoregressive(target, prompt, CFG.max_new, stop_token=IDS[1]).tokens
-    plan = alpamayo.trajectory(target, prompt, aarl.close_coc(coc, *IDS), IDS[1], repeats=1)[0][0]
+    plan = alpamayo.trajectory(target, prompt, aarl_real.close_coc(coc, *IDS), IDS[1], repeats=1)[0][0]
     assert ref.shape == (64, 2) and torch.allclose(ref, plan, atol=1e-5)
 
 
@@ -83,25 +80,25 @@ def test_one_update_moves_the_draft_only(setup):
     draft, ref = checkpoint.load(sft, target=target), checkpoint.load(sft, target=target)
     before = {n: copy.deepcopy(m.state_dict()) for n, m in (("draft", draft), ("ref", ref), ("target", target))}
     log = []
-    aarl.train_real(target, draft, ref, clips[:1], prompts[:1], CFG, IDS, log=log.append)
+    aarl_real.train_real(target, draft, ref, clips[:1], prompts[:1], CFG, IDS, log=log.append)
     assert log[0]["kl"] == 0.0 and log[0]["reward_std_in_group"] > 0, log  # q == q_ref; a nonzero advantage
     moved = {n: any(not torch.equal(v, m.state_dict()[k]) for k, v in before[n].items())
              for n, m in (("draft", draft), ("ref", ref), ("target", target))}
     assert moved == {"draft": True, "ref": False, "target": False}
-    with pytest.raises(FloatingPointError, match="update 0"):
-        aarl.train_real(target, draft, ref, clips[:1], prompts[:1], dataclasses.replace(CFG, beta=float("nan")), IDS)
+    with pytest.raises(FloatingPointError, match="loss is nan at step 0"):
+        aarl_real.train_real(target, draft, ref, clips[:1], prompts[:1], dataclasses.replace(CFG, beta=float("nan")), IDS)
 
 
 def test_command_line_end_to_end(setup, folder, tmp_path, capsys):
     target, sft, root, _, _ = setup
     argv = ["--target", str(folder[2]), "--draft", sft, "--scenes", root, "--out", str(tmp_path), "--per-update", "3"]
-    res = aarl.main(argv + FLAGS)
+    res = aarl_real.main(argv + FLAGS)
     draft = checkpoint.load(res["out"], target=target)
     assert res["out"] == str(tmp_path / "draft_aarl_s0") and res["scenes"] == 3
     sd = checkpoint.load(sft, target=target).state_dict()
     assert any(not torch.equal(v, sd[k]) for k, v in draft.state_dict().items())
     with pytest.raises(SystemExit):  # an existing checkpoint is never replaced
-        aarl.main(argv + FLAGS)
+        aarl_real.main(argv + FLAGS)
     assert "refusing to replace it" in capsys.readouterr().err
 
 
@@ -117,7 +114,7 @@ def test_bad_inputs_are_named(setup, folder, tmp_path, capsys):
               "--group must be >= 2")]
     for argv, words in cases:
         with pytest.raises(SystemExit):
-            aarl.main(argv)
+            aarl_real.main(argv)
         assert words in capsys.readouterr().err, argv
 
 
@@ -130,7 +127,7 @@ def test_a_killed_run_resumes_exactly(setup, tmp_path, monkeypatch):
 
     def run(state_path, c=cfg):
         draft, ref = checkpoint.load(sft, target=target), checkpoint.load(sft, target=target)
-        return aarl.train_real(target, draft, ref, clips, prompts, c, IDS, state_path=state_path)
+        return aarl_real.train_real(target, draft, ref, clips, prompts, c, IDS, state_path=state_path)
 
     straight = run(None)
     save = files.torch_save

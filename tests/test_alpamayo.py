@@ -14,16 +14,16 @@ import os
 import shutil
 
 import pytest
-import torch
 from safetensors.torch import load_file, save_file
+import torch
 
-import alpamayo
 import bench
-import speculate
-from alpamayo import HistoryTokenizer, build_prompt
-from hf import load_pretrained
-from expert import ExpertConfig, unicycle
 from model import make_draft
+from real import alpamayo
+from real.alpamayo import HistoryTokenizer, build_prompt
+from real.expert import ExpertConfig, unicycle
+from real.hf import load_pretrained
+import speculate
 from tiny_models import IMG, VE, VID, VS, hf_qwen3, mm_token_type_ids, o1_init, qwen3_prompt
 
 tf = pytest.importorskip("transformers")
@@ -230,7 +230,7 @@ def test_euler_flow_runs_from_noise_to_data(model, monkeypatch):
 def test_the_rotary_frequencies_are_built_once_per_device(model, monkeypatch):
     """The expert's rotary table is built once per device, not at every Euler step (on CUDA a CPU build and copy per
     step is a host sync inside the timed action stage); the plan is unchanged."""
-    import expert
+    from real import expert
     builds, build = [], expert.rope_inv_freq
     monkeypatch.setattr(expert, "rope_inv_freq", lambda *a: builds.append(a) or build(*a))
     model.expert._inv_freq.clear()

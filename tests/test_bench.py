@@ -10,10 +10,10 @@ import pytest
 import torch
 
 import bench
-import timing
 import evaluate
-import speculate
 from model import make_draft
+from ops import cli, timing
+import speculate
 from tiny_models import image_prompt, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -88,7 +88,7 @@ def test_sampling_reaches_every_timed_decode(monkeypatch):
         return decode(target, draft, prompt, *args, **kw)
 
     monkeypatch.setattr(evaluate, "decode", spy)
-    sampling = evaluate.decoding_mode(0.8, top_k=20, top_p=0.9, seed=5)
+    sampling = cli.decoding_mode(0.8, top_k=20, top_p=0.9, seed=5)
     bench.time_arms(target, {"speculative": draft}, prompts, 3, 6, None, repeats=1, decoding=sampling)
     assert len(calls) == 2 * 2 * 2  # warm-up + 1 pass, 2 arms, 2 prompts
     for i, (_, kw) in enumerate(calls):
@@ -101,9 +101,9 @@ def test_sampling_reaches_every_timed_decode(monkeypatch):
 
 
 def test_decoding_mode_checks_the_flags():
-    assert evaluate.decoding_mode() == {"mode": "greedy", "temperature": 0.0, "top_k": None, "top_p": None,
+    assert cli.decoding_mode() == {"mode": "greedy", "temperature": 0.0, "top_k": None, "top_p": None,
                                         "seed": None}
-    assert evaluate.decoding_mode(0.6, top_p=0.98)["mode"] == "sampling"
+    assert cli.decoding_mode(0.6, top_p=0.98)["mode"] == "sampling"
     for kw, msg in ((dict(temperature=-1.0), "temperature must be finite and >= 0"),
                     (dict(temperature=math.nan), "temperature must be finite"),
                     (dict(temperature=1.0, top_k=0), "top_k must be"),
@@ -111,7 +111,7 @@ def test_decoding_mode_checks_the_flags():
                     (dict(top_p=0.9), "give a temperature > 0"),
                     (dict(temperature=1.0, seed=-1), "seed must be an int >= 0")):
         with pytest.raises(ValueError, match=msg):
-            evaluate.decoding_mode(**kw)
+            cli.decoding_mode(**kw)
 
 
 # ---- the compiled steps, and what the JSON says about them ----

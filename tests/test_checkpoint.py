@@ -15,19 +15,17 @@ import subprocess
 import sys
 
 import pytest
-import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
+import torch
 
-import checkpoint
-import files
-from checkpoint import load, save
-from hf import load_pretrained
 from model import make_draft
+from ops import checkpoint, files
+from ops.checkpoint import load, save
+from real.hf import load_pretrained
 from rope import mrope_cos_sin, rope_inv_freq
 from speculate import EMBED_KEYS
-from tiny_models import (IMG, VE, VID, VS, hf_qwen3, image_prompt, mm_token_type_ids, o1_init, qwen3_prompt,
-                         tiny_model)
+from tiny_models import IMG, VE, VID, VS, hf_qwen3, image_prompt, mm_token_type_ids, o1_init, qwen3_prompt, tiny_model
 
 PARITY_TOL = 1e-4
 MEASURED = {}  # max |diff| per parity check, printed at the end of the module (pytest -s)
@@ -534,7 +532,7 @@ def test_kill_9_during_a_save_keeps_the_previous_checkpoint(tmp_path):
 
 SAVE_LOOP = """
 import sys
-from checkpoint import save
+from ops.checkpoint import save
 from tiny_models import tiny_model
 models = [tiny_model(seed=0), tiny_model(seed=1)]
 for i in range(10**6):

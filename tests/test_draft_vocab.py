@@ -16,17 +16,17 @@ import json
 import os
 
 import pytest
-import torch
 from safetensors.torch import load_file, save_file
-
-import checkpoint
-import model as M
-import speculate
-import static
-import train as T
-from speculate import autoregressive, process_logits, speculative
 from test_speculate import SIGNIFICANCE, ToyLM, chi_square, joint_first3, markov_pair, prompt_of, vla_prompts
+import torch
+
+import model as M
+from ops import checkpoint
+import speculate
+from speculate import autoregressive, process_logits, speculative
+import static
 from tiny_models import tiny_model
+import train as T
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -7,15 +7,15 @@ Tiny model sizes (test_train's presets) keep the file fast on 2 CPU cores.
 run: python -m pytest -q tests/test_evaluate.py
 """
 import pytest
+from test_train import TINY, TINY_DRAFT
 import torch
 
 import driving
+from driving import Data, vision_kwargs
 import evaluate
 import model as M
 import speculate
 import train as T
-from driving import Data, vision_kwargs
-from test_train import TINY, TINY_DRAFT
 
 
 @pytest.fixture(autouse=True)

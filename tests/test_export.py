@@ -12,11 +12,11 @@ import json
 import os
 
 import pytest
-import torch
 from safetensors.torch import load_file
+import torch
 
-from hf import export_pretrained, load_pretrained
 from model import make_draft
+from real.hf import export_pretrained, load_pretrained
 from tiny_models import IMG, VID, image_prompt, mm_token_type_ids, o1_init, tiny_model
 from vision import VisionConfig
 

@@ -11,12 +11,11 @@ import math
 import pytest
 import torch
 
-import alpamayo
 import bench
-import checkpoint
-import scenes
-import speculate
 from model import make_draft
+from ops import checkpoint
+from real import alpamayo, scenes
+import speculate
 
 try:  # the tiny Alpamayo-shaped folder of tests/test_alpamayo.py, a fixture
     from test_alpamayo import SPECIAL, edited, folder, save_processor
@@ -42,7 +41,7 @@ def write_scenes(root, n=3):
 @pytest.fixture(scope="module")
 def setup(folder, tmp_path_factory):
     """(the Alpamayo folder, its target, a draft dir, that draft as bench loads it, the scene folder)."""
-    from hf import load_pretrained
+    from real.hf import load_pretrained
     d = folder[2]
     target = load_pretrained(d).eval()
     torch.manual_seed(0)
@@ -165,7 +164,7 @@ def test_errors_are_one_line(setup, tmp_path, capsys):
     def moved(sd):  # another target: one weight changed
         sd[next(k for k in sorted(sd) if k.startswith("vlm.") and k.endswith("norm.weight"))] += 1
     other_dir = edited(d, tmp_path / "other", edit_sd=moved)
-    from hf import load_pretrained
+    from real.hf import load_pretrained
     other = load_pretrained(other_dir)
     checkpoint.save(make_draft(other, n_layers=1), tmp_path / "stale", target=other)
     assert "stale draft" in error("--target", str(d), "--scenes", str(root), "--draft", str(tmp_path / "stale"))

@@ -1,42 +1,71 @@
-"""The repo's layout stays as the README says: the file map lists every top-level module with its real line count,
-every repo path the README names exists, no import cycle, and no library module imports a script.
+"""The repo's house stays as the README says: the paper's path at the top level (at most 12 files), ops/ and real/ for
+the other audiences, every import pointing down the layers, the file map listing every module with its real line
+count, every repo path the README names existing, and every README command's --help listing the flags it uses.
 
 run: python -m pytest -q tests/test_layout.py
 """
+import ast
+import contextlib
 import glob
+import importlib
+import io
 import os
 import re
+import shlex
+
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = open(os.path.join(ROOT, "README.md")).read()
 ROW = re.compile(r"^\| `([^`]+)` \| ([0-9,]+) \|", re.M)  # a file-map row: | `file.py` | 1,234 | what |
+PROGRAMS_AT_TOP = {"train", "aarl"}  # runnable paper modules that real/ builds on
+SCRIPTS = {"bench", "rsd"}  # the top: they may import anything
+FOLDERS = ("ops", "real")
 
 
-def test_file_map_lists_every_module_with_its_line_count():
-    rows = {f: int(n.replace(",", "")) for f, n in ROW.findall(README)}
-    modules = sorted(os.path.basename(p) for p in glob.glob(os.path.join(ROOT, "*.py")))
-    assert sorted(rows) == modules, "README's file map must list exactly the top-level .py files"
-    for f, n in rows.items():
-        with open(os.path.join(ROOT, f)) as fh:
-            assert sum(1 for _ in fh) == n, f"README says {f} has {n} lines"
+def modules():
+    """{dotted name: path} of every module of the library and scripts (tests and experiments excluded)."""
+    paths = glob.glob(os.path.join(ROOT, "*.py"))
+    paths += [p for f in FOLDERS for p in glob.glob(os.path.join(ROOT, f, "*.py"))]
+    return {os.path.relpath(p, ROOT)[:-3].replace(os.sep, "."): p for p in paths if not p.endswith("__init__.py")}
 
 
-def test_named_paths_exist():
-    for path in set(re.findall(r"\b((?:docs|experiments|checkpoints)/[\w./-]*\w)", README)):
-        assert os.path.exists(os.path.join(ROOT, path)), f"README names {path}, which is not in the repo"
+def layer(m):
+    """Lower layers never import higher ones: the paper's core 0 < ops 1 < train / aarl 2 < real 3 < bench / rsd 4."""
+    if m in SCRIPTS:
+        return 4
+    if m.startswith("real."):
+        return 3
+    if m in PROGRAMS_AT_TOP:
+        return 2
+    return 1 if m.startswith("ops.") else 0
 
 
-def test_no_import_cycle_between_modules():
-    """The layering the README states: library modules import no script, and no two modules import each other
-    through any chain (an import cycle breaks a reader's top-down path through the files)."""
-    import ast
-    mods = {os.path.basename(p)[:-3] for p in glob.glob(os.path.join(ROOT, "*.py"))}
+def imports():
+    mods = modules()
     deps = {}
-    for m in mods:
-        tree = ast.parse(open(os.path.join(ROOT, m + ".py")).read())
-        names = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-        names |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
-        deps[m] = names & mods - {m}
+    for m, path in mods.items():
+        found = set()
+        for n in ast.walk(ast.parse(open(path).read())):
+            if isinstance(n, ast.Import):
+                found |= {a.name for a in n.names}
+            elif isinstance(n, ast.ImportFrom) and n.module:
+                found |= {n.module} | {f"{n.module}.{a.name}" for a in n.names}
+        deps[m] = found & set(mods) - {m}
+    return deps
+
+
+def test_top_level_is_the_papers_path():
+    top = sorted(os.path.basename(p) for p in glob.glob(os.path.join(ROOT, "*.py")))
+    assert len(top) <= 12, f"{len(top)} .py files at the top level: {top}"
+    for folder in FOLDERS:
+        assert os.path.isfile(os.path.join(ROOT, folder, "__init__.py")), folder
+
+
+def test_imports_point_down_the_layers_and_never_cycle():
+    deps = imports()
+    up = {m: sorted(d for d in ds if layer(d) > layer(m)) for m, ds in deps.items()}
+    assert not {m: u for m, u in up.items() if u}, "an import points up the layers"
 
     def reach(m, seen):
         for d in deps[m] - seen:
@@ -44,6 +73,63 @@ def test_no_import_cycle_between_modules():
             reach(d, seen)
         return seen
 
-    assert not [m for m in mods if m in reach(m, set())], "import cycle"
-    scripts = {"rsd", "train", "aarl", "bench"}
-    assert not {m: deps[m] & scripts for m in mods - scripts if deps[m] & scripts}, "a library module imports a script"
+    assert not [m for m in deps if m in reach(m, set())], "import cycle"
+
+
+def test_no_script_picks_its_program_from_argv():
+    """One script, one program: what a command does is its parser's, not a scan of its arguments for a flag."""
+    sniff = re.compile(r"sys\.argv\[1:\]|for \w+ in argv\b|in argv\)")
+    for m, path in modules().items():
+        assert not sniff.search(open(path).read()), f"{path} scans its command line"
+
+
+def test_file_map_lists_every_module_with_its_line_count():
+    rows = {f: int(n.replace(",", "")) for f, n in ROW.findall(README)}
+    want = sorted(os.path.relpath(p, ROOT) for p in modules().values())
+    assert sorted(rows) == want, "README's file map must list exactly the library's and scripts' .py files"
+    for f, n in rows.items():
+        with open(os.path.join(ROOT, f)) as fh:
+            assert sum(1 for _ in fh) == n, f"README says {f} has {n} lines"
+
+
+def test_named_paths_exist():
+    for path in set(re.findall(r"\b((?:docs|experiments|checkpoints|ops|real)/[\w./-]*\w)", README)):
+        assert os.path.exists(os.path.join(ROOT, path)), f"README names {path}, which is not in the repo"
+
+
+def readme_commands():
+    """(module, [flags]) of every `python X.py ...` / `python -m pkg.mod ...` / `torchrun ... X` command the README
+    shows in a code block."""
+    out = []
+    for block in re.findall(r"```bash\n(.*?)```", README, re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            for cmd in re.split(r"&&|;", line.split("#")[0]):
+                words = shlex.split(cmd)
+                if not words or words[0] not in ("python", "torchrun"):
+                    continue
+                if "-m" in words:
+                    mod = words[words.index("-m") + 1]
+                else:
+                    script = next((w for w in words if w.endswith(".py")), None)
+                    mod = script and script[:-3]
+                if mod in modules():
+                    out.append((mod, sorted({w.split("=")[0] for w in words if w.startswith("--")}
+                                            - {"--nproc_per_node"})))
+    return out
+
+
+@pytest.mark.parametrize("mod,flags", readme_commands())
+def test_readme_commands_show_every_flag_in_help(mod, flags):
+    """Each README command's program lists every flag the README gives it under --help (no hidden second program)."""
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf), pytest.raises(SystemExit):
+        importlib.import_module(mod).main(["--help"])
+    missing = [f for f in flags if f not in buf.getvalue()]
+    assert not missing, f"{mod} --help lacks {missing}"
+
+
+def test_readme_opens_with_a_reading_order():
+    head = "\n".join(README.splitlines()[:40])
+    order = [head.find(f"`{f}`") for f in ("rope.py", "model.py", "speculate.py", "tree.py", "aarl.py", "train.py",
+                                           "rsd.py")]
+    assert -1 not in order and order == sorted(order), "the reading order within the README's first 40 lines"

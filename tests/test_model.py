@@ -7,13 +7,13 @@ import copy
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right, causal_upper_left
+import torch.nn.functional as F
 
 from model import PRESETS, KVCache, ModelConfig, VisionConfig, make_draft
-from vision import patchify
 from rope import flat_position_ids, rope_inv_freq
 from tiny_models import IMG, VE, VS, image_prompt, o1_init, tiny_model
+from vision import patchify
 
 TOL = 1e-5
 

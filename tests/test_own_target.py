@@ -16,13 +16,11 @@ import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-import aarl
 import bench
-import checkpoint
 import driving
-import hf
 import model as M
-import scenes
+from ops import checkpoint
+from real import aarl_real, distill, hf, scenes
 import train as T
 
 try:  # the tiny Alpamayo-shaped folder of tests/test_alpamayo.py, a fixture
@@ -45,7 +43,7 @@ def write_scenes(root, n=4, seed=0):
 
 
 def alpamayo_cfg(d, root, out, **kw):
-    return T.DraftConfig(**dict(dict(target=d, scenes=root, out=str(out), steps=4, batch_size=4, save_every=2,
+    return distill.DraftConfig(**dict(dict(target=d, scenes=root, out=str(out), steps=4, batch_size=4, save_every=2,
                                      warmup=1, lr=1e-2, max_new=6, min_pixels=64, max_pixels=256), **kw))
 
 
@@ -59,7 +57,7 @@ def alpamayo_run(folder, tmp_path_factory):
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return d, root, T.run_draft(alpamayo_cfg(d, root, tmp / "straight"), log=lambda *_: None)
+        return d, root, distill.run_draft(alpamayo_cfg(d, root, tmp / "straight"), log=lambda *_: None)
     finally:
         torch.set_num_threads(n)
 
@@ -68,9 +66,9 @@ def alpamayo_run(folder, tmp_path_factory):
 def test_the_data_is_the_targets_own_cocs_through_cot_end(alpamayo_run):
     d, root, out = alpamayo_run
     assert [r["scene"] for r in out["data"]] == [f"clip{i}" for i in range(4)]
-    target = T.load_target(d)
+    target = distill.load_target(d)
     stop = [SPECIAL["<|cot_end|>"], SPECIAL["<|traj_future_start|>"]]
-    import alpamayo
+    from real import alpamayo
     import speculate
     for s, r in zip(scenes.load_scenes(root), out["data"]):
         p = alpamayo.build_prompt(d, s.images(), s.past, min_pixels=64, max_pixels=256)
@@ -83,29 +81,29 @@ def test_a_killed_run_resumes_exactly_and_its_draft_loads(alpamayo_run, tmp_path
     d, root, out = alpamayo_run
     cfg = alpamayo_cfg(d, root, tmp_path)
     with kill_after_save():
-        T.run_draft(cfg, log=lambda *_: None)
+        distill.run_draft(cfg, log=lambda *_: None)
     assert torch.load(tmp_path / "draft_flat_s0.state.pt", weights_only=True)["step"] == 2
-    resumed = T.run_draft(dataclasses.replace(cfg, workers=2), log=lambda *_: None)["draft"]  # prompts built ahead
-    fresh = dict(M.make_draft(T.load_target(d), n_layers=1).named_parameters())
+    resumed = distill.run_draft(dataclasses.replace(cfg, workers=2), log=lambda *_: None)["draft"]  # prompts built ahead
+    fresh = dict(M.make_draft(distill.load_target(d), n_layers=1).named_parameters())
     for (name, a), b in zip(out["draft"].named_parameters(), resumed.parameters()):
         assert torch.equal(a, b), name
         assert not torch.equal(a, fresh[name]), f"{name} never moved"
-    target = T.load_target(d)
+    target = distill.load_target(d)
     loaded = checkpoint.load(checkpoint.draft_dir(tmp_path, "flat", 0), target=target)
     for (name, a), b in zip(resumed.named_parameters(), loaded.parameters()):
         assert torch.equal(a, b), name
     os.remove(os.path.join(checkpoint.draft_dir(tmp_path, "flat", 0), checkpoint.WEIGHTS))  # a run to resume again
     with pytest.raises(ValueError, match="other settings: lr"):  # a resume with another lr is refused by name
-        T.run_draft(dataclasses.replace(cfg, lr=1e-3), log=lambda *_: None)
+        distill.run_draft(dataclasses.replace(cfg, lr=1e-3), log=lambda *_: None)
     write_scenes(root + "_more", n=5)  # one more scene: the records differ, and so would the updates' draws
     with pytest.raises(ValueError, match="distilled on other records"):
-        T.run_draft(dataclasses.replace(cfg, scenes=root + "_more"), log=lambda *_: None)
+        distill.run_draft(dataclasses.replace(cfg, scenes=root + "_more"), log=lambda *_: None)
 
 
 def _rank_worker(rank, world, d, root, out, port):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    draft = T.run_draft(alpamayo_cfg(d, root, out), log=lambda *_: None)["draft"]
+    draft = distill.run_draft(alpamayo_cfg(d, root, out), log=lambda *_: None)["draft"]
     torch.save(draft.state_dict(), os.path.join(out, f"rank{rank}.pt"))
 
 
@@ -118,7 +116,7 @@ def test_two_gloo_ranks_equal_one(alpamayo_run, tmp_path):
     mp.spawn(_rank_worker, args=(2, d, root, str(tmp_path), port), nprocs=2, join=True)
     assert sorted(os.listdir(tmp_path / "data")) == ["part0", "part1"]  # each rank decoded its share of the scenes
     key = lambda r: r["scene"]  # noqa: E731
-    assert sorted(T.read_parts(tmp_path / "data"), key=key) == sorted(out["data"], key=key)
+    assert sorted(distill.read_parts(tmp_path / "data"), key=key) == sorted(out["data"], key=key)
     a, b = (torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1))
     for k, v in out["draft"].state_dict().items():
         assert torch.equal(a[k], b[k]), k  # DDP keeps the ranks identical
@@ -130,22 +128,22 @@ def test_a_reduced_vocabulary_head_covers_the_targets_own_cocs(alpamayo_run, tmp
     """--draft-vocab K: the head's ids are the K commonest in the target's own CoCs, the reasoning's stop id kept."""
     d, root, out = alpamayo_run
     cfg = alpamayo_cfg(d, root, tmp_path, steps=1, draft_vocab=4)
-    draft = T.run_draft(cfg, log=lambda *_: None)["draft"]
+    draft = distill.run_draft(cfg, log=lambda *_: None)["draft"]
     want = T.select_draft_vocab([r["tokens"] for r in out["data"]], 4, SPECIAL["<|traj_future_start|>"],
                                 draft.cfg.vocab_size)
     assert torch.equal(draft.vocab_ids.cpu(), want) and SPECIAL["<|traj_future_start|>"] in want.tolist()
-    loaded = checkpoint.load(checkpoint.draft_dir(tmp_path, "flat", 0), target=T.load_target(d))
+    loaded = checkpoint.load(checkpoint.draft_dir(tmp_path, "flat", 0), target=distill.load_target(d))
     assert torch.equal(loaded.vocab_ids.cpu(), want)
 
 
 @needs_tf
 def test_a_draft_can_start_from_the_targets_last_layer(alpamayo_run):
-    target = T.load_target(alpamayo_run[0])
-    draft = T.new_draft(target, "flat", init="last")
+    target = distill.load_target(alpamayo_run[0])
+    draft = distill.new_draft(target, "flat", init="last")
     want = dict(target.layers[-1].state_dict(), **{"norm." + k: v for k, v in target.norm.state_dict().items()})
     got = dict(draft.layers[0].state_dict(), **{"norm." + k: v for k, v in draft.norm.state_dict().items()})
     assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
-    assert not torch.equal(T.new_draft(target, "flat").layers[0].mlp.down_proj.weight, want["mlp.down_proj.weight"])
+    assert not torch.equal(distill.new_draft(target, "flat").layers[0].mlp.down_proj.weight, want["mlp.down_proj.weight"])
 
 
 @needs_tf
@@ -153,9 +151,9 @@ def test_a_draft_can_start_from_the_targets_last_layer(alpamayo_run):
 def test_the_loss_is_kl_p_q_on_the_coc_positions(alpamayo_run):
     """sequence_kl against full-vocabulary, full-length forwards of both models (no logits_to_keep)."""
     d, root, out = alpamayo_run
-    import alpamayo
+    from real import alpamayo
     import speculate
-    target, rec = T.load_target(d), out["data"][1]
+    target, rec = distill.load_target(d), out["data"][1]
     draft = M.make_draft(target, n_layers=1)
     s = scenes.load_scenes(root)[1]
     prompt = alpamayo.build_prompt(d, s.images(), s.past, min_pixels=64, max_pixels=256)
@@ -167,19 +165,19 @@ def test_the_loss_is_kl_p_q_on_the_coc_positions(alpamayo_run):
     q = F.log_softmax(draft(ids, inputs_embeds=embeds, image_grid_thw=prompt["image_grid_thw"])[0, L - 1:L + T_ - 1],
                       -1)
     want = (p.exp() * (p - q)).sum(-1).mean()
-    got = T.sequence_kl(target, draft, prompt, rec["tokens"])
+    got = distill.sequence_kl(target, draft, prompt, rec["tokens"])
     assert abs(got.item() - want.item()) <= 1e-5 * max(1.0, want.item()), (got.item(), want.item())
 
 
 @needs_tf
 def test_the_whole_path_on_the_command_line(alpamayo_run, tmp_path):
-    """train.py --target, then aarl.py --target on its draft, then bench.py --scenes on held-out scenes with the
+    """real.distill, then real.aarl_real on its draft, then bench.py --scenes on held-out scenes with the
     post-trained draft: the commands a user runs, in order, each reading what the one before wrote."""
     d, root, _ = alpamayo_run
     held, run, px = write_scenes(tmp_path / "held", n=2, seed=1), str(tmp_path / "run"), [
         "--min-pixels", "64", "--max-pixels", "256", "--max-new", "6"]
-    T.main(["--target", d, "--scenes", root, "--out", run, "--steps", "2", "--batch-size", "2", *px])
-    aarl.main(["--target", d, "--draft", checkpoint.draft_dir(run, "flat", 0), "--scenes", root, "--out", run,
+    distill.main(["--target", d, "--scenes", root, "--out", run, "--steps", "2", "--batch-size", "2", *px])
+    aarl_real.main(["--target", d, "--draft", checkpoint.draft_dir(run, "flat", 0), "--scenes", root, "--out", run,
                "--steps", "1", "--per-update", "2", "--group", "2", *px])
     res = bench.main(["--target", d, "--draft", checkpoint.draft_dir(run, "aarl", 0), "--scenes", held, "--tree",
                       "0", "--repeats", "3", "--dtype", "fp32", *px])
@@ -189,14 +187,15 @@ def test_the_whole_path_on_the_command_line(alpamayo_run, tmp_path):
 @needs_tf
 def test_a_plain_qwen3_vl_folder_takes_the_same_path(folder, tmp_path):
     """No Alpamayo tokens: each scene's images and instruction.txt, the CoC ending at <|im_end|>."""
-    import alpamayo
-    import speculate
     from test_heldout import plain_qwen3_vl
+
+    from real import alpamayo
+    import speculate
     d = plain_qwen3_vl(folder, tmp_path)
-    cfg = T.DraftConfig(target=str(d), scenes=str(tmp_path / "s"), out=str(tmp_path / "run"), steps=2, batch_size=2,
+    cfg = distill.DraftConfig(target=str(d), scenes=str(tmp_path / "s"), out=str(tmp_path / "run"), steps=2, batch_size=2,
                         max_new=4, min_pixels=64, max_pixels=256)
-    out = T.run_draft(cfg, log=lambda *_: None)
-    target = T.load_target(str(d))
+    out = distill.run_draft(cfg, log=lambda *_: None)
+    target = distill.load_target(str(d))
     for s, r in zip(scenes.load_scenes(tmp_path / "s", n_images=None, poses=False), out["data"]):
         p = alpamayo.qwen_prompt(str(d), s.images(), s.instruction, min_pixels=64, max_pixels=256)
         assert r["tokens"] == speculate.autoregressive(target, p, 4, stop_token=SPECIAL["<|im_end|>"]).tokens
@@ -211,10 +210,10 @@ def test_an_exported_toy_target_takes_the_same_path(tmp_path):
                               intermediate_size=48, head_dim=16, mrope_section=(2, 3, 3))
     torch.manual_seed(0)
     hf.export_pretrained(M.VLA(cfg).eval(), tmp_path / "hf")
-    run = T.DraftConfig(target=str(tmp_path / "hf"), toy_scenes=3, out=str(tmp_path / "run"), steps=2,
+    run = distill.DraftConfig(target=str(tmp_path / "hf"), toy_scenes=3, out=str(tmp_path / "run"), steps=2,
                         batch_size=2, max_new=6, views=1)
-    out = T.run_draft(run, log=lambda *_: None)
-    target = T.load_target(run.target)
+    out = distill.run_draft(run, log=lambda *_: None)
+    target = distill.load_target(run.target)
     world = driving.make_split("train", 3, 0)
     import speculate
     assert [r["tokens"] for r in out["data"]] == [speculate.autoregressive(
@@ -235,8 +234,8 @@ def test_bad_arguments_are_named_before_any_work(argv, msg, tmp_path, capsys):
     if argv[0] != "--toy-scenes":
         base += ["--toy-scenes", "2"]
     with pytest.raises(SystemExit):
-        T.main(base + argv)
+        distill.main(base + argv)
     assert msg in capsys.readouterr().err
     with pytest.raises(SystemExit):  # no training scenes, or both kinds
-        T.main(["--target", str(tmp_path)])
+        distill.main(["--target", str(tmp_path)])
     assert "give the training scenes" in capsys.readouterr().err

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import bench
-import peer
+from real import peer
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.peer]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

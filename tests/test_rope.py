@@ -7,8 +7,17 @@ import types
 import pytest
 import torch
 
-from rope import (apply_rope, check_mrope_section, decode_positions, flat_position_ids, get_rope_index,
-                  mrope_axis, mrope_cos_sin, rope_cos_sin, rope_inv_freq)
+from rope import (
+    apply_rope,
+    check_mrope_section,
+    decode_positions,
+    flat_position_ids,
+    get_rope_index,
+    mrope_axis,
+    mrope_cos_sin,
+    rope_cos_sin,
+    rope_inv_freq
+)
 
 IMG, VID, VS, VE, TXT = 90, 91, 88, 89, 7  # token ids used by the hand-worked cases
 KW = dict(spatial_merge_size=2, image_token_id=IMG, video_token_id=VID, vision_start_token_id=VS)

@@ -13,10 +13,10 @@ import os
 import pytest
 import torch
 
-import checkpoint
 import driving
 import model as M
-import scenes
+from ops import checkpoint
+from real import scenes
 import speculate
 from tiny_models import image_prompt, tiny_model
 
@@ -186,8 +186,8 @@ def test_the_toy_world_is_a_prompt_source(tmp_path):
 @pytest.mark.skipif(folder is None, reason="needs transformers (optional extra)")
 @torch.no_grad()
 def test_a_scene_folder_through_alpamayos_prompt(folder, tmp_path):
-    from alpamayo import build_prompt
-    from hf import load_pretrained
+    from real.alpamayo import build_prompt
+    from real.hf import load_pretrained
     d = folder[2]
     alp = load_pretrained(d)
     for i in range(2):

@@ -13,8 +13,9 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "experiments"))
 
-import files  # noqa: E402
 import ship_toy  # noqa: E402
+
+from ops import files  # noqa: E402
 
 SHIPPED = os.path.join(ROOT, "checkpoints", "toy")
 

@@ -20,12 +20,21 @@ import pytest
 import torch
 
 import model
-import vision
+from ops import timing
 import speculate
+from speculate import (
+    autoregressive,
+    expected_speedup,
+    expected_tau,
+    measured_speedup,
+    process_logits,
+    speculative,
+    tau_ceiling,
+    verify_greedy,
+    verify_sample
+)
 import static
-import timing
-from speculate import autoregressive, process_logits, speculative, tau_ceiling, verify_greedy, verify_sample
-from timing import expected_speedup, expected_tau, measured_speedup
+import vision
 
 SIGNIFICANCE = 1e-3
 

@@ -15,12 +15,11 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-import checkpoint
 import driving
-import files
-import model as M
-import train as T
 from driving import Data, vision_kwargs
+import model as M
+from ops import checkpoint, files, runs
+import train as T
 
 TINY_VISION = M.VisionConfig(hidden=32, heads=2, intermediate=64, depth=2, window_size=8, fullatt_block_indexes=(1,))
 TINY = M.ModelConfig(hidden_size=64, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=128,
@@ -102,15 +101,15 @@ def test_reduced_vocab_drafts_train_save_and_resume(tmp_path, tok):
         assert torch.equal(back.vocab_ids, want) and back.cfg.draft_vocab == 20, k
     # a state written before the field existed: its config lacks draft_vocab, and it resumes with the default 0
     full = T.make_drafts(target, cfg.draft_preset)
-    opts = {k: T.make_optimizer(d.parameters(), cfg, cfg.draft_lr) for k, d in full.items()}
+    opts = {k: runs.make_optimizer(d.parameters(), cfg.draft_lr) for k, d in full.items()}
     old = dataclasses.replace(cfg, draft_vocab=0)
-    T.save_state(tmp_path / "old.state.pt", 3, full, opts, old, 0)
+    runs.save_state(tmp_path / "old.state.pt", 3, full, opts, old, 0)
     state = torch.load(tmp_path / "old.state.pt", weights_only=True)
     del state["config"]["draft_vocab"]
     torch.save(state, tmp_path / "old.state.pt")
-    assert T.load_state(tmp_path / "old.state.pt", full, opts, old, "cpu") == 3
+    assert runs.load_state(tmp_path / "old.state.pt", full, opts, old)[0] == 3
     with pytest.raises(ValueError, match=r"draft_vocab 0 there, 20 now"):
-        T.load_state(tmp_path / "old.state.pt", full, opts, cfg, "cpu")
+        runs.load_state(tmp_path / "old.state.pt", full, opts, cfg)
 
 
 def test_vision_tower_frozen_unless_asked(tmp_path, tok):
@@ -182,7 +181,7 @@ def _ddp_worker(rank, world, out, port):
     M_.PRESETS["test-tiny"] = TINY
     M_.DRAFT_PRESETS["test-tiny-draft"] = TINY_DRAFT
     tok_ = driving.Tokenizer()
-    r, w, device = T_.setup_distributed("cpu")
+    r, w, device = runs.setup_distributed("cpu")
     data = T_.Data("train", 64, 0, tok_)
     target = T_.train_target(tiny_cfg(out, target_steps=3), tok_, data, data, r, w, device)
     torch.save(target.state_dict(), os.path.join(out, f"rank{rank}.pt"))
@@ -273,17 +272,17 @@ def test_drafts_state_is_bound_to_its_target(tmp_path, tok, monkeypatch):
     target = M.VLA(T.target_config(tok, "test-tiny"))
     cfg = tiny_cfg(tmp_path)
     drafts = T.make_drafts(target, cfg.draft_preset)
-    opts = {k: T.make_optimizer(d.parameters(), cfg, cfg.draft_lr) for k, d in drafts.items()}
-    path, bound = tmp_path / "drafts_s0.state.pt", checkpoint.fingerprint(target)
-    T.save_state(path, 2, drafts, opts, cfg, 0, bound)
-    assert T.load_state(path, drafts, opts, cfg, "cpu", bound) == 2
-    with pytest.raises(ValueError, match=r"drafts_s0.state.pt holds drafts distilled from another target"):
-        T.load_state(path, drafts, opts, cfg, "cpu", dict(bound, weights="0" * 16))
+    opts = {k: runs.make_optimizer(d.parameters(), cfg.draft_lr) for k, d in drafts.items()}
+    path, bound = tmp_path / "drafts_s0.state.pt", {"target": checkpoint.fingerprint(target)}
+    runs.save_state(path, 2, drafts, opts, cfg, 0, bound)
+    assert runs.load_state(path, drafts, opts, cfg, bound)[0] == 2
+    with pytest.raises(ValueError, match=r"drafts_s0.state.pt was trained against another target"):
+        runs.load_state(path, drafts, opts, cfg, {"target": dict(bound["target"], weights="0" * 16)})
     monkeypatch.setitem(M.DRAFT_PRESETS, "test-tiny-draft", dict(TINY_DRAFT, hidden_size=64, n_heads=4))
     wide = T.make_drafts(target, cfg.draft_preset)
-    wide_opts = {k: T.make_optimizer(d.parameters(), cfg, cfg.draft_lr) for k, d in wide.items()}
+    wide_opts = {k: runs.make_optimizer(d.parameters(), cfg.draft_lr) for k, d in wide.items()}
     with pytest.raises(ValueError, match=r"cannot resume 'flat' from .*drafts_s0.state.pt: it does not fit"):
-        T.load_state(path, wide, wide_opts, cfg, "cpu", bound)
+        runs.load_state(path, wide, wide_opts, cfg, bound)
 
 
 def test_flags_are_the_config_fields(capsys):

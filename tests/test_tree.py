@@ -12,16 +12,28 @@ run: python -m pytest -q tests/test_tree.py
 import os
 
 import pytest
+from test_speculate import (
+    SIGNIFICANCE,
+    assert_cache_matches_prefill,
+    chi_square,
+    drafts_for,
+    joint_first3,
+    markov_pair,
+    o1_init,
+    tiny_target,
+    vla_greedy_reference,
+    vla_prompts
+)
 import torch
 
 import model
 import speculate
+from speculate import autoregressive, speculative
 import static
 import tree as trees
-from speculate import autoregressive, speculative
-from test_speculate import (SIGNIFICANCE, assert_cache_matches_prefill, chi_square, drafts_for, joint_first3,
-                            markov_pair, o1_init, tiny_target, vla_greedy_reference, vla_prompts)
-from tree import Tree, TreeShape, tree_round, verify_tree
+from tree import Tree, TreeShape
+from tree import speculative as tree_speculative
+from tree import tree_round, verify_tree
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -37,7 +49,7 @@ def test_tree_greedy_equals_target(shape):
     for pname, prompt in vla_prompts().items():
         ref = autoregressive(target, prompt, 24).tokens
         for dname, draft in drafts_for(target).items():
-            res = speculative(target, draft, prompt, shape, 24)
+            res = tree_speculative(target, draft, prompt, shape, 24)
             assert res.tokens == ref, (pname, dname, shape)
             if dname == "identical" and shape.width == 1:  # a chain of the target's own tokens: all accepted
                 assert res.blocks[:-1] == [shape.depth + 1] * (len(res.blocks) - 1), (pname, res.blocks)
@@ -49,7 +61,8 @@ def test_width_one_tree_is_the_chain():
     for prompt in vla_prompts().values():
         for draft in drafts_for(target).values():
             for gamma in (1, 3, 6):
-                chain, tree = (speculative(target, draft, prompt, g, 20) for g in (gamma, TreeShape(gamma, gamma, 1)))
+                chain = speculative(target, draft, prompt, gamma, 20)
+                tree = tree_speculative(target, draft, prompt, TreeShape(gamma, gamma, 1), 20)
                 assert (tree.tokens, tree.blocks, tree.accepted) == (chain.tokens, chain.blocks, chain.accepted)
 
 
@@ -59,11 +72,11 @@ def test_tree_stop_token_and_max_new_tokens_inside_an_accepted_path():
     ref = autoregressive(target, prompt, 30).tokens
     shape = TreeShape(16, 6, 3)
     for n in (1, 2, 5, 7, 13):  # max_new_tokens ends inside a round of the identical draft (7 tokens per round)
-        res = speculative(target, target, prompt, shape, n)
+        res = tree_speculative(target, target, prompt, shape, n)
         assert res.tokens == ref[:n] and len(res.tokens) == n, n
     stop = ref[9]  # a stop token the identical draft's round proposes in the middle of its path
     first = ref.index(stop)
-    res = speculative(target, target, prompt, shape, 30, stop_token=stop)
+    res = tree_speculative(target, target, prompt, shape, 30, stop_token=stop)
     assert res.tokens == ref[:first + 1]
     assert any(b < n + 1 for n, b in zip(res.accepted, res.blocks))  # the cut fell inside an accepted path
 
@@ -72,9 +85,9 @@ def test_tree_greedy_equals_target_toy_checkpoints():
     """Every shipped draft (replica, FlatRoPE, AARL; seeds 0-2) with a 32-node tree on held-out scenes."""
     if not os.path.isdir("checkpoints/toy/target"):
         pytest.skip("no shipped checkpoints")
-    import checkpoint
     import driving
     import evaluate
+    from ops import checkpoint
     tok = driving.Tokenizer()
     target = checkpoint.load("checkpoints/toy/target").eval()
     data = driving.Data("test", 3, 0, tok)
@@ -84,7 +97,7 @@ def test_tree_greedy_equals_target_toy_checkpoints():
         for seed in (0, 1, 2):
             draft = checkpoint.load(checkpoint.draft_dir("checkpoints/toy", kind, seed), target=target).eval()
             for p, ref in zip(prompts, refs):
-                res = speculative(target, draft, p, TreeShape(32, 8, 3), evaluate.MAX_NEW_TOKENS,
+                res = tree_speculative(target, draft, p, TreeShape(32, 8, 3), evaluate.MAX_NEW_TOKENS,
                                   stop_token=tok.cot_end_id)
                 assert res.tokens == ref, (kind, seed)
 
@@ -108,7 +121,7 @@ def test_tree_verify_logits_equal_a_cache_free_forward_over_each_path(monkeypatc
     worst = 0.0
     for prompt in vla_prompts().values():
         seen.clear()
-        speculative(target, draft, prompt, TreeShape(16, 4, 3), 8)
+        tree_speculative(target, draft, prompt, TreeShape(16, 4, 3), 8)
         tree, logits_p = seen["first"]
         parent, tokens = tree.parent.tolist(), tree.tokens.tolist()
         assert len(tokens) == 16
@@ -258,7 +271,7 @@ def test_speculative_tree_distribution(monkeypatch):
     for name in ("correct", "reused draw"):
         if name == "reused draw":
             monkeypatch.setattr(speculate, "sample", reused_draw)
-        toks = torch.tensor([speculative(target, draft, prompt, TreeShape(4, 2, 2), 3, temperature=temperature,
+        toks = torch.tensor([tree_speculative(target, draft, prompt, TreeShape(4, 2, 2), 3, temperature=temperature,
                                          seed=s).tokens for s in range(N)])  # (N, 3)
         stat, df, pval = chi_square(torch.bincount(toks @ torch.tensor([V * V, V, 1]), minlength=V ** 3),
                                     expected.reshape(-1))
@@ -274,7 +287,7 @@ def test_tree_on_static_caches_equals_target():
     ref = autoregressive(target, prompt, 20).tokens
     for draft in drafts_for(target).values():
         st, sd = (static.StaticDecoder(m, 160) for m in (target, draft))
-        assert speculative(st, sd, prompt, TreeShape(12, 4, 3), 20).tokens == ref
+        assert tree_speculative(st, sd, prompt, TreeShape(12, 4, 3), 20).tokens == ref
 
 
 def test_kv_cache_move_matches_on_both_layouts():

@@ -13,13 +13,12 @@ import torch
 
 import aarl
 import bench
-import checkpoint
-import files
-import hf
-import rsd
-import train as T
 from model import make_draft
+from ops import checkpoint, files
+from real import hf
+import rsd
 from tiny_models import tiny_model
+import train as T
 
 
 def error_line(capsys):

@@ -13,8 +13,8 @@ Letters: B batch, N action tokens, De expert width, F Fourier features per input
 run: python -m pytest -q tests/test_alpamayo.py
 """
 import dataclasses
-import math
 from dataclasses import dataclass
+import math
 
 import torch
 import torch.nn as nn

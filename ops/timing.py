@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 
 import speculate
-import static
 from speculate import EMBED_KEYS, prefill
+import static
 
 # ---- step times ----
 
@@ -90,27 +90,6 @@ def _step_timer(target, prompt, reps, timer, tree=False):
         return median_time(step, device, reps, timer)
 
     return time_step
-
-
-def tree_speedup(tau, t_target_1, t_draft_1, t_draft_level, t_verify, shape):
-    """tau * T_target(1) / (T_draft(1) + (D - 1) T_draft(k) + T_verify(N + 1)): a tree round drafts its root level
-    from the pending token, then D - 1 levels of k expanded nodes, and verifies x_last + N nodes in one forward."""
-    return tau * t_target_1 / (t_draft_1 + (shape.depth - 1) * t_draft_level + t_verify)
-
-
-def measured_speedup(tau, t_target_1, t_draft_1, t_target_gamma1, gamma):
-    """tau * T_target(1) / (gamma * T_draft(1) + T_target(gamma+1)), from measured step times."""
-    return tau * t_target_1 / (gamma * t_draft_1 + t_target_gamma1)
-
-
-def expected_tau(alpha, gamma):
-    """Expected tokens per round for an i.i.d. acceptance rate alpha: (1 - a^(g+1)) / (1 - a)."""
-    return gamma + 1.0 if alpha >= 1.0 else (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
-
-
-def expected_speedup(alpha, gamma, c):
-    """Leviathan et al. Theorem 3.8: (1 - a^(g+1)) / ((1 - a)(g c + 1)), c = draft step / target step."""
-    return expected_tau(alpha, gamma) / (gamma * c + 1.0)
 
 
 # ---- the runtime a number was measured on ----

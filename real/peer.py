@@ -14,11 +14,10 @@ import time
 
 import torch
 
-import checkpoint
 import evaluate
+from ops import checkpoint, timing
+from real.hf import export_pretrained
 import speculate
-import timing
-from hf import export_pretrained
 
 PEER_DRAFT = ("mrope", 0)  # the draft both speculative arms use: the M-RoPE replica, seed 0
 ARMS = ("ours_target_only", "ours_speculative", "hf_generate", "hf_assisted", "hf_assisted_defaults")
@@ -47,11 +46,11 @@ def hf_generate(model, inputs, max_new, stop, pad, assistant=None, settings=None
     return out[0, inputs["input_ids"].shape[1]:].tolist()
 
 
-def peers(args, target, prompts, tok):
-    """bench.py --peer hf on the toy: compare() with args.run's M-RoPE replica, the one draft transformers can run."""
-    draft_dir = checkpoint.draft_dir(args.run, *PEER_DRAFT)
+def peers(run, target, prompts, tok, gamma, max_new, repeats):
+    """bench.py --peer hf on the toy: compare() with run's M-RoPE replica, the one draft transformers can run."""
+    draft_dir = checkpoint.draft_dir(run, *PEER_DRAFT)
     draft = checkpoint.load(draft_dir, target=target).eval()
-    res = compare(target, draft, prompts, args.gamma, args.max_new, tok.cot_end_id, tok.pad_id, args.repeats)
+    res = compare(target, draft, prompts, gamma, max_new, tok.cot_end_id, tok.pad_id, repeats)
     res["draft"] = draft_dir
     return res
 

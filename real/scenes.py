@@ -27,18 +27,17 @@ machine. The target's fingerprint reads a load_pretrained folder's safetensors o
 
 run: python -m pytest -q tests/test_scenes.py
 """
+from dataclasses import dataclass
 import hashlib
 import json
 import os
 import pathlib
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-import checkpoint
 import evaluate
-import files
+from ops import checkpoint, cli, files
 import speculate
 
 N_IMAGES, N_PAST, N_FUTURE = 16, 16, 64  # Alpamayo-R1: 4 cameras x 4 frames; 1.6 s of past, 6.4 s of future at 10 Hz
@@ -164,7 +163,7 @@ def scene_prompts(folder, root, processor=None, **pixels):
     a resumed run builds none for the scenes it has. Alpamayo-R1 (traj_token_ids in its config): alpamayo.build_prompt
     on 16 images and the past poses, the reasoning ending <|cot_end|> <|traj_future_start|>; a plain Qwen-VL folder:
     alpamayo.qwen_prompt on any images and instruction.txt, ending <|im_end|>. pixels: min_pixels, max_pixels."""
-    import alpamayo  # needs transformers (optional extra)
+    from real import alpamayo  # needs transformers (optional extra)
     where, src = os.path.join(folder, "config.json"), processor or folder
     if not alpamayo.has_tokenizer(src):
         raise ValueError(f"{src} has no tokenizer: a scene's prompt is built with the target's tokenizer and image "
@@ -199,7 +198,7 @@ def distill_data(target, prompts, out, stop_ids, max_new, temperature=0.0, top_p
     reasoning, in order: decoding stops at the last one and keeps them all; a record is complete when its CoC ends
     with them. Greedy (temperature 0), or `samples` draws per scene at temperature / top_p (Alpamayo-R1's release:
     0.6 / 0.98), each seeded by sample_seed. Decoding: speculate.autoregressive, batch 1. Returns the index."""
-    evaluate.decoding_mode(temperature, None, top_p, seed)  # the settings checked before any work
+    cli.decoding_mode(temperature, None, top_p, seed)  # the settings checked before any work
     stop_ids = [int(t) for t in stop_ids]
     for bad, why in [(not isinstance(max_new, int) or max_new < 1, f"max_new must be an int >= 1, got {max_new!r}"),
                      (not isinstance(samples, int) or samples < 1 or (temperature == 0 and samples > 1),

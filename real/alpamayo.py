@@ -13,24 +13,20 @@ run: python bench.py --device cuda --target ALPAMAYO_DIR [--images-dir CAMERAS] 
      python bench.py --device cuda --target ALPAMAYO_DIR --draft DRAFT --scenes SCENES --tree 0
                                                                                     (tests: tests/test_heldout.py)
 """
-import functools
-import importlib.util
-import os
-import re
 from dataclasses import dataclass
+import functools
+import os
 from statistics import median
 
 import torch
 import torch.nn.functional as F
 
-import checkpoint
 import evaluate
-import files
-import hf
 import model as M
+from ops import checkpoint, cli, files, timing
+from real import hf
+from real.expert import config_field, speed_from_history
 import speculate
-import timing
-from expert import config_field, speed_from_history
 from vision import patchify
 
 SYSTEM = "You are a driving assistant that generates safe and accurate actions."
@@ -143,22 +139,23 @@ def history_poses(speed=8.0, dt=0.1):
     return torch.stack([speed * t, torch.zeros_like(t), torch.zeros_like(t)], -1)
 
 
-def scene_images(args):
-    """(3, H, W) uint8 images: --images-dir's files in name order (PIL), or --images generated ones (seeded noise)."""
-    if args.images_dir:
+def scene_images(images_dir=None, n=16, size="288x512"):
+    """(3, H, W) uint8 images: images_dir's files in name order (PIL), or n generated ones of size "HxW" (seeded
+    noise)."""
+    if images_dir:
         from PIL import Image  # optional extra: only a folder of images needs it
-        names = sorted(n for n in os.listdir(args.images_dir) if n.lower().endswith((".jpg", ".jpeg", ".png")))
+        names = sorted(f for f in os.listdir(images_dir) if f.lower().endswith((".jpg", ".jpeg", ".png")))
         if not names:
-            raise FileNotFoundError(f"{args.images_dir}: no .jpg / .png images")
-        images = [Image.open(os.path.join(args.images_dir, n)).convert("RGB") for n in names]
+            raise FileNotFoundError(f"{images_dir}: no .jpg / .png images")
+        images = [Image.open(os.path.join(images_dir, f)).convert("RGB") for f in names]
         # (H * W * 3,) bytes -> (H, W, 3) -> (3, H, W)
         return [torch.frombuffer(bytearray(im.tobytes()), dtype=torch.uint8).view(im.height, im.width, 3)
                 .permute(2, 0, 1) for im in images]
-    H, W = (int(s) for s in args.image_size.split("x"))
+    H, W = (int(s) for s in size.split("x"))
     g = torch.Generator().manual_seed(0)
-    base = 255 * torch.rand(args.images, 3, 1, 1, generator=g)
+    base = 255 * torch.rand(n, 3, 1, 1, generator=g)
     ramp = torch.linspace(0.4, 1.0, W)  # (W,): a left-to-right brightness ramp
-    x = base * ramp + 20 * torch.randn(args.images, 3, H, W, generator=g)  # (n, 3, H, W)
+    x = base * ramp + 20 * torch.randn(n, 3, H, W, generator=g)  # (n, 3, H, W)
     return list(x.clamp(0, 255).to(torch.uint8))
 
 
@@ -202,32 +199,32 @@ def has_tokenizer(folder):
     return any(os.path.isfile(os.path.join(folder, n)) for n in ("tokenizer.json", "tokenizer_config.json"))
 
 
-def load_pair(args, device, dtype):
-    """--target's model and its draft: --draft (checkpoint.load refuses one of another target), else an untrained
-    1-layer one."""
-    target = hf.load_pretrained(args.target, dtype=dtype, device=device).eval()
-    return target, (checkpoint.load(args.draft, target=target, dtype=dtype, device=device) if args.draft
+def load_pair(target_dir, draft_dir, device, dtype):
+    """The target folder's model and its draft: draft_dir (checkpoint.load refuses one of another target), else an
+    untrained 1-layer one."""
+    target = hf.load_pretrained(target_dir, dtype=dtype, device=device).eval()
+    return target, (checkpoint.load(draft_dir, target=target, dtype=dtype, device=device) if draft_dir
                     else M.make_draft(target, n_layers=1)).eval()
 
 
-def load(args, device, dtype):
-    """--target's model, the draft (--draft, else an untrained 1-layer one), the prompt on pixels (build_prompt with a
-    tokenizer, else pixel_prompt), the id ending the reasoning step (Alpamayo's <|traj_future_start|>), tok, how."""
-    target, draft = load_pair(args, device, dtype)
-    raw = files.read_json(os.path.join(args.target, hf.CONFIG))
-    src = args.processor or args.target
+def load(target_dir, draft_dir, images, device, dtype, processor=None, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS):
+    """The target's model, the draft (draft_dir, else an untrained 1-layer one), the prompt on the images (build_prompt
+    with a tokenizer, else pixel_prompt), the id ending the reasoning step (Alpamayo's <|traj_future_start|>), tok,
+    how the prompt was built."""
+    target, draft = load_pair(target_dir, draft_dir, device, dtype)
+    raw = files.read_json(os.path.join(target_dir, hf.CONFIG))
+    src = processor or target_dir
     stop = tok = None
     if getattr(target, "expert", None) is not None:  # the reasoning step ends where the expert takes over
-        stop = config_field(raw, "traj_token_ids.future_start", args.target)
-    images = scene_images(args)
+        stop = config_field(raw, "traj_token_ids.future_start", target_dir)
     if has_tokenizer(src) and "traj_token_ids" in raw:
         tok = tokenizer(src)
-        prompt = build_prompt(args.target, images, history_poses(), args.processor, args.min_pixels, args.max_pixels)
+        prompt = build_prompt(target_dir, images, history_poses(), processor, min_pixels, max_pixels)
         how = "Alpamayo-R1 prompt (alpamayo.build_prompt)"
     else:
-        prompt = pixel_prompt(target.cfg, images, args.max_pixels, device)
+        prompt = pixel_prompt(target.cfg, images, max_pixels, device)
         why = (f"no tokenizer in {src}" if not has_tokenizer(src) else
-               f"{os.path.join(args.target, hf.CONFIG)} has no traj_token_ids (not an Alpamayo-R1 config)")
+               f"{os.path.join(target_dir, hf.CONFIG)} has no traj_token_ids (not an Alpamayo-R1 config)")
         how = f"placeholder text ids around real pixels ({why})"
     prompt = {k: v.to(device, dtype) if k == "pixel_values" else v.to(device) for k, v in prompt.items()}
     return target, draft, prompt, stop, tok, how
@@ -267,16 +264,17 @@ def expert_plan(target, cache, L, seq, v0):
     return target.expert(cache, v0, generator=torch.Generator(device=cache.k.device).manual_seed(0))
 
 
-def plan(target, draft, prompt, stop, tok, how, args, decoding):
-    """After the timed reasoning step: the CoC once more (marked), and with an action expert the trajectory, timed."""
-    spec = evaluate.decode(target, draft, prompt, args.decoder, args.max_new, stop,
+def plan(target, draft, prompt, stop, tok, how, decoder, max_new, repeats, decoding):
+    """After the timed reasoning step: the CoC once more (marked), and with an action expert the trajectory, timed
+    (median of `repeats`). decoder: the chain's gamma or a tree.TreeShape."""
+    spec = evaluate.decode(target, draft, prompt, decoder, max_new, stop,
                            **evaluate.sampling_kwargs(decoding, 0))
     words = [tok.decode([t]) if tok is not None else str(t) for t in spec.tokens]
     res = {"prompt_source": how, "images": int(prompt["image_grid_thw"].shape[0]),
            "visual_tokens": int((prompt["input_ids"] == target.cfg.image_token_id).sum()),
            "coc_tokens": spec.tokens, "coc": evaluate.marked_coc(words, spec.from_draft)}
     if getattr(target, "expert", None) is not None:
-        waypoints, t = trajectory(target, prompt, spec.tokens, stop, args.repeats)
+        waypoints, t = trajectory(target, prompt, spec.tokens, stop, repeats)
         res.update(trajectory_ms=1e3 * t, waypoints=waypoints[0].float().tolist())
     return res
 
@@ -317,7 +315,7 @@ def heldout(target, draft, scenes, prompts, stop, max_new, gamma, repeats, words
     decoding of each scene's prompt, and the plan's stages timed, medians of `repeats` after a warm-up. scenes:
     scenes.Scene (past / future poses); prompts: their (scene_id, batch-1 prompt dict or a function returning it);
     gamma: the chain's draft length or a tree.TreeShape; words: token id -> text, for the marked CoC."""
-    w, rows = next(target.parameters()), []
+    w, rows, specs = next(target.parameters()), [], []
     for scene, (scene_id, prompt) in zip(scenes, prompts):
         p = prompt() if callable(prompt) else prompt
         p = speculate.on_model(p, target)
@@ -325,7 +323,7 @@ def heldout(target, draft, scenes, prompts, stop, max_new, gamma, repeats, words
         ar_s, spec_s = [], []
         for r in range(repeats + 1):  # the arms alternate; pass 0 warms up every shape
             ar = speculate.autoregressive(target, p, max_new, stop_token=stop, timing=True)
-            spec = speculate.speculative(target, draft, p, gamma, max_new, stop_token=stop, timing=True)
+            spec = evaluate.decode(target, draft, p, gamma, max_new, stop, timing=True)
             if r:
                 ar_s.append(ar.decode_s)
                 spec_s.append(spec.decode_s)
@@ -360,38 +358,37 @@ def heldout(target, draft, scenes, prompts, stop, max_new, gamma, repeats, words
                 row.update(ade_m=ade, fde_m=fde)
         row["ms"] = {k: None if v is None else 1e3 * v for k, v in s.items()}
         rows.append(row)
-    return dict(heldout_aggregate(rows, gamma), rows=rows)
+        specs.append(spec)
+    return dict(heldout_aggregate(rows, speculate.SpecResult.pooled(specs), gamma), rows=rows)
 
 
-def heldout_aggregate(rows, gamma):
-    """The scenes pooled: tau and alpha over all rounds, alpha per draft position, the routine share of all tokens,
-    each stage's mean over scenes of its medians, the whole plan in both arms, ADE over the scenes with futures."""
-    n, sum_of = sum(r["tokens"] for r in rows), lambda k: sum(r[k] for r in rows)  # noqa: E731
+def heldout_aggregate(rows, pooled, gamma):
+    """The scenes pooled (pooled: their speculative decodes as one SpecResult): tau and alpha over all rounds, alpha
+    per draft position, the routine share of all tokens, each stage's mean over scenes of its medians, the whole plan
+    in both arms, ADE over the scenes with futures."""
     ms = {k: None if any(r["ms"][k] is None for r in rows) else sum(r["ms"][k] for r in rows) / len(rows)
           for k in STAGES}
     shared = sum(ms[k] or 0 for k in ("vision", "prefill", "action_expert"))
     plan = {"target_only": shared + ms["reasoning_target_only"],
             "speculative": shared + ms["draft_prefill"] + ms["reasoning_speculative"]}
     ade = [r["ade_m"] for r in rows if r["ade_m"] is not None]
-    pooled = speculate.SpecResult(accepted=[a for r in rows for a in r["accepted"]],
-                                  depths=[d for r in rows for d in r["depths"]])
-    return {"scenes": len(rows), "identical": sum(r["identical"] for r in rows), "tokens": n,
-            "tau": n / sum_of("rounds"), "tau_ceiling": speculate.tau_ceiling([r["tokens"] for r in rows], gamma),
-            "alpha": sum_of("n_accepted") / max(1, sum_of("n_tested")), "alpha_by_position": pooled.alpha_by_depth(),
-            "routine_share": sum_of("routine_tokens") / n, "ms": ms, "plan_ms": plan,
+    return {"scenes": len(rows), "identical": sum(r["identical"] for r in rows), "tokens": len(pooled.tokens),
+            "tau": pooled.tau, "tau_ceiling": speculate.tau_ceiling([r["tokens"] for r in rows], gamma),
+            "alpha": pooled.alpha, "alpha_by_position": pooled.alpha_by_depth(), "routine_share": pooled.routine_share,
+            "ms": ms, "plan_ms": plan,
             "reasoning_speedup": ms["reasoning_target_only"] / ms["reasoning_speculative"],
             "plan_speedup": plan["target_only"] / plan["speculative"],
             "ade_m": sum(ade) / len(ade) if ade else None, "ade_scenes": len(ade)}
 
 
-def heldout_bench(args, device, dtype, found, prompts, stop, how):
-    """bench.py --scenes: the models, then heldout() over scenes.scene_prompts' scenes, prompts and stop id."""
-    target, draft = load_pair(args, device, dtype)
-    tok = tokenizer(args.processor or args.target)
-    res = heldout(target, draft, found, prompts, stop, args.max_new, args.decoder, args.repeats,
-                  words=lambda t: tok.decode([t]))
-    return dict(res, mode="heldout", decoding=evaluate.decoding_mode(), model=args.target, draft=args.draft,
-                trained_draft=bool(args.draft), scenes_dir=args.scenes, stop=stop, prompt_source=how)
+def heldout_bench(target_dir, draft_dir, scenes_dir, found, prompts, stop, how, decoder, max_new, repeats, device,
+                  dtype, processor=None):
+    """bench.py --scenes: the models, then heldout() over scenes.scene_prompts' scenes (found), prompts and stop id."""
+    target, draft = load_pair(target_dir, draft_dir, device, dtype)
+    tok = tokenizer(processor or target_dir)
+    res = heldout(target, draft, found, prompts, stop, max_new, decoder, repeats, words=lambda t: tok.decode([t]))
+    return dict(res, mode="heldout", decoding=cli.decoding_mode(), model=target_dir, draft=draft_dir,
+                trained_draft=bool(draft_dir), scenes_dir=scenes_dir, stop=stop, prompt_source=how)
 
 
 def heldout_lines(res):
@@ -424,39 +421,3 @@ def heldout_lines(res):
                                                        ("reasoning_speculative", 9), ("action_expert", 8)))
               + f"{f(r['ade_m'], 3):>7}" for r in res["rows"]]
     return lines
-
-
-def add_flags(ap):
-    ap.add_argument("--images-dir", default=None, help="with --target: a folder of camera images (name order)")
-    ap.add_argument("--image-size", default="288x512", help="with --target: HxW of the generated images")
-    ap.add_argument("--processor", help="with --target: tokenizer + image processor folder (default: --target)")
-    ap.add_argument("--min-pixels", type=int, default=MIN_PIXELS, help="with --target: image size bounds")
-    ap.add_argument("--max-pixels", type=int, default=MAX_PIXELS, help="with --target: image size bounds")
-    ap.add_argument("--scenes", help="with --target: a scene folder (scenes.py) measured held out: tau, alpha per "
-                    "draft position, routine share, greedy identity, latency per stage, ADE")
-
-
-def check_flags(ap, args):
-    """Parse-time checks of the pixels' geometry and of what reading them needs: each bad value is one line."""
-    size = re.fullmatch(r"(\d+)x(\d+)", args.image_size)
-    if not size or not all(1 <= int(n) <= 8192 for n in size.groups()):  # 8192: a camera frame, not all of memory
-        ap.error(f"--image-size must be HxW in pixels, each in 1..8192 (e.g. 288x512), got {args.image_size!r}")
-    if not 1 <= args.min_pixels <= args.max_pixels:
-        ap.error(f"--min-pixels and --max-pixels must satisfy 1 <= min <= max, got {args.min_pixels} and "
-                 f"{args.max_pixels}")
-    for flag in ("images_dir", "processor", "scenes"):
-        if getattr(args, flag) and not args.target:
-            ap.error(f"--{flag.replace('_', '-')} goes with --target")
-    for bad, flag in ((args.images_dir, "--images-dir (the scenes hold the images)"),
-                      (args.temperature > 0, "--temperature (greedy only: its outputs are compared token by token)"),
-                      (args.compile, "--compile (the eager decoders are timed)")):
-        if args.scenes and bad:
-            ap.error(f"--scenes takes no {flag}")
-    if args.scenes and importlib.util.find_spec("transformers") is None:
-        ap.error("--scenes builds prompts with the folder's tokenizer, which needs transformers: "
-                 "pip install -r requirements-test.txt")
-    if args.images_dir and importlib.util.find_spec("PIL") is None:
-        ap.error("--images-dir needs Pillow to read the images: pip install pillow")
-    src = args.processor or args.target
-    if src and importlib.util.find_spec("transformers") is None and has_tokenizer(src):
-        ap.error(f"{src} has a tokenizer, which needs transformers: pip install -r requirements-test.txt")

@@ -10,13 +10,13 @@ import logging
 import os
 import re
 
-import torch
 from safetensors.torch import save_file
+import torch
 
-from checkpoint import WEIGHTS, check_keys, check_output, check_shape, empty_model, existing_kind, open_safetensors
-from expert import ExpertConfig, fourier_freqs
 from model import PRESETS, QWEN_IDS, VLA, ModelConfig, VisionConfig
-from files import atomic_write, read_json, write_json
+from ops.checkpoint import WEIGHTS, check_keys, check_output, check_shape, empty_model, existing_kind, open_safetensors
+from ops.files import atomic_write, read_json, write_json
+from real.expert import ActionExpert, ExpertConfig, fourier_freqs
 
 CONFIG = "config.json"
 TOKEN_ID_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id", "vision_end_token_id")
@@ -66,7 +66,8 @@ def load_pretrained(path, dtype=None, device=None) -> VLA:
         if stray := sorted({key for fl, key in found.values() if fl == file} - set(f.keys())):
             raise ValueError(f"{index}: maps {len(stray)} key(s) to {file}, which does not hold them: {stray[:5]}")
     file, key = found.get("embed_tokens.weight", next(iter(found.values())))  # dtype None keeps the file's
-    model = empty_model(cfg, None, dtype or handles[file].get_tensor(key).dtype, device or "cpu", expert_cfg)
+    model = empty_model(cfg, None, dtype or handles[file].get_tensor(key).dtype, device or "cpu",
+                        None if expert_cfg is None else lambda vlm: ActionExpert(expert_cfg, vlm))
     shapes, parts = _hf_layout(model)
     check_keys(shapes, found, f"{path} ({family}{', Alpamayo' if alpamayo else ''})")
     for k, (file, key) in found.items():

@@ -17,16 +17,16 @@ import hashlib
 import json
 import os
 
-import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+import torch
 
-from expert import ActionExpert
 from model import VLA, ModelConfig, VisionConfig, check_vocab_ids
-from files import atomic_write, read_json
+from ops.files import atomic_write, read_json
 
 WEIGHTS, KEY = "model.safetensors", "rsd-vla"  # a checkpoint folder's one file, and its header's entry
-SHIPPED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "checkpoints", "toy")  # the scripts' default --run
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repo
+SHIPPED = os.path.join(ROOT, "checkpoints", "toy")  # the scripts' default --run
 
 
 # ---- save / load ----
@@ -87,12 +87,13 @@ def load(dir, target: VLA | None = None, dtype=None, device=None) -> VLA:
     return model
 
 
-def empty_model(cfg, shared, dtype, device, expert_cfg=None):
-    """A VLA (with an Alpamayo action expert as `model.expert` given expert_cfg) with uninitialised storage."""
+def empty_model(cfg, shared, dtype, device, expert=None):
+    """A VLA with uninitialised storage; expert: a function cfg -> module built as `model.expert` beside it (real/hf.py
+    passes Alpamayo's action expert, which this format does not hold)."""
     with torch.device("meta"):
         model = VLA(cfg, shared=shared)
-        if expert_cfg is not None:
-            model.expert = ActionExpert(expert_cfg, cfg)
+        if expert is not None:
+            model.expert = expert(cfg)
     model.to(dtype=dtype).to_empty(device=device)
     model.tie_weights()
     model.reset_buffers(device)

@@ -1,15 +1,15 @@
-"""The draft-tree figures, from the committed runs of experiments/tree_sweep.py (tree_sweep.json) and
-experiments/tree_paths.py (tree_paths.json): figures/tree_budget.png and figures/tree_paths.png
-(needs matplotlib).
+"""The README's figures, drawn from committed runs (needs matplotlib): docs/figures/tree_budget.png and tree_paths.png
+from experiments/tree_sweep.py's and experiments/tree_paths.py's JSON (draft trees, EAGLE-2), attention.png from
+`python rsd.py --json`'s output experiments/rsd_toy.json (the paper's attention shift to the trajectory history).
 
-run: python experiments/tree_figures.py [--out figures]
+run: python experiments/figures.py [--out docs/figures]
 """
 import argparse
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import files  # noqa: E402
+from ops import files  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -45,20 +45,40 @@ def plot_trees(plt, save, out, tree_json, paths_json):
     return [f"{out}/tree_budget.png", f"{out}/tree_paths.png"]
 
 
+def plot_attention(plt, save, out, rsd_json):
+    """attention.png: where each model's attention goes while it writes the CoC (image tokens, trajectory history,
+    text), the target and each draft kind's chain row of rsd.py's table (mean over its seeds)."""
+    rows = [r for r in files.read_json(rsd_json)["rows"] if not r.get("tree")]
+    fig, ax = plt.subplots(figsize=(6, 3))
+    names, bottom = [r["name"] for r in rows], [0.0] * len(rows)
+    for key, label in (("attn_image", "image tokens"), ("attn_history", "trajectory history"), ("attn_text", "text")):
+        ax.bar(names, [r[key] for r in rows], bottom=bottom, label=label)
+        bottom = [b + r[key] for b, r in zip(bottom, rows)]
+    ax.set_ylabel("attention mass while writing the CoC")
+    ax.legend(fontsize=7, loc="lower right")
+    save(fig, "attention.png")
+    return [f"{out}/attention.png"]
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default="figures", help="folder of the figures")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(HERE), "docs", "figures"),
+                    help="folder of the figures (default: docs/figures, the README's)")
     ap.add_argument("--tree-json", default=os.path.join(HERE, "tree_sweep.json"))
     ap.add_argument("--paths-json", default=os.path.join(HERE, "tree_paths.json"))
+    ap.add_argument("--rsd-json", default=os.path.join(HERE, "rsd_toy.json"))
     a = ap.parse_args(argv)
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     os.makedirs(a.out, exist_ok=True)
-    save = lambda fig, name: files.atomic_write(  # noqa: E731
-        os.path.join(a.out, name), lambda p: fig.savefig(p, format="png", dpi=120, bbox_inches="tight"))
-    print("figures written: " + ", ".join(plot_trees(plt, save, a.out, a.tree_json, a.paths_json)))
+
+    def save(fig, name):
+        files.atomic_write(os.path.join(a.out, name), lambda p: fig.savefig(p, format="png", dpi=100,
+                                                                             bbox_inches="tight"))
+    written = plot_trees(plt, save, a.out, a.tree_json, a.paths_json) + plot_attention(plt, save, a.out, a.rsd_json)
+    print("figures written: " + ", ".join(written))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,118 @@
+"""What the scripts share: one flag per field of a config dataclass (its comments are the help), the --dtype names,
+the --device check, every value check of the flags (check_values' rules, the decoding flags), and expected errors as
+argparse's one line.
+
+run: python train.py --help   (the flags add_config_flags makes; also aarl.py, rsd.py, bench.py)
+"""
+import argparse
+import contextlib
+import dataclasses
+import inspect
+import io
+import math
+import textwrap
+import tokenize
+
+import torch
+
+import driving
+from ops.files import FolderLocked
+import speculate
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def add_config_flags(ap: argparse.ArgumentParser, cls, choices=None):
+    """--field-name per field of the dataclass cls, of its type and default, the comment on its line as help; a bool
+    field defaulting to False is --field-name, one defaulting to True is --no-field-name."""
+    try:
+        src = textwrap.dedent(inspect.getsource(cls))
+    except (OSError, TypeError):  # no source (e.g. a frozen build): flags without help
+        src = ""
+    helps = {t.line.split(":")[0].strip(): t.string.lstrip("#").strip()  # `name: type = default  # help`
+             for t in tokenize.generate_tokens(io.StringIO(src).readline) if t.type == tokenize.COMMENT}
+    for f in dataclasses.fields(cls):
+        flag, default = "--" + f.name.replace("_", "-"), f.default
+        text = helps.get(f.name, "").replace("%", "%%")  # argparse formats help with %
+        if default is True:
+            ap.add_argument("--no-" + flag[2:], dest=f.name, action="store_false", help=f"turn off: {text}")
+        elif default is False:
+            ap.add_argument(flag, dest=f.name, action="store_true", help=text)
+        else:
+            ap.add_argument(flag, dest=f.name, type=type(default), default=default, choices=(choices or {}).get(f.name),
+                            help=f"{text} (default: %(default)s)")
+
+
+def config_from_args(cls, args):
+    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+
+def check_device(name):
+    """torch.device(name), or a clear error before any work for a device torch does not know or this machine lacks."""
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"unknown device {name!r}: use cpu, cuda, cuda:N or mps") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r}, but torch.cuda.is_available() is False (no GPU, or a CPU-only torch)")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise ValueError(f"device {name!r}, but this machine has {torch.cuda.device_count()} CUDA device(s)")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"device {name!r}, but torch.backends.mps.is_available() is False")
+    if device.type not in ("cpu", "cuda", "mps"):
+        raise ValueError(f"device {name!r}: this code runs on cpu, cuda or mps")
+    return device
+
+
+@contextlib.contextmanager
+def user_errors(ap: argparse.ArgumentParser):
+    """Expected errors (a bad value or file, a full disk, a locked run folder) as argparse's one line, exit status 2."""
+    try:
+        yield
+    except (ValueError, OSError, FolderLocked) as e:
+        ap.error(str(e))
+
+
+# ---- value checks ----
+VIEWS_RULE = f"in 0..{driving.MAX_VIEWS} (the geometries the toy target was trained on)"
+MAX_VIEWS_RULE = f"at most {driving.MAX_VIEWS} (the world's surround views)"
+RULES = {">= 1": lambda v: v >= 1, "> 0": lambda v: v > 0,  # "not v > 0" also catches NaN
+         "a number >= 0": lambda v: v >= 0, "a finite number >= 0": lambda v: v >= 0 and math.isfinite(v),
+         "in [0, 1]": lambda v: 0 <= v <= 1, VIEWS_RULE: lambda v: 0 <= v <= driving.MAX_VIEWS,
+         MAX_VIEWS_RULE: lambda v: v <= driving.MAX_VIEWS,
+         "in 0..2**30-1": lambda v: 0 <= v < 2**30}  # seeds: combined into 64-bit torch seeds (driving.Data.batch)
+
+
+def check_values(obj, rules, flags=False):
+    """ValueError naming the first field of obj (a config or parsed flags) that breaks its rule, before any work;
+    rules: [(a key of RULES, field names)]; flags: name the fields as the command-line flags."""
+    for rule, names in rules:
+        for name in names:
+            if not RULES[rule](getattr(obj, name)):
+                shown = "--" + name.replace("_", "-") if flags else name
+                raise ValueError(f"{shown} must be {rule}, got {getattr(obj, name)}")
+
+
+def add_decoding_flags(ap, temperature_help):
+    """--temperature, --top-k, --top-p, --sampling-seed on a script's parser (bench.py, rsd.py); decoding_mode
+    checks them. temperature_help: what sampling changes in that script's report."""
+    ap.add_argument("--temperature", type=float, default=0.0, help=f"0 = greedy; {temperature_help}")
+    ap.add_argument("--top-k", type=int, default=None, help="with --temperature: sample among the k likeliest tokens")
+    ap.add_argument("--top-p", type=float, default=None, help="with --temperature: sample among the likeliest tokens "
+                    "whose mass reaches p")
+    ap.add_argument("--sampling-seed", type=int, default=0, help="with --temperature: prompt i's generator is seeded "
+                    "this + i")
+
+
+def decoding_mode(temperature=0.0, top_k=None, top_p=None, seed=0):
+    """The decoding settings of bench.py and rsd.py (their --temperature, --top-k, --top-p, --sampling-seed), checked
+    before any work (ValueError), as the JSON's "decoding" object: mode "greedy" (temperature 0) or "sampling"."""
+    speculate.check_sampling(temperature, top_k, top_p)
+    if not isinstance(seed, int) or not 0 <= seed < 2**62:  # prompt i's generator takes seed + i, a 63-bit seed
+        raise ValueError(f"the sampling seed must be an int >= 0 and < 2**62, got {seed!r}")
+    if temperature == 0 and (top_k is not None or top_p is not None):
+        # a greedy decode reads only the argmax: the filters would be silently ignored
+        raise ValueError("top_k / top_p filter a sampled distribution: give a temperature > 0 with them (0 = greedy)")
+    greedy = temperature == 0  # then top_k and top_p are None (checked above)
+    return {"mode": "greedy" if greedy else "sampling", "temperature": 0.0 if greedy else float(temperature),
+            "top_k": top_k, "top_p": top_p, "seed": None if greedy else seed}
