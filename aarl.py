@@ -36,7 +36,6 @@ from ops.timing import step_times
 import speculate
 
 REFERENCES = ("static", "moving", "none")
-REPORT_GAMMAS = tuple(range(2, 9))  # the speed-optimal gamma is chosen among these
 DEFAULT_OUT = "runs/aarl"  # a fresh folder: a default run never replaces the shipped FlatRoPE + AARL drafts
 
 # ---- config ----
@@ -157,11 +156,11 @@ def train_aarl(target, draft, data: Data, cfg: AARLConfig, ref=None, log=None):
 # ---- report ----
 @torch.no_grad()
 def report(target, draft, sft, splits, times, outputs, gamma=None):
-    """{split: stats} of `draft`: tau at every gamma of REPORT_GAMMAS (an exact replay of one teacher-forced pass on the
-    target's greedy outputs) and the rest at the speed-optimal gamma (chosen on "val" with the measured cost model, or
+    """{split: stats} of `draft`: tau at every gamma of evaluate.GAMMAS (an exact replay of one teacher-forced pass on
+    the target's greedy outputs) and the rest at the speed-optimal gamma (chosen on "val" with the measured cost model, or
     `gamma`); greedy_match: real speculative decoding emits the target's greedy output on every scene."""
     taus = {name: evaluate.tau_by_gamma(evaluate.draft_matches({"q": draft}, target, data, outputs[name])["q"],
-                                        REPORT_GAMMAS) for name, data in splits.items()}
+                                        evaluate.GAMMAS) for name, data in splits.items()}
     # One gamma for the before / after comparison: the SFT draft's speed-optimal one (on val), where it is deployed.
     gamma = gamma or evaluate.speed_optimal_gamma({g: t["tau"] for g, t in taus["val"].items()}, times)
     out = {}
@@ -222,14 +221,16 @@ def _run(cfg, run_dir, n_report, device, out):
         raise ValueError(f"max_new {cfg.max_new}: a prompt of {prompt['input_ids'].shape[1]} tokens and its CoC need "
                          f"more than the target's {target.cfg.max_seq_len} positions")
     outputs = {name: evaluate.greedy_outputs(target, data) for name, data in splits.items()}
-    times = step_times(target, sft, prompt, [1] + [g + 1 for g in REPORT_GAMMAS])
+    times = step_times(target, sft, prompt, [1] + [g + 1 for g in evaluate.GAMMAS])
     before = report(target, sft, sft, splits, times, outputs)
     updates = []  # every update's statistics: what the reward, its spread within a group and the KL did
     draft = train_aarl(target, copy.deepcopy(sft), train, cfg, ref=sft, log=updates.append)
     after = report(target, draft, sft, splits, times, outputs, before["val"]["gamma"])
     checkpoint.save(draft, out, target=target)
-    return {"reference": cfg.reference, "seed": cfg.seed, "config": dataclasses.asdict(cfg), "wall_s": time.time() - t0,
-            "out": out, "before": before, "after": after, "training": training_summary(updates)}
+    res = {"reference": cfg.reference, "seed": cfg.seed, "config": dataclasses.asdict(cfg), "wall_s": time.time() - t0,
+           "out": out, "before": before, "after": after, "training": training_summary(updates)}
+    files.write_json(out.rstrip("/\\") + ".metrics.json", res)  # what AARL learned, beside the draft it saved
+    return res
 
 
 def training_summary(updates, k=20):

@@ -35,12 +35,13 @@ import static
 from tree import TreeShape, tree_speedup
 
 TOY_DRAFT = ("aarl", 0)  # the toy mode's default draft: FlatRoPE + AARL (static anchor), seed 0
-TOY_JSON = "runs/bench_toy.json"  # where the toy mode writes its report (whatever settings that run had)
+TOY_JSON = "runs/bench_toy.json"  # the toy mode's default --out (whatever settings that run had); never a shipped file
 ROOT = os.path.dirname(os.path.abspath(__file__))
+SHIPPED_DIR = os.path.join(ROOT, "checkpoints")  # what the repo ships: no report is written there
 # the recorded toy acceptances (relative to ROOT) random weights predict at: the chain's (gamma 6), the default tree's
 TOY_ACCEPTANCE, TOY_TREE_ACCEPTANCE = "experiments/bench_cpu.json", "experiments/bench_cpu_tree.json"
 COMPILED = ("target-only compiled", "speculative compiled")  # --compile's arms, timed beside the eager ones
-CHAIN_ARM = "speculative chain"  # with a tree: the chain of evaluate.GAMMA, the same draft, timed in the same passes
+CHAIN_ARM = "speculative chain"  # with a tree: the chain of --gamma, the same draft, timed in the same passes
 
 # ---- the two arms, timed in the same passes ----
 @torch.no_grad()  # the grad mode the compiled steps were warmed up in (evaluate.spec_stats): see timing.CompileWatch
@@ -75,8 +76,10 @@ def both_arms(ar, spec):  # {ar_prefill_ms, spec_prefill_ms, ar_ms_per_token, sp
     return {f"{a}_{k}": arm[k] for k in ("prefill_ms", "ms_per_token") for a, arm in (("ar", ar), ("spec", spec))}
 
 
-def benchmark(target, draft, prompts, gamma, max_new, stop_token=None, repeats=3, decoding=None, compile=False):
-    """One draft's record: statistics, divergences, both arms timed, the cost model; compile: all that, compiled."""
+def benchmark(target, draft, prompts, gamma, max_new, stop_token=None, repeats=3, decoding=None, compile=False,
+              chain_gamma=evaluate.GAMMA):
+    """One draft's record: statistics, divergences, both arms timed, the cost model; compile: all that, compiled.
+    A tree (gamma a TreeShape) is timed beside the chain of chain_gamma with the same draft."""
     decoding = decoding or cli.decoding_mode()
     greedy = evaluate.spec_stats(target, {"speculative": draft}, prompts, gamma, max_new, stop_token)
     spec, reference = greedy["speculative"], greedy[TARGET_ONLY]["tokens"]
@@ -93,8 +96,8 @@ def benchmark(target, draft, prompts, gamma, max_new, stop_token=None, repeats=3
         comp = {"compile_s": compile_s, "divergences": div, "greedy_match": not any(div.values())}
         extra = {COMPILED[0]: (ct, None), COMPILED[1]: (ct, cd)}
         watch.next_phase("warm-up")  # time_arms' own warm-up pass: after compile_s, so nothing may compile here
-    if tree:  # the chain of evaluate.GAMMA with the same draft, in the same passes: is the tree faster here?
-        extra[CHAIN_ARM] = (target, draft, evaluate.GAMMA)
+    if tree:  # the chain with the same draft, in the same passes: is the tree faster here?
+        extra[CHAIN_ARM] = (target, draft, chain_gamma)
     try:
         t = time_arms(target, {"speculative": draft}, prompts, gamma, max_new, stop_token, repeats, decoding, extra,
                       on_timed=watch and (lambda: watch.next_phase("timed")))
@@ -104,7 +107,7 @@ def benchmark(target, draft, prompts, gamma, max_new, stop_token=None, repeats=3
                **both_arms(t[TARGET_ONLY], t["speculative"]), "speedup": t["speculative"]["speedup"]}
         if tree:
             c = t[CHAIN_ARM]
-            res["chain"] = {"gamma": evaluate.GAMMA, "ms_per_token": c["ms_per_token"], "speedup": c["speedup"],
+            res["chain"] = {"gamma": chain_gamma, "ms_per_token": c["ms_per_token"], "speedup": c["speedup"],
                             "tree_over_chain": c["ms_per_token"] / res["spec_ms_per_token"]}
         sampled = decoding["mode"] == "sampling"  # then the timed runs' own statistics: the same seeds, the same tokens
         timed = evaluate.spec_stats(target, {"speculative": draft}, prompts, gamma, max_new, stop_token,
@@ -160,7 +163,8 @@ def toy(args, device, dtype, decoding):
     tok = driving.Tokenizer()
     prompts = evaluate.scene_prompts(driving.make_split("test", args.prompts, seed=0), tok, device, dtype, args.views)
     res = benchmark(target, draft, prompts, args.decoder, args.max_new, tok.cot_end_id, args.repeats, decoding,
-                    args.compile) | {"mode": "toy", "draft": draft_dir, "target": os.path.join(args.run, "target")}
+                    args.compile, args.gamma) | {"mode": "toy", "draft": draft_dir,
+                                                 "target": os.path.join(args.run, "target")}
     return dict(res, peers=peer.peers(args.run, target, prompts, tok, args.gamma, args.max_new, args.repeats)) \
         if args.peer else res
 
@@ -215,7 +219,8 @@ def real(args, device, dtype, decoding):
             prompt["pixel_values"] = prompt["pixel_values"].to(dtype)
     name = args.target or (args.preset + (f" ({args.layers} layers)" if args.layers else "")
                            + (f", draft head over {args.draft_vocab} ids" if args.draft_vocab else ""))
-    res = benchmark(target, draft, [prompt], args.decoder, args.max_new, stop, args.repeats, decoding, args.compile)
+    res = benchmark(target, draft, [prompt], args.decoder, args.max_new, stop, args.repeats, decoding, args.compile,
+                    args.gamma)
     res.update(mode="real", model=name, prompt_tokens=prompt["input_ids"].shape[1], trained_draft=bool(args.draft))
     if args.target:
         res.update(alpamayo.plan(target, draft, prompt, stop, tok, how, args.decoder, args.max_new, args.repeats,
@@ -293,13 +298,14 @@ def main(argv=None):
     ap.add_argument("--dtype", default="bf16", choices=sorted(cli.DTYPES), help="weights, activations and KV cache")
     ap.add_argument("--run", default=checkpoint.SHIPPED, help="toy checkpoints folder (default: the shipped ones)")
     ap.add_argument("--target", help="Hugging Face Qwen2.5-VL / Qwen3-VL / Alpamayo folder")
-    ap.add_argument("--draft", help="draft folder (checkpoint.save format) trained for that target")
+    ap.add_argument("--draft", help="draft folder (checkpoint.save format) trained for the target: the toy's (default "
+                    f"{TOY_DRAFT[0]} seed {TOY_DRAFT[1]} of --run), or one for --target")
     ap.add_argument("--preset", choices=[k for k in sorted(M.PRESETS) if "toy" not in k], help="random weights")
     for flag, default, text in (
             ("--layers", None, "with --preset: keep only this many decoder layers"),
             ("--draft-vocab", 0, "with --preset: the draft's head covers only the first K token ids (0: all)"),
             ("--images", 16, "images in the real-shape / generated prompt"),
-            ("--gamma", evaluate.GAMMA, "the chain's draft length (with --tree 0)"),
+            ("--gamma", evaluate.GAMMA, "the chain's draft length (the chain arm, also timed beside a tree)"),
             ("--tree", None, f"a draft tree of N nodes, 0: the chain (default {evaluate.TREE.nodes}; --compile: 0)"),
             ("--tree-depth", evaluate.TREE.depth, "with --tree: its depth D"),
             ("--tree-width", evaluate.TREE.width, "with --tree: k, nodes expanded per level and children per node"),
@@ -315,6 +321,7 @@ def main(argv=None):
     ap.add_argument("--peer", choices=["hf"], help="toy, greedy: also transformers' generate on the same weights")
     ap.add_argument("--toy-json", help=f"random weights: the toy acceptance to predict at (default {TOY_ACCEPTANCE})")
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    ap.add_argument("--out", help=f"write the report's JSON here (toy default {TOY_JSON}; none for a real model)")
     args = ap.parse_args(argv)
     decoding = check_flags(ap, args)
     if args.threads:
@@ -331,9 +338,9 @@ def main(argv=None):
     report(res)  # printed first: a failing write below loses no measurement
     if args.json:
         print(json.dumps(res))
-    if res["mode"] == "toy":
+    if args.out:
         with cli.user_errors(ap):
-            files.write_json(TOY_JSON, res)
+            files.write_json(args.out, res)
     return res
 
 
@@ -382,8 +389,11 @@ def check_flags(ap, args):
         if missing:
             raise ValueError(f"no toy checkpoints (missing {', '.join(missing)}): use the shipped checkpoints/toy, or "
                              f"train them with `python rsd.py --retrain --run {args.run}`")
-        if toy_mode:  # the report's folder, before any work
-            files.check_writable(os.path.dirname(TOY_JSON) or ".")
+        args.out = args.out or (TOY_JSON if toy_mode else None)
+        if args.out and os.path.commonpath([os.path.abspath(args.out), SHIPPED_DIR]) == SHIPPED_DIR:
+            raise ValueError(f"--out {args.out} is inside the shipped {SHIPPED_DIR}: write the report elsewhere")
+        if args.out:  # the report's folder, before any work
+            files.check_writable(os.path.dirname(args.out) or ".")
     return decoding
 
 

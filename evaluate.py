@@ -18,6 +18,7 @@ from tree import TreeShape
 
 MAX_NEW_TOKENS = 32  # CoC token limit per decode: the toy's CoCs are 12-28 tokens with <cot_end>
 GAMMA = 6  # draft length of the table, the benchmark and AARL's logged tau
+GAMMAS = tuple(range(2, 9))  # the draft lengths tau is replayed at (a speed-optimal gamma is chosen among them)
 # the benchmark's default draft tree (N nodes, depth D, width k): chosen on the validation split by the measured cost
 # model (experiments/tree_sweep.py); bench.py --tree 0 runs the chain of GAMMA instead
 TREE = TreeShape(32, 8, 3)

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import driving
+import evaluate
 from driving import Data, grid_kwargs, vision_kwargs
 from evaluate import autocast, evaluate_target
 import model as M
@@ -41,12 +42,19 @@ class TrainConfig:
     target_lr: float = 1.5e-3  # peak learning rate of the target
     train_vision: bool = False  # also train the vision tower (default: frozen at random init; train_target says why)
     traj_weight: float = 0.1  # weight of the trajectory Huber loss (metres) next to the CoC cross-entropy
-    draft_steps: int = 300  # distillation steps of both drafts
+    draft_steps: int = 300  # distillation steps of the drafts
     draft_seed: int = 0  # seeds the drafts' initialisation and batch order (the target and the scenes stay)
+    draft_seeds: str = ""  # several draft seeds in one call, one after another (e.g. 0,1,2); default: --draft-seed
     draft_lr: float = 3e-3  # peak learning rate of the drafts
+    kinds: str = "flat,mrope"  # the drafts distilled: flat (FlatRoPE, the routine reasoner), mrope (the replica)
+    target_dir: str = ""  # --stage drafts: distil from this target folder instead of OUT/target (nothing is copied)
     target_preset: str = "toy-target"  # target sizes (model.PRESETS)
-    draft_preset: str = "toy-draft"  # sizes of both drafts (model.DRAFT_PRESETS)
-    draft_vocab: int = 0  # K > 0: both drafts' heads cover only the K ids commonest in the training CoCs; 0 = all
+    draft_preset: str = "toy-draft"  # the drafts' sizes (model.DRAFT_PRESETS); the four flags below override it
+    draft_layers: int = 0  # decoder layers of each draft (0: the preset's)
+    draft_width: int = 0  # hidden size of each draft (0: the target's; narrower keeps head_dim, with projections)
+    draft_heads: int = 0  # attention heads of each draft (0: width / head_dim)
+    draft_kv_heads: int = 0  # KV heads of each draft (0: as many as the target, dividing the heads)
+    draft_vocab: int = 0  # K > 0: the drafts' heads cover only the K ids commonest in the training CoCs; 0 = all
     warmup: int = 20  # linear warm-up steps, then cosine decay to 10%
     weight_decay: float = 0.01  # AdamW weight decay
     grad_clip: float = 1.0  # gradient-norm clip
@@ -83,11 +91,20 @@ def target_views(cfg: TrainConfig):
     return views
 
 
-def make_drafts(target, preset, vocab_ids=None):
-    """The two drafts of equal size: FlatRoPE (routine reasoner) and the M-RoPE replica; vocab_ids (K,): both with
-    the reduced-vocabulary head over those target ids (select_draft_vocab)."""
-    return {mode: M.make_draft(target, rope_mode=mode, **dict(M.DRAFT_PRESETS[preset], vocab_ids=vocab_ids))
-            for mode in ("flat", "mrope")}  # flat first: the order of their initialisation
+def draft_shape(cfg: TrainConfig):
+    """make_draft's size arguments: the preset's, each --draft-* flag given (non-zero) in its place."""
+    shape = dict(M.DRAFT_PRESETS[cfg.draft_preset])
+    for flag, arg in (("draft_layers", "n_layers"), ("draft_width", "hidden_size"), ("draft_heads", "n_heads"),
+                      ("draft_kv_heads", "n_kv_heads")):
+        shape[arg] = getattr(cfg, flag) or shape.get(arg)
+    return shape
+
+
+def make_drafts(target, shape, kinds=("flat", "mrope"), vocab_ids=None):
+    """Drafts of equal size (shape: make_draft's sizes, draft_shape), one per kind: FlatRoPE (routine reasoner) and
+    the M-RoPE replica; vocab_ids (K,): each with the reduced-vocabulary head over those target ids."""
+    return {mode: M.make_draft(target, rope_mode=mode, vocab_ids=vocab_ids, **shape)
+            for mode in ("flat", "mrope") if mode in kinds}  # flat first: the order of their initialisation
 
 
 def select_draft_vocab(cocs, k, stop_id, vocab_size):
@@ -173,17 +190,20 @@ def train_target(cfg: TrainConfig, tok, train: Data, val: Data, rank=0, world=1,
     return target
 
 
-def train_drafts(cfg: TrainConfig, target, train: Data, rank=0, world=1, device="cpu"):
-    """Distil both drafts from the frozen target in one loop; saves out/draft_{flat,mrope}_s<draft_seed>."""
+def train_drafts(cfg: TrainConfig, target, train: Data, val: Data = None, rank=0, world=1, device="cpu"):
+    """Distil the drafts of cfg.kinds from the frozen target in one loop; saves out/draft_<kind>_s<draft_seed> and,
+    with val, what each learned at every evaluation (draft_scores) in out/draft_<kind>_s<draft_seed>.metrics.json."""
     target.eval().requires_grad_(False)
     vocab_ids = (select_draft_vocab(train.coc_ids(), cfg.draft_vocab, train.tok.cot_end_id, target.cfg.vocab_size)
                  if cfg.draft_vocab else None)
     torch.manual_seed(cfg.seed + 1 + 1000 * cfg.draft_seed)
-    drafts = make_drafts(target, cfg.draft_preset, vocab_ids)
+    drafts = make_drafts(target, draft_shape(cfg), cfg.kinds.split(","), vocab_ids)
     opts = {k: runs.make_optimizer(d.parameters(), cfg.draft_lr, cfg.weight_decay) for k, d in drafts.items()}
     state_path = os.path.join(cfg.out, f"drafts_s{cfg.draft_seed}.state.pt")
     bound = {"target": checkpoint.fingerprint(target)}  # the drafts' state is only valid with their target
-    start, _ = runs.load_state(state_path, drafts, opts, cfg, bound)
+    start, history = runs.load_state(state_path, drafts, opts, cfg, bound)
+    history = history or {k: [] for k in drafts}  # each draft's evaluations so far (kept in the resumable state)
+    outputs = evaluate.greedy_outputs(target, val) if val is not None and rank == 0 else None
     ddps = {k: runs.wrap(d, world, device) for k, d in drafts.items()}
     bar = tqdm(range(start, cfg.draft_steps), desc="drafts", disable=rank != 0, initial=start,
                total=cfg.draft_steps)
@@ -204,11 +224,35 @@ def train_drafts(cfg: TrainConfig, target, train: Data, rank=0, world=1, device=
             runs.check_loss(f"{k} draft", losses[k], step, state_path)
         bar.set_postfix({f"kl_{k}": f"{v:.3f}" for k, v in losses.items()})
         if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.draft_steps:
-            runs.save_state(state_path, step + 1, drafts, opts, cfg, rank, bound)
+            if outputs is not None:
+                for k, scores in draft_scores(drafts, target, val, outputs).items():
+                    history[k].append({"step": step + 1, "train_kl": losses[k], **scores})
+                    files.write_json(checkpoint.draft_dir(cfg.out, k, cfg.draft_seed) + ".metrics.json",
+                                     {"kind": k, "draft_seed": cfg.draft_seed, "config": asdict(cfg),
+                                      "evaluations": history[k]})
+            runs.save_state(state_path, step + 1, drafts, opts, cfg, rank, bound, extra=history)
     if rank == 0:
         for k, d in drafts.items():
             checkpoint.save(d, checkpoint.draft_dir(cfg.out, k, cfg.draft_seed), target=target)
     return drafts
+
+
+@torch.no_grad()
+def draft_scores(drafts, target, val: Data, outputs):
+    """{kind: {"val_kl", "val_tau"}}: each draft's KL(p || q) on the validation CoCs (distill_loss, weighted by CoC
+    positions) and its tau at every gamma of evaluate.GAMMAS on the target's greedy outputs (the exact replay)."""
+    device, kl, n = next(target.parameters()).device, {k: 0.0 for k in drafts}, 0
+    for batch in val.batches(evaluate.EVAL_BATCH, device):
+        embeds = target.embed(batch["input_ids"], **vision_kwargs(batch))  # (B, L, D)
+        logits_p = target(batch["input_ids"], inputs_embeds=embeds, **grid_kwargs(batch))  # (B, L, V)
+        p_logp = F.log_softmax(logits_p[batch["loss_mask"]].float(), -1)  # (N, V)
+        for k, d in drafts.items():
+            kl[k] += distill_loss(d.eval(), embeds, p_logp, batch).item() * len(p_logp)
+        n += len(p_logp)
+    matches = evaluate.draft_matches(drafts, target, val, outputs)
+    return {k: {"val_kl": kl[k] / n, "val_tau": {g: v["tau"] for g, v in
+                                                 evaluate.tau_by_gamma(matches[k], evaluate.GAMMAS).items()}}
+            for k in drafts}
 
 
 def run(cfg: TrainConfig, stage="all", log=print):
@@ -225,10 +269,12 @@ def run(cfg: TrainConfig, stage="all", log=print):
         train = Data("train", cfg.n_train, cfg.seed, tok, views=cfg.views)
         val = Data("val", cfg.n_val, cfg.seed, tok, views=cfg.views)
         out = {"target": train_target(cfg, tok, train.with_views(target_views(cfg)), val, rank, world, device, log)
-               if stage in ("all", "target") else checkpoint.load(os.path.join(cfg.out, "target"), device=device)}
+               if stage in ("all", "target") else checkpoint.load(target_dir(cfg), device=device)}
         if stage in ("all", "drafts"):
-            out["drafts"] = train_drafts(cfg, out["target"], train, rank, world, device)
-        if rank == 0:
+            for seed in draft_seeds(cfg):  # one after another, each its own resumable state
+                out["drafts"] = train_drafts(replace(cfg, draft_seed=seed, draft_seeds=""), out["target"], train, val,
+                                             rank, world, device)
+        if rank == 0 and stage != "drafts":  # a draft stage never rewrites (nor re-measures) the target's metrics
             test = Data("test", cfg.n_test, cfg.seed, tok, views=cfg.views)
             metrics = {"val": evaluate_target(out["target"], val), "test": evaluate_target(out["target"], test),
                        "scenes": {"val": cfg.n_val, "test": cfg.n_test}, "wall_s": time.time() - t0}
@@ -258,14 +304,32 @@ def parse_args(argv=None, parser=False):
         if a.draft_vocab > len(driving.Tokenizer()):  # here, not when the draft stage starts after the target's hour
             raise ValueError(f"--draft-vocab must be at most the toy vocabulary's {len(driving.Tokenizer())} ids, "
                              f"got {a.draft_vocab}")
+        kinds = a.kinds.split(",")
+        if not kinds or set(kinds) - {"flat", "mrope"} or len(set(kinds)) < len(kinds):
+            raise ValueError(f"--kinds takes flat, mrope or flat,mrope, got {a.kinds!r}")
+        if a.draft_seeds and not all(s.strip().isdigit() for s in a.draft_seeds.split(",")):
+            raise ValueError(f"--draft-seeds takes comma-separated seeds >= 0 (e.g. 0,1), got {a.draft_seeds!r}")
+        if a.target_dir and a.stage != "drafts":
+            raise ValueError(f"--target-dir is the draft stage's target: add --stage drafts (got --stage {a.stage})")
+        if a.target_dir and checkpoint.existing_kind(a.target_dir) != "target":
+            raise ValueError(f"--target-dir {a.target_dir}: not a target checkpoint folder (checkpoint.save's)")
         check_values(a, [(MAX_VIEWS_RULE, ("views", "max_views")), ("in 0..2**30-1", ("seed", "draft_seed")),
                          (">= 1", ("n_train", "n_val", "n_test", "batch_size", "target_steps", "draft_steps",
                                    "eval_every")), ("> 0", ("target_lr", "draft_lr", "grad_clip")),
                          ("a finite number >= 0", ("traj_weight", "weight_decay", "warmup", "views", "max_views",
-                                                   "draft_vocab")), ("in [0, 1]", ("p_no_views",))], flags=True)
+                                                   "draft_vocab", "draft_layers", "draft_width", "draft_heads",
+                                                   "draft_kv_heads")), ("in [0, 1]", ("p_no_views",))], flags=True)
         cli.check_device(a.device)
     cfg = cli.config_from_args(TrainConfig, a)
     return (cfg, a.stage, ap) if parser else (cfg, a.stage)
+
+
+def target_dir(cfg: TrainConfig):
+    return cfg.target_dir or os.path.join(cfg.out, "target")
+
+
+def draft_seeds(cfg: TrainConfig):
+    return [int(s) for s in cfg.draft_seeds.split(",")] if cfg.draft_seeds else [cfg.draft_seed]
 
 
 def check_outputs(cfg: TrainConfig, stage):
@@ -278,9 +342,9 @@ def check_outputs(cfg: TrainConfig, stage):
                      f"`python train.py --out {cfg.out} --stage drafts --draft-seed N` to distil a new draft seed "
                      "from it"))
     if stage in ("all", "drafts"):
-        todo += [(checkpoint.draft_dir(cfg.out, kind, cfg.draft_seed), f"{kind} draft", f"drafts_s{cfg.draft_seed}"
-                  ".state.pt", "rerun with --overwrite to retrain it, or give another --draft-seed or --out")
-                 for kind in ("flat", "mrope")]
+        todo += [(checkpoint.draft_dir(cfg.out, kind, seed), f"{kind} draft", f"drafts_s{seed}.state.pt",
+                  "rerun with --overwrite to retrain it, or give another --draft-seed or --out")
+                 for seed in draft_seeds(cfg) for kind in cfg.kinds.split(",")]
     for path, kind, state, how in todo:  # a *.state.pt beside it: a run to resume, not a checkpoint to protect
         checkpoint.check_output(path, kind, cfg.overwrite or os.path.exists(os.path.join(cfg.out, state)), how)
 

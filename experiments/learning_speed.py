@@ -5,7 +5,7 @@ Paper: FlatRoPE lets a shallow draft read the trajectory history instead of the 
 "FlatRoPE"); a draft that reads the history may learn faster even where both converge to the same tau. Every run is
 train.py's own draft distillation (train.train_drafts: same 300 steps, lr, batch, schedule and seeded batch order)
 from the shipped target; only n_train differs. The drafts are scored along the way: train_drafts calls
-train.save_state every eval_every steps, and this probe stands in for it (nothing is written) to replay greedy
+ops.runs.save_state every eval_every steps, and this probe stands in for it (nothing is written) to replay greedy
 speculative decoding of the val and held-out test scenes from the drafts at that step (evaluate.draft_matches on the
 target's greedy outputs, computed once, and evaluate.tau_by_gamma). At 300 steps x 16 a run draws 4,800 scenes, so an
 n_train of 4,800 or more is one pass over distinct scenes and a smaller one repeats them.
@@ -30,6 +30,7 @@ import driving  # noqa: E402
 import evaluate  # noqa: E402
 from ops import files  # noqa: E402
 import train as T  # noqa: E402
+from ops import runs  # noqa: E402
 from driving import Data  # noqa: E402
 
 KINDS = ("mrope", "flat")
@@ -43,14 +44,14 @@ def stats(values):
 
 @contextlib.contextmanager
 def scored_at(steps, score):
-    """train.train_drafts with score(step, drafts) in place of its train.save_state at each step of `steps` (and no
+    """train.train_drafts with score(step, drafts) in place of its runs.save_state at each step of `steps` (and no
     resumable state written at any step)."""
-    saved = T.save_state
-    T.save_state = lambda path, step, models, *args, **kwargs: score(step, models) if step in steps else None
+    saved = runs.save_state
+    runs.save_state = lambda path, step, models, *args, **kwargs: score(step, models) if step in steps else None
     try:
         yield
     finally:
-        T.save_state = saved
+        runs.save_state = saved
 
 
 def held_out_tau(drafts, target, evals, gamma):

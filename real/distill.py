@@ -9,7 +9,7 @@ run: python -m real.distill --target ALPAMAYO_DIR --scenes SCENES --out RUN --de
 """
 import argparse
 import contextlib
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 import hashlib
 import os
 import time
@@ -47,6 +47,10 @@ class DraftConfig:
     grad_clip: float = 1.0  # gradient-norm clip
     seed: int = 0  # seeds the draft's initialisation and the record order (the data is one for every seed)
     init: str = "random"  # random, or last: the draft's layer starts as a copy of the target's last one (+ final norm)
+    layers: int = 1  # the draft's decoder layers
+    width: int = 0  # the draft's hidden size (0: the target's; narrower keeps head_dim, with projections)
+    heads: int = 0  # the draft's attention heads (0: width / head_dim)
+    kv_heads: int = 0  # the draft's KV heads (0: as many as the target, dividing the heads)
     draft_vocab: int = 0  # K > 0: the head covers the K ids commonest in the target's own CoCs; 0 = all
     save_every: int = 100  # updates between resumable states
     workers: int = 0  # DataLoader processes building the prompts ahead (images read and resized on the CPU); 0: inline
@@ -127,13 +131,18 @@ class RankPrompts(torch.utils.data.Dataset):
         return j, prompt() if callable(prompt) else prompt
 
 
-def new_draft(target, kind, init="random", vocab_ids=None):
-    """The routine reasoner's start: one decoder layer of the target's shape (model.make_draft: the target's embedding
-    and LM head, shared and frozen), fp32 master weights; init "last": its layer a copy of the target's last one,
-    which already maps the target's hidden states to what its final norm and LM head read."""
-    draft = M.make_draft(target, n_layers=1, rope_mode=kind, vocab_ids=vocab_ids).float()
+def new_draft(target, kind, init="random", vocab_ids=None, layers=1, width=0, heads=0, kv_heads=0):
+    """The routine reasoner's start (model.make_draft: the target's embedding and LM head, shared and frozen): `layers`
+    decoder layers, of the target's shape unless width / heads / kv_heads say otherwise (0: the target's), fp32 master
+    weights; init "last": every layer a copy of the target's last one, which already maps the target's hidden states
+    to what its final norm and LM head read (so only at the target's shape)."""
+    draft = M.make_draft(target, n_layers=layers, hidden_size=width or None, rope_mode=kind, n_heads=heads or None,
+                         n_kv_heads=kv_heads or None, vocab_ids=vocab_ids).float()
     if init == "last":
-        draft.layers[0].load_state_dict({k: v.float() for k, v in target.layers[-1].state_dict().items()})
+        if draft.layers[0].self_attn.qkv.weight.shape != target.layers[-1].self_attn.qkv.weight.shape:
+            raise ValueError("--init last copies the target's last layer: give no --width / --heads / --kv-heads")
+        for layer in draft.layers:
+            layer.load_state_dict({k: v.float() for k, v in target.layers[-1].state_dict().items()})
         draft.norm.load_state_dict({k: v.float() for k, v in target.norm.state_dict().items()})
     return draft
 
@@ -147,14 +156,15 @@ def distill_draft(cfg: DraftConfig, target, records, prompt_of, stop_id, rank=0,
     vocab_ids = (select_draft_vocab([r["tokens"] for r in records], cfg.draft_vocab, stop_id, target.cfg.vocab_size)
                  if cfg.draft_vocab else None)
     torch.manual_seed(cfg.seed)
-    draft = new_draft(target, cfg.kind, cfg.init, vocab_ids)
+    draft = new_draft(target, cfg.kind, cfg.init, vocab_ids, cfg.layers, cfg.width, cfg.heads, cfg.kv_heads)
     opt = runs.make_optimizer(draft.parameters(), cfg.lr, cfg.weight_decay)
     state_path = os.path.join(cfg.out, f"draft_{cfg.kind}_s{cfg.seed}.state.pt")
     bound = {"target": checkpoint.fingerprint(target)}
     # the records the state's updates drew: a resume after the scenes changed would draw others at the same steps
     data = {"records": len(records), "sha256": hashlib.sha256(repr(
         [(r["scene"], r["sample"], r["tokens"]) for r in records]).encode()).hexdigest()[:16]}
-    start, _ = runs.load_state(state_path, {cfg.kind: draft}, {cfg.kind: opt}, cfg, bound, data)
+    start, history = runs.load_state(state_path, {cfg.kind: draft}, {cfg.kind: opt}, cfg, bound, data)
+    history = history or []  # KL(p || q) of the updates so far, kept in the state and beside the draft
     ddp = runs.wrap(draft, world, device)
     per_rank, w = cfg.batch_size // world, next(target.parameters())
     stream = iter(torch.utils.data.DataLoader(RankPrompts(records, prompt_of, cfg, start, rank, world), batch_size=None,
@@ -176,8 +186,13 @@ def distill_draft(cfg: DraftConfig, target, records, prompt_of, stop_id, rank=0,
         runs.check_loss(f"{cfg.kind} draft", loss_sum, step, state_path)
         runs.update(opt, draft, runs.lr_at(step, cfg.steps, cfg.lr, cfg.warmup), cfg.grad_clip)  # accumulated above
         bar.set_postfix(kl=f"{loss_sum:.3f}", tok_s=f"{n_tok * world / (time.time() - t0):.0f}")
+        history.append({"step": step + 1, "train_kl": loss_sum})
         if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
-            runs.save_state(state_path, step + 1, {cfg.kind: draft}, {cfg.kind: opt}, cfg, rank, bound, data)
+            if rank == 0:
+                files.write_json(checkpoint.draft_dir(cfg.out, cfg.kind, cfg.seed) + ".metrics.json",
+                                 {"kind": cfg.kind, "seed": cfg.seed, "config": asdict(cfg), "updates": history})
+            runs.save_state(state_path, step + 1, {cfg.kind: draft}, {cfg.kind: opt}, cfg, rank, bound, data,
+                            extra=history)
     if rank == 0:
         checkpoint.save(draft.to(w.dtype), checkpoint.draft_dir(cfg.out, cfg.kind, cfg.seed), target=target)
     return draft
@@ -235,10 +250,11 @@ def parse_args(argv=None):
     a = ap.parse_args(argv)
     with cli.user_errors(ap):
         check_values(a, [("in 0..2**30-1", ("seed",)), (">= 1", ("steps", "batch_size", "save_every", "samples",
-                                                                   "max_new", "min_pixels", "max_pixels")),
+                                                                   "max_new", "min_pixels", "max_pixels", "layers")),
                          ("> 0", ("lr", "grad_clip", "top_p")), ("in [0, 1]", ("top_p",)),
                          ("a finite number >= 0", ("warmup", "weight_decay", "draft_vocab", "temperature", "views",
-                                                   "toy_scenes", "workers"))], flags=True)
+                                                   "toy_scenes", "workers", "width", "heads", "kv_heads"))],
+                     flags=True)
         if not os.path.isdir(a.target):
             raise FileNotFoundError(f"--target {a.target}: no such folder")
         if bool(a.scenes) == bool(a.toy_scenes):

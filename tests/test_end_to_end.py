@@ -369,3 +369,30 @@ def test_rsd_refuses_a_stale_draft_and_a_bad_device(run_dir, tmp_path, capsys):
     with pytest.raises(SystemExit):
         rsd.main(["--run", str(run), "--device", "tpu"])
     assert "unknown device 'tpu'" in capsys.readouterr().err
+
+
+def test_fork_a_draft_variant(run_dir, tmp_path, capsys):
+    """The README's "Fork it": a 2-layer FlatRoPE draft distilled from a given target folder (not copied), one kind,
+    two seeds in one call; each seed's validation KL and tau recorded at every evaluation beside its checkpoint and the
+    target's metrics untouched; then timed by bench.py --draft, its chain arm at --gamma, its JSON at --out."""
+    out = tmp_path / "fork"
+    T.main(["--stage", "drafts", "--target-dir", str(run_dir / "target"), "--out", str(out), "--kinds", "flat",
+            "--draft-layers", "2", "--draft-seeds", "0,1", "--draft-preset", "test-tiny-draft", "--n-train", "64",
+            "--n-val", "8", "--batch-size", "4", "--draft-steps", "4", "--eval-every", "2", "--warmup", "1",
+            "--views", str(VIEWS), "--max-views", str(VIEWS), "--no-amp"])
+    assert sorted(os.listdir(out)) == ["draft_flat_s0", "draft_flat_s0.metrics.json", "draft_flat_s1",
+                                       "draft_flat_s1.metrics.json", "drafts_s0.state.pt", "drafts_s1.state.pt"]
+    target = checkpoint.load(run_dir / "target")
+    for seed in (0, 1):
+        draft = checkpoint.load(out / f"draft_flat_s{seed}", target=target)
+        assert draft.cfg.n_layers == 2 and draft.cfg.rope_mode == "flat"
+        rec = files.read_json(out / f"draft_flat_s{seed}.metrics.json")
+        assert [e["step"] for e in rec["evaluations"]] == [2, 4] and rec["draft_seed"] == seed
+        for e in rec["evaluations"]:
+            assert e["val_kl"] > 0 and set(e["val_tau"]) == {str(g) for g in evaluate.GAMMAS}
+            assert all(1 <= t <= g + 1 for g, t in ((int(g), t) for g, t in e["val_tau"].items()))
+    res = bench.main(["--run", str(run_dir), "--draft", str(out / "draft_flat_s1"), "--prompts", "2", "--dtype",
+                      "fp32", "--views", str(VIEWS), "--gamma", "3", "--out", str(tmp_path / "b.json")])
+    assert res["draft"] == str(out / "draft_flat_s1") and res["chain"]["gamma"] == 3 and res["greedy_match"]
+    assert files.read_json(tmp_path / "b.json")["tau"] == res["tau"]
+    capsys.readouterr()

@@ -67,7 +67,7 @@ def test_distillation_lowers_the_kl(tmp_path, tok):
         embeds = target.embed(batch["input_ids"], **vision_kwargs(batch))
         p = torch.log_softmax(target(batch["input_ids"], **vision_kwargs(batch))[batch["loss_mask"]], -1)
     torch.manual_seed(cfg.seed + 1)
-    fresh = T.make_drafts(target, cfg.draft_preset)
+    fresh = T.make_drafts(target, T.draft_shape(cfg))
     before = {k: T.distill_loss(d, embeds, p, batch).item() for k, d in fresh.items()}
     drafts = T.train_drafts(dataclasses.replace(cfg, draft_steps=20), target, data)
     for k, d in drafts.items():
@@ -91,8 +91,8 @@ def test_reduced_vocab_drafts_train_save_and_resume(tmp_path, tok):
         embeds = target.embed(batch["input_ids"], **vision_kwargs(batch))
         p = torch.log_softmax(target(batch["input_ids"], **vision_kwargs(batch))[batch["loss_mask"]], -1)
     torch.manual_seed(cfg.seed + 1)
-    before = {k: T.distill_loss(d, embeds, p, batch).item() for k, d in T.make_drafts(target, cfg.draft_preset,
-                                                                                       want).items()}
+    fresh = T.make_drafts(target, T.draft_shape(cfg), vocab_ids=want)
+    before = {k: T.distill_loss(d, embeds, p, batch).item() for k, d in fresh.items()}
     drafts = T.train_drafts(dataclasses.replace(cfg, draft_steps=20), target, data)
     for k, d in drafts.items():
         assert torch.equal(d.vocab_ids, want), k
@@ -100,7 +100,7 @@ def test_reduced_vocab_drafts_train_save_and_resume(tmp_path, tok):
         back = checkpoint.load(checkpoint.draft_dir(str(tmp_path), k, 0), target=target)
         assert torch.equal(back.vocab_ids, want) and back.cfg.draft_vocab == 20, k
     # a state written before the field existed: its config lacks draft_vocab, and it resumes with the default 0
-    full = T.make_drafts(target, cfg.draft_preset)
+    full = T.make_drafts(target, T.draft_shape(cfg))
     opts = {k: runs.make_optimizer(d.parameters(), cfg.draft_lr) for k, d in full.items()}
     old = dataclasses.replace(cfg, draft_vocab=0)
     runs.save_state(tmp_path / "old.state.pt", 3, full, opts, old, 0)
@@ -271,7 +271,7 @@ def test_drafts_state_is_bound_to_its_target(tmp_path, tok, monkeypatch):
     torch.manual_seed(0)
     target = M.VLA(T.target_config(tok, "test-tiny"))
     cfg = tiny_cfg(tmp_path)
-    drafts = T.make_drafts(target, cfg.draft_preset)
+    drafts = T.make_drafts(target, T.draft_shape(cfg))
     opts = {k: runs.make_optimizer(d.parameters(), cfg.draft_lr) for k, d in drafts.items()}
     path, bound = tmp_path / "drafts_s0.state.pt", {"target": checkpoint.fingerprint(target)}
     runs.save_state(path, 2, drafts, opts, cfg, 0, bound)
@@ -279,7 +279,7 @@ def test_drafts_state_is_bound_to_its_target(tmp_path, tok, monkeypatch):
     with pytest.raises(ValueError, match=r"drafts_s0.state.pt was trained against another target"):
         runs.load_state(path, drafts, opts, cfg, {"target": dict(bound["target"], weights="0" * 16)})
     monkeypatch.setitem(M.DRAFT_PRESETS, "test-tiny-draft", dict(TINY_DRAFT, hidden_size=64, n_heads=4))
-    wide = T.make_drafts(target, cfg.draft_preset)
+    wide = T.make_drafts(target, T.draft_shape(cfg))
     wide_opts = {k: runs.make_optimizer(d.parameters(), cfg.draft_lr) for k, d in wide.items()}
     with pytest.raises(ValueError, match=r"cannot resume 'flat' from .*drafts_s0.state.pt: it does not fit"):
         runs.load_state(path, wide, wide_opts, cfg, bound)
