@@ -53,6 +53,8 @@ def save(model: VLA, dir, target: VLA | None = None):
     for stale in glob.glob(os.path.join(glob.escape(dir), f".{WEIGHTS}.*.tmp")):  # a killed save's (one writer per run)
         os.unlink(stale)
     sd = {k: v.detach().contiguous() for k, v in _stored(model).items()}
+    if (bad := first_nonfinite(sd.items())) is not None:  # a diverged run's weights would load as garbage later
+        raise FloatingPointError(f"{dir}: refusing to save a model whose {bad!r} holds NaN / inf")
     atomic_write(os.path.join(dir, WEIGHTS), lambda p: save_file(sd, p, metadata={KEY: json.dumps(meta)}))
 
 
@@ -78,6 +80,8 @@ def load(dir, target: VLA | None = None, dtype=None, device=None) -> VLA:
         for k in keys:
             check_shape(path, k, sd[k].shape, f.get_slice(k).get_shape())
             sd[k].copy_(_hash(h, k, f.get_tensor(k)))
+            if first_nonfinite([(k, sd[k])]):
+                raise ValueError(f"{path}: tensor {k!r} holds NaN / inf (written by a run that diverged): retrain it")
     if cfg.draft_vocab:  # a reduced-vocabulary draft's ids (its `vocab_ids` buffer) must be usable ids
         try:
             check_vocab_ids(model.vocab_ids, cfg.vocab_size, cfg.draft_vocab)
@@ -85,6 +89,11 @@ def load(dir, target: VLA | None = None, dtype=None, device=None) -> VLA:
             raise ValueError(f"{path}: {e}") from None
     model.checkpoint_fingerprint = {"config": _config_hash(meta["config"]), "weights": h.hexdigest()[:16]}
     return model
+
+
+def first_nonfinite(named):
+    """The name of the first floating-point tensor of (name, tensor) pairs holding NaN or inf, else None."""
+    return next((k for k, t in named if t.is_floating_point() and not bool(torch.isfinite(t).all())), None)
 
 
 def empty_model(cfg, shared, dtype, device, expert=None):
@@ -208,6 +217,8 @@ def header(dir, f=None):
 
 
 def open_safetensors(path):
+    if not os.path.isfile(path):  # an empty or foreign folder: say so, not a bare [Errno 2]
+        raise FileNotFoundError(f"{path}: no such file (is {os.path.dirname(path)} a checkpoint folder?)")
     with open(path, "rb") as f:
         if f.read(40).startswith(b"version https://git-lfs"):
             raise ValueError(f"{path}: a git-lfs pointer, not the weights: fetch them with `git lfs pull`")

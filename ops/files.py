@@ -15,6 +15,7 @@ import sys
 import tempfile
 import time
 
+from safetensors import SafetensorError
 import torch
 
 LOCK = ".lock"  # in a run folder: flock'ed by its writer, who writes into it who it is
@@ -32,7 +33,8 @@ def atomic_write(path, write):
     try:
         try:
             write(tmp)
-        except (OSError, RuntimeError) as e:  # torch reports a full disk as a RuntimeError naming no path or cause
+        # torch reports a full disk as a RuntimeError naming no path or cause, safetensors as its own error type
+        except (OSError, RuntimeError, SafetensorError) as e:
             free = shutil.disk_usage(parent).free if os.path.isdir(parent) else 0
             full = ": no space left on device" if getattr(e, "errno", None) == errno.ENOSPC or free < 2**20 else ""
             raise OSError(f"{path}: write failed ({(str(e).strip() or type(e).__name__).splitlines()[-1]}); "

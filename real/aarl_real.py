@@ -124,6 +124,7 @@ def train_real(target, draft, ref, clips, prompts, cfg: RealConfig, ids, log=Non
             (loss / cfg.per_update).backward()  # gradient accumulation: the mean over the S scenes
             stats.append({"reward": r.mean().item(), "kl": kl.item(), "reward_std_in_group": r.std().item()})
         runs.update(opt, draft, cfg.lr, 1.0)
+        runs.check_loss("AARL", None, step, state_path, draft)  # the weights after it
         stats = {key: sum(s[key] for s in stats) / len(stats) for key in stats[0]}
         bar.set_postfix({key: f"{v:.3f}" for key, v in stats.items()})
         if log is not None:
@@ -172,7 +173,7 @@ def main(argv=None):
     with cli.user_errors(ap):
         cli.check_values(cfg, [(">= 1", ("steps", "per_update", "max_new", "min_pixels", "max_pixels",
                                               "save_every")),
-                                    ("> 0", ("lr", "temperature")), ("in 0..2**30-1", ("seed",)),
+                                    ("a finite number > 0", ("lr", "temperature")), ("in 0..2**30-1", ("seed",)),
                                     ("a finite number >= 0", ("beta",))], flags=True)
         if cfg.min_pixels > cfg.max_pixels:
             raise ValueError(f"--min-pixels {cfg.min_pixels} is above --max-pixels {cfg.max_pixels}")

@@ -173,8 +173,8 @@ def distill_draft(cfg: DraftConfig, target, records, prompt_of, stop_id, rank=0,
             loss_sum, n_tok = loss_sum + loss.item(), n_tok + len(records[j]["tokens"])
         if world > 1:  # every rank sees a NaN on any rank: its gradients were already averaged into everyone's
             loss_sum = runs.all_mean(loss_sum, device)
-        runs.check_loss(f"{cfg.kind} draft", loss_sum, step, state_path)
         runs.update(opt, draft, runs.lr_at(step, cfg.steps, cfg.lr, cfg.warmup), cfg.grad_clip)  # accumulated above
+        runs.check_loss(f"{cfg.kind} draft", loss_sum, step, state_path, draft)
         bar.set_postfix(kl=f"{loss_sum:.3f}", tok_s=f"{n_tok * world / (time.time() - t0):.0f}")
         if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
             runs.save_state(state_path, step + 1, {cfg.kind: draft}, {cfg.kind: opt}, cfg, rank, bound, data)
@@ -236,7 +236,7 @@ def parse_args(argv=None):
     with cli.user_errors(ap):
         check_values(a, [("in 0..2**30-1", ("seed",)), (">= 1", ("steps", "batch_size", "save_every", "samples",
                                                                    "max_new", "min_pixels", "max_pixels")),
-                         ("> 0", ("lr", "grad_clip", "top_p")), ("in [0, 1]", ("top_p",)),
+                         ("a finite number > 0", ("lr", "grad_clip", "top_p")), ("in [0, 1]", ("top_p",)),
                          ("a finite number >= 0", ("warmup", "weight_decay", "draft_vocab", "temperature", "views",
                                                    "toy_scenes", "workers"))], flags=True)
         if not os.path.isdir(a.target):

@@ -8,6 +8,7 @@ run: python -m pytest -q tests/test_aarl_real.py
 """
 import copy
 import dataclasses
+import os
 
 import pytest
 import torch
@@ -100,6 +101,20 @@ def test_command_line_end_to_end(setup, folder, tmp_path, capsys):
     with pytest.raises(SystemExit):  # an existing checkpoint is never replaced
         aarl_real.main(argv + FLAGS)
     assert "refusing to replace it" in capsys.readouterr().err
+
+
+def test_a_diverged_update_saves_no_draft(setup, folder, tmp_path, capsys):
+    """An infinite update: stopped after it, no draft (issue #33: "draft saved" with a NaN draft); --lr 1e39 (finite,
+    past float32 in AdamW): one line, no draft."""
+    target, sft, root, clips, prompts = setup
+    draft, ref = checkpoint.load(sft, target=target), checkpoint.load(sft, target=target)
+    with pytest.raises(FloatingPointError, match="is NaN / inf after the update at step 0"):
+        aarl_real.train_real(target, draft, ref, clips[:1], prompts[:1], dataclasses.replace(CFG, lr=float("inf")), IDS)
+    with pytest.raises(SystemExit) as e:
+        aarl_real.main(["--target", str(folder[2]), "--draft", sft, "--scenes", root, "--out", str(tmp_path / "o"),
+                        "--per-update", "1", "--lr", "1e39"] + FLAGS)
+    assert e.value.code == 2 and "overflows float32" in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "o" / "draft_aarl_s0")
 
 
 def test_bad_inputs_are_named(setup, folder, tmp_path, capsys):

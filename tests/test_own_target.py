@@ -9,6 +9,7 @@ run: python -m pytest -q tests/test_own_target.py
 """
 import dataclasses
 import os
+import shutil
 import socket
 
 import pytest
@@ -22,6 +23,7 @@ import model as M
 from ops import checkpoint
 from real import aarl_real, distill, hf, scenes
 import train as T
+from test_user_errors import error_line
 
 try:  # the tiny Alpamayo-shaped folder of tests/test_alpamayo.py, a fixture
     from test_alpamayo import SPECIAL, folder
@@ -121,6 +123,24 @@ def test_two_gloo_ranks_equal_one(alpamayo_run, tmp_path):
     for k, v in out["draft"].state_dict().items():
         assert torch.equal(a[k], b[k]), k  # DDP keeps the ranks identical
         assert (a[k] - v).abs().max().item() <= RANK_TOL, k
+
+
+@needs_tf
+def test_a_diverged_last_update_saves_nothing_and_is_one_line(alpamayo_run, tmp_path, capsys):
+    """An infinite step leaves the loss finite and the weights NaN: the run stops after that (last) update and saves
+    no draft (issue #33: the loss was checked before each update only, and the NaN draft saved); --lr 1e39, finite,
+    overflows float32 in AdamW: one line (it was a traceback)."""
+    d, root, _ = alpamayo_run
+    shutil.copytree(os.path.join(os.path.dirname(root), "straight", "data"), tmp_path / "data")  # its CoCs: no decode
+    with pytest.raises(FloatingPointError, match="is NaN / inf after the update at step 0: stopped; no state"):
+        distill.run_draft(alpamayo_cfg(d, root, tmp_path, steps=1, batch_size=1, lr=float("inf"), warmup=0),
+                          log=lambda *_: None)
+    assert not os.path.exists(checkpoint.draft_dir(tmp_path, "flat", 0))
+    with pytest.raises(SystemExit) as e:
+        distill.main(["--target", d, "--scenes", root, "--out", str(tmp_path), "--steps", "1", "--batch-size", "1",
+                      "--lr", "1e39", "--warmup", "0", "--min-pixels", "64", "--max-pixels", "256", "--max-new", "6"])
+    assert e.value.code == 2 and "an update at lr 1e+39 overflows float32" in error_line(capsys)
+    assert not os.path.exists(checkpoint.draft_dir(tmp_path, "flat", 0))
 
 
 @needs_tf
@@ -224,7 +244,9 @@ def test_an_exported_toy_target_takes_the_same_path(tmp_path):
 @pytest.mark.parametrize("argv, msg", [
     (["--toy-scenes", "2"], "no such folder"),
     (["--steps", "0"], "--steps must be >= 1"),
-    (["--top-p", "0"], "--top-p must be > 0"),
+    (["--top-p", "0"], "--top-p must be a finite number > 0"),
+    (["--lr", "inf"], "--lr must be a finite number > 0, got inf"),  # issue #33: inf passed "> 0"
+    (["--grad-clip", "inf"], "--grad-clip must be a finite number > 0, got inf"),
     (["--dtype", "bf16"], "--dtype bf16 needs --amp"),
     (["--samples", "2"], "--samples > 1 needs --temperature > 0"),
     (["--device", "tpu"], "unknown device 'tpu'"),

@@ -168,6 +168,8 @@ def test_rsd_plot_checks_its_dependency_and_folder_before_any_work(tmp_path, mon
     (["--max-views", "22"], "--max-views must be at most 21"),
     (["--seed", str(2**64)], "--seed must be in 0..2**30-1"),
     (["--draft-seed", str(2**40)], "--draft-seed must be in 0..2**30-1"),
+    (["--draft-lr", "inf"], "--draft-lr must be a finite number > 0, got inf"),  # issue #33: inf passed "> 0"
+    (["--grad-clip", "inf"], "--grad-clip must be a finite number > 0, got inf"),
 ])
 def test_train_bad_flags_fail_at_parse_time(argv, msg, capsys):
     with pytest.raises(SystemExit):
@@ -203,11 +205,43 @@ def test_bench_bad_flags_are_one_line(argv, msg, capsys):
     (["--seeds", "a"], "--seeds must be non-negative integers"),
     (["--scenes", "2", "--time-scenes", "16"], "--time-scenes (16) and --show (3) must be at most --scenes (2)"),
     (["--temperature", "0.5", "--sampling-seed", str(2**64)], "sampling seed must be an int >= 0 and < 2**62"),
+    (["--temperature", "inf"], "temperature must be finite"),
 ])
 def test_rsd_bad_flags_are_one_line(argv, msg, capsys):
     with pytest.raises(SystemExit):
         rsd.main(argv)
     assert msg in error_line(capsys)
+
+
+@pytest.mark.parametrize("argv, msg", [
+    (["--lr", "inf"], "lr must be a finite number > 0, got inf"),
+    (["--temperature", "inf"], "temperature must be a finite number > 0, got inf"),
+    (["--beta", "inf"], "beta must be a finite number >= 0, got inf"),
+])
+def test_aarl_infinite_floats_are_one_line(argv, msg, capsys):
+    with pytest.raises(SystemExit):
+        aarl.main(argv)
+    assert msg in error_line(capsys)
+
+
+class FailingScene(torch.utils.data.Dataset):
+    def __len__(self):
+        return 1
+
+    def __getitem__(self, i):
+        raise ValueError("scene clip1: cameras/03.png unreadable")
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_worker_error_is_the_same_one_line(workers, capsys):
+    """Under a DataLoader worker the error carries the worker's traceback in its message: one line all the same."""
+    import argparse
+
+    from ops import cli
+    with pytest.raises(SystemExit):
+        with cli.user_errors(argparse.ArgumentParser(prog="p")):
+            next(iter(torch.utils.data.DataLoader(FailingScene(), batch_size=None, num_workers=workers)))
+    assert error_line(capsys) == "p: error: scene clip1: cameras/03.png unreadable"
 
 
 # ---- case 7: the shipped files are found from any working folder ----
