@@ -65,7 +65,7 @@ def check_loss(name, value, step, state_path, model=None):
 # Fields that cannot change what a run computes: resuming with other values is fine. A moved target or scene folder
 # (target, scenes, processor) is fine too: the fingerprints of the target and of the records are checked instead.
 RESUMABLE_CHANGES = ("out", "device", "eval_every", "save_every", "n_val", "n_test", "overwrite", "target", "scenes",
-                     "processor", "workers", "draft")
+                     "processor", "workers", "draft", "allow_truncated")
 
 
 def save_state(path, step, models, opts, cfg, rank, bound=None, data=None, extra=None):

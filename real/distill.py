@@ -59,6 +59,7 @@ class DraftConfig:
     processor: str = ""  # the tokenizer + image processor folder (default: --target)
     views: int = driving.WorldConfig().views  # --toy-scenes: the surround views of the toy prompts
     overwrite: bool = False  # replace a finished draft of this kind and seed in out
+    allow_truncated: bool = False  # distil even when most CoCs were cut at --max-new (else refused: raise --max-new)
 
 
 def load_target(path, dtype=None, device=None):
@@ -191,6 +192,8 @@ def run_draft(cfg: DraftConfig, stage="all", log=print):
     if cfg.batch_size % world:
         raise ValueError(f"batch_size {cfg.batch_size} is not divisible by the {world} ranks")
     target = load_target(cfg.target, cli.DTYPES[cfg.dtype], device)
+    if cfg.draft_vocab > (vocab := target.cfg.vocab_size):  # known now: not after hours of decoding
+        raise ValueError(f"--draft-vocab {cfg.draft_vocab} is above the target's vocabulary of {vocab} ids")
     prompts, stop = prompt_source(cfg)
     root = os.path.join(cfg.out, "data")
     with files.writer_lock(cfg.out) if rank == 0 else contextlib.nullcontext():
@@ -199,7 +202,7 @@ def run_draft(cfg: DraftConfig, stage="all", log=print):
                                     cfg.overwrite or os.path.exists(os.path.join(
                                         cfg.out, f"draft_{cfg.kind}_s{cfg.seed}.state.pt")),
                                     "rerun with --overwrite to retrain it, or give another --seed or --out")
-        done = {r["scene"] for r in read_parts(root)}  # read by every rank before any writes
+        done = {r["scene"] for r in read_parts(root, vocab)}  # read by every rank before any writes
         runs.barrier()
         sampled = dict(temperature=cfg.temperature, top_p=cfg.top_p, samples=cfg.samples) if cfg.temperature else {}
         scenes.distill_data(target, [p for p in prompts if p[0] not in done][rank::world],  # what is left, shared
@@ -208,19 +211,32 @@ def run_draft(cfg: DraftConfig, stage="all", log=print):
         runs.barrier()
         order = {scene_id: i for i, (scene_id, _) in enumerate(prompts)}  # the same records order for any world size
         # records of scenes no longer in the folder are left out
-        out = {"data": sorted((r for r in read_parts(root) if r["scene"] in order),
+        out = {"data": sorted((r for r in read_parts(root, vocab) if r["scene"] in order),
                               key=lambda r: (order[r["scene"]], r["sample"]))}
+        check_truncated(out["data"], cfg, stage, log if rank == 0 else None)
         if stage == "all":
             out["draft"] = distill_draft(cfg, target, out["data"], dict(prompts), stop[-1], rank, world, device)
     runs.finish()
     return out
 
 
-def read_parts(root):
+def read_parts(root, vocab_size=None):
     """The records of every part under root (scenes.read_distill_data of each), part by part."""
     parts = sorted(p for p in (os.listdir(root) if os.path.isdir(root) else ())
                    if os.path.exists(os.path.join(root, p, scenes.INDEX)))
-    return [r for p in parts for r in scenes.read_distill_data(os.path.join(root, p))]
+    return [r for p in parts for r in scenes.read_distill_data(os.path.join(root, p), vocab_size)]
+
+
+def check_truncated(records, cfg, stage, log):
+    """Say how many CoCs --max-new cut before the reasoning's end; refuse to distil on mostly cut ones (the draft
+    would never learn to end its reasoning) unless --allow-truncated."""
+    cut = sum(not r["complete"] for r in records)
+    if log and cut:
+        log(f"{cut} of {len(records)} CoCs were cut at --max-new {cfg.max_new} before the reasoning's end")
+    if stage == "all" and 2 * cut > len(records) and not cfg.allow_truncated:
+        raise ValueError(f"{cut} of {len(records)} CoCs were cut at --max-new {cfg.max_new} before the reasoning's "
+                         f"end: raise --max-new (with another --out: this one's data was decoded at {cfg.max_new}), "
+                         "or pass --allow-truncated to distil on them")
 
 
 # ---- the command line ----
