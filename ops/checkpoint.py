@@ -12,7 +12,6 @@ run: python -m pytest -q tests/test_checkpoint.py
 """
 import contextlib
 import dataclasses
-import glob
 import hashlib
 import json
 import os
@@ -22,6 +21,7 @@ from safetensors.torch import save_file
 import torch
 
 from model import VLA, ModelConfig, VisionConfig, check_vocab_ids
+from ops import files
 from ops.files import atomic_write, read_json
 
 WEIGHTS, KEY = "model.safetensors", "rsd-vla"  # a checkpoint folder's one file, and its header's entry
@@ -50,8 +50,7 @@ def save(model: VLA, dir, target: VLA | None = None):
     check_output(dir, f"{model.cfg.rope_mode} draft" if draft else "target", overwrite=True)
     meta = {"draft": draft, "config": model.cfg.to_dict(), **({"target": fingerprint(target)} if draft else {})}
     os.makedirs(dir, exist_ok=True)
-    for stale in glob.glob(os.path.join(glob.escape(dir), f".{WEIGHTS}.*.tmp")):  # a killed save's (one writer per run)
-        os.unlink(stale)
+    files.remove_stale_tmp(dir)  # a killed save's (one writer per run)
     sd = {k: v.detach().contiguous() for k, v in _stored(model).items()}
     if (bad := first_nonfinite(sd.items())) is not None:  # a diverged run's weights would load as garbage later
         raise FloatingPointError(f"{dir}: refusing to save a model whose {bad!r} holds NaN / inf")

@@ -183,6 +183,8 @@ def main(argv=None):
         for flag, path in (("--target", a.target), ("--draft", a.draft), ("--scenes", a.scenes)):
             if not os.path.isdir(path):
                 raise FileNotFoundError(f"{flag} {path}: no such folder")
+        files.check_out_dir(a.out, {"--target": a.target, "--draft": a.draft, "--scenes": a.scenes,
+                                    "--processor": cfg.processor}, may_contain=("--draft",))  # RUN/draft_flat_s0
         out = checkpoint.draft_dir(a.out, "aarl", cfg.seed)
         with files.writer_lock(a.out):
             if (have := checkpoint.existing_kind(out)) is not None:

@@ -257,6 +257,7 @@ def parse_args(argv=None):
                                                    "toy_scenes", "workers"))], flags=True)
         if not os.path.isdir(a.target):
             raise FileNotFoundError(f"--target {a.target}: no such folder")
+        files.check_out_dir(a.out, {"--target": a.target, "--scenes": a.scenes, "--processor": a.processor})
         if bool(a.scenes) == bool(a.toy_scenes):
             raise ValueError("give the training scenes: --scenes SCENES (a scene folder) or --toy-scenes N")
         if a.min_pixels > a.max_pixels:

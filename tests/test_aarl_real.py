@@ -131,6 +131,10 @@ def test_bad_inputs_are_named(setup, folder, tmp_path, capsys):
         with pytest.raises(SystemExit):
             aarl_real.main(argv)
         assert words in capsys.readouterr().err, argv
+    assert not os.path.exists(tmp_path / "o")  # the refused run left no --out behind (issue #33)
+    with pytest.raises(SystemExit):  # writing into its inputs
+        aarl_real.main(["--target", str(folder[2]), "--draft", sft, "--scenes", root, "--out", root + "/run"])
+    assert "lies inside --scenes" in capsys.readouterr().err
 
 
 def test_a_killed_run_resumes_exactly(setup, tmp_path, monkeypatch):

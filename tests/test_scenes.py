@@ -197,6 +197,22 @@ def test_a_bad_scene_mid_run_is_named_and_keeps_what_was_decoded(target, tmp_pat
         scenes.read_distill_data(tmp_path, vocab_size=target.cfg.vocab_size)
 
 
+def test_a_full_disk_at_the_data_stage_names_the_file(target, full_disk, tmp_path, monkeypatch):
+    """A full disk (a real one where a tmpfs can be mounted) is an OSError naming the file (issue #33: a bare
+    [Errno 28] from the writer lock), and leaves no folder it made."""
+    if full_disk is None:
+        monkeypatch.setattr(os, "pwrite", lambda *a: (_ for _ in ()).throw(OSError(28, "No space left on device")))
+        full_disk = tmp_path
+    else:
+        with pytest.raises(OSError), open(full_disk / "fill", "wb") as f:
+            while True:
+                f.write(b"\0" * 4096)
+                f.flush()
+    with pytest.raises(OSError, match=r"data/part0/.lock: cannot write the writer lock \(No space left on device\)"):
+        scenes.distill_data(target, prompts(1), full_disk / "data" / "part0", STOP, MAX_NEW)
+    assert not os.path.exists(full_disk / "data")
+
+
 def test_a_changed_setting_is_refused_by_name(target, tmp_path):
     scenes.distill_data(target, prompts(1), tmp_path, STOP, MAX_NEW)
     for field, kw in [("temperature", dict(temperature=0.6)), ("max_new", dict(max_new=8)),

@@ -244,6 +244,38 @@ def test_a_worker_error_is_the_same_one_line(workers, capsys):
     assert error_line(capsys) == "p: error: scene clip1: cameras/03.png unreadable"
 
 
+def test_out_is_never_an_input_or_a_root(tmp_path, capsys):
+    """--out that is, contains or lies inside an input folder, or a filesystem root, is refused before any work
+    (issue #33: data/ and a draft were written into the scene folder); an SFT draft may sit inside it."""
+    (tmp_path / "scenes").mkdir()
+    (tmp_path / "t").mkdir()
+    inputs = {"--scenes": str(tmp_path / "scenes"), "--target": str(tmp_path / "t"), "--processor": None}
+    for out, how in [(tmp_path / "scenes", "is --scenes"), (tmp_path / "scenes" / "run", "lies inside --scenes"),
+                     (tmp_path, "contains --scenes"), ("/", "is a filesystem root")]:
+        with pytest.raises(ValueError, match=f"--out {out} {how}"):
+            files.check_out_dir(str(out), inputs)
+    files.check_out_dir(str(tmp_path), {"--draft": str(tmp_path / "t")}, may_contain=("--draft",))
+    from real import distill
+    with pytest.raises(SystemExit):
+        distill.main(["--target", str(tmp_path / "t"), "--scenes", str(tmp_path / "scenes"), "--out",
+                      str(tmp_path / "scenes")])
+    assert "--out" in error_line(capsys) and os.listdir(tmp_path / "scenes") == []
+
+
+def test_the_writer_lock_removes_killed_writes_and_what_a_refused_run_made(tmp_path):
+    """A killed state save's .tmp is removed when the folder's next writer starts (a user's notes.tmp stays); a run
+    refused inside the lock leaves no folder it made (issue #33: an empty --out stayed)."""
+    (tmp_path / "run").mkdir()
+    stale = tmp_path / "run" / ".draft_flat_s0.state.pt.4242.0badf00d.tmp"
+    stale.write_bytes(b"partial")
+    (tmp_path / "run" / "notes.tmp").write_text("mine")
+    with files.writer_lock(str(tmp_path / "run")):
+        assert sorted(os.listdir(tmp_path / "run")) == [".lock", "notes.tmp"]
+    with pytest.raises(ValueError), files.writer_lock(str(tmp_path / "new" / "out")):
+        raise ValueError("refused")
+    assert sorted(os.listdir(tmp_path)) == ["run"]
+
+
 # ---- case 7: the shipped files are found from any working folder ----
 
 def test_shipped_files_are_found_from_another_folder(tmp_path, monkeypatch, capsys):
