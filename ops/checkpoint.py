@@ -153,10 +153,13 @@ def _check_target(dir, meta, cfg, target):
                          f"got {target.cfg.hidden_size} and {target.cfg.vocab_size}")
     want, have = meta.get("target") or {}, fingerprint(target)
     if stale := [part for part in ("weights", "config") if have.get(part) != want.get(part)]:
+        folder = getattr(target, "checkpoint_files", None)  # a Hugging Face / Alpamayo folder's (hf.load_pretrained)
+        retrain = (f"python -m real.distill --target {os.path.dirname(folder[0])} --scenes SCENES" if folder else
+                   "python train.py --stage drafts, or python rsd.py --retrain")  # the toy's own programs
         raise ValueError(f"{dir}: stale draft: it was distilled from another target (its "
                          + " and ".join(f"{p} {want.get(p)} there, {have.get(p)} in the target given" for p in stale)
-                         + "); retrain the draft from this target (delete it, then python train.py --stage drafts or "
-                         "python rsd.py --retrain), or load it with the target it was made from")
+                         + f"); distil a draft for this target ({retrain}), or load it with the target it was made "
+                         "from")
 
 
 # ---- what a path holds: never replace what is not a checkpoint of the kind ----

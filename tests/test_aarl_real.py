@@ -117,6 +117,24 @@ def test_a_diverged_update_saves_no_draft(setup, folder, tmp_path, capsys):
     assert not os.path.exists(tmp_path / "o" / "draft_aarl_s0")
 
 
+def test_a_stale_draft_of_an_own_target_gets_the_own_target_advice(setup, folder, tmp_path):
+    """A draft of another Alpamayo target: the error names real.distill, not train.py / rsd.py (issue #33)."""
+    import json
+    import shutil
+
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+    target, sft, _, _, _ = setup
+    shutil.copytree(sft, tmp_path / "d")
+    path = str(tmp_path / "d" / checkpoint.WEIGHTS)
+    with safe_open(path, framework="pt") as f:
+        meta = json.loads(f.metadata()[checkpoint.KEY])
+    meta["target"]["weights"] = "0" * 16  # distilled from another target
+    save_file(load_file(path), path, metadata={checkpoint.KEY: json.dumps(meta)})
+    with pytest.raises(ValueError, match=rf"stale draft: .*python -m real.distill --target {folder[2]} --scenes"):
+        checkpoint.load(str(tmp_path / "d"), target=target)
+
+
 def test_bad_inputs_are_named(setup, folder, tmp_path, capsys):
     target, sft, root, _, _ = setup
     folder[0].save_pretrained(tmp_path / "plain")  # a Qwen3-VL folder: no action expert
