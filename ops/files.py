@@ -80,7 +80,7 @@ def read_json(path):
         raise FileNotFoundError(f"{path}: file not found")
     try:
         return json.loads(pathlib.Path(path).read_text())
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:  # the codec's words name no file
         raise ValueError(f"{path}: not valid JSON ({e})") from None
 
 

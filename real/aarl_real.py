@@ -113,7 +113,7 @@ def train_real(target, draft, ref, clips, prompts, cfg: RealConfig, ids, log=Non
         stats = []
         for j in range(cfg.per_update):
             k = order[(step * cfg.per_update + j) % len(clips)]
-            scene, prompt = clips[k], prompts[k][1]()
+            scene, prompt = clips[k], scenes.built(*prompts[k])
             prompt = speculate.on_model(prompt, target)
             if scene.scene_id not in refs:
                 v0 = speed_from_history(scene.past[None]).to(device)  # (1,) m/s, from the scene's own past

@@ -124,8 +124,8 @@ class RankPrompts(torch.utils.data.Dataset):
         step, i = divmod(k, self.per_rank)
         order = record_order(self.start + step, self.cfg.batch_size, len(self.records), self.cfg.seed)
         j = order[self.rank::self.world][i]
-        prompt = self.prompt_of[self.records[j]["scene"]]
-        return j, prompt() if callable(prompt) else prompt
+        scene_id = self.records[j]["scene"]
+        return j, scenes.built(scene_id, self.prompt_of[scene_id])
 
 
 def new_draft(target, kind, init="random", vocab_ids=None):

@@ -219,6 +219,15 @@ def scene_prompts(folder, root, processor=None, **pixels):
         "plain Qwen-VL prompt (alpamayo.qwen_prompt)"
 
 
+def built(scene_id, prompt):
+    """prompt, or prompt() for a function building it (scene_prompts'), its error naming the scene: the processor's
+    and tokenizer's words name none."""
+    try:
+        return prompt() if callable(prompt) else prompt
+    except (ValueError, OSError) as e:
+        raise (OSError if isinstance(e, OSError) else ValueError)(f"scene {scene_id}: {e}") from None
+
+
 # ---- self-distillation data ----
 
 
@@ -271,10 +280,7 @@ def distill_data(target, prompts, out, stop_ids, max_new, temperature=0.0, top_p
                 if scene_id in done:
                     continue
                 done.add(scene_id)
-                try:  # pixels in the target's dtype, as evaluate.scene_prompts
-                    prompt = speculate.on_model(prompt() if callable(prompt) else prompt, target)
-                except ValueError as e:  # the processor's or tokenizer's words: say which scene
-                    raise ValueError(f"scene {scene_id}: {e}") from None
+                prompt = speculate.on_model(built(scene_id, prompt), target)  # pixels in the target's dtype
                 for k in range(samples):
                     res = speculate.autoregressive(target, prompt, max_new, temperature, top_p=top_p,
                                                    seed=sample_seed(seed, scene_id, k), stop_token=stop_ids[-1],

@@ -224,24 +224,24 @@ def test_aarl_infinite_floats_are_one_line(argv, msg, capsys):
     assert msg in error_line(capsys)
 
 
-class FailingScene(torch.utils.data.Dataset):
-    def __len__(self):
-        return 1
-
-    def __getitem__(self, i):
-        raise ValueError("scene clip1: cameras/03.png unreadable")
+def refused():
+    raise ValueError("absolute aspect ratio must be smaller than 200, got 201.0")
 
 
 @pytest.mark.parametrize("workers", [0, 1])
 def test_a_worker_error_is_the_same_one_line(workers, capsys):
-    """Under a DataLoader worker the error carries the worker's traceback in its message: one line all the same."""
+    """real.distill's prompts built ahead (--workers N): the error names its scene, and under a DataLoader worker,
+    which carries the worker's traceback in the message, it is one line all the same (issue #33)."""
     import argparse
 
     from ops import cli
+    from real import distill
+    data = distill.RankPrompts([{"scene": "clip1"}], {"clip1": refused}, distill.DraftConfig(steps=1, batch_size=1),
+                               0, 0, 1)
     with pytest.raises(SystemExit):
         with cli.user_errors(argparse.ArgumentParser(prog="p")):
-            next(iter(torch.utils.data.DataLoader(FailingScene(), batch_size=None, num_workers=workers)))
-    assert error_line(capsys) == "p: error: scene clip1: cameras/03.png unreadable"
+            next(iter(torch.utils.data.DataLoader(data, batch_size=None, num_workers=workers)))
+    assert error_line(capsys) == "p: error: scene clip1: absolute aspect ratio must be smaller than 200, got 201.0"
 
 
 def test_out_is_never_an_input_or_a_root(tmp_path, capsys):
@@ -300,6 +300,9 @@ def test_foreign_folders_are_named_with_their_cause(tmp_path):
     (tmp_path / "t" / "model.safetensors").write_text("version https://git-lfs.github.com/spec/v1\noid sha256:ab\n")
     with pytest.raises(ValueError, match="a git-lfs pointer, not the weights: fetch them with `git lfs pull`"):
         checkpoint.load(str(tmp_path / "t"))
+    (folder / "config.json").write_bytes(b'{"model_type": "\xff"}')  # not UTF-8: the codec's error named no file
+    with pytest.raises(ValueError, match=r"hf/config.json: not valid JSON \('utf-8' codec"):
+        files.read_json(str(folder / "config.json"))
 
 
 def test_a_full_disk_names_the_path_and_keeps_the_old_file(tmp_path, monkeypatch):
