@@ -209,7 +209,3 @@ def main(argv=None):
 
 if __name__ == "__main__":
     main()
-
-
-if __name__ == "__main__":
-    main()
