@@ -145,6 +145,7 @@ def train_aarl(target, draft, data: Data, cfg: AARLConfig, ref=None, log=None):
             raise FloatingPointError(f"AARL loss is {loss.item()} at update {step}: the draft is left as it was "
                                      "before this update and nothing was saved")
         runs.update(opt, draft, cfg.lr, 1.0, loss)
+        runs.check_loss("AARL", loss.item(), step, None, draft)  # nothing saved: the caller gets the error
         stats = {"reward": r.mean().item(), "ade": ade.mean().item(), "agree": agree.mean().item(),
                  "kl": kl.item(), "reward_std_in_group": r.view(-1, cfg.group).std(1).mean().item()}
         bar.set_postfix({k: f"{v:.3f}" for k, v in stats.items()})
@@ -287,9 +288,9 @@ def check_config(cfg: AARLConfig):
     if cfg.reference == "moving" and cfg.refresh < 10:
         raise ValueError(f"refresh must be >= 10 updates (a reference reset every update has zero KL), "
                          f"got {cfg.refresh}")
-    cli.check_values(cfg, [(">= 1", ("steps", "scenes", "n_train", "max_new")), ("> 0", ("lr", "temperature")),
-                                ("in 0..2**30-1", ("seed",)), (cli.VIEWS_RULE, ("views",)),
-                                ("a number >= 0", ("beta", "agree_weight"))])
+    cli.check_values(cfg, [(">= 1", ("steps", "scenes", "n_train", "max_new")),
+                           ("a finite number > 0", ("lr", "temperature")), ("in 0..2**30-1", ("seed",)),
+                           (cli.VIEWS_RULE, ("views",)), ("a finite number >= 0", ("beta", "agree_weight"))])
 
 
 if __name__ == "__main__":

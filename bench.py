@@ -114,10 +114,14 @@ def benchmark(target, draft, prompts, gamma, max_new, stop_token=None, repeats=3
                                     decoding=decoding)["speculative"] if sampled else spec
         if sampled:
             res["sampled"] = {k: timed[k] for k in ("tau", "alpha", "routine_fraction")} | {"tokens": timed["n_tokens"]}
-        res.update(cost_model(target, draft, prompts[0], gamma, timed["tau"]))
+        # what the rounds verified: a round drafts at most what max_new leaves (a shorter chain, TreeShape.at_most)
+        ran = ran_shape(gamma, timed)
+        res["ran"] = dict(decoder_json(ran), nodes_per_round=timed["nodes_per_round"],
+                          depth_per_round=timed["depth_per_round"])
+        res.update(cost_model(target, draft, prompts[0], ran, timed["tau"]))
         res["c"] = res["t_draft_1"] / res["t_target_1"]
         if not tree:  # Leviathan's closed form is the chain's
-            res["leviathan_speedup"] = speculate.expected_speedup(timed["alpha"], gamma, res["c"])
+            res["leviathan_speedup"] = speculate.expected_speedup(timed["alpha"], ran, res["c"])
         if compile:
             ar_c, spec_c = t[COMPILED[0]], t[COMPILED[1]]
             comp.update(both_arms(ar_c, spec_c), speedup=ar_c["ms_per_token"] / spec_c["ms_per_token"],
@@ -133,6 +137,14 @@ def benchmark(target, draft, prompts, gamma, max_new, stop_token=None, repeats=3
     res["sdpa"] = timing.sdpa_steps(target, prompts[0], gamma.nodes if tree else gamma,
                                     static_len=ct.cache.max_len if compile else None, tree=tree)
     return res
+
+
+def ran_shape(shape, stats):
+    """The chain's gamma or the tree the rounds ran, from spec_stats' per-round means (rounded): the cost model's."""
+    depth = max(1, round(stats["depth_per_round"]))
+    if not isinstance(shape, TreeShape):
+        return depth
+    return TreeShape(min(max(round(stats["nodes_per_round"]), depth), shape.candidates(depth)), depth, shape.width)
 
 
 def cost_model(target, draft, prompt, gamma, tau, reps=20):
@@ -232,12 +244,13 @@ def real(args, device, dtype, decoding):
     if not args.draft:  # random weights: acceptance says nothing; predict at the recorded toy's (check_flags read it)
         toy, t1, td = args.toy_acceptance, res["t_target_1"], res["t_draft_1"]
         res["toy_acceptance"] = toy
-        if args.tree:  # the same tree's tau
+        ran = TreeShape(*(res["ran"][k] for k in ("nodes", "depth", "width"))) if args.tree else res["ran"]["gamma"]
+        if args.tree:  # the same tree's tau, at the cost of the tree that ran (the cost model's)
             res.update(toy_tau=toy["tau"], predicted_speedup_at_toy_tau=tree_speedup(
-                toy["tau"], t1, td, res["t_draft_level"], res["t_target_verify"], args.decoder))
+                toy["tau"], t1, td, res["t_draft_level"], res["t_target_verify"], ran))
         else:  # the chain's alpha, through Leviathan's tau at this gamma
             res.update(toy_alpha=toy["alpha"], predicted_speedup_at_toy_alpha=speculate.measured_speedup(
-                speculate.expected_tau(toy["alpha"], args.gamma), t1, td, res["t_target_gamma1"], args.gamma))
+                speculate.expected_tau(toy["alpha"], ran), t1, td, res["t_target_gamma1"], ran))
     return res
 
 
@@ -276,6 +289,8 @@ def report(res):
     rows += [("compiled", arms(c, c["speedup"]) + f" ({c['speedup_vs_eager']:.2f}x over eager target-only, greedy "
               f"{'identical' if c['greedy_match'] else 'DIFFERS'})   compile + first decodes {c['compile_s']:.0f} s"),
              ("compiled cost", steps(c) + f"   predicted speed-up {c['predicted_speedup']:.2f}x")] if c else []
+    rows += [("verified", "{nodes_per_round:.1f} draft tokens, depth {depth_per_round:.1f} per round (mean); the cost "
+              "model at what ran: {}".format(decoder_text(res["ran"]), **res["ran"]))] if "ran" in res else []
     rows += [("cost model", steps(res) + f"   c {res['c']:.3f}"),
              ("predicted", f"speed-up {res['predicted_speedup']:.2f}x (measured {s}tau)" + (
                  f"   {res['leviathan_speedup']:.2f}x (Leviathan, measured {s}alpha)" if "leviathan_speedup" in res

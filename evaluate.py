@@ -253,6 +253,7 @@ def spec_stats(target, drafts, prompts, gamma, max_new=MAX_NEW_TOKENS, stop_toke
                      "alpha": all_.alpha, "routine_fraction": all_.routine_share,
                      "tau_ceiling": speculate.tau_ceiling([len(r.tokens) for r in res], gamma),
                      "nodes_per_round": all_.n_drafted / all_.rounds, "alpha_by_depth": all_.alpha_by_depth(),
+                     "depth_per_round": sum(all_.depths) / all_.rounds,  # the rounds near max_new draft less
                      "greedy_match": all(r.tokens == t for r, t in zip(res, reference)) if check_greedy else None}
     return out
 

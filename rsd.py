@@ -316,7 +316,7 @@ def parse_args(argv):
     a = ap.parse_args(argv)
     a.tree = (0 if a.compile else 32) if a.tree is None else a.tree  # --compile times chains only (no compiled trees)
     with cli.user_errors(ap):
-        cli.check_values(a, [(">= 1", ("scenes", "time_scenes", "repeats")), ("a number >= 0", ("show",)),
+        cli.check_values(a, [(">= 1", ("scenes", "time_scenes", "repeats")), ("a finite number >= 0", ("show",)),
                                   (cli.VIEWS_RULE, ("views",))], flags=True)
         try:
             seeds = [int(s) for s in a.seeds.split(",") if s.strip()]

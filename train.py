@@ -180,7 +180,7 @@ def train_target(cfg: TrainConfig, tok, train: Data, val: Data, rank=0, world=1,
             loss, ce, l1 = target_loss(ddp, batch, cfg.traj_weight)
         runs.update(opt, target, runs.lr_at(step, cfg.target_steps, cfg.target_lr, cfg.warmup), cfg.grad_clip, loss)
         bar.set_postfix(ce=f"{ce.item():.3f}", traj_l1=f"{l1.item():.2f}")
-        runs.check_loss("target", loss.item(), step, state_path)  # a sync the line above already pays
+        runs.check_loss("target", loss.item(), step, state_path, target)  # a sync the line above already pays
         if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.target_steps:
             runs.save_state(state_path, step + 1, {"target": target}, {"target": opt}, cfg, rank)
             if rank == 0 and step + 1 < cfg.target_steps:
@@ -221,7 +221,7 @@ def train_drafts(cfg: TrainConfig, target, train: Data, val: Data = None, rank=0
             runs.update(opts[k], drafts[k], runs.lr_at(step, cfg.draft_steps, cfg.draft_lr, cfg.warmup), cfg.grad_clip,
                         loss)
             losses[k] = loss.item()
-            runs.check_loss(f"{k} draft", losses[k], step, state_path)
+            runs.check_loss(f"{k} draft", losses[k], step, state_path, drafts[k])
         bar.set_postfix({f"kl_{k}": f"{v:.3f}" for k, v in losses.items()})
         if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.draft_steps:
             if outputs is not None:
@@ -315,7 +315,7 @@ def parse_args(argv=None, parser=False):
             raise ValueError(f"--target-dir {a.target_dir}: not a target checkpoint folder (checkpoint.save's)")
         check_values(a, [(MAX_VIEWS_RULE, ("views", "max_views")), ("in 0..2**30-1", ("seed", "draft_seed")),
                          (">= 1", ("n_train", "n_val", "n_test", "batch_size", "target_steps", "draft_steps",
-                                   "eval_every")), ("> 0", ("target_lr", "draft_lr", "grad_clip")),
+                                   "eval_every")), ("a finite number > 0", ("target_lr", "draft_lr", "grad_clip")),
                          ("a finite number >= 0", ("traj_weight", "weight_decay", "warmup", "views", "max_views",
                                                    "draft_vocab", "draft_layers", "draft_width", "draft_heads",
                                                    "draft_kv_heads")), ("in [0, 1]", ("p_no_views",))], flags=True)

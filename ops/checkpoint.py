@@ -12,7 +12,6 @@ run: python -m pytest -q tests/test_checkpoint.py
 """
 import contextlib
 import dataclasses
-import glob
 import hashlib
 import json
 import os
@@ -22,6 +21,7 @@ from safetensors.torch import save_file
 import torch
 
 from model import VLA, ModelConfig, VisionConfig, check_vocab_ids
+from ops import files
 from ops.files import atomic_write, read_json
 
 WEIGHTS, KEY = "model.safetensors", "rsd-vla"  # a checkpoint folder's one file, and its header's entry
@@ -50,9 +50,10 @@ def save(model: VLA, dir, target: VLA | None = None):
     check_output(dir, f"{model.cfg.rope_mode} draft" if draft else "target", overwrite=True)
     meta = {"draft": draft, "config": model.cfg.to_dict(), **({"target": fingerprint(target)} if draft else {})}
     os.makedirs(dir, exist_ok=True)
-    for stale in glob.glob(os.path.join(glob.escape(dir), f".{WEIGHTS}.*.tmp")):  # a killed save's (one writer per run)
-        os.unlink(stale)
+    files.remove_stale_tmp(dir)  # a killed save's (one writer per run)
     sd = {k: v.detach().contiguous() for k, v in _stored(model).items()}
+    if (bad := first_nonfinite(sd.items())) is not None:  # a diverged run's weights would load as garbage later
+        raise FloatingPointError(f"{dir}: refusing to save a model whose {bad!r} holds NaN / inf")
     atomic_write(os.path.join(dir, WEIGHTS), lambda p: save_file(sd, p, metadata={KEY: json.dumps(meta)}))
 
 
@@ -78,6 +79,8 @@ def load(dir, target: VLA | None = None, dtype=None, device=None) -> VLA:
         for k in keys:
             check_shape(path, k, sd[k].shape, f.get_slice(k).get_shape())
             sd[k].copy_(_hash(h, k, f.get_tensor(k)))
+            if first_nonfinite([(k, sd[k])]):
+                raise ValueError(f"{path}: tensor {k!r} holds NaN / inf (written by a run that diverged): retrain it")
     if cfg.draft_vocab:  # a reduced-vocabulary draft's ids (its `vocab_ids` buffer) must be usable ids
         try:
             check_vocab_ids(model.vocab_ids, cfg.vocab_size, cfg.draft_vocab)
@@ -85,6 +88,11 @@ def load(dir, target: VLA | None = None, dtype=None, device=None) -> VLA:
             raise ValueError(f"{path}: {e}") from None
     model.checkpoint_fingerprint = {"config": _config_hash(meta["config"]), "weights": h.hexdigest()[:16]}
     return model
+
+
+def first_nonfinite(named):
+    """The name of the first floating-point tensor of (name, tensor) pairs holding NaN or inf, else None."""
+    return next((k for k, t in named if t.is_floating_point() and not bool(torch.isfinite(t).all())), None)
 
 
 def empty_model(cfg, shared, dtype, device, expert=None):
@@ -145,10 +153,13 @@ def _check_target(dir, meta, cfg, target):
                          f"got {target.cfg.hidden_size} and {target.cfg.vocab_size}")
     want, have = meta.get("target") or {}, fingerprint(target)
     if stale := [part for part in ("weights", "config") if have.get(part) != want.get(part)]:
+        folder = getattr(target, "checkpoint_files", None)  # a Hugging Face / Alpamayo folder's (hf.load_pretrained)
+        retrain = (f"python -m real.distill --target {os.path.dirname(folder[0])} --scenes SCENES" if folder else
+                   "python train.py --stage drafts, or python rsd.py --retrain")  # the toy's own programs
         raise ValueError(f"{dir}: stale draft: it was distilled from another target (its "
                          + " and ".join(f"{p} {want.get(p)} there, {have.get(p)} in the target given" for p in stale)
-                         + "); retrain the draft from this target (delete it, then python train.py --stage drafts or "
-                         "python rsd.py --retrain), or load it with the target it was made from")
+                         + f"); distil a draft for this target ({retrain}), or load it with the target it was made "
+                         "from")
 
 
 # ---- what a path holds: never replace what is not a checkpoint of the kind ----
@@ -208,6 +219,8 @@ def header(dir, f=None):
 
 
 def open_safetensors(path):
+    if not os.path.isfile(path):  # an empty or foreign folder: say so, not a bare [Errno 2]
+        raise FileNotFoundError(f"{path}: no such file (is {os.path.dirname(path)} a checkpoint folder?)")
     with open(path, "rb") as f:
         if f.read(40).startswith(b"version https://git-lfs"):
             raise ValueError(f"{path}: a git-lfs pointer, not the weights: fetch them with `git lfs pull`")

@@ -69,15 +69,23 @@ def user_errors(ap: argparse.ArgumentParser):
     """Expected errors (a bad value or file, a full disk, a locked run folder) as argparse's one line, exit status 2."""
     try:
         yield
-    except (ValueError, OSError, FolderLocked) as e:
-        ap.error(str(e))
+    except (ValueError, OSError, FolderLocked, FloatingPointError) as e:
+        ap.error(one_line(e))
+
+
+def one_line(e):
+    """The error itself: a DataLoader worker's carries the worker's whole traceback in its message (`Caught X in
+    DataLoader worker process 0. Original Traceback ...`), the error after its last `X: `."""
+    text, head = str(e), f"\n{type(e).__name__}: "
+    return text.rsplit(head, 1)[1] if "Traceback (most recent call last)" in text and head in text else text
 
 
 # ---- value checks ----
 VIEWS_RULE = f"in 0..{driving.MAX_VIEWS} (the geometries the toy target was trained on)"
 MAX_VIEWS_RULE = f"at most {driving.MAX_VIEWS} (the world's surround views)"
-RULES = {">= 1": lambda v: v >= 1, "> 0": lambda v: v > 0,  # "not v > 0" also catches NaN
-         "a number >= 0": lambda v: v >= 0, "a finite number >= 0": lambda v: v >= 0 and math.isfinite(v),
+# every float rule is finite: an infinite lr, clip, temperature or weight passes "> 0" and turns the weights to NaN
+RULES = {">= 1": lambda v: v >= 1, "a finite number > 0": lambda v: 0 < v < math.inf,  # "not 0 < v" catches NaN
+         "a finite number >= 0": lambda v: 0 <= v < math.inf,
          "in [0, 1]": lambda v: 0 <= v <= 1, VIEWS_RULE: lambda v: 0 <= v <= driving.MAX_VIEWS,
          MAX_VIEWS_RULE: lambda v: v <= driving.MAX_VIEWS,
          "in 0..2**30-1": lambda v: 0 <= v < 2**30}  # seeds: combined into 64-bit torch seeds (driving.Data.batch)

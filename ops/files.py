@@ -10,14 +10,17 @@ import json
 import logging
 import os
 import pathlib
+import re
 import shutil
 import sys
 import tempfile
 import time
 
+from safetensors import SafetensorError
 import torch
 
 LOCK = ".lock"  # in a run folder: flock'ed by its writer, who writes into it who it is
+TMP = re.compile(r"\..+\.\d+\.[0-9a-f]{8}\.tmp")  # atomic_write's temporary files: .<name>.<pid>.<hex>.tmp
 _HELD = set()  # realpaths of the run folders this process holds
 
 
@@ -32,7 +35,8 @@ def atomic_write(path, write):
     try:
         try:
             write(tmp)
-        except (OSError, RuntimeError) as e:  # torch reports a full disk as a RuntimeError naming no path or cause
+        # torch reports a full disk as a RuntimeError naming no path or cause, safetensors as its own error type
+        except (OSError, RuntimeError, SafetensorError) as e:
             free = shutil.disk_usage(parent).free if os.path.isdir(parent) else 0
             full = ": no space left on device" if getattr(e, "errno", None) == errno.ENOSPC or free < 2**20 else ""
             raise OSError(f"{path}: write failed ({(str(e).strip() or type(e).__name__).splitlines()[-1]}); "
@@ -47,6 +51,14 @@ def atomic_write(path, write):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+
+
+def remove_stale_tmp(folder):
+    """Remove atomic_write's temporary files from folder: a killed write's, once its folder's one writer starts."""
+    for n in os.listdir(folder) if os.path.isdir(folder) else ():
+        if TMP.fullmatch(n):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(folder, n))
 
 
 def _fsync(path):
@@ -68,7 +80,7 @@ def read_json(path):
         raise FileNotFoundError(f"{path}: file not found")
     try:
         return json.loads(pathlib.Path(path).read_text())
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:  # the codec's words name no file
         raise ValueError(f"{path}: not valid JSON ({e})") from None
 
 
@@ -77,6 +89,31 @@ def read_json(path):
 
 class FolderLocked(RuntimeError):
     """Another live process holds the run folder's writer lock."""
+
+
+def check_out_dir(out, inputs, may_contain=()):
+    """Refuse, before any work, an output folder that is a filesystem root, or that is, contains or lies inside an
+    input folder (inputs: {flag: path or None}): the run would write its data and drafts into what it reads.
+    may_contain: flags whose folder may sit inside out (an SFT draft beside the draft a run writes)."""
+    o = os.path.realpath(out)
+    if os.path.dirname(o) == o:
+        raise ValueError(f"--out {out} is a filesystem root: give a run folder")
+    for flag, path in inputs.items():
+        p = os.path.realpath(path) if path else None
+        how = None if p is None else "is" if o == p else "lies inside" if o.startswith(p.rstrip(os.sep) + os.sep) \
+            else "contains" if p.startswith(o + os.sep) and flag not in may_contain else None
+        if how:
+            raise ValueError(f"--out {out} {how} {flag} {path}: the run would write into what it reads; give "
+                             "another --out")
+
+
+def _missing(folder):
+    """folder and those of its parents that do not exist yet, deepest first: what makedirs(folder) creates."""
+    made, f = [], os.path.abspath(folder)
+    while not os.path.lexists(f):
+        made.append(f)
+        f = os.path.dirname(f)
+    return made
 
 
 def check_writable(folder):
@@ -96,6 +133,7 @@ def writer_lock(folder):
     if key in _HELD:
         yield
         return
+    made = _missing(folder)  # removed again if the run leaves them empty (a refused run leaves nothing behind)
     check_writable(folder)
     path = os.path.join(folder, LOCK)
     while True:  # lock the file that is at `path` (a holder unlinks it before it lets go)
@@ -114,13 +152,22 @@ def writer_lock(folder):
     if stale := os.read(fd, 4096).decode(errors="replace").strip():
         logging.getLogger(__name__).warning("%s: stale lock of %s, which is gone (killed?): taking it over", path,
                                             stale)
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"pid {os.getpid()} on {os.uname().nodename} (`{' '.join(sys.argv)}`, since "
-                  f"{time.strftime('%Y-%m-%d %H:%M:%S')})".encode(), 0)
     _HELD.add(key)
     try:
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"pid {os.getpid()} on {os.uname().nodename} (`{' '.join(sys.argv)}`, since "
+                          f"{time.strftime('%Y-%m-%d %H:%M:%S')})".encode(), 0)
+        except OSError as e:  # a full disk: the bare [Errno 28] would name no file
+            raise OSError(f"{path}: cannot write the writer lock ({e.strerror})") from None
+        remove_stale_tmp(folder)  # the folder's one writer now: any temporary file there is a killed write's
         yield
     finally:
         _HELD.discard(key)
         os.unlink(path)
         os.close(fd)
+        for f in made:  # deepest first; one that holds anything stops it
+            try:
+                os.rmdir(f)
+            except OSError:
+                break

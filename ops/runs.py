@@ -12,7 +12,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from ops import files
+from ops import checkpoint, files
 
 # ---- the optimizer, its schedule, one update ----
 
@@ -37,17 +37,27 @@ def update(opt, model, lr, grad_clip, loss=None):
     for grp in opt.param_groups:
         grp["lr"] = lr
     torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-    opt.step()
+    try:
+        opt.step()
+    except RuntimeError as e:  # a finite lr past float32's range: torch cannot form the step ("without overflow")
+        if "overflow" not in str(e):
+            raise
+        raise FloatingPointError(f"an update at lr {lr:g} overflows float32: use a smaller learning rate") from None
     opt.zero_grad(set_to_none=True)
 
 
-def check_loss(name, value, step, state_path):
-    """Stop at a non-finite loss before the update it caused is saved: the state on disk stays the last good one."""
-    if not math.isfinite(value):
+def check_loss(name, value, step, state_path, model=None):
+    """Stop at a non-finite loss, or (model given: after its update) a non-finite weight, before it is saved: the
+    state on disk stays the last good one. An infinite step (lr, clip) can leave a finite loss and NaN weights."""
+    bad = None if value is None or math.isfinite(value) else f"loss is {value}"  # None: the weights only
+    trained = ((k, p) for k, p in (model.named_parameters() if model is not None else ()) if p.requires_grad)
+    if bad is None and (w := checkpoint.first_nonfinite(trained)):
+        bad = f"weight {w!r} is NaN / inf after the update"
+    if bad:
         kept = (f"the last good state is {state_path} (step "
                 f"{torch.load(state_path, map_location='cpu', weights_only=True)['step']})"
-                if os.path.exists(state_path) else "no state was saved yet")
-        raise FloatingPointError(f"{name} loss is {value} at step {step}: stopped; {kept}")
+                if state_path and os.path.exists(state_path) else "no state was saved yet")
+        raise FloatingPointError(f"{name} {bad} at step {step}: stopped; {kept}")
 
 
 # ---- the resumable state ----
@@ -55,7 +65,7 @@ def check_loss(name, value, step, state_path):
 # Fields that cannot change what a run computes: resuming with other values is fine. A moved target or scene folder
 # (target, scenes, processor) is fine too: the fingerprints of the target and of the records are checked instead.
 RESUMABLE_CHANGES = ("out", "device", "eval_every", "save_every", "n_val", "n_test", "overwrite", "target", "scenes",
-                     "processor", "workers", "draft")
+                     "processor", "workers", "draft", "allow_truncated")
 
 
 def save_state(path, step, models, opts, cfg, rank, bound=None, data=None, extra=None):

@@ -113,7 +113,7 @@ def train_real(target, draft, ref, clips, prompts, cfg: RealConfig, ids, log=Non
         stats = []
         for j in range(cfg.per_update):
             k = order[(step * cfg.per_update + j) % len(clips)]
-            scene, prompt = clips[k], prompts[k][1]()
+            scene, prompt = clips[k], scenes.built(*prompts[k])
             prompt = speculate.on_model(prompt, target)
             if scene.scene_id not in refs:
                 v0 = speed_from_history(scene.past[None]).to(device)  # (1,) m/s, from the scene's own past
@@ -124,6 +124,7 @@ def train_real(target, draft, ref, clips, prompts, cfg: RealConfig, ids, log=Non
             (loss / cfg.per_update).backward()  # gradient accumulation: the mean over the S scenes
             stats.append({"reward": r.mean().item(), "kl": kl.item(), "reward_std_in_group": r.std().item()})
         runs.update(opt, draft, cfg.lr, 1.0)
+        runs.check_loss("AARL", None, step, state_path, draft)  # the weights after it
         stats = {key: sum(s[key] for s in stats) / len(stats) for key in stats[0]}
         bar.set_postfix({key: f"{v:.3f}" for key, v in stats.items()})
         if log is not None:
@@ -172,7 +173,7 @@ def main(argv=None):
     with cli.user_errors(ap):
         cli.check_values(cfg, [(">= 1", ("steps", "per_update", "max_new", "min_pixels", "max_pixels",
                                               "save_every")),
-                                    ("> 0", ("lr", "temperature")), ("in 0..2**30-1", ("seed",)),
+                                    ("a finite number > 0", ("lr", "temperature")), ("in 0..2**30-1", ("seed",)),
                                     ("a finite number >= 0", ("beta",))], flags=True)
         if cfg.min_pixels > cfg.max_pixels:
             raise ValueError(f"--min-pixels {cfg.min_pixels} is above --max-pixels {cfg.max_pixels}")
@@ -182,6 +183,8 @@ def main(argv=None):
         for flag, path in (("--target", a.target), ("--draft", a.draft), ("--scenes", a.scenes)):
             if not os.path.isdir(path):
                 raise FileNotFoundError(f"{flag} {path}: no such folder")
+        files.check_out_dir(a.out, {"--target": a.target, "--draft": a.draft, "--scenes": a.scenes,
+                                    "--processor": cfg.processor}, may_contain=("--draft",))  # RUN/draft_flat_s0
         out = checkpoint.draft_dir(a.out, "aarl", cfg.seed)
         with files.writer_lock(a.out):
             if (have := checkpoint.existing_kind(out)) is not None:
@@ -202,10 +205,6 @@ def main(argv=None):
     if a.json:
         print(json.dumps(res))
     return res
-
-
-if __name__ == "__main__":
-    main()
 
 
 if __name__ == "__main__":

@@ -63,6 +63,7 @@ class DraftConfig:
     processor: str = ""  # the tokenizer + image processor folder (default: --target)
     views: int = driving.WorldConfig().views  # --toy-scenes: the surround views of the toy prompts
     overwrite: bool = False  # replace a finished draft of this kind and seed in out
+    allow_truncated: bool = False  # distil even when most CoCs were cut at --max-new (else refused: raise --max-new)
 
 
 def load_target(path, dtype=None, device=None):
@@ -127,8 +128,8 @@ class RankPrompts(torch.utils.data.Dataset):
         step, i = divmod(k, self.per_rank)
         order = record_order(self.start + step, self.cfg.batch_size, len(self.records), self.cfg.seed)
         j = order[self.rank::self.world][i]
-        prompt = self.prompt_of[self.records[j]["scene"]]
-        return j, prompt() if callable(prompt) else prompt
+        scene_id = self.records[j]["scene"]
+        return j, scenes.built(scene_id, self.prompt_of[scene_id])
 
 
 def new_draft(target, kind, init="random", vocab_ids=None, layers=1, width=0, heads=0, kv_heads=0):
@@ -183,8 +184,8 @@ def distill_draft(cfg: DraftConfig, target, records, prompt_of, stop_id, rank=0,
             loss_sum, n_tok = loss_sum + loss.item(), n_tok + len(records[j]["tokens"])
         if world > 1:  # every rank sees a NaN on any rank: its gradients were already averaged into everyone's
             loss_sum = runs.all_mean(loss_sum, device)
-        runs.check_loss(f"{cfg.kind} draft", loss_sum, step, state_path)
         runs.update(opt, draft, runs.lr_at(step, cfg.steps, cfg.lr, cfg.warmup), cfg.grad_clip)  # accumulated above
+        runs.check_loss(f"{cfg.kind} draft", loss_sum, step, state_path, draft)
         bar.set_postfix(kl=f"{loss_sum:.3f}", tok_s=f"{n_tok * world / (time.time() - t0):.0f}")
         history.append({"step": step + 1, "train_kl": loss_sum})
         if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
@@ -206,6 +207,8 @@ def run_draft(cfg: DraftConfig, stage="all", log=print):
     if cfg.batch_size % world:
         raise ValueError(f"batch_size {cfg.batch_size} is not divisible by the {world} ranks")
     target = load_target(cfg.target, cli.DTYPES[cfg.dtype], device)
+    if cfg.draft_vocab > (vocab := target.cfg.vocab_size):  # known now: not after hours of decoding
+        raise ValueError(f"--draft-vocab {cfg.draft_vocab} is above the target's vocabulary of {vocab} ids")
     prompts, stop = prompt_source(cfg)
     root = os.path.join(cfg.out, "data")
     with files.writer_lock(cfg.out) if rank == 0 else contextlib.nullcontext():
@@ -214,7 +217,7 @@ def run_draft(cfg: DraftConfig, stage="all", log=print):
                                     cfg.overwrite or os.path.exists(os.path.join(
                                         cfg.out, f"draft_{cfg.kind}_s{cfg.seed}.state.pt")),
                                     "rerun with --overwrite to retrain it, or give another --seed or --out")
-        done = {r["scene"] for r in read_parts(root)}  # read by every rank before any writes
+        done = {r["scene"] for r in read_parts(root, vocab)}  # read by every rank before any writes
         runs.barrier()
         sampled = dict(temperature=cfg.temperature, top_p=cfg.top_p, samples=cfg.samples) if cfg.temperature else {}
         scenes.distill_data(target, [p for p in prompts if p[0] not in done][rank::world],  # what is left, shared
@@ -223,19 +226,32 @@ def run_draft(cfg: DraftConfig, stage="all", log=print):
         runs.barrier()
         order = {scene_id: i for i, (scene_id, _) in enumerate(prompts)}  # the same records order for any world size
         # records of scenes no longer in the folder are left out
-        out = {"data": sorted((r for r in read_parts(root) if r["scene"] in order),
+        out = {"data": sorted((r for r in read_parts(root, vocab) if r["scene"] in order),
                               key=lambda r: (order[r["scene"]], r["sample"]))}
+        check_truncated(out["data"], cfg, stage, log if rank == 0 else None)
         if stage == "all":
             out["draft"] = distill_draft(cfg, target, out["data"], dict(prompts), stop[-1], rank, world, device)
     runs.finish()
     return out
 
 
-def read_parts(root):
+def read_parts(root, vocab_size=None):
     """The records of every part under root (scenes.read_distill_data of each), part by part."""
     parts = sorted(p for p in (os.listdir(root) if os.path.isdir(root) else ())
                    if os.path.exists(os.path.join(root, p, scenes.INDEX)))
-    return [r for p in parts for r in scenes.read_distill_data(os.path.join(root, p))]
+    return [r for p in parts for r in scenes.read_distill_data(os.path.join(root, p), vocab_size)]
+
+
+def check_truncated(records, cfg, stage, log):
+    """Say how many CoCs --max-new cut before the reasoning's end; refuse to distil on mostly cut ones (the draft
+    would never learn to end its reasoning) unless --allow-truncated."""
+    cut = sum(not r["complete"] for r in records)
+    if log and cut:
+        log(f"{cut} of {len(records)} CoCs were cut at --max-new {cfg.max_new} before the reasoning's end")
+    if stage == "all" and 2 * cut > len(records) and not cfg.allow_truncated:
+        raise ValueError(f"{cut} of {len(records)} CoCs were cut at --max-new {cfg.max_new} before the reasoning's "
+                         f"end: raise --max-new (with another --out: this one's data was decoded at {cfg.max_new}), "
+                         "or pass --allow-truncated to distil on them")
 
 
 # ---- the command line ----
@@ -251,12 +267,13 @@ def parse_args(argv=None):
     with cli.user_errors(ap):
         check_values(a, [("in 0..2**30-1", ("seed",)), (">= 1", ("steps", "batch_size", "save_every", "samples",
                                                                    "max_new", "min_pixels", "max_pixels", "layers")),
-                         ("> 0", ("lr", "grad_clip", "top_p")), ("in [0, 1]", ("top_p",)),
+                         ("a finite number > 0", ("lr", "grad_clip", "top_p")), ("in [0, 1]", ("top_p",)),
                          ("a finite number >= 0", ("warmup", "weight_decay", "draft_vocab", "temperature", "views",
                                                    "toy_scenes", "workers", "width", "heads", "kv_heads"))],
                      flags=True)
         if not os.path.isdir(a.target):
             raise FileNotFoundError(f"--target {a.target}: no such folder")
+        files.check_out_dir(a.out, {"--target": a.target, "--scenes": a.scenes, "--processor": a.processor})
         if bool(a.scenes) == bool(a.toy_scenes):
             raise ValueError("give the training scenes: --scenes SCENES (a scene folder) or --toy-scenes N")
         if a.min_pixels > a.max_pixels:

@@ -32,6 +32,7 @@ import hashlib
 import json
 import os
 import pathlib
+import re
 
 import numpy as np
 import torch
@@ -44,6 +45,8 @@ N_IMAGES, N_PAST, N_FUTURE = 16, 16, 64  # Alpamayo-R1: 4 cameras x 4 frames; 1.
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
 POSES, INSTRUCTION, INDEX = "poses.json", "instruction.txt", "index.json"
 SHARD_SCENES = 64  # scenes per shard: what a killed run can lose
+MAX_ASPECT = 200  # the Qwen-VL image processors' smart_resize refuses a longer side over 200 x the shorter
+OWN_IMAGE = re.compile(r"\d{2,}\.png")  # write_scene's image names: the only images it ever removes
 
 
 # ---- the scene folder ----
@@ -82,10 +85,37 @@ def _poses(raw, key, rows, problems):
     return None if bad else xyz
 
 
-def _check_scene(d, scene_id, n_images, poses):
-    """(Scene or None, [problems]) of one scene folder. Images are opened and verified (header, and PNG's checksums)
-    without decoding them: a truncated JPEG surfaces when Scene.images reads it, as an error naming the scene."""
+def _check_image(p):
+    """None, or what is wrong with the image file p: unreadable, not decodable (verify checks PNG's checksums, load
+    decodes: a truncated JPEG), or of an aspect ratio the target's image processor refuses."""
     from PIL import Image  # optional extra
+    try:
+        with Image.open(p) as im:
+            im.verify()
+        with Image.open(p) as im:
+            im.load()
+            w, h = im.size
+    except Exception as e:  # PIL raises several kinds (OSError, SyntaxError, struct.error) for a bad file
+        return f"cameras/{os.path.basename(p)} unreadable ({type(e).__name__}: {e})"
+    if max(w, h) > MAX_ASPECT * min(w, h):
+        return f"cameras/{os.path.basename(p)} is {w}x{h}: an aspect ratio over {MAX_ASPECT}, which Qwen-VL's " \
+               "image processor refuses"
+    return None
+
+
+def _instruction(d, needed, problems):
+    """instruction.txt's text, or None; not UTF-8 is a problem where the prompt is made of it (needed)."""
+    path = pathlib.Path(d, INSTRUCTION)
+    try:
+        return path.read_bytes().decode("utf-8").strip() if path.exists() else None
+    except (OSError, UnicodeDecodeError) as e:
+        problems += [f"{INSTRUCTION} unreadable as UTF-8 text ({e})"] if needed else []
+        return None
+
+
+def _check_scene(d, scene_id, n_images, poses):
+    """(Scene or None, [problems]) of one scene folder. Every image is decoded once here, before any work: a bad one
+    found by the data stage would stop it hours in."""
     problems, paths, cams = [], [], os.path.join(d, "cameras")
     if not os.path.isdir(cams):
         problems.append("no cameras/ folder")
@@ -94,12 +124,7 @@ def _check_scene(d, scene_id, n_images, poses):
                  if not n.startswith(".") and n.lower().endswith(IMAGE_SUFFIXES)]
         if not paths or (n_images is not None and len(paths) != n_images):
             problems.append(f"cameras/ holds {len(paths)} PNG / JPEG images, expected {n_images or 'at least 1'}")
-        for p in paths:
-            try:
-                with Image.open(p) as im:
-                    im.verify()
-            except Exception as e:  # PIL raises several kinds (OSError, SyntaxError, struct.error) for a bad file
-                problems.append(f"cameras/{os.path.basename(p)} unreadable ({type(e).__name__}: {e})")
+        problems += [bad for bad in map(_check_image, paths) if bad]
     past = future = raw = None
     if os.path.exists(os.path.join(d, POSES)):
         try:
@@ -110,8 +135,7 @@ def _check_scene(d, scene_id, n_images, poses):
             problems.append(f"{POSES} unreadable ({type(e).__name__}: {e})")
     elif poses:
         problems.append(f"no {POSES}")
-    text = pathlib.Path(d, INSTRUCTION)
-    text = text.read_text(encoding="utf-8").strip() if text.exists() else None
+    text = _instruction(d, not poses, problems)  # an Alpamayo prompt (poses) reads no instruction
     return (None if problems else Scene(scene_id, paths, past, future, text)), problems
 
 
@@ -133,19 +157,32 @@ def load_scenes(root, n_images=N_IMAGES, poses=True):
     return scenes
 
 
-def write_scene(root, scene_id, images, past, future=None, instruction=None):
+def check_scene_id(scene_id):
+    """A scene id is one path component that load_scenes lists: no separator, not '.', '..' or hidden."""
+    if not isinstance(scene_id, str) or not scene_id or scene_id.startswith(".") or "/" in scene_id \
+            or os.sep in scene_id or (os.altsep and os.altsep in scene_id):
+        raise ValueError(f"scene id {scene_id!r}: a scene id is one folder name (no '/', not empty, not starting "
+                         "with '.')")
+
+
+def write_scene(root, scene_id, images, past, future=None, instruction=None, overwrite=False):
     """Write one scene folder: images uint8 (N, 3, H, W) in the model's order, past (16, 3), future (64, 3) or None.
-    Each file is written atomically (a temporary file renamed over it); a rewrite removes the old scene's extra
-    images and files it no longer has."""
+    Each file is written atomically (a temporary file renamed over it). An existing scene is refused unless
+    overwrite; a rewrite then removes only the files of write_scene's own naming it no longer has (NN.png,
+    instruction.txt): a user's own images are never deleted."""
     from PIL import Image  # optional extra
+    check_scene_id(scene_id)
     d, cams = os.path.join(root, scene_id), os.path.join(root, scene_id, "cameras")
+    if os.path.lexists(d) and not overwrite:
+        raise FileExistsError(f"{d}: scene {scene_id} exists: refusing to replace it (overwrite=True replaces the "
+                              "files write_scene names, and only those)")
     os.makedirs(cams, exist_ok=True)
     names = [f"{i:02d}.png" for i in range(len(images))]
     for img, n in zip(torch.as_tensor(images), names):
         png = Image.fromarray(img.permute(1, 2, 0).contiguous().numpy())  # (3, H, W) -> (H, W, 3)
         files.atomic_write(os.path.join(cams, n), lambda p: png.save(p, format="PNG"))
     for n in set(os.listdir(cams)) - set(names):
-        if n.lower().endswith(IMAGE_SUFFIXES):
+        if OWN_IMAGE.fullmatch(n):
             os.remove(os.path.join(cams, n))
     raw = {k: torch.as_tensor(v).tolist() for k, v in (("past", past), ("future", future)) if v is not None}
     files.write_json(os.path.join(d, POSES), raw)
@@ -180,6 +217,15 @@ def scene_prompts(folder, root, processor=None, **pixels):
     return found, [(s.scene_id, lambda s=s: alpamayo.qwen_prompt(src, s.images(), s.instruction, **pixels))
                    for s in found], alpamayo.reasoning_stop_ids(raw, tok, where), \
         "plain Qwen-VL prompt (alpamayo.qwen_prompt)"
+
+
+def built(scene_id, prompt):
+    """prompt, or prompt() for a function building it (scene_prompts'), its error naming the scene: the processor's
+    and tokenizer's words name none."""
+    try:
+        return prompt() if callable(prompt) else prompt
+    except (ValueError, OSError) as e:
+        raise (OSError if isinstance(e, OSError) else ValueError)(f"scene {scene_id}: {e}") from None
 
 
 # ---- self-distillation data ----
@@ -229,40 +275,51 @@ def distill_data(target, prompts, out, stop_ids, max_new, temperature=0.0, top_p
                 log(f"{out}/{name}: {len(records)} records, {len(ids)} ids ({n_scenes} scenes decoded this run)")
             del records[:], ids[:]
 
-        for scene_id, prompt in prompts:
-            if scene_id in done:
-                continue
-            done.add(scene_id)
-            prompt = prompt() if callable(prompt) else prompt  # pixels in the target's dtype, as evaluate.scene_prompts
-            prompt = speculate.on_model(prompt, target)
-            for k in range(samples):
-                res = speculate.autoregressive(target, prompt, max_new, temperature, top_p=top_p,
-                                               seed=sample_seed(seed, scene_id, k), stop_token=stop_ids[-1],
-                                               timing=True)
-                index["prefill_s"] += res.prefill_s
-                index["decode_s"] += res.decode_s
-                records.append({"scene": scene_id, "sample": k, "n": len(res.tokens),
-                                "complete": res.tokens[-len(stop_ids):] == stop_ids})
-                ids.extend(res.tokens)
-            n_scenes += 1
-            if n_scenes % shard_scenes == 0:
+        try:
+            for scene_id, prompt in prompts:
+                if scene_id in done:
+                    continue
+                done.add(scene_id)
+                prompt = speculate.on_model(built(scene_id, prompt), target)  # pixels in the target's dtype
+                for k in range(samples):
+                    res = speculate.autoregressive(target, prompt, max_new, temperature, top_p=top_p,
+                                                   seed=sample_seed(seed, scene_id, k), stop_token=stop_ids[-1],
+                                                   timing=True)
+                    index["prefill_s"] += res.prefill_s
+                    index["decode_s"] += res.decode_s
+                    ids.extend(res.tokens)
+                    records.append({"scene": scene_id, "sample": k, "n": len(res.tokens),
+                                    "complete": res.tokens[-len(stop_ids):] == stop_ids})
+                n_scenes += 1
+                if n_scenes % shard_scenes == 0:
+                    flush()
+        except Exception:  # an error (a bad scene, a full disk) stops the run: what it decoded is kept
+            if records:
                 flush()
+            raise
         if records:
             flush()
     return index
 
 
-def read_distill_data(out):
+def read_distill_data(out, vocab_size=None):
     """[{scene, sample, n, complete, tokens}] of OUT in the order written; a shard whose size disagrees with its index
-    entry is an error naming it."""
-    index = files.read_json(os.path.join(out, INDEX))
+    entry, or holding an id outside vocab_size (the target's), is an error naming it."""
+    index = files.read_json(path := os.path.join(out, INDEX))
     recs = []
-    for shard in index["shards"]:
-        p = os.path.join(out, shard["file"])
-        ids = np.fromfile(p, dtype="<u4") if os.path.exists(p) else None
-        if ids is None or len(ids) != sum(r["n"] for r in shard["records"]):
+    try:
+        shards = [(s["file"], [dict(r, n=int(r["n"])) for r in s["records"]]) for s in index["shards"]]
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"{path}: not an index scenes.distill_data wrote ({type(e).__name__}: {e})") from None
+    for file, records in shards:
+        p = os.path.join(out, file)
+        ids = np.fromfile(p, dtype="<u4") if os.path.isfile(p) else None
+        if ids is None or len(ids) != sum(r["n"] for r in records):
             raise ValueError(f"{p}: {'missing' if ids is None else f'{len(ids)} ids'}, its index entry expects "
-                             f"{sum(r['n'] for r in shard['records'])}: the folder is damaged")
-        offsets = np.cumsum([0] + [r["n"] for r in shard["records"]])
-        recs += [dict(r, tokens=ids[a:b].tolist()) for r, a, b in zip(shard["records"], offsets[:-1], offsets[1:])]
+                             f"{sum(r['n'] for r in records)}: the folder is damaged")
+        if vocab_size and len(ids) and int(ids.max()) >= vocab_size:
+            raise ValueError(f"{p}: holds id {int(ids.max())}, outside the target's {vocab_size} ids: the data of "
+                             "another target, or damaged; delete it to decode it again")
+        offsets = np.cumsum([0] + [r["n"] for r in records])
+        recs += [dict(r, tokens=ids[a:b].tolist()) for r, a, b in zip(records, offsets[:-1], offsets[1:])]
     return recs

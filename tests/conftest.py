@@ -54,6 +54,23 @@ def kill_after_save(monkeypatch):
     return killed
 
 
+@pytest.fixture
+def full_disk(tmp_path):
+    """A folder on a full disk: a 64 KiB tmpfs mounted for the test where this runs as root and may mount, else None
+    (the test then makes the write raise the library's own error instead)."""
+    import subprocess
+    d = tmp_path / "full"
+    d.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(d)],
+                                           capture_output=True).returncode:
+        yield None
+        return
+    try:
+        yield d
+    finally:
+        subprocess.run(["umount", "-l", str(d)], check=False)
+
+
 def pytest_addoption(parser):
     parser.addoption("--slow", action="store_true", help="also run tests marked slow (torch.compile)")
 

@@ -164,7 +164,7 @@ def test_run_locks_its_folder_and_checks_its_arguments_before_any_work(tmp_path,
     with held_lock(tmp_path, command="python aarl.py --seed 0"):
         with pytest.raises(files.FolderLocked, match=r"pid 4242 on elsewhere \(`python aarl.py --seed 0`"):
             aarl.run(aarl.AARLConfig(), str(tmp_path), out=str(tmp_path / "draft_aarl_s0"))
-    for argv, msg in ((["--agree-weight", "nan"], "agree_weight must be a number >= 0, got nan"),
+    for argv, msg in ((["--agree-weight", "nan"], "agree_weight must be a finite number >= 0, got nan"),
                       (["--device", "tpu"], "unknown device 'tpu'")):
         with pytest.raises(SystemExit):
             aarl.main(["--run", str(tmp_path)] + argv)

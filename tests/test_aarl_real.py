@@ -8,6 +8,7 @@ run: python -m pytest -q tests/test_aarl_real.py
 """
 import copy
 import dataclasses
+import os
 
 import pytest
 import torch
@@ -102,6 +103,38 @@ def test_command_line_end_to_end(setup, folder, tmp_path, capsys):
     assert "refusing to replace it" in capsys.readouterr().err
 
 
+def test_a_diverged_update_saves_no_draft(setup, folder, tmp_path, capsys):
+    """An infinite update: stopped after it, no draft (issue #33: "draft saved" with a NaN draft); --lr 1e39 (finite,
+    past float32 in AdamW): one line, no draft."""
+    target, sft, root, clips, prompts = setup
+    draft, ref = checkpoint.load(sft, target=target), checkpoint.load(sft, target=target)
+    with pytest.raises(FloatingPointError, match="is NaN / inf after the update at step 0"):
+        aarl_real.train_real(target, draft, ref, clips[:1], prompts[:1], dataclasses.replace(CFG, lr=float("inf")), IDS)
+    with pytest.raises(SystemExit) as e:
+        aarl_real.main(["--target", str(folder[2]), "--draft", sft, "--scenes", root, "--out", str(tmp_path / "o"),
+                        "--per-update", "1", "--lr", "1e39"] + FLAGS)
+    assert e.value.code == 2 and "overflows float32" in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "o" / "draft_aarl_s0")
+
+
+def test_a_stale_draft_of_an_own_target_gets_the_own_target_advice(setup, folder, tmp_path):
+    """A draft of another Alpamayo target: the error names real.distill, not train.py / rsd.py (issue #33)."""
+    import json
+    import shutil
+
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+    target, sft, _, _, _ = setup
+    shutil.copytree(sft, tmp_path / "d")
+    path = str(tmp_path / "d" / checkpoint.WEIGHTS)
+    with safe_open(path, framework="pt") as f:
+        meta = json.loads(f.metadata()[checkpoint.KEY])
+    meta["target"]["weights"] = "0" * 16  # distilled from another target
+    save_file(load_file(path), path, metadata={checkpoint.KEY: json.dumps(meta)})
+    with pytest.raises(ValueError, match=rf"stale draft: .*python -m real.distill --target {folder[2]} --scenes"):
+        checkpoint.load(str(tmp_path / "d"), target=target)
+
+
 def test_bad_inputs_are_named(setup, folder, tmp_path, capsys):
     target, sft, root, _, _ = setup
     folder[0].save_pretrained(tmp_path / "plain")  # a Qwen3-VL folder: no action expert
@@ -116,6 +149,10 @@ def test_bad_inputs_are_named(setup, folder, tmp_path, capsys):
         with pytest.raises(SystemExit):
             aarl_real.main(argv)
         assert words in capsys.readouterr().err, argv
+    assert not os.path.exists(tmp_path / "o")  # the refused run left no --out behind (issue #33)
+    with pytest.raises(SystemExit):  # writing into its inputs
+        aarl_real.main(["--target", str(folder[2]), "--draft", sft, "--scenes", root, "--out", root + "/run"])
+    assert "lies inside --scenes" in capsys.readouterr().err
 
 
 def test_a_killed_run_resumes_exactly(setup, tmp_path, monkeypatch):

@@ -100,6 +100,31 @@ def test_sampling_reaches_every_timed_decode(monkeypatch):
     assert all("temperature" not in kw for _, kw in calls)
 
 
+def test_a_tree_cut_by_max_new_reports_and_costs_what_ran(monkeypatch, capsys):
+    """--tree 32 (depth 8) at --max-new 4: every round drafts at most depth 3 (what is left); the report says the
+    nodes and depth verified per round and the cost model times that tree, not the 32-node one (issue #33); a
+    chain of gamma 6 likewise."""
+    from tree import TreeShape
+    target = tiny_model()
+    draft = make_draft(target, n_layers=1).eval()
+    timed, tree_steps = [], timing.tree_step_times
+    monkeypatch.setattr(timing, "tree_step_times", lambda t, d, p, nodes, *a, **k: timed.append(nodes) or tree_steps(
+        t, d, p, nodes, *a, **k))
+    res = bench.benchmark(target, draft, [image_prompt()], TreeShape(32, 8, 3), 4, repeats=3)
+    ran = res["ran"]
+    assert ran["depth_per_round"] <= 3 and ran["nodes_per_round"] <= 21 and (ran["nodes"], ran["depth"]) != (32, 8)
+    assert timed == [(ran["nodes"],)]
+    bench.report(dict(res, mode="toy", device="cpu", hardware="x", dtype="fp32", threads=1,
+                      decoder=bench.decoder_json(TreeShape(32, 8, 3))))
+    out = capsys.readouterr().out
+    assert "tree draft, 32 nodes, depth 8" in out and f"depth {ran['depth_per_round']:.1f} per round" in out
+    assert f"the cost model at what ran: tree draft, {ran['nodes']} nodes, depth {ran['depth']}" in out
+    lengths, step_times = [], timing.step_times
+    monkeypatch.setattr(timing, "step_times", lambda t, d, p, ls, *a: lengths.append(ls) or step_times(t, d, p, ls, *a))
+    res = bench.benchmark(target, draft, [image_prompt()], 6, 4, repeats=3)
+    assert res["ran"]["gamma"] <= 3 and lengths == [(1, res["ran"]["gamma"] + 1)]
+
+
 def test_decoding_mode_checks_the_flags():
     assert cli.decoding_mode() == {"mode": "greedy", "temperature": 0.0, "top_k": None, "top_p": None,
                                         "seed": None}

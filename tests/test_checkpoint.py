@@ -371,6 +371,37 @@ def test_own_checkpoint_errors_and_atomic_write(tmp_path, monkeypatch):
     assert checkpoint.load(tmp_path / "m").cfg == model.cfg
 
 
+def test_a_non_finite_weight_is_never_saved_and_named_at_load(tmp_path):
+    """A diverged run's draft: save refuses it, a file holding one anyway (an older save) is one error naming the
+    file and the tensor, and an empty folder is named as not a checkpoint (issue #33)."""
+    target = tiny_model()
+    draft = make_draft(target, n_layers=1)
+    save(draft, tmp_path / "d", target=target)
+    with torch.no_grad():
+        draft.norm.weight[0] = float("nan")
+    with pytest.raises(FloatingPointError, match="'norm.weight' holds NaN / inf"):
+        save(draft, tmp_path / "d", target=target)
+    sd = load_file(tmp_path / "d" / "model.safetensors")
+    sd["norm.weight"][0] = float("inf")
+    resave(tmp_path / "d", sd)
+    with pytest.raises(ValueError, match=r"d/model.safetensors: tensor 'norm.weight' holds NaN / inf"):
+        load(tmp_path / "d", target=target)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match=r"empty/model.safetensors: no such file \(is .* a checkpoint folder"):
+        load(tmp_path / "empty")
+
+
+def test_a_full_disk_during_a_save_is_an_oserror_naming_the_file(full_disk, tmp_path, monkeypatch):
+    """safetensors reports a full disk as its own SafetensorError: one OSError naming the file, nothing left."""
+    from safetensors import SafetensorError
+    out = full_disk or tmp_path
+    if full_disk is None:  # no tmpfs to fill: the library's own error, as a full disk raises it
+        monkeypatch.setattr(checkpoint, "save_file", lambda *a, **k: (_ for _ in ()).throw(SafetensorError("IoError")))
+    with pytest.raises(OSError, match=r"d/model.safetensors: write failed .* MiB free"):
+        save(tiny_model(), out / "d")
+    assert os.listdir(out / "d") == []
+
+
 def test_own_config_requires_every_field(tmp_path):
     """Our format: the file's header holds the config, and a missing field is an error naming it (a default could
     change the logits); a file without our header (a Hugging Face one) is named as such."""

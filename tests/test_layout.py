@@ -83,6 +83,13 @@ def test_no_script_picks_its_program_from_argv():
         assert not sniff.search(open(path).read()), f"{path} scans its command line"
 
 
+def test_a_program_runs_once():
+    """At most one `if __name__ == "__main__"` block per module: real.aarl_real had two, so a finished run ran again
+    and refused to replace the draft it had just saved (exit 2 after a success; issue #33)."""
+    for m, path in modules().items():
+        assert open(path).read().count('if __name__ == "__main__":') <= 1, path
+
+
 def test_file_map_lists_every_module_with_its_line_count():
     rows = {f: int(n.replace(",", "")) for f, n in ROW.findall(README)}
     want = sorted(os.path.relpath(p, ROOT) for p in modules().values())

@@ -9,6 +9,7 @@ run: python -m pytest -q tests/test_own_target.py
 """
 import dataclasses
 import os
+import shutil
 import socket
 
 import pytest
@@ -22,6 +23,7 @@ import model as M
 from ops import checkpoint
 from real import aarl_real, distill, hf, scenes
 import train as T
+from test_user_errors import error_line
 
 try:  # the tiny Alpamayo-shaped folder of tests/test_alpamayo.py, a fixture
     from test_alpamayo import SPECIAL, folder
@@ -44,7 +46,8 @@ def write_scenes(root, n=4, seed=0):
 
 def alpamayo_cfg(d, root, out, **kw):
     return distill.DraftConfig(**dict(dict(target=d, scenes=root, out=str(out), steps=4, batch_size=4, save_every=2,
-                                     warmup=1, lr=1e-2, max_new=6, min_pixels=64, max_pixels=256), **kw))
+                                           warmup=1, lr=1e-2, max_new=6, min_pixels=64, max_pixels=256,
+                                           allow_truncated=True), **kw))  # 6 ids: most CoCs are cut
 
 
 @pytest.fixture(scope="module")
@@ -124,6 +127,48 @@ def test_two_gloo_ranks_equal_one(alpamayo_run, tmp_path):
 
 
 @needs_tf
+def test_a_diverged_last_update_saves_nothing_and_is_one_line(alpamayo_run, tmp_path, capsys):
+    """An infinite step leaves the loss finite and the weights NaN: the run stops after that (last) update and saves
+    no draft (issue #33: the loss was checked before each update only, and the NaN draft saved); --lr 1e39, finite,
+    overflows float32 in AdamW: one line (it was a traceback)."""
+    d, root, _ = alpamayo_run
+    shutil.copytree(os.path.join(os.path.dirname(root), "straight", "data"), tmp_path / "data")  # its CoCs: no decode
+    with pytest.raises(FloatingPointError, match="is NaN / inf after the update at step 0: stopped; no state"):
+        distill.run_draft(alpamayo_cfg(d, root, tmp_path, steps=1, batch_size=1, lr=float("inf"), warmup=0),
+                          log=lambda *_: None)
+    assert not os.path.exists(checkpoint.draft_dir(tmp_path, "flat", 0))
+    with pytest.raises(SystemExit) as e:
+        distill.main(["--target", d, "--scenes", root, "--out", str(tmp_path), "--steps", "1", "--batch-size", "1",
+                      "--lr", "1e39", "--warmup", "0", "--min-pixels", "64", "--max-pixels", "256", "--max-new", "6",
+                      "--allow-truncated"])
+    assert e.value.code == 2 and "an update at lr 1e+39 overflows float32" in error_line(capsys)
+    assert not os.path.exists(checkpoint.draft_dir(tmp_path, "flat", 0))
+
+
+@needs_tf
+def test_what_can_be_known_before_the_data_stage_is_checked_before_it(alpamayo_run, tmp_path):
+    """--draft-vocab past the target's 97 ids is refused before any decoding (issue #33: after the data stage)."""
+    d, root, _ = alpamayo_run
+    with pytest.raises(ValueError, match="--draft-vocab 1000 is above the target's vocabulary of 97 ids"):
+        distill.run_draft(alpamayo_cfg(d, root, tmp_path, draft_vocab=1000), log=lambda *_: None)
+    assert not os.path.exists(tmp_path / "data")
+
+
+@needs_tf
+def test_truncated_cocs_are_counted_and_mostly_truncated_data_refused(alpamayo_run, tmp_path):
+    """At --max-new 6 every CoC is cut before <|cot_end|>: said, and refused without --allow-truncated (issue #33:
+    stored complete: false and trained on without a word); --stage data keeps the data and says the count."""
+    d, root, _ = alpamayo_run
+    shutil.copytree(os.path.join(os.path.dirname(root), "straight", "data"), tmp_path / "data")  # its CoCs: no decode
+    said = []
+    with pytest.raises(ValueError, match="4 of 4 CoCs were cut at --max-new 6 .* or pass --allow-truncated"):
+        distill.run_draft(alpamayo_cfg(d, root, tmp_path, allow_truncated=False), log=said.append)
+    assert said[-1] == "4 of 4 CoCs were cut at --max-new 6 before the reasoning's end"
+    assert not os.path.exists(checkpoint.draft_dir(tmp_path, "flat", 0))
+    assert len(distill.run_draft(alpamayo_cfg(d, root, tmp_path, allow_truncated=False), "data")["data"]) == 4
+
+
+@needs_tf
 def test_a_reduced_vocabulary_head_covers_the_targets_own_cocs(alpamayo_run, tmp_path):
     """--draft-vocab K: the head's ids are the K commonest in the target's own CoCs, the reasoning's stop id kept."""
     d, root, out = alpamayo_run
@@ -176,7 +221,8 @@ def test_the_whole_path_on_the_command_line(alpamayo_run, tmp_path):
     d, root, _ = alpamayo_run
     held, run, px = write_scenes(tmp_path / "held", n=2, seed=1), str(tmp_path / "run"), [
         "--min-pixels", "64", "--max-pixels", "256", "--max-new", "6"]
-    distill.main(["--target", d, "--scenes", root, "--out", run, "--steps", "2", "--batch-size", "2", *px])
+    distill.main(["--target", d, "--scenes", root, "--out", run, "--steps", "2", "--batch-size", "2", *px,
+                  "--allow-truncated"])
     aarl_real.main(["--target", d, "--draft", checkpoint.draft_dir(run, "flat", 0), "--scenes", root, "--out", run,
                "--steps", "1", "--per-update", "2", "--group", "2", *px])
     res = bench.main(["--target", d, "--draft", checkpoint.draft_dir(run, "aarl", 0), "--scenes", held, "--tree",
@@ -193,7 +239,7 @@ def test_a_plain_qwen3_vl_folder_takes_the_same_path(folder, tmp_path):
     import speculate
     d = plain_qwen3_vl(folder, tmp_path)
     cfg = distill.DraftConfig(target=str(d), scenes=str(tmp_path / "s"), out=str(tmp_path / "run"), steps=2, batch_size=2,
-                        max_new=4, min_pixels=64, max_pixels=256)
+                        max_new=4, min_pixels=64, max_pixels=256, allow_truncated=True)
     out = distill.run_draft(cfg, log=lambda *_: None)
     target = distill.load_target(str(d))
     for s, r in zip(scenes.load_scenes(tmp_path / "s", n_images=None, poses=False), out["data"]):
@@ -211,7 +257,7 @@ def test_an_exported_toy_target_takes_the_same_path(tmp_path):
     torch.manual_seed(0)
     hf.export_pretrained(M.VLA(cfg).eval(), tmp_path / "hf")
     run = distill.DraftConfig(target=str(tmp_path / "hf"), toy_scenes=3, out=str(tmp_path / "run"), steps=2,
-                        batch_size=2, max_new=6, views=1)
+                        batch_size=2, max_new=6, views=1, allow_truncated=True)
     out = distill.run_draft(run, log=lambda *_: None)
     target = distill.load_target(run.target)
     world = driving.make_split("train", 3, 0)
@@ -224,7 +270,9 @@ def test_an_exported_toy_target_takes_the_same_path(tmp_path):
 @pytest.mark.parametrize("argv, msg", [
     (["--toy-scenes", "2"], "no such folder"),
     (["--steps", "0"], "--steps must be >= 1"),
-    (["--top-p", "0"], "--top-p must be > 0"),
+    (["--top-p", "0"], "--top-p must be a finite number > 0"),
+    (["--lr", "inf"], "--lr must be a finite number > 0, got inf"),  # issue #33: inf passed "> 0"
+    (["--grad-clip", "inf"], "--grad-clip must be a finite number > 0, got inf"),
     (["--dtype", "bf16"], "--dtype bf16 needs --amp"),
     (["--samples", "2"], "--samples > 1 needs --temperature > 0"),
     (["--device", "tpu"], "unknown device 'tpu'"),

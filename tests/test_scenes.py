@@ -10,6 +10,7 @@ import dataclasses
 import json
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -60,7 +61,7 @@ def test_round_trip_write_then_load(tmp_path):
     assert torch.equal(torch.stack(b.images()), imgs)  # (16, 3, 6, 8), PNG: lossless
     assert torch.equal(b.past, past) and torch.equal(b.future, future)
     # a rewrite with fewer images and no future leaves nothing of the old scene
-    scenes.write_scene(tmp_path, "b", imgs[:4], past, instruction="keep lane")
+    scenes.write_scene(tmp_path, "b", imgs[:4], past, instruction="keep lane", overwrite=True)
     (b,) = scenes.load_scenes(tmp_path, n_images=None)[1:]
     assert len(b.images()) == 4 and b.future is None and b.instruction == "keep lane"
     # a plain Qwen-VL folder: images and an instruction, no poses
@@ -75,9 +76,9 @@ def test_every_bad_scene_is_named_with_its_defects(tmp_path):
     os.remove(tmp_path / "missing" / "cameras" / "07.png")
     (tmp_path / "unreadable" / "cameras" / "03.png").write_bytes(b"not a png")
     os.remove(tmp_path / "no_poses" / "poses.json")
-    scenes.write_scene(tmp_path, "short_past", pixels(), poses(15))
-    scenes.write_scene(tmp_path, "nan_future", pixels(), poses(16), torch.full((64, 3), float("nan")))
-    scenes.write_scene(tmp_path, "long_future", pixels(), poses(16), poses(65))
+    scenes.write_scene(tmp_path, "short_past", pixels(), poses(15), overwrite=True)
+    scenes.write_scene(tmp_path, "nan_future", pixels(), poses(16), torch.full((64, 3), float("nan")), overwrite=True)
+    scenes.write_scene(tmp_path, "long_future", pixels(), poses(16), poses(65), overwrite=True)
     (tmp_path / "bad_json" / "poses.json").write_text("{past: ")
     os.makedirs(tmp_path / "no_cameras")
     with pytest.raises(ValueError) as e:
@@ -90,6 +91,48 @@ def test_every_bad_scene_is_named_with_its_defects(tmp_path):
                  "long_future: poses.json 'future' has shape (65, 3), expected (64, 3)",
                  "bad_json: poses.json unreadable", "no_cameras: no cameras/ folder", "no_cameras: no poses.json"]:
         assert "  " + line in msg, (line, msg)
+
+
+def test_write_scene_never_replaces_what_it_did_not_write(tmp_path):
+    """A user's scene of 16 cam_a_*.jpg: refused, and with overwrite the user's images stay; an id is one folder name
+    (issue #33: they were deleted, and `../../x` wrote outside the root)."""
+    from PIL import Image
+    cams = tmp_path / "root" / "user" / "cameras"
+    cams.mkdir(parents=True)
+    for i in range(16):
+        Image.new("RGB", (8, 6)).save(cams / f"cam_a_{i:02d}.jpg")
+    with pytest.raises(FileExistsError, match="scene user exists: refusing to replace it"):
+        scenes.write_scene(tmp_path / "root", "user", pixels(), poses(16))
+    scenes.write_scene(tmp_path / "root", "user", pixels(n=2), poses(16), overwrite=True)
+    assert sorted(os.listdir(cams)) == ["00.png", "01.png"] + [f"cam_a_{i:02d}.jpg" for i in range(16)]
+    for bad in ["../../x", "a/b", "", ".hidden", ".."]:
+        with pytest.raises(ValueError, match="a scene id is one folder name"):
+            scenes.write_scene(tmp_path / "root", bad, pixels(), poses(16))
+    assert sorted(os.listdir(tmp_path)) == ["root"] and os.listdir(tmp_path / "root") == ["user"]
+
+
+def test_images_and_text_are_decoded_and_sized_before_any_work(tmp_path):
+    """A truncated JPEG, an image of an aspect ratio the processor refuses, and (where the prompt reads it) a
+    non-UTF-8 instruction.txt are named with their scene by load_scenes, not found mid data stage; an Alpamayo
+    prompt reads no instruction: its bytes do not matter."""
+    from PIL import Image
+    for name in ["jpeg", "wide", "latin1"]:
+        scenes.write_scene(tmp_path, name, pixels(n=2), poses(16), instruction="keep lane")
+    Image.new("RGB", (64, 48), "red").save(tmp_path / "jpeg" / "cameras" / "01.png", format="JPEG")
+    data = (tmp_path / "jpeg" / "cameras" / "01.png").read_bytes()
+    (tmp_path / "jpeg" / "cameras" / "01.png").write_bytes(data[:len(data) // 2])
+    Image.new("RGB", (402, 2)).save(tmp_path / "wide" / "cameras" / "00.png")
+    (tmp_path / "latin1" / "instruction.txt").write_bytes(b"gar\xe7on \xff")
+    with pytest.raises(ValueError) as e:
+        scenes.load_scenes(tmp_path, n_images=None, poses=False)
+    msg = str(e.value)
+    assert "3 of 3 scenes are bad" in msg, msg
+    for line in ["jpeg: cameras/01.png unreadable", "wide: cameras/00.png is 402x2: an aspect ratio over 200",
+                 "latin1: instruction.txt unreadable as UTF-8 text"]:
+        assert "  " + line in msg, (line, msg)
+    os.remove(tmp_path / "wide" / "cameras" / "00.png")
+    (tmp_path / "jpeg" / "cameras" / "01.png").write_bytes(data)
+    assert [s.instruction for s in scenes.load_scenes(tmp_path, n_images=None)] == ["keep lane", None, "keep lane"]
 
 
 # ---- self-distillation data ----
@@ -136,6 +179,38 @@ def test_a_killed_run_resumes_without_duplicates(target, tmp_path, monkeypatch):
     (run / "shard_00001.bin").write_bytes(b"\0" * 12)
     with pytest.raises(ValueError, match=r"shard_00001.bin: 3 ids, its index entry expects"):
         scenes.read_distill_data(run)
+
+
+def test_a_bad_scene_mid_run_is_named_and_keeps_what_was_decoded(target, tmp_path):
+    """A prompt that fails (the processor's error) names its scene; the records decoded before it are flushed, not
+    the shard's worth lost (issue #33); a shard holding an id past the target's vocabulary is named on reading."""
+    def refused():
+        raise ValueError("absolute aspect ratio must be smaller than 200, got 201.0")
+    source = prompts(2) + [("s_wide", refused)]
+    with pytest.raises(ValueError, match="scene s_wide: absolute aspect ratio"):
+        scenes.distill_data(target, source, tmp_path, STOP, MAX_NEW)
+    assert [r["scene"] for r in scenes.read_distill_data(tmp_path)] == ["s0", "s1"]
+    ids = np.fromfile(tmp_path / "shard_00000.bin", dtype="<u4")
+    ids[3] = 500
+    ids.tofile(tmp_path / "shard_00000.bin")
+    with pytest.raises(ValueError, match=r"shard_00000.bin: holds id 500, outside the target's 97 ids"):
+        scenes.read_distill_data(tmp_path, vocab_size=target.cfg.vocab_size)
+
+
+def test_a_full_disk_at_the_data_stage_names_the_file(target, full_disk, tmp_path, monkeypatch):
+    """A full disk (a real one where a tmpfs can be mounted) is an OSError naming the file (issue #33: a bare
+    [Errno 28] from the writer lock), and leaves no folder it made."""
+    if full_disk is None:
+        monkeypatch.setattr(os, "pwrite", lambda *a: (_ for _ in ()).throw(OSError(28, "No space left on device")))
+        full_disk = tmp_path
+    else:
+        with pytest.raises(OSError), open(full_disk / "fill", "wb") as f:
+            while True:
+                f.write(b"\0" * 4096)
+                f.flush()
+    with pytest.raises(OSError, match=r"data/part0/.lock: cannot write the writer lock \(No space left on device\)"):
+        scenes.distill_data(target, prompts(1), full_disk / "data" / "part0", STOP, MAX_NEW)
+    assert not os.path.exists(full_disk / "data")
 
 
 def test_a_changed_setting_is_refused_by_name(target, tmp_path):

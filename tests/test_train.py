@@ -207,7 +207,7 @@ def test_ddp_two_ranks_end_identical(tmp_path):
 def test_bad_arguments_fail_clearly(capsys):
     for argv, msg in ((["--batch-size", "0"], "--batch-size must be >= 1"), (["--target-lr", "-1"], "--target-lr"),
                       (["--traj-weight", "nan"], "--traj-weight must be a finite number >= 0, got nan"),
-                      (["--grad-clip", "nan"], "--grad-clip must be > 0"), (["--p-no-views", "2"], "--p-no-views"),
+                      (["--grad-clip", "nan"], "--grad-clip must be a finite number > 0"), (["--p-no-views", "2"], "--p-no-views"),
                       (["--device", "tpu"], "unknown device 'tpu'"),
                       (["--draft-vocab", "-2"], "--draft-vocab must be a finite number >= 0, got -2")):
         with pytest.raises(SystemExit):

@@ -168,6 +168,8 @@ def test_rsd_plot_checks_its_dependency_and_folder_before_any_work(tmp_path, mon
     (["--max-views", "22"], "--max-views must be at most 21"),
     (["--seed", str(2**64)], "--seed must be in 0..2**30-1"),
     (["--draft-seed", str(2**40)], "--draft-seed must be in 0..2**30-1"),
+    (["--draft-lr", "inf"], "--draft-lr must be a finite number > 0, got inf"),  # issue #33: inf passed "> 0"
+    (["--grad-clip", "inf"], "--grad-clip must be a finite number > 0, got inf"),
 ])
 def test_train_bad_flags_fail_at_parse_time(argv, msg, capsys):
     with pytest.raises(SystemExit):
@@ -203,11 +205,75 @@ def test_bench_bad_flags_are_one_line(argv, msg, capsys):
     (["--seeds", "a"], "--seeds must be non-negative integers"),
     (["--scenes", "2", "--time-scenes", "16"], "--time-scenes (16) and --show (3) must be at most --scenes (2)"),
     (["--temperature", "0.5", "--sampling-seed", str(2**64)], "sampling seed must be an int >= 0 and < 2**62"),
+    (["--temperature", "inf"], "temperature must be finite"),
 ])
 def test_rsd_bad_flags_are_one_line(argv, msg, capsys):
     with pytest.raises(SystemExit):
         rsd.main(argv)
     assert msg in error_line(capsys)
+
+
+@pytest.mark.parametrize("argv, msg", [
+    (["--lr", "inf"], "lr must be a finite number > 0, got inf"),
+    (["--temperature", "inf"], "temperature must be a finite number > 0, got inf"),
+    (["--beta", "inf"], "beta must be a finite number >= 0, got inf"),
+])
+def test_aarl_infinite_floats_are_one_line(argv, msg, capsys):
+    with pytest.raises(SystemExit):
+        aarl.main(argv)
+    assert msg in error_line(capsys)
+
+
+def refused():
+    raise ValueError("absolute aspect ratio must be smaller than 200, got 201.0")
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_worker_error_is_the_same_one_line(workers, capsys):
+    """real.distill's prompts built ahead (--workers N): the error names its scene, and under a DataLoader worker,
+    which carries the worker's traceback in the message, it is one line all the same (issue #33)."""
+    import argparse
+
+    from ops import cli
+    from real import distill
+    data = distill.RankPrompts([{"scene": "clip1"}], {"clip1": refused}, distill.DraftConfig(steps=1, batch_size=1),
+                               0, 0, 1)
+    with pytest.raises(SystemExit):
+        with cli.user_errors(argparse.ArgumentParser(prog="p")):
+            next(iter(torch.utils.data.DataLoader(data, batch_size=None, num_workers=workers)))
+    assert error_line(capsys) == "p: error: scene clip1: absolute aspect ratio must be smaller than 200, got 201.0"
+
+
+def test_out_is_never_an_input_or_a_root(tmp_path, capsys):
+    """--out that is, contains or lies inside an input folder, or a filesystem root, is refused before any work
+    (issue #33: data/ and a draft were written into the scene folder); an SFT draft may sit inside it."""
+    (tmp_path / "scenes").mkdir()
+    (tmp_path / "t").mkdir()
+    inputs = {"--scenes": str(tmp_path / "scenes"), "--target": str(tmp_path / "t"), "--processor": None}
+    for out, how in [(tmp_path / "scenes", "is --scenes"), (tmp_path / "scenes" / "run", "lies inside --scenes"),
+                     (tmp_path, "contains --scenes"), ("/", "is a filesystem root")]:
+        with pytest.raises(ValueError, match=f"--out {out} {how}"):
+            files.check_out_dir(str(out), inputs)
+    files.check_out_dir(str(tmp_path), {"--draft": str(tmp_path / "t")}, may_contain=("--draft",))
+    from real import distill
+    with pytest.raises(SystemExit):
+        distill.main(["--target", str(tmp_path / "t"), "--scenes", str(tmp_path / "scenes"), "--out",
+                      str(tmp_path / "scenes")])
+    assert "--out" in error_line(capsys) and os.listdir(tmp_path / "scenes") == []
+
+
+def test_the_writer_lock_removes_killed_writes_and_what_a_refused_run_made(tmp_path):
+    """A killed state save's .tmp is removed when the folder's next writer starts (a user's notes.tmp stays); a run
+    refused inside the lock leaves no folder it made (issue #33: an empty --out stayed)."""
+    (tmp_path / "run").mkdir()
+    stale = tmp_path / "run" / ".draft_flat_s0.state.pt.4242.0badf00d.tmp"
+    stale.write_bytes(b"partial")
+    (tmp_path / "run" / "notes.tmp").write_text("mine")
+    with files.writer_lock(str(tmp_path / "run")):
+        assert sorted(os.listdir(tmp_path / "run")) == [".lock", "notes.tmp"]
+    with pytest.raises(ValueError), files.writer_lock(str(tmp_path / "new" / "out")):
+        raise ValueError("refused")
+    assert sorted(os.listdir(tmp_path)) == ["run"]
 
 
 # ---- case 7: the shipped files are found from any working folder ----
@@ -234,6 +300,9 @@ def test_foreign_folders_are_named_with_their_cause(tmp_path):
     (tmp_path / "t" / "model.safetensors").write_text("version https://git-lfs.github.com/spec/v1\noid sha256:ab\n")
     with pytest.raises(ValueError, match="a git-lfs pointer, not the weights: fetch them with `git lfs pull`"):
         checkpoint.load(str(tmp_path / "t"))
+    (folder / "config.json").write_bytes(b'{"model_type": "\xff"}')  # not UTF-8: the codec's error named no file
+    with pytest.raises(ValueError, match=r"hf/config.json: not valid JSON \('utf-8' codec"):
+        files.read_json(str(folder / "config.json"))
 
 
 def test_a_full_disk_names_the_path_and_keeps_the_old_file(tmp_path, monkeypatch):
