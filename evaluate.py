@@ -127,18 +127,28 @@ def trajectory_ade(target, data: Data, cocs, batch_size=EVAL_BATCH, amp=False):
 def commitment_acc(model, target, data: Data, batch_size=EVAL_BATCH, amp=False):
     """Teacher-forced argmax accuracy on the commitment tokens of the target (model is target) or a draft (reading
     the target's prompt embeddings, as when it drafts): can this model supply the tokens that need the image?"""
-    hits = n = 0
+    return commitment_accs({None: model}, target, data, batch_size, amp)[None]
+
+
+@torch.no_grad()
+def commitment_accs(models, target, data: Data, batch_size=EVAL_BATCH, amp=False):
+    """{name: commitment_acc} of models (name -> the target or a draft); the drafts share one target.embed per batch
+    (the vision tower's work, the same tensors each draft would compute alone)."""
+    hits, n = dict.fromkeys(models, 0), dict.fromkeys(models, 0)
     device = next(target.parameters()).device
     for batch in data.batches(batch_size, device):
-        with autocast(device, amp):
-            if model is target:
-                logits = target(batch["input_ids"], **vision_kwargs(batch))  # (B, L, V)
-            else:
-                embeds = target.embed(batch["input_ids"], **vision_kwargs(batch))  # (B, L, D)
-                logits = model(batch["input_ids"], inputs_embeds=embeds, **grid_kwargs(batch))
-        h, m = commitment_hits(logits.argmax(-1), batch["input_ids"], batch["commit_mask"])
-        hits, n = hits + h, n + m
-    return hits / max(n, 1)
+        embeds = None
+        for name, model in models.items():
+            with autocast(device, amp):
+                if model is target:
+                    logits = target(batch["input_ids"], **vision_kwargs(batch))  # (B, L, V)
+                else:
+                    if embeds is None:
+                        embeds = target.embed(batch["input_ids"], **vision_kwargs(batch))  # (B, L, D)
+                    logits = model(batch["input_ids"], inputs_embeds=embeds, **grid_kwargs(batch))
+            h, m = commitment_hits(logits.argmax(-1), batch["input_ids"], batch["commit_mask"])
+            hits[name], n[name] = hits[name] + h, n[name] + m
+    return {name: hits[name] / max(n[name], 1) for name in models}
 
 
 @torch.no_grad()
@@ -248,16 +258,22 @@ def spec_stats(target, drafts, prompts, gamma, max_new=MAX_NEW_TOKENS, stop_toke
                for i, p in enumerate(prompts)]
         if name == TARGET_ONLY:
             reference = [r.tokens for r in res]
-        n = sum(len(r.tokens) for r in res)
-        out[name] = {"tokens": [r.tokens for r in res], "n_tokens": n, "tau": n / sum(r.rounds for r in res),
-                     "alpha": sum(r.n_accepted for r in res) / max(1, sum(r.n_tested for r in res)),
-                     "routine_fraction": sum(sum(r.from_draft) for r in res) / n,
-                     "tau_ceiling": speculate.tau_ceiling([len(r.tokens) for r in res], gamma),
-                     "nodes_per_round": sum(r.n_drafted for r in res) / sum(r.rounds for r in res),
-                     "alpha_by_depth": speculate.SpecResult(accepted=[a for r in res for a in r.accepted],
-                                                            depths=[d for r in res for d in r.depths]).alpha_by_depth(),
-                     "greedy_match": all(r.tokens == t for r, t in zip(res, reference)) if check_greedy else None}
+        out[name] = result_stats(res, gamma, reference if check_greedy else None)
     return out
+
+
+def result_stats(res, gamma, reference=None):
+    """spec_stats' statistics of one arm's results (speculate.SpecResult per prompt); greedy_match: every output
+    equals its reference (id lists), None without one."""
+    n = sum(len(r.tokens) for r in res)
+    return {"tokens": [r.tokens for r in res], "n_tokens": n, "tau": n / sum(r.rounds for r in res),
+            "alpha": sum(r.n_accepted for r in res) / max(1, sum(r.n_tested for r in res)),
+            "routine_fraction": sum(sum(r.from_draft) for r in res) / n,
+            "tau_ceiling": speculate.tau_ceiling([len(r.tokens) for r in res], gamma),
+            "nodes_per_round": sum(r.n_drafted for r in res) / sum(r.rounds for r in res),
+            "alpha_by_depth": speculate.SpecResult(accepted=[a for r in res for a in r.accepted],
+                                                   depths=[d for r in res for d in r.depths]).alpha_by_depth(),
+            "greedy_match": None if reference is None else all(r.tokens == t for r, t in zip(res, reference))}
 
 
 def marked_coc(words, from_draft):
