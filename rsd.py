@@ -44,6 +44,7 @@ FIGURES = "figures"  # --plot's folder
 # in the run folder, beside the checkpoints: what python rsd.py --search measured on val (the step times and the trees'
 # val tau that choose gamma and tree), keyed by the checkpoints' fingerprints; a run without a matching one searches
 SEARCH_JSON = "rsd_search.json"
+STEP_ROUNDS = 5  # the search's step times: the least of this many medians (rsd.least)
 TIME_BLOCKS = 4  # the timed scenes cut into this many blocks: the speed-up's spread is min..max over them (and passes)
 # --plot's views sweep, written by python experiments/views_sweep.py; found from any working folder
 SWEEP_JSON = os.path.join(os.path.dirname(os.path.abspath(__file__)), "experiments", "views_sweep.json")
@@ -64,15 +65,24 @@ def search_key(target, drafts, seeds, a, device):
             "trees": [shape_key(sh) for sh in TREES]}
 
 
+def least(measure, rounds=STEP_ROUNDS):
+    """The step times of `rounds` calls of measure() (each a median), the least of each step's: another job on a shared
+    machine only adds time, so the least median is the nearest to the step's own cost."""
+    runs = [measure() for _ in range(rounds)]
+    return {k: {n: min(r[k][n] for r in runs) for n in v} if isinstance(v, dict) else min(r[k] for r in runs)
+            for k, v in runs[0].items()}
+
+
 def search(target, first, val, shapes, stop):
     """The measured part of the choice of gamma and tree on val: the cost model's step times on the first val prompt
     (target steps of 1 and every gamma + 1 tokens, a draft step, a tree verify of each node count, a draft level) and
     each row's tau on val with each tree shape (real tree decoding: a tree has no teacher-forced replay)."""
-    rec = {"step_times": step_times(target, first["flatrope"], val[0], [1] + [g + 1 for g in GAMMAS]),
+    draft = first["flatrope"]  # the timed draft architecture (every row's is a 1-layer draft)
+    rec = {"step_times": least(lambda: step_times(target, draft, val[0], [1] + [g + 1 for g in GAMMAS])),
            "tree_step_times": None, "tree_val_tau": {}}
     if shapes:
-        rec["tree_step_times"] = tree_step_times(target, first["flatrope"], val[0], sorted({sh.nodes for sh in shapes}),
-                                                 3)
+        nodes = sorted({sh.nodes for sh in shapes})
+        rec["tree_step_times"] = least(lambda: tree_step_times(target, draft, val[0], nodes, 3))
         rec["tree_val_tau"] = {row: {shape_key(sh): evaluate.spec_stats(target, {row: d}, val, sh, stop_token=stop,
                                                                         check_greedy=False)[row]["tau"]
                                      for sh in shapes} for row, d in first.items()}
@@ -91,9 +101,9 @@ def recorded_search(path, key, log=print):
         return None
     rec = files.read_json(path)
     if rec.get("key") != key:
-        old = rec.get("key") or {}
-        log(f"{path} was recorded for other checkpoints or settings ({', '.join(sorted(k for k in key if key[k] != old.get(k)))} "
-            "differ): not used, searching on val now (python rsd.py --search records the search)")
+        differ = ", ".join(sorted(k for k in key if key[k] != (rec.get("key") or {}).get(k)))
+        log(f"{path} was recorded for other checkpoints or settings ({differ} differ): not used, searching on val now "
+            "(python rsd.py --search records the search)")
         return None
     return {**rec, "step_times": int_keys(rec["step_times"]), "tree_step_times": int_keys(rec["tree_step_times"])}
 
@@ -173,13 +183,15 @@ def unordered(rows):
 
 
 # ---- the table ----
-def paper_table(target, drafts, splits, outputs, rec, n_time, repeats, decoding=None, compile=False, max_nodes=0):
-    """The rows and the sweep (mean tau per split and gamma, and the ceiling). Chain rows at the gamma, tree rows (of
-    TREES, <= max_nodes nodes; none for 0) at the shape chosen on val (choose). Real decoding on every test scene:
-    each row's first-seed draft, each tree row's every seed (a tree has no replay). ms/token: time_interleaved over
-    the first n_time test scenes, every row's first-seed draft beside target-only; with greedy eager decoding its first
-    pass is also those scenes' real decoding. Sampling `decoding`: timed sampling, plus real sampled decoding's
-    sampled_tau / sampled_alpha; compile: the timed arms on compiled static-shape steps (bench.compiled_pair)."""
+def paper_table(target, drafts, splits, outputs, metrics, rec, n_time, repeats, decoding=None, compile=False,
+                max_nodes=0):
+    """The rows and the sweep (mean tau per split and gamma, and the ceiling); metrics: the target's on test (ADE and
+    commitment accuracy, computed once in main). Chain rows at the gamma, tree rows (of TREES, <= max_nodes nodes;
+    none for 0) at the shape chosen on val (choose). Real decoding on every test scene: each row's first-seed draft,
+    each tree row's every seed (a tree has no replay). ms/token: time_interleaved over the first n_time test scenes,
+    every row's first-seed draft beside target-only; with greedy eager decoding its first pass is also those scenes'
+    real decoding. Sampling `decoding`: timed sampling, plus real sampled decoding's sampled_tau / sampled_alpha;
+    compile: the timed arms on compiled static-shape steps (bench.compiled_pair)."""
     test, stop = splits["test"], splits["test"].tok.cot_end_id
     device = next(target.parameters()).device
     flat = {(row, s): d for row, by_seed in drafts.items() for s, d in by_seed.items()}
@@ -213,13 +225,13 @@ def paper_table(target, drafts, splits, outputs, rec, n_time, repeats, decoding=
     def real(draft, g, done=()):  # greedy real decoding of every test scene, after the `done` ones
         return list(done) + [evaluate.decode(target, draft, p, g, MAX_NEW_TOKENS, stop) for p in prompts[len(done):]]
 
-    ade = evaluate.trajectory_ade(target, test, outputs["test"])[0]  # every arm emits the target's greedy CoC
-    commit = evaluate.commitment_accs({TARGET_ONLY: target, **flat}, target, test)
+    ade = metrics["ade"]  # every arm emits the target's greedy CoC: one ADE
+    commit = evaluate.commitment_accs(flat, target, test)
     attn = evaluate.attention_split(target, target, test)
     # the batch-1 target-only decodes of the timed scenes emit the batched greedy outputs the rows are checked against
     base_match = not reuse or [r.tokens for r in timed[TARGET_ONLY]] == outputs["test"][:n_time]
     rows = [{"name": TARGET_ONLY, "gamma": None, "tau": 1.0, "tau_spread": 0.0, "tau_by_gamma": None,
-             "tau_ceiling": 1.0, "routine_fraction": 0.0, "commit_acc": commit[TARGET_ONLY], "ade": ade,
+             "tau_ceiling": 1.0, "routine_fraction": 0.0, "commit_acc": metrics["commitment_acc"], "ade": ade,
              "greedy_match": base_match, **speed[TARGET_ONLY], **{f"attn_{k}": v for k, v in attn.items()},
              **({"sampled_tau": 1.0, "sampled_alpha": None} if sampling else {})}]
     chain = {}
@@ -363,7 +375,7 @@ def find_search(a, target, drafts, seeds, val, device):
 # ---- main ----
 def main(argv=None):
     ap, a, seeds, decoding, device = parse_args(argv)
-    t0 = time.time()
+    t0, cpu0 = time.time(), time.process_time()
     with cli.user_errors(ap):  # a failed retrain, a corrupt file, a draft distilled from another target: one line
         if a.retrain:
             retrain(a.run, seeds, device)
@@ -384,8 +396,8 @@ def main(argv=None):
     print(f"target on the held-out test split: CoC exact {metrics['coc_exact']:.3f}, "
           f"commitment accuracy {metrics['commitment_acc']:.3f}, ADE {metrics['ade']:.2f} m")
     rec, searched = find_search(a, target, drafts, seeds, splits["val"], device)
-    rows, sweep = paper_table(target, drafts, splits, outputs, rec, a.time_scenes, a.repeats, decoding, a.compile,
-                              a.tree)
+    rows, sweep = paper_table(target, drafts, splits, outputs, metrics, rec, a.time_scenes, a.repeats, decoding,
+                              a.compile, a.tree)
     aarl_row = next(r for r in rows if r["name"] == "flatrope+aarl")
     show_scenes(target, drafts["flatrope+aarl"][seeds[0]], test, aarl_row["gamma"], a.show, decoding=decoding)
     ids = evaluate.scene_prompts(test.scenes[:1], tok, device, views=a.views)[0]["input_ids"]
@@ -425,7 +437,8 @@ def main(argv=None):
     print_sweep(sweep, rows)
     share = driving.routine_share("train")
     print(f"routine share of the world (the Bayes-optimal reader of the history, python driving.py): {share:.3f}")
-    print(f"wall time {time.time() - t0:.0f} s")
+    # CPU time beside the wall time: on a shared machine the wall time also holds the waits for the other jobs
+    print(f"wall time {time.time() - t0:.0f} s (CPU time of this process {time.process_time() - cpu0:.0f} s)")
     if a.json:
         keys = ("name", "gamma", "tau", "tau_spread", "tau_by_gamma", "tau_ceiling", "routine_fraction", "commit_acc",
                 "ms_per_token", "speedup", "ms_per_token_range", "speedup_range", "ade", "attn_history", "attn_image",
