@@ -127,18 +127,28 @@ def trajectory_ade(target, data: Data, cocs, batch_size=EVAL_BATCH, amp=False):
 def commitment_acc(model, target, data: Data, batch_size=EVAL_BATCH, amp=False):
     """Teacher-forced argmax accuracy on the commitment tokens of the target (model is target) or a draft (reading
     the target's prompt embeddings, as when it drafts): can this model supply the tokens that need the image?"""
-    hits = n = 0
+    return commitment_accs({None: model}, target, data, batch_size, amp)[None]
+
+
+@torch.no_grad()
+def commitment_accs(models, target, data: Data, batch_size=EVAL_BATCH, amp=False):
+    """{name: commitment_acc} of models (name -> the target or a draft); the drafts share one target.embed per batch
+    (the vision tower's work, the same tensors each draft would compute alone)."""
+    hits, n = dict.fromkeys(models, 0), dict.fromkeys(models, 0)
     device = next(target.parameters()).device
     for batch in data.batches(batch_size, device):
-        with autocast(device, amp):
-            if model is target:
-                logits = target(batch["input_ids"], **vision_kwargs(batch))  # (B, L, V)
-            else:
-                embeds = target.embed(batch["input_ids"], **vision_kwargs(batch))  # (B, L, D)
-                logits = model(batch["input_ids"], inputs_embeds=embeds, **grid_kwargs(batch))
-        h, m = commitment_hits(logits.argmax(-1), batch["input_ids"], batch["commit_mask"])
-        hits, n = hits + h, n + m
-    return hits / max(n, 1)
+        embeds = None
+        for name, model in models.items():
+            with autocast(device, amp):
+                if model is target:
+                    logits = target(batch["input_ids"], **vision_kwargs(batch))  # (B, L, V)
+                else:
+                    if embeds is None:
+                        embeds = target.embed(batch["input_ids"], **vision_kwargs(batch))  # (B, L, D)
+                    logits = model(batch["input_ids"], inputs_embeds=embeds, **grid_kwargs(batch))
+            h, m = commitment_hits(logits.argmax(-1), batch["input_ids"], batch["commit_mask"])
+            hits[name], n[name] = hits[name] + h, n[name] + m
+    return {name: hits[name] / max(n[name], 1) for name in models}
 
 
 @torch.no_grad()
@@ -248,14 +258,20 @@ def spec_stats(target, drafts, prompts, gamma, max_new=MAX_NEW_TOKENS, stop_toke
                for i, p in enumerate(prompts)]
         if name == TARGET_ONLY:
             reference = [r.tokens for r in res]
-        all_ = speculate.SpecResult.pooled(res)
-        out[name] = {"tokens": [r.tokens for r in res], "n_tokens": len(all_.tokens), "tau": all_.tau,
-                     "alpha": all_.alpha, "routine_fraction": all_.routine_share,
-                     "tau_ceiling": speculate.tau_ceiling([len(r.tokens) for r in res], gamma),
-                     "nodes_per_round": all_.n_drafted / all_.rounds, "alpha_by_depth": all_.alpha_by_depth(),
-                     "depth_per_round": sum(all_.depths) / all_.rounds,  # the rounds near max_new draft less
-                     "greedy_match": all(r.tokens == t for r, t in zip(res, reference)) if check_greedy else None}
+        out[name] = result_stats(res, gamma, reference if check_greedy else None)
     return out
+
+
+def result_stats(res, gamma, reference=None):
+    """spec_stats' statistics of one arm's results (speculate.SpecResult per prompt, pooled); greedy_match: every
+    output equals its reference (id lists), None without one."""
+    all_ = speculate.SpecResult.pooled(res)
+    return {"tokens": [r.tokens for r in res], "n_tokens": len(all_.tokens), "tau": all_.tau, "alpha": all_.alpha,
+            "routine_fraction": all_.routine_share,
+            "tau_ceiling": speculate.tau_ceiling([len(r.tokens) for r in res], gamma),
+            "nodes_per_round": all_.n_drafted / all_.rounds, "alpha_by_depth": all_.alpha_by_depth(),
+            "depth_per_round": sum(all_.depths) / all_.rounds,  # the rounds near max_new draft less
+            "greedy_match": None if reference is None else all(r.tokens == t for r, t in zip(res, reference))}
 
 
 def marked_coc(words, from_draft):

@@ -4,9 +4,13 @@ and writes the commitments itself, the trajectory head plans from prompt + CoC. 
 held-out test split: target-only, the replica draft (M-RoPE), the FlatRoPE draft and FlatRoPE + AARL at their
 speed-optimal gamma on val (mean over the draft seeds), then their draft trees. tau at every gamma comes from one
 teacher-forced replay of the target's greedy outputs (evaluate.simulate_rounds); real speculative decoding checks the
-outputs and times the speed-up. The top of the layering: it calls the scripts train.py, aarl.py and bench.py.
+outputs and the replay. The choice of gamma and tree on val needs measured step times and the trees' val tau: python
+rsd.py --search records them beside the checkpoints (checkpoints/toy/rsd_search.json), and a run reads that record
+while the checkpoints' fingerprints and the settings match, so that the table's gamma does not move with timing noise.
+ms/token: every row and target-only timed in one interleaved pass, the speed-up with its spread (bench.py: the full
+benchmark of one draft). The top of the layering: it calls the scripts train.py, aarl.py and bench.py.
 
-run: python rsd.py [--json] [--plot]        (--retrain trains what is missing: train.py, aarl.py)
+run: python rsd.py [--json] [--plot]        (--retrain trains what is missing: train.py, aarl.py; --search: see above)
 """
 import argparse
 import importlib.util
@@ -23,108 +27,247 @@ import driving
 from driving import Data
 import evaluate
 from evaluate import MAX_NEW_TOKENS, TARGET_ONLY
-from ops import checkpoint, cli, files
+from ops import checkpoint, cli, files, timing
 from ops.timing import step_times, tree_step_times
 import speculate
-import train as T
+import train
 from tree import TreeShape, tree_speedup
 
 ROWS = (("replica", "mrope"), ("flatrope", "flat"), ("flatrope+aarl", "aarl"))  # table row -> draft kind on disk
-GAMMAS = tuple(range(2, 9))
+GAMMAS = evaluate.GAMMAS
 # the draft trees a tree row chooses from on val (width 3: experiments/tree_sweep.py); --tree N keeps those of <= N nodes
 TREES = tuple(TreeShape(n, d, 3) for n in (16, 32) for d in (6, 8))
 FIGURES = "figures"  # --plot's folder
+# in the run folder, beside the checkpoints: what python rsd.py --search measured on val (the step times and the trees'
+# val tau that choose gamma and tree), keyed by the checkpoints' fingerprints; a run without a matching one searches
+SEARCH_JSON = "rsd_search.json"
+STEP_ROUNDS = 5  # the search's step times: the least of this many medians (rsd.least)
+TIME_BLOCKS = 4  # the timed scenes cut into this many blocks: the speed-up's spread is min..max over them (and passes)
 # --plot's views sweep, written by python experiments/views_sweep.py; found from any working folder
 SWEEP_JSON = os.path.join(os.path.dirname(os.path.abspath(__file__)), "experiments", "views_sweep.json")
 
 
+# ---- the search on val: step times and tree taus, recorded once per set of checkpoints ----
+def shape_key(sh):
+    return f"{sh.nodes}/{sh.depth}/{sh.width}"
+
+
+def search_key(target, drafts, seeds, a, device):
+    """What a recorded search holds for: the checkpoints' fingerprints (the target; each row's first-seed draft, the
+    one searched with), the val scenes and their geometry, the dtype, the device type, the candidates."""
+    return {"target": checkpoint.fingerprint(target),
+            "drafts": {row: checkpoint.fingerprint(by_seed[seeds[0]]) for row, by_seed in drafts.items()},
+            "seed": seeds[0], "scenes": a.scenes, "views": a.views, "dtype": a.dtype,
+            "device": torch.device(device).type, "max_new": MAX_NEW_TOKENS, "gammas": list(GAMMAS),
+            "trees": [shape_key(sh) for sh in TREES]}
+
+
+def least(measure, rounds=STEP_ROUNDS):
+    """The step times of `rounds` calls of measure() (each a median), the least of each step's: another job on a shared
+    machine only adds time, so the least median is the nearest to the step's own cost."""
+    runs = [measure() for _ in range(rounds)]
+    return {k: {n: min(r[k][n] for r in runs) for n in v} if isinstance(v, dict) else min(r[k] for r in runs)
+            for k, v in runs[0].items()}
+
+
+def search(target, first, val, shapes, stop):
+    """The measured part of the choice of gamma and tree on val: the cost model's step times on the first val prompt
+    (target steps of 1 and every gamma + 1 tokens, a draft step, a tree verify of each node count, a draft level) and
+    each row's tau on val with each tree shape (real tree decoding: a tree has no teacher-forced replay)."""
+    draft = first["flatrope"]  # the timed draft architecture (every row's is a 1-layer draft)
+    rec = {"step_times": least(lambda: step_times(target, draft, val[0], [1] + [g + 1 for g in GAMMAS])),
+           "tree_step_times": None, "tree_val_tau": {}}
+    if shapes:
+        nodes = sorted({sh.nodes for sh in shapes})
+        rec["tree_step_times"] = least(lambda: tree_step_times(target, draft, val[0], nodes, 3))
+        rec["tree_val_tau"] = {row: {shape_key(sh): evaluate.spec_stats(target, {row: d}, val, sh, stop_token=stop,
+                                                                        check_greedy=False)[row]["tau"]
+                                     for sh in shapes} for row, d in first.items()}
+    return rec
+
+
+def int_keys(times):
+    """step times read back from JSON: {"target": {n: s}} with int n again."""
+    return None if times is None else {**times, "target": {int(n): t for n, t in times["target"].items()}}
+
+
+def recorded_search(path, key, log=print):
+    """The search recorded at path (python rsd.py --search) when it was made for these checkpoints and settings;
+    else None, saying why (a stale record is never used: its step times and taus belong to other models)."""
+    if not os.path.isfile(path):
+        return None
+    rec = files.read_json(path)
+    if rec.get("key") != key:
+        differ = ", ".join(sorted(k for k in key if key[k] != (rec.get("key") or {}).get(k)))
+        log(f"{path} was recorded for other checkpoints or settings ({differ} differ): not used, searching on val now "
+            "(python rsd.py --search records the search)")
+        return None
+    return {**rec, "step_times": int_keys(rec["step_times"]), "tree_step_times": int_keys(rec["tree_step_times"])}
+
+
+def choose(rec, val_taus, shapes):
+    """({row: gamma}, {row: tree shape}) predicted fastest on val by the cost model: val tau (the replay's for a chain,
+    the recorded real decoding's for a tree) with the search's step times. Deterministic given the record."""
+    times, tt = rec["step_times"], rec["tree_step_times"]
+    t1, td = times["target"][1], times["draft"]
+    gamma = {row: evaluate.speed_optimal_gamma(taus, times) for row, taus in val_taus.items()}
+
+    def predicted(row, sh):
+        return tree_speedup(rec["tree_val_tau"][row][shape_key(sh)], t1, td, tt["draft_level"], tt["target"][sh.nodes],
+                            sh)
+
+    tree = {row: max(shapes, key=lambda sh: predicted(row, sh)) for row in val_taus} if shapes else {}
+    return gamma, tree
+
+
+# ---- timing: every arm in one interleaved pass ----
+@torch.no_grad()
+def time_interleaved(arms, prompts, stop, repeats, decoding=None, blocks=TIME_BLOCKS):
+    """Every arm (name -> (target, draft or None, gamma); the first: the baseline) decodes every prompt, the arms back
+    to back on each prompt in an order rotated from prompt to prompt, `repeats` passes after one untimed decode per
+    arm: load that drifts on a shared machine falls on every arm alike. -> ({arm: [SpecResult per prompt] of the first
+    pass}, {arm: {ms_per_token, speedup, ms_per_token_range, speedup_range}}): ms/token over every timed decode,
+    speed-up = the baseline's ms/token over the arm's, ranges min..max over the passes' blocks of prompts (a block's
+    speed-up is paired: the same prompts, timed back to back)."""
+    names = list(arms)
+    for name, (t, d, g) in arms.items():  # the warm-up: one decode of each arm's step shapes
+        evaluate.decode(t, d, prompts[0], g, MAX_NEW_TOKENS, stop, **evaluate.sampling_kwargs(decoding, 0))
+    spent = {name: [[0.0] * len(prompts) for _ in range(repeats)] for name in names}  # decode seconds [pass][prompt]
+    first = {name: [] for name in names}
+    for r in range(repeats):
+        for i, p in enumerate(prompts):
+            k = (i + r) % len(names)
+            for name in names[k:] + names[:k]:
+                t, d, g = arms[name]
+                res = evaluate.decode(t, d, p, g, MAX_NEW_TOKENS, stop, timing=True,
+                                      **evaluate.sampling_kwargs(decoding, i))
+                spent[name][r][i] = res.decode_s
+                if r == 0:
+                    first[name].append(res)
+    tokens = {name: [len(res.tokens) for res in first[name]] for name in names}  # the same in every pass
+    nb = min(blocks, len(prompts))
+    cuts = [round(j * len(prompts) / nb) for j in range(nb + 1)]
+
+    def ms(name, passes, lo, hi):
+        return 1e3 * sum(spent[name][r][i] for r in passes for i in range(lo, hi)) / (
+            len(passes) * sum(tokens[name][lo:hi]))
+
+    base, every = names[0], range(repeats)
+    units = [((r,), lo, hi) for r in every for lo, hi in zip(cuts, cuts[1:])]
+    out = {}
+    for name in names:
+        unit_ms = [ms(name, *u) for u in units]
+        unit_up = [ms(base, *u) / m for u, m in zip(units, unit_ms)]
+        out[name] = {"ms_per_token": ms(name, every, 0, len(prompts)),
+                     "speedup": ms(base, every, 0, len(prompts)) / ms(name, every, 0, len(prompts)),
+                     "ms_per_token_range": [min(unit_ms), max(unit_ms)], "speedup_range": [min(unit_up), max(unit_up)]}
+    return first, out
+
+
+def unordered(rows):
+    """Groups of rows whose speed-up ranges overlap (through a chain of overlaps): the timing does not order the rows
+    of a group, whatever the digits of their speed-ups say."""
+    groups, top = [], None
+    for r in sorted(rows, key=lambda r: r["speedup_range"][0]):
+        lo, hi = r["speedup_range"]
+        if groups and lo <= top:
+            groups[-1].append(r["name"])
+            top = max(top, hi)
+        else:
+            groups.append([r["name"]])
+            top = hi
+    return [g for g in groups if len(g) > 1]
+
+
 # ---- the table ----
-def paper_table(target, drafts, splits, n_time, repeats, decoding=None, compile=False):
-    """The chain rows (ms/token: the first seed's draft against target-only in the same passes) and the sweep (mean tau
-    per split and gamma, and the ceiling). Sampling `decoding`: timed sampling, plus real sampled decoding's
-    sampled_tau / sampled_alpha; compile: both timed arms on compiled static-shape steps (bench.compiled_pair)."""
+def paper_table(target, drafts, splits, outputs, metrics, rec, n_time, repeats, decoding=None, compile=False,
+                max_nodes=0):
+    """The rows and the sweep (mean tau per split and gamma, and the ceiling); metrics: the target's on test (ADE and
+    commitment accuracy, computed once in main). Chain rows at the gamma, tree rows (of TREES, <= max_nodes nodes;
+    none for 0) at the shape chosen on val (choose). Real decoding on every test scene: each row's first-seed draft,
+    each tree row's every seed (a tree has no replay). ms/token: time_interleaved over the first n_time test scenes,
+    every row's first-seed draft beside target-only; with greedy eager decoding its first pass is also those scenes'
+    real decoding. Sampling `decoding`: timed sampling, plus real sampled decoding's sampled_tau / sampled_alpha;
+    compile: the timed arms on compiled static-shape steps (bench.compiled_pair)."""
     test, stop = splits["test"], splits["test"].tok.cot_end_id
-    outputs = {split: evaluate.greedy_outputs(target, data) for split, data in splits.items()}
-    mean_tau = lambda per_seed, g: statistics.mean(t[g]["tau"] for t in per_seed)  # noqa: E731
+    device = next(target.parameters()).device
     flat = {(row, s): d for row, by_seed in drafts.items() for s, d in by_seed.items()}
     # {split: {row: [tau_by_gamma of each seed]}}, from one teacher-forced pass per draft
     matches = {split: evaluate.draft_matches(flat, target, data, outputs[split]) for split, data in splits.items()}
     taus = {split: {row: [evaluate.tau_by_gamma(m[(row, s)], GAMMAS) for s in by_seed]
                     for row, by_seed in drafts.items()} for split, m in matches.items()}
+
+    def mean_tau(per_seed, g):
+        return statistics.mean(t[g]["tau"] for t in per_seed)
+
     sweep = {split: {g: {"ceiling": speculate.tau_ceiling([len(o) for o in outputs[split]], g),
                          **{row: mean_tau(taus[split][row], g) for row in drafts}} for g in GAMMAS}
              for split in splits}
-    prompts = evaluate.scene_prompts(test.scenes, test.tok, next(target.parameters()).device, views=test.views_at(0))
+    shapes = [sh for sh in TREES if sh.nodes <= max_nodes]
+    gammas, trees = choose(rec, {row: {g: mean_tau(taus["val"][row], g) for g in GAMMAS} for row in drafts}, shapes)
+    prompts = evaluate.scene_prompts(test.scenes, test.tok, device, views=test.views_at(0))
     first = {row: next(iter(by_seed.values())) for row, by_seed in drafts.items()}
-    times = step_times(target, first["flatrope"], prompts[0], [1] + [g + 1 for g in GAMMAS])
-    ade = evaluate.trajectory_ade(target, test, outputs["test"])[0]  # every arm emits the target's greedy CoC
-    attn = evaluate.attention_split(target, target, test)
+    decoders = {row: (first[row], gammas[row]) for row in drafts} | {f"{row} tree": (first[row], trees[row])
+                                                                     for row in trees}
+    timed_arms = {TARGET_ONLY: (target, None, 1), **{name: (target, d, g) for name, (d, g) in decoders.items()}}
+    if compile:  # each chain its own compiled pair; target-only: the first pair's compiled target
+        pairs = {name: bench.compiled_pair(target, d, prompts[:n_time], g, MAX_NEW_TOKENS)
+                 for name, (d, g) in decoders.items()}
+        timed_arms = {TARGET_ONLY: (next(iter(pairs.values()))[0], None, 1),
+                      **{name: (*pairs[name], g) for name, (d, g) in decoders.items()}}
+    timed, speed = time_interleaved(timed_arms, prompts[:n_time], stop, repeats, decoding)
     sampling = decoding is not None and decoding["mode"] == "sampling"
+    reuse = not sampling and not compile  # the timed pass's decodes are the eager greedy ones
+
+    def real(draft, g, done=()):  # greedy real decoding of every test scene, after the `done` ones
+        return list(done) + [evaluate.decode(target, draft, p, g, MAX_NEW_TOKENS, stop) for p in prompts[len(done):]]
+
+    ade = metrics["ade"]  # every arm emits the target's greedy CoC: one ADE
+    commit = evaluate.commitment_accs(flat, target, test)
+    attn = evaluate.attention_split(target, target, test)
+    # the batch-1 target-only decodes of the timed scenes emit the batched greedy outputs the rows are checked against
+    base_match = not reuse or [r.tokens for r in timed[TARGET_ONLY]] == outputs["test"][:n_time]
     rows = [{"name": TARGET_ONLY, "gamma": None, "tau": 1.0, "tau_spread": 0.0, "tau_by_gamma": None,
-             "tau_ceiling": 1.0, "routine_fraction": 0.0, "commit_acc": evaluate.commitment_acc(target, target, test),
-             "speedup": 1.0, "ade": ade, "greedy_match": True, **{f"attn_{k}": v for k, v in attn.items()},
+             "tau_ceiling": 1.0, "routine_fraction": 0.0, "commit_acc": metrics["commitment_acc"], "ade": ade,
+             "greedy_match": base_match, **speed[TARGET_ONLY], **{f"attn_{k}": v for k, v in attn.items()},
              **({"sampled_tau": 1.0, "sampled_alpha": None} if sampling else {})}]
+    chain = {}
     for name, by_seed in drafts.items():
-        per_seed = taus["test"][name]
-        g = evaluate.speed_optimal_gamma({gg: mean_tau(taus["val"][name], gg) for gg in GAMMAS}, times)
-        spec = evaluate.spec_stats(target, {name: first[name]}, prompts, g, stop_token=stop, check_greedy=False)[name]
-        t, d = (bench.compiled_pair(target, first[name], prompts[:n_time], g, MAX_NEW_TOKENS) if compile
-                else (target, first[name]))
-        timing = bench.time_arms(t, {name: d}, prompts[:n_time], g, MAX_NEW_TOKENS, stop, repeats, decoding)
-        rows[0].setdefault("ms_per_token", timing[TARGET_ONLY]["ms_per_token"])
+        per_seed, g = taus["test"][name], gammas[name]
+        # real speculative decoding emits the target's greedy output, at the tau the replay predicts
+        spec = evaluate.result_stats(real(first[name], g, timed[name] if reuse else ()), g, outputs["test"])
         attn = [evaluate.attention_split(d, target, test) for d in by_seed.values()]
-        rows.append({"name": name, "gamma": g, "tau": mean_tau(per_seed, g),
-                     "tau_spread": max(t[g]["tau"] for t in per_seed) - min(t[g]["tau"] for t in per_seed),
-                     "tau_by_gamma": {gg: mean_tau(per_seed, gg) for gg in GAMMAS},
-                     "tau_ceiling": sweep["test"][g]["ceiling"],
-                     "routine_fraction": statistics.mean(t[g]["routine_fraction"] for t in per_seed),
-                     "commit_acc": statistics.mean(evaluate.commitment_acc(d, target, test) for d in by_seed.values()),
-                     "ms_per_token": timing[name]["ms_per_token"], "speedup": timing[name]["speedup"], "ade": ade,
-                     **{f"attn_{k}": statistics.mean(a[k] for a in attn) for k in ("history", "image", "text")},
-                     # real speculative decoding emits the target's greedy output, at the tau the replay predicts
-                     "greedy_match": spec["tokens"] == outputs["test"],
-                     "replay_exact": spec["tau"] == per_seed[0][g]["tau"]})
+        chain[name] = {"name": name, "gamma": g, "tau": mean_tau(per_seed, g),
+                       "tau_spread": max(t[g]["tau"] for t in per_seed) - min(t[g]["tau"] for t in per_seed),
+                       "tau_by_gamma": {gg: mean_tau(per_seed, gg) for gg in GAMMAS},
+                       "tau_ceiling": sweep["test"][g]["ceiling"],
+                       "routine_fraction": statistics.mean(t[g]["routine_fraction"] for t in per_seed),
+                       "commit_acc": statistics.mean(commit[(name, s)] for s in by_seed), **speed[name], "ade": ade,
+                       **{f"attn_{k}": statistics.mean(a[k] for a in attn) for k in ("history", "image", "text")},
+                       "greedy_match": spec["greedy_match"], "replay_exact": spec["tau"] == per_seed[0][g]["tau"]}
         if sampling:  # the replay is greedy; sampled tau needs real decoding
             s = evaluate.spec_stats(target, {name: first[name]}, prompts, g, stop_token=stop, decoding=decoding)[name]
-            rows[-1].update(sampled_tau=s["tau"], sampled_alpha=s["alpha"])
-    return rows, sweep, times
-
-
-def tree_rows(target, drafts, chain_rows, splits, n_time, repeats, decoding=None, max_nodes=32):
-    """One tree row per draft kind: the shape of TREES (<= max_nodes nodes) predicted fastest on val, then every seed's
-    held-out tree decoding. Commitment accuracy, attention and ADE are the chain row's: the draft's, not the decoder's."""
-    stop = driving.Tokenizer().cot_end_id
-    shapes = [sh for sh in TREES if sh.nodes <= max_nodes]
-    val, test = (evaluate.scene_prompts(d.scenes, d.tok, next(target.parameters()).device, views=d.views_at(0))
-                 for d in (splits["val"], splits["test"]))
-    first = {row: next(iter(by_seed.values())) for row, by_seed in drafts.items()}
-    times = step_times(target, first["flatrope"], val[0], (1,))
-    t1, td = times["target"][1], times["draft"]
-    tt = tree_step_times(target, first["flatrope"], val[0], sorted({sh.nodes for sh in shapes}), 3)
-    predicted = lambda tau, sh: tree_speedup(tau, t1, td, tt["draft_level"], tt["target"][sh.nodes], sh)  # noqa: E731
-    rows = []
-    for name, by_seed in drafts.items():
-        chain = next(r for r in chain_rows if r["name"] == name)
-        val_tau = {sh: evaluate.spec_stats(target, {name: first[name]}, val, sh, stop_token=stop,
-                                           check_greedy=False)[name]["tau"] for sh in shapes}
-        sh = max(shapes, key=lambda x: predicted(val_tau[x], x))
-        stats = [evaluate.spec_stats(target, {name: d}, test, sh, stop_token=stop)[name] for d in by_seed.values()]
-        timing = bench.time_arms(target, {name: first[name]}, test[:n_time], sh, MAX_NEW_TOKENS, stop, repeats,
-                                 decoding)
-        taus = [st["tau"] for st in stats]
-        row = {**{k: chain[k] for k in ("commit_acc", "ade", "attn_history", "attn_image", "attn_text")},
+            chain[name].update(sampled_tau=s["tau"], sampled_alpha=s["alpha"])
+        rows.append(chain[name])
+    for name, sh in trees.items():
+        # every seed's real tree decoding on every test scene (the first seed's timed scenes: the timed pass's)
+        stats = [evaluate.result_stats(real(d, sh, timed[f"{name} tree"] if reuse and s == next(iter(drafts[name]))
+                                            else ()), sh, outputs["test"]) for s, d in drafts[name].items()]
+        tree_taus = [st["tau"] for st in stats]
+        row = {**{k: chain[name][k] for k in ("commit_acc", "ade", "attn_history", "attn_image", "attn_text")},
                "name": f"{name} tree", "gamma": None, "tree": [sh.nodes, sh.depth, sh.width],
-               "tau": statistics.mean(taus), "tau_spread": max(taus) - min(taus), "tau_by_seed": taus,
-               "tau_ceiling": stats[0]["tau_ceiling"], "val_tau": {str(x): v for x, v in val_tau.items()},
+               "tau": statistics.mean(tree_taus), "tau_spread": max(tree_taus) - min(tree_taus),
+               "tau_by_seed": tree_taus, "tau_ceiling": stats[0]["tau_ceiling"],
+               "val_tau": {str(x): rec["tree_val_tau"][name][shape_key(x)] for x in shapes},  # str(TreeShape)
                "routine_fraction": statistics.mean(st["routine_fraction"] for st in stats),
                "alpha_by_depth": stats[0]["alpha_by_depth"], "nodes_per_round": stats[0]["nodes_per_round"],
-               "ms_per_token": timing[name]["ms_per_token"], "speedup": timing[name]["speedup"],
-               "greedy_match": all(st["greedy_match"] for st in stats), "replay_exact": True}
-        if decoding is not None and decoding["mode"] == "sampling":
-            s = evaluate.spec_stats(target, {name: first[name]}, test, sh, stop_token=stop, decoding=decoding)[name]
+               **speed[f"{name} tree"], "greedy_match": all(st["greedy_match"] for st in stats),
+               "replay_exact": True}
+        if sampling:
+            s = evaluate.spec_stats(target, {name: first[name]}, prompts, sh, stop_token=stop, decoding=decoding)[name]
             row.update(sampled_tau=s["tau"], sampled_alpha=s["alpha"])
         rows.append(row)
-    return rows
+    return rows, sweep
 
 
 # ---- display ----
@@ -143,18 +286,20 @@ def show_scenes(target, draft, data: Data, gamma, n, log=print, decoding=None):
         log(f"  target-only: {tok.decode(base.tokens)}{same}")
 
 
-def print_table(rows, log=print):
+def print_table(rows, log=print, spread=True):
+    """spread: the draft rows' tau ± half its spread over seeds (none for one seed: no spread to show)."""
     sampled = "sampled_tau" in rows[0]  # a column only when the run samples
     log(f"{'':20s} {'gamma':>7s} {'tau':>11s} " + (f"{'tau sampled':>11s} " if sampled else "")
-        + f"{'routine':>8s} {'commit':>7s} {'ms/token':>9s} {'speed-up':>9s} {'ADE m':>6s} {'attn hist':>9s} "
-        f"{'attn img':>9s}")
+        + f"{'routine':>8s} {'commit':>7s} {'ms/token':>9s} {'speed-up [min-max]':>19s} {'ADE m':>6s} "
+        f"{'attn hist':>9s} {'attn img':>9s}")
     for r in rows:
         g = "/".join(map(str, r["tree"])) if r.get("tree") else "" if r["gamma"] is None else str(r["gamma"])
-        tau = f"{r['tau']:.2f}" + (f" ±{r['tau_spread'] / 2:.2f}" if g else "")
+        tau = f"{r['tau']:.2f}" + (f" ±{r['tau_spread'] / 2:.2f}" if g and spread else "")
         stau = f"{r['sampled_tau']:11.2f} " if sampled else ""
+        lo, hi = r["speedup_range"]
+        up = f"{r['speedup']:.2f}x" + ("" if r["name"] == TARGET_ONLY else f" [{lo:.2f}-{hi:.2f}]")
         log(f"{r['name']:20s} {g:>7s} {tau:>11s} {stau}{r['routine_fraction']:8.3f} {r['commit_acc']:7.3f} "
-            f"{r['ms_per_token']:9.3f} {r['speedup']:8.2f}x {r['ade']:6.2f} {r['attn_history']:9.3f} "
-            f"{r['attn_image']:9.3f}")
+            f"{r['ms_per_token']:9.3f} {up:>19s} {r['ade']:6.2f} {r['attn_history']:9.3f} {r['attn_image']:9.3f}")
 
 
 def print_sweep(sweep, rows, log=print):
@@ -203,10 +348,31 @@ def plot(rows, out=FIGURES, sweep_json=SWEEP_JSON):
     print("figures written: " + ", ".join(written))
 
 
+def find_search(a, target, drafts, seeds, val, device):
+    """(the search record, how it was had): run/SEARCH_JSON when it holds for these checkpoints and settings; else
+    the search on val now, recorded there with --search (which always searches, every tree of TREES)."""
+    path = os.path.join(a.run, SEARCH_JSON)
+    key = search_key(target, drafts, seeds, a, device)
+    if not a.search and (rec := recorded_search(path, key)):
+        return rec, f"recorded by python rsd.py --search in {path}"
+    shapes = list(TREES) if a.search else [sh for sh in TREES if sh.nodes <= a.tree]
+    prompts = evaluate.scene_prompts(val.scenes, val.tok, next(target.parameters()).device, views=val.views_at(0))
+    first = {row: by_seed[seeds[0]] for row, by_seed in drafts.items()}
+    rec = search(target, first, prompts, shapes, val.tok.cot_end_id)
+    if not a.search:
+        return rec, "measured now"
+    files.write_json(path, {"what": "rsd.py's search on val: the cost model's step times (s) on the first val prompt "
+                                    "and each row's tree tau on val (real tree decoding, the key's first-seed drafts)",
+                            "command": "python rsd.py --search", "key": key,
+                            "environment": {**timing.environment(device), "threads": torch.get_num_threads()}, **rec})
+    print(f"search recorded in {path}")
+    return rec, f"measured now, recorded in {path}"
+
+
 # ---- main ----
 def main(argv=None):
     ap, a, seeds, decoding, device = parse_args(argv)
-    t0 = time.time()
+    t0, cpu0 = time.time(), time.process_time()
     with cli.user_errors(ap):  # a failed retrain, a corrupt file, a draft distilled from another target: one line
         if a.retrain:
             retrain(a.run, seeds, device)
@@ -219,43 +385,61 @@ def main(argv=None):
     tok = driving.Tokenizer()
     splits = {split: Data(split, a.scenes, 0, tok, views=a.views) for split in ("val", "test")}
     test = splits["test"]
-    metrics = evaluate.evaluate_target(target, test)
+    # the target's greedy outputs, computed once: the test split's metrics and the rows' reference and replay
+    outputs = {split: evaluate.greedy_outputs(target, data) for split, data in splits.items()}
+    metrics = {"coc_exact": evaluate.coc_exact_match(outputs["test"], test.coc_ids()),
+               "commitment_acc": evaluate.commitment_acc(target, target, test),
+               "ade": evaluate.trajectory_ade(target, test, outputs["test"])[0]}
     print(f"target on the held-out test split: CoC exact {metrics['coc_exact']:.3f}, "
           f"commitment accuracy {metrics['commitment_acc']:.3f}, ADE {metrics['ade']:.2f} m")
-    rows, sweep, times = paper_table(target, drafts, splits, a.time_scenes, a.repeats, decoding, a.compile)
-    aarl_row = rows[-1]
-    if a.tree:
-        rows += tree_rows(target, drafts, rows, splits, a.time_scenes, a.repeats, decoding, a.tree)
+    rec, searched = find_search(a, target, drafts, seeds, splits["val"], device)
+    rows, sweep = paper_table(target, drafts, splits, outputs, metrics, rec, a.time_scenes, a.repeats, decoding,
+                              a.compile, a.tree)
+    aarl_row = next(r for r in rows if r["name"] == "flatrope+aarl")
     show_scenes(target, drafts["flatrope+aarl"][seeds[0]], test, aarl_row["gamma"], a.show, decoding=decoding)
     ids = evaluate.scene_prompts(test.scenes[:1], tok, device, views=a.views)[0]["input_ids"]
     n_visual, n_hist = int(((ids == tok.image_token_id) | (ids == tok.video_token_id)).sum()), 3 * tok.cfg.n_hist
+    blocks = min(TIME_BLOCKS, a.time_scenes)
+    over = (f"mean ± half the spread over seeds {seeds}" if len(seeds) > 1 else f"seed {seeds[0]}'s draft")
     print(f"\nheld-out test split, {a.scenes} scenes, {n_visual} visual and {n_hist} history "
-          f"tokens per prompt, {a.dtype} on {a.device} ({torch.get_num_threads()} threads); draft rows: mean ± half "
-          f"the spread over seeds {seeds} at the row's speed-optimal gamma (chosen on {a.scenes} val scenes); "
-          f"speed-up = reasoning-step ms/token vs target-only, seed {seeds[0]}'s draft"
-          + (", both arms torch.compile'd" if a.compile else ""))
+          f"tokens per prompt, {a.dtype} on {a.device} ({torch.get_num_threads()} threads); draft rows: {over} at the "
+          f"row's speed-optimal gamma / tree (chosen on {a.scenes} val scenes by the cost model, {searched})")
+    print(f"ms/token: the reasoning step's decode time per token, seed {seeds[0]}'s drafts, every row and target-only "
+          f"timed in one interleaved pass over {a.time_scenes} test scenes (each scene decoded by all arms back to "
+          f"back, the order rotated), {a.repeats} timed pass{'es' if a.repeats > 1 else ''}"
+          + (", all arms torch.compile'd" if a.compile else "")
+          + f"; speed-up = target-only's ms/token over the row's, [min-max] over {a.repeats * blocks} block"
+          f"{'s' if a.repeats * blocks > 1 else ''} of {a.time_scenes // blocks}"
+          f"{'+' if a.time_scenes % blocks else ''} scenes: rows whose ranges overlap are not ranked by it")
     if decoding["mode"] == "sampling":
         print(f"decoding: {bench.decoding_text(decoding)} (prompt i = test scene i). tau = the exact greedy replay "
               f"(gamma chosen on it); tau sampled = real sampled speculative decoding with seed {seeds[0]}'s draft; "
               f"ms/token and speed-up timed sampling; ADE after the greedy CoC")
-    print_table(rows)
-    print(f"step times: T_target(1) {1e3 * times['target'][1]:.2f} ms, T_draft(1) {1e3 * times['draft']:.3f} ms; "
-          f"commit = teacher-forced accuracy on the commitment tokens")
+    print_table(rows, spread=len(seeds) > 1)
+    times = rec["step_times"]
+    print(f"step times ({searched}): T_target(1) {1e3 * times['target'][1]:.2f} ms, T_draft(1) "
+          f"{1e3 * times['draft']:.3f} ms; commit = teacher-forced accuracy on the commitment tokens")
+    groups = unordered(rows[1:])
+    print("speed-up ranges that overlap (timing noise, not an order): "
+          + ("; ".join(" ~ ".join(g) for g in groups) if groups else "none"))
     for r in rows:
         if r.get("tree"):
             print(f"{r['name']}: tree of N/D/k = {'/'.join(map(str, r['tree']))} (chosen on val), "
                   f"{r['nodes_per_round']:.1f} nodes per round, alpha by depth "
                   + " ".join("-" if x is None else f"{x:.2f}" for x in r["alpha_by_depth"]) + f" (seed {seeds[0]})")
     greedy_match = all(r["greedy_match"] for r in rows)
-    print(f"greedy outputs identical to target-only on every scene and draft: {greedy_match}; real speculative "
+    print(f"greedy outputs identical to target-only on every scene and draft (real decoding of all {a.scenes} test "
+          f"scenes: each chain row's seed {seeds[0]}, each tree row's every seed): {greedy_match}; real speculative "
           f"decoding's tau equals the replay's: {all(r.get('replay_exact', True) for r in rows)}\n")
     print_sweep(sweep, rows)
     share = driving.routine_share("train")
     print(f"routine share of the world (the Bayes-optimal reader of the history, python driving.py): {share:.3f}")
-    print(f"wall time {time.time() - t0:.0f} s")
+    # CPU time beside the wall time: on a shared machine the wall time also holds the waits for the other jobs
+    print(f"wall time {time.time() - t0:.0f} s (CPU time of this process {time.process_time() - cpu0:.0f} s)")
     if a.json:
         keys = ("name", "gamma", "tau", "tau_spread", "tau_by_gamma", "tau_ceiling", "routine_fraction", "commit_acc",
-                "ms_per_token", "speedup", "ade", "attn_history", "attn_image", "attn_text")
+                "ms_per_token", "speedup", "ms_per_token_range", "speedup_range", "ade", "attn_history", "attn_image",
+                "attn_text")
         keys += ("sampled_tau", "sampled_alpha") if decoding["mode"] == "sampling" else ()
         keys += ("tree", "tau_by_seed", "val_tau", "alpha_by_depth", "nodes_per_round")  # None on chain rows
         print(json.dumps({"decoding": decoding, "compiled": a.compile, "greedy_match": greedy_match,
@@ -263,6 +447,8 @@ def main(argv=None):
                           "target": {k: metrics[k] for k in ("coc_exact", "commitment_acc", "ade")},
                           "prompt": {"visual_tokens": n_visual, "history_tokens": n_hist},
                           "routine_share_world": share, "seeds": seeds,
+                          "timing": {"scenes": a.time_scenes, "passes": a.repeats, "blocks": blocks,
+                                     "unordered": groups, "step_times": searched},
                           "rows": [{k: r.get(k) for k in keys} for r in rows]}))
     if a.plot:  # after the report: a failing figure loses no result
         with cli.user_errors(ap):
@@ -283,7 +469,7 @@ def retrain(run, seeds, device="cpu", log=print):
             if not all(os.path.isdir(p) for p in sft):  # a missing AARL draft alone retrains nothing
                 stage = "all" if not os.path.isdir(sft[0]) else "drafts"
                 log(f"training into {run}: stage {stage}, draft seed {seed} (train.py defaults)")
-                T.run(T.TrainConfig(out=run, device=str(device), draft_seed=seed), stage=stage, log=log)
+                train.run(train.TrainConfig(out=run, device=str(device), draft_seed=seed), stage=stage, log=log)
             if not os.path.isdir(aarl.out_dir(run, "static", seed)):
                 log(f"post-training the FlatRoPE draft of seed {seed} with AARL (aarl.py defaults, static anchor)")
                 aarl.print_result(aarl.run(aarl.AARLConfig(seed=seed), run, device=device,
@@ -300,8 +486,9 @@ def parse_args(argv):
     ap.add_argument("--views", type=int, default=driving.WorldConfig().views,
                     help="surround views per prompt (the geometry the drafts were trained at)")
     ap.add_argument("--scenes", type=int, default=64, help="held-out scenes of the table (and val scenes for gamma)")
-    ap.add_argument("--time-scenes", type=int, default=16, help="of those, scenes timed for ms/token")
-    ap.add_argument("--repeats", type=int, default=3, help="timed passes (median)")
+    ap.add_argument("--time-scenes", type=int, default=16, help="of those, scenes timed for ms/token (all arms "
+                    "interleaved on each)")
+    ap.add_argument("--repeats", type=int, default=1, help="timed passes over them")
     ap.add_argument("--show", type=int, default=3, help="scenes printed with routine / [deliberative] tokens")
     ap.add_argument("--dtype", default="fp32", choices=sorted(cli.DTYPES),
                     help="inference dtype (fp32: the exactness claims hold bit for bit)")
@@ -311,6 +498,9 @@ def parse_args(argv):
                     "(minutes of compilation; gamma is still chosen with the eager cost model)")
     ap.add_argument("--tree", type=int, default=None, help="draft-tree rows beside the chain rows of at most this many "
                     "nodes (the shape chosen on val from rsd.TREES); 0 = chain rows; default 32 (0 with --compile)")
+    ap.add_argument("--search", action="store_true", help=f"measure the choice of gamma and tree on val again (step "
+                    f"times, every tree's val tau) and record it in --run's {SEARCH_JSON}, which later runs read "
+                    "while it holds for their checkpoints and settings")
     ap.add_argument("--plot", action="store_true", help="write figures/ (needs matplotlib), after the report")
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     a = ap.parse_args(argv)

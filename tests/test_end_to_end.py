@@ -67,9 +67,12 @@ def test_rsd_json_contract_and_exactness(run_dir, capsys):
     assert set(out["sweep"]) == {"val", "test"} and set(out["sweep"]["test"]) == {str(g) for g in rsd.GAMMAS}
     for r in out["rows"]:
         assert set(r) == {"name", "gamma", "tau", "tau_spread", "tau_by_gamma", "tau_ceiling", "routine_fraction",
-                          "commit_acc", "ms_per_token", "speedup", "ade", "attn_history", "attn_image", "attn_text",
-                          "tree", "tau_by_seed", "val_tau", "alpha_by_depth", "nodes_per_round"}
+                          "commit_acc", "ms_per_token", "speedup", "ms_per_token_range", "speedup_range", "ade",
+                          "attn_history", "attn_image", "attn_text", "tree", "tau_by_seed", "val_tau", "alpha_by_depth",
+                          "nodes_per_round"}
         assert r["ms_per_token"] > 0 and 0 <= r["commit_acc"] <= 1
+        lo, hi = r["speedup_range"]  # min..max over the timed blocks: 2 scenes, 2 blocks of 1
+        assert 0 < lo <= hi and r["ms_per_token_range"][0] <= r["ms_per_token_range"][1]
         assert r["attn_history"] + r["attn_image"] + r["attn_text"] == pytest.approx(1.0, abs=1e-4)
         # greedy exactness: every arm plans from the same CoCs, so the same trajectories
         assert r["ade"] == pytest.approx(out["rows"][0]["ade"])
@@ -97,6 +100,40 @@ def test_rsd_json_contract_and_exactness(run_dir, capsys):
         for g in split.values():
             assert all(g[name] <= g["ceiling"] + 1e-9 for name in ("replica", "flatrope", "flatrope+aarl"))
     assert out["rows"][0]["tau"] == 1.0 and out["rows"][0]["routine_fraction"] == 0.0
+
+
+def test_rsd_search_is_recorded_and_a_stale_record_is_not_used(run_dir, tmp_path, monkeypatch, capsys):
+    """--search records the val search beside the checkpoints; a later run with the same checkpoints and settings reads
+    it (the same gamma and trees, no step time measured); after a draft changed (another fingerprint) the record is
+    not used and the search runs again."""
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run)
+    argv = ["--run", str(run), "--seeds", "0", "--views", str(VIEWS), "--scenes", "2", "--time-scenes", "1",
+            "--show", "0", "--json"]
+    rsd.main(argv + ["--search"])
+    searched = last_json(capsys)
+    rec = files.read_json(run / rsd.SEARCH_JSON)
+    assert set(rec["tree_val_tau"]["replica"]) == {rsd.shape_key(sh) for sh in rsd.TREES}  # --search: every tree
+    assert rec["key"]["drafts"]["flatrope"] == checkpoint.fingerprint(
+        checkpoint.load(checkpoint.draft_dir(str(run), "flat", 0), target=checkpoint.load(run / "target")))
+    calls, real_search = [], rsd.search
+
+    def counted(*args):
+        calls.append(args)
+        return real_search(*args)
+
+    monkeypatch.setattr(rsd, "search", counted)
+    rsd.main(argv)
+    text = capsys.readouterr().out
+    again = json.loads(text.strip().splitlines()[-1])
+    assert calls == [] and f"recorded by python rsd.py --search in {run / rsd.SEARCH_JSON}" in text
+    assert [(r["gamma"], r["tree"]) for r in again["rows"]] == [(r["gamma"], r["tree"]) for r in searched["rows"]]
+    assert "±" not in text  # one seed: no spread over seeds to show
+    shutil.rmtree(run / "draft_aarl_s0")  # another draft in the row's place: another fingerprint
+    shutil.copytree(run / "draft_flat_s0", run / "draft_aarl_s0")
+    rsd.main(argv)
+    text = capsys.readouterr().out
+    assert len(calls) == 1 and "(drafts differ): not used" in text and "measured now" in text
 
 
 def test_replay_equals_speculative_decoding(run_dir):
