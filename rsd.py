@@ -74,7 +74,7 @@ def search(target, first, val, shapes, stop):
     """The measured part of the choice of gamma and tree on val: the cost model's step times on the first val prompt
     (target steps of 1 and every gamma + 1 tokens, a draft step, a tree verify of each node count, a draft level) and
     each row's tau on val with each tree shape (real tree decoding: a tree has no teacher-forced replay)."""
-    draft = first["flatrope"]  # the timed draft architecture (every row's is a 1-layer draft)
+    draft = first.get("flatrope") or next(iter(first.values()))  # the timed draft architecture: the first row's
     rec = {"step_times": least(lambda: step_times(target, draft, val[0], [1] + [g + 1 for g in GAMMAS])),
            "tree_step_times": None, "tree_val_tau": {}}
     if shapes:
@@ -353,7 +353,7 @@ def find_search(a, target, drafts, seeds, val, device):
     the search on val now, recorded there with --search (which always searches, every tree of TREES)."""
     path = os.path.join(a.run, SEARCH_JSON)
     key = search_key(target, drafts, seeds, a, device)
-    if not a.search and (rec := recorded_search(path, key)):
+    if not a.search and not a.drafts and (rec := recorded_search(path, key)):
         return rec, f"recorded by python rsd.py --search in {path}"
     shapes = list(TREES) if a.search else [sh for sh in TREES if sh.nodes <= a.tree]
     prompts = evaluate.scene_prompts(val.scenes, val.tok, next(target.parameters()).device, views=val.views_at(0))
@@ -376,12 +376,14 @@ def main(argv=None):
     with cli.user_errors(ap):  # a failed retrain, a corrupt file, a draft distilled from another target: one line
         if a.retrain:
             retrain(a.run, seeds, device)
-        if gone := missing(a.run, seeds):
+        if gone := missing(a.run, [] if a.drafts else seeds):
             raise ValueError(f"missing checkpoints: {', '.join(gone)}; use the shipped checkpoints/toy, or train them "
                              f"with `python rsd.py --retrain --run {a.run}`")
         target = checkpoint.load(os.path.join(a.run, "target"), dtype=cli.DTYPES[a.dtype], device=device).eval()
-        drafts = {row: {s: checkpoint.load(checkpoint.draft_dir(a.run, kind, s), target=target).eval() for s in seeds}
-                  for row, kind in ROWS}
+        folders = ({row: dict(enumerate(dirs)) for row, dirs in a.named.items()} if a.drafts else
+                   {row: {s: checkpoint.draft_dir(a.run, kind, s) for s in seeds} for row, kind in ROWS})
+        drafts = {row: {s: checkpoint.load(d, target=target).eval() for s, d in dirs.items()}
+                  for row, dirs in folders.items()}  # {row: {seed: draft}}; --drafts: seeds 0.. per row
     tok = driving.Tokenizer()
     splits = {split: Data(split, a.scenes, 0, tok, views=a.views) for split in ("val", "test")}
     test = splits["test"]
@@ -395,8 +397,9 @@ def main(argv=None):
     rec, searched = find_search(a, target, drafts, seeds, splits["val"], device)
     rows, sweep = paper_table(target, drafts, splits, outputs, metrics, rec, a.time_scenes, a.repeats, decoding,
                               a.compile, a.tree)
-    aarl_row = next(r for r in rows if r["name"] == "flatrope+aarl")
-    show_scenes(target, drafts["flatrope+aarl"][seeds[0]], test, aarl_row["gamma"], a.show, decoding=decoding)
+    shown = list(drafts)[-1]  # the paper's routine reasoner (FlatRoPE + AARL), or the last row given
+    aarl_row = next(r for r in rows if r["name"] == shown)
+    show_scenes(target, drafts[shown][seeds[0]], test, aarl_row["gamma"], a.show, decoding=decoding)
     ids = evaluate.scene_prompts(test.scenes[:1], tok, device, views=a.views)[0]["input_ids"]
     n_visual, n_hist = int(((ids == tok.image_token_id) | (ids == tok.video_token_id)).sum()), 3 * tok.cfg.n_hist
     blocks = min(TIME_BLOCKS, a.time_scenes)
@@ -446,7 +449,7 @@ def main(argv=None):
                           "tau_ceiling": aarl_row["tau_ceiling"], "sweep": sweep,
                           "target": {k: metrics[k] for k in ("coc_exact", "commitment_acc", "ade")},
                           "prompt": {"visual_tokens": n_visual, "history_tokens": n_hist},
-                          "routine_share_world": share, "seeds": seeds,
+                          "routine_share_world": share, "seeds": seeds, "drafts": a.named if a.drafts else None,
                           "timing": {"scenes": a.time_scenes, "passes": a.repeats, "blocks": blocks,
                                      "unordered": groups, "step_times": searched},
                           "rows": [{k: r.get(k) for k in keys} for r in rows]}))
@@ -476,12 +479,31 @@ def retrain(run, seeds, device="cpu", log=print):
                                            out=aarl.out_dir(run, "static", seed)))
 
 
+def named_drafts(a):
+    """--drafts NAME=DIR ... -> a.named {row: [folders]} in the order given, and the seed indices 0..n-1 of the row
+    with the most folders (a row's spread is over its own folders)."""
+    a.named = {}
+    for item in a.drafts:
+        name, _, folder = item.partition("=")
+        if not name or not folder:
+            raise ValueError(f"--drafts takes NAME=DIR, got {item!r}")
+        if checkpoint.existing_kind(folder) not in ("flat draft", "mrope draft"):
+            raise ValueError(f"--drafts {item}: {folder} is not a draft checkpoint folder")
+        a.named.setdefault(name, []).append(folder)
+    if a.retrain or a.search:
+        raise ValueError("--drafts scores given folders: it takes no --retrain or --search")
+    return list(range(max(map(len, a.named.values()))))
+
+
 def parse_args(argv):
     """(parser, flags, seeds, decoding, device), every flag checked before any work: one line `rsd.py: error: ...`."""
     ap = argparse.ArgumentParser(description="The two-reasoner planner (RSD) on the synthetic driving world.")
     ap.add_argument("--run", default=checkpoint.SHIPPED, help="run folder (default: the shipped checkpoints/toy)")
     ap.add_argument("--retrain", action="store_true", help="train whatever is missing in --run first")
     ap.add_argument("--seeds", default="0,1,2", help="draft seeds of every row (mean and spread over them)")
+    ap.add_argument("--drafts", nargs="+", metavar="NAME=DIR", help="score these draft folders (trained for --run's "
+                    "target) instead of the shipped three rows; a NAME given several times is one row over its "
+                    "folders (its seeds); nothing is read from or written to --run's search record")
     ap.add_argument("--device", default="cpu", help="torch device")
     ap.add_argument("--views", type=int, default=driving.WorldConfig().views,
                     help="surround views per prompt (the geometry the drafts were trained at)")
@@ -525,6 +547,8 @@ def parse_args(argv):
                 raise ValueError(msg)
         decoding = cli.decoding_mode(a.temperature, a.top_k, a.top_p, a.sampling_seed)
         device = cli.check_device(a.device)
+        if a.drafts:
+            seeds = named_drafts(a)
         if a.plot:  # figures come after minutes of work: their dependency and folder are checked first
             if importlib.util.find_spec("matplotlib") is None:
                 raise ValueError("--plot needs matplotlib: pip install matplotlib")

@@ -18,12 +18,13 @@ import aarl
 import bench
 import driving
 import evaluate
+from evaluate import TARGET_ONLY
 import model as M
 from ops import checkpoint, files
 import rsd
 import speculate
-import tree
 import train as T
+import tree
 from tree import TreeShape
 
 VIEWS = 2  # surround views of the tiny world's prompts: 12 + 2 x 24 = 60 visual tokens, fast to test
@@ -433,3 +434,16 @@ def test_fork_a_draft_variant(run_dir, tmp_path, capsys):
     assert res["draft"] == str(out / "draft_flat_s1") and res["chain"]["gamma"] == 3 and res["greedy_match"]
     assert files.read_json(tmp_path / "b.json")["tau"] == res["tau"]
     capsys.readouterr()
+    # scored beside the shipped-style FlatRoPE row by rsd.py --drafts: that row's figures equal the default table's
+    flags = ["--run", str(run_dir), "--views", str(VIEWS), "--scenes", "4", "--time-scenes", "2", "--show", "0",
+             "--tree", "0", "--seeds", "0,1", "--json"]
+    rsd.main(flags)
+    default = {r["name"]: r for r in last_json(capsys)["rows"]}
+    rsd.main(flags + ["--drafts", *(f"flatrope={run_dir / f'draft_flat_s{s}'}" for s in (0, 1)),
+                      *(f"two-layer={out / f'draft_flat_s{s}'}" for s in (0, 1))])
+    got = last_json(capsys)
+    rows = {r["name"]: r for r in got["rows"]}
+    assert list(rows) == [TARGET_ONLY, "flatrope", "two-layer"] and got["greedy_match"] is True
+    for k in ("tau_by_gamma", "commit_acc", "attn_history", "attn_image", "attn_text"):
+        assert rows["flatrope"][k] == default["flatrope"][k], k
+    assert got["drafts"]["two-layer"] == [str(out / f"draft_flat_s{s}") for s in (0, 1)]
