@@ -75,11 +75,15 @@ def search(target, first, val, shapes, stop):
     (target steps of 1 and every gamma + 1 tokens, a draft step, a tree verify of each node count, a draft level) and
     each row's tau on val with each tree shape (real tree decoding: a tree has no teacher-forced replay)."""
     draft = first.get("flatrope") or next(iter(first.values()))  # the timed draft architecture: the first row's
-    rec = {"step_times": least(lambda: step_times(target, draft, val[0], [1] + [g + 1 for g in GAMMAS])),
+    # the process's CPU time, not the wall clock: another job on a shared machine adds wall time to every step, and
+    # not in proportion to its work, which moved the chosen gamma from 7 to 3 under load
+    rec = {"step_times": least(lambda: step_times(target, draft, val[0], [1] + [g + 1 for g in GAMMAS],
+                                                  timer=time.process_time)),
            "tree_step_times": None, "tree_val_tau": {}}
     if shapes:
         nodes = sorted({sh.nodes for sh in shapes})
-        rec["tree_step_times"] = least(lambda: tree_step_times(target, draft, val[0], nodes, 3))
+        rec["tree_step_times"] = least(lambda: tree_step_times(target, draft, val[0], nodes, 3,
+                                                               timer=time.process_time))
         rec["tree_val_tau"] = {row: {shape_key(sh): evaluate.spec_stats(target, {row: d}, val, sh, stop_token=stop,
                                                                         check_greedy=False)[row]["tau"]
                                      for sh in shapes} for row, d in first.items()}
