@@ -316,6 +316,18 @@ def print_sweep(sweep, rows, log=print):
 
 
 # ---- figures ----
+def attention_figure(plt, rows):
+    """Where each row's model puts its attention while it writes the CoC: image tokens, trajectory history, text."""
+    fig, ax = plt.subplots(figsize=(6, 3))
+    names, bottom = [r["name"] for r in rows], [0.0] * len(rows)
+    for key, label in (("attn_image", "image tokens"), ("attn_history", "trajectory history"), ("attn_text", "text")):
+        ax.bar(names, [r[key] for r in rows], bottom=bottom, label=label)
+        bottom = [b + r[key] for b, r in zip(bottom, rows)]
+    ax.set_ylabel("attention mass while writing the CoC")
+    ax.legend(fontsize=7, loc="lower right")
+    return fig
+
+
 def plot(rows, out=FIGURES, sweep_json=SWEEP_JSON):
     """figures/attention.png (where each model's attention goes while it writes the CoC) and, from the views sweep
     of experiments/views_sweep.py, figures/views_sweep.png (tau of both drafts against the visual-token count)."""
@@ -323,13 +335,7 @@ def plot(rows, out=FIGURES, sweep_json=SWEEP_JSON):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     os.makedirs(out, exist_ok=True)
-    fig, ax = plt.subplots(figsize=(6, 3))
-    names, bottom = [r["name"] for r in rows], [0.0] * len(rows)
-    for key, label in (("attn_image", "image tokens"), ("attn_history", "trajectory history"), ("attn_text", "text")):
-        ax.bar(names, [r[key] for r in rows], bottom=bottom, label=label)
-        bottom = [b + r[key] for b, r in zip(bottom, rows)]
-    ax.set_ylabel("attention mass while writing the CoC")
-    ax.legend(fontsize=7)
+    fig = attention_figure(plt, rows)
     save = lambda fig, name: files.atomic_write(  # noqa: E731
         os.path.join(out, name), lambda p: fig.savefig(p, format="png", dpi=120, bbox_inches="tight"))
     save(fig, "attention.png")

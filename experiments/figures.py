@@ -10,6 +10,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from ops import files  # noqa: E402
+import rsd  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -49,14 +50,7 @@ def plot_attention(plt, save, out, rsd_json):
     """attention.png: where each model's attention goes while it writes the CoC (image tokens, trajectory history,
     text), the target and each draft kind's chain row of rsd.py's table (mean over its seeds)."""
     rows = [r for r in files.read_json(rsd_json)["rows"] if not r.get("tree")]
-    fig, ax = plt.subplots(figsize=(6, 3))
-    names, bottom = [r["name"] for r in rows], [0.0] * len(rows)
-    for key, label in (("attn_image", "image tokens"), ("attn_history", "trajectory history"), ("attn_text", "text")):
-        ax.bar(names, [r[key] for r in rows], bottom=bottom, label=label)
-        bottom = [b + r[key] for b, r in zip(bottom, rows)]
-    ax.set_ylabel("attention mass while writing the CoC")
-    ax.legend(fontsize=7, loc="lower right")
-    save(fig, "attention.png")
+    save(rsd.attention_figure(plt, rows), "attention.png")
     return [f"{out}/attention.png"]
 
 
