@@ -37,7 +37,6 @@ import re
 import numpy as np
 import torch
 
-import evaluate
 from ops import checkpoint, cli, files
 import speculate
 
