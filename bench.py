@@ -31,7 +31,6 @@ import model as M
 from ops import checkpoint, cli, files, timing
 from real import alpamayo, peer, scenes
 import speculate
-import static
 from tree import TreeShape, tree_speedup
 
 TOY_DRAFT = ("aarl", 0)  # the toy mode's default draft: FlatRoPE + AARL (static anchor), seed 0
@@ -42,6 +41,8 @@ SHIPPED_DIR = os.path.join(ROOT, "checkpoints")  # what the repo ships: no repor
 TOY_ACCEPTANCE, TOY_TREE_ACCEPTANCE = "experiments/bench_cpu.json", "experiments/bench_cpu_tree.json"
 COMPILED = ("target-only compiled", "speculative compiled")  # --compile's arms, timed beside the eager ones
 CHAIN_ARM = "speculative chain"  # with a tree: the chain of --gamma, the same draft, timed in the same passes
+COMPILED_CHAIN = "speculative chain compiled"
+CHOOSE_SCENES = 16  # val scenes whose tau chooses --compile's tree
 
 # ---- the two arms, timed in the same passes ----
 @torch.no_grad()  # the grad mode the compiled steps were warmed up in (evaluate.spec_stats): see timing.CompileWatch
@@ -67,41 +68,78 @@ def time_arms(target, drafts, prompts, gamma, max_new, stop_token, repeats, deco
                    "speedup": ms[TARGET_ONLY] / ms[name]} for name, ps in passes.items()}
 
 
-def compiled_pair(target, draft, prompts, gamma, max_new):
-    max_len = max(p["input_ids"].shape[1] for p in prompts) + max(max_new, gamma + 1) + gamma
-    return tuple(static.StaticDecoder(m, max_len, compile=True, step_lengths=(1, 2, gamma + 1)) for m in (target, draft))
+def compiled_pair(target, draft, prompts, decoders, max_new):
+    """M.CompiledSteps of target and draft, each cache sized for every prompt and decoder (chain gammas, trees), each
+    step length a decode takes compiled once: target-only 1, a verify gamma + 1 or N + 1; the draft's pending 1 or 2
+    tokens (a tree's too: every accepted node but the last was expanded, so fed), a tree level k."""
+    gammas = [d for d in decoders if not isinstance(d, TreeShape)]
+    trees = [d for d in decoders if isinstance(d, TreeShape)]
+    t_lengths = {1, *(g + 1 for g in gammas), *(t.nodes + 1 for t in trees)}
+    d_lengths = {1, 2, *(t.width for t in trees)}
+    slack = max([*gammas, *(t.nodes for t in trees)]) + max(t_lengths)
+    max_len = max(p["input_ids"].shape[1] for p in prompts) + max_new + slack
+    return M.CompiledSteps(target, max_len, t_lengths), M.CompiledSteps(draft, max_len, d_lengths)
 
 
 def both_arms(ar, spec):  # {ar_prefill_ms, spec_prefill_ms, ar_ms_per_token, spec_ms_per_token}
     return {f"{a}_{k}": arm[k] for k in ("prefill_ms", "ms_per_token") for a, arm in (("ar", ar), ("spec", spec))}
 
 
+def choose_tree(ct, cd, val_prompts, shapes, max_new, stop_token):
+    """The tree the compiled steps run fastest, by the cost model: each shape's tau on val_prompts (greedy, eager:
+    the same tokens) at the compiled steps' times; -> (shape, {shape: {val_tau, predicted_speedup}})."""
+    scores = {}
+    for sh in shapes:
+        tau = evaluate.spec_stats(ct.model, {"tree": cd.model}, val_prompts, sh, max_new, stop_token,
+                                  check_greedy=False)["tree"]["tau"]
+        scores[sh] = {"val_tau": tau, "predicted_speedup": cost_model(ct, cd, val_prompts[0], sh, tau)["predicted_speedup"]}
+    return max(shapes, key=lambda sh: scores[sh]["predicted_speedup"]), scores
+
+
 def benchmark(target, draft, prompts, gamma, max_new, stop_token=None, repeats=3, decoding=None, compile=False,
-              chain_gamma=evaluate.GAMMA):
+              chain_gamma=evaluate.GAMMA, choose=None):
     """One draft's record: statistics, divergences, both arms timed, the cost model; compile: all that, compiled.
-    A tree (gamma a TreeShape) is timed beside the chain of chain_gamma with the same draft."""
+    A tree (gamma a TreeShape) is timed beside the chain of chain_gamma with the same draft, compiled or not.
+    choose (compile): (val prompts, tree shapes): the tree is the one the compiled steps run fastest (choose_tree)."""
     decoding = decoding or cli.decoding_mode()
-    greedy = evaluate.spec_stats(target, {"speculative": draft}, prompts, gamma, max_new, stop_token)
-    spec, reference = greedy["speculative"], greedy[TARGET_ONLY]["tokens"]
-    tree = isinstance(gamma, TreeShape)
     extra, comp, watch = {}, {}, None
     if compile:
-        ct, cd = compiled_pair(target, draft, prompts, gamma, max_new)
+        shapes = choose[1] if choose else [gamma]
+        trees = [sh for sh in shapes if isinstance(sh, TreeShape)]
+        ct, cd = compiled_pair(target, draft, prompts + (choose[0] if choose else []),
+                               [*shapes, *([chain_gamma] if trees else [])], max_new)
         watch = timing.CompileWatch({"target": ct, "draft": cd})
         clock = timing.Clock(prompts[0]["input_ids"].device, enabled=True)
+        if choose:  # compiles every candidate's steps, outside compile_s
+            gamma, comp["chosen"] = choose_tree(ct, cd, choose[0], shapes, max_new, stop_token)
+            comp["chosen"] = {"what": "the tree the compiled steps run fastest: each shape's greedy tau on val scenes "
+                                      "at the compiled step times (the cost model)", "ran": decoder_json(gamma),
+                              "candidates": {str(sh): v for sh, v in comp["chosen"].items()}}
+            clock.lap()
+    tree = isinstance(gamma, TreeShape)
+    greedy = evaluate.spec_stats(target, {"speculative": draft}, prompts, gamma, max_new, stop_token)
+    spec, reference = greedy["speculative"], greedy[TARGET_ONLY]["tokens"]
+    if compile:
         # the compiled arms' greedy outputs; the first decodes compile every step shape, and the clock says how long
-        cg, compile_s = evaluate.spec_stats(ct, {"speculative": cd}, prompts, gamma, max_new, stop_token), clock.lap()
-        div = {arm: timing.divergences(target, prompts, reference, cg[key]["tokens"])
-               for arm, key in zip(COMPILED, (TARGET_ONLY, "speculative"))}
-        comp = {"compile_s": compile_s, "divergences": div, "greedy_match": not any(div.values())}
-        extra = {COMPILED[0]: (ct, None), COMPILED[1]: (ct, cd)}
+        arms = {"speculative": cd} | ({CHAIN_ARM: cd} if tree else {})
+        cg = {name: evaluate.spec_stats(ct, {name: d}, prompts, gamma if name == "speculative" else chain_gamma,
+                                        max_new, stop_token, check_greedy=name == "speculative") for name, d in
+              arms.items()}
+        compile_s = clock.lap()
+        outputs = {COMPILED[0]: cg["speculative"][TARGET_ONLY], COMPILED[1]: cg["speculative"]["speculative"]}
+        if tree:
+            outputs[COMPILED_CHAIN] = cg[CHAIN_ARM][CHAIN_ARM]
+        div = {arm: timing.divergences(target, prompts, reference, o["tokens"]) for arm, o in outputs.items()}
+        comp.update(compile_s=compile_s, divergences=div, greedy_match=not any(div.values()))
+        extra = {COMPILED[0]: (ct, None), COMPILED[1]: (ct, cd)} | ({COMPILED_CHAIN: (ct, cd, chain_gamma)} if tree
+                                                                   else {})
         watch.next_phase("warm-up")  # time_arms' own warm-up pass: after compile_s, so nothing may compile here
     if tree:  # the chain with the same draft, in the same passes: is the tree faster here?
         extra[CHAIN_ARM] = (target, draft, chain_gamma)
     try:
         t = time_arms(target, {"speculative": draft}, prompts, gamma, max_new, stop_token, repeats, decoding, extra,
                       on_timed=watch and (lambda: watch.next_phase("timed")))
-        res = {"decoding": decoding, "greedy_match": spec["greedy_match"], "tau": spec["tau"], "alpha": spec["alpha"],
+        res = {"decoder": decoder_json(gamma), "decoding": decoding, "greedy_match": spec["greedy_match"], "tau": spec["tau"], "alpha": spec["alpha"],
                "routine_fraction": spec["routine_fraction"], "tokens": spec["n_tokens"], "prompts": len(prompts),
                "divergences": timing.divergences(target, prompts, reference, spec["tokens"]),
                **both_arms(t[TARGET_ONLY], t["speculative"]), "speedup": t["speculative"]["speedup"]}
@@ -114,8 +152,7 @@ def benchmark(target, draft, prompts, gamma, max_new, stop_token=None, repeats=3
                                     decoding=decoding)["speculative"] if sampled else spec
         if sampled:
             res["sampled"] = {k: timed[k] for k in ("tau", "alpha", "routine_fraction")} | {"tokens": timed["n_tokens"]}
-        # what the rounds verified: a round drafts at most what max_new leaves (a shorter chain, TreeShape.at_most)
-        ran = ran_shape(gamma, timed)
+        ran = gamma  # every round drafts and verifies the whole shape (the last one's block is cut)
         res["ran"] = dict(decoder_json(ran), nodes_per_round=timed["nodes_per_round"],
                           depth_per_round=timed["depth_per_round"])
         res.update(cost_model(target, draft, prompts[0], ran, timed["tau"]))
@@ -127,24 +164,20 @@ def benchmark(target, draft, prompts, gamma, max_new, stop_token=None, repeats=3
             comp.update(both_arms(ar_c, spec_c), speedup=ar_c["ms_per_token"] / spec_c["ms_per_token"],
                         speedup_vs_eager=spec_c["speedup"],  # compiled speculative vs eager target-only
                         target_only_vs_eager=ar_c["speedup"])  # eager target-only / compiled target-only
+            if tree:
+                c = t[COMPILED_CHAIN]
+                comp["chain"] = {"gamma": chain_gamma, "ms_per_token": c["ms_per_token"],
+                                 "speedup": ar_c["ms_per_token"] / c["ms_per_token"],
+                                 "tree_over_chain": c["ms_per_token"] / spec_c["ms_per_token"]}
             watch.next_phase("cost model")
-            comp.update(cost_model(ct, cd, prompts[0], gamma, timed["tau"]))
+            comp.update(cost_model(ct, cd, prompts[0], ran, timed["tau"]))
     finally:
         if watch:
             watch.close()
     if compile:
         res["compiled"] = dict(comp, compilations=watch.report())
-    res["sdpa"] = timing.sdpa_steps(target, prompts[0], gamma.nodes if tree else gamma,
-                                    static_len=ct.cache.max_len if compile else None, tree=tree)
+    res["sdpa"] = timing.sdpa_steps(target, prompts[0], gamma.nodes if tree else gamma, tree=tree)
     return res
-
-
-def ran_shape(shape, stats):
-    """The chain's gamma or the tree the rounds ran, from spec_stats' per-round means (rounded): the cost model's."""
-    depth = max(1, round(stats["depth_per_round"]))
-    if not isinstance(shape, TreeShape):
-        return depth
-    return TreeShape(min(max(round(stats["nodes_per_round"]), depth), shape.candidates(depth)), depth, shape.width)
 
 
 def cost_model(target, draft, prompt, gamma, tau, reps=20):
@@ -174,8 +207,12 @@ def toy(args, device, dtype, decoding):
     draft = checkpoint.load(draft_dir, target=target).eval()  # in the target's dtype: they share embedding and head
     tok = driving.Tokenizer()
     prompts = evaluate.scene_prompts(driving.make_split("test", args.prompts, seed=0), tok, device, dtype, args.views)
+    choose = None
+    if args.choose_tree:  # --compile without --tree: the tree the compiled steps run fastest, chosen on val scenes
+        val = evaluate.scene_prompts(driving.make_split("val", CHOOSE_SCENES, seed=0), tok, device, dtype, args.views)
+        choose = (val, list(evaluate.TREES))
     res = benchmark(target, draft, prompts, args.decoder, args.max_new, tok.cot_end_id, args.repeats, decoding,
-                    args.compile, args.gamma) | {"mode": "toy", "draft": draft_dir,
+                    args.compile, args.gamma, choose) | {"mode": "toy", "draft": draft_dir,
                                                  "target": os.path.join(args.run, "target")}
     return dict(res, peers=peer.peers(args.run, target, prompts, tok, args.gamma, args.max_new, args.repeats)) \
         if args.peer else res
@@ -289,6 +326,12 @@ def report(res):
     rows += [("compiled", arms(c, c["speedup"]) + f" ({c['speedup_vs_eager']:.2f}x over eager target-only, greedy "
               f"{'identical' if c['greedy_match'] else 'DIFFERS'})   compile + first decodes {c['compile_s']:.0f} s"),
              ("compiled cost", steps(c) + f"   predicted speed-up {c['predicted_speedup']:.2f}x")] if c else []
+    rows += [("compiled chain", "the same draft, gamma {gamma}: {ms_per_token:.3f} ms/token, speed-up {speedup:.2f}x "
+              "over compiled target-only; the tree is {tree_over_chain:.2f}x the chain".format(**c["chain"]))] \
+        if c and "chain" in c else []
+    rows += [("compiled tree", "chosen on val from " + ", ".join(
+        f"{k} (tau {v['val_tau']:.2f}, predicted {v['predicted_speedup']:.2f}x)" for k, v in
+        c["chosen"]["candidates"].items()))] if c and "chosen" in c else []
     rows += [("verified", "{nodes_per_round:.1f} draft tokens, depth {depth_per_round:.1f} per round (mean); the cost "
               "model at what ran: {}".format(decoder_text(res["ran"]), **res["ran"]))] if "ran" in res else []
     rows += [("cost model", steps(res) + f"   c {res['c']:.3f}"),
@@ -321,7 +364,8 @@ def main(argv=None):
             ("--draft-vocab", 0, "with --preset: the draft's head covers only the first K token ids (0: all)"),
             ("--images", 16, "images in the real-shape / generated prompt"),
             ("--gamma", evaluate.GAMMA, "the chain's draft length (the chain arm, also timed beside a tree)"),
-            ("--tree", None, f"a draft tree of N nodes, 0: the chain (default {evaluate.TREE.nodes}; --compile: 0)"),
+            ("--tree", None, f"a draft tree of N nodes, 0: the chain (default {evaluate.TREE.nodes}; toy --compile: the "
+                             "tree of evaluate.TREES the compiled steps run fastest on val scenes)"),
             ("--tree-depth", evaluate.TREE.depth, "with --tree: its depth D"),
             ("--tree-width", evaluate.TREE.width, "with --tree: k, nodes expanded per level and children per node"),
             ("--max-new", evaluate.MAX_NEW_TOKENS, "reasoning tokens per prompt at most"),
@@ -332,7 +376,7 @@ def main(argv=None):
         ap.add_argument(flag, type=int, default=default, help=text)
     add_real_flags(ap)
     cli.add_decoding_flags(ap, "> 0 times both arms sampling (Alpamayo-R1 samples its CoC at 0.6, top-p 0.98)")
-    ap.add_argument("--compile", action="store_true", help="also both arms through torch.compile'd static steps")
+    ap.add_argument("--compile", action="store_true", help="also every arm through torch.compile'd steps")
     ap.add_argument("--peer", choices=["hf"], help="toy, greedy: also transformers' generate on the same weights")
     ap.add_argument("--toy-json", help=f"random weights: the toy acceptance to predict at (default {TOY_ACCEPTANCE})")
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
@@ -347,9 +391,10 @@ def main(argv=None):
     with cli.user_errors(ap):  # a bad folder or file, a gamma past the model's positions: one line
         res = real(args, device, dtype, decoding) if args.target or args.preset else toy(args, device, dtype, decoding)
     res.update(device=str(device), hardware=torch.cuda.get_device_name(device) if device.type == "cuda" else
-               (platform.processor() or platform.machine()), dtype=args.dtype, decoder=decoder_json(args.decoder),
+               (platform.processor() or platform.machine()), dtype=args.dtype,
                gamma=None if args.tree else args.gamma, threads=torch.get_num_threads(), torch=torch.__version__,
                environment=timing.environment(device), peak_memory=timing.peak_memory(device))
+    res.setdefault("decoder", decoder_json(args.decoder))  # benchmark's own where it chose the tree
     report(res)  # printed first: a failing write below loses no measurement
     if args.json:
         print(json.dumps(res))
@@ -362,7 +407,8 @@ def main(argv=None):
 def check_flags(ap, args):
     """Every bad flag is one line at parse time, before any work; returns the decoding mode."""
     toy_mode = not (args.target or args.preset)
-    args.tree = (0 if args.compile or args.peer else evaluate.TREE.nodes) if args.tree is None else args.tree
+    args.choose_tree = args.tree is None and args.compile and toy_mode and not args.peer
+    args.tree = (0 if args.peer else evaluate.TREE.nodes) if args.tree is None else args.tree
     for bad, msg in ((args.target and args.preset, "give --target or --preset, not both"),
                      (min(args.gamma, args.max_new, args.prompts, args.images) < 1,
                       "--gamma, --max-new, --prompts and --images must be >= 1"),
@@ -372,8 +418,6 @@ def check_flags(ap, args):
                      (not 0 <= args.views <= driving.MAX_VIEWS, f"--views must be in 0..{driving.MAX_VIEWS} (the "
                       f"geometries the toy target was trained on), got {args.views}"),
                      (args.tree < 0, f"--tree takes a node budget >= 1, or 0 for the chain; got {args.tree}"),
-                     (args.tree and args.compile, "--compile runs the chain only (the tree's steps have no "
-                      "static-shape path yet): add --tree 0"),
                      (args.tree and args.peer, "--peer compares with transformers' assisted generation, a chain: "
                       "add --tree 0")):
         if bad:

@@ -22,6 +22,7 @@ GAMMAS = tuple(range(2, 9))  # the draft lengths tau is replayed at (a speed-opt
 # the benchmark's default draft tree (N nodes, depth D, width k): chosen on the validation split by the measured cost
 # model (experiments/tree_sweep.py); bench.py --tree 0 runs the chain of GAMMA instead
 TREE = TreeShape(32, 8, 3)
+TREES = tuple(TreeShape(n, d, 3) for n in (16, 32) for d in (6, 8))  # the shapes rsd.py and bench.py --compile choose from
 EVAL_BATCH = 64  # scenes per batched evaluation forward
 TARGET_ONLY = "target-only"  # the baseline arm: plain KV-cached decoding by the target
 
@@ -311,19 +312,18 @@ def draft_matches(drafts, target, data: Data, outputs, batch_size=EVAL_BATCH):
     return out
 
 
-def simulate_rounds(match, gamma, max_new=MAX_NEW_TOKENS):
+def simulate_rounds(match, gamma):
     """Greedy speculative decoding of one output, replayed from its match vector -> (rounds, tokens from the draft).
 
     Exact because every accepted draft token equals the target's own token: a round that starts after the committed
     prefix y[:i] drafts argmax q(. | y[:i]), then argmax q(. | y[:i+1]), ... and the verifier keeps them while they
     equal y[i], y[i+1], ...: the run of matches from i, at most gamma long. The round then emits the run plus the
-    target's token (correction or bonus), cut after the stop token; the last round drafts only what max_new leaves,
-    as speculate.speculative does."""
+    target's token (correction or bonus), cut after the stop token or at the output's end (max_new: that round emits
+    drafts only), as speculate.speculative does."""
     n, i, rounds, from_draft = len(match), 0, 0, 0
     while i < n:
-        g = min(gamma, max_new - i - 1)
         run = 0
-        while run < g and i + run < n and match[i + run]:
+        while run < gamma and i + run < n and match[i + run]:
             run += 1
         from_draft += min(run, n - i)
         i += min(run + 1, n - i)
@@ -331,12 +331,12 @@ def simulate_rounds(match, gamma, max_new=MAX_NEW_TOKENS):
     return rounds, from_draft
 
 
-def tau_by_gamma(matches, gammas, max_new=MAX_NEW_TOKENS):
+def tau_by_gamma(matches, gammas):
     """{gamma: {"tau", "routine_fraction"}} over a set of outputs, from their match vectors."""
     n = sum(map(len, matches))
     out = {}
     for g in gammas:
-        rounds, from_draft = map(sum, zip(*(simulate_rounds(m, g, max_new) for m in matches)))
+        rounds, from_draft = map(sum, zip(*(simulate_rounds(m, g) for m in matches)))
         out[g] = {"tau": n / rounds, "routine_fraction": from_draft / n}
     return out
 

@@ -2,8 +2,8 @@
 toy and real Qwen2.5-VL / Qwen3-VL / Alpamayo-R1 weights (hf.py loads them; an Alpamayo action expert is expert.py).
 
 Paper: `VLA` (rope_mode "mrope") is the deliberative reasoner p; `make_draft` the routine reasoner q (FlatRoPE, the
-target's embedding and LM head; `vocab_ids`: EAGLE-3's reduced vocabulary). Verification is a multi-token forward
-over a `KVCache`; `VLA.step` the same at fixed shapes (draft trees' masks; static.py compiles it).
+target's embedding and LM head; `vocab_ids`: EAGLE-3's reduced vocabulary). Every cached forward (decode, draft,
+verify, a draft tree's levels and verify) is one `VLA.step` over one `KVCache`; `CompiledSteps` compiles that step.
 
 Letters: B batch, T new tokens, S keys (cached + new), D hidden, H heads, Hk KV heads,
 hd head dim, g = H / Hk, V vocab, K reduced draft vocab, N vision patches, m spatial merge, n_vis visual tokens.
@@ -16,13 +16,11 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
-from torch.nn.attention.bias import causal_lower_right
 import torch.nn.functional as F
 
 from rope import (
     apply_rope,
     check_mrope_section,
-    decode_positions,
     flat_position_ids,
     get_rope_index,
     mrope_cos_sin,
@@ -140,11 +138,6 @@ class RMSNorm(nn.Module):  # Qwen's: the decoder's, the action expert's and the 
         return F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype) * self.weight
 
 
-def lower_right_verify(device):
-    """CUDA: the verify step through SDPA's lower-right causal bias (flash kernels, no mask in memory); else a mask."""
-    return device.type == "cuda"
-
-
 class Attention(nn.Module):
     """Grouped-query attention; one fused q, k, v projection: one matmul per decode step (checkpoint.py splits it)."""
 
@@ -169,25 +162,26 @@ class Attention(nn.Module):
             k = apply_rope(self.k_norm(qkv[:, :, H:H + Hk]), cos, sin)  # (B, T, Hk, hd)
         return q.transpose(1, 2), k.transpose(1, 2), qkv[:, :, H + Hk:].transpose(1, 2)  # (B, H|Hk, T, hd)
 
-    def forward(self, x, cos, sin, cache=None, layer=0, mask=None, grouped=False, input_pos=None):
-        """New keys / values go to the cache first: at [length, length + T) (VLA.forward), or at slots input_pos
-        (VLA.step: queries read the whole buffer). mask None: causal at a prefill, else every key (the expert's tokens).
-        grouped: a KV head's g query heads as its g*T query rows, no K/V copies (enable_gqa is slow on CPU in bf16)."""
+    def forward(self, x, cos, sin, cache=None, layer=0, mask=None, at=None):
+        """Two ways in. A full forward (at None: a prefill, training) attends over its own T keys, causally or
+        under mask (B, 1, T, T) (padding), a prefill writing them to cache slots [0, T). A cached step (VLA.step)
+        writes its keys / values at slots input_pos (B, T) and reads slots [0, S) under mask (B, 1, g*T, S): a KV
+        head's g query heads as its g*T query rows, no K/V copies (enable_gqa is slow on CPU in bf16). at: those
+        slots as slot_index(input_pos) gives them."""
         B, T, _ = x.shape
         H, Hk, hd = self.H, self.Hk, self.hd
         q, k, v = self.project(x, cos, sin)
-        if input_pos is not None:  # the fixed-shape step: always grouped, over the whole buffer (B, Hk, S_max, hd)
-            kb, vb = cache.layer(layer)
-            k, v, grouped = kb.index_copy_(2, input_pos, k), vb.index_copy_(2, input_pos, v), True
-        elif cache is not None:
-            prefill = cache.length == 0
-            k, v = cache.update(layer, k, v)  # (B, Hk, S, hd)
-        if grouped:
-            q = q.reshape(B, Hk, (H // Hk) * T, hd)  # (B, Hk, g*T, hd)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask).reshape(B, H, T, hd)
+        if at is None:
+            if cache is not None:
+                cache.k[layer][:, :, :T], cache.v[layer][:, :, :T] = k, v
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and T > 1,
+                                               enable_gqa=True)
         else:
-            causal = mask is None and T > 1 and (cache is None or prefill)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=True)
+            kb, vb = cache.k[layer], cache.v[layer]  # (B, Hk, max_len, hd), written in place
+            kb.index_put_(at, k), vb.index_put_(at, v)
+            q = q.reshape(B, Hk, (H // Hk) * T, hd)  # (B, Hk, g*T, hd)
+            S = mask.shape[-1]  # the slots read: the mask's width
+            y = F.scaled_dot_product_attention(q, kb[:, :, :S], vb[:, :, :S], attn_mask=mask).reshape(B, H, T, hd)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, H * hd))  # (B, H, T, hd) -> (B, T, D)
 
 
@@ -210,38 +204,70 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, x, cos, sin, cache=None, layer=0, mask=None, grouped=False, input_pos=None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, mask, grouped, input_pos)
+    def forward(self, x, cos, sin, cache=None, layer=0, mask=None, at=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, mask, at)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def slot_index(input_pos, n_kv_heads):
+    """Slots input_pos (B, T) as an index_put_ index into a (B, Hk, max_len, hd) buffer: three tensors that broadcast
+    to (B, Hk, T), row b's slots in every KV head (built once per step, used by every layer)."""
+    B, device = input_pos.shape[0], input_pos.device
+    return (torch.arange(B, device=device)[:, None, None], torch.arange(n_kv_heads, device=device)[None, :, None],
+            input_pos[:, None, :])
+
+
+def causal_mask(input_pos, cache, S):
+    """(B, T, S) bool: token t of row b, at slot input_pos[b, t], sees the slots up to its own (the real ones)."""
+    mask = torch.arange(S, device=input_pos.device) <= input_pos[..., None]  # (B, T, S)
+    return mask if cache.key_mask is None else mask & cache.key_mask[:, None, :S]
+
+
+def grouped_mask(mask, g, dtype):
+    """What each token sees, mask (B, T, S) bool, as the grouped query rows' additive mask (B, 1, g*T, S) in the
+    attention's dtype (Attention): 0 where seen, -inf elsewhere (on a CPU SDPA takes a much slower path with a
+    boolean mask; adding 0 leaves the scores exact)."""
+    bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+    return bias.repeat(1, g, 1)[:, None]
 
 
 # ---- KV cache ----
 
 
 class KVCache:
-    """Preallocated K/V buffers (n_layers, B, Hk, max_len, hd) and the committed length, which the model advances
-    after all layers have written; `crop(n)` rolls back (speculative rejection). `rope_delta` (B, 1), set at prefill:
-    cache index c is position c + rope_delta. `key_mask` (B, max_len): only when the prefill had padding."""
+    """The one cache: K and V preallocated per layer, (B, Hk, max_len, hd) each (a compiled step writes a graph input
+    in place only when it is a whole tensor), and per row b the committed length `lengths[b]` (slots [0, lengths[b])
+    hold its prompt and committed tokens) and `rope_delta[b]`, set at the prefill: slot c is position c + rope_delta.
+    Rollback (a rejected draft) sets lengths; a tree round `move`s its accepted path to consecutive slots; what lies
+    beyond a row's length is never read before a step writes it. key_mask (B, max_len): the real keys, after a
+    prefill with padding only."""
 
     def __init__(self, n_layers, batch, n_kv_heads, max_len, head_dim, dtype=torch.float32, device=None):
-        self.k = torch.zeros(n_layers, batch, n_kv_heads, max_len, head_dim, dtype=dtype, device=device)
-        self.v = torch.zeros_like(self.k)
+        self.k = [torch.zeros(batch, n_kv_heads, max_len, head_dim, dtype=dtype, device=device)
+                  for _ in range(n_layers)]
+        self.v = [torch.zeros_like(k) for k in self.k]
         self.max_len = max_len
-        self.length = 0
+        self.lengths = [0] * batch  # host ints: every round ends in a host sync that knows them
         self.rope_delta = torch.zeros(batch, 1, dtype=torch.long, device=device)
         self.key_mask = None
 
-    def update(self, layer_idx, k, v):
-        end = self.length + k.shape[2]
-        if end > self.max_len:
-            raise ValueError(f"KV cache overflow: {self.length} + {k.shape[2]} tokens > max_len {self.max_len}")
-        kb, vb = self.layer(layer_idx)
-        kb[:, :, self.length:end] = k  # (B, Hk, T, hd) into (B, Hk, max_len, hd)
-        vb[:, :, self.length:end] = v
-        return kb[:, :, :end], vb[:, :, :end]  # (B, Hk, S, hd) views
+    @property
+    def length(self):
+        """The committed length of rows that all have the same (batch 1, rows of one prompt)."""
+        if any(n != self.lengths[0] for n in self.lengths):
+            raise ValueError(f"the cache's rows have different lengths {self.lengths}: read cache.lengths")
+        return self.lengths[0]
 
-    def layer(self, i):  # layer i's whole K and V buffers (B, Hk, max_len, hd), for VLA.step's writes at input_pos
-        return self.k[i], self.v[i]
+    @length.setter
+    def length(self, n):
+        self.lengths = [n] * len(self.lengths)
+
+    def slots(self, T):
+        """Slots (B, T) of T tokens after each row's committed length, checked to fit."""
+        if max(self.lengths) + T > self.max_len:
+            raise ValueError(f"KV cache overflow: {max(self.lengths)} + {T} tokens > max_len {self.max_len}")
+        base = torch.tensor(self.lengths, device=self.rope_delta.device)[:, None]  # (B, 1)
+        return base + torch.arange(T, device=base.device)  # (B, T)
 
     def crop(self, n):
         if not 0 <= n <= self.length:
@@ -249,21 +275,19 @@ class KVCache:
         self.length = n
 
     def move(self, src, dst):
-        """Copy the keys / values of slots src to slots dst (increasing int lists, dst[i] <= src[i]): a tree round's
-        accepted path to consecutive slots, the rejected branches left beyond the new length, where no query looks."""
+        """Copy the keys / values of slots src to slots dst (increasing int lists, dst[i] <= src[i]), in every row: a
+        tree round's accepted path to consecutive slots, the rejected branches left beyond the new length."""
         if src == dst:
             return
         src, dst = (torch.tensor(x, device=self.rope_delta.device) for x in (src, dst))
-        for buf in self.buffers():  # (n_layers, B, Hk, max_len, hd), or one layer's (B, Hk, max_len, hd)
-            buf.index_copy_(-2, dst, buf.index_select(-2, src))  # gathered first: a source is never overwritten
-
-    def buffers(self):
-        return self.k, self.v
+        for buf in self.k + self.v:  # (B, Hk, max_len, hd) each
+            buf.index_copy_(2, dst, buf.index_select(2, src))  # gathered first: a source is never overwritten
 
     def repeat_rows(self, n):
         """A new cache with each row repeated n times (B -> B * n): n continuations of a prompt share its prefill."""
         new = copy.copy(self)
-        new.k, new.v = self.k.repeat_interleave(n, 1), self.v.repeat_interleave(n, 1)  # (layers, B * n, Hk, S, hd)
+        new.k, new.v = ([t.repeat_interleave(n, 0) for t in buf] for buf in (self.k, self.v))  # (B * n, Hk, S, hd)
+        new.lengths = [m for m in self.lengths for _ in range(n)]
         new.rope_delta = self.rope_delta.repeat_interleave(n, 0)  # (B * n, 1)
         new.key_mask = None if self.key_mask is None else self.key_mask.repeat_interleave(n, 0)
         return new
@@ -387,7 +411,7 @@ class VLA(nn.Module):
         if torch.is_grad_enabled() and W.requires_grad:
             w = W[self.vocab_ids]  # the slow, obvious path: a fresh gather per call, so gradients reach the head
         elif torch.compiler.is_compiling():
-            w = self._rows  # gathered by static.StaticDecoder before each compiled step (head_rows does not trace)
+            w = self._rows  # gathered by CompiledSteps.step before each compiled step (head_rows does not trace)
         else:
             w = self.head_rows()  # the kept copy: the target's head is frozen here
         small = F.linear(h, w)  # (..., D_out) x (K, D_out)^T -> (..., K)
@@ -421,10 +445,7 @@ class VLA(nn.Module):
 
     def rope_tables(self, input_ids, x, image_grid_thw, video_grid_thw, second_per_grid_ts, attention_mask,
                     cache, position_ids):
-        """cos, sin (B, T, hd) for the new tokens, applying the position rule (see forward)."""
-        past = cache.length if cache is not None else 0
-        if position_ids is None and past > 0:  # decode / verify: c + rope_delta on all three axes == 1D RoPE
-            return rope_cos_sin(decode_positions(past, x.shape[1], cache.rope_delta), self.inv_freq)
+        """cos, sin (B, T, hd) of a full forward (a prefill), applying the position rule (see forward)."""
         c = self.cfg
         if position_ids is not None:
             position_ids = position_ids.expand(3, -1, -1)  # 1D ids (B, T) -> (3, B, T); (3, B, T) as is
@@ -441,72 +462,77 @@ class VLA(nn.Module):
                 tokens_per_second=c.tokens_per_second)
         else:  # FlatRoPE (or no ids to find images in): 1D index over the whole sequence
             position_ids, delta = flat_position_ids(x[..., 0], attention_mask)
-        if cache is not None and past == 0:
+        if cache is not None:
             cache.rope_delta = delta.to(cache.rope_delta.device)
         return mrope_cos_sin(position_ids, self.inv_freq, c.mrope_section, c.mrope_interleaved)
 
     def forward(self, input_ids=None, pixel_values=None, image_grid_thw=None, pixel_values_videos=None,
                 video_grid_thw=None, second_per_grid_ts=None, attention_mask=None, cache=None, inputs_embeds=None,
                 position_ids=None, return_hidden=False, logits_to_keep=0, deepstack=None):
-        """Logits (B, T, V) (and hidden (B, T, D_out)). Positions: at a prefill get_rope_index's ("mrope") or
-        flat_position_ids' ("flat"), the cache keeping rope_delta; then length + arange(T) + rope_delta on all axes,
-        causal over the prefix (the verify step). attention_mask: read at prefill only. DeepStack (Qwen3-VL), prefill:
-        layer i's output gets the tower's level-i features at the visual slots (from pixels, or embed's `deepstack`)."""
-        if inputs_embeds is None:
-            inputs_embeds, deepstack = self.embed(input_ids, pixel_values, image_grid_thw, pixel_values_videos,
-                                                  video_grid_thw, return_deepstack=True)
-        x, T = inputs_embeds, inputs_embeds.shape[1]  # (B, T, D)
-        past = cache.length if cache is not None else 0
-        if past + T > self.cfg.max_seq_len:  # beyond the positions the model was built (and trained) for
-            raise ValueError(f"sequence of {past + T} tokens is longer than the model's max_seq_len "
-                             f"{self.cfg.max_seq_len}")
-        if deepstack and past > 0:
-            raise ValueError("DeepStack features are added at prefill only (an empty cache)")
-        cos, sin = self.rope_tables(input_ids, x, image_grid_thw, video_grid_thw, second_per_grid_ts,
-                                    attention_mask, cache, position_ids)
-        mask, grouped = None, past > 0
-        if past == 0:  # prefill: causal, or causal & real keys under padding (the diagonal keeps padded rows finite)
+        """Logits (B, T, V) (and hidden (B, T, D_out)). An empty cache (or none): the full forward, at
+        get_rope_index's ("mrope") or flat_position_ids' ("flat") positions, the cache keeping rope_delta; causal, or
+        causal over the real keys under padding (attention_mask). DeepStack (Qwen3-VL): layer i's output gets the
+        tower's level-i features at the visual slots (from pixels, or embed's `deepstack`). A cache holding tokens:
+        input_ids go through `step` after each row's committed length, and are committed."""
+        if cache is not None and any(cache.lengths):
+            if input_ids is None or inputs_embeds is not None or deepstack or position_ids is not None:
+                raise ValueError("a cached continuation takes token ids alone (positions follow the cache; DeepStack "
+                                 "and inputs_embeds are for a prefill, an empty cache)")
+            if max(cache.lengths) + input_ids.shape[1] > self.cfg.max_seq_len:
+                raise ValueError(f"sequence of {max(cache.lengths) + input_ids.shape[1]} tokens is longer than the "
+                                 f"model's max_seq_len {self.cfg.max_seq_len}")
+            slots = cache.slots(input_ids.shape[1])  # (B, T)
+            mask = causal_mask(slots, cache, max(cache.lengths) + input_ids.shape[1])  # no slot beyond the last
+            logits, h = self.step(input_ids, slots, cache, mask=mask, return_hidden=True)
+            cache.lengths = [n + input_ids.shape[1] for n in cache.lengths]
+            logits = logits[:, -logits_to_keep:] if logits_to_keep else logits
+        else:
+            if inputs_embeds is None:
+                inputs_embeds, deepstack = self.embed(input_ids, pixel_values, image_grid_thw, pixel_values_videos,
+                                                      video_grid_thw, return_deepstack=True)
+            x, T = inputs_embeds, inputs_embeds.shape[1]  # (B, T, D)
+            if T > self.cfg.max_seq_len:  # beyond the positions the model was built (and trained) for
+                raise ValueError(f"sequence of {T} tokens is longer than the model's max_seq_len {self.cfg.max_seq_len}")
+            cos, sin = self.rope_tables(input_ids, x, image_grid_thw, video_grid_thw, second_per_grid_ts,
+                                        attention_mask, cache, position_ids)
+            mask = None  # causal, or causal & real keys under padding (the diagonal keeps padded rows finite)
             valid = None if attention_mask is None or bool(attention_mask.all()) else attention_mask.bool()
             if valid is not None:
                 causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()  # (T, T)
                 mask = ((causal & valid[:, None, :]) | torch.eye(T, dtype=torch.bool, device=x.device))[:, None]
             if cache is not None:  # (B, max_len): the real keys, for every later step
+                if T > cache.max_len:
+                    raise ValueError(f"KV cache overflow: a prefill of {T} tokens > max_len {cache.max_len}")
                 cache.key_mask = None if valid is None else F.pad(valid, (0, cache.max_len - T), value=True)
-        else:
-            if T > 1 and cache.key_mask is None and lower_right_verify(x.device):
-                # the mask below (new token i sees keys <= past + i) as a bias: causal aligned to the lower right
-                mask, grouped = causal_lower_right(T, past + T), False
-            elif T > 1:  # verify step: new token i sees the prefix and new tokens <= i, (g*T, S) grouped rows
-                ar = torch.arange(past + T, device=x.device)
-                mask = (ar[None, :] <= past + ar[:T, None]).repeat(self.cfg.n_heads // self.cfg.n_kv_heads, 1)
-            if cache.key_mask is not None:
-                km = cache.key_mask[:, None, None, :past + T]  # (B, 1, 1, S)
-                mask = km if mask is None else mask & km
-        h = self.decoder(x, cos, sin, cache, mask, grouped, deepstack=deepstack)
-        if cache is not None:
-            cache.length = past + T
-        logits = self.head(h[:, -logits_to_keep:] if logits_to_keep else h)
+            h = self.decoder(x, cos, sin, cache, mask, deepstack=deepstack)
+            if cache is not None:
+                cache.length = T
+            logits = self.head(h[:, -logits_to_keep:] if logits_to_keep else h)
         return (logits, h) if return_hidden else logits
 
-    def step(self, input_ids, input_pos, cache, positions=None, mask=None):
-        """A cached step at fixed shapes: keys / values of input_ids (B, T) go to slots input_pos (T,), queries read
-        the whole buffer (S_max); cache.length is neither read (a compiled step never recompiles as it grows) nor
-        advanced. Default: token i at position input_pos[i] sees slots <= input_pos[i]; a draft tree passes positions
-        (T,), length + depth, and mask (T, S_max), committed slots + ancestors. No padding, no DeepStack."""
+    def step(self, input_ids, input_pos, cache, positions=None, mask=None, return_hidden=False):
+        """The one cached step (decode, chain draft and verify, tree levels and verify; compiled by CompiledSteps):
+        input_ids (B, T) -> logits (B, T, V). Their keys / values go to cache slots input_pos (B, T), at RoPE
+        positions (B, T) (default input_pos) + rope_delta, on all three M-RoPE axes (text after the prompt). Token t
+        of row b sees slot s < S where mask[b, t, s], mask (B, T, S <= max_len): an eager step reads only the slots
+        it needs, a compiled one the whole buffer (default: every slot up to its own, the prompt's real keys). The
+        committed lengths are neither read (a compiled step never recompiles as they grow) nor advanced."""
         positions = input_pos if positions is None else positions
         if mask is None:
-            mask = torch.arange(cache.max_len, device=input_pos.device)[None, :] <= input_pos[:, None]  # (T, S)
-        mask = mask.repeat(self.cfg.n_heads // self.cfg.n_kv_heads, 1)  # (g*T, S): the grouped query rows
-        cos, sin = rope_cos_sin(positions[None] + cache.rope_delta, self.inv_freq)  # (B, T, hd)
-        return self.head(self.decoder(self.embed_tokens(input_ids), cos, sin, cache, mask, True, input_pos))
+            mask = causal_mask(input_pos, cache, cache.max_len)  # (B, T, max_len)
+        cos, sin = rope_cos_sin(positions + cache.rope_delta, self.inv_freq)  # (B, T, hd)
+        x = self.embed_tokens(input_ids)  # (B, T, D)
+        mask = grouped_mask(mask, self.cfg.n_heads // self.cfg.n_kv_heads, x.dtype)  # (B, 1, g*T, S)
+        h = self.decoder(x, cos, sin, cache, mask, slot_index(input_pos, self.cfg.n_kv_heads))
+        return (self.head(h), h) if return_hidden else self.head(h)
 
-    def decoder(self, x, cos, sin, cache, mask, grouped, input_pos=None, deepstack=None):
+    def decoder(self, x, cos, sin, cache, mask, at=None, deepstack=None):
         """The decoder layers, final norm and projection to the shared width: x (B, T, D) -> h (B, T, D_out)."""
         cos, sin = cos.to(x.dtype).unsqueeze(2), sin.to(x.dtype).unsqueeze(2)  # (B, T, 1, hd)
         if self.proj_in is not None:
             x = self.proj_in(x)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, cache, i, mask, grouped, input_pos)
+            x = layer(x, cos, sin, cache, i, mask, at)
             for slots, levels in deepstack or ():
                 if i < len(levels):  # x[slots] += level i, out of place
                     x = x.index_put((slots[:, :x.shape[1]],), levels[i], accumulate=True)
@@ -517,6 +543,81 @@ class VLA(nn.Module):
         if self.traj_head is None:
             raise ValueError("this model has no trajectory head (traj_len = 0)")
         return self.traj_head(hidden_last)  # <traj_future_start>'s final hidden (B, D) -> (B, traj_len, 2)
+
+
+# ---- the compiled step ----
+
+
+class CompiledSteps:
+    """`model` with its one cached step, VLA.step, torch.compile'd over one persistent KVCache: inductor on a CPU
+    (weights frozen into the graph: for decoding, not training), CUDA graphs on CUDA (mode "reduce-overhead": the
+    cache's buffers sit at fixed addresses). Everything else (the prefill, embed, cfg, ...) is the model's own, so
+    speculate.py and tree.py run it unchanged.
+
+    A step of T tokens runs padded to the shortest of step_lengths >= T, so every call reuses one of a few graphs,
+    each compiled at its first call (bench.py warms them up). The padding writes the slots after the step's last
+    one, where every later step writes before any query reads: a decode's cache needs max(step_lengths) - 1 slots
+    more than it writes (new_cache checks)."""
+
+    def __init__(self, model: VLA, max_len: int, step_lengths, batch=1, compile=True):
+        if max_len > model.cfg.max_seq_len:
+            raise ValueError(f"a compiled cache of {max_len} positions is longer than the model's max_seq_len "
+                             f"{model.cfg.max_seq_len}")
+        self.model, self.step_lengths, self.compiled = model, sorted(set(step_lengths)), compile
+        self.cache = model.new_cache(batch, max_len)
+        cuda = self.cache.k[0].device.type == "cuda"
+        self.copy_out = compile and cuda  # a CUDA graph's next replay overwrites its outputs; speculate keeps logits
+        self._step = model.step
+        if compile:
+            # target and draft share VLA.step's code object: past the default 8 variants it falls back to eager silently
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+            if cuda:  # the buffers are graph inputs written in place at fixed addresses (as HF's StaticCache)
+                for buf in self.cache.k + self.cache.v:
+                    torch._dynamo.mark_static_address(buf)
+                self._step = torch.compile(model.step, mode="reduce-overhead", fullgraph=True, dynamic=False)
+            else:
+                self._step = torch.compile(model.step, fullgraph=True, dynamic=False, options={"freezing": True})
+
+    def __getattr__(self, name):  # cfg, embed, visual, expert, ...: the model's
+        return getattr(self.model, name)
+
+    def __call__(self, *args, cache=None, **kwargs):
+        if cache is not None and any(cache.lengths):
+            raise ValueError("CompiledSteps: a cached continuation goes through .step (forward would run it eagerly)")
+        return self.model(*args, cache=cache, **kwargs)  # the prefill, eager (M-RoPE, padding, DeepStack)
+
+    def new_cache(self, batch=1, max_len=None, dtype=None, device=None) -> KVCache:
+        """The persistent cache, emptied; refused where a decode of max_len slots (plus the padding) would not fit."""
+        c, k0 = self.cache, self.cache.k[0]
+        if batch != len(c.lengths):
+            raise ValueError(f"these compiled steps decode batch {len(c.lengths)}, asked for batch {batch}")
+        if max_len is not None and max_len + self.step_lengths[-1] - 1 > c.max_len:
+            raise ValueError(f"a decode needs a cache of {max_len} positions (+ {self.step_lengths[-1] - 1} of step "
+                             f"padding), the compiled cache holds {c.max_len}: build CompiledSteps with a larger max_len")
+        if dtype not in (None, k0.dtype) or (device is not None and torch.device(device) != k0.device):
+            raise ValueError(f"the compiled cache is {k0.dtype} on {k0.device}, asked for {dtype} on {device}")
+        c.length, c.key_mask = 0, None
+        return c
+
+    def step(self, input_ids, input_pos, cache, positions=None, mask=None):
+        if cache is not self.cache:
+            raise ValueError("CompiledSteps steps only its own cache (from its new_cache)")
+        B, T = input_ids.shape
+        n = next((s for s in self.step_lengths if s >= T), None)
+        if n is None:
+            raise ValueError(f"a step of {T} tokens is longer than the longest step length {self.step_lengths}")
+        mask = causal_mask(input_pos, cache, cache.max_len) if mask is None else \
+            F.pad(mask, (0, cache.max_len - mask.shape[-1]))  # (B, T, max_len): one width, one graph
+        if n > T:  # any ids will do; slots and positions go on after the last; the mask rows repeat the last
+            more = torch.arange(1, n - T + 1, device=input_pos.device)  # (n - T,)
+            input_ids = torch.cat([input_ids, input_ids[:, -1:].expand(B, n - T)], 1)  # (B, n)
+            positions = None if positions is None else torch.cat([positions, positions[:, -1:] + more], 1)
+            input_pos = torch.cat([input_pos, input_pos[:, -1:] + more], 1)  # (B, n)
+            mask = torch.cat([mask, mask[:, -1:].expand(B, n - T, -1)], 1)  # (B, n, max_len)
+        if self.compiled and self.model.cfg.draft_vocab:
+            self.model.head_rows()  # a reduced head's kept rows, checked (and gathered if stale) outside the graph
+        logits = self._step(input_ids, input_pos, cache, positions, mask)[:, :T]  # (B, T, V): the padding's dropped
+        return logits.clone() if self.copy_out else logits
 
 
 # ---- draft (routine reasoner) ----

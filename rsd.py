@@ -26,17 +26,16 @@ import bench
 import driving
 from driving import Data
 import evaluate
-from evaluate import MAX_NEW_TOKENS, TARGET_ONLY
+from evaluate import MAX_NEW_TOKENS, TARGET_ONLY, TREES
 from ops import checkpoint, cli, files, timing
 from ops.timing import step_times, tree_step_times
 import speculate
 import train
-from tree import TreeShape, tree_speedup
+from tree import tree_speedup
 
 ROWS = (("replica", "mrope"), ("flatrope", "flat"), ("flatrope+aarl", "aarl"))  # table row -> draft kind on disk
 GAMMAS = evaluate.GAMMAS
 # the draft trees a tree row chooses from on val (width 3: experiments/tree_sweep.py); --tree N keeps those of <= N nodes
-TREES = tuple(TreeShape(n, d, 3) for n in (16, 32) for d in (6, 8))
 FIGURES = "figures"  # --plot's folder
 # in the run folder, beside the checkpoints: what python rsd.py --search measured on val (the step times and the trees'
 # val tau that choose gamma and tree), keyed by the checkpoints' fingerprints; a run without a matching one searches
@@ -192,7 +191,7 @@ def paper_table(target, drafts, splits, outputs, metrics, rec, n_time, repeats, 
     each tree row's every seed (a tree has no replay). ms/token: time_interleaved over the first n_time test scenes,
     every row's first-seed draft beside target-only; with greedy eager decoding its first pass is also those scenes'
     real decoding. Sampling `decoding`: timed sampling, plus real sampled decoding's sampled_tau / sampled_alpha;
-    compile: the timed arms on compiled static-shape steps (bench.compiled_pair)."""
+    compile: the timed arms on compiled steps (bench.compiled_pair)."""
     test, stop = splits["test"], splits["test"].tok.cot_end_id
     device = next(target.parameters()).device
     flat = {(row, s): d for row, by_seed in drafts.items() for s, d in by_seed.items()}
@@ -214,8 +213,8 @@ def paper_table(target, drafts, splits, outputs, metrics, rec, n_time, repeats, 
     decoders = {row: (first[row], gammas[row]) for row in drafts} | {f"{row} tree": (first[row], trees[row])
                                                                      for row in trees}
     timed_arms = {TARGET_ONLY: (target, None, 1), **{name: (target, d, g) for name, (d, g) in decoders.items()}}
-    if compile:  # each chain its own compiled pair; target-only: the first pair's compiled target
-        pairs = {name: bench.compiled_pair(target, d, prompts[:n_time], g, MAX_NEW_TOKENS)
+    if compile:  # each row its own compiled pair; target-only: the first pair's compiled target
+        pairs = {name: bench.compiled_pair(target, d, prompts[:n_time], [g], MAX_NEW_TOKENS)
                  for name, (d, g) in decoders.items()}
         timed_arms = {TARGET_ONLY: (next(iter(pairs.values()))[0], None, 1),
                       **{name: (*pairs[name], g) for name, (d, g) in decoders.items()}}
@@ -526,17 +525,17 @@ def parse_args(argv):
                     help="inference dtype (fp32: the exactness claims hold bit for bit)")
     cli.add_decoding_flags(ap, "> 0 also reports the sampled tau of real speculative decoding per row and "
                                 "times both arms sampling (prompt i = held-out scene i)")
-    ap.add_argument("--compile", action="store_true", help="time both arms with torch.compile'd static-shape steps "
+    ap.add_argument("--compile", action="store_true", help="time both arms with torch.compile'd steps "
                     "(minutes of compilation; gamma is still chosen with the eager cost model)")
     ap.add_argument("--tree", type=int, default=None, help="draft-tree rows beside the chain rows of at most this many "
-                    "nodes (the shape chosen on val from rsd.TREES); 0 = chain rows; default 32 (0 with --compile)")
+                    "nodes (the shape chosen on val from evaluate.TREES); 0 = chain rows; default 32")
     ap.add_argument("--search", action="store_true", help=f"measure the choice of gamma and tree on val again (step "
                     f"times, every tree's val tau) and record it in --run's {SEARCH_JSON}, which later runs read "
                     "while it holds for their checkpoints and settings")
     ap.add_argument("--plot", action="store_true", help="write figures/ (needs matplotlib), after the report")
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     a = ap.parse_args(argv)
-    a.tree = (0 if a.compile else 32) if a.tree is None else a.tree  # --compile times chains only (no compiled trees)
+    a.tree = 32 if a.tree is None else a.tree
     with cli.user_errors(ap):
         cli.check_values(a, [(">= 1", ("scenes", "time_scenes", "repeats")), ("a finite number >= 0", ("show",)),
                                   (cli.VIEWS_RULE, ("views",))], flags=True)
@@ -546,8 +545,7 @@ def parse_args(argv):
             seeds = []
         for bad, msg in ((a.tree and not any(sh.nodes <= a.tree for sh in TREES), f"--tree {a.tree}: the smallest tree "
                           f"rsd.py chooses from has {min(sh.nodes for sh in TREES)} nodes (0 = chain rows only)"),
-                         (a.tree and a.compile, "--compile times the chain only (the tree's steps have no static-shape "
-                          "path yet): add --tree 0"),  # below: both are taken from the --scenes held-out scenes
+                         # below: both are taken from the --scenes held-out scenes
                          (a.time_scenes > a.scenes or a.show > a.scenes, f"--time-scenes ({a.time_scenes}) and --show "
                           f"({a.show}) must be at most --scenes ({a.scenes})"),
                          (not seeds or min(seeds) < 0, f"--seeds must be non-negative integers, got {a.seeds!r}"),

@@ -21,6 +21,8 @@ import time
 
 import torch
 
+from model import causal_mask
+
 # ---- processed distributions ----
 
 # prompt keys: the first group goes to target.embed, the grids also to forward (M-RoPE positions, inputs_embeds or not)
@@ -94,13 +96,13 @@ class SpecResult:
     # per token: True = an accepted draft (routine reasoner), False = the target's own (deliberative reasoner)
     from_draft: list = field(default_factory=list)
     blocks: list = field(default_factory=list)  # tokens emitted per round (accepted drafts + 1 target token)
-    accepted: list = field(default_factory=list)  # draft tokens accepted per round (before a stop-token cut)
+    accepted: list = field(default_factory=list)  # draft tokens accepted per round (before a stop-token or max-new cut)
     depths: list = field(default_factory=list)  # the longest drafted path per round (gamma, or the tree's depth)
     rounds: int = 0  # target verification forwards (one per round; plain decoding: one per token)
     target_forwards: int = 0  # all target forwards, the prompt prefill included
     draft_forwards: int = 0  # all draft forwards, the prompt prefill included
     n_drafted: int = 0  # draft tokens proposed
-    n_accepted: int = 0  # draft tokens the verifier accepted (before any stop-token truncation)
+    n_accepted: int = 0  # draft tokens the verifier accepted (before a stop-token or max-new cut)
     n_tested: int = 0  # draft tokens the verifier reached: accepted ones + the first rejected one per round
     prefill_s: float = 0.0  # wall time of embed + prefill (timing=True only)
     decode_s: float = 0.0  # wall time of the reasoning step after the prefill (timing=True only)
@@ -206,6 +208,15 @@ def make_generator(device, seed):
 # ---- the chain round ----
 
 
+def feed(model, cache, x):
+    """The step of x (B, T) after each row's committed length -> logits (B, T, V); then x is committed. The mask
+    reaches no further than the step's last slot: an eager step reads no empty slot."""
+    slots = cache.slots(x.shape[1])  # (B, T)
+    logits = model.step(x, slots, cache, mask=causal_mask(slots, cache, max(cache.lengths) + x.shape[1]))
+    cache.lengths = [n + x.shape[1] for n in cache.lengths]
+    return logits
+
+
 def spec_round(target, draft, tcache, dcache, pending, gamma, temperature, top_k, top_p, generator, last=None):
     """One draft-then-verify round. pending (1, k): emitted tokens the draft has not seen, the last (x_last) the only
     one the target has not. -> (n_accepted, drafted ints, next int, new pending); last: latest logits (NaN guard)."""
@@ -213,7 +224,7 @@ def spec_round(target, draft, tcache, dcache, pending, gamma, temperature, top_k
     x, drafted, qs = pending, [], []
     last = {} if last is None else last
     for _ in range(gamma):
-        logits_q = last["draft"] = draft(x, cache=dcache)[0, -1]  # (V,) q for the next position
+        logits_q = last["draft"] = feed(draft, dcache, x)[0, -1]  # (V,) q for the next position
         if temperature == 0:
             d = logits_q.argmax(-1, keepdim=True)  # (1,) a greedy draft: q is a point mass
         else:
@@ -221,19 +232,18 @@ def spec_round(target, draft, tcache, dcache, pending, gamma, temperature, top_k
             d = sample(qs[-1], generator).view(1)  # (1,)
         drafted.append(d)
         x = d.view(1, 1)
-    d = torch.cat(drafted) if gamma else pending.new_empty(0)  # (gamma,)
-    logits_p = last["target"] = target(torch.cat([pending[:, -1:], d.view(1, -1)], 1), cache=tcache)[0]  # (gamma+1, V)
+    d = torch.cat(drafted)  # (gamma,)
+    logits_p = last["target"] = feed(target, tcache, torch.cat([pending[:, -1:], d.view(1, -1)], 1))[0]  # (gamma+1, V)
     if temperature == 0:
         n, nxt = verify_greedy(d, logits_p)
     else:
-        q = torch.stack(qs) if gamma else logits_p.new_empty(0, logits_p.shape[-1])  # (gamma, V)
-        n, nxt = verify_sample(d, q, process_logits(logits_p, temperature, top_k, top_p), generator)
+        n, nxt = verify_sample(d, torch.stack(qs), process_logits(logits_p, temperature, top_k, top_p), generator)
     n_int, nxt_int, *d_list = torch.cat([n.view(1), nxt.view(1), d]).tolist()  # the round's one host sync
     # Keep the committed tokens: ell + x_last + n accepted drafts; the new x_last stays out.
     tcache.crop(ell + 1 + n_int)
     dcache.crop(min(dcache.length, ell + 1 + n_int))
     # The new pending is what the draft's cache lacks of [old pending, d_1..d_n, next]: [next] after a rejection,
-    # [d_gamma, next] after a full acceptance (the draft fed itself d_1..d_{gamma-1}), old pending + [next] at gamma 0.
+    # [d_gamma, next] after a full acceptance (the draft fed itself d_1..d_{gamma-1}).
     tail = torch.cat([pending, d[:n_int].view(1, -1), nxt.view(1, 1)], 1)  # (1, k + n + 1)
     pending = tail[:, dcache.length - (ell + 1 - pending.shape[1]):]
     return n_int, d_list, nxt_int, pending
@@ -257,7 +267,8 @@ def speculative(target, draft, prompt, gamma, max_new_tokens, temperature=0.0, t
     kwargs, batch 1; max_len: cache size (None: what the decode needs)."""
     check_inputs(target, draft, prompt, max_new_tokens, temperature, top_k, top_p, stop_token, gamma, tree_round)
     chain = tree_round is None
-    t_slack, d_slack = (0, 0) if chain else gamma.slack  # a tree's branches sit beyond the committed length
+    # Slots a round writes beyond the committed length: the last round, drafting in full, may reach past the end.
+    t_slack, d_slack = (gamma, gamma) if chain else gamma.slack
     tcache = new_cache(target, prompt, max_new_tokens, max_len, t_slack)
     dcache = new_cache(draft, prompt, max_new_tokens, max_len, d_slack)
     sampling = (temperature, top_k, top_p, make_generator(prompt["input_ids"].device, seed))
@@ -267,19 +278,14 @@ def speculative(target, draft, prompt, gamma, max_new_tokens, temperature=0.0, t
     prefill(draft, prompt, embeds, dcache, name="draft")
     t1 = now(prompt["input_ids"].device, timing)
     res = SpecResult(target_forwards=1, draft_forwards=1, prefill_s=t1 - t0)  # the prefills
+    g, depth = (gamma, gamma) if chain else (gamma.nodes, gamma.depth)  # drafted per round; its longest path
+    one_round = spec_round if chain else tree_round
     last = {}  # the latest logits of each model, checked once at the end
     with nonfinite_named(last, draft):
         while len(res.tokens) < max_new_tokens:
-            # Draft only what can still be emitted: the round then ends exactly at max_new_tokens.
-            left = max_new_tokens - len(res.tokens) - 1
-            if chain:
-                g = depth = min(gamma, left)
-                n, drafted, nxt, pending = spec_round(target, draft, tcache, dcache, pending, g, *sampling, last)
-            else:  # the tree cut to what is left (none: a plain target step); g: nodes drafted, depth: longest path
-                shape = gamma.at_most(left) if left else None
-                g, depth = (shape.nodes, shape.depth) if shape else (0, 0)
-                n, drafted, nxt, pending = tree_round(target, draft, tcache, dcache, pending, shape, *sampling, last)
-            block = drafted[:n] + [nxt]
+            # Every round has the same shapes (a compiled step's graphs are fixed); the last one's block is cut.
+            n, drafted, nxt, pending = one_round(target, draft, tcache, dcache, pending, gamma, *sampling, last)
+            block = (drafted[:n] + [nxt])[:max_new_tokens - len(res.tokens)]
             if stop_token is not None and stop_token in block:
                 block = block[:block.index(stop_token) + 1]
             res.tokens += block
@@ -313,7 +319,7 @@ def autoregressive(target, prompt, max_new_tokens, temperature=0.0, top_k=None, 
     out, last = [], {}
     with nonfinite_named(last):
         for _ in range(max_new_tokens):
-            logits = last["target"] = target(x, cache=cache)[0, -1]  # (V,)
+            logits = last["target"] = feed(target, cache, x)[0, -1]  # (V,)
             if temperature == 0:
                 nxt = logits.argmax(-1, keepdim=True)  # (1,)
             else:

@@ -40,10 +40,6 @@ class TreeShape:
         """Candidates a tree of this width grows to `depth`: width at level 1, width^2 at each level after it."""
         return 0 if depth == 0 else self.width + (depth - 1) * self.width ** 2
 
-    def at_most(self, depth):
-        """This shape cut to `depth` levels (the last rounds, where fewer tokens are left to emit)."""
-        return self if depth >= self.depth else TreeShape(min(self.nodes, self.candidates(depth)), depth, self.width)
-
     @property
     def slack(self):
         """Cache slots beyond the committed length a round writes: (target: the N nodes, draft: (D - 1) k)."""
@@ -71,7 +67,7 @@ def draft_tree(draft, dcache, pending, shape):
     scores above its parent, so the kept set is a tree); expanded nodes stay in the draft's cache (no re-feed)."""
     dev, k, S, D = pending.device, shape.width, dcache.max_len, shape.depth
     base, P = dcache.length, pending.shape[1]
-    logits = draft.step(pending, torch.arange(base, base + P, device=dev), dcache)[0, -1:]  # (1, V): q at the root
+    logits = draft.step(pending, dcache.slots(P), dcache)[0, -1:]  # (1, V): q at the root
     dcache.length = root = base + P  # pending is committed; the tree's entries lie beyond the length
     # the (D - 1) k expanded nodes' slots, positions (committed length + depth) and own-slot mask rows, level by level
     cols = torch.arange(S, device=dev)  # (S,)
@@ -93,7 +89,7 @@ def draft_tree(draft, dcache, pending, shape):
         expanded.append(f_idx)
         lv = slice((level - 1) * k, level * k)
         rows = rows[top // k] | own[lv]  # (k, S) the parent's row plus the node's own slot
-        logits = draft.step(tok[-1][top][None], slots[lv], dcache, positions=pos[lv], mask=rows)[0]  # (k, V)
+        logits = draft.step(tok[-1][top][None], slots[None, lv], dcache, positions=pos[None, lv], mask=rows[None])[0]
         n += t.numel()
     tok, score, parent = (torch.cat(x) for x in (tok, score, parent))  # (C,) each
     depth = torch.tensor([1] * k + [d for d in range(2, D + 1) for _ in range(k * k)], device=dev)  # (C,)
@@ -138,18 +134,14 @@ def tree_round(target, draft, tcache, dcache, pending, shape, temperature, top_k
     accepted path's keys / values moved to consecutive slots (KVCache.move), rejected branches beyond the length."""
     ell, dev = tcache.length, pending.device
     last = {} if last is None else last
-    if shape is None:  # nothing left to draft: a plain target step, the draft untouched
-        tree = Tree(pending.new_empty(0), pending.new_zeros(1), pending.new_zeros(1),
-                    torch.ones(1, 1, dtype=torch.bool, device=dev), pending.new_full((1,), -1))
-    else:
-        tree, last["draft"] = draft_tree(draft, dcache, pending, shape)
+    tree, last["draft"] = draft_tree(draft, dcache, pending, shape)
     N = len(tree.tokens)
     mask = torch.zeros(N + 1, tcache.max_len, dtype=torch.bool, device=dev)  # (N+1, S) the tree attention mask
     mask[:, :ell] = True  # the committed cache
     mask[:, ell:ell + N + 1] = tree.anc  # x_last and the node's own ancestors
     x = torch.cat([pending[:, -1:], tree.tokens[None]], 1)  # (1, N+1): x_last, then the nodes
-    logits_p = last["target"] = target.step(x, torch.arange(ell, ell + N + 1, device=dev), tcache,
-                                             positions=ell + tree.depth, mask=mask)[0]  # (N+1, V)
+    logits_p = last["target"] = target.step(x, tcache.slots(N + 1), tcache, positions=ell + tree.depth[None],
+                                             mask=mask[None])[0]  # (N+1, V)
     best, nxt = verify_tree(tree, logits_p, temperature, top_k, top_p, generator)
     best, nxt, *rest = torch.cat([best.view(1), nxt.view(1), tree.parent, tree.tokens, tree.fed]).tolist()
     parent, tokens, fed = rest[:N + 1], rest[N + 1:2 * N + 1], rest[2 * N + 1:]  # split from the round's one host sync
@@ -166,8 +158,7 @@ def tree_round(target, draft, tcache, dcache, pending, shape, temperature, top_k
     dcache.move([fed[v] for v in path[:m]], list(range(dcache.length, dcache.length + m)))
     dcache.length += m
     accepted = [tokens[v - 1] for v in path]
-    unfed = pending if shape is None else pending[:, :0]  # the draft has not seen these yet
-    pending = torch.cat([unfed, torch.tensor([accepted[m:] + [nxt]], device=dev)], 1)
+    pending = torch.tensor([accepted[m:] + [nxt]], device=dev)  # (1, n - m + 1) the draft has not seen these yet
     return n, accepted, nxt, pending
 
 

@@ -145,11 +145,11 @@ def measure(target, draft, prompt, coc, device, amp, reps):
         cos, sin = (c.to(dt).unsqueeze(2) for c in rope_cos_sin(torch.arange(L + 1, device=device)[None],
                                                                target.inv_freq))  # (1, L + 1, 1, hd)
         h = torch.randn(1, L, D, device=device, dtype=dt)  # (1, L, D)
-        sec["prefill_layer"] = t(lambda: layer(h, cos[:, :L], sin[:, :L], cache, 0))  # length 0: writes [0, L)
-        cache.length = L  # the Block writes slot L every call; VLA.forward, not the Block, advances the length
-        h1 = h[:, -1:]  # (1, 1, D)
-        sec["decode_layer"] = t(lambda: layer(h1, cos[:, L:], sin[:, L:], cache, 0, None, True))
-        del cache
+        sec["prefill_layer"] = t(lambda: layer(h, cos[:, :L], sin[:, :L], cache, 0))  # a full forward: writes [0, L)
+        h1, slot = h[:, -1:], torch.tensor([[L]], device=device)  # (1, 1, D), (1, 1): the step writes slot L
+        sees = M.grouped_mask(torch.ones(1, 1, L + 1, dtype=torch.bool, device=device), cfg.n_heads // cfg.n_kv_heads, dt)
+        at = M.slot_index(slot, cfg.n_kv_heads)
+        sec["decode_layer"] = t(lambda: layer(h1, cos[:, L:], sin[:, L:], cache, 0, sees, at))  # as VLA.step runs it
         sec["head_1"] = t(lambda: target.head(h1))  # (1, 1, V)
         sec["head_T"] = t(lambda: target.head(h[:, :Tn]))  # (1, T, V)
     # q forward + backward over prompt + CoC, on p's embeddings (random: only shapes matter) and p's log-probs

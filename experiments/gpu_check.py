@@ -1,12 +1,12 @@
 """The first GPU run, in stages: what a user with one GPU runs first, sized for one command of at most ten minutes.
 Paper: the ~4x lower reasoning-step latency is a GPU claim; this measures the step times behind it at the real shape
-(qwen3-vl-8b, random weights) and checks the CUDA-only paths (the lower-right verify mask, CUDA-graph decoding).
+(qwen3-vl-8b, random weights) and checks the CUDA-only paths (CUDA-graph decoding, chain and tree).
 
 The stages run in the order of what they teach. Each writes DIR/<stage>.json (atomically) the moment it ends, so a
 run cut short keeps every stage it finished; a stage that fails records its traceback and the next one still runs.
 
   a_env          the machine (GPU, torch / CUDA / cuDNN / triton / transformers versions) and the attention kernel
-                 of the target's prefill, decode and verify steps and of the static steps --compile compiles, at
+                 of the target's prefill, decode and verify steps (the same steps --compile compiles), at
                  the preset's shapes (timing.sdpa_steps: the dispatcher's choice and which backends run alone)
   b_cuda_tests   only the CUDA tests (pytest -k cuda --slow), CUDA-graph skips made errors
                  (TORCHINDUCTOR_CUDAGRAPH_OR_ERROR=1, and the CUDA-graph test asserts inductor's skip counter stayed
@@ -49,8 +49,8 @@ import evaluate  # noqa: E402
 from ops import files  # noqa: E402
 import model as M  # noqa: E402
 import speculate  # noqa: E402
-import static  # noqa: E402
 from ops import timing  # noqa: E402
+from tree import tree_speedup  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STAGES = ("a_env", "b_cuda_tests", "c_eager", "d_compiled", "e_full")
@@ -132,10 +132,10 @@ def env_stage(run):
     same shapes)."""
     target, _ = run.build(1)
     prompt = run.prompt(target)
-    L = prompt["input_ids"].shape[1]
-    return {"environment": timing.environment(run.device), "prompt_tokens": L, "gamma": run.args.gamma,
+    return {"environment": timing.environment(run.device), "prompt_tokens": prompt["input_ids"].shape[1],
+            "gamma": run.args.gamma,
             "threads": torch.get_num_threads(),
-            "sdpa": timing.sdpa_steps(target, prompt, run.args.gamma, static_len=L + 2 * run.args.gamma + 1)}
+            "sdpa": timing.sdpa_steps(target, prompt, run.args.gamma)}
 
 
 def tests_stage(run):
@@ -172,7 +172,7 @@ def step_costs(model, prompt, lengths, reps, embeds=None, deepstack=None):
         xs = x.repeat(1, n)  # (1, n): token values do not change a step's time
 
         def step():
-            model(xs, cache=cache)
+            speculate.feed(model, cache, xs)
             cache.crop(base)
         out[n] = 1e3 * timing.median_time(step, prompt["input_ids"].device, reps)
     return out
@@ -215,8 +215,7 @@ def eager_stage(run):
     toy = bench.toy_acceptance(a.toy_json)
     toy_tree = bench.toy_acceptance(bench.TOY_TREE_ACCEPTANCE, bench.decoder_json(tree))
     t_verify = {n + 1: 1e3 * v for n, v in tt["target"].items()}  # (ms) keyed by tokens verified, x_last included
-    tree_pred = {head: tree.tree_speedup(toy_tree["tau"], t_target[1], td, 1e3 * lv, t_verify[tree.nodes + 1],
-                                              tree)
+    tree_pred = {head: tree_speedup(toy_tree["tau"], t_target[1], td, 1e3 * lv, t_verify[tree.nodes + 1], tree)
                  for head, td, lv in (("full", t_draft, tt["draft_level"]), ("reduced", t_reduced, level_reduced))}
     return {"what": "eager steps (no_grad), median of --reps after one warm-up, each on a cache holding the prompt "
                     "and cropped back; the tree's verify and draft level as tree.tree_round runs them",
@@ -241,42 +240,59 @@ def compiled_costs(run, layers):
     a, g = run.args, run.args.gamma
     target, draft = run.build(layers)
     prompt = run.prompt(target)
-    L = prompt["input_ids"].shape[1]
-    lengths = (1, 2, g + 1)
-    ct, cd = (static.StaticDecoder(m, L + g + 1 + g, compile=True, step_lengths=lengths) for m in (target, draft))
+    L, tree = prompt["input_ids"].shape[1], evaluate.TREE
+    # every step a compiled chain of gamma and a compiled tree take: target-only 1, the verifies gamma + 1 and N + 1
+    # (the tree's under its mask), the draft's pending 1 and 2 tokens and a tree level of k (under its mask)
+    shapes = (("target", 1, False), ("target", g + 1, False), ("target", tree.nodes + 1, True), ("draft", 1, False),
+              ("draft", 2, False), ("draft", tree.width, True))
+    t_lengths, d_lengths = (1, g + 1, tree.nodes + 1), (1, 2, tree.width)
+    max_len = L + max(g, tree.nodes) + max(t_lengths)
+    ct, cd = M.CompiledSteps(target, max_len, t_lengths), M.CompiledSteps(draft, max_len, d_lengths)
     watch = timing.CompileWatch({"target": ct, "draft": cd})
     embeds, deepstack = speculate.embed_prompt(target, prompt)
     x = prompt["input_ids"][:, -1:]
     compile_s = {}
     try:
-        for name, dec, n in (("target", ct, 1), ("target", ct, g + 1), ("draft", cd, 1)):
+        for name, n, masked in shapes:
+            dec = ct if name == "target" else cd
             cache = dec.new_cache()
             speculate.prefill(dec, prompt, embeds, cache, deepstack if name == "target" else None)
-            base = cache.length
+            base, slots = cache.length, cache.slots(n)  # (1, n)
+            mask = torch.arange(cache.max_len, device=run.device) <= slots[..., None]  # (1, n, S)
             clock = timing.Clock(run.device, enabled=True)
             for _ in range(3):  # compile; on CUDA the graph's warm-up run, then its recording
-                dec(x.repeat(1, n), cache=cache)
-                cache.crop(base)
-            compile_s[f"{name} T={n}"] = clock.lap()
+                if masked:  # as tree.tree_round calls it
+                    dec.step(x.repeat(1, n), slots, cache, positions=slots, mask=mask)
+                else:
+                    speculate.feed(dec, cache, x.repeat(1, n))
+                    cache.crop(base)
+            compile_s[f"{name} T={n}" + (" tree" if masked else "")] = clock.lap()
         watch.next_phase("timed")
         t_target = step_costs(ct, prompt, [1, g + 1], a.reps, embeds, deepstack)
         t_draft = step_costs(cd, prompt, [1], a.reps, embeds)[1]
+        tt = timing.tree_step_times(ct, cd, prompt, (tree.nodes,), tree.width, a.reps)
     finally:
         watch.close()
     toy = bench.toy_acceptance(a.toy_json)
+    toy_tree = bench.toy_acceptance(bench.TOY_TREE_ACCEPTANCE, bench.decoder_json(tree))
     tau = speculate.expected_tau(toy["alpha"], g)
+    t_verify, t_level = 1e3 * tt["target"][tree.nodes], 1e3 * tt["draft_level"]
     return {"layers": layers, "compile_s": compile_s, "compile_s_total": sum(compile_s.values()),
             "t_target_ms": t_target, "t_draft_1_ms": t_draft, "gamma": g,
             "predicted_speedup_at_toy_alpha": speculate.measured_speedup(tau, t_target[1], t_draft, t_target[g + 1], g),
+            "tree": bench.decoder_json(tree), "t_tree_verify_ms": t_verify, "t_draft_level_ms": t_level,
+            "predicted_tree_speedup_at_toy_tau": tree_speedup(toy_tree["tau"], t_target[1], t_draft, t_level, t_verify,
+                                                              tree),
             "compilations": watch.report(), "peak_memory": timing.peak_memory(run.device)}
 
 
 def compiled_stage(run):
     """(d) The compiled cost model at a few depths, and the compile time per added layer."""
     depths = [k for k in run.args.compiled_layers if k <= run.depth()]
-    out = {"what": "torch.compile'd static.StaticDecoder steps (mode reduce-overhead on CUDA: CUDA graphs; inductor "
-                   "with freezing on a CPU), step lengths 1, 2, gamma + 1; compile_s: the first three calls of each "
-                   "shape; timings as in c_eager", "depths": {}}
+    out = {"what": "torch.compile'd steps (model.CompiledSteps; mode reduce-overhead on CUDA: CUDA graphs; inductor "
+                   "with freezing on a CPU): the chain's (target 1 and gamma + 1, draft 1 and 2) and the default "
+                   "tree's (its verify of N + 1 and a draft level of k, under their masks); compile_s: the first "
+                   "three calls of each shape; timings as in c_eager", "depths": {}}
     for i, k in enumerate(depths):
         if i:  # a deeper model compiles longer: stop before a depth that the last one's time says would not fit
             last = out["depths"][depths[i - 1]]

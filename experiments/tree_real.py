@@ -42,14 +42,15 @@ def layer_ms(cfg, n, prompt_len, reps):
     """CPU ms of one decoder layer's cached step over n new tokens (B = 1) on a cache of prompt_len tokens."""
     block = M.Block(cfg).to(torch.bfloat16).eval()
     cache = M.KVCache(1, 1, cfg.n_kv_heads, prompt_len + n, cfg.head_dim, torch.bfloat16)
-    cache.k.normal_(), cache.v.normal_()  # (1, 1, Hk, S, hd): key values do not change the time
+    cache.k[0].normal_(), cache.v[0].normal_()  # (1, Hk, S, hd): key values do not change the time
     x = torch.randn(1, n, cfg.hidden_size, dtype=torch.bfloat16)  # (1, n, D)
-    pos = torch.arange(prompt_len, prompt_len + n)  # (n,) the new tokens' slots
-    cos, sin = (t.to(torch.bfloat16).unsqueeze(2) for t in rope_cos_sin(pos[None], rope_inv_freq(cfg.head_dim,
-                                                                                               cfg.rope_theta)))
-    mask = (torch.arange(prompt_len + n)[None] <= pos[:, None]).repeat(cfg.n_heads // cfg.n_kv_heads, 1)  # (g*n, S)
-    return 1e3 * median_time(lambda: block(x, cos, sin, cache, 0, mask, True, pos), "cpu", reps,
-                                       time.process_time)
+    pos = torch.arange(prompt_len, prompt_len + n)[None]  # (1, n) the new tokens' slots
+    cos, sin = (t.to(torch.bfloat16).unsqueeze(2) for t in rope_cos_sin(pos, rope_inv_freq(cfg.head_dim,
+                                                                                          cfg.rope_theta)))
+    mask = M.grouped_mask(torch.arange(prompt_len + n) <= pos[..., None], cfg.n_heads // cfg.n_kv_heads,
+                          torch.bfloat16)
+    at = M.slot_index(pos, cfg.n_kv_heads)
+    return 1e3 * median_time(lambda: block(x, cos, sin, cache, 0, mask, at), "cpu", reps, time.process_time)
 
 
 @torch.no_grad()

@@ -17,8 +17,7 @@ import torch
 import torch.nn.functional as F
 
 import speculate
-from speculate import EMBED_KEYS, prefill
-import static
+from speculate import EMBED_KEYS, feed, prefill
 
 # ---- step times ----
 
@@ -59,7 +58,7 @@ def step_times(target, draft, prompt, lengths, reps=20, timer=time.perf_counter)
     return {"target": {n: time_step(target, n) for n in lengths}, "draft": time_step(draft, 1)}
 
 
-@torch.inference_mode()
+@torch.no_grad()  # as step_times: the grad mode the compiled steps were warmed up in
 def tree_step_times(target, draft, prompt, nodes, width, reps=20, timer=time.perf_counter):
     """The tree round's step times (s): {"target": {n: T_verify(n + 1) for n in nodes} (x_last and n nodes),
     "draft_level": T_draft(width), one level's forward over `width` expanded nodes}."""
@@ -68,23 +67,23 @@ def tree_step_times(target, draft, prompt, nodes, width, reps=20, timer=time.per
 
 
 def _step_timer(target, prompt, reps, timer, tree=False):
-    """(m, n) -> median_time of one n-token forward of m after the prompt: with tree a VLA.step as tree_round calls it
-    (the mask's values do not change the work), else a forward and a crop back to the prompt (the verifier's undo)."""
+    """(m, n) -> median_time of one n-token step of m after the prompt: with tree as tree_round calls it (positions
+    and a mask; their values do not change the work), else as spec_round does, with a crop back (the verifier's undo)."""
     device, L = prompt["input_ids"].device, prompt["input_ids"].shape[1]
     embeds = target.embed(**{k: prompt[k] for k in EMBED_KEYS if prompt.get(k) is not None})  # (1, L, D)
 
     def time_step(m, n):
-        cache = m.new_cache(batch=1, max_len=L + n)
+        cache = m.new_cache(batch=1, max_len=L - 1 + n)
         prefill(m, prompt, embeds, cache)  # the prompt except its last token
         x = prompt["input_ids"][:, -1:].repeat(1, n)  # (1, n) tokens; their values do not matter for time
         if tree:
-            slots = torch.arange(L - 1, L - 1 + n, device=device)  # (n,)
-            mask = torch.arange(cache.max_len, device=device)[None] <= slots[:, None]  # (n, S)
+            slots = cache.slots(n)  # (1, n)
+            mask = torch.arange(cache.max_len, device=device) <= slots[..., None]  # (1, n, S)
             return median_time(lambda: m.step(x, slots, cache, positions=slots, mask=mask), device, reps, timer)
         base = cache.length
 
         def step():
-            m(x, cache=cache)
+            feed(m, cache, x)
             cache.crop(base)
 
         return median_time(step, device, reps, timer)
@@ -133,9 +132,9 @@ class CompileWatch:
         self.counters, self.phase, self.counts, self.patched, self.skip_reasons = counters, "compile", {}, [], []
         self.graphs, self.skips0 = {"captured": 0, "replayed": 0}, counters["inductor"]["cudagraph_skips"]
         for name, dec in decoders.items():
-            def counted(input_ids, input_pos, cache, _name=name, _step=dec._step):
+            def counted(input_ids, *args, _name=name, _step=dec._step):
                 before = self.counters["stats"]["unique_graphs"]
-                out = _step(input_ids, input_pos, cache)
+                out = _step(input_ids, *args)
                 c = self.counts.setdefault(self.phase, {}).setdefault(f"{_name} T={input_ids.shape[1]}",
                                                                       {"calls": 0, "compilations": 0})
                 c["calls"] += 1
@@ -205,24 +204,15 @@ def sdpa_kernel_of(args, kwargs):
     """One SDPA call's shapes and mask; `dispatcher`: the backend torch picks (_fused_sdp_choice, or CausalBias's rule);
     `backends`: "ok" or the first line of each one's refusal. A compiled step's kernel is chosen from the same."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    from torch.nn.attention.bias import CausalBias
     q, k, v = args[:3]
     mask, causal, gqa = kwargs.get("attn_mask"), kwargs.get("is_causal", False), kwargs.get("enable_gqa", False)
-    lower_right = isinstance(mask, CausalBias)  # a Tensor subclass: tested before the plain-tensor case
     info = {"q": list(q.shape), "k": list(k.shape), "dtype": str(q.dtype).replace("torch.", ""),
-            "mask": "lower-right causal bias" if lower_right else
-                    "none, is_causal" if causal else "none" if mask is None else f"{mask.dtype} tensor",
+            "mask": "none, is_causal" if causal else "none" if mask is None else f"{mask.dtype} tensor",
             "enable_gqa": gqa}
-    if lower_right:
-        params = torch.backends.cuda.SDPAParams(q, k, v, None, 0.0, False, gqa)
-        info["dispatcher"] = ("FLASH_ATTENTION" if torch.backends.cuda.can_use_flash_attention(params) else
-                              "EFFICIENT_ATTENTION" if torch.backends.cuda.can_use_efficient_attention(params)
-                              else "materialised mask")
-    else:
-        try:  # private, positional (q, k, v, mask, dropout_p, is_causal), then scale, enable_gqa
-            info["dispatcher"] = SDPBackend(torch._fused_sdp_choice(q, k, v, mask, 0.0, causal, enable_gqa=gqa)).name
-        except (AttributeError, TypeError, RuntimeError) as e:
-            info["dispatcher"] = f"unknown ({type(e).__name__}: {str(e)[:100]})"
+    try:  # private, positional (q, k, v, mask, dropout_p, is_causal), then scale, enable_gqa
+        info["dispatcher"] = SDPBackend(torch._fused_sdp_choice(q, k, v, mask, 0.0, causal, enable_gqa=gqa)).name
+    except (AttributeError, TypeError, RuntimeError) as e:
+        info["dispatcher"] = f"unknown ({type(e).__name__}: {str(e)[:100]})"
     info["backends"] = {}
     for b in ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION", "MATH"):  # all in torch >= 2.4
         try:
@@ -235,27 +225,24 @@ def sdpa_kernel_of(args, kwargs):
     return info
 
 
-def sdpa_steps(target, prompt, gamma, static_len=None, tree=False):
+def sdpa_steps(target, prompt, gamma, tree=False):
     """sdpa_kernel_of for the target's prefill, 1-token decode and (gamma+1)-token verify at this prompt, each run once
-    eagerly; with tree (gamma is its N) the tree verify of N + 1 tokens, with static_len (a StaticDecoder's cache
-    length) the static steps that --compile compiles. The vision tower's SDPA is not counted."""
+    eagerly (a compiled step picks its kernel from the same shapes); with tree (gamma is its N) the tree verify of
+    N + 1 tokens under its mask. The vision tower's SDPA is not counted."""
     L, x = prompt["input_ids"].shape[1], prompt["input_ids"][:, -1:]
     with torch.no_grad():
         embeds, deepstack = speculate.embed_prompt(target, prompt)  # (1, L, D)
         cache = target.new_cache(batch=1, max_len=L + gamma + 1)
         calls = {"prefill": first_sdpa_call(lambda: speculate.prefill(target, prompt, embeds, cache, deepstack))}
-        base, steps = cache.length, [("", target, cache)]
-        if static_len:
-            st = static.StaticDecoder(target, max(static_len, L + gamma + 1))
-            steps.append(("static ", st, st.new_cache()))
-            speculate.prefill(st, prompt, embeds, steps[-1][2], deepstack)
-        for kind, m, c in steps:
-            for name, n in (("decode", 1), ("verify", gamma + 1)):
-                calls[kind + name] = first_sdpa_call(lambda: m(x.repeat(1, n), cache=c))
-                c.crop(base)
-        if tree:  # a tree's verify runs VLA.step under its mask (tree.tree_round)
-            slots = torch.arange(base, base + gamma + 1, device=x.device)  # (N+1,)
-            calls["tree verify"] = first_sdpa_call(lambda: target.step(x.repeat(1, gamma + 1), slots, cache))
+        base = cache.length
+        for name, n in (("decode", 1), ("verify", gamma + 1)):
+            calls[name] = first_sdpa_call(lambda: feed(target, cache, x.repeat(1, n)))
+            cache.crop(base)
+        if tree:  # a tree's verify: positions and a mask of its own (tree.tree_round)
+            slots = cache.slots(gamma + 1)  # (1, N+1)
+            mask = torch.arange(cache.max_len, device=x.device) <= slots[..., None]  # (1, N+1, S)
+            calls["tree verify"] = first_sdpa_call(lambda: target.step(x.repeat(1, gamma + 1), slots, cache,
+                                                                       positions=slots, mask=mask))
     return {name: sdpa_kernel_of(*call) for name, call in calls.items()}
 
 

@@ -238,11 +238,11 @@ def trajectory(target, prompt, coc, future_start, repeats, past=None):
     seq = coc + ([] if coc[-1:] == [future_start] else [future_start])
     embeds, deepstack = speculate.embed_prompt(target, prompt)  # (1, L, D)
     cache = prefill_cache(target, prompt, embeds, deepstack, len(seq) + target.expert.cfg.n_waypoints)
-    v0 = speed_from_history((history_poses() if past is None else past)[None]).to(cache.k.device)  # (1,)
+    v0 = speed_from_history((history_poses() if past is None else past)[None]).to(cache.rope_delta.device)  # (1,)
     waypoints = expert_plan(target, cache, prompt["input_ids"].shape[1], seq, v0)
-    g = torch.Generator(device=cache.k.device)  # the expert alone timed, on the cache expert_plan left
+    g = torch.Generator(device=cache.rope_delta.device)  # the expert alone timed, on the cache expert_plan left
     return waypoints, timing.median_time(lambda: target.expert(cache, v0, generator=g.manual_seed(0)),
-                                         cache.k.device, repeats)
+                                         cache.rope_delta.device, repeats)
 
 
 @torch.no_grad()
@@ -260,8 +260,8 @@ def expert_plan(target, cache, L, seq, v0):
     <|traj_future_start|>) -> waypoints (1, N, 2). The noise is seeded 0 every call: the plan is a deterministic
     function of the CoC (AARL's advantages compare CoCs, not noise draws)."""
     cache.crop(L)
-    target(torch.tensor([seq], device=cache.k.device), cache=cache, logits_to_keep=1)  # the CoC, teacher-forced
-    return target.expert(cache, v0, generator=torch.Generator(device=cache.k.device).manual_seed(0))
+    target(torch.tensor([seq], device=cache.rope_delta.device), cache=cache, logits_to_keep=1)  # the CoC, teacher-forced
+    return target.expert(cache, v0, generator=torch.Generator(device=cache.rope_delta.device).manual_seed(0))
 
 
 def plan(target, draft, prompt, stop, tok, how, decoder, max_new, repeats, decoding):

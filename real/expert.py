@@ -19,8 +19,8 @@ import math
 import torch
 import torch.nn as nn
 
-from model import Block, KVCache, ModelConfig, RMSNorm
-from rope import decode_positions, rope_cos_sin, rope_inv_freq
+from model import Block, KVCache, ModelConfig, RMSNorm, grouped_mask, slot_index
+from rope import rope_cos_sin, rope_inv_freq
 
 # ---- config ----
 
@@ -151,15 +151,19 @@ class ActionExpert(nn.Module):
         """Action tokens h (B, N, De) -> (B, N, De), each layer attending to the same layer of `cache` (prompt + CoC +
         <|traj_future_start|>) and to all N tokens. Their K/V are written after cache.length, which never advances:
         the cache is unchanged for the next Euler step (Alpamayo appends them, then crops back)."""
-        N, L = h.shape[1], cache.length
+        B, N, L = *h.shape[:2], cache.length
         if L + N > cache.max_len:
             raise ValueError(f"the expert's {N} action tokens need a KV cache of {L} + {N} slots, max_len is "
                              f"{cache.max_len}")
-        pos = decode_positions(L, N, cache.rope_delta)  # (B, N): after <|traj_future_start|>, equal on t, h, w
-        cos, sin = (t.to(h.dtype).unsqueeze(2) for t in rope_cos_sin(pos, self.inv_freq(h.device)))  # (B, N, 1, hd)
-        mask = None if cache.key_mask is None else cache.key_mask[:, None, None, :L + N]  # (B, 1, 1, L + N)
+        slots = cache.slots(N)  # (B, N): after <|traj_future_start|>, equal on t, h, w
+        cos, sin = (t.to(h.dtype).unsqueeze(2) for t in rope_cos_sin(slots + cache.rope_delta, self.inv_freq(h.device)))
+        mask = (torch.arange(cache.max_len, device=h.device) < L + N).expand(B, N, -1)  # (B, N, S): not causal
+        if cache.key_mask is not None:
+            mask = mask & cache.key_mask[:, None]
+        mask = grouped_mask(mask, self.layer_cfg.n_heads // self.layer_cfg.n_kv_heads, h.dtype)  # (B, 1, g*N, S)
+        at = slot_index(slots, self.layer_cfg.n_kv_heads)
         for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, cache, i, mask)  # not causal: bidirectional action tokens
+            h = layer(h, cos, sin, cache, i, mask, at)  # VLA.step's attention: bidirectional action tokens
         return self.norm(h)
 
     def velocity(self, x, t, cache):
@@ -171,8 +175,8 @@ class ActionExpert(nn.Module):
     def sample(self, cache, generator=None):
         """Euler integration of the flow from noise (t = 0) to normalised actions (t = 1) -> (B, N, 2).
         Training pairs x_t = t x + (1 - t) noise with the velocity x - noise."""
-        B, n = cache.k.shape[1], self.cfg.euler_steps
-        x = torch.randn(B, self.cfg.n_waypoints, 2, generator=generator, device=cache.k.device)
+        B, n = len(cache.lengths), self.cfg.euler_steps
+        x = torch.randn(B, self.cfg.n_waypoints, 2, generator=generator, device=cache.rope_delta.device)
         for k in range(n):
             x = x + self.velocity(x, torch.full((B,), k / n, device=x.device), cache) / n  # t = k / n
         return x

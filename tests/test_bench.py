@@ -11,6 +11,7 @@ import torch
 
 import bench
 import evaluate
+import model as M
 from model import make_draft
 from ops import cli, timing
 import speculate
@@ -100,10 +101,9 @@ def test_sampling_reaches_every_timed_decode(monkeypatch):
     assert all("temperature" not in kw for _, kw in calls)
 
 
-def test_a_tree_cut_by_max_new_reports_and_costs_what_ran(monkeypatch, capsys):
-    """--tree 32 (depth 8) at --max-new 4: every round drafts at most depth 3 (what is left); the report says the
-    nodes and depth verified per round and the cost model times that tree, not the 32-node one (issue #33); a
-    chain of gamma 6 likewise."""
+def test_a_tree_cut_by_max_new_runs_and_costs_its_whole_shape(monkeypatch, capsys):
+    """--tree 32 (depth 8) at --max-new 4: every round still drafts and verifies the whole tree (fixed shapes, the
+    last block cut), and the report and the cost model say so; a chain of gamma 6 likewise."""
     from tree import TreeShape
     target = tiny_model()
     draft = make_draft(target, n_layers=1).eval()
@@ -112,17 +112,15 @@ def test_a_tree_cut_by_max_new_reports_and_costs_what_ran(monkeypatch, capsys):
         t, d, p, nodes, *a, **k))
     res = bench.benchmark(target, draft, [image_prompt()], TreeShape(32, 8, 3), 4, repeats=3)
     ran = res["ran"]
-    assert ran["depth_per_round"] <= 3 and ran["nodes_per_round"] <= 21 and (ran["nodes"], ran["depth"]) != (32, 8)
-    assert timed == [(ran["nodes"],)]
-    bench.report(dict(res, mode="toy", device="cpu", hardware="x", dtype="fp32", threads=1,
-                      decoder=bench.decoder_json(TreeShape(32, 8, 3))))
+    assert (ran["nodes"], ran["depth"], ran["nodes_per_round"], ran["depth_per_round"]) == (32, 8, 32, 8)
+    assert timed == [(32,)] and res["tokens"] == 4
+    bench.report(dict(res, mode="toy", device="cpu", hardware="x", dtype="fp32", threads=1))
     out = capsys.readouterr().out
-    assert "tree draft, 32 nodes, depth 8" in out and f"depth {ran['depth_per_round']:.1f} per round" in out
-    assert f"the cost model at what ran: tree draft, {ran['nodes']} nodes, depth {ran['depth']}" in out
+    assert "tree draft, 32 nodes, depth 8" in out and "depth 8.0 per round" in out
     lengths, step_times = [], timing.step_times
     monkeypatch.setattr(timing, "step_times", lambda t, d, p, ls, *a: lengths.append(ls) or step_times(t, d, p, ls, *a))
     res = bench.benchmark(target, draft, [image_prompt()], 6, 4, repeats=3)
-    assert res["ran"]["gamma"] <= 3 and lengths == [(1, res["ran"]["gamma"] + 1)]
+    assert res["ran"]["gamma"] == 6 and lengths == [(1, 7)]
 
 
 def test_decoding_mode_checks_the_flags():
@@ -175,11 +173,32 @@ def test_a_compiled_step_compiles_only_in_its_compile_pass(eager_dynamo):
     assert res["compiled"]["greedy_match"]
 
 
+def test_compiled_tree_is_chosen_and_timed_beside_the_compiled_chain(eager_dynamo):
+    """--compile with a tree: the tree is the candidate the compiled steps' cost model ranks first (its val tau at the
+    compiled step times), compiled once with every candidate's steps before compile_s ends, and timed beside the
+    compiled chain in the same passes; every compiled arm emits target-only's greedy tokens, nothing compiles again."""
+    from tree import TreeShape
+    target = tiny_model()
+    draft = make_draft(target, n_layers=1).eval()
+    prompts, val = [image_prompt(seed=s) for s in range(2)], [image_prompt(seed=9)]
+    shapes = [TreeShape(6, 3, 2), TreeShape(8, 3, 3)]
+    res = bench.benchmark(target, draft, prompts, shapes[0], 6, repeats=3, compile=True, chain_gamma=3,
+                          choose=(val, shapes))
+    c = res["compiled"]
+    cand = c["chosen"]["candidates"]
+    best = max(shapes, key=lambda sh: cand[str(sh)]["predicted_speedup"])
+    assert c["chosen"]["ran"] == bench.decoder_json(best) == res["decoder"] == {k: v for k, v in res["ran"].items()
+                                                                                 if k in res["decoder"]}
+    assert c["greedy_match"] and set(c["divergences"]) == {*bench.COMPILED, bench.COMPILED_CHAIN}
+    assert c["chain"]["gamma"] == 3 and c["chain"]["ms_per_token"] > 0
+    assert {"target T=4", f"target T={best.nodes + 1}", f"draft T={best.width}"} <= set(c["compilations"]["steps"]["compile"])
+    assert c["compilations"]["recompiled_after_compile"] == {}
+
+
 def test_compile_watch_sees_a_recompilation(eager_dynamo):
     """The counter the test above relies on moves: a step timed under inference_mode after a no_grad warm-up."""
-    import static
     target = tiny_model()
-    st = static.StaticDecoder(target, 40, compile=True)
+    st = M.CompiledSteps(target, 40, (1,))
     watch = timing.CompileWatch({"target": st})
     prompt = image_prompt()
     with torch.no_grad():
@@ -197,27 +216,17 @@ def test_sdpa_steps_name_each_steps_shapes_and_kernel():
     target = tiny_model()
     prompt = image_prompt()
     L, cfg = prompt["input_ids"].shape[1], target.cfg
-    steps = timing.sdpa_steps(target, prompt, 3, static_len=40)
-    assert set(steps) == {"prefill", "decode", "verify", "static decode", "static verify"}
+    steps = timing.sdpa_steps(target, prompt, 3, tree=True)
+    assert set(steps) == {"prefill", "decode", "verify", "tree verify"}
     g = cfg.n_heads // cfg.n_kv_heads
     assert steps["prefill"]["q"] == [1, cfg.n_heads, L - 1, cfg.head_dim] and steps["prefill"]["mask"] == \
         "none, is_causal"
-    assert steps["verify"]["q"] == [1, cfg.n_kv_heads, g * 4, cfg.head_dim]  # the CPU's grouped layout, 4 tokens
-    assert steps["static verify"]["k"] == [1, cfg.n_kv_heads, 40, cfg.head_dim]
+    # the grouped layout, 4 tokens, an additive mask; the verify reads the L + 3 slots it needs, a tree the whole cache
+    for name, S in (("verify", L + 3), ("tree verify", L + 4)):
+        assert steps[name]["q"] == [1, cfg.n_kv_heads, g * 4, cfg.head_dim]
+        assert steps[name]["k"] == [1, cfg.n_kv_heads, S, cfg.head_dim] and steps[name]["mask"] == "torch.float32 tensor"
     for name, s in steps.items():
         assert s["backends"]["MATH"] == "ok" and s["backends"][s["dispatcher"]] == "ok", (name, s)
-
-
-def test_sdpa_steps_see_the_lower_right_verify_bias(monkeypatch):
-    """The CUDA verify step (SDPA's lower-right causal bias over unfolded heads, forced here) is named as such, and
-    its kernel follows torch.nn.attention.bias's rule (on a CPU neither fused kernel takes it: a materialised mask)."""
-    import model
-    monkeypatch.setattr(model, "lower_right_verify", lambda device: True)
-    target, prompt = tiny_model(), image_prompt()
-    v = timing.sdpa_steps(target, prompt, 3)["verify"]
-    assert v["mask"] == "lower-right causal bias" and v["enable_gqa"]
-    assert v["q"] == [1, target.cfg.n_heads, 4, target.cfg.head_dim] and v["dispatcher"] == "materialised mask"
-    assert v["backends"]["MATH"] == "ok"
 
 
 # ---- the toy acceptance behind the real-shape prediction ----

@@ -24,7 +24,6 @@ import model as M
 from ops import checkpoint
 import speculate
 from speculate import autoregressive, process_logits, speculative
-import static
 from tiny_models import tiny_model
 import train as T
 
@@ -278,14 +277,14 @@ def test_bad_sizes_are_refused_by_name():
 
 
 def reduced_pair(target, compile):
-    """A reduced-head full-depth copy of the target, both as StaticDecoder's (steps of 1, 2, 4 tokens)."""
+    """A reduced-head full-depth copy of the target, both as model.CompiledSteps (steps of 1, 2, 4 tokens)."""
     draft = full_copy_draft(target, EVEN)
-    return (static.StaticDecoder(target, 64, compile, step_lengths=(1, 2, 4)),
-            static.StaticDecoder(draft, 64, compile, step_lengths=(1, 2, 4)))
+    return (M.CompiledSteps(target, 64, (1, 2, 4), compile=compile),
+            M.CompiledSteps(draft, 64, (1, 2, 4), compile=compile))
 
 
-def test_static_decoding_with_a_reduced_draft_equals_target_only():
-    """The fixed-shape steps (StaticDecoder, the path --compile takes) with a reduced-head draft: target-only
+def test_compiled_path_with_a_reduced_draft_equals_target_only():
+    """The compiled path's steps (eager here: CompiledSteps, the path --compile takes) with a reduced-head draft: target-only
     decoding's tokens, the draft proposing only ids of its set."""
     target = tiny_model()
     st, sd = reduced_pair(target, compile=False)

@@ -201,15 +201,19 @@ def test_bench_toy_json(run_dir, capsys):
 
 @pytest.mark.slow
 def test_bench_toy_compiled(run_dir, capsys):
-    """--compile: the compiled arms are timed beside the eager ones, emit the target's greedy tokens (fp32), and
-    report their own cost model and compile time."""
+    """--compile: the compiled arms (target-only, the tree chosen from the compiled step costs, the chain) are timed
+    beside the eager ones, emit the target's greedy tokens (fp32), and report their own cost model and compile time."""
     bench.main(["--run", str(run_dir), "--prompts", "2", "--dtype", "fp32", "--views", str(VIEWS), "--compile",
                 "--json"])
     text = capsys.readouterr().out
     c = json.loads(text.strip().splitlines()[-1])["compiled"]
-    assert c["greedy_match"] is True and c["divergences"] == {arm: [] for arm in bench.COMPILED}
-    for key in ("ar_ms_per_token", "spec_ms_per_token", "t_target_1", "t_target_gamma1", "t_draft_1", "compile_s"):
+    assert c["greedy_match"] is True and c["divergences"] == {arm: [] for arm in (*bench.COMPILED,
+                                                                                  bench.COMPILED_CHAIN)}
+    for key in ("ar_ms_per_token", "spec_ms_per_token", "t_target_1", "t_target_verify", "t_draft_1", "t_draft_level",
+                "compile_s"):
         assert c[key] > 0, key
+    assert c["chosen"]["ran"]["kind"] == "tree" and len(c["chosen"]["candidates"]) == len(evaluate.TREES)
+    assert c["chain"]["ms_per_token"] > 0 and "compiled chain" in text
     assert c["speedup"] == pytest.approx(c["ar_ms_per_token"] / c["spec_ms_per_token"])
     assert "compiled       target-only" in text
     assert c["compilations"]["recompiled_after_compile"] == {}  # inductor: nothing compiles after compile_s
@@ -363,7 +367,6 @@ def test_bench_rejects_bad_arguments(capsys):
                       (["--tree", "-1"], "--tree takes a node budget"),
                       (["--tree", "5", "--tree-depth", "8"], "needs at least 8 nodes"),
                       (["--tree", "64", "--tree-depth", "2", "--tree-width", "2"], "has 6 candidates"),
-                      (["--compile", "--tree", "32"], "--compile runs the chain only"),
                       (["--peer", "hf", "--tree", "16", "--tree-depth", "4"], "--peer compares")):
         with pytest.raises(SystemExit):
             bench.main(argv)

@@ -7,11 +7,12 @@ import copy
 
 import pytest
 import torch
-from torch.nn.attention.bias import causal_lower_right, causal_upper_left
 import torch.nn.functional as F
 
+import model as M
 from model import PRESETS, KVCache, ModelConfig, VisionConfig, make_draft
 from rope import flat_position_ids, rope_inv_freq
+from speculate import feed
 from tiny_models import IMG, VE, VS, image_prompt, o1_init, tiny_model
 from vision import patchify
 
@@ -64,35 +65,10 @@ def test_multi_token_step_equals_one_by_one(target, prompt):
     verify = target(new, cache=c2)  # the speculative verify step: T = 4 tokens over the cached prefix
     L = prompt["input_ids"].shape[1]
     assert close(verify, step[:, L:]) and c2.length == c1.length
-    assert close(c2.k[:, :, :, :c2.length], c1.k[:, :, :, :c1.length])
+    assert close(torch.stack(c2.k)[..., :c2.length, :], torch.stack(c1.k)[..., :c1.length, :])
 
 
-@torch.no_grad()
-def test_lower_right_verify_mask_equals_the_folded_boolean_mask(target, prompt, monkeypatch):
-    """The verify step's two attention forms: SDPA's lower-right causal bias over unfolded heads (model.py takes it on
-    CUDA, model.lower_right_verify) and a boolean mask over folded heads (elsewhere) give the same logits and cache.
-    Forced here on the CPU, where SDPA materialises the bias; the upper-left bias, misaligned by the cached prefix,
-    shows that the comparison sees the alignment."""
-    import model as M
-    new = torch.tensor([[12, 13, 14, 15]])
-
-    def verify():
-        cache = target.new_cache(max_len=96)
-        target(**prompt, cache=cache)
-        return target(new, cache=cache), cache
-
-    folded, c1 = verify()
-    used = []
-    monkeypatch.setattr(M, "lower_right_verify", lambda device: True)
-    monkeypatch.setattr(M, "causal_lower_right", lambda *a: used.append(a) or causal_lower_right(*a))
-    bias, c2 = verify()
-    L = prompt["input_ids"].shape[1]
-    assert used == [(4, L + 4)] and close(bias, folded, 1e-6) and torch.equal(c1.k, c2.k) and torch.equal(c1.v, c2.v)
-    monkeypatch.setattr(M, "causal_lower_right", causal_upper_left)
-    assert not close(verify()[0], folded, 1e-2)
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the lower-right verify mask is taken on CUDA only")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA's SDPA kernels for the cached step")
 @torch.no_grad()
 def test_verify_step_on_cuda_equals_one_by_one(prompt):
     model = tiny_model().cuda()
@@ -126,7 +102,7 @@ def test_cache_overflow_error(target):
         target(torch.tensor([[1, 2, 3]]), cache=cache)
     assert cache.length == 6  # the failed step wrote nothing
     with pytest.raises(ValueError, match="KV cache overflow"):
-        KVCache(1, 1, 1, 2, 4).update(0, torch.zeros(1, 1, 3, 4), torch.zeros(1, 1, 3, 4))
+        KVCache(1, 1, 1, 2, 4).slots(3)
 
 
 @torch.no_grad()
@@ -269,7 +245,7 @@ def test_traj_head_and_bf16_decode(target, prompt):
     p16 = dict(prompt, pixel_values=prompt["pixel_values"].bfloat16(),
                pixel_values_videos=prompt["pixel_values_videos"].bfloat16())
     step, cache = decode_one_by_one(m16, p16, torch.tensor([[12, 13]]))
-    assert cache.k.dtype == torch.bfloat16
+    assert cache.k[0].dtype == torch.bfloat16
     ref, _ = decode_one_by_one(target, prompt, torch.tensor([[12, 13]]))
     assert (step.float() - ref).abs().max() < 0.25 * ref.abs().max()  # bf16 rounding only
 
@@ -283,30 +259,64 @@ def test_rope_frequencies_stay_fp32_after_a_dtype_change():
     assert draft.inv_freq.dtype == torch.float32
 
 
-def test_static_step_equals_cached_forward():
-    """VLA.step (fixed shapes: keys = the whole buffer, causal rule and positions from input_pos) against forward's
-    cached step (the slow, obvious path): the same logits and the same cache contents, for a 1-token step, a
-    3-token verify step, and after a rollback whose stale slots the mask must hide."""
-    from static import StaticDecoder
+def test_padded_steps_equal_the_plain_step():
+    """CompiledSteps (eager here: its padding to step lengths and its persistent cache, what --compile compiles)
+    against the model's own cached steps: the same logits and the same cache contents, for a 1-token step, a 3-token
+    verify padded to 4, and after a rollback whose stale slots the mask must hide."""
     model = tiny_model()
     draft = make_draft(model, n_layers=1, hidden_size=32)  # FlatRoPE, width bridge
     prompt = image_prompt()
     embeds = model.embed(**prompt)
     for m in (model, draft):
-        slow, fast = m.new_cache(max_len=48), StaticDecoder(m, 48)
-        fc = fast.new_cache()
-        for c in (slow, fc):
+        fast = M.CompiledSteps(m, 48, step_lengths=(1, 4), compile=False)
+        plain, fc = m.new_cache(max_len=48), fast.new_cache(max_len=40)
+        for c in (plain, fc):
             m(prompt["input_ids"], inputs_embeds=embeds, cache=c, image_grid_thw=prompt["image_grid_thw"],
               video_grid_thw=prompt["video_grid_thw"])
         for x in ([[3]], [[4, 5, 6]], "crop", [[7]], [[8, 9]]):
             if x == "crop":  # reject the last 2 tokens of the verify step: their slots stay behind in the buffer
-                slow.crop(slow.length - 2)
+                plain.crop(plain.length - 2)
                 fc.crop(fc.length - 2)
                 continue
             x = torch.tensor(x)
-            want, got = m(x, cache=slow), fast(x, cache=fc)
+            want, got = feed(m, plain, x), feed(fast, fc, x)
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-            assert fc.length == slow.length
-            n = slow.length
-            torch.testing.assert_close(fc.k[..., :n, :], slow.k[..., :n, :])
-            torch.testing.assert_close(fc.v[..., :n, :], slow.v[..., :n, :])
+            assert fc.length == plain.length
+            n = plain.length
+            torch.testing.assert_close(torch.stack(fc.k)[..., :n, :], torch.stack(plain.k)[..., :n, :])
+            torch.testing.assert_close(torch.stack(fc.v)[..., :n, :], torch.stack(plain.v)[..., :n, :])
+    with pytest.raises(ValueError, match="a step of 5 tokens is longer than the longest step length"):
+        feed(fast, fc, torch.tensor([[1, 2, 3, 4, 5]]))
+    with pytest.raises(ValueError, match=r"a decode needs a cache of 46 positions \(\+ 3 of step padding\)"):
+        fast.new_cache(max_len=46)
+    with pytest.raises(ValueError, match="a cached continuation goes through .step"):
+        fast(torch.tensor([[1]]), cache=fc)
+
+
+@torch.no_grad()
+def test_rows_with_their_own_lengths_equal_their_own_decodes():
+    """The step and the cache with per-row lengths: two prompts of different lengths (left-padded into one prefill),
+    then steps at each row's own slots, one row advancing 3 tokens while the other advances 1 and one rolled back;
+    each row's logits equal its own batch-1 decode of the same tokens (fp32)."""
+    model = tiny_model()
+    a, b = torch.tensor([[5, 6, 7, 8, 9, 10, 11]]), torch.tensor([[5, 9, 12]])
+    pad = a.shape[1] - b.shape[1]
+    ids = torch.cat([a, torch.cat([torch.zeros(1, pad, dtype=torch.long), b], 1)])  # (2, 7) left-padded
+    mask = torch.cat([torch.ones_like(a), torch.cat([torch.zeros(1, pad), torch.ones(1, b.shape[1])], 1).long()])
+    cache = model.new_cache(batch=2, max_len=24)
+    model(ids, attention_mask=mask, cache=cache, logits_to_keep=1)
+    ca, cb = model.new_cache(max_len=24), model.new_cache(max_len=24)
+    model(a, cache=ca), model(b, cache=cb)
+    for xa, xb, keep in (([20, 21, 22], [30], None), ([23], [31], (0, 1)), ([24], [32], None)):
+        T = max(len(xa), len(xb))
+        x = torch.tensor([xa + [xa[-1]] * (T - len(xa)), xb + [xb[-1]] * (T - len(xb))])  # (2, T), the short row padded
+        logits = model.step(x, cache.slots(T), cache)  # (2, T, V)
+        want_a, want_b = feed(model, ca, torch.tensor([xa])), feed(model, cb, torch.tensor([xb]))
+        torch.testing.assert_close(logits[0, :len(xa)], want_a[0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(logits[1, :len(xb)], want_b[0], atol=1e-5, rtol=1e-5)
+        cache.lengths = [cache.lengths[0] + len(xa), cache.lengths[1] + len(xb)]
+        if keep:  # row 1 rejects its last token: the rollback is its length alone
+            cache.lengths[1] -= keep[1]
+            cb.crop(cb.length - keep[1])
+        with pytest.raises(ValueError, match="rows have different lengths"):
+            cache.length

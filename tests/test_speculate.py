@@ -22,6 +22,8 @@ import torch
 import model
 from ops import timing
 import speculate
+import tree
+from tree import TreeShape
 from speculate import (
     autoregressive,
     expected_speedup,
@@ -33,7 +35,6 @@ from speculate import (
     verify_greedy,
     verify_sample
 )
-import static
 import vision
 
 SIGNIFICANCE = 1e-3
@@ -48,8 +49,16 @@ class ToyCache:
 
     def __init__(self, max_len):
         self.tokens = torch.full((max_len,), -1, dtype=torch.long)  # (max_len,)
-        self.length = 0
+        self.lengths = [0]  # one row
         self.max_len = max_len
+        self.key_mask = None
+
+    length = property(lambda self: self.lengths[0], lambda self, n: setattr(self, "lengths", [n]))
+
+    def slots(self, T):
+        if self.length + T > self.max_len:
+            raise ValueError("toy cache overflow")
+        return torch.arange(self.length, self.length + T)[None]  # (1, T)
 
     def crop(self, n):
         assert 0 <= n <= self.length, (n, self.length)
@@ -85,16 +94,18 @@ class ToyLM(torch.nn.Module):
         h = ((torch.arange(len(seq)) + 1) * seq).cumsum(0) % V  # (L,)
         return self.A[seq] + self.B[h]
 
-    def forward(self, input_ids, inputs_embeds=None, cache=None, **kw):
+    def step(self, input_ids, input_pos, cache, positions=None, mask=None):
+        """VLA.step's contract: tokens (1, T) written at slots input_pos (1, T), the length not advanced."""
         self.calls += 1
-        T = input_ids.shape[1]
-        if cache.length + T > cache.max_len:
-            raise ValueError("toy cache overflow")
-        cache.tokens[cache.length:cache.length + T] = input_ids[0]
-        cache.length += T
+        cache.tokens[input_pos[0]] = input_ids[0]
         if self.B is None:  # Markov: no need to look back
             return self.A[input_ids]  # (1, T, V)
-        return self.logits(cache.tokens[:cache.length])[-T:].unsqueeze(0)  # (1, T, V)
+        return self.logits(cache.tokens[:int(input_pos[0, -1]) + 1])[input_pos[0]].unsqueeze(0)  # (1, T, V)
+
+    def forward(self, input_ids, inputs_embeds=None, cache=None, **kw):  # the prefill
+        logits = self.step(input_ids, cache.slots(input_ids.shape[1]), cache)
+        cache.length += input_ids.shape[1]
+        return logits
 
 
 def toy(V, seed, scale=2.0, prefix=True):
@@ -359,8 +370,10 @@ def test_errors_before_any_work():
     with pytest.raises(ValueError, match=r"the draft's vocabulary \(6 tokens\) is not the target's \(5\)"):
         speculative(target, toy(6, seed=1), ids, 2, 5)
     assert target.calls == draft.calls == 0
-    # the exact need fits
-    assert len(speculative(target, draft, ids, 2, 20, max_len=22).tokens) == 20
+    # the exact need fits: 3 - 1 + 20 slots, and gamma more that the last round may write past the end
+    assert len(speculative(target, draft, ids, 2, 20, max_len=24).tokens) == 20
+    with pytest.raises(ValueError, match="needs a cache of 24, max_len is 23"):
+        speculative(target, draft, ids, 2, 20, max_len=23)
 
 
 class LateNaN(ToyLM):
@@ -370,10 +383,9 @@ class LateNaN(ToyLM):
         super().__init__(model.A, model.B)
         self.at = at
 
-    def forward(self, input_ids, cache=None, **kw):
-        logits = super().forward(input_ids, cache=cache, **kw).clone()  # (1, T, V)
-        pos = torch.arange(cache.length - input_ids.shape[1], cache.length)  # (T,) positions of the new tokens
-        logits[0, pos >= self.at] = float("nan")
+    def step(self, input_ids, input_pos, cache, **kw):
+        logits = super().step(input_ids, input_pos, cache, **kw).clone()  # (1, T, V)
+        logits[0, input_pos[0] >= self.at] = float("nan")
         return logits
 
 
@@ -663,20 +675,6 @@ def test_vla_greedy_equals_target(gamma):
                 assert res.blocks[:-1] == [gamma + 1] * (len(res.blocks) - 1), (pname, res.blocks)
 
 
-def test_vla_greedy_equals_target_with_the_lower_right_verify_mask(monkeypatch):
-    """The verify step through SDPA's lower-right causal bias (taken on CUDA, forced here) keeps greedy exactness,
-    for the target and for drafts whose own 2-token steps (after a full acceptance) take it too."""
-    target = tiny_target()
-    drafts = drafts_for(target)
-    refs = {name: autoregressive(target, prompt, 24).tokens for name, prompt in vla_prompts().items()}
-    used = []
-    monkeypatch.setattr(model, "lower_right_verify", lambda device: used.append(device) or True)
-    for pname, prompt in vla_prompts().items():
-        for dname, draft in drafts.items():
-            assert speculative(target, draft, prompt, 4, 24).tokens == refs[pname], (pname, dname)
-    assert used
-
-
 def test_vla_draft_equal_target_temperature_one():
     target = tiny_target()
     for name, prompt in vla_prompts().items():
@@ -700,8 +698,8 @@ def assert_cache_matches_prefill(model, cache, prompt, seq, embed_with):
             model(torch.tensor([seq]), cache=fresh)
     n = fresh.length
     assert cache.length == n
-    torch.testing.assert_close(cache.k[:, :, :, :n], fresh.k[:, :, :, :n], atol=2e-5, rtol=1e-4)
-    torch.testing.assert_close(cache.v[:, :, :, :n], fresh.v[:, :, :, :n], atol=2e-5, rtol=1e-4)
+    for got, want in ((cache.k, fresh.k), (cache.v, fresh.v)):
+        torch.testing.assert_close(torch.stack(got)[..., :n, :], torch.stack(want)[..., :n, :], atol=2e-5, rtol=1e-4)
     assert torch.equal(cache.rope_delta, fresh.rope_delta)
 
 
@@ -728,8 +726,11 @@ def test_vla_cache_rollback():
 
     kinds = set()
     for draft in (drafts["random"], drafts["perturbed"]):  # FlatRoPE narrow draft, M-RoPE full-width copy
-        for temperature in (0.0, 1.0):
-            kinds |= run_rounds(target, draft, prompt, 3, 12, temperature, check_for(draft))
+        # the model's steps, and the compiled path's (eager here): its persistent caches, drafts padded to 3 tokens
+        for t, d in ((target, draft), (model.CompiledSteps(target, 80, (4,), compile=False),
+                                       model.CompiledSteps(draft, 80, (3,), compile=False))):
+            for temperature in (0.0, 1.0):
+                kinds |= run_rounds(t, d, prompt, 3, 12, temperature, check_for(draft))
     assert kinds == {"zero", "partial", "full"}, kinds
 
 
@@ -774,81 +775,75 @@ def test_timing_does_not_change_the_output():
     assert base.tokens == autoregressive(target, prompt, 12).tokens and base.decode_s > 0
 
 
-# ---- static-shape decoding (static.StaticDecoder): eager, and compiled (slow) ----
+# ---- the compiled path (model.CompiledSteps): eager, and compiled (slow) ----
 
 
-def static_pair(target, draft, compile=False, max_len=64):
-    return static.StaticDecoder(target, max_len, compile), static.StaticDecoder(draft, max_len, compile)
+def compiled_pair(target, draft, gammas=(1, 4), compile=False, max_len=64):
+    """CompiledSteps of target and draft for chains of these gammas: target steps 1 and gamma + 1, draft 1 and 2."""
+    return (model.CompiledSteps(target, max_len, (1, *(g + 1 for g in gammas)), compile=compile),
+            model.CompiledSteps(draft, max_len, (1, 2), compile=compile))
 
 
-def test_vla_static_decoding_greedy_equals_target():
-    """The fixed-shape steps over a persistent cache (the path torch.compile and CUDA graphs take) emit exactly the
-    target's greedy tokens: target-only, and speculative with every draft; the 'identical' draft's full acceptances
-    exercise the draft's 2-token step and the rollback of the static cache."""
+def test_vla_compiled_path_greedy_equals_target():
+    """The compiled path's steps (eager here: its persistent cache, the path torch.compile and CUDA graphs take) emit
+    exactly the target's greedy tokens: target-only, and speculative with every draft; the 'identical' draft's full
+    acceptances exercise the draft's 2-token step and the rollback of the persistent cache."""
     target = tiny_target()
     for pname, prompt in vla_prompts().items():
         ref = autoregressive(target, prompt, 24)
-        st = static_pair(target, target)[0]
-        assert autoregressive(st, prompt, 24).tokens == ref.tokens, pname
+        assert autoregressive(compiled_pair(target, target)[0], prompt, 24).tokens == ref.tokens, pname
         for dname, draft in drafts_for(target).items():
             for gamma in (1, 4):
-                res = speculative(*static_pair(target, draft), prompt, gamma, 24)
+                res = speculative(*compiled_pair(target, draft), prompt, gamma, 24)
                 assert res.tokens == ref.tokens, (pname, dname, gamma)
                 if dname == "identical":
                     assert res.blocks[:-1] == [gamma + 1] * (len(res.blocks) - 1), (pname, res.blocks)
 
 
-def test_vla_static_decoding_errors():
+def test_vla_compiled_path_errors():
     target = tiny_target()
     prompt = vla_prompts()["image+video"]  # 27 tokens
-    st, sd = static_pair(target, target, max_len=32)
-    with pytest.raises(ValueError, match="static cache holds 32"):
+    st, sd = compiled_pair(target, target, max_len=32)
+    with pytest.raises(ValueError, match="the compiled cache holds 32"):
         speculative(st, sd, prompt, 4, 24)  # needs 26 + 24 positions
     with pytest.raises(ValueError, match="max_seq_len"):
-        static.StaticDecoder(target, target.cfg.max_seq_len + 1)
-    with pytest.raises(ValueError, match="batch size 1"):
+        model.CompiledSteps(target, target.cfg.max_seq_len + 1, (1,))
+    with pytest.raises(ValueError, match="these compiled steps decode batch 1"):
         st.new_cache(batch=2)
+    with pytest.raises(ValueError, match="CompiledSteps steps only its own cache"):
+        st.step(prompt["input_ids"][:, :1], torch.zeros(1, 1, dtype=torch.long), target.new_cache(max_len=8))
 
 
 @pytest.mark.slow
 def test_vla_compiled_decoding_greedy_equals_target():
     """torch.compile'd steps (inductor on the CPU) emit the same greedy tokens as eager target-only decoding (fp32),
-    target-only and speculative; a second decode reuses the compiled graphs (no recompilation per prompt)."""
+    target-only, the chain and the tree; a second decode reuses the compiled graphs (no recompilation per prompt)."""
     target = tiny_target()
     draft = drafts_for(target)["perturbed"]
-    ct, cd = static_pair(target, draft, compile=True)
+    shape = TreeShape(8, 3, 3)
+    ct = model.CompiledSteps(target, 64, (1, 4, shape.nodes + 1))
+    cd = model.CompiledSteps(draft, 64, (1, 2, shape.width))
     for pname, prompt in vla_prompts().items():
         ref = autoregressive(target, prompt, 16)
         assert autoregressive(ct, prompt, 16).tokens == ref.tokens, pname
         assert speculative(ct, cd, prompt, 3, 16).tokens == ref.tokens, pname
+        assert tree.speculative(ct, cd, prompt, shape, 16).tokens == ref.tokens, pname
 
 
-def test_vla_static_decoding_with_padded_steps():
-    """step_lengths (1, 2, gamma + 1): every step runs padded to one of three shapes, the last rounds' shorter
-    verify steps included (max_new_tokens cuts them), and the output is still the target's greedy output."""
+def test_vla_compiled_path_with_padded_steps():
+    """Steps shorter than every step length run padded (draft steps of 1 and 2 tokens as 3, the target's 1-token
+    steps as 5), max_new_tokens cutting the last round, and the output is still the target's greedy output."""
     target = tiny_target()
     draft = drafts_for(target)["perturbed"]
-    asked, run = [], []  # step lengths speculate asked for, and the padded lengths VLA.step ran
-
-    class Asked:  # records the length of each cached step handed to the decoder
-        def __init__(self, dec):
-            self.dec = dec
-
-        def __getattr__(self, name):
-            return getattr(self.dec, name)
-
-        def __call__(self, x=None, cache=None, **kw):
-            if cache is not None and cache.length and not kw:
-                asked.append(x.shape[1])
-            return self.dec(x, cache=cache, **kw)
-
+    run = []  # the padded lengths VLA.step ran
     for pname, prompt in vla_prompts().items():
         ref = autoregressive(target, prompt, 13)
-        st, sd = (static.StaticDecoder(m, 64, step_lengths=(1, 2, 5)) for m in (target, draft))
+        st, sd = model.CompiledSteps(target, 64, (5,), compile=False), model.CompiledSteps(draft, 64, (3,), compile=False)
         for dec in (st, sd):
-            dec._step = lambda ids, pos, cache, step=dec._step: run.append(ids.shape[1]) or step(ids, pos, cache)
-        assert speculative(Asked(st), Asked(sd), prompt, 4, 13).tokens == ref.tokens, pname
-    assert set(run) <= {1, 2, 5} and {3, 4} & set(asked), (set(run), set(asked))
+            dec._step = lambda ids, *a, step=dec._step: run.append(ids.shape[1]) or step(ids, *a)
+        assert speculative(st, sd, prompt, 4, 13).tokens == ref.tokens, pname
+        assert autoregressive(st, prompt, 13).tokens == ref.tokens, pname
+    assert set(run) == {3, 5}, set(run)
 
 
 @pytest.mark.slow
@@ -857,11 +852,11 @@ def test_vla_compiled_decoding_on_cuda_equals_target():
     """On CUDA, --compile's steps are CUDA graphs over the persistent static cache (mode "reduce-overhead"): greedy
     outputs equal eager target-only decoding (fp32), twice over (the second decode replays the graphs); graphs were
     captured and replayed and none skipped (a skipped one would run as plain inductor and pass the token check)."""
-    import bench
     target = tiny_target().cuda()
     draft = drafts_for(target)["perturbed"]
-    lengths = (1, 2, 4)
-    ct, cd = (static.StaticDecoder(m, 64, compile=True, step_lengths=lengths) for m in (target, draft))
+    shape = TreeShape(8, 3, 3)
+    ct = model.CompiledSteps(target, 64, (1, 4, shape.nodes + 1))
+    cd = model.CompiledSteps(draft, 64, (1, 2, shape.width))
     watch = timing.CompileWatch({"target": ct, "draft": cd})
     try:
         for _ in range(2):
@@ -870,6 +865,7 @@ def test_vla_compiled_decoding_on_cuda_equals_target():
                 ref = autoregressive(target, prompt, 16)
                 assert autoregressive(ct, prompt, 16).tokens == ref.tokens, pname
                 assert speculative(ct, cd, prompt, 3, 16).tokens == ref.tokens, pname
+                assert tree.speculative(ct, cd, prompt, shape, 16).tokens == ref.tokens, pname
     finally:
         watch.close()
     graphs = watch.report()["cuda_graphs"]
