@@ -189,9 +189,10 @@ def cost_model(target, draft, prompt, gamma, tau, reps=20):
         return {"t_target_1": 1e3 * t1, "t_target_gamma1": 1e3 * t["target"][gamma + 1], "t_draft_1": 1e3 * td,
                 "predicted_speedup": speculate.measured_speedup(tau, t1, td, t["target"][gamma + 1], gamma)}
     tt = timing.tree_step_times(target, draft, prompt, (gamma.nodes,), gamma.width, reps)
-    tv, tl = tt["target"][gamma.nodes], tt["draft_level"]
+    tv, tl, tg = tt["target"][gamma.nodes], tt["draft_level"], timing.grow_time(target, draft, prompt, gamma, reps)
     return {"t_target_1": 1e3 * t1, "t_target_verify": 1e3 * tv, "t_draft_1": 1e3 * td, "t_draft_level": 1e3 * tl,
-            "predicted_speedup": tree_speedup(tau, t1, td, tl, tv, gamma)}
+            "t_draft_grow": 1e3 * tg, "predicted_speedup": tree_speedup(tau, t1, td, tl, tv, gamma, t_grow=tg),
+            "predicted_speedup_by_steps": tree_speedup(tau, t1, td, tl, tv, gamma)}
 
 
 def decoder_json(gamma):
@@ -284,7 +285,7 @@ def real(args, device, dtype, decoding):
         ran = TreeShape(*(res["ran"][k] for k in ("nodes", "depth", "width"))) if args.tree else res["ran"]["gamma"]
         if args.tree:  # the same tree's tau, at the cost of the tree that ran (the cost model's)
             res.update(toy_tau=toy["tau"], predicted_speedup_at_toy_tau=tree_speedup(
-                toy["tau"], t1, td, res["t_draft_level"], res["t_target_verify"], ran))
+                toy["tau"], t1, td, res["t_draft_level"], res["t_target_verify"], ran, t_grow=res["t_draft_grow"]))
         else:  # the chain's alpha, through Leviathan's tau at this gamma
             res.update(toy_alpha=toy["alpha"], predicted_speedup_at_toy_alpha=speculate.measured_speedup(
                 speculate.expected_tau(toy["alpha"], ran), t1, td, res["t_target_gamma1"], ran))

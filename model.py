@@ -565,18 +565,50 @@ class CompiledSteps:
                              f"{model.cfg.max_seq_len}")
         self.model, self.step_lengths, self.compiled = model, sorted(set(step_lengths)), compile
         self.cache = model.new_cache(batch, max_len)
-        cuda = self.cache.k[0].device.type == "cuda"
-        self.copy_out = compile and cuda  # a CUDA graph's next replay overwrites its outputs; speculate keeps logits
+        self.cuda = self.cache.k[0].device.type == "cuda"
+        self.copy_out = compile and self.cuda  # a CUDA graph's next replay overwrites its outputs; callers keep them
+        self._fused = {}
         self._step = model.step
         if compile:
             # target and draft share VLA.step's code object: past the default 8 variants it falls back to eager silently
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-            if cuda:  # the buffers are graph inputs written in place at fixed addresses (as HF's StaticCache)
+            if self.cuda:  # the buffers are graph inputs written in place at fixed addresses (as HF's StaticCache)
                 for buf in self.cache.k + self.cache.v:
                     torch._dynamo.mark_static_address(buf)
-                self._step = torch.compile(model.step, mode="reduce-overhead", fullgraph=True, dynamic=False)
-            else:
-                self._step = torch.compile(model.step, fullgraph=True, dynamic=False, options={"freezing": True})
+            self._step = self.compile(model.step)
+
+    def compile(self, fn):
+        """fn through torch.compile: CUDA graphs on CUDA, inductor with frozen weights on a CPU; one graph per shape."""
+        if self.cuda:
+            return torch.compile(fn, mode="reduce-overhead", fullgraph=True, dynamic=False)
+        return torch.compile(fn, fullgraph=True, dynamic=False, options={"freezing": True})
+
+    def fused(self, fn):
+        """fn(model, cache, *tensors), a fixed-shape function of the model's steps and small tensor ops (tree.grow: a
+        draft tree's levels), as one compiled graph called with the model itself: one call instead of one per step
+        and op. Eager (compile False): fn as it is, with these steps."""
+        if not self.compiled:
+            return fn
+        if fn not in self._fused:
+            # dynamo skips every module named like a package it never traces ("tree": dm-tree's), tree.py included;
+            # fn's file comes off that (private) list, or dynamo would refuse to compile tree.grow
+            rules, path = torch._dynamo.trace_rules, fn.__code__.co_filename
+            if path in rules.SKIP_DIRS:
+                rules.SKIP_DIRS.remove(path)
+                rules._recompile_re()
+            self._fused[fn] = self.compile(fn)
+
+        def run(model, cache, *args):
+            if cache is not self.cache:
+                raise ValueError("CompiledSteps steps only its own cache (from its new_cache)")
+            if self.model.cfg.draft_vocab:
+                self.model.head_rows()  # a reduced head's kept rows, checked (and gathered if stale) outside the graph
+            out = self._call_fused(fn.__name__, self._fused[fn], self.model, cache, *args)
+            return tuple(t.clone() for t in out) if self.copy_out else out
+        return run
+
+    def _call_fused(self, name, compiled, *args):  # timing.CompileWatch counts through here
+        return compiled(*args)
 
     def __getattr__(self, name):  # cfg, embed, visual, expert, ...: the model's
         return getattr(self.model, name)

@@ -61,17 +61,25 @@ class Tree:
 
 def draft_tree(draft, dcache, pending, shape):
     """The routine reasoner's tree for one round -> (Tree, the last level's logits (F, V)). Feeds `pending`
-    (committed from then on), then one forward per level over the expanded nodes, each at a slot after the committed
-    length, position committed + depth, seeing the committed cache and its own ancestors. EAGLE-2's: the level-wise
-    growth, top-k expansion and final top-N by cumulative log q. Ours: ties go to the shallower node (a child never
-    scores above its parent, so the kept set is a tree); expanded nodes stay in the draft's cache (no re-feed)."""
-    dev, k, S, D = pending.device, shape.width, dcache.max_len, shape.depth
-    base, P = dcache.length, pending.shape[1]
-    logits = draft.step(pending, dcache.slots(P), dcache)[0, -1:]  # (1, V): q at the root
-    dcache.length = root = base + P  # pending is committed; the tree's entries lie beyond the length
+    (committed from then on), then grows the tree from q at the root (grow)."""
+    logits = speculate.feed(draft, dcache, pending)[0, -1:]  # (1, V): q at the root; pending is committed
+    root = torch.tensor(dcache.length, device=pending.device)  # a tensor: a compiled growth never sees it change
+    grow_ = getattr(draft, "fused", lambda fn: fn)(grow)  # compiled steps: the whole growth as one graph
+    *tree, logits = grow_(draft, dcache, logits, root, shape)
+    return Tree(*tree), logits
+
+
+def grow(draft, dcache, logits, root, shape):
+    """The tree's levels, from q at the root logits (1, V), at fixed shapes for a given shape (N, D, k): one forward
+    per level over the expanded nodes, each at a slot after the committed length `root` (0-d), position root - 1 +
+    depth, seeing the committed cache and its own ancestors -> (Tree's fields, the last level's logits (k, V)).
+    EAGLE-2's: the level-wise growth, top-k expansion and final top-N by cumulative log q. Ours: ties go to the
+    shallower node (a child never scores above its parent, so the kept set is a tree); expanded nodes stay in the
+    draft's cache (no re-feed)."""
+    dev, k, D = logits.device, shape.width, shape.depth
     # the (D - 1) k expanded nodes' slots, positions (committed length + depth) and own-slot mask rows, level by level
-    cols = torch.arange(S, device=dev)  # (S,)
-    slots = torch.arange(root, root + (D - 1) * k, device=dev)  # ((D-1) k,)
+    cols = torch.arange(dcache.max_len, device=dev)  # (S,)
+    slots = root + torch.arange((D - 1) * k, device=dev)  # ((D-1) k,)
     pos = (root + torch.arange(D - 1, device=dev)).repeat_interleave(k)  # ((D-1) k,): root - 1 + depth
     own = cols[None] == slots[:, None]  # ((D-1) k, S)
     rows = (cols < root)[None]  # (F, S) what each expanded node sees; F = 1: the root
@@ -106,9 +114,8 @@ def draft_tree(draft, dcache, pending, shape):
     for _ in range(D):  # walk every node up to the root, marking what it passes
         a = par[a]
         anc[nodes, a] = True
-    tree = Tree(tok[keep], par, torch.cat([depth.new_zeros(1), depth[keep]]), anc,
-                torch.cat([fed.new_full((1,), -1), fed[keep]]))
-    return tree, logits
+    return (tok[keep], par, torch.cat([depth.new_zeros(1), depth[keep]]), anc,
+            torch.cat([fed.new_full((1,), -1), fed[keep]]), logits)
 
 
 def verify_tree(tree, logits_p, temperature, top_k=None, top_p=None, generator=None):
@@ -136,7 +143,7 @@ def tree_round(target, draft, tcache, dcache, pending, shape, temperature, top_k
     last = {} if last is None else last
     tree, last["draft"] = draft_tree(draft, dcache, pending, shape)
     N = len(tree.tokens)
-    mask = torch.zeros(N + 1, tcache.max_len, dtype=torch.bool, device=dev)  # (N+1, S) the tree attention mask
+    mask = torch.zeros(N + 1, ell + N + 1, dtype=torch.bool, device=dev)  # (N+1, S) the tree attention mask
     mask[:, :ell] = True  # the committed cache
     mask[:, ell:ell + N + 1] = tree.anc  # x_last and the node's own ancestors
     x = torch.cat([pending[:, -1:], tree.tokens[None]], 1)  # (1, N+1): x_last, then the nodes
@@ -167,7 +174,9 @@ def speculative(target, draft, prompt, shape: TreeShape, max_new_tokens, **kwarg
     return speculate.speculative(target, draft, prompt, shape, max_new_tokens, tree_round=tree_round, **kwargs)
 
 
-def tree_speedup(tau, t_target_1, t_draft_1, t_draft_level, t_verify, shape):
+def tree_speedup(tau, t_target_1, t_draft_1, t_draft_level, t_verify, shape, t_grow=None):
     """tau * T_target(1) / (T_draft(1) + (D - 1) T_draft(k) + T_verify(N + 1)): a tree round drafts its root level
-    from the pending token, then D - 1 levels of k expanded nodes, and verifies x_last + N nodes in one forward."""
-    return tau * t_target_1 / (t_draft_1 + (shape.depth - 1) * t_draft_level + t_verify)
+    from the pending token, then D - 1 levels of k expanded nodes, and verifies x_last + N nodes in one forward.
+    t_grow: those D - 1 levels and the tree's construction timed as they run (timing.grow_time), in their place."""
+    grow = (shape.depth - 1) * t_draft_level if t_grow is None else t_grow
+    return tau * t_target_1 / (t_draft_1 + grow + t_verify)

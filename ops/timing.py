@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 import speculate
 from speculate import EMBED_KEYS, feed, prefill
+import tree
 
 # ---- step times ----
 
@@ -64,6 +65,19 @@ def tree_step_times(target, draft, prompt, nodes, width, reps=20, timer=time.per
     "draft_level": T_draft(width), one level's forward over `width` expanded nodes}."""
     time_step = _step_timer(target, prompt, reps, timer, tree=True)
     return {"target": {n: time_step(target, n + 1) for n in nodes}, "draft_level": time_step(draft, width)}
+
+
+@torch.no_grad()
+def grow_time(target, draft, prompt, shape, reps=20, timer=time.perf_counter):
+    """T_grow (s): a draft tree's D - 1 levels and its construction after the root (tree.grow; one graph when the
+    draft's steps are compiled), on a cache holding the prompt: the draft's part of a round but its root step."""
+    embeds = target.embed(**{k: prompt[k] for k in EMBED_KEYS if prompt.get(k) is not None})  # (1, L, D)
+    cache = draft.new_cache(batch=1, max_len=prompt["input_ids"].shape[1] + (shape.depth - 1) * shape.width)
+    prefill(draft, prompt, embeds, cache)
+    logits = feed(draft, cache, prompt["input_ids"][:, -1:])[0, -1:]  # (1, V): q at the root
+    root = torch.tensor(cache.length, device=logits.device)
+    grow = getattr(draft, "fused", lambda fn: fn)(tree.grow)
+    return median_time(lambda: grow(draft, cache, logits, root, shape), logits.device, reps, timer)
 
 
 def _step_timer(target, prompt, reps, timer, tree=False):
@@ -131,16 +145,13 @@ class CompileWatch:
         from torch._dynamo.utils import counters
         self.counters, self.phase, self.counts, self.patched, self.skip_reasons = counters, "compile", {}, [], []
         self.graphs, self.skips0 = {"captured": 0, "replayed": 0}, counters["inductor"]["cudagraph_skips"]
-        for name, dec in decoders.items():
-            def counted(input_ids, *args, _name=name, _step=dec._step):
-                before = self.counters["stats"]["unique_graphs"]
-                out = _step(input_ids, *args)
-                c = self.counts.setdefault(self.phase, {}).setdefault(f"{_name} T={input_ids.shape[1]}",
-                                                                      {"calls": 0, "compilations": 0})
-                c["calls"] += 1
-                c["compilations"] += self.counters["stats"]["unique_graphs"] - before
-                return out
-            dec._step = counted
+        for name, dec in decoders.items():  # each compiled call: a step of T tokens, or a fused function (tree.grow)
+            def step(input_ids, *args, _name=name, _step=dec._step):
+                return self.counted(f"{_name} T={input_ids.shape[1]}", _step, input_ids, *args)
+
+            def fused(fn_name, compiled, *args, _name=name, _call=dec._call_fused):
+                return self.counted(f"{_name} {fn_name}", _call, fn_name, compiled, *args)
+            dec._step, dec._call_fused = step, fused
         self.cuda = any(dec.copy_out for dec in decoders.values())  # compiled on CUDA: CUDA graphs expected
         if self.cuda:
             G = torch.cuda.CUDAGraph
@@ -158,6 +169,14 @@ class CompileWatch:
                 self.patched.append(lambda: log.removeHandler(handler))
             except (ImportError, AttributeError):
                 pass  # the skip counter still counts them, without reasons
+
+    def counted(self, key, fn, *args):
+        before = self.counters["stats"]["unique_graphs"]
+        out = fn(*args)
+        c = self.counts.setdefault(self.phase, {}).setdefault(key, {"calls": 0, "compilations": 0})
+        c["calls"] += 1
+        c["compilations"] += self.counters["stats"]["unique_graphs"] - before
+        return out
 
     def next_phase(self, name):
         self.phase = name

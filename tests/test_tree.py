@@ -140,35 +140,47 @@ def test_tree_verify_logits_equal_a_cache_free_forward_over_each_path(monkeypatc
 
 def test_tree_caches_hold_exactly_the_committed_tokens():
     """After every round of a tree decode, both caches equal fresh caches fed the committed tokens (target: all but
-    x_last; draft: all but `pending`)."""
+    x_last; draft: all but `pending`): with the model's steps, and with the compiled path's (model.CompiledSteps,
+    eager here: its persistent caches and padded steps)."""
     target = tiny_target()
     prompt = vla_prompts()["image+video"]
     L = prompt["input_ids"].shape[1]
     kinds = set()
+    shape = TreeShape(30, 4, 3)  # every candidate kept: the target as its own draft is then accepted in full
     for draft in (drafts_for(target)["random"], drafts_for(target)["perturbed"], target):
-        shape = TreeShape(30, 4, 3)  # every candidate kept: the target as its own draft is then accepted in full
-        tcache = speculate.new_cache(target, prompt, 40, None, slack=shape.nodes)  # 5 rounds of at most 5 tokens
-        dcache = speculate.new_cache(draft, prompt, 40, None, slack=(shape.depth - 1) * shape.width)
-        embeds, ds = speculate.embed_prompt(target, prompt)
-        pending = speculate.prefill(target, prompt, embeds, tcache, ds)
-        speculate.prefill(draft, prompt, embeds, dcache)
-        emitted = []
-        with torch.no_grad():
-            for _ in range(5):
-                n, acc, nxt, pending = tree_round(target, draft, tcache, dcache, pending, shape, 0.0, None, None,
-                                                      None)
-                kinds.add("zero" if n == 0 else "full" if n == shape.depth else "partial")
-                emitted += acc + [nxt]
-                committed = prompt["input_ids"][0, -1:].tolist() + emitted
-                k = pending.shape[1]
-                assert pending[0].tolist() == committed[-k:]
-                assert_cache_matches_prefill(target, tcache, prompt, emitted[:-1], target)
-                if len(committed) > k:
-                    assert_cache_matches_prefill(draft, dcache, prompt, committed[1:len(committed) - k], target)
-                else:
-                    assert dcache.length == L - 1
-        assert emitted == vla_greedy_reference(target, prompt, len(emitted))
+        t, d = target, draft
+        for compiled in (False, True):
+            if compiled:  # the draft's pending steps padded to its level's 3 tokens
+                t, d = (model.CompiledSteps(target, 128, (shape.nodes + 1,), compile=False),
+                        model.CompiledSteps(draft, 128, (shape.width,), compile=False))
+            kinds |= tree_rounds_check(target, draft, t, d, prompt, shape, L)
     assert kinds == {"zero", "partial", "full"}, kinds  # every branch of the cache bookkeeping was checked
+
+
+def tree_rounds_check(target, draft, t, d, prompt, shape, L):
+    """5 tree rounds of t and d (target and draft, or their CompiledSteps), each cache checked after every round."""
+    kinds = set()
+    tcache = speculate.new_cache(t, prompt, 40, None, slack=shape.nodes)  # 5 rounds of at most 5 tokens
+    dcache = speculate.new_cache(d, prompt, 40, None, slack=(shape.depth - 1) * shape.width)
+    embeds, ds = speculate.embed_prompt(target, prompt)
+    pending = speculate.prefill(t, prompt, embeds, tcache, ds)
+    speculate.prefill(d, prompt, embeds, dcache)
+    emitted = []
+    with torch.no_grad():
+        for _ in range(5):
+            n, acc, nxt, pending = tree_round(t, d, tcache, dcache, pending, shape, 0.0, None, None, None)
+            kinds.add("zero" if n == 0 else "full" if n == shape.depth else "partial")
+            emitted += acc + [nxt]
+            committed = prompt["input_ids"][0, -1:].tolist() + emitted
+            k = pending.shape[1]
+            assert pending[0].tolist() == committed[-k:]
+            assert_cache_matches_prefill(target, tcache, prompt, emitted[:-1], target)
+            if len(committed) > k:
+                assert_cache_matches_prefill(draft, dcache, prompt, committed[1:len(committed) - k], target)
+            else:
+                assert dcache.length == L - 1
+    assert emitted == vla_greedy_reference(target, prompt, len(emitted))
+    return kinds
 
 
 def test_tree_shape_errors():
@@ -249,10 +261,12 @@ def small_vla(seed):
     return o1_init(model.VLA(cfg).eval(), seed)
 
 
-def test_speculative_tree_distribution(monkeypatch):
+@pytest.mark.parametrize("path", ["eager", "compiled, dynamo", pytest.param("compiled, inductor", marks=pytest.mark.slow)])
+def test_speculative_tree_distribution(path, monkeypatch):
     """The whole loop, speculative() with a tree per sample with its own seed, on a small VLA and a 1-layer draft:
     first 3 tokens ~ the target's law (computed exactly by cache-free forwards; chi-square, level 1e-3, N = 2000);
-    the reused-draw control is rejected at the same N."""
+    the reused-draw control is rejected at the same N. Eagerly, and on the compiled path (model.CompiledSteps):
+    dynamo's graphs run by its eager backend (the tracing, guards and padding at test speed), or inductor's (slow)."""
     target = small_vla(0)
     torch.manual_seed(3)
     draft = model.make_draft(target, n_layers=1).eval()
@@ -265,6 +279,13 @@ def test_speculative_tree_distribution(monkeypatch):
 
     expected = torch.einsum("a,ab,abc->abc", probs([]), torch.stack([probs([a]) for a in range(V)]),
                             torch.stack([torch.stack([probs([a, b]) for b in range(V)]) for a in range(V)]))
+    if path != "eager":
+        torch._dynamo.reset()
+        if path == "compiled, dynamo":
+            compile_ = torch.compile
+            monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile_(fn, backend="eager", fullgraph=True,
+                                                                            dynamic=False))
+        target, draft = model.CompiledSteps(target, 16, (5,)), model.CompiledSteps(draft, 16, (1, 2))
     for name in ("correct", "reused draw"):
         if name == "reused draw":
             monkeypatch.setattr(speculate, "sample", reused_draw)
