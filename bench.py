@@ -92,7 +92,8 @@ def choose_tree(ct, cd, val_prompts, shapes, max_new, stop_token):
     for sh in shapes:
         tau = evaluate.spec_stats(ct.model, {"tree": cd.model}, val_prompts, sh, max_new, stop_token,
                                   check_greedy=False)["tree"]["tau"]
-        scores[sh] = {"val_tau": tau, "predicted_speedup": cost_model(ct, cd, val_prompts[0], sh, tau)["predicted_speedup"]}
+        predicted = cost_model(ct, cd, val_prompts[0], sh, tau)["predicted_speedup"]
+        scores[sh] = {"val_tau": tau, "predicted_speedup": predicted}
     return max(shapes, key=lambda sh: scores[sh]["predicted_speedup"]), scores
 
 
@@ -139,7 +140,8 @@ def benchmark(target, draft, prompts, gamma, max_new, stop_token=None, repeats=3
     try:
         t = time_arms(target, {"speculative": draft}, prompts, gamma, max_new, stop_token, repeats, decoding, extra,
                       on_timed=watch and (lambda: watch.next_phase("timed")))
-        res = {"decoder": decoder_json(gamma), "decoding": decoding, "greedy_match": spec["greedy_match"], "tau": spec["tau"], "alpha": spec["alpha"],
+        res = {"decoder": decoder_json(gamma), "decoding": decoding, "greedy_match": spec["greedy_match"],
+               "tau": spec["tau"], "alpha": spec["alpha"],
                "routine_fraction": spec["routine_fraction"], "tokens": spec["n_tokens"], "prompts": len(prompts),
                "divergences": timing.divergences(target, prompts, reference, spec["tokens"]),
                **both_arms(t[TARGET_ONLY], t["speculative"]), "speedup": t["speculative"]["speedup"]}
@@ -285,7 +287,7 @@ def real(args, device, dtype, decoding):
         ran = TreeShape(*(res["ran"][k] for k in ("nodes", "depth", "width"))) if args.tree else res["ran"]["gamma"]
         if args.tree:  # the same tree's tau, at the cost of the tree that ran (the cost model's)
             res.update(toy_tau=toy["tau"], predicted_speedup_at_toy_tau=tree_speedup(
-                toy["tau"], t1, td, res["t_draft_level"], res["t_target_verify"], ran, t_grow=res["t_draft_grow"]))
+                toy["tau"], t1, td, res["t_draft_level"], res["t_target_verify"], ran, res["t_draft_grow"]))
         else:  # the chain's alpha, through Leviathan's tau at this gamma
             res.update(toy_alpha=toy["alpha"], predicted_speedup_at_toy_alpha=speculate.measured_speedup(
                 speculate.expected_tau(toy["alpha"], ran), t1, td, res["t_target_gamma1"], ran))
@@ -365,8 +367,8 @@ def main(argv=None):
             ("--draft-vocab", 0, "with --preset: the draft's head covers only the first K token ids (0: all)"),
             ("--images", 16, "images in the real-shape / generated prompt"),
             ("--gamma", evaluate.GAMMA, "the chain's draft length (the chain arm, also timed beside a tree)"),
-            ("--tree", None, f"a draft tree of N nodes, 0: the chain (default {evaluate.TREE.nodes}; toy --compile: the "
-                             "tree of evaluate.TREES the compiled steps run fastest on val scenes)"),
+            ("--tree", None, f"a draft tree of N nodes, 0: the chain (default {evaluate.TREE.nodes}; toy --compile: "
+                             "the tree of evaluate.TREES the compiled steps run fastest on val scenes)"),
             ("--tree-depth", evaluate.TREE.depth, "with --tree: its depth D"),
             ("--tree-width", evaluate.TREE.width, "with --tree: k, nodes expanded per level and children per node"),
             ("--max-new", evaluate.MAX_NEW_TOKENS, "reasoning tokens per prompt at most"),

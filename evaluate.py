@@ -22,7 +22,8 @@ GAMMAS = tuple(range(2, 9))  # the draft lengths tau is replayed at (a speed-opt
 # the benchmark's default draft tree (N nodes, depth D, width k): chosen on the validation split by the measured cost
 # model (experiments/tree_sweep.py); bench.py --tree 0 runs the chain of GAMMA instead
 TREE = TreeShape(32, 8, 3)
-TREES = tuple(TreeShape(n, d, 3) for n in (16, 32) for d in (6, 8))  # the shapes rsd.py and bench.py --compile choose from
+# the shapes rsd.py and bench.py --compile choose from (on val, by the cost model of the mode that runs them)
+TREES = tuple(TreeShape(n, d, 3) for n in (16, 32) for d in (6, 8))
 EVAL_BATCH = 64  # scenes per batched evaluation forward
 TARGET_ONLY = "target-only"  # the baseline arm: plain KV-cached decoding by the target
 

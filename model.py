@@ -492,7 +492,8 @@ class VLA(nn.Module):
                                                       video_grid_thw, return_deepstack=True)
             x, T = inputs_embeds, inputs_embeds.shape[1]  # (B, T, D)
             if T > self.cfg.max_seq_len:  # beyond the positions the model was built (and trained) for
-                raise ValueError(f"sequence of {T} tokens is longer than the model's max_seq_len {self.cfg.max_seq_len}")
+                raise ValueError(f"sequence of {T} tokens is longer than the model's max_seq_len "
+                                 f"{self.cfg.max_seq_len}")
             cos, sin = self.rope_tables(input_ids, x, image_grid_thw, video_grid_thw, second_per_grid_ts,
                                         attention_mask, cache, position_ids)
             mask = None  # causal, or causal & real keys under padding (the diagonal keeps padded rows finite)
@@ -625,7 +626,8 @@ class CompiledSteps:
             raise ValueError(f"these compiled steps decode batch {len(c.lengths)}, asked for batch {batch}")
         if max_len is not None and max_len + self.step_lengths[-1] - 1 > c.max_len:
             raise ValueError(f"a decode needs a cache of {max_len} positions (+ {self.step_lengths[-1] - 1} of step "
-                             f"padding), the compiled cache holds {c.max_len}: build CompiledSteps with a larger max_len")
+                             f"padding), the compiled cache holds {c.max_len}: build CompiledSteps with a larger "
+                             "max_len")
         if dtype not in (None, k0.dtype) or (device is not None and torch.device(device) != k0.device):
             raise ValueError(f"the compiled cache is {k0.dtype} on {k0.device}, asked for {dtype} on {device}")
         c.length, c.key_mask = 0, None

@@ -136,6 +136,17 @@ def verify_tree(tree, logits_p, temperature, top_k=None, top_p=None, generator=N
     return best, y[best]
 
 
+def tree_forward(target, tcache, x_last, tokens, depth, anc, ell):
+    """The target's one forward over x_last (1, 1) and the tree's N nodes -> p at every node (N+1, V): node i at slot
+    ell + i (ell: the committed length, 0-d), position ell + depth, seeing the committed cache and its ancestors."""
+    N, cols = tokens.shape[0], torch.arange(tcache.max_len, device=ell.device)  # (S,)
+    rel = cols - ell  # (S,) slot c holds node c - ell of the tree, if any
+    mask = (cols < ell)[None] | ((rel >= 0) & (rel <= N))[None] & anc[:, rel.clamp(0, N)]  # (N+1, S)
+    x = torch.cat([x_last, tokens[None]], 1)  # (1, N+1): x_last, then the nodes
+    slots = ell + torch.arange(N + 1, device=ell.device)  # (N+1,)
+    return target.step(x, slots[None], tcache, positions=(ell + depth)[None], mask=mask[None])[0]
+
+
 def tree_round(target, draft, tcache, dcache, pending, shape, temperature, top_k, top_p, generator, last=None):
     """One round with a draft tree, spec_round's contract. The caches then hold exactly the committed tokens: the
     accepted path's keys / values moved to consecutive slots (KVCache.move), rejected branches beyond the length."""
@@ -143,12 +154,10 @@ def tree_round(target, draft, tcache, dcache, pending, shape, temperature, top_k
     last = {} if last is None else last
     tree, last["draft"] = draft_tree(draft, dcache, pending, shape)
     N = len(tree.tokens)
-    mask = torch.zeros(N + 1, ell + N + 1, dtype=torch.bool, device=dev)  # (N+1, S) the tree attention mask
-    mask[:, :ell] = True  # the committed cache
-    mask[:, ell:ell + N + 1] = tree.anc  # x_last and the node's own ancestors
-    x = torch.cat([pending[:, -1:], tree.tokens[None]], 1)  # (1, N+1): x_last, then the nodes
-    logits_p = last["target"] = target.step(x, tcache.slots(N + 1), tcache, positions=ell + tree.depth[None],
-                                             mask=mask[None])[0]  # (N+1, V)
+    tcache.slots(N + 1)  # checks the room for the nodes
+    verify = getattr(target, "fused", lambda fn: fn)(tree_forward)  # compiled steps: one graph
+    logits_p = last["target"] = verify(target, tcache, pending[:, -1:], tree.tokens, tree.depth, tree.anc,
+                                       torch.tensor(ell, device=dev))  # (N+1, V)
     best, nxt = verify_tree(tree, logits_p, temperature, top_k, top_p, generator)
     best, nxt, *rest = torch.cat([best.view(1), nxt.view(1), tree.parent, tree.tokens, tree.fed]).tolist()
     parent, tokens, fed = rest[:N + 1], rest[N + 1:2 * N + 1], rest[2 * N + 1:]  # split from the round's one host sync

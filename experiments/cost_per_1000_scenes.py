@@ -147,7 +147,8 @@ def measure(target, draft, prompt, coc, device, amp, reps):
         h = torch.randn(1, L, D, device=device, dtype=dt)  # (1, L, D)
         sec["prefill_layer"] = t(lambda: layer(h, cos[:, :L], sin[:, :L], cache, 0))  # a full forward: writes [0, L)
         h1, slot = h[:, -1:], torch.tensor([[L]], device=device)  # (1, 1, D), (1, 1): the step writes slot L
-        sees = M.grouped_mask(torch.ones(1, 1, L + 1, dtype=torch.bool, device=device), cfg.n_heads // cfg.n_kv_heads, dt)
+        sees = M.grouped_mask(torch.ones(1, 1, L + 1, dtype=torch.bool, device=device), cfg.n_heads // cfg.n_kv_heads,
+                              dt)  # (1, 1, g, L + 1): the new token sees every slot
         at = M.slot_index(slot, cfg.n_kv_heads)
         sec["decode_layer"] = t(lambda: layer(h1, cos[:, L:], sin[:, L:], cache, 0, sees, at))  # as VLA.step runs it
         sec["head_1"] = t(lambda: target.head(h1))  # (1, 1, V)

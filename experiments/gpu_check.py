@@ -18,7 +18,8 @@ run cut short keeps every stage it finished; a stage that fails records its trac
                  1..8 at the toy's recorded acceptance and for the default tree at the toy's recorded tree tau
   d_compiled     the compiled cost model (CUDA graphs, mode "reduce-overhead"; inductor on a CPU) at a few depths
                  (--compiled-layers): compile time of each step shape, T_target(1), T_target(gamma+1), T_draft(1),
-                 and timing.CompileWatch's count of compilations after the compile pass (must be none) and of the
+                 the default tree's verify and fused growth (tree.grow) and the speed-up they predict at the toy's
+                 tree tau, and timing.CompileWatch's count of compilations after the compile pass (must be none) and of the
                  CUDA graphs captured, replayed and skipped
   e_full         the same at full depth, if the budget still allows it by the compile time per layer that (d)
                  measured; otherwise written with skipped: true, the estimate and the reason
@@ -267,10 +268,14 @@ def compiled_costs(run, layers):
                     speculate.feed(dec, cache, x.repeat(1, n))
                     cache.crop(base)
             compile_s[f"{name} T={n}" + (" tree" if masked else "")] = clock.lap()
+        clock = timing.Clock(run.device, enabled=True)
+        timing.grow_time(ct, cd, prompt, tree, reps=2)  # the tree's levels fused into one graph (tree.grow)
+        compile_s["draft grow"] = clock.lap()
         watch.next_phase("timed")
         t_target = step_costs(ct, prompt, [1, g + 1], a.reps, embeds, deepstack)
         t_draft = step_costs(cd, prompt, [1], a.reps, embeds)[1]
         tt = timing.tree_step_times(ct, cd, prompt, (tree.nodes,), tree.width, a.reps)
+        t_grow = 1e3 * timing.grow_time(ct, cd, prompt, tree, a.reps)
     finally:
         watch.close()
     toy = bench.toy_acceptance(a.toy_json)
@@ -281,8 +286,8 @@ def compiled_costs(run, layers):
             "t_target_ms": t_target, "t_draft_1_ms": t_draft, "gamma": g,
             "predicted_speedup_at_toy_alpha": speculate.measured_speedup(tau, t_target[1], t_draft, t_target[g + 1], g),
             "tree": bench.decoder_json(tree), "t_tree_verify_ms": t_verify, "t_draft_level_ms": t_level,
-            "predicted_tree_speedup_at_toy_tau": tree_speedup(toy_tree["tau"], t_target[1], t_draft, t_level, t_verify,
-                                                              tree),
+            "t_draft_grow_ms": t_grow, "predicted_tree_speedup_at_toy_tau": tree_speedup(
+                toy_tree["tau"], t_target[1], t_draft, t_level, t_verify, tree, t_grow),
             "compilations": watch.report(), "peak_memory": timing.peak_memory(run.device)}
 
 
@@ -291,8 +296,9 @@ def compiled_stage(run):
     depths = [k for k in run.args.compiled_layers if k <= run.depth()]
     out = {"what": "torch.compile'd steps (model.CompiledSteps; mode reduce-overhead on CUDA: CUDA graphs; inductor "
                    "with freezing on a CPU): the chain's (target 1 and gamma + 1, draft 1 and 2) and the default "
-                   "tree's (its verify of N + 1 and a draft level of k, under their masks); compile_s: the first "
-                   "three calls of each shape; timings as in c_eager", "depths": {}}
+                   "tree's (its verify of N + 1 and a draft level of k, under their masks, and its whole growth "
+                   "fused, tree.grow); compile_s: the first three calls of each shape; timings as in c_eager",
+           "depths": {}}
     for i, k in enumerate(depths):
         if i:  # a deeper model compiles longer: stop before a depth that the last one's time says would not fit
             last = out["depths"][depths[i - 1]]

@@ -284,8 +284,8 @@ def reduced_pair(target, compile):
 
 
 def test_compiled_path_with_a_reduced_draft_equals_target_only():
-    """The compiled path's steps (eager here: CompiledSteps, the path --compile takes) with a reduced-head draft: target-only
-    decoding's tokens, the draft proposing only ids of its set."""
+    """The compiled path's steps (eager here: CompiledSteps, the path --compile takes) with a reduced-head draft:
+    target-only decoding's tokens, the draft proposing only ids of its set."""
     target = tiny_model()
     st, sd = reduced_pair(target, compile=False)
     for pname, prompt in vla_prompts().items():

@@ -838,7 +838,8 @@ def test_vla_compiled_path_with_padded_steps():
     run = []  # the padded lengths VLA.step ran
     for pname, prompt in vla_prompts().items():
         ref = autoregressive(target, prompt, 13)
-        st, sd = model.CompiledSteps(target, 64, (5,), compile=False), model.CompiledSteps(draft, 64, (3,), compile=False)
+        st = model.CompiledSteps(target, 64, (5,), compile=False)
+        sd = model.CompiledSteps(draft, 64, (3,), compile=False)
         for dec in (st, sd):
             dec._step = lambda ids, *a, step=dec._step: run.append(ids.shape[1]) or step(ids, *a)
         assert speculative(st, sd, prompt, 4, 13).tokens == ref.tokens, pname

@@ -261,7 +261,8 @@ def small_vla(seed):
     return o1_init(model.VLA(cfg).eval(), seed)
 
 
-@pytest.mark.parametrize("path", ["eager", "compiled, dynamo", pytest.param("compiled, inductor", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("path", ["eager", "compiled, dynamo",
+                                  pytest.param("compiled, inductor", marks=pytest.mark.slow)])
 def test_speculative_tree_distribution(path, monkeypatch):
     """The whole loop, speculative() with a tree per sample with its own seed, on a small VLA and a 1-layer draft:
     first 3 tokens ~ the target's law (computed exactly by cache-free forwards; chi-square, level 1e-3, N = 2000);
