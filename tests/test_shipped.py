@@ -28,3 +28,41 @@ def test_shipped_checkpoints_reproduce_their_recorded_check():
     assert now["coc_exact"] == recorded["coc_exact"] and now["commitment_acc"] == recorded["commitment_acc"]
     assert now["tau"] == pytest.approx(recorded["tau"], abs=1e-12)
     assert recorded["coc_exact"] >= 0.9 and recorded["commitment_acc"] >= 0.95     # a trained target, not a stub
+
+
+def test_every_shipped_draft_decodes_the_targets_greedy_tokens_on_every_path(monkeypatch):
+    """Each shipped draft (every kind and seed), fp32, on held-out scenes: the eager chain and tree, and the compiled
+    path's chain and tree (model.CompiledSteps through dynamo's graphs, run by its eager backend: the real tracing,
+    fused tree growth and verify, padding and persistent caches at test speed), emit target-only greedy decoding's
+    tokens, with the stop token and with max-new cutting inside an accepted path. (Inductor's own kernels:
+    tests/test_speculate.py's slow tests.)"""
+    import bench
+    import driving
+    import evaluate
+    import model
+    from ops import checkpoint
+    import speculate
+    import tree
+    torch.set_num_threads(2)
+    compile_ = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile_(fn, backend="eager", fullgraph=True,
+                                                                    dynamic=False))
+    torch._dynamo.reset()
+    target = checkpoint.load(os.path.join(SHIPPED, "target")).eval()
+    tok = driving.Tokenizer()
+    prompts = evaluate.scene_prompts(driving.make_split("test", 2, seed=0), tok, "cpu", views=2)
+    stop, shape, gamma = tok.cot_end_id, tree.TreeShape(16, 6, 3), 6
+    refs = {n: [speculate.autoregressive(target, p, n, stop_token=stop).tokens for p in prompts] for n in (7, 32)}
+    assert any(len(r) < 32 for r in refs[32]) and all(len(r) == 7 for r in refs[7])  # a stop, and cuts at 7
+    dirs = sorted(d for d in os.listdir(SHIPPED) if d.startswith("draft_"))
+    assert len(dirs) == 9
+    for name in dirs:
+        draft = checkpoint.load(os.path.join(SHIPPED, name), target=target).eval()
+        pairs = {"eager": (target, draft), "compiled": bench.compiled_pair(target, draft, prompts, [shape, gamma], 32)}
+        for path, (t, d) in pairs.items():
+            for n, ref in refs.items():
+                for p, want in zip(prompts, ref):
+                    assert speculate.speculative(t, d, p, gamma, n, stop_token=stop).tokens == want, (name, path, n)
+                    assert tree.speculative(t, d, p, shape, n, stop_token=stop).tokens == want, (name, path, n)
+    torch._dynamo.reset()
+    assert isinstance(pairs["compiled"][0], model.CompiledSteps)
