@@ -266,8 +266,10 @@ class KVCache:
         """Slots (B, T) of T tokens after each row's committed length, checked to fit."""
         if max(self.lengths) + T > self.max_len:
             raise ValueError(f"KV cache overflow: {max(self.lengths)} + {T} tokens > max_len {self.max_len}")
-        base = torch.tensor(self.lengths, device=self.rope_delta.device)[:, None]  # (B, 1)
-        return base + torch.arange(T, device=base.device)  # (B, T)
+        device, n = self.rope_delta.device, self.lengths[0]
+        if all(m == n for m in self.lengths):  # one op: every step of a batch-1 decode comes here
+            return torch.arange(n, n + T, device=device).expand(len(self.lengths), T)  # (B, T)
+        return torch.tensor(self.lengths, device=device)[:, None] + torch.arange(T, device=device)  # (B, T)
 
     def crop(self, n):
         if not 0 <= n <= self.length:
@@ -585,9 +587,9 @@ class CompiledSteps:
         return torch.compile(fn, fullgraph=True, dynamic=False, options={"freezing": True})
 
     def fused(self, fn):
-        """fn(model, cache, *tensors), a fixed-shape function of the model's steps and small tensor ops (tree.grow: a
-        draft tree's levels), as one compiled graph called with the model itself: one call instead of one per step
-        and op. Eager (compile False): fn as it is, with these steps."""
+        """fn(model, cache, *tensors), a fixed-shape function of the model's steps and small tensor ops (tree.grow, a
+        draft tree's levels; tree.tree_forward, its verify), as one compiled graph called with the model itself: one
+        call instead of one per step and op. Eager (compile False): fn as it is, with these steps."""
         if not self.compiled:
             return fn
         if fn not in self._fused:

@@ -154,7 +154,8 @@ def tree_round(target, draft, tcache, dcache, pending, shape, temperature, top_k
     last = {} if last is None else last
     tree, last["draft"] = draft_tree(draft, dcache, pending, shape)
     N = len(tree.tokens)
-    tcache.slots(N + 1)  # checks the room for the nodes
+    if ell + N + 1 > tcache.max_len:
+        raise ValueError(f"KV cache overflow: {ell} + {N + 1} tokens > max_len {tcache.max_len}")
     verify = getattr(target, "fused", lambda fn: fn)(tree_forward)  # compiled steps: one graph
     logits_p = last["target"] = verify(target, tcache, pending[:, -1:], tree.tokens, tree.depth, tree.anc,
                                        torch.tensor(ell, device=dev))  # (N+1, V)

@@ -239,6 +239,7 @@ def test_bench_real_shape_preset(run_dir, tmp_path, capsys):
     bench.main(["--run", str(run_dir), "--prompts", "2", "--dtype", "fp32", "--views", str(VIEWS), "--json"] + small)
     toy_json.write_text(capsys.readouterr().out.strip().splitlines()[-1])
     bench.main(["--preset", "qwen2.5-vl-7b", "--layers", "1", "--images", "1", "--max-new", "3", "--repeats", "3",
+                "--gamma", "2",  # the chain arm timed beside the tree: every round verifies gamma + 1 at the 152k head
                 "--draft-vocab", "4096", "--run", str(run_dir), "--toy-json", str(toy_json), "--json"] + small)
     text = capsys.readouterr().out
     out = json.loads(text.strip().splitlines()[-1])
