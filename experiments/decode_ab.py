@@ -1,47 +1,67 @@
-"""Eager decode speed of one checkout of this repo, to compare two versions (before / after a change to the decode
-core): target-only, the chain (gamma 6) and the default tree (32/8/3) on the shipped toy, bf16, 8 held-out scenes;
-per arm the reasoning step alone (SpecResult.decode_s: the prefill excluded), the best of 5 passes in ms/token, the
-least disturbed pass on a shared CPU (where the wall clock moves by up to a quarter from one process to the next:
-alternate the two checkouts and compare several runs).
+"""Eager decode speed of two checkouts of this repo in one process (before / after a change to the decode core):
+each checkout's modules imported in turn (the other's dropped from sys.modules), alternating, so both run on the same
+process and the same moment of a shared CPU. Per arm (target-only, the chain at gamma 6, the default tree) on the
+shipped toy, bf16, held-out scenes: the reasoning step alone (SpecResult.decode_s, the prefill excluded), the best of
+3 passes in ms/token.
 
-run: python experiments/decode_ab.py --repo .            (then with --repo at the other checkout, alternating)
+run: python experiments/decode_ab.py --a . --b ../old-checkout [--pairs 3]
 """
 import argparse
+import importlib
 import json
 import os
 import sys
 
-ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-ap.add_argument("--repo", default=".", help="the checkout whose code is timed (its checkpoints/toy too)")
-ap.add_argument("--scenes", type=int, default=8)
-a = ap.parse_args()
-sys.path.insert(0, os.path.abspath(a.repo))
-os.chdir(a.repo)
+import torch
 
-import torch  # noqa: E402
+PACKAGES = {"model", "rope", "vision", "speculate", "tree", "driving", "evaluate", "ops", "static"}
 
-import driving  # noqa: E402
-import evaluate  # noqa: E402
-from ops import checkpoint  # noqa: E402
-import speculate  # noqa: E402
-import tree  # noqa: E402
 
-torch.set_num_threads(2)
-target = checkpoint.load("checkpoints/toy/target", dtype=torch.bfloat16).eval()
-draft = checkpoint.load("checkpoints/toy/draft_aarl_s0", target=target).eval()
-tok = driving.Tokenizer()
-prompts = evaluate.scene_prompts(driving.make_split("test", a.scenes, seed=0), tok, "cpu", torch.bfloat16,
-                                 driving.WorldConfig().views)
-stop = tok.cot_end_id
-arms = {"target-only": lambda p: speculate.autoregressive(target, p, 64, stop_token=stop, timing=True),
-        "chain": lambda p: speculate.speculative(target, draft, p, evaluate.GAMMA, 64, stop_token=stop, timing=True),
-        "tree": lambda p: tree.speculative(target, draft, p, evaluate.TREE, 64, stop_token=stop, timing=True)}
-out = {}
-for name, decode in arms.items():
-    decode(prompts[0])  # warm-up
-    best = float("inf")
-    for _ in range(5):
-        res = [decode(p) for p in prompts]
-        best = min(best, sum(r.decode_s for r in res) / sum(len(r.tokens) for r in res))
-    out[name] = round(1e3 * best, 3)
-print(json.dumps({"repo": os.path.abspath("."), "ms_per_token": out}))
+def modules_of(repo):
+    """The repo's modules, freshly imported (any other checkout's dropped first)."""
+    for name in list(sys.modules):
+        if name.split(".")[0] in PACKAGES:
+            del sys.modules[name]
+    sys.path.insert(0, repo)
+    try:
+        return {n: importlib.import_module(n) for n in ("ops.checkpoint", "driving", "evaluate", "speculate", "tree")}
+    finally:
+        sys.path.remove(repo)
+
+
+def ms_per_token(repo, scenes):
+    m = modules_of(repo)
+    checkpoint, driving, evaluate, speculate, tree = (m[k] for k in ("ops.checkpoint", "driving", "evaluate",
+                                                                     "speculate", "tree"))
+    target = checkpoint.load(os.path.join(repo, "checkpoints/toy/target"), dtype=torch.bfloat16).eval()
+    draft = checkpoint.load(os.path.join(repo, "checkpoints/toy/draft_aarl_s0"), target=target).eval()
+    tok = driving.Tokenizer()
+    prompts = evaluate.scene_prompts(driving.make_split("test", scenes, seed=0), tok, "cpu", torch.bfloat16,
+                                     driving.WorldConfig().views)
+    kw = dict(stop_token=tok.cot_end_id, timing=True)
+    arms = {"target-only": lambda p: speculate.autoregressive(target, p, 64, **kw),
+            "chain": lambda p: speculate.speculative(target, draft, p, evaluate.GAMMA, 64, **kw),
+            "tree": lambda p: tree.speculative(target, draft, p, evaluate.TREE, 64, **kw)}
+    out = {}
+    for name, decode in arms.items():
+        decode(prompts[0])  # warm-up
+        best = float("inf")
+        for _ in range(3):
+            res = [decode(p) for p in prompts]
+            best = min(best, sum(r.decode_s for r in res) / sum(len(r.tokens) for r in res))
+        out[name] = round(1e3 * best, 3)
+    return out
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--a", default=".", help="one checkout (default: this one)")
+    ap.add_argument("--b", required=True, help="the other checkout")
+    ap.add_argument("--pairs", type=int, default=3, help="alternations a, b")
+    ap.add_argument("--scenes", type=int, default=6)
+    args = ap.parse_args()
+    torch.set_num_threads(2)
+    for _ in range(args.pairs):
+        for repo in (args.a, args.b):
+            print(json.dumps({"repo": os.path.abspath(repo), "ms_per_token": ms_per_token(os.path.abspath(repo),
+                                                                                          args.scenes)}), flush=True)
