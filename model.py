@@ -162,23 +162,27 @@ class Attention(nn.Module):
             k = apply_rope(self.k_norm(qkv[:, :, H:H + Hk]), cos, sin)  # (B, T, Hk, hd)
         return q.transpose(1, 2), k.transpose(1, 2), qkv[:, :, H + Hk:].transpose(1, 2)  # (B, H|Hk, T, hd)
 
-    def forward(self, x, cos, sin, cache=None, layer=0, mask=None, at=None):
-        """Two ways in. A full forward (at None: a prefill, training) attends over its own T keys, causally or
+    def forward(self, x, cos, sin, cache=None, layer=0, mask=None, input_pos=None):
+        """Two ways in. A full forward (input_pos None: a prefill, training) attends over its own T keys, causally or
         under mask (B, 1, T, T) (padding), a prefill writing them to cache slots [0, T). A cached step (VLA.step)
         writes its keys / values at slots input_pos (B, T) and reads slots [0, S) under mask (B, 1, g*T, S): a KV
-        head's g query heads as its g*T query rows, no K/V copies (enable_gqa is slow on CPU in bf16). at: those
-        slots as slot_index(input_pos) gives them."""
+        head's g query heads as its g*T query rows, no K/V copies (enable_gqa is slow on CPU in bf16)."""
         B, T, _ = x.shape
         H, Hk, hd = self.H, self.Hk, self.hd
         q, k, v = self.project(x, cos, sin)
-        if at is None:
+        if input_pos is None:
             if cache is not None:
                 cache.k[layer][:, :, :T], cache.v[layer][:, :, :T] = k, v
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and T > 1,
                                                enable_gqa=True)
         else:
             kb, vb = cache.k[layer], cache.v[layer]  # (B, Hk, max_len, hd), written in place
-            kb.index_put_(at, k), vb.index_put_(at, v)
+            if B == 1:  # one row: index_copy_, a third of index_put_'s cost per call on a CPU
+                kb.index_copy_(2, input_pos[0], k), vb.index_copy_(2, input_pos[0], v)
+            else:  # row b's slots in every KV head: indices broadcast to (B, Hk, T)
+                at = (torch.arange(B, device=x.device)[:, None, None],
+                      torch.arange(Hk, device=x.device)[None, :, None], input_pos[:, None, :])
+                kb.index_put_(at, k), vb.index_put_(at, v)
             q = q.reshape(B, Hk, (H // Hk) * T, hd)  # (B, Hk, g*T, hd)
             S = mask.shape[-1]  # the slots read: the mask's width
             y = F.scaled_dot_product_attention(q, kb[:, :, :S], vb[:, :, :S], attn_mask=mask).reshape(B, H, T, hd)
@@ -204,17 +208,9 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, x, cos, sin, cache=None, layer=0, mask=None, at=None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, mask, at)
+    def forward(self, x, cos, sin, cache=None, layer=0, mask=None, input_pos=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, mask, input_pos)
         return x + self.mlp(self.post_attention_layernorm(x))
-
-
-def slot_index(input_pos, n_kv_heads):
-    """Slots input_pos (B, T) as an index_put_ index into a (B, Hk, max_len, hd) buffer: three tensors that broadcast
-    to (B, Hk, T), row b's slots in every KV head (built once per step, used by every layer)."""
-    B, device = input_pos.shape[0], input_pos.device
-    return (torch.arange(B, device=device)[:, None, None], torch.arange(n_kv_heads, device=device)[None, :, None],
-            input_pos[:, None, :])
 
 
 def causal_mask(input_pos, cache, S):
@@ -526,16 +522,16 @@ class VLA(nn.Module):
         cos, sin = rope_cos_sin(positions + cache.rope_delta, self.inv_freq)  # (B, T, hd)
         x = self.embed_tokens(input_ids)  # (B, T, D)
         mask = grouped_mask(mask, self.cfg.n_heads // self.cfg.n_kv_heads, x.dtype)  # (B, 1, g*T, S)
-        h = self.decoder(x, cos, sin, cache, mask, slot_index(input_pos, self.cfg.n_kv_heads))
+        h = self.decoder(x, cos, sin, cache, mask, input_pos)
         return (self.head(h), h) if return_hidden else self.head(h)
 
-    def decoder(self, x, cos, sin, cache, mask, at=None, deepstack=None):
+    def decoder(self, x, cos, sin, cache, mask, input_pos=None, deepstack=None):
         """The decoder layers, final norm and projection to the shared width: x (B, T, D) -> h (B, T, D_out)."""
         cos, sin = cos.to(x.dtype).unsqueeze(2), sin.to(x.dtype).unsqueeze(2)  # (B, T, 1, hd)
         if self.proj_in is not None:
             x = self.proj_in(x)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, cache, i, mask, at)
+            x = layer(x, cos, sin, cache, i, mask, input_pos)
             for slots, levels in deepstack or ():
                 if i < len(levels):  # x[slots] += level i, out of place
                     x = x.index_put((slots[:, :x.shape[1]],), levels[i], accumulate=True)

@@ -149,8 +149,7 @@ def measure(target, draft, prompt, coc, device, amp, reps):
         h1, slot = h[:, -1:], torch.tensor([[L]], device=device)  # (1, 1, D), (1, 1): the step writes slot L
         sees = M.grouped_mask(torch.ones(1, 1, L + 1, dtype=torch.bool, device=device), cfg.n_heads // cfg.n_kv_heads,
                               dt)  # (1, 1, g, L + 1): the new token sees every slot
-        at = M.slot_index(slot, cfg.n_kv_heads)
-        sec["decode_layer"] = t(lambda: layer(h1, cos[:, L:], sin[:, L:], cache, 0, sees, at))  # as VLA.step runs it
+        sec["decode_layer"] = t(lambda: layer(h1, cos[:, L:], sin[:, L:], cache, 0, sees, slot))  # as VLA.step runs it
         sec["head_1"] = t(lambda: target.head(h1))  # (1, 1, V)
         sec["head_T"] = t(lambda: target.head(h[:, :Tn]))  # (1, T, V)
     # q forward + backward over prompt + CoC, on p's embeddings (random: only shapes matter) and p's log-probs

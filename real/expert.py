@@ -19,7 +19,7 @@ import math
 import torch
 import torch.nn as nn
 
-from model import Block, KVCache, ModelConfig, RMSNorm, grouped_mask, slot_index
+from model import Block, KVCache, ModelConfig, RMSNorm, grouped_mask
 from rope import rope_cos_sin, rope_inv_freq
 
 # ---- config ----
@@ -161,9 +161,8 @@ class ActionExpert(nn.Module):
         if cache.key_mask is not None:
             mask = mask & cache.key_mask[:, None]
         mask = grouped_mask(mask, self.layer_cfg.n_heads // self.layer_cfg.n_kv_heads, h.dtype)  # (B, 1, g*N, S)
-        at = slot_index(slots, self.layer_cfg.n_kv_heads)
         for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, cache, i, mask, at)  # VLA.step's attention: bidirectional action tokens
+            h = layer(h, cos, sin, cache, i, mask, slots)  # VLA.step's attention: bidirectional action tokens
         return self.norm(h)
 
     def velocity(self, x, t, cache):
