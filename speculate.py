@@ -10,7 +10,8 @@ Cache invariant of every round: both caches hold the prompt and the emitted toke
 target has seen all but the last emitted token x_last; the draft all but `pending`, [x_last] or, after a round that
 accepted all gamma drafts, [d_gamma, x_last]; the next round's first draft forward feeds exactly `pending`. The
 prompt's last token (<cot_start>) is held back from the prefill and plays x_last in the first round, so every emitted
-token comes out of a verification round: tau = tokens / rounds exactly.
+token comes out of a verification round: tau = tokens / rounds exactly. Every round drafts and verifies its whole
+gamma (or tree), the last one's block cut at max_new_tokens: one set of shapes, as a compiled step needs.
 
 run: python -m pytest -q tests/test_speculate.py        (demo: python experiments/speculate_demo.py --device cpu)
 """

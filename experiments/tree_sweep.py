@@ -53,7 +53,7 @@ def main():
     drafts = {row: checkpoint.load(checkpoint.draft_dir(a.run, kind, 0), target=target).eval()
               for row, kind in KINDS.items()}
     # step times, CPU time of one thread (time.process_time): on a CPU shared with other work it counts a step's own
-    # cost; the chain's verify is forward over a growing cache, the tree's VLA.step under a mask
+    # cost; the chain's verify is VLA.step under the causal mask, the tree's under the tree's
     d0 = drafts["flatrope"]
     chain_t = step_times(target, d0, prompts["val"][0], [1] + [g + 1 for g in CHAIN], timer=time.process_time)
     tree_t = tree_step_times(target, d0, prompts["val"][0], (7, 15, 31, 63), 3, timer=time.process_time)
