@@ -213,6 +213,16 @@ class Block(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+def feed(model, cache, x, return_hidden=False):
+    """model.step of x (B, T) after each row's committed length -> logits (B, T, V); then x is committed. The mask
+    reaches no further than the step's last slot: an eager step reads no empty slot. model: a VLA or CompiledSteps."""
+    slots = cache.slots(x.shape[1])  # (B, T)
+    hidden = {"return_hidden": True} if return_hidden else {}  # VLA.forward's only: CompiledSteps returns logits
+    out = model.step(x, slots, cache, mask=causal_mask(slots, cache, max(cache.lengths) + x.shape[1]), **hidden)
+    cache.lengths = [n + x.shape[1] for n in cache.lengths]
+    return out
+
+
 def causal_mask(input_pos, cache, S):
     """(B, T, S) bool: token t of row b, at slot input_pos[b, t], sees the slots up to its own (the real ones)."""
     mask = torch.arange(S, device=input_pos.device) <= input_pos[..., None]  # (B, T, S)
@@ -479,10 +489,7 @@ class VLA(nn.Module):
             if max(cache.lengths) + input_ids.shape[1] > self.cfg.max_seq_len:
                 raise ValueError(f"sequence of {max(cache.lengths) + input_ids.shape[1]} tokens is longer than the "
                                  f"model's max_seq_len {self.cfg.max_seq_len}")
-            slots = cache.slots(input_ids.shape[1])  # (B, T)
-            mask = causal_mask(slots, cache, max(cache.lengths) + input_ids.shape[1])  # no slot beyond the last
-            logits, h = self.step(input_ids, slots, cache, mask=mask, return_hidden=True)
-            cache.lengths = [n + input_ids.shape[1] for n in cache.lengths]
+            logits, h = feed(self, cache, input_ids, return_hidden=True)
             logits = logits[:, -logits_to_keep:] if logits_to_keep else logits
         else:
             if inputs_embeds is None:

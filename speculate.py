@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from model import causal_mask
+from model import feed  # the step after the committed tokens, then committed (speculate.feed to callers)
 
 # ---- processed distributions ----
 
@@ -207,15 +207,6 @@ def make_generator(device, seed):
 
 
 # ---- the chain round ----
-
-
-def feed(model, cache, x):
-    """The step of x (B, T) after each row's committed length -> logits (B, T, V); then x is committed. The mask
-    reaches no further than the step's last slot: an eager step reads no empty slot."""
-    slots = cache.slots(x.shape[1])  # (B, T)
-    logits = model.step(x, slots, cache, mask=causal_mask(slots, cache, max(cache.lengths) + x.shape[1]))
-    cache.lengths = [n + x.shape[1] for n in cache.lengths]
-    return logits
 
 
 def spec_round(target, draft, tcache, dcache, pending, gamma, temperature, top_k, top_p, generator, last=None):
