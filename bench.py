@@ -112,10 +112,10 @@ def benchmark(target, draft, prompts, gamma, max_new, stop_token=None, repeats=3
         watch = timing.CompileWatch({"target": ct, "draft": cd})
         clock = timing.Clock(prompts[0]["input_ids"].device, enabled=True)
         if choose:  # compiles every candidate's steps, outside compile_s
-            gamma, comp["chosen"] = choose_tree(ct, cd, choose[0], shapes, max_new, stop_token)
+            gamma, scores = choose_tree(ct, cd, choose[0], shapes, max_new, stop_token)
             comp["chosen"] = {"what": "the tree the compiled steps run fastest: each shape's greedy tau on val scenes "
                                       "at the compiled step times (the cost model)", "ran": decoder_json(gamma),
-                              "candidates": {str(sh): v for sh, v in comp["chosen"].items()}}
+                              "candidates": {str(sh): v for sh, v in scores.items()}}
             clock.lap()
     tree = isinstance(gamma, TreeShape)
     greedy = evaluate.spec_stats(target, {"speculative": draft}, prompts, gamma, max_new, stop_token)
@@ -154,13 +154,13 @@ def benchmark(target, draft, prompts, gamma, max_new, stop_token=None, repeats=3
                                     decoding=decoding)["speculative"] if sampled else spec
         if sampled:
             res["sampled"] = {k: timed[k] for k in ("tau", "alpha", "routine_fraction")} | {"tokens": timed["n_tokens"]}
-        ran = gamma  # every round drafts and verifies the whole shape (the last one's block is cut)
-        res["ran"] = dict(decoder_json(ran), nodes_per_round=timed["nodes_per_round"],
+        # every round drafts and verifies the whole shape (the last one's block is cut): the cost model's
+        res["ran"] = dict(decoder_json(gamma), nodes_per_round=timed["nodes_per_round"],
                           depth_per_round=timed["depth_per_round"])
-        res.update(cost_model(target, draft, prompts[0], ran, timed["tau"]))
+        res.update(cost_model(target, draft, prompts[0], gamma, timed["tau"]))
         res["c"] = res["t_draft_1"] / res["t_target_1"]
         if not tree:  # Leviathan's closed form is the chain's
-            res["leviathan_speedup"] = speculate.expected_speedup(timed["alpha"], ran, res["c"])
+            res["leviathan_speedup"] = speculate.expected_speedup(timed["alpha"], gamma, res["c"])
         if compile:
             ar_c, spec_c = t[COMPILED[0]], t[COMPILED[1]]
             comp.update(both_arms(ar_c, spec_c), speedup=ar_c["ms_per_token"] / spec_c["ms_per_token"],
@@ -172,7 +172,7 @@ def benchmark(target, draft, prompts, gamma, max_new, stop_token=None, repeats=3
                                  "speedup": ar_c["ms_per_token"] / c["ms_per_token"],
                                  "tree_over_chain": c["ms_per_token"] / spec_c["ms_per_token"]}
             watch.next_phase("cost model")
-            comp.update(cost_model(ct, cd, prompts[0], ran, timed["tau"]))
+            comp.update(cost_model(ct, cd, prompts[0], gamma, timed["tau"]))
     finally:
         if watch:
             watch.close()

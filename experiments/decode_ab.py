@@ -2,7 +2,7 @@
 each checkout's modules imported in turn (the other's dropped from sys.modules), alternating, so both run on the same
 process and the same moment of a shared CPU. Per arm (target-only, the chain at gamma 6, the default tree) on the
 shipped toy, bf16, held-out scenes: the reasoning step alone (SpecResult.decode_s, the prefill excluded), the best of
-3 passes in ms/token.
+3 passes in ms/token. Paper: the reasoning step's latency, which every speed-up claim divides by.
 
 run: python experiments/decode_ab.py --a . --b ../old-checkout [--pairs 3]
 """

@@ -259,7 +259,7 @@ def compiled_costs(run, layers):
             cache = dec.new_cache()
             speculate.prefill(dec, prompt, embeds, cache, deepstack if name == "target" else None)
             base, slots = cache.length, cache.slots(n)  # (1, n)
-            mask = torch.arange(cache.max_len, device=run.device) <= slots[..., None]  # (1, n, S)
+            mask = M.causal_mask(slots, cache, cache.max_len)  # (1, n, S)
             clock = timing.Clock(run.device, enabled=True)
             for _ in range(3):  # compile; on CUDA the graph's warm-up run, then its recording
                 if masked:  # as tree.tree_round calls it

@@ -16,6 +16,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
+from model import causal_mask
 import speculate
 from speculate import EMBED_KEYS, feed, prefill
 import tree
@@ -92,7 +93,7 @@ def _step_timer(target, prompt, reps, timer, tree=False):
         x = prompt["input_ids"][:, -1:].repeat(1, n)  # (1, n) tokens; their values do not matter for time
         if tree:
             slots = cache.slots(n)  # (1, n)
-            mask = torch.arange(cache.max_len, device=device) <= slots[..., None]  # (1, n, S)
+            mask = causal_mask(slots, cache, cache.max_len)  # (1, n, S)
             return median_time(lambda: m.step(x, slots, cache, positions=slots, mask=mask), device, reps, timer)
         base = cache.length
 
@@ -259,7 +260,7 @@ def sdpa_steps(target, prompt, gamma, tree=False):
             cache.crop(base)
         if tree:  # a tree's verify: positions and a mask of its own (tree.tree_round)
             slots = cache.slots(gamma + 1)  # (1, N+1)
-            mask = torch.arange(cache.max_len, device=x.device) <= slots[..., None]  # (1, N+1, S)
+            mask = causal_mask(slots, cache, cache.max_len)  # (1, N+1, S)
             calls["tree verify"] = first_sdpa_call(lambda: target.step(x.repeat(1, gamma + 1), slots, cache,
                                                                        positions=slots, mask=mask))
     return {name: sdpa_kernel_of(*call) for name, call in calls.items()}
