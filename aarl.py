@@ -33,7 +33,6 @@ from driving import Data, grid_kwargs, vision_kwargs
 import evaluate
 from ops import checkpoint, cli, files, runs
 from ops.timing import step_times
-import speculate
 
 REFERENCES = ("static", "moving", "none")
 DEFAULT_OUT = "runs/aarl"  # a fresh folder: a default run never replaces the shipped FlatRoPE + AARL drafts
@@ -171,7 +170,7 @@ def report(target, draft, sft, splits, times, outputs, gamma=None):
         spec = evaluate.spec_stats(target, {"q": draft}, prompts, gamma, stop_token=data.tok.cot_end_id,
                                    check_greedy=False)["q"]
         out[name] = {"gamma": gamma, "tau": taus[name][gamma]["tau"],
-                     "tau_ceiling": speculate.tau_ceiling([len(o) for o in outputs[name]], gamma),
+                     "tau_ceiling": evaluate.tau_ceiling([len(o) for o in outputs[name]], gamma),
                      "tau_by_gamma": {g: t["tau"] for g, t in taus[name].items()},
                      "routine_fraction": taus[name][gamma]["routine_fraction"],
                      "drafted_ade": evaluate.drafted_ade(target, draft, data),

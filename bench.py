@@ -26,12 +26,11 @@ import torch
 
 import driving
 import evaluate
-from evaluate import TARGET_ONLY
+from evaluate import TARGET_ONLY, tree_speedup
 import model as M
 from ops import checkpoint, cli, files, timing
 from real import alpamayo, peer, scenes
-import speculate
-from tree import TreeShape, tree_speedup
+from tree import TreeShape
 
 TOY_DRAFT = ("aarl", 0)  # the toy mode's default draft: FlatRoPE + AARL (static anchor), seed 0
 TOY_JSON = "runs/bench_toy.json"  # the toy mode's default --out (whatever settings that run had); never a shipped file
@@ -160,7 +159,7 @@ def benchmark(target, draft, prompts, gamma, max_new, stop_token=None, repeats=3
         res.update(cost_model(target, draft, prompts[0], gamma, timed["tau"]))
         res["c"] = res["t_draft_1"] / res["t_target_1"]
         if not tree:  # Leviathan's closed form is the chain's
-            res["leviathan_speedup"] = speculate.expected_speedup(timed["alpha"], gamma, res["c"])
+            res["leviathan_speedup"] = evaluate.expected_speedup(timed["alpha"], gamma, res["c"])
         if compile:
             ar_c, spec_c = t[COMPILED[0]], t[COMPILED[1]]
             comp.update(both_arms(ar_c, spec_c), speedup=ar_c["ms_per_token"] / spec_c["ms_per_token"],
@@ -189,7 +188,7 @@ def cost_model(target, draft, prompt, gamma, tau, reps=20):
     t1, td = t["target"][1], t["draft"]
     if not tree:
         return {"t_target_1": 1e3 * t1, "t_target_gamma1": 1e3 * t["target"][gamma + 1], "t_draft_1": 1e3 * td,
-                "predicted_speedup": speculate.measured_speedup(tau, t1, td, t["target"][gamma + 1], gamma)}
+                "predicted_speedup": evaluate.measured_speedup(tau, t1, td, t["target"][gamma + 1], gamma)}
     tt = timing.tree_step_times(target, draft, prompt, (gamma.nodes,), gamma.width, reps)
     tv, tl, tg = tt["target"][gamma.nodes], tt["draft_level"], timing.grow_time(target, draft, prompt, gamma, reps)
     return {"t_target_1": 1e3 * t1, "t_target_verify": 1e3 * tv, "t_draft_1": 1e3 * td, "t_draft_level": 1e3 * tl,
@@ -289,8 +288,8 @@ def real(args, device, dtype, decoding):
             res.update(toy_tau=toy["tau"], predicted_speedup_at_toy_tau=tree_speedup(
                 toy["tau"], t1, td, res["t_draft_level"], res["t_target_verify"], ran, res["t_draft_grow"]))
         else:  # the chain's alpha, through Leviathan's tau at this gamma
-            res.update(toy_alpha=toy["alpha"], predicted_speedup_at_toy_alpha=speculate.measured_speedup(
-                speculate.expected_tau(toy["alpha"], ran), t1, td, res["t_target_gamma1"], ran))
+            res.update(toy_alpha=toy["alpha"], predicted_speedup_at_toy_alpha=evaluate.measured_speedup(
+                evaluate.expected_tau(toy["alpha"], ran), t1, td, res["t_target_gamma1"], ran))
     return res
 
 

@@ -7,6 +7,7 @@ Letters: B batch, P prompt length, L sequence, T generated tokens, V vocab, H he
 run: python -m pytest -q tests/test_evaluate.py
 """
 import contextlib
+import math
 
 import torch
 
@@ -270,7 +271,7 @@ def result_stats(res, gamma, reference=None):
     all_ = speculate.SpecResult.pooled(res)
     return {"tokens": [r.tokens for r in res], "n_tokens": len(all_.tokens), "tau": all_.tau, "alpha": all_.alpha,
             "routine_fraction": all_.routine_share,
-            "tau_ceiling": speculate.tau_ceiling([len(r.tokens) for r in res], gamma),
+            "tau_ceiling": tau_ceiling([len(r.tokens) for r in res], gamma),
             "nodes_per_round": all_.n_drafted / all_.rounds, "alpha_by_depth": all_.alpha_by_depth(),
             "depth_per_round": sum(all_.depths) / all_.rounds,  # the rounds near max_new draft less
             "greedy_match": None if reference is None else all(r.tokens == t for r, t in zip(res, reference))}
@@ -344,9 +345,42 @@ def tau_by_gamma(matches, gammas):
 
 def speed_optimal_gamma(taus, times):
     """The gamma of taus ({gamma: tau}) with the highest speed-up under the measured cost model of
-    speculate.measured_speedup; times from timing.step_times."""
-    return max(taus, key=lambda g: speculate.measured_speedup(taus[g], times["target"][1], times["draft"],
+    measured_speedup; times from timing.step_times."""
+    return max(taus, key=lambda g: measured_speedup(taus[g], times["target"][1], times["draft"],
                                                               times["target"][g + 1], g))
+
+
+# ---- the speed-up model (Leviathan et al. 2023, section 3) ----
+
+
+def measured_speedup(tau, t_target_1, t_draft_1, t_target_gamma1, gamma):
+    """tau * T_target(1) / (gamma * T_draft(1) + T_target(gamma+1)), from measured step times."""
+    return tau * t_target_1 / (gamma * t_draft_1 + t_target_gamma1)
+
+
+def expected_tau(alpha, gamma):
+    """Expected tokens per round for an i.i.d. acceptance rate alpha: (1 - a^(g+1)) / (1 - a)."""
+    return gamma + 1.0 if alpha >= 1.0 else (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
+
+
+def expected_speedup(alpha, gamma, c):
+    """Leviathan et al. Theorem 3.8: (1 - a^(g+1)) / ((1 - a)(g c + 1)), c = draft step / target step."""
+    return expected_tau(alpha, gamma) / (gamma * c + 1.0)
+
+
+def tree_speedup(tau, t_target_1, t_draft_1, t_draft_level, t_verify, shape, t_grow=None):
+    """tau * T_target(1) / (T_draft(1) + (D - 1) T_draft(k) + T_verify(N + 1)): a tree round drafts its root level
+    from the pending token, then D - 1 levels of k expanded nodes, and verifies x_last + N nodes in one forward.
+    t_grow: those D - 1 levels and the tree's construction timed as they run (timing.grow_time), in their place."""
+    grow = (shape.depth - 1) * t_draft_level if t_grow is None else t_grow
+    return tau * t_target_1 / (t_draft_1 + grow + t_verify)
+
+
+def tau_ceiling(lengths, gamma):
+    """tau of a never-rejected draft (gamma, or a TreeShape) over outputs of these lengths: n tokens take at least
+    ceil(n / (gamma + 1)) rounds, so short outputs cap tau whatever the draft (a 17-token CoC at gamma 6: 17 / 3)."""
+    g = getattr(gamma, "depth", gamma)  # a tree emits at most depth + 1 per round
+    return sum(lengths) / sum(math.ceil(n / (g + 1)) for n in lengths)
 
 
 # ---- what a draft writes on its own, and how far it moved ----

@@ -165,8 +165,9 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, cache=None, layer=0, mask=None, input_pos=None):
         """Two ways in. A full forward (input_pos None: a prefill, training) attends over its own T keys, causally or
         under mask (B, 1, T, T) (padding), a prefill writing them to cache slots [0, T). A cached step (VLA.step)
-        writes its keys / values at slots input_pos (B, T) and reads slots [0, S) under mask (B, 1, g*T, S): a KV
-        head's g query heads as its g*T query rows, no K/V copies (enable_gqa is slow on CPU in bf16)."""
+        writes its keys / values at slots input_pos (B, T) (an int: [input_pos, input_pos + T) in every row) and reads
+        slots [0, S) under mask (B, 1, g*T, S) (None: every slot to the last written): a KV head's g query heads as its
+        g*T query rows, no K/V copies (enable_gqa is slow on CPU in bf16)."""
         B, T, _ = x.shape
         H, Hk, hd = self.H, self.Hk, self.hd
         q, k, v = self.project(x, cos, sin)
@@ -177,14 +178,16 @@ class Attention(nn.Module):
                                                enable_gqa=True)
         else:
             kb, vb = cache.k[layer], cache.v[layer]  # (B, Hk, max_len, hd), written in place
-            if B == 1:  # one row: index_copy_, a third of index_put_'s cost per call on a CPU
+            if isinstance(input_pos, int):  # every row's slots [input_pos, input_pos + T): a slice copy, the cheapest
+                kb[:, :, input_pos:input_pos + T], vb[:, :, input_pos:input_pos + T] = k, v
+            elif B == 1:  # one row: index_copy_, a third of index_put_'s cost per call on a CPU
                 kb.index_copy_(2, input_pos[0], k), vb.index_copy_(2, input_pos[0], v)
             else:  # row b's slots in every KV head: indices broadcast to (B, Hk, T)
                 at = (torch.arange(B, device=x.device)[:, None, None],
                       torch.arange(Hk, device=x.device)[None, :, None], input_pos[:, None, :])
                 kb.index_put_(at, k), vb.index_put_(at, v)
             q = q.reshape(B, Hk, (H // Hk) * T, hd)  # (B, Hk, g*T, hd)
-            S = mask.shape[-1]  # the slots read: the mask's width
+            S = input_pos + T if mask is None else mask.shape[-1]  # the slots read (no mask: all of them)
             y = F.scaled_dot_product_attention(q, kb[:, :, :S], vb[:, :, :S], attn_mask=mask).reshape(B, H, T, hd)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, H * hd))  # (B, H, T, hd) -> (B, T, D)
 
@@ -216,9 +219,13 @@ class Block(nn.Module):
 def feed(model, cache, x, return_hidden=False):
     """model.step of x (B, T) after each row's committed length -> logits (B, T, V); then x is committed. The mask
     reaches no further than the step's last slot: an eager step reads no empty slot. model: a VLA or CompiledSteps."""
-    slots = cache.slots(x.shape[1])  # (B, T)
+    slots, mask = cache.slots(x.shape[1]), None  # (B, T), checked to fit
+    if len(set(cache.lengths)) == 1:  # rows of one length: an int, written by a slice, VLA.step's causal mask
+        slots = cache.lengths[0]
+    else:
+        mask = causal_mask(slots, cache, max(cache.lengths) + x.shape[1])  # (B, T, S)
     hidden = {"return_hidden": True} if return_hidden else {}  # VLA.forward's only: CompiledSteps returns logits
-    out = model.step(x, slots, cache, mask=causal_mask(slots, cache, max(cache.lengths) + x.shape[1]), **hidden)
+    out = model.step(x, slots, cache, mask=mask, **hidden)
     cache.lengths = [n + x.shape[1] for n in cache.lengths]
     return out
 
@@ -518,17 +525,23 @@ class VLA(nn.Module):
 
     def step(self, input_ids, input_pos, cache, positions=None, mask=None, return_hidden=False):
         """The one cached step (decode, chain draft and verify, tree levels and verify; compiled by CompiledSteps):
-        input_ids (B, T) -> logits (B, T, V). Their keys / values go to cache slots input_pos (B, T), at RoPE
-        positions (B, T) (default input_pos) + rope_delta, on all three M-RoPE axes (text after the prompt). Token t
-        of row b sees slot s < S where mask[b, t, s], mask (B, T, S <= max_len): an eager step reads only the slots
-        it needs, a compiled one the whole buffer (default: every slot up to its own, the prompt's real keys). The
-        committed lengths are neither read (a compiled step never recompiles as they grow) nor advanced."""
-        positions = input_pos if positions is None else positions
-        if mask is None:
-            mask = causal_mask(input_pos, cache, cache.max_len)  # (B, T, max_len)
-        cos, sin = rope_cos_sin(positions + cache.rope_delta, self.inv_freq)  # (B, T, hd)
+        input_ids (B, T) -> logits (B, T, V). Their keys / values go to cache slots input_pos (B, T) (an int: slots
+        [input_pos, input_pos + T) of every row), at RoPE positions (B, T) (default the slots) + rope_delta, on all
+        three M-RoPE axes (text after the prompt). Token t of row b sees slot s < S where mask[b, t, s], mask (B, T, S
+        <= max_len): an eager step reads only the slots it needs, a compiled one the whole buffer (default: every slot
+        up to its own, the prompt's real keys; with an int input_pos no further than the last written, and a one-token
+        step with every key real attends unmasked). The committed lengths are neither read (a compiled step never
+        recompiles as they grow) nor advanced."""
+        B, T = input_ids.shape
+        slots = input_pos
+        if isinstance(input_pos, int):
+            slots = torch.arange(input_pos, input_pos + T, device=input_ids.device).expand(B, T)  # (B, T)
+        if mask is None and (slots is input_pos or T > 1 or cache.key_mask is not None):
+            mask = causal_mask(slots, cache, cache.max_len if slots is input_pos else input_pos + T)  # (B, T, S)
+        cos, sin = rope_cos_sin((slots if positions is None else positions) + cache.rope_delta, self.inv_freq)
         x = self.embed_tokens(input_ids)  # (B, T, D)
-        mask = grouped_mask(mask, self.cfg.n_heads // self.cfg.n_kv_heads, x.dtype)  # (B, 1, g*T, S)
+        if mask is not None:
+            mask = grouped_mask(mask, self.cfg.n_heads // self.cfg.n_kv_heads, x.dtype)  # (B, 1, g*T, S)
         h = self.decoder(x, cos, sin, cache, mask, input_pos)
         return (self.head(h), h) if return_hidden else self.head(h)
 
@@ -605,13 +618,16 @@ class CompiledSteps:
             self._fused[fn] = self.compile(fn)
 
         def run(model, cache, *args):
-            if cache is not self.cache:
-                raise ValueError("CompiledSteps steps only its own cache (from its new_cache)")
-            if self.model.cfg.draft_vocab:
-                self.model.head_rows()  # a reduced head's kept rows, checked (and gathered if stale) outside the graph
-            out = self._call_fused(fn.__name__, self._fused[fn], self.model, cache, *args)
+            out = self._call_fused(fn.__name__, self._fused[fn], self.model, self._ready(cache), *args)
             return tuple(t.clone() for t in out) if self.copy_out else out
         return run
+
+    def _ready(self, cache):
+        if cache is not self.cache:
+            raise ValueError("CompiledSteps steps only its own cache (from its new_cache)")
+        if self.compiled and self.model.cfg.draft_vocab:
+            self.model.head_rows()  # a reduced head's kept rows, checked (and gathered if stale) outside the graph
+        return cache
 
     def _call_fused(self, name, compiled, *args):  # timing.CompileWatch counts through here
         return compiled(*args)
@@ -639,9 +655,9 @@ class CompiledSteps:
         return c
 
     def step(self, input_ids, input_pos, cache, positions=None, mask=None):
-        if cache is not self.cache:
-            raise ValueError("CompiledSteps steps only its own cache (from its new_cache)")
         B, T = input_ids.shape
+        if isinstance(input_pos, int):  # one graph for every length: slots as a tensor
+            input_pos = torch.arange(input_pos, input_pos + T, device=input_ids.device).expand(B, T)  # (B, T)
         n = next((s for s in self.step_lengths if s >= T), None)
         if n is None:
             raise ValueError(f"a step of {T} tokens is longer than the longest step length {self.step_lengths}")
@@ -653,9 +669,7 @@ class CompiledSteps:
             positions = None if positions is None else torch.cat([positions, positions[:, -1:] + more], 1)
             input_pos = torch.cat([input_pos, input_pos[:, -1:] + more], 1)  # (B, n)
             mask = torch.cat([mask, mask[:, -1:].expand(B, n - T, -1)], 1)  # (B, n, max_len)
-        if self.compiled and self.model.cfg.draft_vocab:
-            self.model.head_rows()  # a reduced head's kept rows, checked (and gathered if stale) outside the graph
-        logits = self._step(input_ids, input_pos, cache, positions, mask)[:, :T]  # (B, T, V): the padding's dropped
+        logits = self._step(input_ids, input_pos, self._ready(cache), positions, mask)[:, :T]  # (B, T, V): the padding's dropped
         return logits.clone() if self.copy_out else logits
 
 

@@ -26,12 +26,10 @@ import bench
 import driving
 from driving import Data
 import evaluate
-from evaluate import MAX_NEW_TOKENS, TARGET_ONLY, TREES
+from evaluate import MAX_NEW_TOKENS, TARGET_ONLY, TREES, tree_speedup
 from ops import checkpoint, cli, files, timing
 from ops.timing import step_times, tree_step_times
-import speculate
 import train
-from tree import tree_speedup
 
 ROWS = (("replica", "mrope"), ("flatrope", "flat"), ("flatrope+aarl", "aarl"))  # table row -> draft kind on disk
 GAMMAS = evaluate.GAMMAS
@@ -203,7 +201,7 @@ def paper_table(target, drafts, splits, outputs, metrics, rec, n_time, repeats, 
     def mean_tau(per_seed, g):
         return statistics.mean(t[g]["tau"] for t in per_seed)
 
-    sweep = {split: {g: {"ceiling": speculate.tau_ceiling([len(o) for o in outputs[split]], g),
+    sweep = {split: {g: {"ceiling": evaluate.tau_ceiling([len(o) for o in outputs[split]], g),
                          **{row: mean_tau(taus[split][row], g) for row in drafts}} for g in GAMMAS}
              for split in splits}
     shapes = [sh for sh in TREES if sh.nodes <= max_nodes]

@@ -116,10 +116,6 @@ class SpecResult:
     def alpha(self):  # Leviathan's alpha: acceptance of the draft tokens the verifier reached, not the untested ones
         return self.n_accepted / max(self.n_tested, 1)
 
-    @property
-    def acceptance_rate(self):  # share of all proposed draft tokens that were accepted
-        return self.n_accepted / max(self.n_drafted, 1)
-
     def alpha_by_depth(self):
         """[alpha_1, alpha_2, ...]: the share of rounds that reached depth d - 1 and drafted that deep which accepted
         a token at depth d (the chain's per-position acceptance; a tree's per-level)."""
@@ -146,18 +142,6 @@ class SpecResult:
                 setattr(out, f, getattr(out, f) + getattr(r, f))
         return out
 
-    def summary(self):
-        return dict(tokens=len(self.tokens), tau=self.tau, alpha=self.alpha, acceptance_rate=self.acceptance_rate,
-                    rounds=self.rounds, target_forwards=self.target_forwards, draft_forwards=self.draft_forwards,
-                    n_drafted=self.n_drafted, n_accepted=self.n_accepted, n_tested=self.n_tested,
-                    from_draft=sum(self.from_draft) / max(len(self.from_draft), 1))
-
-
-def tau_ceiling(lengths, gamma):
-    """tau of a never-rejected draft (gamma, or a TreeShape) over outputs of these lengths: n tokens take at least
-    ceil(n / (gamma + 1)) rounds, so short outputs cap tau whatever the draft (a 17-token CoC at gamma 6: 17 / 3)."""
-    g = getattr(gamma, "depth", gamma)  # a tree emits at most depth + 1 per round
-    return sum(lengths) / sum(math.ceil(n / (g + 1)) for n in lengths)
 
 
 # ---- caches and prefill ----
@@ -325,24 +309,6 @@ def autoregressive(target, prompt, max_new_tokens, temperature=0.0, top_k=None, 
         decode_s = now(prompt["input_ids"].device, timing) - t1
     return SpecResult(tokens=tokens, from_draft=[False] * len(tokens), blocks=[1] * len(tokens), rounds=len(tokens),
                       target_forwards=len(tokens) + 1, prefill_s=t1 - t0, decode_s=decode_s)
-
-
-# ---- the speed-up model (Leviathan et al. 2023, section 3) ----
-
-
-def measured_speedup(tau, t_target_1, t_draft_1, t_target_gamma1, gamma):
-    """tau * T_target(1) / (gamma * T_draft(1) + T_target(gamma+1)), from measured step times."""
-    return tau * t_target_1 / (gamma * t_draft_1 + t_target_gamma1)
-
-
-def expected_tau(alpha, gamma):
-    """Expected tokens per round for an i.i.d. acceptance rate alpha: (1 - a^(g+1)) / (1 - a)."""
-    return gamma + 1.0 if alpha >= 1.0 else (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
-
-
-def expected_speedup(alpha, gamma, c):
-    """Leviathan et al. Theorem 3.8: (1 - a^(g+1)) / ((1 - a)(g c + 1)), c = draft step / target step."""
-    return expected_tau(alpha, gamma) / (gamma * c + 1.0)
 
 
 # ---- input checks and NaN guards ----

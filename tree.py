@@ -60,16 +60,6 @@ class Tree:
     fed: torch.Tensor  # (N+1,) the draft-cache slot of a node the draft was fed (an expanded node), else -1
 
 
-def draft_tree(draft, dcache, pending, shape):
-    """The routine reasoner's tree for one round -> (Tree, the last level's logits (F, V)). Feeds `pending`
-    (committed from then on), then grows the tree from q at the root (grow)."""
-    logits = speculate.feed(draft, dcache, pending)[0, -1:]  # (1, V): q at the root; pending is committed
-    root = torch.tensor(dcache.length, device=pending.device)  # a tensor: a compiled growth never sees it change
-    grow_ = getattr(draft, "fused", lambda fn: fn)(grow)  # compiled steps: the whole growth as one graph
-    *tree, logits = grow_(draft, dcache, logits, root, shape)
-    return Tree(*tree), logits
-
-
 def grow(draft, dcache, logits, root, shape):
     """The tree's levels, from q at the root logits (1, V), at fixed shapes for a given shape (N, D, k): one forward
     per level over the expanded nodes, each at a slot after the committed length `root` (0-d), position root - 1 +
@@ -153,7 +143,11 @@ def tree_round(target, draft, tcache, dcache, pending, shape, temperature, top_k
     accepted path's keys / values moved to consecutive slots (KVCache.move), rejected branches beyond the length."""
     ell, dev = tcache.length, pending.device
     last = {} if last is None else last
-    tree, last["draft"] = draft_tree(draft, dcache, pending, shape)
+    # the routine reasoner's tree: feed `pending` (committed from then on), grow from q at the root
+    logits_q = speculate.feed(draft, dcache, pending)[0, -1:]  # (1, V)
+    root = torch.tensor(dcache.length, device=dev)  # a tensor: a compiled growth never sees it change
+    *tree, last["draft"] = getattr(draft, "fused", lambda fn: fn)(grow)(draft, dcache, logits_q, root, shape)
+    tree = Tree(*tree)
     N = len(tree.tokens)
     if ell + N + 1 > tcache.max_len:
         raise ValueError(f"KV cache overflow: {ell} + {N + 1} tokens > max_len {tcache.max_len}")
@@ -183,11 +177,3 @@ def tree_round(target, draft, tcache, dcache, pending, shape, temperature, top_k
 def speculative(target, draft, prompt, shape: TreeShape, max_new_tokens, **kwargs):
     """speculate.speculative with a draft tree of `shape` per round (tree_round) in place of the chain."""
     return speculate.speculative(target, draft, prompt, shape, max_new_tokens, tree_round=tree_round, **kwargs)
-
-
-def tree_speedup(tau, t_target_1, t_draft_1, t_draft_level, t_verify, shape, t_grow=None):
-    """tau * T_target(1) / (T_draft(1) + (D - 1) T_draft(k) + T_verify(N + 1)): a tree round drafts its root level
-    from the pending token, then D - 1 levels of k expanded nodes, and verifies x_last + N nodes in one forward.
-    t_grow: those D - 1 levels and the tree's construction timed as they run (timing.grow_time), in their place."""
-    grow = (shape.depth - 1) * t_draft_level if t_grow is None else t_grow
-    return tau * t_target_1 / (t_draft_1 + grow + t_verify)

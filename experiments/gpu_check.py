@@ -51,7 +51,7 @@ from ops import files  # noqa: E402
 import model as M  # noqa: E402
 import speculate  # noqa: E402
 from ops import timing  # noqa: E402
-from tree import tree_speedup  # noqa: E402
+from evaluate import tree_speedup  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STAGES = ("a_env", "b_cuda_tests", "c_eager", "d_compiled", "e_full")
@@ -184,8 +184,8 @@ def predictions(t_target, t_draft, toy):
     out = {}
     for g in GAMMAS:
         if g + 1 in t_target:
-            tau = speculate.expected_tau(toy["alpha"], g)
-            out[g] = speculate.measured_speedup(tau, t_target[1], t_draft, t_target[g + 1], g)
+            tau = evaluate.expected_tau(toy["alpha"], g)
+            out[g] = evaluate.measured_speedup(tau, t_target[1], t_draft, t_target[g + 1], g)
     return out
 
 
@@ -280,11 +280,11 @@ def compiled_costs(run, layers):
         watch.close()
     toy = bench.toy_acceptance(a.toy_json)
     toy_tree = bench.toy_acceptance(bench.TOY_TREE_ACCEPTANCE, bench.decoder_json(tree))
-    tau = speculate.expected_tau(toy["alpha"], g)
+    tau = evaluate.expected_tau(toy["alpha"], g)
     t_verify, t_level = 1e3 * tt["target"][tree.nodes], 1e3 * tt["draft_level"]
     return {"layers": layers, "compile_s": compile_s, "compile_s_total": sum(compile_s.values()),
             "t_target_ms": t_target, "t_draft_1_ms": t_draft, "gamma": g,
-            "predicted_speedup_at_toy_alpha": speculate.measured_speedup(tau, t_target[1], t_draft, t_target[g + 1], g),
+            "predicted_speedup_at_toy_alpha": evaluate.measured_speedup(tau, t_target[1], t_draft, t_target[g + 1], g),
             "tree": bench.decoder_json(tree), "t_tree_verify_ms": t_verify, "t_draft_level_ms": t_level,
             "t_draft_grow_ms": t_grow, "predicted_tree_speedup_at_toy_tau": tree_speedup(
                 toy_tree["tau"], t_target[1], t_draft, t_level, t_verify, tree, t_grow),

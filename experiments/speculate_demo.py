@@ -14,7 +14,7 @@ import torch  # noqa: E402
 from ops.cli import check_device  # noqa: E402
 from model import PRESETS, VLA  # noqa: E402
 from speculate import autoregressive, speculative  # noqa: E402
-from speculate import expected_tau  # noqa: E402
+from evaluate import expected_tau  # noqa: E402
 
 
 def main():
@@ -41,7 +41,8 @@ def main():
     prompt = dict(input_ids=torch.randint(10, target.cfg.vocab_size, (1, 16), device=args.device))  # text ids only
     base = autoregressive(target, prompt, args.tokens, temperature=args.temperature, seed=args.seed)
     spec = speculative(target, draft, prompt, args.gamma, args.tokens, temperature=args.temperature, seed=args.seed)
-    print(f"autoregressive: {base.summary()}\nspeculative:    {spec.summary()}")
+    for name, r in (("autoregressive", base), ("speculative", spec)):
+        print(f"{name:15s} tokens {len(r.tokens)}  rounds {r.rounds}  tau {r.tau:.2f}  alpha {r.alpha:.3f}")
     print(f"expected tau at this alpha (Leviathan): {expected_tau(spec.alpha, args.gamma):.2f}")
     if args.temperature == 0:
         print(f"greedy outputs identical: {base.tokens == spec.tokens}")

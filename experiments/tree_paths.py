@@ -3,7 +3,7 @@ who supplied it (an accepted draft token that was the draft's argmax, an accepte
 the target's own) and by what it is (a routine word or a commitment, driving.commitment_mask).
 
 Paper: the routine reasoner supplies the routine tokens, the deliberative reasoner the commitments; a tree lets the
-draft hedge between its top candidates where it is unsure (EAGLE-2's dynamic tree, tree.draft_tree).
+draft hedge between its top candidates where it is unsure (EAGLE-2's dynamic tree, tree.grow).
 
 run: python experiments/tree_paths.py [--tree 32/8/3] [--scenes 64] [--out experiments/tree_paths.json]
 """

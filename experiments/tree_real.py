@@ -29,8 +29,8 @@ from ops import files  # noqa: E402
 import model as M  # noqa: E402
 from rope import rope_cos_sin, rope_inv_freq  # noqa: E402
 from ops.timing import median_time  # noqa: E402
-from speculate import measured_speedup  # noqa: E402
-from tree import tree_speedup  # noqa: E402
+from evaluate import measured_speedup  # noqa: E402
+from evaluate import tree_speedup  # noqa: E402
 from tree import TreeShape  # noqa: E402
 
 NODES = (8, 16, 32, 64)  # node budgets N of experiments/tree_sweep.py; the verify covers x_last + N tokens

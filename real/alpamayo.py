@@ -373,7 +373,7 @@ def heldout_aggregate(rows, pooled, gamma):
             "speculative": shared + ms["draft_prefill"] + ms["reasoning_speculative"]}
     ade = [r["ade_m"] for r in rows if r["ade_m"] is not None]
     return {"scenes": len(rows), "identical": sum(r["identical"] for r in rows), "tokens": len(pooled.tokens),
-            "tau": pooled.tau, "tau_ceiling": speculate.tau_ceiling([r["tokens"] for r in rows], gamma),
+            "tau": pooled.tau, "tau_ceiling": evaluate.tau_ceiling([r["tokens"] for r in rows], gamma),
             "alpha": pooled.alpha, "alpha_by_position": pooled.alpha_by_depth(), "routine_share": pooled.routine_share,
             "ms": ms, "plan_ms": plan,
             "reasoning_speedup": ms["reasoning_target_only"] / ms["reasoning_speculative"],

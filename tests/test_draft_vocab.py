@@ -13,7 +13,6 @@ run: python -m pytest -q tests/test_draft_vocab.py
 """
 import copy
 import json
-import os
 
 import pytest
 from safetensors.torch import load_file, save_file

@@ -16,7 +16,6 @@ import torch
 
 import driving
 import model as M
-from ops import checkpoint
 from real import scenes
 import speculate
 from tiny_models import image_prompt, tiny_model

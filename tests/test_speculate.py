@@ -19,22 +19,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from evaluate import expected_speedup, expected_tau, measured_speedup, tau_ceiling
 import model
 from ops import timing
 import speculate
+from speculate import autoregressive, process_logits, speculative, verify_greedy, verify_sample
 import tree
 from tree import TreeShape
-from speculate import (
-    autoregressive,
-    expected_speedup,
-    expected_tau,
-    measured_speedup,
-    process_logits,
-    speculative,
-    tau_ceiling,
-    verify_greedy,
-    verify_sample
-)
 import vision
 
 SIGNIFICANCE = 1e-3
@@ -95,8 +86,10 @@ class ToyLM(torch.nn.Module):
         return self.A[seq] + self.B[h]
 
     def step(self, input_ids, input_pos, cache, positions=None, mask=None):
-        """VLA.step's contract: tokens (1, T) written at slots input_pos (1, T), the length not advanced."""
+        """VLA.step's contract: tokens (1, T) written at slots input_pos (1, T) (an int: the first), the length not
+        advanced."""
         self.calls += 1
+        input_pos = slots_of(input_ids, input_pos)
         cache.tokens[input_pos[0]] = input_ids[0]
         if self.B is None:  # Markov: no need to look back
             return self.A[input_ids]  # (1, T, V)
@@ -106,6 +99,10 @@ class ToyLM(torch.nn.Module):
         logits = self.step(input_ids, cache.slots(input_ids.shape[1]), cache)
         cache.length += input_ids.shape[1]
         return logits
+
+
+def slots_of(input_ids, input_pos):  # VLA.step's input_pos as (1, T) slots (an int: the first)
+    return torch.arange(input_pos, input_pos + input_ids.shape[1])[None] if isinstance(input_pos, int) else input_pos
 
 
 def toy(V, seed, scale=2.0, prefix=True):
@@ -385,7 +382,7 @@ class LateNaN(ToyLM):
 
     def step(self, input_ids, input_pos, cache, **kw):
         logits = super().step(input_ids, input_pos, cache, **kw).clone()  # (1, T, V)
-        logits[0, input_pos[0] >= self.at] = float("nan")
+        logits[0, slots_of(input_ids, input_pos)[0] >= self.at] = float("nan")
         return logits
 
 

@@ -1,4 +1,4 @@
-"""Tests for draft trees (tree.TreeShape, draft_tree, verify_tree, tree_round): greedy tree decoding equals
+"""Tests for draft trees (tree.TreeShape, grow, verify_tree, tree_round): greedy tree decoding equals
 target-only decoding token for token (fp32), every node's verify logits equal a cache-free forward over its path,
 both caches hold exactly the committed tokens after every round, and sampled tree decoding keeps the target's law.
 
