@@ -216,9 +216,10 @@ class Block(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-def feed(model, cache, x, return_hidden=False):
-    """model.step of x (B, T) after each row's committed length -> logits (B, T, V); then x is committed. The mask
-    reaches no further than the step's last slot: an eager step reads no empty slot. model: a VLA or CompiledSteps."""
+def feed(model, cache, x, n=None, return_hidden=False):
+    """model.step of x (B, T) after each row's committed length -> logits (B, T, V); then row b's first n[b] tokens
+    are committed (n None: all T; the rest is padding, beyond the length). The mask reaches no further than the step's
+    last slot: an eager step reads no empty slot. model: a VLA or CompiledSteps."""
     slots, mask = cache.slots(x.shape[1]), None  # (B, T), checked to fit
     if len(set(cache.lengths)) == 1:  # rows of one length: an int, written by a slice, VLA.step's causal mask
         slots = cache.lengths[0]
@@ -226,7 +227,7 @@ def feed(model, cache, x, return_hidden=False):
         mask = causal_mask(slots, cache, max(cache.lengths) + x.shape[1])  # (B, T, S)
     hidden = {"return_hidden": True} if return_hidden else {}  # VLA.forward's only: CompiledSteps returns logits
     out = model.step(x, slots, cache, mask=mask, **hidden)
-    cache.lengths = [n + x.shape[1] for n in cache.lengths]
+    cache.lengths = [m + (x.shape[1] if n is None else n[b]) for b, m in enumerate(cache.lengths)]
     return out
 
 
@@ -265,6 +266,10 @@ class KVCache:
         self.key_mask = None
 
     @property
+    def device(self):
+        return self.rope_delta.device
+
+    @property
     def length(self):
         """The committed length of rows that all have the same (batch 1, rows of one prompt)."""
         if any(n != self.lengths[0] for n in self.lengths):
@@ -290,13 +295,28 @@ class KVCache:
         self.length = n
 
     def move(self, src, dst):
-        """Copy the keys / values of slots src to slots dst (increasing int lists, dst[i] <= src[i]), in every row: a
-        tree round's accepted path to consecutive slots, the rejected branches left beyond the new length."""
+        """Copy, in row b, the keys / values of slots src[b] to slots dst[b] (increasing int lists, dst[b][i] <=
+        src[b][i]): each row's accepted tree path to consecutive slots, the rejected branches left beyond its length."""
         if src == dst:
             return
-        src, dst = (torch.tensor(x, device=self.rope_delta.device) for x in (src, dst))
-        for buf in self.k + self.v:  # (B, Hk, max_len, hd) each
-            buf.index_copy_(2, dst, buf.index_select(2, src))  # gathered first: a source is never overwritten
+        m = max(map(len, src))
+        # Rows with fewer slots copy their last source (or slot 0) onto itself: a slot no other copy writes.
+        src, dst = ([r + (s[-1:] or [0]) * (m - len(r)) for r, s in zip(x, src)] for x in (src, dst))
+        src, dst = (torch.tensor(x, device=self.rope_delta.device) for x in (src, dst))  # (B, m)
+        rows = torch.arange(len(src), device=src.device)[:, None]  # (B, 1)
+        for buf in self.k + self.v:  # (B, Hk, max_len, hd) each; buf[rows, :, src] is (B, m, Hk, hd)
+            buf[rows, :, dst] = buf[rows, :, src]  # gathered first: a source is never overwritten
+
+    def take_rows(self, src, rows):
+        """Row b := row rows[b] of src, a cache of <= max_len slots: a prompt's prefill shared by several rows (its
+        samples) without running it again. Slots, committed length, rope delta and real keys."""
+        n, rows_t = src.max_len, torch.tensor(rows, device=self.rope_delta.device)
+        for buf, s in zip(self.k + self.v, src.k + src.v):
+            buf[:, :, :n] = s.index_select(0, rows_t)  # (B, Hk, n, hd)
+        self.lengths = [src.lengths[r] for r in rows]
+        self.rope_delta = src.rope_delta.index_select(0, rows_t)  # (B, 1)
+        self.key_mask = None if src.key_mask is None else \
+            F.pad(src.key_mask.index_select(0, rows_t), (0, self.max_len - n), value=True)  # (B, max_len)
 
     def repeat_rows(self, n):
         """A new cache with each row repeated n times (B -> B * n): n continuations of a prompt share its prefill."""

@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from model import feed  # the step after the committed tokens, then committed (speculate.feed to callers)
+from model import KVCache, feed  # feed: the step after the committed tokens, then committed
 
 # ---- processed distributions ----
 
@@ -147,8 +147,9 @@ class SpecResult:
 # ---- caches and prefill ----
 
 
-def new_cache(model, prompt, max_new_tokens, max_len, slack=0):
-    """A cache for the whole decode, L - 1 + max_new_tokens (+ `slack` slots for a tree's branches), checked first."""
+def new_cache(model, prompt, max_new_tokens, max_len, slack=0, batch=1):
+    """A cache of `batch` rows for the whole decode, L - 1 + max_new_tokens (+ `slack` slots a round writes beyond
+    the committed length), checked first."""
     need = prompt["input_ids"].shape[1] - 1 + max_new_tokens
     cfg = config_of(model)  # a Hugging Face config's max_position_embeddings, or our ModelConfig.max_seq_len
     limit = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "max_seq_len", None)
@@ -157,7 +158,7 @@ def new_cache(model, prompt, max_new_tokens, max_len, slack=0):
         raise ValueError(f"{what} {need} positions, the model has {limit}")
     if max_len is not None and need + slack > max_len:
         raise ValueError(f"{what} a cache of {need + slack}, max_len is {max_len}")
-    return model.new_cache(batch=1, max_len=max_len or need + slack, device=prompt["input_ids"].device)
+    return model.new_cache(batch=batch, max_len=max_len or need + slack, device=prompt["input_ids"].device)
 
 
 def on_model(prompt, model):
@@ -166,63 +167,99 @@ def on_model(prompt, model):
     return {k: v.to(w.device, w.dtype if v.is_floating_point() else None) for k, v in prompt.items()}
 
 
+def stack_prompts(prompts, pad_id=0):
+    """Batch-1 prompt dicts -> one prompt of P rows, left-padded to the longest (attention_mask), the vision inputs
+    of the rows that have them concatenated in row order (transformers' layout: row-major over the batch)."""
+    if bad := [i for i, p in enumerate(prompts) if p["input_ids"].dim() != 2 or p["input_ids"].shape[0] != 1]:
+        raise ValueError(f"stack_prompts stacks batch-1 prompts (input_ids (1, L)); prompts {bad} are not")
+    L = max(p["input_ids"].shape[1] for p in prompts)
+    ids = torch.cat([torch.nn.functional.pad(p["input_ids"], (L - p["input_ids"].shape[1], 0), value=pad_id)
+                     for p in prompts])  # (P, L)
+    out = {"input_ids": ids, "attention_mask": (torch.arange(L, device=ids.device) >= torch.tensor(
+        [L - p["input_ids"].shape[1] for p in prompts], device=ids.device)[:, None]).long()}  # (P, L)
+    for k in set().union(*prompts) - {"input_ids", "attention_mask"}:
+        out[k] = torch.cat([p[k] for p in prompts if p.get(k) is not None])
+    return out
+
+
 def embed_prompt(target, prompt):
     """The target's prompt embeddings (1, L, D) and DeepStack features (Qwen3-VL; [] without, or from an HF embed)."""
     out = target.embed(**{k: prompt[k] for k in EMBED_KEYS if prompt.get(k) is not None}, return_deepstack=True)
     return out if isinstance(out, tuple) else (out, [])
 
 
-def prefill(model, prompt, embeds, cache, deepstack=None, name="model"):
-    """Feed the prompt but its last token, returned (1, 1) as the first x_last. embeds (1, L, D), target.embed's, serve
-    both models: the draft sees the target's image features, no second tower runs. deepstack: the target's only."""
-    ids = prompt["input_ids"]  # (1, L)
+def prefill(model, prompt, embeds, cache, deepstack=None, name="model", samples=1):
+    """Feed each prompt row but its last token, returned (B, 1) as the first x_last of each of its `samples` rows
+    (B = rows x samples): the prefill runs once per prompt, its cache rows repeated (KVCache.take_rows). embeds (P,
+    L, D), target.embed's, serve both models: the draft sees the target's image features, no second tower runs.
+    deepstack: the target's only. Rows of different lengths come left-padded (attention_mask)."""
+    ids, mask = prompt["input_ids"], prompt.get("attention_mask")  # (P, L)
     grids = {k: prompt[k] for k in GRID_KEYS if prompt.get(k) is not None}
     if deepstack:
         grids["deepstack"] = deepstack
+    if mask is not None:
+        grids["attention_mask"] = mask[:, :-1]
+    into = cache
+    if samples > 1:  # a cache of the P prompts alone, its rows then copied into the B rows
+        k0 = cache.k[0]
+        into = KVCache(len(cache.k), ids.shape[0], k0.shape[1], ids.shape[1] - 1, k0.shape[3], k0.dtype, k0.device)
     # logits_to_keep=1 skips an (L, V) LM-head product: the one row is only checked (NaN weights reach every row).
-    logits = model(ids[:, :-1], inputs_embeds=embeds[:, :-1], cache=cache, logits_to_keep=1, **grids)  # (1, 1, V)
+    logits = model(ids[:, :-1], inputs_embeds=embeds[:, :-1], cache=into, logits_to_keep=1, **grids)  # (P, 1, V)
     check_finite(logits, name, "after the prefill", model)
-    return ids[:, -1:]
+    if samples > 1:
+        cache.take_rows(into, [r for r in range(ids.shape[0]) for _ in range(samples)])
+    return ids[:, -1:].repeat_interleave(samples, 0)  # (B, 1)
 
 
-def make_generator(device, seed):
-    # seed None: draw one from torch's global RNG, so torch.manual_seed still governs the run.
-    return torch.Generator(device=device).manual_seed(int(torch.randint(2**62, (1,))) if seed is None else seed)
+def make_generators(device, seed, rows=1):
+    """One generator per row, row r seeded seed + r: a row draws the same numbers whatever batch it runs in, so a
+    plan is reproducible row by row. seed None: one drawn from torch's global RNG (torch.manual_seed governs)."""
+    seed = int(torch.randint(2**62, (1,))) if seed is None else seed
+    return [torch.Generator(device=device).manual_seed(seed + r) for r in range(rows)]
 
 
 # ---- the chain round ----
 
 
-def spec_round(target, draft, tcache, dcache, pending, gamma, temperature, top_k, top_p, generator, last=None):
-    """One draft-then-verify round. pending (1, k): emitted tokens the draft has not seen, the last (x_last) the only
-    one the target has not. -> (n_accepted, drafted ints, next int, new pending); last: latest logits (NaN guard)."""
-    ell = tcache.length  # committed tokens in the target cache, x_last excluded
-    x, drafted, qs = pending, [], []
+def spec_round(target, draft, tcache, dcache, pending, gamma, temperature, top_k, top_p, generators, last=None):
+    """One draft-then-verify round over the B rows of the caches. pending: per row the emitted tokens (a list of
+    ints) its draft has not seen, the last (x_last) the only one its target has not. -> per row n_accepted, the gamma
+    drafted ints and the next int, and the new pending. generators: one per row (sampling); last: latest logits."""
+    B, dev, ell, k = len(pending), tcache.device, list(tcache.lengths), [len(p) for p in pending]
     last = {} if last is None else last
-    for _ in range(gamma):
-        logits_q = last["draft"] = feed(draft, dcache, x)[0, -1]  # (V,) q for the next position
+    # Rows of one step: pending right-padded with its last token (written beyond the row's length, never read).
+    x = torch.tensor([p + p[-1:] * (max(k) - len(p)) for p in pending], device=dev)  # (B, max k)
+    logits_q = feed(draft, dcache, x, k)[torch.arange(B), torch.tensor(k) - 1]  # (B, V): q after each row's pending
+    drafted, qs = [], []
+    for i in range(gamma):
+        if i:
+            logits_q = feed(draft, dcache, drafted[-1][:, None])[:, -1]  # (B, V)
+        last["draft"] = logits_q
         if temperature == 0:
-            d = logits_q.argmax(-1, keepdim=True)  # (1,) a greedy draft: q is a point mass
+            drafted.append(logits_q.argmax(-1))  # (B,) a greedy draft: q is a point mass
         else:
-            qs.append(process_logits(logits_q, temperature, top_k, top_p))
-            d = sample(qs[-1], generator).view(1)  # (1,)
-        drafted.append(d)
-        x = d.view(1, 1)
-    d = torch.cat(drafted)  # (gamma,)
-    logits_p = last["target"] = feed(target, tcache, torch.cat([pending[:, -1:], d.view(1, -1)], 1))[0]  # (gamma+1, V)
+            qs.append(process_logits(logits_q, temperature, top_k, top_p))  # (B, V)
+            drafted.append(torch.stack([sample(q, g) for q, g in zip(qs[-1], generators)]))  # (B,) each its own draws
+    d = torch.stack(drafted, 1)  # (B, gamma)
+    x_last = torch.tensor([[p[-1]] for p in pending], device=dev)  # (B, 1)
+    logits_p = last["target"] = feed(target, tcache, torch.cat([x_last, d], 1))  # (B, gamma+1, V)
     if temperature == 0:
-        n, nxt = verify_greedy(d, logits_p)
+        n, nxt = verify_greedy(d, logits_p)  # (B,) each
     else:
-        n, nxt = verify_sample(d, torch.stack(qs), process_logits(logits_p, temperature, top_k, top_p), generator)
-    n_int, nxt_int, *d_list = torch.cat([n.view(1), nxt.view(1), d]).tolist()  # the round's one host sync
-    # Keep the committed tokens: ell + x_last + n accepted drafts; the new x_last stays out.
-    tcache.crop(ell + 1 + n_int)
-    dcache.crop(min(dcache.length, ell + 1 + n_int))
-    # The new pending is what the draft's cache lacks of [old pending, d_1..d_n, next]: [next] after a rejection,
-    # [d_gamma, next] after a full acceptance (the draft fed itself d_1..d_{gamma-1}).
-    tail = torch.cat([pending, d[:n_int].view(1, -1), nxt.view(1, 1)], 1)  # (1, k + n + 1)
-    pending = tail[:, dcache.length - (ell + 1 - pending.shape[1]):]
-    return n_int, d_list, nxt_int, pending
+        p, q = process_logits(logits_p, temperature, top_k, top_p), torch.stack(qs, 1)  # (B, gamma+1|gamma, V)
+        n, nxt = (torch.stack(t) for t in zip(*(verify_sample(d[b], q[b], p[b], g) for b, g in enumerate(generators))))
+    flat = torch.cat([n, nxt, d.view(-1)]).tolist()  # the round's one host sync
+    n, nxt, d = flat[:B], flat[B:2 * B], [flat[2 * B + b * gamma:2 * B + (b + 1) * gamma] for b in range(B)]
+    new = []
+    for b in range(B):
+        # Keep the committed tokens: ell + x_last + n accepted drafts; the new x_last stays out.
+        tcache.lengths[b] = ell[b] + 1 + n[b]
+        dcache.lengths[b] = min(dcache.lengths[b], ell[b] + 1 + n[b])
+        # The new pending is what the draft's cache lacks of [old pending, d_1..d_n, next]: [next] after a
+        # rejection, [d_gamma, next] after a full acceptance (the draft fed itself d_1..d_{gamma-1}).
+        tail = pending[b] + d[b][:n[b]] + [nxt[b]]
+        new.append(tail[dcache.lengths[b] - (ell[b] + 1 - k[b]):])
+    return n, d, nxt, new
 
 
 # ---- decoding ----
@@ -236,79 +273,124 @@ def now(device, timing):
 
 
 @torch.no_grad()
-def speculative(target, draft, prompt, gamma, max_new_tokens, temperature=0.0, top_k=None, top_p=None,
-                seed=None, stop_token=None, max_len=None, timing=False, tree_round=None):
-    """Decode up to max_new_tokens, q proposing and p verifying. gamma: the chain's draft length; or, with tree_round
-    (tree.speculative passes tree.tree_round), a tree.TreeShape whose rounds draft and verify a tree. prompt: forward
-    kwargs, batch 1; max_len: cache size (None: what the decode needs)."""
-    check_inputs(target, draft, prompt, max_new_tokens, temperature, top_k, top_p, stop_token, gamma, tree_round)
-    chain = tree_round is None
-    # Slots a round writes beyond the committed length: the last round, drafting in full, may reach past the end.
-    t_slack, d_slack = (gamma, gamma) if chain else gamma.slack
-    tcache = new_cache(target, prompt, max_new_tokens, max_len, t_slack)
-    dcache = new_cache(draft, prompt, max_new_tokens, max_len, d_slack)
-    sampling = (temperature, top_k, top_p, make_generator(prompt["input_ids"].device, seed))
-    t0 = now(prompt["input_ids"].device, timing)
-    embeds, deepstack = embed_prompt(target, prompt)  # (1, L, D)
-    pending = prefill(target, prompt, embeds, tcache, deepstack, name="target")
-    prefill(draft, prompt, embeds, dcache, name="draft")
-    t1 = now(prompt["input_ids"].device, timing)
-    res = SpecResult(target_forwards=1, draft_forwards=1, prefill_s=t1 - t0)  # the prefills
-    g, depth = (gamma, gamma) if chain else (gamma.nodes, gamma.depth)  # drafted per round; its longest path
-    one_round = spec_round if chain else tree_round
-    last = {}  # the latest logits of each model, checked once at the end
-    with nonfinite_named(last, draft):
-        while len(res.tokens) < max_new_tokens:
-            # Every round has the same shapes (a compiled step's graphs are fixed); the last one's block is cut.
-            n, drafted, nxt, pending = one_round(target, draft, tcache, dcache, pending, gamma, *sampling, last)
-            block = (drafted[:n] + [nxt])[:max_new_tokens - len(res.tokens)]
-            if stop_token is not None and stop_token in block:
-                block = block[:block.index(stop_token) + 1]
-            res.tokens += block
-            res.from_draft += ([True] * n + [False])[:len(block)]
-            res.blocks.append(len(block))
-            res.accepted.append(n)
-            res.depths.append(depth)
-            res.rounds += 1
-            res.target_forwards += 1
-            res.draft_forwards += depth
-            res.n_drafted += g
-            res.n_accepted += n
-            res.n_tested += n + (n < depth)  # the tree: each level reached is one test, as each chain position
-            if stop_token is not None and block[-1] == stop_token:
-                break
-        res.decode_s = now(prompt["input_ids"].device, timing) - t1
-    return res
+def speculative(target, draft, prompt, gamma, max_new_tokens, **kwargs):
+    """Decode one prompt row (input_ids (1, L)), q proposing and p verifying -> its SpecResult: speculative_batch's
+    one row (kwargs: its temperature, top_k, top_p, seed, stop_token, max_len, timing, tree_round)."""
+    if prompt["input_ids"].shape[0] != 1 or kwargs.get("samples", 1) != 1:
+        raise ValueError(f"speculative decodes one row, got input_ids {tuple(prompt['input_ids'].shape)} and "
+                         f"samples {kwargs.get('samples', 1)}: speculative_batch decodes several")
+    return speculative_batch(target, draft, prompt, gamma, max_new_tokens, **kwargs)[0]
 
 
 @torch.no_grad()
-def autoregressive(target, prompt, max_new_tokens, temperature=0.0, top_k=None, top_p=None,
-                   seed=None, stop_token=None, max_len=None, timing=False):
-    """Plain decoding, the baseline arm: the same prefill, cached one-token target steps and sampling (tau = 1)."""
-    check_inputs(target, None, prompt, max_new_tokens, temperature, top_k, top_p, stop_token)
-    cache = new_cache(target, prompt, max_new_tokens, max_len)
-    generator = make_generator(prompt["input_ids"].device, seed)
-    t0 = now(prompt["input_ids"].device, timing)
-    embeds, deepstack = embed_prompt(target, prompt)  # (1, L, D)
-    x = prefill(target, prompt, embeds, cache, deepstack, name="target")  # (1, 1)
-    t1 = now(prompt["input_ids"].device, timing)
-    out, last = [], {}
+def speculative_batch(target, draft, prompt, gamma, max_new_tokens, samples=1, temperature=0.0, top_k=None,
+                      top_p=None, seed=None, stop_token=None, max_len=None, timing=False, tree_round=None):
+    """Decode B = P x samples rows at once, up to max_new_tokens each -> a SpecResult per row. prompt: forward kwargs
+    of P rows (input_ids (P, L), left-padded under attention_mask if their lengths differ); row r continues prompt
+    r // samples with its own generator (seed + r). gamma: the chain's draft length; or, with tree_round
+    (tree.speculative passes tree.tree_round), a tree.TreeShape whose rounds draft and verify a tree. Every row is in
+    every round (one draft forward per draft step, one verify forward); a finished row's work is thrown away and its
+    caches keep its length, so the shapes never change. max_len: cache size (None: what the decode needs)."""
+    check_inputs(target, draft, prompt, max_new_tokens, temperature, top_k, top_p, stop_token, gamma, tree_round,
+                 samples)
+    chain, B, dev = tree_round is None, prompt["input_ids"].shape[0] * samples, prompt["input_ids"].device
+    # Slots a round writes beyond the committed length: the last round, drafting in full, may reach past the end.
+    t_slack, d_slack = (gamma, gamma) if chain else gamma.slack
+    tcache = new_cache(target, prompt, max_new_tokens, max_len, t_slack, B)
+    dcache = new_cache(draft, prompt, max_new_tokens, max_len, d_slack, B)
+    sampling = (temperature, top_k, top_p, make_generators(dev, seed, B))
+    t0 = now(dev, timing)
+    embeds, deepstack = embed_prompt(target, prompt)  # (P, L, D)
+    pending = prefill(target, prompt, embeds, tcache, deepstack, "target", samples)
+    prefill(draft, prompt, embeds, dcache, name="draft", samples=samples)
+    pending = pending.tolist()  # per row: [x_last]
+    t1 = now(dev, timing)
+    out = [SpecResult(target_forwards=1, draft_forwards=1, prefill_s=t1 - t0) for _ in range(B)]  # the prefills
+    g, depth = (gamma, gamma) if chain else (gamma.nodes, gamma.depth)  # drafted per round; its longest path
+    one_round = spec_round if chain else tree_round
+    live, last = set(range(B)), {}  # rows still decoding; the latest logits of each model, checked at the end
+    with nonfinite_named(last, draft):
+        while live:
+            lengths = (list(tcache.lengths), list(dcache.lengths), list(pending))
+            # Every round has the same shapes (a compiled step's graphs are fixed); the last one's block is cut.
+            n, drafted, nxt, pending = one_round(target, draft, tcache, dcache, pending, gamma, *sampling, last)
+            t = now(dev, timing)
+            for b in range(B):
+                if b not in live:  # finished: its round undone, its caches kept at their lengths then
+                    tcache.lengths[b], dcache.lengths[b], pending[b] = (x[b] for x in lengths)
+                    continue
+                res = out[b]
+                block = (drafted[b][:n[b]] + [nxt[b]])[:max_new_tokens - len(res.tokens)]
+                if stop_token is not None and stop_token in block:
+                    block = block[:block.index(stop_token) + 1]
+                res.tokens += block
+                res.from_draft += ([True] * n[b] + [False])[:len(block)]
+                res.blocks.append(len(block))
+                res.accepted.append(n[b])
+                res.depths.append(depth)
+                res.rounds += 1
+                res.target_forwards += 1
+                res.draft_forwards += depth
+                res.n_drafted += g
+                res.n_accepted += n[b]
+                res.n_tested += n[b] + (n[b] < depth)  # the tree: each level reached is one test, as each chain position
+                if block[-1] == stop_token or len(res.tokens) == max_new_tokens:
+                    live.discard(b)
+                    res.decode_s = t - t1  # this row's reasoning step, until its last token
+                    # its round undone too: the lengths it accepted may reach past max_new, beyond the caches' room
+                    tcache.lengths[b], dcache.lengths[b], pending[b] = (x[b] for x in lengths)
+    return out
+
+
+@torch.no_grad()
+def autoregressive(target, prompt, max_new_tokens, **kwargs):
+    """Plain decoding of one prompt row, the baseline arm: autoregressive_batch's one row -> its SpecResult."""
+    if prompt["input_ids"].shape[0] != 1 or kwargs.get("samples", 1) != 1:
+        raise ValueError(f"autoregressive decodes one row, got input_ids {tuple(prompt['input_ids'].shape)}: "
+                         "autoregressive_batch decodes several")
+    return autoregressive_batch(target, prompt, max_new_tokens, **kwargs)[0]
+
+
+@torch.no_grad()
+def autoregressive_batch(target, prompt, max_new_tokens, samples=1, temperature=0.0, top_k=None, top_p=None,
+                         seed=None, stop_token=None, max_len=None, timing=False):
+    """Plain decoding of B = P x samples rows (speculative_batch's rows, prefill, sampling and generators), one
+    cached target step per token (tau = 1). As transformers' generate, a finished row keeps stepping until every
+    row has finished (its tokens dropped)."""
+    check_inputs(target, None, prompt, max_new_tokens, temperature, top_k, top_p, stop_token, samples=samples)
+    B, dev = prompt["input_ids"].shape[0] * samples, prompt["input_ids"].device
+    cache = new_cache(target, prompt, max_new_tokens, max_len, batch=B)
+    generators = make_generators(dev, seed, B)
+    t0 = now(dev, timing)
+    embeds, deepstack = embed_prompt(target, prompt)  # (P, L, D)
+    x = prefill(target, prompt, embeds, cache, deepstack, "target", samples)  # (B, 1)
+    t1 = now(dev, timing)
+    steps, ends, last = [], [None] * B, {}  # ends[b]: (tokens, seconds) when row b emitted its stop token
     with nonfinite_named(last):
-        for _ in range(max_new_tokens):
-            logits = last["target"] = feed(target, cache, x)[0, -1]  # (V,)
+        for i in range(max_new_tokens):
+            logits = last["target"] = feed(target, cache, x)[:, -1]  # (B, V)
             if temperature == 0:
-                nxt = logits.argmax(-1, keepdim=True)  # (1,)
+                x = logits.argmax(-1)  # (B,)
             else:
-                nxt = sample(process_logits(logits, temperature, top_k, top_p), generator).view(1)  # (1,)
-            out.append(nxt)
-            x = nxt.view(1, 1)
+                probs = process_logits(logits, temperature, top_k, top_p)  # (B, V)
+                x = torch.stack([sample(p, g) for p, g in zip(probs, generators)])  # (B,)
+            steps.append(x)
+            x = x[:, None]  # (B, 1)
             # Without a stop token nothing needs the value now: no per-token host sync.
-            if stop_token is not None and int(nxt) == stop_token:
-                break
-        tokens = torch.cat(out).tolist()  # the host sync that ends the reasoning step
-        decode_s = now(prompt["input_ids"].device, timing) - t1
-    return SpecResult(tokens=tokens, from_draft=[False] * len(tokens), blocks=[1] * len(tokens), rounds=len(tokens),
-                      target_forwards=len(tokens) + 1, prefill_s=t1 - t0, decode_s=decode_s)
+            if stop_token is not None:
+                for b, t in enumerate(x[:, 0].tolist()):
+                    if t == stop_token and ends[b] is None:
+                        ends[b] = (i + 1, now(dev, timing) - t1)
+                if all(ends):
+                    break
+        tokens = torch.stack(steps, 1).tolist()  # (B, T): the host sync that ends the reasoning step
+        decode_s = now(dev, timing) - t1
+    out = []
+    for b, row in enumerate(tokens):
+        n, s = ends[b] or (len(row), decode_s)
+        out.append(SpecResult(tokens=row[:n], from_draft=[False] * n, blocks=[1] * n, rounds=n, target_forwards=n + 1,
+                              prefill_s=t1 - t0, decode_s=s))
+    return out
 
 
 # ---- input checks and NaN guards ----
@@ -319,17 +401,21 @@ def config_of(model):
 
 
 def check_inputs(target, draft, prompt, max_new_tokens, temperature, top_k, top_p, stop_token, gamma=1,
-                 tree_round=None):
+                 tree_round=None, samples=1):
     """A bad prompt or setting would fail deep in a forward, or silently (a stop token out of range never stops)."""
     if unknown := set(prompt) - set(EMBED_KEYS) - set(GRID_KEYS) - {"attention_mask"}:
         raise ValueError(f"prompt has keys speculate does not understand: {sorted(unknown)}")
     ids, mask = prompt["input_ids"], prompt.get("attention_mask")
-    if ids.dim() != 2 or ids.shape[0] != 1:
-        raise ValueError(f"speculative decoding here is batch size 1: input_ids must be (1, L), got {tuple(ids.shape)}")
-    if mask is not None and not bool(mask.all()):
-        raise ValueError("padded prompts are not supported (batch size 1, attention_mask must be all ones)")
-    if ids.shape[1] < 2:  # an empty cache would make the model read the first decoded token as a prompt
-        raise ValueError("the prompt needs at least 2 tokens: all but the last are prefilled, the last is decoded")
+    if ids.dim() != 2 or ids.shape[0] < 1:
+        raise ValueError(f"input_ids must be (rows, L), got {tuple(ids.shape)}")
+    if not isinstance(samples, int) or isinstance(samples, bool) or samples < 1:
+        raise ValueError(f"samples (rows per prompt) must be an int >= 1, got {samples!r}")
+    real = ids.shape[1] if mask is None else mask.sum(-1).min()  # the shortest row's tokens
+    if mask is not None and (tuple(mask.shape) != tuple(ids.shape) or not bool((mask.diff(dim=-1) >= 0).all())):
+        raise ValueError(f"attention_mask {tuple(mask.shape)} must match input_ids {tuple(ids.shape)} and pad on the "
+                         "left (each row's tokens at its end: its last token is decoded first)")
+    if real < 2:  # an empty cache would make the model read the first decoded token as a prompt
+        raise ValueError("each prompt row needs at least 2 tokens: all but the last are prefilled, the last is decoded")
     if tree_round is None and (not isinstance(gamma, int) or isinstance(gamma, bool) or gamma < 1):
         raise ValueError(f"gamma (draft length) must be an int >= 1, got {gamma!r} (a tree.TreeShape decodes through "
                          "tree.speculative)")
@@ -338,7 +424,7 @@ def check_inputs(target, draft, prompt, max_new_tokens, temperature, top_k, top_
     check_sampling(temperature, top_k, top_p)
     cfg = config_of(target)
     # the held-back last token is decoded as text; an image placeholder there would split features from slots
-    if int(ids[0, -1]) in (getattr(cfg, "image_token_id", None), getattr(cfg, "video_token_id", None)):
+    if {getattr(cfg, "image_token_id", None), getattr(cfg, "video_token_id", None)} & set(ids[:, -1].tolist()):
         raise ValueError("the prompt must end with a text token (e.g. <cot_start>), not an image/video placeholder")
     V = getattr(cfg, "vocab_size", None)
     if V is None:

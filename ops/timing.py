@@ -75,8 +75,8 @@ def grow_time(target, draft, prompt, shape, reps=20, timer=time.perf_counter):
     embeds = target.embed(**{k: prompt[k] for k in EMBED_KEYS if prompt.get(k) is not None})  # (1, L, D)
     cache = draft.new_cache(batch=1, max_len=prompt["input_ids"].shape[1] + (shape.depth - 1) * shape.width)
     prefill(draft, prompt, embeds, cache)
-    logits = feed(draft, cache, prompt["input_ids"][:, -1:])[0, -1:]  # (1, V): q at the root
-    root = torch.tensor(cache.length, device=logits.device)
+    logits = feed(draft, cache, prompt["input_ids"][:, -1:])[:, -1]  # (1, V): q at the root
+    root = torch.tensor(cache.lengths, device=logits.device)  # (1,)
     grow = getattr(draft, "fused", lambda fn: fn)(tree.grow)
     return median_time(lambda: grow(draft, cache, logits, root, shape), logits.device, reps, timer)
 

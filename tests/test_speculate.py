@@ -43,6 +43,7 @@ class ToyCache:
         self.lengths = [0]  # one row
         self.max_len = max_len
         self.key_mask = None
+        self.device = torch.device("cpu")
 
     length = property(lambda self: self.lengths[0], lambda self, n: setattr(self, "lengths", [n]))
 
@@ -299,14 +300,14 @@ def run_rounds(target, draft, ids, gamma, n_rounds, temperature=0.0, check=None)
     tcache = target.new_cache(max_len=L + n_rounds * (gamma + 1))
     dcache = draft.new_cache(max_len=L + n_rounds * (gamma + 1))
     embeds = target.embed(**{k: v for k, v in ids.items() if k in speculate.EMBED_KEYS})
-    pending = speculate.prefill(target, ids, embeds, tcache)
+    pending = speculate.prefill(target, ids, embeds, tcache).tolist()  # [[x_last]]: one row
     speculate.prefill(draft, ids, embeds, dcache)
     gen = torch.Generator().manual_seed(0)
     emitted, kinds = [], set()
     with torch.no_grad():
         for _ in range(n_rounds):
-            n, drafted, nxt, pending = speculate.spec_round(target, draft, tcache, dcache, pending, gamma,
-                                                            temperature, None, None, gen)
+            (n,), (drafted,), (nxt,), pending = speculate.spec_round(target, draft, tcache, dcache, pending, gamma,
+                                                                     temperature, None, None, [gen])
             emitted += drafted[:n] + [nxt]
             kinds.add("zero" if n == 0 else "full" if n == gamma else "partial")
             check(tcache, dcache, pending, emitted)
@@ -324,9 +325,9 @@ def test_cache_rollback_toy():
     def check(tcache, dcache, pending, emitted):
         seq = ids["input_ids"][0].tolist() + emitted
         assert tcache.tokens[:tcache.length].tolist() == seq[:-1]
-        k = pending.shape[1]
+        k = len(pending[0])
         assert dcache.tokens[:dcache.length].tolist() == seq[:-k]
-        assert pending[0].tolist() == seq[-k:] and k in (1, 2)
+        assert pending[0] == seq[-k:] and k in (1, 2)
 
     for temperature in (0.0, 1.0):
         assert run_rounds(target, draft, ids, gamma, 40, temperature, check) == {"zero", "partial", "full"}
@@ -342,10 +343,15 @@ def test_errors_before_any_work():
         args = dict(gamma=2, max_new_tokens=20) | kw
         with pytest.raises(ValueError):
             speculative(target, draft, ids, **args)
-    with pytest.raises(ValueError, match="batch size 1"):
+    with pytest.raises(ValueError, match="decodes one row.*_batch decodes several"):
         speculative(target, draft, dict(input_ids=torch.zeros(2, 3, dtype=torch.long)), 2, 5)
-    with pytest.raises(ValueError, match="batch size 1"):
+    with pytest.raises(ValueError, match="decodes one row.*_batch decodes several"):
         autoregressive(target, dict(input_ids=torch.zeros(2, 3, dtype=torch.long)), 5)
+    right_padded = dict(input_ids=torch.ones(2, 4, dtype=torch.long), attention_mask=torch.tensor([[1, 1, 1, 0]] * 2))
+    with pytest.raises(ValueError, match="pad on the left"):
+        speculate.speculative_batch(target, draft, right_padded, 2, 5)
+    with pytest.raises(ValueError, match="samples"):
+        speculate.speculative_batch(target, draft, ids, 2, 5, samples=0)
     with pytest.raises(ValueError, match="at least 2 tokens"):
         speculative(target, draft, prompt_of(3), 2, 5)
     target.config.max_position_embeddings = 21
@@ -710,9 +716,9 @@ def test_vla_cache_rollback():
 
     def check_for(draft):
         def check(tcache, dcache, pending, emitted):
-            k = pending.shape[1]
+            k = len(pending[0])
             committed = prompt["input_ids"][0, -1:].tolist() + emitted  # the held-back prompt token + output
-            assert pending[0].tolist() == committed[-k:]
+            assert pending[0] == committed[-k:]
             # the fresh prefill sees the whole prompt, then what the cache should hold after it
             assert_cache_matches_prefill(target, tcache, prompt, emitted[:-1], target)
             if len(committed) > k:
@@ -738,7 +744,7 @@ def test_vla_errors():
     with pytest.raises(ValueError, match="text token"):
         speculative(target, target, bad, 2, 4)
     batch2 = dict(input_ids=torch.tensor([[1, 2], [3, 4]]))
-    with pytest.raises(ValueError, match="batch size 1"):
+    with pytest.raises(ValueError, match="decodes one row"):
         speculative(target, target, batch2, 2, 4)
     with pytest.raises(ValueError, match="max_len"):
         speculative(target, target, prompt, 2, 40, max_len=40)

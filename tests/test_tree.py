@@ -122,7 +122,7 @@ def test_tree_verify_logits_equal_a_cache_free_forward_over_each_path(monkeypatc
         seen.clear()
         tree_speculative(target, draft, prompt, TreeShape(16, 4, 3), 8)
         tree, logits_p = seen["first"]
-        parent, tokens = tree.parent.tolist(), tree.tokens.tolist()
+        parent, tokens, logits_p = tree.parent[0].tolist(), tree.tokens[0].tolist(), logits_p[0]  # the one row
         assert len(tokens) == 16
         for v in range(len(parent)):
             path, u = [], v
@@ -163,17 +163,17 @@ def tree_rounds_check(target, draft, t, d, prompt, shape, L):
     tcache = speculate.new_cache(t, prompt, 40, None, slack=shape.nodes)  # 5 rounds of at most 5 tokens
     dcache = speculate.new_cache(d, prompt, 40, None, slack=(shape.depth - 1) * shape.width)
     embeds, ds = speculate.embed_prompt(target, prompt)
-    pending = speculate.prefill(t, prompt, embeds, tcache, ds)
+    pending = speculate.prefill(t, prompt, embeds, tcache, ds).tolist()  # [[x_last]]: one row
     speculate.prefill(d, prompt, embeds, dcache)
     emitted = []
     with torch.no_grad():
         for _ in range(5):
-            n, acc, nxt, pending = tree_round(t, d, tcache, dcache, pending, shape, 0.0, None, None, None)
+            (n,), (acc,), (nxt,), pending = tree_round(t, d, tcache, dcache, pending, shape, 0.0, None, None, None)
             kinds.add("zero" if n == 0 else "full" if n == shape.depth else "partial")
             emitted += acc + [nxt]
             committed = prompt["input_ids"][0, -1:].tolist() + emitted
-            k = pending.shape[1]
-            assert pending[0].tolist() == committed[-k:]
+            k = len(pending[0])
+            assert pending[0] == committed[-k:]
             assert_cache_matches_prefill(target, tcache, prompt, emitted[:-1], target)
             if len(committed) > k:
                 assert_cache_matches_prefill(draft, dcache, prompt, committed[1:len(committed) - k], target)
@@ -218,7 +218,8 @@ def markov_tree(Q, x0, k, depth):
         while u:
             u = parent[u]
             anc[v, u] = True
-    tree = Tree(torch.tensor(toks[1:]), torch.tensor(parent), torch.tensor(depth_of), anc, torch.full((n,), -1))
+    tree = Tree(torch.tensor([toks[1:]]), torch.tensor([parent]), torch.tensor([depth_of]), anc[None],
+                torch.full((1, n), -1))  # one row
     return tree, torch.tensor(toks)
 
 
@@ -240,11 +241,11 @@ def test_verify_tree_distribution(temperature, top_p, monkeypatch):
             seq, last = [], x0
             while len(seq) < 3:
                 tree, toks = trees[last]
-                best, nxt = verify_tree(tree, p_logits[toks], temperature, None, top_p, g)
-                path, u = [], int(best)
+                best, nxt = verify_tree(tree, p_logits[toks][None], temperature, None, top_p, [g])
+                path, u = [], int(best[0])
                 while u:
                     path.append(int(toks[u]))
-                    u = int(tree.parent[u])
+                    u = int(tree.parent[0, u])
                 seq += path[::-1] + [int(nxt)]
                 last = seq[-1]
             out[i] = torch.tensor(seq[:3])
@@ -320,7 +321,13 @@ def test_kv_cache_move():
         t.normal_(generator=g)
     before = torch.stack(a.k).clone()
     src, dst = [4, 6, 9], [2, 3, 4]  # dst 4 is also a source: it must be read first
-    a.move(src, dst)
+    a.move([src, src], [dst, dst])
     assert torch.equal(torch.stack(a.k)[..., dst, :], before[..., src, :])
     keep = [i for i in range(10) if i not in dst]
     assert torch.equal(torch.stack(a.k)[..., keep, :], before[..., keep, :])
+    # rows with their own paths, one of them empty: each row moves its own slots, the other row's stay
+    before = torch.stack(a.v).clone()  # (layers, B, Hk, S, hd)
+    a.move([[5, 8], []], [[1, 2], []])
+    assert torch.equal(torch.stack(a.v)[:, 0, :, [1, 2]], before[:, 0, :, [5, 8]])
+    assert torch.equal(torch.stack(a.v)[:, 0, :, [0, 3, 4, 5, 6, 7, 8, 9]], before[:, 0, :, [0, 3, 4, 5, 6, 7, 8, 9]])
+    assert torch.equal(torch.stack(a.v)[:, 1], before[:, 1])
