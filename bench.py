@@ -30,6 +30,8 @@ from evaluate import TARGET_ONLY, tree_speedup
 import model as M
 from ops import checkpoint, cli, files, timing
 from real import alpamayo, peer, scenes
+import speculate
+import tree as trees
 from tree import TreeShape
 
 TOY_DRAFT = ("aarl", 0)  # the toy mode's default draft: FlatRoPE + AARL (static anchor), seed 0
@@ -67,7 +69,7 @@ def time_arms(target, drafts, prompts, gamma, max_new, stop_token, repeats, deco
                    "speedup": ms[TARGET_ONLY] / ms[name]} for name, ps in passes.items()}
 
 
-def compiled_pair(target, draft, prompts, decoders, max_new):
+def compiled_pair(target, draft, prompts, decoders, max_new, batch=1):
     """M.CompiledSteps of target and draft, each cache sized for every prompt and decoder (chain gammas, trees), each
     step length a decode takes compiled once: target-only 1, a verify gamma + 1 or N + 1; the draft's pending 1 or 2
     tokens (a tree's too: every accepted node but the last was expanded, so fed), a tree level k."""
@@ -77,7 +79,7 @@ def compiled_pair(target, draft, prompts, decoders, max_new):
     d_lengths = {1, 2, *(t.width for t in trees)}
     slack = max([*gammas, *(t.nodes for t in trees)]) + max(t_lengths)
     max_len = max(p["input_ids"].shape[1] for p in prompts) + max_new + slack
-    return M.CompiledSteps(target, max_len, t_lengths), M.CompiledSteps(draft, max_len, d_lengths)
+    return M.CompiledSteps(target, max_len, t_lengths, batch), M.CompiledSteps(draft, max_len, d_lengths, batch)
 
 
 def both_arms(ar, spec):  # {ar_prefill_ms, spec_prefill_ms, ar_ms_per_token, spec_ms_per_token}
@@ -181,6 +183,62 @@ def benchmark(target, draft, prompts, gamma, max_new, stop_token=None, repeats=3
     return res
 
 
+# ---- plans of several rows (Alpamayo-R1 samples six CoCs per scene) ----
+@torch.no_grad()
+def plans(target, draft, prompts, gamma, max_new, stop_token, repeats, decoding, batch, samples, compile=False,
+          chain_gamma=evaluate.GAMMA):
+    """Plans of `batch` prompts x `samples` rows each, decoded as one batch (speculate.speculative_batch, tree or
+    chain, against autoregressive_batch on the same rows), arms alternating in every pass, medians reported: per
+    plan the reasoning step's ms until every row is done, tokens per second, tau per row, the speed-up; greedy rows
+    compared with their own batch-1 target-only decode. compile: the same arms through CompiledSteps of B rows."""
+    B = batch * samples
+    groups = [speculate.stack_prompts(prompts[i:i + batch]) for i in range(0, len(prompts) - batch + 1, batch)]
+    sampled = decoding["mode"] == "sampling"
+    kw = dict(samples=samples, stop_token=stop_token, **({k: decoding[k] for k in ("temperature", "top_k", "top_p")}
+                                                         if sampled else {}))
+    tree = isinstance(gamma, TreeShape)
+    arms = {TARGET_ONLY: (target, None, None), "speculative": (target, draft, gamma)}
+    arms |= {CHAIN_ARM: (target, draft, chain_gamma)} if tree else {}
+    if compile:
+        ct, cd = compiled_pair(target, draft, groups, [gamma, chain_gamma], max_new, B)
+        arms |= {COMPILED[0]: (ct, None, None), COMPILED[1]: (ct, cd, gamma)}
+        arms |= {COMPILED_CHAIN: (ct, cd, chain_gamma)} if tree else {}
+
+    def run(t, d, g, p, j, timing=False):  # plan j's rows seeded seed + B j + r: the same draws in every pass
+        seed = {"seed": decoding["seed"] + B * j} if sampled else {}
+        if d is None:
+            return speculate.autoregressive_batch(t, p, max_new, timing=timing, **kw, **seed)
+        decode = trees.speculative_batch if isinstance(g, TreeShape) else speculate.speculative_batch
+        return decode(t, d, p, g, max_new, timing=timing, **kw, **seed)
+
+    out = {name: [run(*arm, p, j) for j, p in enumerate(groups)] for name, arm in arms.items()}  # + warm-up, compile
+    passes = {name: [] for name in arms}
+    for _ in range(repeats):
+        for name, arm in arms.items():
+            res = [run(*arm, p, j, timing=True) for j, p in enumerate(groups)]
+            passes[name].append((1e3 * sum(max(r.decode_s for r in rows) for rows in res) / len(res),  # ms per plan
+                                 sum(len(r.tokens) for rows in res for r in rows)))
+    rec = {"batch": batch, "samples": samples, "rows": B, "plans": len(groups), "decoding": decoding,
+           "what": "ms: the reasoning step of one plan, until every row is done (median over passes); "
+                   "idle_row_share: row-rounds a finished row spends in the batch (its work thrown away)"}
+    base = median(p[0] for p in passes[TARGET_ONLY])
+    for name, ps in passes.items():
+        ms, rows = median(p[0] for p in ps), [r for plan in out[name] for r in plan]
+        rec[name] = {"ms_per_plan": ms, "tokens_per_s": 1e3 * ps[0][1] / len(groups) / ms, "speedup": base / ms,
+                     "tau_per_row": [r.tau for r in rows], "mean_tau": sum(r.tau for r in rows) / len(rows),
+                     "idle_row_share": sum(max(r.rounds for r in plan) - r.rounds for plan in out[name] for r in plan)
+                     / sum(max(r.rounds for r in plan) * len(plan) for plan in out[name])}
+        if name in COMPILED + (COMPILED_CHAIN,):
+            rec[name]["speedup"] = median(p[0] for p in passes[COMPILED[0]]) / ms  # over compiled target-only
+    if not sampled:  # greedy: each row equals its own prompt's batch-1 target-only decode
+        ref = [speculate.autoregressive(target, p, max_new, stop_token=stop_token).tokens for p in prompts]
+        want = [ref[j * batch + i] for j in range(len(groups)) for i in range(batch) for _ in range(samples)]
+        rec["greedy_match_per_row"] = {name: [r.tokens == w for r, w in zip([r for plan in o for r in plan], want)]
+                                       for name, o in out.items()}
+        rec["greedy_match"] = all(all(v) for v in rec["greedy_match_per_row"].values())
+    return rec
+
+
 def cost_model(target, draft, prompt, gamma, tau, reps=20):
     """Step times (ms): T_target(1), T_draft(1), T_target(gamma + 1) or a tree's verify and level; speed-up at tau."""
     tree = isinstance(gamma, TreeShape)
@@ -209,6 +267,10 @@ def toy(args, device, dtype, decoding):
     draft = checkpoint.load(draft_dir, target=target).eval()  # in the target's dtype: they share embedding and head
     tok = driving.Tokenizer()
     prompts = evaluate.scene_prompts(driving.make_split("test", args.prompts, seed=0), tok, device, dtype, args.views)
+    if args.batch > 1 or args.samples > 1:  # plans of several rows, decoded as one batch
+        return {"mode": "plans", "draft": draft_dir, "target": os.path.join(args.run, "target"), "decoding": decoding,
+                "plan": plans(target, draft, prompts, args.decoder, args.max_new, tok.cot_end_id, args.repeats,
+                              decoding, args.batch, args.samples, args.compile, args.gamma)}
     choose = None
     if args.choose_tree:  # --compile without --tree: the tree the compiled steps run fastest, chosen on val scenes
         val = evaluate.scene_prompts(driving.make_split("val", CHOOSE_SCENES, seed=0), tok, device, dtype, args.views)
@@ -313,6 +375,8 @@ def run_line(res):
 def report(res):
     if res["mode"] == "heldout":
         return print("\n".join([run_line(res)] + alpamayo.heldout_lines(res)))
+    if res["mode"] == "plans":
+        return print("\n".join([run_line(res)] + plan_lines(res["plan"])))
     s, c = "sampled " if res["decoding"]["mode"] == "sampling" else "", res.get("compiled")
     arms = lambda d, x: (f"target-only {d['ar_ms_per_token']:.3f} ms/token   speculative "  # noqa: E731
                          f"{d['spec_ms_per_token']:.3f} ms/token   speed-up {x:.2f}x")
@@ -351,6 +415,22 @@ def report(res):
     print("\n".join(lines + (peer.report_lines(res["peers"], res["dtype"]) if "peers" in res else [])))
 
 
+def plan_lines(p):
+    lines = [f"plans          {p['plans']} plans of {p['batch']} prompt(s) x {p['samples']} sample(s) = {p['rows']} "
+             "rows, decoded as one batch; ms: one plan's reasoning step, until every row is done"]
+    for name in [k for k in p if isinstance(p[k], dict) and "ms_per_plan" in p[k]]:
+        a = p[name]
+        lines.append(f"{name:<27}{a['ms_per_plan']:8.1f} ms/plan {a['tokens_per_s']:8.0f} tokens/s   speed-up "
+                     f"{a['speedup']:.2f}x   tau per row {a['mean_tau']:.2f} (min {min(a['tau_per_row']):.2f})   "
+                     f"idle row share {a['idle_row_share']:.2f}")
+    if "greedy_match" in p:
+        lines.append("greedy         every row equals its own batch-1 target-only decode: "
+                     + ("yes" if p["greedy_match"] else "NO (" + ", ".join(
+                         f"{k}: {v.count(False)} rows" for k, v in p["greedy_match_per_row"].items() if not all(v))
+                        + ")"))
+    return lines
+
+
 # ---- the flags ----
 def main(argv=None):
     ap = argparse.ArgumentParser(description="Reasoning-step latency: target-only vs speculative (RSD).")
@@ -373,6 +453,9 @@ def main(argv=None):
             ("--max-new", evaluate.MAX_NEW_TOKENS, "reasoning tokens per prompt at most"),
             ("--prompts", 32, "toy: held-out test scenes benchmarked"),
             ("--views", driving.WorldConfig().views, "toy: surround views per prompt"),
+            ("--samples", 1, "toy: rows per prompt, each its own sampled CoC, decoded as one batch (Alpamayo-R1 "
+                             "runs 6 at --temperature 0.6 --top-p 0.98)"),
+            ("--batch", 1, "toy: prompts per batch (with --samples: batch x samples rows per plan)"),
             ("--repeats", 3, "timed passes (median reported), >= 3"),
             ("--threads", None, "CPU threads (default: torch's)")):
         ap.add_argument(flag, type=int, default=default, help=text)
@@ -412,8 +495,14 @@ def check_flags(ap, args):
     args.choose_tree = args.tree is None and args.compile and toy_mode and not args.peer
     args.tree = (0 if args.peer else evaluate.TREE.nodes) if args.tree is None else args.tree
     for bad, msg in ((args.target and args.preset, "give --target or --preset, not both"),
-                     (min(args.gamma, args.max_new, args.prompts, args.images) < 1,
-                      "--gamma, --max-new, --prompts and --images must be >= 1"),
+                     (min(args.gamma, args.max_new, args.prompts, args.images, args.samples, args.batch) < 1,
+                      "--gamma, --max-new, --prompts, --images, --samples and --batch must be >= 1"),
+                     ((args.samples > 1 or args.batch > 1) and not toy_mode, "--samples and --batch run plans on the "
+                      "toy (a real checkpoint's plans: not yet)"),
+                     ((args.samples > 1 or args.batch > 1) and args.peer, "--peer times batch-1 decodes: drop "
+                      "--samples / --batch"),
+                     (args.batch > args.prompts, f"--batch {args.batch} needs at least as many --prompts, got "
+                      f"{args.prompts}"),
                      (args.repeats < 3, "--repeats must be >= 3 (the median of at least three passes is reported)"),
                      (args.threads is not None and args.threads < 1,
                       f"--threads must be >= 1 (omit it for torch's default), got {args.threads}"),

@@ -258,3 +258,25 @@ def test_a_draft_that_is_its_own_target_is_refused(capsys):
     with pytest.raises(SystemExit):
         bench.main(["--device", "cpu", "--preset", "qwen3-vl-8b", "--toy-json", "nowhere.json"])
     assert "--toy-json nowhere.json: no such file" in capsys.readouterr().err
+
+
+def test_plans_time_batched_rows_that_equal_their_own_decodes(eager_dynamo, capsys):
+    """--batch / --samples: two prompts x two samples as one batch of four rows, tree and chain, eager and compiled
+    (dynamo's graphs, eager backend): every row equals its prompt's batch-1 target-only greedy decode, tau per row
+    and the plan's speed-up are reported; sampled plans of one prompt's three samples run without a reference."""
+    from tree import TreeShape
+    target = tiny_model()
+    draft = make_draft(target, n_layers=1).eval()
+    prompts = [image_prompt(seed=s) for s in range(2)]
+    p = bench.plans(target, draft, prompts, TreeShape(6, 3, 2), 6, None, 3, cli.decoding_mode(), 2, 2, compile=True,
+                    chain_gamma=3)
+    assert p["rows"] == 4 and p["plans"] == 1 and p["greedy_match"]
+    arms = {evaluate.TARGET_ONLY, "speculative", bench.CHAIN_ARM, *bench.COMPILED, bench.COMPILED_CHAIN}
+    assert set(p["greedy_match_per_row"]) == arms and all(len(v) == 4 for v in p["greedy_match_per_row"].values())
+    assert all(len(p[a]["tau_per_row"]) == 4 and p[a]["ms_per_plan"] > 0 for a in arms)
+    assert p[evaluate.TARGET_ONLY]["speedup"] == 1.0 and p[bench.COMPILED[0]]["speedup"] == 1.0
+    bench.report({"mode": "plans", "plan": p, "device": "cpu", "hardware": "x", "dtype": "fp32", "threads": 1,
+                  "decoder": bench.decoder_json(TreeShape(6, 3, 2)), "decoding": cli.decoding_mode()})
+    assert "4 rows, decoded as one batch" in capsys.readouterr().out
+    sampled = bench.plans(target, draft, prompts, 3, 6, None, 3, cli.decoding_mode(0.6, top_p=0.98), 1, 3)
+    assert sampled["plans"] == 2 and "greedy_match" not in sampled and sampled["speculative"]["mean_tau"] >= 1
