@@ -30,6 +30,7 @@ from evaluate import TARGET_ONLY, tree_speedup
 import model as M
 from ops import checkpoint, cli, files, timing
 from real import alpamayo, peer, scenes
+from real.expert import speed_from_history
 import speculate
 import tree as trees
 from tree import TreeShape
@@ -219,6 +220,7 @@ def plans(target, draft, prompts, gamma, max_new, stop_token, repeats, decoding,
             passes[name].append((1e3 * sum(max(r.decode_s for r in rows) for rows in res) / len(res),  # ms per plan
                                  sum(len(r.tokens) for rows in res for r in rows)))
     rec = {"batch": batch, "samples": samples, "rows": B, "plans": len(groups), "decoding": decoding,
+           "cocs": [r.tokens for r in out["speculative"][0]],  # the first plan's rows
            "what": "ms: the reasoning step of one plan, until every row is done (median over passes); "
                    "idle_row_share: row-rounds a finished row spends in the batch (its work thrown away)"}
     base = median(p[0] for p in passes[TARGET_ONLY])
@@ -332,6 +334,16 @@ def real(args, device, dtype, decoding):
             prompt["pixel_values"] = prompt["pixel_values"].to(dtype)
     name = args.target or (args.preset + (f" ({args.layers} layers)" if args.layers else "")
                            + (f", draft head over {args.draft_vocab} ids" if args.draft_vocab else ""))
+    if args.samples > 1:  # the scene's plan as the release runs it: `samples` CoCs as one batch, the expert over all
+        p = plans(target, draft, [prompt], args.decoder, args.max_new, stop, args.repeats, decoding, 1, args.samples,
+                  args.compile, args.gamma)
+        if getattr(target, "expert", None) is not None:
+            v0 = speed_from_history(alpamayo.history_poses()[None]).to(device).expand(args.samples)  # (B,)
+            cocs = p["cocs"]
+            p["expert_ms"] = 1e3 * timing.median_time(lambda: alpamayo.expert_rows(
+                target, prompt, cocs, args.samples, stop, v0), device, args.repeats)  # prefill + CoCs + expert, B rows
+            p["waypoints"] = alpamayo.expert_rows(target, prompt, cocs, args.samples, stop, v0).float().tolist()
+        return {"mode": "plans", "model": name, "decoding": decoding, "plan": p, "trained_draft": bool(args.draft)}
     res = benchmark(target, draft, [prompt], args.decoder, args.max_new, stop, args.repeats, decoding, args.compile,
                     args.gamma)
     res.update(mode="real", model=name, prompt_tokens=prompt["input_ids"].shape[1], trained_draft=bool(args.draft))
@@ -376,7 +388,10 @@ def report(res):
     if res["mode"] == "heldout":
         return print("\n".join([run_line(res)] + alpamayo.heldout_lines(res)))
     if res["mode"] == "plans":
-        return print("\n".join([run_line(res)] + plan_lines(res["plan"])))
+        p = res["plan"]
+        expert = [f"expert         {p['expert_ms']:.1f} ms: prefill, the {p['rows']} CoCs teacher-forced and the "
+                  "action expert over all rows (per-row mask)"] if "expert_ms" in p else []
+        return print("\n".join([run_line(res)] + plan_lines(p) + expert))
     s, c = "sampled " if res["decoding"]["mode"] == "sampling" else "", res.get("compiled")
     arms = lambda d, x: (f"target-only {d['ar_ms_per_token']:.3f} ms/token   speculative "  # noqa: E731
                          f"{d['spec_ms_per_token']:.3f} ms/token   speed-up {x:.2f}x")
@@ -497,8 +512,10 @@ def check_flags(ap, args):
     for bad, msg in ((args.target and args.preset, "give --target or --preset, not both"),
                      (min(args.gamma, args.max_new, args.prompts, args.images, args.samples, args.batch) < 1,
                       "--gamma, --max-new, --prompts, --images, --samples and --batch must be >= 1"),
-                     ((args.samples > 1 or args.batch > 1) and not toy_mode, "--samples and --batch run plans on the "
-                      "toy (a real checkpoint's plans: not yet)"),
+                     (args.batch > 1 and not toy_mode, "--batch runs plans of several toy prompts (a real "
+                      "checkpoint's plan is one scene: use --samples)"),
+                     (args.samples > 1 and (args.preset or args.scenes), "--samples plans one scene of --target "
+                      "(not --preset, not --scenes)"),
                      ((args.samples > 1 or args.batch > 1) and args.peer, "--peer times batch-1 decodes: drop "
                       "--samples / --batch"),
                      (args.batch > args.prompts, f"--batch {args.batch} needs at least as many --prompts, got "

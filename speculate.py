@@ -272,14 +272,15 @@ def now(device, timing):
     return time.perf_counter() if timing else 0.0
 
 
-@torch.no_grad()
-def speculative(target, draft, prompt, gamma, max_new_tokens, **kwargs):
+def speculative(target, draft, prompt, gamma, max_new_tokens, temperature=0.0, top_k=None, top_p=None, seed=None,
+                stop_token=None, max_len=None, timing=False, tree_round=None):
     """Decode one prompt row (input_ids (1, L)), q proposing and p verifying -> its SpecResult: speculative_batch's
-    one row (kwargs: its temperature, top_k, top_p, seed, stop_token, max_len, timing, tree_round)."""
-    if prompt["input_ids"].shape[0] != 1 or kwargs.get("samples", 1) != 1:
-        raise ValueError(f"speculative decodes one row, got input_ids {tuple(prompt['input_ids'].shape)} and "
-                         f"samples {kwargs.get('samples', 1)}: speculative_batch decodes several")
-    return speculative_batch(target, draft, prompt, gamma, max_new_tokens, **kwargs)[0]
+    one row (its generator seeded `seed`)."""
+    if prompt["input_ids"].shape[0] != 1:
+        raise ValueError(f"speculative decodes one row, got input_ids {tuple(prompt['input_ids'].shape)}: "
+                         "speculative_batch decodes several")
+    return speculative_batch(target, draft, prompt, gamma, max_new_tokens, 1, temperature, top_k, top_p, seed,
+                             stop_token, max_len, timing, tree_round)[0]
 
 
 @torch.no_grad()
@@ -342,13 +343,14 @@ def speculative_batch(target, draft, prompt, gamma, max_new_tokens, samples=1, t
     return out
 
 
-@torch.no_grad()
-def autoregressive(target, prompt, max_new_tokens, **kwargs):
+def autoregressive(target, prompt, max_new_tokens, temperature=0.0, top_k=None, top_p=None, seed=None,
+                   stop_token=None, max_len=None, timing=False):
     """Plain decoding of one prompt row, the baseline arm: autoregressive_batch's one row -> its SpecResult."""
-    if prompt["input_ids"].shape[0] != 1 or kwargs.get("samples", 1) != 1:
+    if prompt["input_ids"].shape[0] != 1:
         raise ValueError(f"autoregressive decodes one row, got input_ids {tuple(prompt['input_ids'].shape)}: "
                          "autoregressive_batch decodes several")
-    return autoregressive_batch(target, prompt, max_new_tokens, **kwargs)[0]
+    return autoregressive_batch(target, prompt, max_new_tokens, 1, temperature, top_k, top_p, seed, stop_token,
+                                max_len, timing)[0]
 
 
 @torch.no_grad()

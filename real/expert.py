@@ -149,15 +149,17 @@ class ActionExpert(nn.Module):
 
     def stack(self, h, cache: KVCache):
         """Action tokens h (B, N, De) -> (B, N, De), each layer attending to the same layer of `cache` (prompt + CoC +
-        <|traj_future_start|>) and to all N tokens. Their K/V are written after cache.length, which never advances:
-        the cache is unchanged for the next Euler step (Alpamayo appends them, then crops back)."""
-        B, N, L = *h.shape[:2], cache.length
+        <|traj_future_start|>, each row its own length: the release's per-row mask) and to its row's N tokens. Their
+        K/V are written after each row's committed length, which never advances: the cache is unchanged for the next
+        Euler step (Alpamayo appends them, then crops back)."""
+        B, N, L = *h.shape[:2], max(cache.lengths)
         if L + N > cache.max_len:
             raise ValueError(f"the expert's {N} action tokens need a KV cache of {L} + {N} slots, max_len is "
                              f"{cache.max_len}")
-        slots = cache.slots(N)  # (B, N): after <|traj_future_start|>, equal on t, h, w
+        slots = cache.slots(N)  # (B, N): after each row's <|traj_future_start|>, equal on t, h, w
         cos, sin = (t.to(h.dtype).unsqueeze(2) for t in rope_cos_sin(slots + cache.rope_delta, self.inv_freq(h.device)))
-        mask = (torch.arange(cache.max_len, device=h.device) < L + N).expand(B, N, -1)  # (B, N, S): not causal
+        mask = (torch.arange(cache.max_len, device=h.device) <= slots[:, -1:])[:, None].expand(B, N, -1)  # (B, N, S):
+        # the row's committed slots and its N action tokens, not causal
         if cache.key_mask is not None:
             mask = mask & cache.key_mask[:, None]
         mask = grouped_mask(mask, self.layer_cfg.n_heads // self.layer_cfg.n_kv_heads, h.dtype)  # (B, 1, g*N, S)
@@ -173,9 +175,13 @@ class ActionExpert(nn.Module):
     @torch.no_grad()
     def sample(self, cache, generator=None):
         """Euler integration of the flow from noise (t = 0) to normalised actions (t = 1) -> (B, N, 2).
-        Training pairs x_t = t x + (1 - t) noise with the velocity x - noise."""
-        B, n = len(cache.lengths), self.cfg.euler_steps
-        x = torch.randn(B, self.cfg.n_waypoints, 2, generator=generator, device=cache.rope_delta.device)
+        Training pairs x_t = t x + (1 - t) noise with the velocity x - noise. generator: one, or a list, one per row
+        (each row's noise its own: a row's plan does not change with its batch)."""
+        B, n, shape, dev = len(cache.lengths), self.cfg.euler_steps, (self.cfg.n_waypoints, 2), cache.rope_delta.device
+        if isinstance(generator, list):
+            x = torch.stack([torch.randn(shape, generator=g, device=dev) for g in generator])  # (B, N, 2)
+        else:
+            x = torch.randn(B, *shape, generator=generator, device=dev)
         for k in range(n):
             x = x + self.velocity(x, torch.full((B,), k / n, device=x.device), cache) / n  # t = k / n
         return x
