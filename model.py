@@ -182,10 +182,9 @@ class Attention(nn.Module):
                 kb[:, :, input_pos:input_pos + T], vb[:, :, input_pos:input_pos + T] = k, v
             elif B == 1:  # one row: index_copy_, a third of index_put_'s cost per call on a CPU
                 kb.index_copy_(2, input_pos[0], k), vb.index_copy_(2, input_pos[0], v)
-            else:  # row b's slots in every KV head: indices broadcast to (B, Hk, T)
-                at = (torch.arange(B, device=x.device)[:, None, None],
-                      torch.arange(Hk, device=x.device)[None, :, None], input_pos[:, None, :])
-                kb.index_put_(at, k), vb.index_put_(at, v)
+            else:  # row b's slots in every KV head and channel
+                at = input_pos[:, None, :, None].expand(B, Hk, T, hd)  # (B, Hk, T, hd), a view
+                kb.scatter_(2, at, k), vb.scatter_(2, at, v)
             q = q.reshape(B, Hk, (H // Hk) * T, hd)  # (B, Hk, g*T, hd)
             S = input_pos + T if mask is None else mask.shape[-1]  # the slots read (no mask: all of them)
             y = F.scaled_dot_product_attention(q, kb[:, :, :S], vb[:, :, :S], attn_mask=mask).reshape(B, H, T, hd)

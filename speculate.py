@@ -53,7 +53,11 @@ def process_logits(logits, temperature, top_k=None, top_p=None):
     return probs
 
 
-def sample(probs, generator):  # one token per row: probs (..., V) -> (...)
+def sample(probs, generator):
+    """One token per row: probs (..., V) -> (...). generator: one, or a list of one per leading row (probs[b] drawn
+    from generator[b] alone: a row's draws do not depend on the batch it runs in)."""
+    if isinstance(generator, list):
+        return torch.stack([sample(p, g) for p, g in zip(probs, generator)])
     flat = probs.reshape(-1, probs.shape[-1])  # (N, V)
     return torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])
 
@@ -72,11 +76,15 @@ def verify_greedy(draft_tokens, target_logits):
 def verify_sample(draft_tokens, q, p, generator=None):
     """Leviathan et al. 2023, Algorithm 1: draft_tokens (..., gamma) sampled from q (..., gamma, V); p (..., gamma+1,
     V). d_i is accepted with probability min(1, p_i(d_i) / q_i(d_i)); at the first rejection the next token is drawn
-    from normalise(max(0, p_i - q_i)), after gamma acceptances the bonus from p_gamma. -> (n_accepted, next) (...)."""
+    from normalise(max(0, p_i - q_i)), after gamma acceptances the bonus from p_gamma. -> (n_accepted, next) (...).
+    generator: one, or a list of one per row of (B, gamma) draft_tokens (sample's)."""
     idx = draft_tokens.unsqueeze(-1)  # (..., gamma, 1)
     p_d = p[..., :-1, :].gather(-1, idx).squeeze(-1)  # (..., gamma)
     q_d = q.gather(-1, idx).squeeze(-1)  # (..., gamma)
-    u = torch.rand(draft_tokens.shape, generator=generator, device=p.device)  # (..., gamma)
+    if isinstance(generator, list):  # (B, gamma): row b's from generator[b], as sample's
+        u = torch.stack([torch.rand(draft_tokens.shape[1:], generator=g, device=p.device) for g in generator])
+    else:
+        u = torch.rand(draft_tokens.shape, generator=generator, device=p.device)  # (..., gamma)
     n = (u * q_d < p_d).long().cumprod(-1).sum(-1)  # (...); u < p/q without the division (q_d > 0: d came from q)
     residual = (p[..., :-1, :] - q).clamp_min(0.0)  # (..., gamma, V)
     mass = residual.sum(-1, keepdim=True)  # (..., gamma, 1)
@@ -239,15 +247,14 @@ def spec_round(target, draft, tcache, dcache, pending, gamma, temperature, top_k
             drafted.append(logits_q.argmax(-1))  # (B,) a greedy draft: q is a point mass
         else:
             qs.append(process_logits(logits_q, temperature, top_k, top_p))  # (B, V)
-            drafted.append(torch.stack([sample(q, g) for q, g in zip(qs[-1], generators)]))  # (B,) each its own draws
+            drafted.append(sample(qs[-1], generators))  # (B,) each row from its own generator
     d = torch.stack(drafted, 1)  # (B, gamma)
     x_last = torch.tensor([[p[-1]] for p in pending], device=dev)  # (B, 1)
     logits_p = last["target"] = feed(target, tcache, torch.cat([x_last, d], 1))  # (B, gamma+1, V)
     if temperature == 0:
         n, nxt = verify_greedy(d, logits_p)  # (B,) each
     else:
-        p, q = process_logits(logits_p, temperature, top_k, top_p), torch.stack(qs, 1)  # (B, gamma+1|gamma, V)
-        n, nxt = (torch.stack(t) for t in zip(*(verify_sample(d[b], q[b], p[b], g) for b, g in enumerate(generators))))
+        n, nxt = verify_sample(d, torch.stack(qs, 1), process_logits(logits_p, temperature, top_k, top_p), generators)
     flat = torch.cat([n, nxt, d.view(-1)]).tolist()  # the round's one host sync
     n, nxt, d = flat[:B], flat[B:2 * B], [flat[2 * B + b * gamma:2 * B + (b + 1) * gamma] for b in range(B)]
     new = []
@@ -375,7 +382,7 @@ def autoregressive_batch(target, prompt, max_new_tokens, samples=1, temperature=
                 x = logits.argmax(-1)  # (B,)
             else:
                 probs = process_logits(logits, temperature, top_k, top_p)  # (B, V)
-                x = torch.stack([sample(p, g) for p, g in zip(probs, generators)])  # (B,)
+                x = sample(probs, generators)  # (B,)
             steps.append(x)
             x = x[:, None]  # (B, 1)
             # Without a stop token nothing needs the value now: no per-token host sync.
