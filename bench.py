@@ -44,7 +44,9 @@ TOY_ACCEPTANCE, TOY_TREE_ACCEPTANCE = "experiments/bench_cpu.json", "experiments
 COMPILED = ("target-only compiled", "speculative compiled")  # --compile's arms, timed beside the eager ones
 CHAIN_ARM = "speculative chain"  # with a tree: the chain of --gamma, the same draft, timed in the same passes
 COMPILED_CHAIN = "speculative chain compiled"
-CHOOSE_SCENES = 16  # val scenes whose tau chooses --compile's tree
+CHOOSE_SCENES = 16  # val scenes whose tau chooses --compile's tree, or whose plans choose the plans' tree
+# the plans' candidate trees: evaluate.TREES and a smaller budget, for a verify over B rows costs more per node
+PLAN_TREES = (TreeShape(8, 4, 3), *evaluate.TREES)
 
 # ---- the two arms, timed in the same passes ----
 @torch.no_grad()  # the grad mode the compiled steps were warmed up in (evaluate.spec_stats): see timing.CompileWatch
@@ -241,6 +243,25 @@ def plans(target, draft, prompts, gamma, max_new, stop_token, repeats, decoding,
     return rec
 
 
+def choose_plan_tree(target, draft, val_prompts, max_new, stop_token, decoding, batch, samples):
+    """The tree of PLAN_TREES whose plans of val_prompts run fastest, measured (eager, the median of 3 passes after a
+    warm-up) -> (shape, the record: each candidate's ms per val plan)."""
+    groups = [speculate.stack_prompts(val_prompts[i:i + batch]) for i in range(0, len(val_prompts) - batch + 1, batch)]
+    kw = dict(samples=samples, stop_token=stop_token, timing=True)
+    if decoding["mode"] == "sampling":
+        kw |= {k: decoding[k] for k in ("temperature", "top_k", "top_p")}
+    ms = {}
+    for sh in PLAN_TREES:
+        passes = []
+        for _ in range(4):  # the first pass warms up
+            rows = [trees.speculative_batch(target, draft, p, sh, max_new, seed=j, **kw) for j, p in enumerate(groups)]
+            passes.append(1e3 * sum(max(r.decode_s for r in plan) for plan in rows) / len(groups))
+        ms[str(sh)] = median(passes[1:])
+    best = min(PLAN_TREES, key=lambda sh: ms[str(sh)])
+    return best, {"what": f"the tree whose plans of {len(val_prompts)} val scenes ran fastest (eager, ms per plan)",
+                  "ran": decoder_json(best), "ms_per_val_plan": ms}
+
+
 def cost_model(target, draft, prompt, gamma, tau, reps=20):
     """Step times (ms): T_target(1), T_draft(1), T_target(gamma + 1) or a tree's verify and level; speed-up at tau."""
     tree = isinstance(gamma, TreeShape)
@@ -270,9 +291,16 @@ def toy(args, device, dtype, decoding):
     tok = driving.Tokenizer()
     prompts = evaluate.scene_prompts(driving.make_split("test", args.prompts, seed=0), tok, device, dtype, args.views)
     if args.batch > 1 or args.samples > 1:  # plans of several rows, decoded as one batch
+        decoder, chosen = args.decoder, None
+        if args.choose_plan_tree:  # a verify over B rows costs more: the tree that runs the val plans fastest
+            val = evaluate.scene_prompts(driving.make_split("val", CHOOSE_SCENES, seed=0), tok, device, dtype,
+                                         args.views)
+            decoder, chosen = choose_plan_tree(target, draft, val, args.max_new, tok.cot_end_id, decoding, args.batch,
+                                               args.samples)
+        p = plans(target, draft, prompts, decoder, args.max_new, tok.cot_end_id, args.repeats, decoding, args.batch,
+                  args.samples, args.compile, args.gamma)
         return {"mode": "plans", "draft": draft_dir, "target": os.path.join(args.run, "target"), "decoding": decoding,
-                "plan": plans(target, draft, prompts, args.decoder, args.max_new, tok.cot_end_id, args.repeats,
-                              decoding, args.batch, args.samples, args.compile, args.gamma)}
+                "decoder": decoder_json(decoder), "plan": dict(p, chosen=chosen) if chosen else p}
     choose = None
     if args.choose_tree:  # --compile without --tree: the tree the compiled steps run fastest, chosen on val scenes
         val = evaluate.scene_prompts(driving.make_split("val", CHOOSE_SCENES, seed=0), tok, device, dtype, args.views)
@@ -438,6 +466,12 @@ def plan_lines(p):
         lines.append(f"{name:<27}{a['ms_per_plan']:8.1f} ms/plan {a['tokens_per_s']:8.0f} tokens/s   speed-up "
                      f"{a['speedup']:.2f}x   tau per row {a['mean_tau']:.2f} (min {min(a['tau_per_row']):.2f})   "
                      f"idle row share {a['idle_row_share']:.2f}")
+    if "chosen" in p:
+        lines.append("tree           chosen on val plans from " + ", ".join(
+            f"{k} ({v:.1f} ms)" for k, v in p["chosen"]["ms_per_val_plan"].items()))
+    if p["decoding"]["mode"] == "sampling":
+        lines.append(f"seeds          row r of plan j draws from its own generator, seeded {p['decoding']['seed']} + "
+                     f"{p['rows']} j + r")
     if "greedy_match" in p:
         lines.append("greedy         every row equals its own batch-1 target-only decode: "
                      + ("yes" if p["greedy_match"] else "NO (" + ", ".join(
@@ -462,7 +496,8 @@ def main(argv=None):
             ("--images", 16, "images in the real-shape / generated prompt"),
             ("--gamma", evaluate.GAMMA, "the chain's draft length (the chain arm, also timed beside a tree)"),
             ("--tree", None, f"a draft tree of N nodes, 0: the chain (default {evaluate.TREE.nodes}; toy --compile: "
-                             "the tree of evaluate.TREES the compiled steps run fastest on val scenes)"),
+                             "the tree of evaluate.TREES the compiled steps run fastest on val scenes; toy plans: "
+                             "the tree of PLAN_TREES whose val plans run fastest)"),
             ("--tree-depth", evaluate.TREE.depth, "with --tree: its depth D"),
             ("--tree-width", evaluate.TREE.width, "with --tree: k, nodes expanded per level and children per node"),
             ("--max-new", evaluate.MAX_NEW_TOKENS, "reasoning tokens per prompt at most"),
@@ -507,7 +542,9 @@ def main(argv=None):
 def check_flags(ap, args):
     """Every bad flag is one line at parse time, before any work; returns the decoding mode."""
     toy_mode = not (args.target or args.preset)
-    args.choose_tree = args.tree is None and args.compile and toy_mode and not args.peer
+    plan = args.samples > 1 or args.batch > 1
+    args.choose_plan_tree = args.tree is None and toy_mode and plan
+    args.choose_tree = args.tree is None and args.compile and toy_mode and not args.peer and not plan
     args.tree = (0 if args.peer else evaluate.TREE.nodes) if args.tree is None else args.tree
     for bad, msg in ((args.target and args.preset, "give --target or --preset, not both"),
                      (min(args.gamma, args.max_new, args.prompts, args.images, args.samples, args.batch) < 1,
