@@ -280,3 +280,17 @@ def test_plans_time_batched_rows_that_equal_their_own_decodes(eager_dynamo, caps
     assert "4 rows, decoded as one batch" in capsys.readouterr().out
     sampled = bench.plans(target, draft, prompts, 3, 6, None, 3, cli.decoding_mode(0.6, top_p=0.98), 1, 3)
     assert sampled["plans"] == 2 and "greedy_match" not in sampled and sampled["speculative"]["mean_tau"] >= 1
+
+
+def test_the_plans_tree_is_the_one_whose_val_plans_ran_fastest(monkeypatch):
+    """choose_plan_tree times each candidate's val plans and returns the fastest; its record names every candidate."""
+    from tree import TreeShape
+    target = tiny_model()
+    draft = make_draft(target, n_layers=1).eval()
+    shapes = (TreeShape(6, 3, 2), TreeShape(4, 2, 2))
+    monkeypatch.setattr(bench, "PLAN_TREES", shapes)
+    best, rec = bench.choose_plan_tree(target, draft, [image_prompt(seed=s) for s in range(2)], 6, None,
+                                       cli.decoding_mode(), 2, 2)
+    ms = rec["ms_per_val_plan"]
+    assert set(ms) == {str(sh) for sh in shapes} and str(best) == min(ms, key=ms.get)
+    assert rec["ran"] == bench.decoder_json(best)
