@@ -688,7 +688,7 @@ class CompiledSteps:
             positions = None if positions is None else torch.cat([positions, positions[:, -1:] + more], 1)
             input_pos = torch.cat([input_pos, input_pos[:, -1:] + more], 1)  # (B, n)
             mask = torch.cat([mask, mask[:, -1:].expand(B, n - T, -1)], 1)  # (B, n, max_len)
-        logits = self._step(input_ids, input_pos, self._ready(cache), positions, mask)[:, :T]  # (B, T, V): the padding's dropped
+        logits = self._step(input_ids, input_pos, self._ready(cache), positions, mask)[:, :T]  # (B, T, V) unpadded
         return logits.clone() if self.copy_out else logits
 
 

@@ -220,8 +220,13 @@ def prefill(model, prompt, embeds, cache, deepstack=None, name="model", samples=
 
 
 def make_generators(device, seed, rows=1):
-    """One generator per row, row r seeded seed + r: a row draws the same numbers whatever batch it runs in, so a
-    plan is reproducible row by row. seed None: one drawn from torch's global RNG (torch.manual_seed governs)."""
+    """One generator per row, row r seeded seed + r (or seed[r], a list): a row draws the same numbers whatever batch
+    it runs in, so a plan is reproducible row by row. seed None: one drawn from torch's global RNG (torch.manual_seed
+    governs)."""
+    if isinstance(seed, list):
+        if len(seed) != rows:
+            raise ValueError(f"{len(seed)} seeds for {rows} rows: give one per row, or one int (row r: seed + r)")
+        return [torch.Generator(device=device).manual_seed(s) for s in seed]
     seed = int(torch.randint(2**62, (1,))) if seed is None else seed
     return [torch.Generator(device=device).manual_seed(seed + r) for r in range(rows)]
 
@@ -295,10 +300,11 @@ def speculative_batch(target, draft, prompt, gamma, max_new_tokens, samples=1, t
                       top_p=None, seed=None, stop_token=None, max_len=None, timing=False, tree_round=None):
     """Decode B = P x samples rows at once, up to max_new_tokens each -> a SpecResult per row. prompt: forward kwargs
     of P rows (input_ids (P, L), left-padded under attention_mask if their lengths differ); row r continues prompt
-    r // samples with its own generator (seed + r). gamma: the chain's draft length; or, with tree_round
-    (tree.speculative passes tree.tree_round), a tree.TreeShape whose rounds draft and verify a tree. Every row is in
-    every round (one draft forward per draft step, one verify forward); a finished row's work is thrown away and its
-    caches keep its length, so the shapes never change. max_len: cache size (None: what the decode needs)."""
+    r // samples with its own generator (seed + r, or seed[r] from a list). gamma: the chain's draft length; or,
+    with tree_round (tree.speculative passes tree.tree_round), a tree.TreeShape whose rounds draft and verify a
+    tree. Every row is in every round (one draft forward per draft step, one verify forward); a finished row's work
+    is thrown away and its caches keep its length, so the shapes never change. max_len: cache size (None: what the
+    decode needs)."""
     check_inputs(target, draft, prompt, max_new_tokens, temperature, top_k, top_p, stop_token, gamma, tree_round,
                  samples)
     chain, B, dev = tree_round is None, prompt["input_ids"].shape[0] * samples, prompt["input_ids"].device
@@ -341,7 +347,7 @@ def speculative_batch(target, draft, prompt, gamma, max_new_tokens, samples=1, t
                 res.draft_forwards += depth
                 res.n_drafted += g
                 res.n_accepted += n[b]
-                res.n_tested += n[b] + (n[b] < depth)  # the tree: each level reached is one test, as each chain position
+                res.n_tested += n[b] + (n[b] < depth)  # a tree level reached is one test, as a chain position
                 if block[-1] == stop_token or len(res.tokens) == max_new_tokens:
                     live.discard(b)
                     res.decode_s = t - t1  # this row's reasoning step, until its last token

@@ -242,7 +242,9 @@ def distill_data(target, prompts, out, stop_ids, max_new, temperature=0.0, top_p
     or a function returning it (scene_prompts; driving.build_prompt for the toy); stop_ids: the ids that end the
     reasoning, in order: decoding stops at the last one and keeps them all; a record is complete when its CoC ends
     with them. Greedy (temperature 0), or `samples` draws per scene at temperature / top_p (Alpamayo-R1's release:
-    0.6 / 0.98), each seeded by sample_seed. Decoding: speculate.autoregressive, batch 1. Returns the index."""
+    0.6 / 0.98), each seeded by sample_seed. Decoding: speculate.autoregressive_batch, a scene's samples as one
+    batch sharing its prefill (each sample's draws its own generator's: the records are the batch-1 ones). Returns
+    the index."""
     cli.decoding_mode(temperature, None, top_p, seed)  # the settings checked before any work
     stop_ids = [int(t) for t in stop_ids]
     for bad, why in [(not isinstance(max_new, int) or max_new < 1, f"max_new must be an int >= 1, got {max_new!r}"),
@@ -280,12 +282,12 @@ def distill_data(target, prompts, out, stop_ids, max_new, temperature=0.0, top_p
                     continue
                 done.add(scene_id)
                 prompt = speculate.on_model(built(scene_id, prompt), target)  # pixels in the target's dtype
-                for k in range(samples):
-                    res = speculate.autoregressive(target, prompt, max_new, temperature, top_p=top_p,
-                                                   seed=sample_seed(seed, scene_id, k), stop_token=stop_ids[-1],
-                                                   timing=True)
-                    index["prefill_s"] += res.prefill_s
-                    index["decode_s"] += res.decode_s
+                rows = speculate.autoregressive_batch(target, prompt, max_new, samples, temperature, top_p=top_p,
+                                                      seed=[sample_seed(seed, scene_id, k) for k in range(samples)],
+                                                      stop_token=stop_ids[-1], timing=True)
+                index["prefill_s"] += rows[0].prefill_s  # one prefill for the scene's samples
+                index["decode_s"] += max(r.decode_s for r in rows)  # until its last sample is done
+                for k, res in enumerate(rows):
                     ids.extend(res.tokens)
                     records.append({"scene": scene_id, "sample": k, "n": len(res.tokens),
                                     "complete": res.tokens[-len(stop_ids):] == stop_ids})
