@@ -157,18 +157,18 @@ def test_greedy_records_are_the_targets_own_decoding(target, tmp_path):
 def test_a_killed_run_resumes_without_duplicates(target, tmp_path, monkeypatch):
     whole = tmp_path / "whole"
     scenes.distill_data(target, prompts(), whole, STOP, MAX_NEW, shard_scenes=2)
-    run, calls, real = tmp_path / "run", [], speculate.autoregressive
+    run, calls, real = tmp_path / "run", [], speculate.autoregressive_batch  # one call per scene
 
     def dies_at_the_4th(*a, **k):
         calls.append(1)
         if len(calls) == 4:
             raise KeyboardInterrupt
         return real(*a, **k)
-    monkeypatch.setattr(speculate, "autoregressive", dies_at_the_4th)
+    monkeypatch.setattr(speculate, "autoregressive_batch", dies_at_the_4th)
     with pytest.raises(KeyboardInterrupt):
         scenes.distill_data(target, prompts(), run, STOP, MAX_NEW, shard_scenes=2)
     assert [r["scene"] for r in scenes.read_distill_data(run)] == ["s0", "s1"]  # the first shard only
-    monkeypatch.setattr(speculate, "autoregressive", real)
+    monkeypatch.setattr(speculate, "autoregressive_batch", real)
     # killed between a shard and its index entry: the unindexed shard is overwritten by the rerun
     (run / "shard_00001.bin").write_bytes(b"\0" * 12)
     scenes.distill_data(target, prompts(), run, STOP, MAX_NEW, shard_scenes=2)
