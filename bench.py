@@ -243,6 +243,14 @@ def plans(target, draft, prompts, gamma, max_new, stop_token, repeats, decoding,
     return rec
 
 
+def action_stage(target, prompt, cocs, samples, future_start, v0=None, repeats=3):
+    """The plan's action step over all its rows (evaluate.action_rows: the shared prefill, the rows' CoCs, the expert
+    or the toy's head), timed: {action_ms (median of repeats), waypoints}."""
+    run = lambda: evaluate.action_rows(target, prompt, cocs, samples, future_start, v0)  # noqa: E731
+    ms = 1e3 * timing.median_time(run, prompt["input_ids"].device, repeats)
+    return {"action_ms": ms, "waypoints": run().tolist()}
+
+
 def choose_plan_tree(target, draft, val_prompts, max_new, stop_token, decoding, batch, samples):
     """The tree of PLAN_TREES whose plans of val_prompts run fastest, measured (eager, the median of 3 passes after a
     warm-up) -> (shape, the record: each candidate's ms per val plan)."""
@@ -299,6 +307,8 @@ def toy(args, device, dtype, decoding):
                                                args.samples)
         p = plans(target, draft, prompts, decoder, args.max_new, tok.cot_end_id, args.repeats, decoding, args.batch,
                   args.samples, args.compile, args.gamma)
+        p |= action_stage(target, speculate.stack_prompts(prompts[:args.batch]), p["cocs"], args.samples,
+                          tok.traj_future_start_id, repeats=args.repeats)  # the first plan's rows
         return {"mode": "plans", "draft": draft_dir, "target": os.path.join(args.run, "target"), "decoding": decoding,
                 "decoder": decoder_json(decoder), "plan": dict(p, chosen=chosen) if chosen else p}
     choose = None
@@ -367,10 +377,7 @@ def real(args, device, dtype, decoding):
                   args.compile, args.gamma)
         if getattr(target, "expert", None) is not None:
             v0 = speed_from_history(alpamayo.history_poses()[None]).to(device).expand(args.samples)  # (B,)
-            cocs = p["cocs"]
-            p["expert_ms"] = 1e3 * timing.median_time(lambda: alpamayo.expert_rows(
-                target, prompt, cocs, args.samples, stop, v0), device, args.repeats)  # prefill + CoCs + expert, B rows
-            p["waypoints"] = alpamayo.expert_rows(target, prompt, cocs, args.samples, stop, v0).float().tolist()
+            p.update(action_stage(target, prompt, p["cocs"], args.samples, stop, v0, args.repeats))
         return {"mode": "plans", "model": name, "decoding": decoding, "plan": p, "trained_draft": bool(args.draft)}
     res = benchmark(target, draft, [prompt], args.decoder, args.max_new, stop, args.repeats, decoding, args.compile,
                     args.gamma)
@@ -417,9 +424,9 @@ def report(res):
         return print("\n".join([run_line(res)] + alpamayo.heldout_lines(res)))
     if res["mode"] == "plans":
         p = res["plan"]
-        expert = [f"expert         {p['expert_ms']:.1f} ms: prefill, the {p['rows']} CoCs teacher-forced and the "
-                  "action expert over all rows (per-row mask)"] if "expert_ms" in p else []
-        return print("\n".join([run_line(res)] + plan_lines(p) + expert))
+        action = [f"action step    {p['action_ms']:.1f} ms: the prompt's prefill, the first plan's {p['rows']} CoCs "
+                  "teacher-forced, the action expert (toy: trajectory head) over all rows"] if "action_ms" in p else []
+        return print("\n".join([run_line(res)] + plan_lines(p) + action))
     s, c = "sampled " if res["decoding"]["mode"] == "sampling" else "", res.get("compiled")
     arms = lambda d, x: (f"target-only {d['ar_ms_per_token']:.3f} ms/token   speculative "  # noqa: E731
                          f"{d['spec_ms_per_token']:.3f} ms/token   speed-up {x:.2f}x")

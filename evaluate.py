@@ -87,6 +87,29 @@ def plan_trajectories(target, batch, cocs, tok, amp=False):
     return traj, torch.cat([first.repeat_interleave(k, 0), logits], 1)
 
 
+@torch.no_grad()
+def action_rows(target, prompt, cocs, samples, future_start, v0=None):
+    """The action step of a plan of B = P x samples rows at once, row b after prompt row b // samples and its own CoC
+    (+ future_start, <traj_future_start>): the prompt prefilled once per prompt, the rows' CoCs teacher-forced in one
+    ragged step, then an Alpamayo target's action expert over all rows (the per-row mask; v0 (B,) m/s; each row's
+    noise seeded 0, as alpamayo.expert_plan's: a row's plan is a function of its CoC, whatever its batch), or the toy's
+    trajectory head at each row's <traj_future_start> -> waypoints (B, N, 2)."""
+    seqs = [c + ([] if c[-1:] == [future_start] else [future_start]) for c in cocs]
+    L, dev = prompt["input_ids"].shape[1], prompt["input_ids"].device
+    expert = getattr(target, "expert", None)
+    embeds, deepstack = speculate.embed_prompt(target, prompt)  # (P, L, D)
+    room = max(map(len, seqs)) + (expert.cfg.n_waypoints if expert is not None else 0)
+    cache = target.new_cache(batch=len(seqs), max_len=L + room)
+    x_last = speculate.prefill(target, prompt, embeds, cache, deepstack, "target", samples)  # (B, 1)
+    rows = [[t] + s for t, s in zip(x_last[:, 0].tolist(), seqs)]  # the prompt's last token, then the CoC
+    n = [len(r) for r in rows]
+    x = torch.tensor([r + r[-1:] * (max(n) - len(r)) for r in rows], device=dev)  # (B, T) right-padded: the padding
+    _, h = speculate.feed(target, cache, x, n, return_hidden=True)  # sits beyond each row's length; h (B, T, D)
+    if expert is not None:
+        return expert(cache, v0, generator=[torch.Generator(device=dev).manual_seed(0) for _ in rows])
+    return target.traj(h[torch.arange(len(rows)), torch.tensor(n) - 1]).float()  # (B, traj_len, 2)
+
+
 def repeat_scenes(inputs, n_scenes, G):
     """Camera inputs of a batch of n_scenes (pixels and grids, scene-major rows) with each scene repeated G times in
     a row, as for G rollouts per scene. Every scene of a batch has the same number of rows (one geometry)."""

@@ -264,24 +264,6 @@ def expert_plan(target, cache, L, seq, v0):
     return target.expert(cache, v0, generator=torch.Generator(device=cache.rope_delta.device).manual_seed(0))
 
 
-@torch.no_grad()
-def expert_rows(target, prompt, cocs, samples, future_start, v0):
-    """p's action expert over B = P x samples rows at once, row b after prompt row b // samples and its own CoC (+
-    <|traj_future_start|>): the rows' CoCs teacher-forced in one ragged step, the expert over all rows under the
-    per-row mask -> waypoints (B, N, 2). Each row's noise is seeded 0, as expert_plan's: a row's plan is a function
-    of its CoC, whatever batch it runs in."""
-    seqs = [c + ([] if c[-1:] == [future_start] else [future_start]) for c in cocs]
-    L, dev = prompt["input_ids"].shape[1], prompt["input_ids"].device
-    embeds, deepstack = speculate.embed_prompt(target, prompt)  # (P, L, D)
-    cache = target.new_cache(batch=len(seqs), max_len=L + max(map(len, seqs)) + target.expert.cfg.n_waypoints)
-    x_last = speculate.prefill(target, prompt, embeds, cache, deepstack, "target", samples)  # (B, 1)
-    rows = [[t] + s for t, s in zip(x_last[:, 0].tolist(), seqs)]  # the prompt's last token, then the CoC
-    n = max(map(len, rows))
-    speculate.feed(target, cache, torch.tensor([r + r[-1:] * (n - len(r)) for r in rows], device=dev),
-                   [len(r) for r in rows])  # right-padded: the padding sits beyond each row's length
-    return target.expert(cache, v0, generator=[torch.Generator(device=dev).manual_seed(0) for _ in rows])
-
-
 def plan(target, draft, prompt, stop, tok, how, decoder, max_new, repeats, decoding):
     """After the timed reasoning step: the CoC once more (marked), and with an action expert the trajectory, timed
     (median of `repeats`). decoder: the chain's gamma or a tree.TreeShape."""

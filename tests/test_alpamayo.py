@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 import torch
 
 import bench
+import evaluate
 from model import make_draft
 from real import alpamayo
 from real.alpamayo import HistoryTokenizer, build_prompt
@@ -340,7 +341,7 @@ def test_bench_target_runs_the_plan_on_pixels(folder, tmp_path, capsys):
 
 
 def test_the_expert_over_rows_of_their_own_lengths_equals_each_rows_plan(model):
-    """alpamayo.expert_rows: three sampled rows of one prompt with CoCs of 1, 3 and 5 tokens, teacher-forced in one
+    """evaluate.action_rows: three sampled rows of one prompt with CoCs of 1, 3 and 5 tokens, teacher-forced in one
     ragged step, the expert over all three under the per-row mask: each row's waypoints equal expert_plan's batch-1
     plan of that CoC. In fp64: this random expert turns a 1e-6 change of its cache into ~0.2 m of waypoints (ten
     Euler steps, then the unicycle's double integration), so fp32 rounding of a batched matmul would not compare."""
@@ -349,7 +350,7 @@ def test_the_expert_over_rows_of_their_own_lengths_equals_each_rows_plan(model):
     prompt = {k: v.double() if v.is_floating_point() else v for k, v in prompt.items()}
     cocs = [[fs], [7, 8, fs], [9, 10, 11, 12, fs]]
     v0 = torch.tensor([6.0, 6.0, 6.0], dtype=torch.float64)
-    rows = alpamayo.expert_rows(model, prompt, cocs, 3, fs, v0)  # (3, N, 2)
+    rows = evaluate.action_rows(model, prompt, cocs, 3, fs, v0)  # (3, N, 2)
     for r, coc in enumerate(cocs):
         cache = alpamayo.prefill_cache(model, prompt, *speculate.embed_prompt(model, prompt), len(coc) + N_WP)
         one = alpamayo.expert_plan(model, cache, prompt["input_ids"].shape[1], coc, v0[:1])
@@ -366,5 +367,5 @@ def test_bench_target_samples_six_plans_through_the_expert(folder, tmp_path, cap
                       "1", "--samples", "6", "--temperature", "0.6", "--top-p", "0.98", "--tree", "0", "--json"])
     p = res["plan"]
     assert p["rows"] == 6 and len(p["speculative"]["tau_per_row"]) == 6 and len(p["cocs"]) == 6
-    assert len(p["waypoints"]) == 6 and all(len(w) == N_WP for w in p["waypoints"]) and p["expert_ms"] > 0
-    assert "action expert over all rows" in capsys.readouterr().out
+    assert len(p["waypoints"]) == 6 and all(len(w) == N_WP for w in p["waypoints"]) and p["action_ms"] > 0
+    assert "the action expert (toy: trajectory head) over all rows" in capsys.readouterr().out

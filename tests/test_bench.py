@@ -294,3 +294,16 @@ def test_the_plans_tree_is_the_one_whose_val_plans_ran_fastest(monkeypatch):
     ms = rec["ms_per_val_plan"]
     assert set(ms) == {str(sh) for sh in shapes} and str(best) == min(ms, key=ms.get)
     assert rec["ran"] == bench.decoder_json(best)
+
+
+def test_the_toys_action_step_over_rows_is_each_rows_own():
+    """bench.action_stage on the toy's head: rows of two prompts x two samples with CoCs of their own lengths, in one
+    ragged step; each row's waypoints equal that row decoded alone (fp32)."""
+    target = tiny_model()
+    prompts = [image_prompt(seed=s) for s in range(2)]
+    cocs = [[5, 6, 9], [7], [8, 8, 8, 8, 9], [9]]
+    got = bench.action_stage(target, speculate.stack_prompts(prompts), cocs, 2, 9)
+    assert got["action_ms"] > 0
+    for b, coc in enumerate(cocs):
+        alone = evaluate.action_rows(target, prompts[b // 2], [coc], 1, 9)
+        torch.testing.assert_close(torch.tensor(got["waypoints"][b]), alone[0], atol=1e-5, rtol=1e-5)
