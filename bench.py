@@ -309,8 +309,13 @@ def toy(args, device, dtype, decoding):
                   args.samples, args.compile, args.gamma)
         p |= action_stage(target, speculate.stack_prompts(prompts[:args.batch]), p["cocs"], args.samples,
                           tok.traj_future_start_id, repeats=args.repeats)  # the first plan's rows
-        return {"mode": "plans", "draft": draft_dir, "target": os.path.join(args.run, "target"), "decoding": decoding,
-                "decoder": decoder_json(decoder), "plan": dict(p, chosen=chosen) if chosen else p}
+        res = {"mode": "plans", "draft": draft_dir, "target": os.path.join(args.run, "target"), "decoding": decoding,
+               "decoder": decoder_json(decoder), "plan": dict(p, chosen=chosen) if chosen else p}
+        if args.peer:  # transformers' generate(num_return_sequences) beside ours, the chain with the M-RoPE replica
+            replica = checkpoint.load(checkpoint.draft_dir(args.run, *peer.PEER_DRAFT), target=target).eval()
+            res["peers"] = peer.compare_samples(target, replica, prompts, args.samples, decoding, args.gamma,
+                                                args.max_new, tok.cot_end_id, tok.pad_id, args.repeats)
+        return res
     choose = None
     if args.choose_tree:  # --compile without --tree: the tree the compiled steps run fastest, chosen on val scenes
         val = evaluate.scene_prompts(driving.make_split("val", CHOOSE_SCENES, seed=0), tok, device, dtype, args.views)
@@ -426,7 +431,8 @@ def report(res):
         p = res["plan"]
         action = [f"action step    {p['action_ms']:.1f} ms: the prompt's prefill, the first plan's {p['rows']} CoCs "
                   "teacher-forced, the action expert (toy: trajectory head) over all rows"] if "action_ms" in p else []
-        return print("\n".join([run_line(res)] + plan_lines(p) + action))
+        peers = peer.report_lines(res["peers"], res["dtype"]) if "peers" in res else []
+        return print("\n".join([run_line(res)] + plan_lines(p) + action + peers))
     s, c = "sampled " if res["decoding"]["mode"] == "sampling" else "", res.get("compiled")
     arms = lambda d, x: (f"target-only {d['ar_ms_per_token']:.3f} ms/token   speculative "  # noqa: E731
                          f"{d['spec_ms_per_token']:.3f} ms/token   speed-up {x:.2f}x")
@@ -550,7 +556,7 @@ def check_flags(ap, args):
     """Every bad flag is one line at parse time, before any work; returns the decoding mode."""
     toy_mode = not (args.target or args.preset)
     plan = args.samples > 1 or args.batch > 1
-    args.choose_plan_tree = args.tree is None and toy_mode and plan
+    args.choose_plan_tree = args.tree is None and toy_mode and plan and not args.peer
     args.choose_tree = args.tree is None and args.compile and toy_mode and not args.peer and not plan
     args.tree = (0 if args.peer else evaluate.TREE.nodes) if args.tree is None else args.tree
     for bad, msg in ((args.target and args.preset, "give --target or --preset, not both"),
@@ -560,8 +566,7 @@ def check_flags(ap, args):
                       "checkpoint's plan is one scene: use --samples)"),
                      (args.samples > 1 and (args.preset or args.scenes), "--samples plans one scene of --target "
                       "(not --preset, not --scenes)"),
-                     ((args.samples > 1 or args.batch > 1) and args.peer, "--peer times batch-1 decodes: drop "
-                      "--samples / --batch"),
+                     (args.batch > 1 and args.peer, "--peer times one prompt's rows per call: drop --batch"),
                      (args.batch > args.prompts, f"--batch {args.batch} needs at least as many --prompts, got "
                       f"{args.prompts}"),
                      (args.repeats < 3, "--repeats must be >= 3 (the median of at least three passes is reported)"),
@@ -592,8 +597,8 @@ def check_flags(ap, args):
             raise ValueError(f"--draft {args.draft} holds a target model, not a draft (it would accept every token)")
         args.toy_acceptance = None if toy_mode or args.draft or args.scenes else toy_acceptance(
             args.toy_json or (TOY_TREE_ACCEPTANCE if args.tree else TOY_ACCEPTANCE), decoder_json(args.decoder))
-        if args.peer and peer.flag_error(toy_mode, decoding):
-            raise ValueError(peer.flag_error(toy_mode, decoding))
+        if args.peer and peer.flag_error(toy_mode, decoding, args.samples):
+            raise ValueError(peer.flag_error(toy_mode, decoding, args.samples))
         needed = [os.path.join(args.run, "target"), args.draft or checkpoint.draft_dir(args.run, *TOY_DRAFT)]
         missing = [d for d in needed + [checkpoint.draft_dir(args.run, *peer.PEER_DRAFT)] * bool(args.peer)
                    if toy_mode and not os.path.isdir(d)]

@@ -55,12 +55,14 @@ def peers(run, target, prompts, tok, gamma, max_new, repeats):
     return res
 
 
-def flag_error(toy_mode, decoding):
+def flag_error(toy_mode, decoding, samples=1):
     """Why bench.py --peer hf cannot run with these flags (one line), or None."""
     if not toy_mode:
         return "--peer runs on the toy checkpoints only (drop --target / --preset)"
-    if decoding["mode"] != "greedy":
-        return "--peer compares greedy tokens and times: drop --temperature"
+    if decoding["mode"] != "greedy" and samples == 1:
+        return "--peer compares greedy tokens and times: drop --temperature (or sample rows: --samples N)"
+    if samples > 1 and decoding["mode"] == "greedy":
+        return "--peer --samples N compares sampled rows: give --temperature (the release's 0.6, --top-p 0.98)"
     if importlib.util.find_spec("transformers") is None:
         return "--peer hf needs transformers (pip install -r requirements-test.txt)"
     return None
@@ -160,7 +162,62 @@ def compare(target, draft, prompts, gamma, max_new, stop, pad, repeats=3):
     return out
 
 
+@torch.inference_mode()
+def compare_samples(target, draft, prompts, samples, decoding, gamma, max_new, stop, pad, repeats=3):
+    """bench.py --peer hf --samples N: each prompt's N sampled rows as one batch, ours (target-only and the chain,
+    speculate's *_batch) beside transformers' generate(num_return_sequences=N, do_sample=True) at the same temperature
+    and top-p, timed one call per prompt; and what transformers' assisted generation answers to N rows."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+    w = target.embed_tokens.weight
+    with tempfile.TemporaryDirectory() as folder:
+        export_pretrained(target, os.path.join(folder, "target"), eos_token_id=stop, pad_token_id=pad)
+        export_pretrained(draft, os.path.join(folder, "draft"), target=target, eos_token_id=stop, pad_token_id=pad)
+        hf_target, hf_draft = (Qwen2_5_VLForConditionalGeneration.from_pretrained(
+            os.path.join(folder, m), dtype=w.dtype, attn_implementation="sdpa").to(w.device).eval()
+            for m in ("target", "draft"))
+    inputs = [hf_inputs(p, target.cfg) for p in prompts]
+    kw = {k: decoding[k] for k in ("temperature", "top_k", "top_p")}
+    hf_kw = dict(do_sample=True, num_return_sequences=samples, max_new_tokens=max_new, eos_token_id=stop,
+                 pad_token_id=pad, temperature=kw["temperature"], top_p=kw["top_p"] or 1.0, top_k=kw["top_k"] or 0)
+
+    def ours(d):
+        def fn(i, p):
+            seed = decoding["seed"] + samples * i
+            rows = (speculate.autoregressive_batch(target, p, max_new, samples, stop_token=stop, seed=seed, **kw)
+                    if d is None else speculate.speculative_batch(target, d, p, gamma, max_new, samples,
+                                                                  stop_token=stop, seed=seed, **kw))
+            return [t for r in rows for t in r.tokens], None
+        return fn
+
+    def hf(i, p):
+        out = hf_target.generate(**inputs[i], **hf_kw)[:, inputs[i]["input_ids"].shape[1]:]  # (N, T), padded
+        return [t for row in out.tolist() for t in row[:row.index(stop) + 1 if stop in row else len(row)]], None
+
+    res = time_calls({"ours_target_only": ours(None), "ours_speculative": ours(draft), "hf_generate": hf}, prompts,
+                     w.device, repeats)
+    try:
+        hf_target.generate(**inputs[0], **hf_kw, assistant_model=hf_draft)
+        assisted = "ran"
+    except ValueError as e:  # what transformers says to N rows
+        assisted = f"refused: {e}"
+    out = {arm: {k: v for k, v in r.items() if k != "tokens"} | {"tokens": sum(map(len, r["tokens"]))}
+           for arm, r in res.items()}
+    return dict(out, prompts=len(prompts), samples=samples, gamma=gamma, decoding=decoding, hf_assisted=assisted,
+                timed="one call per prompt of its N rows, end to end (vision tower + prefill + reasoning step)",
+                ratios={f"{a}_over_{b}": out[a]["ms_per_prompt"] / out[b]["ms_per_prompt"] for a, b in
+                        (("hf_generate", "ours_target_only"), ("ours_target_only", "ours_speculative"))})
+
+
 def report_lines(peers, dtype):
+    if "samples" in peers:  # --samples: the rows of a prompt as one batch
+        r = peers["ratios"]
+        return [f"peers          transformers on the same weights, {peers['prompts']} prompts x {peers['samples']} "
+                f"sampled rows as one batch, end to end per call"] + [
+                f"  {arm:<21} {peers[arm]['ms_per_prompt']:.1f} ms per prompt's rows   {peers[arm]['tokens']} tokens"
+                for arm in ("ours_target_only", "ours_speculative", "hf_generate")] + [
+                f"  generate(num_return_sequences) over ours target-only {r['hf_generate_over_ours_target_only']:.2f}x"
+                f"; ours speculative over ours target-only {r['ours_target_only_over_ours_speculative']:.2f}x",
+                f"  transformers' assisted generation with {peers['samples']} rows: {peers['hf_assisted']}"]
     n, g, r = peers["prompts"], peers["greedy_match"], peers["ratios"]
     lines = [f"peers          transformers {peers['transformers']} (sdpa, dynamic cache) on the same weights, "
              f"{n} prompts, end to end per call (vision + prefill + reasoning), draft: the M-RoPE replica, gamma "

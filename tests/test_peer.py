@@ -44,6 +44,22 @@ def test_peer_hf_on_the_shipped_toy(tmp_path, monkeypatch, capsys):
     assert "transformers' generate = ours target-only on 2 of 2 prompts;" in out and '"peers"' in out.splitlines()[-1]
 
 
+def test_peer_hf_with_sampled_rows(tmp_path, monkeypatch, capsys):
+    """--peer hf --samples 3 at 0.6 / 0.98: transformers' generate(num_return_sequences=3) timed beside our batched
+    target-only and chain on each prompt's rows; what its assisted generation answers to 3 rows is recorded."""
+    pytest.importorskip("transformers")
+    monkeypatch.setattr(bench, "TOY_JSON", str(tmp_path / "bench_toy.json"))
+    res = bench.main(["--device", "cpu", "--dtype", "fp32", "--run", os.path.join(ROOT, "checkpoints", "toy"),
+                      "--peer", "hf", "--prompts", "2", "--views", "1", "--max-new", "12", "--samples", "3",
+                      "--temperature", "0.6", "--top-p", "0.98", "--json"])
+    peers = res["peers"]
+    assert peers["samples"] == 3 and res["decoder"] == {"kind": "chain", "gamma": res["gamma"]}
+    assert all(peers[a]["ms_per_prompt"] > 0 and peers[a]["tokens"] >= 6 for a in
+               ("ours_target_only", "ours_speculative", "hf_generate"))
+    assert peers["hf_assisted"].startswith(("refused: ", "ran"))
+    assert "transformers' assisted generation with 3 rows" in capsys.readouterr().out
+
+
 def test_hf_inputs_mark_image_and_video_placeholders():
     class Cfg:
         image_token_id, video_token_id = 3, 4
@@ -54,7 +70,8 @@ def test_hf_inputs_mark_image_and_video_placeholders():
 
 
 @pytest.mark.parametrize("argv,msg", [(["--peer", "hf", "--preset", "qwen2.5-vl-7b"], "toy checkpoints only"),
-                                      (["--peer", "hf", "--temperature", "0.6"], "drop --temperature")])
+                                      (["--peer", "hf", "--temperature", "0.6"], "drop --temperature"),
+                                      (["--peer", "hf", "--samples", "3"], "give --temperature")])
 def test_peer_flag_refuses_what_it_cannot_compare(argv, msg, capsys):
     with pytest.raises(SystemExit):
         bench.main(argv)
