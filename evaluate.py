@@ -80,7 +80,9 @@ def plan_trajectories(target, batch, cocs, tok, amp=False):
     cache = target.new_cache(batch=S, max_len=P + T)
     with autocast(ids.device, amp):
         first = target(ids, cache=cache, logits_to_keep=1, **vision_kwargs(batch))  # (S, 1, V)
-        cache = cache.repeat_rows(k) if k > 1 else cache
+        if k > 1:  # each scene's k continuations share its prefill
+            cache, shared = target.new_cache(batch=len(seqs), max_len=P + T), cache
+            cache.take_rows(shared, [s for s in range(S) for _ in range(k)])
         logits, hidden = target(cont, cache=cache, return_hidden=True)  # (N, T, V), (N, T, D)
     last = torch.tensor([len(s) - 1 for s in seqs], device=hidden.device)
     traj = target.traj(hidden[torch.arange(len(seqs)), last]).float()  # (N, traj_len, 2)

@@ -317,15 +317,6 @@ class KVCache:
         self.key_mask = None if src.key_mask is None else \
             F.pad(src.key_mask.index_select(0, rows_t), (0, self.max_len - n), value=True)  # (B, max_len)
 
-    def repeat_rows(self, n):
-        """A new cache with each row repeated n times (B -> B * n): n continuations of a prompt share its prefill."""
-        new = copy.copy(self)
-        new.k, new.v = ([t.repeat_interleave(n, 0) for t in buf] for buf in (self.k, self.v))  # (B * n, Hk, S, hd)
-        new.lengths = [m for m in self.lengths for _ in range(n)]
-        new.rope_delta = self.rope_delta.repeat_interleave(n, 0)  # (B * n, 1)
-        new.key_mask = None if self.key_mask is None else self.key_mask.repeat_interleave(n, 0)
-        return new
-
 
 # ---- trajectory head ----
 

@@ -13,7 +13,12 @@ prompt's last token (<cot_start>) is held back from the prefill and plays x_last
 token comes out of a verification round: tau = tokens / rounds exactly. Every round drafts and verifies its whole
 gamma (or tree), the last one's block cut at max_new_tokens: one set of shapes, as a compiled step needs.
 
-run: python -m pytest -q tests/test_speculate.py        (demo: python experiments/speculate_demo.py --device cpu)
+B rows at once (speculative_batch; Alpamayo-R1 samples six CoCs per plan): each row keeps its own committed length,
+pending tokens, stop and max-new, and accepts its own prefix; every row is in every round, one draft forward per draft
+step and one verify forward over all rows; each row samples from its own generator, so a row is the same in any batch.
+Batch 1 is the same code with B = 1.
+
+run: python -m pytest -q tests/test_speculate.py tests/test_batch.py    (demo: python experiments/speculate_demo.py)
 """
 import contextlib
 from dataclasses import dataclass, field

@@ -4,8 +4,9 @@ Instead of one chain the routine reasoner grows a tree of N candidates where it 
 and all N nodes in one forward under a tree attention mask, and the round emits the longest path the target agrees
 with plus its own next token; the chain of gamma is the tree of width 1. tree.speculative is speculate.speculative's
 decode with these rounds in place of the chain's. The cache invariant is speculate.py's: after a round the accepted
-path's keys / values sit in consecutive slots. Every tensor of a round has a fixed shape for its (N, D, k), so the
-growth (grow) and the verify (tree_forward) each run as one compiled graph under model.CompiledSteps (--compile).
+path's keys / values sit in consecutive slots. Every tensor of a round has a fixed shape for its (N, D, k) and B
+rows (each row its own tree, from its own committed length), so the growth (grow) and the verify (tree_forward)
+each run as one compiled graph under model.CompiledSteps (--compile).
 
 run: python -m pytest -q tests/test_tree.py      (the tree rows: python rsd.py --device cpu)
 """

@@ -137,3 +137,16 @@ def test_simulate_rounds_by_hand():
     assert evaluate.simulate_rounds([T] * 5, gamma=3) == (2, 4)
     taus = evaluate.tau_by_gamma([[T, T, F, T, T], [F, F, F]], [1, 4])
     assert taus[4] == {"tau": 8 / 5, "routine_fraction": 4 / 8} and taus[1]["tau"] == 8 / 6
+
+
+def test_k_continuations_sharing_a_prefill_equal_each_alone(tok):
+    """plan_trajectories with k = 2 CoCs of one scene (its prefill copied into both rows, KVCache.take_rows) gives
+    each row the trajectory and logits of that CoC planned alone (k = 1)."""
+    target = tiny_target(tok)
+    batch = next(Data("val", 1, 0, tok).batches(1))
+    cocs = [[5, 6, tok.cot_end_id], [7, tok.cot_end_id]]
+    traj, logits = evaluate.plan_trajectories(target, batch, cocs, tok)
+    for j, coc in enumerate(cocs):
+        t1, l1 = evaluate.plan_trajectories(target, batch, [coc], tok)
+        torch.testing.assert_close(traj[j:j + 1], t1, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(logits[j:j + 1, :l1.shape[1]], l1, atol=1e-4, rtol=1e-4)
