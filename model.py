@@ -303,8 +303,11 @@ class KVCache:
         src, dst = ([r + (s[-1:] or [0]) * (m - len(r)) for r, s in zip(x, src)] for x in (src, dst))
         src, dst = (torch.tensor(x, device=self.rope_delta.device) for x in (src, dst))  # (B, m)
         rows = torch.arange(len(src), device=src.device)[:, None]  # (B, 1)
-        for buf in self.k + self.v:  # (B, Hk, max_len, hd) each; buf[rows, :, src] is (B, m, Hk, hd)
-            buf[rows, :, dst] = buf[rows, :, src]  # gathered first: a source is never overwritten
+        for buf in self.k + self.v:  # (B, Hk, max_len, hd) each; gathered first: a source is never overwritten
+            if len(src) == 1:  # one row: index_select + index_copy_, cheaper than the advanced indexing below
+                buf.index_copy_(2, dst[0], buf.index_select(2, src[0]))
+            else:  # buf[rows, :, src] is (B, m, Hk, hd)
+                buf[rows, :, dst] = buf[rows, :, src]
 
     def take_rows(self, src, rows):
         """Row b := row rows[b] of src, a cache of <= max_len slots: a prompt's prefill shared by several rows (its
