@@ -364,6 +364,16 @@ def real(args, device, dtype, decoding):
     if args.scenes:  # tau, alpha, identity, stage latencies and ADE over a scene folder (alpamayo.heldout)
         found, prompts, stop, how = scenes.scene_prompts(args.target, args.scenes, args.processor,
                                                          min_pixels=args.min_pixels, max_pixels=args.max_pixels)
+        if args.samples > 1:  # each held-out scene a plan of N sampled rows as one batch, the expert over all rows
+            target, draft = alpamayo.load_pair(args.target, args.draft, device, dtype)
+            ps = [speculate.on_model(scenes.built(i, p), target) for i, p in prompts]
+            p = plans(target, draft, ps, args.decoder, args.max_new, stop[-1], args.repeats, decoding, 1, args.samples,
+                      args.compile, args.gamma)
+            if getattr(target, "expert", None) is not None:  # the first scene's plan, at its own speed
+                v0 = speed_from_history(found[0].past[None]).to(device).expand(args.samples)  # (B,)
+                p.update(action_stage(target, ps[0], p["cocs"], args.samples, stop[-1], v0, args.repeats))
+            return {"mode": "plans", "model": args.target, "scenes_dir": args.scenes, "decoding": decoding,
+                    "plan": p, "trained_draft": bool(args.draft), "prompt_source": how}
         return alpamayo.heldout_bench(args.target, args.draft, args.scenes, found, prompts, stop[-1], how, args.decoder,
                                       args.max_new, args.repeats, device, dtype, args.processor)
     if args.target:
@@ -564,8 +574,7 @@ def check_flags(ap, args):
                       "--gamma, --max-new, --prompts, --images, --samples and --batch must be >= 1"),
                      (args.batch > 1 and not toy_mode, "--batch runs plans of several toy prompts (a real "
                       "checkpoint's plan is one scene: use --samples)"),
-                     (args.samples > 1 and (args.preset or args.scenes), "--samples plans one scene of --target "
-                      "(not --preset, not --scenes)"),
+                     (args.samples > 1 and args.preset, "--samples plans the scenes of --target (not --preset)"),
                      (args.batch > 1 and args.peer, "--peer times one prompt's rows per call: drop --batch"),
                      (args.batch > args.prompts, f"--batch {args.batch} needs at least as many --prompts, got "
                       f"{args.prompts}"),
@@ -636,9 +645,11 @@ def check_real_flags(ap, args):
     for flag in ("images_dir", "processor", "scenes"):
         if getattr(args, flag) and not args.target:
             ap.error(f"--{flag.replace('_', '-')} goes with --target")
+    plans_ = args.samples > 1  # --scenes --samples N: each scene's N sampled rows (bench.plans), not heldout
     for bad, flag in ((args.images_dir, "--images-dir (the scenes hold the images)"),
-                      (args.temperature > 0, "--temperature (greedy only: its outputs are compared token by token)"),
-                      (args.compile, "--compile (the eager decoders are timed)")):
+                      (args.temperature > 0 and not plans_, "--temperature (greedy only: its outputs are compared "
+                       "token by token; sampled rows: --samples N)"),
+                      (args.compile and not plans_, "--compile (the eager decoders are timed)")):
         if args.scenes and bad:
             ap.error(f"--scenes takes no {flag}")
     if args.scenes and importlib.util.find_spec("transformers") is None:

@@ -94,6 +94,20 @@ def test_heldout_is_what_speculative_decoding_gives(setup):
     assert res["plan_ms"]["speculative"] > 0 and res["ade_scenes"] == 3
 
 
+def test_bench_scenes_with_sampled_rows(setup, capsys):
+    """--scenes --samples 3 at 0.6 / 0.98: each held-out scene a plan of three sampled rows decoded as one batch
+    (target-only and speculative on the same rows), the action expert over the first plan's rows."""
+    d, _, ddir, _, root = setup
+    res = bench.main(["--target", str(d), "--scenes", str(root), "--draft", str(ddir), "--device", "cpu",
+                      "--dtype", "fp32", "--max-new", str(MAX_NEW), "--tree", "0", "--gamma", str(GAMMA),
+                      "--repeats", str(REPEATS), "--min-pixels", "64", "--max-pixels", "256", "--samples", "3",
+                      "--temperature", "0.6", "--top-p", "0.98", "--json"])
+    p = res["plan"]
+    assert res["mode"] == "plans" and p["plans"] == 3 and p["rows"] == 3 and len(p["waypoints"]) == 3
+    assert len(p["speculative"]["tau_per_row"]) == 9 and p["action_ms"] > 0
+    assert "3 plans of 1 prompt(s) x 3 sample(s)" in capsys.readouterr().out
+
+
 def test_bench_scenes_end_to_end(setup, capsys):
     d, _, ddir, _, root = setup
     res = bench.main(["--target", str(d), "--scenes", str(root), "--draft", str(ddir), "--device", "cpu",
@@ -154,6 +168,8 @@ def test_errors_are_one_line(setup, tmp_path, capsys):
 
     assert "--scenes goes with --target" in error("--scenes", str(root))
     assert "--scenes takes no --temperature" in error("--target", str(d), "--scenes", str(root), "--temperature", "1")
+    assert "--samples plans the scenes of --target" in error("--preset", "qwen3-vl-8b", "--samples", "2",
+                                                             "--temperature", "1")
     (tmp_path / "empty").mkdir()
     assert "holds no scene folders" in error("--target", str(d), "--scenes", str(tmp_path / "empty"))
     bad = write_scenes(tmp_path / "bad", n=1)
