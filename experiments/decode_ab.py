@@ -5,6 +5,8 @@ shipped toy, bf16, held-out scenes: the reasoning step alone (SpecResult.decode_
 3 passes in ms/token. Paper: the reasoning step's latency, which every speed-up claim divides by.
 
 run: python experiments/decode_ab.py --a . --b ../old-checkout [--pairs 3]
+     (and again with --a and --b swapped: the second checkout of each pair tends to measure faster on a shared CPU;
+     experiments/decode_ab_final.json holds both orders for the final decode core against 5fd6298)
 """
 import argparse
 import importlib
