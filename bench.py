@@ -194,11 +194,8 @@ def plans(target, draft, prompts, gamma, max_new, stop_token, repeats, decoding,
     chain, against autoregressive_batch on the same rows), arms alternating in every pass, medians reported: per
     plan the reasoning step's ms until every row is done, tokens per second, tau per row, the speed-up; greedy rows
     compared with their own batch-1 target-only decode. compile: the same arms through CompiledSteps of B rows."""
-    B = batch * samples
-    groups = [speculate.stack_prompts(prompts[i:i + batch]) for i in range(0, len(prompts) - batch + 1, batch)]
+    B, groups, kw = batch * samples, plan_batches(prompts, batch), plan_kwargs(decoding, samples, stop_token)
     sampled = decoding["mode"] == "sampling"
-    kw = dict(samples=samples, stop_token=stop_token, **({k: decoding[k] for k in ("temperature", "top_k", "top_p")}
-                                                         if sampled else {}))
     tree = isinstance(gamma, TreeShape)
     arms = {TARGET_ONLY: (target, None, None), "speculative": (target, draft, gamma)}
     arms |= {CHAIN_ARM: (target, draft, chain_gamma)} if tree else {}
@@ -243,6 +240,18 @@ def plans(target, draft, prompts, gamma, max_new, stop_token, repeats, decoding,
     return rec
 
 
+def plan_batches(prompts, batch):
+    """The plans' prompts, `batch` at a time, each group one left-padded prompt of `batch` rows (a partial last group
+    is left out: every plan has the same rows)."""
+    return [speculate.stack_prompts(prompts[i:i + batch]) for i in range(0, len(prompts) - batch + 1, batch)]
+
+
+def plan_kwargs(decoding, samples, stop_token):
+    """speculate's *_batch keyword arguments of a plan: rows per prompt, the stop token, the sampling settings."""
+    kw = dict(samples=samples, stop_token=stop_token)
+    return kw | ({k: decoding[k] for k in ("temperature", "top_k", "top_p")} if decoding["mode"] == "sampling" else {})
+
+
 def action_stage(target, prompt, cocs, samples, future_start, v0=None, repeats=3):
     """The plan's action step over all its rows (evaluate.action_rows: the shared prefill, the rows' CoCs, the expert
     or the toy's head), timed: {action_ms (median of repeats), waypoints}."""
@@ -254,15 +263,14 @@ def action_stage(target, prompt, cocs, samples, future_start, v0=None, repeats=3
 def choose_plan_tree(target, draft, val_prompts, max_new, stop_token, decoding, batch, samples):
     """The tree of PLAN_TREES whose plans of val_prompts run fastest, measured (eager, the median of 3 passes after a
     warm-up) -> (shape, the record: each candidate's ms per val plan)."""
-    groups = [speculate.stack_prompts(val_prompts[i:i + batch]) for i in range(0, len(val_prompts) - batch + 1, batch)]
-    kw = dict(samples=samples, stop_token=stop_token, timing=True)
-    if decoding["mode"] == "sampling":
-        kw |= {k: decoding[k] for k in ("temperature", "top_k", "top_p")}
+    groups, kw = plan_batches(val_prompts, batch), plan_kwargs(decoding, samples, stop_token)
+    seed = decoding["seed"] or 0  # plan j's rows seeded seed + B j + r, as in plans()
     ms = {}
     for sh in PLAN_TREES:
         passes = []
         for _ in range(4):  # the first pass warms up
-            rows = [trees.speculative_batch(target, draft, p, sh, max_new, seed=j, **kw) for j, p in enumerate(groups)]
+            rows = [trees.speculative_batch(target, draft, p, sh, max_new, seed=seed + batch * samples * j,
+                                            timing=True, **kw) for j, p in enumerate(groups)]
             passes.append(1e3 * sum(max(r.decode_s for r in plan) for plan in rows) / len(groups))
         ms[str(sh)] = median(passes[1:])
     best = min(PLAN_TREES, key=lambda sh: ms[str(sh)])

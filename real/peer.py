@@ -46,6 +46,19 @@ def hf_generate(model, inputs, max_new, stop, pad, assistant=None, settings=None
     return out[0, inputs["input_ids"].shape[1]:].tolist()
 
 
+def hf_models(target, draft, stop, pad):
+    """transformers' Qwen2.5-VL models of our target and draft, the same weights (exported to a temporary folder,
+    loaded in the target's dtype and device, sdpa attention)."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+    w = target.embed_tokens.weight
+    with tempfile.TemporaryDirectory() as folder:
+        export_pretrained(target, os.path.join(folder, "target"), eos_token_id=stop, pad_token_id=pad)
+        export_pretrained(draft, os.path.join(folder, "draft"), target=target, eos_token_id=stop, pad_token_id=pad)
+        return tuple(Qwen2_5_VLForConditionalGeneration.from_pretrained(
+            os.path.join(folder, m), dtype=w.dtype, attn_implementation="sdpa").to(w.device).eval()
+            for m in ("target", "draft"))
+
+
 def peers(run, target, prompts, tok, gamma, max_new, repeats):
     """bench.py --peer hf on the toy: compare() with run's M-RoPE replica, the one draft transformers can run."""
     draft_dir = checkpoint.draft_dir(run, *PEER_DRAFT)
@@ -121,14 +134,9 @@ def compare(target, draft, prompts, gamma, max_new, stop, pad, repeats=3):
     """bench.py --peer hf's `peers`: our target-only and speculative decoding and transformers' generate and assisted
     generation, greedy, on the same weights (exported to a temporary folder, loaded in the target's dtype, device)."""
     import transformers  # an optional extra, as in the parity tests
-    from transformers import GenerationConfig, Qwen2_5_VLForConditionalGeneration
+    from transformers import GenerationConfig
     w = target.embed_tokens.weight
-    with tempfile.TemporaryDirectory() as folder:
-        export_pretrained(target, os.path.join(folder, "target"), eos_token_id=stop, pad_token_id=pad)
-        export_pretrained(draft, os.path.join(folder, "draft"), target=target, eos_token_id=stop, pad_token_id=pad)
-        hf_target, hf_draft = (Qwen2_5_VLForConditionalGeneration.from_pretrained(
-            os.path.join(folder, m), dtype=w.dtype, attn_implementation="sdpa").to(w.device).eval()
-            for m in ("target", "draft"))
+    hf_target, hf_draft = hf_models(target, draft, stop, pad)
     inputs = [hf_inputs(p, target.cfg) for p in prompts]  # built once, outside the clock, as our prompts are
     settings = {"hf_assisted": {"num_assistant_tokens": gamma, "num_assistant_tokens_schedule": "constant",
                                 "assistant_confidence_threshold": 0.0}, "hf_assisted_defaults": dict.fromkeys(DEFAULTS)}
@@ -167,14 +175,8 @@ def compare_samples(target, draft, prompts, samples, decoding, gamma, max_new, s
     """bench.py --peer hf --samples N: each prompt's N sampled rows as one batch, ours (target-only and the chain,
     speculate's *_batch) beside transformers' generate(num_return_sequences=N, do_sample=True) at the same temperature
     and top-p, timed one call per prompt; and what transformers' assisted generation answers to N rows."""
-    from transformers import Qwen2_5_VLForConditionalGeneration
     w = target.embed_tokens.weight
-    with tempfile.TemporaryDirectory() as folder:
-        export_pretrained(target, os.path.join(folder, "target"), eos_token_id=stop, pad_token_id=pad)
-        export_pretrained(draft, os.path.join(folder, "draft"), target=target, eos_token_id=stop, pad_token_id=pad)
-        hf_target, hf_draft = (Qwen2_5_VLForConditionalGeneration.from_pretrained(
-            os.path.join(folder, m), dtype=w.dtype, attn_implementation="sdpa").to(w.device).eval()
-            for m in ("target", "draft"))
+    hf_target, hf_draft = hf_models(target, draft, stop, pad)
     inputs = [hf_inputs(p, target.cfg) for p in prompts]
     kw = {k: decoding[k] for k in ("temperature", "top_k", "top_p")}
     hf_kw = dict(do_sample=True, num_return_sequences=samples, max_new_tokens=max_new, eos_token_id=stop,
