@@ -104,12 +104,10 @@ def action_rows(target, prompt, cocs, samples, future_start, v0=None):
     cache = target.new_cache(batch=len(seqs), max_len=L + room)
     x_last = speculate.prefill(target, prompt, embeds, cache, deepstack, "target", samples)  # (B, 1)
     rows = [[t] + s for t, s in zip(x_last[:, 0].tolist(), seqs)]  # the prompt's last token, then the CoC
-    n = [len(r) for r in rows]
-    x = torch.tensor([r + r[-1:] * (max(n) - len(r)) for r in rows], device=dev)  # (B, T) right-padded: the padding
-    _, h = speculate.feed(target, cache, x, n, return_hidden=True)  # sits beyond each row's length; h (B, T, D)
+    (_, h), at = speculate.feed_rows(target, cache, rows, return_hidden=True)  # h (B, T, D)
     if expert is not None:
         return expert(cache, v0, generator=[torch.Generator(device=dev).manual_seed(0) for _ in rows])
-    return target.traj(h[torch.arange(len(rows)), torch.tensor(n) - 1]).float()  # (B, traj_len, 2)
+    return target.traj(h[torch.arange(len(rows), device=dev), at]).float()  # (B, traj_len, 2)
 
 
 def repeat_scenes(inputs, n_scenes, G):

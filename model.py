@@ -219,10 +219,11 @@ def feed(model, cache, x, n=None, return_hidden=False):
     """model.step of x (B, T) after each row's committed length -> logits (B, T, V); then row b's first n[b] tokens
     are committed (n None: all T; the rest is padding, beyond the length). The mask reaches no further than the step's
     last slot: an eager step reads no empty slot. model: a VLA or CompiledSteps."""
-    slots, mask = cache.slots(x.shape[1]), None  # (B, T), checked to fit
     if len(set(cache.lengths)) == 1:  # rows of one length: an int, written by a slice, VLA.step's causal mask
-        slots = cache.lengths[0]
+        cache.check_room(x.shape[1])
+        slots, mask = cache.lengths[0], None
     else:
+        slots = cache.slots(x.shape[1])  # (B, T), checked to fit
         mask = causal_mask(slots, cache, max(cache.lengths) + x.shape[1])  # (B, T, S)
     hidden = {"return_hidden": True} if return_hidden else {}  # VLA.forward's only: CompiledSteps returns logits
     out = model.step(x, slots, cache, mask=mask, **hidden)
@@ -279,10 +280,13 @@ class KVCache:
     def length(self, n):
         self.lengths = [n] * len(self.lengths)
 
-    def slots(self, T):
-        """Slots (B, T) of T tokens after each row's committed length, checked to fit."""
+    def check_room(self, T):
         if max(self.lengths) + T > self.max_len:
             raise ValueError(f"KV cache overflow: {max(self.lengths)} + {T} tokens > max_len {self.max_len}")
+
+    def slots(self, T):
+        """Slots (B, T) of T tokens after each row's committed length, checked to fit."""
+        self.check_room(T)
         device, n = self.rope_delta.device, self.lengths[0]
         if all(m == n for m in self.lengths):  # one op: every step of a batch-1 decode comes here
             return torch.arange(n, n + T, device=device).expand(len(self.lengths), T)  # (B, T)

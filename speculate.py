@@ -239,15 +239,23 @@ def make_generators(device, seed, rows=1):
 # ---- the chain round ----
 
 
+def feed_rows(model, cache, rows, return_hidden=False):
+    """feed of rows of their own lengths (lists of ints) as one step, right-padded with each row's last token (written
+    beyond the row's length, never read), each row committing its own tokens -> (feed's output, each row's last
+    index (B,))."""
+    k = [len(r) for r in rows]
+    x = torch.tensor([r + r[-1:] * (max(k) - len(r)) for r in rows], device=cache.device)  # (B, max k)
+    return feed(model, cache, x, k, return_hidden), torch.tensor(k, device=cache.device) - 1
+
+
 def spec_round(target, draft, tcache, dcache, pending, gamma, temperature, top_k, top_p, generators, last=None):
     """One draft-then-verify round over the B rows of the caches. pending: per row the emitted tokens (a list of
     ints) its draft has not seen, the last (x_last) the only one its target has not. -> per row n_accepted, the gamma
     drafted ints and the next int, and the new pending. generators: one per row (sampling); last: latest logits."""
     B, dev, ell, k = len(pending), tcache.device, list(tcache.lengths), [len(p) for p in pending]
     last = {} if last is None else last
-    # Rows of one step: pending right-padded with its last token (written beyond the row's length, never read).
-    x = torch.tensor([p + p[-1:] * (max(k) - len(p)) for p in pending], device=dev)  # (B, max k)
-    logits_q = feed(draft, dcache, x, k)[torch.arange(B), torch.tensor(k) - 1]  # (B, V): q after each row's pending
+    logits_q, at = feed_rows(draft, dcache, pending)
+    logits_q = logits_q[torch.arange(B, device=dev), at]  # (B, V): q after each row's pending
     drafted, qs = [], []
     for i in range(gamma):
         if i:

@@ -153,12 +153,11 @@ def tree_round(target, draft, tcache, dcache, pending, shape, temperature, top_k
     """One round with a draft tree per row, spec_round's contract. The caches then hold exactly the committed
     tokens: each row's accepted path's keys / values moved to consecutive slots (KVCache.move), rejected branches
     beyond its length."""
-    B, dev, ell, k = len(pending), tcache.device, list(tcache.lengths), [len(p) for p in pending]
+    B, dev, ell = len(pending), tcache.device, list(tcache.lengths)
     last = {} if last is None else last
-    # the routine reasoner's trees: feed `pending` (committed from then on; right-padded as in spec_round), grow from
-    # q at each root
-    x = torch.tensor([p + p[-1:] * (max(k) - len(p)) for p in pending], device=dev)  # (B, max k)
-    logits_q = speculate.feed(draft, dcache, x, k)[torch.arange(B), torch.tensor(k) - 1]  # (B, V)
+    # the routine reasoner's trees: feed `pending` (committed from then on), grow from q at each root
+    logits_q, at = speculate.feed_rows(draft, dcache, pending)
+    logits_q = logits_q[torch.arange(B, device=dev), at]  # (B, V)
     root = torch.tensor(dcache.lengths, device=dev)  # (B,) a tensor: a compiled growth never sees it change
     *tree, last["draft"] = getattr(draft, "fused", lambda fn: fn)(grow)(draft, dcache, logits_q, root, shape)
     tree = Tree(*tree)

@@ -47,9 +47,12 @@ class ToyCache:
 
     length = property(lambda self: self.lengths[0], lambda self, n: setattr(self, "lengths", [n]))
 
-    def slots(self, T):
+    def check_room(self, T):
         if self.length + T > self.max_len:
             raise ValueError("toy cache overflow")
+
+    def slots(self, T):
+        self.check_room(T)
         return torch.arange(self.length, self.length + T)[None]  # (1, T)
 
     def crop(self, n):
