@@ -18,8 +18,7 @@ run: python aarl.py --reference static|moving|none --seed S [--json]   (needs a 
 """
 import argparse
 import copy
-import dataclasses
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 import json
 import os
 import time
@@ -31,8 +30,7 @@ from tqdm import tqdm
 import driving
 from driving import Data, grid_kwargs, vision_kwargs
 import evaluate
-from ops import checkpoint, cli, files, runs
-from ops.timing import step_times
+from ops import checkpoint, cli, files, runs, timing
 
 REFERENCES = ("static", "moving", "none")
 DEFAULT_OUT = "runs/aarl"  # a fresh folder: a default run never replaces the shipped FlatRoPE + AARL drafts
@@ -221,13 +219,13 @@ def _run(cfg, run_dir, n_report, device, out):
         raise ValueError(f"max_new {cfg.max_new}: a prompt of {prompt['input_ids'].shape[1]} tokens and its CoC need "
                          f"more than the target's {target.cfg.max_seq_len} positions")
     outputs = {name: evaluate.greedy_outputs(target, data) for name, data in splits.items()}
-    times = step_times(target, sft, prompt, [1] + [g + 1 for g in evaluate.GAMMAS])
+    times = timing.step_times(target, sft, prompt, [1] + [g + 1 for g in evaluate.GAMMAS])
     before = report(target, sft, sft, splits, times, outputs)
     updates = []  # every update's statistics: what the reward, its spread within a group and the KL did
     draft = train_aarl(target, copy.deepcopy(sft), train, cfg, ref=sft, log=updates.append)
     after = report(target, draft, sft, splits, times, outputs, before["val"]["gamma"])
     checkpoint.save(draft, out, target=target)
-    res = {"reference": cfg.reference, "seed": cfg.seed, "config": dataclasses.asdict(cfg), "wall_s": time.time() - t0,
+    res = {"reference": cfg.reference, "seed": cfg.seed, "config": asdict(cfg), "wall_s": time.time() - t0,
            "out": out, "before": before, "after": after, "training": training_summary(updates)}
     files.write_json(out.rstrip("/\\") + ".metrics.json", res)  # what AARL learned, beside the draft it saved
     return res

@@ -89,6 +89,12 @@ def both_arms(ar, spec):  # {ar_prefill_ms, spec_prefill_ms, ar_ms_per_token, sp
     return {f"{a}_{k}": arm[k] for k in ("prefill_ms", "ms_per_token") for a, arm in (("ar", ar), ("spec", spec))}
 
 
+def chain_json(gamma, c, ar, spec):
+    """The chain arm c timed beside a tree (spec): its speed-up over target-only (ar), and the tree's over it."""
+    return {"gamma": gamma, "ms_per_token": c["ms_per_token"], "speedup": ar["ms_per_token"] / c["ms_per_token"],
+            "tree_over_chain": c["ms_per_token"] / spec["ms_per_token"]}
+
+
 def choose_tree(ct, cd, val_prompts, shapes, max_new, stop_token):
     """The tree the compiled steps run fastest, by the cost model: each shape's tau on val_prompts (greedy, eager:
     the same tokens) at the compiled steps' times; -> (shape, {shape: {val_tau, predicted_speedup}})."""
@@ -126,14 +132,12 @@ def benchmark(target, draft, prompts, gamma, max_new, stop_token=None, repeats=3
     spec, reference = greedy["speculative"], greedy[TARGET_ONLY]["tokens"]
     if compile:
         # the compiled arms' greedy outputs; the first decodes compile every step shape, and the clock says how long
-        arms = {"speculative": cd} | ({CHAIN_ARM: cd} if tree else {})
-        cg = {name: evaluate.spec_stats(ct, {name: d}, prompts, gamma if name == "speculative" else chain_gamma,
-                                        max_new, stop_token, check_greedy=name == "speculative") for name, d in
-              arms.items()}
-        compile_s = clock.lap()
-        outputs = {COMPILED[0]: cg["speculative"][TARGET_ONLY], COMPILED[1]: cg["speculative"]["speculative"]}
+        cs = evaluate.spec_stats(ct, {"speculative": cd}, prompts, gamma, max_new, stop_token)
+        outputs = {COMPILED[0]: cs[TARGET_ONLY], COMPILED[1]: cs["speculative"]}
         if tree:
-            outputs[COMPILED_CHAIN] = cg[CHAIN_ARM][CHAIN_ARM]
+            outputs[COMPILED_CHAIN] = evaluate.spec_stats(ct, {CHAIN_ARM: cd}, prompts, chain_gamma, max_new,
+                                                          stop_token, check_greedy=False)[CHAIN_ARM]
+        compile_s = clock.lap()
         div = {arm: timing.divergences(target, prompts, reference, o["tokens"]) for arm, o in outputs.items()}
         comp.update(compile_s=compile_s, divergences=div, greedy_match=not any(div.values()))
         extra = {COMPILED[0]: (ct, None), COMPILED[1]: (ct, cd)} | ({COMPILED_CHAIN: (ct, cd, chain_gamma)} if tree
@@ -150,9 +154,7 @@ def benchmark(target, draft, prompts, gamma, max_new, stop_token=None, repeats=3
                "divergences": timing.divergences(target, prompts, reference, spec["tokens"]),
                **both_arms(t[TARGET_ONLY], t["speculative"]), "speedup": t["speculative"]["speedup"]}
         if tree:
-            c = t[CHAIN_ARM]
-            res["chain"] = {"gamma": chain_gamma, "ms_per_token": c["ms_per_token"], "speedup": c["speedup"],
-                            "tree_over_chain": c["ms_per_token"] / res["spec_ms_per_token"]}
+            res["chain"] = chain_json(chain_gamma, t[CHAIN_ARM], t[TARGET_ONLY], t["speculative"])
         sampled = decoding["mode"] == "sampling"  # then the timed runs' own statistics: the same seeds, the same tokens
         timed = evaluate.spec_stats(target, {"speculative": draft}, prompts, gamma, max_new, stop_token,
                                     decoding=decoding)["speculative"] if sampled else spec
@@ -171,10 +173,7 @@ def benchmark(target, draft, prompts, gamma, max_new, stop_token=None, repeats=3
                         speedup_vs_eager=spec_c["speedup"],  # compiled speculative vs eager target-only
                         target_only_vs_eager=ar_c["speedup"])  # eager target-only / compiled target-only
             if tree:
-                c = t[COMPILED_CHAIN]
-                comp["chain"] = {"gamma": chain_gamma, "ms_per_token": c["ms_per_token"],
-                                 "speedup": ar_c["ms_per_token"] / c["ms_per_token"],
-                                 "tree_over_chain": c["ms_per_token"] / spec_c["ms_per_token"]}
+                comp["chain"] = chain_json(chain_gamma, t[COMPILED_CHAIN], ar_c, spec_c)
             watch.next_phase("cost model")
             comp.update(cost_model(ct, cd, prompts[0], gamma, timed["tau"]))
     finally:
@@ -301,36 +300,35 @@ def decoder_json(gamma):
 
 # ---- the modes: the toy, a real shape (random weights), a real checkpoint ----
 def toy(args, device, dtype, decoding):
-    target = checkpoint.load(os.path.join(args.run, "target"), dtype=dtype, device=device).eval()
-    draft_dir = args.draft or checkpoint.draft_dir(args.run, *TOY_DRAFT)
+    target_dir, draft_dir = os.path.join(args.run, "target"), args.draft or checkpoint.draft_dir(args.run, *TOY_DRAFT)
+    target = checkpoint.load(target_dir, dtype=dtype, device=device).eval()
     draft = checkpoint.load(draft_dir, target=target).eval()  # in the target's dtype: they share embedding and head
     tok = driving.Tokenizer()
-    prompts = evaluate.scene_prompts(driving.make_split("test", args.prompts, seed=0), tok, device, dtype, args.views)
+
+    def split(name, n):  # the toy's scenes of a split as prompts
+        return evaluate.scene_prompts(driving.make_split(name, n, seed=0), tok, device, dtype, args.views)
+
+    prompts = split("test", args.prompts)
     if args.batch > 1 or args.samples > 1:  # plans of several rows, decoded as one batch
         decoder, chosen = args.decoder, None
         if args.choose_plan_tree:  # a verify over B rows costs more: the tree that runs the val plans fastest
-            val = evaluate.scene_prompts(driving.make_split("val", CHOOSE_SCENES, seed=0), tok, device, dtype,
-                                         args.views)
-            decoder, chosen = choose_plan_tree(target, draft, val, args.max_new, tok.cot_end_id, decoding, args.batch,
-                                               args.samples)
+            decoder, chosen = choose_plan_tree(target, draft, split("val", CHOOSE_SCENES), args.max_new, tok.cot_end_id,
+                                               decoding, args.batch, args.samples)
         p = plans(target, draft, prompts, decoder, args.max_new, tok.cot_end_id, args.repeats, decoding, args.batch,
                   args.samples, args.compile, args.gamma)
         p |= action_stage(target, speculate.stack_prompts(prompts[:args.batch]), p["cocs"], args.samples,
                           tok.traj_future_start_id, repeats=args.repeats)  # the first plan's rows
-        res = {"mode": "plans", "draft": draft_dir, "target": os.path.join(args.run, "target"), "decoding": decoding,
+        res = {"mode": "plans", "draft": draft_dir, "target": target_dir, "decoding": decoding,
                "decoder": decoder_json(decoder), "plan": dict(p, chosen=chosen) if chosen else p}
         if args.peer:  # transformers' generate(num_return_sequences) beside ours, the chain with the M-RoPE replica
             replica = checkpoint.load(checkpoint.draft_dir(args.run, *peer.PEER_DRAFT), target=target).eval()
             res["peers"] = peer.compare_samples(target, replica, prompts, args.samples, decoding, args.gamma,
                                                 args.max_new, tok.cot_end_id, tok.pad_id, args.repeats)
         return res
-    choose = None
-    if args.choose_tree:  # --compile without --tree: the tree the compiled steps run fastest, chosen on val scenes
-        val = evaluate.scene_prompts(driving.make_split("val", CHOOSE_SCENES, seed=0), tok, device, dtype, args.views)
-        choose = (val, list(evaluate.TREES))
+    # --compile without --tree: the tree the compiled steps run fastest, chosen on val scenes
+    choose = (split("val", CHOOSE_SCENES), list(evaluate.TREES)) if args.choose_tree else None
     res = benchmark(target, draft, prompts, args.decoder, args.max_new, tok.cot_end_id, args.repeats, decoding,
-                    args.compile, args.gamma, choose) | {"mode": "toy", "draft": draft_dir,
-                                                 "target": os.path.join(args.run, "target")}
+                    args.compile, args.gamma, choose) | {"mode": "toy", "draft": draft_dir, "target": target_dir}
     return dict(res, peers=peer.peers(args.run, target, prompts, tok, args.gamma, args.max_new, args.repeats)) \
         if args.peer else res
 

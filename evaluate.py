@@ -56,12 +56,18 @@ def generate(model, input_ids, max_new, stop, temperature=0.0, generator=None, *
     return toks, is_stop.cumsum(1) - is_stop == 0  # no stop strictly before t
 
 
-def greedy_coc(target, batch, stop, max_new=MAX_NEW_TOKENS, amp=False):
-    """Greedy CoCs of a batch of equal-length prompts: id lists, ending with the stop token when the model wrote it."""
+def greedy_coc(target, batch, stop, max_new=MAX_NEW_TOKENS, amp=False, draft=None):
+    """Greedy CoCs of a batch of equal-length prompts: id lists, ending with the stop token when the model wrote it.
+    draft: the draft's own instead, unverified, reading the target's prompt embeddings (as when it drafts)."""
     P = int(batch["prompt_len"][0])
     assert bool((batch["prompt_len"] == P).all()), "greedy_coc needs equal prompt lengths"
-    with autocast(batch["input_ids"].device, amp):
-        toks, mask = generate(target, batch["input_ids"][:, :P], max_new, stop, **vision_kwargs(batch))
+    ids = batch["input_ids"][:, :P]  # (B, P)
+    with autocast(ids.device, amp):
+        if draft is None:
+            toks, mask = generate(target, ids, max_new, stop, **vision_kwargs(batch))
+        else:
+            embeds = target.embed(ids, **vision_kwargs(batch))  # (B, P, D)
+            toks, mask = generate(draft, ids, max_new, stop, inputs_embeds=embeds, **grid_kwargs(batch))
     return [t[m].tolist() for t, m in zip(toks, mask)]
 
 
@@ -104,10 +110,10 @@ def action_rows(target, prompt, cocs, samples, future_start, v0=None):
     cache = target.new_cache(batch=len(seqs), max_len=L + room)
     x_last = speculate.prefill(target, prompt, embeds, cache, deepstack, "target", samples)  # (B, 1)
     rows = [[t] + s for t, s in zip(x_last[:, 0].tolist(), seqs)]  # the prompt's last token, then the CoC
-    (_, h), at = speculate.feed_rows(target, cache, rows, return_hidden=True)  # h (B, T, D)
+    _, h = speculate.feed_rows(target, cache, rows, return_hidden=True)  # h (B, D) at each row's last token
     if expert is not None:
         return expert(cache, v0, generator=[torch.Generator(device=dev).manual_seed(0) for _ in rows])
-    return target.traj(h[torch.arange(len(rows), device=dev), at]).float()  # (B, traj_len, 2)
+    return target.traj(h).float()  # (B, traj_len, 2)
 
 
 def repeat_scenes(inputs, n_scenes, G):
@@ -307,11 +313,11 @@ def marked_coc(words, from_draft):
 
 # ---- greedy speculative decoding, simulated exactly from one teacher-forced pass ----
 @torch.no_grad()
-def greedy_outputs(target, data: Data, max_new=MAX_NEW_TOKENS, batch_size=EVAL_BATCH, amp=False):
+def greedy_outputs(target, data: Data, max_new=MAX_NEW_TOKENS, batch_size=EVAL_BATCH, amp=False, draft=None):
     """The target's greedy CoC of every scene of data (ids up to and including <cot_end> when written): what greedy
-    speculative decoding must emit, whatever the draft."""
+    speculative decoding must emit, whatever the draft (draft: that draft's own, greedy_coc's)."""
     return [c for batch in data.batches(batch_size, next(target.parameters()).device)
-            for c in greedy_coc(target, batch, data.tok.cot_end_id, max_new, amp)]
+            for c in greedy_coc(target, batch, data.tok.cot_end_id, max_new, amp, draft)]
 
 
 @torch.no_grad()
@@ -411,14 +417,7 @@ def tau_ceiling(lengths, gamma):
 def drafted_ade(target, draft, data: Data, max_new=MAX_NEW_TOKENS, batch_size=EVAL_BATCH):
     """ADE (m) of the target's trajectories after the draft's own greedy CoC, written without verification: the
     quantity AARL's action reward scores."""
-    device, cocs = next(target.parameters()).device, []
-    for batch in data.batches(batch_size, device):
-        P = int(batch["prompt_len"][0])
-        ids = batch["input_ids"][:, :P]  # (B, P)
-        embeds = target.embed(ids, **vision_kwargs(batch))  # (B, P, D)
-        toks, mask = generate(draft, ids, max_new, data.tok.cot_end_id, inputs_embeds=embeds, **grid_kwargs(batch))
-        cocs += [t[m].tolist() for t, m in zip(toks, mask)]
-    return trajectory_ade(target, data, cocs, batch_size)[0]
+    return trajectory_ade(target, data, greedy_outputs(target, data, max_new, batch_size, draft=draft), batch_size)[0]
 
 
 def exact_kl_terms(logq, logr):

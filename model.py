@@ -288,7 +288,7 @@ class KVCache:
         """Slots (B, T) of T tokens after each row's committed length, checked to fit."""
         self.check_room(T)
         device, n = self.rope_delta.device, self.lengths[0]
-        if all(m == n for m in self.lengths):  # one op: every step of a batch-1 decode comes here
+        if all(m == n for m in self.lengths):  # rows of one length: one op
             return torch.arange(n, n + T, device=device).expand(len(self.lengths), T)  # (B, T)
         return torch.tensor(self.lengths, device=device)[:, None] + torch.arange(T, device=device)  # (B, T)
 
@@ -506,13 +506,14 @@ class VLA(nn.Module):
         causal over the real keys under padding (attention_mask). DeepStack (Qwen3-VL): layer i's output gets the
         tower's level-i features at the visual slots (from pixels, or embed's `deepstack`). A cache holding tokens:
         input_ids go through `step` after each row's committed length, and are committed."""
-        if cache is not None and any(cache.lengths):
-            if input_ids is None or inputs_embeds is not None or deepstack or position_ids is not None:
-                raise ValueError("a cached continuation takes token ids alone (positions follow the cache; DeepStack "
-                                 "and inputs_embeds are for a prefill, an empty cache)")
-            if max(cache.lengths) + input_ids.shape[1] > self.cfg.max_seq_len:
-                raise ValueError(f"sequence of {max(cache.lengths) + input_ids.shape[1]} tokens is longer than the "
-                                 f"model's max_seq_len {self.cfg.max_seq_len}")
+        cached = cache is not None and any(cache.lengths)
+        if cached and (input_ids is None or inputs_embeds is not None or deepstack or position_ids is not None):
+            raise ValueError("a cached continuation takes token ids alone (positions follow the cache; DeepStack "
+                             "and inputs_embeds are for a prefill, an empty cache)")
+        n = (input_ids if inputs_embeds is None else inputs_embeds).shape[1] + (max(cache.lengths) if cached else 0)
+        if n > self.cfg.max_seq_len:  # beyond the positions the model was built (and trained) for
+            raise ValueError(f"sequence of {n} tokens is longer than the model's max_seq_len {self.cfg.max_seq_len}")
+        if cached:
             logits, h = feed(self, cache, input_ids, return_hidden=True)
             logits = logits[:, -logits_to_keep:] if logits_to_keep else logits
         else:
@@ -520,9 +521,6 @@ class VLA(nn.Module):
                 inputs_embeds, deepstack = self.embed(input_ids, pixel_values, image_grid_thw, pixel_values_videos,
                                                       video_grid_thw, return_deepstack=True)
             x, T = inputs_embeds, inputs_embeds.shape[1]  # (B, T, D)
-            if T > self.cfg.max_seq_len:  # beyond the positions the model was built (and trained) for
-                raise ValueError(f"sequence of {T} tokens is longer than the model's max_seq_len "
-                                 f"{self.cfg.max_seq_len}")
             cos, sin = self.rope_tables(input_ids, x, image_grid_thw, video_grid_thw, second_per_grid_ts,
                                         attention_mask, cache, position_ids)
             mask = None  # causal, or causal & real keys under padding (the diagonal keeps padded rows finite)

@@ -167,10 +167,7 @@ def flat_position_ids(input_ids, attention_mask=None):
     distance decay moves the draft's attention to the nearby trajectory-history tokens."""
     B, L = input_ids.shape[:2]
     device = input_ids.device
-    if attention_mask is None:
-        pos = torch.arange(L, device=device).expand(3, B, L)
-        return pos, torch.zeros(B, 1, dtype=torch.long, device=device)
-    mask = attention_mask.long()
+    mask = torch.ones(B, L, dtype=torch.long, device=device) if attention_mask is None else attention_mask.long()
     pos = (mask.cumsum(-1) - 1).clamp(min=0) * mask  # (B, L): consecutive over real tokens, 0 on pads
     delta = mask.sum(-1, keepdim=True) - L  # (B, 1): next id = c + delta with c the padded cache index
     return pos.unsqueeze(0).expand(3, B, L), delta

@@ -28,12 +28,10 @@ from driving import Data
 import evaluate
 from evaluate import MAX_NEW_TOKENS, TARGET_ONLY, TREES, tree_speedup
 from ops import checkpoint, cli, files, timing
-from ops.timing import step_times, tree_step_times
 import train
 
 ROWS = (("replica", "mrope"), ("flatrope", "flat"), ("flatrope+aarl", "aarl"))  # table row -> draft kind on disk
 GAMMAS = evaluate.GAMMAS
-# the draft trees a tree row chooses from on val (width 3: experiments/tree_sweep.py); --tree N keeps those of <= N nodes
 FIGURES = "figures"  # --plot's folder
 # in the run folder, beside the checkpoints: what python rsd.py --search measured on val (the step times and the trees'
 # val tau that choose gamma and tree), keyed by the checkpoints' fingerprints; a run without a matching one searches
@@ -73,14 +71,14 @@ def search(target, first, val, shapes, stop):
     each row's tau on val with each tree shape (real tree decoding: a tree has no teacher-forced replay)."""
     draft = first.get("flatrope") or next(iter(first.values()))  # the timed draft architecture: the first row's
     # the process's CPU time, not the wall clock: another job on a shared machine adds wall time to every step, and
-    # not in proportion to its work, which moved the chosen gamma from 7 to 3 under load
-    rec = {"step_times": least(lambda: step_times(target, draft, val[0], [1] + [g + 1 for g in GAMMAS],
-                                                  timer=time.process_time)),
+    # not in proportion to its work, which can move the chosen gamma
+    rec = {"step_times": least(lambda: timing.step_times(target, draft, val[0], [1] + [g + 1 for g in GAMMAS],
+                                                         timer=time.process_time)),
            "tree_step_times": None, "tree_val_tau": {}}
     if shapes:
         nodes = sorted({sh.nodes for sh in shapes})
-        rec["tree_step_times"] = least(lambda: tree_step_times(target, draft, val[0], nodes, 3,
-                                                               timer=time.process_time))
+        rec["tree_step_times"] = least(lambda: timing.tree_step_times(target, draft, val[0], nodes, 3,
+                                                                      timer=time.process_time))
         rec["tree_val_tau"] = {row: {shape_key(sh): evaluate.spec_stats(target, {row: d}, val, sh, stop_token=stop,
                                                                         check_greedy=False)[row]["tau"]
                                      for sh in shapes} for row, d in first.items()}
@@ -525,7 +523,7 @@ def parse_args(argv):
                                 "times both arms sampling (prompt i = held-out scene i)")
     ap.add_argument("--compile", action="store_true", help="time both arms with torch.compile'd steps "
                     "(minutes of compilation; gamma is still chosen with the eager cost model)")
-    ap.add_argument("--tree", type=int, default=None, help="draft-tree rows beside the chain rows of at most this many "
+    ap.add_argument("--tree", type=int, default=32, help="draft-tree rows beside the chain rows of at most this many "
                     "nodes (the shape chosen on val from evaluate.TREES); 0 = chain rows; default 32")
     ap.add_argument("--search", action="store_true", help=f"measure the choice of gamma and tree on val again (step "
                     f"times, every tree's val tau) and record it in --run's {SEARCH_JSON}, which later runs read "
@@ -533,7 +531,6 @@ def parse_args(argv):
     ap.add_argument("--plot", action="store_true", help="write figures/ (needs matplotlib), after the report")
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     a = ap.parse_args(argv)
-    a.tree = 32 if a.tree is None else a.tree
     with cli.user_errors(ap):
         cli.check_values(a, [(">= 1", ("scenes", "time_scenes", "repeats")), ("a finite number >= 0", ("show",)),
                                   (cli.VIEWS_RULE, ("views",))], flags=True)

@@ -21,7 +21,7 @@ Batch 1 is the same code with B = 1.
 run: python -m pytest -q tests/test_speculate.py tests/test_batch.py    (demo: python experiments/speculate_demo.py)
 """
 import contextlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 import math
 import time
 
@@ -148,11 +148,8 @@ class SpecResult:
         way every report turns decodes into tau and alpha)."""
         out = SpecResult()
         for r in results:
-            for f in ("tokens", "from_draft", "blocks", "accepted", "depths"):
-                getattr(out, f).extend(getattr(r, f))
-            for f in ("rounds", "target_forwards", "draft_forwards", "n_drafted", "n_accepted", "n_tested",
-                      "prefill_s", "decode_s"):
-                setattr(out, f, getattr(out, f) + getattr(r, f))
+            for f in fields(SpecResult):  # lists extended in place, counts and seconds summed
+                vars(out)[f.name] += getattr(r, f.name)
         return out
 
 
@@ -241,11 +238,13 @@ def make_generators(device, seed, rows=1):
 
 def feed_rows(model, cache, rows, return_hidden=False):
     """feed of rows of their own lengths (lists of ints) as one step, right-padded with each row's last token (written
-    beyond the row's length, never read), each row committing its own tokens -> (feed's output, each row's last
-    index (B,))."""
+    beyond the row's length, never read), each row committing its own tokens -> feed's output at each row's last
+    token: logits (B, V) (and hidden (B, D))."""
     k = [len(r) for r in rows]
     x = torch.tensor([r + r[-1:] * (max(k) - len(r)) for r in rows], device=cache.device)  # (B, max k)
-    return feed(model, cache, x, k, return_hidden), torch.tensor(k, device=cache.device) - 1
+    at = torch.arange(len(rows), device=cache.device), torch.tensor(k, device=cache.device) - 1  # (B,) each
+    out = feed(model, cache, x, k, return_hidden)
+    return tuple(o[at] for o in out) if return_hidden else out[at]
 
 
 def spec_round(target, draft, tcache, dcache, pending, gamma, temperature, top_k, top_p, generators, last=None):
@@ -254,8 +253,7 @@ def spec_round(target, draft, tcache, dcache, pending, gamma, temperature, top_k
     drafted ints and the next int, and the new pending. generators: one per row (sampling); last: latest logits."""
     B, dev, ell, k = len(pending), tcache.device, list(tcache.lengths), [len(p) for p in pending]
     last = {} if last is None else last
-    logits_q, at = feed_rows(draft, dcache, pending)
-    logits_q = logits_q[torch.arange(B, device=dev), at]  # (B, V): q after each row's pending
+    logits_q = feed_rows(draft, dcache, pending)  # (B, V): q after each row's pending
     drafted, qs = [], []
     for i in range(gamma):
         if i:
@@ -342,10 +340,7 @@ def speculative_batch(target, draft, prompt, gamma, max_new_tokens, samples=1, t
             # Every round has the same shapes (a compiled step's graphs are fixed); the last one's block is cut.
             n, drafted, nxt, pending = one_round(target, draft, tcache, dcache, pending, gamma, *sampling, last)
             t = now(dev, timing)
-            for b in range(B):
-                if b not in live:  # finished: its round undone, its caches kept at their lengths then
-                    tcache.lengths[b], dcache.lengths[b], pending[b] = (x[b] for x in lengths)
-                    continue
+            for b in sorted(live):
                 res = out[b]
                 block = (drafted[b][:n[b]] + [nxt[b]])[:max_new_tokens - len(res.tokens)]
                 if stop_token is not None and stop_token in block:
@@ -364,8 +359,9 @@ def speculative_batch(target, draft, prompt, gamma, max_new_tokens, samples=1, t
                 if block[-1] == stop_token or len(res.tokens) == max_new_tokens:
                     live.discard(b)
                     res.decode_s = t - t1  # this row's reasoning step, until its last token
-                    # its round undone too: the lengths it accepted may reach past max_new, beyond the caches' room
-                    tcache.lengths[b], dcache.lengths[b], pending[b] = (x[b] for x in lengths)
+            for b in set(range(B)) - live:  # finished, now or before: its round undone (the lengths it accepted may
+                # reach past max_new, beyond the caches' room), its caches kept at their lengths then
+                tcache.lengths[b], dcache.lengths[b], pending[b] = (x[b] for x in lengths)
     return out
 
 
@@ -397,11 +393,8 @@ def autoregressive_batch(target, prompt, max_new_tokens, samples=1, temperature=
     with nonfinite_named(last):
         for i in range(max_new_tokens):
             logits = last["target"] = feed(target, cache, x)[:, -1]  # (B, V)
-            if temperature == 0:
-                x = logits.argmax(-1)  # (B,)
-            else:
-                probs = process_logits(logits, temperature, top_k, top_p)  # (B, V)
-                x = sample(probs, generators)  # (B,)
+            x = logits.argmax(-1) if temperature == 0 else sample(  # (B,)
+                process_logits(logits, temperature, top_k, top_p), generators)
             steps.append(x)
             x = x[:, None]  # (B, 1)
             # Without a stop token nothing needs the value now: no per-token host sync.

@@ -20,12 +20,11 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import driving
-import evaluate
 from driving import Data, grid_kwargs, vision_kwargs
+import evaluate
 from evaluate import autocast, evaluate_target
 import model as M
 from ops import checkpoint, cli, files, runs
-from ops.cli import MAX_VIEWS_RULE, check_values
 
 
 # ---- config ----
@@ -313,12 +312,12 @@ def parse_args(argv=None, parser=False):
             raise ValueError(f"--target-dir is the draft stage's target: add --stage drafts (got --stage {a.stage})")
         if a.target_dir and checkpoint.existing_kind(a.target_dir) != "target":
             raise ValueError(f"--target-dir {a.target_dir}: not a target checkpoint folder (checkpoint.save's)")
-        check_values(a, [(MAX_VIEWS_RULE, ("views", "max_views")), ("in 0..2**30-1", ("seed", "draft_seed")),
-                         (">= 1", ("n_train", "n_val", "n_test", "batch_size", "target_steps", "draft_steps",
-                                   "eval_every")), ("a finite number > 0", ("target_lr", "draft_lr", "grad_clip")),
-                         ("a finite number >= 0", ("traj_weight", "weight_decay", "warmup", "views", "max_views",
-                                                   "draft_vocab", "draft_layers", "draft_width", "draft_heads",
-                                                   "draft_kv_heads")), ("in [0, 1]", ("p_no_views",))], flags=True)
+        cli.check_values(a, [(cli.MAX_VIEWS_RULE, ("views", "max_views")), ("in 0..2**30-1", ("seed", "draft_seed")),
+                             (">= 1", ("n_train", "n_val", "n_test", "batch_size", "target_steps", "draft_steps",
+                                       "eval_every")), ("a finite number > 0", ("target_lr", "draft_lr", "grad_clip")),
+                             ("a finite number >= 0", ("traj_weight", "weight_decay", "warmup", "views", "max_views",
+                                                       "draft_vocab", "draft_layers", "draft_width", "draft_heads",
+                                                       "draft_kv_heads")), ("in [0, 1]", ("p_no_views",))], flags=True)
         cli.check_device(a.device)
     cfg = cli.config_from_args(TrainConfig, a)
     return (cfg, a.stage, ap) if parser else (cfg, a.stage)

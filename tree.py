@@ -153,45 +153,42 @@ def tree_round(target, draft, tcache, dcache, pending, shape, temperature, top_k
     """One round with a draft tree per row, spec_round's contract. The caches then hold exactly the committed
     tokens: each row's accepted path's keys / values moved to consecutive slots (KVCache.move), rejected branches
     beyond its length."""
-    B, dev, ell = len(pending), tcache.device, list(tcache.lengths)
+    dev, ell = tcache.device, list(tcache.lengths)
     last = {} if last is None else last
     # the routine reasoner's trees: feed `pending` (committed from then on), grow from q at each root
-    logits_q, at = speculate.feed_rows(draft, dcache, pending)
-    logits_q = logits_q[torch.arange(B, device=dev), at]  # (B, V)
+    logits_q = speculate.feed_rows(draft, dcache, pending)  # (B, V)
     root = torch.tensor(dcache.lengths, device=dev)  # (B,) a tensor: a compiled growth never sees it change
     *tree, last["draft"] = getattr(draft, "fused", lambda fn: fn)(grow)(draft, dcache, logits_q, root, shape)
     tree = Tree(*tree)
     N = tree.tokens.shape[1]
-    if max(ell) + N + 1 > tcache.max_len:
-        raise ValueError(f"KV cache overflow: {max(ell)} + {N + 1} tokens > max_len {tcache.max_len}")
+    tcache.check_room(N + 1)
     verify = getattr(target, "fused", lambda fn: fn)(tree_forward)  # compiled steps: one graph
     x_last = torch.tensor([[p[-1]] for p in pending], device=dev)  # (B, 1)
     logits_p = last["target"] = verify(target, tcache, x_last, tree.tokens, tree.depth, tree.anc,
                                        torch.tensor(ell, device=dev))  # (B, N+1, V)
     best, nxt = verify_tree(tree, logits_p, temperature, top_k, top_p, generators)
-    flat = torch.cat([best, nxt, tree.parent.view(-1), tree.tokens.view(-1), tree.fed.view(-1)]).tolist()  # the
-    # round's one host sync, split per row below
-    best, nxt, rest = flat[:B], flat[B:2 * B], flat[2 * B:]
-    parent, tokens, fed = rest[:B * (N + 1)], rest[B * (N + 1):B * (2 * N + 1)], rest[B * (2 * N + 1):]
-    n, accepted, new, moves = [], [], [], ([], [], [], [])
-    for b in range(B):
-        path, v = [], best[b]  # accepted nodes, root excluded, top-down
+    rows = torch.cat([best[:, None], nxt[:, None], tree.parent, tree.tokens, tree.fed], 1).tolist()  # the round's
+    # one host sync: per row its best node, next token, parents (N+1), tokens (N) and fed slots (N+1)
+    n, accepted, nxt, new, moves = [], [], [], [], ([], [], [], [])
+    for b, (v, x, *r) in enumerate(rows):
+        parent, tokens, fed = r[:N + 1], r[N + 1:2 * N + 1], r[2 * N + 1:]
+        path = []  # accepted nodes, root excluded, top-down
         while v:
             path.append(v)
-            v = parent[b * (N + 1) + v]
+            v = parent[v]
         path.reverse()
-        fed_b = fed[b * (N + 1):(b + 1) * (N + 1)]
         # the draft was fed the accepted nodes it expanded: a prefix of the path (a node's parent was expanded)
-        m = next((i for i, v in enumerate(path) if fed_b[v] < 0), len(path))
+        m = next((i for i, v in enumerate(path) if fed[v] < 0), len(path))
         moves[0].append([ell[b] + v for v in path])  # node v sits at slot ell + v
         moves[1].append(list(range(ell[b] + 1, ell[b] + 1 + len(path))))
-        moves[2].append([fed_b[v] for v in path[:m]])
+        moves[2].append([fed[v] for v in path[:m]])
         moves[3].append(list(range(dcache.lengths[b], dcache.lengths[b] + m)))
         tcache.lengths[b] = ell[b] + 1 + len(path)
         dcache.lengths[b] += m
         n.append(len(path))
-        accepted.append([tokens[b * N + v - 1] for v in path])
-        new.append(accepted[-1][m:] + [nxt[b]])  # what the draft has not seen yet
+        accepted.append([tokens[v - 1] for v in path])
+        nxt.append(x)
+        new.append(accepted[-1][m:] + [x])  # what the draft has not seen yet
     tcache.move(moves[0], moves[1])
     dcache.move(moves[2], moves[3])
     return n, accepted, nxt, new

@@ -82,8 +82,7 @@ def grow_time(target, draft, prompt, shape, reps=20, timer=time.perf_counter):
 
 
 def _step_timer(target, prompt, reps, timer, tree=False):
-    """(m, n) -> median_time of one n-token step of m after the prompt: with tree as tree_round calls it (positions
-    and a mask; their values do not change the work), else as spec_round does, with a crop back (the verifier's undo)."""
+    """(m, n) -> median_time of one n-token step of m after the prompt (_step: a tree verify, or a chain's)."""
     device, L = prompt["input_ids"].device, prompt["input_ids"].shape[1]
     embeds = target.embed(**{k: prompt[k] for k in EMBED_KEYS if prompt.get(k) is not None})  # (1, L, D)
 
@@ -91,19 +90,25 @@ def _step_timer(target, prompt, reps, timer, tree=False):
         cache = m.new_cache(batch=1, max_len=L - 1 + n)
         prefill(m, prompt, embeds, cache)  # the prompt except its last token
         x = prompt["input_ids"][:, -1:].repeat(1, n)  # (1, n) tokens; their values do not matter for time
-        if tree:
-            slots = cache.slots(n)  # (1, n)
-            mask = causal_mask(slots, cache, cache.max_len)  # (1, n, S)
-            return median_time(lambda: m.step(x, slots, cache, positions=slots, mask=mask), device, reps, timer)
-        base = cache.length
-
-        def step():
-            feed(m, cache, x)
-            cache.crop(base)
-
-        return median_time(step, device, reps, timer)
+        return median_time(_step(m, cache, x, tree), device, reps, timer)
 
     return time_step
+
+
+def _step(m, cache, x, tree=False):
+    """A re-runnable step of m on x (1, n) after the cache: with tree as tree_round calls it (positions and a mask;
+    their values do not change the work), else as spec_round does, with a crop back (the verifier's undo)."""
+    if tree:
+        slots = cache.slots(x.shape[1])  # (1, n)
+        mask = causal_mask(slots, cache, cache.max_len)  # (1, n, S)
+        return lambda: m.step(x, slots, cache, positions=slots, mask=mask)
+    base = cache.length
+
+    def step():
+        feed(m, cache, x)
+        cache.crop(base)
+
+    return step
 
 
 # ---- the runtime a number was measured on ----
@@ -254,15 +259,9 @@ def sdpa_steps(target, prompt, gamma, tree=False):
         embeds, deepstack = speculate.embed_prompt(target, prompt)  # (1, L, D)
         cache = target.new_cache(batch=1, max_len=L + gamma + 1)
         calls = {"prefill": first_sdpa_call(lambda: speculate.prefill(target, prompt, embeds, cache, deepstack))}
-        base = cache.length
-        for name, n in (("decode", 1), ("verify", gamma + 1)):
-            calls[name] = first_sdpa_call(lambda: feed(target, cache, x.repeat(1, n)))
-            cache.crop(base)
-        if tree:  # a tree's verify: positions and a mask of its own (tree.tree_round)
-            slots = cache.slots(gamma + 1)  # (1, N+1)
-            mask = causal_mask(slots, cache, cache.max_len)  # (1, N+1, S)
-            calls["tree verify"] = first_sdpa_call(lambda: target.step(x.repeat(1, gamma + 1), slots, cache,
-                                                                       positions=slots, mask=mask))
+        steps = [("decode", 1, False), ("verify", gamma + 1, False)] + [("tree verify", gamma + 1, True)] * tree
+        for name, n, tree_verify in steps:  # a tree's verify: positions and a mask of its own (tree.tree_round)
+            calls[name] = first_sdpa_call(_step(target, cache, x.repeat(1, n), tree_verify))
     return {name: sdpa_kernel_of(*call) for name, call in calls.items()}
 
 

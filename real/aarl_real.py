@@ -9,8 +9,7 @@ run: python -m real.aarl_real --target ALPAMAYO_DIR --draft SFT_DRAFT --scenes S
      (writes OUT/draft_aarl_s<seed>; tests: tests/test_aarl_real.py)
 """
 import argparse
-import dataclasses
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 import json
 import os
 import time
@@ -104,17 +103,14 @@ def train_real(target, draft, ref, clips, prompts, cfg: RealConfig, ids, log=Non
     order = torch.randperm(len(clips), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
     refs = {}  # scene_id -> (v0, reference plan): p's greedy plan is computed once per scene, not once per update
     bound = {"target": checkpoint.fingerprint(target), "reference": checkpoint.fingerprint(ref)}
-    start = 0
-    if state_path:
-        start, extra = runs.load_state(state_path, {"draft": draft}, {"draft": opt}, cfg, bound)
-        if extra is not None:
-            gen.set_state(extra["generator"])
+    start, extra = runs.load_state(state_path or "", {"draft": draft}, {"draft": opt}, cfg, bound)  # "": fresh
+    if extra is not None:
+        gen.set_state(extra["generator"])
     for step in (bar := tqdm(range(start, cfg.steps), desc="aarl[real]", initial=start, total=cfg.steps)):
         stats = []
         for j in range(cfg.per_update):
             k = order[(step * cfg.per_update + j) % len(clips)]
-            scene, prompt = clips[k], scenes.built(*prompts[k])
-            prompt = speculate.on_model(prompt, target)
+            scene, prompt = clips[k], speculate.on_model(scenes.built(*prompts[k]), target)
             if scene.scene_id not in refs:
                 v0 = speed_from_history(scene.past[None]).to(device)  # (1,) m/s, from the scene's own past
                 refs[scene.scene_id] = v0, reference_plan(target, prompt, scene, v0, cfg, ids)
@@ -197,7 +193,7 @@ def main(argv=None):
             train_real(target, draft, ref, clips, prompts, cfg, ids, log=updates.append,
                        state_path=os.path.join(a.out, f"draft_aarl_s{cfg.seed}.state.pt"))  # resumed if there
             checkpoint.save(draft.to(target.embed_tokens.weight.dtype), out, target=target)
-    res = {"out": out, "scenes": len(clips), "config": dataclasses.asdict(cfg), "wall_s": time.time() - t0,
+    res = {"out": out, "scenes": len(clips), "config": asdict(cfg), "wall_s": time.time() - t0,
            "training": training_summary(updates)}
     first, last = res["training"]["first"], res["training"]["last"]
     print("updates, first -> last 20: " + "  ".join(f"{k} {first[k]:.3f}->{last[k]:.3f}" for k in first))

@@ -87,8 +87,7 @@ def build_prompt(folder, images, history_xyz, processor_dir=None, min_pixels=MIN
     src = processor_dir or folder
     tok = tokenizer(src)
     vocab = tok.get_vocab()
-    missing = [t for t in TOKENS if t not in vocab]
-    if missing:
+    if missing := [t for t in TOKENS if t not in vocab]:
         raise ValueError(f"{src}: the tokenizer lacks Alpamayo's tokens {missing}: save the Alpamayo tokenizer "
                          "(the Qwen3-VL one with Alpamayo's added tokens) there")
     for key, token in (("history", "<|traj_history|>"), ("future_start", "<|traj_future_start|>")):
@@ -260,15 +259,14 @@ def expert_plan(target, cache, L, seq, v0):
     <|traj_future_start|>) -> waypoints (1, N, 2). The noise is seeded 0 every call: the plan is a deterministic
     function of the CoC (AARL's advantages compare CoCs, not noise draws)."""
     cache.crop(L)
-    target(torch.tensor([seq], device=cache.rope_delta.device), cache=cache, logits_to_keep=1)  # the CoC, teacher-forced
+    target(torch.tensor([seq], device=cache.rope_delta.device), cache=cache, logits_to_keep=1)  # the CoC teacher-forced
     return target.expert(cache, v0, generator=torch.Generator(device=cache.rope_delta.device).manual_seed(0))
 
 
 def plan(target, draft, prompt, stop, tok, how, decoder, max_new, repeats, decoding):
     """After the timed reasoning step: the CoC once more (marked), and with an action expert the trajectory, timed
     (median of `repeats`). decoder: the chain's gamma or a tree.TreeShape."""
-    spec = evaluate.decode(target, draft, prompt, decoder, max_new, stop,
-                           **evaluate.sampling_kwargs(decoding, 0))
+    spec = evaluate.decode(target, draft, prompt, decoder, max_new, stop, **evaluate.sampling_kwargs(decoding, 0))
     words = [tok.decode([t]) if tok is not None else str(t) for t in spec.tokens]
     res = {"prompt_source": how, "images": int(prompt["image_grid_thw"].shape[0]),
            "visual_tokens": int((prompt["input_ids"] == target.cfg.image_token_id).sum()),
@@ -317,8 +315,7 @@ def heldout(target, draft, scenes, prompts, stop, max_new, gamma, repeats, words
     gamma: the chain's draft length or a tree.TreeShape; words: token id -> text, for the marked CoC."""
     w, rows, specs = next(target.parameters()), [], []
     for scene, (scene_id, prompt) in zip(scenes, prompts):
-        p = prompt() if callable(prompt) else prompt
-        p = speculate.on_model(p, target)
+        p = speculate.on_model(prompt() if callable(prompt) else prompt, target)
         dev, L = w.device, p["input_ids"].shape[1]
         ar_s, spec_s = [], []
         for r in range(repeats + 1):  # the arms alternate; pass 0 warms up every shape

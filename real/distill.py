@@ -213,9 +213,8 @@ def run_draft(cfg: DraftConfig, stage="all", log=print):
     root = os.path.join(cfg.out, "data")
     with files.writer_lock(cfg.out) if rank == 0 else contextlib.nullcontext():
         if rank == 0:
-            checkpoint.check_output(checkpoint.draft_dir(cfg.out, cfg.kind, cfg.seed), f"{cfg.kind} draft",
-                                    cfg.overwrite or os.path.exists(os.path.join(
-                                        cfg.out, f"draft_{cfg.kind}_s{cfg.seed}.state.pt")),
+            dest = checkpoint.draft_dir(cfg.out, cfg.kind, cfg.seed)  # a resumable state beside it: not a refusal
+            checkpoint.check_output(dest, f"{cfg.kind} draft", cfg.overwrite or os.path.exists(dest + ".state.pt"),
                                     "rerun with --overwrite to retrain it, or give another --seed or --out")
         done = {r["scene"] for r in read_parts(root, vocab)}  # read by every rank before any writes
         runs.barrier()
@@ -284,8 +283,6 @@ def parse_args(argv=None):
             raise ValueError("--samples > 1 needs --temperature > 0 (greedy CoCs of a scene are all equal)")
         cli.check_device(a.device)
     return cli.config_from_args(DraftConfig, a), a.stage, ap
-
-
 
 
 def main(argv=None):

@@ -1,8 +1,8 @@
 """The peer arm of bench.py: the same weights, prompts and process through Hugging Face transformers' `generate`
 (greedy, KV cache, sdpa) and its assisted generation (speculative decoding as transformers ships it), beside ours; the
-draft is the M-RoPE replica (FlatRoPE has no transformers counterpart). Timed one call per prompt, end to end, greedy
-only. `hf_assisted` fixes gamma as ours (constant schedule, confidence threshold off); `hf_assisted_defaults` keeps
-transformers' assistant defaults.
+draft is the M-RoPE replica (FlatRoPE has no transformers counterpart). Timed one call per prompt, end to end: greedy
+(`compare`; `hf_assisted` fixes gamma as ours, constant schedule, confidence threshold off; `hf_assisted_defaults`
+keeps transformers' assistant defaults), or N sampled rows per prompt (`compare_samples`, bench.py --samples N).
 
 run: python bench.py --device cpu --peer hf --json
 """
@@ -63,9 +63,7 @@ def peers(run, target, prompts, tok, gamma, max_new, repeats):
     """bench.py --peer hf on the toy: compare() with run's M-RoPE replica, the one draft transformers can run."""
     draft_dir = checkpoint.draft_dir(run, *PEER_DRAFT)
     draft = checkpoint.load(draft_dir, target=target).eval()
-    res = compare(target, draft, prompts, gamma, max_new, tok.cot_end_id, tok.pad_id, repeats)
-    res["draft"] = draft_dir
-    return res
+    return dict(compare(target, draft, prompts, gamma, max_new, tok.cot_end_id, tok.pad_id, repeats), draft=draft_dir)
 
 
 def flag_error(toy_mode, decoding, samples=1):
@@ -135,7 +133,6 @@ def compare(target, draft, prompts, gamma, max_new, stop, pad, repeats=3):
     generation, greedy, on the same weights (exported to a temporary folder, loaded in the target's dtype, device)."""
     import transformers  # an optional extra, as in the parity tests
     from transformers import GenerationConfig
-    w = target.embed_tokens.weight
     hf_target, hf_draft = hf_models(target, draft, stop, pad)
     inputs = [hf_inputs(p, target.cfg) for p in prompts]  # built once, outside the clock, as our prompts are
     settings = {"hf_assisted": {"num_assistant_tokens": gamma, "num_assistant_tokens_schedule": "constant",
@@ -152,7 +149,7 @@ def compare(target, draft, prompts, gamma, max_new, stop, pad, repeats=3):
         return lambda i, p: (hf_generate(hf_target, inputs[i], max_new, stop, pad, assistant, settings.get(arm)), None)
 
     arms = {"ours_target_only": ours(None), "ours_speculative": ours(draft), **{arm: hf(arm) for arm in ARMS[2:]}}
-    res = time_calls(arms, prompts, w.device, repeats)
+    res = time_calls(arms, prompts, target.embed_tokens.weight.device, repeats)
     out = {arm: dict(r, tokens=sum(map(len, r["tokens"]))) for arm, r in res.items()}
     defaults = {k: GenerationConfig._get_default_generation_params()[k] for k in DEFAULTS}
     ratios = lambda key, pairs: {f"{a}_over_{b}": out[a][key] / out[b][key] for a, b in pairs}  # noqa: E731
@@ -175,7 +172,6 @@ def compare_samples(target, draft, prompts, samples, decoding, gamma, max_new, s
     """bench.py --peer hf --samples N: each prompt's N sampled rows as one batch, ours (target-only and the chain,
     speculate's *_batch) beside transformers' generate(num_return_sequences=N, do_sample=True) at the same temperature
     and top-p, timed one call per prompt; and what transformers' assisted generation answers to N rows."""
-    w = target.embed_tokens.weight
     hf_target, hf_draft = hf_models(target, draft, stop, pad)
     inputs = [hf_inputs(p, target.cfg) for p in prompts]
     kw = {k: decoding[k] for k in ("temperature", "top_k", "top_p")}
@@ -196,7 +192,7 @@ def compare_samples(target, draft, prompts, samples, decoding, gamma, max_new, s
         return [t for row in out.tolist() for t in row[:row.index(stop) + 1 if stop in row else len(row)]], None
 
     res = time_calls({"ours_target_only": ours(None), "ours_speculative": ours(draft), "hf_generate": hf}, prompts,
-                     w.device, repeats)
+                     target.embed_tokens.weight.device, repeats)
     try:
         hf_target.generate(**inputs[0], **hf_kw, assistant_model=hf_draft)
         assisted = "ran"

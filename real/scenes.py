@@ -20,10 +20,8 @@ The distillation data (distill_data writes it, read_distill_data reads it):
 Only token ids are stored: the CoC through stop_ids (<|cot_end|> <|traj_future_start|> for Alpamayo; <cot_end> for
 the toy, whose planner reads at a <traj_future_start> it is given). The teacher's distributions are recomputed online
 in training (one teacher-forced target forward per batch), cheaper than reading V = 152k floats per id from disk.
-Disk: 4 bytes x CoC length per record + about 80 bytes of index: 1,000 scenes x 1 sample of 64 ids = 0.26 + 0.08 MB.
-Time: one target decode per record (prefill with the vision tower, then one KV-cached step per id); index.json sums
-the measured prefill_s and decode_s, so (prefill_s + decode_s) / records is the seconds per record on the user's
-machine. The target's fingerprint reads a load_pretrained folder's safetensors once per run (16 GB for Alpamayo-R1).
+One target decode per record; index.json sums the measured prefill_s and decode_s, so (prefill_s + decode_s) / records
+is the seconds per record on the user's machine (docs/own-target.md sizes disk and time).
 
 run: python -m pytest -q tests/test_scenes.py
 """
