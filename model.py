@@ -163,30 +163,20 @@ class Attention(nn.Module):
         return q.transpose(1, 2), k.transpose(1, 2), qkv[:, :, H + Hk:].transpose(1, 2)  # (B, H|Hk, T, hd)
 
     def forward(self, x, cos, sin, cache=None, layer=0, mask=None, input_pos=None):
-        """Two ways in. A full forward (input_pos None: a prefill, training) attends over its own T keys, causally or
-        under mask (B, 1, T, T) (padding), a prefill writing them to cache slots [0, T). A cached step (VLA.step)
-        writes its keys / values at slots input_pos (B, T) (an int: [input_pos, input_pos + T) in every row) and reads
-        slots [0, S) under mask (B, 1, g*T, S) (None: every slot to the last written): a KV head's g query heads as its
-        g*T query rows, no K/V copies (enable_gqa is slow on CPU in bf16)."""
+        """Without a cache (training): attention over its own T keys, causal, or under mask (B, 1, T, T) (padding).
+        With one (VLA.step, the prefill included): the T keys / values go to slots input_pos (B, T) of `cache`
+        (KVCache.write), and the queries read slots [0, S) under the additive mask (B, 1, g*T, S): a KV head's g query
+        heads as its g*T query rows, no K/V copies (enable_gqa is slow on CPU in bf16)."""
         B, T, _ = x.shape
         H, Hk, hd = self.H, self.Hk, self.hd
         q, k, v = self.project(x, cos, sin)
-        if input_pos is None:
-            if cache is not None:
-                cache.k[layer][:, :, :T], cache.v[layer][:, :, :T] = k, v
+        if cache is None:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and T > 1,
                                                enable_gqa=True)
         else:
-            kb, vb = cache.k[layer], cache.v[layer]  # (B, Hk, max_len, hd), written in place
-            if isinstance(input_pos, int):  # every row's slots [input_pos, input_pos + T): a slice copy, the cheapest
-                kb[:, :, input_pos:input_pos + T], vb[:, :, input_pos:input_pos + T] = k, v
-            elif B == 1:  # one row: index_copy_, a third of index_put_'s cost per call on a CPU
-                kb.index_copy_(2, input_pos[0], k), vb.index_copy_(2, input_pos[0], v)
-            else:  # row b's slots in every KV head and channel
-                at = input_pos[:, None, :, None].expand(B, Hk, T, hd)  # (B, Hk, T, hd), a view
-                kb.scatter_(2, at, k), vb.scatter_(2, at, v)
+            kb, vb = cache.write(layer, input_pos, k, v)  # (B, Hk, max_len, hd) each
+            S = mask.shape[-1]
             q = q.reshape(B, Hk, (H // Hk) * T, hd)  # (B, Hk, g*T, hd)
-            S = input_pos + T if mask is None else mask.shape[-1]  # the slots read (no mask: all of them)
             y = F.scaled_dot_product_attention(q, kb[:, :, :S], vb[:, :, :S], attn_mask=mask).reshape(B, H, T, hd)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, H * hd))  # (B, H, T, hd) -> (B, T, D)
 
@@ -219,22 +209,23 @@ def feed(model, cache, x, n=None, return_hidden=False):
     """model.step of x (B, T) after each row's committed length -> logits (B, T, V); then row b's first n[b] tokens
     are committed (n None: all T; the rest is padding, beyond the length). The mask reaches no further than the step's
     last slot: an eager step reads no empty slot. model: a VLA or CompiledSteps."""
-    if len(set(cache.lengths)) == 1:  # rows of one length: an int, written by a slice, VLA.step's causal mask
-        cache.check_room(x.shape[1])
-        slots, mask = cache.lengths[0], None
-    else:
-        slots = cache.slots(x.shape[1])  # (B, T), checked to fit
-        mask = causal_mask(slots, cache, max(cache.lengths) + x.shape[1])  # (B, T, S)
+    input_pos = cache.slots(x.shape[1])  # (B, T), checked to fit
+    mask = causal_mask(input_pos, cache, max(cache.lengths) + x.shape[1])  # (B, T, S)
     hidden = {"return_hidden": True} if return_hidden else {}  # VLA.forward's only: CompiledSteps returns logits
-    out = model.step(x, slots, cache, mask=mask, **hidden)
+    out = model.step(x, input_pos, cache, mask, **hidden)
     cache.lengths = [m + (x.shape[1] if n is None else n[b]) for b, m in enumerate(cache.lengths)]
     return out
 
 
 def causal_mask(input_pos, cache, S):
-    """(B, T, S) bool: token t of row b, at slot input_pos[b, t], sees the slots up to its own (the real ones)."""
-    mask = torch.arange(S, device=input_pos.device) <= input_pos[..., None]  # (B, T, S)
-    return mask if cache.key_mask is None else mask & cache.key_mask[:, None, :S]
+    """The one mask builder of a cached step: (B, T, S) bool, the token at slot input_pos[b, t] sees the slots up to
+    its own that hold real keys (a left-padded prompt's padding hidden), and always its own (a padding query stays
+    finite)."""
+    cols = torch.arange(S, device=input_pos.device)  # (S,)
+    mask = cols <= input_pos[..., None]  # (B, T, S)
+    if cache.key_mask is None:
+        return mask
+    return mask & cache.key_mask[:, None, :S] | (cols == input_pos[..., None])
 
 
 def grouped_mask(mask, g, dtype):
@@ -287,10 +278,21 @@ class KVCache:
     def slots(self, T):
         """Slots (B, T) of T tokens after each row's committed length, checked to fit."""
         self.check_room(T)
-        device, n = self.rope_delta.device, self.lengths[0]
-        if all(m == n for m in self.lengths):  # rows of one length: one op
-            return torch.arange(n, n + T, device=device).expand(len(self.lengths), T)  # (B, T)
-        return torch.tensor(self.lengths, device=device)[:, None] + torch.arange(T, device=device)  # (B, T)
+        n, cols = self.lengths[0], torch.arange(T, device=self.device)  # (T,)
+        if all(m == n for m in self.lengths):  # rows of one length: no host-to-device copy
+            return (cols + n).expand(len(self.lengths), T)  # (B, T)
+        return torch.tensor(self.lengths, device=self.device)[:, None] + cols  # (B, T)
+
+    def write(self, layer, input_pos, k, v):
+        """The one cache write: k, v (B, Hk, T, hd) of row b into its slots input_pos[b] (B, T) of `layer` -> that
+        layer's buffers (B, Hk, max_len, hd), written in place."""
+        kb, vb = self.k[layer], self.v[layer]
+        if input_pos.shape[0] == 1:  # one row: index_copy_, a third of index_put_'s cost per call on a CPU
+            kb.index_copy_(2, input_pos[0], k), vb.index_copy_(2, input_pos[0], v)
+        else:  # kb[rows, :, input_pos] is (B, T, Hk, hd)
+            rows = torch.arange(len(input_pos), device=input_pos.device)[:, None]  # (B, 1)
+            kb[rows, :, input_pos], vb[rows, :, input_pos] = k.transpose(1, 2), v.transpose(1, 2)
+        return kb, vb
 
     def crop(self, n):
         if not 0 <= n <= self.length:
@@ -298,19 +300,14 @@ class KVCache:
         self.length = n
 
     def move(self, src, dst):
-        """Copy, in row b, the keys / values of slots src[b] to slots dst[b] (increasing int lists, dst[b][i] <=
-        src[b][i]): each row's accepted tree path to consecutive slots, the rejected branches left beyond its length."""
-        if src == dst:
-            return
-        m = max(map(len, src))
-        # Rows with fewer slots copy their last source (or slot 0) onto itself: a slot no other copy writes.
-        src, dst = ([r + (s[-1:] or [0]) * (m - len(r)) for r, s in zip(x, src)] for x in (src, dst))
-        src, dst = (torch.tensor(x, device=self.rope_delta.device) for x in (src, dst))  # (B, m)
-        rows = torch.arange(len(src), device=src.device)[:, None]  # (B, 1)
-        for buf in self.k + self.v:  # (B, Hk, max_len, hd) each; gathered first: a source is never overwritten
+        """Copy, in row b, the keys / values of slots src[b] to slots dst[b] (B, m) (dst[b, i] <= src[b, i], each row's
+        accepted tree path to consecutive slots; a column a row does not use copies a slot onto itself), on the
+        device: no host sync. Gathered first, so a source is never overwritten before it is read."""
+        for buf in self.k + self.v:  # (B, Hk, max_len, hd) each
             if len(src) == 1:  # one row: index_select + index_copy_, cheaper than the advanced indexing below
                 buf.index_copy_(2, dst[0], buf.index_select(2, src[0]))
             else:  # buf[rows, :, src] is (B, m, Hk, hd)
+                rows = torch.arange(len(src), device=src.device)[:, None]  # (B, 1)
                 buf[rows, :, dst] = buf[rows, :, src]
 
     def take_rows(self, src, rows):
@@ -351,7 +348,7 @@ class VLA(nn.Module):
 
     def __init__(self, cfg: ModelConfig, shared: "VLA | None" = None):
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.g = cfg, cfg.n_heads // cfg.n_kv_heads  # g query heads per KV head
         D = cfg.hidden_size
         self.proj_in = self.proj_out = None
         has_tower = cfg.vision is not None and cfg.shared_width is None
@@ -523,41 +520,35 @@ class VLA(nn.Module):
             x, T = inputs_embeds, inputs_embeds.shape[1]  # (B, T, D)
             cos, sin = self.rope_tables(input_ids, x, image_grid_thw, video_grid_thw, second_per_grid_ts,
                                         attention_mask, cache, position_ids)
-            mask = None  # causal, or causal & real keys under padding (the diagonal keeps padded rows finite)
-            valid = None if attention_mask is None or bool(attention_mask.all()) else attention_mask.bool()
-            if valid is not None:
-                causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()  # (T, T)
-                mask = ((causal & valid[:, None, :]) | torch.eye(T, dtype=torch.bool, device=x.device))[:, None]
-            if cache is not None:  # (B, max_len): the real keys, for every later step
+            valid = None if attention_mask is None or bool(attention_mask.all()) else attention_mask.bool()  # (B, T)
+            input_pos = None
+            if cache is not None:  # the prefill: the cached step over the prompt, at slots [0, T)
                 if T > cache.max_len:
                     raise ValueError(f"KV cache overflow: a prefill of {T} tokens > max_len {cache.max_len}")
                 cache.key_mask = None if valid is None else F.pad(valid, (0, cache.max_len - T), value=True)
-            h = self.decoder(x, cos, sin, cache, mask, deepstack=deepstack)
+                input_pos = torch.arange(T, device=x.device).expand(x.shape[0], T)  # (B, T)
+                mask = grouped_mask(causal_mask(input_pos, cache, T), self.g, x.dtype)  # (B, 1, g*T, T)
+            elif valid is not None:  # training under padding: causal over the real keys, the diagonal kept finite
+                causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()  # (T, T)
+                mask = ((causal & valid[:, None, :]) | torch.eye(T, dtype=torch.bool, device=x.device))[:, None]
+            else:
+                mask = None  # causal
+            h = self.decoder(x, cos, sin, cache, mask, input_pos, deepstack)
             if cache is not None:
                 cache.length = T
             logits = self.head(h[:, -logits_to_keep:] if logits_to_keep else h)
         return (logits, h) if return_hidden else logits
 
-    def step(self, input_ids, input_pos, cache, positions=None, mask=None, return_hidden=False):
+    def step(self, input_ids, input_pos, cache, mask, positions=None, return_hidden=False):
         """The one cached step (decode, chain draft and verify, tree levels and verify; compiled by CompiledSteps):
-        input_ids (B, T) -> logits (B, T, V). Their keys / values go to cache slots input_pos (B, T) (an int: slots
-        [input_pos, input_pos + T) of every row), at RoPE positions (B, T) (default the slots) + rope_delta, on all
-        three M-RoPE axes (text after the prompt). Token t of row b sees slot s < S where mask[b, t, s], mask (B, T, S
-        <= max_len): an eager step reads only the slots it needs, a compiled one the whole buffer (default: every slot
-        up to its own, the prompt's real keys; with an int input_pos no further than the last written, and a one-token
-        step with every key real attends unmasked). The committed lengths are neither read (a compiled step never
-        recompiles as they grow) nor advanced."""
-        B, T = input_ids.shape
-        slots = input_pos
-        if isinstance(input_pos, int):
-            slots = torch.arange(input_pos, input_pos + T, device=input_ids.device).expand(B, T)  # (B, T)
-        if mask is None and (slots is input_pos or T > 1 or cache.key_mask is not None):
-            mask = causal_mask(slots, cache, cache.max_len if slots is input_pos else input_pos + T)  # (B, T, S)
-        cos, sin = rope_cos_sin((slots if positions is None else positions) + cache.rope_delta, self.inv_freq)
+        input_ids (B, T) -> logits (B, T, V). Their keys / values go to cache slots input_pos (B, T), at RoPE
+        positions (B, T) (default the slots) + rope_delta, on all three M-RoPE axes (text after the prompt). Token t
+        of row b sees slot s < S where mask[b, t, s], mask (B, T, S <= max_len) (causal_mask, or a tree's): an eager
+        step reads only the slots it needs, a compiled one the whole buffer. The committed lengths are neither read
+        (a compiled step never recompiles as they grow) nor advanced."""
+        cos, sin = rope_cos_sin((input_pos if positions is None else positions) + cache.rope_delta, self.inv_freq)
         x = self.embed_tokens(input_ids)  # (B, T, D)
-        if mask is not None:
-            mask = grouped_mask(mask, self.cfg.n_heads // self.cfg.n_kv_heads, x.dtype)  # (B, 1, g*T, S)
-        h = self.decoder(x, cos, sin, cache, mask, input_pos)
+        h = self.decoder(x, cos, sin, cache, grouped_mask(mask, self.g, x.dtype), input_pos)  # mask (B, 1, g*T, S)
         return (self.head(h), h) if return_hidden else self.head(h)
 
     def decoder(self, x, cos, sin, cache, mask, input_pos=None, deepstack=None):
@@ -623,14 +614,8 @@ class CompiledSteps:
         call instead of one per step and op. Eager (compile False): fn as it is, with these steps."""
         if not self.compiled:
             return fn
-        if fn not in self._fused:
-            # dynamo skips every module named like a package it never traces ("tree": dm-tree's), tree.py included;
-            # fn's file comes off that (private) list, or dynamo would refuse to compile tree.grow
-            rules, path = torch._dynamo.trace_rules, fn.__code__.co_filename
-            if path in rules.SKIP_DIRS:
-                rules.SKIP_DIRS.remove(path)
-                rules._recompile_re()
-            self._fused[fn] = self.compile(fn)
+        if fn not in self._fused:  # dont_skip_tracing: dynamo skips a file named like a package it never traces
+            self._fused[fn] = self.compile(torch._dynamo.dont_skip_tracing(fn))  # (tree.py: dm-tree's "tree")
 
         def run(model, cache, *args):
             out = self._call_fused(fn.__name__, self._fused[fn], self.model, self._ready(cache), *args)
@@ -669,22 +654,20 @@ class CompiledSteps:
         c.length, c.key_mask = 0, None
         return c
 
-    def step(self, input_ids, input_pos, cache, positions=None, mask=None):
+    def step(self, input_ids, input_pos, cache, mask, positions=None):
+        """VLA.step, compiled: padded to T <= n of step_lengths tokens and to the whole buffer's width."""
         B, T = input_ids.shape
-        if isinstance(input_pos, int):  # one graph for every length: slots as a tensor
-            input_pos = torch.arange(input_pos, input_pos + T, device=input_ids.device).expand(B, T)  # (B, T)
         n = next((s for s in self.step_lengths if s >= T), None)
         if n is None:
             raise ValueError(f"a step of {T} tokens is longer than the longest step length {self.step_lengths}")
-        mask = causal_mask(input_pos, cache, cache.max_len) if mask is None else \
-            F.pad(mask, (0, cache.max_len - mask.shape[-1]))  # (B, T, max_len): one width, one graph
+        mask = F.pad(mask, (0, cache.max_len - mask.shape[-1]))  # (B, T, max_len): one width, one graph
         if n > T:  # any ids will do; slots and positions go on after the last; the mask rows repeat the last
             more = torch.arange(1, n - T + 1, device=input_pos.device)  # (n - T,)
             input_ids = torch.cat([input_ids, input_ids[:, -1:].expand(B, n - T)], 1)  # (B, n)
             positions = None if positions is None else torch.cat([positions, positions[:, -1:] + more], 1)
             input_pos = torch.cat([input_pos, input_pos[:, -1:] + more], 1)  # (B, n)
             mask = torch.cat([mask, mask[:, -1:].expand(B, n - T, -1)], 1)  # (B, n, max_len)
-        logits = self._step(input_ids, input_pos, self._ready(cache), positions, mask)[:, :T]  # (B, T, V) unpadded
+        logits = self._step(input_ids, input_pos, self._ready(cache), mask, positions)[:, :T]  # (B, T, V) unpadded
         return logits.clone() if self.copy_out else logits
 
 

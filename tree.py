@@ -152,8 +152,9 @@ def tree_forward(target, tcache, x_last, tokens, depth, anc, ell):
 def tree_round(target, draft, tcache, dcache, pending, shape, temperature, top_k, top_p, generators, last=None):
     """One round with a draft tree per row, spec_round's contract. The caches then hold exactly the committed
     tokens: each row's accepted path's keys / values moved to consecutive slots (KVCache.move), rejected branches
-    beyond its length."""
-    dev, ell = tcache.device, list(tcache.lengths)
+    beyond its length. The path is found and moved on the device (EAGLE's gather through a path table): the round's
+    one host sync reads its tokens."""
+    dev, ell, D = tcache.device, torch.tensor(tcache.lengths, device=tcache.device), shape.depth  # ell (B,)
     last = {} if last is None else last
     # the routine reasoner's trees: feed `pending` (committed from then on), grow from q at each root
     logits_q = speculate.feed_rows(draft, dcache, pending)  # (B, V)
@@ -164,34 +165,32 @@ def tree_round(target, draft, tcache, dcache, pending, shape, temperature, top_k
     tcache.check_room(N + 1)
     verify = getattr(target, "fused", lambda fn: fn)(tree_forward)  # compiled steps: one graph
     x_last = torch.tensor([[p[-1]] for p in pending], device=dev)  # (B, 1)
-    logits_p = last["target"] = verify(target, tcache, x_last, tree.tokens, tree.depth, tree.anc,
-                                       torch.tensor(ell, device=dev))  # (B, N+1, V)
+    logits_p = last["target"] = verify(target, tcache, x_last, tree.tokens, tree.depth, tree.anc, ell)  # (B, N+1, V)
     best, nxt = verify_tree(tree, logits_p, temperature, top_k, top_p, generators)
-    rows = torch.cat([best[:, None], nxt[:, None], tree.parent, tree.tokens, tree.fed], 1).tolist()  # the round's
-    # one host sync: per row its best node, next token, parents (N+1), tokens (N) and fed slots (N+1)
-    n, accepted, nxt, new, moves = [], [], [], [], ([], [], [], [])
-    for b, (v, x, *r) in enumerate(rows):
-        parent, tokens, fed = r[:N + 1], r[N + 1:2 * N + 1], r[2 * N + 1:]
-        path = []  # accepted nodes, root excluded, top-down
-        while v:
-            path.append(v)
-            v = parent[v]
-        path.reverse()
-        # the draft was fed the accepted nodes it expanded: a prefix of the path (a node's parent was expanded)
-        m = next((i for i, v in enumerate(path) if fed[v] < 0), len(path))
-        moves[0].append([ell[b] + v for v in path])  # node v sits at slot ell + v
-        moves[1].append(list(range(ell[b] + 1, ell[b] + 1 + len(path))))
-        moves[2].append([fed[v] for v in path[:m]])
-        moves[3].append(list(range(dcache.lengths[b], dcache.lengths[b] + m)))
-        tcache.lengths[b] = ell[b] + 1 + len(path)
-        dcache.lengths[b] += m
-        n.append(len(path))
-        accepted.append([tokens[v - 1] for v in path])
-        nxt.append(x)
-        new.append(accepted[-1][m:] + [x])  # what the draft has not seen yet
-    tcache.move(moves[0], moves[1])
-    dcache.move(moves[2], moves[3])
-    return n, accepted, nxt, new
+    # The path table: row b's accepted nodes top-down are best's ancestors (a parent precedes its children), sorted
+    # to the front; columns past the path (n = depth of best) are padding.
+    idx = torch.arange(1, N + 1, device=dev)  # (N,) the nodes, root excluded
+    on = tree.anc.gather(1, best[:, None, None].expand(-1, 1, N + 1))[:, 0, 1:]  # (B, N) on best's path
+    path = torch.where(on, idx, N + idx).sort(-1).values[:, :D]  # (B, D): the path's nodes, then > N
+    n = tree.depth.gather(1, best[:, None])[:, 0]  # (B,) accepted drafts
+    col = torch.arange(D, device=dev)  # (D,)
+    used = col < n[:, None]  # (B, D)
+    path = torch.where(used, path, 0)  # padding -> the root, whose token is never read
+    # target: node v sits at slot ell + v, goes to ell + 1 + i; a padding column copies slot ell + 1 + i onto itself
+    tcache.move(torch.where(used, ell[:, None] + path, ell[:, None] + 1 + col), ell[:, None] + 1 + col)
+    # draft: it was fed the accepted nodes it expanded, a prefix of the path (a node's parent was expanded), m of them
+    fed = tree.fed.gather(1, path)  # (B, D) slot, or -1
+    m = (used & (fed >= 0)).long().cumprod(-1).sum(-1)  # (B,)
+    dst = root[:, None] + col[:D - 1]  # (B, D - 1): the level-D nodes are never fed
+    dcache.move(torch.where(col[:D - 1] < m[:, None], fed[:, :D - 1], dst), dst)
+    tokens = tree.tokens.gather(1, (path - 1).clamp_min(0))  # (B, D)
+    flat = torch.cat([n[:, None], m[:, None], nxt[:, None], tokens], 1).tolist()  # the round's one host sync
+    accepted, new = [row[3:3 + row[0]] for row in flat], []
+    for b, (nb, mb, x, *_) in enumerate(flat):
+        tcache.lengths[b] += 1 + nb
+        dcache.lengths[b] += mb
+        new.append(accepted[b][mb:] + [x])  # what the draft has not seen yet
+    return [row[0] for row in flat], accepted, [row[2] for row in flat], new
 
 
 def speculative(target, draft, prompt, shape: TreeShape, max_new_tokens, **kwargs):

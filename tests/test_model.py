@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import model as M
-from model import PRESETS, KVCache, ModelConfig, VisionConfig, make_draft
+from model import PRESETS, KVCache, ModelConfig, VisionConfig, causal_mask, make_draft
 from rope import flat_position_ids, rope_inv_freq
 from speculate import feed
 from tiny_models import IMG, VE, VS, image_prompt, o1_init, tiny_model
@@ -310,7 +310,8 @@ def test_rows_with_their_own_lengths_equal_their_own_decodes():
     for xa, xb, keep in (([20, 21, 22], [30], None), ([23], [31], (0, 1)), ([24], [32], None)):
         T = max(len(xa), len(xb))
         x = torch.tensor([xa + [xa[-1]] * (T - len(xa)), xb + [xb[-1]] * (T - len(xb))])  # (2, T), the short row padded
-        logits = model.step(x, cache.slots(T), cache)  # (2, T, V)
+        slots = cache.slots(T)  # (2, T)
+        logits = model.step(x, slots, cache, causal_mask(slots, cache, max(cache.lengths) + T))  # (2, T, V)
         want_a, want_b = feed(model, ca, torch.tensor([xa])), feed(model, cb, torch.tensor([xb]))
         torch.testing.assert_close(logits[0, :len(xa)], want_a[0], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(logits[1, :len(xb)], want_b[0], atol=1e-5, rtol=1e-5)

@@ -89,11 +89,9 @@ class ToyLM(torch.nn.Module):
         h = ((torch.arange(len(seq)) + 1) * seq).cumsum(0) % V  # (L,)
         return self.A[seq] + self.B[h]
 
-    def step(self, input_ids, input_pos, cache, positions=None, mask=None):
-        """VLA.step's contract: tokens (1, T) written at slots input_pos (1, T) (an int: the first), the length not
-        advanced."""
+    def step(self, input_ids, input_pos, cache, mask=None, positions=None):
+        """VLA.step's contract: tokens (1, T) written at slots input_pos (1, T), the length not advanced."""
         self.calls += 1
-        input_pos = slots_of(input_ids, input_pos)
         cache.tokens[input_pos[0]] = input_ids[0]
         if self.B is None:  # Markov: no need to look back
             return self.A[input_ids]  # (1, T, V)
@@ -105,8 +103,6 @@ class ToyLM(torch.nn.Module):
         return logits
 
 
-def slots_of(input_ids, input_pos):  # VLA.step's input_pos as (1, T) slots (an int: the first)
-    return torch.arange(input_pos, input_pos + input_ids.shape[1])[None] if isinstance(input_pos, int) else input_pos
 
 
 def toy(V, seed, scale=2.0, prefix=True):
@@ -389,9 +385,9 @@ class LateNaN(ToyLM):
         super().__init__(model.A, model.B)
         self.at = at
 
-    def step(self, input_ids, input_pos, cache, **kw):
-        logits = super().step(input_ids, input_pos, cache, **kw).clone()  # (1, T, V)
-        logits[0, slots_of(input_ids, input_pos)[0] >= self.at] = float("nan")
+    def step(self, input_ids, input_pos, cache, mask=None, positions=None):
+        logits = super().step(input_ids, input_pos, cache).clone()  # (1, T, V)
+        logits[0, input_pos[0] >= self.at] = float("nan")
         return logits
 
 
@@ -817,7 +813,8 @@ def test_vla_compiled_path_errors():
     with pytest.raises(ValueError, match="these compiled steps decode batch 1"):
         st.new_cache(batch=2)
     with pytest.raises(ValueError, match="CompiledSteps steps only its own cache"):
-        st.step(prompt["input_ids"][:, :1], torch.zeros(1, 1, dtype=torch.long), target.new_cache(max_len=8))
+        st.step(prompt["input_ids"][:, :1], torch.zeros(1, 1, dtype=torch.long), target.new_cache(max_len=8),
+                torch.ones(1, 1, 1, dtype=torch.bool))
 
 
 @pytest.mark.slow

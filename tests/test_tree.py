@@ -321,13 +321,13 @@ def test_kv_cache_move():
         t.normal_(generator=g)
     before = torch.stack(a.k).clone()
     src, dst = [4, 6, 9], [2, 3, 4]  # dst 4 is also a source: it must be read first
-    a.move([src, src], [dst, dst])
+    a.move(torch.tensor([src, src]), torch.tensor([dst, dst]))
     assert torch.equal(torch.stack(a.k)[..., dst, :], before[..., src, :])
     keep = [i for i in range(10) if i not in dst]
     assert torch.equal(torch.stack(a.k)[..., keep, :], before[..., keep, :])
-    # rows with their own paths, one of them empty: each row moves its own slots, the other row's stay
+    # rows with their own paths, one of them empty (its columns copy slots onto themselves): each row moves its own
     before = torch.stack(a.v).clone()  # (layers, B, Hk, S, hd)
-    a.move([[5, 8], []], [[1, 2], []])
+    a.move(torch.tensor([[5, 8], [1, 2]]), torch.tensor([[1, 2], [1, 2]]))
     assert torch.equal(torch.stack(a.v)[:, 0, :, [1, 2]], before[:, 0, :, [5, 8]])
     assert torch.equal(torch.stack(a.v)[:, 0, :, [0, 3, 4, 5, 6, 7, 8, 9]], before[:, 0, :, [0, 3, 4, 5, 6, 7, 8, 9]])
     assert torch.equal(torch.stack(a.v)[:, 1], before[:, 1])
