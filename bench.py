@@ -11,7 +11,6 @@ run: python bench.py --device cpu [--compile]                          (the toy,
      python bench.py --device cuda --preset qwen3-vl-8b [--draft-vocab 32768]  (real shapes, random weights)
      python bench.py --device cuda --target PATH [--draft PATH]   (a Hugging Face / Alpamayo folder: alpamayo.py)
      python bench.py --device cuda --target PATH --draft PATH --scenes SCENES --tree 0   (held out: alpamayo.heldout)
-     python bench.py --device cpu --peer hf              (also transformers' generate on the same weights: peer.py)
 """
 import argparse
 import dataclasses
@@ -29,7 +28,7 @@ import evaluate
 from evaluate import TARGET_ONLY, tree_speedup
 import model as M
 from ops import checkpoint, cli, files, timing
-from real import alpamayo, peer, scenes
+from real import alpamayo, scenes
 from real.expert import speed_from_history
 import speculate
 import tree as trees
@@ -318,19 +317,12 @@ def toy(args, device, dtype, decoding):
                   args.samples, args.compile, args.gamma)
         p |= action_stage(target, speculate.stack_prompts(prompts[:args.batch]), p["cocs"], args.samples,
                           tok.traj_future_start_id, repeats=args.repeats)  # the first plan's rows
-        res = {"mode": "plans", "draft": draft_dir, "target": target_dir, "decoding": decoding,
-               "decoder": decoder_json(decoder), "plan": dict(p, chosen=chosen) if chosen else p}
-        if args.peer:  # transformers' generate(num_return_sequences) beside ours, the chain with the M-RoPE replica
-            replica = checkpoint.load(checkpoint.draft_dir(args.run, *peer.PEER_DRAFT), target=target).eval()
-            res["peers"] = peer.compare_samples(target, replica, prompts, args.samples, decoding, args.gamma,
-                                                args.max_new, tok.cot_end_id, tok.pad_id, args.repeats)
-        return res
+        return {"mode": "plans", "draft": draft_dir, "target": target_dir, "decoding": decoding,
+                "decoder": decoder_json(decoder), "plan": dict(p, chosen=chosen) if chosen else p}
     # --compile without --tree: the tree the compiled steps run fastest, chosen on val scenes
     choose = (split("val", CHOOSE_SCENES), list(evaluate.TREES)) if args.choose_tree else None
-    res = benchmark(target, draft, prompts, args.decoder, args.max_new, tok.cot_end_id, args.repeats, decoding,
-                    args.compile, args.gamma, choose) | {"mode": "toy", "draft": draft_dir, "target": target_dir}
-    return dict(res, peers=peer.peers(args.run, target, prompts, tok, args.gamma, args.max_new, args.repeats)) \
-        if args.peer else res
+    return benchmark(target, draft, prompts, args.decoder, args.max_new, tok.cot_end_id, args.repeats, decoding,
+                     args.compile, args.gamma, choose) | {"mode": "toy", "draft": draft_dir, "target": target_dir}
 
 
 def build_preset(name, device, dtype, layers=None, draft_vocab=0):
@@ -447,8 +439,7 @@ def report(res):
         p = res["plan"]
         action = [f"action step    {p['action_ms']:.1f} ms: the prompt's prefill, the first plan's {p['rows']} CoCs "
                   "teacher-forced, the action expert (toy: trajectory head) over all rows"] if "action_ms" in p else []
-        peers = peer.report_lines(res["peers"], res["dtype"]) if "peers" in res else []
-        return print("\n".join([run_line(res)] + plan_lines(p) + action + peers))
+        return print("\n".join([run_line(res)] + plan_lines(p) + action))
     s, c = "sampled " if res["decoding"]["mode"] == "sampling" else "", res.get("compiled")
     arms = lambda d, x: (f"target-only {d['ar_ms_per_token']:.3f} ms/token   speculative "  # noqa: E731
                          f"{d['spec_ms_per_token']:.3f} ms/token   speed-up {x:.2f}x")
@@ -484,7 +475,7 @@ def report(res):
              "the prediction at the toy's acceptance."] if res["mode"] == "real" and not res["trained_draft"] else []
     lines += [run_line(res)] + [f"{label:<15}{text}" for label, text in rows] + timing.divergence_lines(res)
     lines += alpamayo.report_lines(res) if "coc" in res else []
-    print("\n".join(lines + (peer.report_lines(res["peers"], res["dtype"]) if "peers" in res else [])))
+    print("\n".join(lines))
 
 
 def plan_lines(p):
@@ -541,7 +532,6 @@ def main(argv=None):
     add_real_flags(ap)
     cli.add_decoding_flags(ap, "> 0 times both arms sampling (Alpamayo-R1 samples its CoC at 0.6, top-p 0.98)")
     ap.add_argument("--compile", action="store_true", help="also every arm through torch.compile'd steps")
-    ap.add_argument("--peer", choices=["hf"], help="toy, greedy: also transformers' generate on the same weights")
     ap.add_argument("--toy-json", help=f"random weights: the toy acceptance to predict at (default {TOY_ACCEPTANCE})")
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     ap.add_argument("--out", help=f"write the report's JSON here (toy default {TOY_JSON}; none for a real model)")
@@ -572,16 +562,15 @@ def check_flags(ap, args):
     """Every bad flag is one line at parse time, before any work; returns the decoding mode."""
     toy_mode = not (args.target or args.preset)
     plan = args.samples > 1 or args.batch > 1
-    args.choose_plan_tree = args.tree is None and toy_mode and plan and not args.peer
-    args.choose_tree = args.tree is None and args.compile and toy_mode and not args.peer and not plan
-    args.tree = (0 if args.peer else evaluate.TREE.nodes) if args.tree is None else args.tree
+    args.choose_plan_tree = args.tree is None and toy_mode and plan
+    args.choose_tree = args.tree is None and args.compile and toy_mode and not plan
+    args.tree = evaluate.TREE.nodes if args.tree is None else args.tree
     for bad, msg in ((args.target and args.preset, "give --target or --preset, not both"),
                      (min(args.gamma, args.max_new, args.prompts, args.images, args.samples, args.batch) < 1,
                       "--gamma, --max-new, --prompts, --images, --samples and --batch must be >= 1"),
                      (args.batch > 1 and not toy_mode, "--batch runs plans of several toy prompts (a real "
                       "checkpoint's plan is one scene: use --samples)"),
                      (args.samples > 1 and args.preset, "--samples plans the scenes of --target (not --preset)"),
-                     (args.batch > 1 and args.peer, "--peer times one prompt's rows per call: drop --batch"),
                      (args.batch > args.prompts, f"--batch {args.batch} needs at least as many --prompts, got "
                       f"{args.prompts}"),
                      (args.repeats < 3, "--repeats must be >= 3 (the median of at least three passes is reported)"),
@@ -589,9 +578,7 @@ def check_flags(ap, args):
                       f"--threads must be >= 1 (omit it for torch's default), got {args.threads}"),
                      (not 0 <= args.views <= driving.MAX_VIEWS, f"--views must be in 0..{driving.MAX_VIEWS} (the "
                       f"geometries the toy target was trained on), got {args.views}"),
-                     (args.tree < 0, f"--tree takes a node budget >= 1, or 0 for the chain; got {args.tree}"),
-                     (args.tree and args.peer, "--peer compares with transformers' assisted generation, a chain: "
-                      "add --tree 0")):
+                     (args.tree < 0, f"--tree takes a node budget >= 1, or 0 for the chain; got {args.tree}")):
         if bad:
             ap.error(msg)
     for flag, what, field in (("layers", "keeps 1..n_layers decoder layers", "n_layers"),
@@ -612,11 +599,8 @@ def check_flags(ap, args):
             raise ValueError(f"--draft {args.draft} holds a target model, not a draft (it would accept every token)")
         args.toy_acceptance = None if toy_mode or args.draft or args.scenes else toy_acceptance(
             args.toy_json or (TOY_TREE_ACCEPTANCE if args.tree else TOY_ACCEPTANCE), decoder_json(args.decoder))
-        if args.peer and peer.flag_error(toy_mode, decoding, args.samples):
-            raise ValueError(peer.flag_error(toy_mode, decoding, args.samples))
         needed = [os.path.join(args.run, "target"), args.draft or checkpoint.draft_dir(args.run, *TOY_DRAFT)]
-        missing = [d for d in needed + [checkpoint.draft_dir(args.run, *peer.PEER_DRAFT)] * bool(args.peer)
-                   if toy_mode and not os.path.isdir(d)]
+        missing = [d for d in needed if toy_mode and not os.path.isdir(d)]
         if missing:
             raise ValueError(f"no toy checkpoints (missing {', '.join(missing)}): use the shipped checkpoints/toy, or "
                              f"train them with `python rsd.py --retrain --run {args.run}`")

@@ -1,7 +1,7 @@
 """Hugging Face checkpoints: a Qwen2.5-VL / Qwen3-VL or Alpamayo-R1 folder read into model.VLA (load_pretrained), and
-the toy target or its replica draft written as a Qwen2.5-VL folder for transformers (export_pretrained; peer.py),
-through one name / shape map. Paper: the deliberative reasoner is an unmodified Alpamayo-R1 (a Qwen-VL backbone)
-(docs/background.md, "Alpamayo-R1 prompt layout").
+the toy target or its replica draft written as a Qwen2.5-VL folder for transformers (export_pretrained;
+experiments/peer_hf.py), through one name / shape map. Paper: the deliberative reasoner is an unmodified Alpamayo-R1
+(a Qwen-VL backbone) (docs/background.md, "Alpamayo-R1 prompt layout").
 
 run: python -m pytest -q tests/test_checkpoint.py tests/test_export.py tests/test_alpamayo.py
 """

@@ -367,8 +367,7 @@ def test_bench_rejects_bad_arguments(capsys):
                       (["--top-k", "5"], "give a temperature > 0"),
                       (["--tree", "-1"], "--tree takes a node budget"),
                       (["--tree", "5", "--tree-depth", "8"], "needs at least 8 nodes"),
-                      (["--tree", "64", "--tree-depth", "2", "--tree-width", "2"], "has 6 candidates"),
-                      (["--peer", "hf", "--tree", "16", "--tree-depth", "4"], "--peer compares")):
+                      (["--tree", "64", "--tree-depth", "2", "--tree-width", "2"], "has 6 candidates")):
         with pytest.raises(SystemExit):
             bench.main(argv)
         assert msg in capsys.readouterr().err

@@ -1,23 +1,33 @@
-"""The peer arm of bench.py: the same weights, prompts and process through Hugging Face transformers' `generate`
-(greedy, KV cache, sdpa) and its assisted generation (speculative decoding as transformers ships it), beside ours; the
-draft is the M-RoPE replica (FlatRoPE has no transformers counterpart). Timed one call per prompt, end to end: greedy
-(`compare`; `hf_assisted` fixes gamma as ours, constant schedule, confidence threshold off; `hf_assisted_defaults`
-keeps transformers' assistant defaults), or N sampled rows per prompt (`compare_samples`, bench.py --samples N).
+"""Ours against a peer: the same weights, prompts and process through Hugging Face transformers' `generate` (greedy,
+KV cache, sdpa) and its assisted generation (speculative decoding as transformers ships it), beside ours; the draft
+is the M-RoPE replica (FlatRoPE has no transformers counterpart). The shipped toy's target and replica are exported as
+Qwen2.5-VL folders (real.hf.export_pretrained) and loaded back by transformers. Timed one call per prompt, end to
+end: greedy (`compare`; `hf_assisted` fixes gamma as ours, constant schedule, confidence threshold off;
+`hf_assisted_defaults` keeps transformers' assistant defaults), or N sampled rows per prompt (`compare_samples`,
+--samples N --temperature T). Paper: RSD accelerates the reasoning step; this times our decoders against the
+library's own on the same weights (docs/results.md, "Against transformers").
 
-run: python bench.py --device cpu --peer hf --json
+run: OMP_NUM_THREADS=1 python experiments/peer_hf.py --device cpu --prompts 16 --repeats 5 --out PATH   (greedy)
+     python experiments/peer_hf.py --device cpu --samples 6 --temperature 0.6 --top-p 0.98       (6 sampled rows)
 """
+import argparse
 import importlib.util
+import json
 import os
+import platform
 import statistics
+import sys
 import tempfile
 import time
 
 import torch
 
-import evaluate
-from ops import checkpoint, timing
-from real.hf import export_pretrained
-import speculate
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import driving  # noqa: E402
+import evaluate  # noqa: E402
+from ops import checkpoint, cli, files, timing  # noqa: E402
+from real.hf import export_pretrained  # noqa: E402
+import speculate  # noqa: E402
 
 PEER_DRAFT = ("mrope", 0)  # the draft both speculative arms use: the M-RoPE replica, seed 0
 ARMS = ("ours_target_only", "ours_speculative", "hf_generate", "hf_assisted", "hf_assisted_defaults")
@@ -57,26 +67,6 @@ def hf_models(target, draft, stop, pad):
         return tuple(Qwen2_5_VLForConditionalGeneration.from_pretrained(
             os.path.join(folder, m), dtype=w.dtype, attn_implementation="sdpa").to(w.device).eval()
             for m in ("target", "draft"))
-
-
-def peers(run, target, prompts, tok, gamma, max_new, repeats):
-    """bench.py --peer hf on the toy: compare() with run's M-RoPE replica, the one draft transformers can run."""
-    draft_dir = checkpoint.draft_dir(run, *PEER_DRAFT)
-    draft = checkpoint.load(draft_dir, target=target).eval()
-    return dict(compare(target, draft, prompts, gamma, max_new, tok.cot_end_id, tok.pad_id, repeats), draft=draft_dir)
-
-
-def flag_error(toy_mode, decoding, samples=1):
-    """Why bench.py --peer hf cannot run with these flags (one line), or None."""
-    if not toy_mode:
-        return "--peer runs on the toy checkpoints only (drop --target / --preset)"
-    if decoding["mode"] != "greedy" and samples == 1:
-        return "--peer compares greedy tokens and times: drop --temperature (or sample rows: --samples N)"
-    if samples > 1 and decoding["mode"] == "greedy":
-        return "--peer --samples N compares sampled rows: give --temperature (the release's 0.6, --top-p 0.98)"
-    if importlib.util.find_spec("transformers") is None:
-        return "--peer hf needs transformers (pip install -r requirements-test.txt)"
-    return None
 
 
 # ---- timing ----
@@ -129,7 +119,7 @@ def time_calls(arms, prompts, device, repeats):
 
 @torch.inference_mode()
 def compare(target, draft, prompts, gamma, max_new, stop, pad, repeats=3):
-    """bench.py --peer hf's `peers`: our target-only and speculative decoding and transformers' generate and assisted
+    """Our target-only and speculative decoding and transformers' generate and assisted
     generation, greedy, on the same weights (exported to a temporary folder, loaded in the target's dtype, device)."""
     import transformers  # an optional extra, as in the parity tests
     from transformers import GenerationConfig
@@ -169,7 +159,7 @@ def compare(target, draft, prompts, gamma, max_new, stop, pad, repeats=3):
 
 @torch.inference_mode()
 def compare_samples(target, draft, prompts, samples, decoding, gamma, max_new, stop, pad, repeats=3):
-    """bench.py --peer hf --samples N: each prompt's N sampled rows as one batch, ours (target-only and the chain,
+    """--samples N: each prompt's N sampled rows as one batch, ours (target-only and the chain,
     speculate's *_batch) beside transformers' generate(num_return_sequences=N, do_sample=True) at the same temperature
     and top-p, timed one call per prompt; and what transformers' assisted generation answers to N rows."""
     hf_target, hf_draft = hf_models(target, draft, stop, pad)
@@ -240,3 +230,73 @@ def report_lines(peers, dtype):
               f"(defaults); ours speculative = ours target-only on {g['ours_speculative_vs_ours_target_only']}"
               + ("" if dtype == "fp32" else f"; in {dtype} two implementations can part at near-ties")]
     return lines
+
+
+# ---- the flags ----
+def check_flags(ap, args):
+    """Every bad flag is one line before any work; returns the decoding mode."""
+    if min(args.gamma, args.max_new, args.prompts, args.samples) < 1 or args.repeats < 3:
+        ap.error("--gamma, --max-new, --prompts and --samples must be >= 1, --repeats >= 3")
+    with cli.user_errors(ap):
+        cli.check_device(args.device)
+        decoding = cli.decoding_mode(args.temperature, args.top_k, args.top_p, args.sampling_seed)
+        if decoding["mode"] != "greedy" and args.samples == 1:
+            raise ValueError("greedy compares tokens and times: drop --temperature (or sample rows: --samples N)")
+        if args.samples > 1 and decoding["mode"] == "greedy":
+            raise ValueError("--samples N compares sampled rows: give --temperature (the release's 0.6, --top-p 0.98)")
+        if importlib.util.find_spec("transformers") is None:
+            raise ValueError("the peer is transformers: pip install -r requirements-test.txt")
+        missing = [d for d in (os.path.join(args.run, "target"), checkpoint.draft_dir(args.run, *PEER_DRAFT))
+                   if not os.path.isdir(d)]
+        if missing:
+            raise ValueError(f"no toy checkpoints (missing {', '.join(missing)}): use the shipped checkpoints/toy")
+        if args.out:  # the report's folder, before any work
+            files.check_writable(os.path.dirname(args.out) or ".")
+    return decoding
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description="Ours beside transformers' generate and assisted generation, the toy.")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda")
+    ap.add_argument("--dtype", default="bf16", choices=sorted(cli.DTYPES), help="weights, activations and KV cache")
+    ap.add_argument("--run", default=checkpoint.SHIPPED, help="toy checkpoints folder (default: the shipped ones)")
+    for flag, default, text in (("--gamma", evaluate.GAMMA, "the draft length of both speculative arms"),
+                                ("--max-new", evaluate.MAX_NEW_TOKENS, "reasoning tokens per prompt at most"),
+                                ("--prompts", 32, "held-out test scenes"),
+                                ("--views", driving.WorldConfig().views, "surround views per prompt"),
+                                ("--samples", 1, "rows per prompt, sampled, one call each (with --temperature)"),
+                                ("--repeats", 3, "timed passes (median reported), >= 3"),
+                                ("--threads", None, "CPU threads (default: torch's)")):
+        ap.add_argument(flag, type=int, default=default, help=text)
+    cli.add_decoding_flags(ap, "> 0 with --samples N: N sampled rows per prompt (Alpamayo-R1: 0.6, top-p 0.98)")
+    ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    ap.add_argument("--out", help="write the report's JSON here")
+    args = ap.parse_args(argv)
+    decoding = check_flags(ap, args)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device, dtype = torch.device(args.device), cli.DTYPES[args.dtype]
+    torch.manual_seed(0)
+    tok, draft_dir = driving.Tokenizer(), checkpoint.draft_dir(args.run, *PEER_DRAFT)
+    target = checkpoint.load(os.path.join(args.run, "target"), dtype=dtype, device=device).eval()
+    draft = checkpoint.load(draft_dir, target=target).eval()  # in the target's dtype: they share embedding and head
+    prompts = evaluate.scene_prompts(driving.make_split("test", args.prompts, seed=0), tok, device, dtype, args.views)
+    stop, pad = tok.cot_end_id, tok.pad_id
+    res = compare(target, draft, prompts, args.gamma, args.max_new, stop, pad, args.repeats) if args.samples == 1 \
+        else compare_samples(target, draft, prompts, args.samples, decoding, args.gamma, args.max_new, stop, pad,
+                             args.repeats)
+    res.update(draft=draft_dir, device=str(device), dtype=args.dtype, threads=torch.get_num_threads(),
+               hardware=torch.cuda.get_device_name(device) if device.type == "cuda" else
+               (platform.processor() or platform.machine()), torch=torch.__version__,
+               environment=timing.environment(device))
+    print("\n".join(report_lines(res, args.dtype)))  # printed first: a failing write below loses no measurement
+    if args.json:
+        print(json.dumps(res))
+    if args.out:
+        with cli.user_errors(ap):
+            files.write_json(args.out, res)
+    return res
+
+
+if __name__ == "__main__":
+    main()
