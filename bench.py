@@ -27,10 +27,11 @@ import driving
 import evaluate
 from evaluate import TARGET_ONLY, tree_speedup
 import model as M
-from ops import checkpoint, cli, files, timing
+from ops import checkpoint, cli, compiled, files, timing
 from real import alpamayo, scenes
 from real.expert import speed_from_history
 import speculate
+from speculate import GREEDY
 import tree as trees
 from tree import TreeShape
 
@@ -49,30 +50,32 @@ PLAN_TREES = (TreeShape(8, 4, 3), *evaluate.TREES)
 
 # ---- the two arms, timed in the same passes ----
 @torch.no_grad()  # the grad mode the compiled steps were warmed up in (evaluate.spec_stats): see timing.CompileWatch
-def time_arms(target, drafts, prompts, gamma, max_new, stop_token, repeats, decoding=None, extra=None, on_timed=None):
-    """{arm: {prefill_ms, ms_per_token, speedup}}: medians of `repeats` passes after a warm-up, the arms alternating;
-    extra: {name: (target, draft or None[, gamma])}; sampled: the same seeds each pass."""
+def time_arms(target, drafts, prompts, gamma, max_new, stop_token, repeats, sampling=GREEDY, extra=None,
+              on_timed=None):
+    """{arm: {prefill_ms, ms_per_token, speedup (medians over `repeats` passes), ms_per_token_range}}: every arm
+    warmed up on every prompt, then timing.interleaved's passes; extra: {name: (target, draft or None[, gamma])};
+    sampled: prompt i's seeds in every pass."""
     arms = {TARGET_ONLY: (target, None), **{name: (target, d) for name, d in drafts.items()}, **(extra or {})}
     arms = {name: (*arm, gamma)[:3] for name, arm in arms.items()}  # (target, draft, gamma) each
     for t, draft, g in arms.values():
         for i, p in enumerate(prompts):
-            evaluate.decode(t, draft, p, g, max_new, stop_token, **evaluate.sampling_kwargs(decoding, i))
-    passes = {name: [] for name in arms}
+            evaluate.decode(t, draft, p, g, max_new, stop_token, sampling.offset(i))
     if on_timed is not None:
         on_timed()
-    for _ in range(repeats):
-        for name, (t, draft, g) in arms.items():
-            res = [evaluate.decode(t, draft, p, g, max_new, stop_token, timing=True,
-                                   **evaluate.sampling_kwargs(decoding, i)) for i, p in enumerate(prompts)]
-            passes[name].append((1e3 * sum(r.prefill_s for r in res) / len(res),
-                                 1e3 * sum(r.decode_s for r in res) / sum(len(r.tokens) for r in res)))
-    ms = {name: median(p[1] for p in ps) for name, ps in passes.items()}  # per token
-    return {name: {"prefill_ms": median(p[0] for p in ps), "ms_per_token": ms[name],
-                   "speedup": ms[TARGET_ONLY] / ms[name]} for name, ps in passes.items()}
+    runs = timing.interleaved({name: lambda i, t=t, d=d, g=g: evaluate.decode(
+        t, d, prompts[i], g, max_new, stop_token, sampling.offset(i), timing=True)
+        for name, (t, d, g) in arms.items()}, len(prompts), repeats, prompts[0]["input_ids"].device, warmup=0)
+    out = {}
+    for name, passes in runs.items():
+        res = [[x.result for x in p] for p in passes]
+        ms = timing.spread([1e3 * sum(r.decode_s for r in p) / sum(len(r.tokens) for r in p) for p in res])
+        out[name] = {"prefill_ms": median(1e3 * sum(r.prefill_s for r in p) / len(p) for p in res),
+                     "ms_per_token": ms["median"], "ms_per_token_range": [ms["min"], ms["max"]]}
+    return {name: dict(o, speedup=out[TARGET_ONLY]["ms_per_token"] / o["ms_per_token"]) for name, o in out.items()}
 
 
 def compiled_pair(target, draft, prompts, decoders, max_new, batch=1):
-    """M.CompiledSteps of target and draft, each cache sized for every prompt and decoder (chain gammas, trees), each
+    """compiled.CompiledSteps of target and draft, each cache sized for every prompt and decoder (chain gammas, trees), each
     step length a decode takes compiled once: target-only 1, a verify gamma + 1 or N + 1; the draft's pending 1 or 2
     tokens (a tree's too: every accepted node but the last was expanded, so fed), a tree level k."""
     gammas = [d for d in decoders if not isinstance(d, TreeShape)]
@@ -81,7 +84,7 @@ def compiled_pair(target, draft, prompts, decoders, max_new, batch=1):
     d_lengths = {1, 2, *(t.width for t in trees)}
     slack = max([*gammas, *(t.nodes for t in trees)]) + max(t_lengths)
     max_len = max(p["input_ids"].shape[1] for p in prompts) + max_new + slack
-    return M.CompiledSteps(target, max_len, t_lengths, batch), M.CompiledSteps(draft, max_len, d_lengths, batch)
+    return compiled.CompiledSteps(target, max_len, t_lengths, batch), compiled.CompiledSteps(draft, max_len, d_lengths, batch)
 
 
 def both_arms(ar, spec):  # {ar_prefill_ms, spec_prefill_ms, ar_ms_per_token, spec_ms_per_token}
@@ -106,12 +109,11 @@ def choose_tree(ct, cd, val_prompts, shapes, max_new, stop_token):
     return max(shapes, key=lambda sh: scores[sh]["predicted_speedup"]), scores
 
 
-def benchmark(target, draft, prompts, gamma, max_new, stop_token=None, repeats=3, decoding=None, compile=False,
+def benchmark(target, draft, prompts, gamma, max_new, stop_token=None, repeats=3, sampling=GREEDY, compile=False,
               chain_gamma=evaluate.GAMMA, choose=None):
     """One draft's record: statistics, divergences, both arms timed, the cost model; compile: all that, compiled.
     A tree (gamma a TreeShape) is timed beside the chain of chain_gamma with the same draft, compiled or not.
     choose (compile): (val prompts, tree shapes): the tree is the one the compiled steps run fastest (choose_tree)."""
-    decoding = decoding or cli.decoding_mode()
     extra, comp, watch = {}, {}, None
     if compile:
         shapes = choose[1] if choose else [gamma]
@@ -145,18 +147,19 @@ def benchmark(target, draft, prompts, gamma, max_new, stop_token=None, repeats=3
     if tree:  # the chain with the same draft, in the same passes: is the tree faster here?
         extra[CHAIN_ARM] = (target, draft, chain_gamma)
     try:
-        t = time_arms(target, {"speculative": draft}, prompts, gamma, max_new, stop_token, repeats, decoding, extra,
+        t = time_arms(target, {"speculative": draft}, prompts, gamma, max_new, stop_token, repeats, sampling, extra,
                       on_timed=watch and (lambda: watch.next_phase("timed")))
-        res = {"decoder": decoder_json(gamma), "decoding": decoding, "greedy_match": spec["greedy_match"],
+        res = {"decoder": decoder_json(gamma), "decoding": cli.sampling_json(sampling),
+               "greedy_match": spec["greedy_match"],
                "tau": spec["tau"], "alpha": spec["alpha"],
                "routine_fraction": spec["routine_fraction"], "tokens": spec["n_tokens"], "prompts": len(prompts),
                "divergences": timing.divergences(target, prompts, reference, spec["tokens"]),
                **both_arms(t[TARGET_ONLY], t["speculative"]), "speedup": t["speculative"]["speedup"]}
         if tree:
             res["chain"] = chain_json(chain_gamma, t[CHAIN_ARM], t[TARGET_ONLY], t["speculative"])
-        sampled = decoding["mode"] == "sampling"  # then the timed runs' own statistics: the same seeds, the same tokens
+        sampled = not sampling.greedy  # then the timed runs' own statistics: the same seeds, the same tokens
         timed = evaluate.spec_stats(target, {"speculative": draft}, prompts, gamma, max_new, stop_token,
-                                    decoding=decoding)["speculative"] if sampled else spec
+                                    sampling=sampling)["speculative"] if sampled else spec
         if sampled:
             res["sampled"] = {k: timed[k] for k in ("tau", "alpha", "routine_fraction")} | {"tokens": timed["n_tokens"]}
         # every round drafts and verifies the whole shape (the last one's block is cut): the cost model's
@@ -186,14 +189,13 @@ def benchmark(target, draft, prompts, gamma, max_new, stop_token=None, repeats=3
 
 # ---- plans of several rows (Alpamayo-R1 samples six CoCs per scene) ----
 @torch.no_grad()
-def plans(target, draft, prompts, gamma, max_new, stop_token, repeats, decoding, batch, samples, compile=False,
+def plans(target, draft, prompts, gamma, max_new, stop_token, repeats, sampling, batch, samples, compile=False,
           chain_gamma=evaluate.GAMMA):
     """Plans of `batch` prompts x `samples` rows each, decoded as one batch (speculate.speculative_batch, tree or
     chain, against autoregressive_batch on the same rows), arms alternating in every pass, medians reported: per
     plan the reasoning step's ms until every row is done, tokens per second, tau per row, the speed-up; greedy rows
     compared with their own batch-1 target-only decode. compile: the same arms through CompiledSteps of B rows."""
-    B, groups, kw = batch * samples, plan_batches(prompts, batch), plan_kwargs(decoding, samples, stop_token)
-    sampled = decoding["mode"] == "sampling"
+    B, groups, kw = batch * samples, plan_batches(prompts, batch), dict(samples=samples, stop_token=stop_token)
     tree = isinstance(gamma, TreeShape)
     arms = {TARGET_ONLY: (target, None, None), "speculative": (target, draft, gamma)}
     arms |= {CHAIN_ARM: (target, draft, chain_gamma)} if tree else {}
@@ -203,33 +205,31 @@ def plans(target, draft, prompts, gamma, max_new, stop_token, repeats, decoding,
         arms |= {COMPILED_CHAIN: (ct, cd, chain_gamma)} if tree else {}
 
     def run(t, d, g, p, j, timing=False):  # plan j's rows seeded seed + B j + r: the same draws in every pass
-        seed = {"seed": decoding["seed"] + B * j} if sampled else {}
         if d is None:
-            return speculate.autoregressive_batch(t, p, max_new, timing=timing, **kw, **seed)
+            return speculate.autoregressive_batch(t, p, max_new, sampling=sampling.offset(B * j), timing=timing, **kw)
         decode = trees.speculative_batch if isinstance(g, TreeShape) else speculate.speculative_batch
-        return decode(t, d, p, g, max_new, timing=timing, **kw, **seed)
+        return decode(t, d, p, g, max_new, sampling=sampling.offset(B * j), timing=timing, **kw)
 
-    out = {name: [run(*arm, p, j) for j, p in enumerate(groups)] for name, arm in arms.items()}  # + warm-up, compile
-    passes = {name: [] for name in arms}
-    for _ in range(repeats):
-        for name, arm in arms.items():
-            res = [run(*arm, p, j, timing=True) for j, p in enumerate(groups)]
-            passes[name].append((1e3 * sum(max(r.decode_s for r in rows) for rows in res) / len(res),  # ms per plan
-                                 sum(len(r.tokens) for rows in res for r in rows)))
-    rec = {"batch": batch, "samples": samples, "rows": B, "plans": len(groups), "decoding": decoding,
+    runs = timing.interleaved({name: lambda j, arm=arm: run(*arm, groups[j], j, timing=True) for name, arm in
+                               arms.items()}, len(groups), repeats, groups[0]["input_ids"].device)  # warm-up, compile
+    out = {name: [x.result for x in ps[0]] for name, ps in runs.items()}  # the same rows in every pass
+    passes = {name: [1e3 * sum(max(r.decode_s for r in x.result) for x in p) / len(groups) for p in ps]
+              for name, ps in runs.items()}  # ms per plan, until every row is done
+    rec = {"batch": batch, "samples": samples, "rows": B, "plans": len(groups), "decoding": cli.sampling_json(sampling),
            "cocs": [r.tokens for r in out["speculative"][0]],  # the first plan's rows
            "what": "ms: the reasoning step of one plan, until every row is done (median over passes); "
                    "idle_row_share: row-rounds a finished row spends in the batch (its work thrown away)"}
-    base = median(p[0] for p in passes[TARGET_ONLY])
+    base = median(passes[TARGET_ONLY])
     for name, ps in passes.items():
-        ms, rows = median(p[0] for p in ps), [r for plan in out[name] for r in plan]
-        rec[name] = {"ms_per_plan": ms, "tokens_per_s": 1e3 * ps[0][1] / len(groups) / ms, "speedup": base / ms,
+        ms, rows = median(ps), [r for plan in out[name] for r in plan]
+        rec[name] = {"ms_per_plan": ms, "ms_per_plan_range": [min(ps), max(ps)],
+                     "tokens_per_s": 1e3 * sum(len(r.tokens) for r in rows) / len(groups) / ms, "speedup": base / ms,
                      "tau_per_row": [r.tau for r in rows], "mean_tau": sum(r.tau for r in rows) / len(rows),
                      "idle_row_share": sum(max(r.rounds for r in plan) - r.rounds for plan in out[name] for r in plan)
                      / sum(max(r.rounds for r in plan) * len(plan) for plan in out[name])}
         if name in COMPILED + (COMPILED_CHAIN,):
-            rec[name]["speedup"] = median(p[0] for p in passes[COMPILED[0]]) / ms  # over compiled target-only
-    if not sampled:  # greedy: each row equals its own prompt's batch-1 target-only decode
+            rec[name]["speedup"] = median(passes[COMPILED[0]]) / ms  # over compiled target-only
+    if sampling.greedy:  # greedy: each row equals its own prompt's batch-1 target-only decode
         ref = [speculate.autoregressive(target, p, max_new, stop_token=stop_token).tokens for p in prompts]
         want = [ref[j * batch + i] for j in range(len(groups)) for i in range(batch) for _ in range(samples)]
         rec["greedy_match_per_row"] = {name: [r.tokens == w for r, w in zip([r for plan in o for r in plan], want)]
@@ -244,12 +244,6 @@ def plan_batches(prompts, batch):
     return [speculate.stack_prompts(prompts[i:i + batch]) for i in range(0, len(prompts) - batch + 1, batch)]
 
 
-def plan_kwargs(decoding, samples, stop_token):
-    """speculate's *_batch keyword arguments of a plan: rows per prompt, the stop token, the sampling settings."""
-    kw = dict(samples=samples, stop_token=stop_token)
-    return kw | ({k: decoding[k] for k in ("temperature", "top_k", "top_p")} if decoding["mode"] == "sampling" else {})
-
-
 def action_stage(target, prompt, cocs, samples, future_start, v0=None, repeats=3):
     """The plan's action step over all its rows (evaluate.action_rows: the shared prefill, the rows' CoCs, the expert
     or the toy's head), timed: {action_ms (median of repeats), waypoints}."""
@@ -258,19 +252,17 @@ def action_stage(target, prompt, cocs, samples, future_start, v0=None, repeats=3
     return {"action_ms": ms, "waypoints": run().tolist()}
 
 
-def choose_plan_tree(target, draft, val_prompts, max_new, stop_token, decoding, batch, samples):
-    """The tree of PLAN_TREES whose plans of val_prompts run fastest, measured (eager, the median of 3 passes after a
-    warm-up) -> (shape, the record: each candidate's ms per val plan)."""
-    groups, kw = plan_batches(val_prompts, batch), plan_kwargs(decoding, samples, stop_token)
-    seed = decoding["seed"] or 0  # plan j's rows seeded seed + B j + r, as in plans()
-    ms = {}
-    for sh in PLAN_TREES:
-        passes = []
-        for _ in range(4):  # the first pass warms up
-            rows = [trees.speculative_batch(target, draft, p, sh, max_new, seed=seed + batch * samples * j,
-                                            timing=True, **kw) for j, p in enumerate(groups)]
-            passes.append(1e3 * sum(max(r.decode_s for r in plan) for plan in rows) / len(groups))
-        ms[str(sh)] = median(passes[1:])
+def choose_plan_tree(target, draft, val_prompts, max_new, stop_token, sampling, batch, samples):
+    """The tree of PLAN_TREES whose plans of val_prompts run fastest, measured (eager, timing.interleaved: the median
+    of 3 passes after a warm-up) -> (shape, the record: each candidate's ms per val plan)."""
+    groups, kw = plan_batches(val_prompts, batch), dict(samples=samples, stop_token=stop_token)
+    if sampling.seed is None:  # plan j's rows seeded as in plans()
+        sampling = dataclasses.replace(sampling, seed=0)
+    runs = timing.interleaved({str(sh): lambda j, sh=sh: trees.speculative_batch(
+        target, draft, groups[j], sh, max_new, timing=True, **kw, sampling=sampling.offset(batch * samples * j))
+        for sh in PLAN_TREES}, len(groups), 3, groups[0]["input_ids"].device)
+    ms = {name: median(1e3 * sum(max(r.decode_s for r in x.result) for x in p) / len(groups) for p in ps)
+          for name, ps in runs.items()}
     best = min(PLAN_TREES, key=lambda sh: ms[str(sh)])
     return best, {"what": f"the tree whose plans of {len(val_prompts)} val scenes ran fastest (eager, ms per plan)",
                   "ran": decoder_json(best), "ms_per_val_plan": ms}
@@ -298,7 +290,7 @@ def decoder_json(gamma):
 
 
 # ---- the modes: the toy, a real shape (random weights), a real checkpoint ----
-def toy(args, device, dtype, decoding):
+def toy(args, device, dtype, sampling):
     target_dir, draft_dir = os.path.join(args.run, "target"), args.draft or checkpoint.draft_dir(args.run, *TOY_DRAFT)
     target = checkpoint.load(target_dir, dtype=dtype, device=device).eval()
     draft = checkpoint.load(draft_dir, target=target).eval()  # in the target's dtype: they share embedding and head
@@ -312,16 +304,16 @@ def toy(args, device, dtype, decoding):
         decoder, chosen = args.decoder, None
         if args.choose_plan_tree:  # a verify over B rows costs more: the tree that runs the val plans fastest
             decoder, chosen = choose_plan_tree(target, draft, split("val", CHOOSE_SCENES), args.max_new, tok.cot_end_id,
-                                               decoding, args.batch, args.samples)
-        p = plans(target, draft, prompts, decoder, args.max_new, tok.cot_end_id, args.repeats, decoding, args.batch,
+                                               sampling, args.batch, args.samples)
+        p = plans(target, draft, prompts, decoder, args.max_new, tok.cot_end_id, args.repeats, sampling, args.batch,
                   args.samples, args.compile, args.gamma)
         p |= action_stage(target, speculate.stack_prompts(prompts[:args.batch]), p["cocs"], args.samples,
                           tok.traj_future_start_id, repeats=args.repeats)  # the first plan's rows
-        return {"mode": "plans", "draft": draft_dir, "target": target_dir, "decoding": decoding,
+        return {"mode": "plans", "draft": draft_dir, "target": target_dir, "decoding": cli.sampling_json(sampling),
                 "decoder": decoder_json(decoder), "plan": dict(p, chosen=chosen) if chosen else p}
     # --compile without --tree: the tree the compiled steps run fastest, chosen on val scenes
     choose = (split("val", CHOOSE_SCENES), list(evaluate.TREES)) if args.choose_tree else None
-    return benchmark(target, draft, prompts, args.decoder, args.max_new, tok.cot_end_id, args.repeats, decoding,
+    return benchmark(target, draft, prompts, args.decoder, args.max_new, tok.cot_end_id, args.repeats, sampling,
                      args.compile, args.gamma, choose) | {"mode": "toy", "draft": draft_dir, "target": target_dir}
 
 
@@ -357,7 +349,7 @@ def toy_acceptance(path, want=None):
             **{k: d.get(k) for k in ("tau", "gamma", "prompts", "dtype", "decoding", "torch", "hardware")}}
 
 
-def real(args, device, dtype, decoding):
+def real(args, device, dtype, sampling):
     """A real checkpoint (--target: the whole plan on pixels, alpamayo.py), or a real shape with random weights."""
     if args.scenes:  # tau, alpha, identity, stage latencies and ADE over a scene folder (alpamayo.heldout)
         found, prompts, stop, how = scenes.scene_prompts(args.target, args.scenes, args.processor,
@@ -365,12 +357,13 @@ def real(args, device, dtype, decoding):
         if args.samples > 1:  # each held-out scene a plan of N sampled rows as one batch, the expert over all rows
             target, draft = alpamayo.load_pair(args.target, args.draft, device, dtype)
             ps = [speculate.on_model(scenes.built(i, p), target) for i, p in prompts]
-            p = plans(target, draft, ps, args.decoder, args.max_new, stop[-1], args.repeats, decoding, 1, args.samples,
+            p = plans(target, draft, ps, args.decoder, args.max_new, stop[-1], args.repeats, sampling, 1, args.samples,
                       args.compile, args.gamma)
             if getattr(target, "expert", None) is not None:  # the first scene's plan, at its own speed
                 v0 = speed_from_history(found[0].past[None]).to(device).expand(args.samples)  # (B,)
                 p.update(action_stage(target, ps[0], p["cocs"], args.samples, stop[-1], v0, args.repeats))
-            return {"mode": "plans", "model": args.target, "scenes_dir": args.scenes, "decoding": decoding,
+            return {"mode": "plans", "model": args.target, "scenes_dir": args.scenes,
+                    "decoding": cli.sampling_json(sampling),
                     "plan": p, "trained_draft": bool(args.draft), "prompt_source": how}
         return alpamayo.heldout_bench(args.target, args.draft, args.scenes, found, prompts, stop[-1], how, args.decoder,
                                       args.max_new, args.repeats, device, dtype, args.processor)
@@ -386,18 +379,19 @@ def real(args, device, dtype, decoding):
     name = args.target or (args.preset + (f" ({args.layers} layers)" if args.layers else "")
                            + (f", draft head over {args.draft_vocab} ids" if args.draft_vocab else ""))
     if args.samples > 1:  # the scene's plan as the release runs it: `samples` CoCs as one batch, the expert over all
-        p = plans(target, draft, [prompt], args.decoder, args.max_new, stop, args.repeats, decoding, 1, args.samples,
+        p = plans(target, draft, [prompt], args.decoder, args.max_new, stop, args.repeats, sampling, 1, args.samples,
                   args.compile, args.gamma)
         if getattr(target, "expert", None) is not None:
             v0 = speed_from_history(alpamayo.history_poses()[None]).to(device).expand(args.samples)  # (B,)
             p.update(action_stage(target, prompt, p["cocs"], args.samples, stop, v0, args.repeats))
-        return {"mode": "plans", "model": name, "decoding": decoding, "plan": p, "trained_draft": bool(args.draft)}
-    res = benchmark(target, draft, [prompt], args.decoder, args.max_new, stop, args.repeats, decoding, args.compile,
+        return {"mode": "plans", "model": name, "decoding": cli.sampling_json(sampling), "plan": p,
+                "trained_draft": bool(args.draft)}
+    res = benchmark(target, draft, [prompt], args.decoder, args.max_new, stop, args.repeats, sampling, args.compile,
                     args.gamma)
     res.update(mode="real", model=name, prompt_tokens=prompt["input_ids"].shape[1], trained_draft=bool(args.draft))
     if args.target:
         res.update(alpamayo.plan(target, draft, prompt, stop, tok, how, args.decoder, args.max_new, args.repeats,
-                                 decoding))
+                                 sampling))
     if args.tree:  # what a tree verify costs against one token at this shape: the number trees live by
         nodes = tuple(n for n in (7, 15, 31, 63) if n <= max(7, args.decoder.nodes))  # up to this tree's size
         tt = timing.tree_step_times(target, draft, prompt, nodes, args.decoder.width, reps=5)
@@ -536,14 +530,14 @@ def main(argv=None):
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     ap.add_argument("--out", help=f"write the report's JSON here (toy default {TOY_JSON}; none for a real model)")
     args = ap.parse_args(argv)
-    decoding = check_flags(ap, args)
+    sampling = check_flags(ap, args)
     if args.threads:
         torch.set_num_threads(args.threads)
     device, dtype = torch.device(args.device), cli.DTYPES[args.dtype]
     timing.reset_peak_memory(device)
     torch.manual_seed(0)
     with cli.user_errors(ap):  # a bad folder or file, a gamma past the model's positions: one line
-        res = real(args, device, dtype, decoding) if args.target or args.preset else toy(args, device, dtype, decoding)
+        res = real(args, device, dtype, sampling) if args.target or args.preset else toy(args, device, dtype, sampling)
     res.update(device=str(device), hardware=torch.cuda.get_device_name(device) if device.type == "cuda" else
                (platform.processor() or platform.machine()), dtype=args.dtype,
                gamma=None if args.tree else args.gamma, threads=torch.get_num_threads(), torch=torch.__version__,
@@ -559,7 +553,7 @@ def main(argv=None):
 
 
 def check_flags(ap, args):
-    """Every bad flag is one line at parse time, before any work; returns the decoding mode."""
+    """Every bad flag is one line at parse time, before any work; returns the Sampling."""
     toy_mode = not (args.target or args.preset)
     plan = args.samples > 1 or args.batch > 1
     args.choose_plan_tree = args.tree is None and toy_mode and plan
@@ -594,7 +588,7 @@ def check_flags(ap, args):
     with cli.user_errors(ap):  # below: the chain of --gamma (--tree 0), or a tree (a ValueError if it is impossible)
         args.decoder = TreeShape(args.tree, args.tree_depth, args.tree_width) if args.tree else args.gamma
         cli.check_device(args.device)
-        decoding = cli.decoding_mode(args.temperature, args.top_k, args.top_p, args.sampling_seed)
+        sampling = cli.sampling(args.temperature, args.top_k, args.top_p, args.sampling_seed)
         if args.draft and checkpoint.existing_kind(args.draft) == "target":
             raise ValueError(f"--draft {args.draft} holds a target model, not a draft (it would accept every token)")
         args.toy_acceptance = None if toy_mode or args.draft or args.scenes else toy_acceptance(
@@ -609,7 +603,7 @@ def check_flags(ap, args):
             raise ValueError(f"--out {args.out} is inside the shipped {SHIPPED_DIR}: write the report elsewhere")
         if args.out:  # the report's folder, before any work
             files.check_writable(os.path.dirname(args.out) or ".")
-    return decoding
+    return sampling
 
 
 

@@ -171,9 +171,3 @@ def flat_position_ids(input_ids, attention_mask=None):
     pos = (mask.cumsum(-1) - 1).clamp(min=0) * mask  # (B, L): consecutive over real tokens, 0 on pads
     delta = mask.sum(-1, keepdim=True) - L  # (B, 1): next id = c + delta with c the padded cache index
     return pos.unsqueeze(0).expand(3, B, L), delta
-
-
-def decode_positions(start: int, length: int, rope_delta: torch.Tensor) -> torch.Tensor:
-    """Decode-time rule: the tokens at cache indices start .. start+length-1 get
-    index + rope_delta on all three axes -> (B, length); use rope_cos_sin on it (== M-RoPE)."""
-    return torch.arange(start, start + length, device=rope_delta.device) + rope_delta  # (1, T) + (B, 1)

@@ -21,7 +21,7 @@ Batch 1 is the same code with B = 1.
 run: python -m pytest -q tests/test_speculate.py tests/test_batch.py    (demo: python experiments/speculate_demo.py)
 """
 import contextlib
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 import math
 import time
 
@@ -65,6 +65,53 @@ def sample(probs, generator):
         return torch.stack([sample(p, g) for p, g in zip(probs, generator)])
     flat = probs.reshape(-1, probs.shape[-1])  # (N, V)
     return torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How a decode draws its tokens, wherever a decoding's settings travel: the processed distribution
+    (process_logits: temperature, top-k, top-p; temperature 0 is greedy) and the seeds (row r draws from its own
+    generator, seeded seed + r or seed[r] from a tuple; None: one seed drawn from torch's global RNG)."""
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int | tuple | None = None
+
+    def __post_init__(self):  # checked when made: the scripts make theirs from their flags before any work
+        t, k, p = self.temperature, self.top_k, self.top_p
+        if not (isinstance(t, (int, float)) and math.isfinite(t) and t >= 0):
+            raise ValueError(f"temperature must be finite and >= 0 (0 = greedy), got {t!r}")
+        if k is not None and (not isinstance(k, int) or k < 1):
+            raise ValueError(f"top_k must be None or an int >= 1, got {k!r}")
+        if p is not None and not (0.0 < p <= 1.0):
+            raise ValueError(f"top_p must be None or in (0, 1], got {p!r}")
+        if isinstance(self.seed, list):  # a list of seeds is kept as a tuple: the settings stay hashable
+            object.__setattr__(self, "seed", tuple(self.seed))
+
+    @property
+    def greedy(self):
+        return self.temperature == 0
+
+    def probs(self, logits):  # (..., V) -> the distribution (..., V) sampled from and verified against
+        return process_logits(logits, self.temperature, self.top_k, self.top_p)
+
+    def offset(self, i):
+        """Prompt i's settings in a run of several: its rows seeded seed + i (+ r), the same draws in every pass."""
+        return self if self.seed is None or isinstance(self.seed, tuple) else replace(self, seed=self.seed + i)
+
+    def generators(self, device, rows=1):
+        """One generator per row, row r seeded seed + r (or seed[r]): a row draws the same numbers whatever batch it
+        runs in, so a plan is reproducible row by row."""
+        if isinstance(self.seed, tuple):
+            if len(self.seed) != rows:
+                raise ValueError(f"{len(self.seed)} seeds for {rows} rows: give one per row, or one int (row r: "
+                                 "seed + r)")
+            return [torch.Generator(device=device).manual_seed(s) for s in self.seed]
+        seed = int(torch.randint(2**62, (1,))) if self.seed is None else self.seed  # torch.manual_seed governs
+        return [torch.Generator(device=device).manual_seed(seed + r) for r in range(rows)]
+
+
+GREEDY = Sampling()
 
 
 # ---- verification ----
@@ -113,8 +160,6 @@ class SpecResult:
     accepted: list = field(default_factory=list)  # draft tokens accepted per round (before a stop-token or max-new cut)
     depths: list = field(default_factory=list)  # the longest drafted path per round (gamma, or the tree's depth)
     rounds: int = 0  # target verification forwards (one per round; plain decoding: one per token)
-    target_forwards: int = 0  # all target forwards, the prompt prefill included
-    draft_forwards: int = 0  # all draft forwards, the prompt prefill included
     n_drafted: int = 0  # draft tokens proposed
     n_accepted: int = 0  # draft tokens the verifier accepted (before a stop-token or max-new cut)
     n_tested: int = 0  # draft tokens the verifier reached: accepted ones + the first rejected one per round
@@ -151,7 +196,6 @@ class SpecResult:
             for f in fields(SpecResult):  # lists extended in place, counts and seconds summed
                 vars(out)[f.name] += getattr(r, f.name)
         return out
-
 
 
 # ---- caches and prefill ----
@@ -221,18 +265,6 @@ def prefill(model, prompt, embeds, cache, deepstack=None, name="model", samples=
     return ids[:, -1:].repeat_interleave(samples, 0)  # (B, 1)
 
 
-def make_generators(device, seed, rows=1):
-    """One generator per row, row r seeded seed + r (or seed[r], a list): a row draws the same numbers whatever batch
-    it runs in, so a plan is reproducible row by row. seed None: one drawn from torch's global RNG (torch.manual_seed
-    governs)."""
-    if isinstance(seed, list):
-        if len(seed) != rows:
-            raise ValueError(f"{len(seed)} seeds for {rows} rows: give one per row, or one int (row r: seed + r)")
-        return [torch.Generator(device=device).manual_seed(s) for s in seed]
-    seed = int(torch.randint(2**62, (1,))) if seed is None else seed
-    return [torch.Generator(device=device).manual_seed(seed + r) for r in range(rows)]
-
-
 # ---- the chain round ----
 
 
@@ -247,7 +279,7 @@ def feed_rows(model, cache, rows, return_hidden=False):
     return tuple(o[at] for o in out) if return_hidden else out[at]
 
 
-def spec_round(target, draft, tcache, dcache, pending, gamma, temperature, top_k, top_p, generators, last=None):
+def spec_round(target, draft, tcache, dcache, pending, gamma, sampling, generators, last=None):
     """One draft-then-verify round over the B rows of the caches. pending: per row the emitted tokens (a list of
     ints) its draft has not seen, the last (x_last) the only one its target has not. -> per row n_accepted, the gamma
     drafted ints and the next int, and the new pending. generators: one per row (sampling); last: latest logits."""
@@ -259,18 +291,18 @@ def spec_round(target, draft, tcache, dcache, pending, gamma, temperature, top_k
         if i:
             logits_q = feed(draft, dcache, drafted[-1][:, None])[:, -1]  # (B, V)
         last["draft"] = logits_q
-        if temperature == 0:
+        if sampling.greedy:
             drafted.append(logits_q.argmax(-1))  # (B,) a greedy draft: q is a point mass
         else:
-            qs.append(process_logits(logits_q, temperature, top_k, top_p))  # (B, V)
+            qs.append(sampling.probs(logits_q))  # (B, V)
             drafted.append(sample(qs[-1], generators))  # (B,) each row from its own generator
     d = torch.stack(drafted, 1)  # (B, gamma)
     x_last = torch.tensor([[p[-1]] for p in pending], device=dev)  # (B, 1)
     logits_p = last["target"] = feed(target, tcache, torch.cat([x_last, d], 1))  # (B, gamma+1, V)
-    if temperature == 0:
+    if sampling.greedy:
         n, nxt = verify_greedy(d, logits_p)  # (B,) each
     else:
-        n, nxt = verify_sample(d, torch.stack(qs, 1), process_logits(logits_p, temperature, top_k, top_p), generators)
+        n, nxt = verify_sample(d, torch.stack(qs, 1), sampling.probs(logits_p), generators)
     flat = torch.cat([n, nxt, d.view(-1)]).tolist()  # the round's one host sync
     n, nxt, d = flat[:B], flat[B:2 * B], [flat[2 * B + b * gamma:2 * B + (b + 1) * gamma] for b in range(B)]
     new = []
@@ -295,42 +327,41 @@ def now(device, timing):
     return time.perf_counter() if timing else 0.0
 
 
-def speculative(target, draft, prompt, gamma, max_new_tokens, temperature=0.0, top_k=None, top_p=None, seed=None,
-                stop_token=None, max_len=None, timing=False, tree_round=None):
+def speculative(target, draft, prompt, gamma, max_new_tokens, sampling=GREEDY, stop_token=None, max_len=None,
+                timing=False, tree_round=None):
     """Decode one prompt row (input_ids (1, L)), q proposing and p verifying -> its SpecResult: speculative_batch's
-    one row (its generator seeded `seed`)."""
+    one row (its generator seeded sampling.seed)."""
     if prompt["input_ids"].shape[0] != 1:
         raise ValueError(f"speculative decodes one row, got input_ids {tuple(prompt['input_ids'].shape)}: "
                          "speculative_batch decodes several")
-    return speculative_batch(target, draft, prompt, gamma, max_new_tokens, 1, temperature, top_k, top_p, seed,
-                             stop_token, max_len, timing, tree_round)[0]
+    return speculative_batch(target, draft, prompt, gamma, max_new_tokens, 1, sampling, stop_token, max_len, timing,
+                             tree_round)[0]
 
 
 @torch.no_grad()
-def speculative_batch(target, draft, prompt, gamma, max_new_tokens, samples=1, temperature=0.0, top_k=None,
-                      top_p=None, seed=None, stop_token=None, max_len=None, timing=False, tree_round=None):
+def speculative_batch(target, draft, prompt, gamma, max_new_tokens, samples=1, sampling=GREEDY, stop_token=None,
+                      max_len=None, timing=False, tree_round=None):
     """Decode B = P x samples rows at once, up to max_new_tokens each -> a SpecResult per row. prompt: forward kwargs
     of P rows (input_ids (P, L), left-padded under attention_mask if their lengths differ); row r continues prompt
-    r // samples with its own generator (seed + r, or seed[r] from a list). gamma: the chain's draft length; or,
+    r // samples with its own generator (sampling.seed + r, or seed[r]). gamma: the chain's draft length; or,
     with tree_round (tree.speculative passes tree.tree_round), a tree.TreeShape whose rounds draft and verify a
     tree. Every row is in every round (one draft forward per draft step, one verify forward); a finished row's work
     is thrown away and its caches keep its length, so the shapes never change. max_len: cache size (None: what the
     decode needs)."""
-    check_inputs(target, draft, prompt, max_new_tokens, temperature, top_k, top_p, stop_token, gamma, tree_round,
-                 samples)
+    check_inputs(target, draft, prompt, max_new_tokens, sampling, stop_token, gamma, tree_round, samples)
     chain, B, dev = tree_round is None, prompt["input_ids"].shape[0] * samples, prompt["input_ids"].device
     # Slots a round writes beyond the committed length: the last round, drafting in full, may reach past the end.
     t_slack, d_slack = (gamma, gamma) if chain else gamma.slack
     tcache = new_cache(target, prompt, max_new_tokens, max_len, t_slack, B)
     dcache = new_cache(draft, prompt, max_new_tokens, max_len, d_slack, B)
-    sampling = (temperature, top_k, top_p, make_generators(dev, seed, B))
+    generators = sampling.generators(dev, B)
     t0 = now(dev, timing)
     embeds, deepstack = embed_prompt(target, prompt)  # (P, L, D)
     pending = prefill(target, prompt, embeds, tcache, deepstack, "target", samples)
     prefill(draft, prompt, embeds, dcache, name="draft", samples=samples)
     pending = pending.tolist()  # per row: [x_last]
     t1 = now(dev, timing)
-    out = [SpecResult(target_forwards=1, draft_forwards=1, prefill_s=t1 - t0) for _ in range(B)]  # the prefills
+    out = [SpecResult(prefill_s=t1 - t0) for _ in range(B)]
     g, depth = (gamma, gamma) if chain else (gamma.nodes, gamma.depth)  # drafted per round; its longest path
     one_round = spec_round if chain else tree_round
     live, last = set(range(B)), {}  # rows still decoding; the latest logits of each model, checked at the end
@@ -338,7 +369,8 @@ def speculative_batch(target, draft, prompt, gamma, max_new_tokens, samples=1, t
         while live:
             lengths = (list(tcache.lengths), list(dcache.lengths), list(pending))
             # Every round has the same shapes (a compiled step's graphs are fixed); the last one's block is cut.
-            n, drafted, nxt, pending = one_round(target, draft, tcache, dcache, pending, gamma, *sampling, last)
+            n, drafted, nxt, pending = one_round(target, draft, tcache, dcache, pending, gamma, sampling, generators,
+                                                last)
             t = now(dev, timing)
             for b in sorted(live):
                 res = out[b]
@@ -351,8 +383,6 @@ def speculative_batch(target, draft, prompt, gamma, max_new_tokens, samples=1, t
                 res.accepted.append(n[b])
                 res.depths.append(depth)
                 res.rounds += 1
-                res.target_forwards += 1
-                res.draft_forwards += depth
                 res.n_drafted += g
                 res.n_accepted += n[b]
                 res.n_tested += n[b] + (n[b] < depth)  # a tree level reached is one test, as a chain position
@@ -365,26 +395,24 @@ def speculative_batch(target, draft, prompt, gamma, max_new_tokens, samples=1, t
     return out
 
 
-def autoregressive(target, prompt, max_new_tokens, temperature=0.0, top_k=None, top_p=None, seed=None,
-                   stop_token=None, max_len=None, timing=False):
+def autoregressive(target, prompt, max_new_tokens, sampling=GREEDY, stop_token=None, max_len=None, timing=False):
     """Plain decoding of one prompt row, the baseline arm: autoregressive_batch's one row -> its SpecResult."""
     if prompt["input_ids"].shape[0] != 1:
         raise ValueError(f"autoregressive decodes one row, got input_ids {tuple(prompt['input_ids'].shape)}: "
                          "autoregressive_batch decodes several")
-    return autoregressive_batch(target, prompt, max_new_tokens, 1, temperature, top_k, top_p, seed, stop_token,
-                                max_len, timing)[0]
+    return autoregressive_batch(target, prompt, max_new_tokens, 1, sampling, stop_token, max_len, timing)[0]
 
 
 @torch.no_grad()
-def autoregressive_batch(target, prompt, max_new_tokens, samples=1, temperature=0.0, top_k=None, top_p=None,
-                         seed=None, stop_token=None, max_len=None, timing=False):
+def autoregressive_batch(target, prompt, max_new_tokens, samples=1, sampling=GREEDY, stop_token=None, max_len=None,
+                         timing=False):
     """Plain decoding of B = P x samples rows (speculative_batch's rows, prefill, sampling and generators), one
     cached target step per token (tau = 1). As transformers' generate, a finished row keeps stepping until every
     row has finished (its tokens dropped)."""
-    check_inputs(target, None, prompt, max_new_tokens, temperature, top_k, top_p, stop_token, samples=samples)
+    check_inputs(target, None, prompt, max_new_tokens, sampling, stop_token, samples=samples)
     B, dev = prompt["input_ids"].shape[0] * samples, prompt["input_ids"].device
     cache = new_cache(target, prompt, max_new_tokens, max_len, batch=B)
-    generators = make_generators(dev, seed, B)
+    generators = sampling.generators(dev, B)
     t0 = now(dev, timing)
     embeds, deepstack = embed_prompt(target, prompt)  # (P, L, D)
     x = prefill(target, prompt, embeds, cache, deepstack, "target", samples)  # (B, 1)
@@ -393,8 +421,7 @@ def autoregressive_batch(target, prompt, max_new_tokens, samples=1, temperature=
     with nonfinite_named(last):
         for i in range(max_new_tokens):
             logits = last["target"] = feed(target, cache, x)[:, -1]  # (B, V)
-            x = logits.argmax(-1) if temperature == 0 else sample(  # (B,)
-                process_logits(logits, temperature, top_k, top_p), generators)
+            x = logits.argmax(-1) if sampling.greedy else sample(sampling.probs(logits), generators)  # (B,)
             steps.append(x)
             x = x[:, None]  # (B, 1)
             # Without a stop token nothing needs the value now: no per-token host sync.
@@ -409,8 +436,7 @@ def autoregressive_batch(target, prompt, max_new_tokens, samples=1, temperature=
     out = []
     for b, row in enumerate(tokens):
         n, s = ends[b] or (len(row), decode_s)
-        out.append(SpecResult(tokens=row[:n], from_draft=[False] * n, blocks=[1] * n, rounds=n, target_forwards=n + 1,
-                              prefill_s=t1 - t0, decode_s=s))
+        out.append(SpecResult(row[:n], [False] * n, [1] * n, rounds=n, prefill_s=t1 - t0, decode_s=s))
     return out
 
 
@@ -421,8 +447,7 @@ def config_of(model):
     return getattr(model, "cfg", None) or getattr(model, "config", None)
 
 
-def check_inputs(target, draft, prompt, max_new_tokens, temperature, top_k, top_p, stop_token, gamma=1,
-                 tree_round=None, samples=1):
+def check_inputs(target, draft, prompt, max_new_tokens, sampling, stop_token, gamma=1, tree_round=None, samples=1):
     """A bad prompt or setting would fail deep in a forward, or silently (a stop token out of range never stops)."""
     if unknown := set(prompt) - set(EMBED_KEYS) - set(GRID_KEYS) - {"attention_mask"}:
         raise ValueError(f"prompt has keys speculate does not understand: {sorted(unknown)}")
@@ -442,7 +467,8 @@ def check_inputs(target, draft, prompt, max_new_tokens, temperature, top_k, top_
                          "tree.speculative)")
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-    check_sampling(temperature, top_k, top_p)
+    if not isinstance(sampling, Sampling):
+        raise ValueError(f"sampling must be a speculate.Sampling, got {sampling!r}")
     cfg = config_of(target)
     # the held-back last token is decoded as text; an image placeholder there would split features from slots
     if {getattr(cfg, "image_token_id", None), getattr(cfg, "video_token_id", None)} & set(ids[:, -1].tolist()):
@@ -458,16 +484,6 @@ def check_inputs(target, draft, prompt, max_new_tokens, temperature, top_k, top_
     Vq = getattr(config_of(draft), "vocab_size", V) if draft is not None else V
     if Vq != V:
         raise ValueError(f"the draft's vocabulary ({Vq} tokens) is not the target's ({V}): it cannot be verified")
-
-
-def check_sampling(temperature, top_k, top_p):
-    """The sampling settings alone (the scripts check their flags with it before any work)."""
-    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature >= 0):
-        raise ValueError(f"temperature must be finite and >= 0 (0 = greedy), got {temperature!r}")
-    if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
-        raise ValueError(f"top_k must be None or an int >= 1, got {top_k!r}")
-    if top_p is not None and not (0.0 < top_p <= 1.0):
-        raise ValueError(f"top_p must be None or in (0, 1], got {top_p!r}")
 
 
 def check_finite(logits, name, when, model=None):

@@ -6,7 +6,7 @@ with plus its own next token; the chain of gamma is the tree of width 1. tree.sp
 decode with these rounds in place of the chain's. The cache invariant is speculate.py's: after a round the accepted
 path's keys / values sit in consecutive slots. Every tensor of a round has a fixed shape for its (N, D, k) and B
 rows (each row its own tree, from its own committed length), so the growth (grow) and the verify (tree_forward)
-each run as one compiled graph under model.CompiledSteps (--compile).
+each run as one compiled graph under ops/compiled.CompiledSteps (--compile).
 
 run: python -m pytest -q tests/test_tree.py      (the tree rows: python rsd.py --device cpu)
 """
@@ -115,7 +115,7 @@ def grow(draft, dcache, logits, root, shape):
             torch.cat([fed.new_full((B, 1), -1), fed.gather(1, keep)], 1), logits)
 
 
-def verify_tree(tree, logits_p, temperature, top_k=None, top_p=None, generators=None):
+def verify_tree(tree, logits_p, sampling, generators=None):
     """Which path of each row's tree the target keeps: logits_p (B, N+1, V), p at every node -> (the accepted path's
     last node, the token after it) (B,) each. At node v draw y_v from p(. | the path to v) (argmax when greedy); if a
     child of v holds y_v descend into it, else emit y_v and stop. Exact: every emitted token is one draw from p given
@@ -124,10 +124,10 @@ def verify_tree(tree, logits_p, temperature, top_k=None, top_p=None, generators=
     child x is accepted with min(1, p(x) / 1) = p(x), the residual is p without x renormalised, so a node accepts
     with probability sum of p(child), the most any rule can from fixed candidates. No host sync: all drawn at once,
     row b from generators[b]."""
-    if temperature == 0:
+    if sampling.greedy:
         y = logits_p.argmax(-1)  # (B, N+1)
     else:
-        p = speculate.process_logits(logits_p, temperature, top_k, top_p)  # (B, N+1, V)
+        p = sampling.probs(logits_p)  # (B, N+1, V)
         y = torch.stack([speculate.sample(p_b, g) for p_b, g in zip(p, generators)])  # (B, N+1)
     drawn = torch.cat([tree.anc.new_ones(y.shape[0], 1), tree.tokens == y.gather(1, tree.parent[:, 1:])], 1)  # (B,
     # N+1): node = its parent's draw
@@ -149,7 +149,7 @@ def tree_forward(target, tcache, x_last, tokens, depth, anc, ell):
     return target.step(torch.cat([x_last, tokens], 1), slots, tcache, positions=ell[:, None] + depth, mask=mask)
 
 
-def tree_round(target, draft, tcache, dcache, pending, shape, temperature, top_k, top_p, generators, last=None):
+def tree_round(target, draft, tcache, dcache, pending, shape, sampling, generators, last=None):
     """One round with a draft tree per row, spec_round's contract. The caches then hold exactly the committed
     tokens: each row's accepted path's keys / values moved to consecutive slots (KVCache.move), rejected branches
     beyond its length. The path is found and moved on the device (EAGLE's gather through a path table): the round's
@@ -166,7 +166,7 @@ def tree_round(target, draft, tcache, dcache, pending, shape, temperature, top_k
     verify = getattr(target, "fused", lambda fn: fn)(tree_forward)  # compiled steps: one graph
     x_last = torch.tensor([[p[-1]] for p in pending], device=dev)  # (B, 1)
     logits_p = last["target"] = verify(target, tcache, x_last, tree.tokens, tree.depth, tree.anc, ell)  # (B, N+1, V)
-    best, nxt = verify_tree(tree, logits_p, temperature, top_k, top_p, generators)
+    best, nxt = verify_tree(tree, logits_p, sampling, generators)
     # The path table: row b's accepted nodes top-down are best's ancestors (a parent precedes its children), sorted
     # to the front; columns past the path (n = depth of best) are padding.
     idx = torch.arange(1, N + 1, device=dev)  # (N,) the nodes, root excluded

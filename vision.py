@@ -283,3 +283,19 @@ def check_config(vc: VisionConfig):
     name = "fullatt_block_indexes" if vc.family == "qwen2_5_vl" else "deepstack_visual_indexes"
     if any(not 0 <= i < vc.depth for i in getattr(vc, name)):
         raise ValueError(f"{name} {getattr(vc, name)} out of range for depth {vc.depth}")
+
+
+def check_vision_input(model, name, pv, grid, slots, tok):
+    """Pixels, grid and placeholders that disagree would scatter features into the wrong slots, or fail obscurely."""
+    if model.visual is None:
+        raise ValueError(f"{name} pixels given but this model has no vision tower "
+                         "(a draft reads inputs_embeds=target.embed(...))")
+    if grid is None:
+        raise ValueError(f"{name} pixels given without {name}_grid_thw")
+    n_patch, n_tok, m2 = int(grid.prod(-1).sum()), int(slots.sum()), model.cfg.spatial_merge_size ** 2
+    if pv.shape[0] != n_patch:
+        raise ValueError(f"{name} pixel values have {pv.shape[0]} patches but {name}_grid_thw {grid.tolist()} "
+                         f"describes {n_patch}")
+    if n_tok != n_patch // m2:
+        raise ValueError(f"{n_tok} {name} tokens (id {tok}) in input_ids but {name}_grid_thw {grid.tolist()} gives "
+                         f"{n_patch // m2} merged tokens")

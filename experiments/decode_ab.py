@@ -1,10 +1,10 @@
-"""Eager decode speed of two checkouts of this repo in one process (before / after a change to the decode core):
+"""Decode speed (eager, or --compile'd) of two checkouts of this repo in one process (before / after a change to the decode core):
 each checkout's modules imported in turn (the other's dropped from sys.modules), alternating, so both run on the same
 process and the same moment of a shared CPU. Per arm (target-only, the chain at gamma 6, the default tree) on the
 shipped toy, bf16, held-out scenes: the reasoning step alone (SpecResult.decode_s, the prefill excluded), the best of
 3 passes in ms/token. Paper: the reasoning step's latency, which every speed-up claim divides by.
 
-run: python experiments/decode_ab.py --a . --b ../old-checkout [--pairs 3]
+run: python experiments/decode_ab.py --a . --b ../old-checkout [--pairs 3] [--compile]
      (and again with --a and --b swapped: the second checkout of each pair tends to measure faster on a shared CPU;
      experiments/decode_ab_final.json holds both orders for the final decode core against 5fd6298)
 """
@@ -16,7 +16,7 @@ import sys
 
 import torch
 
-PACKAGES = {"model", "rope", "vision", "speculate", "tree", "driving", "evaluate", "ops", "static"}
+PACKAGES = {"model", "rope", "vision", "speculate", "tree", "driving", "evaluate", "ops", "static", "bench", "real"}
 
 
 def modules_of(repo):
@@ -26,12 +26,13 @@ def modules_of(repo):
             del sys.modules[name]
     sys.path.insert(0, repo)
     try:
-        return {n: importlib.import_module(n) for n in ("ops.checkpoint", "driving", "evaluate", "speculate", "tree")}
+        return {n: importlib.import_module(n) for n in ("ops.checkpoint", "driving", "evaluate", "speculate", "tree",
+                                                        "bench")}
     finally:
         sys.path.remove(repo)
 
 
-def ms_per_token(repo, scenes):
+def ms_per_token(repo, scenes, compile=False):
     m = modules_of(repo)
     checkpoint, driving, evaluate, speculate, tree = (m[k] for k in ("ops.checkpoint", "driving", "evaluate",
                                                                      "speculate", "tree"))
@@ -41,6 +42,8 @@ def ms_per_token(repo, scenes):
     prompts = evaluate.scene_prompts(driving.make_split("test", scenes, seed=0), tok, "cpu", torch.bfloat16,
                                      driving.WorldConfig().views)
     kw = dict(stop_token=tok.cot_end_id, timing=True)
+    if compile:  # each checkout's CompiledSteps over its own caches (bench.compiled_pair: every step length once)
+        target, draft = m["bench"].compiled_pair(target, draft, prompts, [evaluate.GAMMA, evaluate.TREE], 64)
     arms = {"target-only": lambda p: speculate.autoregressive(target, p, 64, **kw),
             "chain": lambda p: speculate.speculative(target, draft, p, evaluate.GAMMA, 64, **kw),
             "tree": lambda p: tree.speculative(target, draft, p, evaluate.TREE, 64, **kw)}
@@ -61,9 +64,11 @@ if __name__ == "__main__":
     ap.add_argument("--b", required=True, help="the other checkout")
     ap.add_argument("--pairs", type=int, default=3, help="alternations a, b")
     ap.add_argument("--scenes", type=int, default=6)
+    ap.add_argument("--compile", action="store_true", help="each checkout's torch.compile'd steps (bench.py --compile)")
     args = ap.parse_args()
     torch.set_num_threads(2)
     for _ in range(args.pairs):
         for repo in (args.a, args.b):
-            print(json.dumps({"repo": os.path.abspath(repo), "ms_per_token": ms_per_token(os.path.abspath(repo),
-                                                                                          args.scenes)}), flush=True)
+            print(json.dumps({"repo": os.path.abspath(repo), "compile": args.compile,
+                              "ms_per_token": ms_per_token(os.path.abspath(repo), args.scenes, args.compile)}),
+                  flush=True)

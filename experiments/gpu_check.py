@@ -45,7 +45,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from real import alpamayo  # noqa: E402
 import bench  # noqa: E402
-from ops import cli  # noqa: E402
+from ops import cli, compiled  # noqa: E402
 import evaluate  # noqa: E402
 from ops import files  # noqa: E402
 import model as M  # noqa: E402
@@ -248,7 +248,7 @@ def compiled_costs(run, layers):
               ("draft", 2, False), ("draft", tree.width, True))
     t_lengths, d_lengths = (1, g + 1, tree.nodes + 1), (1, 2, tree.width)
     max_len = L + max(g, tree.nodes) + max(t_lengths)
-    ct, cd = M.CompiledSteps(target, max_len, t_lengths), M.CompiledSteps(draft, max_len, d_lengths)
+    ct, cd = compiled.CompiledSteps(target, max_len, t_lengths), compiled.CompiledSteps(draft, max_len, d_lengths)
     watch = timing.CompileWatch({"target": ct, "draft": cd})
     embeds, deepstack = speculate.embed_prompt(target, prompt)
     x = prompt["input_ids"][:, -1:]
@@ -294,7 +294,7 @@ def compiled_costs(run, layers):
 def compiled_stage(run):
     """(d) The compiled cost model at a few depths, and the compile time per added layer."""
     depths = [k for k in run.args.compiled_layers if k <= run.depth()]
-    out = {"what": "torch.compile'd steps (model.CompiledSteps; mode reduce-overhead on CUDA: CUDA graphs; inductor "
+    out = {"what": "torch.compile'd steps (compiled.CompiledSteps; mode reduce-overhead on CUDA: CUDA graphs; inductor "
                    "with freezing on a CPU): the chain's (target 1 and gamma + 1, draft 1 and 2) and the default "
                    "tree's (its verify of N + 1 and a draft level of k, under their masks, and its whole growth "
                    "fused, tree.grow); compile_s: the first three calls of each shape; timings as in c_eager",

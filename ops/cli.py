@@ -102,7 +102,7 @@ def check_values(obj, rules, flags=False):
 
 
 def add_decoding_flags(ap, temperature_help):
-    """--temperature, --top-k, --top-p, --sampling-seed on a script's parser (bench.py, rsd.py); decoding_mode
+    """--temperature, --top-k, --top-p, --sampling-seed on a script's parser (bench.py, rsd.py); sampling()
     checks them. temperature_help: what sampling changes in that script's report."""
     ap.add_argument("--temperature", type=float, default=0.0, help=f"0 = greedy; {temperature_help}")
     ap.add_argument("--top-k", type=int, default=None, help="with --temperature: sample among the k likeliest tokens")
@@ -112,15 +112,18 @@ def add_decoding_flags(ap, temperature_help):
                     "this + i")
 
 
-def decoding_mode(temperature=0.0, top_k=None, top_p=None, seed=0):
+def sampling(temperature=0.0, top_k=None, top_p=None, seed=0) -> speculate.Sampling:
     """The decoding settings of bench.py and rsd.py (their --temperature, --top-k, --top-p, --sampling-seed), checked
-    before any work (ValueError), as the JSON's "decoding" object: mode "greedy" (temperature 0) or "sampling"."""
-    speculate.check_sampling(temperature, top_k, top_p)
+    before any work (ValueError); greedy (temperature 0) keeps no seed."""
     if not isinstance(seed, int) or not 0 <= seed < 2**62:  # prompt i's generator takes seed + i, a 63-bit seed
         raise ValueError(f"the sampling seed must be an int >= 0 and < 2**62, got {seed!r}")
     if temperature == 0 and (top_k is not None or top_p is not None):
         # a greedy decode reads only the argmax: the filters would be silently ignored
         raise ValueError("top_k / top_p filter a sampled distribution: give a temperature > 0 with them (0 = greedy)")
-    greedy = temperature == 0  # then top_k and top_p are None (checked above)
-    return {"mode": "greedy" if greedy else "sampling", "temperature": 0.0 if greedy else float(temperature),
-            "top_k": top_k, "top_p": top_p, "seed": None if greedy else seed}
+    return speculate.Sampling(float(temperature), top_k, top_p, None if temperature == 0 else seed)
+
+
+def sampling_json(s: speculate.Sampling):
+    """A report's "decoding" object: mode "greedy" (temperature 0) or "sampling", and the settings."""
+    return {"mode": "greedy" if s.greedy else "sampling", "temperature": s.temperature, "top_k": s.top_k,
+            "top_p": s.top_p, "seed": s.seed}

@@ -4,6 +4,7 @@ which attention kernel ran, and where a greedy output parts from target-only dec
 
 run: python bench.py --device cpu --json        (the JSON's cost_model, environment, peak_memory, sdpa and compiled keys)
 """
+import dataclasses
 import importlib
 import importlib.metadata
 import logging
@@ -40,6 +41,41 @@ class Clock:
     def lap(self):
         t, self.t = self.t, self.now()
         return self.t - t
+
+
+def interleaved(arms, n, repeats, device, warmup=1):
+    """The one timing harness (bench.py's arms and plans, rsd.py's table, the held-out bench, the peer comparison).
+    arms: {name: run(i)}, the work on item i of n (a prompt, a plan). Every pass runs every arm on every item, the arms
+    back to back on each item in an order rotated from item to item and pass to pass, so a load that comes and goes on
+    a shared machine falls on every arm alike; `warmup` untimed passes over item 0 first (every shape compiled or
+    warmed up). -> {name: [[Run per item] per pass]}: the wall and CPU seconds around each call (the device
+    synchronised) and what it returned."""
+    for _ in range(warmup):
+        for run in arms.values():
+            run(0)
+    names, out = list(arms), {name: [[None] * n for _ in range(repeats)] for name in arms}
+    clock = Clock(device, enabled=True)
+    for r in range(repeats):
+        for i in range(n):
+            k = (i + r) % len(names)
+            for name in names[k:] + names[:k]:
+                clock.lap()
+                cpu = time.process_time()
+                res = arms[name](i)
+                out[name][r][i] = Run(clock.lap(), time.process_time() - cpu, res)
+    return out
+
+
+@dataclasses.dataclass
+class Run:
+    wall_s: float  # the clock around the call, the device synchronised
+    cpu_s: float  # this process's CPU time: on a shared CPU, without the waits for the other jobs
+    result: object  # what the call returned (a SpecResult's decode_s: the decoder's own clock)
+
+
+def spread(values):
+    """A measurement over passes: its median and range."""
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
 def median_time(fn, device, reps, timer=time.perf_counter):

@@ -25,8 +25,9 @@ from test_tree import reused_draw, small_vla
 import torch
 
 import model
+from ops import compiled
 import speculate
-from speculate import autoregressive_batch, speculative_batch, stack_prompts
+from speculate import Sampling, autoregressive_batch, speculative_batch, stack_prompts
 import tree as trees
 from tree import TreeShape
 
@@ -36,12 +37,12 @@ SHAPE = TreeShape(12, 4, 3)
 
 
 def decoders(target, draft, B, path):
-    """The models as each path runs them: as they are, or model.CompiledSteps of B rows (eager: its persistent caches
+    """The models as each path runs them: as they are, or compiled.CompiledSteps of B rows (eager: its persistent caches
     and padded steps, what torch.compile compiles)."""
     if path == "eager":
         return target, draft
-    return (model.CompiledSteps(target, 96, (1, 5, SHAPE.nodes + 1), batch=B, compile=False),
-            model.CompiledSteps(draft, 96, (1, 2, SHAPE.width), batch=B, compile=False))
+    return (compiled.CompiledSteps(target, 96, (1, 5, SHAPE.nodes + 1), batch=B, compile=False),
+            compiled.CompiledSteps(draft, 96, (1, 2, SHAPE.width), batch=B, compile=False))
 
 
 @pytest.mark.parametrize("path", ["eager", "compiled steps"])
@@ -83,8 +84,8 @@ def test_compiled_rows_equal_their_own_decodes(monkeypatch):
     draft = drafts_for(target)["perturbed"]
     prompts = list(vla_prompts().values())
     batch = stack_prompts(prompts)
-    t = model.CompiledSteps(target, 96, (1, 5, SHAPE.nodes + 1), batch=3)
-    d = model.CompiledSteps(draft, 96, (1, 2, SHAPE.width), batch=3)
+    t = compiled.CompiledSteps(target, 96, (1, 5, SHAPE.nodes + 1), batch=3)
+    d = compiled.CompiledSteps(draft, 96, (1, 2, SHAPE.width), batch=3)
     want = [vla_greedy_reference(target, p, 16) for p in prompts]
     assert [r.tokens for r in speculative_batch(t, d, batch, 4, 16)] == want
     assert [r.tokens for r in trees.speculative_batch(t, d, batch, SHAPE, 16)] == want
@@ -99,15 +100,15 @@ def test_a_row_does_not_change_with_its_batch():
     target = tiny_target()
     draft = drafts_for(target)["perturbed"]
     prompt = vla_prompts()["image+video"]
-    kw = dict(temperature=0.6, top_p=0.98)
+    kw = dict(temperature=0.6, top_p=0.98)  # Alpamayo-R1's
     for one, many, g in ((speculate.speculative, speculative_batch, 4),
                          (trees.speculative, trees.speculative_batch, SHAPE)):
-        rows = many(target, draft, prompt, g, 20, samples=4, seed=7, **kw)
-        alone = [one(target, draft, prompt, g, 20, seed=7 + r, **kw) for r in range(4)]
+        rows = many(target, draft, prompt, g, 20, samples=4, sampling=Sampling(**kw, seed=7))
+        alone = [one(target, draft, prompt, g, 20, sampling=Sampling(**kw, seed=7 + r)) for r in range(4)]
         assert [(r.tokens, r.accepted) for r in rows] == [(r.tokens, r.accepted) for r in alone], g
         assert len({tuple(r.tokens) for r in rows}) > 1  # the samples differ
-    rows = autoregressive_batch(target, prompt, 20, samples=4, seed=7, **kw)
-    assert [r.tokens for r in rows] == [speculate.autoregressive(target, prompt, 20, seed=7 + r, **kw).tokens
+    rows = autoregressive_batch(target, prompt, 20, samples=4, sampling=Sampling(**kw, seed=7))
+    assert [r.tokens for r in rows] == [speculate.autoregressive(target, prompt, 20, Sampling(**kw, seed=7 + r)).tokens
                                         for r in range(4)]
 
 
@@ -141,8 +142,8 @@ def test_sampled_rows_follow_the_target_law_independently(kind, monkeypatch):
     g = 2 if kind == "chain" else TreeShape(4, 2, 2)
 
     def run():
-        out = [decode(target, draft, dict(input_ids=torch.tensor([ids])), g, 3, samples=2, temperature=temperature,
-                      seed=2 * b) for b in range(N)]
+        out = [decode(target, draft, dict(input_ids=torch.tensor([ids])), g, 3, samples=2,
+                      sampling=Sampling(temperature, seed=2 * b)) for b in range(N)]
         return torch.tensor([[r.tokens for r in rows] for rows in out])  # (N, 2 rows, 3)
 
     def law(toks):  # each row's chi-square p-value for its first 3 tokens
@@ -166,9 +167,9 @@ def test_sampled_rows_follow_the_target_law_independently(kind, monkeypatch):
         bad = law(run())
     print(f"{kind} law control: p = {bad}")
     assert max(bad) < SIGNIFICANCE
-    make = speculate.make_generators
-    monkeypatch.setattr(speculate, "make_generators", lambda dev, seed, rows=1: [make(dev, seed)[0] for _ in
-                                                                                 range(rows)])  # equal streams
+    make = speculate.Sampling.generators
+    monkeypatch.setattr(speculate.Sampling, "generators", lambda self, dev, rows=1: [make(self, dev)[0] for _ in
+                                                                                     range(rows)])  # equal streams
     same = run()
     print(f"{kind} independence control: p = {pair(same):.3g}")
     assert pair(same) < SIGNIFICANCE
@@ -180,6 +181,6 @@ def test_batch_errors():
     prompts = vla_prompts()
     with pytest.raises(ValueError, match=r"stacks batch-1 prompts .* prompts \[1\] are not"):
         stack_prompts([prompts["text"], stack_prompts([prompts["text"], prompts["two tokens"]])])
-    st = model.CompiledSteps(target, 96, (1, 5), batch=2, compile=False)
+    st = compiled.CompiledSteps(target, 96, (1, 5), batch=2, compile=False)
     with pytest.raises(ValueError, match="these compiled steps decode batch 2, asked for batch 3"):
         speculative_batch(st, st, prompts["text"], 4, 8, samples=3)

@@ -11,9 +11,8 @@ import torch
 
 import bench
 import evaluate
-import model as M
 from model import make_draft
-from ops import cli, timing
+from ops import cli, compiled, timing
 import speculate
 from tiny_models import image_prompt, tiny_model
 
@@ -199,7 +198,7 @@ def test_compiled_tree_is_chosen_and_timed_beside_the_compiled_chain(eager_dynam
 def test_compile_watch_sees_a_recompilation(eager_dynamo):
     """The counter the test above relies on moves: a step timed under inference_mode after a no_grad warm-up."""
     target = tiny_model()
-    st = M.CompiledSteps(target, 40, (1,))
+    st = compiled.CompiledSteps(target, 40, (1,))
     watch = timing.CompileWatch({"target": st})
     prompt = image_prompt()
     with torch.no_grad():

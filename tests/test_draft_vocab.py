@@ -20,9 +20,9 @@ from test_speculate import SIGNIFICANCE, ToyLM, chi_square, joint_first3, markov
 import torch
 
 import model as M
-from ops import checkpoint
+from ops import checkpoint, compiled
 import speculate
-from speculate import autoregressive, process_logits, speculative
+from speculate import Sampling, autoregressive, process_logits, speculative
 from tiny_models import tiny_model
 import train as T
 
@@ -144,7 +144,7 @@ def test_sampling_with_a_reduced_draft_runs_on_the_vla():
     set, the target supplies the others, and no -inf logit is taken for an overflow."""
     target = tiny_model()
     draft = full_copy_draft(target, EVEN)
-    res = speculative(target, draft, vla_prompts()["text"], 4, 40, temperature=1.0, top_k=30, top_p=0.95, seed=0)
+    res = speculative(target, draft, vla_prompts()["text"], 4, 40, Sampling(1.0, top_k=30, top_p=0.95, seed=0))
     assert len(res.tokens) == 40 and res.n_accepted > 0
     assert all(t % 2 == 0 for t, d in zip(res.tokens, res.from_draft) if d)
     assert any(t % 2 for t in res.tokens)
@@ -181,8 +181,8 @@ def test_sampling_with_a_reduced_draft_is_lossless(temperature, top_k, top_p, ga
     for name in ("correct", "p restricted to the set"):
         if name != "correct":
             monkeypatch.setattr(speculate, "verify_sample", restricted)
-        toks = torch.tensor([speculative(target, draft, prompt_of(0, x0), gamma, 3, seed=s, temperature=temperature,
-                                         top_k=top_k, top_p=top_p).tokens for s in range(N)])  # (N, 3)
+        toks = torch.tensor([speculative(target, draft, prompt_of(0, x0), gamma, 3,
+                                         Sampling(temperature, top_k, top_p, seed=s)).tokens for s in range(N)])  # (N, 3)
         counts = torch.bincount(toks @ torch.tensor([V * V, V, 1]), minlength=V ** 3)
         stat, df, pval = chi_square(counts, expected)
         print(f"reduced draft T={temperature} top_k={top_k} top_p={top_p} gamma={gamma} {name}: N={N} "
@@ -276,10 +276,10 @@ def test_bad_sizes_are_refused_by_name():
 
 
 def reduced_pair(target, compile):
-    """A reduced-head full-depth copy of the target, both as model.CompiledSteps (steps of 1, 2, 4 tokens)."""
+    """A reduced-head full-depth copy of the target, both as compiled.CompiledSteps (steps of 1, 2, 4 tokens)."""
     draft = full_copy_draft(target, EVEN)
-    return (M.CompiledSteps(target, 64, (1, 2, 4), compile=compile),
-            M.CompiledSteps(draft, 64, (1, 2, 4), compile=compile))
+    return (compiled.CompiledSteps(target, 64, (1, 2, 4), compile=compile),
+            compiled.CompiledSteps(draft, 64, (1, 2, 4), compile=compile))
 
 
 def test_compiled_path_with_a_reduced_draft_equals_target_only():

@@ -279,8 +279,8 @@ def test_bench_sampling_reports_the_sampled_runs_beside_greedy(run_dir, capsys):
     draft = checkpoint.load(out["draft"], target=target).eval()
     prompts = evaluate.scene_prompts(driving.make_split("test", 3, seed=0), tok, "cpu", torch.float32, VIEWS)
     shape = TreeShape(*(out["decoder"][k] for k in ("nodes", "depth", "width")))
-    res = [tree.speculative(target, draft, p, shape, evaluate.MAX_NEW_TOKENS, temperature=0.8, top_p=0.95,
-                            seed=7 + i, stop_token=tok.cot_end_id) for i, p in enumerate(prompts)]
+    res = [tree.speculative(target, draft, p, shape, evaluate.MAX_NEW_TOKENS,
+                            speculate.Sampling(0.8, top_p=0.95, seed=7 + i), stop_token=tok.cot_end_id) for i, p in enumerate(prompts)]
     n = sum(len(r.tokens) for r in res)
     assert out["sampled"]["tokens"] == n and out["sampled"]["tau"] == pytest.approx(n / sum(r.rounds for r in res))
     assert 0 <= out["sampled"]["alpha"] <= 1
@@ -304,8 +304,8 @@ def test_rsd_sampling_gives_each_row_a_sampled_tau(run_dir, capsys):
     target = checkpoint.load(run_dir / "target").eval()
     draft = checkpoint.load(checkpoint.draft_dir(str(run_dir), "aarl", 0), target=target).eval()
     row = rows["flatrope+aarl"]
-    res = [speculate.speculative(target, draft, p, row["gamma"], evaluate.MAX_NEW_TOKENS, temperature=1.0, top_k=20,
-                                 seed=3 + i, stop_token=tok.cot_end_id) for i, p in enumerate(prompts)]
+    res = [speculate.speculative(target, draft, p, row["gamma"], evaluate.MAX_NEW_TOKENS,
+                                 speculate.Sampling(1.0, top_k=20, seed=3 + i), stop_token=tok.cot_end_id) for i, p in enumerate(prompts)]
     assert row["sampled_tau"] == pytest.approx(sum(len(r.tokens) for r in res) / sum(r.rounds for r in res))
     assert all(0 <= r["sampled_alpha"] <= 1 for r in out["rows"][1:])
     assert "tau sampled" in text and "prompt i's generator seeded 3 + i" in text

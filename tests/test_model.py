@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import model as M
 from model import PRESETS, KVCache, ModelConfig, VisionConfig, causal_mask, make_draft
+from ops import compiled
 from rope import flat_position_ids, rope_inv_freq
 from speculate import feed
 from tiny_models import IMG, VE, VS, image_prompt, o1_init, tiny_model
@@ -268,7 +268,7 @@ def test_padded_steps_equal_the_plain_step():
     prompt = image_prompt()
     embeds = model.embed(**prompt)
     for m in (model, draft):
-        fast = M.CompiledSteps(m, 48, step_lengths=(1, 4), compile=False)
+        fast = compiled.CompiledSteps(m, 48, step_lengths=(1, 4), compile=False)
         plain, fc = m.new_cache(max_len=48), fast.new_cache(max_len=40)
         for c in (plain, fc):
             m(prompt["input_ids"], inputs_embeds=embeds, cache=c, image_grid_thw=prompt["image_grid_thw"],

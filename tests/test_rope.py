@@ -10,7 +10,6 @@ import torch
 from rope import (
     apply_rope,
     check_mrope_section,
-    decode_positions,
     flat_position_ids,
     get_rope_index,
     mrope_axis,
@@ -109,7 +108,7 @@ def test_image_between_text():
                                   [0, 1, 2, 3, 3, 4, 4, 5, 6],
                                   [0, 1, 2, 3, 4, 3, 4, 5, 6]]
     assert delta.tolist() == [[7 - 9]]
-    assert decode_positions(9, 2, delta).tolist() == [[7, 8]]
+    assert (torch.arange(9, 11) + delta).tolist() == [[7, 8]]  # decoded: cache index + rope_delta (VLA.step)
 
 
 def test_two_images_of_different_grids():
@@ -143,7 +142,7 @@ def test_left_padding():
     assert pos[0, 1].tolist() == [0, 1, 2, 3, 4, 4, 4, 4, 6]
     # the next token of both rows sits at padded cache index 9: row 0 -> id 5, row 1 -> id 7
     assert delta.tolist() == [[5 - 9], [7 - 9]]
-    assert decode_positions(9, 1, delta).tolist() == [[5], [7]]
+    assert (9 + delta).tolist() == [[5], [7]]
 
 
 def test_get_rope_index_errors():

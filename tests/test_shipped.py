@@ -15,7 +15,7 @@ sys.path.insert(0, os.path.join(ROOT, "experiments"))
 
 import ship_toy  # noqa: E402
 
-from ops import files  # noqa: E402
+from ops import compiled, files  # noqa: E402
 
 SHIPPED = os.path.join(ROOT, "checkpoints", "toy")
 
@@ -32,14 +32,13 @@ def test_shipped_checkpoints_reproduce_their_recorded_check():
 
 def test_every_shipped_draft_decodes_the_targets_greedy_tokens_on_every_path(monkeypatch):
     """Each shipped draft (every kind and seed), fp32, on held-out scenes: the eager chain and tree, and the compiled
-    path's chain and tree (model.CompiledSteps through dynamo's graphs, run by its eager backend: the real tracing,
+    path's chain and tree (compiled.CompiledSteps through dynamo's graphs, run by its eager backend: the real tracing,
     fused tree growth and verify, padding and persistent caches at test speed), emit target-only greedy decoding's
     tokens, with the stop token and with max-new cutting inside an accepted path. (Inductor's own kernels:
     tests/test_speculate.py's slow tests.)"""
     import bench
     import driving
     import evaluate
-    import model
     from ops import checkpoint
     import speculate
     import tree
@@ -65,4 +64,4 @@ def test_every_shipped_draft_decodes_the_targets_greedy_tokens_on_every_path(mon
                     assert speculate.speculative(t, d, p, gamma, n, stop_token=stop).tokens == want, (name, path, n)
                     assert tree.speculative(t, d, p, shape, n, stop_token=stop).tokens == want, (name, path, n)
     torch._dynamo.reset()
-    assert isinstance(pairs["compiled"][0], model.CompiledSteps)
+    assert isinstance(pairs["compiled"][0], compiled.CompiledSteps)

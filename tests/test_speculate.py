@@ -21,9 +21,9 @@ import torch
 
 from evaluate import expected_speedup, expected_tau, measured_speedup, tau_ceiling
 import model
-from ops import timing
+from ops import compiled, timing
 import speculate
-from speculate import autoregressive, process_logits, speculative, verify_greedy, verify_sample
+from speculate import Sampling, autoregressive, process_logits, speculative, verify_greedy, verify_sample
 import tree
 from tree import TreeShape
 import vision
@@ -242,7 +242,7 @@ def test_draft_equal_target_gives_gamma_plus_one():
     ids = prompt_of(2, 7, 1)
     for gamma in (1, 3, 5):
         for temperature in (0.0, 1.0):
-            res = speculative(target, target, ids, gamma, 50, temperature=temperature, seed=0)
+            res = speculative(target, target, ids, gamma, 50, Sampling(temperature, seed=0))
             # every round but the last is full; the last drafts only what is still needed
             assert res.blocks[:-1] == [gamma + 1] * (len(res.blocks) - 1)
             assert res.blocks[-1] == 50 - (gamma + 1) * (len(res.blocks) - 1)
@@ -279,15 +279,16 @@ def test_same_seed_same_output():
     target, draft = toy(9, seed=5), perturbed(toy(9, seed=5), 1.0, seed=6)
     ids = prompt_of(4, 4)
     kw = dict(temperature=0.9, top_k=6, top_p=0.95)
-    a = speculative(target, draft, ids, 3, 40, seed=123, **kw)
-    b = speculative(target, draft, ids, 3, 40, seed=123, **kw)
+    a = speculative(target, draft, ids, 3, 40, Sampling(**kw, seed=123))
+    b = speculative(target, draft, ids, 3, 40, Sampling(**kw, seed=123))
     assert a == b
-    assert len({tuple(speculative(target, draft, ids, 3, 40, seed=s, **kw).tokens) for s in range(5)}) > 1
-    assert autoregressive(target, ids, 40, seed=7, **kw) == autoregressive(target, ids, 40, seed=7, **kw)
+    assert len({tuple(speculative(target, draft, ids, 3, 40, Sampling(**kw, seed=s)).tokens) for s in range(5)}) > 1
+    assert autoregressive(target, ids, 40, Sampling(**kw, seed=7)) == autoregressive(target, ids, 40,
+                                                                                     Sampling(**kw, seed=7))
     torch.manual_seed(0)  # seed=None draws from torch's global RNG
-    c = speculative(target, draft, ids, 3, 40, **kw)
+    c = speculative(target, draft, ids, 3, 40, Sampling(**kw))
     torch.manual_seed(0)
-    assert speculative(target, draft, ids, 3, 40, **kw) == c
+    assert speculative(target, draft, ids, 3, 40, Sampling(**kw)) == c
 
 
 # ---- cache rollback ----
@@ -306,7 +307,7 @@ def run_rounds(target, draft, ids, gamma, n_rounds, temperature=0.0, check=None)
     with torch.no_grad():
         for _ in range(n_rounds):
             (n,), (drafted,), (nxt,), pending = speculate.spec_round(target, draft, tcache, dcache, pending, gamma,
-                                                                     temperature, None, None, [gen])
+                                                                     Sampling(temperature), [gen])
             emitted += drafted[:n] + [nxt]
             kinds.add("zero" if n == 0 else "full" if n == gamma else "partial")
             check(tcache, dcache, pending, emitted)
@@ -335,13 +336,16 @@ def test_cache_rollback_toy():
 def test_errors_before_any_work():
     target, draft = toy(5, seed=0), toy(5, seed=1)
     ids = prompt_of(1, 2, 3)
-    bad = [dict(gamma=0), dict(gamma=-1), dict(gamma=1.5), dict(temperature=-0.1), dict(temperature=float("nan")),
-           dict(temperature=float("inf")), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=0), dict(max_new_tokens=0),
-           dict(max_len=10)]  # 3 + 20 - 1 = 22 > 10
+    bad = [dict(gamma=0), dict(gamma=-1), dict(gamma=1.5), dict(max_new_tokens=0), dict(max_len=10),  # 22 > 10
+           dict(sampling=dict(temperature=1.0))]  # settings travel as a Sampling
     for kw in bad:
         args = dict(gamma=2, max_new_tokens=20) | kw
         with pytest.raises(ValueError):
             speculative(target, draft, ids, **args)
+    for kw in (dict(temperature=-0.1), dict(temperature=float("nan")), dict(temperature=float("inf")),
+               dict(top_p=0.0), dict(top_p=1.5), dict(top_k=0)):
+        with pytest.raises(ValueError, match="temperature must|top_p must|top_k must"):
+            Sampling(**kw)
     with pytest.raises(ValueError, match="decodes one row.*_batch decodes several"):
         speculative(target, draft, dict(input_ids=torch.zeros(2, 3, dtype=torch.long)), 2, 5)
     with pytest.raises(ValueError, match="decodes one row.*_batch decodes several"):
@@ -406,9 +410,9 @@ def test_nonfinite_logits_are_an_error_naming_the_model():
     late = LateNaN(good, at=6)
     for temperature, when in ((0.0, "at the end of the decode"), (1.0, "during the decode")):
         with pytest.raises(FloatingPointError, match=f"target: NaN or inf logits {when}"):
-            speculative(late, good, ids, 2, 10, temperature=temperature, seed=0)
+            speculative(late, good, ids, 2, 10, Sampling(temperature, seed=0))
         with pytest.raises(FloatingPointError, match=f"target: NaN or inf logits {when}"):
-            autoregressive(late, ids, 10, temperature=temperature, seed=0)
+            autoregressive(late, ids, 10, Sampling(temperature, seed=0))
     with pytest.raises(FloatingPointError, match="draft: NaN or inf logits at the end of the decode"):
         speculative(good, late, ids, 2, 10)
 
@@ -436,13 +440,13 @@ def test_alpha_and_tau_match_leviathan():
     p_row, q_row = torch.randn(V, generator=g), torch.randn(V, generator=g)
     target, draft = ToyLM(p_row.expand(V, V).clone()), ToyLM(q_row.expand(V, V).clone())
     a = float(torch.minimum(p_row.softmax(-1), q_row.softmax(-1)).sum())
-    res = speculative(target, draft, prompt_of(0, 0), gamma, 6000, temperature=1.0, seed=1)
+    res = speculative(target, draft, prompt_of(0, 0), gamma, 6000, Sampling(1.0, seed=1))
     full = torch.tensor(res.blocks[:-1], dtype=torch.float64)
     assert abs(full.mean() - expected_tau(a, gamma)) < 5 * full.std() / len(full) ** 0.5
     se = (a * (1 - a) / res.n_tested) ** 0.5
     assert abs(res.alpha - a) < 5 * se
-    assert res.tau == pytest.approx(6000 / res.rounds) and res.target_forwards == res.rounds + 1
-    assert res.draft_forwards == res.n_drafted + 1 == draft.calls and target.calls == res.rounds + 1
+    assert res.tau == pytest.approx(6000 / res.rounds)  # one target forward per round, one draft forward per token
+    assert draft.calls == res.n_drafted + 1 and target.calls == res.rounds + 1  # (+ the prefills)
     assert sum(res.from_draft) == res.n_accepted  # no stop token: every accepted draft is emitted
 
 
@@ -555,7 +559,7 @@ def test_speculative_distribution(temperature, top_k, top_p, gamma, monkeypatch)
     for name in ("correct", "wrong q"):
         if name == "wrong q":
             monkeypatch.setattr(speculate, "verify_sample", lambda d, q, p, g: honest(d, wrong_q(q), p, g))
-        toks = torch.tensor([speculative(target, draft, prompt_of(0, x0), gamma, 3, seed=s, **kw).tokens
+        toks = torch.tensor([speculative(target, draft, prompt_of(0, x0), gamma, 3, Sampling(**kw, seed=s)).tokens
                              for s in range(N)])  # (N, 3)
         stat, df, pval = chi_square(torch.bincount(toks @ torch.tensor([V * V, V, 1]), minlength=V ** 3), expected)
         print(f"speculative T={temperature} top_k={top_k} top_p={top_p} gamma={gamma} {name}: "
@@ -571,8 +575,7 @@ def test_speculative_long_run_transitions():
     p_logits, q_logits = markov_pair(V, seed=14)
     temperature, top_p = 0.9, 0.95
     P = process_logits(p_logits, temperature, None, top_p)
-    res = speculative(ToyLM(p_logits), ToyLM(q_logits), prompt_of(0, x0), 3, M, temperature=temperature,
-                      top_p=top_p, seed=5)
+    res = speculative(ToyLM(p_logits), ToyLM(q_logits), prompt_of(0, x0), 3, M, Sampling(temperature, top_p=top_p, seed=5))
     seq = torch.tensor([x0] + res.tokens)
     pairs = torch.bincount(seq[:-1] * V + seq[1:], minlength=V * V).view(V, V).double()  # (V, V)
     assert pairs[P == 0].sum() == 0
@@ -680,7 +683,7 @@ def test_vla_greedy_equals_target(gamma):
 def test_vla_draft_equal_target_temperature_one():
     target = tiny_target()
     for name, prompt in vla_prompts().items():
-        res = speculative(target, target, prompt, 4, 30, temperature=1.0, seed=3)
+        res = speculative(target, target, prompt, 4, 30, Sampling(1.0, seed=3))
         # p and q agree up to fp32 rounding of batched vs single-token forwards: a rejection
         # has probability ~1e-6 per token
         assert res.blocks == [5] * 6 and res.alpha == 1.0, (name, res.blocks)
@@ -729,8 +732,8 @@ def test_vla_cache_rollback():
     kinds = set()
     for draft in (drafts["random"], drafts["perturbed"]):  # FlatRoPE narrow draft, M-RoPE full-width copy
         # the model's steps, and the compiled path's (eager here): its persistent caches, drafts padded to 3 tokens
-        for t, d in ((target, draft), (model.CompiledSteps(target, 80, (4,), compile=False),
-                                       model.CompiledSteps(draft, 80, (3,), compile=False))):
+        for t, d in ((target, draft), (compiled.CompiledSteps(target, 80, (4,), compile=False),
+                                       compiled.CompiledSteps(draft, 80, (3,), compile=False))):
             for temperature in (0.0, 1.0):
                 kinds |= run_rounds(t, d, prompt, 3, 12, temperature, check_for(draft))
     assert kinds == {"zero", "partial", "full"}, kinds
@@ -777,13 +780,13 @@ def test_timing_does_not_change_the_output():
     assert base.tokens == autoregressive(target, prompt, 12).tokens and base.decode_s > 0
 
 
-# ---- the compiled path (model.CompiledSteps): eager, and compiled (slow) ----
+# ---- the compiled path (compiled.CompiledSteps): eager, and compiled (slow) ----
 
 
 def compiled_pair(target, draft, gammas=(1, 4), compile=False, max_len=64):
     """CompiledSteps of target and draft for chains of these gammas: target steps 1 and gamma + 1, draft 1 and 2."""
-    return (model.CompiledSteps(target, max_len, (1, *(g + 1 for g in gammas)), compile=compile),
-            model.CompiledSteps(draft, max_len, (1, 2), compile=compile))
+    return (compiled.CompiledSteps(target, max_len, (1, *(g + 1 for g in gammas)), compile=compile),
+            compiled.CompiledSteps(draft, max_len, (1, 2), compile=compile))
 
 
 def test_vla_compiled_path_greedy_equals_target():
@@ -809,7 +812,7 @@ def test_vla_compiled_path_errors():
     with pytest.raises(ValueError, match="the compiled cache holds 32"):
         speculative(st, sd, prompt, 4, 24)  # needs 26 + 24 positions
     with pytest.raises(ValueError, match="max_seq_len"):
-        model.CompiledSteps(target, target.cfg.max_seq_len + 1, (1,))
+        compiled.CompiledSteps(target, target.cfg.max_seq_len + 1, (1,))
     with pytest.raises(ValueError, match="these compiled steps decode batch 1"):
         st.new_cache(batch=2)
     with pytest.raises(ValueError, match="CompiledSteps steps only its own cache"):
@@ -824,8 +827,8 @@ def test_vla_compiled_decoding_greedy_equals_target():
     target = tiny_target()
     draft = drafts_for(target)["perturbed"]
     shape = TreeShape(8, 3, 3)
-    ct = model.CompiledSteps(target, 64, (1, 4, shape.nodes + 1))
-    cd = model.CompiledSteps(draft, 64, (1, 2, shape.width))
+    ct = compiled.CompiledSteps(target, 64, (1, 4, shape.nodes + 1))
+    cd = compiled.CompiledSteps(draft, 64, (1, 2, shape.width))
     for pname, prompt in vla_prompts().items():
         ref = autoregressive(target, prompt, 16)
         assert autoregressive(ct, prompt, 16).tokens == ref.tokens, pname
@@ -841,8 +844,8 @@ def test_vla_compiled_path_with_padded_steps():
     run = []  # the padded lengths VLA.step ran
     for pname, prompt in vla_prompts().items():
         ref = autoregressive(target, prompt, 13)
-        st = model.CompiledSteps(target, 64, (5,), compile=False)
-        sd = model.CompiledSteps(draft, 64, (3,), compile=False)
+        st = compiled.CompiledSteps(target, 64, (5,), compile=False)
+        sd = compiled.CompiledSteps(draft, 64, (3,), compile=False)
         for dec in (st, sd):
             dec._step = lambda ids, *a, step=dec._step: run.append(ids.shape[1]) or step(ids, *a)
         assert speculative(st, sd, prompt, 4, 13).tokens == ref.tokens, pname
@@ -859,8 +862,8 @@ def test_vla_compiled_decoding_on_cuda_equals_target():
     target = tiny_target().cuda()
     draft = drafts_for(target)["perturbed"]
     shape = TreeShape(8, 3, 3)
-    ct = model.CompiledSteps(target, 64, (1, 4, shape.nodes + 1))
-    cd = model.CompiledSteps(draft, 64, (1, 2, shape.width))
+    ct = compiled.CompiledSteps(target, 64, (1, 4, shape.nodes + 1))
+    cd = compiled.CompiledSteps(draft, 64, (1, 2, shape.width))
     watch = timing.CompileWatch({"target": ct, "draft": cd})
     try:
         for _ in range(2):

@@ -27,8 +27,9 @@ from test_speculate import (
 import torch
 
 import model
+from ops import compiled
 import speculate
-from speculate import autoregressive, speculative
+from speculate import Sampling, autoregressive, speculative
 import tree as trees
 from tree import Tree, TreeShape
 from tree import speculative as tree_speculative
@@ -140,7 +141,7 @@ def test_tree_verify_logits_equal_a_cache_free_forward_over_each_path(monkeypatc
 
 def test_tree_caches_hold_exactly_the_committed_tokens():
     """After every round of a tree decode, both caches equal fresh caches fed the committed tokens (target: all but
-    x_last; draft: all but `pending`): with the model's steps, and with the compiled path's (model.CompiledSteps,
+    x_last; draft: all but `pending`): with the model's steps, and with the compiled path's (compiled.CompiledSteps,
     eager here: its persistent caches and padded steps)."""
     target = tiny_target()
     prompt = vla_prompts()["image+video"]
@@ -149,10 +150,10 @@ def test_tree_caches_hold_exactly_the_committed_tokens():
     shape = TreeShape(30, 4, 3)  # every candidate kept: the target as its own draft is then accepted in full
     for draft in (drafts_for(target)["random"], drafts_for(target)["perturbed"], target):
         t, d = target, draft
-        for compiled in (False, True):
-            if compiled:  # the draft's pending steps padded to its level's 3 tokens
-                t, d = (model.CompiledSteps(target, 128, (shape.nodes + 1,), compile=False),
-                        model.CompiledSteps(draft, 128, (shape.width,), compile=False))
+        for on_compiled_path in (False, True):
+            if on_compiled_path:  # the draft's pending steps padded to its level's 3 tokens
+                t, d = (compiled.CompiledSteps(target, 128, (shape.nodes + 1,), compile=False),
+                        compiled.CompiledSteps(draft, 128, (shape.width,), compile=False))
             kinds |= tree_rounds_check(target, draft, t, d, prompt, shape, L)
     assert kinds == {"zero", "partial", "full"}, kinds  # every branch of the cache bookkeeping was checked
 
@@ -241,7 +242,7 @@ def test_verify_tree_distribution(temperature, top_p, monkeypatch):
             seq, last = [], x0
             while len(seq) < 3:
                 tree, toks = trees[last]
-                best, nxt = verify_tree(tree, p_logits[toks][None], temperature, None, top_p, [g])
+                best, nxt = verify_tree(tree, p_logits[toks][None], Sampling(temperature, top_p=top_p), [g])
                 path, u = [], int(best[0])
                 while u:
                     path.append(int(toks[u]))
@@ -267,7 +268,7 @@ def small_vla(seed):
 def test_speculative_tree_distribution(path, monkeypatch):
     """The whole loop, speculative() with a tree per sample with its own seed, on a small VLA and a 1-layer draft:
     first 3 tokens ~ the target's law (computed exactly by cache-free forwards; chi-square, level 1e-3, N = 2000);
-    the reused-draw control is rejected at the same N. Eagerly, and on the compiled path (model.CompiledSteps):
+    the reused-draw control is rejected at the same N. Eagerly, and on the compiled path (compiled.CompiledSteps):
     dynamo's graphs run by its eager backend (the tracing, guards and padding at test speed), or inductor's (slow)."""
     target = small_vla(0)
     torch.manual_seed(3)
@@ -287,12 +288,12 @@ def test_speculative_tree_distribution(path, monkeypatch):
             compile_ = torch.compile
             monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile_(fn, backend="eager", fullgraph=True,
                                                                             dynamic=False))
-        target, draft = model.CompiledSteps(target, 16, (5,)), model.CompiledSteps(draft, 16, (1, 2))
+        target, draft = compiled.CompiledSteps(target, 16, (5,)), compiled.CompiledSteps(draft, 16, (1, 2))
     for name in ("correct", "reused draw"):
         if name == "reused draw":
             monkeypatch.setattr(speculate, "sample", reused_draw)
-        toks = torch.tensor([tree_speculative(target, draft, prompt, TreeShape(4, 2, 2), 3, temperature=temperature,
-                                         seed=s).tokens for s in range(N)])  # (N, 3)
+        toks = torch.tensor([tree_speculative(target, draft, prompt, TreeShape(4, 2, 2), 3,
+                                              Sampling(temperature, seed=s)).tokens for s in range(N)])  # (N, 3)
         stat, df, pval = chi_square(torch.bincount(toks @ torch.tensor([V * V, V, 1]), minlength=V ** 3),
                                     expected.reshape(-1))
         print(f"speculative tree T={temperature} {name}: N={N} chi2={stat:.1f} df={df} p={pval:.3g}")
@@ -300,15 +301,15 @@ def test_speculative_tree_distribution(path, monkeypatch):
 
 
 def test_tree_on_padded_steps_equals_target():
-    """Tree rounds through model.CompiledSteps (eager here: its persistent cache and step-length padding, what
+    """Tree rounds through compiled.CompiledSteps (eager here: its persistent cache and step-length padding, what
     --compile compiles) emit target-only greedy tokens, max-new cutting inside an accepted path included."""
     target = tiny_target()
     prompt = vla_prompts()["image+video"]
     ref = autoregressive(target, prompt, 20).tokens
     shape = TreeShape(12, 4, 3)
     for draft in drafts_for(target).values():
-        st = model.CompiledSteps(target, 160, (1, shape.nodes + 1), compile=False)
-        sd = model.CompiledSteps(draft, 160, (1, 2, shape.width), compile=False)
+        st = compiled.CompiledSteps(target, 160, (1, shape.nodes + 1), compile=False)
+        sd = compiled.CompiledSteps(draft, 160, (1, 2, shape.width), compile=False)
         for n in (20, 7):
             assert tree_speculative(st, sd, prompt, shape, n).tokens == ref[:n]
 
