@@ -251,10 +251,10 @@ def plan_kwargs(decoding, samples, stop_token):
     return kw | ({k: decoding[k] for k in ("temperature", "top_k", "top_p")} if decoding["mode"] == "sampling" else {})
 
 
-def action_stage(target, prompt, cocs, samples, future_start, v0=None, repeats=3):
-    """The plan's action step over all its rows (evaluate.action_rows: the shared prefill, the rows' CoCs, the expert
-    or the toy's head), timed: {action_ms (median of repeats), waypoints}."""
-    run = lambda: evaluate.action_rows(target, prompt, cocs, samples, future_start, v0)  # noqa: E731
+def action_stage(target, prompt, cocs, end, v0=None, repeats=3):
+    """The plan's action step over all its rows (evaluate.action_rows: the shared prefill, the rows' CoCs closed by
+    end, the expert or the toy's head), timed: {action_ms (median of repeats), waypoints}."""
+    run = lambda: evaluate.action_rows(target, prompt, cocs, end, v0)[0]  # noqa: E731
     ms = 1e3 * timing.median_time(run, prompt["input_ids"].device, repeats)
     return {"action_ms": ms, "waypoints": run().tolist()}
 
@@ -316,8 +316,8 @@ def toy(args, device, dtype, decoding):
                                                decoding, args.batch, args.samples)
         p = plans(target, draft, prompts, decoder, args.max_new, tok.cot_end_id, args.repeats, decoding, args.batch,
                   args.samples, args.compile, args.gamma)
-        p |= action_stage(target, speculate.stack_prompts(prompts[:args.batch]), p["cocs"], args.samples,
-                          tok.traj_future_start_id, repeats=args.repeats)  # the first plan's rows
+        p |= action_stage(target, speculate.stack_prompts(prompts[:args.batch]), p["cocs"],
+                          (tok.cot_end_id, tok.traj_future_start_id), repeats=args.repeats)  # the first plan's rows
         res = {"mode": "plans", "draft": draft_dir, "target": target_dir, "decoding": decoding,
                "decoder": decoder_json(decoder), "plan": dict(p, chosen=chosen) if chosen else p}
         if args.peer:  # transformers' generate(num_return_sequences) beside ours, the chain with the M-RoPE replica
@@ -377,7 +377,7 @@ def real(args, device, dtype, decoding):
                       args.compile, args.gamma)
             if getattr(target, "expert", None) is not None:  # the first scene's plan, at its own speed
                 v0 = speed_from_history(found[0].past[None]).to(device).expand(args.samples)  # (B,)
-                p.update(action_stage(target, ps[0], p["cocs"], args.samples, stop[-1], v0, args.repeats))
+                p.update(action_stage(target, ps[0], p["cocs"], stop[-1:], v0, args.repeats))
             return {"mode": "plans", "model": args.target, "scenes_dir": args.scenes, "decoding": decoding,
                     "plan": p, "trained_draft": bool(args.draft), "prompt_source": how}
         return alpamayo.heldout_bench(args.target, args.draft, args.scenes, found, prompts, stop[-1], how, args.decoder,
@@ -398,7 +398,7 @@ def real(args, device, dtype, decoding):
                   args.compile, args.gamma)
         if getattr(target, "expert", None) is not None:
             v0 = speed_from_history(alpamayo.history_poses()[None]).to(device).expand(args.samples)  # (B,)
-            p.update(action_stage(target, prompt, p["cocs"], args.samples, stop, v0, args.repeats))
+            p.update(action_stage(target, prompt, p["cocs"], (stop,), v0, args.repeats))
         return {"mode": "plans", "model": name, "decoding": decoding, "plan": p, "trained_draft": bool(args.draft)}
     res = benchmark(target, draft, [prompt], args.decoder, args.max_new, stop, args.repeats, decoding, args.compile,
                     args.gamma)
