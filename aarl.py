@@ -81,9 +81,10 @@ def reward(target, batch, toks, mask, G, tok, agree_weight):
     """Action quality (-ADE in metres of the target's trajectory after the drafted CoC) plus agree_weight * the share
     of the CoC's tokens equal to the target's greedy choice after the same prefix -> reward, ade, agree (S*G,) each."""
     cocs = [t[m].tolist() for t, m in zip(toks, mask)]  # <cot_end> is added where a rollout hit max_new first
-    traj, logits = evaluate.plan_trajectories(target, batch, cocs, tok)  # (N, traj_len, 2), (N, 1+T', V)
+    prompt = {"input_ids": batch["input_ids"][:, :int(batch["prompt_len"][0])], **vision_kwargs(batch)}
+    traj, logits, _ = evaluate.action_rows(target, prompt, cocs, (tok.cot_end_id, tok.traj_future_start_id))
     ade = evaluate.ade_fde(traj, batch["traj"].repeat_interleave(G, 0), per_scene=True)[0]  # (N,)
-    # agreement: row t of logits is p after the prompt and the rollout's first t tokens
+    # agreement: row t of logits (N, 1+T', V) is p after the prompt and the rollout's first t tokens
     agree = ((logits[:, :toks.shape[1]].argmax(-1) == toks) & mask).sum(1) / mask.sum(1).clamp(min=1)  # (N,)
     return -ade + agree_weight * agree.float(), ade, agree.float()
 

@@ -244,10 +244,10 @@ def plan_batches(prompts, batch):
     return [speculate.stack_prompts(prompts[i:i + batch]) for i in range(0, len(prompts) - batch + 1, batch)]
 
 
-def action_stage(target, prompt, cocs, samples, future_start, v0=None, repeats=3):
-    """The plan's action step over all its rows (evaluate.action_rows: the shared prefill, the rows' CoCs, the expert
-    or the toy's head), timed: {action_ms (median of repeats), waypoints}."""
-    run = lambda: evaluate.action_rows(target, prompt, cocs, samples, future_start, v0)  # noqa: E731
+def action_stage(target, prompt, cocs, end, v0=None, repeats=3):
+    """The plan's action step over all its rows (evaluate.action_rows: the shared prefill, the rows' CoCs closed by
+    end, the expert or the toy's head), timed: {action_ms (median of repeats), waypoints}."""
+    run = lambda: evaluate.action_rows(target, prompt, cocs, end, v0)[0]  # noqa: E731
     ms = 1e3 * timing.median_time(run, prompt["input_ids"].device, repeats)
     return {"action_ms": ms, "waypoints": run().tolist()}
 
@@ -307,8 +307,8 @@ def toy(args, device, dtype, sampling):
                                                sampling, args.batch, args.samples)
         p = plans(target, draft, prompts, decoder, args.max_new, tok.cot_end_id, args.repeats, sampling, args.batch,
                   args.samples, args.compile, args.gamma)
-        p |= action_stage(target, speculate.stack_prompts(prompts[:args.batch]), p["cocs"], args.samples,
-                          tok.traj_future_start_id, repeats=args.repeats)  # the first plan's rows
+        p |= action_stage(target, speculate.stack_prompts(prompts[:args.batch]), p["cocs"],
+                          (tok.cot_end_id, tok.traj_future_start_id), repeats=args.repeats)  # the first plan's rows
         return {"mode": "plans", "draft": draft_dir, "target": target_dir, "decoding": cli.sampling_json(sampling),
                 "decoder": decoder_json(decoder), "plan": dict(p, chosen=chosen) if chosen else p}
     # --compile without --tree: the tree the compiled steps run fastest, chosen on val scenes
@@ -361,7 +361,7 @@ def real(args, device, dtype, sampling):
                       args.compile, args.gamma)
             if getattr(target, "expert", None) is not None:  # the first scene's plan, at its own speed
                 v0 = speed_from_history(found[0].past[None]).to(device).expand(args.samples)  # (B,)
-                p.update(action_stage(target, ps[0], p["cocs"], args.samples, stop[-1], v0, args.repeats))
+                p.update(action_stage(target, ps[0], p["cocs"], stop[-1:], v0, args.repeats))
             return {"mode": "plans", "model": args.target, "scenes_dir": args.scenes,
                     "decoding": cli.sampling_json(sampling),
                     "plan": p, "trained_draft": bool(args.draft), "prompt_source": how}
@@ -383,7 +383,7 @@ def real(args, device, dtype, sampling):
                   args.compile, args.gamma)
         if getattr(target, "expert", None) is not None:
             v0 = speed_from_history(alpamayo.history_poses()[None]).to(device).expand(args.samples)  # (B,)
-            p.update(action_stage(target, prompt, p["cocs"], args.samples, stop, v0, args.repeats))
+            p.update(action_stage(target, prompt, p["cocs"], (stop,), v0, args.repeats))
         return {"mode": "plans", "model": name, "decoding": cli.sampling_json(sampling), "plan": p,
                 "trained_draft": bool(args.draft)}
     res = benchmark(target, draft, [prompt], args.decoder, args.max_new, stop, args.repeats, sampling, args.compile,

@@ -1,6 +1,7 @@
 """Evaluation on the synthetic driving world, the columns of the paper's table: batched CoC generation (greedy or
-sampled), ADE of the trajectory after a CoC, teacher-forced commitment accuracy, the attention split (FlatRoPE's claim,
-docs/background.md) and speculative decoding's statistics over a set of prompts (tau, alpha, routine share).
+sampled), the action step (every CoC -> trajectory path: the toy's head, Alpamayo's expert) and its ADE,
+teacher-forced commitment accuracy, the attention split (FlatRoPE's claim, docs/background.md) and speculative
+decoding's statistics over a set of prompts (tau, alpha, routine share).
 
 Letters: B batch, P prompt length, L sequence, T generated tokens, V vocab, H heads.
 
@@ -72,48 +73,34 @@ def greedy_coc(target, batch, stop, max_new=MAX_NEW_TOKENS, amp=False, draft=Non
 
 
 @torch.no_grad()
-def plan_trajectories(target, batch, cocs, tok, amp=False):
-    """Trajectories (N, traj_len, 2) at <traj_future_start> after prompt + cocs (<cot_end> added where missing), and
-    logits (N, 1 + T, V), row t predicting continuation token t. cocs: k per scene, scene-major, sharing its prefill;
-    each goes through the KV cache as during generation; right padding is fine: attention is causal."""
-    seqs = [[t for t in c if t != tok.cot_end_id] + [tok.cot_end_id, tok.traj_future_start_id] for c in cocs]
-    P, S = int(batch["prompt_len"][0]), batch["input_ids"].shape[0]
-    k, T = len(seqs) // S, max(map(len, seqs))
-    ids = batch["input_ids"][:, :P]  # (S, P)
-    cont = torch.full((len(seqs), T), tok.pad_id, dtype=torch.long, device=ids.device)  # (N, T), N = S * k
-    for b, s in enumerate(seqs):
-        cont[b, :len(s)] = torch.tensor(s)
-    cache = target.new_cache(batch=S, max_len=P + T)
-    with autocast(ids.device, amp):
-        first = target(ids, cache=cache, logits_to_keep=1, **vision_kwargs(batch))  # (S, 1, V)
-        if k > 1:  # each scene's k continuations share its prefill
-            cache, shared = target.new_cache(batch=len(seqs), max_len=P + T), cache
-            cache.take_rows(shared, [s for s in range(S) for _ in range(k)])
-        logits, hidden = target(cont, cache=cache, return_hidden=True)  # (N, T, V), (N, T, D)
-    last = torch.tensor([len(s) - 1 for s in seqs], device=hidden.device)
-    traj = target.traj(hidden[torch.arange(len(seqs)), last]).float()  # (N, traj_len, 2)
-    return traj, torch.cat([first.repeat_interleave(k, 0), logits], 1)
-
-
-@torch.no_grad()
-def action_rows(target, prompt, cocs, samples, future_start, v0=None):
-    """The action step of a plan of B = P x samples rows at once, row b after prompt row b // samples and its own CoC
-    (+ future_start, <traj_future_start>): the prompt prefilled once per prompt, the rows' CoCs teacher-forced in one
-    ragged step, then an Alpamayo target's action expert over all rows (the per-row mask; v0 (B,) m/s; each row's
-    noise seeded 0, as alpamayo.expert_plan's: a row's plan is a function of its CoC, whatever its batch), or the toy's
-    trajectory head at each row's <traj_future_start> -> waypoints (B, N, 2)."""
-    seqs = [c + ([] if c[-1:] == [future_start] else [future_start]) for c in cocs]
-    L, dev = prompt["input_ids"].shape[1], prompt["input_ids"].device
-    expert = getattr(target, "expert", None)
-    embeds, deepstack = speculate.embed_prompt(target, prompt)  # (P, L, D)
-    room = max(map(len, seqs)) + (expert.cfg.n_waypoints if expert is not None else 0)
-    cache = target.new_cache(batch=len(seqs), max_len=L + room)
-    x_last = speculate.prefill(target, prompt, embeds, cache, deepstack, "target", samples)  # (B, 1)
-    rows = [[t] + s for t, s in zip(x_last[:, 0].tolist(), seqs)]  # the prompt's last token, then the CoC
-    _, h = speculate.feed_rows(target, cache, rows, return_hidden=True)  # h (B, D) at each row's last token
-    if expert is not None:
-        return expert(cache, v0, generator=[torch.Generator(device=dev).manual_seed(0) for _ in rows])
-    return target.traj(h).float()  # (B, traj_len, 2)
+def action_rows(target, prompt, cocs, end, v0=None):
+    """The action step, the one way from CoCs to trajectories (the toy's head, Alpamayo's expert; one row or a plan's
+    B = P x samples): row b reads prompt row b // samples, then its CoC closed by `end` (the ids between a CoC and its
+    trajectory, as (<cot_end>, <traj_future_start>): those after the last of them the CoC ends with). Each prompt row
+    is prefilled once (its cache rows repeated), the B CoCs teacher-forced in one right-padded step (attention is
+    causal), then the toy's trajectory head at each row's last token, or an Alpamayo target's action expert over all
+    rows, each reading its cache up to its own <traj_future_start> (v0 (B,) m/s; every row's noise seeded 0: a row's
+    plan is a function of its CoC whatever its batch, so AARL's advantages compare CoCs, not noise draws). prompt:
+    forward kwargs of P rows (input_ids (P, L), left-padded under attention_mask), with pixels or with target.embed's
+    inputs_embeds and deepstack. -> waypoints (B, N, 2), logits (B, 1 + T, V) (row t predicts token t of the closed
+    CoC: AARL's agreement) and the cache (the expert alone is timed on it)."""
+    seqs = [c + list(end[max((i + 1 for i, t in enumerate(end) if c[-1:] == [t]), default=0):]) for c in cocs]
+    ids, T, expert = prompt["input_ids"], max(map(len, seqs)), getattr(target, "expert", None)  # ids (P, L)
+    B, P = len(seqs), ids.shape[0]
+    room = ids.shape[1] + T + (expert.cfg.n_waypoints if expert is not None else 0)  # and the expert's action tokens
+    cache = target.new_cache(batch=P, max_len=room)
+    first = target(ids, cache=cache, logits_to_keep=1, **{k: v for k, v in prompt.items() if k != "input_ids"})
+    if B > P:  # each prompt row's samples share its prefill
+        cache, shared = target.new_cache(batch=B, max_len=room), cache
+        cache.take_rows(shared, [p for p in range(P) for _ in range(B // P)])
+    x = torch.tensor([s + s[-1:] * (T - len(s)) for s in seqs], device=ids.device)  # (B, T)
+    logits, h = target(x, cache=cache, return_hidden=True)  # (B, T, V), (B, T, D)
+    logits = torch.cat([first.repeat_interleave(B // P, 0), logits], 1)  # (P, 1, V) + (B, T, V) -> (B, 1 + T, V)
+    if expert is None:
+        return target.traj(h[torch.arange(B), [len(s) - 1 for s in seqs]]).float(), logits, cache  # (B, N, 2)
+    cache.lengths = [n - T + len(s) for n, s in zip(cache.lengths, seqs)]  # each row up to its <traj_future_start>
+    gens = [torch.Generator(device=ids.device).manual_seed(0) for _ in seqs]
+    return expert(cache, v0, generator=gens), logits, cache
 
 
 def repeat_scenes(inputs, n_scenes, G):
@@ -148,9 +135,13 @@ def commitment_hits(pred_next, input_ids, commit_mask):
 def trajectory_ade(target, data: Data, cocs, batch_size=EVAL_BATCH, amp=False):
     """(ADE, FDE) in metres over the scenes of data of the target's trajectories after cocs (one per scene)."""
     ade = fde = 0.0
+    end = data.tok.cot_end_id, data.tok.traj_future_start_id  # what follows a toy CoC
     for i, batch in enumerate(data.batches(batch_size, next(target.parameters()).device)):
         part = cocs[i * batch_size:(i + 1) * batch_size]
-        a, f = ade_fde(plan_trajectories(target, batch, part, data.tok, amp)[0], batch["traj"].cpu())
+        ids = batch["input_ids"][:, :int(batch["prompt_len"][0])]  # (B, P)
+        with autocast(ids.device, amp):
+            traj = action_rows(target, {"input_ids": ids, **vision_kwargs(batch)}, part, end)[0]  # (B, N, 2)
+        a, f = ade_fde(traj, batch["traj"].cpu())
         ade, fde = ade + a * len(part), fde + f * len(part)
     return ade / len(cocs), fde / len(cocs)
 

@@ -2,8 +2,8 @@
 (hf.load_pretrained) and traj_p its flow-matching action expert (noise seeded 0: r_i is a deterministic function of
 c_i); traj_gt is the scene's logged future, or, without one, p's plan after p's own greedy CoC. The update is aarl.py's
 (group advantages, exact KL to the static reference). Batch 1 per scene (prompt lengths differ): p embeds the prompt
-and fills its KV cache once, each c_i's tokens and action tokens are written after it and cropped away; S scenes per
-update are accumulated gradients. Reference: static only (the --draft checkpoint, frozen); the pure action reward.
+once, for q's rollouts and for p's action step over the G CoCs (evaluate.action_rows, G rows); S scenes per update are
+accumulated gradients. Reference: static only (the --draft checkpoint, frozen); the pure action reward.
 
 run: python -m real.aarl_real --target ALPAMAYO_DIR --draft SFT_DRAFT --scenes SCENES --out OUT [--steps --group ...]
      (writes OUT/draft_aarl_s<seed>; tests: tests/test_aarl_real.py)
@@ -42,17 +42,10 @@ class RealConfig:
     save_every: int = 10  # updates between resumable states (OUT/draft_aarl_s<seed>.state.pt)
 
 
-def close_coc(coc, cot_end, future_start):
-    """The CoC as the expert reads it: through <|cot_end|> <|traj_future_start|>, appended where a rollout stopped at
-    max_new."""
-    return coc if coc[-1:] == [future_start] else coc + ([] if coc[-1:] == [cot_end] else [cot_end]) + [future_start]
-
-
-def real_rewards(target, cache, L, cocs, v0, traj_ref, ids):
-    """r_i = -ADE(expert plan after prompt + c_i, traj_ref (N, 2)) for the id lists cocs -> (G,); ids: (cot_end,
-    future_start)."""
-    # one prompt cache for the G CoCs (alpamayo.expert_plan crops it back to L): the tower and prompt run once
-    plans = torch.cat([alpamayo.expert_plan(target, cache, L, close_coc(c, *ids), v0) for c in cocs])  # (G, N, 2)
+def real_rewards(target, prompt, cocs, v0, traj_ref, ids):
+    """r_i = -ADE(expert plan after prompt + c_i, traj_ref (N, 2)) for the id lists cocs -> (G,): the G plans in one
+    action step (evaluate.action_rows, closed by ids = (cot_end, future_start)); v0 (1,) m/s."""
+    plans = evaluate.action_rows(target, prompt, cocs, ids, v0.expand(len(cocs)))[0]  # (G, N, 2)
     return -evaluate.ade_fde(plans, traj_ref.to(plans)[None].expand_as(plans), per_scene=True)[0]
 
 
@@ -63,10 +56,7 @@ def reference_plan(target, prompt, scene, v0, cfg, ids):
     if scene.future is not None:
         return scene.future[:, :2]  # (N, 3) -> (N, 2)
     coc = speculate.autoregressive(target, prompt, cfg.max_new, stop_token=ids[1]).tokens
-    embeds, deepstack = speculate.embed_prompt(target, prompt)  # (1, L, D)
-    L = prompt["input_ids"].shape[1]
-    cache = alpamayo.prefill_cache(target, prompt, embeds, deepstack, cfg.max_new + 2 + target.expert.cfg.n_waypoints)
-    return alpamayo.expert_plan(target, cache, L, close_coc(coc, *ids), v0)[0].float().cpu()
+    return evaluate.action_rows(target, prompt, [coc], ids, v0)[0][0].float().cpu()
 
 
 def real_scene_loss(target, draft, ref, prompt, v0, traj_ref, cfg, ids, gen):
@@ -74,13 +64,10 @@ def real_scene_loss(target, draft, ref, prompt, v0, traj_ref, cfg, ids, gen):
     p's expert, group advantages, exact KL(q || q_ref) -> (loss, kl, rewards (G,))."""
     with torch.no_grad():
         embeds, deepstack = speculate.embed_prompt(target, prompt)  # (1, L, D)
-    L = embeds.shape[1]
     draft.eval()
     toks, mask = rollout(draft, embeds, prompt, cfg.group, cfg.temperature, cfg.max_new, ids[1], gen)  # (G, T) each
-    cache = alpamayo.prefill_cache(target, prompt, embeds, deepstack,
-                                   toks.shape[1] + 2 + target.expert.cfg.n_waypoints)
-    r = real_rewards(target, cache, L, [t[m].tolist() for t, m in zip(toks, mask)], v0, traj_ref, ids)  # (G,)
-    del cache  # p's prompt cache is not needed by the backward: freed before it
+    r = real_rewards(target, dict(prompt, inputs_embeds=embeds, deepstack=deepstack),  # p's embeddings, computed once
+                     [t[m].tolist() for t, m in zip(toks, mask)], v0, traj_ref, ids)  # (G,)
     with torch.no_grad():
         logr = coc_logprobs(ref, embeds, prompt, toks, cfg.group)  # (G, T, V)
     draft.train()

@@ -230,39 +230,6 @@ def load(target_dir, draft_dir, images, device, dtype, processor=None, min_pixel
 
 
 @torch.inference_mode()
-def trajectory(target, prompt, coc, future_start, repeats, past=None):
-    """The expert's waypoints (1, N, 2) after prompt + CoC + <|traj_future_start|> (appended when the
-    CoC did not end with it), and the median time (s) of the expert alone over `repeats` runs. past: the
-    scene's (16, 3) poses the start speed is read from (default history_poses())."""
-    seq = coc + ([] if coc[-1:] == [future_start] else [future_start])
-    embeds, deepstack = speculate.embed_prompt(target, prompt)  # (1, L, D)
-    cache = prefill_cache(target, prompt, embeds, deepstack, len(seq) + target.expert.cfg.n_waypoints)
-    v0 = speed_from_history((history_poses() if past is None else past)[None]).to(cache.rope_delta.device)  # (1,)
-    waypoints = expert_plan(target, cache, prompt["input_ids"].shape[1], seq, v0)
-    g = torch.Generator(device=cache.rope_delta.device)  # the expert alone timed, on the cache expert_plan left
-    return waypoints, timing.median_time(lambda: target.expert(cache, v0, generator=g.manual_seed(0)),
-                                         cache.rope_delta.device, repeats)
-
-
-@torch.no_grad()
-def prefill_cache(target, prompt, embeds, deepstack, room):
-    """p's KV cache of the prompt, with `room` slots after it for a CoC and the expert's action tokens."""
-    cache = target.new_cache(max_len=prompt["input_ids"].shape[1] + room)
-    grids = {k: prompt[k] for k in speculate.GRID_KEYS if prompt.get(k) is not None}
-    target(prompt["input_ids"], inputs_embeds=embeds, deepstack=deepstack, cache=cache, logits_to_keep=1, **grids)
-    return cache
-
-
-@torch.no_grad()
-def expert_plan(target, cache, L, seq, v0):
-    """p's action expert after the prompt (the cache's first L slots, anything after cropped away) + seq (ending with
-    <|traj_future_start|>) -> waypoints (1, N, 2). The noise is seeded 0 every call: the plan is a deterministic
-    function of the CoC (AARL's advantages compare CoCs, not noise draws)."""
-    cache.crop(L)
-    target(torch.tensor([seq], device=cache.rope_delta.device), cache=cache, logits_to_keep=1)  # the CoC teacher-forced
-    return target.expert(cache, v0, generator=torch.Generator(device=cache.rope_delta.device).manual_seed(0))
-
-
 def plan(target, draft, prompt, stop, tok, how, decoder, max_new, repeats, decoding):
     """After the timed reasoning step: the CoC once more (marked), and with an action expert the trajectory, timed
     (median of `repeats`). decoder: the chain's gamma or a tree.TreeShape."""
@@ -272,7 +239,10 @@ def plan(target, draft, prompt, stop, tok, how, decoder, max_new, repeats, decod
            "visual_tokens": int((prompt["input_ids"] == target.cfg.image_token_id).sum()),
            "coc_tokens": spec.tokens, "coc": evaluate.marked_coc(words, spec.from_draft)}
     if getattr(target, "expert", None) is not None:
-        waypoints, t = trajectory(target, prompt, spec.tokens, stop, repeats)
+        v0 = speed_from_history(history_poses()[None]).to(prompt["input_ids"].device)  # (1,)
+        waypoints, _, cache = evaluate.action_rows(target, prompt, [spec.tokens], (stop,), v0)  # (1, N, 2)
+        g = torch.Generator(device=v0.device)  # the expert alone timed, on the cache of prompt + CoC it read
+        t = timing.median_time(lambda: target.expert(cache, v0, generator=g.manual_seed(0)), v0.device, repeats)
         res.update(trajectory_ms=1e3 * t, waypoints=waypoints[0].float().tolist())
     return res
 
@@ -344,7 +314,11 @@ def heldout(target, draft, scenes, prompts, stop, max_new, gamma, repeats, words
                "coc": evaluate.marked_coc([words(t) for t in spec.tokens], spec.from_draft), "ade_m": None,
                "fde_m": None}
         if getattr(target, "expert", None) is not None:  # the plan's last stage, after the speculative CoC
-            waypoints, s["action_expert"] = trajectory(target, p, spec.tokens, stop, repeats, past=scene.past)
+            v0 = speed_from_history(scene.past[None]).to(dev)  # (1,)
+            waypoints, _, cache = evaluate.action_rows(target, p, [spec.tokens], (stop,), v0)  # (1, N, 2)
+            g = torch.Generator(device=dev)  # the expert alone timed, on the cache of prompt + CoC it read
+            s["action_expert"] = timing.median_time(lambda: target.expert(cache, v0, generator=g.manual_seed(0)), dev,
+                                                    repeats)
             row["waypoints"] = waypoints[0].float().tolist()  # (N, 2) x, y in metres
             if scene.future is not None:
                 if target.expert.cfg.dt != FUTURE_DT:

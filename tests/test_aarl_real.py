@@ -1,5 +1,5 @@
 """Tests for aarl_real.py's real-target path on the tiny Alpamayo-shaped folder of tests/test_alpamayo.py and 3 written
-scenes (two with a logged future, one without): the reward is -ADE of alpamayo.trajectory's plan, recomputed here,
+scenes (two with a logged future, one without): the reward is -ADE of the expert's plan of each CoC planned alone,
 and a deterministic function of the CoC; the reference of a scene without a future is p's plan after p's greedy CoC;
 one update moves the draft and neither p nor q_ref, with KL 0 at the first update (q == q_ref); a NaN loss names its
 update; the command line writes a draft checkpoint.load reads, refuses to replace it, and names bad inputs.
@@ -13,6 +13,7 @@ import os
 import pytest
 import torch
 
+import evaluate
 import model as M
 from ops import checkpoint, files
 from real import aarl_real, alpamayo, scenes
@@ -32,7 +33,7 @@ FLAGS = ["--min-pixels", "64", "--max-pixels", "256", "--max-new", "4", "--group
 @pytest.fixture(scope="module")
 def setup(folder, tmp_path_factory):
     """(target, SFT draft folder, scene folder, scenes, prompts): s0 and s2 drive at alpamayo.history_poses' 8 m/s
-    (the speed alpamayo.trajectory assumes), s1 slower; s2 has no future."""
+    (alpamayo.plan's speed), s1 slower; s2 has no future."""
     from real.hf import load_pretrained
     d, root = folder[2], tmp_path_factory.mktemp("aarl_real")
     target = load_pretrained(d).eval()
@@ -54,15 +55,14 @@ def test_reward_is_minus_ade_of_the_experts_plan(setup):
     embeds, deepstack = speculate.embed_prompt(target, prompt)  # (1, L, D)
     toks, mask = aarl_real.rollout(draft, embeds, prompt, 3, 1.0, 5, IDS[1], torch.Generator().manual_seed(0))
     cocs = [t[m].tolist() for t, m in zip(toks, mask)]
-    v0 = torch.tensor([8.0])  # alpamayo.trajectory's speed; s0's own past gives the same
+    v0 = torch.tensor([8.0])  # alpamayo.plan's speed; s0's own past gives the same
     assert torch.allclose(aarl_real.speed_from_history(scene.past[None]), v0)
-    L = prompt["input_ids"].shape[1]
-    cache = alpamayo.prefill_cache(target, prompt, embeds, deepstack, 5 + 2 + 64)
-    r = aarl_real.real_rewards(target, cache, L, cocs, v0, scene.future[:, :2], IDS)  # (3,)
-    for c, ri in zip(cocs, r):  # an independent plan: a fresh prefill per CoC, alpamayo.trajectory
-        plan = alpamayo.trajectory(target, prompt, aarl_real.close_coc(c, *IDS), IDS[1], repeats=1)[0][0]  # (64, 2)
+    shared = dict(prompt, inputs_embeds=embeds, deepstack=deepstack)  # p's embeddings, as real_scene_loss passes them
+    r = aarl_real.real_rewards(target, shared, cocs, v0, scene.future[:, :2], IDS)  # (3,)
+    for c, ri in zip(cocs, r):  # an independent plan: each CoC alone, its own prefill from pixels
+        plan = evaluate.action_rows(target, prompt, [c], IDS, v0)[0][0]  # (64, 2)
         assert torch.allclose(ri, -(plan - scene.future[:, :2]).norm(dim=-1).mean(), atol=1e-5)
-    again = aarl_real.real_rewards(target, cache, L, cocs[::-1], v0, scene.future[:, :2], IDS)  # after other CoCs
+    again = aarl_real.real_rewards(target, shared, cocs[::-1], v0, scene.future[:, :2], IDS)  # the rows reordered
     assert torch.equal(again, r.flip(0)) and len(set(r.tolist())) > 1, r  # deterministic, and CoCs differ
 
 
@@ -72,7 +72,7 @@ def test_reference_without_future_is_ps_own_plan(setup):
     assert scene.future is None
     ref = aarl_real.reference_plan(target, prompt, scene, torch.tensor([8.0]), CFG, IDS)  # (64, 2)
     coc = speculate.autoregressive(target, prompt, CFG.max_new, stop_token=IDS[1]).tokens
-    plan = alpamayo.trajectory(target, prompt, aarl_real.close_coc(coc, *IDS), IDS[1], repeats=1)[0][0]
+    plan = evaluate.action_rows(target, prompt, [coc], IDS, torch.tensor([8.0]))[0][0]
     assert ref.shape == (64, 2) and torch.allclose(ref, plan, atol=1e-5)
 
 

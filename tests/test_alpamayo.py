@@ -342,18 +342,17 @@ def test_bench_target_runs_the_plan_on_pixels(folder, tmp_path, capsys):
 
 def test_the_expert_over_rows_of_their_own_lengths_equals_each_rows_plan(model):
     """evaluate.action_rows: three sampled rows of one prompt with CoCs of 1, 3 and 5 tokens, teacher-forced in one
-    ragged step, the expert over all three under the per-row mask: each row's waypoints equal expert_plan's batch-1
-    plan of that CoC. In fp64: this random expert turns a 1e-6 change of its cache into ~0.2 m of waypoints (ten
-    Euler steps, then the unicycle's double integration), so fp32 rounding of a batched matmul would not compare."""
+    right-padded step, the expert over all three under the per-row mask: each row's waypoints equal that CoC's plan
+    alone (batch 1, no padding). In fp64: this random expert turns a 1e-6 change of its cache into ~0.2 m of waypoints
+    (ten Euler steps, then the unicycle's double integration), so fp32 rounding of a batched matmul would not compare."""
     model = copy.deepcopy(model).double()
     prompt, fs = qwen3_prompt(), SPECIAL["<|traj_future_start|>"]
     prompt = {k: v.double() if v.is_floating_point() else v for k, v in prompt.items()}
     cocs = [[fs], [7, 8, fs], [9, 10, 11, 12, fs]]
     v0 = torch.tensor([6.0, 6.0, 6.0], dtype=torch.float64)
-    rows = evaluate.action_rows(model, prompt, cocs, 3, fs, v0)  # (3, N, 2)
+    rows = evaluate.action_rows(model, prompt, cocs, (fs,), v0)[0]  # (3, N, 2)
     for r, coc in enumerate(cocs):
-        cache = alpamayo.prefill_cache(model, prompt, *speculate.embed_prompt(model, prompt), len(coc) + N_WP)
-        one = alpamayo.expert_plan(model, cache, prompt["input_ids"].shape[1], coc, v0[:1])
+        one = evaluate.action_rows(model, prompt, [coc], (fs,), v0[:1])[0]  # (1, N, 2)
         torch.testing.assert_close(rows[r:r + 1], one, atol=1e-6, rtol=1e-6)
 
 

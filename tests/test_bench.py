@@ -301,8 +301,8 @@ def test_the_toys_action_step_over_rows_is_each_rows_own():
     target = tiny_model()
     prompts = [image_prompt(seed=s) for s in range(2)]
     cocs = [[5, 6, 9], [7], [8, 8, 8, 8, 9], [9]]
-    got = bench.action_stage(target, speculate.stack_prompts(prompts), cocs, 2, 9)
+    got = bench.action_stage(target, speculate.stack_prompts(prompts), cocs, (9,))
     assert got["action_ms"] > 0
     for b, coc in enumerate(cocs):
-        alone = evaluate.action_rows(target, prompts[b // 2], [coc], 1, 9)
+        alone = evaluate.action_rows(target, prompts[b // 2], [coc], (9,))[0]
         torch.testing.assert_close(torch.tensor(got["waypoints"][b]), alone[0], atol=1e-5, rtol=1e-5)

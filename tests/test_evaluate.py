@@ -140,13 +140,14 @@ def test_simulate_rounds_by_hand():
 
 
 def test_k_continuations_sharing_a_prefill_equal_each_alone(tok):
-    """plan_trajectories with k = 2 CoCs of one scene (its prefill copied into both rows, KVCache.take_rows) gives
-    each row the trajectory and logits of that CoC planned alone (k = 1)."""
+    """action_rows with k = 2 CoCs of one scene (its prefill copied into both rows, KVCache.take_rows) gives each row
+    the trajectory and logits of that CoC planned alone (k = 1)."""
     target = tiny_target(tok)
     batch = next(Data("val", 1, 0, tok).batches(1))
-    cocs = [[5, 6, tok.cot_end_id], [7, tok.cot_end_id]]
-    traj, logits = evaluate.plan_trajectories(target, batch, cocs, tok)
+    prompt = {"input_ids": batch["input_ids"][:, :int(batch["prompt_len"][0])], **vision_kwargs(batch)}
+    cocs, end = [[5, 6, tok.cot_end_id], [7, tok.cot_end_id]], (tok.cot_end_id, tok.traj_future_start_id)
+    traj, logits, _ = evaluate.action_rows(target, prompt, cocs, end)
     for j, coc in enumerate(cocs):
-        t1, l1 = evaluate.plan_trajectories(target, batch, [coc], tok)
+        t1, l1, _ = evaluate.action_rows(target, prompt, [coc], end)
         torch.testing.assert_close(traj[j:j + 1], t1, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(logits[j:j + 1, :l1.shape[1]], l1, atol=1e-4, rtol=1e-4)

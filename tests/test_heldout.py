@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import bench
+import evaluate
 from model import make_draft
 from ops import checkpoint
 from real import alpamayo, scenes
@@ -81,7 +82,8 @@ def test_heldout_is_what_speculative_decoding_gives(setup):
         assert row["routine_share"] == sum(s.from_draft) / len(s.tokens)
         assert row["alpha_by_position"] == [alpha_at([s], k) for k in range(1, GAMMA + 1)]
         assert all(v > 0 for v in row["ms"].values()), row["ms"]
-        waypoints, _ = alpamayo.trajectory(target, p, s.tokens, stop, 1, past=scene.past)  # (1, 64, 2)
+        v0 = alpamayo.speed_from_history(scene.past[None])  # (1,)
+        waypoints = evaluate.action_rows(target, p, [s.tokens], (stop,), v0)[0]  # (1, 64, 2)
         assert torch.equal(torch.tensor(row["waypoints"]), waypoints[0])  # the plan after the speculative CoC
         true = scene.future[:, :2]  # (64, 2) x, y
         ade = torch.linalg.vector_norm(torch.tensor(row["waypoints"]) - true, dim=-1).mean().item()
