@@ -15,6 +15,7 @@ import torch
 import driving
 from driving import Data, grid_kwargs, vision_kwargs
 import speculate
+from speculate import GREEDY
 import tree
 from tree import TreeShape
 
@@ -248,37 +249,28 @@ def scene_prompts(scenes, tok, device, dtype=None, views=driving.WorldConfig().v
              for k, v in driving.build_prompt(s, tok, views).items()} for s in scenes]
 
 
-def sampling_kwargs(decoding, i):
-    """speculate's sampling arguments for prompt i under `decoding` (decoding_mode; None = greedy). Prompt i's
-    generator is seeded seed + i: its draws are the same in every timed pass and independent of the other prompts'."""
-    if decoding is None or decoding["mode"] == "greedy":
-        return {}
-    return {"temperature": decoding["temperature"], "top_k": decoding["top_k"], "top_p": decoding["top_p"],
-            "seed": decoding["seed"] + i}
-
-
-def decode(target, draft, prompt, gamma, max_new, stop_token, timing=False, **sampling):
-    """One arm on one prompt: speculative decoding with `draft`, or target-only decoding when draft is None.
-    sampling: speculate's temperature / top_k / top_p / seed (sampling_kwargs); none = greedy."""
+def decode(target, draft, prompt, gamma, max_new, stop_token, sampling=GREEDY, timing=False):
+    """One arm on one prompt: speculative decoding with `draft` (the chain of gamma, or a tree of shape gamma), or
+    target-only decoding when draft is None."""
     if draft is None:
-        return speculate.autoregressive(target, prompt, max_new, stop_token=stop_token, timing=timing, **sampling)
+        return speculate.autoregressive(target, prompt, max_new, sampling, stop_token, timing=timing)
     decoder = tree.speculative if isinstance(gamma, TreeShape) else speculate.speculative
-    return decoder(target, draft, prompt, gamma, max_new, stop_token=stop_token, timing=timing, **sampling)
+    return decoder(target, draft, prompt, gamma, max_new, sampling, stop_token, timing=timing)
 
 
 @torch.no_grad()
 def spec_stats(target, drafts, prompts, gamma, max_new=MAX_NEW_TOKENS, stop_token=None, check_greedy=True,
-               decoding=None):
+               sampling=GREEDY):
     """{arm: stats} of every prompt (batch 1) decoded with each draft of `drafts` (name -> draft) and, when
-    check_greedy, by the target alone (arm TARGET_ONLY, first). Greedy unless `decoding` (decoding_mode) samples;
-    then check_greedy is off: lossless verification keeps the sampled distribution, not the tokens. alpha is
+    check_greedy, by the target alone (arm TARGET_ONLY, first). Greedy unless `sampling` samples (prompt i's seeds:
+    sampling.offset(i)); then check_greedy is off: lossless verification keeps the sampled distribution, not the
+    tokens. alpha is
     Leviathan's; tau_ceiling is the tau of a draft the verifier never rejects, on these outputs."""
-    check_greedy = check_greedy and (decoding is None or decoding["mode"] == "greedy")
+    check_greedy = check_greedy and sampling.greedy
     arms = {TARGET_ONLY: None, **drafts} if check_greedy else dict(drafts)
     out = {}
     for name, draft in arms.items():
-        res = [decode(target, draft, p, gamma, max_new, stop_token, **sampling_kwargs(decoding, i))
-               for i, p in enumerate(prompts)]
+        res = [decode(target, draft, p, gamma, max_new, stop_token, sampling.offset(i)) for i, p in enumerate(prompts)]
         if name == TARGET_ONLY:
             reference = [r.tokens for r in res]
         out[name] = result_stats(res, gamma, reference if check_greedy else None)

@@ -215,12 +215,6 @@ def new_cache(model, prompt, max_new_tokens, max_len, slack=0, batch=1):
     return model.new_cache(batch=batch, max_len=max_len or need + slack, device=prompt["input_ids"].device)
 
 
-def on_model(prompt, model):
-    """A prompt dict's tensors on the model's device, its pixels in the model's dtype (ids stay integers)."""
-    w = next(model.parameters())
-    return {k: v.to(w.device, w.dtype if v.is_floating_point() else None) for k, v in prompt.items()}
-
-
 def stack_prompts(prompts, pad_id=0):
     """Batch-1 prompt dicts -> one prompt of P rows, left-padded to the longest (attention_mask), the vision inputs
     of the rows that have them concatenated in row order (transformers' layout: row-major over the batch)."""

@@ -28,7 +28,7 @@ def one_at_a_time(target, prompts, stop, max_new, samples, seed):
     """The data stage's decoding before: each sample its own batch-1 decode -> [token lists]."""
     out = []
     for scene_id, prompt in prompts:
-        prompt = speculate.on_model(scenes.built(scene_id, prompt), target)
+        prompt = scenes.on_model(scenes.built(scene_id, prompt), target)
         for k in range(samples):
             out.append(speculate.autoregressive(target, prompt, max_new, 0.6, top_p=0.98, stop_token=stop,
                                                 seed=scenes.sample_seed(seed, scene_id, k)).tokens)

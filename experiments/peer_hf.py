@@ -18,7 +18,6 @@ import platform
 import statistics
 import sys
 import tempfile
-import time
 
 import torch
 
@@ -91,30 +90,23 @@ def one_token_forward(target, hf_target, prompt, inputs, reps=20):
 
 
 def time_calls(arms, prompts, device, repeats):
-    """arms: name -> fn(i, prompt) -> (tokens, inner seconds or None). A warm-up call per arm and prompt, then `repeats`
-    passes alternating the arms on every prompt -> {name: {tokens (per prompt), ms_per_token, ms_per_prompt,
+    """arms: name -> fn(i, prompt) -> (tokens, inner seconds or None). A warm-up call per arm and prompt, then
+    timing.interleaved's `repeats` passes -> {name: {tokens (per prompt), ms_per_token, ms_per_prompt,
     inner_ms_per_token, cpu_ms_per_token (on a CPU: process time, which leaves out a shared CPU's waits)}}: medians."""
     tokens = {name: [fn(i, p)[0] for i, p in enumerate(prompts)] for name, fn in arms.items()}
-    passes, on_cpu = {name: [] for name in arms}, torch.device(device).type == "cpu"
-    clock, names = timing.Clock(device, enabled=True), list(arms)
-    for r in range(repeats):
-        sums = {name: [0.0, 0.0, 0.0, 0] for name in names}  # wall s, CPU s, inner s, tokens
-        for i, p in enumerate(prompts):
-            # every arm on this prompt before the next: a load that comes and goes in phases (another job on the
-            # machine) reaches all arms alike; the order rotates so that no arm always runs first
-            k = (r + i) % len(names)
-            for name in names[k:] + names[:k]:
-                clock.lap()
-                c0 = time.process_time()
-                toks, inner_s = arms[name](i, p)
-                step = (clock.lap(), time.process_time() - c0, inner_s or 0.0, len(toks))
-                sums[name] = [a + b for a, b in zip(sums[name], step)]
-        for name, (wall, cpu, inner, n) in sums.items():
-            passes[name].append({"ms_per_token": wall / n, "ms_per_prompt": wall / len(prompts)}
-                                | ({"inner_ms_per_token": inner / n} if inner else {})
-                                | ({"cpu_ms_per_token": cpu / n} if on_cpu else {}))
-    return {name: {"tokens": tokens[name], **{k: 1e3 * statistics.median(p[k] for p in ps) for k in ps[0]}}
-            for name, ps in passes.items()}
+    runs = timing.interleaved({name: lambda i, fn=fn: fn(i, prompts[i]) for name, fn in arms.items()}, len(prompts),
+                              repeats, device, warmup=0)
+    on_cpu, out = torch.device(device).type == "cpu", {}
+    for name, passes in runs.items():
+        per = []
+        for p in passes:
+            n, inner = sum(len(x.result[0]) for x in p), sum(x.result[1] or 0.0 for x in p)
+            wall, cpu = sum(x.wall_s for x in p), sum(x.cpu_s for x in p)
+            per.append({"ms_per_token": wall / n, "ms_per_prompt": wall / len(prompts)}
+                       | ({"inner_ms_per_token": inner / n} if inner else {})
+                       | ({"cpu_ms_per_token": cpu / n} if on_cpu else {}))
+        out[name] = {"tokens": tokens[name], **{k: 1e3 * statistics.median(q[k] for q in per) for k in per[0]}}
+    return out
 
 
 @torch.inference_mode()

@@ -26,6 +26,7 @@ import model as M
 from ops import checkpoint, cli, files, timing
 from real import hf
 from real.expert import config_field, speed_from_history
+from real.scenes import on_model
 import speculate
 from vision import patchify
 
@@ -230,10 +231,10 @@ def load(target_dir, draft_dir, images, device, dtype, processor=None, min_pixel
 
 
 @torch.inference_mode()
-def plan(target, draft, prompt, stop, tok, how, decoder, max_new, repeats, decoding):
+def plan(target, draft, prompt, stop, tok, how, decoder, max_new, repeats, sampling):
     """After the timed reasoning step: the CoC once more (marked), and with an action expert the trajectory, timed
     (median of `repeats`). decoder: the chain's gamma or a tree.TreeShape."""
-    spec = evaluate.decode(target, draft, prompt, decoder, max_new, stop, **evaluate.sampling_kwargs(decoding, 0))
+    spec = evaluate.decode(target, draft, prompt, decoder, max_new, stop, sampling)
     words = [tok.decode([t]) if tok is not None else str(t) for t in spec.tokens]
     res = {"prompt_source": how, "images": int(prompt["image_grid_thw"].shape[0]),
            "visual_tokens": int((prompt["input_ids"] == target.cfg.image_token_id).sum()),
@@ -285,15 +286,12 @@ def heldout(target, draft, scenes, prompts, stop, max_new, gamma, repeats, words
     gamma: the chain's draft length or a tree.TreeShape; words: token id -> text, for the marked CoC."""
     w, rows, specs = next(target.parameters()), [], []
     for scene, (scene_id, prompt) in zip(scenes, prompts):
-        p = speculate.on_model(prompt() if callable(prompt) else prompt, target)
+        p = on_model(prompt() if callable(prompt) else prompt, target)
         dev, L = w.device, p["input_ids"].shape[1]
-        ar_s, spec_s = [], []
-        for r in range(repeats + 1):  # the arms alternate; pass 0 warms up every shape
-            ar = speculate.autoregressive(target, p, max_new, stop_token=stop, timing=True)
-            spec = evaluate.decode(target, draft, p, gamma, max_new, stop, timing=True)
-            if r:
-                ar_s.append(ar.decode_s)
-                spec_s.append(spec.decode_s)
+        runs = timing.interleaved({arm: lambda i, d=d: evaluate.decode(target, d, p, gamma, max_new, stop, timing=True)
+                                   for arm, d in (("ar", None), ("spec", draft))}, 1, repeats, dev)  # after a warm-up
+        ar, spec = (runs[arm][0][0].result for arm in ("ar", "spec"))
+        ar_s, spec_s = ([x[0].result.decode_s for x in runs[arm]] for arm in ("ar", "spec"))
         embeds, deepstack = speculate.embed_prompt(target, p)  # (1, L, D)
 
         def prefill_time(m, ds):  # one prompt forward into a cache reset to empty: the decode's own prefill
@@ -358,7 +356,7 @@ def heldout_bench(target_dir, draft_dir, scenes_dir, found, prompts, stop, how, 
     target, draft = load_pair(target_dir, draft_dir, device, dtype)
     tok = tokenizer(processor or target_dir)
     res = heldout(target, draft, found, prompts, stop, max_new, decoder, repeats, words=lambda t: tok.decode([t]))
-    return dict(res, mode="heldout", decoding=cli.decoding_mode(), model=target_dir, draft=draft_dir,
+    return dict(res, mode="heldout", decoding=cli.sampling_json(speculate.GREEDY), model=target_dir, draft=draft_dir,
                 trained_draft=bool(draft_dir), scenes_dir=scenes_dir, stop=stop, prompt_source=how)
 
 

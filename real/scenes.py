@@ -216,6 +216,12 @@ def scene_prompts(folder, root, processor=None, **pixels):
         "plain Qwen-VL prompt (alpamayo.qwen_prompt)"
 
 
+def on_model(prompt, model):
+    """A prompt dict's tensors on the model's device, its pixels in the model's dtype (ids stay integers)."""
+    w = next(model.parameters())
+    return {k: v.to(w.device, w.dtype if v.is_floating_point() else None) for k, v in prompt.items()}
+
+
 def built(scene_id, prompt):
     """prompt, or prompt() for a function building it (scene_prompts'), its error naming the scene: the processor's
     and tokenizer's words name none."""
@@ -243,7 +249,7 @@ def distill_data(target, prompts, out, stop_ids, max_new, temperature=0.0, top_p
     0.6 / 0.98), each seeded by sample_seed. Decoding: speculate.autoregressive_batch, a scene's samples as one
     batch sharing its prefill (each sample's draws its own generator's: the records are the batch-1 ones). Returns
     the index."""
-    cli.decoding_mode(temperature, None, top_p, seed)  # the settings checked before any work
+    cli.sampling(temperature, None, top_p, seed)  # the settings checked before any work
     stop_ids = [int(t) for t in stop_ids]
     for bad, why in [(not isinstance(max_new, int) or max_new < 1, f"max_new must be an int >= 1, got {max_new!r}"),
                      (not isinstance(samples, int) or samples < 1 or (temperature == 0 and samples > 1),
@@ -279,10 +285,10 @@ def distill_data(target, prompts, out, stop_ids, max_new, temperature=0.0, top_p
                 if scene_id in done:
                     continue
                 done.add(scene_id)
-                prompt = speculate.on_model(built(scene_id, prompt), target)  # pixels in the target's dtype
-                rows = speculate.autoregressive_batch(target, prompt, max_new, samples, temperature, top_p=top_p,
-                                                      seed=[sample_seed(seed, scene_id, k) for k in range(samples)],
-                                                      stop_token=stop_ids[-1], timing=True)
+                prompt = on_model(built(scene_id, prompt), target)  # pixels in the target's dtype
+                rows = speculate.autoregressive_batch(target, prompt, max_new, samples, speculate.Sampling(
+                    temperature, None, top_p, [sample_seed(seed, scene_id, k) for k in range(samples)]),
+                    stop_ids[-1], timing=True)
                 index["prefill_s"] += rows[0].prefill_s  # one prefill for the scene's samples
                 index["decode_s"] += max(r.decode_s for r in rows)  # until its last sample is done
                 for k, res in enumerate(rows):
