@@ -169,7 +169,7 @@ def tree_rounds_check(target, draft, t, d, prompt, shape, L):
     emitted = []
     with torch.no_grad():
         for _ in range(5):
-            (n,), (acc,), (nxt,), pending = tree_round(t, d, tcache, dcache, pending, shape, 0.0, None, None, None)
+            (n,), (acc,), (nxt,), pending = tree_round(t, d, tcache, dcache, pending, shape, Sampling(), None)
             kinds.add("zero" if n == 0 else "full" if n == shape.depth else "partial")
             emitted += acc + [nxt]
             committed = prompt["input_ids"][0, -1:].tolist() + emitted
