@@ -255,7 +255,7 @@ def decode(target, draft, prompt, gamma, max_new, stop_token, sampling=GREEDY, t
     if draft is None:
         return speculate.autoregressive(target, prompt, max_new, sampling, stop_token, timing=timing)
     decoder = tree.speculative if isinstance(gamma, TreeShape) else speculate.speculative
-    return decoder(target, draft, prompt, gamma, max_new, sampling, stop_token, timing=timing)
+    return decoder(target, draft, prompt, gamma, max_new, sampling=sampling, stop_token=stop_token, timing=timing)
 
 
 @torch.no_grad()
