@@ -49,9 +49,8 @@ CHOOSE_SCENES = 16  # val scenes whose tau chooses --compile's tree, or whose pl
 PLAN_TREES = (TreeShape(8, 4, 3), *evaluate.TREES)
 
 # ---- the two arms, timed in the same passes ----
-@torch.no_grad()  # the grad mode the compiled steps were warmed up in (evaluate.spec_stats): see timing.CompileWatch
-def time_arms(target, drafts, prompts, gamma, max_new, stop_token, repeats, sampling=GREEDY, extra=None,
-              on_timed=None):
+@torch.no_grad()  # the grad mode the compiled steps were warmed up in (evaluate.spec_stats); another recompiles
+def time_arms(target, drafts, prompts, gamma, max_new, stop_token, repeats, sampling=GREEDY, extra=None):
     """{arm: {prefill_ms, ms_per_token, speedup (medians over `repeats` passes), ms_per_token_range}}: every arm
     warmed up on every prompt, then timing.interleaved's passes; extra: {name: (target, draft or None[, gamma])};
     sampled: prompt i's seeds in every pass."""
@@ -60,8 +59,6 @@ def time_arms(target, drafts, prompts, gamma, max_new, stop_token, repeats, samp
     for t, draft, g in arms.values():
         for i, p in enumerate(prompts):
             evaluate.decode(t, draft, p, g, max_new, stop_token, sampling.offset(i))
-    if on_timed is not None:
-        on_timed()
     runs = timing.interleaved({name: lambda i, t=t, d=d, g=g: evaluate.decode(
         t, d, prompts[i], g, max_new, stop_token, sampling.offset(i), timing=True)
         for name, (t, d, g) in arms.items()}, len(prompts), repeats, prompts[0]["input_ids"].device, warmup=0)
@@ -114,13 +111,12 @@ def benchmark(target, draft, prompts, gamma, max_new, stop_token=None, repeats=3
     """One draft's record: statistics, divergences, both arms timed, the cost model; compile: all that, compiled.
     A tree (gamma a TreeShape) is timed beside the chain of chain_gamma with the same draft, compiled or not.
     choose (compile): (val prompts, tree shapes): the tree is the one the compiled steps run fastest (choose_tree)."""
-    extra, comp, watch = {}, {}, None
+    extra, comp = {}, {}
     if compile:
         shapes = choose[1] if choose else [gamma]
         trees = [sh for sh in shapes if isinstance(sh, TreeShape)]
         ct, cd = compiled_pair(target, draft, prompts + (choose[0] if choose else []),
                                [*shapes, *([chain_gamma] if trees else [])], max_new)
-        watch = timing.CompileWatch({"target": ct, "draft": cd})
         clock = timing.Clock(prompts[0]["input_ids"].device, enabled=True)
         if choose:  # compiles every candidate's steps, outside compile_s
             gamma, scores = choose_tree(ct, cd, choose[0], shapes, max_new, stop_token)
@@ -143,47 +139,37 @@ def benchmark(target, draft, prompts, gamma, max_new, stop_token=None, repeats=3
         comp.update(compile_s=compile_s, divergences=div, greedy_match=not any(div.values()))
         extra = {COMPILED[0]: (ct, None), COMPILED[1]: (ct, cd)} | ({COMPILED_CHAIN: (ct, cd, chain_gamma)} if tree
                                                                    else {})
-        watch.next_phase("warm-up")  # time_arms' own warm-up pass: after compile_s, so nothing may compile here
     if tree:  # the chain with the same draft, in the same passes: is the tree faster here?
         extra[CHAIN_ARM] = (target, draft, chain_gamma)
-    try:
-        t = time_arms(target, {"speculative": draft}, prompts, gamma, max_new, stop_token, repeats, sampling, extra,
-                      on_timed=watch and (lambda: watch.next_phase("timed")))
-        res = {"decoder": decoder_json(gamma), "decoding": cli.sampling_json(sampling),
-               "greedy_match": spec["greedy_match"],
-               "tau": spec["tau"], "alpha": spec["alpha"],
-               "routine_fraction": spec["routine_fraction"], "tokens": spec["n_tokens"], "prompts": len(prompts),
-               "divergences": timing.divergences(target, prompts, reference, spec["tokens"]),
-               **both_arms(t[TARGET_ONLY], t["speculative"]), "speedup": t["speculative"]["speedup"]}
-        if tree:
-            res["chain"] = chain_json(chain_gamma, t[CHAIN_ARM], t[TARGET_ONLY], t["speculative"])
-        sampled = not sampling.greedy  # then the timed runs' own statistics: the same seeds, the same tokens
-        timed = evaluate.spec_stats(target, {"speculative": draft}, prompts, gamma, max_new, stop_token,
-                                    sampling=sampling)["speculative"] if sampled else spec
-        if sampled:
-            res["sampled"] = {k: timed[k] for k in ("tau", "alpha", "routine_fraction")} | {"tokens": timed["n_tokens"]}
-        # every round drafts and verifies the whole shape (the last one's block is cut): the cost model's
-        res["ran"] = dict(decoder_json(gamma), nodes_per_round=timed["nodes_per_round"],
-                          depth_per_round=timed["depth_per_round"])
-        res.update(cost_model(target, draft, prompts[0], gamma, timed["tau"]))
-        res["c"] = res["t_draft_1"] / res["t_target_1"]
-        if not tree:  # Leviathan's closed form is the chain's
-            res["leviathan_speedup"] = evaluate.expected_speedup(timed["alpha"], gamma, res["c"])
-        if compile:
-            ar_c, spec_c = t[COMPILED[0]], t[COMPILED[1]]
-            comp.update(both_arms(ar_c, spec_c), speedup=ar_c["ms_per_token"] / spec_c["ms_per_token"],
-                        speedup_vs_eager=spec_c["speedup"],  # compiled speculative vs eager target-only
-                        target_only_vs_eager=ar_c["speedup"])  # eager target-only / compiled target-only
-            if tree:
-                comp["chain"] = chain_json(chain_gamma, t[COMPILED_CHAIN], ar_c, spec_c)
-            watch.next_phase("cost model")
-            comp.update(cost_model(ct, cd, prompts[0], gamma, timed["tau"]))
-    finally:
-        if watch:
-            watch.close()
+    t = time_arms(target, {"speculative": draft}, prompts, gamma, max_new, stop_token, repeats, sampling, extra)
+    res = {"decoder": decoder_json(gamma), "decoding": cli.sampling_json(sampling),
+           "greedy_match": spec["greedy_match"],
+           "tau": spec["tau"], "alpha": spec["alpha"],
+           "routine_fraction": spec["routine_fraction"], "tokens": spec["n_tokens"], "prompts": len(prompts),
+           "divergences": timing.divergences(target, prompts, reference, spec["tokens"]),
+           **both_arms(t[TARGET_ONLY], t["speculative"]), "speedup": t["speculative"]["speedup"]}
+    if tree:
+        res["chain"] = chain_json(chain_gamma, t[CHAIN_ARM], t[TARGET_ONLY], t["speculative"])
+    sampled = not sampling.greedy  # then the timed runs' own statistics: the same seeds, the same tokens
+    timed = evaluate.spec_stats(target, {"speculative": draft}, prompts, gamma, max_new, stop_token,
+                                sampling=sampling)["speculative"] if sampled else spec
+    if sampled:
+        res["sampled"] = {k: timed[k] for k in ("tau", "alpha", "routine_fraction")} | {"tokens": timed["n_tokens"]}
+    # every round drafts and verifies the whole shape (the last one's block is cut): the cost model's
+    res["ran"] = dict(decoder_json(gamma), nodes_per_round=timed["nodes_per_round"],
+                      depth_per_round=timed["depth_per_round"])
+    res.update(cost_model(target, draft, prompts[0], gamma, timed["tau"]))
+    res["c"] = res["t_draft_1"] / res["t_target_1"]
+    if not tree:  # Leviathan's closed form is the chain's
+        res["leviathan_speedup"] = evaluate.expected_speedup(timed["alpha"], gamma, res["c"])
     if compile:
-        res["compiled"] = dict(comp, compilations=watch.report())
-    res["sdpa"] = timing.sdpa_steps(target, prompts[0], gamma.nodes if tree else gamma, tree=tree)
+        ar_c, spec_c = t[COMPILED[0]], t[COMPILED[1]]
+        comp.update(both_arms(ar_c, spec_c), speedup=ar_c["ms_per_token"] / spec_c["ms_per_token"],
+                    speedup_vs_eager=spec_c["speedup"],  # compiled speculative vs eager target-only
+                    target_only_vs_eager=ar_c["speedup"])  # eager target-only / compiled target-only
+        if tree:
+            comp["chain"] = chain_json(chain_gamma, t[COMPILED_CHAIN], ar_c, spec_c)
+        res["compiled"] = comp | cost_model(ct, cd, prompts[0], gamma, timed["tau"])
     return res
 
 

@@ -7,7 +7,7 @@ run cut short keeps every stage it finished; a stage that fails records its trac
 
   a_env          the machine (GPU, torch / CUDA / cuDNN / triton / transformers versions) and the attention kernel
                  of the target's prefill, decode and verify steps (the same steps --compile compiles), at
-                 the preset's shapes (timing.sdpa_steps: the dispatcher's choice and which backends run alone)
+                 the preset's shapes (probes.sdpa_steps: the dispatcher's choice and which backends run alone)
   b_cuda_tests   only the CUDA tests (pytest -k cuda --slow), CUDA-graph skips made errors
                  (TORCHINDUCTOR_CUDAGRAPH_OR_ERROR=1, and the CUDA-graph test asserts inductor's skip counter stayed
                  at zero and graphs were captured and replayed)
@@ -19,7 +19,7 @@ run cut short keeps every stage it finished; a stage that fails records its trac
   d_compiled     the compiled cost model (CUDA graphs, mode "reduce-overhead"; inductor on a CPU) at a few depths
                  (--compiled-layers): compile time of each step shape, T_target(1), T_target(gamma+1), T_draft(1),
                  the default tree's verify and fused growth (tree.grow) and the speed-up they predict at the toy's
-                 tree tau, and timing.CompileWatch's count of compilations after the compile pass (must be none) and of the
+                 tree tau, and probes.CompileWatch's count of compilations after the compile pass (must be none) and of the
                  CUDA graphs captured, replayed and skipped
   e_full         the same at full depth, if the budget still allows it by the compile time per layer that (d)
                  measured; otherwise written with skipped: true, the estimate and the reason
@@ -47,6 +47,7 @@ from real import alpamayo  # noqa: E402
 import bench  # noqa: E402
 from ops import cli, compiled  # noqa: E402
 import evaluate  # noqa: E402
+from experiments import probes  # noqa: E402
 from ops import files  # noqa: E402
 import model as M  # noqa: E402
 import speculate  # noqa: E402
@@ -136,7 +137,7 @@ def env_stage(run):
     return {"environment": timing.environment(run.device), "prompt_tokens": prompt["input_ids"].shape[1],
             "gamma": run.args.gamma,
             "threads": torch.get_num_threads(),
-            "sdpa": timing.sdpa_steps(target, prompt, run.args.gamma)}
+            "sdpa": probes.sdpa_steps(target, prompt, run.args.gamma)}
 
 
 def tests_stage(run):
@@ -249,7 +250,7 @@ def compiled_costs(run, layers):
     t_lengths, d_lengths = (1, g + 1, tree.nodes + 1), (1, 2, tree.width)
     max_len = L + max(g, tree.nodes) + max(t_lengths)
     ct, cd = compiled.CompiledSteps(target, max_len, t_lengths), compiled.CompiledSteps(draft, max_len, d_lengths)
-    watch = timing.CompileWatch({"target": ct, "draft": cd})
+    watch = probes.CompileWatch({"target": ct, "draft": cd})
     embeds, deepstack = speculate.embed_prompt(target, prompt)
     x = prompt["input_ids"][:, -1:]
     compile_s = {}

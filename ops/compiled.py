@@ -66,7 +66,7 @@ class CompiledSteps:
             self.model.head_rows()  # a reduced head's kept rows, checked (and gathered if stale) outside the graph
         return cache
 
-    def _call_fused(self, name, compiled, *args):  # timing.CompileWatch counts through here
+    def _call_fused(self, name, compiled, *args):  # experiments/probes.py CompileWatch counts through here
         return compiled(*args)
 
     def __getattr__(self, name):  # cfg, embed, visual, expert, ...: the model's

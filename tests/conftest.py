@@ -1,5 +1,5 @@
-"""Shared pytest setup: offline Hugging Face hub, the repo importable, a one-thread fixture, a run killed after its
-first save, the `slow` and `peer` markers.
+"""Shared pytest setup: offline Hugging Face hub, the repo importable, a one-thread fixture, torch.compile on
+dynamo's eager backend, a run killed after its first save, the `slow` and `peer` markers.
 
 Tests marked `@pytest.mark.slow` (torch.compile: minutes of compilation on a CPU) are skipped unless pytest gets
 --slow, so the default suite keeps its budget on 2 CPU cores.
@@ -25,6 +25,18 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture
+def eager_dynamo(monkeypatch):
+    """torch.compile through dynamo with the eager backend: dynamo's guards, graph breaks and recompilations are the
+    real ones (they are dynamo's, not inductor's), at a few seconds instead of minutes of inductor on a CPU."""
+    compile_ = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile_(fn, backend="eager", fullgraph=kw["fullgraph"],
+                                                                    dynamic=kw["dynamic"]))
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
 
 
 class Killed(Exception):

@@ -216,7 +216,6 @@ def test_bench_toy_compiled(run_dir, capsys):
     assert c["chain"]["ms_per_token"] > 0 and "compiled chain" in text
     assert c["speedup"] == pytest.approx(c["ar_ms_per_token"] / c["spec_ms_per_token"])
     assert "compiled       target-only" in text
-    assert c["compilations"]["recompiled_after_compile"] == {}  # inductor: nothing compiles after compile_s
 
 
 @pytest.mark.slow
@@ -248,7 +247,6 @@ def test_bench_real_shape_preset(run_dir, tmp_path, capsys):
     assert out["toy_acceptance"]["source"] == str(toy_json) and "predicted_speedup_at_toy_tau" in out
     assert out["toy_tau"] == json.loads(toy_json.read_text())["tau"]
     assert set(out["verify_ratio"]) == {"8"} and out["verify_ratio"]["8"] > 0
-    assert {"prefill", "decode", "verify", "tree verify"} <= set(out["sdpa"])
     assert out["environment"]["torch"] == torch.__version__
 
 

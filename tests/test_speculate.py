@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from evaluate import expected_speedup, expected_tau, measured_speedup, tau_ceiling
+from experiments import probes
 import model
 from ops import compiled, timing
 import speculate
@@ -864,7 +865,7 @@ def test_vla_compiled_decoding_on_cuda_equals_target():
     shape = TreeShape(8, 3, 3)
     ct = compiled.CompiledSteps(target, 64, (1, 4, shape.nodes + 1))
     cd = compiled.CompiledSteps(draft, 64, (1, 2, shape.width))
-    watch = timing.CompileWatch({"target": ct, "draft": cd})
+    watch = probes.CompileWatch({"target": ct, "draft": cd})
     try:
         for _ in range(2):
             for pname, prompt in vla_prompts().items():
