@@ -28,7 +28,7 @@ import evaluate
 from evaluate import TARGET_ONLY, tree_speedup
 import model as M
 from ops import checkpoint, cli, compiled, files, timing
-from real import alpamayo, scenes
+from real import alpamayo, hf, scenes
 from real.expert import speed_from_history
 import speculate
 from speculate import GREEDY
@@ -342,7 +342,7 @@ def real(args, device, dtype, sampling):
                                                          min_pixels=args.min_pixels, max_pixels=args.max_pixels)
         if args.samples > 1:  # each held-out scene a plan of N sampled rows as one batch, the expert over all rows
             target, draft = alpamayo.load_pair(args.target, args.draft, device, dtype)
-            ps = [scenes.on_model(scenes.built(i, p), target) for i, p in prompts]
+            ps = [hf.on_model(scenes.built(i, p), target) for i, p in prompts]
             p = plans(target, draft, ps, args.decoder, args.max_new, stop[-1], args.repeats, sampling, 1, args.samples,
                       args.compile, args.gamma)
             if getattr(target, "expert", None) is not None:  # the first scene's plan, at its own speed

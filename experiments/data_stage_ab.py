@@ -28,10 +28,10 @@ def one_at_a_time(target, prompts, stop, max_new, samples, seed):
     """The data stage's decoding before: each sample its own batch-1 decode -> [token lists]."""
     out = []
     for scene_id, prompt in prompts:
-        prompt = scenes.on_model(scenes.built(scene_id, prompt), target)
+        prompt = hf.on_model(scenes.built(scene_id, prompt), target)
         for k in range(samples):
-            out.append(speculate.autoregressive(target, prompt, max_new, 0.6, top_p=0.98, stop_token=stop,
-                                                seed=scenes.sample_seed(seed, scene_id, k)).tokens)
+            sampling = speculate.Sampling(0.6, top_p=0.98, seed=scenes.sample_seed(seed, scene_id, k))
+            out.append(speculate.autoregressive(target, prompt, max_new, sampling, stop).tokens)
     return out
 
 

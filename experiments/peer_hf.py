@@ -150,22 +150,21 @@ def compare(target, draft, prompts, gamma, max_new, stop, pad, repeats=3):
 
 
 @torch.inference_mode()
-def compare_samples(target, draft, prompts, samples, decoding, gamma, max_new, stop, pad, repeats=3):
+def compare_samples(target, draft, prompts, samples, sampling, gamma, max_new, stop, pad, repeats=3):
     """--samples N: each prompt's N sampled rows as one batch, ours (target-only and the chain,
     speculate's *_batch) beside transformers' generate(num_return_sequences=N, do_sample=True) at the same temperature
     and top-p, timed one call per prompt; and what transformers' assisted generation answers to N rows."""
     hf_target, hf_draft = hf_models(target, draft, stop, pad)
     inputs = [hf_inputs(p, target.cfg) for p in prompts]
-    kw = {k: decoding[k] for k in ("temperature", "top_k", "top_p")}
     hf_kw = dict(do_sample=True, num_return_sequences=samples, max_new_tokens=max_new, eos_token_id=stop,
-                 pad_token_id=pad, temperature=kw["temperature"], top_p=kw["top_p"] or 1.0, top_k=kw["top_k"] or 0)
+                 pad_token_id=pad, temperature=sampling.temperature, top_p=sampling.top_p or 1.0,
+                 top_k=sampling.top_k or 0)
 
     def ours(d):
         def fn(i, p):
-            seed = decoding["seed"] + samples * i
-            rows = (speculate.autoregressive_batch(target, p, max_new, samples, stop_token=stop, seed=seed, **kw)
-                    if d is None else speculate.speculative_batch(target, d, p, gamma, max_new, samples,
-                                                                  stop_token=stop, seed=seed, **kw))
+            s = sampling.offset(samples * i)  # prompt i's rows seeded seed + N i + r
+            rows = (speculate.autoregressive_batch(target, p, max_new, samples, s, stop) if d is None
+                    else speculate.speculative_batch(target, d, p, gamma, max_new, samples, s, stop))
             return [t for r in rows for t in r.tokens], None
         return fn
 
@@ -182,7 +181,8 @@ def compare_samples(target, draft, prompts, samples, decoding, gamma, max_new, s
         assisted = f"refused: {e}"
     out = {arm: {k: v for k, v in r.items() if k != "tokens"} | {"tokens": sum(map(len, r["tokens"]))}
            for arm, r in res.items()}
-    return dict(out, prompts=len(prompts), samples=samples, gamma=gamma, decoding=decoding, hf_assisted=assisted,
+    return dict(out, prompts=len(prompts), samples=samples, gamma=gamma, decoding=cli.sampling_json(sampling),
+                hf_assisted=assisted,
                 timed="one call per prompt of its N rows, end to end (vision tower + prefill + reasoning step)",
                 ratios={f"{a}_over_{b}": out[a]["ms_per_prompt"] / out[b]["ms_per_prompt"] for a, b in
                         (("hf_generate", "ours_target_only"), ("ours_target_only", "ours_speculative"))})
@@ -226,15 +226,15 @@ def report_lines(peers, dtype):
 
 # ---- the flags ----
 def check_flags(ap, args):
-    """Every bad flag is one line before any work; returns the decoding mode."""
+    """Every bad flag is one line before any work; returns the Sampling."""
     if min(args.gamma, args.max_new, args.prompts, args.samples) < 1 or args.repeats < 3:
         ap.error("--gamma, --max-new, --prompts and --samples must be >= 1, --repeats >= 3")
     with cli.user_errors(ap):
         cli.check_device(args.device)
-        decoding = cli.decoding_mode(args.temperature, args.top_k, args.top_p, args.sampling_seed)
-        if decoding["mode"] != "greedy" and args.samples == 1:
+        sampling = cli.sampling(args.temperature, args.top_k, args.top_p, args.sampling_seed)
+        if not sampling.greedy and args.samples == 1:
             raise ValueError("greedy compares tokens and times: drop --temperature (or sample rows: --samples N)")
-        if args.samples > 1 and decoding["mode"] == "greedy":
+        if args.samples > 1 and sampling.greedy:
             raise ValueError("--samples N compares sampled rows: give --temperature (the release's 0.6, --top-p 0.98)")
         if importlib.util.find_spec("transformers") is None:
             raise ValueError("the peer is transformers: pip install -r requirements-test.txt")
@@ -244,7 +244,7 @@ def check_flags(ap, args):
             raise ValueError(f"no toy checkpoints (missing {', '.join(missing)}): use the shipped checkpoints/toy")
         if args.out:  # the report's folder, before any work
             files.check_writable(os.path.dirname(args.out) or ".")
-    return decoding
+    return sampling
 
 
 def main(argv=None):
@@ -264,7 +264,7 @@ def main(argv=None):
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     ap.add_argument("--out", help="write the report's JSON here")
     args = ap.parse_args(argv)
-    decoding = check_flags(ap, args)
+    sampling = check_flags(ap, args)
     if args.threads:
         torch.set_num_threads(args.threads)
     device, dtype = torch.device(args.device), cli.DTYPES[args.dtype]
@@ -275,7 +275,7 @@ def main(argv=None):
     prompts = evaluate.scene_prompts(driving.make_split("test", args.prompts, seed=0), tok, device, dtype, args.views)
     stop, pad = tok.cot_end_id, tok.pad_id
     res = compare(target, draft, prompts, args.gamma, args.max_new, stop, pad, args.repeats) if args.samples == 1 \
-        else compare_samples(target, draft, prompts, args.samples, decoding, args.gamma, args.max_new, stop, pad,
+        else compare_samples(target, draft, prompts, args.samples, sampling, args.gamma, args.max_new, stop, pad,
                              args.repeats)
     res.update(draft=draft_dir, device=str(device), dtype=args.dtype, threads=torch.get_num_threads(),
                hardware=torch.cuda.get_device_name(device) if device.type == "cuda" else

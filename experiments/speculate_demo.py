@@ -13,7 +13,7 @@ import torch  # noqa: E402
 
 from ops.cli import check_device  # noqa: E402
 from model import PRESETS, VLA  # noqa: E402
-from speculate import autoregressive, speculative  # noqa: E402
+from speculate import Sampling, autoregressive, speculative  # noqa: E402
 from evaluate import expected_tau  # noqa: E402
 
 
@@ -39,8 +39,9 @@ def main():
         for w in draft.parameters():
             w.add_(args.noise * w.std() * torch.randn_like(w))
     prompt = dict(input_ids=torch.randint(10, target.cfg.vocab_size, (1, 16), device=args.device))  # text ids only
-    base = autoregressive(target, prompt, args.tokens, temperature=args.temperature, seed=args.seed)
-    spec = speculative(target, draft, prompt, args.gamma, args.tokens, temperature=args.temperature, seed=args.seed)
+    sampling = Sampling(args.temperature, seed=args.seed)
+    base = autoregressive(target, prompt, args.tokens, sampling)
+    spec = speculative(target, draft, prompt, args.gamma, args.tokens, sampling)
     for name, r in (("autoregressive", base), ("speculative", spec)):
         print(f"{name:15s} tokens {len(r.tokens)}  rounds {r.rounds}  tau {r.tau:.2f}  alpha {r.alpha:.3f}")
     print(f"expected tau at this alpha (Leviathan): {expected_tau(spec.alpha, args.gamma):.2f}")

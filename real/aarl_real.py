@@ -97,7 +97,7 @@ def train_real(target, draft, ref, clips, prompts, cfg: RealConfig, ids, log=Non
         stats = []
         for j in range(cfg.per_update):
             k = order[(step * cfg.per_update + j) % len(clips)]
-            scene, prompt = clips[k], scenes.on_model(scenes.built(*prompts[k]), target)
+            scene, prompt = clips[k], hf.on_model(scenes.built(*prompts[k]), target)
             if scene.scene_id not in refs:
                 v0 = speed_from_history(scene.past[None]).to(device)  # (1,) m/s, from the scene's own past
                 refs[scene.scene_id] = v0, reference_plan(target, prompt, scene, v0, cfg, ids)

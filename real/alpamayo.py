@@ -26,7 +26,6 @@ import model as M
 from ops import checkpoint, cli, files, timing
 from real import hf
 from real.expert import config_field, speed_from_history
-from real.scenes import on_model
 import speculate
 from vision import patchify
 
@@ -286,7 +285,7 @@ def heldout(target, draft, scenes, prompts, stop, max_new, gamma, repeats, words
     gamma: the chain's draft length or a tree.TreeShape; words: token id -> text, for the marked CoC."""
     w, rows, specs = next(target.parameters()), [], []
     for scene, (scene_id, prompt) in zip(scenes, prompts):
-        p = on_model(prompt() if callable(prompt) else prompt, target)
+        p = hf.on_model(prompt() if callable(prompt) else prompt, target)
         dev, L = w.device, p["input_ids"].shape[1]
         runs = timing.interleaved({arm: lambda i, d=d: evaluate.decode(target, d, p, gamma, max_new, stop, timing=True)
                                    for arm, d in (("ar", None), ("spec", draft))}, 1, repeats, dev)  # after a warm-up

@@ -176,7 +176,7 @@ def distill_draft(cfg: DraftConfig, target, records, prompt_of, stop_id, rank=0,
         loss_sum, n_tok, t0 = 0.0, 0, time.time()
         for i in range(per_rank):  # this rank's share of the update's records
             j, prompt = next(stream)
-            prompt = scenes.on_model(prompt, target)
+            prompt = hf.on_model(prompt, target)
             last = i == per_rank - 1  # DDP averages the gradients across ranks at the last backward only
             with (contextlib.nullcontext() if last or world == 1 else ddp.no_sync()), autocast(device, cfg.amp):
                 loss = sequence_kl(target, ddp, prompt, records[j]["tokens"]) / per_rank

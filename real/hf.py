@@ -25,6 +25,12 @@ TOKEN_ID_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id", "vision_end_t
 # ---- loading ----
 
 
+def on_model(prompt, model):
+    """A prompt dict's tensors on the model's device, its pixels in the model's dtype (ids stay integers)."""
+    w = next(model.parameters())
+    return {k: v.to(w.device, w.dtype if v.is_floating_point() else None) for k, v in prompt.items()}
+
+
 def load_pretrained(path, dtype=None, device=None) -> VLA:
     """One file or shards, every key used, every weight found; an Alpamayo action expert as `model.expert`."""
     if not os.path.isdir(path):

@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from ops import checkpoint, cli, files
+from real import hf
 import speculate
 
 N_IMAGES, N_PAST, N_FUTURE = 16, 16, 64  # Alpamayo-R1: 4 cameras x 4 frames; 1.6 s of past, 6.4 s of future at 10 Hz
@@ -216,12 +217,6 @@ def scene_prompts(folder, root, processor=None, **pixels):
         "plain Qwen-VL prompt (alpamayo.qwen_prompt)"
 
 
-def on_model(prompt, model):
-    """A prompt dict's tensors on the model's device, its pixels in the model's dtype (ids stay integers)."""
-    w = next(model.parameters())
-    return {k: v.to(w.device, w.dtype if v.is_floating_point() else None) for k, v in prompt.items()}
-
-
 def built(scene_id, prompt):
     """prompt, or prompt() for a function building it (scene_prompts'), its error naming the scene: the processor's
     and tokenizer's words name none."""
@@ -285,7 +280,7 @@ def distill_data(target, prompts, out, stop_ids, max_new, temperature=0.0, top_p
                 if scene_id in done:
                     continue
                 done.add(scene_id)
-                prompt = on_model(built(scene_id, prompt), target)  # pixels in the target's dtype
+                prompt = hf.on_model(built(scene_id, prompt), target)  # pixels in the target's dtype
                 rows = speculate.autoregressive_batch(target, prompt, max_new, samples, speculate.Sampling(
                     temperature, None, top_p, [sample_seed(seed, scene_id, k) for k in range(samples)]),
                     stop_ids[-1], timing=True)

@@ -14,6 +14,7 @@ import evaluate
 from model import make_draft
 from ops import cli, timing
 import speculate
+from speculate import GREEDY, Sampling
 from tiny_models import image_prompt, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -83,21 +84,20 @@ def test_sampling_reaches_every_timed_decode(monkeypatch):
     prompts = [image_prompt(seed=s) for s in range(2)]
     calls, decode = [], evaluate.decode
 
-    def spy(target, draft, prompt, *args, **kw):
-        calls.append((draft is None, kw))
-        return decode(target, draft, prompt, *args, **kw)
+    def spy(target, draft, prompt, gamma, max_new, stop, sampling=GREEDY, **kw):
+        calls.append((draft is None, next(i for i, p in enumerate(prompts) if p is prompt), sampling))
+        return decode(target, draft, prompt, gamma, max_new, stop, sampling, **kw)
 
     monkeypatch.setattr(evaluate, "decode", spy)
-    sampling = cli.decoding_mode(0.8, top_k=20, top_p=0.9, seed=5)
-    bench.time_arms(target, {"speculative": draft}, prompts, 3, 6, None, repeats=1, decoding=sampling)
+    sampling = cli.sampling(0.8, top_k=20, top_p=0.9, seed=5)
+    bench.time_arms(target, {"speculative": draft}, prompts, 3, 6, None, repeats=1, sampling=sampling)
     assert len(calls) == 2 * 2 * 2  # warm-up + 1 pass, 2 arms, 2 prompts
-    for i, (_, kw) in enumerate(calls):
-        assert {k: kw.get(k) for k in ("temperature", "top_k", "top_p", "seed")} == \
-            {"temperature": 0.8, "top_k": 20, "top_p": 0.9, "seed": 5 + i % 2}
-    assert {only for only, _ in calls} == {True, False}
+    for _, i, s in calls:  # prompt i's generators seeded 5 + i, in the warm-up and in every pass
+        assert s == Sampling(0.8, top_k=20, top_p=0.9, seed=5 + i)
+    assert {only for only, _, _ in calls} == {True, False}
     calls.clear()
     bench.time_arms(target, {"speculative": draft}, prompts, 3, 6, None, repeats=1)
-    assert all("temperature" not in kw for _, kw in calls)
+    assert all(s.greedy for _, _, s in calls)
 
 
 def test_a_tree_cut_by_max_new_runs_and_costs_its_whole_shape(monkeypatch, capsys):
@@ -122,10 +122,10 @@ def test_a_tree_cut_by_max_new_runs_and_costs_its_whole_shape(monkeypatch, capsy
     assert res["ran"]["gamma"] == 6 and lengths == [(1, 7)]
 
 
-def test_decoding_mode_checks_the_flags():
-    assert cli.decoding_mode() == {"mode": "greedy", "temperature": 0.0, "top_k": None, "top_p": None,
-                                        "seed": None}
-    assert cli.decoding_mode(0.6, top_p=0.98)["mode"] == "sampling"
+def test_sampling_flags_are_checked():
+    assert cli.sampling_json(cli.sampling()) == {"mode": "greedy", "temperature": 0.0, "top_k": None, "top_p": None,
+                                                 "seed": None}
+    assert cli.sampling_json(cli.sampling(0.6, top_p=0.98))["mode"] == "sampling"
     for kw, msg in ((dict(temperature=-1.0), "temperature must be finite and >= 0"),
                     (dict(temperature=math.nan), "temperature must be finite"),
                     (dict(temperature=1.0, top_k=0), "top_k must be"),
@@ -133,7 +133,7 @@ def test_decoding_mode_checks_the_flags():
                     (dict(top_p=0.9), "give a temperature > 0"),
                     (dict(temperature=1.0, seed=-1), "seed must be an int >= 0")):
         with pytest.raises(ValueError, match=msg):
-            cli.decoding_mode(**kw)
+            cli.sampling(**kw)
 
 
 # ---- the compiled steps, and what the JSON says about them ----
@@ -197,7 +197,7 @@ def test_plans_time_batched_rows_that_equal_their_own_decodes(eager_dynamo, caps
     target = tiny_model()
     draft = make_draft(target, n_layers=1).eval()
     prompts = [image_prompt(seed=s) for s in range(2)]
-    p = bench.plans(target, draft, prompts, TreeShape(6, 3, 2), 6, None, 3, cli.decoding_mode(), 2, 2, compile=True,
+    p = bench.plans(target, draft, prompts, TreeShape(6, 3, 2), 6, None, 3, cli.sampling(), 2, 2, compile=True,
                     chain_gamma=3)
     assert p["rows"] == 4 and p["plans"] == 1 and p["greedy_match"]
     arms = {evaluate.TARGET_ONLY, "speculative", bench.CHAIN_ARM, *bench.COMPILED, bench.COMPILED_CHAIN}
@@ -205,9 +205,9 @@ def test_plans_time_batched_rows_that_equal_their_own_decodes(eager_dynamo, caps
     assert all(len(p[a]["tau_per_row"]) == 4 and p[a]["ms_per_plan"] > 0 for a in arms)
     assert p[evaluate.TARGET_ONLY]["speedup"] == 1.0 and p[bench.COMPILED[0]]["speedup"] == 1.0
     bench.report({"mode": "plans", "plan": p, "device": "cpu", "hardware": "x", "dtype": "fp32", "threads": 1,
-                  "decoder": bench.decoder_json(TreeShape(6, 3, 2)), "decoding": cli.decoding_mode()})
+                  "decoder": bench.decoder_json(TreeShape(6, 3, 2)), "decoding": cli.sampling_json(cli.sampling())})
     assert "4 rows, decoded as one batch" in capsys.readouterr().out
-    sampled = bench.plans(target, draft, prompts, 3, 6, None, 3, cli.decoding_mode(0.6, top_p=0.98), 1, 3)
+    sampled = bench.plans(target, draft, prompts, 3, 6, None, 3, cli.sampling(0.6, top_p=0.98), 1, 3)
     assert sampled["plans"] == 2 and "greedy_match" not in sampled and sampled["speculative"]["mean_tau"] >= 1
 
 
@@ -219,7 +219,7 @@ def test_the_plans_tree_is_the_one_whose_val_plans_ran_fastest(monkeypatch):
     shapes = (TreeShape(6, 3, 2), TreeShape(4, 2, 2))
     monkeypatch.setattr(bench, "PLAN_TREES", shapes)
     best, rec = bench.choose_plan_tree(target, draft, [image_prompt(seed=s) for s in range(2)], 6, None,
-                                       cli.decoding_mode(), 2, 2)
+                                       cli.sampling(), 2, 2)
     ms = rec["ms_per_val_plan"]
     assert set(ms) == {str(sh) for sh in shapes} and str(best) == min(ms, key=ms.get)
     assert rec["ran"] == bench.decoder_json(best)
