@@ -153,7 +153,6 @@ class SpecResult:
         return out
 
 
-
 # ---- caches and prefill ----
 
 
