@@ -592,7 +592,6 @@ def check_flags(ap, args):
     return sampling
 
 
-
 def add_real_flags(ap):
     """--images-dir, --image-size, --processor, --min-pixels, --max-pixels, --scenes: a real checkpoint's prompt."""
     ap.add_argument("--images-dir", default=None, help="with --target: a folder of camera images (name order)")

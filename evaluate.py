@@ -115,9 +115,7 @@ def ade_fde(pred, true, per_scene=False):
     """(B, 32, 2) waypoints -> (average, final) displacement error in metres: floats averaged over the batch, or
     (B,) tensors with per_scene."""
     d = torch.linalg.vector_norm(torch.as_tensor(pred) - torch.as_tensor(true), dim=-1)   # (B, 32)
-    if per_scene:
-        return d.mean(-1), d[:, -1]
-    return d.mean().item(), d[:, -1].mean().item()
+    return (d.mean(-1), d[:, -1]) if per_scene else (d.mean().item(), d[:, -1].mean().item())
 
 
 def coc_exact_match(pred, true):
@@ -413,15 +411,16 @@ def exact_kl_terms(logq, logr):
 
 
 @torch.no_grad()
-def kl_to(draft, ref, target, data: Data, batch_size=EVAL_BATCH):
-    """Mean exact KL(q || q_ref) over the CoC positions of data's reference CoCs (teacher-forced), both drafts
-    reading the target's embeddings."""
+def kl_to(model, ref, target, data: Data, batch_size=EVAL_BATCH):
+    """Mean exact KL(model || ref) over the CoC positions of data's reference CoCs (teacher-forced), both reading the
+    target's embeddings (on a reduced ref's set): KL(q || q_ref) for AARL, KL(p || q) for train.draft_scores."""
     total = n = 0.0
     for batch in data.batches(batch_size, next(target.parameters()).device):
         embeds = target.embed(batch["input_ids"], **vision_kwargs(batch))  # (B, L, D)
         m = batch["loss_mask"]  # (B, L) positions that predict CoC tokens
-        logq, logr = (torch.log_softmax(d(batch["input_ids"], inputs_embeds=embeds, **grid_kwargs(batch))[m].float(),
-                                        -1) for d in (draft, ref))  # (N, V) each
+        ids = getattr(ref, "vocab_ids", slice(None))  # a reduced ref's K ids, else every id
+        logq, logr = (torch.log_softmax(d(batch["input_ids"], inputs_embeds=embeds, **grid_kwargs(batch))[m].float()
+                                        [:, ids], -1) for d in (model, ref))  # (N, V or K) each
         total += float(exact_kl_terms(logq, logr).sum())
         n += int(m.sum())
     return total / max(n, 1)

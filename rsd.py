@@ -1,14 +1,14 @@
 """Reasoning-aware Speculative Decoding end to end (the paper's table). The routine reasoner (a 1-layer FlatRoPE draft,
-post-trained with AARL) proposes CoC tokens, the deliberative reasoner (the unmodified target, M-RoPE) verifies them
-and writes the commitments itself, the trajectory head plans from prompt + CoC. On the synthetic driving world's
-held-out test split: target-only, the replica draft (M-RoPE), the FlatRoPE draft and FlatRoPE + AARL at their
-speed-optimal gamma on val (mean over the draft seeds), then their draft trees. tau at every gamma comes from one
-teacher-forced replay of the target's greedy outputs (evaluate.simulate_rounds); real speculative decoding checks the
-outputs and the replay. The choice of gamma and tree on val needs measured step times and the trees' val tau: python
-rsd.py --search records them beside the checkpoints (checkpoints/toy/rsd_search.json), and a run reads that record
-while the checkpoints' fingerprints and the settings match, so that the table's gamma does not move with timing noise.
-ms/token: every row and target-only timed in one interleaved pass, the speed-up with its spread (bench.py: the full
-benchmark of one draft). The top of the layering: it calls the scripts train.py, aarl.py and bench.py.
+post-trained with AARL) proposes CoC tokens, the deliberative reasoner (the unmodified target, M-RoPE) verifies them and
+writes the commitments itself, the trajectory head plans from prompt + CoC. On the synthetic driving world's held-out
+test split: target-only, the replica draft (M-RoPE), the FlatRoPE draft and FlatRoPE + AARL at their speed-optimal gamma
+on val (mean over the draft seeds), then their draft trees. tau at every gamma comes from one teacher-forced replay of
+the target's greedy outputs (evaluate.simulate_rounds); real speculative decoding checks the outputs and the replay. The
+choice of gamma and tree on val needs measured step times and the trees' val tau: python rsd.py --search records them
+beside the checkpoints (checkpoints/toy/rsd_search.json), and a run reads that record while the checkpoints'
+fingerprints and the settings match, so that the table's gamma does not move with timing noise; --gamma / --tree N/D/k
+give the decoders (no search). ms/token: every row and target-only timed in one interleaved pass, the speed-up with its
+spread (bench.py: the full benchmark of one draft). The top of the layering: it calls train.py, aarl.py and bench.py.
 
 run: python rsd.py [--json] [--plot]        (--retrain trains what is missing: train.py, aarl.py; --search: see above)
 """
@@ -26,8 +26,9 @@ import bench
 import driving
 from driving import Data
 import evaluate
-from evaluate import MAX_NEW_TOKENS, TARGET_ONLY, TREES, tree_speedup
+from evaluate import MAX_NEW_TOKENS, TARGET_ONLY, TREES, TreeShape, tree_speedup
 from ops import checkpoint, cli, files, timing
+from speculate import GREEDY
 import train
 
 ROWS = (("replica", "mrope"), ("flatrope", "flat"), ("flatrope+aarl", "aarl"))  # table row -> draft kind on disk
@@ -121,28 +122,19 @@ def choose(rec, val_taus, shapes):
 
 # ---- timing: every arm in one interleaved pass ----
 @torch.no_grad()
-def time_interleaved(arms, prompts, stop, repeats, decoding=None, blocks=TIME_BLOCKS):
-    """Every arm (name -> (target, draft or None, gamma); the first: the baseline) decodes every prompt, the arms back
-    to back on each prompt in an order rotated from prompt to prompt, `repeats` passes after one untimed decode per
-    arm: load that drifts on a shared machine falls on every arm alike. -> ({arm: [SpecResult per prompt] of the first
-    pass}, {arm: {ms_per_token, speedup, ms_per_token_range, speedup_range}}): ms/token over every timed decode,
+def time_interleaved(arms, prompts, stop, repeats, sampling=GREEDY, blocks=TIME_BLOCKS):
+    """Every arm (name -> (target, draft or None, gamma); the first: the baseline) decodes every prompt in
+    timing.interleaved's passes (the arms back to back on each prompt, the order rotated, after one untimed decode per
+    arm): load that drifts on a shared machine falls on every arm alike. -> ({arm: [SpecResult per prompt] of the
+    first pass}, {arm: {ms_per_token, speedup, ms_per_token_range, speedup_range}}): ms/token over every timed decode,
     speed-up = the baseline's ms/token over the arm's, ranges min..max over the passes' blocks of prompts (a block's
     speed-up is paired: the same prompts, timed back to back)."""
     names = list(arms)
-    for name, (t, d, g) in arms.items():  # the warm-up: one decode of each arm's step shapes
-        evaluate.decode(t, d, prompts[0], g, MAX_NEW_TOKENS, stop, **evaluate.sampling_kwargs(decoding, 0))
-    spent = {name: [[0.0] * len(prompts) for _ in range(repeats)] for name in names}  # decode seconds [pass][prompt]
-    first = {name: [] for name in names}
-    for r in range(repeats):
-        for i, p in enumerate(prompts):
-            k = (i + r) % len(names)
-            for name in names[k:] + names[:k]:
-                t, d, g = arms[name]
-                res = evaluate.decode(t, d, p, g, MAX_NEW_TOKENS, stop, timing=True,
-                                      **evaluate.sampling_kwargs(decoding, i))
-                spent[name][r][i] = res.decode_s
-                if r == 0:
-                    first[name].append(res)
+    runs = timing.interleaved({name: lambda i, t=t, d=d, g=g: evaluate.decode(
+        t, d, prompts[i], g, MAX_NEW_TOKENS, stop, sampling.offset(i), timing=True)
+        for name, (t, d, g) in arms.items()}, len(prompts), repeats, prompts[0]["input_ids"].device)
+    spent = {name: [[x.result.decode_s for x in p] for p in ps] for name, ps in runs.items()}  # [pass][prompt]
+    first = {name: [x.result for x in ps[0]] for name, ps in runs.items()}
     tokens = {name: [len(res.tokens) for res in first[name]] for name in names}  # the same in every pass
     nb = min(blocks, len(prompts))
     cuts = [round(j * len(prompts) / nb) for j in range(nb + 1)]
@@ -179,17 +171,17 @@ def unordered(rows):
 
 
 # ---- the table ----
-def paper_table(target, drafts, splits, outputs, metrics, rec, n_time, repeats, decoding=None, compile=False,
-                max_nodes=0):
+def paper_table(target, drafts, splits, outputs, metrics, rec, n_time, repeats, sampling=GREEDY, compile=False,
+                tree=0, gamma=evaluate.GAMMA):
     """The rows and the sweep (mean tau per split and gamma, and the ceiling); metrics: the target's on test (ADE and
-    commitment accuracy, computed once in main). Chain rows at the gamma, tree rows (of TREES, <= max_nodes nodes;
-    none for 0) at the shape chosen on val (choose). Real decoding on every test scene: each row's first-seed draft,
-    each tree row's every seed (a tree has no replay). ms/token: time_interleaved over the first n_time test scenes,
-    every row's first-seed draft beside target-only; with greedy eager decoding its first pass is also those scenes'
-    real decoding. Sampling `decoding`: timed sampling, plus real sampled decoding's sampled_tau / sampled_alpha;
-    compile: the timed arms on compiled steps (bench.compiled_pair)."""
-    test, stop = splits["test"], splits["test"].tok.cot_end_id
-    device = next(target.parameters()).device
+    commitment accuracy, computed once in main). Chain rows at the gamma, tree rows (of TREES, <= `tree` nodes; none
+    for 0) at the shape chosen on val (choose); with no search (rec None) at `gamma` and `tree` (a TreeShape, or 0).
+    Real decoding on every test scene: each row's first-seed draft, each tree row's every seed (a tree has no replay).
+    ms/token: time_interleaved over the first n_time test scenes, every row's first-seed draft beside target-only;
+    with greedy eager decoding its first pass is also those scenes' real decoding. A sampled `sampling`: timed
+    sampling, plus real sampled decoding's sampled_tau / sampled_alpha; compile: the timed arms on compiled steps
+    (bench.compiled_pair)."""
+    test, stop, device = splits["test"], splits["test"].tok.cot_end_id, next(target.parameters()).device
     flat = {(row, s): d for row, by_seed in drafts.items() for s, d in by_seed.items()}
     # {split: {row: [tau_by_gamma of each seed]}}, from one teacher-forced pass per draft
     matches = {split: evaluate.draft_matches(flat, target, data, outputs[split]) for split, data in splits.items()}
@@ -202,8 +194,9 @@ def paper_table(target, drafts, splits, outputs, metrics, rec, n_time, repeats, 
     sweep = {split: {g: {"ceiling": evaluate.tau_ceiling([len(o) for o in outputs[split]], g),
                          **{row: mean_tau(taus[split][row], g) for row in drafts}} for g in GAMMAS}
              for split in splits}
-    shapes = [sh for sh in TREES if sh.nodes <= max_nodes]
-    gammas, trees = choose(rec, {row: {g: mean_tau(taus["val"][row], g) for g in GAMMAS} for row in drafts}, shapes)
+    shapes = [sh for sh in TREES if rec and sh.nodes <= tree]
+    gammas, trees = choose(rec, {row: {g: mean_tau(taus["val"][row], g) for g in GAMMAS} for row in drafts}, shapes) \
+        if rec else (dict.fromkeys(drafts, gamma), dict.fromkeys(drafts if tree else (), tree))
     prompts = evaluate.scene_prompts(test.scenes, test.tok, device, views=test.views_at(0))
     first = {row: next(iter(by_seed.values())) for row, by_seed in drafts.items()}
     decoders = {row: (first[row], gammas[row]) for row in drafts} | {f"{row} tree": (first[row], trees[row])
@@ -214,9 +207,9 @@ def paper_table(target, drafts, splits, outputs, metrics, rec, n_time, repeats, 
                  for name, (d, g) in decoders.items()}
         timed_arms = {TARGET_ONLY: (next(iter(pairs.values()))[0], None, 1),
                       **{name: (*pairs[name], g) for name, (d, g) in decoders.items()}}
-    timed, speed = time_interleaved(timed_arms, prompts[:n_time], stop, repeats, decoding)
-    sampling = decoding is not None and decoding["mode"] == "sampling"
-    reuse = not sampling and not compile  # the timed pass's decodes are the eager greedy ones
+    timed, speed = time_interleaved(timed_arms, prompts[:n_time], stop, repeats, sampling)
+    sampled = not sampling.greedy
+    reuse = not sampled and not compile  # the timed pass's decodes are the eager greedy ones
 
     def real(draft, g, done=()):  # greedy real decoding of every test scene, after the `done` ones
         return list(done) + [evaluate.decode(target, draft, p, g, MAX_NEW_TOKENS, stop) for p in prompts[len(done):]]
@@ -229,7 +222,7 @@ def paper_table(target, drafts, splits, outputs, metrics, rec, n_time, repeats, 
     rows = [{"name": TARGET_ONLY, "gamma": None, "tau": 1.0, "tau_spread": 0.0, "tau_by_gamma": None,
              "tau_ceiling": 1.0, "routine_fraction": 0.0, "commit_acc": metrics["commitment_acc"], "ade": ade,
              "greedy_match": base_match, **speed[TARGET_ONLY], **{f"attn_{k}": v for k, v in attn.items()},
-             **({"sampled_tau": 1.0, "sampled_alpha": None} if sampling else {})}]
+             **({"sampled_tau": 1.0, "sampled_alpha": None} if sampled else {})}]
     chain = {}
     for name, by_seed in drafts.items():
         per_seed, g = taus["test"][name], gammas[name]
@@ -244,8 +237,8 @@ def paper_table(target, drafts, splits, outputs, metrics, rec, n_time, repeats, 
                        "commit_acc": statistics.mean(commit[(name, s)] for s in by_seed), **speed[name], "ade": ade,
                        **{f"attn_{k}": statistics.mean(a[k] for a in attn) for k in ("history", "image", "text")},
                        "greedy_match": spec["greedy_match"], "replay_exact": spec["tau"] == per_seed[0][g]["tau"]}
-        if sampling:  # the replay is greedy; sampled tau needs real decoding
-            s = evaluate.spec_stats(target, {name: first[name]}, prompts, g, stop_token=stop, decoding=decoding)[name]
+        if sampled:  # the replay is greedy; sampled tau needs real decoding
+            s = evaluate.spec_stats(target, {name: first[name]}, prompts, g, stop_token=stop, sampling=sampling)[name]
             chain[name].update(sampled_tau=s["tau"], sampled_alpha=s["alpha"])
         rows.append(chain[name])
     for name, sh in trees.items():
@@ -262,24 +255,23 @@ def paper_table(target, drafts, splits, outputs, metrics, rec, n_time, repeats, 
                "alpha_by_depth": stats[0]["alpha_by_depth"], "nodes_per_round": stats[0]["nodes_per_round"],
                **speed[f"{name} tree"], "greedy_match": all(st["greedy_match"] for st in stats),
                "replay_exact": True}
-        if sampling:
-            s = evaluate.spec_stats(target, {name: first[name]}, prompts, sh, stop_token=stop, decoding=decoding)[name]
+        if sampled:
+            s = evaluate.spec_stats(target, {name: first[name]}, prompts, sh, stop_token=stop, sampling=sampling)[name]
             row.update(sampled_tau=s["tau"], sampled_alpha=s["alpha"])
         rows.append(row)
     return rows, sweep
 
 
 # ---- display ----
-def show_scenes(target, draft, data: Data, gamma, n, log=print, decoding=None):
-    """A few scenes planned by the two reasoners, next to target-only decoding (both sampled under `decoding`)."""
+def show_scenes(target, draft, data: Data, gamma, n, log=print, sampling=GREEDY):
+    """A few scenes planned by the two reasoners, next to target-only decoding (both sampled under `sampling`)."""
     tok, device = data.tok, next(target.parameters()).device
     prompts = evaluate.scene_prompts(data.scenes[:n], tok, device, views=data.views_at(0))
     for i, (scene, prompt) in enumerate(zip(data.scenes, prompts)):
-        sampling = evaluate.sampling_kwargs(decoding, i)
-        spec = evaluate.decode(target, draft, prompt, gamma, MAX_NEW_TOKENS, tok.cot_end_id, **sampling)
-        base = evaluate.decode(target, None, prompt, gamma, MAX_NEW_TOKENS, tok.cot_end_id, **sampling)
+        spec = evaluate.decode(target, draft, prompt, gamma, MAX_NEW_TOKENS, tok.cot_end_id, sampling.offset(i))
+        base = evaluate.decode(target, None, prompt, gamma, MAX_NEW_TOKENS, tok.cot_end_id, sampling.offset(i))
         # sampled outputs share the target's distribution, not its tokens: no token-by-token comparison
-        same = "" if sampling else f"   identical: {spec.tokens == base.tokens}"
+        same = "" if not sampling.greedy else f"   identical: {spec.tokens == base.tokens}"
         log(f"scene {i} ({scene.f.road}, {scene.f.event}, history {scene.f.hist_class}):")
         log(f"  RSD    tau {spec.tau:.1f}: {evaluate.marked_coc([tok.vocab[t] for t in spec.tokens], spec.from_draft)}")
         log(f"  target-only: {tok.decode(base.tokens)}{same}")
@@ -330,10 +322,9 @@ def plot(rows, out=FIGURES, sweep_json=SWEEP_JSON):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     os.makedirs(out, exist_ok=True)
-    fig = attention_figure(plt, rows)
     save = lambda fig, name: files.atomic_write(  # noqa: E731
         os.path.join(out, name), lambda p: fig.savefig(p, format="png", dpi=120, bbox_inches="tight"))
-    save(fig, "attention.png")
+    save(attention_figure(plt, rows), "attention.png")
     written = [f"{out}/attention.png"]
     if os.path.exists(sweep_json):
         sweep = files.read_json(sweep_json)
@@ -354,8 +345,10 @@ def plot(rows, out=FIGURES, sweep_json=SWEEP_JSON):
 
 
 def find_search(a, target, drafts, seeds, val, device):
-    """(the search record, how it was had): run/SEARCH_JSON when it holds for these checkpoints and settings; else
-    the search on val now, recorded there with --search (which always searches, every tree of TREES)."""
+    """(the search record, how it was had): none for given decoders; run/SEARCH_JSON when it holds for these
+    checkpoints and settings; else the search on val now, recorded there with --search (every tree of TREES)."""
+    if a.given:  # nothing to choose: no step time, no tree decoded on val (the replay gives tau at every gamma)
+        return None, f"gamma {a.gamma}{f' and tree {shape_key(a.tree)}' if a.tree else ''} as given, no search on val"
     path = os.path.join(a.run, SEARCH_JSON)
     key = search_key(target, drafts, seeds, a, device)
     if not a.search and not a.drafts and (rec := recorded_search(path, key)):
@@ -376,7 +369,7 @@ def find_search(a, target, drafts, seeds, val, device):
 
 # ---- main ----
 def main(argv=None):
-    ap, a, seeds, decoding, device = parse_args(argv)
+    ap, a, seeds, sampling, device = parse_args(argv)
     t0, cpu0 = time.time(), time.process_time()
     with cli.user_errors(ap):  # a failed retrain, a corrupt file, a draft distilled from another target: one line
         if a.retrain:
@@ -400,18 +393,19 @@ def main(argv=None):
     print(f"target on the held-out test split: CoC exact {metrics['coc_exact']:.3f}, "
           f"commitment accuracy {metrics['commitment_acc']:.3f}, ADE {metrics['ade']:.2f} m")
     rec, searched = find_search(a, target, drafts, seeds, splits["val"], device)
-    rows, sweep = paper_table(target, drafts, splits, outputs, metrics, rec, a.time_scenes, a.repeats, decoding,
-                              a.compile, a.tree)
+    rows, sweep = paper_table(target, drafts, splits, outputs, metrics, rec, a.time_scenes, a.repeats, sampling,
+                              a.compile, a.tree, a.gamma)
     shown = list(drafts)[-1]  # the paper's routine reasoner (FlatRoPE + AARL), or the last row given
     aarl_row = next(r for r in rows if r["name"] == shown)
-    show_scenes(target, drafts[shown][seeds[0]], test, aarl_row["gamma"], a.show, decoding=decoding)
+    show_scenes(target, drafts[shown][seeds[0]], test, aarl_row["gamma"], a.show, sampling=sampling)
     ids = evaluate.scene_prompts(test.scenes[:1], tok, device, views=a.views)[0]["input_ids"]
     n_visual, n_hist = int(((ids == tok.image_token_id) | (ids == tok.video_token_id)).sum()), 3 * tok.cfg.n_hist
     blocks = min(TIME_BLOCKS, a.time_scenes)
     over = (f"mean ± half the spread over seeds {seeds}" if len(seeds) > 1 else f"seed {seeds[0]}'s draft")
     print(f"\nheld-out test split, {a.scenes} scenes, {n_visual} visual and {n_hist} history "
-          f"tokens per prompt, {a.dtype} on {a.device} ({torch.get_num_threads()} threads); draft rows: {over} at the "
-          f"row's speed-optimal gamma / tree (chosen on {a.scenes} val scenes by the cost model, {searched})")
+          f"tokens per prompt, {a.dtype} on {a.device} ({torch.get_num_threads()} threads); draft rows: {over} at "
+          + (f"the row's speed-optimal gamma / tree (chosen on {a.scenes} val scenes by the cost model, {searched})"
+             if rec else searched))
     print(f"ms/token: the reasoning step's decode time per token, seed {seeds[0]}'s drafts, every row and target-only "
           f"timed in one interleaved pass over {a.time_scenes} test scenes (each scene decoded by all arms back to "
           f"back, the order rotated), {a.repeats} timed pass{'es' if a.repeats > 1 else ''}"
@@ -419,20 +413,20 @@ def main(argv=None):
           + f"; speed-up = target-only's ms/token over the row's, [min-max] over {a.repeats * blocks} block"
           f"{'s' if a.repeats * blocks > 1 else ''} of {a.time_scenes // blocks}"
           f"{'+' if a.time_scenes % blocks else ''} scenes: rows whose ranges overlap are not ranked by it")
-    if decoding["mode"] == "sampling":
-        print(f"decoding: {bench.decoding_text(decoding)} (prompt i = test scene i). tau = the exact greedy replay "
+    if not sampling.greedy:
+        print(f"decoding: {bench.decoding_text(cli.sampling_json(sampling))} (prompt i = test scene i). tau = the exact greedy replay "
               f"(gamma chosen on it); tau sampled = real sampled speculative decoding with seed {seeds[0]}'s draft; "
               f"ms/token and speed-up timed sampling; ADE after the greedy CoC")
     print_table(rows, spread=len(seeds) > 1)
-    times = rec["step_times"]
-    print(f"step times ({searched}): T_target(1) {1e3 * times['target'][1]:.2f} ms, T_draft(1) "
-          f"{1e3 * times['draft']:.3f} ms; commit = teacher-forced accuracy on the commitment tokens")
+    print((f"step times ({searched}): T_target(1) {1e3 * rec['step_times']['target'][1]:.2f} ms, T_draft(1) "
+           f"{1e3 * rec['step_times']['draft']:.3f} ms; " if rec else "") + "commit = teacher-forced accuracy on the "
+          "commitment tokens")
     groups = unordered(rows[1:])
     print("speed-up ranges that overlap (timing noise, not an order): "
           + ("; ".join(" ~ ".join(g) for g in groups) if groups else "none"))
     for r in rows:
         if r.get("tree"):
-            print(f"{r['name']}: tree of N/D/k = {'/'.join(map(str, r['tree']))} (chosen on val), "
+            print(f"{r['name']}: tree of N/D/k = {'/'.join(map(str, r['tree']))}{' (chosen on val)' * (not a.given)}, "
                   f"{r['nodes_per_round']:.1f} nodes per round, alpha by depth "
                   + " ".join("-" if x is None else f"{x:.2f}" for x in r["alpha_by_depth"]) + f" (seed {seeds[0]})")
     greedy_match = all(r["greedy_match"] for r in rows)
@@ -448,9 +442,9 @@ def main(argv=None):
         keys = ("name", "gamma", "tau", "tau_spread", "tau_by_gamma", "tau_ceiling", "routine_fraction", "commit_acc",
                 "ms_per_token", "speedup", "ms_per_token_range", "speedup_range", "ade", "attn_history", "attn_image",
                 "attn_text")
-        keys += ("sampled_tau", "sampled_alpha") if decoding["mode"] == "sampling" else ()
+        keys += ("sampled_tau", "sampled_alpha") if not sampling.greedy else ()
         keys += ("tree", "tau_by_seed", "val_tau", "alpha_by_depth", "nodes_per_round")  # None on chain rows
-        print(json.dumps({"decoding": decoding, "compiled": a.compile, "greedy_match": greedy_match,
+        print(json.dumps({"decoding": cli.sampling_json(sampling), "compiled": a.compile, "greedy_match": greedy_match,
                           "tau_ceiling": aarl_row["tau_ceiling"], "sweep": sweep,
                           "target": {k: metrics[k] for k in ("coc_exact", "commitment_acc", "ade")},
                           "prompt": {"visual_tokens": n_visual, "history_tokens": n_hist},
@@ -500,8 +494,13 @@ def named_drafts(a):
     return list(range(max(map(len, a.named.values()))))
 
 
+def tree_flag(text):
+    """--tree N (a node budget) or N/D/k (a TreeShape, checked)."""
+    return TreeShape(*map(int, text.split("/"))) if "/" in text else int(text)
+
+
 def parse_args(argv):
-    """(parser, flags, seeds, decoding, device), every flag checked before any work: one line `rsd.py: error: ...`."""
+    """(parser, flags, seeds, sampling, device), every flag checked before any work: one line `rsd.py: error: ...`."""
     ap = argparse.ArgumentParser(description="The two-reasoner planner (RSD) on the synthetic driving world.")
     ap.add_argument("--run", default=checkpoint.SHIPPED, help="run folder (default: the shipped checkpoints/toy)")
     ap.add_argument("--retrain", action="store_true", help="train whatever is missing in --run first")
@@ -523,8 +522,11 @@ def parse_args(argv):
                                 "times both arms sampling (prompt i = held-out scene i)")
     ap.add_argument("--compile", action="store_true", help="time both arms with torch.compile'd steps "
                     "(minutes of compilation; gamma is still chosen with the eager cost model)")
-    ap.add_argument("--tree", type=int, default=32, help="draft-tree rows beside the chain rows of at most this many "
-                    "nodes (the shape chosen on val from evaluate.TREES); 0 = chain rows; default 32")
+    ap.add_argument("--gamma", type=int, choices=GAMMAS, help="the chain rows' draft length, with no search on val "
+                    "(the replay gives tau at every gamma): tree rows only at --tree N/D/k")
+    ap.add_argument("--tree", type=tree_flag, help="draft-tree rows beside the chain rows: N, the tree of evaluate."
+                    "TREES of at most N nodes chosen on val (default 32, none beside --gamma; 0 = chain rows); N/D/k, "
+                    f"this tree, with no search on val (the chain rows at --gamma, default {evaluate.GAMMA})")
     ap.add_argument("--search", action="store_true", help=f"measure the choice of gamma and tree on val again (step "
                     f"times, every tree's val tau) and record it in --run's {SEARCH_JSON}, which later runs read "
                     "while it holds for their checkpoints and settings")
@@ -534,12 +536,14 @@ def parse_args(argv):
     with cli.user_errors(ap):
         cli.check_values(a, [(">= 1", ("scenes", "time_scenes", "repeats")), ("a finite number >= 0", ("show",)),
                                   (cli.VIEWS_RULE, ("views",))], flags=True)
-        try:
-            seeds = [int(s) for s in a.seeds.split(",") if s.strip()]
-        except ValueError:
-            seeds = []
-        for bad, msg in ((a.tree and not any(sh.nodes <= a.tree for sh in TREES), f"--tree {a.tree}: the smallest tree "
-                          f"rsd.py chooses from has {min(sh.nodes for sh in TREES)} nodes (0 = chain rows only)"),
+        seeds = [int(s) if s.strip().isdecimal() else -1 for s in a.seeds.split(",") if s.strip()]  # -1: not a seed
+        a.given = a.gamma is not None or isinstance(a.tree, TreeShape)  # the decoders themselves: nothing searched
+        a.gamma, a.tree = a.gamma or evaluate.GAMMA, (0 if a.given else 32) if a.tree is None else a.tree
+        budget = 0 if isinstance(a.tree, TreeShape) else a.tree  # --tree N: the search's node budget
+        for bad, msg in ((budget and not any(sh.nodes <= budget for sh in TREES), f"--tree {a.tree}: the smallest "
+                          f"tree rsd.py chooses from has {min(sh.nodes for sh in TREES)} nodes (0: chain rows only)"),
+                         (a.given and (budget or a.search), "--gamma and --tree N/D/k give the decoders (no search on "
+                          "val): they take no --search, and a tree as N/D/k (or 0)"),
                          # below: both are taken from the --scenes held-out scenes
                          (a.time_scenes > a.scenes or a.show > a.scenes, f"--time-scenes ({a.time_scenes}) and --show "
                           f"({a.show}) must be at most --scenes ({a.scenes})"),
@@ -548,7 +552,7 @@ def parse_args(argv):
                           f"--seeds must not repeat a seed, got {a.seeds!r}")):
             if bad:
                 raise ValueError(msg)
-        decoding = cli.decoding_mode(a.temperature, a.top_k, a.top_p, a.sampling_seed)
+        sampling = cli.sampling(a.temperature, a.top_k, a.top_p, a.sampling_seed)
         device = cli.check_device(a.device)
         if a.drafts:
             seeds = named_drafts(a)
@@ -556,7 +560,7 @@ def parse_args(argv):
             if importlib.util.find_spec("matplotlib") is None:
                 raise ValueError("--plot needs matplotlib: pip install matplotlib")
             files.check_writable(FIGURES)
-    return ap, a, seeds, decoding, device
+    return ap, a, seeds, sampling, device
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """Training on the synthetic driving world: SFT of the deliberative reasoner (the target VLA, Alpamayo-R1 style: CoC
 next-token loss plus a trajectory loss) and distillation of the two routine-reasoner drafts, FlatRoPE (1D positions)
 and the M-RoPE replica of standard speculative decoding (same data, steps and seed: only the position scheme differs),
-in one loop: each step runs the frozen target once and updates each draft q with KL(p || q) on the CoC positions.
-The SFT FlatRoPE draft is also AARL's static reference (aarl.py).
+in one loop: each step runs the frozen target once and updates each draft q with KL(p || q) on the CoC positions
+(--loss tvd: the total variation). The SFT FlatRoPE draft is also AARL's static reference (aarl.py).
 
 A draft for a real target, distilled on the target's own CoCs over the user's scenes, is real/distill.py.
 
@@ -46,6 +46,7 @@ class TrainConfig:
     draft_seeds: str = ""  # several draft seeds in one call, one after another (e.g. 0,1,2); default: --draft-seed
     draft_lr: float = 3e-3  # peak learning rate of the drafts
     kinds: str = "flat,mrope"  # the drafts distilled: flat (FlatRoPE, the routine reasoner), mrope (the replica)
+    loss: str = "kl"  # the drafts' distillation loss: kl, KL(p || q); tvd, the total variation (distill_loss)
     target_dir: str = ""  # --stage drafts: distil from this target folder instead of OUT/target (nothing is copied)
     target_preset: str = "toy-target"  # target sizes (model.PRESETS)
     draft_preset: str = "toy-draft"  # the drafts' sizes (model.DRAFT_PRESETS); the four flags below override it
@@ -140,12 +141,14 @@ def target_loss(target, batch, traj_weight):
     return ce + traj_weight * F.smooth_l1_loss(pred, batch["traj"]), ce, (pred - batch["traj"]).abs().mean()
 
 
-def distill_loss(draft, embeds, p_logp, batch):
-    """Forward KL(p || q) averaged over CoC positions; p_logp (N, V) are the target's log-probs there. A reduced-
-    vocabulary draft (K ids) has q = 0 elsewhere, where KL(p || q) is infinite: its loss is KL(p_S || q), p_S being p
-    renormalised on the set, minimised by the q that minimises the finite part of KL(p || q) (the sum over the set)."""
-    logits_q = draft(batch["input_ids"], inputs_embeds=embeds, **grid_kwargs(batch))  # (B, L, V)
-    return kl_p_q(draft, logits_q[batch["loss_mask"]].float(), p_logp)  # (N, V) of q, (N, V) of log p
+def distill_loss(draft, embeds, p_logp, batch, loss="kl"):
+    """Forward KL(p || q) (loss kl) averaged over CoC positions; p_logp (N, V) are the target's log-probs there. A
+    reduced-vocabulary draft (K ids) has q = 0 elsewhere, where KL(p || q) is infinite: its loss is KL(p_S || q), p_S
+    being p renormalised on the set, minimised by the q that minimises the finite part of KL(p || q) (the sum over the
+    set). tvd: TV(p, q) = 1/2 sum |p - q|, 1 - the acceptance rate of sampled speculative decoding (DistillSpec)."""
+    logits_q = draft(batch["input_ids"], inputs_embeds=embeds, **grid_kwargs(batch))[batch["loss_mask"]].float()
+    return (0.5 * (logits_q.softmax(-1) - p_logp.exp()).abs().sum(-1).mean() if loss == "tvd"
+            else kl_p_q(draft, logits_q, p_logp))  # (N, V) of q, (N, V) of log p
 
 
 def kl_p_q(draft, logits_q, p_logp):
@@ -191,7 +194,8 @@ def train_target(cfg: TrainConfig, tok, train: Data, val: Data, rank=0, world=1,
 
 def train_drafts(cfg: TrainConfig, target, train: Data, val: Data = None, rank=0, world=1, device="cpu"):
     """Distil the drafts of cfg.kinds from the frozen target in one loop; saves out/draft_<kind>_s<draft_seed> and,
-    with val, what each learned at every evaluation (draft_scores) in out/draft_<kind>_s<draft_seed>.metrics.json."""
+    with val, what each learned at every evaluation in out/draft_<kind>_s<draft_seed>.metrics.json: the loss trained
+    (train_<loss>) and, whatever it is, the exact KL(p || q) on val (val_kl) and tau at every gamma (val_tau)."""
     target.eval().requires_grad_(False)
     vocab_ids = (select_draft_vocab(train.coc_ids(), cfg.draft_vocab, train.tok.cot_end_id, target.cfg.vocab_size)
                  if cfg.draft_vocab else None)
@@ -216,16 +220,20 @@ def train_drafts(cfg: TrainConfig, target, train: Data, val: Data = None, rank=0
         for k, d in ddps.items():
             d.train()
             with autocast(device, cfg.amp):
-                loss = distill_loss(d, embeds, p_logp, batch)
+                loss = distill_loss(d, embeds, p_logp, batch, cfg.loss)
             runs.update(opts[k], drafts[k], runs.lr_at(step, cfg.draft_steps, cfg.draft_lr, cfg.warmup), cfg.grad_clip,
                         loss)
             losses[k] = loss.item()
             runs.check_loss(f"{k} draft", losses[k], step, state_path, drafts[k])
-        bar.set_postfix({f"kl_{k}": f"{v:.3f}" for k, v in losses.items()})
+        bar.set_postfix({f"{cfg.loss}_{k}": f"{v:.3f}" for k, v in losses.items()})  # named by the loss trained
         if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.draft_steps:
-            if outputs is not None:
-                for k, scores in draft_scores(drafts, target, val, outputs).items():
-                    history[k].append({"step": step + 1, "train_kl": losses[k], **scores})
+            if outputs is not None:  # beside the loss trained, evaluate's measures: the same whatever the loss
+                matches = evaluate.draft_matches({k: d.eval() for k, d in drafts.items()}, target, val, outputs)
+                for k, d in drafts.items():  # the exact KL(p || q) on val, tau at every gamma (the replay)
+                    taus = evaluate.tau_by_gamma(matches[k], evaluate.GAMMAS)
+                    history[k].append({"step": step + 1, f"train_{cfg.loss}": losses[k],
+                                       "val_kl": evaluate.kl_to(target, d, target, val),
+                                       "val_tau": {g: v["tau"] for g, v in taus.items()}})
                     files.write_json(checkpoint.draft_dir(cfg.out, k, cfg.draft_seed) + ".metrics.json",
                                      {"kind": k, "draft_seed": cfg.draft_seed, "config": asdict(cfg),
                                       "evaluations": history[k]})
@@ -234,24 +242,6 @@ def train_drafts(cfg: TrainConfig, target, train: Data, val: Data = None, rank=0
         for k, d in drafts.items():
             checkpoint.save(d, checkpoint.draft_dir(cfg.out, k, cfg.draft_seed), target=target)
     return drafts
-
-
-@torch.no_grad()
-def draft_scores(drafts, target, val: Data, outputs):
-    """{kind: {"val_kl", "val_tau"}}: each draft's KL(p || q) on the validation CoCs (distill_loss, weighted by CoC
-    positions) and its tau at every gamma of evaluate.GAMMAS on the target's greedy outputs (the exact replay)."""
-    device, kl, n = next(target.parameters()).device, {k: 0.0 for k in drafts}, 0
-    for batch in val.batches(evaluate.EVAL_BATCH, device):
-        embeds = target.embed(batch["input_ids"], **vision_kwargs(batch))  # (B, L, D)
-        logits_p = target(batch["input_ids"], inputs_embeds=embeds, **grid_kwargs(batch))  # (B, L, V)
-        p_logp = F.log_softmax(logits_p[batch["loss_mask"]].float(), -1)  # (N, V)
-        for k, d in drafts.items():
-            kl[k] += distill_loss(d.eval(), embeds, p_logp, batch).item() * len(p_logp)
-        n += len(p_logp)
-    matches = evaluate.draft_matches(drafts, target, val, outputs)
-    return {k: {"val_kl": kl[k] / n, "val_tau": {g: v["tau"] for g, v in
-                                                 evaluate.tau_by_gamma(matches[k], evaluate.GAMMAS).items()}}
-            for k in drafts}
 
 
 def run(cfg: TrainConfig, stage="all", log=print):
@@ -296,7 +286,7 @@ def parse_args(argv=None, parser=False):
                                  "(a draft for a real target: python -m real.distill --help).")
     ap.add_argument("--stage", choices=["all", "target", "drafts"], default="all",
                     help="target: SFT only; drafts: distil from an existing out/target; all: both")
-    cli.add_config_flags(ap, TrainConfig, choices={"target_preset": sorted(M.PRESETS),
+    cli.add_config_flags(ap, TrainConfig, choices={"target_preset": sorted(M.PRESETS), "loss": ["kl", "tvd"],
                                                           "draft_preset": sorted(M.DRAFT_PRESETS)})
     a = ap.parse_args(argv)
     with cli.user_errors(ap):

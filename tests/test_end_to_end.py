@@ -448,3 +448,32 @@ def test_fork_a_draft_variant(run_dir, tmp_path, capsys):
     for k in ("tau_by_gamma", "commit_acc", "attn_history", "attn_image", "attn_text"):
         assert rows["flatrope"][k] == default["flatrope"][k], k
     assert got["drafts"]["two-layer"] == [str(out / f"draft_flat_s{s}") for s in (0, 1)]
+
+
+def test_rsd_drafts_at_given_decoders_skip_the_search(run_dir, monkeypatch, capsys):
+    """rsd.py --drafts with --gamma and / or --tree N/D/k (issue #42): nothing is searched on val (no step time
+    measured, no tree decoded there, no record read); only the decoders given are decoded and timed, the chain rows'
+    tau the replay's at the given gamma, greedy outputs still the target's."""
+    def searched(*args, **kwargs):
+        raise AssertionError("searched on val")
+
+    for name in ("search", "recorded_search", "least"):
+        monkeypatch.setattr(rsd, name, searched)
+    monkeypatch.setattr(rsd.timing, "step_times", searched)
+    monkeypatch.setattr(rsd.timing, "tree_step_times", searched)
+    flags = ["--run", str(run_dir), "--views", str(VIEWS), "--scenes", "3", "--time-scenes", "1", "--show", "0",
+             "--json", "--drafts", *(f"one={run_dir / f'draft_flat_s{s}'}" for s in (0, 1)),
+             f"two={run_dir / 'draft_aarl_s0'}"]
+    for given, want in ((["--gamma", "3"], [3, 3]), (["--tree", "16/6/3"], [evaluate.GAMMA] * 2 + [[16, 6, 3]] * 2),
+                        (["--gamma", "4", "--tree", "16/8/3"], [4, 4, [16, 8, 3], [16, 8, 3]])):
+        rsd.main(flags + given)
+        text = capsys.readouterr().out
+        got = json.loads(text.strip().splitlines()[-1])
+        assert [r["name"] for r in got["rows"]] == [TARGET_ONLY, "one", "two"] + ["one tree", "two tree"][:len(want) - 2]
+        assert [r["gamma"] or r["tree"] for r in got["rows"][1:]] == want and got["greedy_match"] is True
+        for r in got["rows"][1:3]:
+            assert r["tau"] == pytest.approx(r["tau_by_gamma"][str(r["gamma"])])
+        assert "as given, no search on val" in text and "step times" not in text
+    with pytest.raises(SystemExit):
+        rsd.main(flags + ["--gamma", "3", "--tree", "16"])  # a node budget asks for the search --gamma skips
+    assert "--tree N/D/k give the decoders" in capsys.readouterr().err

@@ -17,6 +17,7 @@ import torch.multiprocessing as mp
 
 import driving
 from driving import Data, vision_kwargs
+import evaluate
 import model as M
 from ops import checkpoint, files, runs
 import train as T
@@ -73,6 +74,30 @@ def test_distillation_lowers_the_kl(tmp_path, tok):
     for k, d in drafts.items():
         assert T.distill_loss(d, embeds, p, batch).item() < 0.7 * before[k], k
         assert os.path.exists(os.path.join(checkpoint.draft_dir(str(tmp_path), k, 0), "model.safetensors"))
+
+
+def test_logs_name_the_loss_trained_and_validation_keeps_its_measures(tmp_path, tok, monkeypatch, capsys):
+    """--loss tvd (issue #42): the progress bar and every evaluation name the loss trained (tvd_flat, train_tvd; no kl
+    key), and validation does not reuse the training loss: val_kl is the exact KL(p || q) of evaluate.kl_to, beside
+    val_tau, whatever the loss; distill_loss runs only in the training steps."""
+    cfg, _ = T.parse_args(["--loss", "tvd"])
+    assert cfg.loss == "tvd"
+    with pytest.raises(SystemExit):
+        T.parse_args(["--loss", "js"])
+    torch.manual_seed(0)
+    target = M.VLA(T.target_config(tok, "test-tiny")).eval()
+    data = Data("train", 16, 0, tok)
+    calls, loss = [], T.distill_loss
+    monkeypatch.setattr(T, "distill_loss", lambda *args: calls.append(args[-1]) or loss(*args))
+    cfg = tiny_cfg(tmp_path, batch_size=4, draft_steps=2, eval_every=2, kinds="flat", loss="tvd")
+    capsys.readouterr()
+    (draft,) = T.train_drafts(cfg, target, data, data).values()
+    assert calls == ["tvd", "tvd"] and "tvd_flat=" in capsys.readouterr().err
+    rec = files.read_json(tmp_path / "draft_flat_s0.metrics.json")
+    (e,) = rec["evaluations"]
+    assert rec["config"]["loss"] == "tvd" and "train_tvd" in e and not any("train_kl" in k for k in e)
+    assert e["val_kl"] == pytest.approx(evaluate.kl_to(target, draft, target, data)) and e["val_kl"] != e["train_tvd"]
+    assert set(e["val_tau"]) == {str(g) for g in evaluate.GAMMAS}
 
 
 def test_reduced_vocab_drafts_train_save_and_resume(tmp_path, tok):

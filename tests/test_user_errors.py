@@ -206,6 +206,10 @@ def test_bench_bad_flags_are_one_line(argv, msg, capsys):
     (["--scenes", "2", "--time-scenes", "16"], "--time-scenes (16) and --show (3) must be at most --scenes (2)"),
     (["--temperature", "0.5", "--sampling-seed", str(2**64)], "sampling seed must be an int >= 0 and < 2**62"),
     (["--temperature", "inf"], "temperature must be finite"),
+    (["--gamma", "4", "--tree", "32"], "they take no --search, and a tree as N/D/k (or 0)"),  # 32: a search's budget
+    (["--tree", "16/8/3", "--search"], "--gamma and --tree N/D/k give the decoders (no search on val)"),
+    (["--tree", "16/2/3"], "argument --tree: invalid tree_flag value: '16/2/3'"),  # 12 candidates, not 16
+    (["--gamma", "9"], "argument --gamma: invalid choice: 9"),  # tau is replayed at evaluate.GAMMAS
 ])
 def test_rsd_bad_flags_are_one_line(argv, msg, capsys):
     with pytest.raises(SystemExit):
