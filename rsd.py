@@ -10,10 +10,9 @@ fingerprints and the settings match, so that the table's gamma does not move wit
 give the decoders (no search). ms/token: every row and target-only timed in one interleaved pass, the speed-up with its
 spread (bench.py: the full benchmark of one draft). The top of the layering: it calls train.py, aarl.py and bench.py.
 
-run: python rsd.py [--json] [--plot]        (--retrain trains what is missing: train.py, aarl.py; --search: see above)
+run: python rsd.py [--json]        (--retrain trains what is missing: train.py, aarl.py; --search: see above)
 """
 import argparse
-import importlib.util
 import json
 import os
 import statistics
@@ -33,14 +32,11 @@ import train
 
 ROWS = (("replica", "mrope"), ("flatrope", "flat"), ("flatrope+aarl", "aarl"))  # table row -> draft kind on disk
 GAMMAS = evaluate.GAMMAS
-FIGURES = "figures"  # --plot's folder
 # in the run folder, beside the checkpoints: what python rsd.py --search measured on val (the step times and the trees'
 # val tau that choose gamma and tree), keyed by the checkpoints' fingerprints; a run without a matching one searches
 SEARCH_JSON = "rsd_search.json"
 STEP_ROUNDS = 5  # the search's step times: the least of this many medians (rsd.least)
 TIME_BLOCKS = 4  # the timed scenes cut into this many blocks: the speed-up's spread is min..max over them (and passes)
-# --plot's views sweep, written by python experiments/views_sweep.py; found from any working folder
-SWEEP_JSON = os.path.join(os.path.dirname(os.path.abspath(__file__)), "experiments", "views_sweep.json")
 
 
 # ---- the search on val: step times and tree taus, recorded once per set of checkpoints ----
@@ -302,48 +298,6 @@ def print_sweep(sweep, rows, log=print):
             log(f"{split:6s} {g:5d} {v['ceiling']:8.2f} " + " ".join(f"{v[n]:14.2f}" for n in names))
 
 
-# ---- figures ----
-def attention_figure(plt, rows):
-    """Where each row's model puts its attention while it writes the CoC: image tokens, trajectory history, text."""
-    fig, ax = plt.subplots(figsize=(6, 3))
-    names, bottom = [r["name"] for r in rows], [0.0] * len(rows)
-    for key, label in (("attn_image", "image tokens"), ("attn_history", "trajectory history"), ("attn_text", "text")):
-        ax.bar(names, [r[key] for r in rows], bottom=bottom, label=label)
-        bottom = [b + r[key] for b, r in zip(bottom, rows)]
-    ax.set_ylabel("attention mass while writing the CoC")
-    ax.legend(fontsize=7, loc="lower right")
-    return fig
-
-
-def plot(rows, out=FIGURES, sweep_json=SWEEP_JSON):
-    """figures/attention.png (where each model's attention goes while it writes the CoC) and, from the views sweep
-    of experiments/views_sweep.py, figures/views_sweep.png (tau of both drafts against the visual-token count)."""
-    import matplotlib  # main checks that it is installed before any work
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    os.makedirs(out, exist_ok=True)
-    save = lambda fig, name: files.atomic_write(  # noqa: E731
-        os.path.join(out, name), lambda p: fig.savefig(p, format="png", dpi=120, bbox_inches="tight"))
-    save(attention_figure(plt, rows), "attention.png")
-    written = [f"{out}/attention.png"]
-    if os.path.exists(sweep_json):
-        sweep = files.read_json(sweep_json)
-        fig, axes = plt.subplots(1, 2, figsize=(9, 3))
-        for ax, (key, label) in zip(axes, (("tau", "held-out tau at gamma 6"), ("attn_history", "attention on history"))):
-            for kind, style in (("mrope", "o-"), ("flat", "s-")):
-                pts = sorted((p["visual_tokens"], p[kind][key]["mean"], p[kind][key]["spread"]) for p in sweep["points"])
-                x, y, e = zip(*pts)
-                ax.errorbar(x, y, yerr=[s / 2 for s in e], fmt=style, capsize=3,
-                            label={"mrope": "replica (M-RoPE)", "flat": "FlatRoPE"}[kind])
-            ax.set(xscale="log", xlabel="visual tokens in the prompt", ylabel=label)
-            ax.legend(fontsize=7)
-        save(fig, "views_sweep.png")
-        written.append(f"{out}/views_sweep.png")
-    else:
-        print(f"{sweep_json} not found: run python experiments/views_sweep.py for figures/views_sweep.png")
-    print("figures written: " + ", ".join(written))
-
-
 def find_search(a, target, drafts, seeds, val, device):
     """(the search record, how it was had): none for given decoders; run/SEARCH_JSON when it holds for these
     checkpoints and settings; else the search on val now, recorded there with --search (every tree of TREES)."""
@@ -452,9 +406,6 @@ def main(argv=None):
                           "timing": {"scenes": a.time_scenes, "passes": a.repeats, "blocks": blocks,
                                      "unordered": groups, "step_times": searched},
                           "rows": [{k: r.get(k) for k in keys} for r in rows]}))
-    if a.plot:  # after the report: a failing figure loses no result
-        with cli.user_errors(ap):
-            plot(rows, FIGURES)
 
 
 # ---- operations: checkpoints, retraining, the command line and its checks ----
@@ -530,7 +481,6 @@ def parse_args(argv):
     ap.add_argument("--search", action="store_true", help=f"measure the choice of gamma and tree on val again (step "
                     f"times, every tree's val tau) and record it in --run's {SEARCH_JSON}, which later runs read "
                     "while it holds for their checkpoints and settings")
-    ap.add_argument("--plot", action="store_true", help="write figures/ (needs matplotlib), after the report")
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     a = ap.parse_args(argv)
     with cli.user_errors(ap):
@@ -556,10 +506,6 @@ def parse_args(argv):
         device = cli.check_device(a.device)
         if a.drafts:
             seeds = named_drafts(a)
-        if a.plot:  # figures come after minutes of work: their dependency and folder are checked first
-            if importlib.util.find_spec("matplotlib") is None:
-                raise ValueError("--plot needs matplotlib: pip install matplotlib")
-            files.check_writable(FIGURES)
     return ap, a, seeds, sampling, device
 
 

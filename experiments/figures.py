@@ -1,16 +1,17 @@
 """The README's figures, drawn from committed runs (needs matplotlib): docs/figures/tree_budget.png and tree_paths.png
 from experiments/tree_sweep.py's and experiments/tree_paths.py's JSON (draft trees, EAGLE-2), attention.png from
-`python rsd.py --json`'s output experiments/rsd_toy.json (the paper's attention shift to the trajectory history).
+`python rsd.py --json`'s output experiments/rsd_toy.json (the paper's attention shift to the trajectory history),
+views_sweep.png from experiments/views_sweep.py's JSON (FlatRoPE against the prompt's visual-token count).
 
-run: python experiments/figures.py [--out docs/figures]
+run: python experiments/figures.py [--out docs/figures] [--rsd-json RUN.json: a run of your own, its last line]
 """
 import argparse
+import json
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from ops import files  # noqa: E402
-import rsd  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -49,9 +50,34 @@ def plot_trees(plt, save, out, tree_json, paths_json):
 def plot_attention(plt, save, out, rsd_json):
     """attention.png: where each model's attention goes while it writes the CoC (image tokens, trajectory history,
     text), the target and each draft kind's chain row of rsd.py's table (mean over its seeds)."""
-    rows = [r for r in files.read_json(rsd_json)["rows"] if not r.get("tree")]
-    save(rsd.attention_figure(plt, rows), "attention.png")
+    with open(rsd_json) as f:  # a committed JSON, or a run's `python rsd.py --json` output (its last line)
+        rows = [r for r in json.loads(f.read().strip().splitlines()[-1])["rows"] if not r.get("tree")]
+    fig, ax = plt.subplots(figsize=(6, 3))
+    names, bottom = [r["name"] for r in rows], [0.0] * len(rows)
+    for key, label in (("attn_image", "image tokens"), ("attn_history", "trajectory history"), ("attn_text", "text")):
+        ax.bar(names, [r[key] for r in rows], bottom=bottom, label=label)
+        bottom = [b + r[key] for b, r in zip(bottom, rows)]
+    ax.set_ylabel("attention mass while writing the CoC")
+    ax.legend(fontsize=7, loc="lower right")
+    save(fig, "attention.png")
     return [f"{out}/attention.png"]
+
+
+def plot_views(plt, save, out, views_json):
+    """views_sweep.png: held-out tau of both drafts and their attention on the history against the visual tokens in
+    the prompt (experiments/views_sweep.py), the seed spread as error bars."""
+    sweep = files.read_json(views_json)
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3))
+    for ax, (key, label) in zip(axes, (("tau", "held-out tau at gamma 6"), ("attn_history", "attention on history"))):
+        for kind, style in (("mrope", "o-"), ("flat", "s-")):
+            pts = sorted((p["visual_tokens"], p[kind][key]["mean"], p[kind][key]["spread"]) for p in sweep["points"])
+            x, y, e = zip(*pts)
+            ax.errorbar(x, y, yerr=[s / 2 for s in e], fmt=style, capsize=3,
+                        label={"mrope": "replica (M-RoPE)", "flat": "FlatRoPE"}[kind])
+        ax.set(xscale="log", xlabel="visual tokens in the prompt", ylabel=label)
+        ax.legend(fontsize=7)
+    save(fig, "views_sweep.png")
+    return [f"{out}/views_sweep.png"]
 
 
 def main(argv=None):
@@ -61,6 +87,7 @@ def main(argv=None):
     ap.add_argument("--tree-json", default=os.path.join(HERE, "tree_sweep.json"))
     ap.add_argument("--paths-json", default=os.path.join(HERE, "tree_paths.json"))
     ap.add_argument("--rsd-json", default=os.path.join(HERE, "rsd_toy.json"))
+    ap.add_argument("--views-json", default=os.path.join(HERE, "views_sweep.json"))
     a = ap.parse_args(argv)
     import matplotlib
 
@@ -71,7 +98,8 @@ def main(argv=None):
     def save(fig, name):
         files.atomic_write(os.path.join(a.out, name), lambda p: fig.savefig(p, format="png", dpi=100,
                                                                              bbox_inches="tight"))
-    written = plot_trees(plt, save, a.out, a.tree_json, a.paths_json) + plot_attention(plt, save, a.out, a.rsd_json)
+    written = (plot_trees(plt, save, a.out, a.tree_json, a.paths_json) + plot_attention(plt, save, a.out, a.rsd_json)
+               + plot_views(plt, save, a.out, a.views_json))
     print("figures written: " + ", ".join(written))
 
 

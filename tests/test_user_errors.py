@@ -4,7 +4,6 @@ Each test stops before any training: tiny models, a few seconds for the file.
 
 run: python -m pytest -q tests/test_user_errors.py
 """
-import importlib.util
 import json
 import os
 
@@ -140,24 +139,6 @@ def test_aarl_default_out_is_not_the_run_folder(tiny_run, tmp_path, monkeypatch)
     with pytest.raises(SystemExit):
         aarl.main(["--run", str(tiny_run), "--overwrite"])
     assert checkpoint.existing_kind(os.path.join("runs", "aarl", "draft_aarl_s0")) == "target"
-
-
-# ---- case 4: rsd.py --plot checks matplotlib and its folder first, and prints the JSON before the figures ----
-
-def test_rsd_plot_checks_its_dependency_and_folder_before_any_work(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(checkpoint, "load", lambda *a, **k: pytest.fail("loaded checkpoints before the checks"))
-    find = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else find(name, *a))
-    with pytest.raises(SystemExit):
-        rsd.main(["--plot"])
-    assert "--plot needs matplotlib" in error_line(capsys)
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "matplotlib" else
-                        find(name, *a))
-    (tmp_path / "file").write_text("")
-    monkeypatch.setattr(rsd, "FIGURES", str(tmp_path / "file" / "figures"))  # a folder that cannot be made
-    with pytest.raises(SystemExit):
-        rsd.main(["--plot"])
-    assert "figures: output folder is not writable" in error_line(capsys)
 
 
 # ---- case 6 and 8: bad flags are one line at parse time ----
