@@ -61,7 +61,7 @@ if __name__ == "__main__":
     ap.add_argument("old", help="an earlier rsd.py --json output")
     ap.add_argument("new", help="the output to check against it")
     a = ap.parse_args()
-    old, new = (json.load(open(p)) for p in (a.old, a.new))
+    old, new = (json.loads(open(p).read().strip().splitlines()[-1]) for p in (a.old, a.new))  # the JSON line
     diffs, notes = compare(old, new)
     print("\n".join(notes + diffs) or "", f"\n{len(diffs)} differences in the deterministic columns")
     sys.exit(1 if diffs else 0)
