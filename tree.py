@@ -193,11 +193,12 @@ def tree_round(target, draft, tcache, dcache, pending, shape, sampling, generato
     return [row[0] for row in flat], accepted, [row[2] for row in flat], new
 
 
-def speculative(target, draft, prompt, shape: TreeShape, max_new_tokens, **kwargs):
+def speculative(target, draft, prompt, shape: TreeShape, max_new_tokens, *args, **kwargs):
     """speculate.speculative with a draft tree of `shape` per round (tree_round) in place of the chain."""
-    return speculate.speculative(target, draft, prompt, shape, max_new_tokens, tree_round=tree_round, **kwargs)
+    return speculate.speculative(target, draft, prompt, shape, max_new_tokens, *args, tree_round=tree_round, **kwargs)
 
 
-def speculative_batch(target, draft, prompt, shape: TreeShape, max_new_tokens, **kwargs):
+def speculative_batch(target, draft, prompt, shape: TreeShape, max_new_tokens, *args, **kwargs):
     """speculate.speculative_batch with a draft tree of `shape` per round and row (tree_round)."""
-    return speculate.speculative_batch(target, draft, prompt, shape, max_new_tokens, tree_round=tree_round, **kwargs)
+    return speculate.speculative_batch(target, draft, prompt, shape, max_new_tokens, *args, tree_round=tree_round,
+                                       **kwargs)

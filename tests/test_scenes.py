@@ -235,8 +235,8 @@ def test_sampled_records_are_reproducible_from_the_seed_in_any_order(target, tmp
     assert a == b and len(a) == 12 and a != c
     assert len({tuple(r["tokens"]) for r in a}) > 4  # the samples differ from each other
     p = dict(prompts())["s2"]
-    assert a[7]["tokens"] == speculate.autoregressive(target, p, MAX_NEW, 0.6, top_p=0.98, stop_token=STOP[-1],
-                                                      seed=scenes.sample_seed(5, "s2", 1)).tokens
+    assert a[7]["tokens"] == speculate.autoregressive(target, p, MAX_NEW, speculate.Sampling(
+        0.6, top_p=0.98, seed=scenes.sample_seed(5, "s2", 1)), STOP[-1]).tokens
 
 
 # ---- the prompt sources ----
