@@ -1,12 +1,15 @@
-"""Decode speed (eager, or --compile'd) of two checkouts of this repo in one process (before / after a change to the decode core):
+"""Decode speed of two checkouts of this repo in one process (before / after a change to the decode core), eager:
 each checkout's modules imported in turn (the other's dropped from sys.modules), alternating, so both run on the same
 process and the same moment of a shared CPU. Per arm (target-only, the chain at gamma 6, the default tree) on the
 shipped toy, bf16, held-out scenes: the reasoning step alone (SpecResult.decode_s, the prefill excluded), the best of
 3 passes in ms/token. Paper: the reasoning step's latency, which every speed-up claim divides by.
 
-run: python experiments/decode_ab.py --a . --b ../old-checkout [--pairs 3] [--compile]
-     (and again with --a and --b swapped: the second checkout of each pair tends to measure faster on a shared CPU;
-     experiments/decode_ab_final.json holds both orders for the final decode core against 5fd6298)
+run: python experiments/decode_ab.py --a . --b ../old-checkout [--pairs 3]
+     python experiments/decode_ab.py --a CHECKOUT --compile --pairs 1   (compiled: one checkout per process, the
+     processes alternated by hand: dynamo's skip rules are per file path and process-wide, so two checkouts' trees
+     cannot be compiled in one process)
+     (eager: again with --a and --b swapped, the second checkout of each pair tends to measure faster on a shared
+     CPU; experiments/decode_ab_stop41.json holds both orders, eager and compiled, for the one cached step)
 """
 import argparse
 import importlib
@@ -61,14 +64,16 @@ def ms_per_token(repo, scenes, compile=False):
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--a", default=".", help="one checkout (default: this one)")
-    ap.add_argument("--b", required=True, help="the other checkout")
+    ap.add_argument("--b", help="the other checkout (eager only)")
     ap.add_argument("--pairs", type=int, default=3, help="alternations a, b")
     ap.add_argument("--scenes", type=int, default=6)
     ap.add_argument("--compile", action="store_true", help="each checkout's torch.compile'd steps (bench.py --compile)")
     args = ap.parse_args()
+    if bool(args.b) == args.compile:
+        ap.error("give --b (eager, two checkouts in one process) or --compile (one checkout per process)")
     torch.set_num_threads(2)
     for _ in range(args.pairs):
-        for repo in (args.a, args.b):
+        for repo in (args.a, args.b) if args.b else (args.a,):
             print(json.dumps({"repo": os.path.abspath(repo), "compile": args.compile,
                               "ms_per_token": ms_per_token(os.path.abspath(repo), args.scenes, args.compile)}),
                   flush=True)
