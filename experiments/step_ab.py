@@ -8,7 +8,6 @@ replaced, and KVCache.write without its one-row branch).
 run: python experiments/step_ab.py CHECKOUT_A CHECKOUT_B [...] [--rounds 3]
 """
 import argparse
-import importlib
 import json
 import os
 import sys
@@ -16,24 +15,12 @@ import time
 
 import torch
 
-PACKAGES = {"model", "rope", "vision", "speculate", "tree", "driving", "evaluate", "ops", "bench", "real"}
-
-
-def modules_of(repo):
-    """The checkout's modules, freshly imported (any other checkout's dropped first)."""
-    for name in list(sys.modules):
-        if name.split(".")[0] in PACKAGES:
-            del sys.modules[name]
-    sys.path.insert(0, repo)
-    try:
-        return {n: importlib.import_module(n) for n in ("ops.checkpoint", "driving", "evaluate", "model")}
-    finally:
-        sys.path.remove(repo)
-
+from decode_ab import modules_of
 
 @torch.no_grad()
 def step_ms(repo, blocks=7, steps=100):
-    m = modules_of(repo)
+    m = modules_of(repo)  # decode_ab's: the checkout's modules, any other's dropped first
+    feed = sys.modules["model"].feed  # the checkout's own (evaluate imported it)
     target = m["ops.checkpoint"].load(os.path.join(repo, "checkpoints/toy/target"), dtype=torch.bfloat16).eval()
     driving = m["driving"]
     prompt = m["evaluate"].scene_prompts(driving.make_split("test", 1, seed=0), driving.Tokenizer(), "cpu",
@@ -43,13 +30,13 @@ def step_ms(repo, blocks=7, steps=100):
     target(prompt["input_ids"], cache=cache, **{k: v for k, v in prompt.items() if k != "input_ids"})
     x = torch.tensor([[5]])  # (1, 1): any token; the work does not depend on it
     for _ in range(20):  # warm-up
-        m["model"].feed(target, cache, x)
+        feed(target, cache, x)
     best = float("inf")
     for _ in range(blocks):
         cache.crop(L)
         t0 = time.process_time()
         for _ in range(steps):
-            m["model"].feed(target, cache, x)  # the cache grows by one slot per step, as in decoding
+            feed(target, cache, x)  # the cache grows by one slot per step, as in decoding
         best = min(best, (time.process_time() - t0) / steps)
     return round(1e3 * best, 3)
 
