@@ -202,6 +202,8 @@ def run(cfg: AARLConfig, run_dir, n_report=64, device="cpu", out=None, overwrite
     val and test; the draft goes to `out` (default out_dir(DEFAULT_OUT, ...)): new, or a FlatRoPE draft + overwrite."""
     check_config(cfg)
     out = out or out_dir(DEFAULT_OUT, cfg.reference, cfg.seed)
+    files.check_out_dir(out, {"--run's target": os.path.join(run_dir, "target"),  # what the run reads: never replaced
+                              "--run's SFT reference draft": checkpoint.draft_dir(run_dir, "flat", cfg.seed)})
     with files.writer_lock(os.path.dirname(os.path.abspath(out))):
         checkpoint.check_output(out, "flat draft", overwrite,
                                 how="rerun with --overwrite to replace it, or give another --out")

@@ -49,9 +49,25 @@ def search_key(target, drafts, seeds, a, device):
     one searched with), the val scenes and their geometry, the dtype, the device type, the candidates."""
     return {"target": checkpoint.fingerprint(target),
             "drafts": {row: checkpoint.fingerprint(by_seed[seeds[0]]) for row, by_seed in drafts.items()},
-            "seed": seeds[0], "scenes": a.scenes, "views": a.views, "dtype": a.dtype,
-            "device": torch.device(device).type, "max_new": MAX_NEW_TOKENS, "gammas": list(GAMMAS),
+            **search_settings(a, seeds, device), "max_new": MAX_NEW_TOKENS, "gammas": list(GAMMAS),
             "trees": [shape_key(sh) for sh in TREES]}
+
+
+def search_settings(a, seeds, device):
+    return {"seed": seeds[0], "scenes": a.scenes, "views": a.views, "dtype": a.dtype, "device": torch.device(device).type}
+
+
+def check_search_record(ap, a, seeds, device):
+    """--search with other settings than the defaults never replaces a record made with the defaults (the one a default
+    run reads): refused before any work; deleting the record first names it explicitly."""
+    if not a.search or not os.path.isfile(path := os.path.join(a.run, SEARCH_JSON)):
+        return
+    key, mine = files.read_json(path).get("key") or {}, search_settings(a, seeds, device)
+    default = search_settings(ap.parse_args([]), [0], "cpu")
+    if all(key.get(k) == v for k, v in default.items()) and (differ := [k for k in default if mine[k] != default[k]]):
+        raise ValueError(f"--search: {path} holds the search made with the default settings, and this run's "
+                         f"{', '.join('--seeds' if k == 'seed' else '--' + k for k in differ)} differ: rerun --search "
+                         f"with the defaults, or delete {path} to record one for these settings")
 
 
 def least(measure, rounds=STEP_ROUNDS):
@@ -326,6 +342,7 @@ def main(argv=None):
     ap, a, seeds, sampling, device = parse_args(argv)
     t0, cpu0 = time.time(), time.process_time()
     with cli.user_errors(ap):  # a failed retrain, a corrupt file, a draft distilled from another target: one line
+        check_search_record(ap, a, seeds, device)
         if a.retrain:
             retrain(a.run, seeds, device)
         if gone := missing(a.run, [] if a.drafts else seeds):
@@ -480,7 +497,9 @@ def parse_args(argv):
                     f"this tree, with no search on val (the chain rows at --gamma, default {evaluate.GAMMA})")
     ap.add_argument("--search", action="store_true", help=f"measure the choice of gamma and tree on val again (step "
                     f"times, every tree's val tau) and record it in --run's {SEARCH_JSON}, which later runs read "
-                    "while it holds for their checkpoints and settings")
+                    "while it holds for their checkpoints and settings; a record made with the default settings (--scenes, --views, "
+                    "--dtype, --device, the first of --seeds) is only replaced by a --search with them: delete it to "
+                    "record one for other settings")
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     a = ap.parse_args(argv)
     with cli.user_errors(ap):

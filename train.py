@@ -248,6 +248,8 @@ def run(cfg: TrainConfig, stage="all", log=print):
     """Train what `stage` asks for; returns {"target", "drafts", "metrics"} on rank 0, which holds cfg.out's writer
     lock throughout (files.writer_lock) and first checks what would be replaced (check_outputs)."""
     cli.check_device(cfg.device)
+    if cfg.target_dir:  # the draft stage's target: drafts and their state never go into it
+        files.check_out_dir(cfg.out, {"--target-dir": cfg.target_dir}, may_contain=("--target-dir",))
     rank, world, device = runs.setup_distributed(cfg.device)
     with files.writer_lock(cfg.out) if rank == 0 else contextlib.nullcontext():
         check_outputs(cfg, stage)

@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 import torch
 
 from model import VLA, ModelConfig, VisionConfig, check_vocab_ids
-from ops.files import atomic_write, read_json, remove_stale_tmp
+from ops.files import atomic_write, new_folders, read_json, remove_stale_tmp
 
 WEIGHTS, KEY = "model.safetensors", "rsd-vla"  # a checkpoint folder's one file, and its header's entry
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repo
@@ -48,12 +48,12 @@ def save(model: VLA, dir, target: VLA | None = None):
         raise ValueError(f"{dir}: target= is not the model whose embedding and LM head this draft shares")
     check_output(dir, f"{model.cfg.rope_mode} draft" if draft else "target", overwrite=True)
     meta = {"draft": draft, "config": model.cfg.to_dict(), **({"target": fingerprint(target)} if draft else {})}
-    os.makedirs(dir, exist_ok=True)
-    remove_stale_tmp(dir)  # a killed save's (one writer per run)
     sd = {k: v.detach().contiguous() for k, v in _stored(model).items()}
     if (bad := first_nonfinite(sd.items())) is not None:  # a diverged run's weights would load as garbage later
         raise FloatingPointError(f"{dir}: refusing to save a model whose {bad!r} holds NaN / inf")
-    atomic_write(os.path.join(dir, WEIGHTS), lambda p: save_file(sd, p, metadata={KEY: json.dumps(meta)}))
+    with new_folders(dir):  # a failed write leaves no folder it made
+        remove_stale_tmp(dir)  # a killed save's (one writer per run)
+        atomic_write(os.path.join(dir, WEIGHTS), lambda p: save_file(sd, p, metadata={KEY: json.dumps(meta)}))
 
 
 def load(dir, target: VLA | None = None, dtype=None, device=None) -> VLA:

@@ -126,6 +126,22 @@ def check_writable(folder):
 
 
 @contextlib.contextmanager
+def new_folders(folder):
+    """Create folder for the block (proved writable); the folders this made are removed again if the block leaves them
+    empty: a refused or failed run leaves nothing behind."""
+    made = _missing(folder)
+    try:
+        check_writable(folder)
+        yield
+    finally:
+        for f in made:  # deepest first; one that holds anything stops it
+            try:
+                os.rmdir(f)
+            except OSError:
+                break
+
+
+@contextlib.contextmanager
 def writer_lock(folder):
     """Hold folder's writer lock for the block: flock on folder/.lock, which the kernel releases when its holder exits,
     kill -9 included; a second writer gets FolderLocked naming the holder. Re-entrant (rsd.py's retrain trains)."""
@@ -133,8 +149,12 @@ def writer_lock(folder):
     if key in _HELD:
         yield
         return
-    made = _missing(folder)  # removed again if the run leaves them empty (a refused run leaves nothing behind)
-    check_writable(folder)
+    with new_folders(folder), _locked(folder, key):
+        yield
+
+
+@contextlib.contextmanager
+def _locked(folder, key):
     path = os.path.join(folder, LOCK)
     while True:  # lock the file that is at `path` (a holder unlinks it before it lets go)
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
@@ -166,8 +186,3 @@ def writer_lock(folder):
         _HELD.discard(key)
         os.unlink(path)
         os.close(fd)
-        for f in made:  # deepest first; one that holds anything stops it
-            try:
-                os.rmdir(f)
-            except OSError:
-                break

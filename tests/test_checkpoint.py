@@ -381,6 +381,9 @@ def test_a_non_finite_weight_is_never_saved_and_named_at_load(tmp_path):
         draft.norm.weight[0] = float("nan")
     with pytest.raises(FloatingPointError, match="'norm.weight' holds NaN / inf"):
         save(draft, tmp_path / "d", target=target)
+    with pytest.raises(FloatingPointError):  # a refused save leaves no folder behind (issue #43)
+        save(draft, tmp_path / "new" / "d", target=target)
+    assert not (tmp_path / "new").exists()
     sd = load_file(tmp_path / "d" / "model.safetensors")
     sd["norm.weight"][0] = float("inf")
     resave(tmp_path / "d", sd)

@@ -80,12 +80,21 @@ def test_aarl_out_never_deletes_what_it_is_pointed_at(tiny_run, tmp_path, capsys
     one line, before any work, nothing touched; an existing FlatRoPE draft only with --overwrite."""
     (tmp_path / "plain").write_text("x")
     before = snapshot(str(tiny_run))
-    for out, msg in ((tiny_run, "not a flat draft checkpoint: refusing to replace it"),
-                     (tmp_path / "plain", "holds a file, not a flat draft"),
-                     (tiny_run / "draft_mrope_s0", "holds a mrope draft checkpoint, not a flat draft"),
-                     (tiny_run / "draft_flat_s0", "holds a flat draft checkpoint already: rerun with --overwrite")):
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "todo.txt").write_text("keep me")
+    for out, msg, more in ((tiny_run, f"--out {tiny_run} contains --run's target", []),
+                           (tmp_path / "notes", "not a flat draft checkpoint: refusing to replace it", []),
+                           (tmp_path / "plain", "holds a file, not a flat draft", []),
+                           (tiny_run / "draft_mrope_s0", "holds a mrope draft checkpoint, not a flat draft", []),
+                           (tiny_run / "draft_flat_s0", "holds a flat draft checkpoint already: rerun with --overwrite",
+                            ["--seed", "1"]),  # another seed's SFT draft: replaced with --overwrite only
+                           # issue #43: its own SFT reference (or its target) is never replaced, --overwrite or not
+                           (tiny_run / "draft_flat_s0", f"--out {tiny_run / 'draft_flat_s0'} is --run's SFT reference "
+                            f"draft {tiny_run / 'draft_flat_s0'}: the run would write into what it reads",
+                            ["--overwrite"]),
+                           (tiny_run / "target" / "d", f"lies inside --run's target {tiny_run / 'target'}", [])):
         with pytest.raises(SystemExit) as e:
-            aarl.main(["--run", str(tiny_run), "--out", str(out), "--steps", "1"])
+            aarl.main(["--run", str(tiny_run), "--out", str(out), "--steps", "1"] + more)
         assert e.value.code == 2 and msg in error_line(capsys)
     assert snapshot(str(tiny_run)) == before and (tmp_path / "plain").read_text() == "x"
 
@@ -245,6 +254,32 @@ def test_out_is_never_an_input_or_a_root(tmp_path, capsys):
         distill.main(["--target", str(tmp_path / "t"), "--scenes", str(tmp_path / "scenes"), "--out",
                       str(tmp_path / "scenes")])
     assert "--out" in error_line(capsys) and os.listdir(tmp_path / "scenes") == []
+
+
+def test_no_input_is_ever_an_output(tiny_run, monkeypatch, capsys):
+    """Issue #43: train.py's draft stage never writes into its --target-dir (an --out beside it, containing it, runs),
+    nor rsd.py --search with other settings over the search recorded with the defaults; one line, nothing written."""
+    monkeypatch.setattr(T, "Data", lambda *a, **k: (_ for _ in ()).throw(Started()))  # the first work a run does
+    target = tiny_run / "target"
+    before = snapshot(str(tiny_run))
+    for out, how in ((target, "is"), (target / "drafts", "lies inside")):
+        with pytest.raises(SystemExit):
+            T.main(["--stage", "drafts", "--target-dir", str(target), "--out", str(out), "--draft-seed", "1"])
+        assert f"--out {out} {how} --target-dir {target}: the run would write into what it reads" in error_line(capsys)
+    assert snapshot(str(tiny_run)) == before
+    with pytest.raises(Started):
+        T.main(["--stage", "drafts", "--target-dir", str(target), "--out", str(tiny_run), "--draft-seed", "1"])
+    record = tiny_run / rsd.SEARCH_JSON
+    shipped = files.read_json(os.path.join(checkpoint.SHIPPED, rsd.SEARCH_JSON))["key"]  # the default settings'
+    for key, argv, refused in ((shipped, ["--scenes", "2", "--seeds", "1"], "--seeds, --scenes differ"),
+                               (shipped, [], None), ({**shipped, "scenes": 2}, ["--scenes", "3"], None)):
+        files.write_json(record, {"key": key})
+        with pytest.raises(SystemExit):  # refused, or past the check: the run folder has no draft_aarl_s*
+            rsd.main(["--run", str(tiny_run), "--search", "--time-scenes", "1", "--show", "0"] + argv)
+        line = error_line(capsys)
+        assert (f"--search: {record} holds the search made with the default settings, and this run's {refused}: "
+                f"rerun --search with the defaults, or delete {record}" in line) if refused else "missing" in line
+        assert files.read_json(record) == {"key": key}
 
 
 def test_the_writer_lock_removes_killed_writes_and_what_a_refused_run_made(tmp_path):
