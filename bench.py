@@ -19,6 +19,7 @@ import json
 import os
 import platform
 import re
+import sys
 from statistics import median
 
 import torch
@@ -47,6 +48,9 @@ COMPILED_CHAIN = "speculative chain compiled"
 CHOOSE_SCENES = 16  # val scenes whose tau chooses --compile's tree, or whose plans choose the plans' tree
 # the plans' candidate trees: evaluate.TREES and a smaller budget, for a verify over B rows costs more per node
 PLAN_TREES = (TreeShape(8, 4, 3), *evaluate.TREES)
+# a tree's most candidates a round (--tree-width k, --tree-depth D: k + (D - 1) k^2): 15x evaluate.TREES' largest (66),
+# and its verify's (N + 1, V) logits stay under 1 GB at Qwen's 152k vocabulary, the (N + 1)^2 mask 1M bools a row
+MAX_TREE_CANDIDATES = 1024
 
 # ---- the two arms, timed in the same passes ----
 @torch.no_grad()  # the grad mode the compiled steps were warmed up in (evaluate.spec_stats); another recompiles
@@ -337,6 +341,8 @@ def toy_acceptance(path, want=None):
 
 def real(args, device, dtype, sampling):
     """A real checkpoint (--target: the whole plan on pixels, alpamayo.py), or a real shape with random weights."""
+    if args.target:  # its config read, before any weights or decoding
+        check_fits(args, hf._hf_config(args.target)[0], args.draft and checkpoint.header(args.draft)[1].draft_vocab)
     if args.scenes:  # tau, alpha, identity, stage latencies and ADE over a scene folder (alpamayo.heldout)
         found, prompts, stop, how = scenes.scene_prompts(args.target, args.scenes, args.processor,
                                                          min_pixels=args.min_pixels, max_pixels=args.max_pixels)
@@ -535,6 +541,7 @@ def main(argv=None):
     if args.out:
         with cli.user_errors(ap):
             files.write_json(args.out, res)
+    print(f"wrote {args.out}" if args.out else "no report file (--out FILE writes one)", file=sys.stderr)
     return res
 
 
@@ -548,9 +555,19 @@ def check_flags(ap, args):
     for bad, msg in ((args.target and args.preset, "give --target or --preset, not both"),
                      (min(args.gamma, args.max_new, args.prompts, args.images, args.samples, args.batch) < 1,
                       "--gamma, --max-new, --prompts, --images, --samples and --batch must be >= 1"),
+                     (args.gamma > args.max_new, f"--gamma {args.gamma} is more than --max-new {args.max_new}: the "
+                      "chain would draft tokens that can never be emitted"),
+                     (args.tree and args.tree_depth > args.max_new, f"--tree-depth {args.tree_depth} is more than "
+                      f"--max-new {args.max_new}: the tree would draft tokens that can never be emitted"),
+                     (args.tree and args.tree_width + (args.tree_depth - 1) * args.tree_width ** 2 >
+                      MAX_TREE_CANDIDATES, f"--tree-width {args.tree_width} and --tree-depth {args.tree_depth} grow "
+                      f"{args.tree_width + (args.tree_depth - 1) * args.tree_width ** 2} candidates a round, more "
+                      f"than {MAX_TREE_CANDIDATES}"),
                      (args.batch > 1 and not toy_mode, "--batch runs plans of several toy prompts (a real "
                       "checkpoint's plan is one scene: use --samples)"),
                      (args.samples > 1 and args.preset, "--samples plans the scenes of --target (not --preset)"),
+                     (args.samples > 1 and args.temperature == 0, f"--samples {args.samples} at --temperature 0 "
+                      "decodes identical greedy rows: give --temperature > 0 (Alpamayo-R1: 0.6 --top-p 0.98)"),
                      (args.batch > args.prompts, f"--batch {args.batch} needs at least as many --prompts, got "
                       f"{args.prompts}"),
                      (args.repeats < 3, "--repeats must be >= 3 (the median of at least three passes is reported)"),
@@ -584,12 +601,46 @@ def check_flags(ap, args):
         if missing:
             raise ValueError(f"no toy checkpoints (missing {', '.join(missing)}): use the shipped checkpoints/toy, or "
                              f"train them with `python rsd.py --retrain --run {args.run}`")
-        args.out = args.out or (TOY_JSON if toy_mode else None)
-        if args.out and os.path.commonpath([os.path.abspath(args.out), SHIPPED_DIR]) == SHIPPED_DIR:
-            raise ValueError(f"--out {args.out} is inside the shipped {SHIPPED_DIR}: write the report elsewhere")
-        if args.out:  # the report's folder, before any work
-            files.check_writable(os.path.dirname(args.out) or ".")
+        if toy_mode or args.preset:  # the model's shape, known before loading: the toy's from its header
+            check_fits(args, checkpoint.header(needed[0])[1] if toy_mode else M.PRESETS[args.preset],
+                       checkpoint.header(needed[1])[1].draft_vocab if toy_mode else args.draft_vocab)
+        args.out = (TOY_JSON if toy_mode else None) if args.out is None else args.out or None  # "": no report file
+        if args.out:
+            check_out(args, toy_mode)
     return sampling
+
+
+def check_out(args, toy_mode):
+    """A ValueError unless --out may take the report: outside the shipped checkpoints and every input folder, and
+    nothing there but a bench report (a JSON object with a "mode"); its folder writable, all before any work."""
+    if os.path.commonpath([os.path.abspath(args.out), SHIPPED_DIR]) == SHIPPED_DIR:
+        raise ValueError(f"--out {args.out} is inside the shipped {SHIPPED_DIR}: write the report elsewhere")
+    files.check_out_dir(args.out, {"--run": args.run if toy_mode else None, "--target": args.target,
+                                   "--draft": args.draft, "--scenes": args.scenes, "--processor": args.processor,
+                                   "--images-dir": args.images_dir})
+    if os.path.lexists(args.out):
+        try:
+            with open(args.out, "rb") as f:  # not a JSON object: no need to read a model's gigabytes
+                ok = f.read(1) == b"{" and "mode" in files.read_json(args.out)  # an object: "in" reads its keys
+        except (OSError, ValueError):
+            ok = False
+        if not ok:
+            raise ValueError(f"--out {args.out} exists and is not a bench.py report (a JSON object with a \"mode\"): "
+                             "refusing to replace it; give another --out")
+    files.check_writable(os.path.dirname(args.out) or ".")
+
+
+def check_fits(args, cfg, draft_vocab=0):
+    """A ValueError unless the decoders fit the model cfg: a tree's k children per node among the draft's token ids,
+    --max-new and a round's block (--gamma, or --tree's nodes) within its positions (a prompt's own: at decoding)."""
+    vocab, block = draft_vocab or cfg.vocab_size, max(args.gamma, args.tree)  # the chain of --gamma beside a tree
+    if args.tree and args.tree_width > vocab:
+        raise ValueError(f"--tree-width {args.tree_width} is more than the draft's {vocab} token ids (a node's "
+                         "children are distinct tokens)")
+    if args.max_new + block > cfg.max_seq_len:
+        flag = f"--tree {args.tree}" if args.tree > args.gamma else f"--gamma {args.gamma}"
+        raise ValueError(f"--max-new {args.max_new} and {flag} need {args.max_new + block} positions beyond the "
+                         f"prompt, more than the model's {cfg.max_seq_len}")
 
 
 def add_real_flags(ap):

@@ -310,9 +310,30 @@ def parse_args(argv=None, parser=False):
                              ("a finite number >= 0", ("traj_weight", "weight_decay", "warmup", "views", "max_views",
                                                        "draft_vocab", "draft_layers", "draft_width", "draft_heads",
                                                        "draft_kv_heads")), ("in [0, 1]", ("p_no_views",))], flags=True)
+        check_draft_shape(a)
         cli.check_device(a.device)
     cfg = cli.config_from_args(TrainConfig, a)
     return (cfg, a.stage, ap) if parser else (cfg, a.stage)
+
+
+def check_draft_shape(a):
+    """A ValueError naming the --draft-* flag unless the drafts' shape fits the target's (--target-dir's or OUT/target's
+    for --stage drafts, else --target-preset's): no wider, more heads or deeper than it, KV heads dividing the heads."""
+    src = a.target_dir or os.path.join(a.out, "target")
+    t = checkpoint.header(src)[1] if a.stage == "drafts" and checkpoint.existing_kind(src) == "target" else \
+        M.PRESETS[a.target_preset]
+    shape = draft_shape(a)
+    D = shape["hidden_size"] or t.hidden_size
+    H = shape["n_heads"] or (t.n_heads if D == t.hidden_size else D // t.head_dim)  # make_draft's
+    for bad, flag, v, rule in ((not t.head_dim <= D <= t.hidden_size, "width", D,
+                                f"in {t.head_dim}..{t.hidden_size} (the target's head_dim..hidden_size)"),
+                               (H > t.n_heads, "heads", H, f"at most the target's {t.n_heads}"),
+                               (shape["n_layers"] > t.n_layers, "layers", shape["n_layers"],
+                                f"at most the target's {t.n_layers}"),
+                               (shape["n_kv_heads"] and H % shape["n_kv_heads"], "kv-heads", shape["n_kv_heads"],
+                                f"a divisor of the draft's {H} heads")):
+        if bad:
+            raise ValueError(f"--draft-{flag} must be {rule}, got {v}")
 
 
 def target_dir(cfg: TrainConfig):

@@ -325,8 +325,8 @@ def test_bench_target_runs_the_plan_on_pixels(folder, tmp_path, capsys):
     for i in range(4):
         px = torch.randint(0, 256, (20, 28, 3), dtype=torch.uint8, generator=g)
         Image.fromarray(px.numpy()).save(tmp_path / "cams" / f"cam{i}.png")
-    common = ["--target", str(d), "--dtype", "fp32", "--max-new", "4", "--gamma", "2", "--repeats", "3",
-              "--min-pixels", "64", "--max-pixels", "256", "--threads", "1", "--json"]
+    common = ["--target", str(d), "--dtype", "fp32", "--max-new", "8", "--gamma", "2", "--repeats", "3",  # 8: the
+              "--min-pixels", "64", "--max-pixels", "256", "--threads", "1", "--json"]  # default tree's depth
     res = bench.main(common + ["--images-dir", str(tmp_path / "cams")])
     out = capsys.readouterr().out
     assert "plan timings   prefill (vision tower + prompt)" in out and "trajectory (action expert)" in out

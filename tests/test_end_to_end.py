@@ -364,8 +364,8 @@ def test_bench_checks_its_output_first_and_prints_before_writing(run_dir, tmp_pa
         raise PermissionError(f"{path}: read-only file system")
     monkeypatch.setattr(bench.files, "write_json", read_only)
     with pytest.raises(SystemExit):  # one line naming the file, after the report
-        bench.main(["--run", str(run_dir), "--prompts", "1", "--max-new", "4", "--dtype", "fp32", "--views",
-                    str(VIEWS)])
+        bench.main(["--run", str(run_dir), "--prompts", "1", "--max-new", "4", "--gamma", "2", "--tree", "0",
+                    "--dtype", "fp32", "--views", str(VIEWS)])
     captured = capsys.readouterr()
     assert "reasoning step target-only" in captured.out
     assert "bench_toy.json: read-only file system" in captured.err and "Traceback" not in captured.err

@@ -150,7 +150,7 @@ def test_a_plain_qwen_vl_folder_stops_at_im_end(folder, tmp_path, capsys):
     """No traj_token_ids: each scene's images (any count) and instruction.txt, the untrained draft, no expert."""
     d = plain_qwen3_vl(folder, tmp_path)
     res = bench.main(["--target", str(d), "--scenes", str(tmp_path / "s"), "--dtype", "fp32", "--max-new", "4",
-                      "--tree", "0", "--repeats", "3", "--min-pixels", "64", "--max-pixels", "256"])
+                      "--gamma", "2", "--tree", "0", "--repeats", "3", "--min-pixels", "64", "--max-pixels", "256"])
     assert res["stop"] == SPECIAL["<|im_end|>"] and res["prompt_source"].startswith("plain Qwen-VL")
     assert res["identical"] == 2 and res["ms"]["action_expert"] is None and res["ade_m"] is None
     out = capsys.readouterr().out
@@ -159,8 +159,8 @@ def test_a_plain_qwen_vl_folder_stops_at_im_end(folder, tmp_path, capsys):
 
 def test_errors_are_one_line(setup, tmp_path, capsys):
     d, target, ddir, _, root = setup
-    common = ["--device", "cpu", "--dtype", "fp32", "--max-new", "4", "--tree", "0", "--min-pixels", "64",
-              "--max-pixels", "256"]
+    common = ["--device", "cpu", "--dtype", "fp32", "--max-new", "4", "--gamma", "2", "--tree", "0", "--min-pixels",
+              "64", "--max-pixels", "256"]
 
     def error(*argv):
         with pytest.raises(SystemExit) as e:

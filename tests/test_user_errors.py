@@ -6,6 +6,7 @@ run: python -m pytest -q tests/test_user_errors.py
 """
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -160,6 +161,10 @@ def test_aarl_default_out_is_not_the_run_folder(tiny_run, tmp_path, monkeypatch)
     (["--draft-seed", str(2**40)], "--draft-seed must be in 0..2**30-1"),
     (["--draft-lr", "inf"], "--draft-lr must be a finite number > 0, got inf"),  # issue #33: inf passed "> 0"
     (["--grad-clip", "inf"], "--grad-clip must be a finite number > 0, got inf"),
+    (["--draft-width", "100000"], "--draft-width must be in 64..128 (the target's head_dim..hidden_size), got 100000"),
+    (["--draft-heads", "100000"], "--draft-heads must be at most the target's 2, got 100000"),
+    (["--draft-layers", "100000"], "--draft-layers must be at most the target's 20, got 100000"),
+    (["--draft-kv-heads", "3"], "--draft-kv-heads must be a divisor of the draft's 2 heads, got 3"),
 ])
 def test_train_bad_flags_fail_at_parse_time(argv, msg, capsys):
     with pytest.raises(SystemExit):
@@ -182,11 +187,52 @@ def test_train_bad_flags_fail_at_parse_time(argv, msg, capsys):
     (["--target", "/nonexistent"], "--target /nonexistent: folder not found"),
     (["--draft", "/nonexistent"], "--draft /nonexistent: folder not found"),
     (["--target", os.path.join(checkpoint.SHIPPED, "target")], "a checkpoint of this repo's own format"),
+    # issue #43: no bounds grew to 20 GB, ran past the 1,024 positions, or ended in a traceback
+    (["--gamma", "100000"], "--gamma 100000 is more than --max-new 32"),
+    (["--gamma", "2000", "--max-new", "8"], "--gamma 2000 is more than --max-new 8"),
+    (["--max-new", "4", "--gamma", "2"], "--tree-depth 8 is more than --max-new 4"),
+    (["--tree-width", "1000"], "--tree-width 1000 and --tree-depth 8 grow 7001000 candidates a round, more than 1024"),
+    (["--tree", "300", "--tree-depth", "1", "--tree-width", "300"], "--tree-width 300 is more than the draft's 257"),
+    (["--max-new", "1000", "--gamma", "900", "--tree", "0"], "--max-new 1000 and --gamma 900 need 1900 positions "
+     "beyond the prompt, more than the model's 1024"),
+    (["--preset", "qwen2.5-vl-7b", "--max-new", "8170"], "--max-new 8170 and --tree 32 need 8202 positions beyond "
+     "the prompt, more than the model's 8192"),
+    (["--samples", "6", "--temperature", "0"], "--samples 6 at --temperature 0 decodes identical greedy rows"),
+    (["--target", "/nonexistent", "--samples", "2"], "--samples 2 at --temperature 0"),
+    (["--out", os.path.join(checkpoint.SHIPPED, "draft_aarl_s0", "model.safetensors")], "inside the shipped"),
 ])
 def test_bench_bad_flags_are_one_line(argv, msg, capsys):
     with pytest.raises(SystemExit) as e:
         bench.main(argv)
     assert e.value.code == 2 and msg in error_line(capsys)
+
+
+def test_bench_out_is_never_an_input_nor_a_file_it_did_not_write(tmp_path, monkeypatch, capsys):
+    """--out that is, contains or lies inside an input folder, or that holds anything but a bench report, is refused
+    before any work (issue #43: it overwrote the model.safetensors of the draft it measured); --out "" writes no
+    report (not the toy default), and where the report went is one line on stderr, --json's stdout its last line."""
+    draft = tmp_path / "draft"
+    shutil.copytree(checkpoint.draft_dir(checkpoint.SHIPPED, "aarl", 0), draft)
+    (tmp_path / "other.json").write_text('["mode"]')
+    before = snapshot(str(draft))
+    for out, msg in [(draft / "model.safetensors", "lies inside --draft"), (draft, "is --draft"),
+                     (tmp_path, "contains --draft"), (tmp_path / "other.json", "is not a bench.py report")]:
+        with pytest.raises(SystemExit):
+            bench.main(["--draft", str(draft), "--out", str(out)])
+        line = error_line(capsys)
+        assert f"--out {out} " in line and msg in line
+    assert snapshot(str(draft)) == before
+    monkeypatch.setattr(bench, "TOY_JSON", str(tmp_path / "toy.json"))
+    monkeypatch.setattr(bench, "toy", lambda *a: {"mode": "toy"})  # no measurement: what main does with its report
+    monkeypatch.setattr(bench, "report", lambda res: None)
+    bench.main(["--out", ""])
+    assert capsys.readouterr().err.strip() == "no report file (--out FILE writes one)"
+    assert not os.path.exists(tmp_path / "toy.json")
+    for _ in range(2):  # a bench report may be replaced
+        bench.main(["--out", str(tmp_path / "r.json"), "--json"])
+        captured = capsys.readouterr()
+        assert captured.err.strip() == f"wrote {tmp_path / 'r.json'}" and json.loads(captured.out.splitlines()[-1])
+    assert files.read_json(tmp_path / "r.json")["mode"] == "toy"
 
 
 @pytest.mark.parametrize("argv, msg", [
