@@ -265,6 +265,9 @@ def run(cfg: TrainConfig, stage="all", log=print):
             for seed in draft_seeds(cfg):  # one after another, each its own resumable state
                 out["drafts"] = train_drafts(replace(cfg, draft_seed=seed, draft_seeds=""), out["target"], train, val,
                                              rank, world, device)
+                for k in cfg.kinds.split(",") if rank == 0 else ():  # where they went, after the progress bar
+                    log(f"{k} draft (seed {seed}) saved to {checkpoint.draft_dir(cfg.out, k, seed)}, its metrics to "
+                        f"{checkpoint.draft_dir(cfg.out, k, seed)}.metrics.json")
         if rank == 0 and stage != "drafts":  # a draft stage never rewrites (nor re-measures) the target's metrics
             test = Data("test", cfg.n_test, cfg.seed, tok, views=cfg.views)
             metrics = {"val": evaluate_target(out["target"], val), "test": evaluate_target(out["target"], test),
@@ -272,7 +275,8 @@ def run(cfg: TrainConfig, stage="all", log=print):
             files.write_json(os.path.join(cfg.out, "train_metrics.json"), metrics)
             log(f"target val:  {fmt(metrics['val'])}")
             log(f"target test: {fmt(metrics['test'])}")
-            log(f"wall time {metrics['wall_s']:.0f} s")
+            log(f"wall time {metrics['wall_s']:.0f} s; target saved to {target_dir(cfg)}, its metrics to "
+                f"{os.path.join(cfg.out, 'train_metrics.json')}")
             out["metrics"] = metrics
         runs.finish()
         return out

@@ -16,6 +16,7 @@ import tokenize
 import torch
 
 import driving
+from ops import runs
 from ops.files import FolderLocked
 import speculate
 
@@ -66,11 +67,14 @@ def check_device(name):
 
 @contextlib.contextmanager
 def user_errors(ap: argparse.ArgumentParser):
-    """Expected errors (a bad value or file, a full disk, a locked run folder) as argparse's one line, exit status 2."""
+    """Expected errors (a bad value or file, a full disk, a locked run folder) as argparse's one line, exit status 2;
+    a Ctrl-C as one line saying where the training state stands (runs.interrupted_note), exit status 130."""
     try:
         yield
     except (ValueError, OSError, FolderLocked, FloatingPointError) as e:
         ap.error(one_line(e))
+    except KeyboardInterrupt:
+        ap.exit(130, f"{ap.prog}: {runs.interrupted_note()}\n")
 
 
 def one_line(e):

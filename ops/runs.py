@@ -68,6 +68,19 @@ RESUMABLE_CHANGES = ("out", "device", "eval_every", "save_every", "n_val", "n_te
                      "processor", "workers", "draft", "allow_truncated")
 
 
+LAST_STATE = {}  # the resumable state this process last loaded or saved, {"path", "step"}: what a Ctrl-C line says
+
+
+def interrupted_note():
+    """The one line a Ctrl-C ends a run with (cli.user_errors): where the training state stands, how to resume."""
+    path, step = LAST_STATE.get("path"), LAST_STATE.get("step", 0)
+    if not path:
+        return "interrupted before any training state was saved: rerun the same command to start again"
+    if not step:
+        return f"interrupted before {path} was first saved: rerun the same command to start that training again"
+    return f"interrupted: the state in {path} was saved at step {step}; rerun the same command to resume from there"
+
+
 def save_state(path, step, models, opts, cfg, rank, bound=None, data=None, extra=None):
     """Rank 0 writes the resumable state atomically; all ranks wait. bound: {name: checkpoint.fingerprint} of the
     frozen models the state is only valid with (the target, a static reference); data: the training records'
@@ -78,12 +91,14 @@ def save_state(path, step, models, opts, cfg, rank, bound=None, data=None, extra
                           "models": {k: m.state_dict() for k, m in models.items()},
                           "opts": {k: o.state_dict() for k, o in opts.items()}}, path)
     barrier()
+    LAST_STATE.update(path=path, step=step)
 
 
 def load_state(path, models, opts, cfg, bound=None, data=None):
     """Resume from path if it exists -> (the step to continue from (0: fresh), the state's `extra`). A state of another
     config, of other frozen models than `bound`'s fingerprints, or of other records than `data`, is refused, naming
     what differs: resuming would mix two runs."""
+    LAST_STATE.update(path=path, step=0)
     if not os.path.exists(path):
         return 0, None
     try:
@@ -116,6 +131,7 @@ def load_state(path, models, opts, cfg, bound=None, data=None):
         except (RuntimeError, ValueError, KeyError) as e:  # e.g. a preset whose sizes changed in model.py
             raise ValueError(f"cannot resume {k!r} from {path}: it does not fit the model this code builds "
                              f"({str(e).splitlines()[0]}); delete it to start over") from None
+    LAST_STATE.update(step=int(state["step"]))
     return int(state["step"]), state.get("extra")
 
 

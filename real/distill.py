@@ -262,8 +262,11 @@ def parse_args(argv=None):
                     help="data: only write the target's CoCs (out/data); all: the data, then the draft")
     cli.add_config_flags(ap, DraftConfig, choices={"kind": ["flat", "mrope"], "init": ["random", "last"],
                                                    "dtype": sorted(cli.DTYPES)})
-    a = ap.parse_args(argv)
+    a = ap.parse_args(argv, argparse.Namespace(top_p=None))  # None: --top-p not given (its default is set below)
     with cli.user_errors(ap):
+        if a.temperature == 0 and a.top_p is not None:  # greedy CoCs read only the argmax: it would be ignored
+            raise ValueError("--top-p filters sampled CoCs: give a --temperature > 0 with it (0 = greedy)")
+        a.top_p = DraftConfig.top_p if a.top_p is None else a.top_p
         check_values(a, [("in 0..2**30-1", ("seed",)), (">= 1", ("steps", "batch_size", "save_every", "samples",
                                                                    "max_new", "min_pixels", "max_pixels", "layers")),
                          ("a finite number > 0", ("lr", "grad_clip", "top_p")), ("in [0, 1]", ("top_p",)),

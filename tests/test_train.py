@@ -322,3 +322,34 @@ def test_flags_are_the_config_fields(capsys):
     text = " ".join(capsys.readouterr().out.split())
     assert "--weight-decay" in text and "AdamW weight decay (default: 0.01)" in text
     assert "warm-up steps, then cosine decay to 10% (default: 20)" in text
+
+
+def test_ctrl_c_is_one_line_and_the_rerun_resumes_and_says_where_it_wrote(tmp_path, monkeypatch, capsys):
+    """Issue #43: a Ctrl-C ends train.py with one line naming the saved state and its step (no traceback), exit 130;
+    the same command resumes, and its end names every folder and metrics file it wrote."""
+    argv = ["--out", str(tmp_path), "--n-train", "16", "--n-val", "4", "--n-test", "4", "--batch-size", "4",
+            "--target-steps", "2", "--draft-steps", "3", "--eval-every", "1", "--warmup", "1", "--target-preset",
+            "test-tiny", "--draft-preset", "test-tiny-draft", "--no-amp"]
+    update, calls = runs.update, []
+
+    def interrupted(*a, **k):  # the 2 target updates, 2 draft steps of 2 kinds, then Ctrl-C in the third
+        calls.append(1)
+        if len(calls) == 7:
+            raise KeyboardInterrupt
+        return update(*a, **k)
+
+    monkeypatch.setattr(runs, "update", interrupted)
+    with pytest.raises(SystemExit) as e:
+        T.main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 130 and "Traceback" not in err
+    assert err.splitlines()[-1].endswith(f": interrupted: the state in {tmp_path}/drafts_s0.state.pt was "
+                                    "saved at step 2; rerun the same command to resume from there")
+    monkeypatch.setattr(runs, "update", update)
+    T.main(argv)
+    out = capsys.readouterr().out
+    for k in ("flat", "mrope"):
+        line = f"{k} draft (seed 0) saved to {tmp_path}/draft_{k}_s0, its metrics to {tmp_path}/draft_{k}_s0.metrics.json"
+        assert line in out and os.path.isdir(tmp_path / f"draft_{k}_s0")
+        assert os.path.isfile(tmp_path / f"draft_{k}_s0.metrics.json")
+    assert f"target saved to {tmp_path}/target, its metrics to {tmp_path}/train_metrics.json" in out

@@ -389,3 +389,50 @@ def test_a_full_disk_names_the_path_and_keeps_the_old_file(tmp_path, monkeypatch
 
     with pytest.raises(OSError, match="t: write failed .*No space left on device.*: no space left on device"):
         files.atomic_write(str(tmp_path / "t"), enospc)
+
+
+# ---- issue #43: sampling flags that cannot matter, a Ctrl-C ----
+
+def test_distill_refuses_top_p_at_temperature_0(tmp_path, capsys):
+    """real.distill's --top-p (like bench.py's and rsd.py's) filters sampled CoCs: given at temperature 0 it would be
+    silently ignored, so it is refused, even at its default value; left out, the release's 0.98 is kept."""
+    from real import distill
+    (tmp_path / "t").mkdir()
+    base = ["--target", str(tmp_path / "t"), "--toy-scenes", "2", "--out", str(tmp_path / "out")]
+    for argv in (["--top-p", "0.5"], ["--top-p", "0.98"], ["--samples", "2"]):
+        with pytest.raises(SystemExit):
+            distill.main(base + argv)
+        assert "--temperature > 0" in error_line(capsys)
+    assert distill.parse_args(base)[0].top_p == 0.98
+    assert distill.parse_args(base + ["--temperature", "0.6", "--top-p", "0.5"])[0].top_p == 0.5
+    assert not os.path.exists(tmp_path / "out")
+
+
+def test_ctrl_c_is_one_line_saying_what_was_saved(tiny_run, tmp_path, monkeypatch, capsys):
+    """A Ctrl-C in any program's work is one line (no traceback), exit status 130, saying what a rerun does: before
+    any state, before its first save, or from the step it holds."""
+    from ops import runs
+    model = torch.nn.Linear(1, 1)
+    opt = runs.make_optimizer(model.parameters(), 1e-3)
+    path = str(tmp_path / "x.state.pt")
+    cfg = T.TrainConfig()
+
+    def ctrl_c(load=False, save=None):
+        def work(*a, **k):
+            if load:
+                runs.load_state(path, {"m": model}, {"m": opt}, cfg)
+            if save:
+                runs.save_state(path, save, {"m": model}, {"m": opt}, cfg, 0)
+            raise KeyboardInterrupt
+        return work
+
+    monkeypatch.setattr(runs, "LAST_STATE", {})
+    for work, msg in ((ctrl_c(), "interrupted before any training state was saved: rerun the same command"),
+                      (ctrl_c(load=True), f"interrupted before {path} was first saved: rerun the same command"),
+                      (ctrl_c(load=True, save=3), f"interrupted: the state in {path} was saved at step 3; rerun"),
+                      (ctrl_c(load=True), f"interrupted: the state in {path} was saved at step 3; rerun")):
+        monkeypatch.setattr(aarl, "_run", work)
+        with pytest.raises(SystemExit) as e:
+            aarl.main(["--run", str(tiny_run), "--out", str(tmp_path / "aarl")])
+        err = capsys.readouterr().err
+        assert e.value.code == 130 and "Traceback" not in err and msg in err.splitlines()[-1]
