@@ -248,7 +248,8 @@ def paper_table(target, drafts, splits, outputs, metrics, rec, n_time, repeats, 
                        "routine_fraction": statistics.mean(t[g]["routine_fraction"] for t in per_seed),
                        "commit_acc": statistics.mean(commit[(name, s)] for s in by_seed), **speed[name], "ade": ade,
                        **{f"attn_{k}": statistics.mean(a[k] for a in attn) for k in ("history", "image", "text")},
-                       "greedy_match": spec["greedy_match"], "replay_exact": spec["tau"] == per_seed[0][g]["tau"]}
+                       "greedy_match": spec["greedy_match"], "replay_exact": spec["tau"] == per_seed[0][g]["tau"],
+                       "folders": len(by_seed)}
         if sampled:  # the replay is greedy; sampled tau needs real decoding
             s = evaluate.spec_stats(target, {name: first[name]}, prompts, g, stop_token=stop, sampling=sampling)[name]
             chain[name].update(sampled_tau=s["tau"], sampled_alpha=s["alpha"])
@@ -261,7 +262,7 @@ def paper_table(target, drafts, splits, outputs, metrics, rec, n_time, repeats, 
         row = {**{k: chain[name][k] for k in ("commit_acc", "ade", "attn_history", "attn_image", "attn_text")},
                "name": f"{name} tree", "gamma": None, "tree": [sh.nodes, sh.depth, sh.width],
                "tau": statistics.mean(tree_taus), "tau_spread": max(tree_taus) - min(tree_taus),
-               "tau_by_seed": tree_taus, "tau_ceiling": stats[0]["tau_ceiling"],
+               "tau_by_seed": tree_taus, "tau_ceiling": stats[0]["tau_ceiling"], "folders": len(tree_taus),
                "val_tau": {str(x): rec["tree_val_tau"][name][shape_key(x)] for x in shapes},  # str(TreeShape)
                "routine_fraction": statistics.mean(st["routine_fraction"] for st in stats),
                "alpha_by_depth": stats[0]["alpha_by_depth"], "nodes_per_round": stats[0]["nodes_per_round"],
@@ -275,6 +276,16 @@ def paper_table(target, drafts, splits, outputs, metrics, rec, n_time, repeats, 
 
 
 # ---- display ----
+def draft_words(named, seeds):
+    """(what a draft row's tau is over, the draft decoded for the single-draft figures): `named` the --drafts rows
+    {row: [folders]} (None: the shipped rows over `seeds`); the spread's wording only when some row has two or more."""
+    if named is None:
+        return (f"mean ± half the spread over seeds {seeds}" if len(seeds) > 1 else f"seed {seeds[0]}'s draft"), \
+            f"seed {seeds[0]}"
+    return ("mean ± half the spread over the row's folders (folder 0, 1, ... as given; none for a row of one)"
+            if max(map(len, named.values())) > 1 else "each row's one folder"), "folder 0"
+
+
 def show_scenes(target, draft, data: Data, gamma, n, log=print, sampling=GREEDY):
     """A few scenes planned by the two reasoners, next to target-only decoding (both sampled under `sampling`)."""
     tok, device = data.tok, next(target.parameters()).device
@@ -289,15 +300,15 @@ def show_scenes(target, draft, data: Data, gamma, n, log=print, sampling=GREEDY)
         log(f"  target-only: {tok.decode(base.tokens)}{same}")
 
 
-def print_table(rows, log=print, spread=True):
-    """spread: the draft rows' tau ± half its spread over seeds (none for one seed: no spread to show)."""
+def print_table(rows, log=print):
+    """A draft row's tau ± half its spread over its drafts (seeds or folders): none for a row of one draft."""
     sampled = "sampled_tau" in rows[0]  # a column only when the run samples
     log(f"{'':20s} {'gamma':>7s} {'tau':>11s} " + (f"{'tau sampled':>11s} " if sampled else "")
         + f"{'routine':>8s} {'commit':>7s} {'ms/token':>9s} {'speed-up [min-max]':>19s} {'ADE m':>6s} "
         f"{'attn hist':>9s} {'attn img':>9s}")
     for r in rows:
         g = "/".join(map(str, r["tree"])) if r.get("tree") else "" if r["gamma"] is None else str(r["gamma"])
-        tau = f"{r['tau']:.2f}" + (f" ±{r['tau_spread'] / 2:.2f}" if g and spread else "")
+        tau = f"{r['tau']:.2f}" + (f" ±{r['tau_spread'] / 2:.2f}" if r.get("folders", 0) > 1 else "")
         stau = f"{r['sampled_tau']:11.2f} " if sampled else ""
         lo, hi = r["speedup_range"]
         up = f"{r['speedup']:.2f}x" + ("" if r["name"] == TARGET_ONLY else f" [{lo:.2f}-{hi:.2f}]")
@@ -307,7 +318,7 @@ def print_table(rows, log=print, spread=True):
 
 def print_sweep(sweep, rows, log=print):
     names = [r["name"] for r in rows if r["gamma"] is not None]  # the chain rows
-    log("tau by draft length (mean over seeds; ceiling = a draft the verifier never rejects):")
+    log("tau by draft length (mean over a row's drafts; ceiling = a draft the verifier never rejects):")
     log(f"{'split':6s} {'gamma':>5s} {'ceiling':>8s} " + " ".join(f"{n:>14s}" for n in names))
     for split, by_g in sweep.items():
         for g, v in by_g.items():
@@ -372,12 +383,12 @@ def main(argv=None):
     ids = evaluate.scene_prompts(test.scenes[:1], tok, device, views=a.views)[0]["input_ids"]
     n_visual, n_hist = int(((ids == tok.image_token_id) | (ids == tok.video_token_id)).sum()), 3 * tok.cfg.n_hist
     blocks = min(TIME_BLOCKS, a.time_scenes)
-    over = (f"mean ± half the spread over seeds {seeds}" if len(seeds) > 1 else f"seed {seeds[0]}'s draft")
+    over, first = draft_words(a.named if a.drafts else None, seeds)
     print(f"\nheld-out test split, {a.scenes} scenes, {n_visual} visual and {n_hist} history "
           f"tokens per prompt, {a.dtype} on {a.device} ({torch.get_num_threads()} threads); draft rows: {over} at "
           + (f"the row's speed-optimal gamma / tree (chosen on {a.scenes} val scenes by the cost model, {searched})"
              if rec else searched))
-    print(f"ms/token: the reasoning step's decode time per token, seed {seeds[0]}'s drafts, every row and target-only "
+    print(f"ms/token: the reasoning step's decode time per token, {first}'s drafts, every row and target-only "
           f"timed in one interleaved pass over {a.time_scenes} test scenes (each scene decoded by all arms back to "
           f"back, the order rotated), {a.repeats} timed pass{'es' if a.repeats > 1 else ''}"
           + (", all arms torch.compile'd" if a.compile else "")
@@ -386,9 +397,9 @@ def main(argv=None):
           f"{'+' if a.time_scenes % blocks else ''} scenes: rows whose ranges overlap are not ranked by it")
     if not sampling.greedy:
         print(f"decoding: {bench.decoding_text(cli.sampling_json(sampling))} (prompt i = test scene i). tau = the exact greedy replay "
-              f"(gamma chosen on it); tau sampled = real sampled speculative decoding with seed {seeds[0]}'s draft; "
+              f"(gamma chosen on it); tau sampled = real sampled speculative decoding with {first}'s draft; "
               f"ms/token and speed-up timed sampling; ADE after the greedy CoC")
-    print_table(rows, spread=len(seeds) > 1)
+    print_table(rows)
     print((f"step times ({searched}): T_target(1) {1e3 * rec['step_times']['target'][1]:.2f} ms, T_draft(1) "
            f"{1e3 * rec['step_times']['draft']:.3f} ms; " if rec else "") + "commit = teacher-forced accuracy on the "
           "commitment tokens")
@@ -399,10 +410,10 @@ def main(argv=None):
         if r.get("tree"):
             print(f"{r['name']}: tree of N/D/k = {'/'.join(map(str, r['tree']))}{' (chosen on val)' * (not a.given)}, "
                   f"{r['nodes_per_round']:.1f} nodes per round, alpha by depth "
-                  + " ".join("-" if x is None else f"{x:.2f}" for x in r["alpha_by_depth"]) + f" (seed {seeds[0]})")
+                  + " ".join("-" if x is None else f"{x:.2f}" for x in r["alpha_by_depth"]) + f" ({first})")
     greedy_match = all(r["greedy_match"] for r in rows)
     print(f"greedy outputs identical to target-only on every scene and draft (real decoding of all {a.scenes} test "
-          f"scenes: each chain row's seed {seeds[0]}, each tree row's every seed): {greedy_match}; real speculative "
+          f"scenes: each chain row's {first}, each tree row's every draft): {greedy_match}; real speculative "
           f"decoding's tau equals the replay's: {all(r.get('replay_exact', True) for r in rows)}\n")
     print_sweep(sweep, rows)
     share = driving.routine_share("train")
@@ -419,7 +430,8 @@ def main(argv=None):
                           "tau_ceiling": aarl_row["tau_ceiling"], "sweep": sweep,
                           "target": {k: metrics[k] for k in ("coc_exact", "commitment_acc", "ade")},
                           "prompt": {"visual_tokens": n_visual, "history_tokens": n_hist},
-                          "routine_share_world": share, "seeds": seeds, "drafts": a.named if a.drafts else None,
+                          "routine_share_world": share, "seeds": None if a.drafts else seeds,
+                          "drafts": a.named if a.drafts else None,
                           "timing": {"scenes": a.time_scenes, "passes": a.repeats, "blocks": blocks,
                                      "unordered": groups, "step_times": searched},
                           "rows": [{k: r.get(k) for k in keys} for r in rows]}))
@@ -447,18 +459,25 @@ def retrain(run, seeds, device="cpu", log=print):
 
 
 def named_drafts(a):
-    """--drafts NAME=DIR ... -> a.named {row: [folders]} in the order given, and the seed indices 0..n-1 of the row
-    with the most folders (a row's spread is over its own folders)."""
-    a.named = {}
+    """--drafts NAME=DIR ... -> a.named {row: [folders]} in the order given, and the folder indices 0..n-1 of the row
+    with the most folders (a row's spread is over its own folders; a checkpoint records no training seed)."""
+    a.named, seen = {}, {}
     for item in a.drafts:
         name, _, folder = item.partition("=")
         if not name or not folder:
             raise ValueError(f"--drafts takes NAME=DIR, got {item!r}")
+        if name == TARGET_ONLY or name.endswith(" tree"):  # the table's own row, and the tree rows it derives
+            raise ValueError(f"--drafts {item}: {name!r} is a name the table gives its own rows (target-only, "
+                             "'NAME tree'): choose another")
         if checkpoint.existing_kind(folder) not in ("flat draft", "mrope draft"):
             raise ValueError(f"--drafts {item}: {folder} is not a draft checkpoint folder")
+        if (real := os.path.realpath(folder)) in seen:  # it would count twice in its row's mean and spread
+            raise ValueError(f"--drafts {item}: {folder} is given twice (also as {seen[real]}): one folder once")
+        seen[real] = item
         a.named.setdefault(name, []).append(folder)
-    if a.retrain or a.search:
-        raise ValueError("--drafts scores given folders: it takes no --retrain or --search")
+    if a.retrain or a.search or a.seeds_given:
+        raise ValueError("--drafts scores given folders, which define the rows: it takes no --retrain, --search or "
+                         "--seeds")
     return list(range(max(map(len, a.named.values()))))
 
 
@@ -472,7 +491,7 @@ def parse_args(argv):
     ap = argparse.ArgumentParser(description="The two-reasoner planner (RSD) on the synthetic driving world.")
     ap.add_argument("--run", default=checkpoint.SHIPPED, help="run folder (default: the shipped checkpoints/toy)")
     ap.add_argument("--retrain", action="store_true", help="train whatever is missing in --run first")
-    ap.add_argument("--seeds", default="0,1,2", help="draft seeds of every row (mean and spread over them)")
+    ap.add_argument("--seeds", help="draft seeds of every row (mean and spread over them; default 0,1,2)")
     ap.add_argument("--drafts", nargs="+", metavar="NAME=DIR", help="score these draft folders (trained for --run's "
                     "target) instead of the shipped three rows; a NAME given several times is one row over its "
                     "folders (its seeds); nothing is read from or written to --run's search record")
@@ -505,6 +524,7 @@ def parse_args(argv):
     with cli.user_errors(ap):
         cli.check_values(a, [(">= 1", ("scenes", "time_scenes", "repeats")), ("a finite number >= 0", ("show",)),
                                   (cli.VIEWS_RULE, ("views",))], flags=True)
+        a.seeds_given, a.seeds = a.seeds is not None, "0,1,2" if a.seeds is None else a.seeds
         seeds = [int(s) if s.strip().isdecimal() else -1 for s in a.seeds.split(",") if s.strip()]  # -1: not a seed
         a.given = a.gamma is not None or isinstance(a.tree, TreeShape)  # the decoders themselves: nothing searched
         a.gamma, a.tree = a.gamma or evaluate.GAMMA, (0 if a.given else 32) if a.tree is None else a.tree

@@ -416,8 +416,8 @@ def test_fork_a_draft_variant(run_dir, tmp_path, capsys):
     capsys.readouterr()
     # scored beside the shipped-style FlatRoPE row by rsd.py --drafts: that row's figures equal the default table's
     flags = ["--run", str(run_dir), "--views", str(VIEWS), "--scenes", "4", "--time-scenes", "2", "--show", "0",
-             "--tree", "0", "--seeds", "0,1", "--json"]
-    rsd.main(flags)
+             "--tree", "0", "--json"]
+    rsd.main(flags + ["--seeds", "0,1"])
     default = {r["name"]: r for r in last_json(capsys)["rows"]}
     rsd.main(flags + ["--drafts", *(f"flatrope={run_dir / f'draft_flat_s{s}'}" for s in (0, 1)),
                       *(f"two-layer={out / f'draft_flat_s{s}'}" for s in (0, 1))])

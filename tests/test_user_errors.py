@@ -253,6 +253,56 @@ def test_rsd_bad_flags_are_one_line(argv, msg, capsys):
     assert msg in error_line(capsys)
 
 
+def shipped_draft(kind, seed):
+    return checkpoint.draft_dir(checkpoint.SHIPPED, kind, seed)
+
+
+@pytest.mark.parametrize("drafts, more, msg", [  # issue #43: the rows --drafts names, checked before any work
+    (["x=" + shipped_draft("flat", 0), "x tree=" + shipped_draft("aarl", 0)], [], "'x tree' is a name the table gives"),
+    (["target-only=" + shipped_draft("flat", 0)], [], "'target-only' is a name the table gives its own rows"),
+    (["a=" + shipped_draft("flat", 0), "a=" + shipped_draft("flat", 0)], [],
+     f"{shipped_draft('flat', 0)} is given twice (also as a="),
+    (["a=" + shipped_draft("flat", 0), "b=" + shipped_draft("flat", 0) + "/"], [], "is given twice"),  # one real path
+    (["a=" + shipped_draft("flat", 0)], ["--seeds", "0"], "folders, which define the rows: it takes no --retrain, "
+                                                          "--search or --seeds"),
+])
+def test_rsd_drafts_rows_are_checked_at_parse_time(drafts, more, msg, monkeypatch, capsys):
+    def started(*args):
+        raise Started
+
+    monkeypatch.setattr(rsd, "check_search_record", started)  # the first step of the work
+    with pytest.raises(SystemExit):
+        rsd.main(["--drafts", *drafts, *more])
+    assert msg in error_line(capsys)
+
+
+def test_rsd_drafts_symlinked_folder_is_one_folder(tmp_path, capsys):
+    (tmp_path / "link").symlink_to(os.path.abspath(shipped_draft("flat", 1)))
+    with pytest.raises(SystemExit):
+        rsd.main(["--drafts", f"a={shipped_draft('flat', 1)}", f"b={tmp_path / 'link'}"])
+    assert f"b={tmp_path / 'link'}: {tmp_path / 'link'} is given twice (also as a=" in error_line(capsys)
+
+
+def test_rsd_drafts_rows_are_folders_not_seeds():
+    """Distinct folders pass; the rows are over folder positions (a checkpoint records no seed), and the ± and the
+    header's spread wording come only with a row of two or more folders."""
+    _, a, seeds, _, _ = rsd.parse_args(["--drafts", f"x={shipped_draft('flat', 0)}", f"x={shipped_draft('flat', 2)}",
+                                        f"y={shipped_draft('aarl', 1)}"])
+    assert seeds == [0, 1] and list(a.named) == ["x", "y"] and "seed" not in json.dumps(checkpoint.header(
+        shipped_draft("flat", 2))[0])  # no training seed in the header: rows say "folder i"
+    assert rsd.draft_words(a.named, seeds) == ("mean ± half the spread over the row's folders (folder 0, 1, ... as "
+                                               "given; none for a row of one)", "folder 0")
+    assert rsd.draft_words({"y": ["f"]}, [0]) == ("each row's one folder", "folder 0")
+    assert rsd.draft_words(None, [0, 1]) == ("mean ± half the spread over seeds [0, 1]", "seed 0")
+    assert rsd.draft_words(None, [2]) == ("seed 2's draft", "seed 2")
+    row = {"gamma": 3, "tau": 2.5, "tau_spread": 0.4, "routine_fraction": 0.5, "commit_acc": 1.0, "ms_per_token": 1.0,
+           "speedup": 2.0, "speedup_range": [1.9, 2.1], "ade": 0.1, "attn_history": 0.2, "attn_image": 0.3}
+    lines = []
+    rsd.print_table([{**row, "name": "x", "folders": 2}, {**row, "name": "y", "folders": 1},
+                     {**row, "name": "y tree", "gamma": None, "tree": [16, 6, 3], "folders": 1}], log=lines.append)
+    assert "2.50 ±0.20" in lines[1] and "±" not in lines[2] + lines[3]
+
+
 @pytest.mark.parametrize("argv, msg", [
     (["--lr", "inf"], "lr must be a finite number > 0, got inf"),
     (["--temperature", "inf"], "temperature must be a finite number > 0, got inf"),
