@@ -264,9 +264,7 @@ def parse_args(argv=None):
                                                    "dtype": sorted(cli.DTYPES)})
     a = ap.parse_args(argv, argparse.Namespace(top_p=None))  # None: --top-p not given (its default is set below)
     with cli.user_errors(ap):
-        if a.temperature == 0 and a.top_p is not None:  # greedy CoCs read only the argmax: it would be ignored
-            raise ValueError("--top-p filters sampled CoCs: give a --temperature > 0 with it (0 = greedy)")
-        a.top_p = DraftConfig.top_p if a.top_p is None else a.top_p
+        top_p_given, a.top_p = a.top_p is not None, DraftConfig.top_p if a.top_p is None else a.top_p
         check_values(a, [("in 0..2**30-1", ("seed",)), (">= 1", ("steps", "batch_size", "save_every", "samples",
                                                                    "max_new", "min_pixels", "max_pixels", "layers")),
                          ("a finite number > 0", ("lr", "grad_clip", "top_p")), ("in [0, 1]", ("top_p",)),
@@ -282,6 +280,8 @@ def parse_args(argv=None):
             raise ValueError(f"--min-pixels {a.min_pixels} is above --max-pixels {a.max_pixels}")
         if a.dtype != "fp32" and not a.amp:  # fp32 master weights meet the target's bf16 ones under autocast
             raise ValueError(f"--dtype {a.dtype} needs --amp (the draft's own weights stay fp32)")
+        if a.temperature == 0 and top_p_given:  # greedy CoCs read only the argmax: it would be ignored
+            raise ValueError("--top-p filters sampled CoCs: give a --temperature > 0 with it (0 = greedy)")
         if a.temperature == 0 and a.samples > 1:
             raise ValueError("--samples > 1 needs --temperature > 0 (greedy CoCs of a scene are all equal)")
         cli.check_device(a.device)
