@@ -48,7 +48,7 @@ COMPILED_CHAIN = "speculative chain compiled"
 CHOOSE_SCENES = 16  # val scenes whose tau chooses --compile's tree, or whose plans choose the plans' tree
 # the plans' candidate trees: evaluate.TREES and a smaller budget, for a verify over B rows costs more per node
 PLAN_TREES = (TreeShape(8, 4, 3), *evaluate.TREES)
-# a tree's most candidates a round (--tree-width k, --tree-depth D: k + (D - 1) k^2): 15x evaluate.TREES' largest (66),
+# a tree's most candidates a round (TreeShape.candidates: k + (D - 1) k^2): 15x evaluate.TREES' largest (66),
 # and its verify's (N + 1, V) logits stay under 1 GB at Qwen's 152k vocabulary, the (N + 1)^2 mask 1M bools a row
 MAX_TREE_CANDIDATES = 1024
 
@@ -342,7 +342,7 @@ def toy_acceptance(path, want=None):
 def real(args, device, dtype, sampling):
     """A real checkpoint (--target: the whole plan on pixels, alpamayo.py), or a real shape with random weights."""
     if args.target:  # its config read, before any weights or decoding
-        check_fits(args, hf._hf_config(args.target)[0], args.draft and checkpoint.header(args.draft)[1].draft_vocab)
+        check_fits(args, hf.read_config(args.target)[0], args.draft and checkpoint.header(args.draft)[1].draft_vocab)
     if args.scenes:  # tau, alpha, identity, stage latencies and ADE over a scene folder (alpamayo.heldout)
         found, prompts, stop, how = scenes.scene_prompts(args.target, args.scenes, args.processor,
                                                          min_pixels=args.min_pixels, max_pixels=args.max_pixels)
@@ -559,10 +559,6 @@ def check_flags(ap, args):
                       "chain would draft tokens that can never be emitted"),
                      (args.tree and args.tree_depth > args.max_new, f"--tree-depth {args.tree_depth} is more than "
                       f"--max-new {args.max_new}: the tree would draft tokens that can never be emitted"),
-                     (args.tree and args.tree_width + (args.tree_depth - 1) * args.tree_width ** 2 >
-                      MAX_TREE_CANDIDATES, f"--tree-width {args.tree_width} and --tree-depth {args.tree_depth} grow "
-                      f"{args.tree_width + (args.tree_depth - 1) * args.tree_width ** 2} candidates a round, more "
-                      f"than {MAX_TREE_CANDIDATES}"),
                      (args.batch > 1 and not toy_mode, "--batch runs plans of several toy prompts (a real "
                       "checkpoint's plan is one scene: use --samples)"),
                      (args.samples > 1 and args.preset, "--samples plans the scenes of --target (not --preset)"),
@@ -590,6 +586,9 @@ def check_flags(ap, args):
     check_real_flags(ap, args)
     with cli.user_errors(ap):  # below: the chain of --gamma (--tree 0), or a tree (a ValueError if it is impossible)
         args.decoder = TreeShape(args.tree, args.tree_depth, args.tree_width) if args.tree else args.gamma
+        if args.tree and (n := args.decoder.candidates(args.tree_depth)) > MAX_TREE_CANDIDATES:
+            raise ValueError(f"--tree-width {args.tree_width} and --tree-depth {args.tree_depth} grow {n} candidates "
+                             f"a round, more than {MAX_TREE_CANDIDATES}")
         cli.check_device(args.device)
         sampling = cli.sampling(args.temperature, args.top_k, args.top_p, args.sampling_seed)
         if args.draft and checkpoint.existing_kind(args.draft) == "target":

@@ -35,7 +35,7 @@ def load_pretrained(path, dtype=None, device=None) -> VLA:
     """One file or shards, every key used, every weight found; an Alpamayo action expert as `model.expert`."""
     if not os.path.isdir(path):
         raise FileNotFoundError(f"{path}: checkpoint folder not found")
-    cfg, family, alpamayo = _hf_config(path)  # alpamayo: an Alpamayo folder's own config.json, else None
+    cfg, family, alpamayo = read_config(path)  # alpamayo: an Alpamayo folder's own config.json, else None
     expert_cfg = (ExpertConfig.from_alpamayo(alpamayo, cfg, os.path.join(path, CONFIG))
                   if "expert_cfg" in (alpamayo or {}) else None)
     cfg = cfg if expert_cfg is None else dataclasses.replace(cfg, traj_len=0)  # it plans with its expert, not a head
@@ -113,7 +113,7 @@ def _hf_layout(model: VLA):
 # ---- config.json ----
 
 
-def _hf_config(path):
+def read_config(path):
     """(ModelConfig, family, the Alpamayo config.json or None) from a Hugging Face / Alpamayo config.json."""
     cfg_path = os.path.join(path, CONFIG)
     if (existing_kind(path) or "").endswith(("target", " draft")):
@@ -253,7 +253,7 @@ def export_pretrained(model: VLA, dir, target: VLA | None = None, **token_ids):
 
 
 def _hf_json(cfg: ModelConfig, dtype, token_ids):
-    """config.json in the form transformers 5.24's Qwen2_5_VLConfig reads (and _hf_config reads back)."""
+    """config.json in the form transformers 5.24's Qwen2_5_VLConfig reads (and read_config reads back)."""
     v = cfg.vision
     text = dict(model_type="qwen2_5_vl_text", vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
                 intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.n_layers,
