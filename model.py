@@ -303,11 +303,11 @@ class KVCache:
         """Copy, in row b, the keys / values of slots src[b] to slots dst[b] (B, m) (dst[b, i] <= src[b, i], each row's
         accepted tree path to consecutive slots; a column a row does not use copies a slot onto itself), on the
         device: no host sync. Gathered first, so a source is never overwritten before it is read."""
+        rows = torch.arange(len(src), device=src.device)[:, None]  # (B, 1)
         for buf in self.k + self.v:  # (B, Hk, max_len, hd) each
             if len(src) == 1:  # one row: index_select + index_copy_, cheaper than the advanced indexing below
                 buf.index_copy_(2, dst[0], buf.index_select(2, src[0]))
             else:  # buf[rows, :, src] is (B, m, Hk, hd)
-                rows = torch.arange(len(src), device=src.device)[:, None]  # (B, 1)
                 buf[rows, :, dst] = buf[rows, :, src]
 
     def take_rows(self, src, rows):
