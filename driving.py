@@ -255,6 +255,16 @@ def commitment_mask(f):
                  for key, words in ((f.hist_class, _main_clause(f)), (f.event, rest)) for i in range(len(words)))
 
 
+def commitment_words(main_clause_only=False):
+    """Every word the grammar leaves open after some prefix (a continuation set of more than one word): how the
+    routine relaxed rule (speculate.Relaxed) knows a commitment at decode time, without the answer's mask. A word
+    also written where it is routine ("at", "left") is kept exact there too: the proxy errs toward exactness.
+    main_clause_only: the main clause's alone (the decision, the lead's state, the range ring: what the plan follows),
+    not the roadside clause's actors."""
+    return sorted(set().union(*(words for (key, _), words in _continuations().items()
+                                if len(words) > 1 and not (main_clause_only and isinstance(key, str)))))
+
+
 def routine_share(split="train"):
     """The exact share of CoC tokens (with <cot_end>) that the Bayes-optimal reader of the history class and the CoC
     prefix gets right under the split's distribution (in the roadside clause, P given (road, event)): the toy's

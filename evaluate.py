@@ -241,6 +241,21 @@ def attention_split(model, target, data: Data, n=16):
 
 
 # ---- speculative decoding over a set of prompts ----
+def stack_prompts(prompts, pad_id=0):
+    """Batch-1 prompt dicts -> one prompt of P rows, left-padded to the longest (attention_mask), the vision inputs
+    of the rows that have them concatenated in row order (transformers' layout: row-major over the batch)."""
+    if bad := [i for i, p in enumerate(prompts) if p["input_ids"].dim() != 2 or p["input_ids"].shape[0] != 1]:
+        raise ValueError(f"stack_prompts stacks batch-1 prompts (input_ids (1, L)); prompts {bad} are not")
+    L = max(p["input_ids"].shape[1] for p in prompts)
+    ids = torch.cat([torch.nn.functional.pad(p["input_ids"], (L - p["input_ids"].shape[1], 0), value=pad_id)
+                     for p in prompts])  # (P, L)
+    out = {"input_ids": ids, "attention_mask": (torch.arange(L, device=ids.device) >= torch.tensor(
+        [L - p["input_ids"].shape[1] for p in prompts], device=ids.device)[:, None]).long()}  # (P, L)
+    for k in set().union(*prompts) - {"input_ids", "attention_mask"}:
+        out[k] = torch.cat([p[k] for p in prompts if p.get(k) is not None])
+    return out
+
+
 def scene_prompts(scenes, tok, device, dtype=None, views=driving.WorldConfig().views):
     """Batch-1 prompts (driving.build_prompt) on device, floating inputs cast to dtype when given."""
     return [{k: v.to(device).to(dtype) if dtype is not None and v.is_floating_point() else v.to(device)
