@@ -166,7 +166,7 @@ def _check_target(dir, meta, cfg, target):
 
 def existing_kind(path):
     """What `path` holds, for a writer about to replace it: None (nothing, or an empty folder), "target" /
-    "<rope_mode> draft" (ours), "qwen2_5_vl folder" (hf.export_pretrained's), else words saying what is there."""
+    "<rope_mode> draft" (ours), "qwen2_5_vl folder" (experiments/hf_export.py's), else words saying what is there."""
     if not os.path.isdir(path):
         return "a file" if os.path.lexists(path) else None
     if not (names := [n for n in os.listdir(path) if not n.endswith(".tmp")]):  # a killed save's leftover is not data
