@@ -480,12 +480,6 @@ class Tokenizer:
         return [self.id[f"<{k}{int(np.clip((v - lo) // w, 0, n - 1))}>"]
                 for row in hist for (k, lo, w, n), v in zip(edges, row)]
 
-    def decode_history(self, ids):
-        """48 ids -> (16, 3) bin centres."""
-        words = [self.vocab[int(i)] for i in ids]  # "<dx12>": the bin's name and index
-        edges = [bin_edges(self.bins[w[1:3]]) for w in words]
-        return np.array([lo + (int(w[3:-1]) + 0.5) * width for w, (lo, width, _) in zip(words, edges)]).reshape(-1, 3)
-
 
 # ---- prompts and training examples ----
 def build_prompt(scene, tok, views=WorldConfig().views):
