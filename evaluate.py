@@ -376,8 +376,6 @@ def speed_optimal_gamma(taus, times):
 
 
 # ---- the speed-up model (Leviathan et al. 2023, section 3) ----
-
-
 def measured_speedup(tau, t_target_1, t_draft_1, t_target_gamma1, gamma):
     """tau * T_target(1) / (gamma * T_draft(1) + T_target(gamma+1)), from measured step times."""
     return tau * t_target_1 / (gamma * t_draft_1 + t_target_gamma1)

@@ -21,8 +21,6 @@ CONFIG = "config.json"
 
 
 # ---- loading ----
-
-
 def on_model(prompt, model):
     """A prompt dict's tensors on the model's device, its pixels in the model's dtype (ids stay integers)."""
     w = next(model.parameters())
@@ -109,8 +107,6 @@ def hf_layout(model: VLA):
 
 
 # ---- config.json ----
-
-
 def read_config(path):
     """(ModelConfig, family, the Alpamayo config.json or None) from a Hugging Face / Alpamayo config.json."""
     cfg_path = os.path.join(path, CONFIG)

@@ -48,8 +48,6 @@ OWN_IMAGE = re.compile(r"\d{2,}\.png")  # write_scene's image names: the only im
 
 
 # ---- the scene folder ----
-
-
 @dataclass
 class Scene:
     scene_id: str
@@ -227,8 +225,6 @@ def built(scene_id, prompt):
 
 
 # ---- self-distillation data ----
-
-
 def sample_seed(seed, scene_id, k):
     """Sample k's generator seed: (seed, scene, k) alone, so that a resumed or reordered run draws the same records."""
     return int(hashlib.sha256(f"{seed}/{scene_id}/{k}".encode()).hexdigest()[:15], 16)  # < 2**60
