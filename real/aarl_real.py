@@ -130,8 +130,7 @@ def load_real(target_dir, draft_dir, scenes_dir, cfg, device, dtype):
     target = hf.load_pretrained(target_dir, dtype=dtype, device=device).eval()
     if (n := target.expert.cfg.n_waypoints) != scenes.N_FUTURE and any(s.future is not None for s in clips):
         raise ValueError(f"{target_dir}: the expert plans {n} waypoints, a scene's future has {scenes.N_FUTURE}")
-    draft = checkpoint.load(draft_dir, target=target).eval()  # q_ref: a second copy, never updated (static)
-    ref = checkpoint.load(draft_dir, target=target).eval()
+    draft, ref = (checkpoint.load(draft_dir, target=target).eval() for _ in range(2))  # ref: q_ref, static
     return target, draft, ref, clips, prompts, tuple(ids)
 
 
@@ -170,9 +169,7 @@ def main(argv=None):
                                     "--processor": cfg.processor}, may_contain=("--draft",))  # RUN/draft_flat_s0
         out = checkpoint.draft_dir(a.out, "aarl", cfg.seed)
         with files.writer_lock(a.out):
-            if (have := checkpoint.existing_kind(out)) is not None:
-                raise FileExistsError(f"{out} holds {have if have.startswith('a ') else 'a ' + have + ' checkpoint'} "
-                                      "already: refusing to replace it; give another --out or --seed")
+            checkpoint.check_output(out, "flat draft", how="refusing to replace it; give another --out or --seed")
             t0 = time.time()
             target, draft, ref, clips, prompts, ids = load_real(a.target, a.draft, a.scenes, cfg, device,
                                                                 cli.DTYPES[a.dtype])
