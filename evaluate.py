@@ -334,8 +334,7 @@ def draft_matches(drafts, target, data: Data, outputs, batch_size=EVAL_BATCH):
         for name, draft in drafts.items():
             pred = draft(ids, inputs_embeds=embeds, **grid_kwargs(batch)).argmax(-1)  # (B, P + T)
             # position P - 1 + k predicts output token k
-            out[name] += [(pred[b, P - 1:P - 1 + len(s)] == ids[b, P:P + len(s)]).tolist()
-                          for b, s in enumerate(seqs)]
+            out[name] += [(pred[b, P - 1:P - 1 + len(s)] == ids[b, P:P + len(s)]).tolist() for b, s in enumerate(seqs)]
     return out
 
 
