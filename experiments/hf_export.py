@@ -6,6 +6,7 @@ own-target path. Nothing in the library imports this.
 
 run: python -m pytest -q tests/test_export.py
 """
+import contextlib
 import dataclasses
 import os
 import sys
@@ -15,7 +16,7 @@ from safetensors.torch import save_file
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from model import VLA, ModelConfig  # noqa: E402
 from ops.checkpoint import WEIGHTS, check_output, empty_model  # noqa: E402
-from ops.files import atomic_write, write_json  # noqa: E402
+from ops.files import atomic_write, read_json, write_json  # noqa: E402
 from real.hf import CONFIG, hf_layout  # noqa: E402
 
 TOKEN_ID_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id", "vision_end_token_id")
@@ -61,7 +62,11 @@ def export_pretrained(model: VLA, dir, target: VLA | None = None, **token_ids):
         m.load_state_dict({**model.state_dict(), "embed_tokens.weight": target.embed_tokens.weight,
                            "lm_head.weight": target.lm_head.weight,
                            **{"visual." + k: v for k, v in target.visual.state_dict().items()}})
-    check_output(dir, "qwen2_5_vl folder", overwrite=True)
+    exported = False  # a folder exported before is replaced, never anything else (check_output names what is there)
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        exported = read_json(os.path.join(dir, CONFIG)).get("model_type") == "qwen2_5_vl"
+    if not exported:
+        check_output(dir, "qwen2_5_vl folder")
     shapes, parts = hf_layout(m)
     sd, tensors = m.state_dict(), {}
     for name, hf_names in parts.items():

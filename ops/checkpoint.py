@@ -160,7 +160,7 @@ def _check_target(dir, meta, cfg, target):
 # ---- what a path holds: never replace what is not a checkpoint of the kind ----
 def existing_kind(path):
     """What `path` holds, for a writer about to replace it: None (nothing, or an empty folder), "target" /
-    "<rope_mode> draft" (ours), "qwen2_5_vl folder" (experiments/hf_export.py's), else words saying what is there."""
+    "<rope_mode> draft" (ours), else words saying what is there."""
     if not os.path.isdir(path):
         return "a file" if os.path.lexists(path) else None
     if not (names := [n for n in os.listdir(path) if not n.endswith(".tmp")]):  # a killed save's leftover is not data
@@ -168,9 +168,6 @@ def existing_kind(path):
     with contextlib.suppress(OSError, ValueError):
         meta, cfg = header(path)
         return f"{cfg.rope_mode} draft" if meta["draft"] else "target"
-    with contextlib.suppress(OSError, ValueError, AttributeError):
-        if read_json(os.path.join(path, "config.json")).get("model_type") == "qwen2_5_vl":
-            return "qwen2_5_vl folder"
     return f"a folder of {len(names)} entries ({', '.join(sorted(names)[:3])}{', ...' if len(names) > 3 else ''})"
 
 
