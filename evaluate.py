@@ -194,7 +194,7 @@ def key_groups(input_ids, tok):
 
 
 @torch.no_grad()
-def iter_attention_probs(model, input_ids, **forward_kwargs):
+def attention_probs(model, input_ids, **forward_kwargs):
     """Per-layer attention probabilities (B, H, L, L) of a cache-free forward, one layer at a time, recomputed from
     each layer's own q/k projections and rope tables (the slow, obvious path: softmax(q k^T / sqrt(hd)) under the
     causal mask); tests/test_evaluate.py checks that probs @ v through o_proj reproduces the layer's output."""
@@ -219,10 +219,6 @@ def iter_attention_probs(model, input_ids, **forward_kwargs):
         yield scores.masked_fill(~causal, float("-inf")).softmax(-1)
 
 
-def attention_probs(model, input_ids, **forward_kwargs):
-    return list(iter_attention_probs(model, input_ids, **forward_kwargs))  # [(B, H, L, L)] per layer
-
-
 @torch.no_grad()
 def attention_split(model, target, data: Data, n=16):
     """The model's attention mass on image / history / other-text keys while it predicts the CoC (teacher-forced),
@@ -233,7 +229,7 @@ def attention_split(model, target, data: Data, n=16):
     groups = key_groups(batch["input_ids"], data.tok)
     rows = batch["loss_mask"]  # (B, L) query positions that predict CoC tokens
     mass = {name: [] for name in groups}
-    for p in iter_attention_probs(model, batch["input_ids"], inputs_embeds=embeds, **grid_kwargs(batch)):
+    for p in attention_probs(model, batch["input_ids"], inputs_embeds=embeds, **grid_kwargs(batch)):
         for name, keys in groups.items():
             # (B, H, L, L) * (B, 1, 1, L) -> mass per query row (B, H, L) -> mean over heads (B, L) -> CoC rows
             mass[name].append((p * keys[:, None, None, :]).sum(-1).mean(1)[rows].mean().item())
