@@ -153,10 +153,9 @@ def main(argv=None):
     a = ap.parse_args(argv)
     cfg = cli.config_from_args(RealConfig, a)
     with cli.user_errors(ap):
-        cli.check_values(cfg, [(">= 1", ("steps", "per_update", "max_new", "min_pixels", "max_pixels",
-                                              "save_every")),
-                                    ("a finite number > 0", ("lr", "temperature")), ("in 0..2**30-1", ("seed",)),
-                                    ("a finite number >= 0", ("beta",))], flags=True)
+        cli.check_values(cfg, [(">= 1", ("steps", "per_update", "max_new", "min_pixels", "max_pixels", "save_every")),
+                               ("a finite number > 0", ("lr", "temperature")), ("in 0..2**30-1", ("seed",)),
+                               ("a finite number >= 0", ("beta",))], flags=True)
         if cfg.min_pixels > cfg.max_pixels:
             raise ValueError(f"--min-pixels {cfg.min_pixels} is above --max-pixels {cfg.max_pixels}")
         if cfg.group < 2:

@@ -125,9 +125,8 @@ class ActionExpert(nn.Module):
         super().__init__()
         self.cfg = cfg
         # Alpamayo builds the expert from the VLM's text config with the width overridden
-        self.layer_cfg = dataclasses.replace(vlm, hidden_size=cfg.hidden_size, n_heads=cfg.n_heads,
-                                             intermediate_size=cfg.intermediate_size, vision=None, traj_len=0,
-                                             shared_width=None)
+        self.layer_cfg = dataclasses.replace(vlm, hidden_size=cfg.hidden_size, n_heads=cfg.n_heads, vision=None,
+                                             intermediate_size=cfg.intermediate_size, traj_len=0, shared_width=None)
         self.layers = nn.ModuleList(Block(self.layer_cfg) for _ in range(vlm.n_layers))
         self.norm = RMSNorm(cfg.hidden_size, vlm.rms_norm_eps)
         self.action_in_proj = ActionInProj(cfg)
