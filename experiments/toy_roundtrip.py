@@ -1,5 +1,5 @@
 """The toy target through the path a real target takes: exported as a Hugging Face Qwen2.5-VL folder
-(hf_export.export_pretrained), loaded back (hf.load_pretrained, through distill.load_target), its own greedy CoCs on the toy
+(hf_export.py), loaded back (hf.load_pretrained, through distill.load_target), its own greedy CoCs on the toy
 world's training scenes written by scenes.distill_data, and FlatRoPE drafts distilled on them by distill.distill_draft
 (`python -m real.distill --target DIR --toy-scenes N`), one sequence per forward with gradient accumulation. Paper: the routine
 reasoner (draft q) is distilled from the deliberative reasoner (target p). The drafts are scored as the shipped ones

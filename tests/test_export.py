@@ -1,4 +1,4 @@
-"""experiments/hf_export.py's export_pretrained: our model as a Hugging Face Qwen2.5-VL folder. A round trip through load_pretrained
+"""experiments/hf_export.py: our model as a Hugging Face Qwen2.5-VL folder. A round trip through load_pretrained
 gives back every weight (the TrajHead excepted: not exported) and the same logits; transformers 5.24 loads the folder
 and its logits match ours on a prompt with an image and a video; a draft becomes a standalone Qwen2.5-VL with the
 target's embedding, LM head and vision tower, whose logits equal the draft's reading the target's embeddings; what
