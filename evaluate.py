@@ -194,7 +194,7 @@ def key_groups(input_ids, tok):
 
 
 @torch.no_grad()
-def iter_attention_probs(model, input_ids, **forward_kwargs):
+def attention_probs(model, input_ids, **forward_kwargs):
     """Per-layer attention probabilities (B, H, L, L) of a cache-free forward, one layer at a time, recomputed from
     each layer's own q/k projections and rope tables (the slow, obvious path: softmax(q k^T / sqrt(hd)) under the
     causal mask); tests/test_evaluate.py checks that probs @ v through o_proj reproduces the layer's output."""
@@ -219,10 +219,6 @@ def iter_attention_probs(model, input_ids, **forward_kwargs):
         yield scores.masked_fill(~causal, float("-inf")).softmax(-1)
 
 
-def attention_probs(model, input_ids, **forward_kwargs):
-    return list(iter_attention_probs(model, input_ids, **forward_kwargs))  # [(B, H, L, L)] per layer
-
-
 @torch.no_grad()
 def attention_split(model, target, data: Data, n=16):
     """The model's attention mass on image / history / other-text keys while it predicts the CoC (teacher-forced),
@@ -233,7 +229,7 @@ def attention_split(model, target, data: Data, n=16):
     groups = key_groups(batch["input_ids"], data.tok)
     rows = batch["loss_mask"]  # (B, L) query positions that predict CoC tokens
     mass = {name: [] for name in groups}
-    for p in iter_attention_probs(model, batch["input_ids"], inputs_embeds=embeds, **grid_kwargs(batch)):
+    for p in attention_probs(model, batch["input_ids"], inputs_embeds=embeds, **grid_kwargs(batch)):
         for name, keys in groups.items():
             # (B, H, L, L) * (B, 1, 1, L) -> mass per query row (B, H, L) -> mean over heads (B, L) -> CoC rows
             mass[name].append((p * keys[:, None, None, :]).sum(-1).mean(1)[rows].mean().item())
@@ -334,8 +330,7 @@ def draft_matches(drafts, target, data: Data, outputs, batch_size=EVAL_BATCH):
         for name, draft in drafts.items():
             pred = draft(ids, inputs_embeds=embeds, **grid_kwargs(batch)).argmax(-1)  # (B, P + T)
             # position P - 1 + k predicts output token k
-            out[name] += [(pred[b, P - 1:P - 1 + len(s)] == ids[b, P:P + len(s)]).tolist()
-                          for b, s in enumerate(seqs)]
+            out[name] += [(pred[b, P - 1:P - 1 + len(s)] == ids[b, P:P + len(s)]).tolist() for b, s in enumerate(seqs)]
     return out
 
 
@@ -376,8 +371,6 @@ def speed_optimal_gamma(taus, times):
 
 
 # ---- the speed-up model (Leviathan et al. 2023, section 3) ----
-
-
 def measured_speedup(tau, t_target_1, t_draft_1, t_target_gamma1, gamma):
     """tau * T_target(1) / (gamma * T_draft(1) + T_target(gamma+1)), from measured step times."""
     return tau * t_target_1 / (gamma * t_draft_1 + t_target_gamma1)
