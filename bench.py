@@ -489,13 +489,22 @@ def plan_lines(p):
 # ---- the flags ----
 def main(argv=None):
     ap = argparse.ArgumentParser(description="Reasoning-step latency: target-only vs speculative (RSD).")
-    ap.add_argument("--device", default="cpu", help="cpu or cuda")
     ap.add_argument("--dtype", default="bf16", choices=sorted(cli.DTYPES), help="weights, activations and KV cache")
-    ap.add_argument("--run", default=checkpoint.SHIPPED, help="toy checkpoints folder (default: the shipped ones)")
-    ap.add_argument("--target", help="Hugging Face Qwen2.5-VL / Qwen3-VL / Alpamayo folder")
-    ap.add_argument("--draft", help="draft folder (checkpoint.save format) trained for the target: the toy's (default "
-                    f"{TOY_DRAFT[0]} seed {TOY_DRAFT[1]} of --run), or one for --target")
     ap.add_argument("--preset", choices=[k for k in sorted(M.PRESETS) if "toy" not in k], help="random weights")
+    for flag, default, text in (  # the folders and files; --images-dir ... --scenes: a real checkpoint's prompt
+            ("--device", "cpu", "cpu or cuda"),
+            ("--run", checkpoint.SHIPPED, "toy checkpoints folder (default: the shipped ones)"),
+            ("--target", None, "Hugging Face Qwen2.5-VL / Qwen3-VL / Alpamayo folder"),
+            ("--draft", None, f"draft folder (checkpoint.save format) trained for the target: the toy's (default "
+                              f"{TOY_DRAFT[0]} seed {TOY_DRAFT[1]} of --run), or one for --target"),
+            ("--images-dir", None, "with --target: a folder of camera images (name order)"),
+            ("--image-size", "288x512", "with --target: HxW of the generated images"),
+            ("--processor", None, "with --target: tokenizer + image processor folder (default: --target)"),
+            ("--scenes", None, "with --target: a scene folder (scenes.py) measured held out: tau, alpha per draft "
+                               "position, routine share, greedy identity, latency per stage, ADE"),
+            ("--toy-json", None, f"random weights: the toy acceptance to predict at (default {TOY_ACCEPTANCE})"),
+            ("--out", None, f"write the report's JSON here (toy default {TOY_JSON}; none for a real model)")):
+        ap.add_argument(flag, default=default, help=text)
     for flag, default, text in (
             ("--layers", None, "with --preset: keep only this many decoder layers"),
             ("--draft-vocab", 0, "with --preset: the draft's head covers only the first K token ids (0: all)"),
@@ -513,14 +522,13 @@ def main(argv=None):
                              "runs 6 at --temperature 0.6 --top-p 0.98)"),
             ("--batch", 1, "toy: prompts per batch (with --samples: batch x samples rows per plan)"),
             ("--repeats", 3, "timed passes (median reported), >= 3"),
-            ("--threads", None, "CPU threads (default: torch's)")):
+            ("--threads", None, "CPU threads (default: torch's)"),
+            ("--min-pixels", alpamayo.MIN_PIXELS, "with --target: image size bounds"),
+            ("--max-pixels", alpamayo.MAX_PIXELS, "with --target: image size bounds")):
         ap.add_argument(flag, type=int, default=default, help=text)
-    add_real_flags(ap)
     cli.add_decoding_flags(ap, "> 0 times both arms sampling (Alpamayo-R1 samples its CoC at 0.6, top-p 0.98)")
     ap.add_argument("--compile", action="store_true", help="also every arm through torch.compile'd steps")
-    ap.add_argument("--toy-json", help=f"random weights: the toy acceptance to predict at (default {TOY_ACCEPTANCE})")
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
-    ap.add_argument("--out", help=f"write the report's JSON here (toy default {TOY_JSON}; none for a real model)")
     args = ap.parse_args(argv)
     sampling = check_flags(ap, args)
     if args.threads:
@@ -580,10 +588,30 @@ def check_flags(ap, args):
         if v != ap.get_default(flag) and not (hi and 1 <= v <= hi):
             ap.error(f"--{flag.replace('_', '-')} {what} of a --preset"
                      + (f" (1..{hi} for {args.preset})" if hi else "") + f", got {v}")
-    for flag in ("target", "draft", "images_dir", "processor", "scenes"):
-        if getattr(args, flag) is not None and not os.path.isdir(getattr(args, flag)):
-            ap.error(f"--{flag.replace('_', '-')} {getattr(args, flag)}: folder not found")
-    check_real_flags(ap, args)
+    size, src = re.fullmatch(r"(\d+)x(\d+)", args.image_size), args.processor or args.target
+    no_hf, plans_ = importlib.util.find_spec("transformers") is None, args.samples > 1  # --scenes --samples N: plans
+    for bad, msg in (*((getattr(args, f) is not None and not os.path.isdir(getattr(args, f)),
+                        f"--{f.replace('_', '-')} {getattr(args, f)}: folder not found")
+                       for f in ("target", "draft", "images_dir", "processor", "scenes")),
+                     (not size or not all(1 <= int(n) <= 8192 for n in size.groups()),  # a camera frame, not all memory
+                      f"--image-size must be HxW in pixels, each in 1..8192 (e.g. 288x512), got {args.image_size!r}"),
+                     (not 1 <= args.min_pixels <= args.max_pixels, "--min-pixels and --max-pixels must satisfy "
+                      f"1 <= min <= max, got {args.min_pixels} and {args.max_pixels}"),
+                     *((getattr(args, f) and not args.target, f"--{f.replace('_', '-')} goes with --target")
+                       for f in ("images_dir", "processor", "scenes")),
+                     (args.scenes and args.images_dir, "--scenes takes no --images-dir (the scenes hold the images)"),
+                     (args.scenes and args.temperature > 0 and not plans_, "--scenes takes no --temperature (greedy "
+                      "only: its outputs are compared token by token; sampled rows: --samples N)"),
+                     (args.scenes and args.compile and not plans_, "--scenes takes no --compile (the eager decoders "
+                      "are timed)"),
+                     (args.scenes and no_hf, "--scenes builds prompts with the folder's tokenizer, which needs "
+                      "transformers: pip install -r requirements-test.txt"),
+                     (args.images_dir and importlib.util.find_spec("PIL") is None,
+                      "--images-dir needs Pillow to read the images: pip install pillow"),
+                     (src and no_hf and alpamayo.has_tokenizer(src),
+                      f"{src} has a tokenizer, which needs transformers: pip install -r requirements-test.txt")):
+        if bad:
+            ap.error(msg)
     with cli.user_errors(ap):  # below: the chain of --gamma (--tree 0), or a tree (a ValueError if it is impossible)
         args.decoder = TreeShape(args.tree, args.tree_depth, args.tree_width) if args.tree else args.gamma
         if args.tree and (n := args.decoder.candidates(args.tree_depth)) > MAX_TREE_CANDIDATES:
@@ -640,45 +668,6 @@ def check_fits(args, cfg, draft_vocab=0):
         flag = f"--tree {args.tree}" if args.tree > args.gamma else f"--gamma {args.gamma}"
         raise ValueError(f"--max-new {args.max_new} and {flag} need {args.max_new + block} positions beyond the "
                          f"prompt, more than the model's {cfg.max_seq_len}")
-
-
-def add_real_flags(ap):
-    """--images-dir, --image-size, --processor, --min-pixels, --max-pixels, --scenes: a real checkpoint's prompt."""
-    ap.add_argument("--images-dir", default=None, help="with --target: a folder of camera images (name order)")
-    ap.add_argument("--image-size", default="288x512", help="with --target: HxW of the generated images")
-    ap.add_argument("--processor", help="with --target: tokenizer + image processor folder (default: --target)")
-    ap.add_argument("--min-pixels", type=int, default=alpamayo.MIN_PIXELS, help="with --target: image size bounds")
-    ap.add_argument("--max-pixels", type=int, default=alpamayo.MAX_PIXELS, help="with --target: image size bounds")
-    ap.add_argument("--scenes", help="with --target: a scene folder (scenes.py) measured held out: tau, alpha per "
-                    "draft position, routine share, greedy identity, latency per stage, ADE")
-
-
-def check_real_flags(ap, args):
-    """Parse-time checks of the pixels' geometry and of what reading them needs: each bad value is one line."""
-    size = re.fullmatch(r"(\d+)x(\d+)", args.image_size)
-    if not size or not all(1 <= int(n) <= 8192 for n in size.groups()):  # 8192: a camera frame, not all of memory
-        ap.error(f"--image-size must be HxW in pixels, each in 1..8192 (e.g. 288x512), got {args.image_size!r}")
-    if not 1 <= args.min_pixels <= args.max_pixels:
-        ap.error(f"--min-pixels and --max-pixels must satisfy 1 <= min <= max, got {args.min_pixels} and "
-                 f"{args.max_pixels}")
-    for flag in ("images_dir", "processor", "scenes"):
-        if getattr(args, flag) and not args.target:
-            ap.error(f"--{flag.replace('_', '-')} goes with --target")
-    plans_ = args.samples > 1  # --scenes --samples N: each scene's N sampled rows (bench.plans), not heldout
-    for bad, flag in ((args.images_dir, "--images-dir (the scenes hold the images)"),
-                      (args.temperature > 0 and not plans_, "--temperature (greedy only: its outputs are compared "
-                       "token by token; sampled rows: --samples N)"),
-                      (args.compile and not plans_, "--compile (the eager decoders are timed)")):
-        if args.scenes and bad:
-            ap.error(f"--scenes takes no {flag}")
-    if args.scenes and importlib.util.find_spec("transformers") is None:
-        ap.error("--scenes builds prompts with the folder's tokenizer, which needs transformers: "
-                 "pip install -r requirements-test.txt")
-    if args.images_dir and importlib.util.find_spec("PIL") is None:
-        ap.error("--images-dir needs Pillow to read the images: pip install pillow")
-    src = args.processor or args.target
-    if src and importlib.util.find_spec("transformers") is None and alpamayo.has_tokenizer(src):
-        ap.error(f"{src} has a tokenizer, which needs transformers: pip install -r requirements-test.txt")
 
 
 if __name__ == "__main__":
