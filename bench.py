@@ -54,25 +54,40 @@ MAX_TREE_CANDIDATES = 1024
 
 # ---- the two arms, timed in the same passes ----
 @torch.no_grad()  # the grad mode the compiled steps were warmed up in (evaluate.spec_stats); another recompiles
-def time_arms(target, drafts, prompts, gamma, max_new, stop_token, repeats, sampling=GREEDY, extra=None):
-    """{arm: {prefill_ms, ms_per_token, speedup (medians over `repeats` passes), ms_per_token_range}}: every arm
-    warmed up on every prompt, then timing.interleaved's passes; extra: {name: (target, draft or None[, gamma])};
-    sampled: prompt i's seeds in every pass."""
+def time_arms(target, drafts, prompts, gamma, max_new, stop_token, repeats, sampling=GREEDY, extra=None, blocks=1,
+              warm_all=True):
+    """({arm: {prefill_ms, ms_per_token, speedup (medians over `repeats` passes), ms_per_token_range, speedup_range}},
+    {arm: [SpecResult per prompt] of the first pass}): every arm warmed up (warm_all: on every prompt, else on the
+    first), then timing.interleaved's passes (the arms back to back on each prompt, the order rotated): load that drifts
+    on a shared machine falls on every arm alike. extra: {name: (target, draft or None[, gamma])}; sampled: prompt i's
+    seeds in every pass. Ranges: min..max over the passes' `blocks` blocks of prompts (a block's speed-up is paired:
+    the same prompts, timed back to back)."""
     arms = {TARGET_ONLY: (target, None), **{name: (target, d) for name, d in drafts.items()}, **(extra or {})}
     arms = {name: (*arm, gamma)[:3] for name, arm in arms.items()}  # (target, draft, gamma) each
-    for t, draft, g in arms.values():
+    for t, draft, g in arms.values() if warm_all else ():
         for i, p in enumerate(prompts):
             evaluate.decode(t, draft, p, g, max_new, stop_token, sampling.offset(i))
     runs = timing.interleaved({name: lambda i, t=t, d=d, g=g: evaluate.decode(
         t, d, prompts[i], g, max_new, stop_token, sampling.offset(i), timing=True)
-        for name, (t, d, g) in arms.items()}, len(prompts), repeats, prompts[0]["input_ids"].device, warmup=0)
+        for name, (t, d, g) in arms.items()}, len(prompts), repeats, prompts[0]["input_ids"].device,
+        warmup=0 if warm_all else 1)
+    res = {name: [[x.result for x in p] for p in passes] for name, passes in runs.items()}  # [pass][prompt]
+    nb = min(blocks, len(prompts))
+    cuts = [round(j * len(prompts) / nb) for j in range(nb + 1)]
+    units = [(r, lo, hi) for r in range(repeats) for lo, hi in zip(cuts, cuts[1:])]
+
+    def ms(name, r, lo=0, hi=len(prompts)):  # pass r's ms/token over prompts lo..hi-1
+        return 1e3 * sum(x.decode_s for x in res[name][r][lo:hi]) / sum(len(x.tokens) for x in res[name][r][lo:hi])
+
+    med = {name: median(ms(name, r) for r in range(repeats)) for name in arms}
     out = {}
-    for name, passes in runs.items():
-        res = [[x.result for x in p] for p in passes]
-        ms = timing.spread([1e3 * sum(r.decode_s for r in p) / sum(len(r.tokens) for r in p) for p in res])
-        out[name] = {"prefill_ms": median(1e3 * sum(r.prefill_s for r in p) / len(p) for p in res),
-                     "ms_per_token": ms["median"], "ms_per_token_range": [ms["min"], ms["max"]]}
-    return {name: dict(o, speedup=out[TARGET_ONLY]["ms_per_token"] / o["ms_per_token"]) for name, o in out.items()}
+    for name in arms:
+        unit_ms = [ms(name, *u) for u in units]
+        unit_up = [ms(TARGET_ONLY, *u) / m for u, m in zip(units, unit_ms)]
+        out[name] = {"prefill_ms": median(1e3 * sum(x.prefill_s for x in p) / len(p) for p in res[name]),
+                     "ms_per_token": med[name], "speedup": med[TARGET_ONLY] / med[name],
+                     "ms_per_token_range": [min(unit_ms), max(unit_ms)], "speedup_range": [min(unit_up), max(unit_up)]}
+    return out, {name: r[0] for name, r in res.items()}
 
 
 def compiled_pair(target, draft, prompts, decoders, max_new, batch=1):
@@ -145,7 +160,7 @@ def benchmark(target, draft, prompts, gamma, max_new, stop_token=None, repeats=3
                                                                    else {})
     if tree:  # the chain with the same draft, in the same passes: is the tree faster here?
         extra[CHAIN_ARM] = (target, draft, chain_gamma)
-    t = time_arms(target, {"speculative": draft}, prompts, gamma, max_new, stop_token, repeats, sampling, extra)
+    t = time_arms(target, {"speculative": draft}, prompts, gamma, max_new, stop_token, repeats, sampling, extra)[0]
     res = {"decoder": decoder_json(gamma), "decoding": cli.sampling_json(sampling),
            "greedy_match": spec["greedy_match"],
            "tau": spec["tau"], "alpha": spec["alpha"],

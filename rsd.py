@@ -132,41 +132,7 @@ def choose(rec, val_taus, shapes):
     return gamma, tree
 
 
-# ---- timing: every arm in one interleaved pass ----
-@torch.no_grad()
-def time_interleaved(arms, prompts, stop, repeats, sampling=GREEDY, blocks=TIME_BLOCKS):
-    """Every arm (name -> (target, draft or None, gamma); the first: the baseline) decodes every prompt in
-    timing.interleaved's passes (the arms back to back on each prompt, the order rotated, after one untimed decode per
-    arm): load that drifts on a shared machine falls on every arm alike. -> ({arm: [SpecResult per prompt] of the
-    first pass}, {arm: {ms_per_token, speedup, ms_per_token_range, speedup_range}}): ms/token over every timed decode,
-    speed-up = the baseline's ms/token over the arm's, ranges min..max over the passes' blocks of prompts (a block's
-    speed-up is paired: the same prompts, timed back to back)."""
-    names = list(arms)
-    runs = timing.interleaved({name: lambda i, t=t, d=d, g=g: evaluate.decode(
-        t, d, prompts[i], g, MAX_NEW_TOKENS, stop, sampling.offset(i), timing=True)
-        for name, (t, d, g) in arms.items()}, len(prompts), repeats, prompts[0]["input_ids"].device)
-    spent = {name: [[x.result.decode_s for x in p] for p in ps] for name, ps in runs.items()}  # [pass][prompt]
-    first = {name: [x.result for x in ps[0]] for name, ps in runs.items()}
-    tokens = {name: [len(res.tokens) for res in first[name]] for name in names}  # the same in every pass
-    nb = min(blocks, len(prompts))
-    cuts = [round(j * len(prompts) / nb) for j in range(nb + 1)]
-
-    def ms(name, passes, lo, hi):
-        return 1e3 * sum(spent[name][r][i] for r in passes for i in range(lo, hi)) / (
-            len(passes) * sum(tokens[name][lo:hi]))
-
-    base, every = names[0], range(repeats)
-    units = [((r,), lo, hi) for r in every for lo, hi in zip(cuts, cuts[1:])]
-    out = {}
-    for name in names:
-        unit_ms = [ms(name, *u) for u in units]
-        unit_up = [ms(base, *u) / m for u, m in zip(units, unit_ms)]
-        out[name] = {"ms_per_token": ms(name, every, 0, len(prompts)),
-                     "speedup": ms(base, every, 0, len(prompts)) / ms(name, every, 0, len(prompts)),
-                     "ms_per_token_range": [min(unit_ms), max(unit_ms)], "speedup_range": [min(unit_up), max(unit_up)]}
-    return first, out
-
-
+# ---- timing: every arm in one interleaved pass (bench.time_arms) ----
 def unordered(rows):
     """Groups of rows whose speed-up ranges overlap (through a chain of overlaps): the timing does not order the rows
     of a group, whatever the digits of their speed-ups say."""
@@ -189,7 +155,7 @@ def paper_table(target, drafts, splits, outputs, metrics, rec, n_time, repeats, 
     commitment accuracy, computed once in main). Chain rows at the gamma, tree rows (of TREES, <= `tree` nodes; none
     for 0) at the shape chosen on val (choose); with no search (rec None) at `gamma` and `tree` (a TreeShape, or 0).
     Real decoding on every test scene: each row's first-seed draft, each tree row's every seed (a tree has no replay).
-    ms/token: time_interleaved over the first n_time test scenes, every row's first-seed draft beside target-only;
+    ms/token: bench.time_arms over the first n_time test scenes, every row's first-seed draft beside target-only;
     with greedy eager decoding its first pass is also those scenes' real decoding. A sampled `sampling`: timed
     sampling, plus real sampled decoding's sampled_tau / sampled_alpha; compile: the timed arms on compiled steps
     (bench.compiled_pair)."""
@@ -219,7 +185,8 @@ def paper_table(target, drafts, splits, outputs, metrics, rec, n_time, repeats, 
                  for name, (d, g) in decoders.items()}
         timed_arms = {TARGET_ONLY: (next(iter(pairs.values()))[0], None, 1),
                       **{name: (*pairs[name], g) for name, (d, g) in decoders.items()}}
-    timed, speed = time_interleaved(timed_arms, prompts[:n_time], stop, repeats, sampling)
+    speed, timed = bench.time_arms(timed_arms.pop(TARGET_ONLY)[0], {}, prompts[:n_time], 1, MAX_NEW_TOKENS, stop,
+                                   repeats, sampling, timed_arms, TIME_BLOCKS, warm_all=False)
     sampled = not sampling.greedy
     reuse = not sampled and not compile  # the timed pass's decodes are the eager greedy ones
 
