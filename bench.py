@@ -42,9 +42,9 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 SHIPPED_DIR = os.path.join(ROOT, "checkpoints")  # what the repo ships: no report is written there
 # the recorded toy acceptances (relative to ROOT) random weights predict at: the chain's (gamma 6), the default tree's
 TOY_ACCEPTANCE, TOY_TREE_ACCEPTANCE = "experiments/bench_cpu.json", "experiments/bench_cpu_tree.json"
-COMPILED = ("target-only compiled", "speculative compiled")  # --compile's arms, timed beside the eager ones
 CHAIN_ARM = "speculative chain"  # with a tree: the chain of --gamma, the same draft, timed in the same passes
-COMPILED_CHAIN = "speculative chain compiled"
+# --compile's arms, timed beside the eager ones: each eager arm's name + " compiled"
+COMPILED, COMPILED_CHAIN = (TARGET_ONLY + " compiled", "speculative compiled"), CHAIN_ARM + " compiled"
 CHOOSE_SCENES = 16  # val scenes whose tau chooses --compile's tree, or whose plans choose the plans' tree
 # the plans' candidate trees: evaluate.TREES and a smaller budget, for a verify over B rows costs more per node
 PLAN_TREES = (TreeShape(8, 4, 3), *evaluate.TREES)
@@ -103,14 +103,16 @@ def compiled_pair(target, draft, prompts, decoders, max_new, batch=1):
     return compiled.CompiledSteps(target, max_len, t_lengths, batch), compiled.CompiledSteps(draft, max_len, d_lengths, batch)
 
 
-def both_arms(ar, spec):  # {ar_prefill_ms, spec_prefill_ms, ar_ms_per_token, spec_ms_per_token}
-    return {f"{a}_{k}": arm[k] for k in ("prefill_ms", "ms_per_token") for a, arm in (("ar", ar), ("spec", spec))}
-
-
-def chain_json(gamma, c, ar, spec):
-    """The chain arm c timed beside a tree (spec): its speed-up over target-only (ar), and the tree's over it."""
-    return {"gamma": gamma, "ms_per_token": c["ms_per_token"], "speedup": ar["ms_per_token"] / c["ms_per_token"],
-            "tree_over_chain": c["ms_per_token"] / spec["ms_per_token"]}
+def arms_json(t, chain_gamma, sfx=""):
+    """Target-only and the decoder among t's arms named with sfx: ar_ / spec_ prefill and ms/token, the speed-up; beside
+    a tree the chain arm of chain_gamma: its speed-up over target-only, and the tree's over it."""
+    ar, spec, c = t[TARGET_ONLY + sfx], t["speculative" + sfx], t.get(CHAIN_ARM + sfx)
+    out = {f"{a}_{k}": arm[k] for k in ("prefill_ms", "ms_per_token") for a, arm in (("ar", ar), ("spec", spec))}
+    out["speedup"] = ar["ms_per_token"] / spec["ms_per_token"]
+    if c:
+        out["chain"] = {"gamma": chain_gamma, "ms_per_token": c["ms_per_token"], "speedup": ar["ms_per_token"]
+                        / c["ms_per_token"], "tree_over_chain": c["ms_per_token"] / spec["ms_per_token"]}
+    return out
 
 
 def choose_tree(ct, cd, val_prompts, shapes, max_new, stop_token):
@@ -133,9 +135,9 @@ def benchmark(target, draft, prompts, gamma, max_new, stop_token=None, repeats=3
     extra, comp = {}, {}
     if compile:
         shapes = choose[1] if choose else [gamma]
-        trees = [sh for sh in shapes if isinstance(sh, TreeShape)]
         ct, cd = compiled_pair(target, draft, prompts + (choose[0] if choose else []),
-                               [*shapes, *([chain_gamma] if trees else [])], max_new)
+                               [*shapes, *([chain_gamma] if any(isinstance(sh, TreeShape) for sh in shapes) else [])],
+                               max_new)
         clock = timing.Clock(prompts[0]["input_ids"].device, enabled=True)
         if choose:  # compiles every candidate's steps, outside compile_s
             gamma, scores = choose_tree(ct, cd, choose[0], shapes, max_new, stop_token)
@@ -161,18 +163,14 @@ def benchmark(target, draft, prompts, gamma, max_new, stop_token=None, repeats=3
     if tree:  # the chain with the same draft, in the same passes: is the tree faster here?
         extra[CHAIN_ARM] = (target, draft, chain_gamma)
     t = time_arms(target, {"speculative": draft}, prompts, gamma, max_new, stop_token, repeats, sampling, extra)[0]
-    res = {"decoder": decoder_json(gamma), "decoding": cli.sampling_json(sampling),
-           "greedy_match": spec["greedy_match"],
-           "tau": spec["tau"], "alpha": spec["alpha"],
-           "routine_fraction": spec["routine_fraction"], "tokens": spec["n_tokens"], "prompts": len(prompts),
-           "divergences": timing.divergences(target, prompts, reference, spec["tokens"]),
-           **both_arms(t[TARGET_ONLY], t["speculative"]), "speedup": t["speculative"]["speedup"]}
-    if tree:
-        res["chain"] = chain_json(chain_gamma, t[CHAIN_ARM], t[TARGET_ONLY], t["speculative"])
-    sampled = not sampling.greedy  # then the timed runs' own statistics: the same seeds, the same tokens
-    timed = evaluate.spec_stats(target, {"speculative": draft}, prompts, gamma, max_new, stop_token,
-                                sampling=sampling)["speculative"] if sampled else spec
-    if sampled:
+    res = {"decoder": decoder_json(gamma), "decoding": cli.sampling_json(sampling), "greedy_match": spec["greedy_match"],
+           **{k: spec[k] for k in ("tau", "alpha", "routine_fraction")}, "tokens": spec["n_tokens"],
+           "prompts": len(prompts), "divergences": timing.divergences(target, prompts, reference, spec["tokens"]),
+           **arms_json(t, chain_gamma)}
+    timed = spec
+    if not sampling.greedy:  # then the timed runs' own statistics: the same seeds, the same tokens
+        timed = evaluate.spec_stats(target, {"speculative": draft}, prompts, gamma, max_new, stop_token,
+                                    sampling=sampling)["speculative"]
         res["sampled"] = {k: timed[k] for k in ("tau", "alpha", "routine_fraction")} | {"tokens": timed["n_tokens"]}
     # every round drafts and verifies the whole shape (the last one's block is cut): the cost model's
     res["ran"] = dict(decoder_json(gamma), nodes_per_round=timed["nodes_per_round"],
@@ -181,13 +179,9 @@ def benchmark(target, draft, prompts, gamma, max_new, stop_token=None, repeats=3
     res["c"] = res["t_draft_1"] / res["t_target_1"]
     if not tree:  # Leviathan's closed form is the chain's
         res["leviathan_speedup"] = evaluate.expected_speedup(timed["alpha"], gamma, res["c"])
-    if compile:
-        ar_c, spec_c = t[COMPILED[0]], t[COMPILED[1]]
-        comp.update(both_arms(ar_c, spec_c), speedup=ar_c["ms_per_token"] / spec_c["ms_per_token"],
-                    speedup_vs_eager=spec_c["speedup"],  # compiled speculative vs eager target-only
-                    target_only_vs_eager=ar_c["speedup"])  # eager target-only / compiled target-only
-        if tree:
-            comp["chain"] = chain_json(chain_gamma, t[COMPILED_CHAIN], ar_c, spec_c)
+    if compile:  # the compiled speed-up over compiled target-only, and each compiled arm's over eager target-only
+        comp.update(arms_json(t, chain_gamma, " compiled"), speedup_vs_eager=t[COMPILED[1]]["speedup"],
+                    target_only_vs_eager=t[COMPILED[0]]["speedup"])
         res["compiled"] = comp | cost_model(ct, cd, prompts[0], gamma, timed["tau"])
     return res
 
