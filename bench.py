@@ -132,7 +132,7 @@ def benchmark(target, draft, prompts, gamma, max_new, stop_token=None, repeats=3
     """One draft's record: statistics, divergences, both arms timed, the cost model; compile: all that, compiled.
     A tree (gamma a TreeShape) is timed beside the chain of chain_gamma with the same draft, compiled or not.
     choose (compile): (val prompts, tree shapes): the tree is the one the compiled steps run fastest (choose_tree)."""
-    extra, comp = {}, {}
+    comp = {}
     if compile:
         shapes = choose[1] if choose else [gamma]
         ct, cd = compiled_pair(target, draft, prompts + (choose[0] if choose else []),
@@ -158,11 +158,8 @@ def benchmark(target, draft, prompts, gamma, max_new, stop_token=None, repeats=3
         compile_s = clock.lap()
         div = {arm: timing.divergences(target, prompts, reference, o["tokens"]) for arm, o in outputs.items()}
         comp.update(compile_s=compile_s, divergences=div, greedy_match=not any(div.values()))
-        extra = {COMPILED[0]: (ct, None), COMPILED[1]: (ct, cd)} | ({COMPILED_CHAIN: (ct, cd, chain_gamma)} if tree
-                                                                   else {})
-    if tree:  # the chain with the same draft, in the same passes: is the tree faster here?
-        extra[CHAIN_ARM] = (target, draft, chain_gamma)
-    t = time_arms(target, {"speculative": draft}, prompts, gamma, max_new, stop_token, repeats, sampling, extra)[0]
+    arms = arm_table({"": (target, draft)} | ({" compiled": (ct, cd)} if compile else {}), gamma, chain_gamma)
+    t = time_arms(target, {}, prompts, gamma, max_new, stop_token, repeats, sampling, arms)[0]
     res = {"decoder": decoder_json(gamma), "decoding": cli.sampling_json(sampling), "greedy_match": spec["greedy_match"],
            **{k: spec[k] for k in ("tau", "alpha", "routine_fraction")}, "tokens": spec["n_tokens"],
            "prompts": len(prompts), "divergences": timing.divergences(target, prompts, reference, spec["tokens"]),
@@ -194,26 +191,21 @@ def plans(target, draft, prompts, gamma, max_new, stop_token, repeats, sampling,
     chain, against autoregressive_batch on the same rows), arms alternating in every pass, medians reported: per
     plan the reasoning step's ms until every row is done, tokens per second, tau per row, the speed-up; greedy rows
     compared with their own batch-1 target-only decode. compile: the same arms through CompiledSteps of B rows."""
-    B, groups, kw = batch * samples, plan_batches(prompts, batch), dict(samples=samples, stop_token=stop_token)
-    tree = isinstance(gamma, TreeShape)
-    arms = {TARGET_ONLY: (target, None, None), "speculative": (target, draft, gamma)}
-    arms |= {CHAIN_ARM: (target, draft, chain_gamma)} if tree else {}
-    if compile:
-        ct, cd = compiled_pair(target, draft, groups, [gamma, chain_gamma], max_new, B)
-        arms |= {COMPILED[0]: (ct, None, None), COMPILED[1]: (ct, cd, gamma)}
-        arms |= {COMPILED_CHAIN: (ct, cd, chain_gamma)} if tree else {}
+    B, groups = batch * samples, plan_batches(prompts, batch)
+    pairs = {"": (target, draft)} | ({" compiled": compiled_pair(target, draft, groups, [gamma, chain_gamma], max_new, B)}
+                                     if compile else {})
 
-    def run(t, d, g, p, j, timing=False):  # plan j's rows seeded seed + B j + r: the same draws in every pass
+    def run(t, d, g, p, j):  # plan j's rows seeded seed + B j + r: the same draws in every pass
+        kw = dict(samples=samples, stop_token=stop_token, sampling=sampling.offset(B * j), timing=True)
         if d is None:
-            return speculate.autoregressive_batch(t, p, max_new, sampling=sampling.offset(B * j), timing=timing, **kw)
-        decode = trees.speculative_batch if isinstance(g, TreeShape) else speculate.speculative_batch
-        return decode(t, d, p, g, max_new, sampling=sampling.offset(B * j), timing=timing, **kw)
+            return speculate.autoregressive_batch(t, p, max_new, **kw)
+        return (trees.speculative_batch if isinstance(g, TreeShape) else speculate.speculative_batch)(
+            t, d, p, g, max_new, **kw)
 
-    runs = timing.interleaved({name: lambda j, arm=arm: run(*arm, groups[j], j, timing=True) for name, arm in
-                               arms.items()}, len(groups), repeats, groups[0]["input_ids"].device)  # warm-up, compile
+    runs = timing.interleaved({name: lambda j, arm=arm: run(*arm, groups[j], j) for name, arm in arm_table(
+        pairs, gamma, chain_gamma).items()}, len(groups), repeats, groups[0]["input_ids"].device)  # warm-up, compile
     out = {name: [x.result for x in ps[0]] for name, ps in runs.items()}  # the same rows in every pass
-    passes = {name: [1e3 * sum(max(r.decode_s for r in x.result) for x in p) / len(groups) for p in ps]
-              for name, ps in runs.items()}  # ms per plan, until every row is done
+    passes = {name: plan_ms(ps, len(groups)) for name, ps in runs.items()}  # ms per plan, until every row is done
     rec = {"batch": batch, "samples": samples, "rows": B, "plans": len(groups), "decoding": cli.sampling_json(sampling),
            "cocs": [r.tokens for r in out["speculative"][0]],  # the first plan's rows
            "what": "ms: the reasoning step of one plan, until every row is done (median over passes); "
@@ -226,7 +218,7 @@ def plans(target, draft, prompts, gamma, max_new, stop_token, repeats, sampling,
                      "tau_per_row": [r.tau for r in rows], "mean_tau": sum(r.tau for r in rows) / len(rows),
                      "idle_row_share": sum(max(r.rounds for r in plan) - r.rounds for plan in out[name] for r in plan)
                      / sum(max(r.rounds for r in plan) * len(plan) for plan in out[name])}
-        if name in COMPILED + (COMPILED_CHAIN,):
+        if name.endswith(" compiled"):
             rec[name]["speedup"] = median(passes[COMPILED[0]]) / ms  # over compiled target-only
     if sampling.greedy:  # greedy: each row equals its own prompt's batch-1 target-only decode
         ref = [speculate.autoregressive(target, p, max_new, stop_token=stop_token).tokens for p in prompts]
@@ -243,6 +235,18 @@ def plan_batches(prompts, batch):
     return [speculate.stack_prompts(prompts[i:i + batch]) for i in range(0, len(prompts) - batch + 1, batch)]
 
 
+def arm_table(pairs, gamma, chain_gamma):
+    """{arm: (target, draft or None, gamma)} for each (target, draft) of pairs {name suffix: pair}: target-only, the
+    decoder, and beside a tree the chain of chain_gamma with the same draft, in the same passes (is the tree faster?)."""
+    arms = ((TARGET_ONLY, False, gamma), ("speculative", True, gamma), (CHAIN_ARM, True, chain_gamma))
+    return {name + sfx: (t, d if drafted else None, g) for sfx, (t, d) in pairs.items()
+            for name, drafted, g in arms[:3 if isinstance(gamma, TreeShape) else 2]}
+
+
+def plan_ms(passes, n):  # each pass's ms per plan of n, until every row of the plan is done
+    return [1e3 * sum(max(r.decode_s for r in x.result) for x in p) / n for p in passes]
+
+
 def action_stage(target, prompt, cocs, end, v0=None, repeats=3):
     """The plan's action step over all its rows (evaluate.action_rows: the shared prefill, the rows' CoCs closed by
     end, the expert or the toy's head), timed: {action_ms (median of repeats), waypoints}."""
@@ -254,14 +258,13 @@ def action_stage(target, prompt, cocs, end, v0=None, repeats=3):
 def choose_plan_tree(target, draft, val_prompts, max_new, stop_token, sampling, batch, samples):
     """The tree of PLAN_TREES whose plans of val_prompts run fastest, measured (eager, timing.interleaved: the median
     of 3 passes after a warm-up) -> (shape, the record: each candidate's ms per val plan)."""
-    groups, kw = plan_batches(val_prompts, batch), dict(samples=samples, stop_token=stop_token)
     if sampling.seed is None:  # plan j's rows seeded as in plans()
         sampling = dataclasses.replace(sampling, seed=0)
+    groups, kw = plan_batches(val_prompts, batch), dict(samples=samples, stop_token=stop_token)
     runs = timing.interleaved({str(sh): lambda j, sh=sh: trees.speculative_batch(
         target, draft, groups[j], sh, max_new, timing=True, **kw, sampling=sampling.offset(batch * samples * j))
         for sh in PLAN_TREES}, len(groups), 3, groups[0]["input_ids"].device)
-    ms = {name: median(1e3 * sum(max(r.decode_s for r in x.result) for x in p) / len(groups) for p in ps)
-          for name, ps in runs.items()}
+    ms = {name: median(plan_ms(ps, len(groups))) for name, ps in runs.items()}
     best = min(PLAN_TREES, key=lambda sh: ms[str(sh)])
     return best, {"what": f"the tree whose plans of {len(val_prompts)} val scenes ran fastest (eager, ms per plan)",
                   "ran": decoder_json(best), "ms_per_val_plan": ms}
