@@ -160,8 +160,8 @@ def benchmark(target, draft, prompts, gamma, max_new, stop_token=None, repeats=3
         comp.update(compile_s=compile_s, divergences=div, greedy_match=not any(div.values()))
     arms = arm_table({"": (target, draft)} | ({" compiled": (ct, cd)} if compile else {}), gamma, chain_gamma)
     t = time_arms(target, {}, prompts, gamma, max_new, stop_token, repeats, sampling, arms)[0]
-    res = {"decoder": decoder_json(gamma), "decoding": cli.sampling_json(sampling), "greedy_match": spec["greedy_match"],
-           **{k: spec[k] for k in ("tau", "alpha", "routine_fraction")}, "tokens": spec["n_tokens"],
+    res = {"decoder": decoder_json(gamma), "decoding": cli.sampling_json(sampling),
+           **{k: spec[k] for k in ("greedy_match", "tau", "alpha", "routine_fraction")}, "tokens": spec["n_tokens"],
            "prompts": len(prompts), "divergences": timing.divergences(target, prompts, reference, spec["tokens"]),
            **arms_json(t, chain_gamma)}
     timed = spec
@@ -192,8 +192,8 @@ def plans(target, draft, prompts, gamma, max_new, stop_token, repeats, sampling,
     plan the reasoning step's ms until every row is done, tokens per second, tau per row, the speed-up; greedy rows
     compared with their own batch-1 target-only decode. compile: the same arms through CompiledSteps of B rows."""
     B, groups = batch * samples, plan_batches(prompts, batch)
-    pairs = {"": (target, draft)} | ({" compiled": compiled_pair(target, draft, groups, [gamma, chain_gamma], max_new, B)}
-                                     if compile else {})
+    compiled_ = {" compiled": compiled_pair(target, draft, groups, [gamma, chain_gamma], max_new, B)} if compile else {}
+    pairs = {"": (target, draft)} | compiled_
 
     def run(t, d, g, p, j):  # plan j's rows seeded seed + B j + r: the same draws in every pass
         kw = dict(samples=samples, stop_token=stop_token, sampling=sampling.offset(B * j), timing=True)
@@ -237,7 +237,8 @@ def plan_batches(prompts, batch):
 
 def arm_table(pairs, gamma, chain_gamma):
     """{arm: (target, draft or None, gamma)} for each (target, draft) of pairs {name suffix: pair}: target-only, the
-    decoder, and beside a tree the chain of chain_gamma with the same draft, in the same passes (is the tree faster?)."""
+    decoder, and beside a tree the chain of chain_gamma with the same draft, timed in the same passes (is the tree
+    faster here?)."""
     arms = ((TARGET_ONLY, False, gamma), ("speculative", True, gamma), (CHAIN_ARM, True, chain_gamma))
     return {name + sfx: (t, d if drafted else None, g) for sfx, (t, d) in pairs.items()
             for name, drafted, g in arms[:3 if isinstance(gamma, TreeShape) else 2]}
@@ -448,14 +449,13 @@ def report(res):
             ("greedy", acceptance(**res))]
     rows += [("sampled", acceptance(**res["sampled"]) + "   (the timed runs; lossless in distribution, so not "
               "compared token by token)")] if s else []
-    rows += [("chain arm", "the same draft, gamma {gamma}: {ms_per_token:.3f} ms/token, speed-up {speedup:.2f}x; the "
-              "tree is {tree_over_chain:.2f}x the chain".format(**res["chain"]))] if "chain" in res else []
+    chain = "the same draft, gamma {gamma}: {ms_per_token:.3f} ms/token, speed-up {speedup:.2f}x{}; the tree is " \
+        "{tree_over_chain:.2f}x the chain"
+    rows += [("chain arm", chain.format("", **res["chain"]))] if "chain" in res else []
     rows += [("compiled", arms(c, c["speedup"]) + f" ({c['speedup_vs_eager']:.2f}x over eager target-only, greedy "
               f"{'identical' if c['greedy_match'] else 'DIFFERS'})   compile + first decodes {c['compile_s']:.0f} s"),
              ("compiled cost", steps(c) + f"   predicted speed-up {c['predicted_speedup']:.2f}x")] if c else []
-    rows += [("compiled chain", "the same draft, gamma {gamma}: {ms_per_token:.3f} ms/token, speed-up {speedup:.2f}x "
-              "over compiled target-only; the tree is {tree_over_chain:.2f}x the chain".format(**c["chain"]))] \
-        if c and "chain" in c else []
+    rows += [("compiled chain", chain.format(" over compiled target-only", **c["chain"]))] if c and "chain" in c else []
     rows += [("compiled tree", "chosen on val from " + ", ".join(
         f"{k} (tau {v['val_tau']:.2f}, predicted {v['predicted_speedup']:.2f}x)" for k, v in
         c["chosen"]["candidates"].items()))] if c and "chosen" in c else []

@@ -217,9 +217,6 @@ def paper_table(target, drafts, splits, outputs, metrics, rec, n_time, repeats, 
                        **{f"attn_{k}": statistics.mean(a[k] for a in attn) for k in ("history", "image", "text")},
                        "greedy_match": spec["greedy_match"], "replay_exact": spec["tau"] == per_seed[0][g]["tau"],
                        "folders": len(by_seed)}
-        if sampled:  # the replay is greedy; sampled tau needs real decoding
-            s = evaluate.spec_stats(target, {name: first[name]}, prompts, g, stop_token=stop, sampling=sampling)[name]
-            chain[name].update(sampled_tau=s["tau"], sampled_alpha=s["alpha"])
         rows.append(chain[name])
     for name, sh in trees.items():
         # every seed's real tree decoding on every test scene (the first seed's timed scenes: the timed pass's)
@@ -235,10 +232,11 @@ def paper_table(target, drafts, splits, outputs, metrics, rec, n_time, repeats, 
                "alpha_by_depth": stats[0]["alpha_by_depth"], "nodes_per_round": stats[0]["nodes_per_round"],
                **speed[f"{name} tree"], "greedy_match": all(st["greedy_match"] for st in stats),
                "replay_exact": True}
-        if sampled:
-            s = evaluate.spec_stats(target, {name: first[name]}, prompts, sh, stop_token=stop, sampling=sampling)[name]
-            row.update(sampled_tau=s["tau"], sampled_alpha=s["alpha"])
         rows.append(row)
+    for r in rows[1:] if sampled else ():  # the replay is greedy; sampled tau needs real decoding
+        s = evaluate.spec_stats(target, {"x": decoders[r["name"]][0]}, prompts, decoders[r["name"]][1], stop_token=stop,
+                                sampling=sampling)["x"]
+        r.update(sampled_tau=s["tau"], sampled_alpha=s["alpha"])
     return rows, sweep
 
 
@@ -463,13 +461,13 @@ def parse_args(argv):
                     "target) instead of the shipped three rows; a NAME given several times is one row over its "
                     "folders (its seeds); nothing is read from or written to --run's search record")
     ap.add_argument("--device", default="cpu", help="torch device")
-    ap.add_argument("--views", type=int, default=driving.WorldConfig().views,
-                    help="surround views per prompt (the geometry the drafts were trained at)")
-    ap.add_argument("--scenes", type=int, default=64, help="held-out scenes of the table (and val scenes for gamma)")
-    ap.add_argument("--time-scenes", type=int, default=16, help="of those, scenes timed for ms/token (all arms "
-                    "interleaved on each)")
-    ap.add_argument("--repeats", type=int, default=1, help="timed passes over them")
-    ap.add_argument("--show", type=int, default=3, help="scenes printed with routine / [deliberative] tokens")
+    for flag, default, text in (
+            ("--views", driving.WorldConfig().views, "surround views per prompt (the drafts' training geometry)"),
+            ("--scenes", 64, "held-out scenes of the table (and val scenes for gamma)"),
+            ("--time-scenes", 16, "of those, scenes timed for ms/token (all arms interleaved on each)"),
+            ("--repeats", 1, "timed passes over them"),
+            ("--show", 3, "scenes printed with routine / [deliberative] tokens")):
+        ap.add_argument(flag, type=int, default=default, help=text)
     ap.add_argument("--dtype", default="fp32", choices=sorted(cli.DTYPES),
                     help="inference dtype (fp32: the exactness claims hold bit for bit)")
     cli.add_decoding_flags(ap, "> 0 also reports the sampled tau of real speculative decoding per row and "
