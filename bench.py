@@ -5,7 +5,8 @@ docs/background.md, "Speculative decoding"): speed-up = tau T_target(1) / (gamma
 Paper: RSD accelerates the reasoning step; the prefill, shared by both arms, is reported apart. Fairness: the same
 KV-cached forward and dtype in both arms, every shape warmed up, the device synchronised before each clock reading,
 the arms alternating within each repeat, medians reported; greedy outputs compared token by token. Random weights
-(--preset, or --target without --draft) predict the speed-up at a recorded toy acceptance (--toy-json).
+(--preset, or --target without --draft): read the cost model (experiments/gpu_check.py predicts the speed-up at the
+real shape from the toy's recorded acceptance).
 
 run: python bench.py --device cpu [--compile]                          (the toy, from the shipped checkpoints/toy)
      python bench.py --device cuda --preset qwen3-vl-8b [--draft-vocab 32768]  (real shapes, random weights)
@@ -40,8 +41,6 @@ TOY_DRAFT = ("aarl", 0)  # the toy mode's default draft: FlatRoPE + AARL (static
 TOY_JSON = "runs/bench_toy.json"  # the toy mode's default --out (whatever settings that run had); never a shipped file
 ROOT = os.path.dirname(os.path.abspath(__file__))
 SHIPPED_DIR = os.path.join(ROOT, "checkpoints")  # what the repo ships: no report is written there
-# the recorded toy acceptances (relative to ROOT) random weights predict at: the chain's (gamma 6), the default tree's
-TOY_ACCEPTANCE, TOY_TREE_ACCEPTANCE = "experiments/bench_cpu.json", "experiments/bench_cpu_tree.json"
 CHAIN_ARM = "speculative chain"  # with a tree: the chain of --gamma, the same draft, timed in the same passes
 # --compile's arms, timed beside the eager ones: each eager arm's name + " compiled"
 COMPILED, COMPILED_CHAIN = (TARGET_ONLY + " compiled", "speculative compiled"), CHAIN_ARM + " compiled"
@@ -333,25 +332,6 @@ def build_preset(name, device, dtype, layers=None, draft_vocab=0):
                                 vocab_ids=torch.arange(draft_vocab) if draft_vocab else None).eval()
 
 
-def toy_acceptance(path, want=None):
-    """A toy report's acceptance for a random-weight prediction; a ValueError if it has none worth predicting at."""
-    full = path if os.path.isabs(path) or os.path.exists(path) else os.path.join(ROOT, path)
-    if not os.path.isfile(full):
-        raise ValueError(f"--toy-json {path}: no such file (the committed default is {TOY_ACCEPTANCE})")
-    d = files.read_json(full)
-    if not isinstance(d, dict) or d.get("mode") != "toy" or not isinstance(d.get("alpha"), (int, float)):
-        raise ValueError(f"--toy-json {path}: not a toy bench.py report (needs mode 'toy' and an alpha)")
-    draft = d.get("draft", "")
-    if os.path.basename(os.path.normpath(draft)) == "target" or draft == d.get("target"):
-        raise ValueError(f"--toy-json {path}: its draft {draft} is the target itself (its alpha says nothing)")
-    recorded = d.get("decoder") or {"kind": "chain", "gamma": d.get("gamma")}  # reports before trees: a chain
-    if want is not None and want["kind"] == "tree" and recorded != want:
-        raise ValueError(f"--toy-json {path} ran {decoder_text(recorded)}, this run {decoder_text(want)}: a tree's "
-                         "prediction needs the toy's tau with the same tree (bench.py --device cpu --json writes one)")
-    return {"source": path, "alpha": d["alpha"], "decoder": recorded, "draft": draft,
-            **{k: d.get(k) for k in ("tau", "gamma", "prompts", "dtype", "decoding", "torch", "hardware")}}
-
-
 def real(args, device, dtype, sampling):
     """A real checkpoint (--target: the whole plan on pixels, alpamayo.py), or a real shape with random weights."""
     if args.target:  # its config read, before any weights or decoding
@@ -397,20 +377,6 @@ def real(args, device, dtype, sampling):
     if args.target:
         res.update(alpamayo.plan(target, draft, prompt, stop, tok, how, args.decoder, args.max_new, args.repeats,
                                  sampling))
-    if args.tree:  # what a tree verify costs against one token at this shape: the number trees live by
-        nodes = tuple(n for n in (7, 15, 31, 63) if n <= max(7, args.decoder.nodes))  # up to this tree's size
-        tt = timing.tree_step_times(target, draft, prompt, nodes, args.decoder.width, reps=5)
-        res["verify_ratio"] = {n + 1: tt["target"][n] / (1e-3 * res["t_target_1"]) for n in nodes}
-    if not args.draft:  # random weights: acceptance says nothing; predict at the recorded toy's (check_flags read it)
-        toy, t1, td = args.toy_acceptance, res["t_target_1"], res["t_draft_1"]
-        res["toy_acceptance"] = toy
-        ran = TreeShape(*(res["ran"][k] for k in ("nodes", "depth", "width"))) if args.tree else res["ran"]["gamma"]
-        if args.tree:  # the same tree's tau, at the cost of the tree that ran (the cost model's)
-            res.update(toy_tau=toy["tau"], predicted_speedup_at_toy_tau=tree_speedup(
-                toy["tau"], t1, td, res["t_draft_level"], res["t_target_verify"], ran, res["t_draft_grow"]))
-        else:  # the chain's alpha, through Leviathan's tau at this gamma
-            res.update(toy_alpha=toy["alpha"], predicted_speedup_at_toy_alpha=evaluate.measured_speedup(
-                evaluate.expected_tau(toy["alpha"], ran), t1, td, res["t_target_gamma1"], ran))
     return res
 
 
@@ -465,12 +431,9 @@ def report(res):
              ("predicted", f"speed-up {res['predicted_speedup']:.2f}x (measured {s}tau)" + (
                  f"   {res['leviathan_speedup']:.2f}x (Leviathan, measured {s}alpha)" if "leviathan_speedup" in res
                  else ""))]
-    if "toy_acceptance" in res:
-        t, x = res["toy_acceptance"], "tau" if "toy_tau" in res else "alpha"
-        rows.append((f"at toy {x}", f"{res['toy_' + x]:.3f} ({t['source']}: {t['prompts']} prompts, {t['dtype']}, "
-                     f"{decoder_text(t['decoder'])}): predicted speed-up {res['predicted_speedup_at_toy_' + x]:.2f}x"))
-    lines = ["NOTE: untrained draft -> acceptance (tau, alpha, speed-up) is not meaningful; read the cost model and "
-             "the prediction at the toy's acceptance."] if res["mode"] == "real" and not res["trained_draft"] else []
+    lines = ["NOTE: untrained draft -> acceptance (tau, alpha, speed-up) is not meaningful; read the cost model "
+             "(experiments/gpu_check.py: the speed-up it predicts at the toy's acceptance)."] \
+        if res["mode"] == "real" and not res["trained_draft"] else []
     lines += [run_line(res)] + [f"{label:<15}{text}" for label, text in rows] + timing.divergence_lines(res)
     lines += alpamayo.report_lines(res) if "coc" in res else []
     print("\n".join(lines))
@@ -514,7 +477,6 @@ def main(argv=None):
             ("--processor", None, "with --target: tokenizer + image processor folder (default: --target)"),
             ("--scenes", None, "with --target: a scene folder (scenes.py) measured held out: tau, alpha per draft "
                                "position, routine share, greedy identity, latency per stage, ADE"),
-            ("--toy-json", None, f"random weights: the toy acceptance to predict at (default {TOY_ACCEPTANCE})"),
             ("--out", None, f"write the report's JSON here (toy default {TOY_JSON}; none for a real model)")):
         ap.add_argument(flag, default=default, help=text)
     for flag, default, text in (
@@ -633,8 +595,6 @@ def check_flags(ap, args):
         sampling = cli.sampling(args.temperature, args.top_k, args.top_p, args.sampling_seed)
         if args.draft and checkpoint.existing_kind(args.draft) == "target":
             raise ValueError(f"--draft {args.draft} holds a target model, not a draft (it would accept every token)")
-        args.toy_acceptance = None if toy_mode or args.draft or args.scenes else toy_acceptance(
-            args.toy_json or (TOY_TREE_ACCEPTANCE if args.tree else TOY_ACCEPTANCE), decoder_json(args.decoder))
         needed = [os.path.join(args.run, "target"), args.draft or checkpoint.draft_dir(args.run, *TOY_DRAFT)]
         missing = [d for d in needed if toy_mode and not os.path.isdir(d)]
         if missing:
