@@ -179,14 +179,12 @@ def paper_table(target, drafts, splits, outputs, metrics, rec, n_time, repeats, 
     first = {row: next(iter(by_seed.values())) for row, by_seed in drafts.items()}
     decoders = {row: (first[row], gammas[row]) for row in drafts} | {f"{row} tree": (first[row], trees[row])
                                                                      for row in trees}
-    timed_arms = {TARGET_ONLY: (target, None, 1), **{name: (target, d, g) for name, (d, g) in decoders.items()}}
-    if compile:  # each row its own compiled pair; target-only: the first pair's compiled target
-        pairs = {name: bench.compiled_pair(target, d, prompts[:n_time], [g], MAX_NEW_TOKENS)
-                 for name, (d, g) in decoders.items()}
-        timed_arms = {TARGET_ONLY: (next(iter(pairs.values()))[0], None, 1),
-                      **{name: (*pairs[name], g) for name, (d, g) in decoders.items()}}
-    speed, timed = bench.time_arms(timed_arms.pop(TARGET_ONLY)[0], {}, prompts[:n_time], 1, MAX_NEW_TOKENS, stop,
-                                   repeats, sampling, timed_arms, TIME_BLOCKS, warm_all=False)
+    # compile: each row its own compiled pair; target-only: the first pair's compiled target
+    pairs = {name: bench.compiled_pair(target, d, prompts[:n_time], [g], MAX_NEW_TOKENS) if compile else (target, d)
+             for name, (d, g) in decoders.items()}
+    speed, timed = bench.time_arms(next(iter(pairs.values()))[0], {}, prompts[:n_time], 1, MAX_NEW_TOKENS, stop,
+                                   repeats, sampling, {name: (*pairs[name], g) for name, (_, g) in decoders.items()},
+                                   TIME_BLOCKS, warm_all=False)
     sampled = not sampling.greedy
     reuse = not sampled and not compile  # the timed pass's decodes are the eager greedy ones
 
