@@ -336,40 +336,36 @@ def real(args, device, dtype, sampling):
     """A real checkpoint (--target: the whole plan on pixels, alpamayo.py), or a real shape with random weights."""
     if args.target:  # its config read, before any weights or decoding
         check_fits(args, hf.read_config(args.target)[0], args.draft and checkpoint.header(args.draft)[1].draft_vocab)
+    extra, past = {}, alpamayo.history_poses()  # a plan's history: the generated prompt's straight 8 m/s
     if args.scenes:  # tau, alpha, identity, stage latencies and ADE over a scene folder (alpamayo.heldout)
         found, prompts, stop, how = scenes.scene_prompts(args.target, args.scenes, args.processor,
                                                          min_pixels=args.min_pixels, max_pixels=args.max_pixels)
-        if args.samples > 1:  # each held-out scene a plan of N sampled rows as one batch, the expert over all rows
-            target, draft = alpamayo.load_pair(args.target, args.draft, device, dtype)
-            ps = [hf.on_model(scenes.built(i, p), target) for i, p in prompts]
-            p = plans(target, draft, ps, args.decoder, args.max_new, stop[-1], args.repeats, sampling, 1, args.samples,
-                      args.compile, args.gamma)
-            if getattr(target, "expert", None) is not None:  # the first scene's plan, at its own speed
-                v0 = speed_from_history(found[0].past[None]).to(device).expand(args.samples)  # (B,)
-                p.update(action_stage(target, ps[0], p["cocs"], stop[-1:], v0, args.repeats))
-            return {"mode": "plans", "model": args.target, "scenes_dir": args.scenes,
-                    "decoding": cli.sampling_json(sampling),
-                    "plan": p, "trained_draft": bool(args.draft), "prompt_source": how}
-        return alpamayo.heldout_bench(args.target, args.draft, args.scenes, found, prompts, stop[-1], how, args.decoder,
-                                      args.max_new, args.repeats, device, dtype, args.processor)
-    if args.target:
+        if args.samples == 1:
+            return alpamayo.heldout_bench(args.target, args.draft, args.scenes, found, prompts, stop[-1], how,
+                                          args.decoder, args.max_new, args.repeats, device, dtype, args.processor)
+        target, draft = alpamayo.load_pair(args.target, args.draft, device, dtype)
+        ps, stop, past = [hf.on_model(scenes.built(i, p), target) for i, p in prompts], stop[-1], found[0].past
+        extra = {"scenes_dir": args.scenes, "prompt_source": how}
+    elif args.target:
         images = alpamayo.scene_images(args.images_dir, args.images, args.image_size)
         target, draft, prompt, stop, tok, how = alpamayo.load(args.target, args.draft, images, device, dtype,
                                                               args.processor, args.min_pixels, args.max_pixels)
+        ps = [prompt]
     else:
         (target, draft), stop = build_preset(args.preset, device, dtype, args.layers, args.draft_vocab), None
         prompt = alpamayo.real_prompt(target.cfg, device, n_images=args.images)
         if "pixel_values" in prompt:
             prompt["pixel_values"] = prompt["pixel_values"].to(dtype)
+        ps = [prompt]
     name = args.target or (args.preset + (f" ({args.layers} layers)" if args.layers else "")
                            + (f", draft head over {args.draft_vocab} ids" if args.draft_vocab else ""))
-    if args.samples > 1:  # the scene's plan as the release runs it: `samples` CoCs as one batch, the expert over all
-        p = plans(target, draft, [prompt], args.decoder, args.max_new, stop, args.repeats, sampling, 1, args.samples,
+    if args.samples > 1:  # each scene's plan as the release runs it: `samples` CoCs as one batch, the expert over all
+        p = plans(target, draft, ps, args.decoder, args.max_new, stop, args.repeats, sampling, 1, args.samples,
                   args.compile, args.gamma)
-        if getattr(target, "expert", None) is not None:
-            v0 = speed_from_history(alpamayo.history_poses()[None]).to(device).expand(args.samples)  # (B,)
-            p.update(action_stage(target, prompt, p["cocs"], (stop,), v0, args.repeats))
-        return {"mode": "plans", "model": name, "decoding": cli.sampling_json(sampling), "plan": p,
+        if getattr(target, "expert", None) is not None:  # the first scene's plan, at its own speed
+            v0 = speed_from_history(past[None]).to(device).expand(args.samples)  # (B,)
+            p.update(action_stage(target, ps[0], p["cocs"], (stop,), v0, args.repeats))
+        return {"mode": "plans", "model": name, **extra, "decoding": cli.sampling_json(sampling), "plan": p,
                 "trained_draft": bool(args.draft)}
     res = benchmark(target, draft, [prompt], args.decoder, args.max_new, stop, args.repeats, sampling, args.compile,
                     args.gamma)
@@ -534,6 +530,8 @@ def check_flags(ap, args):
     args.choose_plan_tree = args.tree is None and toy_mode and plan
     args.choose_tree = args.tree is None and args.compile and toy_mode and not plan
     args.tree = evaluate.TREE.nodes if args.tree is None else args.tree
+    size, src = re.fullmatch(r"(\d+)x(\d+)", args.image_size), args.processor or args.target
+    no_hf, plans_ = importlib.util.find_spec("transformers") is None, args.samples > 1  # --scenes --samples N: plans
     for bad, msg in ((args.target and args.preset, "give --target or --preset, not both"),
                      (min(args.gamma, args.max_new, args.prompts, args.images, args.samples, args.batch) < 1,
                       "--gamma, --max-new, --prompts, --images, --samples and --batch must be >= 1"),
@@ -553,18 +551,8 @@ def check_flags(ap, args):
                       f"--threads must be >= 1 (omit it for torch's default), got {args.threads}"),
                      (not 0 <= args.views <= driving.MAX_VIEWS, f"--views must be in 0..{driving.MAX_VIEWS} (the "
                       f"geometries the toy target was trained on), got {args.views}"),
-                     (args.tree < 0, f"--tree takes a node budget >= 1, or 0 for the chain; got {args.tree}")):
-        if bad:
-            ap.error(msg)
-    for flag, what, field in (("layers", "keeps 1..n_layers decoder layers", "n_layers"),
-                              ("draft_vocab", "takes 1..vocab_size token ids", "vocab_size")):
-        v, hi = getattr(args, flag), args.preset and getattr(M.PRESETS[args.preset], field)
-        if v != ap.get_default(flag) and not (hi and 1 <= v <= hi):
-            ap.error(f"--{flag.replace('_', '-')} {what} of a --preset"
-                     + (f" (1..{hi} for {args.preset})" if hi else "") + f", got {v}")
-    size, src = re.fullmatch(r"(\d+)x(\d+)", args.image_size), args.processor or args.target
-    no_hf, plans_ = importlib.util.find_spec("transformers") is None, args.samples > 1  # --scenes --samples N: plans
-    for bad, msg in (*((getattr(args, f) is not None and not os.path.isdir(getattr(args, f)),
+                     (args.tree < 0, f"--tree takes a node budget >= 1, or 0 for the chain; got {args.tree}"),
+                     *((getattr(args, f) is not None and not os.path.isdir(getattr(args, f)),
                         f"--{f.replace('_', '-')} {getattr(args, f)}: folder not found")
                        for f in ("target", "draft", "images_dir", "processor", "scenes")),
                      (not size or not all(1 <= int(n) <= 8192 for n in size.groups()),  # a camera frame, not all memory
@@ -586,6 +574,12 @@ def check_flags(ap, args):
                       f"{src} has a tokenizer, which needs transformers: pip install -r requirements-test.txt")):
         if bad:
             ap.error(msg)
+    for flag, what, field in (("layers", "keeps 1..n_layers decoder layers", "n_layers"),
+                              ("draft_vocab", "takes 1..vocab_size token ids", "vocab_size")):
+        v, hi = getattr(args, flag), args.preset and getattr(M.PRESETS[args.preset], field)
+        if v != ap.get_default(flag) and not (hi and 1 <= v <= hi):
+            ap.error(f"--{flag.replace('_', '-')} {what} of a --preset"
+                     + (f" (1..{hi} for {args.preset})" if hi else "") + f", got {v}")
     with cli.user_errors(ap):  # below: the chain of --gamma (--tree 0), or a tree (a ValueError if it is impossible)
         args.decoder = TreeShape(args.tree, args.tree_depth, args.tree_width) if args.tree else args.gamma
         if args.tree and (n := args.decoder.candidates(args.tree_depth)) > MAX_TREE_CANDIDATES:
