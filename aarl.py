@@ -130,8 +130,7 @@ def train_aarl(target, draft, data: Data, cfg: AARLConfig, ref=None, log=None):
         with torch.no_grad():
             embeds = target.embed(batch["input_ids"][:, :P], **vision_kwargs(batch))  # (S, P, D)
         draft.eval()
-        toks, mask = rollout(draft, embeds, batch, cfg.group, cfg.temperature, cfg.max_new,
-                             data.tok.cot_end_id, gen)
+        toks, mask = rollout(draft, embeds, batch, cfg.group, cfg.temperature, cfg.max_new, data.tok.cot_end_id, gen)
         r, ade, agree = reward(target, batch, toks, mask, cfg.group, data.tok, cfg.agree_weight)
         adv = group_advantages(r, cfg.group)
         with torch.no_grad():  # "none": no reference, no KL term

@@ -231,7 +231,7 @@ def plans(target, draft, prompts, gamma, max_new, stop_token, repeats, sampling,
 def plan_batches(prompts, batch):
     """The plans' prompts, `batch` at a time, each group one left-padded prompt of `batch` rows (a partial last group
     is left out: every plan has the same rows)."""
-    return [speculate.stack_prompts(prompts[i:i + batch]) for i in range(0, len(prompts) - batch + 1, batch)]
+    return [evaluate.stack_prompts(prompts[i:i + batch]) for i in range(0, len(prompts) - batch + 1, batch)]
 
 
 def arm_table(pairs, gamma, chain_gamma):
@@ -309,7 +309,7 @@ def toy(args, device, dtype, sampling):
                                                sampling, args.batch, args.samples)
         p = plans(target, draft, prompts, decoder, args.max_new, tok.cot_end_id, args.repeats, sampling, args.batch,
                   args.samples, args.compile, args.gamma)
-        p |= action_stage(target, speculate.stack_prompts(prompts[:args.batch]), p["cocs"],
+        p |= action_stage(target, evaluate.stack_prompts(prompts[:args.batch]), p["cocs"],
                           (tok.cot_end_id, tok.traj_future_start_id), repeats=args.repeats)  # the first plan's rows
         return {"mode": "plans", "draft": draft_dir, "target": target_dir, "decoding": cli.sampling_json(sampling),
                 "decoder": decoder_json(decoder), "plan": dict(p, chosen=chosen) if chosen else p}

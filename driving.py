@@ -255,6 +255,16 @@ def commitment_mask(f):
                  for key, words in ((f.hist_class, _main_clause(f)), (f.event, rest)) for i in range(len(words)))
 
 
+def commitment_words(main_clause_only=False):
+    """Every word the grammar leaves open after some prefix (a continuation set of more than one word): how the
+    routine relaxed rule (speculate.Relaxed) knows a commitment at decode time, without the answer's mask. A word
+    also written where it is routine ("at", "left") is kept exact there too: the proxy errs toward exactness.
+    main_clause_only: the main clause's alone (the decision, the lead's state, the range ring: what the plan follows),
+    not the roadside clause's actors."""
+    return sorted(set().union(*(words for (key, _), words in _continuations().items()
+                                if len(words) > 1 and not (main_clause_only and isinstance(key, str)))))
+
+
 def routine_share(split="train"):
     """The exact share of CoC tokens (with <cot_end>) that the Bayes-optimal reader of the history class and the CoC
     prefix gets right under the split's distribution (in the roadside clause, P given (road, event)): the toy's
@@ -470,12 +480,6 @@ class Tokenizer:
         return [self.id[f"<{k}{int(np.clip((v - lo) // w, 0, n - 1))}>"]
                 for row in hist for (k, lo, w, n), v in zip(edges, row)]
 
-    def decode_history(self, ids):
-        """48 ids -> (16, 3) bin centres."""
-        words = [self.vocab[int(i)] for i in ids]  # "<dx12>": the bin's name and index
-        edges = [bin_edges(self.bins[w[1:3]]) for w in words]
-        return np.array([lo + (int(w[3:-1]) + 0.5) * width for w, (lo, width, _) in zip(words, edges)]).reshape(-1, 3)
-
 
 # ---- prompts and training examples ----
 def build_prompt(scene, tok, views=WorldConfig().views):
@@ -592,24 +596,12 @@ class Data:
                           self.tok.pad_id, device=device)
 
 
-# ---- demo ----
-GLYPHS = (("ego", "E"), ("vehicle", "V"), ("pedestrian", "P"), ("cone", "C"), ("light_red", "R"),
-          ("light_green", "G"), ("in_lane", "L"), ("object", "o"), ("stop_line", "="))
-
-
-def ascii_render(frames):
-    """Both frames side by side, one character per pixel, the first matching channel of GLYPHS wins."""
-    glyph = lambda f, r, c: next((g for n, g in GLYPHS if frames[f, CH[n], r, c] > 0), " ")  # noqa: E731
-    return "\n".join("   ".join("".join(glyph(f, r, c) for c in range(frames.shape[3])) for f in range(frames.shape[0]))
-                     for r in range(frames.shape[2]))
-
-
+# ---- demo (the rasters as ASCII: experiments/render_scenes.py) ----
 def main():
     ap = argparse.ArgumentParser(description="Print a few scenes of the synthetic driving world and its routine share.")
     ap.add_argument("--seed", type=int, default=0, help="seed of the printed scenes and of the routine-share estimate")
     ap.add_argument("--n", type=int, default=6, help="scenes to print")
     ap.add_argument("--split", default="train", choices=list(SPLITS), help="split to draw the printed scenes from")
-    ap.add_argument("--render", action="store_true", help="also print an ASCII raster (earlier | t = 0) per scene")
     args = ap.parse_args()
     for sc in make_split(args.split, args.n, args.seed):
         f = sc.f
@@ -619,8 +611,6 @@ def main():
         print("  CoC: " + " ".join(w + ("*" if c else "") for w, c in zip(sc.coc + ["<cot_end>"], sc.commit)))
         print(f"  trajectory: end ({sc.traj[-1, 0]:.1f}, {sc.traj[-1, 1]:.1f}) m, speed {speeds[0]:.1f} -> "
               f"{speeds[-1]:.1f} m/s" + ("" if np.isnan(sc.dist) else f", obstacle at {sc.dist:.1f} m"))
-        if args.render:
-            print(ascii_render(sc.frames))
     print("(* = commitment token: not determined by history class + CoC prefix)")
     sample = make_split("train", 2000, args.seed)
     n_tok, n_commit = sum(len(s.commit) for s in sample), sum(sum(s.commit) for s in sample)

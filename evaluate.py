@@ -194,7 +194,7 @@ def key_groups(input_ids, tok):
 
 
 @torch.no_grad()
-def iter_attention_probs(model, input_ids, **forward_kwargs):
+def attention_probs(model, input_ids, **forward_kwargs):
     """Per-layer attention probabilities (B, H, L, L) of a cache-free forward, one layer at a time, recomputed from
     each layer's own q/k projections and rope tables (the slow, obvious path: softmax(q k^T / sqrt(hd)) under the
     causal mask); tests/test_evaluate.py checks that probs @ v through o_proj reproduces the layer's output."""
@@ -219,10 +219,6 @@ def iter_attention_probs(model, input_ids, **forward_kwargs):
         yield scores.masked_fill(~causal, float("-inf")).softmax(-1)
 
 
-def attention_probs(model, input_ids, **forward_kwargs):
-    return list(iter_attention_probs(model, input_ids, **forward_kwargs))  # [(B, H, L, L)] per layer
-
-
 @torch.no_grad()
 def attention_split(model, target, data: Data, n=16):
     """The model's attention mass on image / history / other-text keys while it predicts the CoC (teacher-forced),
@@ -233,7 +229,7 @@ def attention_split(model, target, data: Data, n=16):
     groups = key_groups(batch["input_ids"], data.tok)
     rows = batch["loss_mask"]  # (B, L) query positions that predict CoC tokens
     mass = {name: [] for name in groups}
-    for p in iter_attention_probs(model, batch["input_ids"], inputs_embeds=embeds, **grid_kwargs(batch)):
+    for p in attention_probs(model, batch["input_ids"], inputs_embeds=embeds, **grid_kwargs(batch)):
         for name, keys in groups.items():
             # (B, H, L, L) * (B, 1, 1, L) -> mass per query row (B, H, L) -> mean over heads (B, L) -> CoC rows
             mass[name].append((p * keys[:, None, None, :]).sum(-1).mean(1)[rows].mean().item())
@@ -241,6 +237,21 @@ def attention_split(model, target, data: Data, n=16):
 
 
 # ---- speculative decoding over a set of prompts ----
+def stack_prompts(prompts, pad_id=0):
+    """Batch-1 prompt dicts -> one prompt of P rows, left-padded to the longest (attention_mask), the vision inputs
+    of the rows that have them concatenated in row order (transformers' layout: row-major over the batch)."""
+    if bad := [i for i, p in enumerate(prompts) if p["input_ids"].dim() != 2 or p["input_ids"].shape[0] != 1]:
+        raise ValueError(f"stack_prompts stacks batch-1 prompts (input_ids (1, L)); prompts {bad} are not")
+    L = max(p["input_ids"].shape[1] for p in prompts)
+    ids = torch.cat([torch.nn.functional.pad(p["input_ids"], (L - p["input_ids"].shape[1], 0), value=pad_id)
+                     for p in prompts])  # (P, L)
+    out = {"input_ids": ids, "attention_mask": (torch.arange(L, device=ids.device) >= torch.tensor(
+        [L - p["input_ids"].shape[1] for p in prompts], device=ids.device)[:, None]).long()}  # (P, L)
+    for k in set().union(*prompts) - {"input_ids", "attention_mask"}:
+        out[k] = torch.cat([p[k] for p in prompts if p.get(k) is not None])
+    return out
+
+
 def scene_prompts(scenes, tok, device, dtype=None, views=driving.WorldConfig().views):
     """Batch-1 prompts (driving.build_prompt) on device, floating inputs cast to dtype when given."""
     return [{k: v.to(device).to(dtype) if dtype is not None and v.is_floating_point() else v.to(device)
@@ -319,8 +330,7 @@ def draft_matches(drafts, target, data: Data, outputs, batch_size=EVAL_BATCH):
         for name, draft in drafts.items():
             pred = draft(ids, inputs_embeds=embeds, **grid_kwargs(batch)).argmax(-1)  # (B, P + T)
             # position P - 1 + k predicts output token k
-            out[name] += [(pred[b, P - 1:P - 1 + len(s)] == ids[b, P:P + len(s)]).tolist()
-                          for b, s in enumerate(seqs)]
+            out[name] += [(pred[b, P - 1:P - 1 + len(s)] == ids[b, P:P + len(s)]).tolist() for b, s in enumerate(seqs)]
     return out
 
 
@@ -361,8 +371,6 @@ def speed_optimal_gamma(taus, times):
 
 
 # ---- the speed-up model (Leviathan et al. 2023, section 3) ----
-
-
 def measured_speedup(tau, t_target_1, t_draft_1, t_target_gamma1, gamma):
     """tau * T_target(1) / (gamma * T_draft(1) + T_target(gamma+1)), from measured step times."""
     return tau * t_target_1 / (gamma * t_draft_1 + t_target_gamma1)

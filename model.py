@@ -30,8 +30,6 @@ from rope import (
 from vision import VisionConfig, check_vision_input, make_tower
 
 # ---- config ----
-
-
 @dataclass
 class ModelConfig:
     vocab_size: int = 512
@@ -237,8 +235,6 @@ def grouped_mask(mask, g, dtype):
 
 
 # ---- KV cache ----
-
-
 class KVCache:
     """The one cache: K and V preallocated per layer, (B, Hk, max_len, hd) each (a compiled step writes a graph input
     in place only when it is a whole tensor), and per row b the committed length `lengths[b]` (slots [0, lengths[b])
@@ -323,8 +319,6 @@ class KVCache:
 
 
 # ---- trajectory head ----
-
-
 class TrajHead(nn.Module):
     """Waypoints (x, y) in metres, ego frame: the toy's cheap parallel trajectory step after the CoC (Alpamayo-R1's
     flow-matching action expert is expert.py), which keeps AARL's action reward meaningful."""
@@ -339,8 +333,6 @@ class TrajHead(nn.Module):
 
 
 # ---- VLA ----
-
-
 class VLA(nn.Module):
     """Vision tower + decoder + LM head + trajectory head. A draft (cfg.shared_width set) has no tower and holds the
     target's `embed_tokens` / `lm_head` as plain attributes (not its parameters(); gradients reach them unless frozen);
@@ -571,8 +563,6 @@ class VLA(nn.Module):
 
 
 # ---- draft (routine reasoner) ----
-
-
 def make_draft(target: VLA, n_layers=1, hidden_size=None, rope_mode="flat", n_heads=None, n_kv_heads=None,
                intermediate_size=None, rope_theta=None, vocab_ids=None) -> VLA:
     """The routine reasoner: a small text-only decoder on FlatRoPE positions ("mrope": the replica draft) sharing the
@@ -600,8 +590,6 @@ def make_draft(target: VLA, n_layers=1, hidden_size=None, rope_mode="flat", n_he
 
 
 # ---- checks ----
-
-
 def check_vocab_ids(ids, vocab_size, k=None):
     """A reduced head's ids: 1..V distinct token ids (k when given); out-of-range ids would index garbage rows."""
     if ids.dim() != 1 or ids.dtype != torch.long:

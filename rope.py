@@ -13,8 +13,6 @@ run: python -m pytest -q tests/test_rope.py
 import torch
 
 # ---- 1D rotary basics ----
-
-
 def rope_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
     """Inverse frequencies theta^(-2j/D) for the D/2 rotated pairs -> (D//2,) float32."""
     if head_dim % 2:
@@ -39,8 +37,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 # ---- 3D M-RoPE ----
-
-
 def check_mrope_section(mrope_section, head_dim: int) -> None:
     if len(mrope_section) != 3 or sum(mrope_section) != head_dim // 2 or min(mrope_section) < 0:
         raise ValueError(
@@ -78,8 +74,6 @@ def mrope_cos_sin(position_ids: torch.Tensor, inv_freq: torch.Tensor, mrope_sect
 
 
 # ---- position ids for a VLA prompt ----
-
-
 def get_rope_index(input_ids, image_grid_thw=None, video_grid_thw=None, second_per_grid_ts=None,
                    attention_mask=None, *, spatial_merge_size, image_token_id, video_token_id,
                    vision_start_token_id=None, tokens_per_second=1.0):

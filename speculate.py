@@ -30,7 +30,6 @@ import torch
 from model import KVCache, feed  # feed: the step after the committed tokens, then committed
 
 # ---- processed distributions ----
-
 # prompt keys: the first group goes to target.embed, the grids also to forward (M-RoPE positions, inputs_embeds or not)
 EMBED_KEYS = ("input_ids", "pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
 GRID_KEYS = ("image_grid_thw", "video_grid_thw", "second_per_grid_ts")
@@ -76,6 +75,7 @@ class Sampling:
     top_k: int | None = None
     top_p: float | None = None
     seed: int | tuple | None = None
+    relaxed: object = None  # opt-in lossy verification, a relaxed.Relaxed (None: the exact rule)
 
     def __post_init__(self):  # checked when made: the scripts make theirs from their flags before any work
         t, k, p = self.temperature, self.top_k, self.top_p
@@ -92,8 +92,17 @@ class Sampling:
     def greedy(self):
         return self.temperature == 0
 
+    @property
+    def lossy(self):  # a relaxed rule with a bound > 0: the output is no longer the target's
+        return self.relaxed is not None and self.relaxed.bound > 0
+
     def probs(self, logits):  # (..., V) -> the distribution (..., V) sampled from and verified against
         return process_logits(logits, self.temperature, self.top_k, self.top_p)
+
+    def also_accepts(self, logits_p, x):
+        """logits_p (..., V) of p where the tokens x (...) were drafted -> bool (...): x accepted by the relaxed rule
+        besides the exact one (None when lossless: the exact rule's code path, untouched)."""
+        return self.relaxed.accepts(logits_p, x, self) if self.lossy else None
 
     def offset(self, i):
         """Prompt i's settings in a run of several: its rows seeded seed + i (+ r), the same draws in every pass."""
@@ -115,21 +124,21 @@ GREEDY = Sampling()
 
 
 # ---- verification ----
-
-
-def verify_greedy(draft_tokens, target_logits):
+def verify_greedy(draft_tokens, target_logits, also=None):
     """draft_tokens (..., gamma), target_logits (..., gamma+1, V) -> (n_accepted, next_token) (...): d_1..d_n equal
-    the argmaxes t_0..t_{n-1}, next is t_n (correction or bonus). Tensors: the loop syncs once per round."""
+    the argmaxes t_0..t_{n-1}, next is t_n (correction or bonus). Tensors: the loop syncs once per round. also (...,
+    gamma): drafts a relaxed rule accepts besides (Sampling.also_accepts)."""
     t = target_logits.argmax(-1)  # (..., gamma+1)
-    n = (draft_tokens == t[..., :-1]).long().cumprod(-1).sum(-1)  # (...) length of the agreeing prefix
+    ok = draft_tokens == t[..., :-1] if also is None else (draft_tokens == t[..., :-1]) | also  # (..., gamma)
+    n = ok.long().cumprod(-1).sum(-1)  # (...) length of the accepted prefix
     return n, t.gather(-1, n.unsqueeze(-1)).squeeze(-1)
 
 
-def verify_sample(draft_tokens, q, p, generator=None):
+def verify_sample(draft_tokens, q, p, generator=None, also=None):
     """Leviathan et al. 2023, Algorithm 1: draft_tokens (..., gamma) sampled from q (..., gamma, V); p (..., gamma+1,
     V). d_i is accepted with probability min(1, p_i(d_i) / q_i(d_i)); at the first rejection the next token is drawn
     from normalise(max(0, p_i - q_i)), after gamma acceptances the bonus from p_gamma. -> (n_accepted, next) (...).
-    generator: one, or a list of one per row of (B, gamma) draft_tokens (sample's)."""
+    generator: one, or a list of one per row of (B, gamma) draft_tokens (sample's); also: verify_greedy's."""
     idx = draft_tokens.unsqueeze(-1)  # (..., gamma, 1)
     p_d = p[..., :-1, :].gather(-1, idx).squeeze(-1)  # (..., gamma)
     q_d = q.gather(-1, idx).squeeze(-1)  # (..., gamma)
@@ -137,7 +146,8 @@ def verify_sample(draft_tokens, q, p, generator=None):
         u = torch.stack([torch.rand(draft_tokens.shape[1:], generator=g, device=p.device) for g in generator])
     else:
         u = torch.rand(draft_tokens.shape, generator=generator, device=p.device)  # (..., gamma)
-    n = (u * q_d < p_d).long().cumprod(-1).sum(-1)  # (...); u < p/q without the division (q_d > 0: d came from q)
+    ok = u * q_d < p_d  # (...); u < p/q without the division (q_d > 0: d came from q)
+    n = (ok if also is None else ok | also).long().cumprod(-1).sum(-1)  # (...)
     residual = (p[..., :-1, :] - q).clamp_min(0.0)  # (..., gamma, V)
     mass = residual.sum(-1, keepdim=True)  # (..., gamma, 1)
     # mass ~ 0: p == q up to rounding, a rejection has probability ~mass, and p is the right law (multinomial defined)
@@ -149,8 +159,6 @@ def verify_sample(draft_tokens, q, p, generator=None):
 
 
 # ---- statistics ----
-
-
 @dataclass
 class SpecResult:
     tokens: list = field(default_factory=list)  # emitted token ids, the stop token included when produced
@@ -199,8 +207,6 @@ class SpecResult:
 
 
 # ---- caches and prefill ----
-
-
 def new_cache(model, prompt, max_new_tokens, max_len, slack=0, batch=1):
     """A cache of `batch` rows for the whole decode, L - 1 + max_new_tokens (+ `slack` slots a round writes beyond
     the committed length), checked first."""
@@ -213,21 +219,6 @@ def new_cache(model, prompt, max_new_tokens, max_len, slack=0, batch=1):
     if max_len is not None and need + slack > max_len:
         raise ValueError(f"{what} a cache of {need + slack}, max_len is {max_len}")
     return model.new_cache(batch=batch, max_len=max_len or need + slack, device=prompt["input_ids"].device)
-
-
-def stack_prompts(prompts, pad_id=0):
-    """Batch-1 prompt dicts -> one prompt of P rows, left-padded to the longest (attention_mask), the vision inputs
-    of the rows that have them concatenated in row order (transformers' layout: row-major over the batch)."""
-    if bad := [i for i, p in enumerate(prompts) if p["input_ids"].dim() != 2 or p["input_ids"].shape[0] != 1]:
-        raise ValueError(f"stack_prompts stacks batch-1 prompts (input_ids (1, L)); prompts {bad} are not")
-    L = max(p["input_ids"].shape[1] for p in prompts)
-    ids = torch.cat([torch.nn.functional.pad(p["input_ids"], (L - p["input_ids"].shape[1], 0), value=pad_id)
-                     for p in prompts])  # (P, L)
-    out = {"input_ids": ids, "attention_mask": (torch.arange(L, device=ids.device) >= torch.tensor(
-        [L - p["input_ids"].shape[1] for p in prompts], device=ids.device)[:, None]).long()}  # (P, L)
-    for k in set().union(*prompts) - {"input_ids", "attention_mask"}:
-        out[k] = torch.cat([p[k] for p in prompts if p.get(k) is not None])
-    return out
 
 
 def embed_prompt(target, prompt):
@@ -260,8 +251,6 @@ def prefill(model, prompt, embeds, cache, deepstack=None, name="model", samples=
 
 
 # ---- the chain round ----
-
-
 def feed_rows(model, cache, rows, return_hidden=False):
     """feed of rows of their own lengths (lists of ints) as one step, right-padded with each row's last token (written
     beyond the row's length, never read), each row committing its own tokens -> feed's output at each row's last
@@ -293,10 +282,11 @@ def spec_round(target, draft, tcache, dcache, pending, gamma, sampling, generato
     d = torch.stack(drafted, 1)  # (B, gamma)
     x_last = torch.tensor([[p[-1]] for p in pending], device=dev)  # (B, 1)
     logits_p = last["target"] = feed(target, tcache, torch.cat([x_last, d], 1))  # (B, gamma+1, V)
+    also = sampling.also_accepts(logits_p[:, :-1], d)  # (B, gamma), or None (exact)
     if sampling.greedy:
-        n, nxt = verify_greedy(d, logits_p)  # (B,) each
+        n, nxt = verify_greedy(d, logits_p, also)  # (B,) each
     else:
-        n, nxt = verify_sample(d, torch.stack(qs, 1), sampling.probs(logits_p), generators)
+        n, nxt = verify_sample(d, torch.stack(qs, 1), sampling.probs(logits_p), generators, also)
     flat = torch.cat([n, nxt, d.view(-1)]).tolist()  # the round's one host sync
     n, nxt, d = flat[:B], flat[B:2 * B], [flat[2 * B + b * gamma:2 * B + (b + 1) * gamma] for b in range(B)]
     new = []
@@ -312,8 +302,6 @@ def spec_round(target, draft, tcache, dcache, pending, gamma, sampling, generato
 
 
 # ---- decoding ----
-
-
 def now(device, timing):
     """The wall clock for timing=True, read after the device has finished its queued work; 0 without timing."""
     if timing and torch.device(device).type == "cuda":
@@ -435,8 +423,6 @@ def autoregressive_batch(target, prompt, max_new_tokens, samples=1, sampling=GRE
 
 
 # ---- input checks and NaN guards ----
-
-
 def config_of(model):
     return getattr(model, "cfg", None) or getattr(model, "config", None)
 

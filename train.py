@@ -173,8 +173,7 @@ def train_target(cfg: TrainConfig, tok, train: Data, val: Data, rank=0, world=1,
     state_path = os.path.join(cfg.out, "target.state.pt")
     start, _ = runs.load_state(state_path, {"target": target}, {"target": opt}, cfg)
     ddp = runs.wrap(target, world, device)
-    bar = tqdm(range(start, cfg.target_steps), desc="target", disable=rank != 0, initial=start,
-               total=cfg.target_steps)
+    bar = tqdm(range(start, cfg.target_steps), desc="target", disable=rank != 0, initial=start, total=cfg.target_steps)
     for step in bar:
         ddp.train()
         batch = train.batch(step, cfg.batch_size, rank, world, device)
@@ -208,8 +207,7 @@ def train_drafts(cfg: TrainConfig, target, train: Data, val: Data = None, rank=0
     history = history or {k: [] for k in drafts}  # each draft's evaluations so far (kept in the resumable state)
     outputs = evaluate.greedy_outputs(target, val) if val is not None and rank == 0 else None
     ddps = {k: runs.wrap(d, world, device) for k, d in drafts.items()}
-    bar = tqdm(range(start, cfg.draft_steps), desc="drafts", disable=rank != 0, initial=start,
-               total=cfg.draft_steps)
+    bar = tqdm(range(start, cfg.draft_steps), desc="drafts", disable=rank != 0, initial=start, total=cfg.draft_steps)
     for step in bar:
         batch = train.batch(step, cfg.batch_size, rank, world, device, order=cfg.draft_seed)
         with torch.no_grad(), autocast(device, cfg.amp):

@@ -22,6 +22,7 @@ from ops import checkpoint, files  # noqa: E402
 import driving  # noqa: E402
 from real import distill, hf, scenes  # noqa: E402
 import speculate  # noqa: E402
+from hf_export import export_pretrained  # noqa: E402
 
 
 def one_at_a_time(target, prompts, stop, max_new, samples, seed):
@@ -55,7 +56,7 @@ if __name__ == "__main__":
     os.makedirs(args.work, exist_ok=True)
     folder = os.path.join(args.work, "hf_target")
     if not os.path.exists(os.path.join(folder, hf.CONFIG)):
-        hf.export_pretrained(checkpoint.load(os.path.join(checkpoint.SHIPPED, "target")).eval(), folder)
+        export_pretrained(checkpoint.load(os.path.join(checkpoint.SHIPPED, "target")).eval(), folder)
     target = distill.load_target(folder).eval()
     tok = driving.Tokenizer()
     world = driving.make_split("train", args.scenes, 0)

@@ -1,7 +1,7 @@
 """Ours against a peer: the same weights, prompts and process through Hugging Face transformers' `generate` (greedy,
 KV cache, sdpa) and its assisted generation (speculative decoding as transformers ships it), beside ours; the draft
 is the M-RoPE replica (FlatRoPE has no transformers counterpart). The shipped toy's target and replica are exported as
-Qwen2.5-VL folders (real.hf.export_pretrained) and loaded back by transformers. Timed one call per prompt, end to
+Qwen2.5-VL folders (hf_export.export_pretrained) and loaded back by transformers. Timed one call per prompt, end to
 end: greedy (`compare`; `hf_assisted` fixes gamma as ours, constant schedule, confidence threshold off;
 `hf_assisted_defaults` keeps transformers' assistant defaults), or N sampled rows per prompt (`compare_samples`,
 --samples N --temperature T). Paper: RSD accelerates the reasoning step; this times our decoders against the
@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import driving  # noqa: E402
 import evaluate  # noqa: E402
 from ops import checkpoint, cli, files, timing  # noqa: E402
-from real.hf import export_pretrained  # noqa: E402
+from hf_export import export_pretrained  # noqa: E402
 import speculate  # noqa: E402
 
 PEER_DRAFT = ("mrope", 0)  # the draft both speculative arms use: the M-RoPE replica, seed 0

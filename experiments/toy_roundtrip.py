@@ -1,5 +1,5 @@
 """The toy target through the path a real target takes: exported as a Hugging Face Qwen2.5-VL folder
-(hf.export_pretrained), loaded back (hf.load_pretrained, through distill.load_target), its own greedy CoCs on the toy
+(hf_export.py), loaded back (hf.load_pretrained, through distill.load_target), its own greedy CoCs on the toy
 world's training scenes written by scenes.distill_data, and FlatRoPE drafts distilled on them by distill.distill_draft
 (`python -m real.distill --target DIR --toy-scenes N`), one sequence per forward with gradient accumulation. Paper: the routine
 reasoner (draft q) is distilled from the deliberative reasoner (target p). The drafts are scored as the shipped ones
@@ -34,6 +34,7 @@ from ops import files  # noqa: E402
 from real import hf  # noqa: E402
 from real import distill  # noqa: E402
 from driving import Data  # noqa: E402
+from hf_export import export_pretrained  # noqa: E402
 
 
 def test_tau(target, drafts, data, outputs, gamma):
@@ -69,7 +70,7 @@ def main():
     ours = checkpoint.load(os.path.join(args.run, "target")).eval()
     folder = os.path.join(args.work, "hf_target")
     if not os.path.exists(os.path.join(folder, hf.CONFIG)):
-        hf.export_pretrained(ours, folder)
+        export_pretrained(ours, folder)
     loaded = distill.load_target(folder).eval()
     tok = driving.Tokenizer()
     test = Data("test", args.n_test, 0, tok)

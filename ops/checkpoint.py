@@ -29,8 +29,6 @@ SHIPPED = os.path.join(ROOT, "checkpoints", "toy")  # the scripts' default --run
 
 
 # ---- save / load ----
-
-
 def draft_dir(run, kind, seed=0):
     """kind: mrope (the replica), flat (FlatRoPE) or aarl (FlatRoPE + AARL); seeds vary init and batch order only."""
     return os.path.join(run, f"draft_{kind}_s{seed}")
@@ -114,8 +112,6 @@ def _stored(model):
 
 
 # ---- fingerprints: a draft bound to its target ----
-
-
 def _hash(h, name, t):
     """Feed (name, dtype, shape, bytes) of t to the sha256 h; tensors go in name order."""
     h.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
@@ -162,11 +158,9 @@ def _check_target(dir, meta, cfg, target):
 
 
 # ---- what a path holds: never replace what is not a checkpoint of the kind ----
-
-
 def existing_kind(path):
     """What `path` holds, for a writer about to replace it: None (nothing, or an empty folder), "target" /
-    "<rope_mode> draft" (ours), "qwen2_5_vl folder" (hf.export_pretrained's), else words saying what is there."""
+    "<rope_mode> draft" (ours), else words saying what is there."""
     if not os.path.isdir(path):
         return "a file" if os.path.lexists(path) else None
     if not (names := [n for n in os.listdir(path) if not n.endswith(".tmp")]):  # a killed save's leftover is not data
@@ -174,9 +168,6 @@ def existing_kind(path):
     with contextlib.suppress(OSError, ValueError):
         meta, cfg = header(path)
         return f"{cfg.rope_mode} draft" if meta["draft"] else "target"
-    with contextlib.suppress(OSError, ValueError, AttributeError):
-        if read_json(os.path.join(path, "config.json")).get("model_type") == "qwen2_5_vl":
-            return "qwen2_5_vl folder"
     return f"a folder of {len(names)} entries ({', '.join(sorted(names)[:3])}{', ...' if len(names) > 3 else ''})"
 
 
@@ -191,8 +182,6 @@ def check_output(path, kind, overwrite=False, how="pass overwrite=True to replac
 
 
 # ---- clear errors on a bad file ----
-
-
 def header(dir, f=None):
     """(header, ModelConfig) of dir/model.safetensors, every field required (a default could change the logits)."""
     path = os.path.join(dir, WEIGHTS)

@@ -16,8 +16,9 @@ import tokenize
 import torch
 
 import driving
-from ops import runs
+from ops import files, runs
 from ops.files import FolderLocked
+import relaxed
 import speculate
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -114,20 +115,52 @@ def add_decoding_flags(ap, temperature_help):
                     "whose mass reaches p")
     ap.add_argument("--sampling-seed", type=int, default=0, help="with --temperature: prompt i's generator is seeded "
                     "this + i")
+    ap.add_argument("--relaxed", metavar="RULE:BOUND", help="LOSSY, off by default: also accept drafts a relaxed rule "
+                    "passes (relaxed.Relaxed): typical:B (Medusa's typical acceptance, eps = 1 - B, every position) "
+                    "or routine:B (the same, commitment tokens kept exact); B in [0, 1], 0 = exact. Reports then give "
+                    "what it cost: tau, speed-up and how far the plan moved from the exact one")
+    ap.add_argument("--commitments", metavar="FILE", help="with --relaxed routine:B on a real target: a JSON list of "
+                    "the token ids it keeps exact (the toy's default: the words its CoC grammar leaves open)")
 
 
-def sampling(temperature=0.0, top_k=None, top_p=None, seed=0) -> speculate.Sampling:
-    """The decoding settings of bench.py and rsd.py (their --temperature, --top-k, --top-p, --sampling-seed), checked
-    before any work (ValueError); greedy (temperature 0) keeps no seed."""
+def relaxed_rule(text, commitments=None, default=()):
+    """--relaxed RULE:BOUND (None: exact verification) -> a relaxed.Relaxed; commitments: the --commitments file
+    (a JSON list of token ids), else `default` (the toy's commitment ids)."""
+    if text is None:
+        if commitments is not None:
+            raise ValueError("--commitments names what --relaxed routine:B keeps exact: give --relaxed with it")
+        return None
+    rule, _, bound = text.partition(":")
+    try:
+        bound = float(bound)
+    except ValueError:
+        raise ValueError(f"--relaxed must be RULE:BOUND (typical:0.9 or routine:0.9), got {text!r}") from None
+    if commitments is not None:
+        ids = files.read_json(commitments)
+        if not (isinstance(ids, list) and ids and all(isinstance(i, int) and i >= 0 for i in ids)):
+            raise ValueError(f"--commitments {commitments}: must hold a JSON list of token ids (ints >= 0)")
+        default = ids
+    if rule == "routine" and not default:
+        raise ValueError("--relaxed routine:B on this target needs --commitments FILE (the token ids kept exact)")
+    return relaxed.Relaxed(rule, bound, frozenset(default))
+
+
+def sampling(temperature=0.0, top_k=None, top_p=None, seed=0, relaxed=None) -> speculate.Sampling:
+    """The decoding settings of bench.py and rsd.py (their --temperature, --top-k, --top-p, --sampling-seed, and a
+    relaxed.Relaxed from relaxed_rule), checked before any work (ValueError); greedy (temperature 0) keeps no seed."""
     if not isinstance(seed, int) or not 0 <= seed < 2**62:  # prompt i's generator takes seed + i, a 63-bit seed
         raise ValueError(f"the sampling seed must be an int >= 0 and < 2**62, got {seed!r}")
     if temperature == 0 and (top_k is not None or top_p is not None):
         # a greedy decode reads only the argmax: the filters would be silently ignored
         raise ValueError("top_k / top_p filter a sampled distribution: give a temperature > 0 with them (0 = greedy)")
-    return speculate.Sampling(float(temperature), top_k, top_p, None if temperature == 0 else seed)
+    return speculate.Sampling(float(temperature), top_k, top_p, None if temperature == 0 else seed, relaxed)
 
 
 def sampling_json(s: speculate.Sampling):
-    """A report's "decoding" object: mode "greedy" (temperature 0) or "sampling", and the settings."""
+    """A report's "decoding" object: mode "greedy" (temperature 0) or "sampling", the settings, and the verification:
+    "exact", or the relaxed rule (lossy when its bound is > 0)."""
+    r = s.relaxed
     return {"mode": "greedy" if s.greedy else "sampling", "temperature": s.temperature, "top_k": s.top_k,
-            "top_p": s.top_p, "seed": s.seed}
+            "top_p": s.top_p, "seed": s.seed, "lossy": s.lossy,
+            "verification": "exact" if r is None else {"rule": r.rule, "bound": r.bound,
+                                                       "commitments": len(r.commitments)}}

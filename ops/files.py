@@ -25,8 +25,6 @@ _HELD = set()  # realpaths of the run folders this process holds
 
 
 # ---- atomic files ----
-
-
 def atomic_write(path, write):
     """write(tmp) to a temporary file beside path, fsync, os.replace over path: a kill at any point leaves the previous
     file (and at most the hidden .tmp). The file gets any other output's permissions (safetensors writes 0600)."""
@@ -85,8 +83,6 @@ def read_json(path):
 
 
 # ---- one writer per run folder ----
-
-
 class FolderLocked(RuntimeError):
     """Another live process holds the run folder's writer lock."""
 

@@ -15,8 +15,6 @@ import torch.distributed as dist
 from ops import checkpoint, files
 
 # ---- the optimizer, its schedule, one update ----
-
-
 def make_optimizer(params, lr, weight_decay=0.0):
     """AdamW as every program here uses it (betas (0.9, 0.95), as in GPT-style training)."""
     return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay)
@@ -61,7 +59,6 @@ def check_loss(name, value, step, state_path, model=None):
 
 
 # ---- the resumable state ----
-
 # Fields that cannot change what a run computes: resuming with other values is fine. A moved target or scene folder
 # (target, scenes, processor) is fine too: the fingerprints of the target and of the records are checked instead.
 RESUMABLE_CHANGES = ("out", "device", "eval_every", "save_every", "n_val", "n_test", "overwrite", "target", "scenes",
@@ -136,8 +133,6 @@ def load_state(path, models, opts, cfg, bound=None, data=None):
 
 
 # ---- distributed ranks (torchrun) ----
-
-
 def setup_distributed(device):
     """(rank, world_size, device). Under torchrun: gloo on CPU, nccl on CUDA, one GPU per rank."""
     if "RANK" not in os.environ:

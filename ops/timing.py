@@ -19,8 +19,6 @@ from speculate import EMBED_KEYS, feed, prefill
 import tree
 
 # ---- step times ----
-
-
 class Clock:
     """Clock marks, the device synchronised before each (queued GPU work counted where it belongs); disabled: no syncs.
     timer: the clock read; time.process_time counts this process's CPU time alone, without a shared CPU's waits."""
@@ -144,8 +142,6 @@ def _step(m, cache, x, tree=False):
 
 
 # ---- the runtime a number was measured on ----
-
-
 def environment(device):
     """Python, torch (and its CUDA, cuDNN), triton, transformers (None where absent); on CUDA the GPU and driver."""
     version = lambda p: next((d.version for d in importlib.metadata.distributions(name=p)), None)  # noqa: E731
@@ -175,8 +171,6 @@ def peak_memory(device):
 
 
 # ---- where greedy outputs part ----
-
-
 @torch.inference_mode()
 def top2_margin(target, prompt, prefix):
     """The target's top-1 minus top-2 logit after prompt + prefix (ids), and in steps of its dtype at the top logit."""

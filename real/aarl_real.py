@@ -130,8 +130,7 @@ def load_real(target_dir, draft_dir, scenes_dir, cfg, device, dtype):
     target = hf.load_pretrained(target_dir, dtype=dtype, device=device).eval()
     if (n := target.expert.cfg.n_waypoints) != scenes.N_FUTURE and any(s.future is not None for s in clips):
         raise ValueError(f"{target_dir}: the expert plans {n} waypoints, a scene's future has {scenes.N_FUTURE}")
-    draft = checkpoint.load(draft_dir, target=target).eval()  # q_ref: a second copy, never updated (static)
-    ref = checkpoint.load(draft_dir, target=target).eval()
+    draft, ref = (checkpoint.load(draft_dir, target=target).eval() for _ in range(2))  # ref: q_ref, static
     return target, draft, ref, clips, prompts, tuple(ids)
 
 
@@ -154,10 +153,9 @@ def main(argv=None):
     a = ap.parse_args(argv)
     cfg = cli.config_from_args(RealConfig, a)
     with cli.user_errors(ap):
-        cli.check_values(cfg, [(">= 1", ("steps", "per_update", "max_new", "min_pixels", "max_pixels",
-                                              "save_every")),
-                                    ("a finite number > 0", ("lr", "temperature")), ("in 0..2**30-1", ("seed",)),
-                                    ("a finite number >= 0", ("beta",))], flags=True)
+        cli.check_values(cfg, [(">= 1", ("steps", "per_update", "max_new", "min_pixels", "max_pixels", "save_every")),
+                               ("a finite number > 0", ("lr", "temperature")), ("in 0..2**30-1", ("seed",)),
+                               ("a finite number >= 0", ("beta",))], flags=True)
         if cfg.min_pixels > cfg.max_pixels:
             raise ValueError(f"--min-pixels {cfg.min_pixels} is above --max-pixels {cfg.max_pixels}")
         if cfg.group < 2:
@@ -170,9 +168,7 @@ def main(argv=None):
                                     "--processor": cfg.processor}, may_contain=("--draft",))  # RUN/draft_flat_s0
         out = checkpoint.draft_dir(a.out, "aarl", cfg.seed)
         with files.writer_lock(a.out):
-            if (have := checkpoint.existing_kind(out)) is not None:
-                raise FileExistsError(f"{out} holds {have if have.startswith('a ') else 'a ' + have + ' checkpoint'} "
-                                      "already: refusing to replace it; give another --out or --seed")
+            checkpoint.check_output(out, "flat draft", how="refusing to replace it; give another --out or --seed")
             t0 = time.time()
             target, draft, ref, clips, prompts, ids = load_real(a.target, a.draft, a.scenes, cfg, device,
                                                                 cli.DTYPES[a.dtype])

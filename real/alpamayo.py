@@ -130,8 +130,6 @@ def qwen_prompt(src, images, instruction, min_pixels=MIN_PIXELS, max_pixels=MAX_
 
 
 # ---- a real checkpoint's plan on pixels (bench.py --target) ----
-
-
 def history_poses(speed=8.0, dt=0.1):
     """16 past poses (16, 3) of a car driving straight at `speed` m/s, ego frame at the last one."""
     t = torch.arange(-(N_POSES - 1), 1) * dt  # (16,) seconds, 0 = now
@@ -260,7 +258,6 @@ def report_lines(res):
 
 
 # ---- held-out scenes: acceptance, greedy identity, latency per stage, ADE (bench.py --scenes) ----
-
 FUTURE_DT = 0.1  # s between scenes.py's future poses (10 Hz)
 STAGES = ("vision", "prefill", "draft_prefill", "reasoning_target_only", "reasoning_speculative", "action_expert")
 

@@ -23,8 +23,6 @@ from model import Block, KVCache, ModelConfig, RMSNorm, grouped_mask
 from rope import rope_cos_sin, rope_inv_freq
 
 # ---- config ----
-
-
 def config_field(raw, path, where):
     """raw['a']['b'] for path 'a.b' of an Alpamayo config.json; a missing one is an error naming it."""
     node = raw
@@ -81,8 +79,6 @@ class ExpertConfig:
 
 
 # ---- action input projection ----
-
-
 def fourier_freqs(n, max_freq, device=None):
     """The n / 2 frequencies of n Fourier features, log-spaced over [1, max_freq]: fixed by the config."""
     return torch.logspace(0, math.log10(max_freq), n // 2, device=device)
@@ -121,8 +117,6 @@ class ActionInProj(nn.Module):
 
 
 # ---- the expert ----
-
-
 class ActionExpert(nn.Module):
     """Decoder layers of width De over the action tokens, reading the VLM's KV cache layer by layer;
     module names follow Alpamayo's keys (`expert.*`, `action_in_proj.*`, `action_out_proj.*`)."""
@@ -131,9 +125,8 @@ class ActionExpert(nn.Module):
         super().__init__()
         self.cfg = cfg
         # Alpamayo builds the expert from the VLM's text config with the width overridden
-        self.layer_cfg = dataclasses.replace(vlm, hidden_size=cfg.hidden_size, n_heads=cfg.n_heads,
-                                             intermediate_size=cfg.intermediate_size, vision=None, traj_len=0,
-                                             shared_width=None)
+        self.layer_cfg = dataclasses.replace(vlm, hidden_size=cfg.hidden_size, n_heads=cfg.n_heads, vision=None,
+                                             intermediate_size=cfg.intermediate_size, traj_len=0, shared_width=None)
         self.layers = nn.ModuleList(Block(self.layer_cfg) for _ in range(vlm.n_layers))
         self.norm = RMSNorm(cfg.hidden_size, vlm.rms_norm_eps)
         self.action_in_proj = ActionInProj(cfg)
@@ -193,8 +186,6 @@ class ActionExpert(nn.Module):
 
 
 # ---- kinematics ----
-
-
 def unicycle(action, v0, cfg: ExpertConfig):
     """Normalised (acceleration, curvature) per step (B, N, 2) -> (x, y) waypoints (B, N, 2), by the unicycle model
     from speed v0 (B,), heading 0 at the origin: v_(k+1) = v_k + a_k dt; theta_(k+1) = theta_k + kappa_k (v_k dt +

@@ -48,8 +48,6 @@ OWN_IMAGE = re.compile(r"\d{2,}\.png")  # write_scene's image names: the only im
 
 
 # ---- the scene folder ----
-
-
 @dataclass
 class Scene:
     scene_id: str
@@ -203,18 +201,17 @@ def scene_prompts(folder, root, processor=None, **pixels):
     if not alpamayo.has_tokenizer(src):
         raise ValueError(f"{src} has no tokenizer: a scene's prompt is built with the target's tokenizer and image "
                          "processor (give the folder that has them)")
-    raw, tok = files.read_json(where), alpamayo.tokenizer(src)
+    raw = files.read_json(where)
+    stop = alpamayo.reasoning_stop_ids(raw, alpamayo.tokenizer(src), where)
     if "traj_token_ids" in raw:
         found = load_scenes(root)
         return found, [(s.scene_id, lambda s=s: alpamayo.build_prompt(folder, s.images(), s.past, processor, **pixels))
-                       for s in found], alpamayo.reasoning_stop_ids(raw, tok, where), \
-            "Alpamayo-R1 prompt (alpamayo.build_prompt)"
+                       for s in found], stop, "Alpamayo-R1 prompt (alpamayo.build_prompt)"
     found = load_scenes(root, n_images=None, poses=False)
     if missing := [s.scene_id for s in found if not s.instruction]:
         raise ValueError(f"{root}: scenes {missing} have no {INSTRUCTION}, which a plain Qwen-VL prompt is made of")
     return found, [(s.scene_id, lambda s=s: alpamayo.qwen_prompt(src, s.images(), s.instruction, **pixels))
-                   for s in found], alpamayo.reasoning_stop_ids(raw, tok, where), \
-        "plain Qwen-VL prompt (alpamayo.qwen_prompt)"
+                   for s in found], stop, "plain Qwen-VL prompt (alpamayo.qwen_prompt)"
 
 
 def built(scene_id, prompt):
@@ -227,8 +224,6 @@ def built(scene_id, prompt):
 
 
 # ---- self-distillation data ----
-
-
 def sample_seed(seed, scene_id, k):
     """Sample k's generator seed: (seed, scene, k) alone, so that a resumed or reordered run draws the same records."""
     return int(hashlib.sha256(f"{seed}/{scene_id}/{k}".encode()).hexdigest()[:15], 16)  # < 2**60

@@ -27,7 +27,8 @@ import torch
 import model
 from ops import compiled
 import speculate
-from speculate import Sampling, autoregressive_batch, speculative_batch, stack_prompts
+from evaluate import stack_prompts
+from speculate import Sampling, autoregressive_batch, speculative_batch
 import tree as trees
 from tree import TreeShape
 
@@ -161,7 +162,7 @@ def test_sampled_rows_follow_the_target_law_independently(kind, monkeypatch):
     with monkeypatch.context() as m:  # the law's control
         if kind == "chain":
             honest = speculate.verify_sample
-            m.setattr(speculate, "verify_sample", lambda d, q, p, g: honest(d, wrong_q(q), p, g))
+            m.setattr(speculate, "verify_sample", lambda d, q, p, g, also=None: honest(d, wrong_q(q), p, g, also))
         else:
             m.setattr(speculate, "sample", reused_draw)
         bad = law(run())

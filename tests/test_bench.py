@@ -208,7 +208,7 @@ def test_the_toys_action_step_over_rows_is_each_rows_own():
     target = tiny_model()
     prompts = [image_prompt(seed=s) for s in range(2)]
     cocs = [[5, 6, 9], [7], [8, 8, 8, 8, 9], [9]]
-    got = bench.action_stage(target, speculate.stack_prompts(prompts), cocs, (9,))
+    got = bench.action_stage(target, evaluate.stack_prompts(prompts), cocs, (9,))
     assert got["action_ms"] > 0
     for b, coc in enumerate(cocs):
         alone = evaluate.action_rows(target, prompts[b // 2], [coc], (9,))[0]

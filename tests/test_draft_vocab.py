@@ -173,10 +173,10 @@ def test_sampling_with_a_reduced_draft_is_lossless(temperature, top_k, top_p, ga
     expected = joint_first3(P, x0)
     honest = speculate.verify_sample
 
-    def restricted(d, q, p, g):  # the bug: p renormalised on the draft's set, as if the set were the vocabulary
+    def restricted(d, q, p, g, also=None):  # the bug: p renormalised on the draft's set, as if it were the vocabulary
         p_s = torch.zeros_like(p)
         p_s[..., ids] = p[..., ids]
-        return honest(d, q, p_s / p_s.sum(-1, keepdim=True), g)
+        return honest(d, q, p_s / p_s.sum(-1, keepdim=True), g, also)
 
     for name in ("correct", "p restricted to the set"):
         if name != "correct":

@@ -105,7 +105,7 @@ def test_attention_probs_are_exact(tok):
     for m, kw in ((target, vision_kwargs(batch)), (draft, dict(inputs_embeds=embeds))):
         real = []
         hook = m.layers[0].self_attn.register_forward_hook(lambda mod, args, out: real.append((args, out)))
-        probs = evaluate.attention_probs(m, batch["input_ids"], **kw)
+        probs = list(evaluate.attention_probs(m, batch["input_ids"], **kw))  # [(B, H, L, L)] per layer
         hook.remove()
         (x, cos, sin, *_), out = real[0]
         attn = m.layers[0].self_attn

@@ -1,4 +1,4 @@
-"""hf.export_pretrained: our model as a Hugging Face Qwen2.5-VL folder. A round trip through load_pretrained
+"""experiments/hf_export.py: our model as a Hugging Face Qwen2.5-VL folder. A round trip through load_pretrained
 gives back every weight (the TrajHead excepted: not exported) and the same logits; transformers 5.24 loads the folder
 and its logits match ours on a prompt with an image and a video; a draft becomes a standalone Qwen2.5-VL with the
 target's embedding, LM head and vision tower, whose logits equal the draft's reading the target's embeddings; what
@@ -16,7 +16,8 @@ from safetensors.torch import load_file
 import torch
 
 from model import make_draft
-from real.hf import export_pretrained, load_pretrained
+from experiments.hf_export import export_pretrained
+from real.hf import load_pretrained
 from tiny_models import IMG, VID, image_prompt, mm_token_type_ids, o1_init, tiny_model
 from vision import VisionConfig
 

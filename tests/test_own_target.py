@@ -20,8 +20,9 @@ import torch.nn.functional as F
 import bench
 import driving
 import model as M
+from experiments.hf_export import export_pretrained
 from ops import checkpoint
-from real import aarl_real, distill, hf, scenes
+from real import aarl_real, distill, scenes
 import train as T
 from test_user_errors import error_line
 
@@ -255,7 +256,7 @@ def test_an_exported_toy_target_takes_the_same_path(tmp_path):
     cfg = dataclasses.replace(T.target_config(tok), hidden_size=32, n_layers=1, n_heads=2, n_kv_heads=1,
                               intermediate_size=48, head_dim=16, mrope_section=(2, 3, 3))
     torch.manual_seed(0)
-    hf.export_pretrained(M.VLA(cfg).eval(), tmp_path / "hf")
+    export_pretrained(M.VLA(cfg).eval(), tmp_path / "hf")
     run = distill.DraftConfig(target=str(tmp_path / "hf"), toy_scenes=3, out=str(tmp_path / "run"), steps=2,
                         batch_size=2, max_new=6, views=1, allow_truncated=True)
     out = distill.run_draft(run, log=lambda *_: None)

@@ -559,7 +559,8 @@ def test_speculative_distribution(temperature, top_k, top_p, gamma, monkeypatch)
     honest = speculate.verify_sample
     for name in ("correct", "wrong q"):
         if name == "wrong q":
-            monkeypatch.setattr(speculate, "verify_sample", lambda d, q, p, g: honest(d, wrong_q(q), p, g))
+            monkeypatch.setattr(speculate, "verify_sample",
+                                lambda d, q, p, g, also=None: honest(d, wrong_q(q), p, g, also))
         toks = torch.tensor([speculative(target, draft, prompt_of(0, x0), gamma, 3, Sampling(**kw, seed=s)).tokens
                              for s in range(N)])  # (N, 3)
         stat, df, pval = chi_square(torch.bincount(toks @ torch.tensor([V * V, V, 1]), minlength=V ** 3), expected)

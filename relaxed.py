@@ -1,0 +1,54 @@
+"""Relaxed (lossy) acceptance, opt-in and off by default: the paper's premise made a knob. Routine CoC tokens follow
+from the trajectory history and commitments need fresh evidence; a relaxed rule accepts a drafted token the exact
+rule (speculate.verify_greedy / verify_sample, tree.verify_tree) rejects when the target finds it likely enough,
+either at every position (token-level, Medusa's typical acceptance) or at routine positions only, every commitment
+still verified exactly (reasoning-aware). The output is then no longer the target's: what it costs is priced in tau
+against how far the plan moves (experiments/relaxed_acceptance.py, the README's "Relaxed acceptance").
+
+Where it enters: speculate.Sampling(relaxed=Relaxed(...)); the verifiers OR the exact rule with Sampling.also_accepts.
+
+run: python -m pytest -q tests/test_relaxed.py     (python bench.py --relaxed routine:0.999999 ...)
+"""
+from dataclasses import dataclass
+import math
+
+import torch
+
+
+@dataclass(frozen=True)
+class Relaxed:
+    """Relaxed (lossy) acceptance, opt-in: a drafted token x the exact rule rejects is also accepted when p(x) >=
+    min(eps, delta exp(-H(p))), Medusa's typical acceptance (Cai et al. 2024), with eps = 1 - bound and delta =
+    sqrt(eps) (Medusa's defaults, eps 0.09 and delta 0.3, are bound 0.91). Greedy decoding judges p at temperature 1,
+    sampling the processed p it samples from. Bound 0 adds nothing (exact); any bound > 0 also accepts near-ties
+    (p(x) >= exp(-H) <= max p), and bound 1 accepts every draft.
+    rule "typical" relaxes every position; "routine" (the paper's premise made a knob) only positions that commit to
+    nothing: neither the drafted token nor p's argmax is in `commitments` (token ids: on the toy the words its CoC
+    grammar leaves open, driving.commitment_ids; on a real target the user's list). A commitment position is verified
+    exactly, so its token's law given the prefix is p's."""
+    rule: str  # "typical" or "routine"
+    bound: float  # in [0, 1]: 0 = exact verification
+    commitments: frozenset = frozenset()  # token ids the routine rule keeps exact
+
+    def __post_init__(self):
+        if self.rule not in ("typical", "routine"):
+            raise ValueError(f"relaxed rule must be 'typical' or 'routine', got {self.rule!r}")
+        if not (isinstance(self.bound, (int, float)) and 0 <= self.bound <= 1):
+            raise ValueError(f"relaxed bound must be in [0, 1] (0 = exact), got {self.bound!r}")
+        object.__setattr__(self, "commitments", frozenset(int(i) for i in self.commitments))
+        if self.rule == "routine" and not self.commitments:
+            raise ValueError("the routine rule needs the commitment token ids it keeps exact")
+
+    def accepts(self, logits_p, x, sampling):
+        """logits_p (..., V) of p where the tokens x (...) were drafted, and the decode's speculate.Sampling -> bool
+        (...): x passes."""
+        p = torch.softmax(logits_p.float(), -1) if sampling.greedy else sampling.probs(logits_p)  # (..., V)
+        top = logits_p.argmax(-1)  # (...) p's likeliest token
+        eps = 1.0 - self.bound
+        h = -(p * p.clamp_min(1e-30).log()).sum(-1)  # (...) entropy H(p)
+        ok = p.gather(-1, x[..., None])[..., 0] >= torch.clamp(math.sqrt(eps) * torch.exp(-h), max=eps)  # (...)
+        if self.rule == "routine":
+            commit = torch.zeros(p.shape[-1], dtype=torch.bool, device=p.device)  # (V,)
+            commit[torch.tensor(sorted(self.commitments), device=p.device)] = True
+            ok &= ~commit[x] & ~commit[top]
+        return ok
