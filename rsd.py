@@ -123,12 +123,9 @@ def choose(rec, val_taus, shapes):
     times, tt = rec["step_times"], rec["tree_step_times"]
     t1, td = times["target"][1], times["draft"]
     gamma = {row: evaluate.speed_optimal_gamma(taus, times) for row, taus in val_taus.items()}
-
-    def predicted(row, sh):
-        return tree_speedup(rec["tree_val_tau"][row][shape_key(sh)], t1, td, tt["draft_level"], tt["target"][sh.nodes],
-                            sh)
-
-    tree = {row: max(shapes, key=lambda sh: predicted(row, sh)) for row in val_taus} if shapes else {}
+    tree = {row: max(shapes, key=lambda sh: tree_speedup(rec["tree_val_tau"][row][shape_key(sh)], t1, td,
+                                                         tt["draft_level"], tt["target"][sh.nodes], sh))
+            for row in val_taus} if shapes else {}
     return gamma, tree
 
 
