@@ -98,11 +98,6 @@ def search(target, first, val, shapes, stop):
     return rec
 
 
-def int_keys(times):
-    """step times read back from JSON: {"target": {n: s}} with int n again."""
-    return None if times is None else {**times, "target": {int(n): t for n, t in times["target"].items()}}
-
-
 def recorded_search(path, key, log=print):
     """The search recorded at path (python rsd.py --search) when it was made for these checkpoints and settings;
     else None, saying why (a stale record is never used: its step times and taus belong to other models)."""
@@ -114,7 +109,8 @@ def recorded_search(path, key, log=print):
         log(f"{path} was recorded for other checkpoints or settings ({differ} differ): not used, searching on val now "
             "(python rsd.py --search records the search)")
         return None
-    return {**rec, "step_times": int_keys(rec["step_times"]), "tree_step_times": int_keys(rec["tree_step_times"])}
+    return {**rec, **{k: rec[k] and {**rec[k], "target": {int(n): t for n, t in rec[k]["target"].items()}}
+                      for k in ("step_times", "tree_step_times")}}  # JSON's "target": {"n": s} keys: int n again
 
 
 def choose(rec, val_taus, shapes):
@@ -218,16 +214,15 @@ def paper_table(target, drafts, splits, outputs, metrics, rec, n_time, repeats, 
         stats = [evaluate.result_stats(real(d, sh, timed[f"{name} tree"] if reuse and s == next(iter(drafts[name]))
                                             else ()), sh, outputs["test"]) for s, d in drafts[name].items()]
         tree_taus = [st["tau"] for st in stats]
-        row = {**{k: chain[name][k] for k in ("commit_acc", "ade", "attn_history", "attn_image", "attn_text")},
-               "name": f"{name} tree", "gamma": None, "tree": [sh.nodes, sh.depth, sh.width],
-               "tau": statistics.mean(tree_taus), "tau_spread": max(tree_taus) - min(tree_taus),
-               "tau_by_seed": tree_taus, "tau_ceiling": stats[0]["tau_ceiling"], "folders": len(tree_taus),
-               "val_tau": {str(x): rec["tree_val_tau"][name][shape_key(x)] for x in shapes},  # str(TreeShape)
-               "routine_fraction": statistics.mean(st["routine_fraction"] for st in stats),
-               "alpha_by_depth": stats[0]["alpha_by_depth"], "nodes_per_round": stats[0]["nodes_per_round"],
-               **speed[f"{name} tree"], "greedy_match": all(st["greedy_match"] for st in stats),
-               "replay_exact": True}
-        rows.append(row)
+        rows.append({**{k: chain[name][k] for k in ("commit_acc", "ade", "attn_history", "attn_image", "attn_text")},
+                    "name": f"{name} tree", "gamma": None, "tree": [sh.nodes, sh.depth, sh.width],
+                    "tau": statistics.mean(tree_taus), "tau_spread": max(tree_taus) - min(tree_taus),
+                    "tau_by_seed": tree_taus, "tau_ceiling": stats[0]["tau_ceiling"], "folders": len(tree_taus),
+                    "val_tau": {str(x): rec["tree_val_tau"][name][shape_key(x)] for x in shapes},  # str(TreeShape)
+                    "routine_fraction": statistics.mean(st["routine_fraction"] for st in stats),
+                    "alpha_by_depth": stats[0]["alpha_by_depth"], "nodes_per_round": stats[0]["nodes_per_round"],
+                    **speed[f"{name} tree"], "greedy_match": all(st["greedy_match"] for st in stats),
+                    "replay_exact": True})
     for r in rows[1:] if sampled else ():  # the replay is greedy; sampled tau needs real decoding
         s = evaluate.spec_stats(target, {"x": decoders[r["name"]][0]}, prompts, decoders[r["name"]][1], stop_token=stop,
                                 sampling=sampling)["x"]
