@@ -5,7 +5,8 @@ docs/background.md, "Speculative decoding"): speed-up = tau T_target(1) / (gamma
 Paper: RSD accelerates the reasoning step; the prefill, shared by both arms, is reported apart. Fairness: the same
 KV-cached forward and dtype in both arms, every shape warmed up, the device synchronised before each clock reading,
 the arms alternating within each repeat, medians reported; greedy outputs compared token by token. Random weights
-(--preset, or --target without --draft) predict the speed-up at a recorded toy acceptance (--toy-json).
+(--preset, or --target without --draft): read the cost model (experiments/gpu_check.py predicts the speed-up at the
+real shape from the toy's recorded acceptance).
 
 run: python bench.py --device cpu [--compile]                          (the toy, from the shipped checkpoints/toy)
      python bench.py --device cuda --preset qwen3-vl-8b [--draft-vocab 32768]  (real shapes, random weights)
@@ -40,11 +41,9 @@ TOY_DRAFT = ("aarl", 0)  # the toy mode's default draft: FlatRoPE + AARL (static
 TOY_JSON = "runs/bench_toy.json"  # the toy mode's default --out (whatever settings that run had); never a shipped file
 ROOT = os.path.dirname(os.path.abspath(__file__))
 SHIPPED_DIR = os.path.join(ROOT, "checkpoints")  # what the repo ships: no report is written there
-# the recorded toy acceptances (relative to ROOT) random weights predict at: the chain's (gamma 6), the default tree's
-TOY_ACCEPTANCE, TOY_TREE_ACCEPTANCE = "experiments/bench_cpu.json", "experiments/bench_cpu_tree.json"
-COMPILED = ("target-only compiled", "speculative compiled")  # --compile's arms, timed beside the eager ones
 CHAIN_ARM = "speculative chain"  # with a tree: the chain of --gamma, the same draft, timed in the same passes
-COMPILED_CHAIN = "speculative chain compiled"
+# --compile's arms, timed beside the eager ones: each eager arm's name + " compiled"
+COMPILED, COMPILED_CHAIN = (TARGET_ONLY + " compiled", "speculative compiled"), CHAIN_ARM + " compiled"
 CHOOSE_SCENES = 16  # val scenes whose tau chooses --compile's tree, or whose plans choose the plans' tree
 # the plans' candidate trees: evaluate.TREES and a smaller budget, for a verify over B rows costs more per node
 PLAN_TREES = (TreeShape(8, 4, 3), *evaluate.TREES)
@@ -54,25 +53,40 @@ MAX_TREE_CANDIDATES = 1024
 
 # ---- the two arms, timed in the same passes ----
 @torch.no_grad()  # the grad mode the compiled steps were warmed up in (evaluate.spec_stats); another recompiles
-def time_arms(target, drafts, prompts, gamma, max_new, stop_token, repeats, sampling=GREEDY, extra=None):
-    """{arm: {prefill_ms, ms_per_token, speedup (medians over `repeats` passes), ms_per_token_range}}: every arm
-    warmed up on every prompt, then timing.interleaved's passes; extra: {name: (target, draft or None[, gamma])};
-    sampled: prompt i's seeds in every pass."""
+def time_arms(target, drafts, prompts, gamma, max_new, stop_token, repeats, sampling=GREEDY, extra=None, blocks=1,
+              warm_all=True):
+    """({arm: {prefill_ms, ms_per_token, speedup (medians over `repeats` passes), ms_per_token_range, speedup_range}},
+    {arm: [SpecResult per prompt] of the first pass}): every arm warmed up (warm_all: on every prompt, else on the
+    first), then timing.interleaved's passes (the arms back to back on each prompt, the order rotated): load that drifts
+    on a shared machine falls on every arm alike. extra: {name: (target, draft or None[, gamma])}; sampled: prompt i's
+    seeds in every pass. Ranges: min..max over the passes' `blocks` blocks of prompts (a block's speed-up is paired:
+    the same prompts, timed back to back)."""
     arms = {TARGET_ONLY: (target, None), **{name: (target, d) for name, d in drafts.items()}, **(extra or {})}
     arms = {name: (*arm, gamma)[:3] for name, arm in arms.items()}  # (target, draft, gamma) each
-    for t, draft, g in arms.values():
+    for t, draft, g in arms.values() if warm_all else ():
         for i, p in enumerate(prompts):
             evaluate.decode(t, draft, p, g, max_new, stop_token, sampling.offset(i))
     runs = timing.interleaved({name: lambda i, t=t, d=d, g=g: evaluate.decode(
         t, d, prompts[i], g, max_new, stop_token, sampling.offset(i), timing=True)
-        for name, (t, d, g) in arms.items()}, len(prompts), repeats, prompts[0]["input_ids"].device, warmup=0)
+        for name, (t, d, g) in arms.items()}, len(prompts), repeats, prompts[0]["input_ids"].device,
+        warmup=0 if warm_all else 1)
+    res = {name: [[x.result for x in p] for p in passes] for name, passes in runs.items()}  # [pass][prompt]
+    nb = min(blocks, len(prompts))
+    cuts = [round(j * len(prompts) / nb) for j in range(nb + 1)]
+    units = [(r, lo, hi) for r in range(repeats) for lo, hi in zip(cuts, cuts[1:])]
+
+    def ms(name, r, lo=0, hi=len(prompts)):  # pass r's ms/token over prompts lo..hi-1
+        return 1e3 * sum(x.decode_s for x in res[name][r][lo:hi]) / sum(len(x.tokens) for x in res[name][r][lo:hi])
+
+    med = {name: median(ms(name, r) for r in range(repeats)) for name in arms}
     out = {}
-    for name, passes in runs.items():
-        res = [[x.result for x in p] for p in passes]
-        ms = timing.spread([1e3 * sum(r.decode_s for r in p) / sum(len(r.tokens) for r in p) for p in res])
-        out[name] = {"prefill_ms": median(1e3 * sum(r.prefill_s for r in p) / len(p) for p in res),
-                     "ms_per_token": ms["median"], "ms_per_token_range": [ms["min"], ms["max"]]}
-    return {name: dict(o, speedup=out[TARGET_ONLY]["ms_per_token"] / o["ms_per_token"]) for name, o in out.items()}
+    for name in arms:
+        unit_ms = [ms(name, *u) for u in units]
+        unit_up = [ms(TARGET_ONLY, *u) / m for u, m in zip(units, unit_ms)]
+        out[name] = {"prefill_ms": median(1e3 * sum(x.prefill_s for x in p) / len(p) for p in res[name]),
+                     "ms_per_token": med[name], "speedup": med[TARGET_ONLY] / med[name],
+                     "ms_per_token_range": [min(unit_ms), max(unit_ms)], "speedup_range": [min(unit_up), max(unit_up)]}
+    return out, {name: r[0] for name, r in res.items()}
 
 
 def compiled_pair(target, draft, prompts, decoders, max_new, batch=1):
@@ -88,14 +102,16 @@ def compiled_pair(target, draft, prompts, decoders, max_new, batch=1):
     return compiled.CompiledSteps(target, max_len, t_lengths, batch), compiled.CompiledSteps(draft, max_len, d_lengths, batch)
 
 
-def both_arms(ar, spec):  # {ar_prefill_ms, spec_prefill_ms, ar_ms_per_token, spec_ms_per_token}
-    return {f"{a}_{k}": arm[k] for k in ("prefill_ms", "ms_per_token") for a, arm in (("ar", ar), ("spec", spec))}
-
-
-def chain_json(gamma, c, ar, spec):
-    """The chain arm c timed beside a tree (spec): its speed-up over target-only (ar), and the tree's over it."""
-    return {"gamma": gamma, "ms_per_token": c["ms_per_token"], "speedup": ar["ms_per_token"] / c["ms_per_token"],
-            "tree_over_chain": c["ms_per_token"] / spec["ms_per_token"]}
+def arms_json(t, chain_gamma, sfx=""):
+    """Target-only and the decoder among t's arms named with sfx: ar_ / spec_ prefill and ms/token, the speed-up; beside
+    a tree the chain arm of chain_gamma: its speed-up over target-only, and the tree's over it."""
+    ar, spec, c = t[TARGET_ONLY + sfx], t["speculative" + sfx], t.get(CHAIN_ARM + sfx)
+    out = {f"{a}_{k}": arm[k] for k in ("prefill_ms", "ms_per_token") for a, arm in (("ar", ar), ("spec", spec))}
+    out["speedup"] = ar["ms_per_token"] / spec["ms_per_token"]
+    if c:
+        out["chain"] = {"gamma": chain_gamma, "ms_per_token": c["ms_per_token"], "speedup": ar["ms_per_token"]
+                        / c["ms_per_token"], "tree_over_chain": c["ms_per_token"] / spec["ms_per_token"]}
+    return out
 
 
 def choose_tree(ct, cd, val_prompts, shapes, max_new, stop_token):
@@ -115,12 +131,12 @@ def benchmark(target, draft, prompts, gamma, max_new, stop_token=None, repeats=3
     """One draft's record: statistics, divergences, both arms timed, the cost model; compile: all that, compiled.
     A tree (gamma a TreeShape) is timed beside the chain of chain_gamma with the same draft, compiled or not.
     choose (compile): (val prompts, tree shapes): the tree is the one the compiled steps run fastest (choose_tree)."""
-    extra, comp = {}, {}
+    comp = {}
     if compile:
         shapes = choose[1] if choose else [gamma]
-        trees = [sh for sh in shapes if isinstance(sh, TreeShape)]
         ct, cd = compiled_pair(target, draft, prompts + (choose[0] if choose else []),
-                               [*shapes, *([chain_gamma] if trees else [])], max_new)
+                               [*shapes, *([chain_gamma] if any(isinstance(sh, TreeShape) for sh in shapes) else [])],
+                               max_new)
         clock = timing.Clock(prompts[0]["input_ids"].device, enabled=True)
         if choose:  # compiles every candidate's steps, outside compile_s
             gamma, scores = choose_tree(ct, cd, choose[0], shapes, max_new, stop_token)
@@ -141,23 +157,16 @@ def benchmark(target, draft, prompts, gamma, max_new, stop_token=None, repeats=3
         compile_s = clock.lap()
         div = {arm: timing.divergences(target, prompts, reference, o["tokens"]) for arm, o in outputs.items()}
         comp.update(compile_s=compile_s, divergences=div, greedy_match=not any(div.values()))
-        extra = {COMPILED[0]: (ct, None), COMPILED[1]: (ct, cd)} | ({COMPILED_CHAIN: (ct, cd, chain_gamma)} if tree
-                                                                   else {})
-    if tree:  # the chain with the same draft, in the same passes: is the tree faster here?
-        extra[CHAIN_ARM] = (target, draft, chain_gamma)
-    t = time_arms(target, {"speculative": draft}, prompts, gamma, max_new, stop_token, repeats, sampling, extra)
+    arms = arm_table({"": (target, draft)} | ({" compiled": (ct, cd)} if compile else {}), gamma, chain_gamma)
+    t = time_arms(target, {}, prompts, gamma, max_new, stop_token, repeats, sampling, arms)[0]
     res = {"decoder": decoder_json(gamma), "decoding": cli.sampling_json(sampling),
-           "greedy_match": spec["greedy_match"],
-           "tau": spec["tau"], "alpha": spec["alpha"],
-           "routine_fraction": spec["routine_fraction"], "tokens": spec["n_tokens"], "prompts": len(prompts),
-           "divergences": timing.divergences(target, prompts, reference, spec["tokens"]),
-           **both_arms(t[TARGET_ONLY], t["speculative"]), "speedup": t["speculative"]["speedup"]}
-    if tree:
-        res["chain"] = chain_json(chain_gamma, t[CHAIN_ARM], t[TARGET_ONLY], t["speculative"])
-    sampled = not sampling.greedy  # then the timed runs' own statistics: the same seeds, the same tokens
-    timed = evaluate.spec_stats(target, {"speculative": draft}, prompts, gamma, max_new, stop_token,
-                                sampling=sampling)["speculative"] if sampled else spec
-    if sampled:
+           **{k: spec[k] for k in ("greedy_match", "tau", "alpha", "routine_fraction")}, "tokens": spec["n_tokens"],
+           "prompts": len(prompts), "divergences": timing.divergences(target, prompts, reference, spec["tokens"]),
+           **arms_json(t, chain_gamma)}
+    timed = spec
+    if not sampling.greedy:  # then the timed runs' own statistics: the same seeds, the same tokens
+        timed = evaluate.spec_stats(target, {"speculative": draft}, prompts, gamma, max_new, stop_token,
+                                    sampling=sampling)["speculative"]
         res["sampled"] = {k: timed[k] for k in ("tau", "alpha", "routine_fraction")} | {"tokens": timed["n_tokens"]}
     # every round drafts and verifies the whole shape (the last one's block is cut): the cost model's
     res["ran"] = dict(decoder_json(gamma), nodes_per_round=timed["nodes_per_round"],
@@ -166,13 +175,9 @@ def benchmark(target, draft, prompts, gamma, max_new, stop_token=None, repeats=3
     res["c"] = res["t_draft_1"] / res["t_target_1"]
     if not tree:  # Leviathan's closed form is the chain's
         res["leviathan_speedup"] = evaluate.expected_speedup(timed["alpha"], gamma, res["c"])
-    if compile:
-        ar_c, spec_c = t[COMPILED[0]], t[COMPILED[1]]
-        comp.update(both_arms(ar_c, spec_c), speedup=ar_c["ms_per_token"] / spec_c["ms_per_token"],
-                    speedup_vs_eager=spec_c["speedup"],  # compiled speculative vs eager target-only
-                    target_only_vs_eager=ar_c["speedup"])  # eager target-only / compiled target-only
-        if tree:
-            comp["chain"] = chain_json(chain_gamma, t[COMPILED_CHAIN], ar_c, spec_c)
+    if compile:  # the compiled speed-up over compiled target-only, and each compiled arm's over eager target-only
+        comp.update(arms_json(t, chain_gamma, " compiled"), speedup_vs_eager=t[COMPILED[1]]["speedup"],
+                    target_only_vs_eager=t[COMPILED[0]]["speedup"])
         res["compiled"] = comp | cost_model(ct, cd, prompts[0], gamma, timed["tau"])
     return res
 
@@ -185,26 +190,21 @@ def plans(target, draft, prompts, gamma, max_new, stop_token, repeats, sampling,
     chain, against autoregressive_batch on the same rows), arms alternating in every pass, medians reported: per
     plan the reasoning step's ms until every row is done, tokens per second, tau per row, the speed-up; greedy rows
     compared with their own batch-1 target-only decode. compile: the same arms through CompiledSteps of B rows."""
-    B, groups, kw = batch * samples, plan_batches(prompts, batch), dict(samples=samples, stop_token=stop_token)
-    tree = isinstance(gamma, TreeShape)
-    arms = {TARGET_ONLY: (target, None, None), "speculative": (target, draft, gamma)}
-    arms |= {CHAIN_ARM: (target, draft, chain_gamma)} if tree else {}
-    if compile:
-        ct, cd = compiled_pair(target, draft, groups, [gamma, chain_gamma], max_new, B)
-        arms |= {COMPILED[0]: (ct, None, None), COMPILED[1]: (ct, cd, gamma)}
-        arms |= {COMPILED_CHAIN: (ct, cd, chain_gamma)} if tree else {}
+    B, groups = batch * samples, plan_batches(prompts, batch)
+    compiled_ = {" compiled": compiled_pair(target, draft, groups, [gamma, chain_gamma], max_new, B)} if compile else {}
+    pairs = {"": (target, draft)} | compiled_
 
-    def run(t, d, g, p, j, timing=False):  # plan j's rows seeded seed + B j + r: the same draws in every pass
+    def run(t, d, g, p, j):  # plan j's rows seeded seed + B j + r: the same draws in every pass
+        kw = dict(samples=samples, stop_token=stop_token, sampling=sampling.offset(B * j), timing=True)
         if d is None:
-            return speculate.autoregressive_batch(t, p, max_new, sampling=sampling.offset(B * j), timing=timing, **kw)
-        decode = trees.speculative_batch if isinstance(g, TreeShape) else speculate.speculative_batch
-        return decode(t, d, p, g, max_new, sampling=sampling.offset(B * j), timing=timing, **kw)
+            return speculate.autoregressive_batch(t, p, max_new, **kw)
+        return (trees.speculative_batch if isinstance(g, TreeShape) else speculate.speculative_batch)(
+            t, d, p, g, max_new, **kw)
 
-    runs = timing.interleaved({name: lambda j, arm=arm: run(*arm, groups[j], j, timing=True) for name, arm in
-                               arms.items()}, len(groups), repeats, groups[0]["input_ids"].device)  # warm-up, compile
+    runs = timing.interleaved({name: lambda j, arm=arm: run(*arm, groups[j], j) for name, arm in arm_table(
+        pairs, gamma, chain_gamma).items()}, len(groups), repeats, groups[0]["input_ids"].device)  # warm-up, compile
     out = {name: [x.result for x in ps[0]] for name, ps in runs.items()}  # the same rows in every pass
-    passes = {name: [1e3 * sum(max(r.decode_s for r in x.result) for x in p) / len(groups) for p in ps]
-              for name, ps in runs.items()}  # ms per plan, until every row is done
+    passes = {name: plan_ms(ps, len(groups)) for name, ps in runs.items()}  # ms per plan, until every row is done
     rec = {"batch": batch, "samples": samples, "rows": B, "plans": len(groups), "decoding": cli.sampling_json(sampling),
            "cocs": [r.tokens for r in out["speculative"][0]],  # the first plan's rows
            "what": "ms: the reasoning step of one plan, until every row is done (median over passes); "
@@ -217,7 +217,7 @@ def plans(target, draft, prompts, gamma, max_new, stop_token, repeats, sampling,
                      "tau_per_row": [r.tau for r in rows], "mean_tau": sum(r.tau for r in rows) / len(rows),
                      "idle_row_share": sum(max(r.rounds for r in plan) - r.rounds for plan in out[name] for r in plan)
                      / sum(max(r.rounds for r in plan) * len(plan) for plan in out[name])}
-        if name in COMPILED + (COMPILED_CHAIN,):
+        if name.endswith(" compiled"):
             rec[name]["speedup"] = median(passes[COMPILED[0]]) / ms  # over compiled target-only
     if sampling.greedy:  # greedy: each row equals its own prompt's batch-1 target-only decode
         ref = [speculate.autoregressive(target, p, max_new, stop_token=stop_token).tokens for p in prompts]
@@ -234,6 +234,19 @@ def plan_batches(prompts, batch):
     return [evaluate.stack_prompts(prompts[i:i + batch]) for i in range(0, len(prompts) - batch + 1, batch)]
 
 
+def arm_table(pairs, gamma, chain_gamma):
+    """{arm: (target, draft or None, gamma)} for each (target, draft) of pairs {name suffix: pair}: target-only, the
+    decoder, and beside a tree the chain of chain_gamma with the same draft, timed in the same passes (is the tree
+    faster here?)."""
+    arms = ((TARGET_ONLY, False, gamma), ("speculative", True, gamma), (CHAIN_ARM, True, chain_gamma))
+    return {name + sfx: (t, d if drafted else None, g) for sfx, (t, d) in pairs.items()
+            for name, drafted, g in arms[:3 if isinstance(gamma, TreeShape) else 2]}
+
+
+def plan_ms(passes, n):  # each pass's ms per plan of n, until every row of the plan is done
+    return [1e3 * sum(max(r.decode_s for r in x.result) for x in p) / n for p in passes]
+
+
 def action_stage(target, prompt, cocs, end, v0=None, repeats=3):
     """The plan's action step over all its rows (evaluate.action_rows: the shared prefill, the rows' CoCs closed by
     end, the expert or the toy's head), timed: {action_ms (median of repeats), waypoints}."""
@@ -245,14 +258,13 @@ def action_stage(target, prompt, cocs, end, v0=None, repeats=3):
 def choose_plan_tree(target, draft, val_prompts, max_new, stop_token, sampling, batch, samples):
     """The tree of PLAN_TREES whose plans of val_prompts run fastest, measured (eager, timing.interleaved: the median
     of 3 passes after a warm-up) -> (shape, the record: each candidate's ms per val plan)."""
-    groups, kw = plan_batches(val_prompts, batch), dict(samples=samples, stop_token=stop_token)
     if sampling.seed is None:  # plan j's rows seeded as in plans()
         sampling = dataclasses.replace(sampling, seed=0)
+    groups, kw = plan_batches(val_prompts, batch), dict(samples=samples, stop_token=stop_token)
     runs = timing.interleaved({str(sh): lambda j, sh=sh: trees.speculative_batch(
         target, draft, groups[j], sh, max_new, timing=True, **kw, sampling=sampling.offset(batch * samples * j))
         for sh in PLAN_TREES}, len(groups), 3, groups[0]["input_ids"].device)
-    ms = {name: median(1e3 * sum(max(r.decode_s for r in x.result) for x in p) / len(groups) for p in ps)
-          for name, ps in runs.items()}
+    ms = {name: median(plan_ms(ps, len(groups))) for name, ps in runs.items()}
     best = min(PLAN_TREES, key=lambda sh: ms[str(sh)])
     return best, {"what": f"the tree whose plans of {len(val_prompts)} val scenes ran fastest (eager, ms per plan)",
                   "ran": decoder_json(best), "ms_per_val_plan": ms}
@@ -320,63 +332,40 @@ def build_preset(name, device, dtype, layers=None, draft_vocab=0):
                                 vocab_ids=torch.arange(draft_vocab) if draft_vocab else None).eval()
 
 
-def toy_acceptance(path, want=None):
-    """A toy report's acceptance for a random-weight prediction; a ValueError if it has none worth predicting at."""
-    full = path if os.path.isabs(path) or os.path.exists(path) else os.path.join(ROOT, path)
-    if not os.path.isfile(full):
-        raise ValueError(f"--toy-json {path}: no such file (the committed default is {TOY_ACCEPTANCE})")
-    d = files.read_json(full)
-    if not isinstance(d, dict) or d.get("mode") != "toy" or not isinstance(d.get("alpha"), (int, float)):
-        raise ValueError(f"--toy-json {path}: not a toy bench.py report (needs mode 'toy' and an alpha)")
-    draft = d.get("draft", "")
-    if os.path.basename(os.path.normpath(draft)) == "target" or draft == d.get("target"):
-        raise ValueError(f"--toy-json {path}: its draft {draft} is the target itself (its alpha says nothing)")
-    recorded = d.get("decoder") or {"kind": "chain", "gamma": d.get("gamma")}  # reports before trees: a chain
-    if want is not None and want["kind"] == "tree" and recorded != want:
-        raise ValueError(f"--toy-json {path} ran {decoder_text(recorded)}, this run {decoder_text(want)}: a tree's "
-                         "prediction needs the toy's tau with the same tree (bench.py --device cpu --json writes one)")
-    return {"source": path, "alpha": d["alpha"], "decoder": recorded, "draft": draft,
-            **{k: d.get(k) for k in ("tau", "gamma", "prompts", "dtype", "decoding", "torch", "hardware")}}
-
-
 def real(args, device, dtype, sampling):
     """A real checkpoint (--target: the whole plan on pixels, alpamayo.py), or a real shape with random weights."""
     if args.target:  # its config read, before any weights or decoding
         check_fits(args, hf.read_config(args.target)[0], args.draft and checkpoint.header(args.draft)[1].draft_vocab)
+    extra, past = {}, alpamayo.history_poses()  # a plan's history: the generated prompt's straight 8 m/s
     if args.scenes:  # tau, alpha, identity, stage latencies and ADE over a scene folder (alpamayo.heldout)
         found, prompts, stop, how = scenes.scene_prompts(args.target, args.scenes, args.processor,
                                                          min_pixels=args.min_pixels, max_pixels=args.max_pixels)
-        if args.samples > 1:  # each held-out scene a plan of N sampled rows as one batch, the expert over all rows
-            target, draft = alpamayo.load_pair(args.target, args.draft, device, dtype)
-            ps = [hf.on_model(scenes.built(i, p), target) for i, p in prompts]
-            p = plans(target, draft, ps, args.decoder, args.max_new, stop[-1], args.repeats, sampling, 1, args.samples,
-                      args.compile, args.gamma)
-            if getattr(target, "expert", None) is not None:  # the first scene's plan, at its own speed
-                v0 = speed_from_history(found[0].past[None]).to(device).expand(args.samples)  # (B,)
-                p.update(action_stage(target, ps[0], p["cocs"], stop[-1:], v0, args.repeats))
-            return {"mode": "plans", "model": args.target, "scenes_dir": args.scenes,
-                    "decoding": cli.sampling_json(sampling),
-                    "plan": p, "trained_draft": bool(args.draft), "prompt_source": how}
-        return alpamayo.heldout_bench(args.target, args.draft, args.scenes, found, prompts, stop[-1], how, args.decoder,
-                                      args.max_new, args.repeats, device, dtype, args.processor)
-    if args.target:
+        if args.samples == 1:
+            return alpamayo.heldout_bench(args.target, args.draft, args.scenes, found, prompts, stop[-1], how,
+                                          args.decoder, args.max_new, args.repeats, device, dtype, args.processor)
+        target, draft = alpamayo.load_pair(args.target, args.draft, device, dtype)
+        ps, stop, past = [hf.on_model(scenes.built(i, p), target) for i, p in prompts], stop[-1], found[0].past
+        extra = {"scenes_dir": args.scenes, "prompt_source": how}
+    elif args.target:
         images = alpamayo.scene_images(args.images_dir, args.images, args.image_size)
         target, draft, prompt, stop, tok, how = alpamayo.load(args.target, args.draft, images, device, dtype,
                                                               args.processor, args.min_pixels, args.max_pixels)
+        ps = [prompt]
     else:
         (target, draft), stop = build_preset(args.preset, device, dtype, args.layers, args.draft_vocab), None
         prompt = alpamayo.real_prompt(target.cfg, device, n_images=args.images)
         if "pixel_values" in prompt:
             prompt["pixel_values"] = prompt["pixel_values"].to(dtype)
+        ps = [prompt]
     name = args.target or (args.preset + (f" ({args.layers} layers)" if args.layers else "")
                            + (f", draft head over {args.draft_vocab} ids" if args.draft_vocab else ""))
-    if args.samples > 1:  # the scene's plan as the release runs it: `samples` CoCs as one batch, the expert over all
-        p = plans(target, draft, [prompt], args.decoder, args.max_new, stop, args.repeats, sampling, 1, args.samples,
+    if args.samples > 1:  # each scene's plan as the release runs it: `samples` CoCs as one batch, the expert over all
+        p = plans(target, draft, ps, args.decoder, args.max_new, stop, args.repeats, sampling, 1, args.samples,
                   args.compile, args.gamma)
-        if getattr(target, "expert", None) is not None:
-            v0 = speed_from_history(alpamayo.history_poses()[None]).to(device).expand(args.samples)  # (B,)
-            p.update(action_stage(target, prompt, p["cocs"], (stop,), v0, args.repeats))
-        return {"mode": "plans", "model": name, "decoding": cli.sampling_json(sampling), "plan": p,
+        if getattr(target, "expert", None) is not None:  # the first scene's plan, at its own speed
+            v0 = speed_from_history(past[None]).to(device).expand(args.samples)  # (B,)
+            p.update(action_stage(target, ps[0], p["cocs"], (stop,), v0, args.repeats))
+        return {"mode": "plans", "model": name, **extra, "decoding": cli.sampling_json(sampling), "plan": p,
                 "trained_draft": bool(args.draft)}
     res = benchmark(target, draft, [prompt], args.decoder, args.max_new, stop, args.repeats, sampling, args.compile,
                     args.gamma)
@@ -384,20 +373,6 @@ def real(args, device, dtype, sampling):
     if args.target:
         res.update(alpamayo.plan(target, draft, prompt, stop, tok, how, args.decoder, args.max_new, args.repeats,
                                  sampling))
-    if args.tree:  # what a tree verify costs against one token at this shape: the number trees live by
-        nodes = tuple(n for n in (7, 15, 31, 63) if n <= max(7, args.decoder.nodes))  # up to this tree's size
-        tt = timing.tree_step_times(target, draft, prompt, nodes, args.decoder.width, reps=5)
-        res["verify_ratio"] = {n + 1: tt["target"][n] / (1e-3 * res["t_target_1"]) for n in nodes}
-    if not args.draft:  # random weights: acceptance says nothing; predict at the recorded toy's (check_flags read it)
-        toy, t1, td = args.toy_acceptance, res["t_target_1"], res["t_draft_1"]
-        res["toy_acceptance"] = toy
-        ran = TreeShape(*(res["ran"][k] for k in ("nodes", "depth", "width"))) if args.tree else res["ran"]["gamma"]
-        if args.tree:  # the same tree's tau, at the cost of the tree that ran (the cost model's)
-            res.update(toy_tau=toy["tau"], predicted_speedup_at_toy_tau=tree_speedup(
-                toy["tau"], t1, td, res["t_draft_level"], res["t_target_verify"], ran, res["t_draft_grow"]))
-        else:  # the chain's alpha, through Leviathan's tau at this gamma
-            res.update(toy_alpha=toy["alpha"], predicted_speedup_at_toy_alpha=evaluate.measured_speedup(
-                evaluate.expected_tau(toy["alpha"], ran), t1, td, res["t_target_gamma1"], ran))
     return res
 
 
@@ -436,14 +411,13 @@ def report(res):
             ("greedy", acceptance(**res))]
     rows += [("sampled", acceptance(**res["sampled"]) + "   (the timed runs; lossless in distribution, so not "
               "compared token by token)")] if s else []
-    rows += [("chain arm", "the same draft, gamma {gamma}: {ms_per_token:.3f} ms/token, speed-up {speedup:.2f}x; the "
-              "tree is {tree_over_chain:.2f}x the chain".format(**res["chain"]))] if "chain" in res else []
+    chain = "the same draft, gamma {gamma}: {ms_per_token:.3f} ms/token, speed-up {speedup:.2f}x{}; the tree is " \
+        "{tree_over_chain:.2f}x the chain"
+    rows += [("chain arm", chain.format("", **res["chain"]))] if "chain" in res else []
     rows += [("compiled", arms(c, c["speedup"]) + f" ({c['speedup_vs_eager']:.2f}x over eager target-only, greedy "
               f"{'identical' if c['greedy_match'] else 'DIFFERS'})   compile + first decodes {c['compile_s']:.0f} s"),
              ("compiled cost", steps(c) + f"   predicted speed-up {c['predicted_speedup']:.2f}x")] if c else []
-    rows += [("compiled chain", "the same draft, gamma {gamma}: {ms_per_token:.3f} ms/token, speed-up {speedup:.2f}x "
-              "over compiled target-only; the tree is {tree_over_chain:.2f}x the chain".format(**c["chain"]))] \
-        if c and "chain" in c else []
+    rows += [("compiled chain", chain.format(" over compiled target-only", **c["chain"]))] if c and "chain" in c else []
     rows += [("compiled tree", "chosen on val from " + ", ".join(
         f"{k} (tau {v['val_tau']:.2f}, predicted {v['predicted_speedup']:.2f}x)" for k, v in
         c["chosen"]["candidates"].items()))] if c and "chosen" in c else []
@@ -453,12 +427,9 @@ def report(res):
              ("predicted", f"speed-up {res['predicted_speedup']:.2f}x (measured {s}tau)" + (
                  f"   {res['leviathan_speedup']:.2f}x (Leviathan, measured {s}alpha)" if "leviathan_speedup" in res
                  else ""))]
-    if "toy_acceptance" in res:
-        t, x = res["toy_acceptance"], "tau" if "toy_tau" in res else "alpha"
-        rows.append((f"at toy {x}", f"{res['toy_' + x]:.3f} ({t['source']}: {t['prompts']} prompts, {t['dtype']}, "
-                     f"{decoder_text(t['decoder'])}): predicted speed-up {res['predicted_speedup_at_toy_' + x]:.2f}x"))
-    lines = ["NOTE: untrained draft -> acceptance (tau, alpha, speed-up) is not meaningful; read the cost model and "
-             "the prediction at the toy's acceptance."] if res["mode"] == "real" and not res["trained_draft"] else []
+    lines = ["NOTE: untrained draft -> acceptance (tau, alpha, speed-up) is not meaningful; read the cost model "
+             "(experiments/gpu_check.py: the speed-up it predicts at the toy's acceptance)."] \
+        if res["mode"] == "real" and not res["trained_draft"] else []
     lines += [run_line(res)] + [f"{label:<15}{text}" for label, text in rows] + timing.divergence_lines(res)
     lines += alpamayo.report_lines(res) if "coc" in res else []
     print("\n".join(lines))
@@ -489,13 +460,21 @@ def plan_lines(p):
 # ---- the flags ----
 def main(argv=None):
     ap = argparse.ArgumentParser(description="Reasoning-step latency: target-only vs speculative (RSD).")
-    ap.add_argument("--device", default="cpu", help="cpu or cuda")
     ap.add_argument("--dtype", default="bf16", choices=sorted(cli.DTYPES), help="weights, activations and KV cache")
-    ap.add_argument("--run", default=checkpoint.SHIPPED, help="toy checkpoints folder (default: the shipped ones)")
-    ap.add_argument("--target", help="Hugging Face Qwen2.5-VL / Qwen3-VL / Alpamayo folder")
-    ap.add_argument("--draft", help="draft folder (checkpoint.save format) trained for the target: the toy's (default "
-                    f"{TOY_DRAFT[0]} seed {TOY_DRAFT[1]} of --run), or one for --target")
     ap.add_argument("--preset", choices=[k for k in sorted(M.PRESETS) if "toy" not in k], help="random weights")
+    for flag, default, text in (  # the folders and files; --images-dir ... --scenes: a real checkpoint's prompt
+            ("--device", "cpu", "cpu or cuda"),
+            ("--run", checkpoint.SHIPPED, "toy checkpoints folder (default: the shipped ones)"),
+            ("--target", None, "Hugging Face Qwen2.5-VL / Qwen3-VL / Alpamayo folder"),
+            ("--draft", None, f"draft folder (checkpoint.save format) trained for the target: the toy's (default "
+                              f"{TOY_DRAFT[0]} seed {TOY_DRAFT[1]} of --run), or one for --target"),
+            ("--images-dir", None, "with --target: a folder of camera images (name order)"),
+            ("--image-size", "288x512", "with --target: HxW of the generated images"),
+            ("--processor", None, "with --target: tokenizer + image processor folder (default: --target)"),
+            ("--scenes", None, "with --target: a scene folder (scenes.py) measured held out: tau, alpha per draft "
+                               "position, routine share, greedy identity, latency per stage, ADE"),
+            ("--out", None, f"write the report's JSON here (toy default {TOY_JSON}; none for a real model)")):
+        ap.add_argument(flag, default=default, help=text)
     for flag, default, text in (
             ("--layers", None, "with --preset: keep only this many decoder layers"),
             ("--draft-vocab", 0, "with --preset: the draft's head covers only the first K token ids (0: all)"),
@@ -513,14 +492,13 @@ def main(argv=None):
                              "runs 6 at --temperature 0.6 --top-p 0.98)"),
             ("--batch", 1, "toy: prompts per batch (with --samples: batch x samples rows per plan)"),
             ("--repeats", 3, "timed passes (median reported), >= 3"),
-            ("--threads", None, "CPU threads (default: torch's)")):
+            ("--threads", None, "CPU threads (default: torch's)"),
+            ("--min-pixels", alpamayo.MIN_PIXELS, "with --target: image size bounds"),
+            ("--max-pixels", alpamayo.MAX_PIXELS, "with --target: image size bounds")):
         ap.add_argument(flag, type=int, default=default, help=text)
-    add_real_flags(ap)
     cli.add_decoding_flags(ap, "> 0 times both arms sampling (Alpamayo-R1 samples its CoC at 0.6, top-p 0.98)")
     ap.add_argument("--compile", action="store_true", help="also every arm through torch.compile'd steps")
-    ap.add_argument("--toy-json", help=f"random weights: the toy acceptance to predict at (default {TOY_ACCEPTANCE})")
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
-    ap.add_argument("--out", help=f"write the report's JSON here (toy default {TOY_JSON}; none for a real model)")
     args = ap.parse_args(argv)
     sampling = check_flags(ap, args)
     if args.threads:
@@ -552,6 +530,8 @@ def check_flags(ap, args):
     args.choose_plan_tree = args.tree is None and toy_mode and plan
     args.choose_tree = args.tree is None and args.compile and toy_mode and not plan
     args.tree = evaluate.TREE.nodes if args.tree is None else args.tree
+    size, src = re.fullmatch(r"(\d+)x(\d+)", args.image_size), args.processor or args.target
+    no_hf, plans_ = importlib.util.find_spec("transformers") is None, args.samples > 1  # --scenes --samples N: plans
     for bad, msg in ((args.target and args.preset, "give --target or --preset, not both"),
                      (min(args.gamma, args.max_new, args.prompts, args.images, args.samples, args.batch) < 1,
                       "--gamma, --max-new, --prompts, --images, --samples and --batch must be >= 1"),
@@ -571,7 +551,27 @@ def check_flags(ap, args):
                       f"--threads must be >= 1 (omit it for torch's default), got {args.threads}"),
                      (not 0 <= args.views <= driving.MAX_VIEWS, f"--views must be in 0..{driving.MAX_VIEWS} (the "
                       f"geometries the toy target was trained on), got {args.views}"),
-                     (args.tree < 0, f"--tree takes a node budget >= 1, or 0 for the chain; got {args.tree}")):
+                     (args.tree < 0, f"--tree takes a node budget >= 1, or 0 for the chain; got {args.tree}"),
+                     *((getattr(args, f) is not None and not os.path.isdir(getattr(args, f)),
+                        f"--{f.replace('_', '-')} {getattr(args, f)}: folder not found")
+                       for f in ("target", "draft", "images_dir", "processor", "scenes")),
+                     (not size or not all(1 <= int(n) <= 8192 for n in size.groups()),  # a camera frame, not all memory
+                      f"--image-size must be HxW in pixels, each in 1..8192 (e.g. 288x512), got {args.image_size!r}"),
+                     (not 1 <= args.min_pixels <= args.max_pixels, "--min-pixels and --max-pixels must satisfy "
+                      f"1 <= min <= max, got {args.min_pixels} and {args.max_pixels}"),
+                     *((getattr(args, f) and not args.target, f"--{f.replace('_', '-')} goes with --target")
+                       for f in ("images_dir", "processor", "scenes")),
+                     (args.scenes and args.images_dir, "--scenes takes no --images-dir (the scenes hold the images)"),
+                     (args.scenes and args.temperature > 0 and not plans_, "--scenes takes no --temperature (greedy "
+                      "only: its outputs are compared token by token; sampled rows: --samples N)"),
+                     (args.scenes and args.compile and not plans_, "--scenes takes no --compile (the eager decoders "
+                      "are timed)"),
+                     (args.scenes and no_hf, "--scenes builds prompts with the folder's tokenizer, which needs "
+                      "transformers: pip install -r requirements-test.txt"),
+                     (args.images_dir and importlib.util.find_spec("PIL") is None,
+                      "--images-dir needs Pillow to read the images: pip install pillow"),
+                     (src and no_hf and alpamayo.has_tokenizer(src),
+                      f"{src} has a tokenizer, which needs transformers: pip install -r requirements-test.txt")):
         if bad:
             ap.error(msg)
     for flag, what, field in (("layers", "keeps 1..n_layers decoder layers", "n_layers"),
@@ -580,10 +580,6 @@ def check_flags(ap, args):
         if v != ap.get_default(flag) and not (hi and 1 <= v <= hi):
             ap.error(f"--{flag.replace('_', '-')} {what} of a --preset"
                      + (f" (1..{hi} for {args.preset})" if hi else "") + f", got {v}")
-    for flag in ("target", "draft", "images_dir", "processor", "scenes"):
-        if getattr(args, flag) is not None and not os.path.isdir(getattr(args, flag)):
-            ap.error(f"--{flag.replace('_', '-')} {getattr(args, flag)}: folder not found")
-    check_real_flags(ap, args)
     with cli.user_errors(ap):  # below: the chain of --gamma (--tree 0), or a tree (a ValueError if it is impossible)
         args.decoder = TreeShape(args.tree, args.tree_depth, args.tree_width) if args.tree else args.gamma
         if args.tree and (n := args.decoder.candidates(args.tree_depth)) > MAX_TREE_CANDIDATES:
@@ -593,8 +589,6 @@ def check_flags(ap, args):
         sampling = cli.sampling(args.temperature, args.top_k, args.top_p, args.sampling_seed)
         if args.draft and checkpoint.existing_kind(args.draft) == "target":
             raise ValueError(f"--draft {args.draft} holds a target model, not a draft (it would accept every token)")
-        args.toy_acceptance = None if toy_mode or args.draft or args.scenes else toy_acceptance(
-            args.toy_json or (TOY_TREE_ACCEPTANCE if args.tree else TOY_ACCEPTANCE), decoder_json(args.decoder))
         needed = [os.path.join(args.run, "target"), args.draft or checkpoint.draft_dir(args.run, *TOY_DRAFT)]
         missing = [d for d in needed if toy_mode and not os.path.isdir(d)]
         if missing:
@@ -640,45 +634,6 @@ def check_fits(args, cfg, draft_vocab=0):
         flag = f"--tree {args.tree}" if args.tree > args.gamma else f"--gamma {args.gamma}"
         raise ValueError(f"--max-new {args.max_new} and {flag} need {args.max_new + block} positions beyond the "
                          f"prompt, more than the model's {cfg.max_seq_len}")
-
-
-def add_real_flags(ap):
-    """--images-dir, --image-size, --processor, --min-pixels, --max-pixels, --scenes: a real checkpoint's prompt."""
-    ap.add_argument("--images-dir", default=None, help="with --target: a folder of camera images (name order)")
-    ap.add_argument("--image-size", default="288x512", help="with --target: HxW of the generated images")
-    ap.add_argument("--processor", help="with --target: tokenizer + image processor folder (default: --target)")
-    ap.add_argument("--min-pixels", type=int, default=alpamayo.MIN_PIXELS, help="with --target: image size bounds")
-    ap.add_argument("--max-pixels", type=int, default=alpamayo.MAX_PIXELS, help="with --target: image size bounds")
-    ap.add_argument("--scenes", help="with --target: a scene folder (scenes.py) measured held out: tau, alpha per "
-                    "draft position, routine share, greedy identity, latency per stage, ADE")
-
-
-def check_real_flags(ap, args):
-    """Parse-time checks of the pixels' geometry and of what reading them needs: each bad value is one line."""
-    size = re.fullmatch(r"(\d+)x(\d+)", args.image_size)
-    if not size or not all(1 <= int(n) <= 8192 for n in size.groups()):  # 8192: a camera frame, not all of memory
-        ap.error(f"--image-size must be HxW in pixels, each in 1..8192 (e.g. 288x512), got {args.image_size!r}")
-    if not 1 <= args.min_pixels <= args.max_pixels:
-        ap.error(f"--min-pixels and --max-pixels must satisfy 1 <= min <= max, got {args.min_pixels} and "
-                 f"{args.max_pixels}")
-    for flag in ("images_dir", "processor", "scenes"):
-        if getattr(args, flag) and not args.target:
-            ap.error(f"--{flag.replace('_', '-')} goes with --target")
-    plans_ = args.samples > 1  # --scenes --samples N: each scene's N sampled rows (bench.plans), not heldout
-    for bad, flag in ((args.images_dir, "--images-dir (the scenes hold the images)"),
-                      (args.temperature > 0 and not plans_, "--temperature (greedy only: its outputs are compared "
-                       "token by token; sampled rows: --samples N)"),
-                      (args.compile and not plans_, "--compile (the eager decoders are timed)")):
-        if args.scenes and bad:
-            ap.error(f"--scenes takes no {flag}")
-    if args.scenes and importlib.util.find_spec("transformers") is None:
-        ap.error("--scenes builds prompts with the folder's tokenizer, which needs transformers: "
-                 "pip install -r requirements-test.txt")
-    if args.images_dir and importlib.util.find_spec("PIL") is None:
-        ap.error("--images-dir needs Pillow to read the images: pip install pillow")
-    src = args.processor or args.target
-    if src and importlib.util.find_spec("transformers") is None and alpamayo.has_tokenizer(src):
-        ap.error(f"{src} has a tokenizer, which needs transformers: pip install -r requirements-test.txt")
 
 
 if __name__ == "__main__":

@@ -98,11 +98,6 @@ def search(target, first, val, shapes, stop):
     return rec
 
 
-def int_keys(times):
-    """step times read back from JSON: {"target": {n: s}} with int n again."""
-    return None if times is None else {**times, "target": {int(n): t for n, t in times["target"].items()}}
-
-
 def recorded_search(path, key, log=print):
     """The search recorded at path (python rsd.py --search) when it was made for these checkpoints and settings;
     else None, saying why (a stale record is never used: its step times and taus belong to other models)."""
@@ -114,7 +109,8 @@ def recorded_search(path, key, log=print):
         log(f"{path} was recorded for other checkpoints or settings ({differ} differ): not used, searching on val now "
             "(python rsd.py --search records the search)")
         return None
-    return {**rec, "step_times": int_keys(rec["step_times"]), "tree_step_times": int_keys(rec["tree_step_times"])}
+    return {**rec, **{k: rec[k] and {**rec[k], "target": {int(n): t for n, t in rec[k]["target"].items()}}
+                      for k in ("step_times", "tree_step_times")}}  # JSON's "target": {"n": s} keys: int n again
 
 
 def choose(rec, val_taus, shapes):
@@ -123,50 +119,13 @@ def choose(rec, val_taus, shapes):
     times, tt = rec["step_times"], rec["tree_step_times"]
     t1, td = times["target"][1], times["draft"]
     gamma = {row: evaluate.speed_optimal_gamma(taus, times) for row, taus in val_taus.items()}
-
-    def predicted(row, sh):
-        return tree_speedup(rec["tree_val_tau"][row][shape_key(sh)], t1, td, tt["draft_level"], tt["target"][sh.nodes],
-                            sh)
-
-    tree = {row: max(shapes, key=lambda sh: predicted(row, sh)) for row in val_taus} if shapes else {}
+    tree = {row: max(shapes, key=lambda sh: tree_speedup(rec["tree_val_tau"][row][shape_key(sh)], t1, td,
+                                                         tt["draft_level"], tt["target"][sh.nodes], sh))
+            for row in val_taus} if shapes else {}
     return gamma, tree
 
 
-# ---- timing: every arm in one interleaved pass ----
-@torch.no_grad()
-def time_interleaved(arms, prompts, stop, repeats, sampling=GREEDY, blocks=TIME_BLOCKS):
-    """Every arm (name -> (target, draft or None, gamma); the first: the baseline) decodes every prompt in
-    timing.interleaved's passes (the arms back to back on each prompt, the order rotated, after one untimed decode per
-    arm): load that drifts on a shared machine falls on every arm alike. -> ({arm: [SpecResult per prompt] of the
-    first pass}, {arm: {ms_per_token, speedup, ms_per_token_range, speedup_range}}): ms/token over every timed decode,
-    speed-up = the baseline's ms/token over the arm's, ranges min..max over the passes' blocks of prompts (a block's
-    speed-up is paired: the same prompts, timed back to back)."""
-    names = list(arms)
-    runs = timing.interleaved({name: lambda i, t=t, d=d, g=g: evaluate.decode(
-        t, d, prompts[i], g, MAX_NEW_TOKENS, stop, sampling.offset(i), timing=True)
-        for name, (t, d, g) in arms.items()}, len(prompts), repeats, prompts[0]["input_ids"].device)
-    spent = {name: [[x.result.decode_s for x in p] for p in ps] for name, ps in runs.items()}  # [pass][prompt]
-    first = {name: [x.result for x in ps[0]] for name, ps in runs.items()}
-    tokens = {name: [len(res.tokens) for res in first[name]] for name in names}  # the same in every pass
-    nb = min(blocks, len(prompts))
-    cuts = [round(j * len(prompts) / nb) for j in range(nb + 1)]
-
-    def ms(name, passes, lo, hi):
-        return 1e3 * sum(spent[name][r][i] for r in passes for i in range(lo, hi)) / (
-            len(passes) * sum(tokens[name][lo:hi]))
-
-    base, every = names[0], range(repeats)
-    units = [((r,), lo, hi) for r in every for lo, hi in zip(cuts, cuts[1:])]
-    out = {}
-    for name in names:
-        unit_ms = [ms(name, *u) for u in units]
-        unit_up = [ms(base, *u) / m for u, m in zip(units, unit_ms)]
-        out[name] = {"ms_per_token": ms(name, every, 0, len(prompts)),
-                     "speedup": ms(base, every, 0, len(prompts)) / ms(name, every, 0, len(prompts)),
-                     "ms_per_token_range": [min(unit_ms), max(unit_ms)], "speedup_range": [min(unit_up), max(unit_up)]}
-    return first, out
-
-
+# ---- timing: every arm in one interleaved pass (bench.time_arms) ----
 def unordered(rows):
     """Groups of rows whose speed-up ranges overlap (through a chain of overlaps): the timing does not order the rows
     of a group, whatever the digits of their speed-ups say."""
@@ -189,7 +148,7 @@ def paper_table(target, drafts, splits, outputs, metrics, rec, n_time, repeats, 
     commitment accuracy, computed once in main). Chain rows at the gamma, tree rows (of TREES, <= `tree` nodes; none
     for 0) at the shape chosen on val (choose); with no search (rec None) at `gamma` and `tree` (a TreeShape, or 0).
     Real decoding on every test scene: each row's first-seed draft, each tree row's every seed (a tree has no replay).
-    ms/token: time_interleaved over the first n_time test scenes, every row's first-seed draft beside target-only;
+    ms/token: bench.time_arms over the first n_time test scenes, every row's first-seed draft beside target-only;
     with greedy eager decoding its first pass is also those scenes' real decoding. A sampled `sampling`: timed
     sampling, plus real sampled decoding's sampled_tau / sampled_alpha; compile: the timed arms on compiled steps
     (bench.compiled_pair)."""
@@ -213,13 +172,12 @@ def paper_table(target, drafts, splits, outputs, metrics, rec, n_time, repeats, 
     first = {row: next(iter(by_seed.values())) for row, by_seed in drafts.items()}
     decoders = {row: (first[row], gammas[row]) for row in drafts} | {f"{row} tree": (first[row], trees[row])
                                                                      for row in trees}
-    timed_arms = {TARGET_ONLY: (target, None, 1), **{name: (target, d, g) for name, (d, g) in decoders.items()}}
-    if compile:  # each row its own compiled pair; target-only: the first pair's compiled target
-        pairs = {name: bench.compiled_pair(target, d, prompts[:n_time], [g], MAX_NEW_TOKENS)
-                 for name, (d, g) in decoders.items()}
-        timed_arms = {TARGET_ONLY: (next(iter(pairs.values()))[0], None, 1),
-                      **{name: (*pairs[name], g) for name, (d, g) in decoders.items()}}
-    timed, speed = time_interleaved(timed_arms, prompts[:n_time], stop, repeats, sampling)
+    # compile: each row its own compiled pair; target-only: the first pair's compiled target
+    pairs = {name: bench.compiled_pair(target, d, prompts[:n_time], [g], MAX_NEW_TOKENS) if compile else (target, d)
+             for name, (d, g) in decoders.items()}
+    speed, timed = bench.time_arms(next(iter(pairs.values()))[0], {}, prompts[:n_time], 1, MAX_NEW_TOKENS, stop,
+                                   repeats, sampling, {name: (*pairs[name], g) for name, (_, g) in decoders.items()},
+                                   TIME_BLOCKS, warm_all=False)
     sampled = not sampling.greedy
     reuse = not sampled and not compile  # the timed pass's decodes are the eager greedy ones
 
@@ -250,28 +208,25 @@ def paper_table(target, drafts, splits, outputs, metrics, rec, n_time, repeats, 
                        **{f"attn_{k}": statistics.mean(a[k] for a in attn) for k in ("history", "image", "text")},
                        "greedy_match": spec["greedy_match"], "replay_exact": spec["tau"] == per_seed[0][g]["tau"],
                        "folders": len(by_seed)}
-        if sampled:  # the replay is greedy; sampled tau needs real decoding
-            s = evaluate.spec_stats(target, {name: first[name]}, prompts, g, stop_token=stop, sampling=sampling)[name]
-            chain[name].update(sampled_tau=s["tau"], sampled_alpha=s["alpha"])
         rows.append(chain[name])
     for name, sh in trees.items():
         # every seed's real tree decoding on every test scene (the first seed's timed scenes: the timed pass's)
         stats = [evaluate.result_stats(real(d, sh, timed[f"{name} tree"] if reuse and s == next(iter(drafts[name]))
                                             else ()), sh, outputs["test"]) for s, d in drafts[name].items()]
         tree_taus = [st["tau"] for st in stats]
-        row = {**{k: chain[name][k] for k in ("commit_acc", "ade", "attn_history", "attn_image", "attn_text")},
-               "name": f"{name} tree", "gamma": None, "tree": [sh.nodes, sh.depth, sh.width],
-               "tau": statistics.mean(tree_taus), "tau_spread": max(tree_taus) - min(tree_taus),
-               "tau_by_seed": tree_taus, "tau_ceiling": stats[0]["tau_ceiling"], "folders": len(tree_taus),
-               "val_tau": {str(x): rec["tree_val_tau"][name][shape_key(x)] for x in shapes},  # str(TreeShape)
-               "routine_fraction": statistics.mean(st["routine_fraction"] for st in stats),
-               "alpha_by_depth": stats[0]["alpha_by_depth"], "nodes_per_round": stats[0]["nodes_per_round"],
-               **speed[f"{name} tree"], "greedy_match": all(st["greedy_match"] for st in stats),
-               "replay_exact": True}
-        if sampled:
-            s = evaluate.spec_stats(target, {name: first[name]}, prompts, sh, stop_token=stop, sampling=sampling)[name]
-            row.update(sampled_tau=s["tau"], sampled_alpha=s["alpha"])
-        rows.append(row)
+        rows.append({**{k: chain[name][k] for k in ("commit_acc", "ade", "attn_history", "attn_image", "attn_text")},
+                    "name": f"{name} tree", "gamma": None, "tree": [sh.nodes, sh.depth, sh.width],
+                    "tau": statistics.mean(tree_taus), "tau_spread": max(tree_taus) - min(tree_taus),
+                    "tau_by_seed": tree_taus, "tau_ceiling": stats[0]["tau_ceiling"], "folders": len(tree_taus),
+                    "val_tau": {str(x): rec["tree_val_tau"][name][shape_key(x)] for x in shapes},  # str(TreeShape)
+                    "routine_fraction": statistics.mean(st["routine_fraction"] for st in stats),
+                    "alpha_by_depth": stats[0]["alpha_by_depth"], "nodes_per_round": stats[0]["nodes_per_round"],
+                    **speed[f"{name} tree"], "greedy_match": all(st["greedy_match"] for st in stats),
+                    "replay_exact": True})
+    for r in rows[1:] if sampled else ():  # the replay is greedy; sampled tau needs real decoding
+        s = evaluate.spec_stats(target, {"x": decoders[r["name"]][0]}, prompts, decoders[r["name"]][1], stop_token=stop,
+                                sampling=sampling)["x"]
+        r.update(sampled_tau=s["tau"], sampled_alpha=s["alpha"])
     return rows, sweep
 
 
@@ -496,13 +451,13 @@ def parse_args(argv):
                     "target) instead of the shipped three rows; a NAME given several times is one row over its "
                     "folders (its seeds); nothing is read from or written to --run's search record")
     ap.add_argument("--device", default="cpu", help="torch device")
-    ap.add_argument("--views", type=int, default=driving.WorldConfig().views,
-                    help="surround views per prompt (the geometry the drafts were trained at)")
-    ap.add_argument("--scenes", type=int, default=64, help="held-out scenes of the table (and val scenes for gamma)")
-    ap.add_argument("--time-scenes", type=int, default=16, help="of those, scenes timed for ms/token (all arms "
-                    "interleaved on each)")
-    ap.add_argument("--repeats", type=int, default=1, help="timed passes over them")
-    ap.add_argument("--show", type=int, default=3, help="scenes printed with routine / [deliberative] tokens")
+    for flag, default, text in (
+            ("--views", driving.WorldConfig().views, "surround views per prompt (the drafts' training geometry)"),
+            ("--scenes", 64, "held-out scenes of the table (and val scenes for gamma)"),
+            ("--time-scenes", 16, "of those, scenes timed for ms/token (all arms interleaved on each)"),
+            ("--repeats", 1, "timed passes over them"),
+            ("--show", 3, "scenes printed with routine / [deliberative] tokens")):
+        ap.add_argument(flag, type=int, default=default, help=text)
     ap.add_argument("--dtype", default="fp32", choices=sorted(cli.DTYPES),
                     help="inference dtype (fp32: the exactness claims hold bit for bit)")
     cli.add_decoding_flags(ap, "> 0 also reports the sampled tau of real speculative decoding per row and "

@@ -55,9 +55,33 @@ from ops import timing  # noqa: E402
 from evaluate import tree_speedup  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# the recorded toy acceptances (relative to ROOT) the real shape's predictions are made at: the chain's (gamma 6), the
+# default tree's
+TOY_ACCEPTANCE, TOY_TREE_ACCEPTANCE = "experiments/bench_cpu.json", "experiments/bench_cpu_tree.json"
 STAGES = ("a_env", "b_cuda_tests", "c_eager", "d_compiled", "e_full")
 GAMMAS = range(1, 9)
 TREE_NODES = (8, 16, 32, 64)  # tree verifies timed in stage c: x_last + N nodes
+
+
+def toy_acceptance(path, want=None):
+    """A toy bench.py report's acceptance for a real-shape prediction; a ValueError if it has none worth predicting
+    at."""
+    full = path if os.path.isabs(path) or os.path.exists(path) else os.path.join(ROOT, path)
+    if not os.path.isfile(full):
+        raise ValueError(f"--toy-json {path}: no such file (the committed default is {TOY_ACCEPTANCE})")
+    d = files.read_json(full)
+    if not isinstance(d, dict) or d.get("mode") != "toy" or not isinstance(d.get("alpha"), (int, float)):
+        raise ValueError(f"--toy-json {path}: not a toy bench.py report (needs mode 'toy' and an alpha)")
+    draft = d.get("draft", "")
+    if os.path.basename(os.path.normpath(draft)) == "target" or draft == d.get("target"):
+        raise ValueError(f"--toy-json {path}: its draft {draft} is the target itself (its alpha says nothing)")
+    recorded = d.get("decoder") or {"kind": "chain", "gamma": d.get("gamma")}  # reports before trees: a chain
+    if want is not None and want["kind"] == "tree" and recorded != want:
+        raise ValueError(f"--toy-json {path} ran {bench.decoder_text(recorded)}, this run {bench.decoder_text(want)}: "
+                         "a tree's prediction needs the toy's tau with the same tree (bench.py --device cpu --json "
+                         "writes one)")
+    return {"source": path, "alpha": d["alpha"], "decoder": recorded, "draft": draft,
+            **{k: d.get(k) for k in ("tau", "gamma", "prompts", "dtype", "decoding", "torch", "hardware")}}
 
 
 def parse_steps(text):
@@ -214,8 +238,8 @@ def eager_stage(run):
     reduced = M.make_draft(target, n_layers=1, vocab_ids=torch.arange(a.draft_vocab)).eval()
     t_reduced = step_costs(reduced, prompt, [1], a.reps, embeds)[1]
     level_reduced = timing.tree_step_times(target, reduced, prompt, (), tree.width, a.reps)["draft_level"]
-    toy = bench.toy_acceptance(a.toy_json)
-    toy_tree = bench.toy_acceptance(bench.TOY_TREE_ACCEPTANCE, bench.decoder_json(tree))
+    toy = toy_acceptance(a.toy_json)
+    toy_tree = toy_acceptance(TOY_TREE_ACCEPTANCE, bench.decoder_json(tree))
     t_verify = {n + 1: 1e3 * v for n, v in tt["target"].items()}  # (ms) keyed by tokens verified, x_last included
     tree_pred = {head: tree_speedup(toy_tree["tau"], t_target[1], td, 1e3 * lv, t_verify[tree.nodes + 1], tree)
                  for head, td, lv in (("full", t_draft, tt["draft_level"]), ("reduced", t_reduced, level_reduced))}
@@ -279,8 +303,8 @@ def compiled_costs(run, layers):
         t_grow = 1e3 * timing.grow_time(ct, cd, prompt, tree, a.reps)
     finally:
         watch.close()
-    toy = bench.toy_acceptance(a.toy_json)
-    toy_tree = bench.toy_acceptance(bench.TOY_TREE_ACCEPTANCE, bench.decoder_json(tree))
+    toy = toy_acceptance(a.toy_json)
+    toy_tree = toy_acceptance(TOY_TREE_ACCEPTANCE, bench.decoder_json(tree))
     tau = evaluate.expected_tau(toy["alpha"], g)
     t_verify, t_level = 1e3 * tt["target"][tree.nodes], 1e3 * tt["draft_level"]
     return {"layers": layers, "compile_s": compile_s, "compile_s_total": sum(compile_s.values()),
@@ -370,7 +394,7 @@ def main(argv=None):
     ap.add_argument("--gamma", type=int, default=6, help="draft length of the compiled verify step")
     ap.add_argument("--draft-vocab", type=int, default=32768, help="stage c's reduced draft head (token ids)")
     ap.add_argument("--dtype", default="bf16", choices=sorted(cli.DTYPES))
-    ap.add_argument("--toy-json", default=bench.TOY_ACCEPTANCE, help="the toy acceptance of the predictions")
+    ap.add_argument("--toy-json", default=TOY_ACCEPTANCE, help="the toy acceptance of the predictions")
     ap.add_argument("--tests-timeout", type=float, default=240.0, help="stage b's limit in seconds")
     ap.add_argument("--stages", default=",".join(STAGES), help="the stages to run (comma-separated names)")
     args = ap.parse_args(argv)
@@ -384,7 +408,7 @@ def main(argv=None):
         args.image_grid = tuple(int(k) for k in (args.image_grid or ("1x20x36" if cuda else "1x4x8")).split("x"))
         if len(args.image_grid) != 3 or min(args.image_grid) < 1:
             raise ValueError(f"--image-grid takes TxHxW patches, got {args.image_grid}")
-        bench.toy_acceptance(args.toy_json)
+        toy_acceptance(args.toy_json)
     except ValueError as e:
         ap.error(str(e))
     full = M.PRESETS[args.preset].n_layers

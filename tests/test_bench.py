@@ -3,7 +3,6 @@ sampling settings reaching every timed decode, and the report's wording.
 
 run: python -m pytest -q tests/test_bench.py
 """
-import json
 import math
 
 import pytest
@@ -160,33 +159,11 @@ def test_compiled_tree_is_chosen_and_timed_beside_the_compiled_chain(eager_dynam
     assert c["chain"]["gamma"] == 3 and c["chain"]["ms_per_token"] > 0
 
 
-# ---- the toy acceptance behind the real-shape prediction ----
-
-
-def test_the_prediction_reads_a_named_recorded_acceptance(tmp_path):
-    toy = bench.toy_acceptance(bench.TOY_ACCEPTANCE)  # the committed default, found from any working directory
-    assert toy["source"] == "experiments/bench_cpu.json" and 0 < toy["alpha"] < 1
-    assert (toy["prompts"], toy["dtype"], toy["gamma"], toy["decoding"]["mode"]) == (32, "bf16", 6, "greedy")
-    assert toy["draft"].endswith("draft_aarl_s0")
-    report = {"mode": "toy", "alpha": 1.0, "draft": "checkpoints/toy/target"}
-    (tmp_path / "self.json").write_text(json.dumps(report))
-    with pytest.raises(ValueError, match="self.json: its draft checkpoints/toy/target is the target itself"):
-        bench.toy_acceptance(str(tmp_path / "self.json"))
-    (tmp_path / "real.json").write_text(json.dumps({**report, "mode": "real", "draft": "x"}))
-    with pytest.raises(ValueError, match="real.json: not a toy bench.py report"):
-        bench.toy_acceptance(str(tmp_path / "real.json"))
-    with pytest.raises(ValueError, match="--toy-json nowhere.json: no such file"):
-        bench.toy_acceptance("nowhere.json")
-
-
 def test_a_draft_that_is_its_own_target_is_refused(capsys):
     with pytest.raises(SystemExit):
         bench.main(["--device", "cpu", "--draft", "checkpoints/toy/target"])
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert "--draft checkpoints/toy/target holds a target model, not a draft" in err
-    with pytest.raises(SystemExit):
-        bench.main(["--device", "cpu", "--preset", "qwen3-vl-8b", "--toy-json", "nowhere.json"])
-    assert "--toy-json nowhere.json: no such file" in capsys.readouterr().err
 
 
 def test_plans_time_batched_rows_that_equal_their_own_decodes(eager_dynamo, capsys):

@@ -227,39 +227,20 @@ def test_rsd_compiled(run_dir, capsys):
     assert all(r["ms_per_token"] > 0 for r in out["rows"])
 
 
-def test_bench_real_shape_preset(run_dir, tmp_path, capsys):
-    """A real shape shrunk to 1 layer and 1 image (random weights), its draft's head over 4096 ids, runs, and says
-    acceptance is meaningless; with a tree its prediction reads the toy run of the same tree that --toy-json names
-    (a small tree here: the 152k-id head over 33 rows is slow on a CPU). One preset run only: building the 7B
-    shape's random vision tower and running it take about 70 s here."""
-    small = ["--tree", "4", "--tree-depth", "2", "--tree-width", "2"]
-    toy_json = tmp_path / "toy_small_tree.json"
-    bench.main(["--run", str(run_dir), "--prompts", "2", "--dtype", "fp32", "--views", str(VIEWS), "--json"] + small)
-    toy_json.write_text(capsys.readouterr().out.strip().splitlines()[-1])
+def test_bench_real_shape_preset(run_dir, capsys):
+    """A real shape shrunk to 1 layer and 1 image (random weights), its draft's head over 4096 ids, with a small tree
+    (the 152k-id head over 33 rows is slow on a CPU), runs and says acceptance is meaningless (the speed-up at the
+    toy's acceptance: experiments/gpu_check.py). One preset run only: building the 7B shape's random vision tower and
+    running it take about 70 s here."""
     bench.main(["--preset", "qwen2.5-vl-7b", "--layers", "1", "--images", "1", "--max-new", "3", "--repeats", "3",
                 "--gamma", "2",  # the chain arm timed beside the tree: every round verifies gamma + 1 at the 152k head
-                "--draft-vocab", "4096", "--run", str(run_dir), "--toy-json", str(toy_json), "--json"] + small)
+                "--draft-vocab", "4096", "--run", str(run_dir), "--json", "--tree", "4", "--tree-depth", "2",
+                "--tree-width", "2"])
     text = capsys.readouterr().out
     out = json.loads(text.strip().splitlines()[-1])
     assert "not meaningful" in text
     assert out["prompt_tokens"] > 180 and out["model"] == "qwen2.5-vl-7b (1 layers), draft head over 4096 ids"
-    assert out["toy_acceptance"]["source"] == str(toy_json) and "predicted_speedup_at_toy_tau" in out
-    assert out["toy_tau"] == json.loads(toy_json.read_text())["tau"]
-    assert set(out["verify_ratio"]) == {"8"} and out["verify_ratio"]["8"] > 0
     assert out["environment"]["torch"] == torch.__version__
-
-
-def test_the_committed_tree_run_is_the_default_trees_acceptance():
-    """The default tree's real-shape prediction reads experiments/bench_cpu_tree.json, a toy run of that tree; another
-    tree is refused with the command that records one; the chain's reads experiments/bench_cpu.json's alpha."""
-    t = bench.decoder_json(evaluate.TREE)
-    rec = bench.toy_acceptance(bench.TOY_TREE_ACCEPTANCE, t)
-    assert rec["decoder"] == t and rec["tau"] > 1 and rec["source"] == bench.TOY_TREE_ACCEPTANCE
-    with pytest.raises(ValueError, match="the same tree"):
-        bench.toy_acceptance(bench.TOY_TREE_ACCEPTANCE, {"kind": "tree", "nodes": 4, "depth": 2, "width": 2})
-    chain = bench.toy_acceptance(bench.TOY_ACCEPTANCE, {"kind": "chain", "gamma": 6})  # the chain's: its alpha
-    assert chain["alpha"] == files.read_json(os.path.join(bench.ROOT, bench.TOY_ACCEPTANCE))["alpha"]
-    assert chain["decoder"] == {"kind": "chain", "gamma": 6}
 
 
 def test_bench_sampling_reports_the_sampled_runs_beside_greedy(run_dir, capsys):

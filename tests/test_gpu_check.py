@@ -76,3 +76,33 @@ def test_flags(capsys):
         with pytest.raises(SystemExit):
             gpu_check.main(argv)
         assert len(re.findall(msg, capsys.readouterr().err)) == 1, msg
+
+
+# ---- the toy acceptance behind the real-shape predictions (moved from bench.py) ----
+def test_the_prediction_reads_a_named_recorded_acceptance(tmp_path):
+    toy = gpu_check.toy_acceptance(gpu_check.TOY_ACCEPTANCE)  # the committed default, found from any working directory
+    assert toy["source"] == "experiments/bench_cpu.json" and 0 < toy["alpha"] < 1
+    assert (toy["prompts"], toy["dtype"], toy["gamma"], toy["decoding"]["mode"]) == (32, "bf16", 6, "greedy")
+    assert toy["draft"].endswith("draft_aarl_s0")
+    report = {"mode": "toy", "alpha": 1.0, "draft": "checkpoints/toy/target"}
+    (tmp_path / "self.json").write_text(json.dumps(report))
+    with pytest.raises(ValueError, match="self.json: its draft checkpoints/toy/target is the target itself"):
+        gpu_check.toy_acceptance(str(tmp_path / "self.json"))
+    (tmp_path / "real.json").write_text(json.dumps({**report, "mode": "real", "draft": "x"}))
+    with pytest.raises(ValueError, match="real.json: not a toy bench.py report"):
+        gpu_check.toy_acceptance(str(tmp_path / "real.json"))
+    with pytest.raises(ValueError, match="--toy-json nowhere.json: no such file"):
+        gpu_check.toy_acceptance("nowhere.json")
+
+
+def test_the_committed_tree_run_is_the_default_trees_acceptance():
+    """The default tree's real-shape prediction reads experiments/bench_cpu_tree.json, a toy run of that tree; another
+    tree is refused with the command that records one; the chain's reads experiments/bench_cpu.json's alpha."""
+    t = gpu_check.bench.decoder_json(gpu_check.evaluate.TREE)
+    rec = gpu_check.toy_acceptance(gpu_check.TOY_TREE_ACCEPTANCE, t)
+    assert rec["decoder"] == t and rec["tau"] > 1 and rec["source"] == gpu_check.TOY_TREE_ACCEPTANCE
+    with pytest.raises(ValueError, match="the same tree"):
+        gpu_check.toy_acceptance(gpu_check.TOY_TREE_ACCEPTANCE, {"kind": "tree", "nodes": 4, "depth": 2, "width": 2})
+    chain = gpu_check.toy_acceptance(gpu_check.TOY_ACCEPTANCE, {"kind": "chain", "gamma": 6})  # the chain's: its alpha
+    assert chain["alpha"] == gpu_check.files.read_json(os.path.join(gpu_check.ROOT, gpu_check.TOY_ACCEPTANCE))["alpha"]
+    assert chain["decoder"] == {"kind": "chain", "gamma": 6}
