@@ -90,16 +90,17 @@ def time_arms(target, drafts, prompts, gamma, max_new, stop_token, repeats, samp
 
 
 def compiled_pair(target, draft, prompts, decoders, max_new, batch=1):
-    """compiled.CompiledSteps of target and draft, each cache sized for every prompt and decoder (chain gammas, trees), each
-    step length a decode takes compiled once: target-only 1, a verify gamma + 1 or N + 1; the draft's pending 1 or 2
-    tokens (a tree's too: every accepted node but the last was expanded, so fed), a tree level k."""
+    """compiled.CompiledSteps of target and draft, each cache sized for every prompt and decoder (chain gammas,
+    trees), each step length a decode takes compiled once: target-only 1, a verify gamma + 1 or N + 1; the draft's
+    pending 1 or 2 tokens (a tree's too: every accepted node but the last was expanded, so fed), a tree level k."""
     gammas = [d for d in decoders if not isinstance(d, TreeShape)]
     trees = [d for d in decoders if isinstance(d, TreeShape)]
     t_lengths = {1, *(g + 1 for g in gammas), *(t.nodes + 1 for t in trees)}
     d_lengths = {1, 2, *(t.width for t in trees)}
     slack = max([*gammas, *(t.nodes for t in trees)]) + max(t_lengths)
     max_len = max(p["input_ids"].shape[1] for p in prompts) + max_new + slack
-    return compiled.CompiledSteps(target, max_len, t_lengths, batch), compiled.CompiledSteps(draft, max_len, d_lengths, batch)
+    return (compiled.CompiledSteps(target, max_len, t_lengths, batch),
+            compiled.CompiledSteps(draft, max_len, d_lengths, batch))
 
 
 def arms_json(t, chain_gamma, sfx=""):
@@ -164,10 +165,14 @@ def benchmark(target, draft, prompts, gamma, max_new, stop_token=None, repeats=3
            "prompts": len(prompts), "divergences": timing.divergences(target, prompts, reference, spec["tokens"]),
            **arms_json(t, chain_gamma)}
     timed = spec
-    if not sampling.greedy:  # then the timed runs' own statistics: the same seeds, the same tokens
+    if not sampling.greedy or sampling.lossy:  # then the timed runs' own statistics: the same seeds, the same tokens
         timed = evaluate.spec_stats(target, {"speculative": draft}, prompts, gamma, max_new, stop_token,
                                     sampling=sampling)["speculative"]
         res["sampled"] = {k: timed[k] for k in ("tau", "alpha", "routine_fraction")} | {"tokens": timed["n_tokens"]}
+    if sampling.lossy:  # the exact decode with the same draws beside it: what the relaxed rule changed
+        exact = spec if sampling.greedy else evaluate.spec_stats(target, {"s": draft}, prompts, gamma, max_new,
+                                                                 stop_token, sampling=exact_of(sampling))["s"]
+        res["lossy"] = {"tau_exact": exact["tau"], "cocs": timed["tokens"], "exact_cocs": exact["tokens"]}
     # every round drafts and verifies the whole shape (the last one's block is cut): the cost model's
     res["ran"] = dict(decoder_json(gamma), nodes_per_round=timed["nodes_per_round"],
                       depth_per_round=timed["depth_per_round"])
@@ -285,6 +290,10 @@ def cost_model(target, draft, prompt, gamma, tau, reps=20):
             "predicted_speedup_by_steps": tree_speedup(tau, t1, td, tl, tv, gamma)}
 
 
+def exact_of(sampling):
+    return dataclasses.replace(sampling, relaxed=None)
+
+
 def decoder_json(gamma):
     if isinstance(gamma, TreeShape):
         return {"kind": "tree", "nodes": gamma.nodes, "depth": gamma.depth, "width": gamma.width}
@@ -315,8 +324,12 @@ def toy(args, device, dtype, sampling):
                 "decoder": decoder_json(decoder), "plan": dict(p, chosen=chosen) if chosen else p}
     # --compile without --tree: the tree the compiled steps run fastest, chosen on val scenes
     choose = (split("val", CHOOSE_SCENES), list(evaluate.TREES)) if args.choose_tree else None
-    return benchmark(target, draft, prompts, args.decoder, args.max_new, tok.cot_end_id, args.repeats, sampling,
-                     args.compile, args.gamma, choose) | {"mode": "toy", "draft": draft_dir, "target": target_dir}
+    res = benchmark(target, draft, prompts, args.decoder, args.max_new, tok.cot_end_id, args.repeats, sampling,
+                    args.compile, args.gamma, choose) | {"mode": "toy", "draft": draft_dir, "target": target_dir}
+    if "lossy" in res:  # the price of the relaxed rule: the toy's plans after the relaxed and the exact CoCs
+        data, lossy = driving.Data("test", args.prompts, 0, tok, views=args.views), res["lossy"]
+        lossy.update(evaluate.relaxed_cost(target, data, lossy.pop("exact_cocs"), lossy.pop("cocs")))
+    return res
 
 
 def build_preset(name, device, dtype, layers=None, draft_vocab=0):
@@ -342,7 +355,8 @@ def real(args, device, dtype, sampling):
                                                          min_pixels=args.min_pixels, max_pixels=args.max_pixels)
         if args.samples == 1:
             return alpamayo.heldout_bench(args.target, args.draft, args.scenes, found, prompts, stop[-1], how,
-                                          args.decoder, args.max_new, args.repeats, device, dtype, args.processor)
+                                          args.decoder, args.max_new, args.repeats, device, dtype, args.processor,
+                                          sampling)
         target, draft = alpamayo.load_pair(args.target, args.draft, device, dtype)
         ps, stop, past = [hf.on_model(scenes.built(i, p), target) for i, p in prompts], stop[-1], found[0].past
         extra = {"scenes_dir": args.scenes, "prompt_source": how}
@@ -383,9 +397,12 @@ def decoder_text(d):
 
 
 def decoding_text(d):
-    return "greedy" if d["mode"] == "greedy" else (
+    v = d.get("verification", "exact")
+    return ("greedy" if d["mode"] == "greedy" else (
         f"sampling at temperature {d['temperature']:g}, top-k {d['top_k'] or 'off'}, top-p {d['top_p'] or 'off'}, "
-        f"prompt i's generator seeded {d['seed']} + i")
+        f"prompt i's generator seeded {d['seed']} + i")) + ("" if v == "exact" else (
+        f", LOSSY: relaxed acceptance, rule {v['rule']}, bound {v['bound']:g}" if d["lossy"] else
+        f", relaxed rule {v['rule']} at bound 0 (exact)"))
 
 
 def run_line(res):
@@ -409,11 +426,14 @@ def report(res):
     rows = [("prefill", f"target-only {res['ar_prefill_ms']:.2f} ms   speculative {res['spec_prefill_ms']:.2f} ms"),
             ("reasoning step", arms(res, res["speedup"]) + ("   (both arms sampling)" if s else "")),
             ("greedy", acceptance(**res))]
-    rows += [("sampled", acceptance(**res["sampled"]) + "   (the timed runs; lossless in distribution, so not "
-              "compared token by token)")] if s else []
+    rows += [("sampled", acceptance(**res["sampled"]) + ("   (the timed runs, LOSSY)" if "lossy" in res else
+              "   (the timed runs; lossless in distribution, so not compared token by token)"))] if s else []
     chain = "the same draft, gamma {gamma}: {ms_per_token:.3f} ms/token, speed-up {speedup:.2f}x{}; the tree is " \
         "{tree_over_chain:.2f}x the chain"
     rows += [("chain arm", chain.format("", **res["chain"]))] if "chain" in res else []
+    rows += [("LOSSY cost", "tau {} (exact {tau_exact:.2f}); CoCs changed {cocs_changed:.0%}; plan moved "
+              "{plan_moved_m:.3f} m from the exact plan (ADE {ade_relaxed:.3f} m to the ground truth, exact "
+              "{ade_exact:.3f} m)".format(f"{res['sampled']['tau']:.2f}", **res["lossy"]))] if "lossy" in res else []
     rows += [("compiled", arms(c, c["speedup"]) + f" ({c['speedup_vs_eager']:.2f}x over eager target-only, greedy "
               f"{'identical' if c['greedy_match'] else 'DIFFERS'})   compile + first decodes {c['compile_s']:.0f} s"),
              ("compiled cost", steps(c) + f"   predicted speed-up {c['predicted_speedup']:.2f}x")] if c else []
@@ -542,6 +562,9 @@ def check_flags(ap, args):
                      (args.batch > 1 and not toy_mode, "--batch runs plans of several toy prompts (a real "
                       "checkpoint's plan is one scene: use --samples)"),
                      (args.samples > 1 and args.preset, "--samples plans the scenes of --target (not --preset)"),
+                     (args.relaxed and plan, "--relaxed is measured on one row per prompt (not --samples / --batch)"),
+                     (args.relaxed and not (toy_mode or args.scenes), "--relaxed is priced in the plan: the toy, or "
+                      "--target with --scenes (the action expert)"),
                      (args.samples > 1 and args.temperature == 0, f"--samples {args.samples} at --temperature 0 "
                       "decodes identical greedy rows: give --temperature > 0 (Alpamayo-R1: 0.6 --top-p 0.98)"),
                      (args.batch > args.prompts, f"--batch {args.batch} needs at least as many --prompts, got "
@@ -586,7 +609,9 @@ def check_flags(ap, args):
             raise ValueError(f"--tree-width {args.tree_width} and --tree-depth {args.tree_depth} grow {n} candidates "
                              f"a round, more than {MAX_TREE_CANDIDATES}")
         cli.check_device(args.device)
-        sampling = cli.sampling(args.temperature, args.top_k, args.top_p, args.sampling_seed)
+        toy_ids = driving.Tokenizer().encode(driving.commitment_words()) if toy_mode else ()
+        sampling = cli.sampling(args.temperature, args.top_k, args.top_p, args.sampling_seed,
+                                cli.relaxed_rule(args.relaxed, args.commitments, toy_ids))
         if args.draft and checkpoint.existing_kind(args.draft) == "target":
             raise ValueError(f"--draft {args.draft} holds a target model, not a draft (it would accept every token)")
         needed = [os.path.join(args.run, "target"), args.draft or checkpoint.draft_dir(args.run, *TOY_DRAFT)]

@@ -131,18 +131,33 @@ def commitment_hits(pred_next, input_ids, commit_mask):
     return (hit & m).sum().item(), m.sum().item()
 
 
-def trajectory_ade(target, data: Data, cocs, batch_size=EVAL_BATCH, amp=False):
-    """(ADE, FDE) in metres over the scenes of data of the target's trajectories after cocs (one per scene)."""
-    ade = fde = 0.0
-    end = data.tok.cot_end_id, data.tok.traj_future_start_id  # what follows a toy CoC
+@torch.no_grad()
+def plans(target, data: Data, cocs, batch_size=EVAL_BATCH, amp=False):
+    """The target's trajectories (S, N, 2) after one CoC per scene of data (action_rows, a batch of scenes at once)."""
+    out, end = [], (data.tok.cot_end_id, data.tok.traj_future_start_id)  # what follows a toy CoC
     for i, batch in enumerate(data.batches(batch_size, next(target.parameters()).device)):
-        part = cocs[i * batch_size:(i + 1) * batch_size]
         ids = batch["input_ids"][:, :int(batch["prompt_len"][0])]  # (B, P)
         with autocast(ids.device, amp):
-            traj = action_rows(target, {"input_ids": ids, **vision_kwargs(batch)}, part, end)[0]  # (B, N, 2)
-        a, f = ade_fde(traj, batch["traj"].cpu())
-        ade, fde = ade + a * len(part), fde + f * len(part)
-    return ade / len(cocs), fde / len(cocs)
+            out.append(action_rows(target, {"input_ids": ids, **vision_kwargs(batch)},
+                                   cocs[i * batch_size:(i + 1) * batch_size], end)[0].float().cpu())  # (B, N, 2)
+    return torch.cat(out)
+
+
+def trajectory_ade(target, data: Data, cocs, batch_size=EVAL_BATCH, amp=False):
+    """(ADE, FDE) in metres over the scenes of data of the target's trajectories after cocs (one per scene)."""
+    return ade_fde(plans(target, data, cocs, batch_size, amp), torch.stack([torch.as_tensor(s.traj) for s in
+                                                                           data.scenes]).float())
+
+
+def relaxed_cost(target, data: Data, exact, relaxed):
+    """What a relaxed (lossy) decode cost on the scenes of data, against the exact decode's CoCs (id lists): the
+    share of CoCs it changed, how far it moved the plan (the ADE between the plans after both, m) and both plans'
+    ADE to the ground truth."""
+    truth = torch.stack([torch.as_tensor(s.traj) for s in data.scenes]).float()  # (S, N, 2)
+    p_exact, p_relaxed = plans(target, data, [list(c) for c in exact]), plans(target, data, [list(c) for c in relaxed])
+    return {"cocs_changed": sum(list(a) != list(b) for a, b in zip(exact, relaxed)) / len(exact),
+            "plan_moved_m": ade_fde(p_relaxed, p_exact)[0], "ade_exact": ade_fde(p_exact, truth)[0],
+            "ade_relaxed": ade_fde(p_relaxed, truth)[0]}
 
 
 @torch.no_grad()

@@ -13,6 +13,7 @@ spread (bench.py: the full benchmark of one draft). The top of the layering: it 
 run: python rsd.py [--json]        (--retrain trains what is missing: train.py, aarl.py; --search: see above)
 """
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -27,7 +28,7 @@ from driving import Data
 import evaluate
 from evaluate import MAX_NEW_TOKENS, TARGET_ONLY, TREES, TreeShape, tree_speedup
 from ops import checkpoint, cli, files, timing
-from speculate import GREEDY
+from speculate import GREEDY, SpecResult
 import train
 
 ROWS = (("replica", "mrope"), ("flatrope", "flat"), ("flatrope+aarl", "aarl"))  # table row -> draft kind on disk
@@ -54,7 +55,8 @@ def search_key(target, drafts, seeds, a, device):
 
 
 def search_settings(a, seeds, device):
-    return {"seed": seeds[0], "scenes": a.scenes, "views": a.views, "dtype": a.dtype, "device": torch.device(device).type}
+    return {"seed": seeds[0], "scenes": a.scenes, "views": a.views, "dtype": a.dtype,
+            "device": torch.device(device).type}
 
 
 def check_search_record(ap, a, seeds, device):
@@ -330,11 +332,12 @@ def main(argv=None):
     print(f"target on the held-out test split: CoC exact {metrics['coc_exact']:.3f}, "
           f"commitment accuracy {metrics['commitment_acc']:.3f}, ADE {metrics['ade']:.2f} m")
     rec, searched = find_search(a, target, drafts, seeds, splits["val"], device)
-    rows, sweep = paper_table(target, drafts, splits, outputs, metrics, rec, a.time_scenes, a.repeats, sampling,
+    table = dataclasses.replace(sampling, relaxed=None)  # the paper's table is lossless; --relaxed: a section after it
+    rows, sweep = paper_table(target, drafts, splits, outputs, metrics, rec, a.time_scenes, a.repeats, table,
                               a.compile, a.tree, a.gamma)
     shown = list(drafts)[-1]  # the paper's routine reasoner (FlatRoPE + AARL), or the last row given
     aarl_row = next(r for r in rows if r["name"] == shown)
-    show_scenes(target, drafts[shown][seeds[0]], test, aarl_row["gamma"], a.show, sampling=sampling)
+    show_scenes(target, drafts[shown][seeds[0]], test, aarl_row["gamma"], a.show, sampling=table)
     ids = evaluate.scene_prompts(test.scenes[:1], tok, device, views=a.views)[0]["input_ids"]
     n_visual, n_hist = int(((ids == tok.image_token_id) | (ids == tok.video_token_id)).sum()), 3 * tok.cfg.n_hist
     blocks = min(TIME_BLOCKS, a.time_scenes)
@@ -350,8 +353,9 @@ def main(argv=None):
           + f"; speed-up = target-only's ms/token over the row's, [min-max] over {a.repeats * blocks} block"
           f"{'s' if a.repeats * blocks > 1 else ''} of {a.time_scenes // blocks}"
           f"{'+' if a.time_scenes % blocks else ''} scenes: rows whose ranges overlap are not ranked by it")
-    if not sampling.greedy:
-        print(f"decoding: {bench.decoding_text(cli.sampling_json(sampling))} (prompt i = test scene i). tau = the exact greedy replay "
+    if not table.greedy:
+        print(f"decoding: {bench.decoding_text(cli.sampling_json(table))} (prompt i = test scene i). tau = the exact "
+              "greedy replay "
               f"(gamma chosen on it); tau sampled = real sampled speculative decoding with {first}'s draft; "
               f"ms/token and speed-up timed sampling; ADE after the greedy CoC")
     print_table(rows)
@@ -371,6 +375,7 @@ def main(argv=None):
           f"scenes: each chain row's {first}, each tree row's every draft): {greedy_match}; real speculative "
           f"decoding's tau equals the replay's: {all(r.get('replay_exact', True) for r in rows)}\n")
     print_sweep(sweep, rows)
+    lossy = relaxed_rows(target, drafts, rows, test, sampling, first) if sampling.relaxed else None
     share = driving.routine_share("train")
     print(f"routine share of the world (the Bayes-optimal reader of the history, python driving.py): {share:.3f}")
     # CPU time beside the wall time: on a shared machine the wall time also holds the waits for the other jobs
@@ -379,7 +384,7 @@ def main(argv=None):
         keys = ("name", "gamma", "tau", "tau_spread", "tau_by_gamma", "tau_ceiling", "routine_fraction", "commit_acc",
                 "ms_per_token", "speedup", "ms_per_token_range", "speedup_range", "ade", "attn_history", "attn_image",
                 "attn_text")
-        keys += ("sampled_tau", "sampled_alpha") if not sampling.greedy else ()
+        keys += ("sampled_tau", "sampled_alpha") if not table.greedy else ()
         keys += ("tree", "tau_by_seed", "val_tau", "alpha_by_depth", "nodes_per_round")  # None on chain rows
         print(json.dumps({"decoding": cli.sampling_json(sampling), "compiled": a.compile, "greedy_match": greedy_match,
                           "tau_ceiling": aarl_row["tau_ceiling"], "sweep": sweep,
@@ -389,7 +394,31 @@ def main(argv=None):
                           "drafts": a.named if a.drafts else None,
                           "timing": {"scenes": a.time_scenes, "passes": a.repeats, "blocks": blocks,
                                      "unordered": groups, "step_times": searched},
-                          "rows": [{k: r.get(k) for k in keys} for r in rows]}))
+                          "rows": [{k: r.get(k) for k in keys} for r in rows], "relaxed": lossy}))
+
+
+def relaxed_rows(target, drafts, rows, test, sampling, first):
+    """--relaxed (LOSSY): every test scene decoded again with each row's first draft at its gamma or tree under the
+    relaxed rule; its price beside its tau: the CoCs it changed and how far it moved the plan (evaluate.relaxed_cost)
+    -> {row: record}, printed."""
+    prompts = evaluate.scene_prompts(test.scenes, test.tok, next(target.parameters()).device, views=test.views_at(0))
+    r = sampling.relaxed
+    print(f"\nLOSSY: relaxed acceptance, rule {r.rule}, bound {r.bound:g} ({len(r.commitments)} commitment ids kept "
+          f"exact by the routine rule), {first}'s drafts, every test scene; the table above is lossless")
+    out = {}
+    for row in rows[1:]:
+        decoder = TreeShape(*row["tree"]) if row.get("tree") else row["gamma"]
+        draft = next(iter(drafts[row["name"].removesuffix(" tree")].values()))
+        tau, cocs = {}, {}  # the exact decode (greedy: the target's own CoCs) and the relaxed one, the same draws
+        for name, s in (("tau_exact", dataclasses.replace(sampling, relaxed=None)), ("tau", sampling)):
+            res = [evaluate.decode(target, draft, p, decoder, MAX_NEW_TOKENS, test.tok.cot_end_id, s.offset(i))
+                   for i, p in enumerate(prompts)]
+            tau[name], cocs[name] = SpecResult.pooled(res).tau, [x.tokens for x in res]
+        out[row["name"]] = tau | evaluate.relaxed_cost(target, test, cocs["tau_exact"], cocs["tau"])
+        print("{:<30} tau {tau:.2f} (lossless {tau_exact:.2f})  CoCs changed {cocs_changed:.0%}  plan moved "
+              "{plan_moved_m:.3f} m  ADE {ade_relaxed:.3f} m (lossless {ade_exact:.3f})".format(row["name"],
+                                                                                            **out[row["name"]]))
+    return out
 
 
 # ---- operations: checkpoints, retraining, the command line and its checks ----
@@ -471,9 +500,9 @@ def parse_args(argv):
                     f"this tree, with no search on val (the chain rows at --gamma, default {evaluate.GAMMA})")
     ap.add_argument("--search", action="store_true", help=f"measure the choice of gamma and tree on val again (step "
                     f"times, every tree's val tau) and record it in --run's {SEARCH_JSON}, which later runs read "
-                    "while it holds for their checkpoints and settings; a record made with the default settings (--scenes, --views, "
-                    "--dtype, --device, the first of --seeds) is only replaced by a --search with them: delete it to "
-                    "record one for other settings")
+                    "while it holds for their checkpoints and settings; a record made with the default settings "
+                    "(--scenes, --views, --dtype, --device, the first of --seeds) is only replaced by a --search with "
+                    "them: delete it to record one for other settings")
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     a = ap.parse_args(argv)
     with cli.user_errors(ap):
@@ -496,7 +525,9 @@ def parse_args(argv):
                           f"--seeds must not repeat a seed, got {a.seeds!r}")):
             if bad:
                 raise ValueError(msg)
-        sampling = cli.sampling(a.temperature, a.top_k, a.top_p, a.sampling_seed)
+        ids = driving.Tokenizer().encode(driving.commitment_words())  # the toy's commitments: the grammar's choices
+        sampling = cli.sampling(a.temperature, a.top_k, a.top_p, a.sampling_seed,
+                                cli.relaxed_rule(a.relaxed, a.commitments, ids))
         device = cli.check_device(a.device)
         if a.drafts:
             seeds = named_drafts(a)

@@ -36,16 +36,6 @@ BOUNDS = (0.0, 0.99, 0.9999, 0.999999, 0.99999999, 1.0)  # eps = 1 - bound: 1e-2
 RULES = {"typical": ("typical", False), "routine": ("routine", False), "routine_main": ("routine", True)}
 
 
-def plans(target, data, cocs):
-    """Waypoints (S, N, 2) of the target's action step after one CoC per scene of data (evaluate.action_rows)."""
-    out, end, B = [], (data.tok.cot_end_id, data.tok.traj_future_start_id), evaluate.EVAL_BATCH
-    for i, batch in enumerate(data.batches(B, "cpu")):
-        ids = batch["input_ids"][:, :int(batch["prompt_len"][0])]  # (b, P)
-        out.append(evaluate.action_rows(target, {"input_ids": ids, **driving.vision_kwargs(batch)},
-                                        cocs[i * B:(i + 1) * B], end)[0])
-    return torch.cat(out)
-
-
 def commitment_acc(data, cocs):
     """Share of the ground truth's commitment words (driving.commitment_mask) found at their own places in cocs."""
     right = total = 0
@@ -66,7 +56,7 @@ def decode_all(target, draft, prompts, decoder, sampling, stop):
 
 def record(target, data, res, seconds, exact, exact_plan, base_s):
     cocs = [r.tokens for r in res]
-    plan = plans(target, data, cocs)
+    plan = evaluate.plans(target, data, cocs)
     truth = torch.stack([torch.as_tensor(s.traj) for s in data.scenes]).float()
     return {"tau": SpecResult.pooled(res).tau, "ade": evaluate.ade_fde(plan, truth)[0],
             "ade_vs_exact": evaluate.ade_fde(plan, exact_plan)[0], "commitment_acc": commitment_acc(data, cocs),
@@ -173,7 +163,7 @@ def main():
     data = driving.Data("test", a.scenes, 0, tok)
     prompts = evaluate.scene_prompts(data.scenes, tok, "cpu", views=data.views_at(0))
     exact = evaluate.greedy_outputs(target, data)
-    exact_plan = plans(target, data, [list(e) for e in exact])
+    exact_plan = evaluate.plans(target, data, [list(e) for e in exact])
     result = {"scenes": a.scenes, "split": "test", "decoder": f"gamma {a.gamma}" if a.gamma else f"tree {a.tree}",
               "seeds": seeds, "bounds": bounds, "commitment_words": driving.commitment_words(),
               "main_clause_words": driving.commitment_words(True),

@@ -11,7 +11,7 @@ import torch
 import bench
 import evaluate
 from model import make_draft
-from ops import cli, timing
+from ops import cli, files, timing
 import speculate
 from speculate import GREEDY, Sampling
 from tiny_models import image_prompt, tiny_model
@@ -123,7 +123,7 @@ def test_a_tree_cut_by_max_new_runs_and_costs_its_whole_shape(monkeypatch, capsy
 
 def test_sampling_flags_are_checked():
     assert cli.sampling_json(cli.sampling()) == {"mode": "greedy", "temperature": 0.0, "top_k": None, "top_p": None,
-                                                 "seed": None}
+                                                 "seed": None, "lossy": False, "verification": "exact"}
     assert cli.sampling_json(cli.sampling(0.6, top_p=0.98))["mode"] == "sampling"
     for kw, msg in ((dict(temperature=-1.0), "temperature must be finite and >= 0"),
                     (dict(temperature=math.nan), "temperature must be finite"),
@@ -213,3 +213,24 @@ def test_the_toys_action_step_over_rows_is_each_rows_own():
     for b, coc in enumerate(cocs):
         alone = evaluate.action_rows(target, prompts[b // 2], [coc], (9,))[0]
         torch.testing.assert_close(torch.tensor(got["waypoints"][b]), alone[0], atol=1e-5, rtol=1e-5)
+
+
+def test_relaxed_bench_reports_what_it_cost(capsys, tmp_path):
+    """--relaxed (LOSSY) on the toy: the report names the rule, gives the relaxed tau beside the exact one and what
+    it cost in the plan; the greedy row and its identity check stay the exact decode's. At bound 1 every draft is
+    accepted: the tau rises and the CoCs change. Refused with plans of several rows, and without a plan to price."""
+    out = tmp_path / "r.json"
+    bench.main(["--device", "cpu", "--prompts", "2", "--max-new", "12", "--tree", "0", "--gamma", "4", "--repeats", "3",
+                "--relaxed", "typical:1", "--out", str(out)])
+    text, res = capsys.readouterr().out, files.read_json(out)
+    assert "LOSSY: relaxed acceptance, rule typical, bound 1" in text and "LOSSY cost" in text
+    assert res["decoding"]["lossy"] and res["greedy_match"] is True
+    lossy = res["lossy"]
+    assert res["sampled"]["tau"] > lossy["tau_exact"] == res["tau"] and lossy["cocs_changed"] > 0
+    assert lossy["plan_moved_m"] > 0 and set(lossy) == {"tau_exact", "cocs_changed", "plan_moved_m", "ade_exact",
+                                                         "ade_relaxed"}
+    for argv, words in ((["--samples", "2", "--temperature", "1"], "one row per prompt"),
+                        (["--preset", "qwen3-vl-8b"], "priced in the plan"), (["--relaxed", "typical:2"], "bound")):
+        with pytest.raises(SystemExit):
+            bench.main(["--device", "cpu", "--relaxed", "typical:0.5", *argv])
+        assert words in capsys.readouterr().err

@@ -250,7 +250,8 @@ def test_bench_sampling_reports_the_sampled_runs_beside_greedy(run_dir, capsys):
                 "0.8", "--top-p", "0.95", "--sampling-seed", "7", "--json"])
     text = capsys.readouterr().out
     out = json.loads(text.strip().splitlines()[-1])
-    assert out["decoding"] == {"mode": "sampling", "temperature": 0.8, "top_k": None, "top_p": 0.95, "seed": 7}
+    assert out["decoding"] == {"mode": "sampling", "temperature": 0.8, "top_k": None, "top_p": 0.95, "seed": 7,
+                               "lossy": False, "verification": "exact"}
     assert out["greedy_match"] is True and out["divergences"] == []
     tok = driving.Tokenizer()
     target = checkpoint.load(run_dir / "target").eval()
@@ -272,7 +273,8 @@ def test_rsd_sampling_gives_each_row_a_sampled_tau(run_dir, capsys):
               "--json"])
     text = capsys.readouterr().out
     out = json.loads(text.strip().splitlines()[-1])
-    assert out["decoding"] == {"mode": "sampling", "temperature": 1.0, "top_k": 20, "top_p": None, "seed": 3}
+    assert out["decoding"] == {"mode": "sampling", "temperature": 1.0, "top_k": 20, "top_p": None, "seed": 3,
+                               "lossy": False, "verification": "exact"}
     assert out["greedy_match"] is True  # the greedy checks still run, greedy
     rows = {r["name"]: r for r in out["rows"]}
     assert rows["target-only"]["sampled_tau"] == 1.0
@@ -437,3 +439,16 @@ def test_rsd_drafts_at_given_decoders_skip_the_search(run_dir, monkeypatch, caps
     with pytest.raises(SystemExit):
         rsd.main(flags + ["--gamma", "3", "--tree", "16"])  # a node budget asks for the search --gamma skips
     assert "--tree N/D/k give the decoders" in capsys.readouterr().err
+
+
+def test_rsd_relaxed_section_is_lossy_and_priced(run_dir, capsys):
+    """rsd.py --relaxed: the paper's table stays lossless (greedy_match), a LOSSY section gives each row's relaxed tau
+    beside its exact one and the plan's price; at bound 1 every draft is accepted (tau up, CoCs changed)."""
+    rsd.main(["--run", str(run_dir), "--seeds", "0", "--views", str(VIEWS), "--scenes", "3", "--time-scenes", "1",
+              "--show", "0", "--gamma", "3", "--tree", "0", "--relaxed", "typical:1", "--json"])
+    text = capsys.readouterr().out
+    out = json.loads(text.strip().splitlines()[-1])
+    assert "LOSSY: relaxed acceptance, rule typical, bound 1" in text and out["greedy_match"] is True
+    assert out["decoding"]["lossy"] and set(out["relaxed"]) == {"replica", "flatrope", "flatrope+aarl"}
+    for r in out["relaxed"].values():
+        assert r["tau"] > r["tau_exact"] and r["cocs_changed"] > 0 and r["plan_moved_m"] >= 0

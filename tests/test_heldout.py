@@ -186,3 +186,21 @@ def test_errors_are_one_line(setup, tmp_path, capsys):
     other = load_pretrained(other_dir)
     checkpoint.save(make_draft(other, n_layers=1), tmp_path / "stale", target=other)
     assert "stale draft" in error("--target", str(d), "--scenes", str(root), "--draft", str(tmp_path / "stale"))
+
+
+def test_bench_scenes_relaxed_is_priced_through_the_expert(setup, tmp_path, capsys):
+    """--scenes --relaxed typical:1 --commitments FILE (LOSSY): every draft accepted, so tau rises; each scene's plan
+    after the relaxed CoC is compared with the plan after target-only's through the action expert."""
+    d, _, ddir, _, root = setup
+    ids = tmp_path / "commit.json"
+    ids.write_text("[1, 2, 3]")
+    argv = ["--target", str(d), "--scenes", str(root), "--draft", str(ddir), "--device", "cpu", "--dtype", "fp32",
+            "--max-new", str(MAX_NEW), "--tree", "0", "--gamma", str(GAMMA), "--repeats", str(REPEATS),
+            "--min-pixels", "64", "--max-pixels", "256", "--json"]
+    exact = bench.main(argv)
+    res = bench.main(argv + ["--relaxed", "typical:1", "--commitments", str(ids)])
+    out = capsys.readouterr().out
+    assert res["decoding"]["lossy"] and res["decoding"]["verification"]["commitments"] == 3
+    assert res["tau"] > exact["tau"] and res["plan_moved_m"] is not None and "LOSSY" in out
+    moved = [r["plan_moved_m"] for r in res["rows"]]
+    assert all(m >= 0 for m in moved) and all(m == 0 for m, r in zip(moved, res["rows"]) if r["identical"])
