@@ -228,6 +228,7 @@ def _run(cfg, run_dir, n_report, device, out):
     after = report(target, draft, sft, splits, times, outputs, before["val"]["gamma"])
     checkpoint.save(draft, out, target=target)
     res = {"reference": cfg.reference, "seed": cfg.seed, "config": asdict(cfg), "wall_s": time.time() - t0,
+           "environment": timing.environment(device) | {"threads": torch.get_num_threads(), "device": str(device)},
            "out": out, "before": before, "after": after, "training": training_summary(updates)}
     files.write_json(out.rstrip("/\\") + ".metrics.json", res)  # what AARL learned, beside the draft it saved
     return res

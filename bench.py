@@ -14,6 +14,7 @@ run: python bench.py --device cpu [--compile]                          (the toy,
      python bench.py --device cuda --target PATH --draft PATH --scenes SCENES --tree 0   (held out: alpamayo.heldout)
 """
 import argparse
+import contextlib
 import dataclasses
 import importlib.util
 import json
@@ -21,6 +22,7 @@ import os
 import platform
 import re
 import sys
+import time
 from statistics import median
 
 import torch
@@ -133,8 +135,11 @@ def benchmark(target, draft, prompts, gamma, max_new, stop_token=None, repeats=3
     A tree (gamma a TreeShape) is timed beside the chain of chain_gamma with the same draft, compiled or not.
     choose (compile): (val prompts, tree shapes): the tree is the one the compiled steps run fastest (choose_tree)."""
     comp = {}
+    cli.progress(f"greedy decodes of {len(prompts)} prompts, target-only and speculative (the identity check)")
     if compile:
         shapes = choose[1] if choose else [gamma]
+        cli.progress(f"compiling every step shape of {len(shapes)} decoder(s) and target-only: minutes on a CPU (the "
+                     "toy's default tree about 6 min on 2 cores), seconds to a minute on a GPU")
         ct, cd = compiled_pair(target, draft, prompts + (choose[0] if choose else []),
                                [*shapes, *([chain_gamma] if any(isinstance(sh, TreeShape) for sh in shapes) else [])],
                                max_new)
@@ -159,6 +164,8 @@ def benchmark(target, draft, prompts, gamma, max_new, stop_token=None, repeats=3
         div = {arm: timing.divergences(target, prompts, reference, o["tokens"]) for arm, o in outputs.items()}
         comp.update(compile_s=compile_s, divergences=div, greedy_match=not any(div.values()))
     arms = arm_table({"": (target, draft)} | ({" compiled": (ct, cd)} if compile else {}), gamma, chain_gamma)
+    cli.progress(f"timing {len({TARGET_ONLY, *arms})} arms: {repeats} passes over {len(prompts)} prompts, then the "
+                 "cost model")
     t = time_arms(target, {}, prompts, gamma, max_new, stop_token, repeats, sampling, arms)[0]
     res = {"decoder": decoder_json(gamma), "decoding": cli.sampling_json(sampling),
            **{k: spec[k] for k in ("greedy_match", "tau", "alpha", "routine_fraction")}, "tokens": spec["n_tokens"],
@@ -396,18 +403,24 @@ def decoder_text(d):
         f"tree draft, {d['nodes']} nodes, depth {d['depth']}, width {d['width']}")
 
 
-def decoding_text(d):
-    v = d.get("verification", "exact")
+def decoding_text(d, rows=None):
+    """The decoding in words; rows: a plan's rows (row r of plan j then draws from seed + rows j + r)."""
+    v, seeds = d.get("verification", "exact"), f"prompt i's generator seeded {d['seed']} + i" if rows is None else (
+        f"row r of plan j seeded {d['seed']} + {rows} j + r")
     return ("greedy" if d["mode"] == "greedy" else (
         f"sampling at temperature {d['temperature']:g}, top-k {d['top_k'] or 'off'}, top-p {d['top_p'] or 'off'}, "
-        f"prompt i's generator seeded {d['seed']} + i")) + ("" if v == "exact" else (
+        f"{seeds}")) + ("" if v == "exact" else (
         f", LOSSY: relaxed acceptance, rule {v['rule']}, bound {v['bound']:g}" if d["lossy"] else
         f", relaxed rule {v['rule']} at bound 0 (exact)"))
 
 
 def run_line(res):
-    return (f"device {res['device']} ({res['hardware']}), dtype {res['dtype']}, threads {res['threads']}, "
-            f"{decoder_text(res['decoder'])}, decoding {decoding_text(res['decoding'])}")
+    rows, f = res["plan"]["rows"] if res["mode"] == "plans" else None, res.get("what_ran", {}).get("flags", {})
+    return (f"device {res['device']} ({res['hardware']}), dtype {res['dtype']}, threads {res['threads']}, torch "
+            f"{res.get('torch', torch.__version__)}, {decoder_text(res['decoder'])}, decoding "
+            f"{decoding_text(res['decoding'], rows)}"
+            + (f", max-new {f['max_new']}, repeats {f['repeats']}" if f else "")
+            + (f", {res['what_ran']['wall_s']:.0f} s in all" if "what_ran" in res else ""))
 
 
 def report(res):
@@ -520,6 +533,7 @@ def main(argv=None):
     ap.add_argument("--compile", action="store_true", help="also every arm through torch.compile'd steps")
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     args = ap.parse_args(argv)
+    t0, cpu0 = time.time(), time.process_time()
     sampling = check_flags(ap, args)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -533,7 +547,9 @@ def main(argv=None):
                gamma=None if args.tree else args.gamma, threads=torch.get_num_threads(), torch=torch.__version__,
                environment=timing.environment(device), peak_memory=timing.peak_memory(device))
     res.setdefault("decoder", decoder_json(args.decoder))  # benchmark's own where it chose the tree
-    report(res)  # printed first: a failing write below loses no measurement
+    res["what_ran"] = cli.ran(args, t0, cpu0)
+    with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():  # --json: one line out
+        report(res)  # printed first: a failing write below loses no measurement
     if args.json:
         print(json.dumps(res))
     if args.out:
@@ -567,8 +583,8 @@ def check_flags(ap, args):
                       "--target with --scenes (the action expert)"),
                      (args.samples > 1 and args.temperature == 0, f"--samples {args.samples} at --temperature 0 "
                       "decodes identical greedy rows: give --temperature > 0 (Alpamayo-R1: 0.6 --top-p 0.98)"),
-                     (args.batch > args.prompts, f"--batch {args.batch} needs at least as many --prompts, got "
-                      f"{args.prompts}"),
+                     (args.prompts % args.batch, f"--prompts {args.prompts} is not a multiple of --batch "
+                      f"{args.batch}: every plan has --batch prompts (a partial last plan would be dropped)"),
                      (args.repeats < 3, "--repeats must be >= 3 (the median of at least three passes is reported)"),
                      (args.threads is not None and args.threads < 1,
                       f"--threads must be >= 1 (omit it for torch's default), got {args.threads}"),

@@ -13,10 +13,12 @@ spread (bench.py: the full benchmark of one draft). The top of the layering: it 
 run: python rsd.py [--json]        (--retrain trains what is missing: train.py, aarl.py; --search: see above)
 """
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
 import statistics
+import sys
 import time
 
 import torch
@@ -308,6 +310,14 @@ def find_search(a, target, drafts, seeds, val, device):
 # ---- main ----
 def main(argv=None):
     ap, a, seeds, sampling, device = parse_args(argv)
+    with contextlib.redirect_stdout(sys.stderr) if a.json else contextlib.nullcontext():  # --json: one line out
+        out = run(ap, a, seeds, sampling, device)
+    if a.json:
+        print(json.dumps(out))
+
+
+def run(ap, a, seeds, sampling, device):
+    """The main job: the target's metrics, the search (or the given decoders), the table, the sweep -> the JSON."""
     t0, cpu0 = time.time(), time.process_time()
     with cli.user_errors(ap):  # a failed retrain, a corrupt file, a draft distilled from another target: one line
         check_search_record(ap, a, seeds, device)
@@ -325,13 +335,18 @@ def main(argv=None):
     splits = {split: Data(split, a.scenes, 0, tok, views=a.views) for split in ("val", "test")}
     test = splits["test"]
     # the target's greedy outputs, computed once: the test split's metrics and the rows' reference and replay
+    cli.progress(f"the target's greedy CoCs of {a.scenes} val and {a.scenes} test scenes, its metrics")
     outputs = {split: evaluate.greedy_outputs(target, data) for split, data in splits.items()}
     metrics = {"coc_exact": evaluate.coc_exact_match(outputs["test"], test.coc_ids()),
                "commitment_acc": evaluate.commitment_acc(target, target, test),
                "ade": evaluate.trajectory_ade(target, test, outputs["test"])[0]}
     print(f"target on the held-out test split: CoC exact {metrics['coc_exact']:.3f}, "
           f"commitment accuracy {metrics['commitment_acc']:.3f}, ADE {metrics['ade']:.2f} m")
+    cli.progress("the decoders: " + ("as given (--gamma / --tree)" if a.given else "the val search's record, or "
+                                     "the search itself (minutes)"))
     rec, searched = find_search(a, target, drafts, seeds, splits["val"], device)
+    cli.progress(f"the table: every row's real decoding of the test scenes, then {a.repeats} timed pass(es) over "
+                 f"{a.time_scenes} of them" + (" (compiling first: minutes)" if a.compile else ""))
     table = dataclasses.replace(sampling, relaxed=None)  # the paper's table is lossless; --relaxed: a section after it
     rows, sweep = paper_table(target, drafts, splits, outputs, metrics, rec, a.time_scenes, a.repeats, table,
                               a.compile, a.tree, a.gamma)
@@ -380,21 +395,20 @@ def main(argv=None):
     print(f"routine share of the world (the Bayes-optimal reader of the history, python driving.py): {share:.3f}")
     # CPU time beside the wall time: on a shared machine the wall time also holds the waits for the other jobs
     print(f"wall time {time.time() - t0:.0f} s (CPU time of this process {time.process_time() - cpu0:.0f} s)")
-    if a.json:
-        keys = ("name", "gamma", "tau", "tau_spread", "tau_by_gamma", "tau_ceiling", "routine_fraction", "commit_acc",
-                "ms_per_token", "speedup", "ms_per_token_range", "speedup_range", "ade", "attn_history", "attn_image",
-                "attn_text")
-        keys += ("sampled_tau", "sampled_alpha") if not table.greedy else ()
-        keys += ("tree", "tau_by_seed", "val_tau", "alpha_by_depth", "nodes_per_round")  # None on chain rows
-        print(json.dumps({"decoding": cli.sampling_json(sampling), "compiled": a.compile, "greedy_match": greedy_match,
-                          "tau_ceiling": aarl_row["tau_ceiling"], "sweep": sweep,
-                          "target": {k: metrics[k] for k in ("coc_exact", "commitment_acc", "ade")},
-                          "prompt": {"visual_tokens": n_visual, "history_tokens": n_hist},
-                          "routine_share_world": share, "seeds": None if a.drafts else seeds,
-                          "drafts": a.named if a.drafts else None,
-                          "timing": {"scenes": a.time_scenes, "passes": a.repeats, "blocks": blocks,
-                                     "unordered": groups, "step_times": searched},
-                          "rows": [{k: r.get(k) for k in keys} for r in rows], "relaxed": lossy}))
+    keys = ("name", "gamma", "tau", "tau_spread", "tau_by_gamma", "tau_ceiling", "routine_fraction", "commit_acc",
+            "ms_per_token", "speedup", "ms_per_token_range", "speedup_range", "ade", "attn_history", "attn_image",
+            "attn_text")
+    keys += ("sampled_tau", "sampled_alpha") if not table.greedy else ()
+    keys += ("tree", "tau_by_seed", "val_tau", "alpha_by_depth", "nodes_per_round")  # None on chain rows
+    return {"decoding": cli.sampling_json(sampling), "compiled": a.compile, "greedy_match": greedy_match,
+            "tau_ceiling": aarl_row["tau_ceiling"], "sweep": sweep,
+            "target": {k: metrics[k] for k in ("coc_exact", "commitment_acc", "ade")},
+            "prompt": {"visual_tokens": n_visual, "history_tokens": n_hist},
+            "routine_share_world": share, "seeds": None if a.drafts else seeds, "drafts": a.named if a.drafts else None,
+            "timing": {"scenes": a.time_scenes, "passes": a.repeats, "blocks": blocks, "unordered": groups,
+                       "step_times": searched},
+            "rows": [{k: r.get(k) for k in keys} for r in rows], "relaxed": lossy,
+            "what_ran": cli.ran(a, t0, cpu0) | {"device": str(device), "run": a.run}}
 
 
 def relaxed_rows(target, drafts, rows, test, sampling, first):
@@ -403,6 +417,7 @@ def relaxed_rows(target, drafts, rows, test, sampling, first):
     -> {row: record}, printed."""
     prompts = evaluate.scene_prompts(test.scenes, test.tok, next(target.parameters()).device, views=test.views_at(0))
     r = sampling.relaxed
+    cli.progress("--relaxed: each row's test scenes decoded again, exact and relaxed, and their plans")
     print(f"\nLOSSY: relaxed acceptance, rule {r.rule}, bound {r.bound:g} ({len(r.commitments)} commitment ids kept "
           f"exact by the routine rule), {first}'s drafts, every test scene; the table above is lossless")
     out = {}

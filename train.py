@@ -24,7 +24,7 @@ from driving import Data, grid_kwargs, vision_kwargs
 import evaluate
 from evaluate import autocast, evaluate_target
 import model as M
-from ops import checkpoint, cli, files, runs
+from ops import checkpoint, cli, files, runs, timing
 
 
 # ---- config ----
@@ -269,7 +269,8 @@ def run(cfg: TrainConfig, stage="all", log=print):
         if rank == 0 and stage != "drafts":  # a draft stage never rewrites (nor re-measures) the target's metrics
             test = Data("test", cfg.n_test, cfg.seed, tok, views=cfg.views)
             metrics = {"val": evaluate_target(out["target"], val), "test": evaluate_target(out["target"], test),
-                       "scenes": {"val": cfg.n_val, "test": cfg.n_test}, "wall_s": time.time() - t0}
+                       "scenes": {"val": cfg.n_val, "test": cfg.n_test}, "wall_s": time.time() - t0,
+                       "environment": timing.environment(cfg.device) | {"threads": torch.get_num_threads()}}
             files.write_json(os.path.join(cfg.out, "train_metrics.json"), metrics)
             log(f"target val:  {fmt(metrics['val'])}")
             log(f"target test: {fmt(metrics['test'])}")

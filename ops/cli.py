@@ -10,7 +10,9 @@ import dataclasses
 import inspect
 import io
 import math
+import sys
 import textwrap
+import time
 import tokenize
 
 import torch
@@ -21,6 +23,7 @@ from ops.files import FolderLocked
 import relaxed
 import speculate
 
+START = time.time()  # when the program imported this: progress() counts from it
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -76,6 +79,21 @@ def user_errors(ap: argparse.ArgumentParser):
         ap.error(one_line(e))
     except KeyboardInterrupt:
         ap.exit(130, f"{ap.prog}: {runs.interrupted_note()}\n")
+
+
+def ran(args, t0, cpu0):
+    """What a report says ran: every flag as given or derived (plain values: inputs, decoder, repeats, max-new, views,
+    compile...), torch's version and threads, the wall and CPU seconds of the whole command (t0 time.time(), cpu0
+    time.process_time() at its start)."""
+    plain = (str, int, float, bool, type(None))
+    return {"flags": {k: v for k, v in sorted(vars(args).items()) if isinstance(v, plain)}, "torch": torch.__version__,
+            "threads": torch.get_num_threads(), "wall_s": time.time() - t0, "cpu_s": time.process_time() - cpu0}
+
+
+def progress(text):
+    """A stage of long work on stderr, with the seconds since the program started (START): stdout keeps the report
+    (and with --json its one JSON line)."""
+    print(f"[{time.time() - START:5.0f} s] {text}", file=sys.stderr, flush=True)
 
 
 def one_line(e):

@@ -67,11 +67,6 @@ class Run:
     result: object  # what the call returned (a SpecResult's decode_s: the decoder's own clock)
 
 
-def spread(values):
-    """A measurement over passes: its median and range."""
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
-
-
 def median_time(fn, device, reps, timer=time.perf_counter):
     """Median time (s) of fn() over reps calls, after one warm-up call, read with Clock (timer: its clock)."""
     fn()

@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from aarl import aarl_loss, coc_logprobs, group_advantages, rollout, training_summary
 import evaluate
-from ops import checkpoint, cli, files, runs
+from ops import checkpoint, cli, files, runs, timing
 from real import alpamayo, hf, scenes
 from real.expert import speed_from_history
 import speculate
@@ -177,6 +177,7 @@ def main(argv=None):
                        state_path=os.path.join(a.out, f"draft_aarl_s{cfg.seed}.state.pt"))  # resumed if there
             checkpoint.save(draft.to(target.embed_tokens.weight.dtype), out, target=target)
     res = {"out": out, "scenes": len(clips), "config": asdict(cfg), "wall_s": time.time() - t0,
+           "environment": timing.environment(a.device) | {"threads": torch.get_num_threads(), "dtype": a.dtype},
            "training": training_summary(updates)}
     first, last = res["training"]["first"], res["training"]["last"]
     print("updates, first -> last 20: " + "  ".join(f"{k} {first[k]:.3f}->{last[k]:.3f}" for k in first))

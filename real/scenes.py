@@ -44,6 +44,9 @@ IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
 POSES, INSTRUCTION, INDEX = "poses.json", "instruction.txt", "index.json"
 SHARD_SCENES = 64  # scenes per shard: what a killed run can lose
 MAX_ASPECT = 200  # the Qwen-VL image processors' smart_resize refuses a longer side over 200 x the shorter
+# poses are metres at 10 Hz in the ego frame of the last past pose: a world frame (UTM: kilometres away) or other units
+# (centimetres: hundreds per step) fail these wide bounds, a real drive never does
+ORIGIN_M, STEP_M = 5.0, 10.0  # the last past pose within 5 m of (0, 0); at most 10 m per 0.1 s step (360 km/h)
 OWN_IMAGE = re.compile(r"\d{2,}\.png")  # write_scene's image names: the only images it ever removes
 
 
@@ -79,6 +82,19 @@ def _poses(raw, key, rows, problems):
         bad = "is not a list of [x, y, z] rows"
     problems += [f"{POSES} '{key}' {bad}"] if bad else []
     return None if bad else xyz
+
+
+def _frame_and_units(past, future):
+    """What says the poses are not metres at 10 Hz in the current pose's ego frame (docs/own-target.md): [problems]."""
+    out, (x, y) = [], past[-1, :2].tolist()
+    if (x * x + y * y) ** 0.5 > ORIGIN_M:
+        out.append(f"{POSES} 'past' ends at (x, y) = ({x:.1f}, {y:.1f}) m, not at the origin: poses are in the ego "
+                   "frame of the current (last past) pose")
+    xy = torch.cat([past, future if future is not None else past[:0]])[:, :2]  # (T, 2)
+    step = float(xy.diff(dim=0).norm(dim=-1).max()) if len(xy) > 1 else 0.0
+    if step > STEP_M:
+        out.append(f"{POSES} moves {step:.1f} m in one 0.1 s step (more than {STEP_M:g} m): poses are metres at 10 Hz")
+    return out
 
 
 def _check_image(p):
@@ -129,6 +145,8 @@ def _check_scene(d, scene_id, n_images, poses):
             future = _poses(raw, "future", N_FUTURE, problems) if raw.get("future") is not None else None
         except (OSError, ValueError, KeyError, AttributeError) as e:  # unreadable, not JSON, no "past", not a dict
             problems.append(f"{POSES} unreadable ({type(e).__name__}: {e})")
+        if past is not None:
+            problems += _frame_and_units(past, future)
     elif poses:
         problems.append(f"no {POSES}")
     text = _instruction(d, not poses, problems)  # an Alpamayo prompt (poses) reads no instruction

@@ -328,7 +328,7 @@ def test_bench_target_runs_the_plan_on_pixels(folder, tmp_path, capsys):
     common = ["--target", str(d), "--dtype", "fp32", "--max-new", "8", "--gamma", "2", "--repeats", "3",  # 8: the
               "--min-pixels", "64", "--max-pixels", "256", "--threads", "1", "--json"]  # default tree's depth
     res = bench.main(common + ["--images-dir", str(tmp_path / "cams")])
-    out = capsys.readouterr().out
+    out = "".join(capsys.readouterr()[::-1])  # stderr (--json: the report), stdout
     assert "plan timings   prefill (vision tower + prompt)" in out and "trajectory (action expert)" in out
     assert res["prompt_source"].startswith("Alpamayo-R1 prompt") and res["images"] == 4
     assert len(res["waypoints"]) == N_WP and res["trajectory_ms"] > 0 and res["ar_prefill_ms"] > 0
@@ -367,4 +367,4 @@ def test_bench_target_samples_six_plans_through_the_expert(folder, tmp_path, cap
     p = res["plan"]
     assert p["rows"] == 6 and len(p["speculative"]["tau_per_row"]) == 6 and len(p["cocs"]) == 6
     assert len(p["waypoints"]) == 6 and all(len(w) == N_WP for w in p["waypoints"]) and p["action_ms"] > 0
-    assert "the action expert (toy: trajectory head) over all rows" in capsys.readouterr().out
+    assert "the action expert (toy: trajectory head) over all rows" in "".join(capsys.readouterr())

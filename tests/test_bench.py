@@ -3,6 +3,7 @@ sampling settings reaching every timed decode, and the report's wording.
 
 run: python -m pytest -q tests/test_bench.py
 """
+import json
 import math
 
 import pytest
@@ -221,8 +222,12 @@ def test_relaxed_bench_reports_what_it_cost(capsys, tmp_path):
     accepted: the tau rises and the CoCs change. Refused with plans of several rows, and without a plan to price."""
     out = tmp_path / "r.json"
     bench.main(["--device", "cpu", "--prompts", "2", "--max-new", "12", "--tree", "0", "--gamma", "4", "--repeats", "3",
-                "--relaxed", "typical:1", "--out", str(out)])
-    text, res = capsys.readouterr().out, files.read_json(out)
+                "--relaxed", "typical:1", "--out", str(out), "--json"])
+    captured, res = capsys.readouterr(), files.read_json(out)
+    text = captured.err  # --json: stdout is the one JSON line; the report, the progress and "wrote" on stderr
+    assert captured.out.count("\n") == 1 and json.loads(captured.out) == res and "] timing 2 arms" in text
+    assert {"repeats", "max_new", "views", "prompts", "run", "draft", "compile", "relaxed"} <= set(res["what_ran"]["flags"])
+    assert res["what_ran"]["wall_s"] > 0 and "max-new 12, repeats 3" in text
     assert "LOSSY: relaxed acceptance, rule typical, bound 1" in text and "LOSSY cost" in text
     assert res["decoding"]["lossy"] and res["greedy_match"] is True
     lossy = res["lossy"]

@@ -124,7 +124,7 @@ def test_rsd_search_is_recorded_and_a_stale_record_is_not_used(run_dir, tmp_path
 
     monkeypatch.setattr(rsd, "search", counted)
     rsd.main(argv)
-    text = capsys.readouterr().out
+    text = "".join(capsys.readouterr()[::-1])  # stderr (--json: the report), stdout
     again = json.loads(text.strip().splitlines()[-1])
     assert calls == [] and f"recorded by python rsd.py --search in {run / rsd.SEARCH_JSON}" in text
     assert [(r["gamma"], r["tree"]) for r in again["rows"]] == [(r["gamma"], r["tree"]) for r in searched["rows"]]
@@ -132,7 +132,7 @@ def test_rsd_search_is_recorded_and_a_stale_record_is_not_used(run_dir, tmp_path
     shutil.rmtree(run / "draft_aarl_s0")  # another draft in the row's place: another fingerprint
     shutil.copytree(run / "draft_flat_s0", run / "draft_aarl_s0")
     rsd.main(argv)
-    text = capsys.readouterr().out
+    text = "".join(capsys.readouterr()[::-1])  # stderr (--json: the report), stdout
     assert len(calls) == 1 and "(drafts differ): not used" in text and "measured now" in text
 
 
@@ -204,7 +204,7 @@ def test_bench_toy_compiled(run_dir, capsys):
     beside the eager ones, emit the target's greedy tokens (fp32), and report their own cost model and compile time."""
     bench.main(["--run", str(run_dir), "--prompts", "2", "--dtype", "fp32", "--views", str(VIEWS), "--compile",
                 "--json"])
-    text = capsys.readouterr().out
+    text = "".join(capsys.readouterr()[::-1])  # stderr (--json: the report), stdout
     c = json.loads(text.strip().splitlines()[-1])["compiled"]
     assert c["greedy_match"] is True and c["divergences"] == {arm: [] for arm in (*bench.COMPILED,
                                                                                   bench.COMPILED_CHAIN)}
@@ -236,7 +236,7 @@ def test_bench_real_shape_preset(run_dir, capsys):
                 "--gamma", "2",  # the chain arm timed beside the tree: every round verifies gamma + 1 at the 152k head
                 "--draft-vocab", "4096", "--run", str(run_dir), "--json", "--tree", "4", "--tree-depth", "2",
                 "--tree-width", "2"])
-    text = capsys.readouterr().out
+    text = "".join(capsys.readouterr()[::-1])  # stderr (--json: the report), stdout
     out = json.loads(text.strip().splitlines()[-1])
     assert "not meaningful" in text
     assert out["prompt_tokens"] > 180 and out["model"] == "qwen2.5-vl-7b (1 layers), draft head over 4096 ids"
@@ -248,7 +248,7 @@ def test_bench_sampling_reports_the_sampled_runs_beside_greedy(run_dir, capsys):
     generator seeded --sampling-seed + i (the timed runs'); greedy's statistics and exactness stay beside it."""
     bench.main(["--run", str(run_dir), "--prompts", "3", "--dtype", "fp32", "--views", str(VIEWS), "--temperature",
                 "0.8", "--top-p", "0.95", "--sampling-seed", "7", "--json"])
-    text = capsys.readouterr().out
+    text = "".join(capsys.readouterr()[::-1])  # stderr (--json: the report), stdout
     out = json.loads(text.strip().splitlines()[-1])
     assert out["decoding"] == {"mode": "sampling", "temperature": 0.8, "top_k": None, "top_p": 0.95, "seed": 7,
                                "lossy": False, "verification": "exact"}
@@ -271,7 +271,7 @@ def test_rsd_sampling_gives_each_row_a_sampled_tau(run_dir, capsys):
     rsd.main(["--run", str(run_dir), "--seeds", "0", "--views", str(VIEWS), "--scenes", "3", "--time-scenes", "1",
               "--repeats", "1", "--show", "1", "--temperature", "1.0", "--top-k", "20", "--sampling-seed", "3",
               "--json"])
-    text = capsys.readouterr().out
+    text = "".join(capsys.readouterr()[::-1])  # stderr (--json: the report), stdout
     out = json.loads(text.strip().splitlines()[-1])
     assert out["decoding"] == {"mode": "sampling", "temperature": 1.0, "top_k": 20, "top_p": None, "seed": 3,
                                "lossy": False, "verification": "exact"}
@@ -429,7 +429,7 @@ def test_rsd_drafts_at_given_decoders_skip_the_search(run_dir, monkeypatch, caps
     for given, want in ((["--gamma", "3"], [3, 3]), (["--tree", "16/6/3"], [evaluate.GAMMA] * 2 + [[16, 6, 3]] * 2),
                         (["--gamma", "4", "--tree", "16/8/3"], [4, 4, [16, 8, 3], [16, 8, 3]])):
         rsd.main(flags + given)
-        text = capsys.readouterr().out
+        text = "".join(capsys.readouterr()[::-1])  # stderr (--json: the report), stdout
         got = json.loads(text.strip().splitlines()[-1])
         assert [r["name"] for r in got["rows"]] == [TARGET_ONLY, "one", "two"] + ["one tree", "two tree"][:len(want) - 2]
         assert [r["gamma"] or r["tree"] for r in got["rows"][1:]] == want and got["greedy_match"] is True
@@ -446,8 +446,12 @@ def test_rsd_relaxed_section_is_lossy_and_priced(run_dir, capsys):
     beside its exact one and the plan's price; at bound 1 every draft is accepted (tau up, CoCs changed)."""
     rsd.main(["--run", str(run_dir), "--seeds", "0", "--views", str(VIEWS), "--scenes", "3", "--time-scenes", "1",
               "--show", "0", "--gamma", "3", "--tree", "0", "--relaxed", "typical:1", "--json"])
-    text = capsys.readouterr().out
-    out = json.loads(text.strip().splitlines()[-1])
+    captured = capsys.readouterr()
+    out, text = json.loads(captured.out), captured.err  # --json: stdout is the one JSON line, the report on stderr
+    assert captured.out.count("\n") == 1 and "] the table: every row's real decoding" in text  # progress too
+    ran = out["what_ran"]
+    assert {"dtype", "scenes", "views", "tree", "gamma", "run", "repeats", "relaxed"} <= set(ran["flags"])
+    assert ran["torch"] == torch.__version__ and ran["wall_s"] > 0 and ran["device"] == "cpu"
     assert "LOSSY: relaxed acceptance, rule typical, bound 1" in text and out["greedy_match"] is True
     assert out["decoding"]["lossy"] and set(out["relaxed"]) == {"replica", "flatrope", "flatrope+aarl"}
     for r in out["relaxed"].values():

@@ -107,7 +107,7 @@ def test_bench_scenes_with_sampled_rows(setup, capsys):
     p = res["plan"]
     assert res["mode"] == "plans" and p["plans"] == 3 and p["rows"] == 3 and len(p["waypoints"]) == 3
     assert len(p["speculative"]["tau_per_row"]) == 9 and p["action_ms"] > 0
-    assert "3 plans of 1 prompt(s) x 3 sample(s)" in capsys.readouterr().out
+    assert "3 plans of 1 prompt(s) x 3 sample(s)" in "".join(capsys.readouterr())
 
 
 def test_bench_scenes_end_to_end(setup, capsys):
@@ -115,7 +115,7 @@ def test_bench_scenes_end_to_end(setup, capsys):
     res = bench.main(["--target", str(d), "--scenes", str(root), "--draft", str(ddir), "--device", "cpu",
                       "--dtype", "fp32", "--max-new", str(MAX_NEW), "--tree", "0", "--gamma", str(GAMMA),
                       "--repeats", str(REPEATS), "--min-pixels", "64", "--max-pixels", "256", "--json"])
-    out = capsys.readouterr().out
+    out = "".join(capsys.readouterr()[::-1])  # stderr (--json: the report), stdout
     assert json.loads(out.strip().splitlines()[-1]) == json.loads(json.dumps(res))  # bench's --json: the last line
     assert res["mode"] == "heldout" and res["identical"] == 3 and len(res["rows"]) == 3 and res["trained_draft"]
     assert res["stop"] == SPECIAL["<|traj_future_start|>"] and res["ade_m"] is not None
@@ -199,7 +199,7 @@ def test_bench_scenes_relaxed_is_priced_through_the_expert(setup, tmp_path, caps
             "--min-pixels", "64", "--max-pixels", "256", "--json"]
     exact = bench.main(argv)
     res = bench.main(argv + ["--relaxed", "typical:1", "--commitments", str(ids)])
-    out = capsys.readouterr().out
+    out = "".join(capsys.readouterr()[::-1])  # stderr (--json: the report), stdout
     assert res["decoding"]["lossy"] and res["decoding"]["verification"]["commitments"] == 3
     assert res["tau"] > exact["tau"] and res["plan_moved_m"] is not None and "LOSSY" in out
     moved = [r["plan_moved_m"] for r in res["rows"]]

@@ -200,6 +200,10 @@ def test_train_bad_flags_fail_at_parse_time(argv, msg, capsys):
     (["--samples", "6", "--temperature", "0"], "--samples 6 at --temperature 0 decodes identical greedy rows"),
     (["--target", "/nonexistent", "--samples", "2"], "--samples 2 at --temperature 0"),
     (["--out", os.path.join(checkpoint.SHIPPED, "draft_aarl_s0", "model.safetensors")], "inside the shipped"),
+    (["--batch", "2", "--prompts", "3"], "--prompts 3 is not a multiple of --batch 2"),
+    (["--relaxed", "typical"], "--relaxed must be RULE:BOUND"),
+    (["--relaxed", "routine:1.5"], "relaxed bound must be in [0, 1]"),
+    (["--commitments", "x.json"], "--commitments names what --relaxed routine:B keeps exact"),
 ])
 def test_bench_bad_flags_are_one_line(argv, msg, capsys):
     with pytest.raises(SystemExit) as e:
@@ -236,6 +240,7 @@ def test_bench_out_is_never_an_input_nor_a_file_it_did_not_write(tmp_path, monke
 
 
 @pytest.mark.parametrize("argv, msg", [
+    (["--relaxed", "fuzzy:0.5"], "relaxed rule must be 'typical' or 'routine'"),
     (["--views", "30"], "--views must be in 0..21"),
     (["--seeds", "0,0"], "--seeds must not repeat a seed"),
     (["--seeds", "a"], "--seeds must be non-negative integers"),
