@@ -24,8 +24,8 @@ done
 for p in "${pids[@]}"; do wait "$p"; done                                      # a plain `wait` would hide a failure
 for s in 0 1; do cp "runs/toy_s${s}_7500/train_metrics.json" "experiments/target_7500_s${s}_metrics.json"; done
 python experiments/rope_base.py --run runs/toy                                  # -> experiments/rope_base.json
-python bench.py --device cpu --peer hf --prompts 16 --repeats 5 --json > runs/peer_hf.out  # ours beside HF generate
-tail -n 1 runs/peer_hf.out > experiments/peer_hf.json                           # and assisted generation (peer.py)
+python experiments/peer_hf.py --device cpu --prompts 16 --repeats 5 --out experiments/peer_hf.json  # ours beside HF
+                                                                                # generate and assisted generation
 python bench.py --device cpu --json --tree 0 | tail -n 1 > experiments/bench_cpu.json  # the chain (before trees)
 python bench.py --device cpu --json --tree 0 --draft checkpoints/toy/draft_flat_s0 --gamma 7 | tail -n 1 > experiments/bench_cpu_flat_g7.json
 python experiments/tree_sweep.py                                                # -> experiments/tree_sweep.json
