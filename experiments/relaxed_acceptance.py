@@ -7,7 +7,9 @@ The claim, stated before measuring: at equal tau gained over lossless decoding, 
 plan less than the token-level rule. Each record: rule, bound, tau, ade (to the ground truth), ade_vs_exact (to the
 plan after the lossless CoC), commitment_acc (the ground truth's commitment words at their places in the decoded CoC),
 coc_exact, coc_same (the lossless CoC), speedup (target-only / relaxed CPU seconds of decoding every CoC, prefill
-included, one thread, same process: CPU time, as the machine is shared).
+included, one thread, same process: CPU time, as the machine is shared; noisy) and speedup_model (the cost model at
+this tau: tau T_target(1) / (gamma T_draft(1) + T_target(gamma + 1)), the least of five interleaved blocks of step
+times, the target's pooled over the seeds: the same tau, the same number).
 Bound 0 of each rule is the lossless point, checked greedy-identical to target-only decoding here.
 
 run: python experiments/relaxed_acceptance.py    (writes experiments/relaxed_acceptance.json and
@@ -23,7 +25,7 @@ import torch  # noqa: E402
 
 import driving  # noqa: E402
 import evaluate  # noqa: E402
-from ops import checkpoint, files  # noqa: E402
+from ops import checkpoint, files, timing  # noqa: E402
 from relaxed import Relaxed  # noqa: E402
 from speculate import Sampling, SpecResult  # noqa: E402
 from tree import TreeShape  # noqa: E402
@@ -75,6 +77,32 @@ def rejections(res, commit):
                 out["commitment" if r.tokens[pos + n] in commit else "routine"] += 1
             pos += block
     return out
+
+
+def reprice(result, target, run, gamma, data=None, tok=None, blocks=5):
+    """speedup_model on every record of result: the chain's cost model at its tau, from each seed's step times
+    (ops.timing.step_times on the first test prompt, the least of `blocks` measurements)."""
+    if not gamma:
+        raise ValueError("--reprice prices the chain (the tree's cost model is bench.py's)")
+    tok = tok or driving.Tokenizer()
+    data = data or driving.Data("test", result["scenes"], 0, tok)
+    if isinstance(target, str):
+        target = checkpoint.load(target).eval()
+    prompt = evaluate.scene_prompts(data.scenes[:1], tok, "cpu", views=data.views_at(0))[0]
+    torch.set_num_threads(1)
+    drafts = {s: checkpoint.load(checkpoint.draft_dir(run, "flat", s), target=target).eval() for s in result["seeds"]}
+    runs = {s: [] for s in drafts}
+    for _ in range(blocks):  # the seeds interleaved: one target, so its step times pool over every block
+        for s, draft in drafts.items():
+            runs[s].append(timing.step_times(target, draft, prompt, (1, gamma + 1)))
+    t1, tg = (min(r["target"][n] for rs in runs.values() for r in rs) for n in (1, gamma + 1))
+    result["step_times_ms"] = {"target_1": 1e3 * t1, f"target_{gamma + 1}": 1e3 * tg}
+    for s, rs in runs.items():
+        td = min(r["draft"] for r in rs)
+        result["step_times_ms"][f"draft_1_seed{s}"] = 1e3 * td
+        for r in result["records"]:
+            if r["seed"] == s:
+                r["speedup_model"] = evaluate.measured_speedup(r["tau"], t1, td, tg, gamma)
 
 
 def first_gain(rows, gain=1.0):
@@ -152,9 +180,16 @@ def main():
     ap.add_argument("--out", default=os.path.join(ROOT, "experiments", "relaxed_acceptance.json"))
     ap.add_argument("--figure", default=os.path.join(ROOT, "docs", "figures", "relaxed_acceptance.png"))
     ap.add_argument("--plot-only", action="store_true", help="redraw the figure from --out")
+    ap.add_argument("--reprice", action="store_true", help="add speedup_model to --out's records (step times measured "
+                    "now), redraw")
     a = ap.parse_args()
     if a.plot_only:
         return plot(files.read_json(a.out), a.figure)
+    if a.reprice:
+        result = files.read_json(a.out)
+        reprice(result, os.path.join(a.run, "target"), a.run, a.gamma)
+        files.write_json(a.out, result)  # atomic
+        return print(f"wrote {a.out}", file=sys.stderr)
     torch.set_num_threads(1)
     seeds, bounds = [int(s) for s in a.seeds.split(",")], sorted(float(b) for b in a.bounds.split(","))
     if bounds[0] != 0:
@@ -190,6 +225,7 @@ def main():
                 print(f"seed {s} {rule:8s} bound {b:<6} tau {rec['tau']:.2f} ade_vs_exact {rec['ade_vs_exact']:.3f} "
                       f"ade {rec['ade']:.3f} commit {rec['commitment_acc']:.3f} speedup {rec['speedup']:.2f} "
                       f"({time.time() - t0:.0f} s)", file=sys.stderr, flush=True)
+    reprice(result, target, a.run, a.gamma, data=data, tok=tok)
     result["summary"] = summary(result["records"], seeds)
     result["wall_s"] = time.time() - t0
     files.write_json(a.out, result)  # atomic
