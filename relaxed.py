@@ -20,11 +20,11 @@ class Relaxed:
     """Relaxed (lossy) acceptance, opt-in: a drafted token x the exact rule rejects is also accepted when p(x) >=
     min(eps, delta exp(-H(p))), Medusa's typical acceptance (Cai et al. 2024), with eps = 1 - bound and delta =
     sqrt(eps) (Medusa's defaults, eps 0.09 and delta 0.3, are bound 0.91). Greedy decoding judges p at temperature 1,
-    sampling the processed p it samples from. Bound 0 adds nothing (exact); any bound > 0 also accepts near-ties
-    (p(x) >= exp(-H) <= max p), and bound 1 accepts every draft.
+    sampling the processed p it samples from. Bound 0 adds nothing (exact); a bound just above 0 already accepts tokens
+    near p's top (the threshold tends to exp(-H), which is at most max p), and bound 1 accepts every draft.
     rule "typical" relaxes every position; "routine" (the paper's premise made a knob) only positions that commit to
     nothing: neither the drafted token nor p's argmax is in `commitments` (token ids: on the toy the words its CoC
-    grammar leaves open, driving.commitment_ids; on a real target the user's list). A commitment position is verified
+    grammar leaves open, driving.commitment_words; on a real target the user's list). A commitment position is verified
     exactly, so its token's law given the prefix is p's."""
     rule: str  # "typical" or "routine"
     bound: float  # in [0, 1]: 0 = exact verification
@@ -48,6 +48,8 @@ class Relaxed:
         h = -(p * p.clamp_min(1e-30).log()).sum(-1)  # (...) entropy H(p)
         ok = p.gather(-1, x[..., None])[..., 0] >= torch.clamp(math.sqrt(eps) * torch.exp(-h), max=eps)  # (...)
         if self.rule == "routine":
+            if (hi := max(self.commitments)) >= p.shape[-1]:
+                raise ValueError(f"commitment token id {hi} is outside the target's vocabulary 0..{p.shape[-1] - 1}")
             commit = torch.zeros(p.shape[-1], dtype=torch.bool, device=p.device)  # (V,)
             commit[torch.tensor(sorted(self.commitments), device=p.device)] = True
             ok &= ~commit[x] & ~commit[top]

@@ -1,8 +1,8 @@
 """Shared pytest setup: offline Hugging Face hub, the repo importable, a one-thread fixture, torch.compile on
 dynamo's eager backend, a run killed after its first save, the `slow` and `peer` markers.
 
-Tests marked `@pytest.mark.slow` (torch.compile: minutes of compilation on a CPU) are skipped unless pytest gets
---slow, so the default suite keeps its budget on 2 CPU cores.
+Tests marked `@pytest.mark.slow` (torch.compile: minutes of compilation on a CPU; a real shape's random weights) are
+skipped unless pytest gets --slow, so the default suite keeps its budget on 2 CPU cores.
 
 run: python -m pytest -q tests          (the slow ones too: python -m pytest -q tests --slow)
 """
@@ -84,11 +84,11 @@ def full_disk(tmp_path):
 
 
 def pytest_addoption(parser):
-    parser.addoption("--slow", action="store_true", help="also run tests marked slow (torch.compile)")
+    parser.addoption("--slow", action="store_true", help="also run tests marked slow (torch.compile, a real shape)")
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "slow: minutes on a CPU (torch.compile); run with --slow")
+    config.addinivalue_line("markers", "slow: minutes on a CPU (torch.compile, a real shape); run with --slow")
     config.addinivalue_line("markers", "peer: runs transformers beside our decoding on the shipped toy (about 10 s; "
                                        "deselect with -m 'not peer')")
 
@@ -96,7 +96,7 @@ def pytest_configure(config):
 def pytest_collection_modifyitems(config, items):
     if config.getoption("--slow"):
         return
-    skip = pytest.mark.skip(reason="slow (torch.compile): run with --slow")
+    skip = pytest.mark.skip(reason="slow (torch.compile, a real shape): run with --slow")
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)

@@ -227,6 +227,7 @@ def test_rsd_compiled(run_dir, capsys):
     assert all(r["ms_per_token"] > 0 for r in out["rows"])
 
 
+@pytest.mark.slow  # 110 s of the suite's ~8 min: building the 7B shape's random weights on a CPU
 def test_bench_real_shape_preset(run_dir, capsys):
     """A real shape shrunk to 1 layer and 1 image (random weights), its draft's head over 4096 ids, with a small tree
     (the 152k-id head over 33 rows is slow on a CPU), runs and says acceptance is meaningless (the speed-up at the

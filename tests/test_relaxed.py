@@ -34,6 +34,8 @@ def test_relaxed_settings_are_checked():
         with pytest.raises(ValueError):
             Relaxed(**bad)
     assert not Sampling(relaxed=Relaxed("typical", 0.0)).lossy and Sampling(relaxed=Relaxed("typical", 0.5)).lossy
+    with pytest.raises(ValueError, match="commitment token id 99 is outside the target's vocabulary 0..4"):
+        Relaxed("routine", 0.5, {1, 99}).accepts(torch.zeros(2, 5), torch.zeros(2, dtype=torch.long), Sampling())
 
 
 @pytest.mark.parametrize("rule", ["typical", "routine"])
