@@ -225,7 +225,8 @@ def main():
                 print(f"seed {s} {rule:8s} bound {b:<6} tau {rec['tau']:.2f} ade_vs_exact {rec['ade_vs_exact']:.3f} "
                       f"ade {rec['ade']:.3f} commit {rec['commitment_acc']:.3f} speedup {rec['speedup']:.2f} "
                       f"({time.time() - t0:.0f} s)", file=sys.stderr, flush=True)
-    reprice(result, target, a.run, a.gamma, data=data, tok=tok)
+    if a.gamma:  # the chain's cost model (a tree's is bench.py's)
+        reprice(result, target, a.run, a.gamma, data=data, tok=tok)
     result["summary"] = summary(result["records"], seeds)
     result["wall_s"] = time.time() - t0
     files.write_json(a.out, result)  # atomic
