@@ -653,9 +653,9 @@ def check_out(args, toy_mode):
                                    "--draft": args.draft, "--scenes": args.scenes, "--processor": args.processor,
                                    "--images-dir": args.images_dir})
     if os.path.lexists(args.out):
-        try:
-            with open(args.out, "rb") as f:  # not a JSON object: no need to read a model's gigabytes
-                ok = f.read(1) == b"{" and "mode" in files.read_json(args.out)  # an object: "in" reads its keys
+        try:  # a regular file only: opening a FIFO would wait for a writer forever
+            with open(args.out, "rb") if os.path.isfile(args.out) else contextlib.nullcontext() as f:
+                ok = f is not None and f.read(1) == b"{" and "mode" in files.read_json(args.out)  # a bench report
         except (OSError, ValueError):
             ok = False
         if not ok:

@@ -136,9 +136,12 @@ def _check_scene(d, scene_id, n_images, poses):
                  if not n.startswith(".") and n.lower().endswith(IMAGE_SUFFIXES)]
         if not paths or (n_images is not None and len(paths) != n_images):
             problems.append(f"cameras/ holds {len(paths)} PNG / JPEG images, expected {n_images or 'at least 1'}")
-        problems += [bad for bad in map(_check_image, paths) if bad]
+        problems += [f"cameras/{os.path.basename(p)} is not a regular file" for p in paths if not os.path.isfile(p)]
+        problems += [bad for bad in map(_check_image, filter(os.path.isfile, paths)) if bad]  # a FIFO would hang
     past = future = raw = None
-    if os.path.exists(os.path.join(d, POSES)):
+    if os.path.exists(os.path.join(d, POSES)) and not os.path.isfile(os.path.join(d, POSES)):
+        problems.append(f"{POSES} is not a regular file")
+    elif os.path.exists(os.path.join(d, POSES)):
         try:
             raw = json.loads(pathlib.Path(d, POSES).read_text())
             past = _poses(raw, "past", N_PAST, problems)

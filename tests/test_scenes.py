@@ -75,6 +75,12 @@ def test_every_bad_scene_is_named_with_its_defects(tmp_path):
         scenes.write_scene(tmp_path, name, **good)
     scenes.write_scene(tmp_path, "world_frame", pixels(), poses(16) + torch.tensor([4e5, 5.4e6, 0.0]), overwrite=True)
     scenes.write_scene(tmp_path, "centimetres", pixels(), poses(16), 100 * poses(64), overwrite=True)
+    for name in ("fifo_poses", "fifo_image"):  # opened, a FIFO would wait for a writer forever
+        scenes.write_scene(tmp_path, name, **good)
+    os.remove(tmp_path / "fifo_poses" / "poses.json")
+    os.mkfifo(tmp_path / "fifo_poses" / "poses.json")
+    os.remove(tmp_path / "fifo_image" / "cameras" / "05.png")
+    os.mkfifo(tmp_path / "fifo_image" / "cameras" / "05.png")
     os.remove(tmp_path / "missing" / "cameras" / "07.png")
     (tmp_path / "unreadable" / "cameras" / "03.png").write_bytes(b"not a png")
     os.remove(tmp_path / "no_poses" / "poses.json")
@@ -86,14 +92,15 @@ def test_every_bad_scene_is_named_with_its_defects(tmp_path):
     with pytest.raises(ValueError) as e:
         scenes.load_scenes(tmp_path)
     msg = str(e.value)
-    assert "10 of 11 scenes are bad" in msg and "good:" not in msg
+    assert "12 of 13 scenes are bad" in msg and "good:" not in msg
     for line in ["missing: cameras/ holds 15 PNG / JPEG images, expected 16", "unreadable: cameras/03.png unreadable",
                  "no_poses: no poses.json", "short_past: poses.json 'past' has shape (15, 3), expected (16, 3)",
                  "nan_future: poses.json 'future' holds non-finite values",
                  "long_future: poses.json 'future' has shape (65, 3), expected (64, 3)",
                  "bad_json: poses.json unreadable", "no_cameras: no cameras/ folder", "no_cameras: no poses.json",
                  "world_frame: poses.json 'past' ends at (x, y) = (4000",
-                 "centimetres: poses.json moves"]:
+                 "centimetres: poses.json moves", "fifo_poses: poses.json is not a regular file",
+                 "fifo_image: cameras/05.png is not a regular file"]:
         assert "  " + line in msg, (line, msg)
 
 

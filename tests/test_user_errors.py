@@ -218,9 +218,11 @@ def test_bench_out_is_never_an_input_nor_a_file_it_did_not_write(tmp_path, monke
     draft = tmp_path / "draft"
     shutil.copytree(checkpoint.draft_dir(checkpoint.SHIPPED, "aarl", 0), draft)
     (tmp_path / "other.json").write_text('["mode"]')
+    os.mkfifo(tmp_path / "fifo")  # opened to be checked, a FIFO would wait for a writer forever
     before = snapshot(str(draft))
     for out, msg in [(draft / "model.safetensors", "lies inside --draft"), (draft, "is --draft"),
-                     (tmp_path, "contains --draft"), (tmp_path / "other.json", "is not a bench.py report")]:
+                     (tmp_path, "contains --draft"), (tmp_path / "other.json", "is not a bench.py report"),
+                     (tmp_path / "fifo", "is not a bench.py report")]:
         with pytest.raises(SystemExit):
             bench.main(["--draft", str(draft), "--out", str(out)])
         line = error_line(capsys)
