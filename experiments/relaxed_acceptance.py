@@ -16,6 +16,7 @@ run: python experiments/relaxed_acceptance.py    (writes experiments/relaxed_acc
      docs/figures/relaxed_acceptance.png; --plot-only redraws the figure from the JSON)
 """
 import argparse
+from dataclasses import replace
 import os
 import sys
 import time
@@ -50,9 +51,11 @@ def commitment_acc(data, cocs):
 
 
 def decode_all(target, draft, prompts, decoder, sampling, stop):
-    """Every prompt decoded (batch 1) -> (results, CPU seconds of it all)."""
+    """Every prompt decoded (batch 1; prompt i's draws seeded sampling.offset(i)) -> (results, CPU seconds of it
+    all)."""
     t = time.process_time()
-    res = [evaluate.decode(target, draft, p, decoder, evaluate.MAX_NEW_TOKENS, stop, sampling) for p in prompts]
+    res = [evaluate.decode(target, draft, p, decoder, evaluate.MAX_NEW_TOKENS, stop, sampling.offset(i))
+           for i, p in enumerate(prompts)]
     return res, time.process_time() - t
 
 
@@ -177,6 +180,9 @@ def main():
     ap.add_argument("--gamma", type=int, default=evaluate.GAMMA, help="the chain's draft length (0: the tree)")
     ap.add_argument("--tree", default="32/8/3", help="with --gamma 0: the tree N/D/k")
     ap.add_argument("--bounds", default=",".join(map(str, BOUNDS)))
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0 (Alpamayo-R1: 0.6 --top-p 0.98): "
+                    "sampled, prompt i seeded i, the exact plan the lossless speculative decode's with the same draws")
+    ap.add_argument("--top-p", type=float, default=None)
     ap.add_argument("--out", default=os.path.join(ROOT, "experiments", "relaxed_acceptance.json"))
     ap.add_argument("--figure", default=os.path.join(ROOT, "docs", "figures", "relaxed_acceptance.png"))
     ap.add_argument("--plot-only", action="store_true", help="redraw the figure from --out")
@@ -201,20 +207,25 @@ def main():
     target = checkpoint.load(os.path.join(a.run, "target")).eval()
     data = driving.Data("test", a.scenes, 0, tok)
     prompts = evaluate.scene_prompts(data.scenes, tok, "cpu", views=data.views_at(0))
-    exact = evaluate.greedy_outputs(target, data)
+    base = Sampling(a.temperature, top_p=a.top_p, seed=None if a.temperature == 0 else 0)
+    exact = evaluate.greedy_outputs(target, data)  # greedy: every lossless decode's; sampled: per draft, below
     exact_plan = evaluate.plans(target, data, [list(e) for e in exact])
     result = {"scenes": a.scenes, "split": "test", "decoder": f"gamma {a.gamma}" if a.gamma else f"tree {a.tree}",
               "seeds": seeds, "bounds": bounds, "commitment_words": driving.commitment_words(),
               "main_clause_words": driving.commitment_words(True),
-              "threads": 1, "device": "cpu", "dtype": "fp32", "torch": torch.__version__, "records": []}
+              "threads": 1, "device": "cpu", "dtype": "fp32", "torch": torch.__version__, "records": [],
+              "decoding": {"temperature": a.temperature, "top_p": a.top_p, "seed": base.seed}}
     t0 = time.time()
     for s in seeds:
         draft = checkpoint.load(checkpoint.draft_dir(a.run, "flat", s), target=target).eval()
-        _, base_s = decode_all(target, None, prompts, decoder, Sampling(), tok.cot_end_id)  # target-only
+        _, base_s = decode_all(target, None, prompts, decoder, base, tok.cot_end_id)  # target-only
+        if not base.greedy:  # the lossless plan to price against: this draft's exact decode with the same draws
+            exact = [r.tokens for r in decode_all(target, draft, prompts, decoder, base, tok.cot_end_id)[0]]
+            exact_plan = evaluate.plans(target, data, exact)
         for rule, (kind, _) in RULES.items():
             for b in bounds:
                 res, sec = decode_all(target, draft, prompts, decoder,
-                                      Sampling(relaxed=Relaxed(kind, b, commits[rule])), tok.cot_end_id)
+                                      replace(base, relaxed=Relaxed(kind, b, commits[rule])), tok.cot_end_id)
                 if b == 0 and [r.tokens for r in res] != [list(e) for e in exact]:
                     raise AssertionError(f"bound 0 ({rule}, seed {s}) is not the lossless output")
                 rec = {"seed": s, "rule": rule, "bound": b,
