@@ -143,17 +143,21 @@ def plans(target, data: Data, cocs, batch_size=EVAL_BATCH, amp=False):
     return torch.cat(out)
 
 
+def ground_truth(data: Data):
+    """The scenes' true future waypoints (S, N, 2)."""
+    return torch.stack([torch.as_tensor(s.traj) for s in data.scenes]).float()
+
+
 def trajectory_ade(target, data: Data, cocs, batch_size=EVAL_BATCH, amp=False):
     """(ADE, FDE) in metres over the scenes of data of the target's trajectories after cocs (one per scene)."""
-    return ade_fde(plans(target, data, cocs, batch_size, amp), torch.stack([torch.as_tensor(s.traj) for s in
-                                                                           data.scenes]).float())
+    return ade_fde(plans(target, data, cocs, batch_size, amp), ground_truth(data))
 
 
 def relaxed_cost(target, data: Data, exact, relaxed):
     """What a relaxed (lossy) decode cost on the scenes of data, against the exact decode's CoCs (id lists): the
     share of CoCs it changed, how far it moved the plan (the ADE between the plans after both, m) and both plans'
     ADE to the ground truth."""
-    truth = torch.stack([torch.as_tensor(s.traj) for s in data.scenes]).float()  # (S, N, 2)
+    truth = ground_truth(data)  # (S, N, 2)
     p_exact, p_relaxed = plans(target, data, [list(c) for c in exact]), plans(target, data, [list(c) for c in relaxed])
     return {"cocs_changed": sum(list(a) != list(b) for a, b in zip(exact, relaxed)) / len(exact),
             "plan_moved_m": ade_fde(p_relaxed, p_exact)[0], "ade_exact": ade_fde(p_exact, truth)[0],

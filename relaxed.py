@@ -10,6 +10,7 @@ Where it enters: speculate.Sampling(relaxed=Relaxed(...)); the verifiers OR the 
 run: python -m pytest -q tests/test_relaxed.py     (python bench.py --relaxed routine:0.999999 ...)
 """
 from dataclasses import dataclass
+import functools
 import math
 
 import torch
@@ -50,7 +51,14 @@ class Relaxed:
         if self.rule == "routine":
             if (hi := max(self.commitments)) >= p.shape[-1]:
                 raise ValueError(f"commitment token id {hi} is outside the target's vocabulary 0..{p.shape[-1] - 1}")
-            commit = torch.zeros(p.shape[-1], dtype=torch.bool, device=p.device)  # (V,)
-            commit[torch.tensor(sorted(self.commitments), device=p.device)] = True
+            commit = commitment_mask(self.commitments, p.shape[-1], p.device)  # (V,)
             ok &= ~commit[x] & ~commit[top]
         return ok
+
+
+@functools.lru_cache(maxsize=8)
+def commitment_mask(ids, V, device):
+    """(V,) bool, True at the token ids in `ids` (a frozenset): built once per vocabulary and device, not per round."""
+    mask = torch.zeros(V, dtype=torch.bool, device=device)
+    mask[torch.tensor(sorted(ids), device=device)] = True
+    return mask
