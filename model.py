@@ -43,6 +43,9 @@ class ModelConfig:
     mrope_section: tuple = (8, 12, 12)  # (t, h, w) frequency pairs, summing to hd / 2
     mrope_interleaved: bool = False  # False: chunked (Qwen2.5-VL); True: interleaved (Qwen3-VL)
     rope_mode: str = "mrope"  # "mrope": 3D ids from get_rope_index; "flat": FlatRoPE 1D ids (the draft)
+    # drafts only: the history-only routine reasoner; no image / video token is ever one of its keys (its prefill
+    # and cache leave them out, the others at their positions; a full forward masks them)
+    skip_visual: bool = False
     qkv_bias: bool = True  # Qwen2.5-VL has q/k/v biases
     qk_norm: bool = False  # Qwen3-VL: per-head RMSNorm on q and k before RoPE
     rms_norm_eps: float = 1e-6
@@ -96,6 +99,9 @@ def check_config(c: ModelConfig):
     if not isinstance(K, int) or isinstance(K, bool) or not 0 <= K <= c.vocab_size:
         raise ValueError(f"draft_vocab must be 0 (the full head) or a number of token ids 1..vocab_size "
                          f"{c.vocab_size}, got {K!r}")
+    if c.skip_visual and c.shared_width is None:
+        raise ValueError("skip_visual is for drafts only (shared_width set, model.make_draft): a target reads its "
+                         "images")
     if K and c.shared_width is None:
         raise ValueError(f"draft_vocab {K}: a reduced-vocabulary head is for drafts only (shared_width set, "
                          "model.make_draft); a target's head must cover its whole vocabulary")
@@ -513,6 +519,13 @@ class VLA(nn.Module):
             cos, sin = self.rope_tables(input_ids, x, image_grid_thw, video_grid_thw, second_per_grid_ts,
                                         attention_mask, cache, position_ids)
             valid = None if attention_mask is None or bool(attention_mask.all()) else attention_mask.bool()  # (B, T)
+            if self.cfg.skip_visual:  # the history-only draft: an image / video token is never a key
+                if input_ids is None:
+                    raise ValueError("the history-only draft (skip_visual) needs input_ids to find the image tokens")
+                valid = ~self.visual_tokens(input_ids) if valid is None else valid & ~self.visual_tokens(input_ids)
+                if cache is not None:  # and its prefill leaves them out: fewer tokens, a shorter cache
+                    x, cos, sin, valid = self.drop_keys(x, cos, sin, valid, cache)
+                    T = x.shape[1]
             input_pos = None
             if cache is not None:  # the prefill: the cached step over the prompt, at slots [0, T)
                 if T > cache.max_len:
@@ -530,6 +543,26 @@ class VLA(nn.Module):
                 cache.length = T
             logits = self.head(h[:, -logits_to_keep:] if logits_to_keep else h)
         return (logits, h) if return_hidden else logits
+
+    def visual_tokens(self, input_ids):
+        """(B, T) bool: the image / video placeholders of input_ids (B, T)."""
+        return (input_ids == self.cfg.image_token_id) | (input_ids == self.cfg.video_token_id)
+
+    def prompt_slots(self, input_ids):
+        """Cache slots a prefill of input_ids (B, T) fills: T, or the history-only draft's most non-visual tokens."""
+        return int((~self.visual_tokens(input_ids)).sum(1).max()) if self.cfg.skip_visual else input_ids.shape[1]
+
+    @staticmethod
+    def drop_keys(x, cos, sin, keys, cache):
+        """The history-only prefill: each row's keys (B, T) bool alone, in order, at the end of T' = the most any row
+        keeps (left padding for the rest), with their rotary tables -> x (B, T', D), cos, sin (B, T', hd), keys (B, T')
+        or None. The cache's rope_delta grows by T - T': slot T' is still the position after the prompt."""
+        T, Tk = keys.shape[1], int(keys.sum(1).max())
+        order = keys.int().sort(dim=1, stable=True).indices[:, T - Tk:]  # (B, T'): the kept ones, in order, last
+        take = lambda t: t.gather(1, order[..., None].expand(-1, -1, t.shape[-1]))  # noqa: E731  (B, T', *)
+        cache.rope_delta = cache.rope_delta + (T - Tk)
+        keys = keys.gather(1, order)  # (B, T')
+        return take(x), take(cos), take(sin), None if bool(keys.all()) else keys
 
     def step(self, input_ids, input_pos, cache, mask, positions=None, return_hidden=False):
         """The one cached step (decode, chain draft and verify, tree levels and verify; compiled by CompiledSteps):
@@ -563,11 +596,29 @@ class VLA(nn.Module):
 
 
 # ---- draft (routine reasoner) ----
-def make_draft(target: VLA, n_layers=1, hidden_size=None, rope_mode="flat", n_heads=None, n_kv_heads=None,
+# The one table of draft kinds: name -> its config fields. train.py --kinds, the checkpoint folders
+# (draft_<kind>_s<seed>), rsd.py's rows, bench.py, aarl.py, real/distill.py and the tests read it: a new kind is a row
+# here, plus the model code its fields switch on.
+DRAFT_KINDS = {
+    "flat": dict(rope_mode="flat"),  # FlatRoPE: the paper's routine reasoner, 1D positions over the whole prompt
+    "mrope": dict(rope_mode="mrope"),  # the replica: standard speculative decoding's draft, the target's positions
+    "history": dict(rope_mode="mrope", skip_visual=True),  # history-only: text and trajectory history, no image token
+}
+
+
+def draft_kind(cfg: ModelConfig) -> str:
+    """The DRAFT_KINDS name of a draft's config."""
+    return next(k for k, f in DRAFT_KINDS.items()
+                if all(getattr(cfg, n) == v for n, v in {"skip_visual": False, **f}.items()))
+
+
+def make_draft(target: VLA, n_layers=1, hidden_size=None, kind="flat", n_heads=None, n_kv_heads=None,
                intermediate_size=None, rope_theta=None, vocab_ids=None) -> VLA:
-    """The routine reasoner: a small text-only decoder on FlatRoPE positions ("mrope": the replica draft) sharing the
-    target's embedding and LM head and reading inputs_embeds=target.embed(...), image features included: no second
-    tower. A narrower draft keeps head_dim (M-RoPE sections stay valid), with in/out projections."""
+    """The routine reasoner of a DRAFT_KINDS kind: a small text-only decoder sharing the target's embedding and LM
+    head and reading inputs_embeds=target.embed(...), image features included (the history-only kind drops them): no
+    second tower. A narrower draft keeps head_dim (M-RoPE sections stay valid), with in/out projections."""
+    if kind not in DRAFT_KINDS:
+        raise ValueError(f"draft kind {kind!r} is not one of {sorted(DRAFT_KINDS)} (model.DRAFT_KINDS)")
     t = target.cfg
     D = hidden_size or t.hidden_size
     H = n_heads or (t.n_heads if D == t.hidden_size else D // t.head_dim)
@@ -580,7 +631,7 @@ def make_draft(target: VLA, n_layers=1, hidden_size=None, rope_mode="flat", n_he
         vocab_ids = torch.as_tensor(vocab_ids, dtype=torch.long)
         check_vocab_ids(vocab_ids, t.vocab_size)
     cfg = dataclasses.replace(t, hidden_size=D, n_layers=n_layers, n_heads=H, n_kv_heads=Hk, head_dim=t.head_dim,
-                              intermediate_size=inter, rope_mode=rope_mode, rope_theta=rope_theta or t.rope_theta,
+                              intermediate_size=inter, rope_theta=rope_theta or t.rope_theta, **DRAFT_KINDS[kind],
                               vision=None, spatial_merge_size=t.spatial_merge_size, traj_len=0, tie_word_embeddings=False,
                               shared_width=t.hidden_size, draft_vocab=0 if vocab_ids is None else len(vocab_ids))
     draft = VLA(cfg, shared=target)

@@ -211,15 +211,21 @@ class SpecResult:
 def new_cache(model, prompt, max_new_tokens, max_len, slack=0, batch=1):
     """A cache of `batch` rows for the whole decode, L - 1 + max_new_tokens (+ `slack` slots a round writes beyond
     the committed length), checked first."""
-    need = prompt["input_ids"].shape[1] - 1 + max_new_tokens
+    need = prompt["input_ids"].shape[1] - 1 + max_new_tokens  # positions
+    slots = prompt_slots(model, prompt["input_ids"][:, :-1]) + max_new_tokens  # the history-only draft's are fewer
     cfg = config_of(model)  # a Hugging Face config's max_position_embeddings, or our ModelConfig.max_seq_len
     limit = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "max_seq_len", None)
     what = f"prompt ({prompt['input_ids'].shape[1]}) + max_new_tokens ({max_new_tokens}) needs"
     if limit is not None and need > limit:
         raise ValueError(f"{what} {need} positions, the model has {limit}")
-    if max_len is not None and need + slack > max_len:
-        raise ValueError(f"{what} a cache of {need + slack}, max_len is {max_len}")
-    return model.new_cache(batch=batch, max_len=max_len or need + slack, device=prompt["input_ids"].device)
+    if max_len is not None and slots + slack > max_len:
+        raise ValueError(f"{what} a cache of {slots + slack}, max_len is {max_len}")
+    return model.new_cache(batch=batch, max_len=max_len or slots + slack, device=prompt["input_ids"].device)
+
+
+def prompt_slots(model, input_ids):
+    """Cache slots a prefill of input_ids (B, T) fills (VLA.prompt_slots; a Hugging Face model's: T)."""
+    return model.prompt_slots(input_ids) if hasattr(model, "prompt_slots") else input_ids.shape[1]
 
 
 def embed_prompt(target, prompt):
@@ -242,7 +248,8 @@ def prefill(model, prompt, embeds, cache, deepstack=None, name="model", samples=
     into = cache
     if samples > 1:  # a cache of the P prompts alone, its rows then copied into the B rows
         k0 = cache.k[0]
-        into = KVCache(len(cache.k), ids.shape[0], k0.shape[1], ids.shape[1] - 1, k0.shape[3], k0.dtype, k0.device)
+        into = KVCache(len(cache.k), ids.shape[0], k0.shape[1], prompt_slots(model, ids[:, :-1]), k0.shape[3],
+                       k0.dtype, k0.device)
     # logits_to_keep=1 skips an (L, V) LM-head product: the one row is only checked (NaN weights reach every row).
     logits = model(ids[:, :-1], inputs_embeds=embeds[:, :-1], cache=into, logits_to_keep=1, **grids)  # (P, 1, V)
     check_finite(logits, name, "after the prefill", model)
@@ -268,6 +275,7 @@ def spec_round(target, draft, tcache, dcache, pending, gamma, sampling, generato
     ints) its draft has not seen, the last (x_last) the only one its target has not. -> per row n_accepted, the gamma
     drafted ints and the next int, and the new pending. generators: one per row (sampling); last: latest logits."""
     B, dev, ell, k = len(pending), tcache.device, list(tcache.lengths), [len(p) for p in pending]
+    ell_q = list(dcache.lengths)  # the draft's own: a history-only draft's cache is shorter than the target's
     last = {} if last is None else last
     logits_q = feed_rows(draft, dcache, pending)  # (B, V): q after each row's pending
     drafted, qs = [], []
@@ -294,11 +302,11 @@ def spec_round(target, draft, tcache, dcache, pending, gamma, sampling, generato
     for b in range(B):
         # Keep the committed tokens: ell + x_last + n accepted drafts; the new x_last stays out.
         tcache.lengths[b] = ell[b] + 1 + n[b]
-        dcache.lengths[b] = min(dcache.lengths[b], ell[b] + 1 + n[b])
-        # The new pending is what the draft's cache lacks of [old pending, d_1..d_n, next]: [next] after a
-        # rejection, [d_gamma, next] after a full acceptance (the draft fed itself d_1..d_{gamma-1}).
-        tail = pending[b] + d[b][:n[b]] + [nxt[b]]
-        new.append(tail[dcache.lengths[b] - (ell[b] + 1 - k[b]):])
+        # The draft fed itself its pending and d_1..d_{gamma-1}; it keeps those of them now committed, and its new
+        # pending is the rest of [d_1..d_n, next]: [next] after a rejection, [d_gamma, next] after a full acceptance.
+        fed = min(n[b], gamma - 1)
+        dcache.lengths[b] = ell_q[b] + k[b] + fed
+        new.append(d[b][fed:n[b]] + [nxt[b]])
     return n, d, nxt, new
 
 

@@ -45,7 +45,7 @@ class TrainConfig:
     draft_seed: int = 0  # seeds the drafts' initialisation and batch order (the target and the scenes stay)
     draft_seeds: str = ""  # several draft seeds in one call, one after another (e.g. 0,1,2); default: --draft-seed
     draft_lr: float = 3e-3  # peak learning rate of the drafts
-    kinds: str = "flat,mrope"  # the drafts distilled: flat (FlatRoPE, the routine reasoner), mrope (the replica)
+    kinds: str = "flat,mrope"  # the drafts distilled, model.DRAFT_KINDS: flat (FlatRoPE), mrope (the replica), history
     loss: str = "kl"  # the drafts' distillation loss: kl, KL(p || q); tvd, the total variation (distill_loss)
     target_dir: str = ""  # --stage drafts: distil from this target folder instead of OUT/target (nothing is copied)
     target_preset: str = "toy-target"  # target sizes (model.PRESETS)
@@ -101,10 +101,10 @@ def draft_shape(cfg: TrainConfig):
 
 
 def make_drafts(target, shape, kinds=("flat", "mrope"), vocab_ids=None):
-    """Drafts of equal size (shape: make_draft's sizes, draft_shape), one per kind: FlatRoPE (routine reasoner) and
-    the M-RoPE replica; vocab_ids (K,): each with the reduced-vocabulary head over those target ids."""
-    return {mode: M.make_draft(target, rope_mode=mode, vocab_ids=vocab_ids, **shape)
-            for mode in ("flat", "mrope") if mode in kinds}  # flat first: the order of their initialisation
+    """Drafts of equal size (shape: make_draft's sizes, draft_shape), one per kind of model.DRAFT_KINDS (same data,
+    steps and seed: only the kind differs); vocab_ids (K,): each with the reduced-vocabulary head over those ids."""
+    return {kind: M.make_draft(target, kind=kind, vocab_ids=vocab_ids, **shape)
+            for kind in M.DRAFT_KINDS if kind in kinds}  # the table's order: the order of their initialisation
 
 
 def select_draft_vocab(cocs, k, stop_id, vocab_size):
@@ -299,8 +299,9 @@ def parse_args(argv=None, parser=False):
             raise ValueError(f"--draft-vocab must be at most the toy vocabulary's {len(driving.Tokenizer())} ids, "
                              f"got {a.draft_vocab}")
         kinds = a.kinds.split(",")
-        if not kinds or set(kinds) - {"flat", "mrope"} or len(set(kinds)) < len(kinds):
-            raise ValueError(f"--kinds takes flat, mrope or flat,mrope, got {a.kinds!r}")
+        if not kinds or set(kinds) - set(M.DRAFT_KINDS) or len(set(kinds)) < len(kinds):
+            raise ValueError(f"--kinds takes distinct kinds of {', '.join(M.DRAFT_KINDS)} joined by commas, got "
+                             f"{a.kinds!r}")
         if a.draft_seeds and not all(s.strip().isdigit() for s in a.draft_seeds.split(",")):
             raise ValueError(f"--draft-seeds takes comma-separated seeds >= 0 (e.g. 0,1), got {a.draft_seeds!r}")
         if a.target_dir and a.stage != "drafts":

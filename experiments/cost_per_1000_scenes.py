@@ -98,7 +98,7 @@ def build(cfg, device, dtype):
     finally:
         torch.set_default_dtype(default)
     torch.manual_seed(0)
-    draft = M.make_draft(target, n_layers=1, rope_mode="flat").float()  # distill.distill_draft's q
+    draft = M.make_draft(target, n_layers=1, kind="flat").float()  # distill.distill_draft's q
     return target, draft
 
 

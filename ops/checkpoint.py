@@ -15,12 +15,13 @@ import dataclasses
 import hashlib
 import json
 import os
+import sys
 
 from safetensors import safe_open
 from safetensors.torch import save_file
 import torch
 
-from model import VLA, ModelConfig, VisionConfig, check_vocab_ids
+from model import VLA, ModelConfig, VisionConfig, check_vocab_ids, draft_kind
 from ops.files import atomic_write, new_folders, read_json, remove_stale_tmp
 
 WEIGHTS, KEY = "model.safetensors", "rsd-vla"  # a checkpoint folder's one file, and its header's entry
@@ -44,7 +45,7 @@ def save(model: VLA, dir, target: VLA | None = None):
                          "the draft records")
     if draft and target.embed_tokens is not model.embed_tokens:
         raise ValueError(f"{dir}: target= is not the model whose embedding and LM head this draft shares")
-    check_output(dir, f"{model.cfg.rope_mode} draft" if draft else "target", overwrite=True)
+    check_output(dir, f"{draft_kind(model.cfg)} draft" if draft else "target", overwrite=True)
     meta = {"draft": draft, "config": model.cfg.to_dict(), **({"target": fingerprint(target)} if draft else {})}
     sd = {k: v.detach().contiguous() for k, v in _stored(model).items()}
     if (bad := first_nonfinite(sd.items())) is not None:  # a diverged run's weights would load as garbage later
@@ -160,14 +161,14 @@ def _check_target(dir, meta, cfg, target):
 # ---- what a path holds: never replace what is not a checkpoint of the kind ----
 def existing_kind(path):
     """What `path` holds, for a writer about to replace it: None (nothing, or an empty folder), "target" /
-    "<rope_mode> draft" (ours), else words saying what is there."""
+    "<kind> draft" (ours, model.DRAFT_KINDS), else words saying what is there."""
     if not os.path.isdir(path):
         return "a file" if os.path.lexists(path) else None
     if not (names := [n for n in os.listdir(path) if not n.endswith(".tmp")]):  # a killed save's leftover is not data
         return None
     with contextlib.suppress(OSError, ValueError):
         meta, cfg = header(path)
-        return f"{cfg.rope_mode} draft" if meta["draft"] else "target"
+        return f"{draft_kind(cfg)} draft" if meta["draft"] else "target"
     return f"a folder of {len(names)} entries ({', '.join(sorted(names)[:3])}{', ...' if len(names) > 3 else ''})"
 
 
@@ -182,8 +183,15 @@ def check_output(path, kind, overwrite=False, how="pass overwrite=True to replac
 
 
 # ---- clear errors on a bad file ----
+# Config fields added after checkpoints were shipped: a file without one loads with the default below, which is the
+# behaviour of the code that wrote it (said once per process on stderr). Every other field is required.
+LATER_FIELDS = {"skip_visual": False}
+_said = set()
+
+
 def header(dir, f=None):
-    """(header, ModelConfig) of dir/model.safetensors, every field required (a default could change the logits)."""
+    """(header, ModelConfig) of dir/model.safetensors, every field required but LATER_FIELDS (a default could change
+    the logits)."""
     path = os.path.join(dir, WEIGHTS)
     f = f or open_safetensors(path)
     try:
@@ -194,6 +202,12 @@ def header(dir, f=None):
         raise ValueError(f"{path}: not a checkpoint written by checkpoint.save (no {KEY!r} header with 'draft' and "
                          "'config'; for Hugging Face / Alpamayo folders use hf.load_pretrained)") from None
     raw = meta["config"]
+    if older := {k: v for k, v in LATER_FIELDS.items() if k not in raw}:
+        if tuple(older) not in _said:
+            _said.add(tuple(older))
+            print(f"checkpoint: {path} (and any other file this old) predates config field(s) "
+                  f"{', '.join(f'{k} (loaded as {v})' for k, v in older.items())}", file=sys.stderr)
+        raw = raw | older  # the header's own dict stays as written: the config fingerprint hashes it
     missing = [fl.name for fl in dataclasses.fields(ModelConfig) if fl.name not in raw]
     if isinstance(raw.get("vision"), dict):
         missing += [f"vision.{fl.name}" for fl in dataclasses.fields(VisionConfig) if fl.name not in raw["vision"]]

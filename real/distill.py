@@ -137,7 +137,7 @@ def new_draft(target, kind, init="random", vocab_ids=None, layers=1, width=0, he
     decoder layers, of the target's shape unless width / heads / kv_heads say otherwise (0: the target's), fp32 master
     weights; init "last": every layer a copy of the target's last one, which already maps the target's hidden states
     to what its final norm and LM head read (so only at the target's shape)."""
-    draft = M.make_draft(target, n_layers=layers, hidden_size=width or None, rope_mode=kind, n_heads=heads or None,
+    draft = M.make_draft(target, n_layers=layers, hidden_size=width or None, kind=kind, n_heads=heads or None,
                          n_kv_heads=kv_heads or None, vocab_ids=vocab_ids).float()
     if init == "last":
         if draft.layers[0].self_attn.qkv.weight.shape != target.layers[-1].self_attn.qkv.weight.shape:

@@ -34,7 +34,7 @@ EVEN = torch.arange(0, 97, 2)  # the reduced set of the tests: 49 of the tiny vo
 def full_copy_draft(target, vocab_ids):
     """A draft with the target's own decoder weights (full depth, M-RoPE) and a reduced head: wherever the target's
     argmax is in the set the draft proposes it, and wherever it is not the draft cannot."""
-    draft = M.make_draft(target, n_layers=target.cfg.n_layers, rope_mode="mrope", vocab_ids=vocab_ids).eval()
+    draft = M.make_draft(target, n_layers=target.cfg.n_layers, kind="mrope", vocab_ids=vocab_ids).eval()
     draft.layers.load_state_dict(target.layers.state_dict())
     draft.norm.load_state_dict(target.norm.state_dict())
     return draft

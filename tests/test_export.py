@@ -49,7 +49,7 @@ def hf_logits(hf, prompt):
 
 def replica(target, seed=7):
     """The M-RoPE replica draft of the target's width, O(1) weights (the target's embedding and head are shared)."""
-    return o1_init(make_draft(target, n_layers=1, rope_mode="mrope"), seed=seed).eval()
+    return o1_init(make_draft(target, n_layers=1, kind="mrope"), seed=seed).eval()
 
 
 def draft_logits(target, draft, prompt):
@@ -116,7 +116,7 @@ def test_what_has_no_counterpart_is_refused(tmp_path):
     target = tiny_model()
     cases = (
         (make_draft(target, n_layers=1), dict(target=target), "FlatRoPE has no Hugging Face counterpart"),
-        (make_draft(target, n_layers=1, rope_mode="mrope", hidden_size=32), dict(target=target),
+        (make_draft(target, n_layers=1, kind="mrope", hidden_size=32), dict(target=target),
          "proj_in / proj_out have no Qwen2.5-VL counterpart"),
         (replica(target), {}, "pass target="),
         (replica(target), dict(target=tiny_model(seed=1)), "not the model whose embedding"),

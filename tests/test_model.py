@@ -163,11 +163,11 @@ def test_draft_shares_embedding_and_head(target, prompt):
     tail = draft(ids[:, -3:], cache=cache)
     assert close(torch.cat([head, tail], 1), full)
     assert not close(full, draft(ids, **grids), 1e-2)  # image features, not placeholder embeddings
-    replica = make_draft(target, rope_mode="mrope")  # the baseline: same width, M-RoPE positions
+    replica = make_draft(target, kind="mrope")  # the baseline: same width, M-RoPE positions
     assert replica.proj_in is None and replica.cfg.n_heads == 4
     o1_init(replica, seed=3)
     r_full = replica(ids, inputs_embeds=embeds, **grids)
-    flat_twin = make_draft(target, rope_mode="flat")
+    flat_twin = make_draft(target, kind="flat")
     flat_twin.load_state_dict(replica.state_dict())
     assert not close(r_full, flat_twin(ids, inputs_embeds=embeds, **grids), 1e-2)
     with pytest.raises(ValueError, match="no vision tower"):

@@ -59,10 +59,11 @@ def test_bound_one_accepts_every_chain_draft():
 
 @torch.no_grad()
 def teacher_forced_argmax(target, prompt, tokens):
-    """The target's argmax at each emitted position given the prompt and the tokens before it (no cache)."""
-    ids = torch.cat([prompt["input_ids"], torch.tensor([tokens])], 1)
-    L = prompt["input_ids"].shape[1]
-    return target(**{**prompt, "input_ids": ids})[0, L - 1:-1].argmax(-1).tolist()
+    """The target's argmax at each emitted position given the prompt and the tokens before it: the prompt prefilled,
+    the tokens fed as one cached step, read as text as the decode reads them (a draft may propose a placeholder id)."""
+    cache = target.new_cache(max_len=prompt["input_ids"].shape[1] + len(tokens))
+    first = target(**prompt, cache=cache)[0, -1:]  # (1, V)
+    return torch.cat([first, target(torch.tensor([tokens[:-1]]), cache=cache)[0]]).argmax(-1).tolist()
 
 
 def test_routine_rule_keeps_commitments_exact_greedy():

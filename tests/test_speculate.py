@@ -620,17 +620,20 @@ def o1_init(net, seed):
 
 
 def drafts_for(target):
-    """Random-init FlatRoPE draft, the target itself, and a perturbed full-depth copy (M-RoPE)."""
+    """Random-init FlatRoPE draft, the target itself, a perturbed full-depth copy (M-RoPE), a random history-only
+    draft (its prefill skips the image / video tokens: a cache shorter than the target's)."""
     torch.manual_seed(1)
     random = model.make_draft(target, n_layers=1, hidden_size=32).eval()
-    copy = model.make_draft(target, n_layers=target.cfg.n_layers, rope_mode="mrope").eval()
+    copy = model.make_draft(target, n_layers=target.cfg.n_layers, kind="mrope").eval()
     copy.layers.load_state_dict(target.layers.state_dict())
     copy.norm.load_state_dict(target.norm.state_dict())
     with torch.no_grad():
         g = torch.Generator().manual_seed(2)
         for w in copy.parameters():
             w.add_(0.1 * w.std() * torch.randn(w.shape, generator=g).to(w.device))  # CPU noise: the same on any device
-    return {"random": random, "identical": target, "perturbed": copy}
+    torch.manual_seed(3)
+    history = model.make_draft(target, n_layers=1, hidden_size=32, kind="history").eval()  # never reads an image
+    return {"random": random, "identical": target, "perturbed": copy, "history-only": history}
 
 
 def test_drafts_for_builds_on_the_targets_device():

@@ -48,7 +48,7 @@ def tiny_run(tmp_path):
     target = tiny_model()
     checkpoint.save(target, str(run / "target"))
     for kind in ("flat", "mrope"):
-        checkpoint.save(make_draft(target, rope_mode=kind), checkpoint.draft_dir(str(run), kind, 0), target=target)
+        checkpoint.save(make_draft(target, kind=kind), checkpoint.draft_dir(str(run), kind, 0), target=target)
     (run / "metrics.json").write_text("{}")
     return run
 
@@ -57,7 +57,7 @@ def tiny_run(tmp_path):
 
 def test_save_refuses_to_replace_a_folder_a_file_or_another_kind(tiny_run, tmp_path):
     target = tiny_model()
-    draft = make_draft(target, rope_mode="flat")
+    draft = make_draft(target, kind="flat")
     notes = tmp_path / "notes"
     notes.mkdir()
     (notes / "todo.txt").write_text("keep me")
