@@ -30,6 +30,7 @@ from tqdm import tqdm
 import driving
 from driving import Data, grid_kwargs, vision_kwargs
 import evaluate
+import model as M
 from ops import checkpoint, cli, files, runs, timing
 
 REFERENCES = ("static", "moving", "none")
@@ -38,6 +39,7 @@ DEFAULT_OUT = "runs/aarl"  # a fresh folder: a default run never replaces the sh
 # ---- config ----
 @dataclass
 class AARLConfig:
+    kind: str = "flat"  # the SFT draft post-trained (and its static reference): --run's draft_<kind>_s<seed>
     steps: int = 120  # policy updates
     n_train: int = 4000  # training scenes the update batches are drawn from
     scenes: int = 4  # S: scenes per update
@@ -177,13 +179,14 @@ def report(target, draft, sft, splits, times, outputs, gamma=None):
     return out
 
 
-def load_run(run, seed, device):
-    """The target and the SFT FlatRoPE draft of `seed` from a run folder, with a clear error if one is missing."""
-    paths = {"target": os.path.join(run, "target"), "draft": checkpoint.draft_dir(run, "flat", seed)}
+def load_run(run, seed, device, kind="flat"):
+    """The target and the SFT draft of `kind` and `seed` from a run folder, with a clear error if one is missing."""
+    paths = {"target": os.path.join(run, "target"), "draft": checkpoint.draft_dir(run, kind, seed)}
     # the hint's command trains only what is missing: with a target there, --stage drafts (the default stage, all,
     # would retrain the target, and train.py refuses to replace one it cannot resume)
-    how = (f"python train.py --out {run} --stage drafts --draft-seed {seed}" if os.path.isdir(paths["target"])
-           else f"python train.py --out {run}" + (f" --draft-seed {seed}" if seed else ""))
+    kinds = "" if kind == "flat" else f" --kinds {kind}"
+    how = (f"python train.py --out {run} --stage drafts --draft-seed {seed}{kinds}" if os.path.isdir(paths["target"])
+           else f"python train.py --out {run}" + (f" --draft-seed {seed}" if seed else "") + kinds)
     for path in paths.values():
         if not os.path.isdir(path):
             raise FileNotFoundError(f"{path} not found: train it with `{how}` (or use the shipped checkpoints/toy)")
@@ -191,20 +194,21 @@ def load_run(run, seed, device):
     return target, checkpoint.load(paths["draft"], target=target, device=device).eval()
 
 
-def out_dir(run, reference, seed):
-    """Where a run's draft goes in a run folder: the static anchor's is the table's "FlatRoPE + AARL" draft."""
-    return checkpoint.draft_dir(run, "aarl" if reference == "static" else f"aarl_{reference}", seed)
+def out_dir(run, reference, seed, kind="flat"):
+    """Where a run's draft goes in a run folder: the static anchor's on FlatRoPE is the table's "FlatRoPE + AARL"."""
+    name = "aarl" if reference == "static" else f"aarl_{reference}"
+    return checkpoint.draft_dir(run, name if kind == "flat" else f"{kind}_{name}", seed)
 
 
 def run(cfg: AARLConfig, run_dir, n_report=64, device="cpu", out=None, overwrite=False):
     """One AARL run from the SFT FlatRoPE draft of seed cfg.seed in run_dir -> the JSON-able before / after report on
     val and test; the draft goes to `out` (default out_dir(DEFAULT_OUT, ...)): new, or a FlatRoPE draft + overwrite."""
     check_config(cfg)
-    out = out or out_dir(DEFAULT_OUT, cfg.reference, cfg.seed)
+    out = out or out_dir(DEFAULT_OUT, cfg.reference, cfg.seed, cfg.kind)
     files.check_out_dir(out, {"--run's target": os.path.join(run_dir, "target"),  # what the run reads: never replaced
-                              "--run's SFT reference draft": checkpoint.draft_dir(run_dir, "flat", cfg.seed)})
+                              "--run's SFT reference draft": checkpoint.draft_dir(run_dir, cfg.kind, cfg.seed)})
     with files.writer_lock(os.path.dirname(os.path.abspath(out))):
-        checkpoint.check_output(out, "flat draft", overwrite,
+        checkpoint.check_output(out, f"{cfg.kind} draft", overwrite,
                                 how="rerun with --overwrite to replace it, or give another --out")
         return _run(cfg, run_dir, n_report, device, out)
 
@@ -212,7 +216,7 @@ def run(cfg: AARLConfig, run_dir, n_report=64, device="cpu", out=None, overwrite
 def _run(cfg, run_dir, n_report, device, out):
     t0 = time.time()
     torch.manual_seed(cfg.seed)
-    target, sft = load_run(run_dir, cfg.seed, device)
+    target, sft = load_run(run_dir, cfg.seed, device, cfg.kind)
     tok = driving.Tokenizer()
     train = Data("train", cfg.n_train, 0, tok, views=cfg.views)
     splits = {name: Data(name, n_report, 0, tok, views=cfg.views) for name in ("val", "test")}
@@ -265,7 +269,7 @@ def main(argv=None):
     ap.add_argument("--overwrite", action="store_true", help="replace an existing draft at --out (only a FlatRoPE "
                     "draft is ever replaced)")
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
-    cli.add_config_flags(ap, AARLConfig, choices={"reference": list(REFERENCES)})
+    cli.add_config_flags(ap, AARLConfig, choices={"reference": list(REFERENCES), "kind": list(M.DRAFT_KINDS)})
     a = ap.parse_args(argv)
     cfg = cli.config_from_args(AARLConfig, a)
     with cli.user_errors(ap):

@@ -216,11 +216,12 @@ def key_groups(input_ids, tok):
 def attention_probs(model, input_ids, **forward_kwargs):
     """Per-layer attention probabilities (B, H, L, L) of a cache-free forward, one layer at a time, recomputed from
     each layer's own q/k projections and rope tables (the slow, obvious path: softmax(q k^T / sqrt(hd)) under the
-    causal mask); tests/test_evaluate.py checks that probs @ v through o_proj reproduces the layer's output."""
+    mask the forward used: causal, or the model's own (padding; the history-only draft's hidden visual keys));
+    tests/test_evaluate.py checks that probs @ v through o_proj reproduces the layer's output."""
     captured = []
 
-    def grab(module, args):
-        captured.append((module, args[0], args[1], args[2]))  # (attention, x, cos, sin)
+    def grab(module, args):  # Attention.forward(x, cos, sin, cache, layer, mask, ...), as Block calls it
+        captured.append((module, args[0], args[1], args[2], args[5]))  # (attention, x, cos, sin, mask)
 
     hooks = [layer.self_attn.register_forward_pre_hook(grab) for layer in model.layers]
     try:
@@ -228,14 +229,15 @@ def attention_probs(model, input_ids, **forward_kwargs):
     finally:
         for h in hooks:
             h.remove()
-    for attn, x, cos, sin in captured:
+    for attn, x, cos, sin, mask in captured:
         q, k, _ = attn.project(x, cos, sin)  # (B, H, L, hd), (B, Hk, L, hd)
         k = k.repeat_interleave(attn.H // attn.Hk, dim=1)  # (B, H, L, hd)
         # (B, H, L, hd) x (B, H, hd, L) -> (B, H, L, L)
         scores = (q.float() @ k.float().transpose(-2, -1)) / attn.hd ** 0.5
         L = scores.shape[-1]
-        causal = torch.ones(L, L, dtype=torch.bool, device=scores.device).tril()
-        yield scores.masked_fill(~causal, float("-inf")).softmax(-1)
+        if mask is None:  # the forward's is_causal
+            mask = torch.ones(L, L, dtype=torch.bool, device=scores.device).tril()
+        yield scores.masked_fill(~mask, float("-inf")).softmax(-1)  # mask (L, L) or (B, 1, L, L) bool
 
 
 @torch.no_grad()

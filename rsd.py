@@ -1,8 +1,9 @@
 """Reasoning-aware Speculative Decoding end to end (the paper's table). The routine reasoner (a 1-layer FlatRoPE draft,
 post-trained with AARL) proposes CoC tokens, the deliberative reasoner (the unmodified target, M-RoPE) verifies them and
 writes the commitments itself, the trajectory head plans from prompt + CoC. On the synthetic driving world's held-out
-test split: target-only, the replica draft (M-RoPE), the FlatRoPE draft and FlatRoPE + AARL at their speed-optimal gamma
-on val (mean over the draft seeds), then their draft trees. tau at every gamma comes from one teacher-forced replay of
+test split: target-only, the replica draft (M-RoPE), the FlatRoPE draft, the history-only draft (no image token in its
+prefill or cache) and FlatRoPE + AARL at their speed-optimal gamma on val (mean over the draft seeds), then their draft
+trees. tau at every gamma comes from one teacher-forced replay of
 the target's greedy outputs (evaluate.simulate_rounds); real speculative decoding checks the outputs and the replay. The
 choice of gamma and tree on val needs measured step times and the trees' val tau: python rsd.py --search records them
 beside the checkpoints (checkpoints/toy/rsd_search.json), and a run reads that record while the checkpoints'
@@ -29,11 +30,13 @@ import driving
 from driving import Data
 import evaluate
 from evaluate import MAX_NEW_TOKENS, TARGET_ONLY, TREES, TreeShape, tree_speedup
+from model import DRAFT_KINDS
 from ops import checkpoint, cli, files, timing
 from speculate import GREEDY, SpecResult
 import train
 
-ROWS = (("replica", "mrope"), ("flatrope", "flat"), ("flatrope+aarl", "aarl"))  # table row -> draft kind on disk
+# table row -> draft folder kind (model.DRAFT_KINDS, and aarl.py's post-trained FlatRoPE draft)
+ROWS = (("replica", "mrope"), ("flatrope", "flat"), ("history-only", "history"), ("flatrope+aarl", "aarl"))
 GAMMAS = evaluate.GAMMAS
 # in the run folder, beside the checkpoints: what python rsd.py --search measured on val (the step times and the trees'
 # val tau that choose gamma and tree), keyed by the checkpoints' fingerprints; a run without a matching one searches
@@ -96,25 +99,33 @@ def search(target, first, val, shapes, stop):
         nodes = sorted({sh.nodes for sh in shapes})
         rec["tree_step_times"] = least(lambda: timing.tree_step_times(target, draft, val[0], nodes, 3,
                                                                       timer=time.process_time))
-        rec["tree_val_tau"] = {row: {shape_key(sh): evaluate.spec_stats(target, {row: d}, val, sh, stop_token=stop,
-                                                                        check_greedy=False)[row]["tau"]
-                                     for sh in shapes} for row, d in first.items()}
+        rec["tree_val_tau"] = tree_val_taus(target, first, val, shapes, stop)
     return rec
 
 
+def tree_val_taus(target, drafts, val, shapes, stop):
+    """{row: {shape: tau}}: each row's draft decoding the val prompts with each tree shape (real tree decoding)."""
+    return {row: {shape_key(sh): evaluate.spec_stats(target, {row: d}, val, sh, stop_token=stop,
+                                                     check_greedy=False)[row]["tau"] for sh in shapes}
+            for row, d in drafts.items()}
+
+
 def recorded_search(path, key, log=print):
-    """The search recorded at path (python rsd.py --search) when it was made for these checkpoints and settings;
+    """(the search recorded at path by python rsd.py --search, the rows it lacks) when it was made for these
+    checkpoints and settings, the rows it has with the same drafts (a row added since lacks only its trees' val tau);
     else None, saying why (a stale record is never used: its step times and taus belong to other models)."""
     if not os.path.isfile(path):
         return None
     rec = files.read_json(path)
-    if rec.get("key") != key:
-        differ = ", ".join(sorted(k for k in key if key[k] != (rec.get("key") or {}).get(k)))
-        log(f"{path} was recorded for other checkpoints or settings ({differ} differ): not used, searching on val now "
-            "(python rsd.py --search records the search)")
+    have = (rec.get("key") or {}).get("drafts") or {}
+    if differ := sorted(k for k in key if k != "drafts" and key[k] != rec["key"].get(k)) + \
+            [f"the {row} draft" for row, fp in have.items() if key["drafts"].get(row) != fp]:
+        log(f"{path} was recorded for other checkpoints or settings ({', '.join(differ)} differ): not used, searching "
+            "on val now (python rsd.py --search records the search)")
         return None
-    return {**rec, **{k: rec[k] and {**rec[k], "target": {int(n): t for n, t in rec[k]["target"].items()}}
-                      for k in ("step_times", "tree_step_times")}}  # JSON's "target": {"n": s} keys: int n again
+    rec = {**rec, **{k: rec[k] and {**rec[k], "target": {int(n): t for n, t in rec[k]["target"].items()}}
+                     for k in ("step_times", "tree_step_times")}}  # JSON's "target": {"n": s} keys: int n again
+    return rec, [row for row in key["drafts"] if row not in have]
 
 
 def choose(rec, val_taus, shapes):
@@ -205,6 +216,7 @@ def paper_table(target, drafts, splits, outputs, metrics, rec, n_time, repeats, 
         attn = [evaluate.attention_split(d, target, test) for d in by_seed.values()]
         chain[name] = {"name": name, "gamma": g, "tau": mean_tau(per_seed, g),
                        "tau_spread": max(t[g]["tau"] for t in per_seed) - min(t[g]["tau"] for t in per_seed),
+                       "tau_by_seed": [t[g]["tau"] for t in per_seed],
                        "tau_by_gamma": {gg: mean_tau(per_seed, gg) for gg in GAMMAS},
                        "tau_ceiling": sweep["test"][g]["ceiling"],
                        "routine_fraction": statistics.mean(t[g]["routine_fraction"] for t in per_seed),
@@ -291,12 +303,24 @@ def find_search(a, target, drafts, seeds, val, device):
         return None, f"gamma {a.gamma}{f' and tree {shape_key(a.tree)}' if a.tree else ''} as given, no search on val"
     path = os.path.join(a.run, SEARCH_JSON)
     key = search_key(target, drafts, seeds, a, device)
-    if not a.search and not a.drafts and (rec := recorded_search(path, key)):
-        return rec, f"recorded by python rsd.py --search in {path}"
+    found = None if a.drafts else recorded_search(path, key)
     shapes = list(TREES) if a.search else [sh for sh in TREES if sh.nodes <= a.tree]
     prompts = evaluate.scene_prompts(val.scenes, val.tok, next(target.parameters()).device, views=val.views_at(0))
     first = {row: by_seed[seeds[0]] for row, by_seed in drafts.items()}
-    rec = search(target, first, prompts, shapes, val.tok.cot_end_id)
+    if found and not (a.search and not found[1]):  # --search with nothing lacking measures everything again
+        rec, lacking = found
+        if not lacking:
+            return rec, f"recorded by python rsd.py --search in {path}"
+        # a row added since the record: its trees' val tau alone, the recorded rows' choice unchanged
+        cli.progress(f"{path} lacks the rows {', '.join(lacking)}: their trees' val tau")
+        shapes = [sh for sh in TREES if shape_key(sh) in next(iter(rec["tree_val_tau"].values()))]
+        rec["tree_val_tau"] |= tree_val_taus(target, {r: first[r] for r in lacking}, prompts, shapes,
+                                             val.tok.cot_end_id)
+        rec["key"] = key
+        if not a.search:
+            return rec, f"recorded by python rsd.py --search in {path}, rows {', '.join(lacking)} measured now"
+    else:
+        rec = search(target, first, prompts, shapes, val.tok.cot_end_id)
     if not a.search:
         return rec, "measured now"
     files.write_json(path, {"what": "rsd.py's search on val: the cost model's step times (s) on the first val prompt "
@@ -395,11 +419,14 @@ def run(ap, a, seeds, sampling, device):
     print(f"routine share of the world (the Bayes-optimal reader of the history, python driving.py): {share:.3f}")
     # CPU time beside the wall time: on a shared machine the wall time also holds the waits for the other jobs
     print(f"wall time {time.time() - t0:.0f} s (CPU time of this process {time.process_time() - cpu0:.0f} s)")
-    keys = ("name", "gamma", "tau", "tau_spread", "tau_by_gamma", "tau_ceiling", "routine_fraction", "commit_acc",
+    keys = ("name", "gamma", "tau", "tau_spread", "tau_pm", "tau_by_seed", "tau_by_gamma", "tau_ceiling",
+            "routine_fraction", "commit_acc",
             "ms_per_token", "speedup", "ms_per_token_range", "speedup_range", "ade", "attn_history", "attn_image",
             "attn_text")
     keys += ("sampled_tau", "sampled_alpha") if not table.greedy else ()
-    keys += ("tree", "tau_by_seed", "val_tau", "alpha_by_depth", "nodes_per_round")  # None on chain rows
+    keys += ("tree", "val_tau", "alpha_by_depth", "nodes_per_round")  # None on chain rows
+    for r in rows:  # the table's "± x": half the spread over a row's drafts (tau_spread is the whole of it)
+        r["tau_pm"] = r["tau_spread"] / 2 if r.get("folders", 0) > 1 else None
     return {"decoding": cli.sampling_json(sampling), "compiled": a.compile, "greedy_match": greedy_match,
             "tau_ceiling": aarl_row["tau_ceiling"], "sweep": sweep,
             "target": {k: metrics[k] for k in ("coc_exact", "commitment_acc", "ade")},
@@ -451,6 +478,10 @@ def retrain(run, seeds, device="cpu", log=print):
                 stage = "all" if not os.path.isdir(sft[0]) else "drafts"
                 log(f"training into {run}: stage {stage}, draft seed {seed} (train.py defaults)")
                 train.run(train.TrainConfig(out=run, device=str(device), draft_seed=seed), stage=stage, log=log)
+            if not os.path.isdir(checkpoint.draft_dir(run, "history", seed)):  # distilled on its own, as shipped
+                log(f"training into {run}: the history-only draft, seed {seed} (train.py --kinds history)")
+                train.run(train.TrainConfig(out=run, device=str(device), draft_seed=seed, kinds="history"),
+                          stage="drafts", log=log)
             if not os.path.isdir(aarl.out_dir(run, "static", seed)):
                 log(f"post-training the FlatRoPE draft of seed {seed} with AARL (aarl.py defaults, static anchor)")
                 aarl.print_result(aarl.run(aarl.AARLConfig(seed=seed), run, device=device,
@@ -468,7 +499,7 @@ def named_drafts(a):
         if name == TARGET_ONLY or name.endswith(" tree"):  # the table's own row, and the tree rows it derives
             raise ValueError(f"--drafts {item}: {name!r} is a name the table gives its own rows (target-only, "
                              "'NAME tree'): choose another")
-        if checkpoint.existing_kind(folder) not in ("flat draft", "mrope draft"):
+        if checkpoint.existing_kind(folder) not in [f"{k} draft" for k in DRAFT_KINDS]:
             raise ValueError(f"--drafts {item}: {folder} is not a draft checkpoint folder")
         if (real := os.path.realpath(folder)) in seen:  # it would count twice in its row's mean and spread
             raise ValueError(f"--drafts {item}: {folder} is given twice (also as {seen[real]}): one folder once")

@@ -205,6 +205,8 @@ def train_drafts(cfg: TrainConfig, target, train: Data, val: Data = None, rank=0
     bound = {"target": checkpoint.fingerprint(target)}  # the drafts' state is only valid with their target
     start, history = runs.load_state(state_path, drafts, opts, cfg, bound)
     history = history or {k: [] for k in drafts}  # each draft's evaluations so far (kept in the resumable state)
+    if val is not None and rank == 0:
+        cli.progress(f"the target's greedy CoCs of {len(val.scenes)} val scenes (the drafts' evaluations)")
     outputs = evaluate.greedy_outputs(target, val) if val is not None and rank == 0 else None
     ddps = {k: runs.wrap(d, world, device) for k, d in drafts.items()}
     bar = tqdm(range(start, cfg.draft_steps), desc="drafts", disable=rank != 0, initial=start, total=cfg.draft_steps)
@@ -255,6 +257,7 @@ def run(cfg: TrainConfig, stage="all", log=print):
             raise ValueError(f"batch_size {cfg.batch_size} is not divisible by the {world} ranks")
         tok = driving.Tokenizer()
         t0 = time.time()
+        cli.progress(f"the world's scenes: {cfg.n_train} train, {cfg.n_val} val (seed {cfg.seed})")
         train = Data("train", cfg.n_train, cfg.seed, tok, views=cfg.views)
         val = Data("val", cfg.n_val, cfg.seed, tok, views=cfg.views)
         out = {"target": train_target(cfg, tok, train.with_views(target_views(cfg)), val, rank, world, device, log)

@@ -168,7 +168,8 @@ def main(argv=None):
                                     "--processor": cfg.processor}, may_contain=("--draft",))  # RUN/draft_flat_s0
         out = checkpoint.draft_dir(a.out, "aarl", cfg.seed)
         with files.writer_lock(a.out):
-            checkpoint.check_output(out, "flat draft", how="refusing to replace it; give another --out or --seed")
+            checkpoint.check_output(out, checkpoint.existing_kind(a.draft),  # AARL keeps the draft's kind
+                                    how="refusing to replace it; give another --out or --seed")
             t0 = time.time()
             target, draft, ref, clips, prompts, ids = load_real(a.target, a.draft, a.scenes, cfg, device,
                                                                 cli.DTYPES[a.dtype])

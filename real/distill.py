@@ -35,7 +35,7 @@ class DraftConfig:
     scenes: str = ""  # the training scenes, scenes.py's folder format (or --toy-scenes)
     toy_scenes: int = 0  # N > 0: the prompts are the toy world's first N training scenes (for an exported toy target)
     out: str = "runs/draft"  # out/data: the target's CoCs (scenes.distill_data); out/draft_<kind>_s<seed>
-    kind: str = "flat"  # flat: FlatRoPE, the routine reasoner; mrope: the replica of standard speculative decoding
+    kind: str = "flat"  # model.DRAFT_KINDS: flat (FlatRoPE, the routine reasoner), mrope (the replica), history
     device: str = "cpu"  # torch device (cpu, cuda)
     dtype: str = "fp32"  # the frozen target's weights (bf16 on a GPU); the draft's own weights stay fp32
     amp: bool = False  # bf16 autocast for the matmuls of both models
@@ -260,7 +260,7 @@ def parse_args(argv=None):
                                  "target (or an exported toy one) on the target's own CoCs over a folder of scenes.")
     ap.add_argument("--stage", choices=["all", "data"], default="all",
                     help="data: only write the target's CoCs (out/data); all: the data, then the draft")
-    cli.add_config_flags(ap, DraftConfig, choices={"kind": ["flat", "mrope"], "init": ["random", "last"],
+    cli.add_config_flags(ap, DraftConfig, choices={"kind": list(M.DRAFT_KINDS), "init": ["random", "last"],
                                                    "dtype": sorted(cli.DTYPES)})
     a = ap.parse_args(argv, argparse.Namespace(top_p=None))  # None: --top-p not given (its default is set below)
     with cli.user_errors(ap):

@@ -11,7 +11,7 @@ from test_train import TINY, TINY_DRAFT
 import torch
 
 import driving
-from driving import Data, vision_kwargs
+from driving import Data, grid_kwargs, vision_kwargs
 import evaluate
 import model as M
 import speculate
@@ -102,7 +102,9 @@ def test_attention_probs_are_exact(tok):
     data = Data("val", 4, 0, tok)
     batch = next(data.batches(4))
     embeds = target.embed(batch["input_ids"], **vision_kwargs(batch))
-    for m, kw in ((target, vision_kwargs(batch)), (draft, dict(inputs_embeds=embeds))):
+    history = M.make_draft(target, **{**TINY_DRAFT, "kind": "history"}).eval()  # its own mask: no image key
+    for m, kw in ((target, vision_kwargs(batch)), (draft, dict(inputs_embeds=embeds)),
+                  (history, dict(inputs_embeds=embeds, **grid_kwargs(batch)))):
         real = []
         hook = m.layers[0].self_attn.register_forward_hook(lambda mod, args, out: real.append((args, out)))
         probs = list(evaluate.attention_probs(m, batch["input_ids"], **kw))  # [(B, H, L, L)] per layer
@@ -114,6 +116,9 @@ def test_attention_probs_are_exact(tok):
         y = (probs[0] @ v.float()).transpose(1, 2).flatten(2)  # (B, L, H*hd)
         torch.testing.assert_close(attn.o_proj(y.to(out.dtype)), out, atol=1e-5, rtol=1e-4)
         assert torch.allclose(probs[0].sum(-1), torch.ones(()))
+    image = evaluate.key_groups(batch["input_ids"], tok)["image"]  # (B, L)
+    mass = (probs[0] * image[:, None, None, :]).sum(-1)  # (B, H, L): the history-only draft's image mass per query
+    assert float(mass.transpose(1, 2)[~image].max()) == 0.0  # no text query reads an image key
 
 
 def test_key_groups_partition_the_prompt(tok):

@@ -1,6 +1,6 @@
 """The repo's house stays as the README says: the paper's path at the top level (at most 12 files), ops/ and real/ for
-the other audiences, every import pointing down the layers, the file map listing every module with its real line
-count, every repo path the README names existing, and every README command's --help listing the flags it uses.
+the other audiences, every import pointing down the layers, the file map listing every module with its line count
+(within 10%), every repo path the README names existing, and every README command's --help listing the flags it uses.
 
 run: python -m pytest -q tests/test_layout.py
 """
@@ -94,9 +94,10 @@ def test_file_map_lists_every_module_with_its_line_count():
     rows = {f: int(n.replace(",", "")) for f, n in ROW.findall(README)}
     want = sorted(os.path.relpath(p, ROOT) for p in modules().values())
     assert sorted(rows) == want, "README's file map must list exactly the library's and scripts' .py files"
-    for f, n in rows.items():
+    for f, n in rows.items():  # near, not exact: a fork's small edit does not fail the suite, a stale map does
         with open(os.path.join(ROOT, f)) as fh:
-            assert sum(1 for _ in fh) == n, f"README says {f} has {n} lines"
+            have = sum(1 for _ in fh)
+        assert abs(have - n) <= max(20, n // 10), f"README says {f} has {n} lines, it has {have}: update the file map"
 
 
 def test_named_paths_exist():
