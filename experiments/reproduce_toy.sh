@@ -9,6 +9,7 @@ python train.py --stage target --out runs/toy                                  #
 for s in 0 1 2; do
   python train.py --stage drafts --out runs/toy --draft-seed "$s"               # replica + FlatRoPE drafts, seed s
 done
+python train.py --stage drafts --out runs/toy --kinds history --draft-seeds 0,1,2  # the history-only drafts (shipped)
 python experiments/aarl_ablation.py --run runs/toy --work runs/toy_aarl --overwrite  # static / moving / none x 3 seeds (a rerun redoes them)
 for s in 0 1 2; do                                                              # the static anchor's drafts ship
   rm -rf "runs/toy/draft_aarl_s$s" && cp -r "runs/toy_aarl/draft_aarl_static_s$s" "runs/toy/draft_aarl_s$s"

@@ -3,9 +3,10 @@ test re-measures: the target's accuracy and every draft's tau on a small validat
 that silently changes what the shipped weights compute fails CI (tests/test_shipped.py).
 
 Paper: the shipped models are the toy's deliberative reasoner (target) and routine reasoners (replica, FlatRoPE,
-FlatRoPE + AARL drafts) behind the README's version of the paper's table (rsd.py).
+history-only, FlatRoPE + AARL drafts) behind the README's version of the paper's table (rsd.py).
 
 run: python experiments/ship_toy.py --run runs/toy   (after train.py and aarl.py have filled runs/toy)
+     python experiments/ship_toy.py --run RUN --kinds history   (adds one kind's drafts, the others' record kept)
 """
 import argparse
 import os
@@ -20,12 +21,12 @@ import evaluate  # noqa: E402
 from ops import files  # noqa: E402
 from driving import Data  # noqa: E402
 
-KINDS = ("mrope", "flat", "aarl")
+KINDS = ("mrope", "flat", "history", "aarl")
 CHECK_SCENES = 16  # validation scenes of the recorded check
 CHECK_GAMMA = 4
 
 
-def check_metrics(run, seeds):
+def check_metrics(run, seeds, kinds=KINDS):
     """What tests/test_shipped.py recomputes: the target's greedy CoC exact match and commitment accuracy, and each
     draft's exact greedy tau at CHECK_GAMMA, on the first CHECK_SCENES validation scenes (fp32, default geometry)."""
     tok = driving.Tokenizer()
@@ -33,7 +34,7 @@ def check_metrics(run, seeds):
     data = Data("val", CHECK_SCENES, 0, tok)
     outputs = evaluate.greedy_outputs(target, data)
     drafts = {f"{k}_s{s}": checkpoint.load(checkpoint.draft_dir(run, k, s), target=target).eval()
-              for k in KINDS for s in seeds}
+              for k in kinds for s in seeds}
     matches = evaluate.draft_matches(drafts, target, data, outputs)
     return {"scenes": CHECK_SCENES, "gamma": CHECK_GAMMA,
             "coc_exact": evaluate.coc_exact_match(outputs, data.coc_ids()),
@@ -46,10 +47,16 @@ def main(argv=None):
     ap.add_argument("--run", default="runs/toy")
     ap.add_argument("--out", default="checkpoints/toy")
     ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--kinds", default=",".join(KINDS), help="the draft kinds shipped; a subset adds them (the target "
+                    "and the other kinds' record stay as shipped)")
     a = ap.parse_args(argv)
-    seeds = [int(s) for s in a.seeds.split(",")]
+    seeds, kinds = [int(s) for s in a.seeds.split(",")], a.kinds.split(",")
+    if set(kinds) - set(KINDS):
+        ap.error(f"--kinds takes kinds of {', '.join(KINDS)}, got {a.kinds!r}")
+    adding = set(kinds) != set(KINDS)
     os.makedirs(a.out, exist_ok=True)
-    parts = ["target"] + [os.path.basename(checkpoint.draft_dir(a.run, k, s)) for k in KINDS for s in seeds]
+    parts = ["target"] * (not adding) + [os.path.basename(checkpoint.draft_dir(a.run, k, s)) for k in kinds
+                                         for s in seeds]
     for part in parts:
         dst = os.path.join(a.out, part)
         # shipping replaces the shipped checkpoints, never anything else that sits at their names
@@ -57,8 +64,12 @@ def main(argv=None):
         if os.path.exists(dst):
             shutil.rmtree(dst)
         shutil.copytree(os.path.join(a.run, part), dst)
-    metrics = {"train_metrics": files.read_json(os.path.join(a.run, "train_metrics.json")),
-               "check": check_metrics(a.out, seeds)}
+    if adding:
+        metrics = files.read_json(os.path.join(a.out, "metrics.json"))
+        metrics["check"]["tau"] |= check_metrics(a.out, seeds, kinds)["tau"]
+    else:
+        metrics = {"train_metrics": files.read_json(os.path.join(a.run, "train_metrics.json")),
+                   "check": check_metrics(a.out, seeds)}
     files.write_json(os.path.join(a.out, "metrics.json"), metrics)
     print(f"shipped {len(parts)} checkpoints to {a.out}; check: {metrics['check']}")
 
