@@ -7,7 +7,9 @@ run: python train.py --help   (the flags add_config_flags makes; also aarl.py, r
 import argparse
 import contextlib
 import dataclasses
+import functools
 import inspect
+import os
 import io
 import math
 import sys
@@ -81,6 +83,61 @@ def user_errors(ap: argparse.ArgumentParser):
         ap.exit(130, f"{ap.prog}: {runs.interrupted_note()}\n")
 
 
+def program(main):
+    """A program's main(argv): a Ctrl-C anywhere in it is one line and exit status 130, an expected error one line
+    and exit status 2 (user_errors, for the work no block of the program's own wraps); what it writes is atomic
+    (ops.files), so an interrupted run leaves no partial file."""
+    @functools.wraps(main)
+    def wrapped(*a, **k):
+        ap = argparse.ArgumentParser()  # only its prog (the program's file name) and its error line are used
+        with user_errors(ap):
+            return main(*a, **k)
+    return wrapped
+
+
+@contextlib.contextmanager
+def json_stdout(on):
+    """--json: everything the block prints goes to stderr, so that stdout holds only the one JSON line the program
+    prints after it (`python X.py --json | tail -n 1` or `| jq`)."""
+    with contextlib.redirect_stdout(sys.stderr) if on else contextlib.nullcontext():
+        yield
+
+
+def check_out(path, flag="--out", inputs=(), default=None):
+    """A ValueError unless `path` may take a program's output file, before any work: not a folder, not anything but a
+    regular file, not one of its input files (inputs: paths), in a folder that exists and takes a file. The default
+    (default: the flag's default, under the git-ignored runs/) gets its folder made."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise ValueError(f"{flag} {path} is a directory: give a file path")
+    if os.path.lexists(path) and not os.path.isfile(path):
+        raise ValueError(f"{flag} {path} exists and is not a regular file")
+    for p in inputs:
+        if p and os.path.exists(p) and os.path.exists(path) and os.path.samefile(p, path):
+            raise ValueError(f"{flag} {path} is an input of this run ({p}): give another {flag}")
+    if path == default:
+        os.makedirs(folder, exist_ok=True)
+    if not os.path.isdir(folder):
+        raise ValueError(f"{flag} {path}: its folder {folder} does not exist")
+    files.check_writable(folder)
+    return path
+
+
+def number_list(text, flag, kind=int, rule=">= 0", unique=True):
+    """--flag A,B,C -> [kind] (sorted if unique), or a ValueError naming the flag: not a list of numbers, empty, a value
+    breaking its rule (a key of RULES), a repeat."""
+    try:
+        vals = [kind(v) for v in text.split(",")]
+    except ValueError:
+        raise ValueError(f"{flag} must be a comma-separated list of {kind.__name__}s, got {text!r}") from None
+    bad = [v for v in vals if not RULES[rule](v)]
+    if bad:
+        raise ValueError(f"{flag}: every value must be {rule}, got {bad[0]!r}")
+    if unique and len(set(vals)) < len(vals):
+        raise ValueError(f"{flag} repeats a value: {text!r}")
+    return sorted(vals) if unique else vals
+
+
 def ran(args, t0, cpu0):
     """What a report says ran: every flag as given or derived (plain values: inputs, decoder, repeats, max-new, views,
     compile...), torch's version and threads, the wall and CPU seconds of the whole command (t0 time.time(), cpu0
@@ -107,7 +164,7 @@ def one_line(e):
 VIEWS_RULE = f"in 0..{driving.MAX_VIEWS} (the geometries the toy target was trained on)"
 MAX_VIEWS_RULE = f"at most {driving.MAX_VIEWS} (the world's surround views)"
 # every float rule is finite: an infinite lr, clip, temperature or weight passes "> 0" and turns the weights to NaN
-RULES = {">= 1": lambda v: v >= 1, "a finite number > 0": lambda v: 0 < v < math.inf,  # "not 0 < v" catches NaN
+RULES = {">= 1": lambda v: v >= 1, ">= 0": lambda v: v >= 0, "a finite number > 0": lambda v: 0 < v < math.inf,  # "not 0 < v" catches NaN
          "a finite number >= 0": lambda v: 0 <= v < math.inf,
          "in [0, 1]": lambda v: 0 <= v <= 1, VIEWS_RULE: lambda v: 0 <= v <= driving.MAX_VIEWS,
          MAX_VIEWS_RULE: lambda v: v <= driving.MAX_VIEWS,
@@ -141,9 +198,10 @@ def add_decoding_flags(ap, temperature_help):
                     "the token ids it keeps exact (the toy's default: the words its CoC grammar leaves open)")
 
 
-def relaxed_rule(text, commitments=None, default=()):
-    """--relaxed RULE:BOUND (None: exact verification) -> a relaxed.Relaxed; commitments: the --commitments file
-    (a JSON list of token ids), else `default` (the toy's commitment ids)."""
+def relaxed_rule(text, commitments=None, default=(), vocab_size=None):
+    """--relaxed RULE:BOUND -> a relaxed.Relaxed, or None for exact verification (no --relaxed, or a bound of 0, which
+    accepts nothing more: reported as exact and decoded once); commitments: the --commitments file (a JSON list of
+    token ids), else `default` (the toy's commitment ids); vocab_size: the target's, when known, checks the ids."""
     if text is None:
         if commitments is not None:
             raise ValueError("--commitments names what --relaxed routine:B keeps exact: give --relaxed with it")
@@ -154,13 +212,23 @@ def relaxed_rule(text, commitments=None, default=()):
     except ValueError:
         raise ValueError(f"--relaxed must be RULE:BOUND (typical:0.9 or routine:0.9), got {text!r}") from None
     if commitments is not None:
+        files.check_regular(commitments, f"--commitments {commitments}")
         ids = files.read_json(commitments)
-        if not (isinstance(ids, list) and ids and all(isinstance(i, int) and i >= 0 for i in ids)):
-            raise ValueError(f"--commitments {commitments}: must hold a JSON list of token ids (ints >= 0)")
+        if not (isinstance(ids, list) and ids):
+            raise ValueError(f"--commitments {commitments}: must hold a non-empty JSON list of token ids")
         default = ids
     if rule == "routine" and not default:
         raise ValueError("--relaxed routine:B on this target needs --commitments FILE (the token ids kept exact)")
-    return relaxed.Relaxed(rule, bound, frozenset(default))
+    try:  # a tuple: a set would make [1, true] one id before Relaxed sees the bool
+        r = relaxed.Relaxed(rule, bound, tuple(default) if rule == "routine" else ())
+        if vocab_size:
+            r.check_vocab(vocab_size)
+    except ValueError as e:
+        raise ValueError(f"--relaxed {text}" + (f" --commitments {commitments}" if commitments else "") + f": {e}") \
+            from None
+    except TypeError:  # an unhashable entry (a list in the list)
+        raise ValueError(f"--commitments {commitments}: must hold a JSON list of token ids (ints >= 0)") from None
+    return None if bound == 0 else r
 
 
 def sampling(temperature=0.0, top_k=None, top_p=None, seed=0, relaxed=None) -> speculate.Sampling:
