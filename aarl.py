@@ -253,6 +253,7 @@ def print_result(res):
     print(f"AARL ({res['reference']}, seed {res['seed']}) wall time {res['wall_s']:.0f} s; draft saved to {res['out']}")
 
 
+@cli.program
 def main(argv=None):
     ap = argparse.ArgumentParser(description="AARL post-training of the FlatRoPE draft (needs train.py's checkpoints; "
                                  "a real target: python -m real.aarl_real --help)")
@@ -268,12 +269,12 @@ def main(argv=None):
     cli.add_config_flags(ap, AARLConfig, choices={"reference": list(REFERENCES)})
     a = ap.parse_args(argv)
     cfg = cli.config_from_args(AARLConfig, a)
-    with cli.user_errors(ap):
+    with cli.json_stdout(a.json), cli.user_errors(ap):
         check_config(cfg)
         cli.check_values(a, [(">= 1", ("n_report",))], flags=True)
         cli.check_device(a.device)
         res = run(cfg, a.run, a.n_report, a.device, a.out, a.overwrite)
-    print_result(res)
+        print_result(res)
     if a.json:
         print(json.dumps(res))
     return res

@@ -364,6 +364,7 @@ def check_outputs(cfg: TrainConfig, stage):
         checkpoint.check_output(path, kind, cfg.overwrite or os.path.exists(os.path.join(cfg.out, state)), how)
 
 
+@cli.program
 def main(argv=None):
     cfg, stage, ap = parse_args(argv, parser=True)
     with cli.user_errors(ap):  # a locked, read-only or existing --out, a full disk: one line

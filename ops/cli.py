@@ -147,10 +147,16 @@ def ran(args, t0, cpu0):
             "threads": torch.get_num_threads(), "wall_s": time.time() - t0, "cpu_s": time.process_time() - cpu0}
 
 
-def progress(text):
+_LAST = [0.0]  # when progress last printed
+
+
+def progress(text, every=0.0):
     """A stage of long work on stderr, with the seconds since the program started (START): stdout keeps the report
-    (and with --json its one JSON line)."""
-    print(f"[{time.time() - START:5.0f} s] {text}", file=sys.stderr, flush=True)
+    (and with --json its one JSON line). every: print only if that many seconds passed since the last line (a loop's
+    steps: a line at least every so often, not one per step)."""
+    if time.time() - _LAST[0] >= every:
+        _LAST[0] = time.time()
+        print(f"[{time.time() - START:5.0f} s] {text}", file=sys.stderr, flush=True)
 
 
 def one_line(e):

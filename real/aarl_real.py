@@ -135,6 +135,7 @@ def load_real(target_dir, draft_dir, scenes_dir, cfg, device, dtype):
 
 
 # ---- the command line ----
+@cli.program
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m real.aarl_real", description="AARL post-training of a draft "
                                  "(distilled for --target) with the reward of the target's action expert on scene "

@@ -288,6 +288,7 @@ def parse_args(argv=None):
     return cli.config_from_args(DraftConfig, a), a.stage, ap
 
 
+@cli.program
 def main(argv=None):
     cfg, stage, ap = parse_args(argv)
     with cli.user_errors(ap):  # a locked, read-only or existing --out, a full disk, a bad scene: one line
