@@ -170,7 +170,8 @@ def one_line(e):
 VIEWS_RULE = f"in 0..{driving.MAX_VIEWS} (the geometries the toy target was trained on)"
 MAX_VIEWS_RULE = f"at most {driving.MAX_VIEWS} (the world's surround views)"
 # every float rule is finite: an infinite lr, clip, temperature or weight passes "> 0" and turns the weights to NaN
-RULES = {">= 1": lambda v: v >= 1, ">= 0": lambda v: v >= 0, "a finite number > 0": lambda v: 0 < v < math.inf,  # "not 0 < v" catches NaN
+RULES = {">= 1": lambda v: v >= 1, ">= 0": lambda v: v >= 0,
+         "a finite number > 0": lambda v: 0 < v < math.inf,  # "not 0 < v" catches NaN
          "a finite number >= 0": lambda v: 0 <= v < math.inf,
          "in [0, 1]": lambda v: 0 <= v <= 1, VIEWS_RULE: lambda v: 0 <= v <= driving.MAX_VIEWS,
          MAX_VIEWS_RULE: lambda v: v <= driving.MAX_VIEWS,
