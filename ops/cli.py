@@ -123,11 +123,11 @@ def check_out(path, flag="--out", inputs=(), default=None):
     return path
 
 
-def number_list(text, flag, kind=int, rule=">= 0", unique=True):
+def number_list(text, flag, kind=int, rule=">= 0", unique=True, sep=","):
     """--flag A,B,C -> [kind] (sorted if unique), or a ValueError naming the flag: not a list of numbers, empty, a value
     breaking its rule (a key of RULES), a repeat."""
     try:
-        vals = [kind(v) for v in text.split(",")]
+        vals = [kind(v) for v in text.split(sep)]
     except ValueError:
         raise ValueError(f"{flag} must be a comma-separated list of {kind.__name__}s, got {text!r}") from None
     bad = [v for v in vals if not RULES[rule](v)]
@@ -136,6 +136,19 @@ def number_list(text, flag, kind=int, rule=">= 0", unique=True):
     if unique and len(set(vals)) < len(vals):
         raise ValueError(f"{flag} repeats a value: {text!r}")
     return sorted(vals) if unique else vals
+
+
+def checked(ap, a, counts=(), lists=(), out=None):
+    """The flags a (parsed by ap) checked before any work, each defect one line naming its flag: counts (names) >= 1,
+    lists (names) comma-separated ints >= 0 without repeats (replaced by the list), out (the default of --out, under
+    runs/): a.out may take the output file (check_out). Returns a."""
+    with user_errors(ap):
+        check_values(a, [(">= 1", counts)], flags=True)
+        for name in lists:
+            setattr(a, name, number_list(getattr(a, name), "--" + name.replace("_", "-")))
+        if out is not None:
+            check_out(a.out, default=out)
+    return a
 
 
 def ran(args, t0, cpu0):
