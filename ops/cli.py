@@ -103,23 +103,26 @@ def json_stdout(on):
         yield
 
 
-def check_out(path, flag="--out", inputs=(), default=None):
-    """A ValueError unless `path` may take a program's output file, before any work: not a folder, not anything but a
-    regular file, not one of its input files (inputs: paths), in a folder that exists and takes a file. The default
-    (default: the flag's default, under the git-ignored runs/) gets its folder made."""
-    folder = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(path):
+def check_out(path, flag="--out", inputs=(), default=None, folder=False):
+    """A ValueError unless `path` may take a program's output file (folder: its output folder), before any work: a
+    file path is not a folder nor anything but a regular file, and none of its input files (inputs: paths); a folder
+    is not a file; either lies in a folder that exists and takes a file. The default (default: under the git-ignored
+    runs/) gets its folder made."""
+    parent = os.path.dirname(os.path.abspath(path))
+    if folder and os.path.lexists(path) and not os.path.isdir(path):
+        raise ValueError(f"{flag} {path} is not a folder: give the output folder")
+    if not folder and os.path.isdir(path):
         raise ValueError(f"{flag} {path} is a directory: give a file path")
-    if os.path.lexists(path) and not os.path.isfile(path):
+    if not folder and os.path.lexists(path) and not os.path.isfile(path):
         raise ValueError(f"{flag} {path} exists and is not a regular file")
     for p in inputs:
         if p and os.path.exists(p) and os.path.exists(path) and os.path.samefile(p, path):
             raise ValueError(f"{flag} {path} is an input of this run ({p}): give another {flag}")
     if path == default:
-        os.makedirs(folder, exist_ok=True)
-    if not os.path.isdir(folder):
-        raise ValueError(f"{flag} {path}: its folder {folder} does not exist")
-    files.check_writable(folder)
+        os.makedirs(parent, exist_ok=True)
+    if not os.path.isdir(parent):
+        raise ValueError(f"{flag} {path}: its folder {parent} does not exist")
+    files.check_writable(parent)
     return path
 
 
