@@ -5,7 +5,7 @@ that silently changes what the shipped weights compute fails CI (tests/test_ship
 Paper: the shipped models are the toy's deliberative reasoner (target) and routine reasoners (replica, FlatRoPE,
 FlatRoPE + AARL drafts) behind the README's version of the paper's table (rsd.py).
 
-run: python experiments/ship_toy.py --run runs/toy   (after train.py and aarl.py have filled runs/toy)
+run: python experiments/ship_toy.py --run runs/toy --out checkpoints/toy   (after train.py and aarl.py have filled runs/toy)
 """
 import argparse
 import os
@@ -17,7 +17,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from ops import checkpoint  # noqa: E402
 import driving  # noqa: E402
 import evaluate  # noqa: E402
-from ops import files  # noqa: E402
+from ops import cli, files  # noqa: E402
 from driving import Data  # noqa: E402
 
 KINDS = ("mrope", "flat", "aarl")
@@ -41,13 +41,15 @@ def check_metrics(run, seeds):
             "tau": {name: evaluate.tau_by_gamma(m, [CHECK_GAMMA])[CHECK_GAMMA]["tau"] for name, m in matches.items()}}
 
 
+@cli.program
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--run", default="runs/toy")
-    ap.add_argument("--out", default="checkpoints/toy")
+    ap.add_argument("--out", required=True, help="where the checkpoints ship (the repo's: checkpoints/toy): no "
+                    "default, as shipping replaces what is there")
     ap.add_argument("--seeds", default="0,1,2")
-    a = ap.parse_args(argv)
-    seeds = [int(s) for s in a.seeds.split(",")]
+    a = cli.checked(ap, ap.parse_args(argv), lists=("seeds",))
+    seeds = a.seeds
     os.makedirs(a.out, exist_ok=True)
     parts = ["target"] + [os.path.basename(checkpoint.draft_dir(a.run, k, s)) for k in KINDS for s in seeds]
     for part in parts:
