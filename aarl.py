@@ -210,6 +210,8 @@ def run(cfg: AARLConfig, run_dir, n_report=64, device="cpu", out=None, overwrite
 
 
 def _run(cfg, run_dir, n_report, device, out):
+    cli.progress(f"AARL ({cfg.reference}, seed {cfg.seed}): the before report on {n_report} val / test scenes, "
+                 f"{cfg.steps} updates, the after report")
     t0 = time.time()
     torch.manual_seed(cfg.seed)
     target, sft = load_run(run_dir, cfg.seed, device)

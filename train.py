@@ -251,6 +251,7 @@ def run(cfg: TrainConfig, stage="all", log=print):
     rank, world, device = runs.setup_distributed(cfg.device)
     with files.writer_lock(cfg.out) if rank == 0 else contextlib.nullcontext():
         check_outputs(cfg, stage)
+        cli.progress(f"train.py: stage {stage} into {cfg.out}")
         if cfg.batch_size % world:
             raise ValueError(f"batch_size {cfg.batch_size} is not divisible by the {world} ranks")
         tok = driving.Tokenizer()

@@ -170,6 +170,7 @@ def main(argv=None):
         out = checkpoint.draft_dir(a.out, "aarl", cfg.seed)
         with files.writer_lock(a.out):
             checkpoint.check_output(out, "flat draft", how="refusing to replace it; give another --out or --seed")
+            cli.progress(f"AARL on {a.scenes}: the models and scenes, then {cfg.steps} updates")
             t0 = time.time()
             target, draft, ref, clips, prompts, ids = load_real(a.target, a.draft, a.scenes, cfg, device,
                                                                 cli.DTYPES[a.dtype])
@@ -181,8 +182,9 @@ def main(argv=None):
            "environment": timing.environment(a.device) | {"threads": torch.get_num_threads(), "dtype": a.dtype},
            "training": training_summary(updates)}
     first, last = res["training"]["first"], res["training"]["last"]
-    print("updates, first -> last 20: " + "  ".join(f"{k} {first[k]:.3f}->{last[k]:.3f}" for k in first))
-    print(f"AARL (real target, {len(clips)} scenes) wall time {res['wall_s']:.0f} s; draft saved to {out}")
+    with cli.json_stdout(a.json):
+        print("updates, first -> last 20: " + "  ".join(f"{k} {first[k]:.3f}->{last[k]:.3f}" for k in first))
+        print(f"AARL (real target, {len(clips)} scenes) wall time {res['wall_s']:.0f} s; draft saved to {out}")
     if a.json:
         print(json.dumps(res))
     return res

@@ -203,6 +203,7 @@ def run_draft(cfg: DraftConfig, stage="all", log=print):
     """The target's CoCs on the training scenes, each rank decoding its share into out/data/part<rank> (resumable,
     whatever the number of ranks before), then the draft, every rank reading every part."""
     cli.check_device(cfg.device)
+    cli.progress(f"the target's CoCs into {cfg.out}/data, then the {cfg.kind} draft")
     rank, world, device = runs.setup_distributed(cfg.device)
     if cfg.batch_size % world:
         raise ValueError(f"batch_size {cfg.batch_size} is not divisible by the {world} ranks")
