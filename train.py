@@ -296,6 +296,7 @@ def parse_args(argv=None, parser=False):
                                                           "draft_preset": sorted(M.DRAFT_PRESETS)})
     a = ap.parse_args(argv)
     with cli.user_errors(ap):
+        cli.check_out(a.out, folder=True)
         if a.draft_vocab > len(driving.Tokenizer()):  # here, not when the draft stage starts after the target's hour
             raise ValueError(f"--draft-vocab must be at most the toy vocabulary's {len(driving.Tokenizer())} ids, "
                              f"got {a.draft_vocab}")

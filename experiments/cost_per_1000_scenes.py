@@ -278,6 +278,7 @@ def main(argv=None):
     device, dtype = torch.device(a.device), cli.DTYPES[a.dtype]
     if device.type == "cpu":
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", 1)))
+    cli.progress(f"{a.preset}: building it at {BUILT_LAYERS} layers, then timing each part")
     t0 = time.time()
     cfg = M.PRESETS[a.preset]
     counts = param_counts(cfg)

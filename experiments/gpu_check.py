@@ -427,7 +427,7 @@ def main(argv=None):
     with cli.user_errors(ap):
         cli.check_values(args, [(">= 1", ("reps", "images", "gamma", "draft_vocab")),
                                 ("a finite number > 0", ("budget", "tests_timeout"))], flags=True)
-        files.check_writable(cli.check_out(args.out, folder=True))
+        files.check_writable(cli.check_out(args.out, folder=True))  # made here, before any work
     cli.progress(f"gpu check: stages {', '.join(stages)} on {args.device}")
     run = Run(args)
     timing.reset_peak_memory(run.device)

@@ -218,6 +218,7 @@ def main(argv=None):
                 if not os.path.isdir(d)]
         if gone:
             raise ValueError(f"--run {a.run} lacks {', '.join(gone)} (--seeds {a.seeds})")
+    cli.progress(f"{len(seeds)} seeds x {len(RULES)} rules x {len(bounds)} bounds, {a.scenes} scenes each")
     torch.set_num_threads(1)
     tok = driving.Tokenizer()
     commit = frozenset(tok.encode(driving.commitment_words()))
@@ -226,7 +227,6 @@ def main(argv=None):
     data = driving.Data("test", a.scenes, 0, tok)
     prompts = evaluate.scene_prompts(data.scenes, tok, "cpu", views=data.views_at(0))
     exact = evaluate.greedy_outputs(target, data)  # greedy: every lossless decode's; sampled: per draft, below
-    cli.progress(f"{len(seeds)} seeds x {len(RULES)} rules x {len(bounds)} bounds, {a.scenes} scenes each")
     result = {"scenes": a.scenes, "split": "test",
               "decoder": f"gamma {a.gamma}" if a.gamma else "tree {}/{}/{}".format(*astuple(decoder)),
               "seeds": seeds, "bounds": bounds, "commitment_words": driving.commitment_words(),

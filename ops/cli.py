@@ -104,13 +104,15 @@ def json_stdout(on):
 
 
 def check_out(path, flag="--out", inputs=(), default=None, folder=False):
-    """A ValueError unless `path` may take a program's output file (folder: its output folder), before any work: a
-    file path is not a folder nor anything but a regular file, and none of its input files (inputs: paths); a folder
-    is not a file; either lies in a folder that exists and takes a file. The default (default: under the git-ignored
-    runs/) gets its folder made."""
+    """A ValueError unless `path` may take a program's output file, before any work: not a folder nor anything but a
+    regular file, not one of its input files (inputs: paths), in a folder that exists and takes a file (the default's,
+    under the git-ignored runs/, is made). folder: `path` is an output folder (made with its parents, as runs/x): not
+    a file."""
     parent = os.path.dirname(os.path.abspath(path))
     if folder and os.path.lexists(path) and not os.path.isdir(path):
         raise ValueError(f"{flag} {path} is not a folder: give the output folder")
+    if folder:
+        return path
     if not folder and os.path.isdir(path):
         raise ValueError(f"{flag} {path} is a directory: give a file path")
     if not folder and os.path.lexists(path) and not os.path.isfile(path):

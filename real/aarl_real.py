@@ -168,7 +168,7 @@ def main(argv=None):
         files.check_out_dir(a.out, {"--target": a.target, "--draft": a.draft, "--scenes": a.scenes,
                                     "--processor": cfg.processor}, may_contain=("--draft",))  # RUN/draft_flat_s0
         out = checkpoint.draft_dir(a.out, "aarl", cfg.seed)
-        with files.writer_lock(a.out):
+        with cli.json_stdout(a.json), files.writer_lock(a.out):  # --json: the work's lines on stderr too
             checkpoint.check_output(out, "flat draft", how="refusing to replace it; give another --out or --seed")
             cli.progress(f"AARL on {a.scenes}: the models and scenes, then {cfg.steps} updates")
             t0 = time.time()

@@ -265,6 +265,7 @@ def parse_args(argv=None):
                                                    "dtype": sorted(cli.DTYPES)})
     a = ap.parse_args(argv, argparse.Namespace(top_p=None))  # None: --top-p not given (its default is set below)
     with cli.user_errors(ap):
+        cli.check_out(a.out, folder=True)
         top_p_given, a.top_p = a.top_p is not None, DraftConfig.top_p if a.top_p is None else a.top_p
         check_values(a, [("in 0..2**30-1", ("seed",)), (">= 1", ("steps", "batch_size", "save_every", "samples",
                                                                    "max_new", "min_pixels", "max_pixels", "layers")),
