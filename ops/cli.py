@@ -236,6 +236,9 @@ def relaxed_rule(text, commitments=None, default=(), vocab_size=None):
         bound = float(bound)
     except ValueError:
         raise ValueError(f"--relaxed must be RULE:BOUND (typical:0.9 or routine:0.9), got {text!r}") from None
+    if commitments is not None and rule != "routine":  # flags a rule ignores are refused, not recorded
+        raise ValueError(f"--commitments names what the routine rule keeps exact: --relaxed {text} relaxes every "
+                         "position (give routine:B, or no --commitments)")
     if commitments is not None:
         files.check_regular(commitments, f"--commitments {commitments}")
         ids = files.read_json(commitments)
