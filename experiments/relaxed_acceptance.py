@@ -30,7 +30,6 @@ import evaluate  # noqa: E402
 from ops import checkpoint, cli, files, timing  # noqa: E402
 from relaxed import Relaxed  # noqa: E402
 from speculate import SpecResult  # noqa: E402
-from tree import TreeShape  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUT, FIGURE = "runs/relaxed_acceptance.json", "runs/relaxed_acceptance.png"
@@ -211,8 +210,7 @@ def main(argv=None):
             raise ValueError("--bounds must include 0 (the lossless point of each rule)")
         if a.gamma and a.tree:
             raise ValueError("--tree is the decoder of --gamma 0: give one of them")
-        decoder = a.gamma or TreeShape(*cli.number_list(a.tree or "32/8/3", "--tree", unique=False, rule=">= 1",
-                                                        sep="/"))
+        decoder = a.gamma or cli.tree_shape(a.tree or "32/8/3")
         base = cli.sampling(a.temperature, None, a.top_p, 0)  # --top-p at temperature 0 would be ignored: refused
         gone = [d for d in [os.path.join(a.run, "target")] + [checkpoint.draft_dir(a.run, "flat", s) for s in seeds]
                 if not os.path.isdir(d)]

@@ -20,7 +20,6 @@ import driving  # noqa: E402
 import evaluate  # noqa: E402
 from ops import cli, files  # noqa: E402
 import tree  # noqa: E402
-from tree import TreeShape  # noqa: E402
 
 KINDS = {"replica": "mrope", "flatrope": "flat", "flatrope+aarl": "aarl"}
 
@@ -38,7 +37,7 @@ def main(argv=None):
     cli.progress(f"tree paths: {a.scenes} test scenes")
     torch.set_num_threads(1)
     with cli.user_errors(ap):
-        shape = TreeShape(*cli.number_list(a.tree, "--tree", rule=">= 1", unique=False, sep="/"))
+        shape = cli.tree_shape(a.tree)
     tok = driving.Tokenizer()
     target = checkpoint.load(os.path.join(a.run, "target")).eval()
     data = driving.Data("test", a.scenes, 0, tok)

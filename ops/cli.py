@@ -143,6 +143,15 @@ def number_list(text, flag, kind=int, rule=">= 0", unique=True, sep=","):
     return sorted(vals) if unique else vals
 
 
+def tree_shape(text, flag="--tree"):
+    """--tree N/D/k -> a tree.TreeShape, or a ValueError naming the flag (its own checks: a tree it can grow)."""
+    from tree import TreeShape
+    parts = number_list(text, flag, rule=">= 1", unique=False, sep="/")
+    if len(parts) != 3:
+        raise ValueError(f"{flag} must be N/D/k (nodes, depth, width), got {text!r}")
+    return TreeShape(*parts)
+
+
 def checked(ap, a, counts=(), lists=(), out=None):
     """The flags a (parsed by ap) checked before any work, each defect one line naming its flag: counts (names) >= 1,
     lists (names) comma-separated ints >= 0 without repeats (replaced by the list), out (the default of --out, under
@@ -254,8 +263,6 @@ def relaxed_rule(text, commitments=None, default=(), vocab_size=None):
     except ValueError as e:
         raise ValueError(f"--relaxed {text}" + (f" --commitments {commitments}" if commitments else "") + f": {e}") \
             from None
-    except TypeError:  # an unhashable entry (a list in the list)
-        raise ValueError(f"--commitments {commitments}: must hold a JSON list of token ids (ints >= 0)") from None
     return None if bound == 0 else r
 
 

@@ -257,3 +257,31 @@ def test_json_is_one_line_on_stdout(name, tmp_path, tiny_run, monkeypatch, capsy
     assert code == 0, err
     assert len(out.splitlines()) == 1 and isinstance(json.loads(out), dict), out[:300]
     assert "a line of the work's own report" in err
+
+
+# ---- no default output lands on a file the repo ships ----
+class Parsed(Exception):
+    """Raised where a program would parse its flags: its parser is caught, nothing runs."""
+
+
+@pytest.mark.parametrize("name", sorted(PROGRAMS))
+def test_no_default_output_is_a_file_the_repo_ships(name, monkeypatch):
+    """Every output flag's default (--out, --figure, --work) lies under the git-ignored runs/: a quick run never
+    replaces a committed result; the README and experiments/reproduce_toy.sh pass the committed paths explicitly."""
+    import argparse
+    import subprocess
+    parsers = []
+
+    def parse_args(self, *a, **k):
+        parsers.append(self)
+        raise Parsed
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_args)
+    with pytest.raises(Parsed):
+        importlib.import_module(PROGRAMS[name][0]).main([])
+    tracked = set(subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True).stdout.split())
+    for action in parsers[0]._actions:
+        if action.dest in ("out", "figure", "work") and isinstance(action.default, str):
+            path = os.path.relpath(os.path.abspath(os.path.join(ROOT, action.default)), ROOT)
+            assert path.split(os.sep)[0] == "runs", f"{name} --{action.dest} defaults to {action.default}"
+            assert not any(t == path or t.startswith(path + os.sep) for t in tracked), (name, path)

@@ -155,6 +155,10 @@ def test_a_plain_qwen_vl_folder_stops_at_im_end(folder, tmp_path, capsys):
     assert res["identical"] == 2 and res["ms"]["action_expert"] is None and res["ade_m"] is None
     out = capsys.readouterr().out
     assert out.startswith("device") and "NOTE: untrained draft" in out and "action expert none" in out
+    # issue #52: no expert, no plan to price a relaxed rule by: refused before any work
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--target", str(d), "--scenes", str(tmp_path / "s"), "--relaxed", "typical:0.5"])
+    assert e.value.code == 2 and "is a plain Qwen-VL with no action expert" in capsys.readouterr().err
 
 
 def test_errors_are_one_line(setup, tmp_path, capsys):
