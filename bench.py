@@ -679,7 +679,6 @@ def check_flags(ap, args):
 def check_out(args, toy_mode):
     """A ValueError unless --out may take the report: outside the shipped checkpoints and every input folder, and
     nothing there but a bench report (a JSON object with a "mode"); its folder writable, all before any work."""
-    cli.check_out(args.out, default=TOY_JSON)
     if os.path.commonpath([os.path.abspath(args.out), SHIPPED_DIR]) == SHIPPED_DIR:
         raise ValueError(f"--out {args.out} is inside the shipped {SHIPPED_DIR}: write the report elsewhere")
     files.check_out_dir(args.out, {"--run": args.run if toy_mode else None, "--target": args.target,
@@ -694,6 +693,7 @@ def check_out(args, toy_mode):
         if not ok:
             raise ValueError(f"--out {args.out} exists and is not a bench.py report (a JSON object with a \"mode\"): "
                              "refusing to replace it; give another --out")
+    cli.check_out(args.out, default=TOY_JSON)
 
 
 def check_fits(args, cfg, draft_vocab=0):
