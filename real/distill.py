@@ -207,10 +207,10 @@ def run_draft(cfg: DraftConfig, stage="all", log=print):
     rank, world, device = runs.setup_distributed(cfg.device)
     if cfg.batch_size % world:
         raise ValueError(f"batch_size {cfg.batch_size} is not divisible by the {world} ranks")
+    prompts, stop = prompt_source(cfg)  # every scene checked before the target is loaded
     target = load_target(cfg.target, cli.DTYPES[cfg.dtype], device)
     if cfg.draft_vocab > (vocab := target.cfg.vocab_size):  # known now: not after hours of decoding
         raise ValueError(f"--draft-vocab {cfg.draft_vocab} is above the target's vocabulary of {vocab} ids")
-    prompts, stop = prompt_source(cfg)
     root = os.path.join(cfg.out, "data")
     with files.writer_lock(cfg.out) if rank == 0 else contextlib.nullcontext():
         if rank == 0:
