@@ -285,3 +285,23 @@ def test_no_default_output_is_a_file_the_repo_ships(name, monkeypatch):
             path = os.path.relpath(os.path.abspath(os.path.join(ROOT, action.default)), ROOT)
             assert path.split(os.sep)[0] == "runs", f"{name} --{action.dest} defaults to {action.default}"
             assert not any(t == path or t.startswith(path + os.sep) for t in tracked), (name, path)
+
+
+def test_a_real_ctrl_c_from_outside_is_one_line_and_130(tmp_path):
+    """The in-process members above raise the signal themselves; here SIGINT comes from outside, to a subprocess, as a
+    terminal's Ctrl-C does, after its first progress line: exit status 130, one line, no report file (partial or
+    temporary)."""
+    import subprocess
+    out = tmp_path / "b.json"
+    proc = subprocess.Popen([sys.executable, "bench.py", "--prompts", "1", "--max-new", "4", "--repeats", "3", "--tree",
+                             "0", "--gamma", "2", "--out", str(out)], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        first = proc.stderr.readline()
+        proc.send_signal(signal.SIGINT)
+        rest, code = proc.stderr.read().splitlines(), proc.wait(timeout=120)
+    finally:
+        proc.kill()
+    assert first.startswith("[") and code == 130, (first, rest, code)
+    assert len(rest) == 1 and rest[0].startswith("bench.py: interrupted"), rest
+    assert os.listdir(tmp_path) == []
