@@ -422,9 +422,7 @@ def decoding_text(d, rows=None):
         f"row r of plan j seeded {d['seed']} + {rows} j + r")
     return ("greedy" if d["mode"] == "greedy" else (
         f"sampling at temperature {d['temperature']:g}, top-k {d['top_k'] or 'off'}, top-p {d['top_p'] or 'off'}, "
-        f"{seeds}")) + ("" if v == "exact" else (
-        f", LOSSY: relaxed acceptance, rule {v['rule']}, bound {v['bound']:g}" if d["lossy"] else
-        f", relaxed rule {v['rule']} at bound 0 (exact)"))
+        f"{seeds}")) + ("" if v == "exact" else f", LOSSY: relaxed acceptance, rule {v['rule']}, bound {v['bound']:g}")
 
 
 def run_line(res):

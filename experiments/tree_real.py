@@ -70,8 +70,8 @@ def main(argv=None):
     ap.add_argument("--sweep", default="experiments/tree_sweep.json", help="the toy's held-out taus")
     ap.add_argument("--out", default="runs/tree_real.json",  # git-ignored: never the committed JSON
                     help="the JSON (the README's: experiments/tree_real.json)")
-    a = cli.checked(ap, ap.parse_args(argv), counts=("prompt_len", "reps"), lists=("ks",),
-                    out="runs/tree_real.json")
+    a = ap.parse_args(argv)
+    a = cli.checked(ap, a, counts=("prompt_len", "reps"), lists=("ks",), out="runs/tree_real.json", inputs=[a.sweep])
     cli.progress(f"tree_real: step times of {a.preset}'s layer and heads")
     torch.set_num_threads(1)
     t0 = time.time()

@@ -9,9 +9,9 @@ import contextlib
 import dataclasses
 import functools
 import inspect
-import os
 import io
 import math
+import os
 import sys
 import textwrap
 import time
@@ -113,10 +113,9 @@ def check_out(path, flag="--out", inputs=(), default=None, folder=False):
         raise ValueError(f"{flag} {path} is not a folder: give the output folder")
     if folder:
         return path
-    if not folder and os.path.isdir(path):
-        raise ValueError(f"{flag} {path} is a directory: give a file path")
-    if not folder and os.path.lexists(path) and not os.path.isfile(path):
-        raise ValueError(f"{flag} {path} exists and is not a regular file")
+    if os.path.lexists(path) and not os.path.isfile(path):
+        raise ValueError(f"{flag} {path} " + ("is a directory: give a file path" if os.path.isdir(path) else
+                                              "exists and is not a regular file"))
     for p in inputs:
         if p and os.path.exists(p) and os.path.exists(path) and os.path.samefile(p, path):
             raise ValueError(f"{flag} {path} is an input of this run ({p}): give another {flag}")
@@ -152,16 +151,16 @@ def tree_shape(text, flag="--tree"):
     return TreeShape(*parts)
 
 
-def checked(ap, a, counts=(), lists=(), out=None):
+def checked(ap, a, counts=(), lists=(), out=None, inputs=()):
     """The flags a (parsed by ap) checked before any work, each defect one line naming its flag: counts (names) >= 1,
     lists (names) comma-separated ints >= 0 without repeats (replaced by the list), out (the default of --out, under
-    runs/): a.out may take the output file (check_out). Returns a."""
+    runs/): a.out may take the output file and is none of the input files (check_out). Returns a."""
     with user_errors(ap):
         check_values(a, [(">= 1", counts)], flags=True)
         for name in lists:
             setattr(a, name, number_list(getattr(a, name), "--" + name.replace("_", "-")))
         if out is not None:
-            check_out(a.out, default=out)
+            check_out(a.out, inputs=inputs, default=out)
     return a
 
 
