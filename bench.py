@@ -633,7 +633,11 @@ def check_flags(ap, args):
                      (args.images_dir and importlib.util.find_spec("PIL") is None,
                       "--images-dir needs Pillow to read the images: pip install pillow"),
                      (src and no_hf and alpamayo.has_tokenizer(src),
-                      f"{src} has a tokenizer, which needs transformers: pip install -r requirements-test.txt")):
+                      f"{src} has a tokenizer, which needs transformers: pip install -r requirements-test.txt"),
+                     *((getattr(args, f) != ap.get_default(f) and unused, f"--{f.replace('_', '-')} shapes the "
+                        "images of a --target prompt (generated ones: --image-size): this run ignores it")
+                       for f, unused in (("min_pixels", not args.target), ("max_pixels", not args.target),
+                                         ("image_size", not args.target or args.scenes or args.images_dir)))):
         if bad:
             ap.error(msg)
     for flag, what, field in (("layers", "keeps 1..n_layers decoder layers", "n_layers"),

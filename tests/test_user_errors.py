@@ -583,6 +583,10 @@ def test_what_ran_is_the_tree_that_ran_and_ignored_flags_are_refused(tmp_path, c
         with pytest.raises(SystemExit):
             bench.main(["--preset", "qwen3-vl-8b", flag, "2"])
         assert f"{flag} is the toy's" in error_line(capsys)
+    for argv in (["--min-pixels", "64"], ["--preset", "qwen3-vl-8b", "--image-size", "8x8"]):
+        with pytest.raises(SystemExit):
+            bench.main(argv)
+        assert f"{argv[-2]} shapes the images of a --target prompt" in error_line(capsys)
 
 
 def test_atomic_write_names_a_missing_folder(tmp_path):
