@@ -449,9 +449,8 @@ def report(res):
     acceptance = "tau {tau:.2f}   alpha {alpha:.3f}   routine fraction {routine_fraction:.3f}".format
     rows = [("prefill", f"target-only {res['ar_prefill_ms']:.2f} ms   speculative {res['spec_prefill_ms']:.2f} ms"),
             ("reasoning step", arms(res, res["speedup"]) + ("   (both arms sampling)" if s else "")),
-            ("LOSSY decode" if "lossy" in res else "greedy", acceptance(**res) + ("   (the timed runs; the exact "
-                                                                                "decode's tau {tau:.2f})".format(
-                **res["exact"]) if "lossy" in res else ""))]
+            ("LOSSY decode", acceptance(**res) + f"   (the timed runs; exact tau {res['exact']['tau']:.2f})")
+            if "lossy" in res else ("greedy", acceptance(**res))]
     rows += [("sampled", acceptance(**res["sampled"]) + ("   (the timed runs, LOSSY)" if "lossy" in res else
               "   (the timed runs; lossless in distribution, so not compared token by token)"))] if s else []
     chain = "the same draft, gamma {gamma}: {ms_per_token:.3f} ms/token, speed-up {speedup:.2f}x{}; the tree is " \
