@@ -13,8 +13,7 @@ run: python bench.py --device cuda --target ALPAMAYO_DIR [--images-dir CAMERAS] 
      python bench.py --device cuda --target ALPAMAYO_DIR --draft DRAFT --scenes SCENES --tree 0
                                                                                     (tests: tests/test_heldout.py)
 """
-from dataclasses import dataclass
-import dataclasses
+from dataclasses import dataclass, replace
 import functools
 import os
 from statistics import median
@@ -292,7 +291,7 @@ def heldout(target, draft, scenes, prompts, stop, max_new, gamma, repeats, words
         ar, spec = (runs[arm][0][0].result for arm in ("ar", "spec"))
         if sampling.lossy:  # the exact decode's tau beside the relaxed one (docs/own-target.md)
             exact_specs.append(evaluate.decode(target, draft, p, gamma, max_new, stop,
-                                               dataclasses.replace(sampling, relaxed=None)))
+                                               replace(sampling, relaxed=None)))
         ar_s, spec_s = ([x[0].result.decode_s for x in runs[arm]] for arm in ("ar", "spec"))
         embeds, deepstack = speculate.embed_prompt(target, p)  # (1, L, D)
 
@@ -379,9 +378,9 @@ def heldout_lines(res):
               f"greedy         speculative identical to target-only on {res['identical']} of {res['scenes']} scenes"
               + ("" if res["identical"] == res["scenes"] else "   DIFFERS: see the rows' divergence"
                  if not res["decoding"]["lossy"] else "   (LOSSY: a relaxed rule)"),
-              f"acceptance     tau {res['tau']:.2f}" + (f" (LOSSY; exact {res['tau_exact']:.2f})" if "tau_exact" in res
-                                                     else "") + f" (ceiling {res['tau_ceiling']:.2f})   alpha "
-              f"{res['alpha']:.3f}   "
+              f"acceptance     tau {res['tau']:.2f}" + (f" (LOSSY; exact {res['tau_exact']:.2f})" if "tau_exact"
+                                                     in res else "") + f" (ceiling {res['tau_ceiling']:.2f})   "
+              f"alpha {res['alpha']:.3f}   "
               f"by {'level' if res['decoder']['kind'] == 'tree' else 'position'} "
               f"{' '.join(f(a, 2) for a in res['alpha_by_position'])}   routine share "
               f"{res['routine_share']:.3f}",
