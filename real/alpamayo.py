@@ -282,7 +282,8 @@ def heldout(target, draft, scenes, prompts, stop, max_new, gamma, repeats, words
     gamma: the chain's draft length or a tree.TreeShape; words: token id -> text, for the marked CoC. sampling: greedy,
     or greedy with a relaxed rule (LOSSY: each row then gives how far the expert's plan moved, plan_moved_m)."""
     w, rows, specs, exact_specs = next(target.parameters()), [], [], []
-    for scene, (scene_id, prompt) in zip(scenes, prompts):
+    for i, (scene, (scene_id, prompt)) in enumerate(zip(scenes, prompts)):
+        cli.progress(f"held-out scene {i + 1} of {len(scenes)} ({scene_id}): both arms, the stages timed", 10)
         p = hf.on_model(prompt() if callable(prompt) else prompt, target)
         dev, L = w.device, p["input_ids"].shape[1]
         runs = timing.interleaved({arm: lambda i, d=d: evaluate.decode(target, d, p, gamma, max_new, stop, sampling,

@@ -310,6 +310,7 @@ def distill_data(target, prompts, out, stop_ids, max_new, temperature=0.0, top_p
                 if scene_id in done:
                     continue
                 done.add(scene_id)
+                cli.progress(f"{out}: decoding scene {scene_id} ({n_scenes} decoded this run)", 30)
                 prompt = hf.on_model(built(scene_id, prompt), target)  # pixels in the target's dtype
                 rows = speculate.autoregressive_batch(target, prompt, max_new, samples, speculate.Sampling(
                     temperature, None, top_p, [sample_seed(seed, scene_id, k) for k in range(samples)]),
