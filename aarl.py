@@ -214,6 +214,8 @@ def run(cfg: AARLConfig, run_dir, n_report=64, device="cpu", out=None, overwrite
 
 
 def _run(cfg, run_dir, n_report, device, out):
+    cli.progress(f"AARL ({cfg.reference}, seed {cfg.seed}): the before report on {n_report} val / test scenes, "
+                 f"{cfg.steps} updates, the after report")
     t0 = time.time()
     torch.manual_seed(cfg.seed)
     target, sft = load_run(run_dir, cfg.seed, device, cfg.kind)
@@ -257,6 +259,7 @@ def print_result(res):
     print(f"AARL ({res['reference']}, seed {res['seed']}) wall time {res['wall_s']:.0f} s; draft saved to {res['out']}")
 
 
+@cli.program
 def main(argv=None):
     ap = argparse.ArgumentParser(description="AARL post-training of the FlatRoPE draft (needs train.py's checkpoints; "
                                  "a real target: python -m real.aarl_real --help)")
@@ -272,12 +275,12 @@ def main(argv=None):
     cli.add_config_flags(ap, AARLConfig, choices={"reference": list(REFERENCES), "kind": list(M.DRAFT_KINDS)})
     a = ap.parse_args(argv)
     cfg = cli.config_from_args(AARLConfig, a)
-    with cli.user_errors(ap):
+    with cli.json_stdout(a.json), cli.user_errors(ap):
         check_config(cfg)
         cli.check_values(a, [(">= 1", ("n_report",))], flags=True)
         cli.check_device(a.device)
         res = run(cfg, a.run, a.n_report, a.device, a.out, a.overwrite)
-    print_result(res)
+        print_result(res)
     if a.json:
         print(json.dumps(res))
     return res

@@ -180,6 +180,12 @@ def benchmark(target, draft, prompts, gamma, max_new, stop_token=None, repeats=3
         exact = spec if sampling.greedy else evaluate.spec_stats(target, {"s": draft}, prompts, gamma, max_new,
                                                                  stop_token, sampling=exact_of(sampling))["s"]
         res["lossy"] = {"tau_exact": exact["tau"], "cocs": timed["tokens"], "exact_cocs": exact["tokens"]}
+        # the top level is the timed (lossy) decode, as its speed-up is; the exact greedy decode under its own key
+        res["exact"] = {k: res[k] for k in ("greedy_match", "tau", "alpha", "routine_fraction", "divergences")}
+        res.update({k: timed[k] for k in ("tau", "alpha", "routine_fraction")}, greedy_match=None, divergences=[])
+        if sampling.greedy:
+            res.update(greedy_match=timed["tokens"] == reference,
+                       divergences=timing.divergences(target, prompts, reference, timed["tokens"]))
     # every round drafts and verifies the whole shape (the last one's block is cut): the cost model's
     res["ran"] = dict(decoder_json(gamma), nodes_per_round=timed["nodes_per_round"],
                       depth_per_round=timed["depth_per_round"])
@@ -208,11 +214,16 @@ def plans(target, draft, prompts, gamma, max_new, stop_token, repeats, sampling,
 
     def run(t, d, g, p, j):  # plan j's rows seeded seed + B j + r: the same draws in every pass
         kw = dict(samples=samples, stop_token=stop_token, sampling=sampling.offset(B * j), timing=True)
+        calls[0] += 1
+        cli.progress(f"plans: {calls[0]} of {total} plan decodes (every arm, a warm-up pass and {repeats} timed)", 10)
         if d is None:
             return speculate.autoregressive_batch(t, p, max_new, **kw)
         return (trees.speculative_batch if isinstance(g, TreeShape) else speculate.speculative_batch)(
             t, d, p, g, max_new, **kw)
 
+    calls, total = [0], len(arm_table(pairs, gamma, chain_gamma)) * len(groups) * (repeats + 1)
+    cli.progress(f"plans: {len(groups)} plans of {B} rows, {total} plan decodes" + (", compiling first" if compile
+                                                                                      else ""))
     runs = timing.interleaved({name: lambda j, arm=arm: run(*arm, groups[j], j) for name, arm in arm_table(
         pairs, gamma, chain_gamma).items()}, len(groups), repeats, groups[0]["input_ids"].device)  # warm-up, compile
     out = {name: [x.result for x in ps[0]] for name, ps in runs.items()}  # the same rows in every pass
@@ -232,6 +243,7 @@ def plans(target, draft, prompts, gamma, max_new, stop_token, repeats, sampling,
         if name.endswith(" compiled"):
             rec[name]["speedup"] = median(passes[COMPILED[0]]) / ms  # over compiled target-only
     if sampling.greedy:  # greedy: each row equals its own prompt's batch-1 target-only decode
+        cli.progress(f"plans: each of {len(prompts)} prompts' batch-1 target-only decode (the identity check)")
         ref = [speculate.autoregressive(target, p, max_new, stop_token=stop_token).tokens for p in prompts]
         want = [ref[j * batch + i] for j in range(len(groups)) for i in range(batch) for _ in range(samples)]
         rec["greedy_match_per_row"] = {name: [r.tokens == w for r, w in zip([r for plan in o for r in plan], want)]
@@ -321,6 +333,7 @@ def toy(args, device, dtype, sampling):
     if args.batch > 1 or args.samples > 1:  # plans of several rows, decoded as one batch
         decoder, chosen = args.decoder, None
         if args.choose_plan_tree:  # a verify over B rows costs more: the tree that runs the val plans fastest
+            cli.progress(f"choosing the plans' tree: {len(PLAN_TREES)} trees on {CHOOSE_SCENES} val scenes")
             decoder, chosen = choose_plan_tree(target, draft, split("val", CHOOSE_SCENES), args.max_new, tok.cot_end_id,
                                                sampling, args.batch, args.samples)
         p = plans(target, draft, prompts, decoder, args.max_new, tok.cot_end_id, args.repeats, sampling, args.batch,
@@ -409,9 +422,7 @@ def decoding_text(d, rows=None):
         f"row r of plan j seeded {d['seed']} + {rows} j + r")
     return ("greedy" if d["mode"] == "greedy" else (
         f"sampling at temperature {d['temperature']:g}, top-k {d['top_k'] or 'off'}, top-p {d['top_p'] or 'off'}, "
-        f"{seeds}")) + ("" if v == "exact" else (
-        f", LOSSY: relaxed acceptance, rule {v['rule']}, bound {v['bound']:g}" if d["lossy"] else
-        f", relaxed rule {v['rule']} at bound 0 (exact)"))
+        f"{seeds}")) + ("" if v == "exact" else f", LOSSY: relaxed acceptance, rule {v['rule']}, bound {v['bound']:g}")
 
 
 def run_line(res):
@@ -438,7 +449,8 @@ def report(res):
     acceptance = "tau {tau:.2f}   alpha {alpha:.3f}   routine fraction {routine_fraction:.3f}".format
     rows = [("prefill", f"target-only {res['ar_prefill_ms']:.2f} ms   speculative {res['spec_prefill_ms']:.2f} ms"),
             ("reasoning step", arms(res, res["speedup"]) + ("   (both arms sampling)" if s else "")),
-            ("greedy", acceptance(**res))]
+            ("LOSSY decode", acceptance(**res) + f"   (the timed runs; exact tau {res['exact']['tau']:.2f})")
+            if "lossy" in res else ("greedy", acceptance(**res))]
     rows += [("sampled", acceptance(**res["sampled"]) + ("   (the timed runs, LOSSY)" if "lossy" in res else
               "   (the timed runs; lossless in distribution, so not compared token by token)"))] if s else []
     chain = "the same draft, gamma {gamma}: {ms_per_token:.3f} ms/token, speed-up {speedup:.2f}x{}; the tree is " \
@@ -463,7 +475,10 @@ def report(res):
     lines = ["NOTE: untrained draft -> acceptance (tau, alpha, speed-up) is not meaningful; read the cost model "
              "(experiments/gpu_check.py: the speed-up it predicts at the toy's acceptance)."] \
         if res["mode"] == "real" and not res["trained_draft"] else []
-    lines += [run_line(res)] + [f"{label:<15}{text}" for label, text in rows] + timing.divergence_lines(res)
+    same = "not compared (sampled)" if res["greedy_match"] is None else \
+        f"{res['prompts'] - len(res['divergences'])} of {res['prompts']} prompts"
+    lines += [run_line(res)] + [f"{label:<15}{text}" for label, text in rows] + (
+        [f"LOSSY: outputs identical to target-only on {same}"] if "lossy" in res else timing.divergence_lines(res))
     lines += alpamayo.report_lines(res) if "coc" in res else []
     print("\n".join(lines))
 
@@ -491,6 +506,7 @@ def plan_lines(p):
 
 
 # ---- the flags ----
+@cli.program
 def main(argv=None):
     ap = argparse.ArgumentParser(description="Reasoning-step latency: target-only vs speculative (RSD).")
     ap.add_argument("--dtype", default="bf16", choices=sorted(cli.DTYPES), help="weights, activations and KV cache")
@@ -540,7 +556,7 @@ def main(argv=None):
     device, dtype = torch.device(args.device), cli.DTYPES[args.dtype]
     timing.reset_peak_memory(device)
     torch.manual_seed(0)
-    with cli.user_errors(ap):  # a bad folder or file, a gamma past the model's positions: one line
+    with cli.json_stdout(args.json), cli.user_errors(ap):  # a bad folder or file, a gamma too long: one line
         res = real(args, device, dtype, sampling) if args.target or args.preset else toy(args, device, dtype, sampling)
     res.update(device=str(device), hardware=torch.cuda.get_device_name(device) if device.type == "cuda" else
                (platform.processor() or platform.machine()), dtype=args.dtype,
@@ -548,7 +564,10 @@ def main(argv=None):
                environment=timing.environment(device), peak_memory=timing.peak_memory(device))
     res.setdefault("decoder", decoder_json(args.decoder))  # benchmark's own where it chose the tree
     res["what_ran"] = cli.ran(args, t0, cpu0)
-    with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():  # --json: one line out
+    d = res["decoder"]  # the decoder that ran (a tree chosen on val included), not the flags' default
+    res["what_ran"]["flags"].update(dict(tree=d["nodes"], tree_depth=d["depth"], tree_width=d["width"])
+                                    if d["kind"] == "tree" else dict(tree=0))
+    with cli.json_stdout(args.json):
         report(res)  # printed first: a failing write below loses no measurement
     if args.json:
         print(json.dumps(res))
@@ -575,6 +594,9 @@ def check_flags(ap, args):
                       "chain would draft tokens that can never be emitted"),
                      (args.tree and args.tree_depth > args.max_new, f"--tree-depth {args.tree_depth} is more than "
                       f"--max-new {args.max_new}: the tree would draft tokens that can never be emitted"),
+                     *((not toy_mode and getattr(args, f) != ap.get_default(f), f"--{f} is the toy's (its test "
+                        "scenes, views and run folder): a --target or --preset run ignores it") for f in
+                       ("prompts", "views", "run")),
                      (args.batch > 1 and not toy_mode, "--batch runs plans of several toy prompts (a real "
                       "checkpoint's plan is one scene: use --samples)"),
                      (args.samples > 1 and args.preset, "--samples plans the scenes of --target (not --preset)"),
@@ -610,7 +632,11 @@ def check_flags(ap, args):
                      (args.images_dir and importlib.util.find_spec("PIL") is None,
                       "--images-dir needs Pillow to read the images: pip install pillow"),
                      (src and no_hf and alpamayo.has_tokenizer(src),
-                      f"{src} has a tokenizer, which needs transformers: pip install -r requirements-test.txt")):
+                      f"{src} has a tokenizer, which needs transformers: pip install -r requirements-test.txt"),
+                     *((getattr(args, f) != ap.get_default(f) and unused, f"--{f.replace('_', '-')} shapes the "
+                        "images of a --target prompt (generated ones: --image-size): this run ignores it")
+                       for f, unused in (("min_pixels", not args.target), ("max_pixels", not args.target),
+                                         ("image_size", not args.target or args.scenes or args.images_dir)))):
         if bad:
             ap.error(msg)
     for flag, what, field in (("layers", "keeps 1..n_layers decoder layers", "n_layers"),
@@ -625,9 +651,6 @@ def check_flags(ap, args):
             raise ValueError(f"--tree-width {args.tree_width} and --tree-depth {args.tree_depth} grow {n} candidates "
                              f"a round, more than {MAX_TREE_CANDIDATES}")
         cli.check_device(args.device)
-        toy_ids = driving.Tokenizer().encode(driving.commitment_words()) if toy_mode else ()
-        sampling = cli.sampling(args.temperature, args.top_k, args.top_p, args.sampling_seed,
-                                cli.relaxed_rule(args.relaxed, args.commitments, toy_ids))
         if args.draft and checkpoint.existing_kind(args.draft) == "target":
             raise ValueError(f"--draft {args.draft} holds a target model, not a draft (it would accept every token)")
         needed = [os.path.join(args.run, "target"), args.draft or checkpoint.draft_dir(args.run, *TOY_DRAFT)]
@@ -638,6 +661,16 @@ def check_flags(ap, args):
         if toy_mode or args.preset:  # the model's shape, known before loading: the toy's from its header
             check_fits(args, checkpoint.header(needed[0])[1] if toy_mode else M.PRESETS[args.preset],
                        checkpoint.header(needed[1])[1].draft_vocab if toy_mode else args.draft_vocab)
+        toy_ids = driving.Tokenizer().encode(driving.commitment_words()) if toy_mode else ()
+        vocab, expert = (checkpoint.header(needed[0])[1].vocab_size, True) if toy_mode else (None, None)
+        if args.relaxed and args.target:  # the target's vocabulary checks --commitments; its expert prices the plan
+            cfg, _, alpamayo_raw = hf.read_config(args.target)
+            vocab, expert = cfg.vocab_size, alpamayo_raw is not None
+        if args.relaxed and expert is False:
+            raise ValueError(f"--relaxed is priced by how far the action expert's plan moves: --target {args.target} "
+                             "is a plain Qwen-VL with no action expert, where nothing prices it")
+        sampling = cli.sampling(args.temperature, args.top_k, args.top_p, args.sampling_seed,
+                                cli.relaxed_rule(args.relaxed, args.commitments, toy_ids, vocab))
         args.out = (TOY_JSON if toy_mode else None) if args.out is None else args.out or None  # "": no report file
         if args.out:
             check_out(args, toy_mode)
@@ -661,7 +694,7 @@ def check_out(args, toy_mode):
         if not ok:
             raise ValueError(f"--out {args.out} exists and is not a bench.py report (a JSON object with a \"mode\"): "
                              "refusing to replace it; give another --out")
-    files.check_writable(os.path.dirname(args.out) or ".")
+    cli.check_out(args.out, default=TOY_JSON)
 
 
 def check_fits(args, cfg, draft_vocab=0):

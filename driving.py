@@ -597,12 +597,21 @@ class Data:
 
 
 # ---- demo (the rasters as ASCII: experiments/render_scenes.py) ----
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(description="Print a few scenes of the synthetic driving world and its routine share.")
     ap.add_argument("--seed", type=int, default=0, help="seed of the printed scenes and of the routine-share estimate")
     ap.add_argument("--n", type=int, default=6, help="scenes to print")
     ap.add_argument("--split", default="train", choices=list(SPLITS), help="split to draw the printed scenes from")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    if args.n < 1:
+        ap.error(f"--n must be >= 1, got {args.n}")
+    try:  # a Ctrl-C is one line and exit status 130, as in every program (ops.cli.program, a layer above this one)
+        show(args)
+    except KeyboardInterrupt:
+        ap.exit(130, f"{ap.prog}: interrupted: nothing is written; rerun to start again\n")
+
+
+def show(args):
     for sc in make_split(args.split, args.n, args.seed):
         f = sc.f
         speeds = np.linalg.norm(np.diff(np.vstack([[0, 0], sc.traj]), axis=0), axis=1) / 0.1

@@ -12,6 +12,7 @@ run: python -m pytest -q tests/test_relaxed.py     (python bench.py --relaxed ro
 from dataclasses import dataclass
 import functools
 import math
+import numbers
 
 import torch
 
@@ -36,9 +37,19 @@ class Relaxed:
             raise ValueError(f"relaxed rule must be 'typical' or 'routine', got {self.rule!r}")
         if not (isinstance(self.bound, (int, float)) and 0 <= self.bound <= 1):
             raise ValueError(f"relaxed bound must be in [0, 1] (0 = exact), got {self.bound!r}")
+        # a bool is an int to Python, a negative id the last tokens to torch's indexing, a fraction rounds down
+        if bad := [i for i in self.commitments if isinstance(i, bool) or not isinstance(i, numbers.Integral) or i < 0]:
+            raise ValueError(f"commitment token ids must be ints >= 0, got {bad[0]!r}")
         object.__setattr__(self, "commitments", frozenset(int(i) for i in self.commitments))
         if self.rule == "routine" and not self.commitments:
             raise ValueError("the routine rule needs the commitment token ids it keeps exact")
+
+    def check_vocab(self, V):
+        """A ValueError naming a commitment id outside a vocabulary of V ids: called once the target is known, before
+        any decoding (accepts checks again at the first relaxed verify)."""
+        if self.rule == "routine" and (hi := max(self.commitments)) >= V:
+            raise ValueError(f"commitment token id {hi} is outside the target's vocabulary 0..{V - 1}")
+        return self
 
     def accepts(self, logits_p, x, sampling):
         """logits_p (..., V) of p where the tokens x (...) were drafted, and the decode's speculate.Sampling -> bool
@@ -49,8 +60,7 @@ class Relaxed:
         h = -(p * p.clamp_min(1e-30).log()).sum(-1)  # (...) entropy H(p)
         ok = p.gather(-1, x[..., None])[..., 0] >= torch.clamp(math.sqrt(eps) * torch.exp(-h), max=eps)  # (...)
         if self.rule == "routine":
-            if (hi := max(self.commitments)) >= p.shape[-1]:
-                raise ValueError(f"commitment token id {hi} is outside the target's vocabulary 0..{p.shape[-1] - 1}")
+            self.check_vocab(p.shape[-1])
             commit = commitment_mask(self.commitments, p.shape[-1], p.device)  # (V,)
             ok &= ~commit[x] & ~commit[top]
         return ok

@@ -14,12 +14,10 @@ spread (bench.py: the full benchmark of one draft). The top of the layering: it 
 run: python rsd.py [--json]        (--retrain trains what is missing: train.py, aarl.py; --search: see above)
 """
 import argparse
-import contextlib
 import dataclasses
 import json
 import os
 import statistics
-import sys
 import time
 
 import torch
@@ -332,9 +330,10 @@ def find_search(a, target, drafts, seeds, val, device):
 
 
 # ---- main ----
+@cli.program
 def main(argv=None):
     ap, a, seeds, sampling, device = parse_args(argv)
-    with contextlib.redirect_stdout(sys.stderr) if a.json else contextlib.nullcontext():  # --json: one line out
+    with cli.json_stdout(a.json):
         out = run(ap, a, seeds, sampling, device)
     if a.json:
         print(json.dumps(out))
@@ -435,7 +434,7 @@ def run(ap, a, seeds, sampling, device):
             "timing": {"scenes": a.time_scenes, "passes": a.repeats, "blocks": blocks, "unordered": groups,
                        "step_times": searched},
             "rows": [{k: r.get(k) for k in keys} for r in rows], "relaxed": lossy,
-            "what_ran": cli.ran(a, t0, cpu0) | {"device": str(device), "run": a.run}}
+            "what_ran": cli.ran(a, t0, cpu0) | {"device": str(device), "run": a.run, "tree": str(a.tree)}}
 
 
 def relaxed_rows(target, drafts, rows, test, sampling, first):
@@ -571,9 +570,10 @@ def parse_args(argv):
                           f"--seeds must not repeat a seed, got {a.seeds!r}")):
             if bad:
                 raise ValueError(msg)
-        ids = driving.Tokenizer().encode(driving.commitment_words())  # the toy's commitments: the grammar's choices
+        tok = driving.Tokenizer()
+        ids = tok.encode(driving.commitment_words())  # the toy's commitments: the grammar's choices
         sampling = cli.sampling(a.temperature, a.top_k, a.top_p, a.sampling_seed,
-                                cli.relaxed_rule(a.relaxed, a.commitments, ids))
+                                cli.relaxed_rule(a.relaxed, a.commitments, ids, len(tok)))
         device = cli.check_device(a.device)
         if a.drafts:
             seeds = named_drafts(a)

@@ -253,6 +253,7 @@ def run(cfg: TrainConfig, stage="all", log=print):
     rank, world, device = runs.setup_distributed(cfg.device)
     with files.writer_lock(cfg.out) if rank == 0 else contextlib.nullcontext():
         check_outputs(cfg, stage)
+        cli.progress(f"train.py: stage {stage} into {cfg.out}")
         if cfg.batch_size % world:
             raise ValueError(f"batch_size {cfg.batch_size} is not divisible by the {world} ranks")
         tok = driving.Tokenizer()
@@ -298,6 +299,7 @@ def parse_args(argv=None, parser=False):
                                                           "draft_preset": sorted(M.DRAFT_PRESETS)})
     a = ap.parse_args(argv)
     with cli.user_errors(ap):
+        cli.check_out(a.out, folder=True)
         if a.draft_vocab > len(driving.Tokenizer()):  # here, not when the draft stage starts after the target's hour
             raise ValueError(f"--draft-vocab must be at most the toy vocabulary's {len(driving.Tokenizer())} ids, "
                              f"got {a.draft_vocab}")
@@ -368,6 +370,7 @@ def check_outputs(cfg: TrainConfig, stage):
         checkpoint.check_output(path, kind, cfg.overwrite or os.path.exists(os.path.join(cfg.out, state)), how)
 
 
+@cli.program
 def main(argv=None):
     cfg, stage, ap = parse_args(argv, parser=True)
     with cli.user_errors(ap):  # a locked, read-only or existing --out, a full disk: one line

@@ -17,8 +17,9 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import aarl  # noqa: E402
-from ops import checkpoint  # noqa: E402
-from ops import files  # noqa: E402
+from ops import checkpoint, cli, files  # noqa: E402
+
+OUT = "runs/aarl_ablation.json"  # git-ignored: a quick run never replaces the committed experiments/ JSON
 
 
 def fixed_gamma_table(results, references, gammas=(4, 6, 8)):
@@ -59,6 +60,7 @@ def summarise_training(results, references):
     return out
 
 
+@cli.program
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--run", default="checkpoints/toy", help="folder with target/ and draft_flat_s<seed>/")
@@ -66,19 +68,27 @@ def main(argv=None):
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--references", default="static,moving,none")
     ap.add_argument("--n-report", type=int, default=64)
-    ap.add_argument("--out", default="experiments/aarl_ablation.json")
+    ap.add_argument("--out", default=OUT, help=f"the JSON (default {OUT}; the README's: "
+                    "experiments/aarl_ablation.json)")
     ap.add_argument("--overwrite", action="store_true", help="replace the drafts of an earlier ablation in --work")
     ap.add_argument("--summary", action="store_true", help="print the fixed-gamma table of --out's runs, run nothing")
     a = ap.parse_args(argv)
-    if a.summary:
+    if a.summary:  # reads --out
+        a = cli.checked(ap, a)
         saved = files.read_json(a.out)
         refs = list(dict.fromkeys(r["reference"] for r in saved["runs"]))
         print("\n".join(fixed_gamma_table(saved["runs"], refs, gammas=("4", "6", "8"))))  # JSON keys are strings
         summarise_training(saved["runs"], refs)
         return
+    a = cli.checked(ap, a, counts=("n_report",), lists=("seeds",), out=OUT)
+    if bad := [r for r in a.references.split(",") if r not in aarl.REFERENCES]:
+        ap.error(f"--references: {bad[0]!r} is not one of {', '.join(aarl.REFERENCES)}")
+    if gone := [d for d in [checkpoint.draft_dir(a.run, "flat", s) for s in a.seeds] if not os.path.isdir(d)]:
+        ap.error(f"--run {a.run} lacks the SFT drafts {', '.join(gone)} (--seeds)")
     t0, results = time.time(), []
     for ref in a.references.split(","):
-        for seed in (int(s) for s in a.seeds.split(",")):
+        for seed in a.seeds:
+            cli.progress(f"AARL, reference {ref}, seed {seed}")
             cfg = dataclasses.replace(aarl.AARLConfig(), reference=ref, seed=seed)
             res = aarl.run(cfg, a.run, a.n_report, out=checkpoint.draft_dir(a.work, f"aarl_{ref}", seed),
                            overwrite=a.overwrite)

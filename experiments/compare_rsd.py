@@ -12,7 +12,11 @@ run: python experiments/compare_rsd.py OLD.json NEW.json      (exit 1 on any dif
 import argparse
 import json
 import math
+import os
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from ops import cli, files  # noqa: E402
 
 ROW_ALWAYS = ("tau_by_gamma", "commit_acc", "ade", "attn_history", "attn_image", "attn_text")
 ROW_AT_GAMMA = ("tau", "tau_spread", "routine_fraction", "tau_ceiling")
@@ -56,12 +60,26 @@ def compare(old, new):
     return out, notes
 
 
-if __name__ == "__main__":
+def last_json_line(path):
+    """The JSON object on the last line of path (an `rsd.py --json` output), read only if a regular file."""
+    files.check_regular(path)
+    try:
+        return json.loads(open(path).read().strip().splitlines()[-1])
+    except (IndexError, ValueError, UnicodeDecodeError):
+        raise ValueError(f"{path}: its last line is not JSON (expected an `rsd.py --json` output)") from None
+
+
+@cli.program
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("old", help="an earlier rsd.py --json output")
     ap.add_argument("new", help="the output to check against it")
-    a = ap.parse_args()
-    old, new = (json.loads(open(p).read().strip().splitlines()[-1]) for p in (a.old, a.new))  # the JSON line
+    a = ap.parse_args(argv)
+    old, new = last_json_line(a.old), last_json_line(a.new)
     diffs, notes = compare(old, new)
     print("\n".join(notes + diffs) or "", f"\n{len(diffs)} differences in the deterministic columns")
     sys.exit(1 if diffs else 0)
+
+
+if __name__ == "__main__":
+    main()

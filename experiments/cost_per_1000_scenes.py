@@ -258,7 +258,8 @@ def hardware(device):
         return platform.processor() or platform.machine()
 
 
-def main():
+@cli.program
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
     ap.add_argument("--dtype", default="fp32", choices=sorted(cli.DTYPES), help="p's weights (bf16 on a GPU)")
@@ -269,12 +270,15 @@ def main():
     ap.add_argument("--epochs", type=int, default=1, help="passes over the records")
     ap.add_argument("--batch-size", type=int, default=16, help="records per update (train.py --batch-size)")
     ap.add_argument("--reps", type=int, default=3, help="timed calls per part after one warm-up; the median")
-    ap.add_argument("--out", default="experiments/cost_per_1000_scenes.json")
-    a = ap.parse_args()
+    ap.add_argument("--out", default="runs/cost_per_1000_scenes.json", help="the JSON (the docs': "
+                    "experiments/cost_per_1000_scenes_cpu.json)")
+    a = cli.checked(ap, ap.parse_args(argv), counts=("images", "coc_tokens", "samples", "epochs", "batch_size", "reps"),
+                    out="runs/cost_per_1000_scenes.json")
     cli.check_device(a.device)
     device, dtype = torch.device(a.device), cli.DTYPES[a.dtype]
     if device.type == "cpu":
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", 1)))
+    cli.progress(f"{a.preset}: building it at {BUILT_LAYERS} layers, then timing each part")
     t0 = time.time()
     cfg = M.PRESETS[a.preset]
     counts = param_counts(cfg)

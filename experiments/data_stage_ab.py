@@ -18,7 +18,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from ops import checkpoint, files  # noqa: E402
+from ops import checkpoint, cli, files  # noqa: E402
+
+OUT = "runs/data_stage_ab.json"  # git-ignored: a quick run never replaces the committed JSON
 import driving  # noqa: E402
 from real import distill, hf, scenes  # noqa: E402
 import speculate  # noqa: E402
@@ -43,15 +45,17 @@ def batched(target, prompts, stop, max_new, samples, seed, work):
     return [r["tokens"] for r in scenes.read_distill_data(out)]
 
 
-if __name__ == "__main__":
+@cli.program
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--scenes", type=int, default=16)
     ap.add_argument("--samples", type=int, default=6)
     ap.add_argument("--pairs", type=int, default=3)
     ap.add_argument("--max-new", type=int, default=32)
     ap.add_argument("--work", default="runs/data_stage_ab")
-    ap.add_argument("--out", default="experiments/data_stage_ab.json")
-    args = ap.parse_args()
+    ap.add_argument("--out", default=OUT, help="the JSON (the README's: experiments/data_stage_ab.json)")
+    args = cli.checked(ap, ap.parse_args(argv), counts=("scenes", "samples", "pairs", "max_new"), out=OUT)
+    cli.progress(f"data stage A/B: {args.pairs} pairs over {args.scenes} scenes x {args.samples} samples")
     torch.set_num_threads(2)
     os.makedirs(args.work, exist_ok=True)
     folder = os.path.join(args.work, "hf_target")
@@ -79,3 +83,7 @@ if __name__ == "__main__":
     res["speedup"] = res["median_s"]["one at a time"] / res["median_s"]["batched"]
     print(res)
     files.write_json(args.out, res)
+
+
+if __name__ == "__main__":
+    main()

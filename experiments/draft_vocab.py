@@ -47,7 +47,7 @@ import bench  # noqa: E402
 from ops import checkpoint  # noqa: E402
 import driving  # noqa: E402
 import evaluate  # noqa: E402
-from ops import files  # noqa: E402
+from ops import cli, files  # noqa: E402
 import model as M  # noqa: E402
 import train as T  # noqa: E402
 from driving import Data  # noqa: E402
@@ -58,6 +58,7 @@ GAMMAS = tuple(range(2, 9))
 KINDS = ("flat", "mrope")
 
 # ---- toy ----
+OUT = "runs/draft_vocab.json"  # git-ignored: a quick run never replaces the committed JSON
 
 
 def coverage_k(counts, share):
@@ -205,6 +206,7 @@ def predict(res):
 # ---- main ----
 
 
+@cli.program
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--toy", action="store_true", help="distil and evaluate the toy's reduced-head drafts")
@@ -225,14 +227,20 @@ def main(argv=None):
     ap.add_argument("--preset", default="qwen3-vl-8b", help="real: model.PRESETS shape")
     ap.add_argument("--real-ks", default="32768,4096", help="real: reduced sizes K, comma-separated")
     ap.add_argument("--prompt-len", type=int, default=128, help="real: text-only prompt tokens")
-    ap.add_argument("--out", default="experiments/draft_vocab.json")
-    a = ap.parse_args(argv)
+    ap.add_argument("--out", default=OUT, help="the JSON (the README's: experiments/draft_vocab.json)")
+    a = cli.checked(ap, ap.parse_args(argv), counts=("threads", "steps", "scenes", "passes", "reps", "real_reps",
+                                                     "gamma", "prompt_len"), out=OUT)
+    with cli.user_errors(ap):
+        for flag in ("ks", "real_ks"):
+            if getattr(a, flag) is not None:
+                cli.number_list(getattr(a, flag), "--" + flag.replace("_", "-"), rule=">= 1")
     if not (a.toy or a.real):
         ap.error("give --toy, --real or both")
     if a.device != "cpu":
         ap.error("this experiment times the CPU (bench.py --device cuda --preset ... --draft-vocab K on a GPU)")
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
+    cli.progress("draft vocab: " + " and ".join(p for p in ("toy", "real") if getattr(a, p)))
     command = "python experiments/draft_vocab.py " + " ".join(argv if argv is not None else sys.argv[1:])
     res = files.read_json(a.out) if os.path.exists(a.out) else {}
     for part, fn in (("toy", toy), ("real", real)):

@@ -3,7 +3,7 @@ from experiments/tree_sweep.py's and experiments/tree_paths.py's JSON (draft tre
 `python rsd.py --json`'s output experiments/rsd_toy.json (the paper's attention shift to the trajectory history),
 views_sweep.png from experiments/views_sweep.py's JSON (FlatRoPE against the prompt's visual-token count).
 
-run: python experiments/figures.py [--out docs/figures] [--rsd-json RUN.json: a run of your own, its last line]
+run: python experiments/figures.py --out docs/figures [--rsd-json RUN.json: a run of your own, its last line]
 """
 import argparse
 import json
@@ -11,7 +11,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from ops import files  # noqa: E402
+from ops import cli, files  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -80,15 +80,21 @@ def plot_views(plt, save, out, views_json):
     return [f"{out}/views_sweep.png"]
 
 
+@cli.program
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(HERE), "docs", "figures"),
-                    help="folder of the figures (default: docs/figures, the README's)")
+    ap.add_argument("--out", default="runs/figures", help="folder of the figures (default runs/figures, git-ignored; "
+                    "the README's: docs/figures)")
     ap.add_argument("--tree-json", default=os.path.join(HERE, "tree_sweep.json"))
     ap.add_argument("--paths-json", default=os.path.join(HERE, "tree_paths.json"))
     ap.add_argument("--rsd-json", default=os.path.join(HERE, "rsd_toy.json"))
     ap.add_argument("--views-json", default=os.path.join(HERE, "views_sweep.json"))
     a = ap.parse_args(argv)
+    with cli.user_errors(ap):
+        for flag in ("tree_json", "paths_json", "rsd_json", "views_json"):
+            files.check_regular(getattr(a, flag), f"--{flag.replace('_', '-')} {getattr(a, flag)}")
+        cli.check_out(a.out, default="runs/figures", folder=True)
+    cli.progress(f"drawing the figures into {a.out}")
     import matplotlib
 
     matplotlib.use("Agg")

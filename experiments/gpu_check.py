@@ -373,6 +373,7 @@ def full_stage(run, compiled):
 # ---- main ----
 
 
+@cli.program
 def main(argv=None):
     ap = argparse.ArgumentParser(description="The staged GPU check: environment, CUDA tests, eager and compiled "
                                              "cost models at a real shape; one JSON per stage.")
@@ -423,8 +424,11 @@ def main(argv=None):
         ap.error(f"--stages takes names among {', '.join(STAGES)}, got {args.stages}")
     args.reps = args.reps or (10 if cuda else 3)
     args.images = args.images or (16 if cuda else 1)
-    os.makedirs(args.out, exist_ok=True)
-    files.check_writable(args.out)
+    with cli.user_errors(ap):
+        cli.check_values(args, [(">= 1", ("reps", "images", "gamma", "draft_vocab")),
+                                ("a finite number > 0", ("budget", "tests_timeout"))], flags=True)
+        files.check_writable(cli.check_out(args.out, folder=True))  # made here, before any work
+    cli.progress(f"gpu check: stages {', '.join(stages)} on {args.device}")
     run = Run(args)
     timing.reset_peak_memory(run.device)
     results = {}

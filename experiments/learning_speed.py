@@ -28,12 +28,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from ops import checkpoint  # noqa: E402
 import driving  # noqa: E402
 import evaluate  # noqa: E402
-from ops import files  # noqa: E402
+from ops import cli, files  # noqa: E402
 import train as T  # noqa: E402
 from ops import runs  # noqa: E402
 from driving import Data  # noqa: E402
 
 KINDS = ("mrope", "flat")
+OUT = "runs/learning_speed.json"  # git-ignored: a quick run never replaces the committed JSON
 NAMES = {"mrope": "replica (M-RoPE)", "flat": "FlatRoPE"}
 SPLITS = ("val", "test")
 
@@ -174,6 +175,7 @@ def plot(result, path="figures/learning_speed.png"):
     print(f"wrote {path}")
 
 
+@cli.program
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     for flag, default, what in (
@@ -183,16 +185,20 @@ def main(argv=None):
             ("--seeds", "0,1,2", "draft seeds"),
             ("--steps", "25,50,100,150,200,300", "where tau is measured; the last is train.py's draft_steps"),
             ("--scenes", 64, "val / held-out scenes"), ("--gamma", evaluate.GAMMA, "draft length of tau"),
-            ("--out", "experiments/learning_speed.json", "the JSON (its runs are reused when the settings match)")):
+            ("--out", OUT, "the JSON (its runs are reused when the settings match; the README's: "
+                     "experiments/learning_speed.json)")):
         ap.add_argument(flag, type=type(default), default=default, help=what)
     ap.add_argument("--plot", action="store_true", help="also draw figures/learning_speed.png")
     ap.add_argument("--plot-only", action="store_true", help="only redraw the figure from --out")
     a = ap.parse_args(argv)
     if a.plot_only:
         return plot(files.read_json(a.out))
-    n_trains, seeds, steps = ([int(x) for x in v.split(",")] for v in (a.n_train, a.seeds, a.steps))
-    if steps[-1] != T.TrainConfig().draft_steps or steps != sorted(set(steps)):
-        raise SystemExit(f"--steps must increase and end at train.py's draft_steps {T.TrainConfig().draft_steps}")
+    a = cli.checked(ap, a, counts=("scenes", "gamma"), lists=("n_train", "seeds", "steps"), out=OUT)
+    n_trains, seeds, steps = a.n_train, a.seeds, a.steps
+    if steps[-1] != T.TrainConfig().draft_steps or min(n_trains + steps) < 1:
+        ap.error(f"--steps and --n-train must be >= 1, --steps end at train.py's draft_steps "
+                 f"{T.TrainConfig().draft_steps}")
+    cli.progress(f"learning speed: {len(n_trains)} training-set sizes x {len(seeds)} seeds")
     t0 = time.time()
     tok = driving.Tokenizer()
     target = checkpoint.load(os.path.join(a.run, "target")).eval()

@@ -242,11 +242,15 @@ def check_flags(ap, args):
                    if not os.path.isdir(d)]
         if missing:
             raise ValueError(f"no toy checkpoints (missing {', '.join(missing)}): use the shipped checkpoints/toy")
-        if args.out:  # the report's folder, before any work
-            files.check_writable(os.path.dirname(args.out) or ".")
+        cli.check_values(args, [(cli.VIEWS_RULE, ("views",))], flags=True)
+        if args.threads is not None and args.threads < 1:
+            raise ValueError(f"--threads must be >= 1 (omit it for torch's default), got {args.threads}")
+        if args.out:  # the report's file, before any work
+            cli.check_out(args.out)
     return sampling
 
 
+@cli.program
 def main(argv=None):
     ap = argparse.ArgumentParser(description="Ours beside transformers' generate and assisted generation, the toy.")
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
@@ -274,14 +278,17 @@ def main(argv=None):
     draft = checkpoint.load(draft_dir, target=target).eval()  # in the target's dtype: they share embedding and head
     prompts = evaluate.scene_prompts(driving.make_split("test", args.prompts, seed=0), tok, device, dtype, args.views)
     stop, pad = tok.cot_end_id, tok.pad_id
-    res = compare(target, draft, prompts, args.gamma, args.max_new, stop, pad, args.repeats) if args.samples == 1 \
-        else compare_samples(target, draft, prompts, args.samples, sampling, args.gamma, args.max_new, stop, pad,
-                             args.repeats)
+    cli.progress(f"ours beside transformers on {args.prompts} prompts, {args.repeats} passes")
+    with cli.json_stdout(args.json):
+        res = compare(target, draft, prompts, args.gamma, args.max_new, stop, pad, args.repeats) if args.samples == 1 \
+            else compare_samples(target, draft, prompts, args.samples, sampling, args.gamma, args.max_new, stop, pad,
+                                 args.repeats)
     res.update(draft=draft_dir, device=str(device), dtype=args.dtype, threads=torch.get_num_threads(),
                hardware=torch.cuda.get_device_name(device) if device.type == "cuda" else
                (platform.processor() or platform.machine()), torch=torch.__version__,
                environment=timing.environment(device))
-    print("\n".join(report_lines(res, args.dtype)))  # printed first: a failing write below loses no measurement
+    with cli.json_stdout(args.json):
+        print("\n".join(report_lines(res, args.dtype)))  # printed first: a failing write below loses no measurement
     if args.json:
         print(json.dumps(res))
     if args.out:

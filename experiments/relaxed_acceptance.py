@@ -12,11 +12,12 @@ this tau: tau T_target(1) / (gamma T_draft(1) + T_target(gamma + 1)), the least 
 times, the target's pooled over the seeds: the same tau, the same number).
 Bound 0 of each rule is the lossless point, checked greedy-identical to target-only decoding here.
 
-run: python experiments/relaxed_acceptance.py    (writes experiments/relaxed_acceptance.json and
-     docs/figures/relaxed_acceptance.png; --plot-only redraws the figure from the JSON)
+run: python experiments/relaxed_acceptance.py --out experiments/relaxed_acceptance.json \
+         --figure docs/figures/relaxed_acceptance.png    (the committed ones; by default runs/; --plot-only redraws
+     the figure from the JSON)
 """
 import argparse
-from dataclasses import replace
+from dataclasses import astuple, replace
 import os
 import sys
 import time
@@ -26,12 +27,12 @@ import torch  # noqa: E402
 
 import driving  # noqa: E402
 import evaluate  # noqa: E402
-from ops import checkpoint, files, timing  # noqa: E402
+from ops import checkpoint, cli, files, timing  # noqa: E402
 from relaxed import Relaxed  # noqa: E402
-from speculate import Sampling, SpecResult  # noqa: E402
-from tree import TreeShape  # noqa: E402
+from speculate import SpecResult  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+OUT, FIGURE = "runs/relaxed_acceptance.json", "runs/relaxed_acceptance.png"
 BOUNDS = (0.0, 0.99, 0.9999, 0.999999, 0.99999999, 1.0)  # eps = 1 - bound: 1e-2 .. 1e-8, then every draft
 # series: the token-level rule; the reasoning-aware rule keeping every commitment word exact (the issue's); the same
 # keeping only the main clause's (decision, lead state, range ring) exact, the roadside actors relaxed: why the second
@@ -171,44 +172,61 @@ def plot(result, path):
     print(f"wrote {path}", file=sys.stderr)
 
 
-def main():
+@cli.program
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--run", default=os.path.join(ROOT, "checkpoints", "toy"))
     ap.add_argument("--scenes", type=int, default=64, help="held-out test scenes (rsd.py's table uses 64)")
     ap.add_argument("--seeds", default="0,1,2", help="the shipped FlatRoPE drafts' seeds")
     ap.add_argument("--gamma", type=int, default=evaluate.GAMMA, help="the chain's draft length (0: the tree)")
-    ap.add_argument("--tree", default="32/8/3", help="with --gamma 0: the tree N/D/k")
-    ap.add_argument("--bounds", default=",".join(map(str, BOUNDS)))
+    ap.add_argument("--tree", help="with --gamma 0: the tree N/D/k (default 32/8/3)")
+    ap.add_argument("--bounds", default=",".join(map(str, BOUNDS)), help="in [0, 1], 0 (the lossless point) included")
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0 (Alpamayo-R1: 0.6 --top-p 0.98): "
                     "sampled, prompt i seeded i, the exact plan the lossless speculative decode's with the same draws")
-    ap.add_argument("--top-p", type=float, default=None)
-    ap.add_argument("--out", default=os.path.join(ROOT, "experiments", "relaxed_acceptance.json"))
-    ap.add_argument("--figure", default=os.path.join(ROOT, "docs", "figures", "relaxed_acceptance.png"))
+    ap.add_argument("--top-p", type=float, default=None, help="with --temperature > 0")
+    # runs/ (git-ignored): a quick run never replaces the committed experiments/relaxed_acceptance.json and figure
+    ap.add_argument("--out", default=OUT, help=f"the JSON (default {OUT}; the README's: "
+                    "experiments/relaxed_acceptance.json)")
+    ap.add_argument("--figure", default=FIGURE, help=f"the figure (default {FIGURE})")
     ap.add_argument("--plot-only", action="store_true", help="redraw the figure from --out")
     ap.add_argument("--reprice", action="store_true", help="add speedup_model to --out's records (step times measured "
                     "now), redraw")
-    a = ap.parse_args()
-    if a.plot_only:
-        return plot(files.read_json(a.out), a.figure)
-    if a.reprice:
-        result = files.read_json(a.out)
-        reprice(result, os.path.join(a.run, "target"), a.run, a.gamma)
-        files.write_json(a.out, result)  # atomic
-        return print(f"wrote {a.out}", file=sys.stderr)
+    a = ap.parse_args(argv)
+    with cli.user_errors(ap):  # every flag before any work: one line naming it
+        if a.plot_only or a.reprice:
+            files.check_regular(a.out, f"--out {a.out}")
+        cli.check_out(a.figure, "--figure", default=FIGURE)
+        if a.plot_only:
+            return plot(files.read_json(a.out), a.figure)
+        cli.check_out(a.out, default=OUT)
+        if a.reprice:
+            result = files.read_json(a.out)
+            reprice(result, os.path.join(a.run, "target"), a.run, a.gamma)
+            files.write_json(a.out, result)  # atomic
+            return print(f"wrote {a.out}", file=sys.stderr)
+        seeds, bounds = cli.number_list(a.seeds, "--seeds"), cli.number_list(a.bounds, "--bounds", float, "in [0, 1]")
+        cli.check_values(a, [(">= 1", ("scenes",)), (">= 0", ("gamma",))], flags=True)
+        if bounds[0] != 0:
+            raise ValueError("--bounds must include 0 (the lossless point of each rule)")
+        if a.gamma and a.tree:
+            raise ValueError("--tree is the decoder of --gamma 0: give one of them")
+        decoder = a.gamma or cli.tree_shape(a.tree or "32/8/3")
+        base = cli.sampling(a.temperature, None, a.top_p, 0)  # --top-p at temperature 0 would be ignored: refused
+        gone = [d for d in [os.path.join(a.run, "target")] + [checkpoint.draft_dir(a.run, "flat", s) for s in seeds]
+                if not os.path.isdir(d)]
+        if gone:
+            raise ValueError(f"--run {a.run} lacks {', '.join(gone)} (--seeds {a.seeds})")
+    cli.progress(f"{len(seeds)} seeds x {len(RULES)} rules x {len(bounds)} bounds, {a.scenes} scenes each")
     torch.set_num_threads(1)
-    seeds, bounds = [int(s) for s in a.seeds.split(",")], sorted(float(b) for b in a.bounds.split(","))
-    if bounds[0] != 0:
-        ap.error("--bounds must include 0 (the lossless point of each rule)")
-    decoder = a.gamma or TreeShape(*map(int, a.tree.split("/")))
     tok = driving.Tokenizer()
     commit = frozenset(tok.encode(driving.commitment_words()))
     commits = {name: frozenset(tok.encode(driving.commitment_words(main))) for name, (_, main) in RULES.items()}
     target = checkpoint.load(os.path.join(a.run, "target")).eval()
     data = driving.Data("test", a.scenes, 0, tok)
     prompts = evaluate.scene_prompts(data.scenes, tok, "cpu", views=data.views_at(0))
-    base = Sampling(a.temperature, top_p=a.top_p, seed=None if a.temperature == 0 else 0)
     exact = evaluate.greedy_outputs(target, data)  # greedy: every lossless decode's; sampled: per draft, below
-    result = {"scenes": a.scenes, "split": "test", "decoder": f"gamma {a.gamma}" if a.gamma else f"tree {a.tree}",
+    result = {"scenes": a.scenes, "split": "test",
+              "decoder": f"gamma {a.gamma}" if a.gamma else "tree {}/{}/{}".format(*astuple(decoder)),
               "seeds": seeds, "bounds": bounds, "commitment_words": driving.commitment_words(),
               "main_clause_words": driving.commitment_words(True),
               "threads": 1, "device": "cpu", "dtype": "fp32", "torch": torch.__version__, "records": [],

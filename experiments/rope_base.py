@@ -21,7 +21,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from ops import checkpoint  # noqa: E402
-from ops import files  # noqa: E402
+from ops import cli, files  # noqa: E402
 import driving  # noqa: E402
 import evaluate  # noqa: E402
 import model as M  # noqa: E402
@@ -31,6 +31,7 @@ from driving import Data  # noqa: E402
 KINDS = ("mrope", "flat")
 
 
+@cli.program
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--run", default="checkpoints/toy", help="folder with target/ and the base-1e4 drafts")
@@ -38,9 +39,12 @@ def main(argv=None):
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--scenes", type=int, default=64)
     ap.add_argument("--gamma", type=int, default=evaluate.GAMMA)
-    ap.add_argument("--out", default="experiments/rope_base.json")
-    a = ap.parse_args(argv)
-    seeds = [int(s) for s in a.seeds.split(",")]
+    ap.add_argument("--out", default="runs/rope_base.json",  # git-ignored: never the committed JSON
+                    help="the JSON (the README's: experiments/rope_base.json)")
+    a = cli.checked(ap, ap.parse_args(argv), counts=("scenes", "gamma"), lists=("seeds",),
+                    out="runs/rope_base.json")
+    cli.progress(f"rope base: {len(a.seeds)} seeds")
+    seeds = a.seeds
     t0 = time.time()
     tok = driving.Tokenizer()
     target = checkpoint.load(os.path.join(a.run, "target")).eval()

@@ -5,8 +5,8 @@ that silently changes what the shipped weights compute fails CI (tests/test_ship
 Paper: the shipped models are the toy's deliberative reasoner (target) and routine reasoners (replica, FlatRoPE,
 history-only, FlatRoPE + AARL drafts) behind the README's version of the paper's table (rsd.py).
 
-run: python experiments/ship_toy.py --run runs/toy   (after train.py and aarl.py have filled runs/toy)
-     python experiments/ship_toy.py --run RUN --kinds history   (adds one kind's drafts, the others' record kept)
+run: python experiments/ship_toy.py --run runs/toy --out checkpoints/toy   (after train.py and aarl.py filled runs/toy)
+     python experiments/ship_toy.py --run RUN --out checkpoints/toy --kinds history   (adds one kind's drafts)
 """
 import argparse
 import os
@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from ops import checkpoint  # noqa: E402
 import driving  # noqa: E402
 import evaluate  # noqa: E402
-from ops import files  # noqa: E402
+from ops import cli, files  # noqa: E402
 from driving import Data  # noqa: E402
 
 KINDS = ("mrope", "flat", "history", "aarl")
@@ -42,15 +42,17 @@ def check_metrics(run, seeds, kinds=KINDS):
             "tau": {name: evaluate.tau_by_gamma(m, [CHECK_GAMMA])[CHECK_GAMMA]["tau"] for name, m in matches.items()}}
 
 
+@cli.program
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--run", default="runs/toy")
-    ap.add_argument("--out", default="checkpoints/toy")
+    ap.add_argument("--out", required=True, help="where the checkpoints ship (the repo's: checkpoints/toy): no "
+                    "default, as shipping replaces what is there")
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--kinds", default=",".join(KINDS), help="the draft kinds shipped; a subset adds them (the target "
                     "and the other kinds' record stay as shipped)")
-    a = ap.parse_args(argv)
-    seeds, kinds = [int(s) for s in a.seeds.split(",")], a.kinds.split(",")
+    a = cli.checked(ap, ap.parse_args(argv), lists=("seeds",))
+    seeds, kinds = a.seeds, a.kinds.split(",")
     if set(kinds) - set(KINDS):
         ap.error(f"--kinds takes kinds of {', '.join(KINDS)}, got {a.kinds!r}")
     adding = set(kinds) != set(KINDS)

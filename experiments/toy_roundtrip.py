@@ -30,7 +30,7 @@ from real import alpamayo  # noqa: E402
 from ops import checkpoint  # noqa: E402
 import driving  # noqa: E402
 import evaluate  # noqa: E402
-from ops import files  # noqa: E402
+from ops import cli, files  # noqa: E402
 from real import hf  # noqa: E402
 from real import distill  # noqa: E402
 from driving import Data  # noqa: E402
@@ -53,7 +53,8 @@ def heldout(target, draft, data, n, gamma):
     return {k: res[k] for k in ("scenes", "identical", "tau", "alpha", "alpha_by_position", "routine_share")}
 
 
-def main():
+@cli.program
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--run", default="checkpoints/toy", help="the shipped target and drafts")
     ap.add_argument("--work", default="runs/toy_roundtrip", help="the exported folder, the data and the drafts")
@@ -63,9 +64,12 @@ def main():
     ap.add_argument("--steps", type=int, default=distill.DraftConfig.steps, help="draft updates (train.py's 300)")
     ap.add_argument("--gamma", type=int, default=6)
     ap.add_argument("--identity-scenes", type=int, default=64, help="test scenes decoded by alpamayo.heldout")
-    ap.add_argument("--out", default="experiments/toy_roundtrip.json")
-    args = ap.parse_args()
-    seeds = [int(s) for s in args.seeds.split(",")]
+    ap.add_argument("--out", default="runs/toy_roundtrip.json",  # git-ignored: never the committed JSON
+                    help="the JSON (the README's: experiments/toy_roundtrip.json)")
+    args = cli.checked(ap, ap.parse_args(argv), counts=("n_train", "n_test", "steps", "gamma", "identity_scenes"),
+                       lists=("seeds",), out="runs/toy_roundtrip.json")
+    cli.progress(f"toy round trip: export, data, {len(args.seeds)} drafts")
+    seeds = args.seeds
     t0 = time.time()
     ours = checkpoint.load(os.path.join(args.run, "target")).eval()
     folder = os.path.join(args.work, "hf_target")

@@ -18,22 +18,26 @@ import torch  # noqa: E402
 from ops import checkpoint  # noqa: E402
 import driving  # noqa: E402
 import evaluate  # noqa: E402
-from ops import files  # noqa: E402
+from ops import cli, files  # noqa: E402
 import tree  # noqa: E402
-from tree import TreeShape  # noqa: E402
 
 KINDS = {"replica": "mrope", "flatrope": "flat", "flatrope+aarl": "aarl"}
 
 
-def main():
+@cli.program
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--run", default="checkpoints/toy")
     ap.add_argument("--tree", default="32/8/3", help="N/D/k")
     ap.add_argument("--scenes", type=int, default=64)
-    ap.add_argument("--out", default="experiments/tree_paths.json")
-    a = ap.parse_args()
+    ap.add_argument("--out", default="runs/tree_paths.json",  # git-ignored: never the committed JSON
+                    help="the JSON (the README's: experiments/tree_paths.json)")
+    a = cli.checked(ap, ap.parse_args(argv), counts=("scenes",), lists=(),
+                    out="runs/tree_paths.json")
+    cli.progress(f"tree paths: {a.scenes} test scenes")
     torch.set_num_threads(1)
-    shape = TreeShape(*map(int, a.tree.split("/")))
+    with cli.user_errors(ap):
+        shape = cli.tree_shape(a.tree)
     tok = driving.Tokenizer()
     target = checkpoint.load(os.path.join(a.run, "target")).eval()
     data = driving.Data("test", a.scenes, 0, tok)

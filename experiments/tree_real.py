@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from ops import files  # noqa: E402
+from ops import cli, files  # noqa: E402
 import model as M  # noqa: E402
 from rope import rope_cos_sin, rope_inv_freq  # noqa: E402
 from ops.timing import median_time  # noqa: E402
@@ -60,22 +60,26 @@ def head_ms(cfg, n, rows, reps):
     return 1e3 * median_time(lambda: F.linear(h, w), "cpu", reps, time.process_time)
 
 
-def main():
+@cli.program
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--preset", default="qwen3-vl-8b")
     ap.add_argument("--prompt-len", type=int, default=128, help="tokens already in the cache")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--ks", default="32768,4096", help="reduced draft heads: K rows")
     ap.add_argument("--sweep", default="experiments/tree_sweep.json", help="the toy's held-out taus")
-    ap.add_argument("--out", default="experiments/tree_real.json")
-    a = ap.parse_args()
+    ap.add_argument("--out", default="runs/tree_real.json",  # git-ignored: never the committed JSON
+                    help="the JSON (the README's: experiments/tree_real.json)")
+    a = ap.parse_args(argv)
+    a = cli.checked(ap, a, counts=("prompt_len", "reps"), lists=("ks",), out="runs/tree_real.json", inputs=[a.sweep])
+    cli.progress(f"tree_real: step times of {a.preset}'s layer and heads")
     torch.set_num_threads(1)
     t0 = time.time()
     cfg = M.PRESETS[a.preset]
     ns = sorted({1, 7, WIDTH, *(n + 1 for n in NODES)})  # 1-token step, the chain's gamma 6 verify, a level, verifies
     layer = {n: layer_ms(cfg, n, a.prompt_len, a.reps) for n in ns}
     print("layer ms:", json.dumps(layer), flush=True)
-    heads = {"full": cfg.vocab_size, **{f"k{k}": int(k) for k in a.ks.split(",")}}
+    heads = {"full": cfg.vocab_size, **{f"k{k}": int(k) for k in a.ks}}
     head = {name: {n: head_ms(cfg, n, rows, a.reps) for n in ns} for name, rows in heads.items()}
     print("head ms:", json.dumps(head), flush=True)
     L = cfg.n_layers

@@ -20,7 +20,7 @@ import torch  # noqa: E402
 from ops import checkpoint  # noqa: E402
 import driving  # noqa: E402
 import evaluate  # noqa: E402
-from ops import files  # noqa: E402
+from ops import cli, files  # noqa: E402
 from ops.timing import step_times, tree_step_times  # noqa: E402
 from tree import TreeShape  # noqa: E402
 
@@ -36,12 +36,16 @@ def budget_shape(n, depth=8, width=3):
     return TreeShape(min(n, TreeShape(d, d, width).candidates(d)), d, width)
 
 
-def main():
+@cli.program
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--run", default="checkpoints/toy")
     ap.add_argument("--scenes", type=int, default=64)
-    ap.add_argument("--out", default="experiments/tree_sweep.json")
-    a = ap.parse_args()
+    ap.add_argument("--out", default="runs/tree_sweep.json",  # git-ignored: never the committed JSON
+                    help="the JSON (the README's: experiments/tree_sweep.json)")
+    a = cli.checked(ap, ap.parse_args(argv), counts=("scenes",), lists=(),
+                    out="runs/tree_sweep.json")
+    cli.progress(f"tree sweep: {a.scenes} val and test scenes")
     torch.set_num_threads(1)
     t0 = time.time()
     tok = driving.Tokenizer()

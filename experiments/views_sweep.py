@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from ops import checkpoint  # noqa: E402
 import driving  # noqa: E402
 import evaluate  # noqa: E402
-from ops import files  # noqa: E402
+from ops import cli, files  # noqa: E402
 import train as T  # noqa: E402
 from driving import Data  # noqa: E402
 
@@ -33,6 +33,7 @@ def stats(values):
     return {"mean": statistics.mean(values), "spread": max(values) - min(values), "per_seed": values}
 
 
+@cli.program
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--run", default="checkpoints/toy", help="folder with target/ and the default geometry's drafts")
@@ -41,10 +42,14 @@ def main(argv=None):
     ap.add_argument("--seeds", default="0,1,2", help="draft seeds")
     ap.add_argument("--scenes", type=int, default=64, help="val / held-out scenes per point")
     ap.add_argument("--gamma", type=int, default=evaluate.GAMMA, help="the draft length of the summary tau")
-    ap.add_argument("--out", default="experiments/views_sweep.json")
-    a = ap.parse_args(argv)
-    views = [int(v) for v in a.views.split(",")]
-    seeds = [int(s) for s in a.seeds.split(",")]
+    ap.add_argument("--out", default="runs/views_sweep.json",  # git-ignored: never the committed JSON
+                    help="the JSON (the README's: experiments/views_sweep.json)")
+    a = cli.checked(ap, ap.parse_args(argv), counts=("scenes", "gamma"), lists=("views", "seeds"),
+                    out="runs/views_sweep.json")
+    cli.progress(f"views sweep: {len(a.views)} geometries x {len(a.seeds)} seeds")
+    if a.views[-1] > driving.MAX_VIEWS:
+        ap.error(f"--views: at most {driving.MAX_VIEWS} (the world's surround views), got {a.views[-1]}")
+    views, seeds = a.views, a.seeds
     t0 = time.time()
     tok = driving.Tokenizer()
     target = checkpoint.load(os.path.join(a.run, "target")).eval()

@@ -7,9 +7,11 @@ run: python train.py --help   (the flags add_config_flags makes; also aarl.py, r
 import argparse
 import contextlib
 import dataclasses
+import functools
 import inspect
 import io
 import math
+import os
 import sys
 import textwrap
 import time
@@ -81,6 +83,87 @@ def user_errors(ap: argparse.ArgumentParser):
         ap.exit(130, f"{ap.prog}: {runs.interrupted_note()}\n")
 
 
+def program(main):
+    """A program's main(argv): a Ctrl-C anywhere in it is one line and exit status 130, an expected error one line
+    and exit status 2 (user_errors, for the work no block of the program's own wraps); what it writes is atomic
+    (ops.files), so an interrupted run leaves no partial file."""
+    @functools.wraps(main)
+    def wrapped(*a, **k):
+        ap = argparse.ArgumentParser()  # only its prog (the program's file name) and its error line are used
+        with user_errors(ap):
+            return main(*a, **k)
+    return wrapped
+
+
+@contextlib.contextmanager
+def json_stdout(on):
+    """--json: everything the block prints goes to stderr, so that stdout holds only the one JSON line the program
+    prints after it (`python X.py --json | tail -n 1` or `| jq`)."""
+    with contextlib.redirect_stdout(sys.stderr) if on else contextlib.nullcontext():
+        yield
+
+
+def check_out(path, flag="--out", inputs=(), default=None, folder=False):
+    """A ValueError unless `path` may take a program's output file, before any work: not a folder nor anything but a
+    regular file, not one of its input files (inputs: paths), in a folder that exists and takes a file (the default's,
+    under the git-ignored runs/, is made). folder: `path` is an output folder (made with its parents, as runs/x): not
+    a file."""
+    parent = os.path.dirname(os.path.abspath(path))
+    if folder and os.path.lexists(path) and not os.path.isdir(path):
+        raise ValueError(f"{flag} {path} is not a folder: give the output folder")
+    if folder:
+        return path
+    if os.path.lexists(path) and not os.path.isfile(path):
+        raise ValueError(f"{flag} {path} " + ("is a directory: give a file path" if os.path.isdir(path) else
+                                              "exists and is not a regular file"))
+    for p in inputs:
+        if p and os.path.exists(p) and os.path.exists(path) and os.path.samefile(p, path):
+            raise ValueError(f"{flag} {path} is an input of this run ({p}): give another {flag}")
+    if path == default:
+        os.makedirs(parent, exist_ok=True)
+    if not os.path.isdir(parent):
+        raise ValueError(f"{flag} {path}: its folder {parent} does not exist")
+    files.check_writable(parent)
+    return path
+
+
+def number_list(text, flag, kind=int, rule=">= 0", unique=True, sep=","):
+    """--flag A,B,C -> [kind] (sorted if unique), or a ValueError naming the flag: not a list of numbers, empty, a value
+    breaking its rule (a key of RULES), a repeat."""
+    try:
+        vals = [kind(v) for v in text.split(sep)]
+    except ValueError:
+        raise ValueError(f"{flag} must be a comma-separated list of {kind.__name__}s, got {text!r}") from None
+    bad = [v for v in vals if not RULES[rule](v)]
+    if bad:
+        raise ValueError(f"{flag}: every value must be {rule}, got {bad[0]!r}")
+    if unique and len(set(vals)) < len(vals):
+        raise ValueError(f"{flag} repeats a value: {text!r}")
+    return sorted(vals) if unique else vals
+
+
+def tree_shape(text, flag="--tree"):
+    """--tree N/D/k -> a tree.TreeShape, or a ValueError naming the flag (its own checks: a tree it can grow)."""
+    from tree import TreeShape
+    parts = number_list(text, flag, rule=">= 1", unique=False, sep="/")
+    if len(parts) != 3:
+        raise ValueError(f"{flag} must be N/D/k (nodes, depth, width), got {text!r}")
+    return TreeShape(*parts)
+
+
+def checked(ap, a, counts=(), lists=(), out=None, inputs=()):
+    """The flags a (parsed by ap) checked before any work, each defect one line naming its flag: counts (names) >= 1,
+    lists (names) comma-separated ints >= 0 without repeats (replaced by the list), out (the default of --out, under
+    runs/): a.out may take the output file and is none of the input files (check_out). Returns a."""
+    with user_errors(ap):
+        check_values(a, [(">= 1", counts)], flags=True)
+        for name in lists:
+            setattr(a, name, number_list(getattr(a, name), "--" + name.replace("_", "-")))
+        if out is not None:
+            check_out(a.out, inputs=inputs, default=out)
+    return a
+
+
 def ran(args, t0, cpu0):
     """What a report says ran: every flag as given or derived (plain values: inputs, decoder, repeats, max-new, views,
     compile...), torch's version and threads, the wall and CPU seconds of the whole command (t0 time.time(), cpu0
@@ -90,10 +173,16 @@ def ran(args, t0, cpu0):
             "threads": torch.get_num_threads(), "wall_s": time.time() - t0, "cpu_s": time.process_time() - cpu0}
 
 
-def progress(text):
+_LAST = [0.0]  # when progress last printed
+
+
+def progress(text, every=0.0):
     """A stage of long work on stderr, with the seconds since the program started (START): stdout keeps the report
-    (and with --json its one JSON line)."""
-    print(f"[{time.time() - START:5.0f} s] {text}", file=sys.stderr, flush=True)
+    (and with --json its one JSON line). every: print only if that many seconds passed since the last line (a loop's
+    steps: a line at least every so often, not one per step)."""
+    if time.time() - _LAST[0] >= every:
+        _LAST[0] = time.time()
+        print(f"[{time.time() - START:5.0f} s] {text}", file=sys.stderr, flush=True)
 
 
 def one_line(e):
@@ -107,7 +196,8 @@ def one_line(e):
 VIEWS_RULE = f"in 0..{driving.MAX_VIEWS} (the geometries the toy target was trained on)"
 MAX_VIEWS_RULE = f"at most {driving.MAX_VIEWS} (the world's surround views)"
 # every float rule is finite: an infinite lr, clip, temperature or weight passes "> 0" and turns the weights to NaN
-RULES = {">= 1": lambda v: v >= 1, "a finite number > 0": lambda v: 0 < v < math.inf,  # "not 0 < v" catches NaN
+RULES = {">= 1": lambda v: v >= 1, ">= 0": lambda v: v >= 0,
+         "a finite number > 0": lambda v: 0 < v < math.inf,  # "not 0 < v" catches NaN
          "a finite number >= 0": lambda v: 0 <= v < math.inf,
          "in [0, 1]": lambda v: 0 <= v <= 1, VIEWS_RULE: lambda v: 0 <= v <= driving.MAX_VIEWS,
          MAX_VIEWS_RULE: lambda v: v <= driving.MAX_VIEWS,
@@ -141,9 +231,10 @@ def add_decoding_flags(ap, temperature_help):
                     "the token ids it keeps exact (the toy's default: the words its CoC grammar leaves open)")
 
 
-def relaxed_rule(text, commitments=None, default=()):
-    """--relaxed RULE:BOUND (None: exact verification) -> a relaxed.Relaxed; commitments: the --commitments file
-    (a JSON list of token ids), else `default` (the toy's commitment ids)."""
+def relaxed_rule(text, commitments=None, default=(), vocab_size=None):
+    """--relaxed RULE:BOUND -> a relaxed.Relaxed, or None for exact verification (no --relaxed, or a bound of 0, which
+    accepts nothing more: reported as exact and decoded once); commitments: the --commitments file (a JSON list of
+    token ids), else `default` (the toy's commitment ids); vocab_size: the target's, when known, checks the ids."""
     if text is None:
         if commitments is not None:
             raise ValueError("--commitments names what --relaxed routine:B keeps exact: give --relaxed with it")
@@ -153,14 +244,25 @@ def relaxed_rule(text, commitments=None, default=()):
         bound = float(bound)
     except ValueError:
         raise ValueError(f"--relaxed must be RULE:BOUND (typical:0.9 or routine:0.9), got {text!r}") from None
+    if commitments is not None and rule != "routine":  # flags a rule ignores are refused, not recorded
+        raise ValueError(f"--commitments names what the routine rule keeps exact: --relaxed {text} relaxes every "
+                         "position (give routine:B, or no --commitments)")
     if commitments is not None:
+        files.check_regular(commitments, f"--commitments {commitments}")
         ids = files.read_json(commitments)
-        if not (isinstance(ids, list) and ids and all(isinstance(i, int) and i >= 0 for i in ids)):
-            raise ValueError(f"--commitments {commitments}: must hold a JSON list of token ids (ints >= 0)")
+        if not (isinstance(ids, list) and ids):
+            raise ValueError(f"--commitments {commitments}: must hold a non-empty JSON list of token ids")
         default = ids
     if rule == "routine" and not default:
         raise ValueError("--relaxed routine:B on this target needs --commitments FILE (the token ids kept exact)")
-    return relaxed.Relaxed(rule, bound, frozenset(default))
+    try:  # a tuple: a set would make [1, true] one id before Relaxed sees the bool
+        r = relaxed.Relaxed(rule, bound, tuple(default) if rule == "routine" else ())
+        if vocab_size:
+            r.check_vocab(vocab_size)
+    except ValueError as e:
+        raise ValueError(f"--relaxed {text}" + (f" --commitments {commitments}" if commitments else "") + f": {e}") \
+            from None
+    return None if bound == 0 else r
 
 
 def sampling(temperature=0.0, top_k=None, top_p=None, seed=0, relaxed=None) -> speculate.Sampling:

@@ -29,6 +29,8 @@ def atomic_write(path, write):
     """write(tmp) to a temporary file beside path, fsync, os.replace over path: a kill at any point leaves the previous
     file (and at most the hidden .tmp). The file gets any other output's permissions (safetensors writes 0600)."""
     parent, name = os.path.split(os.path.abspath(path))
+    if not os.path.isdir(parent):  # else the failed write below would read as a full disk
+        raise FileNotFoundError(f"{path}: its folder {parent} does not exist")
     tmp = os.path.join(parent, f".{name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
     try:
         try:
@@ -73,9 +75,17 @@ def torch_save(obj, path):
     atomic_write(path, lambda p: torch.save(obj, p))
 
 
-def read_json(path):
+def check_regular(path, what=None):
+    """FileNotFoundError, or a ValueError for a path that exists but is not a regular file (a folder, a FIFO, a
+    device): opening a FIFO waits for a writer forever, so every input file is checked before it is opened."""
+    if not os.path.lexists(path) or (os.path.islink(path) and not os.path.exists(path)):
+        raise FileNotFoundError(f"{what or path}: file not found")
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"{path}: file not found")
+        raise ValueError(f"{what or path}: {'is a directory' if os.path.isdir(path) else 'is not a regular file'}")
+
+
+def read_json(path):
+    check_regular(path)
     try:
         return json.loads(pathlib.Path(path).read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:  # the codec's words name no file
@@ -114,6 +124,8 @@ def _missing(folder):
 
 def check_writable(folder):
     """Create folder if needed and prove it takes a file, before any work."""
+    if os.path.lexists(folder) and not os.path.isdir(folder):
+        raise NotADirectoryError(f"{folder}: is a file, not a folder")
     try:
         os.makedirs(folder, exist_ok=True)
         tempfile.TemporaryFile(dir=folder).close()

@@ -135,6 +135,7 @@ def load_real(target_dir, draft_dir, scenes_dir, cfg, device, dtype):
 
 
 # ---- the command line ----
+@cli.program
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m real.aarl_real", description="AARL post-training of a draft "
                                  "(distilled for --target) with the reward of the target's action expert on scene "
@@ -167,9 +168,10 @@ def main(argv=None):
         files.check_out_dir(a.out, {"--target": a.target, "--draft": a.draft, "--scenes": a.scenes,
                                     "--processor": cfg.processor}, may_contain=("--draft",))  # RUN/draft_flat_s0
         out = checkpoint.draft_dir(a.out, "aarl", cfg.seed)
-        with files.writer_lock(a.out):
+        with cli.json_stdout(a.json), files.writer_lock(a.out):  # --json: the work's lines on stderr too
             checkpoint.check_output(out, checkpoint.existing_kind(a.draft),  # AARL keeps the draft's kind
                                     how="refusing to replace it; give another --out or --seed")
+            cli.progress(f"AARL on {a.scenes}: the models and scenes, then {cfg.steps} updates")
             t0 = time.time()
             target, draft, ref, clips, prompts, ids = load_real(a.target, a.draft, a.scenes, cfg, device,
                                                                 cli.DTYPES[a.dtype])
@@ -181,8 +183,9 @@ def main(argv=None):
            "environment": timing.environment(a.device) | {"threads": torch.get_num_threads(), "dtype": a.dtype},
            "training": training_summary(updates)}
     first, last = res["training"]["first"], res["training"]["last"]
-    print("updates, first -> last 20: " + "  ".join(f"{k} {first[k]:.3f}->{last[k]:.3f}" for k in first))
-    print(f"AARL (real target, {len(clips)} scenes) wall time {res['wall_s']:.0f} s; draft saved to {out}")
+    with cli.json_stdout(a.json):
+        print("updates, first -> last 20: " + "  ".join(f"{k} {first[k]:.3f}->{last[k]:.3f}" for k in first))
+        print(f"AARL (real target, {len(clips)} scenes) wall time {res['wall_s']:.0f} s; draft saved to {out}")
     if a.json:
         print(json.dumps(res))
     return res

@@ -13,7 +13,7 @@ run: python bench.py --device cuda --target ALPAMAYO_DIR [--images-dir CAMERAS] 
      python bench.py --device cuda --target ALPAMAYO_DIR --draft DRAFT --scenes SCENES --tree 0
                                                                                     (tests: tests/test_heldout.py)
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 import functools
 import os
 from statistics import median
@@ -281,14 +281,18 @@ def heldout(target, draft, scenes, prompts, stop, max_new, gamma, repeats, words
     scenes.Scene (past / future poses); prompts: their (scene_id, batch-1 prompt dict or a function returning it);
     gamma: the chain's draft length or a tree.TreeShape; words: token id -> text, for the marked CoC. sampling: greedy,
     or greedy with a relaxed rule (LOSSY: each row then gives how far the expert's plan moved, plan_moved_m)."""
-    w, rows, specs = next(target.parameters()), [], []
-    for scene, (scene_id, prompt) in zip(scenes, prompts):
+    w, rows, specs, exact_specs = next(target.parameters()), [], [], []
+    for i, (scene, (scene_id, prompt)) in enumerate(zip(scenes, prompts)):
+        cli.progress(f"held-out scene {i + 1} of {len(scenes)} ({scene_id}): both arms, the stages timed", 10)
         p = hf.on_model(prompt() if callable(prompt) else prompt, target)
         dev, L = w.device, p["input_ids"].shape[1]
         runs = timing.interleaved({arm: lambda i, d=d: evaluate.decode(target, d, p, gamma, max_new, stop, sampling,
                                                                       timing=True)
                                    for arm, d in (("ar", None), ("spec", draft))}, 1, repeats, dev)  # after a warm-up
         ar, spec = (runs[arm][0][0].result for arm in ("ar", "spec"))
+        if sampling.lossy:  # the exact decode's tau beside the relaxed one (docs/own-target.md)
+            exact_specs.append(evaluate.decode(target, draft, p, gamma, max_new, stop,
+                                               replace(sampling, relaxed=None)))
         ar_s, spec_s = ([x[0].result.decode_s for x in runs[arm]] for arm in ("ar", "spec"))
         embeds, deepstack = speculate.embed_prompt(target, p)  # (1, L, D)
 
@@ -329,7 +333,8 @@ def heldout(target, draft, scenes, prompts, stop, max_new, gamma, repeats, words
         row["ms"] = {k: None if v is None else 1e3 * v for k, v in s.items()}
         rows.append(row)
         specs.append(spec)
-    return dict(heldout_aggregate(rows, speculate.SpecResult.pooled(specs), gamma), rows=rows)
+    res = dict(heldout_aggregate(rows, speculate.SpecResult.pooled(specs), gamma), rows=rows)
+    return res | ({"tau_exact": speculate.SpecResult.pooled(exact_specs).tau} if exact_specs else {})
 
 
 def heldout_aggregate(rows, pooled, gamma):
@@ -374,7 +379,9 @@ def heldout_lines(res):
               f"greedy         speculative identical to target-only on {res['identical']} of {res['scenes']} scenes"
               + ("" if res["identical"] == res["scenes"] else "   DIFFERS: see the rows' divergence"
                  if not res["decoding"]["lossy"] else "   (LOSSY: a relaxed rule)"),
-              f"acceptance     tau {res['tau']:.2f} (ceiling {res['tau_ceiling']:.2f})   alpha {res['alpha']:.3f}   "
+              f"acceptance     tau {res['tau']:.2f}" + (f" (LOSSY; exact {res['tau_exact']:.2f})" if "tau_exact"
+                                                     in res else "") + f" (ceiling {res['tau_ceiling']:.2f})   "
+              f"alpha {res['alpha']:.3f}   "
               f"by {'level' if res['decoder']['kind'] == 'tree' else 'position'} "
               f"{' '.join(f(a, 2) for a in res['alpha_by_position'])}   routine share "
               f"{res['routine_share']:.3f}",

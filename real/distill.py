@@ -203,13 +203,14 @@ def run_draft(cfg: DraftConfig, stage="all", log=print):
     """The target's CoCs on the training scenes, each rank decoding its share into out/data/part<rank> (resumable,
     whatever the number of ranks before), then the draft, every rank reading every part."""
     cli.check_device(cfg.device)
+    cli.progress(f"the target's CoCs into {cfg.out}/data, then the {cfg.kind} draft")
     rank, world, device = runs.setup_distributed(cfg.device)
     if cfg.batch_size % world:
         raise ValueError(f"batch_size {cfg.batch_size} is not divisible by the {world} ranks")
+    prompts, stop = prompt_source(cfg)  # every scene checked before the target is loaded
     target = load_target(cfg.target, cli.DTYPES[cfg.dtype], device)
     if cfg.draft_vocab > (vocab := target.cfg.vocab_size):  # known now: not after hours of decoding
         raise ValueError(f"--draft-vocab {cfg.draft_vocab} is above the target's vocabulary of {vocab} ids")
-    prompts, stop = prompt_source(cfg)
     root = os.path.join(cfg.out, "data")
     with files.writer_lock(cfg.out) if rank == 0 else contextlib.nullcontext():
         if rank == 0:
@@ -264,6 +265,7 @@ def parse_args(argv=None):
                                                    "dtype": sorted(cli.DTYPES)})
     a = ap.parse_args(argv, argparse.Namespace(top_p=None))  # None: --top-p not given (its default is set below)
     with cli.user_errors(ap):
+        cli.check_out(a.out, folder=True)
         top_p_given, a.top_p = a.top_p is not None, DraftConfig.top_p if a.top_p is None else a.top_p
         check_values(a, [("in 0..2**30-1", ("seed",)), (">= 1", ("steps", "batch_size", "save_every", "samples",
                                                                    "max_new", "min_pixels", "max_pixels", "layers")),
@@ -288,6 +290,7 @@ def parse_args(argv=None):
     return cli.config_from_args(DraftConfig, a), a.stage, ap
 
 
+@cli.program
 def main(argv=None):
     cfg, stage, ap = parse_args(argv)
     with cli.user_errors(ap):  # a locked, read-only or existing --out, a full disk, a bad scene: one line

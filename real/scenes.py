@@ -28,6 +28,7 @@ run: python -m pytest -q tests/test_scenes.py
 from dataclasses import dataclass
 import hashlib
 import json
+import math
 import os
 import pathlib
 import re
@@ -47,6 +48,10 @@ MAX_ASPECT = 200  # the Qwen-VL image processors' smart_resize refuses a longer 
 # poses are metres at 10 Hz in the ego frame of the last past pose: a world frame (UTM: kilometres away) or other units
 # (centimetres: hundreds per step) fail these wide bounds, a real drive never does
 ORIGIN_M, STEP_M = 5.0, 10.0  # the last past pose within 5 m of (0, 0); at most 10 m per 0.1 s step (360 km/h)
+# the ego frame's heading is +x: the last 0.3 s of a car moving over 0.5 m in them (6 km/h) point within 30 degrees
+# of it (a chord over 0.3 s turns half their yaw away from the heading: 9 degrees at a sharp 60 degrees/s); poses
+# translated to the current pose but not rotated point anywhere, reversed ones to -x
+HEADING_STEPS, MOVING_M, HEADING_DEG = 3, 0.5, 30.0
 OWN_IMAGE = re.compile(r"\d{2,}\.png")  # write_scene's image names: the only images it ever removes
 
 
@@ -90,6 +95,12 @@ def _frame_and_units(past, future):
     if (x * x + y * y) ** 0.5 > ORIGIN_M:
         out.append(f"{POSES} 'past' ends at (x, y) = ({x:.1f}, {y:.1f}) m, not at the origin: poses are in the ego "
                    "frame of the current (last past) pose")
+    dx, dy = (past[-1, :2] - past[-1 - HEADING_STEPS, :2]).tolist()  # the last 0.3 s of motion
+    angle = math.degrees(math.atan2(dy, dx))
+    if math.hypot(dx, dy) >= MOVING_M and abs(angle) > HEADING_DEG:
+        out.append(f"{POSES} 'past' moves at {angle:.0f} degrees from +x in its last 0.3 s" + (
+            ": backwards; the ego frame's +x is the car's heading" if abs(angle) > 180 - HEADING_DEG else
+            ": the ego frame's +x is the car's heading (translated to the current pose but not rotated into it?)"))
     xy = torch.cat([past, future if future is not None else past[:0]])[:, :2]  # (T, 2)
     step = float(xy.diff(dim=0).norm(dim=-1).max()) if len(xy) > 1 else 0.0
     if step > STEP_M:
@@ -116,10 +127,11 @@ def _check_image(p):
 
 
 def _instruction(d, needed, problems):
-    """instruction.txt's text, or None; not UTF-8 is a problem where the prompt is made of it (needed)."""
+    """instruction.txt's text, or None; not UTF-8 is a problem where the prompt is made of it (needed). Read only if a
+    regular file (_check_scene names anything else)."""
     path = pathlib.Path(d, INSTRUCTION)
     try:
-        return path.read_bytes().decode("utf-8").strip() if path.exists() else None
+        return path.read_bytes().decode("utf-8").strip() if path.is_file() else None
     except (OSError, UnicodeDecodeError) as e:
         problems += [f"{INSTRUCTION} unreadable as UTF-8 text ({e})"] if needed else []
         return None
@@ -139,9 +151,11 @@ def _check_scene(d, scene_id, n_images, poses):
         problems += [f"cameras/{os.path.basename(p)} is not a regular file" for p in paths if not os.path.isfile(p)]
         problems += [bad for bad in map(_check_image, filter(os.path.isfile, paths)) if bad]  # a FIFO would hang
     past = future = raw = None
-    if os.path.exists(os.path.join(d, POSES)) and not os.path.isfile(os.path.join(d, POSES)):
-        problems.append(f"{POSES} is not a regular file")
-    elif os.path.exists(os.path.join(d, POSES)):
+    # every file of a scene, used by this prompt or not, opened only if regular: a FIFO would wait for a writer forever
+    odd = [n for n in (POSES, INSTRUCTION) if os.path.lexists(os.path.join(d, n)) and not os.path.isfile(
+        os.path.join(d, n))]
+    problems += [f"{n} is not a regular file" for n in odd]
+    if POSES not in odd and os.path.exists(os.path.join(d, POSES)):
         try:
             raw = json.loads(pathlib.Path(d, POSES).read_text())
             past = _poses(raw, "past", N_PAST, problems)
@@ -150,7 +164,7 @@ def _check_scene(d, scene_id, n_images, poses):
             problems.append(f"{POSES} unreadable ({type(e).__name__}: {e})")
         if past is not None:
             problems += _frame_and_units(past, future)
-    elif poses:
+    elif poses and POSES not in odd:
         problems.append(f"no {POSES}")
     text = _instruction(d, not poses, problems)  # an Alpamayo prompt (poses) reads no instruction
     return (None if problems else Scene(scene_id, paths, past, future, text)), problems
@@ -296,6 +310,7 @@ def distill_data(target, prompts, out, stop_ids, max_new, temperature=0.0, top_p
                 if scene_id in done:
                     continue
                 done.add(scene_id)
+                cli.progress(f"{out}: decoding scene {scene_id} ({n_scenes} decoded this run)", 30)
                 prompt = hf.on_model(built(scene_id, prompt), target)  # pixels in the target's dtype
                 rows = speculate.autoregressive_batch(target, prompt, max_new, samples, speculate.Sampling(
                     temperature, None, top_p, [sample_seed(seed, scene_id, k) for k in range(samples)]),

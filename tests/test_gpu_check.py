@@ -33,8 +33,9 @@ def test_each_stage_is_on_disk_when_it_ends_and_a_kill_keeps_them(tmp_path, monk
     monkeypatch.setattr(gpu_check, "env_stage", lambda run: {"environment": {"torch": "x"}})
     monkeypatch.setattr(gpu_check, "tests_stage", tests_stage)
     monkeypatch.setattr(gpu_check, "eager_stage", eager_stage)
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(SystemExit) as e:  # a Ctrl-C: one line, exit status 130 (issue #52)
         gpu_check.main(["--device", "cpu", "--out", str(out)])
+    assert e.value.code == 130
     assert seen["on disk during c"] == ["a_env.json", "b_cuda_tests.json"]
     assert sorted(os.listdir(out)) == ["a_env.json", "b_cuda_tests.json"]  # no half-written c, no temporary file
     a = json.loads((out / "a_env.json").read_text())

@@ -155,6 +155,10 @@ def test_a_plain_qwen_vl_folder_stops_at_im_end(folder, tmp_path, capsys):
     assert res["identical"] == 2 and res["ms"]["action_expert"] is None and res["ade_m"] is None
     out = capsys.readouterr().out
     assert out.startswith("device") and "NOTE: untrained draft" in out and "action expert none" in out
+    # issue #52: no expert, no plan to price a relaxed rule by: refused before any work
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--target", str(d), "--scenes", str(tmp_path / "s"), "--relaxed", "typical:0.5"])
+    assert e.value.code == 2 and "is a plain Qwen-VL with no action expert" in capsys.readouterr().err
 
 
 def test_errors_are_one_line(setup, tmp_path, capsys):
@@ -198,9 +202,14 @@ def test_bench_scenes_relaxed_is_priced_through_the_expert(setup, tmp_path, caps
             "--max-new", str(MAX_NEW), "--tree", "0", "--gamma", str(GAMMA), "--repeats", str(REPEATS),
             "--min-pixels", "64", "--max-pixels", "256", "--json"]
     exact = bench.main(argv)
-    res = bench.main(argv + ["--relaxed", "typical:1", "--commitments", str(ids)])
+    res = bench.main(argv + ["--relaxed", "typical:1"])
     out = "".join(capsys.readouterr()[::-1])  # stderr (--json: the report), stdout
-    assert res["decoding"]["lossy"] and res["decoding"]["verification"]["commitments"] == 3
+    assert res["decoding"]["lossy"] and res["decoding"]["verification"]["commitments"] == 0
     assert res["tau"] > exact["tau"] and res["plan_moved_m"] is not None and "LOSSY" in out
+    # the exact tau beside the relaxed one (docs/own-target.md): the exact run's own
+    assert res["tau_exact"] == exact["tau"] and f"(LOSSY; exact {exact['tau']:.2f})" in out
+    with pytest.raises(SystemExit):  # the typical rule keeps nothing exact: --commitments would be ignored
+        bench.main(argv + ["--relaxed", "typical:1", "--commitments", str(ids)])
+    assert "--commitments names what the routine rule keeps exact" in capsys.readouterr().err
     moved = [r["plan_moved_m"] for r in res["rows"]]
     assert all(m >= 0 for m in moved) and all(m == 0 for m, r in zip(moved, res["rows"]) if r["identical"])

@@ -43,9 +43,9 @@ def test_peer_hf_on_the_shipped_toy(tmp_path, capsys):
         ms["hf_generate"] / ms["ours_target_only"])
     assert peers["ratios"]["hf_assisted_over_ours_speculative"] == pytest.approx(
         ms["hf_assisted"] / ms["ours_speculative"])
-    out = capsys.readouterr().out
-    assert "transformers' generate = ours target-only on 2 of 2 prompts;" in out
-    assert '"greedy_match"' in out.splitlines()[-1]
+    out, err = capsys.readouterr()  # --json: the report on stderr, stdout the one JSON line (issue #52)
+    assert "transformers' generate = ours target-only on 2 of 2 prompts;" in err
+    assert len(out.splitlines()) == 1 and '"greedy_match"' in out
 
 
 def test_peer_hf_with_sampled_rows(capsys):

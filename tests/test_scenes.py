@@ -8,6 +8,7 @@ run: python -m pytest -q tests/test_scenes.py
 """
 import dataclasses
 import json
+import math
 import os
 
 import numpy as np
@@ -35,7 +36,10 @@ def pixels(n=16, h=6, w=8, seed=0):
 
 
 def poses(rows, seed=0):
-    return torch.randn(rows, 3, generator=torch.Generator().manual_seed(seed))
+    """A drive in the ego frame at the current pose: 16 past poses along +x ending at the origin at 8 m/s (or 64
+    future ones ahead), with 0.1 m of noise."""
+    t = torch.arange(-15, 1.0) if rows == 16 else torch.arange(1, rows + 1.0)  # (rows,) steps, 0 = now
+    return torch.stack([0.8 * t, 0 * t, 0 * t], -1) + 0.1 * torch.randn(rows, 3, generator=torch.Generator().manual_seed(seed))
 
 
 @pytest.fixture(scope="module")
@@ -75,8 +79,15 @@ def test_every_bad_scene_is_named_with_its_defects(tmp_path):
         scenes.write_scene(tmp_path, name, **good)
     scenes.write_scene(tmp_path, "world_frame", pixels(), poses(16) + torch.tensor([4e5, 5.4e6, 0.0]), overwrite=True)
     scenes.write_scene(tmp_path, "centimetres", pixels(), poses(16), 100 * poses(64), overwrite=True)
-    for name in ("fifo_poses", "fifo_image"):  # opened, a FIFO would wait for a writer forever
+    for name in ("fifo_poses", "fifo_image", "fifo_instruction", "dir_instruction"):  # a FIFO would hang a reader
         scenes.write_scene(tmp_path, name, **good)
+    os.mkfifo(tmp_path / "fifo_instruction" / "instruction.txt")  # an Alpamayo prompt does not read it: named anyway
+    os.mkdir(tmp_path / "dir_instruction" / "instruction.txt")
+    heading = math.radians(70)  # a world heading of 70 degrees: poses translated to the current pose, not rotated
+    turned = poses(16) @ torch.tensor([[math.cos(heading), math.sin(heading), 0], [-math.sin(heading),
+                                                                                     math.cos(heading), 0], [0, 0, 1.0]])
+    for name, past in (("not_rotated", turned), ("backwards", poses(16) * torch.tensor([-1.0, 1, 1]))):
+        scenes.write_scene(tmp_path, name, pixels(), past, overwrite=True)
     os.remove(tmp_path / "fifo_poses" / "poses.json")
     os.mkfifo(tmp_path / "fifo_poses" / "poses.json")
     os.remove(tmp_path / "fifo_image" / "cameras" / "05.png")
@@ -92,7 +103,7 @@ def test_every_bad_scene_is_named_with_its_defects(tmp_path):
     with pytest.raises(ValueError) as e:
         scenes.load_scenes(tmp_path)
     msg = str(e.value)
-    assert "12 of 13 scenes are bad" in msg and "good:" not in msg
+    assert "16 of 17 scenes are bad" in msg and "good:" not in msg
     for line in ["missing: cameras/ holds 15 PNG / JPEG images, expected 16", "unreadable: cameras/03.png unreadable",
                  "no_poses: no poses.json", "short_past: poses.json 'past' has shape (15, 3), expected (16, 3)",
                  "nan_future: poses.json 'future' holds non-finite values",
@@ -100,8 +111,15 @@ def test_every_bad_scene_is_named_with_its_defects(tmp_path):
                  "bad_json: poses.json unreadable", "no_cameras: no cameras/ folder", "no_cameras: no poses.json",
                  "world_frame: poses.json 'past' ends at (x, y) = (4000",
                  "centimetres: poses.json moves", "fifo_poses: poses.json is not a regular file",
-                 "fifo_image: cameras/05.png is not a regular file"]:
+                 "fifo_image: cameras/05.png is not a regular file",
+                 "fifo_instruction: instruction.txt is not a regular file",
+                 "dir_instruction: instruction.txt is not a regular file",
+                 "not_rotated: poses.json 'past' moves at ",  # 70 degrees, give or take the noise
+                 "backwards: poses.json 'past' moves at "]:
         assert "  " + line in msg, (line, msg)
+    assert "degrees from +x in its last 0.3 s: the ego frame's +x is the car's heading (translated to the current " \
+        "pose but not rotated into it?)" in msg.split("not_rotated: ")[1].splitlines()[0]
+    assert "degrees from +x in its last 0.3 s: backwards" in msg.split("backwards: ")[1].splitlines()[0]
 
 
 def test_write_scene_never_replaces_what_it_did_not_write(tmp_path):

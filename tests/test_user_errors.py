@@ -493,3 +493,103 @@ def test_ctrl_c_is_one_line_saying_what_was_saved(tiny_run, tmp_path, monkeypatc
             aarl.main(["--run", str(tiny_run), "--out", str(tmp_path / "aarl")])
         err = capsys.readouterr().err
         assert e.value.code == 130 and "Traceback" not in err and msg in err.splitlines()[-1]
+
+
+# ---- issue #52: the cases of the contract's families (the families themselves: tests/test_contract.py) ----
+
+def test_relaxed_acceptance_bad_flags_are_one_line_before_any_work(tmp_path, capsys, monkeypatch):
+    """Each bad flag of experiments/relaxed_acceptance.py is one line naming it, before the target is even loaded
+    (the issue: tracebacks, and --bounds 0,2 failing after the bound-0 work)."""
+    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                             "experiments"))
+    import relaxed_acceptance as ra
+
+    def started(*a, **k):
+        raise Started
+
+    monkeypatch.setattr(ra.checkpoint, "load", started)  # the first work
+    (tmp_path / "d").mkdir()
+    for argv, msg in ((["--seeds", "a"], "--seeds must be a comma-separated list of ints"),
+                      (["--seeds", "0,0"], "--seeds repeats a value"), (["--seeds", "-1"], "--seeds: every value"),
+                      (["--seeds", "0,7"], "lacks"), (["--bounds", ""], "--bounds must be a comma-separated list"),
+                      (["--bounds", "0,2"], "--bounds: every value must be in [0, 1], got 2.0"),
+                      (["--bounds", "0.5,1"], "--bounds must include 0"), (["--scenes", "0"], "--scenes must be >= 1"),
+                      (["--gamma", "-2"], "--gamma must be >= 0"), (["--tree", "32/8/3"], "--tree is the decoder of "
+                                                                                         "--gamma 0"),
+                      (["--gamma", "0", "--tree", "32/8"], "tree"), (["--gamma", "0", "--tree", "a/b/c"], "--tree"),
+                      (["--temperature", "-1"], "temperature"), (["--top-p", "0.5"], "give a temperature > 0"),
+                      (["--out", str(tmp_path / "d")], "--out"), (["--out", str(tmp_path / "no" / "r.json")],
+                                                                   "does not exist"),
+                      (["--figure", str(tmp_path / "d")], "--figure")):
+        with pytest.raises(SystemExit) as e:
+            ra.main(argv)
+        assert e.value.code == 2 and msg in error_line(capsys), (argv, msg)
+    # the issue's quick run: its outputs go to runs/, never onto the committed JSON and figure
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(Started):
+        ra.main(["--scenes", "1", "--seeds", "0", "--bounds", "0,1"])
+    assert os.path.isdir(tmp_path / "runs")
+
+
+def test_commitments_are_token_ids_checked_before_work(tmp_path, capsys, monkeypatch):
+    """--commitments: a bool, a negative or a fractional id, a directory, an id outside the vocabulary (known before
+    any work on the toy) are each one line; the Python API (relaxed.Relaxed) refuses the same ids."""
+    from ops import cli
+    from relaxed import Relaxed
+    f = tmp_path / "ids.json"
+    for ids, msg in (([True, False], "got True"), ([1, True], "got True"), ([3, -1], "got -1"), ([2.5], "got 2.5"),
+                     ([], "non-empty JSON list"), ([[1]], r"got \[1\]")):
+        f.write_text(json.dumps(ids))
+        with pytest.raises(ValueError, match=msg):
+            cli.relaxed_rule("routine:0.5", str(f))
+    with pytest.raises(ValueError, match="is a directory"):
+        cli.relaxed_rule("routine:0.5", str(tmp_path))
+    for ids in ([True], [-1], [1.5]):
+        with pytest.raises(ValueError, match="commitment token ids must be ints >= 0"):
+            Relaxed("routine", 0.5, ids)
+    with pytest.raises(ValueError, match="outside the target's vocabulary 0..9"):
+        Relaxed("routine", 0.5, [10]).check_vocab(10)
+
+    def started(*a, **k):
+        raise Started
+
+    monkeypatch.setattr(bench, "toy", started)
+    f.write_text("[5, 100000]")
+    with pytest.raises(SystemExit):
+        bench.main(["--relaxed", "routine:0.5", "--commitments", str(f), "--out", ""])
+    assert "commitment token id 100000 is outside the target's vocabulary" in error_line(capsys)
+
+
+def test_an_exact_bound_is_reported_exact_and_decoded_once():
+    """--relaxed typical:0 accepts nothing more: exact verification, no LOSSY label, no second decode (rsd.py)."""
+    from ops import cli
+    assert cli.relaxed_rule("typical:0") is None and cli.relaxed_rule("routine:0", default=[3]) is None
+    sampling = rsd.parse_args(["--relaxed", "typical:0"])[3]
+    assert sampling.relaxed is None and cli.sampling_json(sampling)["verification"] == "exact"
+
+
+def test_what_ran_is_the_tree_that_ran_and_ignored_flags_are_refused(tmp_path, capsys, monkeypatch):
+    """bench.py's what_ran records the decoder that ran (a tree chosen on val), not the flag's default; a toy flag
+    given with --preset or --target is refused, not recorded."""
+    def ran(args, device, dtype, sampling):
+        return {"mode": "toy", "decoder": bench.decoder_json(bench.TreeShape(16, 8, 3))}
+
+    monkeypatch.setattr(bench, "toy", ran)
+    monkeypatch.setattr(bench, "report", lambda res: None)
+    res = bench.main(["--out", ""])
+    assert {k: res["what_ran"]["flags"][k] for k in ("tree", "tree_depth", "tree_width")} == {
+        "tree": 16, "tree_depth": 8, "tree_width": 3}
+    for flag in ("--prompts", "--views"):
+        with pytest.raises(SystemExit):
+            bench.main(["--preset", "qwen3-vl-8b", flag, "2"])
+        assert f"{flag} is the toy's" in error_line(capsys)
+    for argv in (["--min-pixels", "64"], ["--preset", "qwen3-vl-8b", "--image-size", "8x8"]):
+        with pytest.raises(SystemExit):
+            bench.main(argv)
+        assert f"{argv[-2]} shapes the images of a --target prompt" in error_line(capsys)
+
+
+def test_atomic_write_names_a_missing_folder(tmp_path):
+    """Not "0 MiB free ... no space left on device": the folder that does not exist."""
+    with pytest.raises(FileNotFoundError, match=f"its folder {tmp_path / 'no'} does not exist"):
+        files.write_json(str(tmp_path / "no" / "x.json"), {})

@@ -1,0 +1,307 @@
+"""One contract for every program a user runs (issue #52), tested over every program the README and docs/ name, not
+case by case: `--out` a directory (or, for a folder output, a file), `--out` in a missing folder, a negative count,
+Ctrl-C after the first progress line (exit 130, one line, no partial file) and `--json` (one JSON line on stdout).
+Every member ends before any heavy work: a refusal at the flags, or an interrupt at the first line a program prints.
+
+run: python -m pytest -q tests/test_contract.py
+"""
+import glob
+import importlib
+import io
+import json
+import os
+import re
+import signal
+import sys
+import types
+
+import pytest
+import torch
+
+from ops import cli
+from test_user_errors import tiny_run  # noqa: F401 (a fixture: a run folder of tiny models)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXP = os.path.join(ROOT, "experiments")
+if EXP not in sys.path:  # the experiments import as modules, as tests/test_shipped.py does
+    sys.path.insert(0, EXP)
+
+# program: (module, output kind (a file, a folder, none), a count flag, whether it has --json, the argv of a cheap run
+# whose first line comes before any heavy work ({tmp}: a fresh folder, {run}: a run folder of tiny models)). Every
+# flag a member adds goes after these, so argparse's last value wins.
+PROGRAMS = {
+    "bench.py": ("bench", "file", "--prompts", True,
+                 "--prompts 1 --max-new 4 --repeats 3 --tree 0 --gamma 2 --out {tmp}/b.json"),
+    "rsd.py": ("rsd", None, "--scenes", True, "--scenes 2 --time-scenes 1 --show 0 --seeds 0 --gamma 2"),
+    "train.py": ("train", "folder", "--n-train", False, "--out {tmp}/run"),
+    "aarl.py": ("aarl", "folder", "--n-report", True, "--run {run} --out {tmp}/aarl"),
+    "driving.py": ("driving", None, "--n", False, "--n 1"),
+    "real.distill": ("real.distill", "folder", "--steps", False, "--target {tmp}/t --toy-scenes 2 --out {tmp}/d"),
+    "real.aarl_real": ("real.aarl_real", "folder", "--steps", True,
+                       "--target {tmp}/t --draft {tmp}/q --scenes {tmp}/s --out {tmp}/a"),
+    "experiments/gpu_check.py": ("gpu_check", "folder", "--reps", False,
+                                 "--device cpu --layers 1 --stages a_env --out {tmp}/g"),
+    "experiments/peer_hf.py": ("peer_hf", "file", "--prompts", True, "--prompts 1 --max-new 4 --out {tmp}/p.json"),
+    "experiments/figures.py": ("figures", "folder", None, False, "--out {tmp}/f"),
+    "experiments/aarl_ablation.py": ("aarl_ablation", "file", "--n-report", False,
+                                     "--seeds 0 --references static --work {tmp}/w --out {tmp}/a.json"),
+    "experiments/views_sweep.py": ("views_sweep", "file", "--scenes", False, "--work {tmp}/w --out {tmp}/v.json"),
+    "experiments/tree_real.py": ("tree_real", "file", "--reps", False, "--out {tmp}/t.json"),
+    "experiments/toy_roundtrip.py": ("toy_roundtrip", "file", "--n-test", False, "--work {tmp}/w --out {tmp}/t.json"),
+    "experiments/relaxed_acceptance.py": ("relaxed_acceptance", "file", "--scenes", False,
+                                          "--seeds 0 --bounds 0,1 --out {tmp}/r.json --figure {tmp}/r.png"),
+    "experiments/draft_vocab.py": ("draft_vocab", "file", "--steps", False, "--toy --work {tmp}/w --out {tmp}/d.json"),
+    "experiments/data_stage_ab.py": ("data_stage_ab", "file", "--pairs", False, "--work {tmp}/w --out {tmp}/d.json"),
+    "experiments/tree_sweep.py": ("tree_sweep", "file", "--scenes", False, "--out {tmp}/t.json"),
+    "experiments/tree_paths.py": ("tree_paths", "file", "--scenes", False, "--out {tmp}/t.json"),
+    "experiments/rope_base.py": ("rope_base", "file", "--scenes", False, "--work {tmp}/w --out {tmp}/r.json"),
+    "experiments/learning_speed.py": ("learning_speed", "file", "--scenes", False, "--work {tmp}/w --out {tmp}/l.json"),
+    "experiments/cost_per_1000_scenes.py": ("cost_per_1000_scenes", "file", "--reps", False, "--out {tmp}/c.json"),
+    # reads two JSON files and compares them at once: no output, no count, no stage to interrupt
+    "experiments/compare_rsd.py": ("compare_rsd", None, None, False, None),
+}
+
+
+def documented():
+    """Every `python X.py`, `python experiments/X.py` and `python -m X` the README and docs/ tell a user to run."""
+    text = " ".join(open(p).read() for p in [os.path.join(ROOT, "README.md"), *glob.glob(f"{ROOT}/docs/*.md")])
+    text = re.sub(r"\s+", " ", text)  # a command wrapped over two lines
+    found = re.findall(r"python (?:-m ([\w.]+)|((?:experiments/)?\w+\.py))", text)
+    return {m or p for m, p in found} - {"pytest"}
+
+
+def test_every_documented_program_is_in_the_contract():
+    """A program the docs name later is covered the day it lands, or named here as missing."""
+    docs = documented()
+    assert not docs - set(PROGRAMS), f"programs the docs name with no contract entry: {sorted(docs - set(PROGRAMS))}"
+    assert not set(PROGRAMS) - docs, f"contract entries no doc names: {sorted(set(PROGRAMS) - docs)}"
+    for name, spec in PROGRAMS.items():
+        assert os.path.isfile(os.path.join(ROOT, name.replace(".", "/") + ".py" if spec[0].startswith("real.") else
+                                           name)), name
+
+
+def run(name, argv, capsys):
+    """(exit status, stdout, stderr) of the program's main(argv), in this process."""
+    main = importlib.import_module(PROGRAMS[name][0]).main
+    try:
+        main(argv)
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    out, err = capsys.readouterr()
+    assert "Traceback" not in err, err
+    return code, out, err
+
+
+def error_line(err):
+    lines = [line for line in err.splitlines() if ": error: " in line]
+    assert lines, err
+    return lines[-1]
+
+
+def cheap_argv(name, tmp, run_dir):
+    (tmp / "t").mkdir(exist_ok=True)  # folders a real-target program requires to exist (they stay empty)
+    (tmp / "q").mkdir(exist_ok=True)
+    (tmp / "s").mkdir(exist_ok=True)
+    return PROGRAMS[name][4].format(tmp=tmp, run=run_dir).split()
+
+
+def listing(folder):
+    """Every file under folder (an output folder made before the work may stay, empty)."""
+    return sorted(os.path.relpath(os.path.join(d, n), folder) for d, _, names in os.walk(folder) for n in names)
+
+
+FILE_OUTS = [n for n, s in PROGRAMS.items() if s[1] == "file"]
+FOLDER_OUTS = [n for n, s in PROGRAMS.items() if s[1] == "folder"]
+
+
+@pytest.mark.parametrize("name", FILE_OUTS + FOLDER_OUTS)
+def test_out_that_cannot_take_the_output_is_one_line(name, tmp_path, tiny_run, capsys):  # noqa: F811
+    """--out a directory (a file program) or a file (a folder program): one line naming --out, nothing written."""
+    wrong = tmp_path / "wrong"
+    wrong.mkdir() if PROGRAMS[name][1] == "file" else wrong.write_text("keep me")
+    argv = cheap_argv(name, tmp_path, tiny_run)
+    before = listing(tmp_path)
+    code, _, err = run(name, argv + ["--out", str(wrong)], capsys)
+    assert code == 2 and ("--out" in error_line(err) or str(wrong) in error_line(err)), err
+    assert listing(tmp_path) == before
+
+
+@pytest.mark.parametrize("name", FILE_OUTS)
+def test_out_in_a_missing_folder_is_one_line(name, tmp_path, tiny_run, capsys):  # noqa: F811
+    """Not created, not reported as a full disk: the folder that does not exist is named before any work."""
+    argv = cheap_argv(name, tmp_path, tiny_run)
+    code, _, err = run(name, argv + ["--out", str(tmp_path / "missing" / "x.json")], capsys)
+    assert code == 2 and f"its folder {tmp_path / 'missing'} does not exist" in error_line(err)
+    assert not (tmp_path / "missing").exists()
+
+
+@pytest.mark.parametrize("name", [n for n, s in PROGRAMS.items() if s[2]])
+def test_a_negative_count_is_one_line_naming_its_flag(name, tmp_path, tiny_run, capsys):  # noqa: F811
+    flag = PROGRAMS[name][2]
+    code, _, err = run(name, cheap_argv(name, tmp_path, tiny_run) + [flag, "-1"], capsys)
+    assert code == 2 and flag in error_line(err)
+
+
+class Interrupting(io.StringIO):
+    """A stdout / stderr that sends this process a SIGINT (a Ctrl-C) once the first whole line is written."""
+
+    def __init__(self, armed):
+        super().__init__()
+        self.armed = armed
+
+    def write(self, text):
+        n = super().write(text)
+        if self.armed["on"] and "\n" in text:
+            self.armed["on"] = False
+            self.armed["at"] = self.armed["err"].tell()  # what stderr held before the Ctrl-C
+            signal.raise_signal(signal.SIGINT)  # Python's handler raises KeyboardInterrupt here, as a Ctrl-C would
+        return n
+
+
+@pytest.mark.parametrize("name", [n for n, s in PROGRAMS.items() if s[4]])
+def test_ctrl_c_after_the_first_line_is_one_line_and_130(name, tmp_path, tiny_run, monkeypatch):  # noqa: F811
+    """The first line a program prints comes before its heavy work; a Ctrl-C right after it ends the program with one
+    line on stderr, exit status 130, and no file written (a partial one or a temporary one)."""
+    argv = cheap_argv(name, tmp_path, tiny_run)
+    before = listing(tmp_path)
+    armed = {"on": True}
+    out = Interrupting(armed)
+    err = armed["err"] = Interrupting(armed)
+    main = importlib.import_module(PROGRAMS[name][0]).main
+    handler = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with monkeypatch.context() as m:
+            m.setattr(sys, "stdout", out)
+            m.setattr(sys, "stderr", err)
+            try:
+                main(argv)
+                code = 0
+            except SystemExit as e:
+                code = e.code
+            except KeyboardInterrupt:
+                code = "a traceback"  # what the user would see: the Ctrl-C escaped the program
+    finally:
+        signal.signal(signal.SIGINT, handler)
+    assert not armed["on"], f"{name} printed no line"
+    after = err.getvalue()[armed["at"]:].splitlines()
+    assert code == 130 and "Traceback" not in err.getvalue(), (code, err.getvalue())
+    assert len(after) == 1 and "interrupted" in after[0], after
+    assert listing(tmp_path) == before
+
+
+# ---- --json: one JSON line on stdout, everything else on stderr ----
+def canned(path):
+    return json.load(open(os.path.join(EXP, path)))
+
+
+def noisy(result):
+    """A stand-in for a program's work: it prints to stdout, as the real work does, and returns result."""
+    def work(*a, **k):
+        print("a line of the work's own report")
+        return result
+    return work
+
+
+def stub_bench(monkeypatch):
+    import bench
+    monkeypatch.setattr(bench, "toy", noisy(canned("bench_cpu_tree.json")))
+
+
+def stub_rsd(monkeypatch):
+    import rsd
+    monkeypatch.setattr(rsd, "run", noisy({"rows": []}))
+
+
+def stub_aarl(monkeypatch):
+    import aarl
+    res = canned("aarl_ablation.json")["runs"][0]
+    for split in ("val", "test"):  # the gammas, JSON's string keys, back to ints
+        for when in ("before", "after"):
+            res[when][split]["tau_by_gamma"] = {int(g): v for g, v in res[when][split]["tau_by_gamma"].items()}
+    monkeypatch.setattr(aarl, "_run", noisy(res))
+
+
+def stub_peer(monkeypatch):
+    import peer_hf
+    monkeypatch.setattr(peer_hf, "compare", noisy({}))
+    monkeypatch.setattr(peer_hf, "report_lines", lambda res, dtype: ["a line of the report"])
+    monkeypatch.setattr(peer_hf.checkpoint, "load", lambda *a, **k: torch.nn.Linear(1, 1))
+
+
+def stub_aarl_real(monkeypatch):
+    from real import aarl_real
+    target = types.SimpleNamespace(embed_tokens=torch.nn.Embedding(1, 1))
+    monkeypatch.setattr(aarl_real, "load_real", noisy((target, torch.nn.Linear(1, 1), None, [None], None, None)))
+
+    def train(*a, log, **k):
+        print("a line of the work's own report")
+        log({"step": 0, "reward": 1.0})
+    monkeypatch.setattr(aarl_real, "train_real", train)
+    monkeypatch.setattr(aarl_real.checkpoint, "save", lambda *a, **k: None)
+
+
+STUBS = {"bench.py": stub_bench, "rsd.py": stub_rsd, "aarl.py": stub_aarl, "experiments/peer_hf.py": stub_peer,
+         "real.aarl_real": stub_aarl_real}
+
+
+def test_every_json_program_is_stubbed():
+    assert set(STUBS) == {n for n, s in PROGRAMS.items() if s[3]}
+
+
+@pytest.mark.parametrize("name", sorted(STUBS))
+def test_json_is_one_line_on_stdout(name, tmp_path, tiny_run, monkeypatch, capsys):  # noqa: F811
+    """The work (stubbed: it prints a line of its own) and the report go to stderr; stdout is the one JSON line."""
+    STUBS[name](monkeypatch)
+    code, out, err = run(name, cheap_argv(name, tmp_path, tiny_run) + ["--json"], capsys)
+    assert code == 0, err
+    assert len(out.splitlines()) == 1 and isinstance(json.loads(out), dict), out[:300]
+    assert "a line of the work's own report" in err
+
+
+# ---- no default output lands on a file the repo ships ----
+class Parsed(Exception):
+    """Raised where a program would parse its flags: its parser is caught, nothing runs."""
+
+
+@pytest.mark.parametrize("name", sorted(PROGRAMS))
+def test_no_default_output_is_a_file_the_repo_ships(name, monkeypatch):
+    """Every output flag's default (--out, --figure, --work) lies under the git-ignored runs/: a quick run never
+    replaces a committed result; the README and experiments/reproduce_toy.sh pass the committed paths explicitly."""
+    import argparse
+    import subprocess
+    parsers = []
+
+    def parse_args(self, *a, **k):
+        parsers.append(self)
+        raise Parsed
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_args)
+    with pytest.raises(Parsed):
+        importlib.import_module(PROGRAMS[name][0]).main([])
+    tracked = set(subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True).stdout.split())
+    for action in parsers[0]._actions:
+        if action.dest in ("out", "figure", "work") and isinstance(action.default, str):
+            path = os.path.relpath(os.path.abspath(os.path.join(ROOT, action.default)), ROOT)
+            assert path.split(os.sep)[0] == "runs", f"{name} --{action.dest} defaults to {action.default}"
+            assert not any(t == path or t.startswith(path + os.sep) for t in tracked), (name, path)
+
+
+def test_a_real_ctrl_c_from_outside_is_one_line_and_130(tmp_path):
+    """The in-process members above raise the signal themselves; here SIGINT comes from outside, to a subprocess, as a
+    terminal's Ctrl-C does, after its first progress line: exit status 130, one line, no report file (partial or
+    temporary)."""
+    import subprocess
+    out = tmp_path / "b.json"
+    proc = subprocess.Popen([sys.executable, "bench.py", "--prompts", "1", "--max-new", "4", "--repeats", "3", "--tree",
+                             "0", "--gamma", "2", "--out", str(out)], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        first = proc.stderr.readline()
+        proc.send_signal(signal.SIGINT)
+        rest, code = proc.stderr.read().splitlines(), proc.wait(timeout=120)
+    finally:
+        proc.kill()
+    assert first.startswith("[") and code == 130, (first, rest, code)
+    assert len(rest) == 1 and rest[0].startswith("bench.py: interrupted"), rest
+    assert os.listdir(tmp_path) == []
