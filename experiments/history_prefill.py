@@ -82,6 +82,7 @@ def preset(name, repeats):
             **measure(target, drafts, [prompt], repeats)}
 
 
+@cli.program
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--run", default=checkpoint.SHIPPED, help="the toy's run folder (target, draft_flat_s0)")
@@ -91,11 +92,9 @@ def main(argv=None):
     ap.add_argument("--preset", default="qwen3-vl-8b", choices=[k for k in M.PRESETS if "toy" not in k],
                     help="the real shape's preset (random weights); Alpamayo-R1's backbone is Qwen3-VL-8B")
     ap.add_argument("--out", default="runs/history_prefill.json", help="the JSON written")
-    a = ap.parse_args(argv)
+    a = cli.checked(ap, ap.parse_args(argv), counts=("scenes", "repeats"), out="runs/history_prefill.json")
+    cli.progress(f"the draft prefills: {a.scenes} toy scenes, then one {a.preset}-shaped prompt")
     with cli.user_errors(ap):
-        cli.check_values(a, [(">= 1", ("scenes", "repeats"))], flags=True)
-        if os.path.isdir(a.out):
-            raise ValueError(f"--out {a.out} is a directory: give the JSON file's path")
         res = {"command": "python experiments/history_prefill.py " + " ".join(argv or sys.argv[1:]),
                "environment": timing.environment("cpu") | {"threads": torch.get_num_threads()},
                "toy": toy(a.run, a.history or checkpoint.draft_dir(a.run, "history", 0), a.scenes, a.repeats),

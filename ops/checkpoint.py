@@ -121,6 +121,9 @@ def _hash(h, name, t):
 
 
 def _config_hash(config: dict):
+    """A LATER_FIELDS field at its default is left out: a file written before it existed and one written after, of
+    the same model, have one fingerprint (the drafts and search records that name it stay valid)."""
+    config = {k: v for k, v in config.items() if k not in LATER_FIELDS or v != LATER_FIELDS[k]}
     return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -207,7 +210,7 @@ def header(dir, f=None):
             _said.add(tuple(older))
             print(f"checkpoint: {path} (and any other file this old) predates config field(s) "
                   f"{', '.join(f'{k} (loaded as {v})' for k, v in older.items())}", file=sys.stderr)
-        raw = raw | older  # the header's own dict stays as written: the config fingerprint hashes it
+        raw = raw | older
     missing = [fl.name for fl in dataclasses.fields(ModelConfig) if fl.name not in raw]
     if isinstance(raw.get("vision"), dict):
         missing += [f"vision.{fl.name}" for fl in dataclasses.fields(VisionConfig) if fl.name not in raw["vision"]]

@@ -188,8 +188,8 @@ def test_a_kind_is_one_row_of_the_table(tmp_path):
 
 
 def test_a_file_older_than_a_config_field_loads_with_its_default(tmp_path, capsys):
-    """A checkpoint whose header predates skip_visual (as the shipped ones) loads as written (False), says so on
-    stderr, and keeps its config fingerprint (the drafts that recorded it stay valid)."""
+    """A checkpoint whose header predates skip_visual loads as written (False), says so on stderr, and keeps its
+    config fingerprint: the same as the file written with the field (the drafts that recorded it stay valid)."""
     target = tiny_target()
     draft = model.make_draft(target, kind="flat")
     path = checkpoint.draft_dir(str(tmp_path), "flat", 0)
@@ -197,11 +197,14 @@ def test_a_file_older_than_a_config_field_loads_with_its_default(tmp_path, capsy
     file = f"{path}/{checkpoint.WEIGHTS}"
     with safe_open(file, framework="pt") as f:
         meta, sd = json.loads(f.metadata()[checkpoint.KEY]), {k: f.get_tensor(k) for k in f.keys()}
+    assert meta["config"]["skip_visual"] is False
+    fp = checkpoint.load(path, target=target).checkpoint_fingerprint["config"]  # with the field, written now
     del meta["config"]["skip_visual"]
     save_file(sd, file, metadata={checkpoint.KEY: json.dumps(meta)})
     checkpoint._said.clear()
     loaded = checkpoint.load(path, target=target)
     assert loaded.cfg.skip_visual is False and model.draft_kind(loaded.cfg) == "flat"
+    assert loaded.checkpoint_fingerprint["config"] == fp
     assert "predates config field(s) skip_visual (loaded as False)" in capsys.readouterr().err
     assert loaded.checkpoint_fingerprint["config"] == checkpoint._config_hash(meta["config"])
     del meta["config"]["rope_mode"]  # a field that was always there is still required
