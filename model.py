@@ -296,8 +296,7 @@ class KVCache:
             kb[rows, :, input_pos], vb[rows, :, input_pos] = k.transpose(1, 2), v.transpose(1, 2)
         return kb, vb
 
-    def commit(self, n):
-        """Row b's next n[b] slots (n: an int for every row) join its committed tokens (a step's, or a round's)."""
+    def commit(self, n):  # row b's next n[b] slots (n: an int for every row) are committed tokens
         self.lengths = [m + k for m, k in zip(self.lengths, [n] * len(self.lengths) if isinstance(n, int) else n)]
 
     def crop(self, n):
@@ -306,11 +305,6 @@ class KVCache:
         if not all(0 <= k <= m for k, m in zip(n, self.lengths)):
             raise ValueError(f"cannot crop KV cache of lengths {self.lengths} to {n}")
         self.lengths = n
-
-    def reset(self):
-        """Empty: no committed slot, no padding (a persistent cache reused for another decode)."""
-        self.crop(0)
-        self.key_mask = None
 
     def move(self, src, dst):
         """Copy, in row b, the keys / values of slots src[b] to slots dst[b] (B, m) (dst[b, i] <= src[b, i], each row's

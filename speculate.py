@@ -130,23 +130,20 @@ class Chain:
     """Leviathan's draft: gamma tokens a round, one draft forward each, verified in one target forward over [x_last,
     d_1..d_gamma] (spec_round). A decoder (Chain, tree.TreeShape) is all speculative_batch knows of a round: `nodes`
     (drafts verified), `depth` (its longest path), `slack` (cache slots it writes beyond the committed length: target,
-    draft), `steps` (the step lengths it runs: target, draft; what a compiled pair compiles) and `round`."""
+    draft), `steps` (the step lengths it runs: target, draft; what a compiled pair compiles), `round` and `kind`."""
     gamma: int
+    kind, width = "chain", 1  # a chain is the tree of width 1 (tree.TreeShape(gamma, gamma, 1))
 
     def __post_init__(self):
         if not isinstance(self.gamma, int) or isinstance(self.gamma, bool) or self.gamma < 1:
             raise ValueError(f"gamma (draft length) must be an int >= 1, got {self.gamma!r}")
 
     nodes = depth = property(lambda self: self.gamma)
-    width = 1  # a chain is the tree of width 1 (tree.TreeShape(gamma, gamma, 1))
     slack = property(lambda self: (self.gamma, self.gamma))
     steps = property(lambda self: ((self.gamma + 1,), (1, 2)))  # the draft feeds pending (1 or 2), then 1 a step
 
     def round(self, target, draft, tcache, dcache, pending, sampling, generators, last=None):
         return spec_round(target, draft, tcache, dcache, pending, self.gamma, sampling, generators, last)
-
-    def json(self):
-        return {"kind": "chain", "gamma": self.gamma}
 
 
 def decoder_of(d):
@@ -353,10 +350,10 @@ def speculative_batch(target, draft, prompt, decoder, max_new_tokens, samples=1,
                       max_len=None, timing=False):
     """Decode B = P x samples rows at once, up to max_new_tokens each -> a SpecResult per row. prompt: forward kwargs
     of P rows (input_ids (P, L), left-padded under attention_mask if their lengths differ); row r continues prompt
-    r // samples with its own generator (sampling.seed + r, or seed[r]). decoder: what a round drafts, a Chain of
-    gamma (or gamma itself) or a tree.TreeShape (decoder_of). Every row is in every round (one draft forward per draft step, one verify forward); a finished row's work
-    is thrown away and its caches keep its length, so the shapes never change. max_len: cache size (None: what the
-    decode needs)."""
+    r // samples with its own generator (sampling.seed + r, or seed[r]). decoder: a round's draft, a Chain (or its
+    gamma) or a tree.TreeShape. Every row is in every round (one draft forward per draft step, one verify forward); a
+    finished row's work is thrown away and its caches keep its length, so the shapes never change. max_len: cache
+    size (None: what the decode needs)."""
     decoder = decoder_of(decoder)
     check_inputs(target, draft, prompt, max_new_tokens, sampling, stop_token, samples)
     B, dev = prompt["input_ids"].shape[0] * samples, prompt["input_ids"].device

@@ -27,6 +27,7 @@ class TreeShape:
     nodes: int  # N: draft tokens verified per round, besides x_last (the node budget)
     depth: int  # D: the longest path, = draft forwards per round
     width: int  # k: nodes expanded per level, and children per expanded node
+    kind = "tree"
 
     def __post_init__(self):
         for name in ("nodes", "depth", "width"):
@@ -47,14 +48,11 @@ class TreeShape:
         return self.nodes, (self.depth - 1) * self.width
 
     @property
-    def steps(self):  # the verify's N + 1; the draft's pending (1 or 2: every accepted node but the last was fed), a level
+    def steps(self):  # the verify's N + 1; the draft's pending (1 or 2: each accepted node but the last was fed), a level
         return (self.nodes + 1,), (1, 2, self.width)
 
     def round(self, target, draft, tcache, dcache, pending, sampling, generators, last=None):
         return tree_round(target, draft, tcache, dcache, pending, self, sampling, generators, last)
-
-    def json(self):
-        return {"kind": "tree", "nodes": self.nodes, "depth": self.depth, "width": self.width}
 
 
 # ---- draft, verify, one round ----

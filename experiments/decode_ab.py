@@ -45,7 +45,7 @@ def ms_per_token(repo, scenes, compile=False):
     prompts = evaluate.scene_prompts(driving.make_split("test", scenes, seed=0), tok, "cpu", torch.bfloat16,
                                      driving.WorldConfig().views)
     kw = dict(stop_token=tok.cot_end_id, timing=True)
-    if compile:  # each checkout's CompiledSteps over its own caches (bench.compiled_pair: every step length once)
+    if compile:  # each checkout's CompiledSteps over its own caches (timing.compiled_pair: every step length once)
         target, draft = m["bench"].compiled_pair(target, draft, prompts, [evaluate.GAMMA, evaluate.TREE], 64)
     arms = {"target-only": lambda p: speculate.autoregressive(target, p, 64, **kw),
             "chain": lambda p: speculate.speculative(target, draft, p, evaluate.GAMMA, 64, **kw),

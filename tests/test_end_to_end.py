@@ -19,7 +19,7 @@ import driving
 import evaluate
 from evaluate import TARGET_ONLY
 import model as M
-from ops import checkpoint, files
+from ops import checkpoint, files, timing
 import rsd
 import speculate
 import train as T
@@ -205,8 +205,8 @@ def test_bench_toy_compiled(run_dir, capsys):
                 "--json"])
     text = "".join(capsys.readouterr()[::-1])  # stderr (--json: the report), stdout
     c = json.loads(text.strip().splitlines()[-1])["compiled"]
-    assert c["greedy_match"] is True and c["divergences"] == {arm: [] for arm in (*bench.COMPILED,
-                                                                                  bench.COMPILED_CHAIN)}
+    assert c["greedy_match"] is True and c["divergences"] == {arm: [] for arm in (*timing.COMPILED,
+                                                                                  timing.COMPILED_CHAIN)}
     for key in ("ar_ms_per_token", "spec_ms_per_token", "t_target_1", "t_target_verify", "t_draft_1", "t_draft_level",
                 "compile_s"):
         assert c[key] > 0, key
