@@ -359,45 +359,50 @@ def plan_lines(p):
 # ---- the flags ----
 def main(argv=None):
     ap = argparse.ArgumentParser(description="Reasoning-step latency: target-only vs speculative (RSD).")
-    ap.add_argument("--dtype", default="bf16", choices=sorted(cli.DTYPES), help="weights, activations and KV cache")
-    ap.add_argument("--preset", choices=[k for k in sorted(M.PRESETS) if "toy" not in k], help="random weights")
-    for flag, default, text in (  # the folders and files; --images-dir ... --scenes: a real checkpoint's prompt
-            ("--device", "cpu", "cpu or cuda"),
-            ("--run", checkpoint.SHIPPED, "toy checkpoints folder (default: the shipped ones)"),
-            ("--target", None, "Hugging Face Qwen2.5-VL / Qwen3-VL / Alpamayo folder"),
-            ("--draft", None, f"draft folder (checkpoint.save format) trained for the target: the toy's (default "
-                              f"{TOY_DRAFT[0]} seed {TOY_DRAFT[1]} of --run), or one for --target"),
-            ("--images-dir", None, "with --target: a folder of camera images (name order)"),
-            ("--image-size", "288x512", "with --target: HxW of the generated images"),
-            ("--processor", None, "with --target: tokenizer + image processor folder (default: --target)"),
-            ("--scenes", None, "with --target: a scene folder (scenes.py) measured held out: tau, alpha per draft "
-                               "position, routine share, greedy identity, latency per stage, ADE"),
-            ("--out", None, f"write the report's JSON here (toy default {TOY_JSON}; none for a real model)")):
-        ap.add_argument(flag, default=default, help=text)
-    for flag, default, text in (
-            ("--layers", None, "with --preset: keep only this many decoder layers"),
-            ("--draft-vocab", 0, "with --preset: the draft's head covers only the first K token ids (0: all)"),
-            ("--images", 16, "images in the real-shape / generated prompt"),
-            ("--gamma", evaluate.GAMMA, "the chain's draft length (the chain arm, also timed beside a tree)"),
-            ("--tree", None, f"a draft tree of N nodes, 0: the chain (default {evaluate.TREE.nodes}; toy --compile: "
-                             "the tree of evaluate.TREES the compiled steps run fastest on val scenes; toy plans: "
-                             "the tree of PLAN_TREES or the chain of --gamma whose val plans run fastest)"),
-            ("--tree-depth", evaluate.TREE.depth, "with --tree: its depth D"),
-            ("--tree-width", evaluate.TREE.width, "with --tree: k, nodes expanded per level and children per node"),
-            ("--max-new", evaluate.MAX_NEW_TOKENS, "reasoning tokens per prompt at most"),
-            ("--prompts", 32, "toy: held-out test scenes benchmarked"),
-            ("--views", driving.WorldConfig().views, "toy: surround views per prompt"),
-            ("--samples", 1, "toy: rows per prompt, each its own sampled CoC, decoded as one batch (Alpamayo-R1 "
-                             "runs 6 at --temperature 0.6 --top-p 0.98)"),
-            ("--batch", 1, "toy: prompts per batch (with --samples: batch x samples rows per plan)"),
-            ("--repeats", 3, "timed passes (median reported), >= 3"),
-            ("--threads", None, "CPU threads (default: torch's)"),
-            ("--min-pixels", alpamayo.MIN_PIXELS, "with --target: image size bounds"),
-            ("--max-pixels", alpamayo.MAX_PIXELS, "with --target: image size bounds")):
-        ap.add_argument(flag, type=int, default=default, help=text)
-    cli.add_decoding_flags(ap, "> 0 times both arms sampling (Alpamayo-R1 samples its CoC at 0.6, top-p 0.98)")
-    ap.add_argument("--compile", action="store_true", help="also every arm through torch.compile'd steps")
-    ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    every, toy_, preset, real_ = (ap.add_argument_group(title) for title in (
+        "every mode", "the toy (default): the shipped checkpoints, held-out scenes of the synthetic world",
+        "--preset: a real shape, random weights", "--target: a real checkpoint (Hugging Face / Alpamayo folder)"))
+    every.add_argument("--dtype", default="bf16", choices=sorted(cli.DTYPES), help="weights, activations and KV cache")
+    preset.add_argument("--preset", choices=[k for k in sorted(M.PRESETS) if "toy" not in k], help="random weights")
+    for group, flag, default, text in (  # --images-dir ... --scenes: a real checkpoint's prompt
+            (every, "--device", "cpu", "cpu or cuda"),
+            (every, "--out", None, f"write the report's JSON here (toy default {TOY_JSON}; none for a real model)"),
+            (toy_, "--run", checkpoint.SHIPPED, "toy checkpoints folder (default: the shipped ones)"),
+            (toy_, "--draft", None, f"draft folder (checkpoint.save format) trained for the target: the toy's (default "
+                                    f"{TOY_DRAFT[0]} seed {TOY_DRAFT[1]} of --run), or one for --target"),
+            (real_, "--target", None, "Hugging Face Qwen2.5-VL / Qwen3-VL / Alpamayo folder"),
+            (real_, "--images-dir", None, "with --target: a folder of camera images (name order)"),
+            (real_, "--image-size", "288x512", "with --target: HxW of the generated images"),
+            (real_, "--processor", None, "with --target: tokenizer + image processor folder (default: --target)"),
+            (real_, "--scenes", None, "with --target: a scene folder (scenes.py) measured held out: tau, alpha per "
+                                      "draft position, routine share, greedy identity, latency per stage, ADE")):
+        group.add_argument(flag, default=default, help=text)
+    for group, flag, default, text in (
+            (every, "--gamma", evaluate.GAMMA, "the chain's draft length (the chain arm, also timed beside a tree)"),
+            (every, "--tree", None, f"a draft tree of N nodes, 0: the chain (default {evaluate.TREE.nodes}; toy "
+                                    "--compile: the tree of evaluate.TREES the compiled steps run fastest on val "
+                                    "scenes; toy plans: the tree of PLAN_TREES or the chain of --gamma whose val plans "
+                                    "run fastest)"),
+            (every, "--tree-depth", evaluate.TREE.depth, "with --tree: its depth D"),
+            (every, "--tree-width", evaluate.TREE.width, "with --tree: k, nodes expanded per level and children per "
+                                                         "node"),
+            (every, "--max-new", evaluate.MAX_NEW_TOKENS, "reasoning tokens per prompt at most"),
+            (every, "--repeats", 3, "timed passes (median reported), >= 3"),
+            (every, "--threads", None, "CPU threads (default: torch's)"),
+            (every, "--samples", 1, "rows per prompt (toy) or scene (--target --scenes), each its own sampled CoC, "
+                                    "decoded as one batch (Alpamayo-R1 runs 6 at --temperature 0.6 --top-p 0.98)"),
+            (toy_, "--prompts", 32, "held-out test scenes benchmarked"),
+            (toy_, "--views", driving.WorldConfig().views, "surround views per prompt"),
+            (toy_, "--batch", 1, "prompts per batch (with --samples: batch x samples rows per plan)"),
+            (preset, "--layers", None, "keep only this many decoder layers"),
+            (preset, "--draft-vocab", 0, "the draft's head covers only the first K token ids (0: all)"),
+            (preset, "--images", 16, "images in the real-shape / generated prompt (also --target without images)"),
+            (real_, "--min-pixels", alpamayo.MIN_PIXELS, "with --target: image size bounds"),
+            (real_, "--max-pixels", alpamayo.MAX_PIXELS, "with --target: image size bounds")):
+        group.add_argument(flag, type=int, default=default, help=text)
+    cli.add_decoding_flags(every, "> 0 times both arms sampling (Alpamayo-R1 samples its CoC at 0.6, top-p 0.98)")
+    every.add_argument("--compile", action="store_true", help="also every arm through torch.compile'd steps")
+    every.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     args = ap.parse_args(argv)
     t0, cpu0 = time.time(), time.process_time()
     sampling = check_flags(ap, args)
