@@ -284,6 +284,37 @@ def decode(target, draft, prompt, decoder, max_new, stop_token, sampling=GREEDY,
     return speculate.speculative(target, draft, prompt, decoder, max_new, sampling, stop_token, timing=timing)
 
 
+class SharedPrefill:
+    """The model with each prompt's embedding and prefill computed once, then copied (KVCache.take_rows): a table
+    decodes every scene with many drafts, and the scene's prefill is the same in each (the same forward, into a cache
+    of the prompt's rows: the copied keys are those a fresh prefill writes). Keyed on the prompt's tensors, kept alive
+    here; everything else is the model's own. For decodes whose prefill is not what is timed (rsd.py's table)."""
+
+    def __init__(self, model):
+        self.model, self.memo = model, {}
+
+    def __getattr__(self, name):  # cfg, step, new_cache, vocab_ids, ...: the model's
+        return getattr(self.model, name)
+
+    def shared(self, what, input_ids, kw, run):
+        key = (what, input_ids.data_ptr(), tuple(input_ids.shape), kw.get("return_deepstack"))
+        if key not in self.memo:
+            self.memo[key] = run(), input_ids
+        return self.memo[key][0]
+
+    def embed(self, input_ids, **kw):
+        return self.shared("embed", input_ids, kw, lambda: self.model.embed(input_ids, **kw))
+
+    def __call__(self, input_ids, cache=None, **kw):  # a prefill (an empty cache) shared; anything else the model's
+        if cache is None or any(cache.lengths):
+            return self.model(input_ids, cache=cache, **kw)
+        own = lambda: (c := self.model.new_cache(len(input_ids), input_ids.shape[1]), self.model(  # noqa: E731
+            input_ids, cache=c, **kw))
+        src, logits = self.shared("prefill", input_ids, kw, own)
+        cache.take_rows(src, list(range(len(input_ids))))
+        return logits
+
+
 @torch.no_grad()
 def spec_stats(target, drafts, prompts, gamma, max_new=MAX_NEW_TOKENS, stop_token=None, check_greedy=True,
                sampling=GREEDY):

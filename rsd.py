@@ -177,7 +177,8 @@ def paper_table(target, drafts, splits, outputs, metrics, rec, n_time, repeats, 
     decoders = {row: (first[row], gammas[row]) for row in drafts} | {f"{row} tree": (first[row], trees[row])
                                                                      for row in trees}
     # compile: each row its own compiled pair; target-only: the first pair's compiled target
-    pairs = {name: timing.compiled_pair(target, d, prompts[:n_time], [g], MAX_NEW_TOKENS) if compile else (target, d)
+    shared = evaluate.SharedPrefill(target)  # each scene's prefill computed once: the table times the reasoning step
+    pairs = {name: timing.compiled_pair(target, d, prompts[:n_time], [g], MAX_NEW_TOKENS) if compile else (shared, d)
              for name, (d, g) in decoders.items()}
     speed, timed = timing.time_arms(next(iter(pairs.values()))[0], {}, prompts[:n_time], 1, MAX_NEW_TOKENS, stop,
                                     repeats, sampling, {name: (*pairs[name], g) for name, (_, g) in decoders.items()},
@@ -186,7 +187,7 @@ def paper_table(target, drafts, splits, outputs, metrics, rec, n_time, repeats, 
     reuse = not sampled and not compile  # the timed pass's decodes are the eager greedy ones
 
     def real(draft, g, done=()):  # greedy real decoding of every test scene, after the `done` ones
-        return list(done) + [evaluate.decode(target, draft, p, g, MAX_NEW_TOKENS, stop) for p in prompts[len(done):]]
+        return list(done) + [evaluate.decode(shared, draft, p, g, MAX_NEW_TOKENS, stop) for p in prompts[len(done):]]
 
     ade = metrics["ade"]  # every arm emits the target's greedy CoC: one ADE
     commit = evaluate.commitment_accs(flat, target, test)
@@ -511,8 +512,9 @@ def parse_args(argv):
     ap.add_argument("--gamma", type=int, choices=GAMMAS, help="the chain rows' draft length, with no search on val "
                     "(the replay gives tau at every gamma): tree rows only at --tree N/D/k")
     ap.add_argument("--tree", type=tree_flag, help="draft-tree rows beside the chain rows: N, the tree of evaluate."
-                    "TREES of at most N nodes chosen on val (default 32, none beside --gamma; 0 = chain rows); N/D/k, "
-                    f"this tree, with no search on val (the chain rows at --gamma, default {evaluate.GAMMA})")
+                    f"TREES of at most N nodes chosen on val (default {evaluate.TREE.nodes}, none beside --gamma; 0 = "
+                    f"chain rows); N/D/k, this tree, with no search on val (the chain rows at --gamma, default "
+                    f"{evaluate.GAMMA})")
     ap.add_argument("--search", action="store_true", help=f"measure the choice of gamma and tree on val again (step "
                     f"times, every tree's val tau) and record it in --run's {SEARCH_JSON}, which later runs read "
                     "while it holds for their checkpoints and settings; a record made with the default settings "
@@ -527,7 +529,7 @@ def parse_args(argv):
         seeds = [int(s) if s.strip().isdecimal() else -1 for s in a.seeds.split(",") if s.strip()]  # -1: not a seed
         shape = not isinstance(a.tree, (int, type(None)))  # --tree N/D/k, not a node budget N
         a.given = a.gamma is not None or shape  # the decoders themselves: nothing searched
-        a.gamma, a.tree = a.gamma or evaluate.GAMMA, (0 if a.given else 32) if a.tree is None else a.tree
+        a.gamma, a.tree = a.gamma or evaluate.GAMMA, (0 if a.given else evaluate.TREE.nodes) if a.tree is None else a.tree
         budget = 0 if shape else a.tree  # --tree N: the search's node budget
         for bad, msg in ((budget and not any(sh.nodes <= budget for sh in TREES), f"--tree {a.tree}: the smallest "
                           f"tree rsd.py chooses from has {min(sh.nodes for sh in TREES)} nodes (0: chain rows only)"),

@@ -135,16 +135,8 @@ def verify_tree(tree, logits_p, sampling, generators=None):
         p = sampling.probs(logits_p)  # (B, N+1, V)
         y = torch.stack([speculate.sample(p_b, g) for p_b, g in zip(p, generators)])  # (B, N+1)
     drawn = tree.tokens == y.gather(1, tree.parent[:, 1:])  # (B, N): node = its parent's draw
-    if sampling.lossy:
-        # A relaxed rule also accepts a child its parent's p passes. Each node picks one child, top-down: the one
-        # holding y_v, else the relaxed child of highest q (the lowest index); the path then never depends on a draw
-        # below it, so a commitment node (exact) still emits y_v ~ p.
-        at_parent = tree.parent[:, 1:, None].expand(-1, -1, logits_p.shape[-1])  # (B, N, V)
-        also = sampling.also_accepts(logits_p.gather(1, at_parent), tree.tokens)  # (B, N)
-        N = drawn.shape[1]
-        pri = torch.where(drawn | also, 2 * N * drawn + N - torch.arange(N, device=y.device), -1)  # (B, N) unique
-        best = torch.full_like(y, -1).scatter_reduce(1, tree.parent[:, 1:], pri, "amax")  # (B, N+1) per parent
-        drawn = (pri >= 0) & (pri == best.gather(1, tree.parent[:, 1:]))
+    if sampling.lossy:  # the opt-in lossy seam: one child per node, the drawn one or a relaxed one (relaxed.py)
+        drawn = sampling.relaxed.tree_children(drawn, tree.parent, tree.tokens, logits_p, sampling)
     drawn = torch.cat([tree.anc.new_ones(y.shape[0], 1), drawn], 1)  # (B, N+1)
     on_path = ~(tree.anc & ~drawn[:, None]).any(-1)  # (B, N+1) drawn, and so is every ancestor: one path from the root
     best = (on_path * (tree.depth + 1)).argmax(-1)  # (B,) its deepest node
