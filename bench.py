@@ -48,6 +48,7 @@ PLAN_TREES = (TreeShape(8, 4, 3), *evaluate.TREES)
 # and its verify's (N + 1, V) logits stay under 1 GB at Qwen's 152k vocabulary, the (N + 1)^2 mask 1M bools a row
 MAX_TREE_CANDIDATES = 1024
 
+
 def arms_json(t, chain_gamma, sfx=""):
     """Target-only and the decoder among t's arms named with sfx: ar_ / spec_ prefill and ms/token, the speed-up; beside
     a tree the chain arm of chain_gamma: its speed-up over target-only, and the tree's over it."""
@@ -75,7 +76,8 @@ def choose_tree(ct, cd, val_prompts, shapes, max_new, stop_token):
 def benchmark(target, draft, prompts, gamma, max_new, stop_token=None, repeats=3, sampling=GREEDY, compile=False,
               chain_gamma=evaluate.GAMMA, choose=None):
     """One draft's record: statistics, divergences, both arms timed, the cost model; compile: all that, compiled.
-    A tree (gamma a TreeShape) is timed beside the chain of chain_gamma with the same draft, compiled or not.
+    gamma: the decoder (speculate.Chain or gamma, tree.TreeShape); another than the chain of chain_gamma is timed
+    beside that chain with the same draft, compiled or not.
     choose (compile): (val prompts, tree shapes): the tree is the one the compiled steps run fastest (choose_tree)."""
     comp = {}
     cli.progress(f"greedy decodes of {len(prompts)} prompts, target-only and speculative (the identity check)")
@@ -83,9 +85,8 @@ def benchmark(target, draft, prompts, gamma, max_new, stop_token=None, repeats=3
         shapes = choose[1] if choose else [gamma]
         cli.progress(f"compiling every step shape of {len(shapes)} decoder(s) and target-only: minutes on a CPU (the "
                      "toy's default tree about 6 min on 2 cores), seconds to a minute on a GPU")
-        ct, cd = timing.compiled_pair(target, draft, prompts + (choose[0] if choose else []),
-                               [*shapes, chain_gamma],
-                               max_new)
+        ct, cd = timing.compiled_pair(target, draft, prompts + (choose[0] if choose else []), [*shapes, chain_gamma],
+                                      max_new)
         clock = timing.Clock(prompts[0]["input_ids"].device, enabled=True)
         if choose:  # compiles every candidate's steps, outside compile_s
             gamma, scores = choose_tree(ct, cd, choose[0], shapes, max_new, stop_token)
