@@ -30,7 +30,7 @@ from driving import Data
 import evaluate
 from evaluate import MAX_NEW_TOKENS, TARGET_ONLY, TREES, TreeShape, tree_speedup
 from ops import checkpoint, cli, files, timing
-from speculate import GREEDY, SpecResult
+from speculate import GREEDY, SpecResult, speculative_batch
 import train
 
 ROWS = (("replica", "mrope"), ("flatrope", "flat"), ("flatrope+aarl", "aarl"))  # table row -> draft kind on disk
@@ -183,11 +183,15 @@ def paper_table(target, drafts, splits, outputs, metrics, rec, n_time, repeats, 
     speed, timed = timing.time_arms(next(iter(pairs.values()))[0], {}, prompts[:n_time], 1, MAX_NEW_TOKENS, stop,
                                     repeats, sampling, {name: (*pairs[name], g) for name, (_, g) in decoders.items()},
                                     TIME_BLOCKS, warm_all=False)
-    sampled = not sampling.greedy
+    sampled, stacked = not sampling.greedy, {}
     reuse = not sampled and not compile  # the timed pass's decodes are the eager greedy ones
 
-    def real(draft, g, done=()):  # greedy real decoding of every test scene, after the `done` ones
-        return list(done) + [evaluate.decode(shared, draft, p, g, MAX_NEW_TOKENS, stop) for p in prompts[len(done):]]
+    def real(draft, g, done=()):  # greedy real decoding of the test scenes after the `done` ones, as one batch (each
+        # row is its batch-1 decode, tests/test_batch.py), their prefill shared by every draft
+        if len(done) == len(prompts):
+            return list(done)
+        rest = stacked.setdefault(len(done), evaluate.stack_prompts(prompts[len(done):]))
+        return list(done) + speculative_batch(shared, draft, rest, g, MAX_NEW_TOKENS, stop_token=stop)
 
     ade = metrics["ade"]  # every arm emits the target's greedy CoC: one ADE
     commit = evaluate.commitment_accs(flat, target, test)
