@@ -15,7 +15,7 @@ run: python bench.py --device cpu [--compile]                          (the toy,
 """
 import argparse
 import contextlib
-import dataclasses
+from dataclasses import replace
 import importlib.util
 import json
 import os
@@ -103,8 +103,8 @@ def benchmark(target, draft, prompts, gamma, max_new, stop_token=None, repeats=3
         cs = evaluate.spec_stats(ct, {"speculative": cd}, prompts, gamma, max_new, stop_token)
         outputs = {timing.COMPILED[0]: cs[TARGET_ONLY], timing.COMPILED[1]: cs["speculative"]}
         if beside:
-            outputs[timing.COMPILED_CHAIN] = evaluate.spec_stats(ct, {timing.CHAIN_ARM: cd}, prompts, chain_gamma,
-                                                                 max_new, stop_token, check_greedy=False)[timing.CHAIN_ARM]
+            outputs[timing.COMPILED_CHAIN] = evaluate.spec_stats(ct, {"c": cd}, prompts, chain_gamma, max_new,
+                                                                 stop_token, check_greedy=False)["c"]
         compile_s = clock.lap()
         div = {arm: timing.divergences(target, prompts, reference, o["tokens"]) for arm, o in outputs.items()}
         comp.update(compile_s=compile_s, divergences=div, greedy_match=not any(div.values()))
@@ -122,8 +122,8 @@ def benchmark(target, draft, prompts, gamma, max_new, stop_token=None, repeats=3
                                     sampling=sampling)["speculative"]
         res["sampled"] = {k: timed[k] for k in ("tau", "alpha", "routine_fraction")} | {"tokens": timed["n_tokens"]}
     if sampling.lossy:  # the exact decode with the same draws beside it: what the relaxed rule changed
-        exact = spec if sampling.greedy else evaluate.spec_stats(target, {"s": draft}, prompts, gamma, max_new,
-                                                                 stop_token, sampling=exact_of(sampling))["s"]
+        exact = spec if sampling.greedy else evaluate.spec_stats(
+            target, {"s": draft}, prompts, gamma, max_new, stop_token, sampling=replace(sampling, relaxed=None))["s"]
         res["lossy"] = {"tau_exact": exact["tau"], "cocs": timed["tokens"], "exact_cocs": exact["tokens"]}
     # every round drafts and verifies the whole shape (the last one's block is cut): the cost model's
     res["ran"] = dict(timing.decoder_json(gamma), nodes_per_round=timed["nodes_per_round"],
@@ -153,7 +153,7 @@ def choose_plan_decoder(target, draft, val_prompts, max_new, stop_token, samplin
     B rows costs more per node: the chain may win), measured (eager, timing.interleaved: the median of 3 passes after
     a warm-up) -> (decoder, the record: each candidate's ms per val plan)."""
     if sampling.seed is None:  # plan j's rows seeded as in timing.plans()
-        sampling = dataclasses.replace(sampling, seed=0)
+        sampling = replace(sampling, seed=0)
     groups, kw = timing.plan_batches(val_prompts, batch), dict(samples=samples, stop_token=stop_token)
     candidates = (*PLAN_TREES, Chain(chain_gamma))
     runs = timing.interleaved({str(sh): lambda j, sh=sh: speculative_batch(
@@ -179,10 +179,6 @@ def cost_model(target, draft, prompt, gamma, tau, reps=20):
     return {"t_target_1": 1e3 * t1, "t_target_verify": 1e3 * tv, "t_draft_1": 1e3 * td, "t_draft_level": 1e3 * tl,
             "t_draft_grow": 1e3 * tg, "predicted_speedup": tree_speedup(tau, t1, td, tl, tv, gamma, t_grow=tg),
             "predicted_speedup_by_steps": tree_speedup(tau, t1, td, tl, tv, gamma)}
-
-
-def exact_of(sampling):
-    return dataclasses.replace(sampling, relaxed=None)
 
 
 # ---- the modes: the toy, a real shape (random weights), a real checkpoint ----
@@ -218,7 +214,7 @@ def toy(args, device, dtype, sampling):
 
 
 def build_preset(name, device, dtype, layers=None, draft_vocab=0):
-    cfg = dataclasses.replace(M.PRESETS[name], n_layers=layers) if layers else M.PRESETS[name]
+    cfg = replace(M.PRESETS[name], n_layers=layers) if layers else M.PRESETS[name]
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
