@@ -15,7 +15,7 @@ run: python bench.py --device cpu [--compile]                          (the toy,
 """
 import argparse
 import contextlib
-import dataclasses
+from dataclasses import replace
 import importlib.util
 import json
 import os
@@ -31,21 +31,16 @@ import driving
 import evaluate
 from evaluate import TARGET_ONLY, tree_speedup
 import model as M
-from ops import checkpoint, cli, compiled, files, timing
+from ops import checkpoint, cli, files, timing
 from real import alpamayo, hf, scenes
 from real.expert import speed_from_history
-import speculate
-from speculate import GREEDY
-import tree as trees
+from speculate import GREEDY, Chain, decoder_of, speculative_batch
 from tree import TreeShape
 
 TOY_DRAFT = ("aarl", 0)  # the toy mode's default draft: FlatRoPE + AARL (static anchor), seed 0
 TOY_JSON = "runs/bench_toy.json"  # the toy mode's default --out (whatever settings that run had); never a shipped file
 ROOT = os.path.dirname(os.path.abspath(__file__))
 SHIPPED_DIR = os.path.join(ROOT, "checkpoints")  # what the repo ships: no report is written there
-CHAIN_ARM = "speculative chain"  # with a tree: the chain of --gamma, the same draft, timed in the same passes
-# --compile's arms, timed beside the eager ones: each eager arm's name + " compiled"
-COMPILED, COMPILED_CHAIN = (TARGET_ONLY + " compiled", "speculative compiled"), CHAIN_ARM + " compiled"
 CHOOSE_SCENES = 16  # val scenes whose tau chooses --compile's tree, or whose plans choose the plans' tree
 # the plans' candidate trees: evaluate.TREES and a smaller budget, for a verify over B rows costs more per node
 PLAN_TREES = (TreeShape(8, 4, 3), *evaluate.TREES)
@@ -53,62 +48,11 @@ PLAN_TREES = (TreeShape(8, 4, 3), *evaluate.TREES)
 # and its verify's (N + 1, V) logits stay under 1 GB at Qwen's 152k vocabulary, the (N + 1)^2 mask 1M bools a row
 MAX_TREE_CANDIDATES = 1024
 
-# ---- the two arms, timed in the same passes ----
-@torch.no_grad()  # the grad mode the compiled steps were warmed up in (evaluate.spec_stats); another recompiles
-def time_arms(target, drafts, prompts, gamma, max_new, stop_token, repeats, sampling=GREEDY, extra=None, blocks=1,
-              warm_all=True):
-    """({arm: {prefill_ms, ms_per_token, speedup (medians over `repeats` passes), ms_per_token_range, speedup_range}},
-    {arm: [SpecResult per prompt] of the first pass}): every arm warmed up (warm_all: on every prompt, else on the
-    first), then timing.interleaved's passes (the arms back to back on each prompt, the order rotated): load that drifts
-    on a shared machine falls on every arm alike. extra: {name: (target, draft or None[, gamma])}; sampled: prompt i's
-    seeds in every pass. Ranges: min..max over the passes' `blocks` blocks of prompts (a block's speed-up is paired:
-    the same prompts, timed back to back)."""
-    arms = {TARGET_ONLY: (target, None), **{name: (target, d) for name, d in drafts.items()}, **(extra or {})}
-    arms = {name: (*arm, gamma)[:3] for name, arm in arms.items()}  # (target, draft, gamma) each
-    for t, draft, g in arms.values() if warm_all else ():
-        for i, p in enumerate(prompts):
-            evaluate.decode(t, draft, p, g, max_new, stop_token, sampling.offset(i))
-    runs = timing.interleaved({name: lambda i, t=t, d=d, g=g: evaluate.decode(
-        t, d, prompts[i], g, max_new, stop_token, sampling.offset(i), timing=True)
-        for name, (t, d, g) in arms.items()}, len(prompts), repeats, prompts[0]["input_ids"].device,
-        warmup=0 if warm_all else 1)
-    res = {name: [[x.result for x in p] for p in passes] for name, passes in runs.items()}  # [pass][prompt]
-    nb = min(blocks, len(prompts))
-    cuts = [round(j * len(prompts) / nb) for j in range(nb + 1)]
-    units = [(r, lo, hi) for r in range(repeats) for lo, hi in zip(cuts, cuts[1:])]
-
-    def ms(name, r, lo=0, hi=len(prompts)):  # pass r's ms/token over prompts lo..hi-1
-        return 1e3 * sum(x.decode_s for x in res[name][r][lo:hi]) / sum(len(x.tokens) for x in res[name][r][lo:hi])
-
-    med = {name: median(ms(name, r) for r in range(repeats)) for name in arms}
-    out = {}
-    for name in arms:
-        unit_ms = [ms(name, *u) for u in units]
-        unit_up = [ms(TARGET_ONLY, *u) / m for u, m in zip(units, unit_ms)]
-        out[name] = {"prefill_ms": median(1e3 * sum(x.prefill_s for x in p) / len(p) for p in res[name]),
-                     "ms_per_token": med[name], "speedup": med[TARGET_ONLY] / med[name],
-                     "ms_per_token_range": [min(unit_ms), max(unit_ms)], "speedup_range": [min(unit_up), max(unit_up)]}
-    return out, {name: r[0] for name, r in res.items()}
-
-
-def compiled_pair(target, draft, prompts, decoders, max_new, batch=1):
-    """compiled.CompiledSteps of target and draft, each cache sized for every prompt and decoder (chain gammas,
-    trees), each step length a decode takes compiled once: target-only 1, a verify gamma + 1 or N + 1; the draft's
-    pending 1 or 2 tokens (a tree's too: every accepted node but the last was expanded, so fed), a tree level k."""
-    gammas = [d for d in decoders if not isinstance(d, TreeShape)]
-    trees = [d for d in decoders if isinstance(d, TreeShape)]
-    t_lengths = {1, *(g + 1 for g in gammas), *(t.nodes + 1 for t in trees)}
-    d_lengths = {1, 2, *(t.width for t in trees)}
-    slack = max([*gammas, *(t.nodes for t in trees)]) + max(t_lengths)
-    max_len = max(p["input_ids"].shape[1] for p in prompts) + max_new + slack
-    return (compiled.CompiledSteps(target, max_len, t_lengths, batch),
-            compiled.CompiledSteps(draft, max_len, d_lengths, batch))
-
 
 def arms_json(t, chain_gamma, sfx=""):
     """Target-only and the decoder among t's arms named with sfx: ar_ / spec_ prefill and ms/token, the speed-up; beside
     a tree the chain arm of chain_gamma: its speed-up over target-only, and the tree's over it."""
-    ar, spec, c = t[TARGET_ONLY + sfx], t["speculative" + sfx], t.get(CHAIN_ARM + sfx)
+    ar, spec, c = t[TARGET_ONLY + sfx], t["speculative" + sfx], t.get(timing.CHAIN_ARM + sfx)
     out = {f"{a}_{k}": arm[k] for k in ("prefill_ms", "ms_per_token") for a, arm in (("ar", ar), ("spec", spec))}
     out["speedup"] = ar["ms_per_token"] / spec["ms_per_token"]
     if c:
@@ -132,7 +76,8 @@ def choose_tree(ct, cd, val_prompts, shapes, max_new, stop_token):
 def benchmark(target, draft, prompts, gamma, max_new, stop_token=None, repeats=3, sampling=GREEDY, compile=False,
               chain_gamma=evaluate.GAMMA, choose=None):
     """One draft's record: statistics, divergences, both arms timed, the cost model; compile: all that, compiled.
-    A tree (gamma a TreeShape) is timed beside the chain of chain_gamma with the same draft, compiled or not.
+    gamma: the decoder (speculate.Chain or gamma, tree.TreeShape); another than the chain of chain_gamma is timed
+    beside that chain with the same draft, compiled or not.
     choose (compile): (val prompts, tree shapes): the tree is the one the compiled steps run fastest (choose_tree)."""
     comp = {}
     cli.progress(f"greedy decodes of {len(prompts)} prompts, target-only and speculative (the identity check)")
@@ -140,34 +85,34 @@ def benchmark(target, draft, prompts, gamma, max_new, stop_token=None, repeats=3
         shapes = choose[1] if choose else [gamma]
         cli.progress(f"compiling every step shape of {len(shapes)} decoder(s) and target-only: minutes on a CPU (the "
                      "toy's default tree about 6 min on 2 cores), seconds to a minute on a GPU")
-        ct, cd = compiled_pair(target, draft, prompts + (choose[0] if choose else []),
-                               [*shapes, *([chain_gamma] if any(isinstance(sh, TreeShape) for sh in shapes) else [])],
-                               max_new)
+        ct, cd = timing.compiled_pair(target, draft, prompts + (choose[0] if choose else []), [*shapes, chain_gamma],
+                                      max_new)
         clock = timing.Clock(prompts[0]["input_ids"].device, enabled=True)
         if choose:  # compiles every candidate's steps, outside compile_s
             gamma, scores = choose_tree(ct, cd, choose[0], shapes, max_new, stop_token)
             comp["chosen"] = {"what": "the tree the compiled steps run fastest: each shape's greedy tau on val scenes "
-                                      "at the compiled step times (the cost model)", "ran": decoder_json(gamma),
+                                      "at the compiled step times (the cost model)", "ran": timing.decoder_json(gamma),
                               "candidates": {str(sh): v for sh, v in scores.items()}}
             clock.lap()
-    tree = isinstance(gamma, TreeShape)
+    gamma = decoder_of(gamma)
+    beside = gamma != Chain(chain_gamma)  # the chain arm, timed beside another decoder
     greedy = evaluate.spec_stats(target, {"speculative": draft}, prompts, gamma, max_new, stop_token)
     spec, reference = greedy["speculative"], greedy[TARGET_ONLY]["tokens"]
     if compile:
         # the compiled arms' greedy outputs; the first decodes compile every step shape, and the clock says how long
         cs = evaluate.spec_stats(ct, {"speculative": cd}, prompts, gamma, max_new, stop_token)
-        outputs = {COMPILED[0]: cs[TARGET_ONLY], COMPILED[1]: cs["speculative"]}
-        if tree:
-            outputs[COMPILED_CHAIN] = evaluate.spec_stats(ct, {CHAIN_ARM: cd}, prompts, chain_gamma, max_new,
-                                                          stop_token, check_greedy=False)[CHAIN_ARM]
+        outputs = {timing.COMPILED[0]: cs[TARGET_ONLY], timing.COMPILED[1]: cs["speculative"]}
+        if beside:
+            outputs[timing.COMPILED_CHAIN] = evaluate.spec_stats(ct, {"c": cd}, prompts, chain_gamma, max_new,
+                                                                 stop_token, check_greedy=False)["c"]
         compile_s = clock.lap()
         div = {arm: timing.divergences(target, prompts, reference, o["tokens"]) for arm, o in outputs.items()}
         comp.update(compile_s=compile_s, divergences=div, greedy_match=not any(div.values()))
-    arms = arm_table({"": (target, draft)} | ({" compiled": (ct, cd)} if compile else {}), gamma, chain_gamma)
+    arms = timing.arm_table({"": (target, draft)} | ({" compiled": (ct, cd)} if compile else {}), gamma, chain_gamma)
     cli.progress(f"timing {len({TARGET_ONLY, *arms})} arms: {repeats} passes over {len(prompts)} prompts, then the "
                  "cost model")
-    t = time_arms(target, {}, prompts, gamma, max_new, stop_token, repeats, sampling, arms)[0]
-    res = {"decoder": decoder_json(gamma), "decoding": cli.sampling_json(sampling),
+    t = timing.time_arms(target, {}, prompts, gamma, max_new, stop_token, repeats, sampling, arms)[0]
+    res = {"decoder": timing.decoder_json(gamma), "decoding": cli.sampling_json(sampling),
            **{k: spec[k] for k in ("greedy_match", "tau", "alpha", "routine_fraction")}, "tokens": spec["n_tokens"],
            "prompts": len(prompts), "divergences": timing.divergences(target, prompts, reference, spec["tokens"]),
            **arms_json(t, chain_gamma)}
@@ -177,8 +122,8 @@ def benchmark(target, draft, prompts, gamma, max_new, stop_token=None, repeats=3
                                     sampling=sampling)["speculative"]
         res["sampled"] = {k: timed[k] for k in ("tau", "alpha", "routine_fraction")} | {"tokens": timed["n_tokens"]}
     if sampling.lossy:  # the exact decode with the same draws beside it: what the relaxed rule changed
-        exact = spec if sampling.greedy else evaluate.spec_stats(target, {"s": draft}, prompts, gamma, max_new,
-                                                                 stop_token, sampling=exact_of(sampling))["s"]
+        exact = spec if sampling.greedy else evaluate.spec_stats(
+            target, {"s": draft}, prompts, gamma, max_new, stop_token, sampling=replace(sampling, relaxed=None))["s"]
         res["lossy"] = {"tau_exact": exact["tau"], "cocs": timed["tokens"], "exact_cocs": exact["tokens"]}
         # the top level is the timed (lossy) decode, as its speed-up is; the exact greedy decode under its own key
         res["exact"] = {k: res[k] for k in ("greedy_match", "tau", "alpha", "routine_fraction", "divergences")}
@@ -187,88 +132,17 @@ def benchmark(target, draft, prompts, gamma, max_new, stop_token=None, repeats=3
             res.update(greedy_match=timed["tokens"] == reference,
                        divergences=timing.divergences(target, prompts, reference, timed["tokens"]))
     # every round drafts and verifies the whole shape (the last one's block is cut): the cost model's
-    res["ran"] = dict(decoder_json(gamma), nodes_per_round=timed["nodes_per_round"],
+    res["ran"] = dict(timing.decoder_json(gamma), nodes_per_round=timed["nodes_per_round"],
                       depth_per_round=timed["depth_per_round"])
     res.update(cost_model(target, draft, prompts[0], gamma, timed["tau"]))
     res["c"] = res["t_draft_1"] / res["t_target_1"]
-    if not tree:  # Leviathan's closed form is the chain's
-        res["leviathan_speedup"] = evaluate.expected_speedup(timed["alpha"], gamma, res["c"])
+    if gamma.kind == "chain":  # Leviathan's closed form is the chain's
+        res["leviathan_speedup"] = evaluate.expected_speedup(timed["alpha"], gamma.gamma, res["c"])
     if compile:  # the compiled speed-up over compiled target-only, and each compiled arm's over eager target-only
-        comp.update(arms_json(t, chain_gamma, " compiled"), speedup_vs_eager=t[COMPILED[1]]["speedup"],
-                    target_only_vs_eager=t[COMPILED[0]]["speedup"])
+        comp.update(arms_json(t, chain_gamma, " compiled"), speedup_vs_eager=t[timing.COMPILED[1]]["speedup"],
+                    target_only_vs_eager=t[timing.COMPILED[0]]["speedup"])
         res["compiled"] = comp | cost_model(ct, cd, prompts[0], gamma, timed["tau"])
     return res
-
-
-# ---- plans of several rows (Alpamayo-R1 samples six CoCs per scene) ----
-@torch.no_grad()
-def plans(target, draft, prompts, gamma, max_new, stop_token, repeats, sampling, batch, samples, compile=False,
-          chain_gamma=evaluate.GAMMA):
-    """Plans of `batch` prompts x `samples` rows each, decoded as one batch (speculate.speculative_batch, tree or
-    chain, against autoregressive_batch on the same rows), arms alternating in every pass, medians reported: per
-    plan the reasoning step's ms until every row is done, tokens per second, tau per row, the speed-up; greedy rows
-    compared with their own batch-1 target-only decode. compile: the same arms through CompiledSteps of B rows."""
-    B, groups = batch * samples, plan_batches(prompts, batch)
-    compiled_ = {" compiled": compiled_pair(target, draft, groups, [gamma, chain_gamma], max_new, B)} if compile else {}
-    pairs = {"": (target, draft)} | compiled_
-
-    def run(t, d, g, p, j):  # plan j's rows seeded seed + B j + r: the same draws in every pass
-        kw = dict(samples=samples, stop_token=stop_token, sampling=sampling.offset(B * j), timing=True)
-        calls[0] += 1
-        cli.progress(f"plans: {calls[0]} of {total} plan decodes (every arm, a warm-up pass and {repeats} timed)", 10)
-        if d is None:
-            return speculate.autoregressive_batch(t, p, max_new, **kw)
-        return (trees.speculative_batch if isinstance(g, TreeShape) else speculate.speculative_batch)(
-            t, d, p, g, max_new, **kw)
-
-    calls, total = [0], len(arm_table(pairs, gamma, chain_gamma)) * len(groups) * (repeats + 1)
-    cli.progress(f"plans: {len(groups)} plans of {B} rows, {total} plan decodes" + (", compiling first" if compile
-                                                                                      else ""))
-    runs = timing.interleaved({name: lambda j, arm=arm: run(*arm, groups[j], j) for name, arm in arm_table(
-        pairs, gamma, chain_gamma).items()}, len(groups), repeats, groups[0]["input_ids"].device)  # warm-up, compile
-    out = {name: [x.result for x in ps[0]] for name, ps in runs.items()}  # the same rows in every pass
-    passes = {name: plan_ms(ps, len(groups)) for name, ps in runs.items()}  # ms per plan, until every row is done
-    rec = {"batch": batch, "samples": samples, "rows": B, "plans": len(groups), "decoding": cli.sampling_json(sampling),
-           "cocs": [r.tokens for r in out["speculative"][0]],  # the first plan's rows
-           "what": "ms: the reasoning step of one plan, until every row is done (median over passes); "
-                   "idle_row_share: row-rounds a finished row spends in the batch (its work thrown away)"}
-    base = median(passes[TARGET_ONLY])
-    for name, ps in passes.items():
-        ms, rows = median(ps), [r for plan in out[name] for r in plan]
-        rec[name] = {"ms_per_plan": ms, "ms_per_plan_range": [min(ps), max(ps)],
-                     "tokens_per_s": 1e3 * sum(len(r.tokens) for r in rows) / len(groups) / ms, "speedup": base / ms,
-                     "tau_per_row": [r.tau for r in rows], "mean_tau": sum(r.tau for r in rows) / len(rows),
-                     "idle_row_share": sum(max(r.rounds for r in plan) - r.rounds for plan in out[name] for r in plan)
-                     / sum(max(r.rounds for r in plan) * len(plan) for plan in out[name])}
-        if name.endswith(" compiled"):
-            rec[name]["speedup"] = median(passes[COMPILED[0]]) / ms  # over compiled target-only
-    if sampling.greedy:  # greedy: each row equals its own prompt's batch-1 target-only decode
-        cli.progress(f"plans: each of {len(prompts)} prompts' batch-1 target-only decode (the identity check)")
-        ref = [speculate.autoregressive(target, p, max_new, stop_token=stop_token).tokens for p in prompts]
-        want = [ref[j * batch + i] for j in range(len(groups)) for i in range(batch) for _ in range(samples)]
-        rec["greedy_match_per_row"] = {name: [r.tokens == w for r, w in zip([r for plan in o for r in plan], want)]
-                                       for name, o in out.items()}
-        rec["greedy_match"] = all(all(v) for v in rec["greedy_match_per_row"].values())
-    return rec
-
-
-def plan_batches(prompts, batch):
-    """The plans' prompts, `batch` at a time, each group one left-padded prompt of `batch` rows (a partial last group
-    is left out: every plan has the same rows)."""
-    return [evaluate.stack_prompts(prompts[i:i + batch]) for i in range(0, len(prompts) - batch + 1, batch)]
-
-
-def arm_table(pairs, gamma, chain_gamma):
-    """{arm: (target, draft or None, gamma)} for each (target, draft) of pairs {name suffix: pair}: target-only, the
-    decoder, and beside a tree the chain of chain_gamma with the same draft, timed in the same passes (is the tree
-    faster here?)."""
-    arms = ((TARGET_ONLY, False, gamma), ("speculative", True, gamma), (CHAIN_ARM, True, chain_gamma))
-    return {name + sfx: (t, d if drafted else None, g) for sfx, (t, d) in pairs.items()
-            for name, drafted, g in arms[:3 if isinstance(gamma, TreeShape) else 2]}
-
-
-def plan_ms(passes, n):  # each pass's ms per plan of n, until every row of the plan is done
-    return [1e3 * sum(max(r.decode_s for r in x.result) for x in p) / n for p in passes]
 
 
 def action_stage(target, prompt, cocs, end, v0=None, repeats=3):
@@ -279,44 +153,38 @@ def action_stage(target, prompt, cocs, end, v0=None, repeats=3):
     return {"action_ms": ms, "waypoints": run().tolist()}
 
 
-def choose_plan_tree(target, draft, val_prompts, max_new, stop_token, sampling, batch, samples):
-    """The tree of PLAN_TREES whose plans of val_prompts run fastest, measured (eager, timing.interleaved: the median
-    of 3 passes after a warm-up) -> (shape, the record: each candidate's ms per val plan)."""
-    if sampling.seed is None:  # plan j's rows seeded as in plans()
-        sampling = dataclasses.replace(sampling, seed=0)
-    groups, kw = plan_batches(val_prompts, batch), dict(samples=samples, stop_token=stop_token)
-    runs = timing.interleaved({str(sh): lambda j, sh=sh: trees.speculative_batch(
+def choose_plan_decoder(target, draft, val_prompts, max_new, stop_token, sampling, batch, samples,
+                        chain_gamma=evaluate.GAMMA):
+    """The decoder whose plans of val_prompts run fastest, of PLAN_TREES and the chain of chain_gamma (a verify over
+    B rows costs more per node: the chain may win), measured (eager, timing.interleaved: the median of 3 passes after
+    a warm-up) -> (decoder, the record: each candidate's ms per val plan)."""
+    if sampling.seed is None:  # plan j's rows seeded as in timing.plans()
+        sampling = replace(sampling, seed=0)
+    groups, kw = timing.plan_batches(val_prompts, batch), dict(samples=samples, stop_token=stop_token)
+    candidates = (*PLAN_TREES, Chain(chain_gamma))
+    runs = timing.interleaved({str(sh): lambda j, sh=sh: speculative_batch(
         target, draft, groups[j], sh, max_new, timing=True, **kw, sampling=sampling.offset(batch * samples * j))
-        for sh in PLAN_TREES}, len(groups), 3, groups[0]["input_ids"].device)
-    ms = {name: median(plan_ms(ps, len(groups))) for name, ps in runs.items()}
-    best = min(PLAN_TREES, key=lambda sh: ms[str(sh)])
-    return best, {"what": f"the tree whose plans of {len(val_prompts)} val scenes ran fastest (eager, ms per plan)",
-                  "ran": decoder_json(best), "ms_per_val_plan": ms}
+        for sh in candidates}, len(groups), 3, groups[0]["input_ids"].device)
+    ms = {name: median(timing.plan_ms(ps, len(groups))) for name, ps in runs.items()}
+    best = min(candidates, key=lambda sh: ms[str(sh)])
+    return best, {"what": f"the decoder whose plans of {len(val_prompts)} val scenes ran fastest (eager, ms per plan)",
+                  "ran": timing.decoder_json(best), "ms_per_val_plan": ms}
 
 
 def cost_model(target, draft, prompt, gamma, tau, reps=20):
     """Step times (ms): T_target(1), T_draft(1), T_target(gamma + 1) or a tree's verify and level; speed-up at tau."""
-    tree = isinstance(gamma, TreeShape)
-    t = timing.step_times(target, draft, prompt, (1,) if tree else (1, gamma + 1), reps)
+    gamma = decoder_of(gamma)
+    g = gamma.gamma if gamma.kind == "chain" else None  # a chain's verify is the target's step of gamma + 1
+    t = timing.step_times(target, draft, prompt, (1, g + 1) if g else (1,), reps)
     t1, td = t["target"][1], t["draft"]
-    if not tree:
-        return {"t_target_1": 1e3 * t1, "t_target_gamma1": 1e3 * t["target"][gamma + 1], "t_draft_1": 1e3 * td,
-                "predicted_speedup": evaluate.measured_speedup(tau, t1, td, t["target"][gamma + 1], gamma)}
+    if g:
+        return {"t_target_1": 1e3 * t1, "t_target_gamma1": 1e3 * t["target"][g + 1], "t_draft_1": 1e3 * td,
+                "predicted_speedup": evaluate.measured_speedup(tau, t1, td, t["target"][g + 1], g)}
     tt = timing.tree_step_times(target, draft, prompt, (gamma.nodes,), gamma.width, reps)
     tv, tl, tg = tt["target"][gamma.nodes], tt["draft_level"], timing.grow_time(target, draft, prompt, gamma, reps)
     return {"t_target_1": 1e3 * t1, "t_target_verify": 1e3 * tv, "t_draft_1": 1e3 * td, "t_draft_level": 1e3 * tl,
             "t_draft_grow": 1e3 * tg, "predicted_speedup": tree_speedup(tau, t1, td, tl, tv, gamma, t_grow=tg),
             "predicted_speedup_by_steps": tree_speedup(tau, t1, td, tl, tv, gamma)}
-
-
-def exact_of(sampling):
-    return dataclasses.replace(sampling, relaxed=None)
-
-
-def decoder_json(gamma):
-    if isinstance(gamma, TreeShape):
-        return {"kind": "tree", "nodes": gamma.nodes, "depth": gamma.depth, "width": gamma.width}
-    return {"kind": "chain", "gamma": gamma}
 
 
 # ---- the modes: the toy, a real shape (random weights), a real checkpoint ----
@@ -332,16 +200,17 @@ def toy(args, device, dtype, sampling):
     prompts = split("test", args.prompts)
     if args.batch > 1 or args.samples > 1:  # plans of several rows, decoded as one batch
         decoder, chosen = args.decoder, None
-        if args.choose_plan_tree:  # a verify over B rows costs more: the tree that runs the val plans fastest
-            cli.progress(f"choosing the plans' tree: {len(PLAN_TREES)} trees on {CHOOSE_SCENES} val scenes")
-            decoder, chosen = choose_plan_tree(target, draft, split("val", CHOOSE_SCENES), args.max_new, tok.cot_end_id,
-                                               sampling, args.batch, args.samples)
-        p = plans(target, draft, prompts, decoder, args.max_new, tok.cot_end_id, args.repeats, sampling, args.batch,
-                  args.samples, args.compile, args.gamma)
+        if args.choose_plan_tree:  # a verify over B rows costs more: the decoder that runs the val plans fastest
+            cli.progress(f"choosing the plans' decoder: {len(PLAN_TREES)} trees and the chain on {CHOOSE_SCENES} val "
+                         "scenes")
+            decoder, chosen = choose_plan_decoder(target, draft, split("val", CHOOSE_SCENES), args.max_new,
+                                                  tok.cot_end_id, sampling, args.batch, args.samples, args.gamma)
+        p = timing.plans(target, draft, prompts, decoder, args.max_new, tok.cot_end_id, args.repeats, sampling,
+                         args.batch, args.samples, args.compile, args.gamma)
         p |= action_stage(target, evaluate.stack_prompts(prompts[:args.batch]), p["cocs"],
                           (tok.cot_end_id, tok.traj_future_start_id), repeats=args.repeats)  # the first plan's rows
         return {"mode": "plans", "draft": draft_dir, "target": target_dir, "decoding": cli.sampling_json(sampling),
-                "decoder": decoder_json(decoder), "plan": dict(p, chosen=chosen) if chosen else p}
+                "decoder": timing.decoder_json(decoder), "plan": dict(p, chosen=chosen) if chosen else p}
     # --compile without --tree: the tree the compiled steps run fastest, chosen on val scenes
     choose = (split("val", CHOOSE_SCENES), list(evaluate.TREES)) if args.choose_tree else None
     res = benchmark(target, draft, prompts, args.decoder, args.max_new, tok.cot_end_id, args.repeats, sampling,
@@ -353,7 +222,7 @@ def toy(args, device, dtype, sampling):
 
 
 def build_preset(name, device, dtype, layers=None, draft_vocab=0):
-    cfg = dataclasses.replace(M.PRESETS[name], n_layers=layers) if layers else M.PRESETS[name]
+    cfg = replace(M.PRESETS[name], n_layers=layers) if layers else M.PRESETS[name]
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -394,8 +263,8 @@ def real(args, device, dtype, sampling):
     name = args.target or (args.preset + (f" ({args.layers} layers)" if args.layers else "")
                            + (f", draft head over {args.draft_vocab} ids" if args.draft_vocab else ""))
     if args.samples > 1:  # each scene's plan as the release runs it: `samples` CoCs as one batch, the expert over all
-        p = plans(target, draft, ps, args.decoder, args.max_new, stop, args.repeats, sampling, 1, args.samples,
-                  args.compile, args.gamma)
+        p = timing.plans(target, draft, ps, args.decoder, args.max_new, stop, args.repeats, sampling, 1, args.samples,
+                         args.compile, args.gamma)
         if getattr(target, "expert", None) is not None:  # the first scene's plan, at its own speed
             v0 = speed_from_history(past[None]).to(device).expand(args.samples)  # (B,)
             p.update(action_stage(target, ps[0], p["cocs"], (stop,), v0, args.repeats))
@@ -416,20 +285,11 @@ def decoder_text(d):
         f"tree draft, {d['nodes']} nodes, depth {d['depth']}, width {d['width']}")
 
 
-def decoding_text(d, rows=None):
-    """The decoding in words; rows: a plan's rows (row r of plan j then draws from seed + rows j + r)."""
-    v, seeds = d.get("verification", "exact"), f"prompt i's generator seeded {d['seed']} + i" if rows is None else (
-        f"row r of plan j seeded {d['seed']} + {rows} j + r")
-    return ("greedy" if d["mode"] == "greedy" else (
-        f"sampling at temperature {d['temperature']:g}, top-k {d['top_k'] or 'off'}, top-p {d['top_p'] or 'off'}, "
-        f"{seeds}")) + ("" if v == "exact" else f", LOSSY: relaxed acceptance, rule {v['rule']}, bound {v['bound']:g}")
-
-
 def run_line(res):
     rows, f = res["plan"]["rows"] if res["mode"] == "plans" else None, res.get("what_ran", {}).get("flags", {})
     return (f"device {res['device']} ({res['hardware']}), dtype {res['dtype']}, threads {res['threads']}, torch "
             f"{res.get('torch', torch.__version__)}, {decoder_text(res['decoder'])}, decoding "
-            f"{decoding_text(res['decoding'], rows)}"
+            f"{cli.decoding_text(res['decoding'], rows)}"
             + (f", max-new {f['max_new']}, repeats {f['repeats']}" if f else "")
             + (f", {res['what_ran']['wall_s']:.0f} s in all" if "what_ran" in res else ""))
 
@@ -509,45 +369,50 @@ def plan_lines(p):
 @cli.program
 def main(argv=None):
     ap = argparse.ArgumentParser(description="Reasoning-step latency: target-only vs speculative (RSD).")
-    ap.add_argument("--dtype", default="bf16", choices=sorted(cli.DTYPES), help="weights, activations and KV cache")
-    ap.add_argument("--preset", choices=[k for k in sorted(M.PRESETS) if "toy" not in k], help="random weights")
-    for flag, default, text in (  # the folders and files; --images-dir ... --scenes: a real checkpoint's prompt
-            ("--device", "cpu", "cpu or cuda"),
-            ("--run", checkpoint.SHIPPED, "toy checkpoints folder (default: the shipped ones)"),
-            ("--target", None, "Hugging Face Qwen2.5-VL / Qwen3-VL / Alpamayo folder"),
-            ("--draft", None, f"draft folder (checkpoint.save format) trained for the target: the toy's (default "
-                              f"{TOY_DRAFT[0]} seed {TOY_DRAFT[1]} of --run), or one for --target"),
-            ("--images-dir", None, "with --target: a folder of camera images (name order)"),
-            ("--image-size", "288x512", "with --target: HxW of the generated images"),
-            ("--processor", None, "with --target: tokenizer + image processor folder (default: --target)"),
-            ("--scenes", None, "with --target: a scene folder (scenes.py) measured held out: tau, alpha per draft "
-                               "position, routine share, greedy identity, latency per stage, ADE"),
-            ("--out", None, f"write the report's JSON here (toy default {TOY_JSON}; none for a real model)")):
-        ap.add_argument(flag, default=default, help=text)
-    for flag, default, text in (
-            ("--layers", None, "with --preset: keep only this many decoder layers"),
-            ("--draft-vocab", 0, "with --preset: the draft's head covers only the first K token ids (0: all)"),
-            ("--images", 16, "images in the real-shape / generated prompt"),
-            ("--gamma", evaluate.GAMMA, "the chain's draft length (the chain arm, also timed beside a tree)"),
-            ("--tree", None, f"a draft tree of N nodes, 0: the chain (default {evaluate.TREE.nodes}; toy --compile: "
-                             "the tree of evaluate.TREES the compiled steps run fastest on val scenes; toy plans: "
-                             "the tree of PLAN_TREES whose val plans run fastest)"),
-            ("--tree-depth", evaluate.TREE.depth, "with --tree: its depth D"),
-            ("--tree-width", evaluate.TREE.width, "with --tree: k, nodes expanded per level and children per node"),
-            ("--max-new", evaluate.MAX_NEW_TOKENS, "reasoning tokens per prompt at most"),
-            ("--prompts", 32, "toy: held-out test scenes benchmarked"),
-            ("--views", driving.WorldConfig().views, "toy: surround views per prompt"),
-            ("--samples", 1, "toy: rows per prompt, each its own sampled CoC, decoded as one batch (Alpamayo-R1 "
-                             "runs 6 at --temperature 0.6 --top-p 0.98)"),
-            ("--batch", 1, "toy: prompts per batch (with --samples: batch x samples rows per plan)"),
-            ("--repeats", 3, "timed passes (median reported), >= 3"),
-            ("--threads", None, "CPU threads (default: torch's)"),
-            ("--min-pixels", alpamayo.MIN_PIXELS, "with --target: image size bounds"),
-            ("--max-pixels", alpamayo.MAX_PIXELS, "with --target: image size bounds")):
-        ap.add_argument(flag, type=int, default=default, help=text)
-    cli.add_decoding_flags(ap, "> 0 times both arms sampling (Alpamayo-R1 samples its CoC at 0.6, top-p 0.98)")
-    ap.add_argument("--compile", action="store_true", help="also every arm through torch.compile'd steps")
-    ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    every, toy_, preset, real_ = (ap.add_argument_group(title) for title in (
+        "every mode", "the toy (default): the shipped checkpoints, held-out scenes of the synthetic world",
+        "--preset: a real shape, random weights", "--target: a real checkpoint (Hugging Face / Alpamayo folder)"))
+    every.add_argument("--dtype", default="bf16", choices=sorted(cli.DTYPES), help="weights, activations and KV cache")
+    preset.add_argument("--preset", choices=[k for k in sorted(M.PRESETS) if "toy" not in k], help="random weights")
+    for group, flag, default, text in (  # --images-dir ... --scenes: a real checkpoint's prompt
+            (every, "--device", "cpu", "cpu or cuda"),
+            (every, "--out", None, f"write the report's JSON here (toy default {TOY_JSON}; none for a real model)"),
+            (toy_, "--run", checkpoint.SHIPPED, "toy checkpoints folder (default: the shipped ones)"),
+            (toy_, "--draft", None, f"draft folder (checkpoint.save format) trained for the target: the toy's (default "
+                                    f"{TOY_DRAFT[0]} seed {TOY_DRAFT[1]} of --run), or one for --target"),
+            (real_, "--target", None, "Hugging Face Qwen2.5-VL / Qwen3-VL / Alpamayo folder"),
+            (real_, "--images-dir", None, "with --target: a folder of camera images (name order)"),
+            (real_, "--image-size", "288x512", "with --target: HxW of the generated images"),
+            (real_, "--processor", None, "with --target: tokenizer + image processor folder (default: --target)"),
+            (real_, "--scenes", None, "with --target: a scene folder (scenes.py) measured held out: tau, alpha per "
+                                      "draft position, routine share, greedy identity, latency per stage, ADE")):
+        group.add_argument(flag, default=default, help=text)
+    for group, flag, default, text in (
+            (every, "--gamma", evaluate.GAMMA, "the chain's draft length (the chain arm, also timed beside a tree)"),
+            (every, "--tree", None, f"a draft tree of N nodes, 0: the chain (default {evaluate.TREE.nodes}; toy "
+                                    "--compile: the tree of evaluate.TREES the compiled steps run fastest on val "
+                                    "scenes; toy plans: the tree of PLAN_TREES or the chain of --gamma whose val plans "
+                                    "run fastest)"),
+            (every, "--tree-depth", evaluate.TREE.depth, "with --tree: its depth D"),
+            (every, "--tree-width", evaluate.TREE.width, "with --tree: k, nodes expanded per level and children per "
+                                                         "node"),
+            (every, "--max-new", evaluate.MAX_NEW_TOKENS, "reasoning tokens per prompt at most"),
+            (every, "--repeats", 3, "timed passes (median reported), >= 3"),
+            (every, "--threads", None, "CPU threads (default: torch's)"),
+            (every, "--samples", 1, "rows per prompt (toy) or scene (--target --scenes), each its own sampled CoC, "
+                                    "decoded as one batch (Alpamayo-R1 runs 6 at --temperature 0.6 --top-p 0.98)"),
+            (toy_, "--prompts", 32, "held-out test scenes benchmarked"),
+            (toy_, "--views", driving.WorldConfig().views, "surround views per prompt"),
+            (toy_, "--batch", 1, "prompts per batch (with --samples: batch x samples rows per plan)"),
+            (preset, "--layers", None, "keep only this many decoder layers"),
+            (preset, "--draft-vocab", 0, "the draft's head covers only the first K token ids (0: all)"),
+            (preset, "--images", 16, "images in the real-shape / generated prompt (also --target without images)"),
+            (real_, "--min-pixels", alpamayo.MIN_PIXELS, "with --target: image size bounds"),
+            (real_, "--max-pixels", alpamayo.MAX_PIXELS, "with --target: image size bounds")):
+        group.add_argument(flag, type=int, default=default, help=text)
+    cli.add_decoding_flags(every, "> 0 times both arms sampling (Alpamayo-R1 samples its CoC at 0.6, top-p 0.98)")
+    every.add_argument("--compile", action="store_true", help="also every arm through torch.compile'd steps")
+    every.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     args = ap.parse_args(argv)
     t0, cpu0 = time.time(), time.process_time()
     sampling = check_flags(ap, args)
@@ -562,7 +427,7 @@ def main(argv=None):
                (platform.processor() or platform.machine()), dtype=args.dtype,
                gamma=None if args.tree else args.gamma, threads=torch.get_num_threads(), torch=torch.__version__,
                environment=timing.environment(device), peak_memory=timing.peak_memory(device))
-    res.setdefault("decoder", decoder_json(args.decoder))  # benchmark's own where it chose the tree
+    res.setdefault("decoder", timing.decoder_json(args.decoder))  # benchmark's own where it chose the tree
     res["what_ran"] = cli.ran(args, t0, cpu0)
     d = res["decoder"]  # the decoder that ran (a tree chosen on val included), not the flags' default
     res["what_ran"]["flags"].update(dict(tree=d["nodes"], tree_depth=d["depth"], tree_width=d["width"])

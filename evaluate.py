@@ -16,7 +16,6 @@ import driving
 from driving import Data, grid_kwargs, vision_kwargs
 import speculate
 from speculate import GREEDY
-import tree
 from tree import TreeShape
 
 MAX_NEW_TOKENS = 32  # CoC token limit per decode: the toy's CoCs are 12-28 tokens with <cot_end>
@@ -99,7 +98,7 @@ def action_rows(target, prompt, cocs, end, v0=None):
     logits = torch.cat([first.repeat_interleave(B // P, 0), logits], 1)  # (P, 1, V) + (B, T, V) -> (B, 1 + T, V)
     if expert is None:
         return target.traj(h[torch.arange(B), [len(s) - 1 for s in seqs]]).float(), logits, cache  # (B, N, 2)
-    cache.lengths = [n - T + len(s) for n, s in zip(cache.lengths, seqs)]  # each row up to its <traj_future_start>
+    cache.crop([n - T + len(s) for n, s in zip(cache.lengths, seqs)])  # each row up to its <traj_future_start>
     gens = [torch.Generator(device=ids.device).manual_seed(0) for _ in seqs]
     return expert(cache, v0, generator=gens), logits, cache
 
@@ -279,13 +278,43 @@ def scene_prompts(scenes, tok, device, dtype=None, views=driving.WorldConfig().v
              for k, v in driving.build_prompt(s, tok, views).items()} for s in scenes]
 
 
-def decode(target, draft, prompt, gamma, max_new, stop_token, sampling=GREEDY, timing=False):
-    """One arm on one prompt: speculative decoding with `draft` (the chain of gamma, or a tree of shape gamma), or
-    target-only decoding when draft is None."""
+def decode(target, draft, prompt, decoder, max_new, stop_token, sampling=GREEDY, timing=False):
+    """One arm on one prompt: speculative decoding with `draft` and `decoder` (speculate.Chain or gamma,
+    tree.TreeShape), or target-only decoding when draft is None."""
     if draft is None:
         return speculate.autoregressive(target, prompt, max_new, sampling, stop_token, timing=timing)
-    decoder = tree.speculative if isinstance(gamma, TreeShape) else speculate.speculative
-    return decoder(target, draft, prompt, gamma, max_new, sampling=sampling, stop_token=stop_token, timing=timing)
+    return speculate.speculative(target, draft, prompt, decoder, max_new, sampling, stop_token, timing=timing)
+
+
+class SharedPrefill:
+    """The model with each prompt's embedding and prefill computed once, then copied (KVCache.take_rows): a table
+    decodes every scene with many drafts, and the scene's prefill is the same in each (the same forward, into a cache
+    of the prompt's rows: the copied keys are those a fresh prefill writes). Keyed on the prompt's tensors, kept alive
+    here; everything else is the model's own. For decodes whose prefill is not what is timed (rsd.py's table)."""
+
+    def __init__(self, model):
+        self.model, self.memo = model, {}
+
+    def __getattr__(self, name):  # cfg, step, new_cache, vocab_ids, ...: the model's
+        return getattr(self.model, name)
+
+    def shared(self, what, input_ids, kw, run):
+        key = (what, input_ids.data_ptr(), tuple(input_ids.shape), kw.get("return_deepstack"))
+        if key not in self.memo:
+            self.memo[key] = run(), input_ids
+        return self.memo[key][0]
+
+    def embed(self, input_ids, **kw):
+        return self.shared("embed", input_ids, kw, lambda: self.model.embed(input_ids, **kw))
+
+    def __call__(self, input_ids, cache=None, **kw):  # a prefill (an empty cache) shared; anything else the model's
+        if cache is None or any(cache.lengths):
+            return self.model(input_ids, cache=cache, **kw)
+        own = lambda: (c := self.model.new_cache(len(input_ids), input_ids.shape[1]), self.model(  # noqa: E731
+            input_ids, cache=c, **kw))
+        src, logits = self.shared("prefill", input_ids, kw, own)
+        cache.take_rows(src, list(range(len(input_ids))))
+        return logits
 
 
 @torch.no_grad()

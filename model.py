@@ -217,16 +217,21 @@ def feed(model, cache, x, n=None, return_hidden=False):
     mask = causal_mask(input_pos, cache, max(cache.lengths) + x.shape[1])  # (B, T, S)
     hidden = {"return_hidden": True} if return_hidden else {}  # VLA.forward's only: CompiledSteps returns logits
     out = model.step(x, input_pos, cache, mask, **hidden)
-    cache.lengths = [m + (x.shape[1] if n is None else n[b]) for b, m in enumerate(cache.lengths)]
+    cache.commit(x.shape[1] if n is None else n)
     return out
 
 
-def causal_mask(input_pos, cache, S):
-    """The one mask builder of a cached step: (B, T, S) bool, the token at slot input_pos[b, t] sees the slots up to
-    its own that hold real keys (a left-padded prompt's padding hidden), and always its own (a padding query stays
-    finite)."""
+def causal_mask(input_pos, cache, S, anc=None):
+    """The one mask builder of a cached step: (B, T, S) bool. The step's T tokens sit at consecutive slots from
+    input_pos[b, 0]; token t sees the slots before them that hold real keys (a left-padded prompt's padding hidden),
+    of the step's own those anc[b, t] marks (anc (B, T, T) bool: a draft tree's ancestors and itself, tree.py; None:
+    causal, its own and those before it), and always its own (a padding query stays finite)."""
     cols = torch.arange(S, device=input_pos.device)  # (S,)
-    mask = cols <= input_pos[..., None]  # (B, T, S)
+    if anc is None:
+        mask = cols <= input_pos[..., None]  # (B, T, S)
+    else:
+        T, rel = anc.shape[-1], (cols - input_pos[:, :1])[:, None]  # rel (B, 1, S): slot c holds step token rel
+        mask = (rel < 0) | (rel < T) & anc.gather(2, rel.clamp(0, T - 1).expand(-1, T, -1))  # (B, T, S)
     if cache.key_mask is None:
         return mask
     return mask & cache.key_mask[:, None, :S] | (cols == input_pos[..., None])
@@ -245,8 +250,9 @@ class KVCache:
     """The one cache: K and V preallocated per layer, (B, Hk, max_len, hd) each (a compiled step writes a graph input
     in place only when it is a whole tensor), and per row b the committed length `lengths[b]` (slots [0, lengths[b])
     hold its prompt and committed tokens) and `rope_delta[b]`, set at the prefill: slot c is position c + rope_delta.
-    Rollback (a rejected draft) sets lengths; a tree round `move`s its accepted path to consecutive slots; what lies
-    beyond a row's length is never read before a step writes it. key_mask (B, max_len): the real keys, after a
+    Only its methods change the lengths: `commit` (a step's tokens), `crop` (a rejected draft), `take_rows`; a tree
+    round `move`s its accepted path to consecutive slots; what lies beyond a row's length is never read before a step
+    writes it. key_mask (B, max_len): the real keys, after a
     prefill with padding only."""
 
     def __init__(self, n_layers, batch, n_kv_heads, max_len, head_dim, dtype=torch.float32, device=None):
@@ -296,10 +302,15 @@ class KVCache:
             kb[rows, :, input_pos], vb[rows, :, input_pos] = k.transpose(1, 2), v.transpose(1, 2)
         return kb, vb
 
+    def commit(self, n):  # row b's next n[b] slots (n: an int for every row) are committed tokens
+        self.lengths = [m + k for m, k in zip(self.lengths, [n] * len(self.lengths) if isinstance(n, int) else n)]
+
     def crop(self, n):
-        if not 0 <= n <= self.length:
-            raise ValueError(f"cannot crop KV cache of length {self.length} to {n}")
-        self.length = n
+        """Row b keeps its first n[b] committed slots (n: an int for every row): the verifier's undo."""
+        n = [n] * len(self.lengths) if isinstance(n, int) else list(n)
+        if not all(0 <= k <= m for k, m in zip(n, self.lengths)):
+            raise ValueError(f"cannot crop KV cache of lengths {self.lengths} to {n}")
+        self.lengths = n
 
     def move(self, src, dst):
         """Copy, in row b, the keys / values of slots src[b] to slots dst[b] (B, m) (dst[b, i] <= src[b, i], each row's

@@ -5,7 +5,8 @@ either at every position (token-level, Medusa's typical acceptance) or at routin
 still verified exactly (reasoning-aware). The output is then no longer the target's: what it costs is priced in tau
 against how far the plan moves (experiments/relaxed_acceptance.py, the README's "Relaxed acceptance").
 
-Where it enters: speculate.Sampling(relaxed=Relaxed(...)); the verifiers OR the exact rule with Sampling.also_accepts.
+Where it enters: speculate.Sampling(relaxed=Relaxed(...)); the chain verifiers OR the exact rule with
+Sampling.also_accepts, tree.verify_tree picks its path through Relaxed.tree_children, both only when lossy.
 
 run: python -m pytest -q tests/test_relaxed.py     (python bench.py --relaxed routine:0.999999 ...)
 """
@@ -61,13 +62,26 @@ class Relaxed:
         ok = p.gather(-1, x[..., None])[..., 0] >= torch.clamp(math.sqrt(eps) * torch.exp(-h), max=eps)  # (...)
         if self.rule == "routine":
             self.check_vocab(p.shape[-1])
-            commit = commitment_mask(self.commitments, p.shape[-1], p.device)  # (V,)
+            commit = vocab_mask(self.commitments, p.shape[-1], p.device)  # (V,)
             ok &= ~commit[x] & ~commit[top]
         return ok
 
+    def tree_children(self, drawn, parent, tokens, logits_p, sampling):
+        """tree.verify_tree's lossy seam: drawn (B, N) the nodes that hold their parent's draw y_v, parent (B, N+1),
+        tokens (B, N), logits_p (B, N+1, V) -> (B, N) the nodes descended into. The rule also accepts a child its
+        parent's p passes. Each node picks one child, top-down: the one holding y_v, else the relaxed child of highest
+        q (the lowest index); the path then never depends on a draw below it, so a commitment node (exact) still
+        emits y_v ~ p."""
+        at_parent = parent[:, 1:, None].expand(-1, -1, logits_p.shape[-1])  # (B, N, V)
+        also = self.accepts(logits_p.gather(1, at_parent), tokens, sampling)  # (B, N)
+        N = drawn.shape[1]
+        pri = torch.where(drawn | also, 2 * N * drawn + N - torch.arange(N, device=drawn.device), -1)  # (B, N) unique
+        best = torch.full_like(parent, -1).scatter_reduce(1, parent[:, 1:], pri, "amax")  # (B, N+1) per parent
+        return (pri >= 0) & (pri == best.gather(1, parent[:, 1:]))
+
 
 @functools.lru_cache(maxsize=8)
-def commitment_mask(ids, V, device):
+def vocab_mask(ids, V, device):
     """(V,) bool, True at the token ids in `ids` (a frozenset): built once per vocabulary and device, not per round."""
     mask = torch.zeros(V, dtype=torch.bool, device=device)
     mask[torch.tensor(sorted(ids), device=device)] = True

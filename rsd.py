@@ -9,7 +9,8 @@ choice of gamma and tree on val needs measured step times and the trees' val tau
 beside the checkpoints (checkpoints/toy/rsd_search.json), and a run reads that record while the checkpoints'
 fingerprints and the settings match, so that the table's gamma does not move with timing noise; --gamma / --tree N/D/k
 give the decoders (no search). ms/token: every row and target-only timed in one interleaved pass, the speed-up with its
-spread (bench.py: the full benchmark of one draft). The top of the layering: it calls train.py, aarl.py and bench.py.
+spread (bench.py: the full benchmark of one draft). The top of the layering: it calls train.py, aarl.py and the
+library's timing harness (ops/timing.py), never bench.py.
 
 run: python rsd.py [--json]        (--retrain trains what is missing: train.py, aarl.py; --search: see above)
 """
@@ -23,14 +24,13 @@ import time
 import torch
 
 import aarl
-import bench
 import driving
 from driving import Data
 import evaluate
 from evaluate import MAX_NEW_TOKENS, TARGET_ONLY, TREES, TreeShape, tree_speedup
 from model import DRAFT_KINDS
 from ops import checkpoint, cli, files, timing
-from speculate import GREEDY, SpecResult
+from speculate import GREEDY, SpecResult, speculative_batch
 import train
 
 # table row -> draft folder kind (model.DRAFT_KINDS, and aarl.py's post-trained FlatRoPE draft)
@@ -138,7 +138,7 @@ def choose(rec, val_taus, shapes):
     return gamma, tree
 
 
-# ---- timing: every arm in one interleaved pass (bench.time_arms) ----
+# ---- timing: every arm in one interleaved pass (timing.time_arms) ----
 def unordered(rows):
     """Groups of rows whose speed-up ranges overlap (through a chain of overlaps): the timing does not order the rows
     of a group, whatever the digits of their speed-ups say."""
@@ -161,10 +161,10 @@ def paper_table(target, drafts, splits, outputs, metrics, rec, n_time, repeats, 
     commitment accuracy, computed once in main). Chain rows at the gamma, tree rows (of TREES, <= `tree` nodes; none
     for 0) at the shape chosen on val (choose); with no search (rec None) at `gamma` and `tree` (a TreeShape, or 0).
     Real decoding on every test scene: each row's first-seed draft, each tree row's every seed (a tree has no replay).
-    ms/token: bench.time_arms over the first n_time test scenes, every row's first-seed draft beside target-only;
+    ms/token: timing.time_arms over the first n_time test scenes, every row's first-seed draft beside target-only;
     with greedy eager decoding its first pass is also those scenes' real decoding. A sampled `sampling`: timed
     sampling, plus real sampled decoding's sampled_tau / sampled_alpha; compile: the timed arms on compiled steps
-    (bench.compiled_pair)."""
+    (timing.compiled_pair)."""
     test, stop, device = splits["test"], splits["test"].tok.cot_end_id, next(target.parameters()).device
     flat = {(row, s): d for row, by_seed in drafts.items() for s, d in by_seed.items()}
     # {split: {row: [tau_by_gamma of each seed]}}, from one teacher-forced pass per draft
@@ -186,16 +186,21 @@ def paper_table(target, drafts, splits, outputs, metrics, rec, n_time, repeats, 
     decoders = {row: (first[row], gammas[row]) for row in drafts} | {f"{row} tree": (first[row], trees[row])
                                                                      for row in trees}
     # compile: each row its own compiled pair; target-only: the first pair's compiled target
-    pairs = {name: bench.compiled_pair(target, d, prompts[:n_time], [g], MAX_NEW_TOKENS) if compile else (target, d)
+    shared = evaluate.SharedPrefill(target)  # each scene's prefill computed once: the table times the reasoning step
+    pairs = {name: timing.compiled_pair(target, d, prompts[:n_time], [g], MAX_NEW_TOKENS) if compile else (shared, d)
              for name, (d, g) in decoders.items()}
-    speed, timed = bench.time_arms(next(iter(pairs.values()))[0], {}, prompts[:n_time], 1, MAX_NEW_TOKENS, stop,
-                                   repeats, sampling, {name: (*pairs[name], g) for name, (_, g) in decoders.items()},
-                                   TIME_BLOCKS, warm_all=False)
-    sampled = not sampling.greedy
+    speed, timed = timing.time_arms(next(iter(pairs.values()))[0], {}, prompts[:n_time], 1, MAX_NEW_TOKENS, stop,
+                                    repeats, sampling, {name: (*pairs[name], g) for name, (_, g) in decoders.items()},
+                                    TIME_BLOCKS, warm_all=False)
+    sampled, stacked = not sampling.greedy, {}
     reuse = not sampled and not compile  # the timed pass's decodes are the eager greedy ones
 
-    def real(draft, g, done=()):  # greedy real decoding of every test scene, after the `done` ones
-        return list(done) + [evaluate.decode(target, draft, p, g, MAX_NEW_TOKENS, stop) for p in prompts[len(done):]]
+    def real(draft, g, done=()):  # greedy real decoding of the test scenes after the `done` ones, as one batch (each
+        # row is its batch-1 decode, tests/test_batch.py), their prefill shared by every draft
+        if len(done) == len(prompts):
+            return list(done)
+        rest = stacked.setdefault(len(done), evaluate.stack_prompts(prompts[len(done):]))
+        return list(done) + speculative_batch(shared, draft, rest, g, MAX_NEW_TOKENS, stop_token=stop)
 
     ade = metrics["ade"]  # every arm emits the target's greedy CoC: one ADE
     commit = evaluate.commitment_accs(flat, target, test)
@@ -392,7 +397,7 @@ def run(ap, a, seeds, sampling, device):
           f"{'s' if a.repeats * blocks > 1 else ''} of {a.time_scenes // blocks}"
           f"{'+' if a.time_scenes % blocks else ''} scenes: rows whose ranges overlap are not ranked by it")
     if not table.greedy:
-        print(f"decoding: {bench.decoding_text(cli.sampling_json(table))} (prompt i = test scene i). tau = the exact "
+        print(f"decoding: {cli.decoding_text(cli.sampling_json(table))} (prompt i = test scene i). tau = the exact "
               "greedy replay "
               f"(gamma chosen on it); tau sampled = real sampled speculative decoding with {first}'s draft; "
               f"ms/token and speed-up timed sampling; ADE after the greedy CoC")
@@ -541,8 +546,9 @@ def parse_args(argv):
     ap.add_argument("--gamma", type=int, choices=GAMMAS, help="the chain rows' draft length, with no search on val "
                     "(the replay gives tau at every gamma): tree rows only at --tree N/D/k")
     ap.add_argument("--tree", type=tree_flag, help="draft-tree rows beside the chain rows: N, the tree of evaluate."
-                    "TREES of at most N nodes chosen on val (default 32, none beside --gamma; 0 = chain rows); N/D/k, "
-                    f"this tree, with no search on val (the chain rows at --gamma, default {evaluate.GAMMA})")
+                    f"TREES of at most N nodes chosen on val (default {evaluate.TREE.nodes}, none beside --gamma; 0 = "
+                    f"chain rows); N/D/k, this tree, with no search on val (the chain rows at --gamma, default "
+                    f"{evaluate.GAMMA})")
     ap.add_argument("--search", action="store_true", help=f"measure the choice of gamma and tree on val again (step "
                     f"times, every tree's val tau) and record it in --run's {SEARCH_JSON}, which later runs read "
                     "while it holds for their checkpoints and settings; a record made with the default settings "
@@ -555,9 +561,10 @@ def parse_args(argv):
                                   (cli.VIEWS_RULE, ("views",))], flags=True)
         a.seeds_given, a.seeds = a.seeds is not None, "0,1,2" if a.seeds is None else a.seeds
         seeds = [int(s) if s.strip().isdecimal() else -1 for s in a.seeds.split(",") if s.strip()]  # -1: not a seed
-        a.given = a.gamma is not None or isinstance(a.tree, TreeShape)  # the decoders themselves: nothing searched
-        a.gamma, a.tree = a.gamma or evaluate.GAMMA, (0 if a.given else 32) if a.tree is None else a.tree
-        budget = 0 if isinstance(a.tree, TreeShape) else a.tree  # --tree N: the search's node budget
+        shape = not isinstance(a.tree, (int, type(None)))  # --tree N/D/k, not a node budget N
+        a.given = a.gamma is not None or shape  # the decoders themselves: nothing searched
+        a.gamma, a.tree = a.gamma or evaluate.GAMMA, (0 if a.given else evaluate.TREE.nodes) if a.tree is None else a.tree
+        budget = 0 if shape else a.tree  # --tree N: the search's node budget
         for bad, msg in ((budget and not any(sh.nodes <= budget for sh in TREES), f"--tree {a.tree}: the smallest "
                           f"tree rsd.py chooses from has {min(sh.nodes for sh in TREES)} nodes (0: chain rows only)"),
                          (a.given and (budget or a.search), "--gamma and --tree N/D/k give the decoders (no search on "

@@ -124,6 +124,33 @@ class Sampling:
 GREEDY = Sampling()
 
 
+# ---- decoders: what a round drafts ----
+@dataclass(frozen=True)
+class Chain:
+    """Leviathan's draft: gamma tokens a round, one draft forward each, verified in one target forward over [x_last,
+    d_1..d_gamma] (spec_round). A decoder (Chain, tree.TreeShape) is all speculative_batch knows of a round: `nodes`
+    (drafts verified), `depth` (its longest path), `slack` (cache slots it writes beyond the committed length: target,
+    draft), `steps` (the step lengths it runs: target, draft; what a compiled pair compiles), `round` and `kind`."""
+    gamma: int
+    kind, width = "chain", 1  # a chain is the tree of width 1 (tree.TreeShape(gamma, gamma, 1))
+
+    def __post_init__(self):
+        if not isinstance(self.gamma, int) or isinstance(self.gamma, bool) or self.gamma < 1:
+            raise ValueError(f"gamma (draft length) must be an int >= 1, got {self.gamma!r}")
+
+    nodes = depth = property(lambda self: self.gamma)
+    slack = property(lambda self: (self.gamma, self.gamma))
+    steps = property(lambda self: ((self.gamma + 1,), (1, 2)))  # the draft feeds pending (1 or 2), then 1 a step
+
+    def round(self, target, draft, tcache, dcache, pending, sampling, generators, last=None):
+        return spec_round(target, draft, tcache, dcache, pending, self.gamma, sampling, generators, last)
+
+
+def decoder_of(d):
+    """A decoder (Chain, tree.TreeShape: it has a round), or a draft length gamma: the Chain of gamma (checked)."""
+    return d if hasattr(d, "round") else Chain(d)
+
+
 # ---- verification ----
 def verify_greedy(draft_tokens, target_logits, also=None):
     """draft_tokens (..., gamma), target_logits (..., gamma+1, V) -> (n_accepted, next_token) (...): d_1..d_n equal
@@ -275,8 +302,7 @@ def spec_round(target, draft, tcache, dcache, pending, gamma, sampling, generato
     ints) its draft has not seen, the last (x_last) the only one its target has not. -> per row n_accepted, the gamma
     drafted ints and the next int, and the new pending. generators: one per row (sampling); last: latest logits."""
     B, dev, ell, k = len(pending), tcache.device, list(tcache.lengths), [len(p) for p in pending]
-    ell_q = list(dcache.lengths)  # the draft's own: a history-only draft's cache is shorter than the target's
-    last = {} if last is None else last
+    L0, last = list(dcache.lengths), {} if last is None else last  # the draft's own lengths: never the target's
     logits_q = feed_rows(draft, dcache, pending)  # (B, V): q after each row's pending
     drafted, qs = [], []
     for i in range(gamma):
@@ -298,16 +324,13 @@ def spec_round(target, draft, tcache, dcache, pending, gamma, sampling, generato
         n, nxt = verify_sample(d, torch.stack(qs, 1), sampling.probs(logits_p), generators, also)
     flat = torch.cat([n, nxt, d.view(-1)]).tolist()  # the round's one host sync
     n, nxt, d = flat[:B], flat[B:2 * B], [flat[2 * B + b * gamma:2 * B + (b + 1) * gamma] for b in range(B)]
-    new = []
-    for b in range(B):
-        # Keep the committed tokens: ell + x_last + n accepted drafts; the new x_last stays out.
-        tcache.lengths[b] = ell[b] + 1 + n[b]
-        # The draft fed itself its pending and d_1..d_{gamma-1}; it keeps those of them now committed, and its new
-        # pending is the rest of [d_1..d_n, next]: [next] after a rejection, [d_gamma, next] after a full acceptance.
-        fed = min(n[b], gamma - 1)
-        dcache.lengths[b] = ell_q[b] + k[b] + fed
-        new.append(d[b][fed:n[b]] + [nxt[b]])
-    return n, d, nxt, new
+    # Keep the committed tokens: the target's ell + x_last + n accepted drafts (the new x_last stays out); the
+    # draft's L0 + pending + the drafts it fed itself that were accepted, d_1..d_m, m = min(n, gamma - 1).
+    m = [min(nb, gamma - 1) for nb in n]
+    tcache.crop([ell[b] + 1 + n[b] for b in range(B)])
+    dcache.crop([L0[b] + k[b] + m[b] for b in range(B)])
+    # The new pending is what the draft lacks: [next] after a rejection, [d_gamma, next] after a full acceptance.
+    return n, d, nxt, [d[b][m[b]:n[b]] + [nxt[b]] for b in range(B)]
 
 
 # ---- decoding ----
@@ -318,31 +341,31 @@ def now(device, timing):
     return time.perf_counter() if timing else 0.0
 
 
-def speculative(target, draft, prompt, gamma, max_new_tokens, sampling=GREEDY, stop_token=None, max_len=None,
-                timing=False, tree_round=None):
+def speculative(target, draft, prompt, decoder, max_new_tokens, sampling=GREEDY, stop_token=None, max_len=None,
+                timing=False):
     """Decode one prompt row (input_ids (1, L)), q proposing and p verifying -> its SpecResult: speculative_batch's
     one row (its generator seeded sampling.seed)."""
     if prompt["input_ids"].shape[0] != 1:
         raise ValueError(f"speculative decodes one row, got input_ids {tuple(prompt['input_ids'].shape)}: "
                          "speculative_batch decodes several")
-    return speculative_batch(target, draft, prompt, gamma, max_new_tokens, 1, sampling, stop_token, max_len, timing,
-                             tree_round)[0]
+    return speculative_batch(target, draft, prompt, decoder, max_new_tokens, 1, sampling, stop_token, max_len,
+                             timing)[0]
 
 
 @torch.no_grad()
-def speculative_batch(target, draft, prompt, gamma, max_new_tokens, samples=1, sampling=GREEDY, stop_token=None,
-                      max_len=None, timing=False, tree_round=None):
+def speculative_batch(target, draft, prompt, decoder, max_new_tokens, samples=1, sampling=GREEDY, stop_token=None,
+                      max_len=None, timing=False):
     """Decode B = P x samples rows at once, up to max_new_tokens each -> a SpecResult per row. prompt: forward kwargs
     of P rows (input_ids (P, L), left-padded under attention_mask if their lengths differ); row r continues prompt
-    r // samples with its own generator (sampling.seed + r, or seed[r]). gamma: the chain's draft length; or,
-    with tree_round (tree.speculative passes tree.tree_round), a tree.TreeShape whose rounds draft and verify a
-    tree. Every row is in every round (one draft forward per draft step, one verify forward); a finished row's work
-    is thrown away and its caches keep its length, so the shapes never change. max_len: cache size (None: what the
-    decode needs)."""
-    check_inputs(target, draft, prompt, max_new_tokens, sampling, stop_token, gamma, tree_round, samples)
-    chain, B, dev = tree_round is None, prompt["input_ids"].shape[0] * samples, prompt["input_ids"].device
+    r // samples with its own generator (sampling.seed + r, or seed[r]). decoder: a round's draft, a Chain (or its
+    gamma) or a tree.TreeShape. Every row is in every round (one draft forward per draft step, one verify forward); a
+    finished row's work is thrown away and its caches keep its length, so the shapes never change. max_len: cache
+    size (None: what the decode needs)."""
+    decoder = decoder_of(decoder)
+    check_inputs(target, draft, prompt, max_new_tokens, sampling, stop_token, samples)
+    B, dev = prompt["input_ids"].shape[0] * samples, prompt["input_ids"].device
     # Slots a round writes beyond the committed length: the last round, drafting in full, may reach past the end.
-    t_slack, d_slack = (gamma, gamma) if chain else gamma.slack
+    t_slack, d_slack = decoder.slack
     tcache = new_cache(target, prompt, max_new_tokens, max_len, t_slack, B)
     dcache = new_cache(draft, prompt, max_new_tokens, max_len, d_slack, B)
     generators = sampling.generators(dev, B)
@@ -353,15 +376,14 @@ def speculative_batch(target, draft, prompt, gamma, max_new_tokens, samples=1, s
     pending = pending.tolist()  # per row: [x_last]
     t1 = now(dev, timing)
     out = [SpecResult(prefill_s=t1 - t0) for _ in range(B)]
-    g, depth = (gamma, gamma) if chain else (gamma.nodes, gamma.depth)  # drafted per round; its longest path
-    one_round = spec_round if chain else tree_round
+    g, depth = decoder.nodes, decoder.depth  # drafted per round; its longest path
     live, last = set(range(B)), {}  # rows still decoding; the latest logits of each model, checked at the end
     with nonfinite_named(last, draft):
         while live:
-            lengths = (list(tcache.lengths), list(dcache.lengths), list(pending))
+            before = list(tcache.lengths), list(dcache.lengths), pending
             # Every round has the same shapes (a compiled step's graphs are fixed); the last one's block is cut.
-            n, drafted, nxt, pending = one_round(target, draft, tcache, dcache, pending, gamma, sampling, generators,
-                                                last)
+            n, drafted, nxt, pending = decoder.round(target, draft, tcache, dcache, pending, sampling, generators,
+                                                     last)
             t = now(dev, timing)
             for b in sorted(live):
                 res = out[b]
@@ -380,9 +402,11 @@ def speculative_batch(target, draft, prompt, gamma, max_new_tokens, samples=1, s
                 if block[-1] == stop_token or len(res.tokens) == max_new_tokens:
                     live.discard(b)
                     res.decode_s = t - t1  # this row's reasoning step, until its last token
-            for b in set(range(B)) - live:  # finished, now or before: its round undone (the lengths it accepted may
-                # reach past max_new, beyond the caches' room), its caches kept at their lengths then
-                tcache.lengths[b], dcache.lengths[b], pending[b] = (x[b] for x in lengths)
+            # a finished row, now or before: its round undone (the lengths it accepted may reach past max_new, beyond
+            # the caches' room), its caches kept at their lengths then
+            tcache.crop([m if b in live else before[0][b] for b, m in enumerate(tcache.lengths)])
+            dcache.crop([m if b in live else before[1][b] for b, m in enumerate(dcache.lengths)])
+            pending = [p if b in live else before[2][b] for b, p in enumerate(pending)]
     return out
 
 
@@ -400,7 +424,7 @@ def autoregressive_batch(target, prompt, max_new_tokens, samples=1, sampling=GRE
     """Plain decoding of B = P x samples rows (speculative_batch's rows, prefill, sampling and generators), one
     cached target step per token (tau = 1). As transformers' generate, a finished row keeps stepping until every
     row has finished (its tokens dropped)."""
-    check_inputs(target, None, prompt, max_new_tokens, sampling, stop_token, samples=samples)
+    check_inputs(target, None, prompt, max_new_tokens, sampling, stop_token, samples)
     B, dev = prompt["input_ids"].shape[0] * samples, prompt["input_ids"].device
     cache = new_cache(target, prompt, max_new_tokens, max_len, batch=B)
     generators = sampling.generators(dev, B)
@@ -436,7 +460,7 @@ def config_of(model):
     return getattr(model, "cfg", None) or getattr(model, "config", None)
 
 
-def check_inputs(target, draft, prompt, max_new_tokens, sampling, stop_token, gamma=1, tree_round=None, samples=1):
+def check_inputs(target, draft, prompt, max_new_tokens, sampling, stop_token, samples=1):
     """A bad prompt or setting would fail deep in a forward, or silently (a stop token out of range never stops)."""
     if unknown := set(prompt) - set(EMBED_KEYS) - set(GRID_KEYS) - {"attention_mask"}:
         raise ValueError(f"prompt has keys speculate does not understand: {sorted(unknown)}")
@@ -451,9 +475,6 @@ def check_inputs(target, draft, prompt, max_new_tokens, sampling, stop_token, ga
                          "left (each row's tokens at its end: its last token is decoded first)")
     if real < 2:  # an empty cache would make the model read the first decoded token as a prompt
         raise ValueError("each prompt row needs at least 2 tokens: all but the last are prefilled, the last is decoded")
-    if tree_round is None and (not isinstance(gamma, int) or isinstance(gamma, bool) or gamma < 1):
-        raise ValueError(f"gamma (draft length) must be an int >= 1, got {gamma!r} (a tree.TreeShape decodes through "
-                         "tree.speculative)")
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
     if not isinstance(sampling, Sampling):

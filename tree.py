@@ -2,11 +2,11 @@
 
 Instead of one chain the routine reasoner grows a tree of N candidates where it is unsure, the target verifies x_last
 and all N nodes in one forward under a tree attention mask, and the round emits the longest path the target agrees
-with plus its own next token; the chain of gamma is the tree of width 1. tree.speculative is speculate.speculative's
-decode with these rounds in place of the chain's. The cache invariant is speculate.py's: after a round the accepted
-path's keys / values sit in consecutive slots. Every tensor of a round has a fixed shape for its (N, D, k) and B
-rows (each row its own tree, from its own committed length), so the growth (grow) and the verify (tree_forward)
-each run as one compiled graph under ops/compiled.CompiledSteps (--compile).
+with plus its own next token; the chain of gamma is the tree of width 1. A TreeShape is a decoder beside
+speculate.Chain: speculate.speculative(target, draft, prompt, TreeShape(...), ...) runs its rounds. The cache
+invariant is speculate.py's: after a round the accepted path's keys / values sit in consecutive slots. Every tensor of
+a round has a fixed shape for its (N, D, k) and B rows (each row its own tree, from its own committed length), so the
+growth (grow) and the verify (tree_forward) each run as one compiled graph under ops/compiled.CompiledSteps.
 
 run: python -m pytest -q tests/test_tree.py      (the tree rows: python rsd.py --device cpu)
 """
@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from model import causal_mask
 import speculate  # speculate.sample, read at call time (tests replace it with a wrong sampler)
 
 # ---- tree shape ----
@@ -22,10 +23,11 @@ class TreeShape:
     """How a round's draft tree grows (EAGLE-2, Li et al. 2024): from the root x_last, `depth` levels; at each level
     the `width` nodes of highest cumulative log q get `width` children each (the draft's top-k, one batched draft
     forward per level); the `nodes` candidates of highest cumulative log q are what the target verifies. The chain
-    of gamma tokens is TreeShape(gamma, gamma, 1)."""
+    of gamma tokens is TreeShape(gamma, gamma, 1). A decoder, with speculate.Chain's interface."""
     nodes: int  # N: draft tokens verified per round, besides x_last (the node budget)
     depth: int  # D: the longest path, = draft forwards per round
     width: int  # k: nodes expanded per level, and children per expanded node
+    kind = "tree"
 
     def __post_init__(self):
         for name in ("nodes", "depth", "width"):
@@ -44,6 +46,13 @@ class TreeShape:
     def slack(self):
         """Cache slots beyond the committed length a round writes: (target: the N nodes, draft: (D - 1) k)."""
         return self.nodes, (self.depth - 1) * self.width
+
+    @property
+    def steps(self):  # the verify's N + 1; the draft's pending (1 or 2: each accepted node but the last was fed), a level
+        return (self.nodes + 1,), (1, 2, self.width)
+
+    def round(self, target, draft, tcache, dcache, pending, sampling, generators, last=None):
+        return tree_round(target, draft, tcache, dcache, pending, self, sampling, generators, last)
 
 
 # ---- draft, verify, one round ----
@@ -126,16 +135,8 @@ def verify_tree(tree, logits_p, sampling, generators=None):
         p = sampling.probs(logits_p)  # (B, N+1, V)
         y = torch.stack([speculate.sample(p_b, g) for p_b, g in zip(p, generators)])  # (B, N+1)
     drawn = tree.tokens == y.gather(1, tree.parent[:, 1:])  # (B, N): node = its parent's draw
-    if sampling.lossy:
-        # A relaxed rule also accepts a child its parent's p passes. Each node picks one child, top-down: the one
-        # holding y_v, else the relaxed child of highest q (the lowest index); the path then never depends on a draw
-        # below it, so a commitment node (exact) still emits y_v ~ p.
-        at_parent = tree.parent[:, 1:, None].expand(-1, -1, logits_p.shape[-1])  # (B, N, V)
-        also = sampling.also_accepts(logits_p.gather(1, at_parent), tree.tokens)  # (B, N)
-        N = drawn.shape[1]
-        pri = torch.where(drawn | also, 2 * N * drawn + N - torch.arange(N, device=y.device), -1)  # (B, N) unique
-        best = torch.full_like(y, -1).scatter_reduce(1, tree.parent[:, 1:], pri, "amax")  # (B, N+1) per parent
-        drawn = (pri >= 0) & (pri == best.gather(1, tree.parent[:, 1:]))
+    if sampling.lossy:  # the opt-in lossy seam: one child per node, the drawn one or a relaxed one (relaxed.py)
+        drawn = sampling.relaxed.tree_children(drawn, tree.parent, tree.tokens, logits_p, sampling)
     drawn = torch.cat([tree.anc.new_ones(y.shape[0], 1), drawn], 1)  # (B, N+1)
     on_path = ~(tree.anc & ~drawn[:, None]).any(-1)  # (B, N+1) drawn, and so is every ancestor: one path from the root
     best = (on_path * (tree.depth + 1)).argmax(-1)  # (B,) its deepest node
@@ -145,13 +146,9 @@ def verify_tree(tree, logits_p, sampling, generators=None):
 def tree_forward(target, tcache, x_last, tokens, depth, anc, ell):
     """The target's one forward over x_last (B, 1) and each row's N nodes -> p at every node (B, N+1, V): node i at
     slot ell + i (ell (B,): the committed lengths), position ell + depth, seeing the committed cache and its
-    ancestors."""
-    N, cols = tokens.shape[1], torch.arange(tcache.max_len, device=ell.device)  # (S,)
-    rel = cols - ell[:, None]  # (B, S) slot c holds node c - ell of the tree, if any
-    seen = anc.gather(2, rel.clamp(0, N)[:, None].expand(-1, N + 1, -1))  # (B, N+1, S)
-    committed = rel < 0 if tcache.key_mask is None else (rel < 0) & tcache.key_mask  # (B, S) less a prompt's padding
-    mask = committed[:, None] | ((rel >= 0) & (rel <= N))[:, None] & seen  # (B, N+1, S)
-    slots = ell[:, None] + torch.arange(N + 1, device=ell.device)  # (B, N+1)
+    ancestors (causal_mask under anc)."""
+    slots = ell[:, None] + torch.arange(tokens.shape[1] + 1, device=ell.device)  # (B, N+1)
+    mask = causal_mask(slots, tcache, tcache.max_len, anc)  # (B, N+1, S)
     return target.step(torch.cat([x_last, tokens], 1), slots, tcache, positions=ell[:, None] + depth, mask=mask)
 
 
@@ -191,20 +188,7 @@ def tree_round(target, draft, tcache, dcache, pending, shape, sampling, generato
     dcache.move(torch.where(col[:D - 1] < m[:, None], fed[:, :D - 1], dst), dst)
     tokens = tree.tokens.gather(1, (path - 1).clamp_min(0))  # (B, D)
     flat = torch.cat([n[:, None], m[:, None], nxt[:, None], tokens], 1).tolist()  # the round's one host sync
-    accepted, new = [row[3:3 + row[0]] for row in flat], []
-    for b, (nb, mb, x, *_) in enumerate(flat):
-        tcache.lengths[b] += 1 + nb
-        dcache.lengths[b] += mb
-        new.append(accepted[b][mb:] + [x])  # what the draft has not seen yet
-    return [row[0] for row in flat], accepted, [row[2] for row in flat], new
-
-
-def speculative(target, draft, prompt, shape: TreeShape, max_new_tokens, *args, **kwargs):
-    """speculate.speculative with a draft tree of `shape` per round (tree_round) in place of the chain."""
-    return speculate.speculative(target, draft, prompt, shape, max_new_tokens, *args, tree_round=tree_round, **kwargs)
-
-
-def speculative_batch(target, draft, prompt, shape: TreeShape, max_new_tokens, *args, **kwargs):
-    """speculate.speculative_batch with a draft tree of `shape` per round and row (tree_round)."""
-    return speculate.speculative_batch(target, draft, prompt, shape, max_new_tokens, *args, tree_round=tree_round,
-                                       **kwargs)
+    n, m, nxt, accepted = (list(x) for x in zip(*[(r[0], r[1], r[2], r[3:3 + r[0]]) for r in flat]))
+    tcache.commit([1 + nb for nb in n])
+    dcache.commit(m)
+    return n, accepted, nxt, [a[mb:] + [x] for a, mb, x in zip(accepted, m, nxt)]  # new pending: the draft lacks it

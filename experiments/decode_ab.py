@@ -29,8 +29,8 @@ def modules_of(repo):
             del sys.modules[name]
     sys.path.insert(0, repo)
     try:
-        return {n: importlib.import_module(n) for n in ("ops.checkpoint", "driving", "evaluate", "speculate", "tree",
-                                                        "bench")}
+        return {n: importlib.import_module(n) for n in ("ops.checkpoint", "ops.timing", "driving", "evaluate",
+                                                        "speculate", "tree", "bench")}
     finally:
         sys.path.remove(repo)
 
@@ -45,11 +45,13 @@ def ms_per_token(repo, scenes, compile=False):
     prompts = evaluate.scene_prompts(driving.make_split("test", scenes, seed=0), tok, "cpu", torch.bfloat16,
                                      driving.WorldConfig().views)
     kw = dict(stop_token=tok.cot_end_id, timing=True)
-    if compile:  # each checkout's CompiledSteps over its own caches (bench.compiled_pair: every step length once)
-        target, draft = m["bench"].compiled_pair(target, draft, prompts, [evaluate.GAMMA, evaluate.TREE], 64)
+    if compile:  # each checkout's CompiledSteps over its own caches (timing.compiled_pair: every step length once)
+        pair = getattr(m["ops.timing"], "compiled_pair", None) or m["bench"].compiled_pair  # bench.py's in older checkouts
+        target, draft = pair(target, draft, prompts, [evaluate.GAMMA, evaluate.TREE], 64)
+    tree_decode = getattr(tree, "speculative", speculate.speculative)  # older checkouts: a TreeShape through tree.py
     arms = {"target-only": lambda p: speculate.autoregressive(target, p, 64, **kw),
             "chain": lambda p: speculate.speculative(target, draft, p, evaluate.GAMMA, 64, **kw),
-            "tree": lambda p: tree.speculative(target, draft, p, evaluate.TREE, 64, **kw)}
+            "tree": lambda p: tree_decode(target, draft, p, evaluate.TREE, 64, **kw)}
     out = {}
     for name, decode in arms.items():
         decode(prompts[0])  # warm-up

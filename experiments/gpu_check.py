@@ -239,7 +239,7 @@ def eager_stage(run):
     t_reduced = step_costs(reduced, prompt, [1], a.reps, embeds)[1]
     level_reduced = timing.tree_step_times(target, reduced, prompt, (), tree.width, a.reps)["draft_level"]
     toy = toy_acceptance(a.toy_json)
-    toy_tree = toy_acceptance(TOY_TREE_ACCEPTANCE, bench.decoder_json(tree))
+    toy_tree = toy_acceptance(TOY_TREE_ACCEPTANCE, timing.decoder_json(tree))
     t_verify = {n + 1: 1e3 * v for n, v in tt["target"].items()}  # (ms) keyed by tokens verified, x_last included
     tree_pred = {head: tree_speedup(toy_tree["tau"], t_target[1], td, 1e3 * lv, t_verify[tree.nodes + 1], tree)
                  for head, td, lv in (("full", t_draft, tt["draft_level"]), ("reduced", t_reduced, level_reduced))}
@@ -252,7 +252,7 @@ def eager_stage(run):
             "c": t_draft / t_target[1], "c_reduced": t_reduced / t_target[1], "toy_acceptance": toy,
             "predicted_speedup": predictions(t_target, t_draft, toy),
             "predicted_speedup_reduced": predictions(t_target, t_reduced, toy),
-            "tree": bench.decoder_json(tree), "t_tree_verify_ms": t_verify,
+            "tree": timing.decoder_json(tree), "t_tree_verify_ms": t_verify,
             "tree_verify_ratio": {n: v / t_target[1] for n, v in t_verify.items()},
             "t_draft_level_ms": {"full": 1e3 * tt["draft_level"], "reduced": 1e3 * level_reduced},
             "toy_tree_acceptance": toy_tree, "predicted_speedup_tree": tree_pred,
@@ -304,13 +304,13 @@ def compiled_costs(run, layers):
     finally:
         watch.close()
     toy = toy_acceptance(a.toy_json)
-    toy_tree = toy_acceptance(TOY_TREE_ACCEPTANCE, bench.decoder_json(tree))
+    toy_tree = toy_acceptance(TOY_TREE_ACCEPTANCE, timing.decoder_json(tree))
     tau = evaluate.expected_tau(toy["alpha"], g)
     t_verify, t_level = 1e3 * tt["target"][tree.nodes], 1e3 * tt["draft_level"]
     return {"layers": layers, "compile_s": compile_s, "compile_s_total": sum(compile_s.values()),
             "t_target_ms": t_target, "t_draft_1_ms": t_draft, "gamma": g,
             "predicted_speedup_at_toy_alpha": evaluate.measured_speedup(tau, t_target[1], t_draft, t_target[g + 1], g),
-            "tree": bench.decoder_json(tree), "t_tree_verify_ms": t_verify, "t_draft_level_ms": t_level,
+            "tree": timing.decoder_json(tree), "t_tree_verify_ms": t_verify, "t_draft_level_ms": t_level,
             "t_draft_grow_ms": t_grow, "predicted_tree_speedup_at_toy_tau": tree_speedup(
                 toy_tree["tau"], t_target[1], t_draft, t_level, t_verify, tree, t_grow),
             "compilations": watch.report(), "peak_memory": timing.peak_memory(run.device)}

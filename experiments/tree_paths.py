@@ -19,7 +19,7 @@ from ops import checkpoint  # noqa: E402
 import driving  # noqa: E402
 import evaluate  # noqa: E402
 from ops import cli, files  # noqa: E402
-import tree  # noqa: E402
+import speculate  # noqa: E402
 
 KINDS = {"replica": "mrope", "flatrope": "flat", "flatrope+aarl": "aarl"}
 
@@ -51,7 +51,7 @@ def main(argv=None):
         match = evaluate.draft_matches({row: draft}, target, data, outputs)[row]  # draft argmax == target's token
         counts = {c: {"first_choice": 0, "lower_branch": 0, "target": 0} for c in ("routine", "commitment")}
         for i in same:
-            res = tree.speculative(target, draft, prompts[i], shape, evaluate.MAX_NEW_TOKENS,
+            res = speculate.speculative(target, draft, prompts[i], shape, evaluate.MAX_NEW_TOKENS,
                                         stop_token=tok.cot_end_id)
             assert res.tokens == list(outputs[i])
             for k, (fd, m, c) in enumerate(zip(res.from_draft, match[i], data.scenes[i].commit)):

@@ -284,3 +284,12 @@ def sampling_json(s: speculate.Sampling):
             "top_p": s.top_p, "seed": s.seed, "lossy": s.lossy,
             "verification": "exact" if r is None else {"rule": r.rule, "bound": r.bound,
                                                        "commitments": len(r.commitments)}}
+
+
+def decoding_text(d, rows=None):
+    """The decoding in words; rows: a plan's rows (row r of plan j then draws from seed + rows j + r)."""
+    v, seeds = d.get("verification", "exact"), f"prompt i's generator seeded {d['seed']} + i" if rows is None else (
+        f"row r of plan j seeded {d['seed']} + {rows} j + r")
+    return ("greedy" if d["mode"] == "greedy" else (
+        f"sampling at temperature {d['temperature']:g}, top-k {d['top_k'] or 'off'}, top-p {d['top_p'] or 'off'}, "
+        f"{seeds}")) + ("" if v == "exact" else f", LOSSY: relaxed acceptance, rule {v['rule']}, bound {v['bound']:g}")

@@ -88,7 +88,8 @@ class CompiledSteps:
                              "max_len")
         if dtype not in (None, k0.dtype) or (device is not None and torch.device(device) != k0.device):
             raise ValueError(f"the compiled cache is {k0.dtype} on {k0.device}, asked for {dtype} on {device}")
-        c.length, c.key_mask = 0, None
+        c.crop(0)
+        c.key_mask = None
         return c
 
     def step(self, input_ids, input_pos, cache, mask, positions=None):

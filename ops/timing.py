@@ -1,6 +1,9 @@
-"""What a benchmark number needs to be trusted: one timing harness (interleaved), the cost model's step times
+"""What a benchmark number needs to be trusted: one timing harness (interleaved) and the arms it times (every decoder
+beside target-only on the same prompts, eager or on compiled steps; plans of several rows), the cost model's step times
 (Leviathan et al. Theorem 3.8; for a chain or a draft tree), the runtime, peak memory, and where a greedy output parts
 from target-only decoding (a dtype's near-tie, or a bug). Compile counts and SDPA kernels: experiments/probes.py.
+
+Below the scripts: bench.py and rsd.py time their arms here.
 
 run: python bench.py --device cpu --json        (the JSON's step times, environment, peak_memory and divergences)
 """
@@ -9,14 +12,146 @@ import importlib.metadata
 import math
 import platform
 import statistics
+from statistics import median
 import time
 
 import torch
 
+import evaluate
+from evaluate import TARGET_ONLY
 from model import causal_mask
+from ops import cli, compiled
 import speculate
-from speculate import EMBED_KEYS, feed, prefill
+from speculate import EMBED_KEYS, GREEDY, Chain, feed, prefill
 import tree
+
+CHAIN_ARM = "speculative chain"  # with a tree: the chain of --gamma, the same draft, timed in the same passes
+# --compile's arms, timed beside the eager ones: each eager arm's name + " compiled"
+COMPILED, COMPILED_CHAIN = (TARGET_ONLY + " compiled", "speculative compiled"), CHAIN_ARM + " compiled"
+
+# ---- the arms: every decoder and target-only, timed in the same passes ----
+@torch.no_grad()  # the grad mode the compiled steps were warmed up in (evaluate.spec_stats); another recompiles
+def time_arms(target, drafts, prompts, gamma, max_new, stop_token, repeats, sampling=GREEDY, extra=None, blocks=1,
+              warm_all=True):
+    """({arm: {prefill_ms, ms_per_token, speedup (medians over `repeats` passes), ms_per_token_range, speedup_range}},
+    {arm: [SpecResult per prompt] of the first pass}): every arm warmed up (warm_all: on every prompt, else on the
+    first), then timing.interleaved's passes (the arms back to back on each prompt, the order rotated): load that drifts
+    on a shared machine falls on every arm alike. extra: {name: (target, draft or None[, gamma])}; sampled: prompt i's
+    seeds in every pass. Ranges: min..max over the passes' `blocks` blocks of prompts (a block's speed-up is paired:
+    the same prompts, timed back to back)."""
+    arms = {TARGET_ONLY: (target, None), **{name: (target, d) for name, d in drafts.items()}, **(extra or {})}
+    arms = {name: (*arm, gamma)[:3] for name, arm in arms.items()}  # (target, draft, gamma) each
+    for t, draft, g in arms.values() if warm_all else ():
+        for i, p in enumerate(prompts):
+            evaluate.decode(t, draft, p, g, max_new, stop_token, sampling.offset(i))
+    runs = interleaved({name: lambda i, t=t, d=d, g=g: evaluate.decode(
+        t, d, prompts[i], g, max_new, stop_token, sampling.offset(i), timing=True)
+        for name, (t, d, g) in arms.items()}, len(prompts), repeats, prompts[0]["input_ids"].device,
+        warmup=0 if warm_all else 1)
+    res = {name: [[x.result for x in p] for p in passes] for name, passes in runs.items()}  # [pass][prompt]
+    nb = min(blocks, len(prompts))
+    cuts = [round(j * len(prompts) / nb) for j in range(nb + 1)]
+    units = [(r, lo, hi) for r in range(repeats) for lo, hi in zip(cuts, cuts[1:])]
+
+    def ms(name, r, lo=0, hi=len(prompts)):  # pass r's ms/token over prompts lo..hi-1
+        return 1e3 * sum(x.decode_s for x in res[name][r][lo:hi]) / sum(len(x.tokens) for x in res[name][r][lo:hi])
+
+    med = {name: median(ms(name, r) for r in range(repeats)) for name in arms}
+    out = {}
+    for name in arms:
+        unit_ms = [ms(name, *u) for u in units]
+        unit_up = [ms(TARGET_ONLY, *u) / m for u, m in zip(units, unit_ms)]
+        out[name] = {"prefill_ms": median(1e3 * sum(x.prefill_s for x in p) / len(p) for p in res[name]),
+                     "ms_per_token": med[name], "speedup": med[TARGET_ONLY] / med[name],
+                     "ms_per_token_range": [min(unit_ms), max(unit_ms)], "speedup_range": [min(unit_up), max(unit_up)]}
+    return out, {name: r[0] for name, r in res.items()}
+
+
+def compiled_pair(target, draft, prompts, decoders, max_new, batch=1):
+    """compiled.CompiledSteps of target and draft, each cache sized for every prompt and decoder (speculate.Chain or
+    gamma, tree.TreeShape), each step length a decode takes compiled once: target-only 1, each decoder's steps."""
+    decoders = [speculate.decoder_of(d) for d in decoders]
+    t_lengths = {1, *(n for d in decoders for n in d.steps[0])}
+    d_lengths = {1, *(n for d in decoders for n in d.steps[1])}
+    slack = max(d.nodes for d in decoders) + max(t_lengths)
+    max_len = max(p["input_ids"].shape[1] for p in prompts) + max_new + slack
+    return (compiled.CompiledSteps(target, max_len, t_lengths, batch),
+            compiled.CompiledSteps(draft, max_len, d_lengths, batch))
+
+
+@torch.no_grad()
+def plans(target, draft, prompts, gamma, max_new, stop_token, repeats, sampling, batch, samples, compile=False,
+          chain_gamma=evaluate.GAMMA):
+    """Plans of `batch` prompts x `samples` rows each, decoded as one batch (speculate.speculative_batch, tree or
+    chain, against autoregressive_batch on the same rows), arms alternating in every pass, medians reported: per
+    plan the reasoning step's ms until every row is done, tokens per second, tau per row, the speed-up; greedy rows
+    compared with their own batch-1 target-only decode. compile: the same arms through CompiledSteps of B rows."""
+    B, groups = batch * samples, plan_batches(prompts, batch)
+    compiled_ = {" compiled": compiled_pair(target, draft, groups, [gamma, chain_gamma], max_new, B)} if compile else {}
+    pairs = {"": (target, draft)} | compiled_
+
+    def run(t, d, g, p, j):  # plan j's rows seeded seed + B j + r: the same draws in every pass
+        kw = dict(samples=samples, stop_token=stop_token, sampling=sampling.offset(B * j), timing=True)
+        calls[0] += 1
+        cli.progress(f"plans: {calls[0]} of {total} plan decodes (every arm, a warm-up pass and {repeats} timed)", 10)
+        if d is None:
+            return speculate.autoregressive_batch(t, p, max_new, **kw)
+        return speculate.speculative_batch(t, d, p, g, max_new, **kw)
+
+    calls, total = [0], len(arm_table(pairs, gamma, chain_gamma)) * len(groups) * (repeats + 1)
+    cli.progress(f"plans: {len(groups)} plans of {B} rows, {total} plan decodes" + (", compiling first" if compile
+                                                                                      else ""))
+    runs = interleaved({name: lambda j, arm=arm: run(*arm, groups[j], j) for name, arm in arm_table(
+        pairs, gamma, chain_gamma).items()}, len(groups), repeats, groups[0]["input_ids"].device)  # warm-up, compile
+    out = {name: [x.result for x in ps[0]] for name, ps in runs.items()}  # the same rows in every pass
+    passes = {name: plan_ms(ps, len(groups)) for name, ps in runs.items()}  # ms per plan, until every row is done
+    rec = {"batch": batch, "samples": samples, "rows": B, "plans": len(groups), "decoding": cli.sampling_json(sampling),
+           "cocs": [r.tokens for r in out["speculative"][0]],  # the first plan's rows
+           "what": "ms: the reasoning step of one plan, until every row is done (median over passes); "
+                   "idle_row_share: row-rounds a finished row spends in the batch (its work thrown away)"}
+    base = median(passes[TARGET_ONLY])
+    for name, ps in passes.items():
+        ms, rows = median(ps), [r for plan in out[name] for r in plan]
+        rec[name] = {"ms_per_plan": ms, "ms_per_plan_range": [min(ps), max(ps)],
+                     "tokens_per_s": 1e3 * sum(len(r.tokens) for r in rows) / len(groups) / ms, "speedup": base / ms,
+                     "tau_per_row": [r.tau for r in rows], "mean_tau": sum(r.tau for r in rows) / len(rows),
+                     "idle_row_share": sum(max(r.rounds for r in plan) - r.rounds for plan in out[name] for r in plan)
+                     / sum(max(r.rounds for r in plan) * len(plan) for plan in out[name])}
+        if name.endswith(" compiled"):
+            rec[name]["speedup"] = median(passes[COMPILED[0]]) / ms  # over compiled target-only
+    if sampling.greedy:  # greedy: each row equals its own prompt's batch-1 target-only decode
+        cli.progress(f"plans: each of {len(prompts)} prompts' batch-1 target-only decode (the identity check)")
+        ref = [speculate.autoregressive(target, p, max_new, stop_token=stop_token).tokens for p in prompts]
+        want = [ref[j * batch + i] for j in range(len(groups)) for i in range(batch) for _ in range(samples)]
+        rec["greedy_match_per_row"] = {name: [r.tokens == w for r, w in zip([r for plan in o for r in plan], want)]
+                                       for name, o in out.items()}
+        rec["greedy_match"] = all(all(v) for v in rec["greedy_match_per_row"].values())
+    return rec
+
+
+def plan_batches(prompts, batch):
+    """The plans' prompts, `batch` at a time, each group one left-padded prompt of `batch` rows (a partial last group
+    is left out: every plan has the same rows)."""
+    return [evaluate.stack_prompts(prompts[i:i + batch]) for i in range(0, len(prompts) - batch + 1, batch)]
+
+
+def arm_table(pairs, gamma, chain_gamma):
+    """{arm: (target, draft or None, decoder)} for each (target, draft) of pairs {name suffix: pair}: target-only, the
+    decoder, and beside any other decoder the chain of chain_gamma with the same draft, timed in the same passes (is
+    the tree faster here?)."""
+    arms = ((TARGET_ONLY, False, gamma), ("speculative", True, gamma), (CHAIN_ARM, True, chain_gamma))
+    return {name + sfx: (t, d if drafted else None, g) for sfx, (t, d) in pairs.items()
+            for name, drafted, g in arms[:2 if speculate.decoder_of(gamma) == Chain(chain_gamma) else 3]}
+
+
+def plan_ms(passes, n):  # each pass's ms per plan of n, until every row of the plan is done
+    return [1e3 * sum(max(r.decode_s for r in x.result) for x in p) / n for p in passes]
+
+
+def decoder_json(decoder):
+    """{"kind": "chain", "gamma"} or {"kind": "tree", "nodes", "depth", "width"} (decoder: speculate.decoder_of's)."""
+    return {"kind": (d := speculate.decoder_of(decoder)).kind, **dataclasses.asdict(d)}
+
 
 # ---- step times ----
 class Clock:

@@ -1,4 +1,4 @@
-"""Tests for speculative decoding of B rows at once (speculate.speculative_batch, tree.speculative_batch,
+"""Tests for speculative decoding of B rows at once (speculate.speculative_batch, Chain and tree decoders,
 speculate.autoregressive_batch): greedy rows of different prompt lengths equal their own target-only decodes token for
 token (fp32), chain and tree, eager and on the compiled path's steps; sampled rows are each the row a batch-1 decode
 with that row's seed gives, follow the target's law, and draw independently of each other.
@@ -29,7 +29,6 @@ from ops import compiled
 import speculate
 from evaluate import stack_prompts
 from speculate import Sampling, autoregressive_batch, speculative_batch
-import tree as trees
 from tree import TreeShape
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -68,7 +67,7 @@ def test_greedy_rows_of_different_lengths_equal_their_own_decodes(path):
                 want = [cut(refs[r], n) for r in rows for _ in range(samples)]
                 chain = speculative_batch(t, d, batch, 4, n, samples=samples, stop_token=stop)
                 assert [r.tokens for r in chain] == want, (name, rows, n, "chain")
-                tree = trees.speculative_batch(t, d, batch, SHAPE, n, samples=samples, stop_token=stop)
+                tree = speculative_batch(t, d, batch, SHAPE, n, samples=samples, stop_token=stop)
                 assert [r.tokens for r in tree] == want, (name, rows, n, "tree")
         plain = autoregressive_batch(t, batch, 20, samples=samples, stop_token=stop)
         assert [r.tokens for r in plain] == [cut(refs[r], 20) for r in rows for _ in range(samples)], rows
@@ -89,7 +88,7 @@ def test_compiled_rows_equal_their_own_decodes(monkeypatch):
     d = compiled.CompiledSteps(draft, 96, (1, 2, SHAPE.width), batch=3)
     want = [vla_greedy_reference(target, p, 16) for p in prompts]
     assert [r.tokens for r in speculative_batch(t, d, batch, 4, 16)] == want
-    assert [r.tokens for r in trees.speculative_batch(t, d, batch, SHAPE, 16)] == want
+    assert [r.tokens for r in speculative_batch(t, d, batch, SHAPE, 16)] == want
 
 
 def test_a_row_does_not_change_with_its_batch():
@@ -103,7 +102,7 @@ def test_a_row_does_not_change_with_its_batch():
     prompt = vla_prompts()["image+video"]
     kw = dict(temperature=0.6, top_p=0.98)  # Alpamayo-R1's
     for one, many, g in ((speculate.speculative, speculative_batch, 4),
-                         (trees.speculative, trees.speculative_batch, SHAPE)):
+                         (speculate.speculative, speculative_batch, SHAPE)):
         rows = many(target, draft, prompt, g, 20, samples=4, sampling=Sampling(**kw, seed=7))
         alone = [one(target, draft, prompt, g, 20, sampling=Sampling(**kw, seed=7 + r)) for r in range(4)]
         assert [(r.tokens, r.accepted) for r in rows] == [(r.tokens, r.accepted) for r in alone], g
@@ -139,7 +138,7 @@ def test_sampled_rows_follow_the_target_law_independently(kind, monkeypatch):
     V, N, ids, temperature = 5, 1000, [0, 3], 0.8
     expected = exact_first3(target, ids, temperature)
     first = expected.view(V, V * V).sum(-1)  # (V,) the first token's law
-    decode = speculative_batch if kind == "chain" else trees.speculative_batch
+    decode = speculative_batch if kind == "chain" else speculative_batch
     g = 2 if kind == "chain" else TreeShape(4, 2, 2)
 
     def run():

@@ -90,13 +90,13 @@ def test_sampling_reaches_every_timed_decode(monkeypatch):
 
     monkeypatch.setattr(evaluate, "decode", spy)
     sampling = cli.sampling(0.8, top_k=20, top_p=0.9, seed=5)
-    bench.time_arms(target, {"speculative": draft}, prompts, 3, 6, None, repeats=1, sampling=sampling)
+    timing.time_arms(target, {"speculative": draft}, prompts, 3, 6, None, repeats=1, sampling=sampling)
     assert len(calls) == 2 * 2 * 2  # warm-up + 1 pass, 2 arms, 2 prompts
     for _, i, s in calls:  # prompt i's generators seeded 5 + i, in the warm-up and in every pass
         assert s == Sampling(0.8, top_k=20, top_p=0.9, seed=5 + i)
     assert {only for only, _, _ in calls} == {True, False}
     calls.clear()
-    bench.time_arms(target, {"speculative": draft}, prompts, 3, 6, None, repeats=1)
+    timing.time_arms(target, {"speculative": draft}, prompts, 3, 6, None, repeats=1)
     assert all(s.greedy for _, _, s in calls)
 
 
@@ -154,9 +154,9 @@ def test_compiled_tree_is_chosen_and_timed_beside_the_compiled_chain(eager_dynam
     c = res["compiled"]
     cand = c["chosen"]["candidates"]
     best = max(shapes, key=lambda sh: cand[str(sh)]["predicted_speedup"])
-    assert c["chosen"]["ran"] == bench.decoder_json(best) == res["decoder"] == {k: v for k, v in res["ran"].items()
+    assert c["chosen"]["ran"] == timing.decoder_json(best) == res["decoder"] == {k: v for k, v in res["ran"].items()
                                                                                  if k in res["decoder"]}
-    assert c["greedy_match"] and set(c["divergences"]) == {*bench.COMPILED, bench.COMPILED_CHAIN}
+    assert c["greedy_match"] and set(c["divergences"]) == {*timing.COMPILED, timing.COMPILED_CHAIN}
     assert c["chain"]["gamma"] == 3 and c["chain"]["ms_per_token"] > 0
 
 
@@ -175,32 +175,33 @@ def test_plans_time_batched_rows_that_equal_their_own_decodes(eager_dynamo, caps
     target = tiny_model()
     draft = make_draft(target, n_layers=1).eval()
     prompts = [image_prompt(seed=s) for s in range(2)]
-    p = bench.plans(target, draft, prompts, TreeShape(6, 3, 2), 6, None, 3, cli.sampling(), 2, 2, compile=True,
+    p = timing.plans(target, draft, prompts, TreeShape(6, 3, 2), 6, None, 3, cli.sampling(), 2, 2, compile=True,
                     chain_gamma=3)
     assert p["rows"] == 4 and p["plans"] == 1 and p["greedy_match"]
-    arms = {evaluate.TARGET_ONLY, "speculative", bench.CHAIN_ARM, *bench.COMPILED, bench.COMPILED_CHAIN}
+    arms = {evaluate.TARGET_ONLY, "speculative", timing.CHAIN_ARM, *timing.COMPILED, timing.COMPILED_CHAIN}
     assert set(p["greedy_match_per_row"]) == arms and all(len(v) == 4 for v in p["greedy_match_per_row"].values())
     assert all(len(p[a]["tau_per_row"]) == 4 and p[a]["ms_per_plan"] > 0 for a in arms)
-    assert p[evaluate.TARGET_ONLY]["speedup"] == 1.0 and p[bench.COMPILED[0]]["speedup"] == 1.0
+    assert p[evaluate.TARGET_ONLY]["speedup"] == 1.0 and p[timing.COMPILED[0]]["speedup"] == 1.0
     bench.report({"mode": "plans", "plan": p, "device": "cpu", "hardware": "x", "dtype": "fp32", "threads": 1,
-                  "decoder": bench.decoder_json(TreeShape(6, 3, 2)), "decoding": cli.sampling_json(cli.sampling())})
+                  "decoder": timing.decoder_json(TreeShape(6, 3, 2)), "decoding": cli.sampling_json(cli.sampling())})
     assert "4 rows, decoded as one batch" in capsys.readouterr().out
-    sampled = bench.plans(target, draft, prompts, 3, 6, None, 3, cli.sampling(0.6, top_p=0.98), 1, 3)
+    sampled = timing.plans(target, draft, prompts, 3, 6, None, 3, cli.sampling(0.6, top_p=0.98), 1, 3)
     assert sampled["plans"] == 2 and "greedy_match" not in sampled and sampled["speculative"]["mean_tau"] >= 1
 
 
-def test_the_plans_tree_is_the_one_whose_val_plans_ran_fastest(monkeypatch):
-    """choose_plan_tree times each candidate's val plans and returns the fastest; its record names every candidate."""
+def test_the_plans_decoder_is_the_one_whose_val_plans_ran_fastest(monkeypatch):
+    """choose_plan_decoder times each candidate's val plans, the trees and the chain, and returns the fastest; its
+    record names every candidate."""
     from tree import TreeShape
     target = tiny_model()
     draft = make_draft(target, n_layers=1).eval()
     shapes = (TreeShape(6, 3, 2), TreeShape(4, 2, 2))
     monkeypatch.setattr(bench, "PLAN_TREES", shapes)
-    best, rec = bench.choose_plan_tree(target, draft, [image_prompt(seed=s) for s in range(2)], 6, None,
-                                       cli.sampling(), 2, 2)
+    best, rec = bench.choose_plan_decoder(target, draft, [image_prompt(seed=s) for s in range(2)], 6, None,
+                                          cli.sampling(), 2, 2, chain_gamma=3)
     ms = rec["ms_per_val_plan"]
-    assert set(ms) == {str(sh) for sh in shapes} and str(best) == min(ms, key=ms.get)
-    assert rec["ran"] == bench.decoder_json(best)
+    assert set(ms) == {str(sh) for sh in (*shapes, speculate.Chain(3))} and str(best) == min(ms, key=ms.get)
+    assert rec["ran"] == timing.decoder_json(best)
 
 
 def test_the_toys_action_step_over_rows_is_each_rows_own():

@@ -19,11 +19,10 @@ import driving
 import evaluate
 from evaluate import TARGET_ONLY
 import model as M
-from ops import checkpoint, files
+from ops import checkpoint, files, timing
 import rsd
 import speculate
 import train as T
-import tree
 from tree import TreeShape
 
 VIEWS = 2  # surround views of the tiny world's prompts: 12 + 2 x 24 = 60 visual tokens, fast to test
@@ -85,7 +84,7 @@ def test_rsd_json_contract_and_exactness(run_dir, capsys):
         assert shape in rsd.TREES and r["gamma"] is None and len(r["tau_by_seed"]) == 2
         kind = dict(rsd.ROWS)[r["name"].removesuffix(" tree")]
         draft = checkpoint.load(checkpoint.draft_dir(str(run_dir), kind, 1), target=target).eval()
-        res = [tree.speculative(target, draft, p, shape, evaluate.MAX_NEW_TOKENS, stop_token=tok.cot_end_id)
+        res = [speculate.speculative(target, draft, p, shape, evaluate.MAX_NEW_TOKENS, stop_token=tok.cot_end_id)
                for p in prompts]
         assert r["tau_by_seed"][1] == pytest.approx(sum(len(x.tokens) for x in res) / sum(x.rounds for x in res))
         assert r["tau"] == pytest.approx(sum(r["tau_by_seed"]) / 2) and r["tau"] <= r["tau_ceiling"] + 1e-9
@@ -206,8 +205,8 @@ def test_bench_toy_compiled(run_dir, capsys):
                 "--json"])
     text = "".join(capsys.readouterr()[::-1])  # stderr (--json: the report), stdout
     c = json.loads(text.strip().splitlines()[-1])["compiled"]
-    assert c["greedy_match"] is True and c["divergences"] == {arm: [] for arm in (*bench.COMPILED,
-                                                                                  bench.COMPILED_CHAIN)}
+    assert c["greedy_match"] is True and c["divergences"] == {arm: [] for arm in (*timing.COMPILED,
+                                                                                  timing.COMPILED_CHAIN)}
     for key in ("ar_ms_per_token", "spec_ms_per_token", "t_target_1", "t_target_verify", "t_draft_1", "t_draft_level",
                 "compile_s"):
         assert c[key] > 0, key
@@ -259,7 +258,7 @@ def test_bench_sampling_reports_the_sampled_runs_beside_greedy(run_dir, capsys):
     draft = checkpoint.load(out["draft"], target=target).eval()
     prompts = evaluate.scene_prompts(driving.make_split("test", 3, seed=0), tok, "cpu", torch.float32, VIEWS)
     shape = TreeShape(*(out["decoder"][k] for k in ("nodes", "depth", "width")))
-    res = [tree.speculative(target, draft, p, shape, evaluate.MAX_NEW_TOKENS,
+    res = [speculate.speculative(target, draft, p, shape, evaluate.MAX_NEW_TOKENS,
                             speculate.Sampling(0.8, top_p=0.95, seed=7 + i), stop_token=tok.cot_end_id) for i, p in enumerate(prompts)]
     n = sum(len(r.tokens) for r in res)
     assert out["sampled"]["tokens"] == n and out["sampled"]["tau"] == pytest.approx(n / sum(r.rounds for r in res))

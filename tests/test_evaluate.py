@@ -156,3 +156,27 @@ def test_k_continuations_sharing_a_prefill_equal_each_alone(tok):
         t1, l1, _ = evaluate.action_rows(target, prompt, [coc], end)
         torch.testing.assert_close(traj[j:j + 1], t1, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(logits[j:j + 1, :l1.shape[1]], l1, atol=1e-4, rtol=1e-4)
+
+
+def test_a_shared_prefill_decodes_as_a_fresh_one():
+    """evaluate.SharedPrefill (rsd.py's untimed decodes of every scene): a prompt's embedding and prefill computed once
+    and copied, then every decoder (chain, tree, target-only, several rows of one prompt) gives the same SpecResult as
+    with its own prefill, and the shared forward ran once per prompt."""
+    from tiny_models import image_prompt, tiny_model
+    from tree import TreeShape
+    target = tiny_model()
+    draft = M.make_draft(target, n_layers=1).eval()
+    shared, calls = evaluate.SharedPrefill(target), []
+    forward = target.forward
+    target.forward = lambda *a, cache=None, **kw: calls.append(cache is not None and not any(cache.lengths)) or forward(
+        *a, cache=cache, **kw)
+    prompts = [image_prompt(seed=s) for s in range(2)]
+    for p in prompts * 2:
+        for decoder in (3, TreeShape(6, 3, 2)):
+            assert evaluate.decode(shared, draft, p, decoder, 8, None) == evaluate.decode(target, draft, p, decoder, 8,
+                                                                                          None)
+        assert evaluate.decode(shared, None, p, 3, 8, None) == evaluate.decode(target, None, p, 3, 8, None)
+        rows = speculate.speculative_batch(shared, draft, p, 3, 8, samples=2, sampling=speculate.Sampling(1.0, seed=3))
+        assert rows == speculate.speculative_batch(target, draft, p, 3, 8, 2, speculate.Sampling(1.0, seed=3))
+    # prefills run: the shared ones once per prompt, the plain ones every time (4 decodes, 2 passes, 2 prompts)
+    assert sum(calls) == len(prompts) + 4 * 2 * 2

@@ -99,7 +99,7 @@ def test_the_prediction_reads_a_named_recorded_acceptance(tmp_path):
 def test_the_committed_tree_run_is_the_default_trees_acceptance():
     """The default tree's real-shape prediction reads experiments/bench_cpu_tree.json, a toy run of that tree; another
     tree is refused with the command that records one; the chain's reads experiments/bench_cpu.json's alpha."""
-    t = gpu_check.bench.decoder_json(gpu_check.evaluate.TREE)
+    t = gpu_check.timing.decoder_json(gpu_check.evaluate.TREE)
     rec = gpu_check.toy_acceptance(gpu_check.TOY_TREE_ACCEPTANCE, t)
     assert rec["decoder"] == t and rec["tau"] > 1 and rec["source"] == gpu_check.TOY_TREE_ACCEPTANCE
     with pytest.raises(ValueError, match="the same tree"):

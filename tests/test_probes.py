@@ -22,7 +22,7 @@ def watched_benchmark(monkeypatch, *args, **kwargs):
     """bench.benchmark with a CompileWatch on its compiled steps, in bench's phases: "compile" (every decode before
     time_arms: those timed as compile_s, and choose's candidates), "warm-up" (time_arms' own warm-up pass), "timed"
     (its passes) and "cost model" (the compiled steps' step times). -> (bench's record, the watch's report)."""
-    pair, watches = bench.compiled_pair, []
+    pair, watches = timing.compiled_pair, []
 
     def compiled_pair(*a, **kw):
         ct, cd = pair(*a, **kw)
@@ -36,8 +36,8 @@ def watched_benchmark(monkeypatch, *args, **kwargs):
             return fn(*a, **kw)
         return run
 
-    monkeypatch.setattr(bench, "compiled_pair", compiled_pair)
-    monkeypatch.setattr(bench, "time_arms", entering(bench.time_arms, "warm-up"))
+    monkeypatch.setattr(timing, "compiled_pair", compiled_pair)
+    monkeypatch.setattr(timing, "time_arms", entering(timing.time_arms, "warm-up"))
     monkeypatch.setattr(timing, "interleaved", entering(timing.interleaved, "timed"))
     monkeypatch.setattr(bench, "cost_model", entering(bench.cost_model, "cost model", unless="compile"))
     try:

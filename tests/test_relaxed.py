@@ -15,7 +15,6 @@ import driving
 import speculate
 from relaxed import Relaxed
 from speculate import Sampling, autoregressive, speculative
-import tree
 from tree import TreeShape, verify_tree
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -25,7 +24,7 @@ COMMIT = frozenset(range(0, 97, 2))  # the tiny target's even ids stand for comm
 
 def decoders():
     return {"chain": lambda t, d, p, s: speculative(t, d, p, 4, 20, s),
-            "tree": lambda t, d, p, s: tree.speculative(t, d, p, TreeShape(8, 4, 2), 20, s)}
+            "tree": lambda t, d, p, s: speculate.speculative(t, d, p, TreeShape(8, 4, 2), 20, s)}
 
 
 def test_relaxed_settings_are_checked():

@@ -36,7 +36,7 @@ def test_every_shipped_draft_decodes_the_targets_greedy_tokens_on_every_path(mon
     fused tree growth and verify, padding and persistent caches at test speed), emit target-only greedy decoding's
     tokens, with the stop token and with max-new cutting inside an accepted path. (Inductor's own kernels:
     tests/test_speculate.py's slow tests.)"""
-    import bench
+    from ops import timing
     import driving
     import evaluate
     from ops import checkpoint
@@ -57,11 +57,11 @@ def test_every_shipped_draft_decodes_the_targets_greedy_tokens_on_every_path(mon
     assert len(dirs) == 3 * len(ship_toy.KINDS)
     for name in dirs:
         draft = checkpoint.load(os.path.join(SHIPPED, name), target=target).eval()
-        pairs = {"eager": (target, draft), "compiled": bench.compiled_pair(target, draft, prompts, [shape, gamma], 32)}
+        pairs = {"eager": (target, draft), "compiled": timing.compiled_pair(target, draft, prompts, [shape, gamma], 32)}
         for path, (t, d) in pairs.items():
             for n, ref in refs.items():
                 for p, want in zip(prompts, ref):
                     assert speculate.speculative(t, d, p, gamma, n, stop_token=stop).tokens == want, (name, path, n)
-                    assert tree.speculative(t, d, p, shape, n, stop_token=stop).tokens == want, (name, path, n)
+                    assert speculate.speculative(t, d, p, shape, n, stop_token=stop).tokens == want, (name, path, n)
     torch._dynamo.reset()
     assert isinstance(pairs["compiled"][0], compiled.CompiledSteps)

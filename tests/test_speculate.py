@@ -25,7 +25,6 @@ import model
 from ops import compiled, timing
 import speculate
 from speculate import Sampling, autoregressive, process_logits, speculative, verify_greedy, verify_sample
-import tree
 from tree import TreeShape
 import vision
 
@@ -56,7 +55,11 @@ class ToyCache:
         self.check_room(T)
         return torch.arange(self.length, self.length + T)[None]  # (1, T)
 
+    def commit(self, n):
+        self.length += n if isinstance(n, int) else n[0]
+
     def crop(self, n):
+        n = n if isinstance(n, int) else n[0]
         assert 0 <= n <= self.length, (n, self.length)
         self.length = n
 
@@ -337,10 +340,10 @@ def test_cache_rollback_toy():
 def test_errors_before_any_work():
     target, draft = toy(5, seed=0), toy(5, seed=1)
     ids = prompt_of(1, 2, 3)
-    bad = [dict(gamma=0), dict(gamma=-1), dict(gamma=1.5), dict(max_new_tokens=0), dict(max_len=10),  # 22 > 10
+    bad = [dict(decoder=0), dict(decoder=-1), dict(decoder=1.5), dict(max_new_tokens=0), dict(max_len=10),  # 22 > 10
            dict(sampling=dict(temperature=1.0))]  # settings travel as a Sampling
     for kw in bad:
-        args = dict(gamma=2, max_new_tokens=20) | kw
+        args = dict(decoder=2, max_new_tokens=20) | kw
         with pytest.raises(ValueError):
             speculative(target, draft, ids, **args)
     for kw in (dict(temperature=-0.1), dict(temperature=float("nan")), dict(temperature=float("inf")),
@@ -838,7 +841,7 @@ def test_vla_compiled_decoding_greedy_equals_target():
         ref = autoregressive(target, prompt, 16)
         assert autoregressive(ct, prompt, 16).tokens == ref.tokens, pname
         assert speculative(ct, cd, prompt, 3, 16).tokens == ref.tokens, pname
-        assert tree.speculative(ct, cd, prompt, shape, 16).tokens == ref.tokens, pname
+        assert speculate.speculative(ct, cd, prompt, shape, 16).tokens == ref.tokens, pname
 
 
 def test_vla_compiled_path_with_padded_steps():
@@ -877,7 +880,7 @@ def test_vla_compiled_decoding_on_cuda_equals_target():
                 ref = autoregressive(target, prompt, 16)
                 assert autoregressive(ct, prompt, 16).tokens == ref.tokens, pname
                 assert speculative(ct, cd, prompt, 3, 16).tokens == ref.tokens, pname
-                assert tree.speculative(ct, cd, prompt, shape, 16).tokens == ref.tokens, pname
+                assert speculate.speculative(ct, cd, prompt, shape, 16).tokens == ref.tokens, pname
     finally:
         watch.close()
     graphs = watch.report()["cuda_graphs"]

@@ -32,7 +32,7 @@ import speculate
 from speculate import Sampling, autoregressive, speculative
 import tree as trees
 from tree import Tree, TreeShape
-from tree import speculative as tree_speculative
+from speculate import speculative as tree_speculative
 from tree import tree_round, verify_tree
 
 pytestmark = pytest.mark.usefixtures("one_thread")
