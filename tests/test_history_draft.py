@@ -24,7 +24,6 @@ from ops import checkpoint
 import speculate
 from speculate import Sampling, autoregressive, speculative, speculative_batch
 import train
-import tree as trees
 from tree import TreeShape
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -112,7 +111,7 @@ def test_greedy_equals_target_and_real_tau_equals_the_replay():
             assert res.tokens == ref, (name, gamma)
             assert (res.rounds, sum(res.from_draft)) == simulate_rounds(match, gamma), (name, gamma)
             accepted += sum(res.from_draft)
-        assert trees.speculative(target, draft, prompt, TreeShape(8, 4, 2), 24).tokens == ref, name
+        assert speculative(target, draft, prompt, TreeShape(8, 4, 2), 24).tokens == ref, name
     assert accepted > 20  # the replay was tested on rounds that accepted drafts
     rows = speculative_batch(target, draft, stack_prompts(list(prompts.values())), 3, 24, samples=2)
     assert [r.tokens for r in rows] == [autoregressive(target, p, 24).tokens for p in prompts.values() for _ in "ab"]
@@ -154,7 +153,7 @@ def test_sampled_law_is_the_targets():
                              for b in range(N // 2)]).reshape(N, 2)
         return chi_square(torch.bincount(toks[:, 0] * V + toks[:, 1], minlength=V * V), expected)[2]
 
-    p_chain, p_tree = law(speculative_batch, 2), law(trees.speculative_batch, TreeShape(4, 2, 2))
+    p_chain, p_tree = law(speculative_batch, 2), law(speculative_batch, TreeShape(4, 2, 2))
     print(f"history-only draft: chain p = {p_chain:.3g}, tree p = {p_tree:.3g}")
     assert min(p_chain, p_tree) > SIGNIFICANCE
     honest = speculate.verify_sample
