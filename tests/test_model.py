@@ -315,9 +315,9 @@ def test_rows_with_their_own_lengths_equal_their_own_decodes():
         want_a, want_b = feed(model, ca, torch.tensor([xa])), feed(model, cb, torch.tensor([xb]))
         torch.testing.assert_close(logits[0, :len(xa)], want_a[0], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(logits[1, :len(xb)], want_b[0], atol=1e-5, rtol=1e-5)
-        cache.lengths = [cache.lengths[0] + len(xa), cache.lengths[1] + len(xb)]
+        cache.commit([len(xa), len(xb)])
         if keep:  # row 1 rejects its last token: the rollback is its length alone
-            cache.lengths[1] -= keep[1]
+            cache.crop([cache.lengths[0], cache.lengths[1] - keep[1]])
             cb.crop(cb.length - keep[1])
         with pytest.raises(ValueError, match="rows have different lengths"):
             cache.length
