@@ -320,18 +320,19 @@ def find_search(a, target, drafts, seeds, val, device):
         rec["tree_val_tau"] |= tree_val_taus(target, {r: first[r] for r in lacking}, prompts, shapes,
                                              val.tok.cot_end_id)
         rec["key"] = key
+        how = f"recorded by python rsd.py --search in {path}, the rows {', '.join(lacking)} measured now"
         if not a.search:
-            return rec, f"recorded by python rsd.py --search in {path}, rows {', '.join(lacking)} measured now"
+            return rec, how
     else:
-        rec = search(target, first, prompts, shapes, val.tok.cot_end_id)
+        rec, how = search(target, first, prompts, shapes, val.tok.cot_end_id), "measured now"
     if not a.search:
-        return rec, "measured now"
+        return rec, how
     files.write_json(path, {"what": "rsd.py's search on val: the cost model's step times (s) on the first val prompt "
                                     "and each row's tree tau on val (real tree decoding, the key's first-seed drafts)",
                             "command": "python rsd.py --search", "key": key,
                             "environment": {**timing.environment(device), "threads": torch.get_num_threads()}, **rec})
     print(f"search recorded in {path}")
-    return rec, f"measured now, recorded in {path}"
+    return rec, f"{how}, recorded in {path}"
 
 
 # ---- main ----

@@ -5,7 +5,8 @@ the target's CoC exact match / commitment accuracy / ADE, the world's routine sh
 ADE and attention split, greedy identity. A row's gamma (or tree) is chosen with measured step times, so its `tau`,
 `tau_spread`, `routine_fraction` and `tau_ceiling` are compared only where both runs chose the same gamma. Timing
 columns (ms_per_token, speedup) are never compared. Floats agree to 1e-6 relative (the attention split's sums differ
-in their last bits between machines).
+in their last bits between machines). A row only the new run has (a draft kind added since) is named, not a
+difference: the old rows are what must not move.
 
 run: python experiments/compare_rsd.py OLD.json NEW.json      (exit 1 on any difference)
 """
@@ -23,13 +24,15 @@ ROW_AT_GAMMA = ("tau", "tau_spread", "routine_fraction", "tau_ceiling")
 TOP = ("greedy_match", "sweep", "target", "routine_share_world", "seeds", "prompt")
 
 
-def same(a, b, where, out):
+def same(a, b, where, out, rows=()):
+    """Differences of b from a into out; rows: names of rows only the new run has (their sweep columns are added)."""
     if isinstance(a, dict) and isinstance(b, dict):
         for k in a.keys() | b.keys():
             if k not in a or k not in b:
-                out.append(f"{where}/{k}: only in {'new' if k in b else 'old'}")
+                if k not in rows:
+                    out.append(f"{where}/{k}: only in {'new' if k in b else 'old'}")
             else:
-                same(a[k], b[k], f"{where}/{k}", out)
+                same(a[k], b[k], f"{where}/{k}", out, rows)
     elif isinstance(a, float) or isinstance(b, float):
         if not (isinstance(a, (int, float)) and isinstance(b, (int, float)) and math.isclose(a, b, rel_tol=1e-6)):
             out.append(f"{where}: {a} -> {b}")
@@ -39,8 +42,10 @@ def same(a, b, where, out):
 
 def compare(old, new):
     out, notes = [], []
+    added = {r["name"] for r in new["rows"]} - {r["name"] for r in old["rows"]}  # a draft row added since
+    notes += [f"row {name}: only in new (added; the old rows are compared)" for name in sorted(added)]
     for k in TOP:
-        same(old.get(k), new.get(k), k, out)
+        same(old.get(k), new.get(k), k, out, added)
     if [r.get("gamma") for r in old["rows"]] == [r.get("gamma") for r in new["rows"][:len(old["rows"])]]:
         same(old.get("tau_ceiling"), new.get("tau_ceiling"), "tau_ceiling", out)  # the ceiling at the chosen gamma
     new_rows = {r["name"]: r for r in new["rows"]}

@@ -56,6 +56,8 @@ PROGRAMS = {
     "experiments/tree_paths.py": ("tree_paths", "file", "--scenes", False, "--out {tmp}/t.json"),
     "experiments/rope_base.py": ("rope_base", "file", "--scenes", False, "--work {tmp}/w --out {tmp}/r.json"),
     "experiments/learning_speed.py": ("learning_speed", "file", "--scenes", False, "--work {tmp}/w --out {tmp}/l.json"),
+    "experiments/history_prefill.py": ("history_prefill", "file", "--scenes", False,
+                                       "--scenes 1 --repeats 1 --out {tmp}/h.json"),
     "experiments/cost_per_1000_scenes.py": ("cost_per_1000_scenes", "file", "--reps", False, "--out {tmp}/c.json"),
     # reads two JSON files and compares them at once: no output, no count, no stage to interrupt
     "experiments/compare_rsd.py": ("compare_rsd", None, None, False, None),
