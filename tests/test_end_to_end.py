@@ -30,7 +30,7 @@ VIEWS = 2  # surround views of the tiny world's prompts: 12 + 2 x 24 = 60 visual
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
-    """Tiny target + both drafts of two seeds (train.py) + a 2-step AARL draft per seed, as rsd.retrain lays them
+    """Tiny target + the three SFT drafts of two seeds (train.py) + a 2-step AARL draft per seed, as rsd.retrain lays them
     out."""
     M.PRESETS["test-tiny"], M.DRAFT_PRESETS["test-tiny-draft"] = TINY, TINY_DRAFT
     torch.set_num_threads(1)
@@ -39,7 +39,7 @@ def run_dir(tmp_path_factory):
     for seed in (0, 1):
         cfg = tiny_cfg(out, target_steps=80, draft_steps=60, n_val=8, n_test=8, views=VIEWS, max_views=VIEWS,
                        target_lr=3e-3,
-                       draft_seed=seed)
+                       draft_seed=seed, kinds="flat,mrope,history")
         T.run(cfg, stage="all" if seed == 0 else "drafts", log=lambda *_: None)
         target, sft = aarl.load_run(str(out), seed, "cpu")
         cfg = aarl.AARLConfig(steps=2, scenes=2, group=2, max_new=8, views=VIEWS, seed=seed)
