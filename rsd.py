@@ -116,8 +116,9 @@ def recorded_search(path, key, log=print):
         return None
     rec = files.read_json(path)
     have = (rec.get("key") or {}).get("drafts") or {}
+    other = [row for row, fp in have.items() if key["drafts"].get(row) != fp]  # rows with another draft now
     if differ := sorted(k for k in key if k != "drafts" and key[k] != rec["key"].get(k)) + \
-            [f"the {row} draft" for row, fp in have.items() if key["drafts"].get(row) != fp]:
+            ([f"drafts ({', '.join(other)})"] if other else []):
         log(f"{path} was recorded for other checkpoints or settings ({', '.join(differ)} differ): not used, searching "
             "on val now (python rsd.py --search records the search)")
         return None

@@ -120,7 +120,7 @@ def check_out(path, flag="--out", inputs=(), default=None, folder=False):
         if p and os.path.exists(p) and os.path.exists(path) and os.path.samefile(p, path):
             raise ValueError(f"{flag} {path} is an input of this run ({p}): give another {flag}")
     if path == default:
-        os.makedirs(parent, exist_ok=True)
+        files.check_writable(parent)  # made (under runs/) or a clear error: a file in its place, no permission
     if not os.path.isdir(parent):
         raise ValueError(f"{flag} {path}: its folder {parent} does not exist")
     files.check_writable(parent)

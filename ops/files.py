@@ -125,7 +125,7 @@ def _missing(folder):
 def check_writable(folder):
     """Create folder if needed and prove it takes a file, before any work."""
     if os.path.lexists(folder) and not os.path.isdir(folder):
-        raise NotADirectoryError(f"{folder}: is a file, not a folder")
+        raise NotADirectoryError(f"{folder}: output folder is not writable (it is a file, not a folder)")
     try:
         os.makedirs(folder, exist_ok=True)
         tempfile.TemporaryFile(dir=folder).close()

@@ -61,14 +61,16 @@ def test_rsd_json_contract_and_exactness(run_dir, capsys):
     assert set(out["target"]) == {"coc_exact", "commitment_acc", "ade"}
     assert out["prompt"] == {"visual_tokens": 12 + 24 * VIEWS, "history_tokens": 48}
     assert out["routine_share_world"] == pytest.approx(driving.routine_share("train"))
-    chains = ["replica", "flatrope", "flatrope+aarl"]
+    chains = ["replica", "flatrope", "history-only", "flatrope+aarl"]
     assert [r["name"] for r in out["rows"]] == ["target-only", *chains, *(f"{n} tree" for n in chains)]
     assert set(out["sweep"]) == {"val", "test"} and set(out["sweep"]["test"]) == {str(g) for g in rsd.GAMMAS}
     for r in out["rows"]:
         assert set(r) == {"name", "gamma", "tau", "tau_spread", "tau_by_gamma", "tau_ceiling", "routine_fraction",
                           "commit_acc", "ms_per_token", "speedup", "ms_per_token_range", "speedup_range", "ade",
                           "attn_history", "attn_image", "attn_text", "tree", "tau_by_seed", "val_tau", "alpha_by_depth",
-                          "nodes_per_round"}
+                          "nodes_per_round", "tau_pm"}
+        # the table's ± is half the spread over the seeds' folders (two here); target-only has no draft
+        assert r["tau_pm"] == (None if r["name"] == "target-only" else pytest.approx(r["tau_spread"] / 2))
         assert r["ms_per_token"] > 0 and 0 <= r["commit_acc"] <= 1
         lo, hi = r["speedup_range"]  # min..max over the timed blocks: 2 scenes, 2 blocks of 1
         assert 0 < lo <= hi and r["ms_per_token_range"][0] <= r["ms_per_token_range"][1]
@@ -79,7 +81,7 @@ def test_rsd_json_contract_and_exactness(run_dir, capsys):
     target = checkpoint.load(run_dir / "target").eval()
     test = driving.Data("test", 6, 0, tok, views=VIEWS)
     prompts = evaluate.scene_prompts(test.scenes, tok, "cpu", views=test.views_at(0))
-    for r in out["rows"][4:]:  # tree rows: a shape of rsd.TREES, every seed's real tree decoding on the test scenes
+    for r in out["rows"][1 + len(chains):]:  # tree rows: a shape of rsd.TREES, every seed's real tree decoding on the test scenes
         shape = TreeShape(*r["tree"])
         assert shape in rsd.TREES and r["gamma"] is None and len(r["tau_by_seed"]) == 2
         kind = dict(rsd.ROWS)[r["name"].removesuffix(" tree")]
@@ -89,7 +91,7 @@ def test_rsd_json_contract_and_exactness(run_dir, capsys):
         assert r["tau_by_seed"][1] == pytest.approx(sum(len(x.tokens) for x in res) / sum(x.rounds for x in res))
         assert r["tau"] == pytest.approx(sum(r["tau_by_seed"]) / 2) and r["tau"] <= r["tau_ceiling"] + 1e-9
         assert all(a is None or 0 <= a <= 1 for a in r["alpha_by_depth"]) and 1 <= r["nodes_per_round"] <= shape.nodes
-    for r in out["rows"][1:4]:
+    for r in out["rows"][1:1 + len(chains)]:
         g = str(r["gamma"])
         # the row's tau is its tau at its gamma, the sweep's on the same scenes, and no draft beats a perfect one
         assert r["gamma"] in rsd.GAMMAS and r["tau"] == pytest.approx(r["tau_by_gamma"][g])
@@ -97,7 +99,7 @@ def test_rsd_json_contract_and_exactness(run_dir, capsys):
         assert r["tau"] <= r["tau_ceiling"] + 1e-9 == out["sweep"]["test"][g]["ceiling"] + 1e-9
     for split in out["sweep"].values():
         for g in split.values():
-            assert all(g[name] <= g["ceiling"] + 1e-9 for name in ("replica", "flatrope", "flatrope+aarl"))
+            assert all(g[name] <= g["ceiling"] + 1e-9 for name in ("replica", "flatrope", "history-only", "flatrope+aarl"))
     assert out["rows"][0]["tau"] == 1.0 and out["rows"][0]["routine_fraction"] == 0.0
 
 
@@ -132,7 +134,7 @@ def test_rsd_search_is_recorded_and_a_stale_record_is_not_used(run_dir, tmp_path
     shutil.copytree(run / "draft_flat_s0", run / "draft_aarl_s0")
     rsd.main(argv)
     text = "".join(capsys.readouterr()[::-1])  # stderr (--json: the report), stdout
-    assert len(calls) == 1 and "(drafts differ): not used" in text and "measured now" in text
+    assert len(calls) == 1 and "(drafts (flatrope+aarl) differ): not used" in text and "measured now" in text
 
 
 def test_replay_equals_speculative_decoding(run_dir):
@@ -453,6 +455,6 @@ def test_rsd_relaxed_section_is_lossy_and_priced(run_dir, capsys):
     assert {"dtype", "scenes", "views", "tree", "gamma", "run", "repeats", "relaxed"} <= set(ran["flags"])
     assert ran["torch"] == torch.__version__ and ran["wall_s"] > 0 and ran["device"] == "cpu"
     assert "LOSSY: relaxed acceptance, rule typical, bound 1" in text and out["greedy_match"] is True
-    assert out["decoding"]["lossy"] and set(out["relaxed"]) == {"replica", "flatrope", "flatrope+aarl"}
+    assert out["decoding"]["lossy"] and set(out["relaxed"]) == {"replica", "flatrope", "flatrope+aarl", "history-only"}
     for r in out["relaxed"].values():
         assert r["tau"] > r["tau_exact"] and r["cocs_changed"] > 0 and r["plan_moved_m"] >= 0

@@ -14,7 +14,7 @@ import torch
 import aarl
 import bench
 from model import make_draft
-from ops import checkpoint, files
+from ops import checkpoint, files, timing
 from real import hf
 import rsd
 from tiny_models import tiny_model
@@ -572,7 +572,7 @@ def test_what_ran_is_the_tree_that_ran_and_ignored_flags_are_refused(tmp_path, c
     """bench.py's what_ran records the decoder that ran (a tree chosen on val), not the flag's default; a toy flag
     given with --preset or --target is refused, not recorded."""
     def ran(args, device, dtype, sampling):
-        return {"mode": "toy", "decoder": bench.decoder_json(bench.TreeShape(16, 8, 3))}
+        return {"mode": "toy", "decoder": timing.decoder_json(bench.TreeShape(16, 8, 3))}
 
     monkeypatch.setattr(bench, "toy", ran)
     monkeypatch.setattr(bench, "report", lambda res: None)
