@@ -406,8 +406,10 @@ def _place(rng, bucket, l_range, in_lane, kappa, cfg, ego_lane, side):
     raise RuntimeError("actor placement failed")
 
 
-def make_scene(rng, split="train", cfg=WorldConfig()):
-    f = sample_factors(rng, split)
+def make_scene(rng, split="train", cfg=WorldConfig(), f=None):
+    """A scene of the split: its factors f (drawn from the split's distribution when None), then everything continuous
+    (speed, curvature, actor poses, the history, the rasters) drawn given them."""
+    f = sample_factors(rng, split) if f is None else f
     kappa = {"curve_left": 1.0, "curve_right": -1.0}.get(f.road, 0.0) * (rng.uniform(*KAPPA[f.sharp]) if f.sharp else 0)
     v0 = rng.uniform(*BAND_V[f.band]) if f.band else 0.0
     # history (16, 3): per step the chord (dx, dy) in the previous pose's frame and dh; constant accel, curvature to v0
@@ -554,6 +556,61 @@ def make_split(name, n, seed=0, cfg=WorldConfig()):
     if name not in SPLITS:
         raise ValueError(f"unknown split {name!r}; expected one of {list(SPLITS)}")
     return [make_scene(np.random.default_rng([seed, SPLITS[name], i]), name, cfg) for i in range(n)]
+
+
+# ---- clips: the car replans every frame (beyond the paper; stream.py drafts each plan from the one before) ----
+EVENT_RATE = 0.1  # events a second (a lead starts to brake, a pedestrian steps out, an actor leaves): one per 10 s
+RING_RATE = 0.5   # range-ring changes a second, per actor: a 5 m ring crossed at a 2.5 m/s closing speed
+
+
+def event_rate(interval, per_s=EVENT_RATE):
+    """The per-frame probability of an event at a replanning interval (s), events arriving at per_s a second."""
+    return 1 - float(np.exp(-per_s * interval))
+
+
+def next_factors(rng, f, split, interval, rate):
+    """The next frame's factors. With probability `rate` an event: every factor drawn anew (a new situation). Else
+    each range ring moves with probability RING_RATE * interval, drawn from the split's distribution given every
+    other factor. Both are Gibbs steps on the split's distribution, so every frame of a clip is distributed as a
+    single scene is: the target was trained on it, and held-out clips stay held out."""
+    if rng.random() < rate:
+        return sample_factors(rng, split)
+    move, split = min(1.0, RING_RATE * interval), "test" if split == "test" else "train"
+    if f.bucket is not None and rng.random() < move:  # the in-lane actor / stop line: another ring, the rest kept
+        same = replace(f, bucket=None, left=None, right=None)
+        f = replace(f, bucket=_draw(rng, [(g.bucket, p) for g, p in main_distribution(split)
+                                          if replace(g, bucket=None) == same]))
+    for i in (0, 1):  # a roadside actor (left, right): another ring, its kind and the other side kept
+        lr = (f.left, f.right)
+        if lr[i] is not None and rng.random() < move:
+            rows = [(x, p) for x, p in roadside_distribution(f.road, f.event, split)
+                    if x[1 - i] == lr[1 - i] and x[i] is not None and x[i][0] == lr[i][0]]
+            f = replace(f, **dict(zip(("left", "right"), _draw(rng, rows))))
+    return f
+
+
+def make_clip(rng, split, frames, interval, rate, cfg=WorldConfig()):
+    """`frames` consecutive scenes, replanned every `interval` seconds: the factors carry over (next_factors), speed,
+    poses and the history are drawn again each frame given them."""
+    f, out = sample_factors(rng, split), []
+    for t in range(frames):
+        f = next_factors(rng, f, split, interval, rate) if t else f
+        out.append(make_scene(rng, split, cfg, f))
+    return out
+
+
+def make_clips(split, n, frames=10, interval=0.5, rate=None, seed=0, cfg=WorldConfig()):
+    """n clips of the split (rate None: event_rate(interval)); clip i has its own generator, apart from the scenes'."""
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}; expected one of {list(SPLITS)}")
+    if not (isinstance(frames, int) and frames >= 2 and interval > 0):
+        raise ValueError(f"a clip needs frames >= 2 and an interval > 0 s, got frames {frames!r}, "
+                         f"interval {interval!r}")
+    rate = event_rate(interval) if rate is None else rate
+    if not 0 <= rate <= 1:
+        raise ValueError(f"the event rate is a per-frame probability in [0, 1], got {rate!r}")
+    return [make_clip(np.random.default_rng([seed, 3 + SPLITS[split], i]), split, frames, interval, rate, cfg)
+            for i in range(n)]
 
 
 class Data:

@@ -5,7 +5,7 @@ VLA, p) checks them in one forward over [x_last, d_1..d_gamma] and keeps the lon
 token of its own (the correction, or a bonus when every draft was accepted). Greedy output is the target's (exact in
 fp32; in bf16 the batched verify can flip near-tied argmaxes); sampled output is distributed exactly as the target's
 (Leviathan et al. 2023, Algorithm 1; docs/background.md, "Speculative decoding"). Draft trees are tree.py. An opt-in
-lossy rule (relaxed.py) enters through Sampling.relaxed; without one (the default) every claim here holds.
+lossy rule (beyond/relaxed.py) enters through Sampling.relaxed; without one (the default) every claim here holds.
 
 Cache invariant of every round: both caches hold the prompt and the emitted tokens except the *pending* suffix. The
 target has seen all but the last emitted token x_last; the draft all but `pending`, [x_last] or, after a round that

@@ -120,6 +120,32 @@ def grow(draft, dcache, logits, root, shape):
             torch.cat([fed.new_full((B, 1), -1), fed.gather(1, keep)], 1), logits)
 
 
+def merge(tree, path):
+    """Tree + per row a path from the root (path (B, M) tokens, -1 past its end: the stream draft, stream.py) merged
+    as a trie -> a Tree of N + M nodes. The path walks down the nodes that already hold its tokens; its rest hangs
+    below the last of them as nodes N+1..N+M, those past its end dead (token -1: never drawn, so never accepted). A
+    node never has two children of one token: with two, the deeper path below the drawn token would be kept, a choice
+    made by later draws, and the sampled law would be broken (tests/test_stream.py's control)."""
+    (B, N), M, dev = tree.tokens.shape, path.shape[1], path.device
+    cur, j = path.new_zeros(B), path.new_zeros(B)  # (B,) the deepest node matched so far, the tokens it matched
+    going = torch.ones(B, dtype=torch.bool, device=dev)
+    for i in range(M if N else 0):  # one level a step: the child of cur holding the path's i-th token, if there is one
+        hit = (tree.parent[:, 1:] == cur[:, None]) & (tree.tokens == path[:, i:i + 1])  # (B, N): at most one
+        going = going & hit.any(-1)
+        cur, j = torch.where(going, hit.long().argmax(-1) + 1, cur), j + going
+    k = torch.arange(M, device=dev)  # (M,) the new nodes, a chain below cur
+    src = j[:, None] + k  # (B, M) the path's token each new node holds
+    tokens = path.gather(1, src.clamp(max=M - 1)).masked_fill(src >= M, -1)  # (B, M)
+    parent = torch.where(k == 0, cur[:, None], N + k)  # (B, M): cur, then the node before it
+    depth = tree.depth.gather(1, cur[:, None]) + 1 + k  # (B, M)
+    anc = torch.zeros(B, N + 1 + M, N + 1 + M, dtype=torch.bool, device=dev)
+    anc[:, :N + 1, :N + 1] = tree.anc
+    anc[:, N + 1:, :N + 1] = tree.anc.gather(1, cur[:, None, None].expand(-1, M, N + 1))  # cur and its ancestors
+    anc[:, N + 1:, N + 1:] = torch.ones(M, M, dtype=torch.bool, device=dev).tril()  # the new nodes above, itself
+    return Tree(torch.cat([tree.tokens, tokens], 1), torch.cat([tree.parent, parent], 1),
+                torch.cat([tree.depth, depth], 1), anc, torch.cat([tree.fed, torch.full_like(tokens, -1)], 1))
+
+
 def verify_tree(tree, logits_p, sampling, generators=None):
     """Which path of each row's tree the target keeps: logits_p (B, N+1, V), p at every node -> (the accepted path's
     last node, the token after it) (B,) each. At node v draw y_v from p(. | the path to v) (argmax when greedy); if a
@@ -135,7 +161,7 @@ def verify_tree(tree, logits_p, sampling, generators=None):
         p = sampling.probs(logits_p)  # (B, N+1, V)
         y = torch.stack([speculate.sample(p_b, g) for p_b, g in zip(p, generators)])  # (B, N+1)
     drawn = tree.tokens == y.gather(1, tree.parent[:, 1:])  # (B, N): node = its parent's draw
-    if sampling.lossy:  # the opt-in lossy seam: one child per node, the drawn one or a relaxed one (relaxed.py)
+    if sampling.lossy:  # the opt-in lossy seam: one child per node, the drawn one or a relaxed one (beyond/relaxed.py)
         drawn = sampling.relaxed.tree_children(drawn, tree.parent, tree.tokens, logits_p, sampling)
     drawn = torch.cat([tree.anc.new_ones(y.shape[0], 1), drawn], 1)  # (B, N+1)
     on_path = ~(tree.anc & ~drawn[:, None]).any(-1)  # (B, N+1) drawn, and so is every ancestor: one path from the root
@@ -152,23 +178,31 @@ def tree_forward(target, tcache, x_last, tokens, depth, anc, ell):
     return target.step(torch.cat([x_last, tokens], 1), slots, tcache, positions=ell[:, None] + depth, mask=mask)
 
 
-def tree_round(target, draft, tcache, dcache, pending, shape, sampling, generators, last=None):
+def tree_round(target, draft, tcache, dcache, pending, shape, sampling, generators, last=None, stream=None):
     """One round with a draft tree per row, spec_round's contract. The caches then hold exactly the committed
     tokens: each row's accepted path's keys / values moved to consecutive slots (KVCache.move), rejected branches
     beyond its length. The path is found and moved on the device (EAGLE's gather through a path table): the round's
-    one host sync reads its tokens."""
-    dev, ell, D = tcache.device, torch.tensor(tcache.lengths, device=tcache.device), shape.depth  # ell (B,)
+    one host sync reads its tokens. stream (B, M): a path from the root merged into the tree (merge; stream.py; shape
+    None: no model tree, the draft unused)."""
+    dev, ell, B = tcache.device, torch.tensor(tcache.lengths, device=tcache.device), len(pending)  # ell (B,)
     last = {} if last is None else last
-    # the routine reasoner's trees: feed `pending` (committed from then on), grow from q at each root
-    logits_q = speculate.feed_rows(draft, dcache, pending)  # (B, V)
-    root = torch.tensor(dcache.lengths, device=dev)  # (B,) a tensor: a compiled growth never sees it change
-    *tree, last["draft"] = getattr(draft, "fused", lambda fn: fn)(grow)(draft, dcache, logits_q, root, shape)
-    tree = Tree(*tree)
+    if shape is not None:  # the routine reasoner's trees: feed `pending` (committed from then on), grow from q
+        logits_q = speculate.feed_rows(draft, dcache, pending)  # (B, V)
+        root = torch.tensor(dcache.lengths, device=dev)  # (B,) a tensor: a compiled growth never sees it change
+        *tree, last["draft"] = getattr(draft, "fused", lambda fn: fn)(grow)(draft, dcache, logits_q, root, shape)
+        tree = Tree(*tree)
+    else:  # the root alone
+        root, z = torch.tensor(dcache.lengths, device=dev), torch.zeros(B, 1, dtype=torch.long, device=dev)
+        tree = Tree(z[:, :0], z, z, torch.ones(B, 1, 1, dtype=torch.bool, device=dev), z - 1)
+    # D: the longest path a round can accept; Df: the longest the draft was fed (the model tree's levels but its last)
+    D, Df = max(shape.depth if shape else 0, 0 if stream is None else stream.shape[1]), shape.depth - 1 if shape else 0
+    if stream is not None:
+        tree = merge(tree, stream)
     N = tree.tokens.shape[1]
     tcache.check_room(N + 1)
     verify = getattr(target, "fused", lambda fn: fn)(tree_forward)  # compiled steps: one graph
     x_last = torch.tensor([[p[-1]] for p in pending], device=dev)  # (B, 1)
-    logits_p = last["target"] = verify(target, tcache, x_last, tree.tokens, tree.depth, tree.anc, ell)  # (B, N+1, V)
+    logits_p = last["target"] = verify(target, tcache, x_last, tree.tokens.clamp_min(0), tree.depth, tree.anc, ell)
     best, nxt = verify_tree(tree, logits_p, sampling, generators)
     # The path table: row b's accepted nodes top-down are best's ancestors (a parent precedes its children), sorted
     # to the front; columns past the path (n = depth of best) are padding.
@@ -184,8 +218,8 @@ def tree_round(target, draft, tcache, dcache, pending, shape, sampling, generato
     # draft: it was fed the accepted nodes it expanded, a prefix of the path (a node's parent was expanded), m of them
     fed = tree.fed.gather(1, path)  # (B, D) slot, or -1
     m = (used & (fed >= 0)).long().cumprod(-1).sum(-1)  # (B,)
-    dst = root[:, None] + col[:D - 1]  # (B, D - 1): the level-D nodes are never fed
-    dcache.move(torch.where(col[:D - 1] < m[:, None], fed[:, :D - 1], dst), dst)
+    dst = root[:, None] + col[:Df]  # (B, Df): the nodes fed, above the model tree's last level
+    dcache.move(torch.where(col[:Df] < m[:, None], fed[:, :Df], dst), dst)
     tokens = tree.tokens.gather(1, (path - 1).clamp_min(0))  # (B, D)
     flat = torch.cat([n[:, None], m[:, None], nxt[:, None], tokens], 1).tolist()  # the round's one host sync
     n, m, nxt, accepted = (list(x) for x in zip(*[(r[0], r[1], r[2], r[3:3 + r[0]]) for r in flat]))

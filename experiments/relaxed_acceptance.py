@@ -28,7 +28,7 @@ import torch  # noqa: E402
 import driving  # noqa: E402
 import evaluate  # noqa: E402
 from ops import checkpoint, cli, files, timing  # noqa: E402
-from relaxed import Relaxed  # noqa: E402
+from beyond.relaxed import Relaxed  # noqa: E402
 from speculate import SpecResult  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

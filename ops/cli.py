@@ -22,7 +22,7 @@ import torch
 import driving
 from ops import files, runs
 from ops.files import FolderLocked
-import relaxed
+from beyond import relaxed
 import speculate
 
 START = time.time()  # when the program imported this: progress() counts from it

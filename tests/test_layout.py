@@ -20,7 +20,7 @@ README = open(os.path.join(ROOT, "README.md")).read()
 ROW = re.compile(r"^\| `([^`]+)` \| ([0-9,]+) \|", re.M)  # a file-map row: | `file.py` | 1,234 | what |
 PROGRAMS_AT_TOP = {"train", "aarl"}  # runnable paper modules that real/ builds on
 SCRIPTS = {"bench", "rsd"}  # the top: they may import anything
-FOLDERS = ("ops", "real")
+FOLDERS = ("ops", "real", "beyond")
 
 
 def modules():

@@ -13,7 +13,7 @@ import torch
 
 import driving
 import speculate
-from relaxed import Relaxed
+from beyond.relaxed import Relaxed
 from speculate import Sampling, autoregressive, speculative
 from tree import TreeShape, verify_tree
 

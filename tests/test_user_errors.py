@@ -535,7 +535,7 @@ def test_commitments_are_token_ids_checked_before_work(tmp_path, capsys, monkeyp
     """--commitments: a bool, a negative or a fractional id, a directory, an id outside the vocabulary (known before
     any work on the toy) are each one line; the Python API (relaxed.Relaxed) refuses the same ids."""
     from ops import cli
-    from relaxed import Relaxed
+    from beyond.relaxed import Relaxed
     f = tmp_path / "ids.json"
     for ids, msg in (([True, False], "got True"), ([1, True], "got True"), ([3, -1], "got -1"), ([2.5], "got 2.5"),
                      ([], "non-empty JSON list"), ([[1]], r"got \[1\]")):

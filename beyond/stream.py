@@ -1,0 +1,72 @@
+"""Plans in a stream (beyond the paper, lossless): the previous frame's chain of causation drafts the next one.
+
+A driving planner replans every frame, and consecutive plans share most of their reasoning: the same lead vehicle,
+the same curve, one range ring closer. The routine reasoner (q) writes the routine words as well as the history
+allows, but a commitment (the decision, the lead's state, a range ring) needs the images, so q cannot guess it; one
+frame ago the target usually wrote the same one. The stream draft costs no forward: at each round the longest suffix
+of this plan's committed tokens (from <cot_start>) that occurs in an earlier plan proposes what followed it there, as
+prompt lookup and SuffixDecoding (Oliaro et al. 2024, arXiv 2411.04975) do, alpha tokens per matched token and at
+most M. The proposal joins the routine reasoner's tree as a trie (tree.merge) and the target verifies both in its one
+forward, so greedy output is the target's and sampled output keeps p's law, as for any fixed tree (tree.verify_tree).
+
+run: python experiments/stream.py        (tests: python -m pytest -q tests/test_stream.py)
+"""
+import torch
+
+import tree
+
+
+def lookup(context, earlier, max_len, alpha):
+    """The stream's proposal for one row: context, this plan's tokens so far (from <cot_start>); earlier, earlier plans'
+    token lists (most recent first, each from <cot_start>) -> the tokens (a list, at most max_len) that followed the
+    longest match of context's suffix, alpha per matched token (a long match is a safe bet, SuffixDecoding's rule);
+    [] without a match. Ties go to the most recent plan, then the earliest place in it."""
+    best, out = 0, []
+    for plan in earlier:
+        for end in range(1, len(plan)):  # a match ending at plan[end - 1] proposes plan[end:]
+            k = 0
+            while k < min(end, len(context)) and plan[end - 1 - k] == context[-1 - k]:
+                k += 1
+            if k > best:
+                best, out = k, plan[end:end + min(max_len, alpha * k)]
+    return out
+
+
+class Stream:
+    """A decoder (speculate.Chain's interface): per round the routine reasoner's tree of `shape` (None: the stream
+    alone, the draft model unused) plus up to M tokens looked up in the earlier plans, merged as a trie and verified
+    in one target forward (tree.tree_round). earlier: per row, the earlier plans' tokens (most recent first, each from
+    <cot_start>, as plan_tokens gives them). One decode: it keeps each row's committed tokens, so make one per plan.
+    Eager only: the draft's pending varies with what the stream accepted, which a compiled step would recompile for."""
+    kind = "stream"
+
+    def __init__(self, shape, earlier, M=16, alpha=4):
+        if not isinstance(M, int) or isinstance(M, bool) or M < 1 or not isinstance(alpha, int) or alpha < 1:
+            raise ValueError(f"the stream's M and alpha must be ints >= 1, got M {M!r}, alpha {alpha!r}")
+        self.shape, self.earlier, self.M, self.alpha, self.context = shape, earlier, M, alpha, None
+
+    nodes = property(lambda self: (self.shape.nodes if self.shape else 0) + self.M)
+    depth = property(lambda self: max(self.shape.depth if self.shape else 0, self.M))
+    width = property(lambda self: self.shape.width if self.shape else 1)
+    slack = property(lambda self: (self.nodes, self.shape.slack[1] if self.shape else 0))
+
+    def round(self, target, draft, tcache, dcache, pending, sampling, generators, last=None):
+        if sampling.lossy:
+            raise ValueError("the stream draft is lossless only: relaxed acceptance does not run with it")
+        if self.context is None:  # the first round: each row's x_last is its <cot_start>
+            if len(self.earlier) != len(pending):
+                raise ValueError(f"the stream has earlier plans for {len(self.earlier)} rows, the decode has "
+                                 f"{len(pending)}")
+            self.context = [[p[-1]] for p in pending]
+        paths = [lookup(c, e, self.M, self.alpha) for c, e in zip(self.context, self.earlier)]
+        path = torch.tensor([p + [-1] * (self.M - len(p)) for p in paths], device=tcache.device)  # (B, M), -1: none
+        n, accepted, nxt, pending = tree.tree_round(target, draft, tcache, dcache, pending, self.shape, sampling,
+                                                    generators, last, stream=path)
+        for c, a, x in zip(self.context, accepted, nxt):
+            c += a + [x]
+        return n, accepted, nxt, pending
+
+
+def plan_tokens(prompt, res):
+    """An earlier plan as the stream reads it: the prompt's last token (<cot_start>) and the plan's CoC tokens."""
+    return [int(prompt["input_ids"][0, -1])] + list(res.tokens)

@@ -1,0 +1,151 @@
+"""Plans in a stream (beyond the paper; beyond/stream.py): tau and speed-up when each frame's chain of causation is
+drafted from the frame before, on held-out toy clips (driving.make_clips), against the per-frame event rate and the
+replanning interval.
+
+Four arms, timed interleaved in one process (ops.timing.interleaved; an item is a clip, decoded frame by frame, each
+arm's stream reading the plan that arm wrote one frame before): target-only; tree, the single-frame default tree
+(evaluate.TREE, FlatRoPE draft seed 0); stream, the earlier plan alone (no draft model); tree+stream, both merged as a
+trie. Greedy, fp32, eager: every arm's every plan is compared with target-only's, token for token.
+Settings: interval 0.5 s at event rates 0, driving.event_rate(0.5) (the default), 0.2, 0.5 and 1 (every frame a new
+scene), and 0.1 s at its default rate; at the default and at rate 1 the drafts of seeds 1 and 2 give the seed spread
+of tau (untimed). ms/token: the decode (prefills excluded) over every frame's tokens; the speed-up's range is over 8
+blocks of clips, each block's arms timed back to back.
+
+run: python experiments/stream.py [--out runs/stream.json] [--figure runs/stream.png]
+     (the README's: --out experiments/stream.json --figure docs/figures/stream.png)
+"""
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from beyond.stream import Stream, plan_tokens  # noqa: E402
+import driving  # noqa: E402
+import evaluate  # noqa: E402
+from ops import checkpoint, cli, files, timing  # noqa: E402
+import speculate  # noqa: E402
+
+ARMS = ("target-only", "tree", "stream", "tree+stream")
+
+
+def decode_clip(target, draft, prompts, arm, stop, seed=0):
+    """One arm over one clip's frames in order -> a SpecResult per frame; the stream reads the frame before's plan."""
+    out, earlier = [], []
+    for p in prompts:
+        if arm == "target-only":
+            out.append(speculate.autoregressive(target, p, evaluate.MAX_NEW_TOKENS, stop_token=stop, timing=True))
+            continue
+        shape = None if arm == "stream" else evaluate.TREE
+        decoder = shape if arm == "tree" else Stream(shape, [earlier[-1:]])
+        out.append(speculate.speculative(target, draft, p, decoder, evaluate.MAX_NEW_TOKENS, stop_token=stop,
+                                         timing=True))
+        earlier.append(plan_tokens(p, out[-1]))
+    return out
+
+
+def tau(frames):
+    return sum(len(r.tokens) for r in frames) / sum(r.rounds for r in frames)
+
+
+@torch.no_grad()
+def setting(target, drafts, tok, n, frames, interval, rate, blocks, spread):
+    """One (interval, rate): the four arms timed on n held-out clips; drafts[1:] (other seeds) for tau only."""
+    clips = driving.make_clips("test", n, frames, interval, rate)
+    prompts = [evaluate.scene_prompts(c, tok, "cpu") for c in clips]
+    stop = tok.cot_end_id
+    runs = timing.interleaved({a: lambda i, a=a: decode_clip(target, drafts[0], prompts[i], a, stop) for a in ARMS},
+                              n, 1, "cpu")
+    res = {a: [r.result for r in runs[a][0]] for a in ARMS}  # [clip][frame] SpecResult
+    ref = [[r.tokens for r in clip] for clip in res["target-only"]]
+    cuts = [round(j * n / blocks) for j in range(blocks + 1)]
+
+    def ms(a, lo=0, hi=n):
+        return 1e3 * sum(r.decode_s for c in res[a][lo:hi] for r in c) / sum(len(r.tokens) for c in res[a][lo:hi]
+                                                                              for r in c)
+
+    out = {"interval_s": interval, "event_rate": rate, "clips": n, "frames": frames,
+           "coc_changed": sum(a != b for c in ref for a, b in zip(c, c[1:])) / (n * (frames - 1))}
+    for a in ARMS:
+        ups = [ms("target-only", lo, hi) / ms(a, lo, hi) for lo, hi in zip(cuts, cuts[1:])]
+        out[a] = {"tau": tau([r for c in res[a] for r in c]), "ms_per_token": ms(a),
+                  "speedup": ms("target-only") / ms(a), "speedup_range": [min(ups), max(ups)],
+                  "frames_differing": sum(r.tokens != t for c, rc in zip(res[a], ref) for r, t in zip(c, rc))}
+    if spread:  # tau of the other seeds' drafts, the same clips, untimed
+        for a in ("tree", "tree+stream"):
+            taus = [out[a]["tau"]] + [tau([r for ps in prompts for r in decode_clip(target, d, ps, a, stop)])
+                                      for d in drafts[1:]]
+            out[a]["tau_by_seed"] = taus
+    return out
+
+
+@cli.program
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--run", default=checkpoint.SHIPPED, help="the toy's run folder (target, draft_flat_s0..s2)")
+    ap.add_argument("--clips", type=int, default=64, help="held-out clips per setting")
+    ap.add_argument("--frames", type=int, default=10, help="frames per clip (>= 2)")
+    ap.add_argument("--rates", default="0,default,0.2,0.5,1",
+                    help="per-frame event rates at 0.5 s, comma-separated ('default': driving.event_rate(0.5))")
+    ap.add_argument("--seeds", type=int, default=3, help="draft seeds (seed 0 timed, the rest for the tau spread)")
+    ap.add_argument("--out", default="runs/stream.json", help="the JSON written")
+    ap.add_argument("--figure", default=None, help="also draw the figure here (needs matplotlib)")
+    a = cli.checked(ap, ap.parse_args(argv), counts=("clips", "seeds"), out="runs/stream.json")
+    with cli.user_errors(ap):
+        if a.frames < 2:
+            raise ValueError(f"--frames {a.frames}: a clip needs at least 2 frames")
+        rates = [driving.event_rate(0.5) if r.strip() == "default" else float(r) for r in a.rates.split(",")]
+        if not all(0 <= r <= 1 for r in rates):
+            raise ValueError(f"--rates {a.rates}: each rate is a per-frame probability in [0, 1]")
+        if a.figure:
+            cli.check_out(a.figure, "--figure")
+        t0, cpu0 = time.time(), time.process_time()
+        target = checkpoint.load(os.path.join(a.run, "target")).eval()
+        drafts = [checkpoint.load(checkpoint.draft_dir(a.run, "flat", s), target=target).eval()
+                  for s in range(a.seeds)]
+        tok, blocks = driving.Tokenizer(), min(8, a.clips)
+        settings = [(0.5, r) for r in rates] + [(0.1, driving.event_rate(0.1))]
+        rows = []
+        for interval, rate in settings:
+            cli.progress(f"interval {interval} s, event rate {rate:.3f}: {a.clips} clips x {a.frames} frames")
+            default = rate in (driving.event_rate(interval), 1.0)
+            rows.append(setting(target, drafts, tok, a.clips, a.frames, interval, rate, blocks, default and a.seeds > 1))
+        res = {"command": "python experiments/stream.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+               "tree": [evaluate.TREE.nodes, evaluate.TREE.depth, evaluate.TREE.width], "stream_M": Stream(None, []).M,
+               "stream_alpha": Stream(None, []).alpha, "event_rate_per_s": driving.EVENT_RATE,
+               "ring_rate_per_s": driving.RING_RATE, "settings": rows,
+               "environment": timing.environment("cpu"), **cli.ran(a, t0, cpu0)}
+        files.write_json(a.out, res)
+        if a.figure:
+            figure(rows, a.figure)
+    for r in rows:
+        print(f"{r['interval_s']} s, rate {r['event_rate']:.3f} (CoC changed {r['coc_changed']:.2f}): " + "; ".join(
+            f"{k} tau {r[k]['tau']:.2f} {r[k]['speedup']:.2f}x" for k in ARMS[1:]) +
+            f"; frames differing from target-only {sum(r[k]['frames_differing'] for k in ARMS[1:])}")
+    print(f"written to {a.out}" + (f" and {a.figure}" if a.figure else ""))
+    return res
+
+
+def figure(rows, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
+    at = [r for r in rows if r["interval_s"] == 0.5]
+    for ax, key, label in ((axes[0], "tau", "tau (tokens per target forward)"),
+                           (axes[1], "speedup", "speed-up over target-only")):
+        for arm, style in zip(ARMS[1:], ("o-", "s--", "^-")):
+            ax.plot([r["event_rate"] for r in at], [r[arm][key] for r in at], style, label=f"{arm}, 0.5 s")
+            ax.plot([r["event_rate"] for r in rows if r["interval_s"] == 0.1],
+                    [r[arm][key] for r in rows if r["interval_s"] == 0.1], style[0], mfc="none", color="k")
+        ax.set_xlabel("per-frame event rate (0: nothing changes, 1: every frame a new scene)")
+        ax.set_ylabel(label)
+    axes[0].legend(fontsize=7, title="open black: 0.1 s", title_fontsize=7)
+    fig.tight_layout()
+    files.atomic_write(path, lambda p: fig.savefig(p, dpi=110, format="png"))
+
+
+if __name__ == "__main__":
+    main()
