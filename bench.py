@@ -27,6 +27,7 @@ from statistics import median
 
 import torch
 
+from beyond.stream import Stream
 import driving
 import evaluate
 from evaluate import TARGET_ONLY, tree_speedup
@@ -197,6 +198,9 @@ def toy(args, device, dtype, sampling):
     def split(name, n):  # the toy's scenes of a split as prompts
         return evaluate.scene_prompts(driving.make_split(name, n, seed=0), tok, device, dtype, args.views)
 
+    if args.stream:
+        return stream_mode(args, target, draft, tok, device, dtype, sampling) | {"draft": draft_dir,
+                                                                              "target": target_dir}
     prompts = split("test", args.prompts)
     if args.batch > 1 or args.samples > 1:  # plans of several rows, decoded as one batch
         decoder, chosen = args.decoder, None
@@ -219,6 +223,21 @@ def toy(args, device, dtype, sampling):
         data, lossy = driving.Data("test", args.prompts, 0, tok, views=args.views), res["lossy"]
         lossy.update(evaluate.relaxed_cost(target, data, lossy.pop("exact_cocs"), lossy.pop("cocs")))
     return res
+
+
+def stream_mode(args, target, draft, tok, device, dtype, sampling):
+    """Plans in a stream on the toy: --prompts held-out clips of --stream frames, the four arms of ops.timing.stream_arms
+    (the tree of --tree, or the chain of --gamma as the tree of width 1)."""
+    rate, g = driving.event_rate(args.stream_interval), args.gamma
+    shape = args.decoder if isinstance(args.decoder, TreeShape) else TreeShape(g, g, 1)
+    clips = [evaluate.scene_prompts(c, tok, device, dtype, args.views)
+             for c in driving.make_clips("test", args.prompts, args.stream, args.stream_interval, rate)]
+    cli.progress(f"timing 4 arms: {args.repeats} passes over {args.prompts} clips of {args.stream} frames")
+    arms, _ = timing.stream_arms(target, draft, clips, shape, args.max_new, tok.cot_end_id, args.repeats)
+    return {"mode": "stream", "decoding": cli.sampling_json(sampling), "decoder": timing.decoder_json(args.decoder),
+            "greedy_match": not any(a["frames_differing"] for a in arms.values()),
+            "stream": {"clips": args.prompts, "frames": args.stream, "interval_s": args.stream_interval,
+                       "event_rate": rate, "M": Stream(None, []).M, "alpha": Stream(None, []).alpha, "arms": arms}}
 
 
 def build_preset(name, device, dtype, layers=None, draft_vocab=0):
@@ -297,6 +316,15 @@ def run_line(res):
 def report(res):
     if res["mode"] == "heldout":
         return print("\n".join([run_line(res)] + alpamayo.heldout_lines(res)))
+    if res["mode"] == "stream":
+        st = res["stream"]
+        return print("\n".join([run_line(res), f"stream         {st['clips']} held-out clips of {st['frames']} frames, "
+                                 f"replanned every {st['interval_s']} s, event rate {st['event_rate']:.3f} a frame"] +
+                                [f"{arm:<15}tau {a['tau']:.2f}   {a['ms_per_token']:.3f} ms/token   speed-up "
+                                 f"{a['speedup']:.2f}x [{a['speedup_range'][0]:.2f}-{a['speedup_range'][1]:.2f}]"
+                                 for arm, a in st["arms"].items()] +
+                                [f"greedy         every frame's plan identical to target-only: "
+                                 f"{'yes' if res['greedy_match'] else 'NO'}"]))
     if res["mode"] == "plans":
         p = res["plan"]
         action = [f"action step    {p['action_ms']:.1f} ms: the prompt's prefill, the first plan's {p['rows']} CoCs "
@@ -404,12 +432,17 @@ def main(argv=None):
             (toy_, "--prompts", 32, "held-out test scenes benchmarked"),
             (toy_, "--views", driving.WorldConfig().views, "surround views per prompt"),
             (toy_, "--batch", 1, "prompts per batch (with --samples: batch x samples rows per plan)"),
+            (toy_, "--stream", 0, "plans in a stream (beyond/stream.py): --prompts held-out clips of this many frames, "
+                                  "each frame drafted from the plan before; target-only, the tree (or chain) alone, "
+                                  "the stream alone and both timed interleaved (0: off)"),
             (preset, "--layers", None, "keep only this many decoder layers"),
             (preset, "--draft-vocab", 0, "the draft's head covers only the first K token ids (0: all)"),
             (preset, "--images", 16, "images in the real-shape / generated prompt (also --target without images)"),
             (real_, "--min-pixels", alpamayo.MIN_PIXELS, "with --target: image size bounds"),
             (real_, "--max-pixels", alpamayo.MAX_PIXELS, "with --target: image size bounds")):
         group.add_argument(flag, type=int, default=default, help=text)
+    toy_.add_argument("--stream-interval", type=float, default=0.5, help="with --stream: seconds between frames (the "
+                      "per-frame event rate follows: driving.event_rate)")
     cli.add_decoding_flags(every, "> 0 times both arms sampling (Alpamayo-R1 samples its CoC at 0.6, top-p 0.98)")
     every.add_argument("--compile", action="store_true", help="also every arm through torch.compile'd steps")
     every.add_argument("--json", action="store_true", help="print one JSON object as the last line")
@@ -477,6 +510,16 @@ def check_flags(ap, args):
                       f"--threads must be >= 1 (omit it for torch's default), got {args.threads}"),
                      (not 0 <= args.views <= driving.MAX_VIEWS, f"--views must be in 0..{driving.MAX_VIEWS} (the "
                       f"geometries the toy target was trained on), got {args.views}"),
+                     (args.stream < 0 or args.stream == 1, f"--stream takes the frames of a clip, >= 2 (0: off), got "
+                      f"{args.stream}"),
+                     (args.stream and not toy_mode, "--stream runs the toy's clips (a real checkpoint's scene folders "
+                      "as one clip are not supported yet)"),
+                     (args.stream and (plan or args.compile or args.temperature > 0 or args.relaxed),
+                      "--stream times eager greedy decodes of one row per frame: it takes no --batch, --samples, "
+                      "--compile, --temperature or --relaxed"),
+                     (not args.stream_interval > 0, f"--stream-interval must be > 0 s, got {args.stream_interval}"),
+                     (args.stream_interval != ap.get_default("stream_interval") and not args.stream,
+                      "--stream-interval goes with --stream"),
                      (args.tree < 0, f"--tree takes a node budget >= 1, or 0 for the chain; got {args.tree}"),
                      *((getattr(args, f) is not None and not os.path.isdir(getattr(args, f)),
                         f"--{f.replace('_', '-')} {getattr(args, f)}: folder not found")

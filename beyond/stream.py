@@ -13,6 +13,7 @@ run: python experiments/stream.py        (tests: python -m pytest -q tests/test_
 """
 import torch
 
+import speculate
 import tree
 
 
@@ -48,7 +49,9 @@ class Stream:
     nodes = property(lambda self: (self.shape.nodes if self.shape else 0) + self.M)
     depth = property(lambda self: max(self.shape.depth if self.shape else 0, self.M))
     width = property(lambda self: self.shape.width if self.shape else 1)
-    slack = property(lambda self: (self.nodes, self.shape.slack[1] if self.shape else 0))
+    # the draft's slots: the tree's levels, or a pending as long as the longest accepted path (the stream's nodes were
+    # never fed to the draft) padded to the longest row's
+    slack = property(lambda self: (self.nodes, max(self.shape.slack[1] if self.shape else 0, self.depth + 1)))
 
     def round(self, target, draft, tcache, dcache, pending, sampling, generators, last=None):
         if sampling.lossy:
@@ -65,6 +68,25 @@ class Stream:
         for c, a, x in zip(self.context, accepted, nxt):
             c += a + [x]
         return n, accepted, nxt, pending
+
+
+ARMS = ("target-only", "tree", "stream", "tree+stream")  # a clip's arms: the stream's two decoders and their baselines
+
+
+def decode_clip(target, draft, prompts, arm, shape, max_new, stop_token=None, timing=False):
+    """One arm over a clip's frames in order (prompts: batch-1 prompts) -> a speculate.SpecResult per frame. arm:
+    "target-only"; "tree", the decoder `shape` alone (a tree.TreeShape, or a chain as TreeShape(gamma, gamma, 1)),
+    every frame planned as if it were the first; "stream", the frame before's plan alone (no draft model); "tree+stream",
+    both merged. Each frame's stream reads the plan this arm wrote one frame before."""
+    out, earlier = [], []
+    for p in prompts:
+        if arm == "target-only":
+            out.append(speculate.autoregressive(target, p, max_new, stop_token=stop_token, timing=timing))
+            continue
+        decoder = shape if arm == "tree" else Stream(None if arm == "stream" else shape, [earlier[-1:]])
+        out.append(speculate.speculative(target, draft, p, decoder, max_new, stop_token=stop_token, timing=timing))
+        earlier.append(plan_tokens(p, out[-1]))
+    return out
 
 
 def plan_tokens(prompt, res):

@@ -19,65 +19,29 @@ import os
 import sys
 import time
 
-import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from beyond.stream import Stream, plan_tokens  # noqa: E402
+from beyond.stream import ARMS, Stream, decode_clip  # noqa: E402
 import driving  # noqa: E402
 import evaluate  # noqa: E402
 from ops import checkpoint, cli, files, timing  # noqa: E402
-import speculate  # noqa: E402
-
-ARMS = ("target-only", "tree", "stream", "tree+stream")
-
-
-def decode_clip(target, draft, prompts, arm, stop, seed=0):
-    """One arm over one clip's frames in order -> a SpecResult per frame; the stream reads the frame before's plan."""
-    out, earlier = [], []
-    for p in prompts:
-        if arm == "target-only":
-            out.append(speculate.autoregressive(target, p, evaluate.MAX_NEW_TOKENS, stop_token=stop, timing=True))
-            continue
-        shape = None if arm == "stream" else evaluate.TREE
-        decoder = shape if arm == "tree" else Stream(shape, [earlier[-1:]])
-        out.append(speculate.speculative(target, draft, p, decoder, evaluate.MAX_NEW_TOKENS, stop_token=stop,
-                                         timing=True))
-        earlier.append(plan_tokens(p, out[-1]))
-    return out
-
 
 def tau(frames):
     return sum(len(r.tokens) for r in frames) / sum(r.rounds for r in frames)
 
 
-@torch.no_grad()
 def setting(target, drafts, tok, n, frames, interval, rate, blocks, spread):
-    """One (interval, rate): the four arms timed on n held-out clips; drafts[1:] (other seeds) for tau only."""
-    clips = driving.make_clips("test", n, frames, interval, rate)
-    prompts = [evaluate.scene_prompts(c, tok, "cpu") for c in clips]
+    """One (interval, rate): the four arms timed on n held-out clips (ops.timing.stream_arms); drafts[1:] (the other
+    seeds) decode the same clips for tau only."""
+    clips = [evaluate.scene_prompts(c, tok, "cpu") for c in driving.make_clips("test", n, frames, interval, rate)]
     stop = tok.cot_end_id
-    runs = timing.interleaved({a: lambda i, a=a: decode_clip(target, drafts[0], prompts[i], a, stop) for a in ARMS},
-                              n, 1, "cpu")
-    res = {a: [r.result for r in runs[a][0]] for a in ARMS}  # [clip][frame] SpecResult
+    arms, res = timing.stream_arms(target, drafts[0], clips, evaluate.TREE, evaluate.MAX_NEW_TOKENS, stop, 1, blocks)
     ref = [[r.tokens for r in clip] for clip in res["target-only"]]
-    cuts = [round(j * n / blocks) for j in range(blocks + 1)]
-
-    def ms(a, lo=0, hi=n):
-        return 1e3 * sum(r.decode_s for c in res[a][lo:hi] for r in c) / sum(len(r.tokens) for c in res[a][lo:hi]
-                                                                              for r in c)
-
     out = {"interval_s": interval, "event_rate": rate, "clips": n, "frames": frames,
-           "coc_changed": sum(a != b for c in ref for a, b in zip(c, c[1:])) / (n * (frames - 1))}
-    for a in ARMS:
-        ups = [ms("target-only", lo, hi) / ms(a, lo, hi) for lo, hi in zip(cuts, cuts[1:])]
-        out[a] = {"tau": tau([r for c in res[a] for r in c]), "ms_per_token": ms(a),
-                  "speedup": ms("target-only") / ms(a), "speedup_range": [min(ups), max(ups)],
-                  "frames_differing": sum(r.tokens != t for c, rc in zip(res[a], ref) for r, t in zip(c, rc))}
-    if spread:  # tau of the other seeds' drafts, the same clips, untimed
-        for a in ("tree", "tree+stream"):
-            taus = [out[a]["tau"]] + [tau([r for ps in prompts for r in decode_clip(target, d, ps, a, stop)])
-                                      for d in drafts[1:]]
-            out[a]["tau_by_seed"] = taus
+           "coc_changed": sum(a != b for c in ref for a, b in zip(c, c[1:])) / (n * (frames - 1)), **arms}
+    for a in ("tree", "tree+stream") if spread else ():  # tau of the other seeds' drafts, the same clips, untimed
+        out[a]["tau_by_seed"] = [out[a]["tau"]] + [tau([r for c in clips for r in decode_clip(
+            target, d, c, a, evaluate.TREE, evaluate.MAX_NEW_TOKENS, stop)]) for d in drafts[1:]]
     return out
 
 
@@ -85,14 +49,26 @@ def setting(target, drafts, tok, n, frames, interval, rate, blocks, spread):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--run", default=checkpoint.SHIPPED, help="the toy's run folder (target, draft_flat_s0..s2)")
-    ap.add_argument("--clips", type=int, default=64, help="held-out clips per setting")
+    ap.add_argument("--clips", type=int, default=64, help="held-out clips of the claims' settings (0.5 s at the default "
+                    "rate and at rate 1)")
+    ap.add_argument("--sweep-clips", type=int, default=16, help="held-out clips of every other setting")
     ap.add_argument("--frames", type=int, default=10, help="frames per clip (>= 2)")
     ap.add_argument("--rates", default="0,default,0.2,0.5,1",
                     help="per-frame event rates at 0.5 s, comma-separated ('default': driving.event_rate(0.5))")
     ap.add_argument("--seeds", type=int, default=3, help="draft seeds (seed 0 timed, the rest for the tau spread)")
     ap.add_argument("--out", default="runs/stream.json", help="the JSON written")
     ap.add_argument("--figure", default=None, help="also draw the figure here (needs matplotlib)")
-    a = cli.checked(ap, ap.parse_args(argv), counts=("clips", "seeds"), out="runs/stream.json")
+    ap.add_argument("--replot", action="store_true", help="draw --figure from the --out JSON already written, no run")
+    a = cli.checked(ap, ap.parse_args(argv), counts=("clips", "sweep_clips", "seeds"), out="runs/stream.json")
+    if a.replot:
+        with cli.user_errors(ap):
+            if not a.figure:
+                raise ValueError("--replot draws --figure: give --figure")
+            rows = files.read_json(a.out).get("settings")
+            if not isinstance(rows, list) or not rows:
+                raise ValueError(f"--out {a.out} holds no settings to draw (not an experiments/stream.py JSON)")
+            figure(rows, a.figure)
+        return print(f"drawn from {a.out} to {a.figure}")
     with cli.user_errors(ap):
         if a.frames < 2:
             raise ValueError(f"--frames {a.frames}: a clip needs at least 2 frames")
@@ -105,19 +81,23 @@ def main(argv=None):
         target = checkpoint.load(os.path.join(a.run, "target")).eval()
         drafts = [checkpoint.load(checkpoint.draft_dir(a.run, "flat", s), target=target).eval()
                   for s in range(a.seeds)]
-        tok, blocks = driving.Tokenizer(), min(8, a.clips)
-        settings = [(0.5, r) for r in rates] + [(0.1, driving.event_rate(0.1))]
-        rows = []
-        for interval, rate in settings:
-            cli.progress(f"interval {interval} s, event rate {rate:.3f}: {a.clips} clips x {a.frames} frames")
-            default = rate in (driving.event_rate(interval), 1.0)
-            rows.append(setting(target, drafts, tok, a.clips, a.frames, interval, rate, blocks, default and a.seeds > 1))
+        tok, blocks = driving.Tokenizer(), 8
+        # the claims' settings first (the JSON is written after each setting: a stopped run keeps what it measured)
+        claims = [(0.5, driving.event_rate(0.5)), (0.5, 1.0)]
+        settings = claims + [s for s in [(0.5, r) for r in rates] + [(0.1, driving.event_rate(0.1))] if s not in claims]
         res = {"command": "python experiments/stream.py " + " ".join(argv if argv is not None else sys.argv[1:]),
                "tree": [evaluate.TREE.nodes, evaluate.TREE.depth, evaluate.TREE.width], "stream_M": Stream(None, []).M,
                "stream_alpha": Stream(None, []).alpha, "event_rate_per_s": driving.EVENT_RATE,
-               "ring_rate_per_s": driving.RING_RATE, "settings": rows,
-               "environment": timing.environment("cpu"), **cli.ran(a, t0, cpu0)}
-        files.write_json(a.out, res)
+               "ring_rate_per_s": driving.RING_RATE, "settings": [], "environment": timing.environment("cpu")}
+        for interval, rate in settings:
+            n = a.clips if (interval, rate) in claims else a.sweep_clips
+            cli.progress(f"interval {interval} s, event rate {rate:.3f}: {n} clips x {a.frames} frames")
+            res["settings"].append(setting(target, drafts, tok, n, a.frames, interval, rate, blocks,
+                                           (interval, rate) in claims and a.seeds > 1))
+            files.write_json(a.out, res | {"complete": len(res["settings"]) == len(settings)} | cli.ran(a, t0, cpu0))
+        rows = sorted(res["settings"], key=lambda r: (-r["interval_s"], r["event_rate"]))
+        res["settings"] = rows
+        files.write_json(a.out, res | {"complete": True} | cli.ran(a, t0, cpu0))
         if a.figure:
             figure(rows, a.figure)
     for r in rows:
@@ -140,7 +120,7 @@ def figure(rows, path):
             ax.plot([r["event_rate"] for r in at], [r[arm][key] for r in at], style, label=f"{arm}, 0.5 s")
             ax.plot([r["event_rate"] for r in rows if r["interval_s"] == 0.1],
                     [r[arm][key] for r in rows if r["interval_s"] == 0.1], style[0], mfc="none", color="k")
-        ax.set_xlabel("per-frame event rate (0: nothing changes, 1: every frame a new scene)")
+        ax.set_xlabel("event rate per frame (1: a new scene each frame)")
         ax.set_ylabel(label)
     axes[0].legend(fontsize=7, title="open black: 0.1 s", title_fontsize=7)
     fig.tight_layout()

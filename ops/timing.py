@@ -17,6 +17,7 @@ import time
 
 import torch
 
+from beyond import stream
 import evaluate
 from evaluate import TARGET_ONLY
 from model import causal_mask
@@ -65,6 +66,37 @@ def time_arms(target, drafts, prompts, gamma, max_new, stop_token, repeats, samp
                      "ms_per_token": med[name], "speedup": med[TARGET_ONLY] / med[name],
                      "ms_per_token_range": [min(unit_ms), max(unit_ms)], "speedup_range": [min(unit_up), max(unit_up)]}
     return out, {name: r[0] for name, r in res.items()}
+
+
+@torch.no_grad()
+def stream_arms(target, draft, clips, shape, max_new, stop_token, repeats=1, blocks=8):
+    """Plans in a stream (beyond/stream.py) on clips (a list of clips, each its frames' batch-1 prompts in order):
+    the four arms of stream.ARMS timed interleaved, an item a whole clip -> {arm: {tau, ms_per_token (the decode,
+    prefills apart, over every frame's tokens; median over passes), speedup, speedup_range (min..max over `blocks`
+    blocks of clips, each block's arms back to back), frames_differing (plans not token for token target-only's,
+    greedy)}}, and the first pass's results {arm: [clip][frame] SpecResult}."""
+    runs = interleaved({arm: lambda i, arm=arm: stream.decode_clip(target, draft, clips[i], arm, shape, max_new,
+                                                                   stop_token, timing=True)
+                        for arm in stream.ARMS}, len(clips), repeats, clips[0][0]["input_ids"].device)
+    res = [{arm: [x.result for x in runs[arm][r]] for arm in stream.ARMS} for r in range(repeats)]  # [pass][arm][clip]
+    ref = [[x.tokens for x in clip] for clip in res[0]["target-only"]]
+    cuts = [round(j * len(clips) / min(blocks, len(clips))) for j in range(min(blocks, len(clips)) + 1)]
+
+    def ms(r, arm, lo=0, hi=len(clips)):
+        frames = [x for clip in res[r][arm][lo:hi] for x in clip]
+        return 1e3 * sum(x.decode_s for x in frames) / sum(len(x.tokens) for x in frames)
+
+    out = {}
+    for arm in stream.ARMS:
+        frames = [x for clip in res[0][arm] for x in clip]
+        ups = [ms(r, "target-only", lo, hi) / ms(r, arm, lo, hi) for r in range(repeats) for lo, hi in
+               zip(cuts, cuts[1:])]
+        out[arm] = {"tau": sum(len(x.tokens) for x in frames) / sum(x.rounds for x in frames),
+                    "ms_per_token": median(ms(r, arm) for r in range(repeats)),
+                    "speedup": median(ms(r, "target-only") / ms(r, arm) for r in range(repeats)),
+                    "speedup_range": [min(ups), max(ups)],
+                    "frames_differing": sum(x.tokens != t for c, rc in zip(res[0][arm], ref) for x, t in zip(c, rc))}
+    return out, res[0]
 
 
 def compiled_pair(target, draft, prompts, decoders, max_new, batch=1):

@@ -15,6 +15,7 @@ import torch
 
 import aarl
 import bench
+from beyond import stream
 import driving
 import evaluate
 from evaluate import TARGET_ONLY
@@ -197,6 +198,21 @@ def test_bench_toy_json(run_dir, capsys):
     assert out["greedy_match"] is True and out["dtype"] == "fp32" and out["gamma"] is None
     assert out["speedup"] == pytest.approx(out["ar_ms_per_token"] / out["spec_ms_per_token"])
     assert os.path.exists(bench.TOY_JSON) and res["tau"] >= 1
+
+
+def test_bench_stream_times_four_arms_on_clips(run_dir, capsys):
+    """--stream: held-out clips, target-only / the tree / the stream / both timed in the same passes, every frame's
+    greedy plan the target's; the report prints first, then the JSON."""
+    bench.main(["--run", str(run_dir), "--stream", "3", "--prompts", "2", "--dtype", "fp32", "--views", str(VIEWS),
+                "--max-new", "8", "--tree", "4", "--tree-depth", "2", "--json"])
+    out = last_json(capsys)
+    st = out["stream"]
+    assert out["mode"] == "stream" and out["greedy_match"] is True and set(st["arms"]) == set(stream.ARMS)
+    assert st["clips"] == 2 and st["frames"] == 3 and st["event_rate"] == pytest.approx(driving.event_rate(0.5))
+    for arm, a in st["arms"].items():
+        assert a["frames_differing"] == 0 and a["ms_per_token"] > 0 and a["tau"] >= 1, arm
+        assert a["speedup_range"][0] - 1e-9 <= a["speedup"] <= a["speedup_range"][1] + 1e-9, arm  # a mediant
+    assert st["arms"]["target-only"]["tau"] == 1.0 and out["what_ran"]["flags"]["stream"] == 3
 
 
 @pytest.mark.slow

@@ -31,14 +31,15 @@ def modules():
 
 
 def layer(m):
-    """Lower layers never import higher ones: the paper's core 0 < ops 1 < train / aarl 2 < real 3 < bench / rsd 4."""
+    """Lower layers never import higher ones: the paper's core 0 < beyond 0.5 < ops 1 < train / aarl 2 < real 3 <
+    bench / rsd 4."""
     if m in SCRIPTS:
         return 4
     if m.startswith("real."):
         return 3
     if m in PROGRAMS_AT_TOP:
         return 2
-    return 1 if m.startswith("ops.") else 0
+    return 1 if m.startswith("ops.") else 0.5 if m.startswith("beyond.") else 0
 
 
 def imports():

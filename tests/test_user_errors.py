@@ -204,6 +204,15 @@ def test_train_bad_flags_fail_at_parse_time(argv, msg, capsys):
     (["--relaxed", "typical"], "--relaxed must be RULE:BOUND"),
     (["--relaxed", "routine:1.5"], "relaxed bound must be in [0, 1]"),
     (["--commitments", "x.json"], "--commitments names what --relaxed routine:B keeps exact"),
+    # plans in a stream (#50): a clip of one frame, a stream with what it does not time, an interval alone
+    (["--stream", "1"], "--stream takes the frames of a clip, >= 2 (0: off), got 1"),
+    (["--stream", "-2"], "--stream takes the frames of a clip, >= 2"),
+    (["--stream", "4", "--temperature", "0.6"], "--stream times eager greedy decodes of one row per frame"),
+    (["--stream", "4", "--batch", "2", "--prompts", "4"], "--stream times eager greedy decodes"),
+    (["--stream", "4", "--preset", "qwen2.5-vl-7b"], "--stream runs the toy's clips"),
+    (["--stream", "4", "--stream-interval", "0"], "--stream-interval must be > 0 s, got 0.0"),
+    (["--stream", "4", "--stream-interval", "nan"], "--stream-interval must be > 0 s, got nan"),
+    (["--stream-interval", "0.1"], "--stream-interval goes with --stream"),
 ])
 def test_bench_bad_flags_are_one_line(argv, msg, capsys):
     with pytest.raises(SystemExit) as e:

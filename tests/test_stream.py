@@ -1,0 +1,257 @@
+"""Tests for plans in a stream (beyond/stream.py, tree.merge, driving.make_clips): the lookup, the trie merge, greedy
+stream decoding equal to target-only token for token (fp32: the stream alone, with a chain, with a tree, B rows of
+their own earlier plans), the sampled law kept with the stream merged into the tree, and toy clips whose every frame
+is distributed as a single scene.
+
+Chi-square tests: level 1e-3 per check (SIGNIFICANCE), so a correct implementation fails each with probability 1e-3
+over the random draws; the negative control (the stream hung below the root without the trie merge, so a node can
+have two children of one token) fails its check with a p-value far below the level at the same N. Seeds are fixed, so
+a run is deterministic; the rates apply to a change of seed or draw order.
+
+run: python -m pytest -q tests/test_stream.py
+"""
+from collections import Counter
+import dataclasses
+
+import numpy as np
+import pytest
+from test_speculate import SIGNIFICANCE, chi_square, drafts_for, joint_first3, markov_pair, tiny_target, vla_prompts
+from test_tree import markov_tree, small_vla
+import torch
+
+from beyond.relaxed import Relaxed
+from beyond.stream import Stream, lookup, plan_tokens
+import driving
+import model
+import speculate
+from speculate import Sampling, autoregressive, speculative, speculative_batch
+import tree as trees
+from tree import TreeShape, verify_tree
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+# ---- the lookup and the merge ----
+def test_lookup_takes_the_longest_suffix_match_alpha_per_matched_token():
+    s = 0
+    assert lookup([s], [[s, 1, 2, 3]], 16, 4) == [1, 2, 3]  # <cot_start> matched: the plan from its start
+    assert lookup([s, 1, 2], [[s, 1, 2, 3, 4, 5]], 16, 4) == [3, 4, 5]  # the whole context matched
+    assert lookup([s, 1, 2], [[s, 1, 2, 3, 4, 5]], 2, 4) == [3, 4]  # at most M
+    assert lookup([s, 9, 2], [[s, 1, 2, 3, 4, 5, 6]], 16, 2) == [3, 4]  # one token matched: alpha of them
+    assert lookup([s, 7], [[s, 1, 2]], 16, 4) == []  # no match, no proposal
+    assert lookup([s, 2], [[s, 2, 8], [s, 2, 9]], 16, 4) == [8]  # a tie: the most recent plan
+    assert lookup([s, 4, 2], [[s, 2, 8], [s, 4, 2, 9]], 16, 4) == [9]  # a longer match in an older plan wins
+    assert lookup([s, 2], [[s, 2, 5, 2, 6]], 16, 4) == [5, 2, 6]  # a tie in one plan: its earliest place
+
+
+def is_trie(t):
+    """No node of any row has two live children holding one token (dead nodes, token -1, are never accepted)."""
+    for b in range(t.tokens.shape[0]):
+        kids = Counter((int(p), int(x)) for p, x in zip(t.parent[b, 1:], t.tokens[b]) if x >= 0)
+        if max(kids.values(), default=1) > 1:
+            return False
+    return True
+
+
+def test_merge_walks_the_tree_then_hangs_the_rest_below():
+    q = torch.randn(6, 6, generator=torch.Generator().manual_seed(0))
+    tree, toks = markov_tree(q, 2, 2, 2)  # the root (token 2), 2 children, 4 grandchildren: N = 6
+    a = int(tree.tokens[0, 0])  # node 1, a child of the root
+    b = [int(x) for v, x in enumerate(tree.tokens[0], 1) if int(tree.parent[0, v]) == 1][0]  # a child of node 1
+    fresh = ({*range(6)} - {int(x) for x in tree.tokens[0]}).pop()
+    cases = {"along a branch, then off it": [a, b, fresh, -1, -1], "off the root": [fresh, a, -1, -1, -1],
+             "inside the tree": [a, b, -1, -1, -1], "nothing": [-1] * 5}
+    for name, path in cases.items():
+        m = trees.merge(tree, torch.tensor([path]))
+        N, M = 6, 5
+        assert m.tokens.shape == (1, N + M) and m.anc.shape == (1, N + M + 1, N + M + 1) and is_trie(m), name
+        # the path's tokens are found top-down from the root, one node per token, each the next's parent
+        u = 0
+        for x in [x for x in path if x >= 0]:
+            kids = [v for v in range(1, N + M + 1) if int(m.parent[0, v]) == u and int(m.tokens[0, v - 1]) == x]
+            assert len(kids) == 1, (name, x)
+            u = kids[0]
+        live = [x for x in m.tokens[0, N:].tolist() if x >= 0]
+        assert live == {"along a branch, then off it": [fresh], "off the root": [fresh, a]}.get(name, []), name
+        for v in range(N + M + 1):  # anc is the walk up the parents, depth its length
+            chain, w = {v}, v
+            while w:
+                w = int(m.parent[0, w])
+                chain.add(w)
+            assert set(torch.nonzero(m.anc[0, v]).flatten().tolist()) == chain, (name, v)
+            assert int(m.depth[0, v]) == len(chain) - 1, (name, v)
+        assert (m.fed[0, N + 1:] == -1).all()  # the draft was never fed a stream node
+
+
+# ---- greedy: exactness ----
+@pytest.mark.parametrize("shape", [None, TreeShape(4, 4, 1), TreeShape(8, 4, 2)], ids=str)
+def test_stream_greedy_equals_target(shape):
+    """Every earlier plan (the answer itself, the answer with tokens changed, another prompt's answer), alone or
+    merged with the chain / tree of every test draft: the target's greedy tokens; the answer itself as the earlier
+    plan needs fewer rounds than the tree alone."""
+    target = tiny_target()
+    prompts = vla_prompts()
+    refs = {name: autoregressive(target, p, 24) for name, p in prompts.items()}
+    for pname, prompt in prompts.items():
+        ref = refs[pname]
+        right = plan_tokens(prompt, ref)
+        changed = [x if i % 5 else (x + 1) % 80 for i, x in enumerate(right)]  # every 5th token after <cot_start>
+        other = plan_tokens(prompt, refs["text" if pname != "text" else "two tokens"])
+        for dname, draft in drafts_for(target).items():
+            for ename, earlier in {"right": [right], "changed": [changed], "other": [other],
+                                   "two plans": [other, right]}.items():
+                res = speculative(target, draft, prompt, Stream(shape, [earlier], M=8), 24)
+                assert res.tokens == ref.tokens, (pname, dname, ename)
+                if ename == "right" and shape is not None and dname == "random":
+                    assert res.rounds < speculative(target, draft, prompt, shape, 24).rounds, (pname, shape)
+
+
+def test_stream_rows_of_their_own_earlier_plans_equal_target():
+    """B rows (a prompt's samples), each with its own earlier plan, in one verify forward: each row's greedy tokens
+    are the target's, and the row with the right plan needs fewer rounds."""
+    target = tiny_target()
+    draft = drafts_for(target)["random"]
+    prompt = vla_prompts()["image+video"]
+    ref = autoregressive(target, prompt, 24)
+    right, wrong = plan_tokens(prompt, ref), plan_tokens(prompt, autoregressive(target, vla_prompts()["text"], 24))
+    out = speculative_batch(target, draft, prompt, Stream(TreeShape(8, 4, 2), [[right], [wrong], []], M=8), 24,
+                            samples=3)
+    assert all(r.tokens == ref.tokens for r in out) and out[0].rounds < out[1].rounds
+
+
+def test_stream_errors():
+    target = tiny_target()
+    draft, prompt = drafts_for(target)["random"], vla_prompts()["text"]
+    for bad in ({"M": 0}, {"alpha": 0}, {"M": 2.5}):
+        with pytest.raises(ValueError, match="M and alpha must be ints >= 1"):
+            Stream(None, [[]], **bad)
+    with pytest.raises(ValueError, match="earlier plans for 2 rows, the decode has 1"):
+        speculative(target, draft, prompt, Stream(None, [[], []]), 8)
+    with pytest.raises(ValueError, match="lossless only"):
+        speculative(target, draft, prompt, Stream(None, [[]]), 8, Sampling(relaxed=Relaxed("typical", 1.0)))
+
+
+# ---- sampling: the target's law ----
+def duplicate_children(real):
+    """The control: the stream hung below the root as new nodes, never walked into the tree, so a node may get two
+    children of one token."""
+    def merge(t, path):
+        out = real(dataclasses.replace(t, tokens=torch.full_like(t.tokens, -2)), path)
+        out.tokens[:, :t.tokens.shape[1]] = t.tokens
+        return out
+    return merge
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, None), (0.6, 0.98)])
+def test_verify_merged_tree_distribution(temperature, top_p, monkeypatch):
+    """Rounds of verify_tree over a Markov target P and a merged tree (a Markov draft's top-2 tree of depth 2, the
+    stream's path of 3 merged into it) until 3 tokens are out: the first 3 follow P exactly (chi-square, level 1e-3,
+    N = 10,000); the duplicate-children control is rejected. The draft proposes P's least likely tokens but for its
+    first child, P's likeliest, where the path starts and goes on with P's likeliest: a duplicate then decides
+    often."""
+    V, x0, N = 5, 2, 10_000
+    p_logits, _ = markov_pair(V, seed=21)
+    P = speculate.process_logits(p_logits, temperature, None, top_p)
+    expected = joint_first3(P, x0)
+    for name in ("correct", "duplicate children"):
+        merge = trees.merge if name == "correct" else duplicate_children(trees.merge)
+        rounds = {}
+        for x in range(V):  # per last token: the merged tree and the token of every node
+            t, toks = markov_tree(-p_logits, x, 2, 2)  # the draft's top-2 tree: P's least likely tokens
+            a = int(p_logits[x].argmax())  # node 1 made P's likeliest, its children kept: the root stays a trie
+            t.tokens[0, 0], toks[1] = a, a
+            path = [a, int(p_logits[a].argmax()), int(p_logits[int(p_logits[a].argmax())].argmax())]
+            m = merge(t, torch.tensor([path]))
+            rounds[x] = m, torch.cat([toks, m.tokens[0, t.tokens.shape[1]:].clamp_min(0)])
+        assert is_trie(rounds[x0][0]) == (name == "correct")
+        g = torch.Generator().manual_seed(22)
+        out = torch.empty(N, 3, dtype=torch.long)
+        for i in range(N):
+            seq, last = [], x0
+            while len(seq) < 3:
+                t, toks = rounds[last]
+                best, nxt = verify_tree(t, p_logits[toks][None], Sampling(temperature, top_p=top_p), [g])
+                path, u = [], int(best[0])
+                while u:
+                    path.append(int(toks[u]))
+                    u = int(t.parent[0, u])
+                seq += path[::-1] + [int(nxt)]
+                last = seq[-1]
+            out[i] = torch.tensor(seq[:3])
+        stat, df, pval = chi_square(torch.bincount(out @ torch.tensor([V * V, V, 1]), minlength=V ** 3), expected)
+        print(f"merged tree T={temperature} top_p={top_p} {name}: N={N} chi2={stat:.1f} df={df} p={pval:.3g}")
+        assert (pval > SIGNIFICANCE) == (name == "correct"), (name, stat, df, pval)
+
+
+def test_stream_sampling_keeps_the_target_law():
+    """The whole loop, speculative() with the stream merged into a tree, a seed per sample: the first 3 tokens ~ the
+    target's law (computed exactly by cache-free forwards; chi-square, level 1e-3, N = 2000)."""
+    target = small_vla(0)
+    torch.manual_seed(3)
+    draft = model.make_draft(target, n_layers=1).eval()
+    V, N, prompt, temperature = 5, 2000, dict(input_ids=torch.tensor([[0, 3]])), 0.8
+
+    def probs(seq):
+        with torch.no_grad():
+            return speculate.process_logits(target(torch.tensor([[0, 3] + seq]))[0, -1], temperature)
+
+    expected = torch.einsum("a,ab,abc->abc", probs([]), torch.stack([probs([a]) for a in range(V)]),
+                            torch.stack([torch.stack([probs([a, b]) for b in range(V)]) for a in range(V)]))
+    x1 = int(expected.sum((1, 2)).argmax())  # the likeliest first token and its likeliest successor, then any
+    earlier = [[3, x1, int(expected[x1].sum(1).argmax()), 1, 2, 4]]
+    toks = torch.tensor([speculative(target, draft, prompt, Stream(TreeShape(4, 2, 2), [earlier], M=4), 3,
+                                     Sampling(temperature, seed=s)).tokens for s in range(N)])  # (N, 3)
+    stat, df, pval = chi_square(torch.bincount(toks @ torch.tensor([V * V, V, 1]), minlength=V ** 3),
+                                expected.reshape(-1))
+    print(f"stream + tree T={temperature}: N={N} chi2={stat:.1f} df={df} p={pval:.3g}")
+    assert pval > SIGNIFICANCE, (stat, df, pval)
+
+
+# ---- toy clips ----
+def exact_marginals(split):
+    """The split's exact law of (decision, in-lane ring) and of the left roadside actor, from the world's tables."""
+    main, left = Counter(), Counter()
+    for f, p in driving.main_distribution(split):
+        main[f.decision, f.bucket] += p
+        for (lft, _), q in driving.roadside_distribution(f.road, f.event, split):
+            left[lft] += p * q
+    return main, left
+
+
+@pytest.mark.parametrize("split,interval,rate", [("train", 2.0, 0.05), ("test", 0.5, None)])
+def test_clip_frames_are_distributed_as_single_scenes(split, interval, rate):
+    """The last frame of each of 600 independent clips (its factors moved by every kind of step: at 2 s each ring
+    moves every frame) against the split's exact law: chi-square, level 1e-3, on (decision, in-lane ring) and on the
+    left actor. Held-out clips keep a held-out combination in every frame."""
+    clips = driving.make_clips(split, 600, 4, interval, rate, seed=5)
+    for i, key in enumerate(exact_marginals(split)):
+        law = exact_marginals(split)[i]
+        cells = sorted(law, key=str)
+        got = Counter((c[-1].f.decision, c[-1].f.bucket) if i == 0 else c[-1].f.left for c in clips)
+        assert set(got) <= set(cells)
+        stat, df, pval = chi_square(torch.tensor([got[c] for c in cells]), torch.tensor([law[c] for c in cells]))
+        assert pval > SIGNIFICANCE, (split, i, stat, df, pval)
+    for c in clips if split == "test" else ():
+        for s in c:
+            held = [(s.f.event, a[0], s.f.road) in driving.HELD_OUT for a in (s.f.left, s.f.right) if a is not None]
+            assert any(held), s.f
+
+
+def test_clip_events_and_rings():
+    """Rate 0: the road, the event and the history class never change within a clip, the rings do; rate 1: every
+    frame a new draw. The factors carry over; the continuous state (speed, poses, history) is drawn again."""
+    still = driving.make_clips("train", 40, 6, 1.0, 0.0, seed=1)
+    keys = lambda s: (s.f.road, s.f.event, s.f.hist_class)  # noqa: E731
+    assert all(keys(s) == keys(c[0]) for c in still for s in c)
+    assert any(s.f.bucket != c[0].f.bucket or s.f.left != c[0].f.left for c in still for s in c)
+    assert any(not np.array_equal(c[0].hist, c[1].hist) for c in still)
+    new = driving.make_clips("train", 40, 6, 1.0, 1.0, seed=1)
+    assert sum(keys(a) != keys(b) for c in new for a, b in zip(c, c[1:])) > 100  # of 200 pairs
+    assert driving.event_rate(0.5) == pytest.approx(1 - np.exp(-0.05)) and driving.event_rate(0.1) < 0.011
+
+
+@pytest.mark.parametrize("kw,message", [({"frames": 1}, "frames >= 2"), ({"interval": 0}, "interval > 0"),
+                                        ({"rate": 1.5}, "per-frame probability"), ({"split": "nope"}, "unknown split")])
+def test_clip_errors(kw, message):
+    with pytest.raises(ValueError, match=message):
+        driving.make_clips(**{"split": "train", "n": 1, **kw})
