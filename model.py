@@ -481,9 +481,10 @@ class VLA(nn.Module):
                 deepstack.append((slots, [f.to(x.dtype) for f in levels]))
         return (x, deepstack) if return_deepstack else x
 
-    def rope_tables(self, input_ids, x, image_grid_thw, video_grid_thw, second_per_grid_ts, attention_mask,
-                    cache, position_ids):
-        """cos, sin (B, T, hd) of a full forward (a prefill), applying the position rule (see forward)."""
+    def prompt_positions(self, input_ids, x, image_grid_thw, video_grid_thw, second_per_grid_ts, attention_mask,
+                         cache, position_ids):
+        """The (t, h, w) positions (3, B, T) of a full forward (a prefill), applying the position rule (see forward);
+        a cache keeps the offset of the text after them (rope_delta)."""
         c = self.cfg
         if position_ids is not None:
             position_ids = position_ids.expand(3, -1, -1)  # 1D ids (B, T) -> (3, B, T); (3, B, T) as is
@@ -502,7 +503,7 @@ class VLA(nn.Module):
             position_ids, delta = flat_position_ids(x[..., 0], attention_mask)
         if cache is not None:
             cache.rope_delta = delta.to(cache.rope_delta.device)
-        return mrope_cos_sin(position_ids, self.inv_freq, c.mrope_section, c.mrope_interleaved)
+        return position_ids
 
     def forward(self, input_ids=None, pixel_values=None, image_grid_thw=None, pixel_values_videos=None,
                 video_grid_thw=None, second_per_grid_ts=None, attention_mask=None, cache=None, inputs_embeds=None,
@@ -527,31 +528,32 @@ class VLA(nn.Module):
                 inputs_embeds, deepstack = self.embed(input_ids, pixel_values, image_grid_thw, pixel_values_videos,
                                                       video_grid_thw, return_deepstack=True)
             x, T = inputs_embeds, inputs_embeds.shape[1]  # (B, T, D)
-            cos, sin = self.rope_tables(input_ids, x, image_grid_thw, video_grid_thw, second_per_grid_ts,
-                                        attention_mask, cache, position_ids)
+            pos = self.prompt_positions(input_ids, x, image_grid_thw, video_grid_thw, second_per_grid_ts,
+                                        attention_mask, cache, position_ids)  # (3, B, T)
             valid = None if attention_mask is None or bool(attention_mask.all()) else attention_mask.bool()  # (B, T)
             if self.cfg.skip_visual:  # the history-only draft: an image / video token is never a key
                 if input_ids is None:
                     raise ValueError("the history-only draft (skip_visual) needs input_ids to find the image tokens")
                 valid = ~self.visual_tokens(input_ids) if valid is None else valid & ~self.visual_tokens(input_ids)
                 if cache is not None:  # and its prefill leaves them out: fewer tokens, a shorter cache
-                    x, cos, sin, valid = self.drop_keys(x, cos, sin, valid, cache)
+                    x, pos, valid = self.drop_keys(x, pos, valid, cache)
                     T = x.shape[1]
-            input_pos = None
-            if cache is not None:  # the prefill: the cached step over the prompt, at slots [0, T)
+            if cache is not None:  # the prefill: the one cached step over the prompt, at slots [0, T)
                 if T > cache.max_len:
                     raise ValueError(f"KV cache overflow: a prefill of {T} tokens > max_len {cache.max_len}")
                 cache.key_mask = None if valid is None else F.pad(valid, (0, cache.max_len - T), value=True)
                 input_pos = torch.arange(T, device=x.device).expand(x.shape[0], T)  # (B, T)
-                mask = grouped_mask(causal_mask(input_pos, cache, T), self.g, x.dtype)  # (B, 1, g*T, T)
-            elif valid is not None:  # training under padding: causal over the real keys, the diagonal kept finite
+                logits, h = self.step(None, input_pos, cache, causal_mask(input_pos, cache, T), pos, True, x,
+                                      deepstack, logits_to_keep)
+                cache.length = T
+                return (logits, h) if return_hidden else logits
+            if valid is not None:  # training under padding: causal over the real keys, the diagonal kept finite
                 causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()  # (T, T)
                 mask = ((causal & valid[:, None, :]) | torch.eye(T, dtype=torch.bool, device=x.device))[:, None]
             else:
                 mask = None  # causal
-            h = self.decoder(x, cos, sin, cache, mask, input_pos, deepstack)
-            if cache is not None:
-                cache.length = T
+            cos, sin = mrope_cos_sin(pos, self.inv_freq, self.cfg.mrope_section, self.cfg.mrope_interleaved)
+            h = self.decoder(x, cos, sin, None, mask, None, deepstack)
             logits = self.head(h[:, -logits_to_keep:] if logits_to_keep else h)
         return (logits, h) if return_hidden else logits
 
@@ -564,28 +566,36 @@ class VLA(nn.Module):
         return int((~self.visual_tokens(input_ids)).sum(1).max()) if self.cfg.skip_visual else input_ids.shape[1]
 
     @staticmethod
-    def drop_keys(x, cos, sin, keys, cache):
+    def drop_keys(x, pos, keys, cache):
         """The history-only prefill: each row's keys (B, T) bool alone, in order, at the end of T' = the most any row
-        keeps (left padding for the rest), with their rotary tables -> x (B, T', D), cos, sin (B, T', hd), keys (B, T')
-        or None. The cache's rope_delta grows by T - T': slot T' is still the position after the prompt."""
+        keeps (left padding for the rest), with their positions -> x (B, T', D), pos (3, B, T'), keys (B, T') or
+        None. The cache's rope_delta grows by T - T': slot T' is still the position after the prompt."""
         T, Tk = keys.shape[1], int(keys.sum(1).max())
         order = keys.int().sort(dim=1, stable=True).indices[:, T - Tk:]  # (B, T'): the kept ones, in order, last
-        take = lambda t: t.gather(1, order[..., None].expand(-1, -1, t.shape[-1]))  # noqa: E731  (B, T', *)
         cache.rope_delta = cache.rope_delta + (T - Tk)
         keys = keys.gather(1, order)  # (B, T')
-        return take(x), take(cos), take(sin), None if bool(keys.all()) else keys
+        return (x.gather(1, order[..., None].expand(-1, -1, x.shape[-1])), pos.gather(2, order.expand(3, -1, -1)),
+                None if bool(keys.all()) else keys)
 
-    def step(self, input_ids, input_pos, cache, mask, positions=None, return_hidden=False):
-        """The one cached step (decode, chain draft and verify, tree levels and verify; compiled by CompiledSteps):
-        input_ids (B, T) -> logits (B, T, V). Their keys / values go to cache slots input_pos (B, T), at RoPE
-        positions (B, T) (default the slots) + rope_delta, on all three M-RoPE axes (text after the prompt). Token t
-        of row b sees slot s < S where mask[b, t, s], mask (B, T, S <= max_len) (causal_mask, or a tree's): an eager
-        step reads only the slots it needs, a compiled one the whole buffer. The committed lengths are neither read
-        (a compiled step never recompiles as they grow) nor advanced."""
-        cos, sin = rope_cos_sin((input_pos if positions is None else positions) + cache.rope_delta, self.inv_freq)
-        x = self.embed_tokens(input_ids)  # (B, T, D)
-        h = self.decoder(x, cos, sin, cache, grouped_mask(mask, self.g, x.dtype), input_pos)  # mask (B, 1, g*T, S)
-        return (self.head(h), h) if return_hidden else self.head(h)
+    def step(self, input_ids, input_pos, cache, mask, positions=None, return_hidden=False, embeds=None,
+             deepstack=None, logits_to_keep=0):
+        """The one cached step (the prefill, decode, chain draft and verify, tree levels and verify; compiled by
+        CompiledSteps): input_ids (B, T) (or their embeds (B, T, D), a prompt's image features in place) -> logits
+        (B, T, V) (the last logits_to_keep alone, if > 0). Their keys / values go to cache slots input_pos (B, T), at
+        positions (default the slots): 3D (3, B, T), a prompt's (t, h, w) M-RoPE ids as they are; 1D (B, T), text
+        after the prompt, + rope_delta on all three axes. DeepStack (Qwen3-VL prompts): layer i adds the tower's
+        level-i features at their slots. Token t of row b sees slot s < S where mask[b, t, s], mask (B, T, S <=
+        max_len) (causal_mask, or a tree's): an eager step reads only the slots it needs, a compiled one the whole
+        buffer. The committed lengths are neither read (a compiled step never recompiles as they grow) nor
+        advanced."""
+        pos = input_pos if positions is None else positions
+        c = self.cfg
+        cos, sin = mrope_cos_sin(pos, self.inv_freq, c.mrope_section, c.mrope_interleaved) if pos.dim() == 3 else \
+            rope_cos_sin(pos + cache.rope_delta, self.inv_freq)  # (B, T, hd) each
+        x = self.embed_tokens(input_ids) if embeds is None else embeds  # (B, T, D)
+        h = self.decoder(x, cos, sin, cache, grouped_mask(mask, self.g, x.dtype), input_pos, deepstack)
+        logits = self.head(h[:, -logits_to_keep:] if logits_to_keep else h)  # mask (B, 1, g*T, S) above
+        return (logits, h) if return_hidden else logits
 
     def decoder(self, x, cos, sin, cache, mask, input_pos=None, deepstack=None):
         """The decoder layers, final norm and projection to the shared width: x (B, T, D) -> h (B, T, D_out)."""

@@ -68,6 +68,35 @@ def test_multi_token_step_equals_one_by_one(target, prompt):
     assert close(torch.stack(c2.k)[..., :c2.length, :], torch.stack(c1.k)[..., :c1.length, :])
 
 
+@torch.no_grad()
+@pytest.mark.parametrize("kind", ["target", "history-only draft"])
+def test_the_prefill_is_one_step_and_leaves_the_cache_a_step_would(kind, monkeypatch):
+    """A prefill is one VLA.step over the prompt (its embeddings, 3D positions and DeepStack), and the cache it leaves
+    is the cache of a prefill of the prompt up to its text and a step over that text (1D positions after the prompt's,
+    the rule of rope_delta); the history-only draft's too, which leaves the image and video tokens out of both."""
+    target = tiny_model()
+    model = target if kind == "target" else make_draft(target, n_layers=1, kind="history").eval()
+    p = image_prompt(text_after=(7, 8, 9, 10, 11))
+    L, k = p["input_ids"].shape[1], p["input_ids"].shape[1] - 4  # the last 4 text tokens are the step's
+    grids = {g: p[g] for g in ("image_grid_thw", "video_grid_thw")}
+    embeds = target.embed(**{n: v for n, v in p.items()})  # (1, L, D): the target's, as a decode's prefill has them
+
+    steps, step = [], type(model).step
+    monkeypatch.setattr(type(model), "step", lambda self, *a, **kw: steps.append((a, kw)) or step(self, *a, **kw))
+    whole = model.new_cache(max_len=64)
+    model(p["input_ids"], inputs_embeds=embeds, cache=whole, **grids)
+    (args, kw), = steps  # one step: no token ids, the prompt's embeddings at (3, B, T) positions
+    assert args[0] is None and args[4].shape[0] == 3 and args[6] is not None
+    part = model.new_cache(max_len=64)
+    model(p["input_ids"][:, :k], inputs_embeds=embeds[:, :k], cache=part, **grids)
+    feed(model, part, p["input_ids"][:, k:])
+    assert part.length == whole.length == model.prompt_slots(p["input_ids"])
+    assert whole.length == (L if kind == "target" else L - 16)  # 4 image and 12 video tokens left out
+    assert torch.equal(part.rope_delta, whole.rope_delta)
+    for a, b in zip(part.k + part.v, whole.k + whole.v):
+        assert close(a[..., :whole.length, :], b[..., :whole.length, :])
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA's SDPA kernels for the cached step")
 @torch.no_grad()
 def test_verify_step_on_cuda_equals_one_by_one(prompt):
