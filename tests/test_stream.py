@@ -146,10 +146,10 @@ def duplicate_children(real):
 def test_verify_merged_tree_distribution(temperature, top_p, monkeypatch):
     """Rounds of verify_tree over a Markov target P and a merged tree (a Markov draft's top-2 tree of depth 2, the
     stream's path of 3 merged into it) until 3 tokens are out: the first 3 follow P exactly (chi-square, level 1e-3,
-    N = 10,000); the duplicate-children control is rejected. The draft proposes P's least likely tokens but for its
+    N = 5,000); the duplicate-children control is rejected. The draft proposes P's least likely tokens but for its
     first child, P's likeliest, where the path starts and goes on with P's likeliest: a duplicate then decides
     often."""
-    V, x0, N = 5, 2, 10_000
+    V, x0, N = 5, 2, 5_000
     p_logits, _ = markov_pair(V, seed=21)
     P = speculate.process_logits(p_logits, temperature, None, top_p)
     expected = joint_first3(P, x0)
@@ -185,11 +185,11 @@ def test_verify_merged_tree_distribution(temperature, top_p, monkeypatch):
 
 def test_stream_sampling_keeps_the_target_law():
     """The whole loop, speculative() with the stream merged into a tree, a seed per sample: the first 3 tokens ~ the
-    target's law (computed exactly by cache-free forwards; chi-square, level 1e-3, N = 2000)."""
+    target's law (computed exactly by cache-free forwards; chi-square, level 1e-3, N = 1000)."""
     target = small_vla(0)
     torch.manual_seed(3)
     draft = model.make_draft(target, n_layers=1).eval()
-    V, N, prompt, temperature = 5, 2000, dict(input_ids=torch.tensor([[0, 3]])), 0.8
+    V, N, prompt, temperature = 5, 1000, dict(input_ids=torch.tensor([[0, 3]])), 0.8
 
     def probs(seq):
         with torch.no_grad():
@@ -220,10 +220,10 @@ def exact_marginals(split):
 
 @pytest.mark.parametrize("split,interval,rate", [("train", 2.0, 0.05), ("test", 0.5, None)])
 def test_clip_frames_are_distributed_as_single_scenes(split, interval, rate):
-    """The last frame of each of 600 independent clips (its factors moved by every kind of step: at 2 s each ring
+    """The last frame of each of 400 independent clips (its factors moved by every kind of step: at 2 s each ring
     moves every frame) against the split's exact law: chi-square, level 1e-3, on (decision, in-lane ring) and on the
     left actor. Held-out clips keep a held-out combination in every frame."""
-    clips = driving.make_clips(split, 600, 4, interval, rate, seed=5)
+    clips = driving.make_clips(split, 400, 4, interval, rate, seed=5)
     for i, key in enumerate(exact_marginals(split)):
         law = exact_marginals(split)[i]
         cells = sorted(law, key=str)
