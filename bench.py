@@ -27,7 +27,7 @@ from statistics import median
 
 import torch
 
-from beyond.stream import Stream
+from beyond import stream
 import driving
 import evaluate
 from evaluate import TARGET_ONLY, tree_speedup
@@ -229,7 +229,7 @@ def stream_mode(args, target, draft, tok, device, dtype, sampling):
     """Plans in a stream on the toy: --prompts held-out clips of --stream frames, the four arms of ops.timing.stream_arms
     (the tree of --tree, or the chain of --gamma as the tree of width 1)."""
     rate, g = driving.event_rate(args.stream_interval), args.gamma
-    shape = args.decoder if isinstance(args.decoder, TreeShape) else TreeShape(g, g, 1)
+    shape = TreeShape(args.tree, args.tree_depth, args.tree_width) if args.tree else TreeShape(g, g, 1)
     clips = [evaluate.scene_prompts(c, tok, device, dtype, args.views)
              for c in driving.make_clips("test", args.prompts, args.stream, args.stream_interval, rate)]
     cli.progress(f"timing 4 arms: {args.repeats} passes over {args.prompts} clips of {args.stream} frames")
@@ -237,7 +237,7 @@ def stream_mode(args, target, draft, tok, device, dtype, sampling):
     return {"mode": "stream", "decoding": cli.sampling_json(sampling), "decoder": timing.decoder_json(args.decoder),
             "greedy_match": not any(a["frames_differing"] for a in arms.values()),
             "stream": {"clips": args.prompts, "frames": args.stream, "interval_s": args.stream_interval,
-                       "event_rate": rate, "M": Stream(None, []).M, "alpha": Stream(None, []).alpha, "arms": arms}}
+                       "event_rate": rate, "M": stream.M, "alpha": stream.ALPHA, "arms": arms}}
 
 
 def build_preset(name, device, dtype, layers=None, draft_vocab=0):

@@ -16,6 +16,8 @@ import torch
 import speculate
 import tree
 
+M, ALPHA = 16, 4  # the stream's most nodes a round (a fixed shape), tokens proposed per matched token
+
 
 def lookup(context, earlier, max_len, alpha):
     """The stream's proposal for one row: context, this plan's tokens so far (from <cot_start>); earlier, earlier plans'
@@ -41,7 +43,7 @@ class Stream:
     Eager only: the draft's pending varies with what the stream accepted, which a compiled step would recompile for."""
     kind = "stream"
 
-    def __init__(self, shape, earlier, M=16, alpha=4):
+    def __init__(self, shape, earlier, M=M, alpha=ALPHA):
         if not isinstance(M, int) or isinstance(M, bool) or M < 1 or not isinstance(alpha, int) or alpha < 1:
             raise ValueError(f"the stream's M and alpha must be ints >= 1, got M {M!r}, alpha {alpha!r}")
         self.shape, self.earlier, self.M, self.alpha, self.context = shape, earlier, M, alpha, None

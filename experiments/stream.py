@@ -21,14 +21,12 @@ import time
 
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from beyond.stream import ARMS, Stream, decode_clip  # noqa: E402
+from beyond import stream  # noqa: E402
+from beyond.stream import ARMS, decode_clip  # noqa: E402
 import driving  # noqa: E402
 import evaluate  # noqa: E402
 from ops import checkpoint, cli, files, timing  # noqa: E402
-
-def tau(frames):
-    return sum(len(r.tokens) for r in frames) / sum(r.rounds for r in frames)
-
+from speculate import SpecResult  # noqa: E402
 
 def setting(target, drafts, tok, n, frames, interval, rate, blocks, spread):
     """One (interval, rate): the four arms timed on n held-out clips (ops.timing.stream_arms); drafts[1:] (the other
@@ -40,8 +38,8 @@ def setting(target, drafts, tok, n, frames, interval, rate, blocks, spread):
     out = {"interval_s": interval, "event_rate": rate, "clips": n, "frames": frames,
            "coc_changed": sum(a != b for c in ref for a, b in zip(c, c[1:])) / (n * (frames - 1)), **arms}
     for a in ("tree", "tree+stream") if spread else ():  # tau of the other seeds' drafts, the same clips, untimed
-        out[a]["tau_by_seed"] = [out[a]["tau"]] + [tau([r for c in clips for r in decode_clip(
-            target, d, c, a, evaluate.TREE, evaluate.MAX_NEW_TOKENS, stop)]) for d in drafts[1:]]
+        out[a]["tau_by_seed"] = [out[a]["tau"]] + [SpecResult.pooled([r for c in clips for r in decode_clip(
+            target, d, c, a, evaluate.TREE, evaluate.MAX_NEW_TOKENS, stop)]).tau for d in drafts[1:]]
     return out
 
 
@@ -89,8 +87,8 @@ def main(argv=None):
         settings = claims + [s for s in [(0.5, r) for r in rates] + [(0.1, driving.event_rate(0.1))] if s not in claims]
         settings = settings[:1] if a.default_only else settings
         res = {"command": "python experiments/stream.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-               "tree": [evaluate.TREE.nodes, evaluate.TREE.depth, evaluate.TREE.width], "stream_M": Stream(None, []).M,
-               "stream_alpha": Stream(None, []).alpha, "event_rate_per_s": driving.EVENT_RATE,
+               "tree": [evaluate.TREE.nodes, evaluate.TREE.depth, evaluate.TREE.width], "stream_M": stream.M,
+               "stream_alpha": stream.ALPHA, "event_rate_per_s": driving.EVENT_RATE,
                "ring_rate_per_s": driving.RING_RATE, "settings": [], "environment": timing.environment("cpu")}
         for interval, rate in settings:
             n = a.clips if (interval, rate) in claims else a.sweep_clips

@@ -50,9 +50,7 @@ def time_arms(target, drafts, prompts, gamma, max_new, stop_token, repeats, samp
         for name, (t, d, g) in arms.items()}, len(prompts), repeats, prompts[0]["input_ids"].device,
         warmup=0 if warm_all else 1)
     res = {name: [[x.result for x in p] for p in passes] for name, passes in runs.items()}  # [pass][prompt]
-    nb = min(blocks, len(prompts))
-    cuts = [round(j * len(prompts) / nb) for j in range(nb + 1)]
-    units = [(r, lo, hi) for r in range(repeats) for lo, hi in zip(cuts, cuts[1:])]
+    units = [(r, lo, hi) for r in range(repeats) for lo, hi in block_bounds(len(prompts), blocks)]
 
     def ms(name, r, lo=0, hi=len(prompts)):  # pass r's ms/token over prompts lo..hi-1
         return 1e3 * sum(x.decode_s for x in res[name][r][lo:hi]) / sum(len(x.tokens) for x in res[name][r][lo:hi])
@@ -80,23 +78,29 @@ def stream_arms(target, draft, clips, shape, max_new, stop_token, repeats=1, blo
                         for arm in stream.ARMS}, len(clips), repeats, clips[0][0]["input_ids"].device)
     res = [{arm: [x.result for x in runs[arm][r]] for arm in stream.ARMS} for r in range(repeats)]  # [pass][arm][clip]
     ref = [[x.tokens for x in clip] for clip in res[0]["target-only"]]
-    cuts = [round(j * len(clips) / min(blocks, len(clips))) for j in range(min(blocks, len(clips)) + 1)]
 
-    def ms(r, arm, lo=0, hi=len(clips)):
-        frames = [x for clip in res[r][arm][lo:hi] for x in clip]
-        return 1e3 * sum(x.decode_s for x in frames) / sum(len(x.tokens) for x in frames)
+    def ms(r, arm, lo=0, hi=len(clips)):  # pass r's ms/token over clips lo..hi-1
+        frames = speculate.SpecResult.pooled([x for clip in res[r][arm][lo:hi] for x in clip])
+        return 1e3 * frames.decode_s / len(frames.tokens)
 
     out = {}
     for arm in stream.ARMS:
-        frames = [x for clip in res[0][arm] for x in clip]
-        ups = [ms(r, "target-only", lo, hi) / ms(r, arm, lo, hi) for r in range(repeats) for lo, hi in
-               zip(cuts, cuts[1:])]
-        out[arm] = {"tau": sum(len(x.tokens) for x in frames) / sum(x.rounds for x in frames),
+        ups = [ms(r, "target-only", lo, hi) / ms(r, arm, lo, hi) for r in range(repeats)
+               for lo, hi in block_bounds(len(clips), blocks)]
+        out[arm] = {"tau": speculate.SpecResult.pooled([x for clip in res[0][arm] for x in clip]).tau,
                     "ms_per_token": median(ms(r, arm) for r in range(repeats)),
                     "speedup": median(ms(r, "target-only") / ms(r, arm) for r in range(repeats)),
                     "speedup_range": [min(ups), max(ups)],
                     "frames_differing": sum(x.tokens != t for c, rc in zip(res[0][arm], ref) for x, t in zip(c, rc))}
     return out, res[0]
+
+
+def block_bounds(n, blocks):
+    """[(lo, hi)] of min(blocks, n) consecutive blocks of n items, as even as they go: a speed-up's range is over
+    them, each block's arms timed back to back."""
+    nb = min(blocks, n)
+    cuts = [round(j * n / nb) for j in range(nb + 1)]
+    return list(zip(cuts, cuts[1:]))
 
 
 def compiled_pair(target, draft, prompts, decoders, max_new, batch=1):

@@ -16,7 +16,7 @@ import dataclasses
 import numpy as np
 import pytest
 from test_speculate import SIGNIFICANCE, chi_square, drafts_for, joint_first3, markov_pair, tiny_target, vla_prompts
-from test_tree import markov_tree, small_vla
+from test_tree import first3_by_rounds, markov_tree, small_vla
 import torch
 
 from beyond.relaxed import Relaxed
@@ -26,7 +26,7 @@ import model
 import speculate
 from speculate import Sampling, autoregressive, speculative, speculative_batch
 import tree as trees
-from tree import TreeShape, verify_tree
+from tree import TreeShape
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -164,20 +164,7 @@ def test_verify_merged_tree_distribution(temperature, top_p, monkeypatch):
             m = merge(t, torch.tensor([path]))
             rounds[x] = m, torch.cat([toks, m.tokens[0, t.tokens.shape[1]:].clamp_min(0)])
         assert is_trie(rounds[x0][0]) == (name == "correct")
-        g = torch.Generator().manual_seed(22)
-        out = torch.empty(N, 3, dtype=torch.long)
-        for i in range(N):
-            seq, last = [], x0
-            while len(seq) < 3:
-                t, toks = rounds[last]
-                best, nxt = verify_tree(t, p_logits[toks][None], Sampling(temperature, top_p=top_p), [g])
-                path, u = [], int(best[0])
-                while u:
-                    path.append(int(toks[u]))
-                    u = int(t.parent[0, u])
-                seq += path[::-1] + [int(nxt)]
-                last = seq[-1]
-            out[i] = torch.tensor(seq[:3])
+        out = first3_by_rounds(rounds, p_logits, x0, Sampling(temperature, top_p=top_p), N, seed=22)
         stat, df, pval = chi_square(torch.bincount(out @ torch.tensor([V * V, V, 1]), minlength=V ** 3), expected)
         print(f"merged tree T={temperature} top_p={top_p} {name}: N={N} chi2={stat:.1f} df={df} p={pval:.3g}")
         assert (pval > SIGNIFICANCE) == (name == "correct"), (name, stat, df, pval)

@@ -224,6 +224,26 @@ def markov_tree(Q, x0, k, depth):
     return tree, torch.tensor(toks)
 
 
+def first3_by_rounds(trees, p_logits, x0, sampling, N, seed):
+    """N times, rounds of verify_tree over a Markov target (p_logits (V, V)) from x0, each round's tree the one of its
+    last token (trees: token -> (tree.Tree, token of every node)), until 3 tokens are out -> the first 3 (N, 3)."""
+    g = torch.Generator().manual_seed(seed)
+    out = torch.empty(N, 3, dtype=torch.long)
+    for i in range(N):
+        seq, last = [], x0
+        while len(seq) < 3:
+            tree, toks = trees[last]
+            best, nxt = verify_tree(tree, p_logits[toks][None], sampling, [g])
+            path, u = [], int(best[0])
+            while u:
+                path.append(int(toks[u]))
+                u = int(tree.parent[0, u])
+            seq += path[::-1] + [int(nxt)]
+            last = seq[-1]
+        out[i] = torch.tensor(seq[:3])
+    return out
+
+
 @pytest.mark.parametrize("temperature,top_p", [(1.0, None), (1.4, 0.9)])
 def test_verify_tree_distribution(temperature, top_p, monkeypatch):
     """Rounds of verify_tree over a Markov target P and a top-k tree of a Markov draft Q until 3 tokens are out:
@@ -236,20 +256,7 @@ def test_verify_tree_distribution(temperature, top_p, monkeypatch):
     for name in ("correct", "reused draw"):
         if name == "reused draw":
             monkeypatch.setattr(speculate, "sample", reused_draw)
-        g = torch.Generator().manual_seed(22)
-        out = torch.empty(N, 3, dtype=torch.long)
-        for i in range(N):
-            seq, last = [], x0
-            while len(seq) < 3:
-                tree, toks = trees[last]
-                best, nxt = verify_tree(tree, p_logits[toks][None], Sampling(temperature, top_p=top_p), [g])
-                path, u = [], int(best[0])
-                while u:
-                    path.append(int(toks[u]))
-                    u = int(tree.parent[0, u])
-                seq += path[::-1] + [int(nxt)]
-                last = seq[-1]
-            out[i] = torch.tensor(seq[:3])
+        out = first3_by_rounds(trees, p_logits, x0, Sampling(temperature, top_p=top_p), N, seed=22)
         stat, df, pval = chi_square(torch.bincount(out @ torch.tensor([V * V, V, 1]), minlength=V ** 3), expected)
         print(f"verify_tree T={temperature} top_p={top_p} {name}: N={N} chi2={stat:.1f} df={df} p={pval:.3g}")
         assert (pval > SIGNIFICANCE) == (name == "correct"), (name, stat, df, pval)
