@@ -31,6 +31,7 @@ import driving
 from driving import Data, grid_kwargs, vision_kwargs
 import evaluate
 import model as M
+import speculate
 from ops import checkpoint, cli, files, runs, timing
 
 REFERENCES = ("static", "moving", "none")
@@ -56,14 +57,23 @@ class AARLConfig:
 
 
 # ---- rollouts ----
-def rollout(draft, embeds, batch, G, temperature, max_new, stop, generator):
-    """G CoCs per scene sampled from q with the KV cache (evaluate.generate) after the target's prompt embeddings
-    embeds (S, P, D) -> tokens (S*G, T) and a mask (S*G, T), True up to and including each row's <cot_end>."""
-    S, P = embeds.shape[:2]
-    ids = batch["input_ids"][:, :P].repeat_interleave(G, 0)  # (S*G, P)
-    return evaluate.generate(draft, ids, max_new, stop, temperature, generator,
-                             inputs_embeds=embeds.repeat_interleave(G, 0),  # (S*G, P, D)
-                             **evaluate.repeat_scenes(grid_kwargs(batch), S, G))
+def rollout(draft, embeds, batch, G, sampling, max_new, stop):
+    """G CoCs per scene sampled from q after the target's prompt embeddings embeds (S, P, D)
+    (speculate.autoregressive_batch: each scene's prefill shared by its G rows, row r drawing from sampling's
+    generator r) -> tokens (S*G, T), stop-padded, and a mask (S*G, T), True up to and including each row's stop."""
+    prompt = {k: batch[k] for k in speculate.GRID_KEYS if batch.get(k) is not None}  # the positions' grids
+    prompt["input_ids"] = batch["input_ids"][:, :embeds.shape[1]]  # (S, P)
+    rows = [r.tokens for r in speculate.autoregressive_batch(draft, prompt, max_new, G, sampling, stop, embeds=embeds)]
+    T, dev = max(map(len, rows)), embeds.device
+    toks = torch.tensor([r + [stop] * (T - len(r)) for r in rows], device=dev)  # (S*G, T)
+    return toks, torch.arange(T, device=dev) < torch.tensor([len(r) for r in rows], device=dev)[:, None]
+
+
+def rollout_sampling(temperature, rows, gen):
+    """One update's rollout settings: temperature, and each row's seed drawn from the run's generator gen (saved
+    with a checkpoint, so a resumed run draws what an unbroken one would)."""
+    seeds = torch.randint(2**62, (rows,), generator=gen, device=gen.device).tolist()
+    return speculate.Sampling(temperature, seed=tuple(seeds))
 
 
 def coc_logprobs(draft, embeds, batch, toks, G):
@@ -132,7 +142,8 @@ def train_aarl(target, draft, data: Data, cfg: AARLConfig, ref=None, log=None):
         with torch.no_grad():
             embeds = target.embed(batch["input_ids"][:, :P], **vision_kwargs(batch))  # (S, P, D)
         draft.eval()
-        toks, mask = rollout(draft, embeds, batch, cfg.group, cfg.temperature, cfg.max_new, data.tok.cot_end_id, gen)
+        sampling = rollout_sampling(cfg.temperature, cfg.scenes * cfg.group, gen)
+        toks, mask = rollout(draft, embeds, batch, cfg.group, sampling, cfg.max_new, data.tok.cot_end_id)
         r, ade, agree = reward(target, batch, toks, mask, cfg.group, data.tok, cfg.agree_weight)
         adv = group_advantages(r, cfg.group)
         with torch.no_grad():  # "none": no reference, no KL term

@@ -35,41 +35,18 @@ def autocast(device, enabled):
     return torch.autocast(torch.device(device).type, dtype=torch.bfloat16) if enabled else contextlib.nullcontext()
 
 
-@torch.no_grad()
-def generate(model, input_ids, max_new, stop, temperature=0.0, generator=None, **forward_kwargs):
-    """Batched KV-cached decoding from equal-length prompts (B, P) until every row wrote `stop`: argmax, or a sample of
-    speculate.process_logits (what speculative decoding verifies against). forward_kwargs go to the prefill. Returns
-    tokens (B, T) and mask (B, T), True up to and including each row's first stop token."""
-    B, P = input_ids.shape
-    cache = model.new_cache(batch=B, max_len=P + max_new)
-    logits = model(input_ids, cache=cache, logits_to_keep=1, **forward_kwargs)[:, -1]  # (B, V)
-    out, done = [], torch.zeros(B, dtype=torch.bool, device=input_ids.device)
-    for _ in range(max_new):
-        nxt = logits.argmax(-1) if temperature == 0 else speculate.sample(  # (B,)
-            speculate.process_logits(logits, temperature), generator)
-        out.append(nxt)
-        done |= nxt == stop
-        if bool(done.all()):
-            break
-        logits = model(nxt[:, None], cache=cache)[:, -1]  # (B, V)
-    toks = torch.stack(out, 1)  # (B, T)
-    is_stop = (toks == stop).long()
-    return toks, is_stop.cumsum(1) - is_stop == 0  # no stop strictly before t
-
-
 def greedy_coc(target, batch, stop, max_new=MAX_NEW_TOKENS, amp=False, draft=None):
-    """Greedy CoCs of a batch of equal-length prompts: id lists, ending with the stop token when the model wrote it.
-    draft: the draft's own instead, unverified, reading the target's prompt embeddings (as when it drafts)."""
+    """Greedy CoCs of a batch of equal-length prompts (speculate.autoregressive_batch): id lists, ending with the stop
+    token when the model wrote it. draft: the draft's own instead, unverified, reading the target's prompt embeddings
+    (as when it drafts)."""
     P = int(batch["prompt_len"][0])
     assert bool((batch["prompt_len"] == P).all()), "greedy_coc needs equal prompt lengths"
-    ids = batch["input_ids"][:, :P]  # (B, P)
-    with autocast(ids.device, amp):
-        if draft is None:
-            toks, mask = generate(target, ids, max_new, stop, **vision_kwargs(batch))
-        else:
-            embeds = target.embed(ids, **vision_kwargs(batch))  # (B, P, D)
-            toks, mask = generate(draft, ids, max_new, stop, inputs_embeds=embeds, **grid_kwargs(batch))
-    return [t[m].tolist() for t, m in zip(toks, mask)]
+    prompt = {"input_ids": batch["input_ids"][:, :P], **vision_kwargs(batch)}  # ids (B, P)
+    with autocast(prompt["input_ids"].device, amp):
+        embeds = None if draft is None else target.embed(**prompt)  # (B, P, D)
+        rows = speculate.autoregressive_batch(target if draft is None else draft, prompt, max_new, stop_token=stop,
+                                              embeds=embeds)
+    return [r.tokens for r in rows]
 
 
 @torch.no_grad()

@@ -421,6 +421,7 @@ def run(ap, a, seeds, sampling, device):
           f"decoding's tau equals the replay's: {all(r.get('replay_exact', True) for r in rows)}\n")
     print_sweep(sweep, rows)
     lossy = relaxed_rows(target, drafts, rows, test, sampling, first) if sampling.relaxed else None
+    streams = stream_rows(target, drafts, rows, tok, a, device, first) if a.stream else None
     share = driving.routine_share("train")
     print(f"routine share of the world (the Bayes-optimal reader of the history, python driving.py): {share:.3f}")
     # CPU time beside the wall time: on a shared machine the wall time also holds the waits for the other jobs
@@ -440,8 +441,32 @@ def run(ap, a, seeds, sampling, device):
             "routine_share_world": share, "seeds": None if a.drafts else seeds, "drafts": a.named if a.drafts else None,
             "timing": {"scenes": a.time_scenes, "passes": a.repeats, "blocks": blocks, "unordered": groups,
                        "step_times": searched},
-            "rows": [{k: r.get(k) for k in keys} for r in rows], "relaxed": lossy,
+            "rows": [{k: r.get(k) for k in keys} for r in rows], "relaxed": lossy, "stream": streams,
             "what_ran": cli.ran(a, t0, cpu0) | {"device": str(device), "run": a.run, "tree": str(a.tree)}}
+
+
+def stream_rows(target, drafts, rows, tok, a, device, first):
+    """--stream CLIPS (beyond the paper, lossless: beyond/stream.py): held-out clips of --stream-frames frames replanned
+    every 0.5 s at the default event rate; per row, its first draft at its gamma (the tree of width 1) or tree alone,
+    the previous plan alone, and both merged, timed interleaved with target-only (ops.timing.stream_arms) -> {row:
+    {arm: record}}, printed."""
+    rate = driving.event_rate(0.5)
+    clips = [evaluate.scene_prompts(c, tok, device, cli.DTYPES[a.dtype], a.views)
+             for c in driving.make_clips("test", a.stream, a.stream_frames, 0.5, rate)]
+    cli.progress(f"--stream: {a.stream} held-out clips of {a.stream_frames} frames, 4 arms per row, interleaved")
+    print(f"\nplans in a stream (beyond the paper, lossless): {a.stream} held-out clips of {a.stream_frames} frames, "
+          f"replanned every 0.5 s, event rate {rate:.3f} a frame; {first}'s drafts; tau, speed-up over target-only")
+    out = {}
+    for row in rows[1:]:
+        g = row["gamma"]
+        shape = TreeShape(*row["tree"]) if row.get("tree") else TreeShape(g, g, 1)
+        draft = next(iter(drafts[row["name"].removesuffix(" tree")].values()))
+        out[row["name"]], _ = timing.stream_arms(target, draft, clips, shape, MAX_NEW_TOKENS, tok.cot_end_id)
+        arms = out[row["name"]]
+        print(f"{row['name']:<30}" + "   ".join(f"{arm} tau {arms[arm]['tau']:.2f} {arms[arm]['speedup']:.2f}x"
+                                                  for arm in ("tree", "stream", "tree+stream")) +
+              f"   frames differing from target-only {sum(x['frames_differing'] for x in arms.values())}")
+    return out
 
 
 def relaxed_rows(target, drafts, rows, test, sampling, first):
@@ -556,6 +581,10 @@ def parse_args(argv):
                     "while it holds for their checkpoints and settings; a record made with the default settings "
                     "(--scenes, --views, --dtype, --device, the first of --seeds) is only replaced by a --search with "
                     "them: delete it to record one for other settings")
+    ap.add_argument("--stream", type=int, default=0, help="plans in a stream (beyond/stream.py): a section after the "
+                    "table timing each row alone, the previous plan alone and both on this many held-out clips (0: "
+                    "off)")
+    ap.add_argument("--stream-frames", type=int, default=10, help="with --stream: frames per clip (>= 2)")
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     a = ap.parse_args(argv)
     with cli.user_errors(ap):
@@ -576,7 +605,12 @@ def parse_args(argv):
                           f"({a.show}) must be at most --scenes ({a.scenes})"),
                          (not seeds or min(seeds) < 0, f"--seeds must be non-negative integers, got {a.seeds!r}"),
                          (len(set(seeds)) < len(seeds),  # a repeated seed would count twice in the mean and spread
-                          f"--seeds must not repeat a seed, got {a.seeds!r}")):
+                          f"--seeds must not repeat a seed, got {a.seeds!r}"),
+                         (a.stream < 0 or a.stream_frames < 2, f"--stream takes a number of clips (0: off), "
+                          f"--stream-frames at least 2 frames; got {a.stream}, {a.stream_frames}"),
+                         (a.stream_frames != ap.get_default("stream_frames") and not a.stream, "--stream-frames goes with --stream"),
+                         (a.stream and (a.temperature > 0 or a.relaxed or a.compile), "--stream times eager "
+                          "greedy decodes: it takes no --temperature, --relaxed or --compile")):
             if bad:
                 raise ValueError(msg)
         tok = driving.Tokenizer()

@@ -420,16 +420,17 @@ def autoregressive(target, prompt, max_new_tokens, sampling=GREEDY, stop_token=N
 
 @torch.no_grad()
 def autoregressive_batch(target, prompt, max_new_tokens, samples=1, sampling=GREEDY, stop_token=None, max_len=None,
-                         timing=False):
+                         timing=False, embeds=None):
     """Plain decoding of B = P x samples rows (speculative_batch's rows, prefill, sampling and generators), one
-    cached target step per token (tau = 1). As transformers' generate, a finished row keeps stepping until every
-    row has finished (its tokens dropped)."""
+    cached step per token (tau = 1): the baseline arm, the table's greedy CoCs, AARL's rollouts. As transformers'
+    generate, a finished row keeps stepping until every row has finished (its tokens dropped). embeds: the prompt's
+    embeddings (P, L, D) from another model (a draft writing on its own reads the target's, as when it drafts)."""
     check_inputs(target, None, prompt, max_new_tokens, sampling, stop_token, samples)
     B, dev = prompt["input_ids"].shape[0] * samples, prompt["input_ids"].device
     cache = new_cache(target, prompt, max_new_tokens, max_len, batch=B)
     generators = sampling.generators(dev, B)
     t0 = now(dev, timing)
-    embeds, deepstack = embed_prompt(target, prompt)  # (P, L, D)
+    embeds, deepstack = embed_prompt(target, prompt) if embeds is None else (embeds, [])  # (P, L, D)
     x = prefill(target, prompt, embeds, cache, deepstack, "target", samples)  # (B, 1)
     t1 = now(dev, timing)
     steps, ends, last = [], [None] * B, {}  # ends[b]: (tokens, seconds) when row b emitted its stop token

@@ -64,7 +64,10 @@ class Stream:
                                  f"{len(pending)}")
             self.context = [[p[-1]] for p in pending]
         paths = [lookup(c, e, self.M, self.alpha) for c, e in zip(self.context, self.earlier)]
-        path = torch.tensor([p + [-1] * (self.M - len(p)) for p in paths], device=tcache.device)  # (B, M), -1: none
+        # (B, M') -1 past a row's end: M' the longest proposal (<= M), so a round without a match verifies no
+        # stream node (eager only: the verify's shape follows the match)
+        width = max(map(len, paths))
+        path = torch.tensor([p + [-1] * (width - len(p)) for p in paths], device=tcache.device, dtype=torch.long)
         n, accepted, nxt, pending = tree.tree_round(target, draft, tcache, dcache, pending, self.shape, sampling,
                                                     generators, last, stream=path)
         for c, a, x in zip(self.context, accepted, nxt):

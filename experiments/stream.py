@@ -58,6 +58,8 @@ def main(argv=None):
     ap.add_argument("--figure", default=None, help="also draw the figure here (needs matplotlib)")
     ap.add_argument("--default-only", action="store_true", help="the default setting alone (0.5 s, the default rate): "
                     "its timing again on a quiet machine")
+    ap.add_argument("--rate1-only", action="store_true", help="0.5 s at event rate 1 alone (nothing to reuse: what "
+                    "the stream costs)")
     ap.add_argument("--replot", action="store_true", help="draw --figure from the --out JSON already written, no run")
     a = cli.checked(ap, ap.parse_args(argv), counts=("clips", "sweep_clips", "seeds"), out="runs/stream.json")
     if a.replot:
@@ -85,7 +87,7 @@ def main(argv=None):
         # the claims' settings first (the JSON is written after each setting: a stopped run keeps what it measured)
         claims = [(0.5, driving.event_rate(0.5)), (0.5, 1.0)]
         settings = claims + [s for s in [(0.5, r) for r in rates] + [(0.1, driving.event_rate(0.1))] if s not in claims]
-        settings = settings[:1] if a.default_only else settings
+        settings = settings[:1] if a.default_only else settings[1:2] if a.rate1_only else settings
         res = {"command": "python experiments/stream.py " + " ".join(argv if argv is not None else sys.argv[1:]),
                "tree": [evaluate.TREE.nodes, evaluate.TREE.depth, evaluate.TREE.width], "stream_M": stream.M,
                "stream_alpha": stream.ALPHA, "event_rate_per_s": driving.EVENT_RATE,

@@ -56,9 +56,14 @@ def last_json(capsys):
 
 def test_rsd_json_contract_and_exactness(run_dir, capsys):
     rsd.main(["--run", str(run_dir), "--seeds", "0,1", "--views", str(VIEWS), "--scenes", "6", "--time-scenes", "2",
-              "--show", "1", "--json"])
+              "--show", "1", "--stream", "1", "--stream-frames", "2", "--json"])
     out = last_json(capsys)
     assert out["greedy_match"] is True and out["seeds"] == [0, 1]
+    # --stream: every draft row's four arms on one clip of two frames, each frame's plan target-only's
+    assert list(out["stream"]) == [r["name"] for r in out["rows"][1:]]
+    for arms in out["stream"].values():
+        assert list(arms) == ["target-only", "tree", "stream", "tree+stream"]
+        assert all(a["frames_differing"] == 0 and a["tau"] >= 1 and a["speedup"] > 0 for a in arms.values())
     assert set(out["target"]) == {"coc_exact", "commitment_acc", "ade"}
     assert out["prompt"] == {"visual_tokens": 12 + 24 * VIEWS, "history_tokens": 48}
     assert out["routine_share_world"] == pytest.approx(driving.routine_share("train"))

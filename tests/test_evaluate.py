@@ -1,4 +1,4 @@
-"""Tests for evaluate.py: the batched generation loop agrees with batch-1 KV-cached decoding, the
+"""Tests for evaluate.py: the batched greedy CoCs agree with batch-1 KV-cached decoding, the
 statistics of speculative decoding with a perfect draft sit at the ceiling, batch size does not move
 the metrics, and the attention diagnostic is exact.
 
@@ -10,6 +10,7 @@ import pytest
 from test_train import TINY, TINY_DRAFT
 import torch
 
+import aarl
 import driving
 from driving import Data, grid_kwargs, vision_kwargs
 import evaluate
@@ -45,23 +46,24 @@ def test_greedy_generation_equals_batch_one_decoding(tok):
         assert coc == alone.tokens
 
 
-def test_generation_mask_ends_at_the_first_stop(tok):
-    """Sampled rows: the mask is True up to and including each row's first stop token, False after it."""
+def test_rollout_mask_ends_at_the_first_stop(tok):
+    """AARL's sampled rollouts: the mask is True up to and including each row's first stop token, False after it
+    (the rows stop-padded), the tokens those of a decode without a stop token from the same seeds."""
     target = tiny_target(tok)
+    draft = M.make_draft(target)
     batch = next(Data("val", 3, 0, tok, views=0).batches(3))
     P = int(batch["prompt_len"][0])
-
-    def sample(stop):
-        return evaluate.generate(target, batch["input_ids"][:, :P], 12, stop, temperature=2.0,
-                                 generator=torch.Generator().manual_seed(0), **vision_kwargs(batch))
-
-    free, _ = sample(stop=-1)                 # no stop: 12 tokens per row
-    stop = int(free[0, 3])                    # a token row 0 samples at step 3: its first stop is at step <= 3
-    toks, mask = sample(stop)                 # the same draws (same generator) up to the step all rows have stopped
-    assert torch.equal(toks, free[:, :toks.shape[1]])
-    assert not bool(mask.all()) and bool(mask.any(1).all())
-    for row, m in zip(toks.tolist(), mask.tolist()):
-        first = row.index(stop) if stop in row else len(row) - 1
+    ids = batch["input_ids"][:, :P]  # (S, P)
+    embeds = target.embed(ids, **vision_kwargs(batch))  # (S, P, D)
+    sampling = speculate.Sampling(2.0, seed=0)
+    free = [r.tokens for r in speculate.autoregressive_batch(  # 12 tokens per row, no stop
+        draft, {"input_ids": ids, **grid_kwargs(batch)}, 12, 2, sampling, embeds=embeds)]
+    stop = free[0][3]                         # a token row 0 samples at step 3: its first stop is at step <= 3
+    toks, mask = aarl.rollout(draft, embeds, batch, 2, sampling, 12, stop)
+    assert toks.shape[0] == 6 and not bool(mask.all()) and bool(mask.any(1).all())
+    for row, m, f in zip(toks.tolist(), mask.tolist(), free):
+        first = f.index(stop) if stop in f else len(f) - 1
+        assert row[:first + 1] == f[:first + 1] and all(t == stop for t in row[first + 1:])
         assert m == [True] * (first + 1) + [False] * (len(row) - first - 1)
 
 

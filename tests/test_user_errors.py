@@ -262,6 +262,11 @@ def test_bench_out_is_never_an_input_nor_a_file_it_did_not_write(tmp_path, monke
     (["--tree", "16/8/3", "--search"], "--gamma and --tree N/D/k give the decoders (no search on val)"),
     (["--tree", "16/2/3"], "argument --tree: invalid tree_flag value: '16/2/3'"),  # 12 candidates, not 16
     (["--gamma", "9"], "argument --gamma: invalid choice: 9"),  # tau is replayed at evaluate.GAMMAS
+    (["--stream", "-1"], "--stream takes a number of clips (0: off)"),
+    (["--stream", "2", "--stream-frames", "1"], "--stream-frames at least 2 frames; got 2, 1"),
+    (["--stream", "2", "--temperature", "0.5"], "--stream times eager greedy decodes"),
+    (["--stream", "2", "--compile"], "--stream times eager greedy decodes"),
+    (["--stream-frames", "4"], "--stream-frames goes with --stream"),
 ])
 def test_rsd_bad_flags_are_one_line(argv, msg, capsys):
     with pytest.raises(SystemExit):
