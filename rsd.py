@@ -608,7 +608,8 @@ def parse_args(argv):
                           f"--seeds must not repeat a seed, got {a.seeds!r}"),
                          (a.stream < 0 or a.stream_frames < 2, f"--stream takes a number of clips (0: off), "
                           f"--stream-frames at least 2 frames; got {a.stream}, {a.stream_frames}"),
-                         (a.stream_frames != ap.get_default("stream_frames") and not a.stream, "--stream-frames goes with --stream"),
+                         (a.stream_frames != ap.get_default("stream_frames") and not a.stream,
+                          "--stream-frames goes with --stream"),
                          (a.stream and (a.temperature > 0 or a.relaxed or a.compile), "--stream times eager "
                           "greedy decodes: it takes no --temperature, --relaxed or --compile")):
             if bad:
