@@ -59,21 +59,14 @@ class AARLConfig:
 # ---- rollouts ----
 def rollout(draft, embeds, batch, G, sampling, max_new, stop):
     """G CoCs per scene sampled from q after the target's prompt embeddings embeds (S, P, D)
-    (speculate.autoregressive_batch: each scene's prefill shared by its G rows, row r drawing from sampling's
-    generator r) -> tokens (S*G, T), stop-padded, and a mask (S*G, T), True up to and including each row's stop."""
+    (speculate.autoregressive_batch: each scene's prefill shared by its G rows) -> tokens (S*G, T), stop-padded, and
+    a mask (S*G, T), True up to and including each row's stop. sampling: the run's, its seed the run's generator."""
     prompt = {k: batch[k] for k in speculate.GRID_KEYS if batch.get(k) is not None}  # the positions' grids
     prompt["input_ids"] = batch["input_ids"][:, :embeds.shape[1]]  # (S, P)
     rows = [r.tokens for r in speculate.autoregressive_batch(draft, prompt, max_new, G, sampling, stop, embeds=embeds)]
     T, dev = max(map(len, rows)), embeds.device
     toks = torch.tensor([r + [stop] * (T - len(r)) for r in rows], device=dev)  # (S*G, T)
     return toks, torch.arange(T, device=dev) < torch.tensor([len(r) for r in rows], device=dev)[:, None]
-
-
-def rollout_sampling(temperature, rows, gen):
-    """One update's rollout settings: temperature, and each row's seed drawn from the run's generator gen (saved
-    with a checkpoint, so a resumed run draws what an unbroken one would)."""
-    seeds = torch.randint(2**62, (rows,), generator=gen, device=gen.device).tolist()
-    return speculate.Sampling(temperature, seed=tuple(seeds))
 
 
 def coc_logprobs(draft, embeds, batch, toks, G):
@@ -132,6 +125,7 @@ def train_aarl(target, draft, data: Data, cfg: AARLConfig, ref=None, log=None):
     ref.eval().requires_grad_(False)
     opt = runs.make_optimizer(draft.parameters(), cfg.lr)
     gen = torch.Generator(device=device).manual_seed(cfg.seed)
+    sampling = speculate.Sampling(cfg.temperature, seed=gen)  # every rollout draws from the run's one generator
     data = data.with_views(cfg.views)
     bar = tqdm(range(cfg.steps), desc=f"aarl[{cfg.reference}]")
     for step in bar:
@@ -142,7 +136,6 @@ def train_aarl(target, draft, data: Data, cfg: AARLConfig, ref=None, log=None):
         with torch.no_grad():
             embeds = target.embed(batch["input_ids"][:, :P], **vision_kwargs(batch))  # (S, P, D)
         draft.eval()
-        sampling = rollout_sampling(cfg.temperature, cfg.scenes * cfg.group, gen)
         toks, mask = rollout(draft, embeds, batch, cfg.group, sampling, cfg.max_new, data.tok.cot_end_id)
         r, ade, agree = reward(target, batch, toks, mask, cfg.group, data.tok, cfg.agree_weight)
         adv = group_advantages(r, cfg.group)

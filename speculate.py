@@ -71,11 +71,13 @@ def sample(probs, generator):
 class Sampling:
     """How a decode draws its tokens, wherever a decoding's settings travel: the processed distribution
     (process_logits: temperature, top-k, top-p; temperature 0 is greedy) and the seeds (row r draws from its own
-    generator, seeded seed + r or seed[r] from a tuple; None: one seed drawn from torch's global RNG)."""
+    generator, seeded seed + r or seed[r] from a tuple; None: one seed drawn from torch's global RNG; a
+    torch.Generator: every row draws from it, one draw over all rows a step, as AARL's rollouts from their run's
+    generator, which its checkpoints save)."""
     temperature: float = 0.0
     top_k: int | None = None
     top_p: float | None = None
-    seed: int | tuple | None = None
+    seed: int | tuple | torch.Generator | None = None
     relaxed: object = None  # opt-in lossy verification, a relaxed.Relaxed (None: the exact rule)
 
     def __post_init__(self):  # checked when made: the scripts make theirs from their flags before any work
@@ -107,11 +109,13 @@ class Sampling:
 
     def offset(self, i):
         """Prompt i's settings in a run of several: its rows seeded seed + i (+ r), the same draws in every pass."""
-        return self if self.seed is None or isinstance(self.seed, tuple) else replace(self, seed=self.seed + i)
+        return self if not isinstance(self.seed, int) else replace(self, seed=self.seed + i)
 
     def generators(self, device, rows=1):
         """One generator per row, row r seeded seed + r (or seed[r]): a row draws the same numbers whatever batch it
-        runs in, so a plan is reproducible row by row."""
+        runs in, so a plan is reproducible row by row (a torch.Generator: that one, for all rows)."""
+        if isinstance(self.seed, torch.Generator):
+            return self.seed
         if isinstance(self.seed, tuple):
             if len(self.seed) != rows:
                 raise ValueError(f"{len(self.seed)} seeds for {rows} rows: give one per row, or one int (row r: "

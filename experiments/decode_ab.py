@@ -19,7 +19,8 @@ import sys
 
 import torch
 
-PACKAGES = {"model", "rope", "vision", "speculate", "tree", "driving", "evaluate", "ops", "static", "bench", "real"}
+PACKAGES = {"model", "rope", "vision", "speculate", "tree", "driving", "evaluate", "ops", "static", "bench", "real",
+            "beyond", "relaxed", "aarl", "train", "rsd"}
 
 
 def modules_of(repo):
