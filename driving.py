@@ -4,8 +4,8 @@ from the ego-trajectory history; a few are *commitments* that need fresh visual 
 Each scene mirrors Alpamayo-R1's prompt and CoC layout (docs/background.md): a 2-frame front-camera video (12 merged
 tokens, all the decision evidence), `views` surround images of roadside clutter (24 merged tokens each), 16 past steps
 at 10 Hz as 48 binned (dx, dy, dheading) history tokens, a CoC "state , decision , roadside actors" (docs/results.md
-has an example) and 32 future waypoints from a unicycle rollout that follows the decision. `commitment_mask` marks
-the ~5.7 of ~22 tokens that the history class and the CoC prefix leave open. Design: docs/toy-notes.md.
+has an example) and 32 future waypoints from a unicycle rollout that follows the decision. `commitment_positions`
+marks the ~5.7 of ~22 tokens that the history class and the CoC prefix leave open. Design: docs/toy-notes.md.
 
 run: python driving.py --seed 0
 """
@@ -248,19 +248,17 @@ def _continuations():
 
 
 @lru_cache(maxsize=65536)
-def commitment_mask(f):
-    """One bool per CoC word plus <cot_end>: True where history class + prefix leave more than one continuation."""
+def commitment_positions(f):
+    """Per CoC word and <cot_end>: True where it commits (history class + prefix leave more than one continuation)."""
     rest = [] if f.road == "intersection" else roadside_words(f.left, f.right)[1:] + ["<cot_end>"]
     return tuple(len(_continuations()[key, tuple(words[:i])]) > 1
                  for key, words in ((f.hist_class, _main_clause(f)), (f.event, rest)) for i in range(len(words)))
 
 
 def commitment_words(main_clause_only=False):
-    """Every word the grammar leaves open after some prefix (a continuation set of more than one word): how the
-    routine relaxed rule (speculate.Relaxed) knows a commitment at decode time, without the answer's mask. A word
-    also written where it is routine ("at", "left") is kept exact there too: the proxy errs toward exactness.
-    main_clause_only: the main clause's alone (the decision, the lead's state, the range ring: what the plan follows),
-    not the roadside clause's actors."""
+    """Every word the grammar leaves open after some prefix: the routine relaxed rule's (beyond/relaxed.py) commitments
+    at decode time, without the answer's positions; a word also written where it is routine ("at") stays exact there
+    too. main_clause_only: the main clause's alone (what the plan follows), not the roadside actors'."""
     return sorted(set().union(*(words for (key, _), words in _continuations().items()
                                 if len(words) > 1 and not (main_clause_only and isinstance(key, str)))))
 
@@ -431,7 +429,7 @@ def make_scene(rng, split="train", cfg=WorldConfig(), f=None):
     seen_now = bool(rng.random() < P_SEEN_NOW)
     frames = render(kappa, actors, stop_line, seen_now, cfg)
     return Scene(f, float(kappa), float(v0), dist, hist, frames, seen_now, int(rng.integers(2**31)), coc_words(f),
-                 list(commitment_mask(f)), plan(f, v0, kappa, dist, cfg))
+                 list(commitment_positions(f)), plan(f, v0, kappa, dist, cfg))
 
 
 def render_views(seed, n, cfg=WorldConfig()):

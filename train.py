@@ -124,36 +124,30 @@ def select_draft_vocab(cocs, k, stop_id, vocab_size):
 
 
 # ---- losses ----
-def coc_targets(batch):
-    """Next-token labels (B, L): the token at i + 1 where position i predicts a CoC token, else -100."""
-    ids = batch["input_ids"]
-    labels = torch.full_like(ids, -100)
-    labels[:, :-1] = ids[:, 1:].masked_fill(~batch["loss_mask"][:, :-1], -100)
-    return labels
-
-
 def target_loss(target, batch, traj_weight):
     """CoC cross-entropy + traj_weight * Huber(trajectory) -> (loss, coc_ce, traj_l1)."""
-    logits, hidden = target(batch["input_ids"], return_hidden=True, **vision_kwargs(batch))  # (B, L, V), (B, L, D)
-    ce = F.cross_entropy(logits.flatten(0, 1).float(), coc_targets(batch).flatten())
+    ids = batch["input_ids"]
+    logits, hidden = target(ids, return_hidden=True, **vision_kwargs(batch))  # (B, L, V), (B, L, D)
+    labels = torch.full_like(ids, -100)  # (B, L): the token at i + 1 where position i predicts a CoC token
+    labels[:, :-1] = ids[:, 1:].masked_fill(~batch["loss_mask"][:, :-1], -100)
+    ce = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
     h_traj = hidden[torch.arange(hidden.shape[0]), batch["traj_index"]]  # (B, D): the <traj_future_start> states
     pred = getattr(target, "module", target).traj(h_traj).float()  # (B, traj_len, 2); .module: under DDP
     return ce + traj_weight * F.smooth_l1_loss(pred, batch["traj"]), ce, (pred - batch["traj"]).abs().mean()
 
 
 def distill_loss(draft, embeds, p_logp, batch, loss="kl"):
-    """Forward KL(p || q) (loss kl) averaged over CoC positions; p_logp (N, V) are the target's log-probs there. A
-    reduced-vocabulary draft (K ids) has q = 0 elsewhere, where KL(p || q) is infinite: its loss is KL(p_S || q), p_S
-    being p renormalised on the set, minimised by the q that minimises the finite part of KL(p || q) (the sum over the
-    set). tvd: TV(p, q) = 1/2 sum |p - q|, 1 - the acceptance rate of sampled speculative decoding (DistillSpec)."""
+    """Forward KL(p || q) (loss kl, kl_p_q) averaged over CoC positions, p_logp (N, V) the target's log-probs there;
+    tvd: TV(p, q) = 1/2 sum |p - q|, 1 - the acceptance rate of sampled speculative decoding (DistillSpec)."""
     logits_q = draft(batch["input_ids"], inputs_embeds=embeds, **grid_kwargs(batch))[batch["loss_mask"]].float()
     return (0.5 * (logits_q.softmax(-1) - p_logp.exp()).abs().sum(-1).mean() if loss == "tvd"
             else kl_p_q(draft, logits_q, p_logp))  # (N, V) of q, (N, V) of log p
 
 
 def kl_p_q(draft, logits_q, p_logp):
-    """batchmean KL(p || q) of q's logits (N, V) against log p (N, V), on the reduced-vocabulary set if the draft has
-    one (distill_loss says why)."""
+    """batchmean KL(p || q) of q's logits (N, V) against log p (N, V). A reduced-vocabulary draft (K ids) has q = 0
+    elsewhere, where KL(p || q) is infinite: its loss is KL(p_S || q), p_S being p renormalised on the set, minimised by
+    the q that minimises the finite part of KL(p || q) (the sum over the set)."""
     ids = getattr(getattr(draft, "module", draft), "vocab_ids", None)  # .module: under DDP
     if ids is not None:
         logits_q, p_logp = logits_q[:, ids], F.log_softmax(p_logp[:, ids], -1)  # (N, K) each; log p_S
@@ -205,9 +199,10 @@ def train_drafts(cfg: TrainConfig, target, train: Data, val: Data = None, rank=0
     bound = {"target": checkpoint.fingerprint(target)}  # the drafts' state is only valid with their target
     start, history = runs.load_state(state_path, drafts, opts, cfg, bound)
     history = history or {k: [] for k in drafts}  # each draft's evaluations so far (kept in the resumable state)
+    outputs = None  # the target's greedy CoCs of val, which rank 0 evaluates the drafts on
     if val is not None and rank == 0:
         cli.progress(f"the target's greedy CoCs of {len(val.scenes)} val scenes (the drafts' evaluations)")
-    outputs = evaluate.greedy_outputs(target, val) if val is not None and rank == 0 else None
+        outputs = evaluate.greedy_outputs(target, val)
     ddps = {k: runs.wrap(d, world, device) for k, d in drafts.items()}
     bar = tqdm(range(start, cfg.draft_steps), desc="drafts", disable=rank != 0, initial=start, total=cfg.draft_steps)
     for step in bar:
@@ -304,11 +299,10 @@ def parse_args(argv=None, parser=False):
             raise ValueError(f"--draft-vocab must be at most the toy vocabulary's {len(driving.Tokenizer())} ids, "
                              f"got {a.draft_vocab}")
         kinds = a.kinds.split(",")
-        if not kinds or set(kinds) - set(M.DRAFT_KINDS) or len(set(kinds)) < len(kinds):
+        if set(kinds) - set(M.DRAFT_KINDS) or len(set(kinds)) < len(kinds):  # "" splits into [""]: unknown
             raise ValueError(f"--kinds takes distinct kinds of {', '.join(M.DRAFT_KINDS)} joined by commas, got "
                              f"{a.kinds!r}")
-        if a.draft_seeds and not all(s.strip().isdigit() for s in a.draft_seeds.split(",")):
-            raise ValueError(f"--draft-seeds takes comma-separated seeds >= 0 (e.g. 0,1), got {a.draft_seeds!r}")
+        draft_seeds(a)  # a ValueError naming --draft-seeds
         if a.target_dir and a.stage != "drafts":
             raise ValueError(f"--target-dir is the draft stage's target: add --stage drafts (got --stage {a.stage})")
         if a.target_dir and checkpoint.existing_kind(a.target_dir) != "target":
@@ -350,7 +344,9 @@ def target_dir(cfg: TrainConfig):
 
 
 def draft_seeds(cfg: TrainConfig):
-    return [int(s) for s in cfg.draft_seeds.split(",")] if cfg.draft_seeds else [cfg.draft_seed]
+    """--draft-seeds in the order given (each a seed, in 0..2**30-1), else [--draft-seed]."""
+    return (cli.number_list(cfg.draft_seeds, "--draft-seeds", rule="in 0..2**30-1", unique=False) if cfg.draft_seeds
+            else [cfg.draft_seed])
 
 
 def check_outputs(cfg: TrainConfig, stage):

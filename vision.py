@@ -54,14 +54,18 @@ def _segments(lengths: torch.Tensor):
     return (starts[:, None] + ar).clamp(max=int(lengths.sum()) - 1), valid
 
 
+def in_patch_order(grid, m, per_patch):
+    """per_patch(h, w) (h, w, k) of every (t, h, w) in grid, rows listed as patchify lists patches -> (N, k): in
+    merge-block order (block row, block col, row in block, col in block), repeated for every temporal patch."""
+    return torch.cat([rearrange(per_patch(h, w), "(bh mr) (bw mc) k -> (bh bw mr mc) k", mr=m, mc=m).repeat(t, 1)
+                      for t, h, w in grid])
+
+
 def patch_positions(grid, m):
     """(row, col) of every patch, patches listed in m x m merge-block order -> (N, 2)."""
-    out = []
-    for t, h, w in grid:
-        rc = torch.stack(torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij"), -1)  # (h, w, 2)
-        # (h, w, 2) -> (h*w, 2) in merge-block order: block row, block col, row in block, col in block
-        out.append(rearrange(rc, "(bh mr) (bw mc) two -> (bh bw mr mc) two", mr=m, mc=m).repeat(t, 1))
-    return torch.cat(out)
+    def rows_cols(h, w):  # (h, w, 2)
+        return torch.stack(torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij"), -1)
+    return in_patch_order(grid, m, rows_cols)
 
 
 def rotary_2d(pos, inv_freq):
@@ -220,14 +224,10 @@ class Qwen3VisionTower(_Tower):
 
     def position_embedding(self, grid):
         """The learned grid, resampled bilinearly (corners aligned) to each (h, w), in patchify order -> (N, C) fp32."""
-        m, side = self.vc.spatial_merge_size, round(self.vc.num_position_embeddings ** 0.5)
+        side = round(self.vc.num_position_embeddings ** 0.5)
         table = self.pos_embed.weight.float().T.reshape(1, -1, side, side)  # (side^2, C) -> (1, C, side, side)
-        out = []
-        for t, h, w in grid:
-            e = F.interpolate(table, size=(h, w), mode="bilinear", align_corners=True)[0]  # (C, h, w)
-            # (C, h, w) -> (h*w, C) in merge-block order, repeated for every temporal patch
-            out.append(rearrange(e, "c (bh mr) (bw mc) -> (bh bw mr mc) c", mr=m, mc=m).repeat(t, 1))
-        return torch.cat(out)
+        return in_patch_order(grid, self.vc.spatial_merge_size, lambda h, w: F.interpolate(
+            table, size=(h, w), mode="bilinear", align_corners=True)[0].permute(1, 2, 0))  # (C, h, w) -> (h, w, C)
 
     def forward(self, pixel_values, grid_thw):
         """pixel_values (N, C*tp*p*p) in patchify order, grid_thw (n, 3) -> merged features (N / m^2, D)

@@ -41,7 +41,7 @@ RULES = {"typical": ("typical", False), "routine": ("routine", False), "routine_
 
 
 def commitment_acc(data, cocs):
-    """Share of the ground truth's commitment words (driving.commitment_mask) found at their own places in cocs."""
+    """Share of the ground truth's commitment words (driving.commitment_positions) found at their own places in cocs."""
     right = total = 0
     for scene, coc in zip(data.scenes, cocs):
         ref = data.tok.encode(scene.coc) + [data.tok.cot_end_id]

@@ -1,6 +1,6 @@
 """Where a draft tree's accepted paths leave the draft's first choice: every CoC token of the held-out split, by
 who supplied it (an accepted draft token that was the draft's argmax, an accepted one from a lower-ranked branch, or
-the target's own) and by what it is (a routine word or a commitment, driving.commitment_mask).
+the target's own) and by what it is (a routine word or a commitment, driving.commitment_positions).
 
 Paper: the routine reasoner supplies the routine tokens, the deliberative reasoner the commitments; a tree lets the
 draft hedge between its top candidates where it is unsure (EAGLE-2's dynamic tree, tree.grow).

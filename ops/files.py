@@ -113,15 +113,6 @@ def check_out_dir(out, inputs, may_contain=()):
                              "another --out")
 
 
-def _missing(folder):
-    """folder and those of its parents that do not exist yet, deepest first: what makedirs(folder) creates."""
-    made, f = [], os.path.abspath(folder)
-    while not os.path.lexists(f):
-        made.append(f)
-        f = os.path.dirname(f)
-    return made
-
-
 def check_writable(folder):
     """Create folder if needed and prove it takes a file, before any work."""
     if os.path.lexists(folder) and not os.path.isdir(folder):
@@ -137,7 +128,10 @@ def check_writable(folder):
 def new_folders(folder):
     """Create folder for the block (proved writable); the folders this made are removed again if the block leaves them
     empty: a refused or failed run leaves nothing behind."""
-    made = _missing(folder)
+    made, f = [], os.path.abspath(folder)  # folder and its parents that makedirs creates, deepest first
+    while not os.path.lexists(f):
+        made.append(f)
+        f = os.path.dirname(f)
     try:
         check_writable(folder)
         yield

@@ -63,8 +63,6 @@ def check_loss(name, value, step, state_path, model=None):
 # (target, scenes, processor) is fine too: the fingerprints of the target and of the records are checked instead.
 RESUMABLE_CHANGES = ("out", "device", "eval_every", "save_every", "n_val", "n_test", "overwrite", "target", "scenes",
                      "processor", "workers", "draft", "allow_truncated")
-
-
 LAST_STATE = {}  # the resumable state this process last loaded or saved, {"path", "step"}: what a Ctrl-C line says
 
 

@@ -1,6 +1,6 @@
 """World invariants of driving.py: the prompt's geometry, the trajectory follows the decision, the history tokens
 determine the routine factors and the front raster the visual ones, held-out combinations only in test, the exact
-routine share, commitment mask vs grammar, determinism.
+routine share, commitment positions vs grammar, determinism.
 
 run: python -m pytest -q tests/test_driving.py
 """
@@ -213,8 +213,8 @@ def test_routine_share():
     assert right / total == pytest.approx(share, abs=0.01)
 
 
-def test_commitment_mask_consistent_with_grammar(train, test_split):
-    # the mask equals its definition (more than one continuation over the world's support) on every scene ...
+def test_commitment_positions_consistent_with_grammar(train, test_split):
+    # the positions equal their definition (more than one continuation over the world's support) on every scene ...
     support = defaultdict(set)
     for split in ("train", "test"):
         for f, _ in D.main_distribution(split):
