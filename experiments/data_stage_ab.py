@@ -41,7 +41,7 @@ def one_at_a_time(target, prompts, stop, max_new, samples, seed):
 def batched(target, prompts, stop, max_new, samples, seed, work):
     """The data stage as it is (scenes.distill_data, a fresh folder) -> [token lists] in the order written."""
     out = tempfile.mkdtemp(dir=work)
-    scenes.distill_data(target, prompts, out, [stop], max_new, 0.6, 0.98, samples, seed)
+    scenes.distill_data(target, prompts, out, [stop], max_new, speculate.Sampling(0.6, top_p=0.98), samples, seed)
     return [r["tokens"] for r in scenes.read_distill_data(out)]
 
 

@@ -65,7 +65,8 @@ def real_scene_loss(target, draft, ref, prompt, v0, traj_ref, cfg, ids, gen):
     with torch.no_grad():
         embeds, deepstack = speculate.embed_prompt(target, prompt)  # (1, L, D)
     draft.eval()
-    toks, mask = rollout(draft, embeds, prompt, cfg.group, cfg.temperature, cfg.max_new, ids[1], gen)  # (G, T) each
+    sampling = speculate.Sampling(cfg.temperature, seed=gen)  # the run's generator, saved with its checkpoints
+    toks, mask = rollout(draft, embeds, prompt, cfg.group, sampling, cfg.max_new, ids[1])  # (G, T) each
     r = real_rewards(target, dict(prompt, inputs_embeds=embeds, deepstack=deepstack),  # p's embeddings, computed once
                      [t[m].tolist() for t, m in zip(toks, mask)], v0, traj_ref, ids)  # (G,)
     with torch.no_grad():
@@ -119,9 +120,8 @@ def train_real(target, draft, ref, clips, prompts, cfg: RealConfig, ids, log=Non
 
 
 def load_real(target_dir, draft_dir, scenes_dir, cfg, device, dtype):
-    """p (an Alpamayo folder with its action expert), q (the SFT draft) and the frozen q_ref (the same draft again),
-    the scenes (checked first) and their prompts, and the ids (cot_end, future_start); a target without an expert is
-    refused."""
+    """p (an Alpamayo folder; one without an action expert is refused), q and the frozen q_ref (the SFT draft, twice),
+    the scenes (checked first) and their prompts, and the ids (cot_end, future_start)."""
     if "expert_cfg" not in files.read_json(os.path.join(target_dir, hf.CONFIG)):  # what hf.load_pretrained reads
         raise ValueError(f"{target_dir} has no action expert: AARL's reward scores the expert's plan after each CoC "
                          "(an Alpamayo-R1 folder); the toy's AARL (python aarl.py) uses its own head")
@@ -162,11 +162,11 @@ def main(argv=None):
         if cfg.group < 2:
             raise ValueError(f"--group must be >= 2 for group-relative advantages, got {cfg.group}")
         device = cli.check_device(a.device)
-        for flag, path in (("--target", a.target), ("--draft", a.draft), ("--scenes", a.scenes)):
+        inputs = {"--target": a.target, "--draft": a.draft, "--scenes": a.scenes}
+        for flag, path in inputs.items():
             if not os.path.isdir(path):
                 raise FileNotFoundError(f"{flag} {path}: no such folder")
-        files.check_out_dir(a.out, {"--target": a.target, "--draft": a.draft, "--scenes": a.scenes,
-                                    "--processor": cfg.processor}, may_contain=("--draft",))  # RUN/draft_flat_s0
+        files.check_out_dir(a.out, inputs | {"--processor": cfg.processor}, ("--draft",))  # RUN/draft_flat_s0
         out = checkpoint.draft_dir(a.out, "aarl", cfg.seed)
         with cli.json_stdout(a.json), files.writer_lock(a.out):  # --json: the work's lines on stderr too
             checkpoint.check_output(out, checkpoint.existing_kind(a.draft),  # AARL keeps the draft's kind
@@ -176,8 +176,7 @@ def main(argv=None):
             target, draft, ref, clips, prompts, ids = load_real(a.target, a.draft, a.scenes, cfg, device,
                                                                 cli.DTYPES[a.dtype])
             updates = []
-            train_real(target, draft, ref, clips, prompts, cfg, ids, log=updates.append,
-                       state_path=os.path.join(a.out, f"draft_aarl_s{cfg.seed}.state.pt"))  # resumed if there
+            train_real(target, draft, ref, clips, prompts, cfg, ids, log=updates.append, state_path=out + ".state.pt")
             checkpoint.save(draft.to(target.embed_tokens.weight.dtype), out, target=target)
     res = {"out": out, "scenes": len(clips), "config": asdict(cfg), "wall_s": time.time() - t0,
            "environment": timing.environment(a.device) | {"threads": torch.get_num_threads(), "dtype": a.dtype},

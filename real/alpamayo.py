@@ -1,13 +1,11 @@
 """Alpamayo-R1's prompt, built from a folder's own tokenizer and image processor, and the whole plan on pixels that
 `bench.py --target` times. Paper: Alpamayo-R1 is the deliberative reasoner (target) that RSD accelerates. The layout
-(NVIDIA's public inference code; docs/background.md, "The Alpamayo-R1 prompt layout"): a system turn; a user turn of
-16 images (4 cameras x 4 frames, each <|vision_start|> <|image_pad|> x n <|vision_end|>), 48 history ids between
-<|traj_history_start|> and <|traj_history_end|> (HistoryTokenizer), the instruction; the assistant turn opened with
-<|cot_start|>. Images: the Qwen-VL image processor (not AutoProcessor: Qwen3-VL's also needs torchvision).
+(NVIDIA's; docs/background.md, "The Alpamayo-R1 prompt layout"): a system turn; a user turn of 16 images (4 cameras x 4
+frames), 48 history ids (HistoryTokenizer) and the instruction; the assistant turn opened with <|cot_start|>. Images
+go through the Qwen-VL image processor (not AutoProcessor: Qwen3-VL's also needs torchvision).
 
-Held out (bench.py --scenes): over a scene folder (scenes.py), tau, alpha per draft position and the routine share
-(the CoC tokens q proposed and p accepted), greedy identity with p alone, each plan stage's latency, and the ADE of
-the expert's plan after the speculative CoC.
+Held out (bench.py --scenes, heldout): over a scene folder, tau, alpha per draft position, the routine share, greedy
+identity with p alone, each plan stage's latency, and the ADE of the expert's plan after the speculative CoC.
 
 run: python bench.py --device cuda --target ALPAMAYO_DIR [--images-dir CAMERAS]   (tests: tests/test_alpamayo.py)
      python bench.py --device cuda --target ALPAMAYO_DIR --draft DRAFT --scenes SCENES --tree 0
@@ -66,8 +64,7 @@ class HistoryTokenizer:
 
 @functools.lru_cache(maxsize=8)
 def tokenizer(src):
-    """src's tokenizer, read once per process: a prompt is built per scene, and per scene again in every training
-    step that draws it."""
+    """src's tokenizer, read once per process: a prompt is built per scene, again in every training step drawing it."""
     from transformers import AutoTokenizer  # optional extra: only the prompt builders need it
     return AutoTokenizer.from_pretrained(src)
 
@@ -95,20 +92,21 @@ def build_prompt(folder, images, history_xyz, processor_dir=None, min_pixels=MIN
             raise ValueError(f"{where}: traj_token_ids.{key} = {raw['traj_token_ids'][key]} but the tokenizer in {src} "
                              f"has {token} = {vocab[token]}")
     history = "<|traj_history_start|>" + "<|traj_history|>" * (3 * N_POSES) + "<|traj_history_end|>"
-    messages = [{"role": "system", "content": [{"type": "text", "text": SYSTEM}]},
-                {"role": "user", "content": [{"type": "image"} for _ in images]
-                 + [{"type": "text", "text": history + INSTRUCTION}]},
-                {"role": "assistant", "content": [{"type": "text", "text": "<|cot_start|>"}]}]
-    text = tok.apply_chat_template(messages, tokenize=False, continue_final_message=True)
-    prompt = with_images(tok, text, images, src, min_pixels, max_pixels)
+    prompt = chat_prompt(src, [("system", SYSTEM), ("user", history + INSTRUCTION), ("assistant", "<|cot_start|>")],
+                         images, min_pixels, max_pixels)
     ids = prompt["input_ids"]  # (1, L)
     ids[ids == vocab["<|traj_history|>"]] = hist.encode(torch.as_tensor(history_xyz)[None]).flatten()  # (48,)
     return prompt
 
 
-def with_images(tok, text, images, src, min_pixels, max_pixels):
-    """The prompt dict of a chat text holding one <|image_pad|> per image, each widened to its merged-token count."""
-    proc = image_processor(src, min_pixels, max_pixels)
+def chat_prompt(src, turns, images, min_pixels, max_pixels):
+    """The prompt dict of the chat turns [(role, text)] through src's chat template, the images opening the user turn,
+    each image's <|image_pad|> widened to its merged-token count; a last assistant turn is continued, else opened."""
+    tok, proc = tokenizer(src), image_processor(src, min_pixels, max_pixels)
+    chat = [{"role": role, "content": [{"type": "image"} for _ in (images if role == "user" else ())]
+             + [{"type": "text", "text": text}]} for role, text in turns]
+    cont = turns[-1][0] == "assistant"
+    text = tok.apply_chat_template(chat, tokenize=False, continue_final_message=cont, add_generation_prompt=not cont)
     vis = proc(images=list(images), return_tensors="pt")
     pieces = text.split("<|image_pad|>")
     if len(pieces) != len(images) + 1:
@@ -120,13 +118,8 @@ def with_images(tok, text, images, src, min_pixels, max_pixels):
 
 
 def qwen_prompt(src, images, instruction, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS):
-    """A plain Qwen-VL prompt (no Alpamayo tokens): one user turn of the images and the instruction, then the
-    assistant turn the chat template opens."""
-    tok = tokenizer(src)
-    messages = [{"role": "user", "content": [{"type": "image"} for _ in images]
-                 + [{"type": "text", "text": instruction}]}]
-    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return with_images(tok, text, images, src, min_pixels, max_pixels)
+    """A plain Qwen-VL prompt (no Alpamayo tokens): a user turn of images and instruction, the assistant's opened."""
+    return chat_prompt(src, [("user", instruction)], images, min_pixels, max_pixels)
 
 
 # ---- a real checkpoint's plan on pixels (bench.py --target) ----
@@ -137,8 +130,7 @@ def history_poses(speed=8.0, dt=0.1):
 
 
 def scene_images(images_dir=None, n=16, size="288x512"):
-    """(3, H, W) uint8 images: images_dir's files in name order (PIL), or n generated ones of size "HxW" (seeded
-    noise)."""
+    """(3, H, W) uint8 images: images_dir's files in name order, or n generated ones of size "HxW" (seeded noise)."""
     if images_dir:
         from PIL import Image  # optional extra: only a folder of images needs it
         names = sorted(f for f in os.listdir(images_dir) if f.lower().endswith((".jpg", ".jpeg", ".png")))
@@ -197,8 +189,7 @@ def has_tokenizer(folder):
 
 
 def load_pair(target_dir, draft_dir, device, dtype):
-    """The target folder's model and its draft: draft_dir (checkpoint.load refuses one of another target), else an
-    untrained 1-layer one."""
+    """The target and its draft: draft_dir (checkpoint.load refuses another target's), else an untrained 1-layer one."""
     target = hf.load_pretrained(target_dir, dtype=dtype, device=device).eval()
     return target, (checkpoint.load(draft_dir, target=target, dtype=dtype, device=device) if draft_dir
                     else M.make_draft(target, n_layers=1)).eval()
@@ -209,22 +200,19 @@ def load(target_dir, draft_dir, images, device, dtype, processor=None, min_pixel
     with a tokenizer, else pixel_prompt), the id ending the reasoning step (Alpamayo's <|traj_future_start|>), tok,
     how the prompt was built."""
     target, draft = load_pair(target_dir, draft_dir, device, dtype)
-    raw = files.read_json(os.path.join(target_dir, hf.CONFIG))
-    src = processor or target_dir
-    stop = tok = None
-    if getattr(target, "expert", None) is not None:  # the reasoning step ends where the expert takes over
-        stop = config_field(raw, "traj_token_ids.future_start", target_dir)
-    if has_tokenizer(src) and "traj_token_ids" in raw:
-        tok = tokenizer(src)
+    where, src = os.path.join(target_dir, hf.CONFIG), processor or target_dir
+    raw = files.read_json(where)
+    stop = (config_field(raw, "traj_token_ids.future_start", where)  # where the expert takes over
+            if getattr(target, "expert", None) is not None else None)
+    why = (f"no tokenizer in {src}" if not has_tokenizer(src) else None if "traj_token_ids" in raw else
+           f"{where} has no traj_token_ids (not an Alpamayo-R1 config)")
+    if why is None:
+        tok, how = tokenizer(src), "Alpamayo-R1 prompt (alpamayo.build_prompt)"
         prompt = build_prompt(target_dir, images, history_poses(), processor, min_pixels, max_pixels)
-        how = "Alpamayo-R1 prompt (alpamayo.build_prompt)"
     else:
+        tok, how = None, f"placeholder text ids around real pixels ({why})"
         prompt = pixel_prompt(target.cfg, images, max_pixels, device)
-        why = (f"no tokenizer in {src}" if not has_tokenizer(src) else
-               f"{os.path.join(target_dir, hf.CONFIG)} has no traj_token_ids (not an Alpamayo-R1 config)")
-        how = f"placeholder text ids around real pixels ({why})"
-    prompt = {k: v.to(device, dtype) if k == "pixel_values" else v.to(device) for k, v in prompt.items()}
-    return target, draft, prompt, stop, tok, how
+    return target, draft, hf.on_model(prompt, target), stop, tok, how
 
 
 @torch.inference_mode()
@@ -291,8 +279,7 @@ def heldout(target, draft, scenes, prompts, stop, max_new, gamma, repeats, words
                                    for arm, d in (("ar", None), ("spec", draft))}, 1, repeats, dev)  # after a warm-up
         ar, spec = (runs[arm][0][0].result for arm in ("ar", "spec"))
         if sampling.lossy:  # the exact decode's tau beside the relaxed one (docs/own-target.md)
-            exact_specs.append(evaluate.decode(target, draft, p, gamma, max_new, stop,
-                                               replace(sampling, relaxed=None)))
+            exact_specs.append(evaluate.decode(target, draft, p, gamma, max_new, stop, replace(sampling, relaxed=None)))
         ar_s, spec_s = ([x[0].result.decode_s for x in runs[arm]] for arm in ("ar", "spec"))
         embeds, deepstack = speculate.embed_prompt(target, p)  # (1, L, D)
 
@@ -305,14 +292,12 @@ def heldout(target, draft, scenes, prompts, stop, max_new, gamma, repeats, words
              "reasoning_target_only": median(ar_s), "reasoning_speculative": median(spec_s), "action_expert": None}
         n, n_vis = len(spec.tokens), int((p["input_ids"] == target.cfg.image_token_id).sum())
         row = {"scene": scene_id, "prompt_tokens": L, "visual_tokens": n_vis, "tokens": n, "rounds": spec.rounds,
-               "tau": spec.tau, "alpha": spec.alpha, "alpha_by_position": spec.alpha_by_depth(),
-               "routine_tokens": sum(spec.from_draft), "routine_share": sum(spec.from_draft) / n,
-               "identical": spec.tokens == ar.tokens,
+               **{k: getattr(spec, k) for k in ("tau", "alpha", "accepted", "depths", "n_accepted", "n_tested")},
+               "alpha_by_position": spec.alpha_by_depth(), "routine_tokens": sum(spec.from_draft),
+               "routine_share": sum(spec.from_draft) / n, "identical": spec.tokens == ar.tokens,
                "divergence": (timing.divergences(target, [p], [ar.tokens], [spec.tokens]) or [None])[0],
-               "accepted": spec.accepted, "depths": spec.depths, "n_accepted": spec.n_accepted,
-               "n_tested": spec.n_tested, "coc_tokens": spec.tokens,
-               "coc": evaluate.marked_coc([words(t) for t in spec.tokens], spec.from_draft), "ade_m": None,
-               "fde_m": None, "plan_moved_m": None}
+               "coc_tokens": spec.tokens, "coc": evaluate.marked_coc([words(t) for t in spec.tokens], spec.from_draft),
+               "ade_m": None, "fde_m": None, "plan_moved_m": None}
         if getattr(target, "expert", None) is not None:  # the plan's last stage, after the speculative CoC
             v0 = speed_from_history(scene.past[None]).to(dev)  # (1,)
             waypoints, _, cache = evaluate.action_rows(target, p, [spec.tokens], (stop,), v0)  # (1, N, 2)
@@ -381,10 +366,8 @@ def heldout_lines(res):
                  if not res["decoding"]["lossy"] else "   (LOSSY: a relaxed rule)"),
               f"acceptance     tau {res['tau']:.2f}" + (f" (LOSSY; exact {res['tau_exact']:.2f})" if "tau_exact"
                                                      in res else "") + f" (ceiling {res['tau_ceiling']:.2f})   "
-              f"alpha {res['alpha']:.3f}   "
-              f"by {'level' if res['decoder']['kind'] == 'tree' else 'position'} "
-              f"{' '.join(f(a, 2) for a in res['alpha_by_position'])}   routine share "
-              f"{res['routine_share']:.3f}",
+              f"alpha {res['alpha']:.3f}   by {'level' if res['decoder']['kind'] == 'tree' else 'position'} "
+              f"{' '.join(f(a, 2) for a in res['alpha_by_position'])}   routine share {res['routine_share']:.3f}",
               f"stages (ms)    vision {f(ms['vision'])}   prefill {f(ms['prefill'])}   draft prefill "
               f"{f(ms['draft_prefill'])}   reasoning target-only {f(ms['reasoning_target_only'])}, speculative "
               f"{f(ms['reasoning_speculative'])} ({res['reasoning_speedup']:.2f}x)   action expert "

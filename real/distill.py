@@ -22,7 +22,6 @@ import driving
 from evaluate import autocast
 import model as M
 from ops import checkpoint, cli, files, runs
-from ops.cli import check_values
 from real import hf, scenes
 import speculate
 from train import kl_p_q, select_draft_vocab
@@ -70,19 +69,6 @@ def load_target(path, dtype=None, device=None):
     """A folder with config.json through hf.load_pretrained, else our format (checkpoint.load)."""
     load = hf.load_pretrained if os.path.exists(os.path.join(path, hf.CONFIG)) else checkpoint.load
     return load(path, dtype=dtype, device=device)
-
-
-def prompt_source(cfg: DraftConfig):
-    """([(scene_id, prompt or a function building it)], stop_ids): the toy world's scenes (--toy-scenes) or a scene
-    folder (scenes.scene_prompts: Alpamayo-R1 or plain Qwen-VL); stop_ids end the reasoning, in order."""
-    if cfg.toy_scenes:
-        tok = driving.Tokenizer()
-        world = driving.make_split("train", cfg.toy_scenes, 0)  # train.py's scenes (TrainConfig.seed 0)
-        return [(f"toy{i}", lambda s=s: driving.build_prompt(s, tok, cfg.views)) for i, s in enumerate(world)], \
-            [tok.cot_end_id]
-    _, prompts, stop, _ = scenes.scene_prompts(cfg.target, cfg.scenes, cfg.processor or None,
-                                               min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels)
-    return prompts, stop
 
 
 def record_order(step, batch_size, n, seed):
@@ -149,17 +135,17 @@ def new_draft(target, kind, init="random", vocab_ids=None, layers=1, width=0, he
 
 
 def distill_draft(cfg: DraftConfig, target, records, prompt_of, stop_id, rank=0, world=1, device="cpu"):
-    """Distil a `cfg.kind` draft from the frozen target on its own CoCs (records: scenes.read_distill_data's), one
-    sequence per forward, batch_size per update accumulated over the ranks' shares; resumable; saves
-    out/draft_<kind>_s<seed> bound to the target. prompt_of: scene_id -> prompt or a function building it; stop_id:
-    the id ending the reasoning (kept in a reduced vocabulary)."""
+    """Distil a `cfg.kind` draft from the frozen target on its own CoCs (records: scenes.read_distill_data's), as the
+    module docstring says, into out/draft_<kind>_s<seed> bound to the target. prompt_of: scene_id -> prompt or a
+    function building it; stop_id: the id ending the reasoning (kept in a reduced vocabulary)."""
     target.eval().requires_grad_(False)
     vocab_ids = (select_draft_vocab([r["tokens"] for r in records], cfg.draft_vocab, stop_id, target.cfg.vocab_size)
                  if cfg.draft_vocab else None)
     torch.manual_seed(cfg.seed)
     draft = new_draft(target, cfg.kind, cfg.init, vocab_ids, cfg.layers, cfg.width, cfg.heads, cfg.kv_heads)
     opt = runs.make_optimizer(draft.parameters(), cfg.lr, cfg.weight_decay)
-    state_path = os.path.join(cfg.out, f"draft_{cfg.kind}_s{cfg.seed}.state.pt")
+    dest = checkpoint.draft_dir(cfg.out, cfg.kind, cfg.seed)
+    state_path = dest + ".state.pt"
     bound = {"target": checkpoint.fingerprint(target)}
     # the records the state's updates drew: a resume after the scenes changed would draw others at the same steps
     data = {"records": len(records), "sha256": hashlib.sha256(repr(
@@ -176,10 +162,9 @@ def distill_draft(cfg: DraftConfig, target, records, prompt_of, stop_id, rank=0,
         loss_sum, n_tok, t0 = 0.0, 0, time.time()
         for i in range(per_rank):  # this rank's share of the update's records
             j, prompt = next(stream)
-            prompt = hf.on_model(prompt, target)
             last = i == per_rank - 1  # DDP averages the gradients across ranks at the last backward only
             with (contextlib.nullcontext() if last or world == 1 else ddp.no_sync()), autocast(device, cfg.amp):
-                loss = sequence_kl(target, ddp, prompt, records[j]["tokens"]) / per_rank
+                loss = sequence_kl(target, ddp, hf.on_model(prompt, target), records[j]["tokens"]) / per_rank
                 loss.backward()
             loss_sum, n_tok = loss_sum + loss.item(), n_tok + len(records[j]["tokens"])
         if world > 1:  # every rank sees a NaN on any rank: its gradients were already averaged into everyone's
@@ -190,12 +175,12 @@ def distill_draft(cfg: DraftConfig, target, records, prompt_of, stop_id, rank=0,
         history.append({"step": step + 1, "train_kl": loss_sum})
         if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
             if rank == 0:
-                files.write_json(checkpoint.draft_dir(cfg.out, cfg.kind, cfg.seed) + ".metrics.json",
-                                 {"kind": cfg.kind, "seed": cfg.seed, "config": asdict(cfg), "updates": history})
+                files.write_json(dest + ".metrics.json", {"kind": cfg.kind, "seed": cfg.seed, "config": asdict(cfg),
+                                                          "updates": history})
             runs.save_state(state_path, step + 1, {cfg.kind: draft}, {cfg.kind: opt}, cfg, rank, bound, data,
                             extra=history)
     if rank == 0:
-        checkpoint.save(draft.to(w.dtype), checkpoint.draft_dir(cfg.out, cfg.kind, cfg.seed), target=target)
+        checkpoint.save(draft.to(w.dtype), dest, target=target)
     return draft
 
 
@@ -207,7 +192,14 @@ def run_draft(cfg: DraftConfig, stage="all", log=print):
     rank, world, device = runs.setup_distributed(cfg.device)
     if cfg.batch_size % world:
         raise ValueError(f"batch_size {cfg.batch_size} is not divisible by the {world} ranks")
-    prompts, stop = prompt_source(cfg)  # every scene checked before the target is loaded
+    if cfg.toy_scenes:
+        tok = driving.Tokenizer()
+        toy = driving.make_split("train", cfg.toy_scenes, 0)  # train.py's scenes (TrainConfig.seed 0)
+        prompts = [(f"toy{i}", lambda s=s: driving.build_prompt(s, tok, cfg.views)) for i, s in enumerate(toy)]
+        stop = [tok.cot_end_id]
+    else:  # Alpamayo-R1 or plain Qwen-VL; every scene checked before the target is loaded
+        _, prompts, stop, _ = scenes.scene_prompts(cfg.target, cfg.scenes, cfg.processor or None,
+                                                   min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels)
     target = load_target(cfg.target, cli.DTYPES[cfg.dtype], device)
     if cfg.draft_vocab > (vocab := target.cfg.vocab_size):  # known now: not after hours of decoding
         raise ValueError(f"--draft-vocab {cfg.draft_vocab} is above the target's vocabulary of {vocab} ids")
@@ -219,10 +211,10 @@ def run_draft(cfg: DraftConfig, stage="all", log=print):
                                     "rerun with --overwrite to retrain it, or give another --seed or --out")
         done = {r["scene"] for r in read_parts(root, vocab)}  # read by every rank before any writes
         runs.barrier()
-        sampled = dict(temperature=cfg.temperature, top_p=cfg.top_p, samples=cfg.samples) if cfg.temperature else {}
+        sampling = speculate.Sampling(cfg.temperature, top_p=cfg.top_p) if cfg.temperature else speculate.GREEDY
         scenes.distill_data(target, [p for p in prompts if p[0] not in done][rank::world],  # what is left, shared
-                            os.path.join(root, f"part{rank}"), stop, cfg.max_new, log=log if rank == 0 else None,
-                            **sampled)
+                            os.path.join(root, f"part{rank}"), stop, cfg.max_new, sampling,
+                            cfg.samples if cfg.temperature else 1, log=log if rank == 0 else None)
         runs.barrier()
         order = {scene_id: i for i, (scene_id, _) in enumerate(prompts)}  # the same records order for any world size
         # records of scenes no longer in the folder are left out
@@ -256,7 +248,7 @@ def check_truncated(records, cfg, stage, log):
 
 # ---- the command line ----
 def parse_args(argv=None):
-    """DraftConfig's flags, each checked before any work."""
+    """DraftConfig's flags, each checked before any work (--device: run_draft's first step)."""
     ap = argparse.ArgumentParser(prog="python -m real.distill", description="Distil a routine reasoner for a real "
                                  "target (or an exported toy one) on the target's own CoCs over a folder of scenes.")
     ap.add_argument("--stage", choices=["all", "data"], default="all",
@@ -267,12 +259,12 @@ def parse_args(argv=None):
     with cli.user_errors(ap):
         cli.check_out(a.out, folder=True)
         top_p_given, a.top_p = a.top_p is not None, DraftConfig.top_p if a.top_p is None else a.top_p
-        check_values(a, [("in 0..2**30-1", ("seed",)), (">= 1", ("steps", "batch_size", "save_every", "samples",
-                                                                   "max_new", "min_pixels", "max_pixels", "layers")),
-                         ("a finite number > 0", ("lr", "grad_clip", "top_p")), ("in [0, 1]", ("top_p",)),
-                         ("a finite number >= 0", ("warmup", "weight_decay", "draft_vocab", "temperature", "views",
-                                                   "toy_scenes", "workers", "width", "heads", "kv_heads"))],
-                     flags=True)
+        cli.check_values(a, [("in 0..2**30-1", ("seed",)), ("a finite number > 0", ("lr", "grad_clip", "top_p")),
+                             (">= 1", ("steps", "batch_size", "save_every", "samples", "max_new", "min_pixels",
+                                       "max_pixels", "layers")), ("in [0, 1]", ("top_p",)),
+                             ("a finite number >= 0", ("warmup", "weight_decay", "draft_vocab", "temperature", "views",
+                                                       "toy_scenes", "workers", "width", "heads", "kv_heads"))],
+                         flags=True)
         if not os.path.isdir(a.target):
             raise FileNotFoundError(f"--target {a.target}: no such folder")
         files.check_out_dir(a.out, {"--target": a.target, "--scenes": a.scenes, "--processor": a.processor})
@@ -286,7 +278,6 @@ def parse_args(argv=None):
             raise ValueError("--top-p filters sampled CoCs: give a --temperature > 0 with it (0 = greedy)")
         if a.temperature == 0 and a.samples > 1:
             raise ValueError("--samples > 1 needs --temperature > 0 (greedy CoCs of a scene are all equal)")
-        cli.check_device(a.device)
     return cli.config_from_args(DraftConfig, a), a.stage, ap
 
 

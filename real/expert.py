@@ -1,10 +1,8 @@
 """Alpamayo-R1's flow-matching action expert: the trajectory step that follows the chain of causation.
 
-A decoder stack of its own width (the VLM's layer count, KV heads and head_dim; layer i attends to layer i of the VLM's
-KV cache of prompt + CoC + <|traj_future_start|>) runs over 64 action tokens, one per 0.1 s step, each the Fourier
-features of its normalised (acceleration, curvature) and of the flow time t through a small MLP; they see the whole
-cache and each other, at positions after <|traj_future_start|> on all three M-RoPE axes. `action_out_proj` reads the
-flow's velocity; 10 Euler steps carry noise (t = 0) to actions (t = 1), which the unicycle model integrates.
+A decoder stack of its own width, layer i attending to layer i of the VLM's KV cache of prompt + CoC +
+<|traj_future_start|>, runs over 64 action tokens (one per 0.1 s step: a normalised acceleration and curvature);
+10 Euler steps of its flow velocity carry noise (t = 0) to actions (t = 1), which the unicycle model integrates.
 
 Paper: RSD accelerates the unmodified Alpamayo-R1's reasoning step and leaves this one as it is (docs/background.md,
 "Alpamayo-R1's action expert"; facts from NVIDIA's public Alpamayo-R1 code).
@@ -23,12 +21,12 @@ from model import Block, KVCache, ModelConfig, RMSNorm, grouped_mask
 from rope import rope_cos_sin, rope_inv_freq
 
 # ---- config ----
-def config_field(raw, path, where):
-    """raw['a']['b'] for path 'a.b' of an Alpamayo config.json; a missing one is an error naming it."""
+def config_field(raw, path, where, what="Alpamayo config field"):
+    """raw['a']['b'] for path 'a.b' of a config.json; a missing one is an error naming it (what: the field's kind)."""
     node = raw
     for part in path.split("."):
         if not isinstance(node, dict) or part not in node:
-            raise ValueError(f"{where}: missing Alpamayo config field {path!r}")
+            raise ValueError(f"{where}: missing {what} {path!r}")
         node = node[part]
     return node
 
@@ -196,10 +194,8 @@ def unicycle(action, v0, cfg: ExpertConfig):
     v = torch.cat([v0[:, None], v0[:, None] + torch.cumsum(a * dt, -1)], -1)  # (B, N + 1)
     dtheta = kappa * (v[:, :-1] * dt + a * dt * dt / 2)  # (B, N)
     theta = torch.cat([torch.zeros_like(v0)[:, None], torch.cumsum(dtheta, -1)], -1)  # (B, N + 1)
-    vx, vy = v * theta.cos(), v * theta.sin()  # (B, N + 1)
-    x = torch.cumsum((vx[:, :-1] + vx[:, 1:]) * dt / 2, -1)  # (B, N)
-    y = torch.cumsum((vy[:, :-1] + vy[:, 1:]) * dt / 2, -1)
-    return torch.stack([x, y], -1)
+    vxy = torch.stack([v * theta.cos(), v * theta.sin()], -1)  # (B, N + 1, 2)
+    return torch.cumsum((vxy[:, :-1] + vxy[:, 1:]) * dt / 2, 1)  # (B, N, 2): the trapezoid rule
 
 
 def speed_from_history(xyz, dt=0.1):

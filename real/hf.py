@@ -15,7 +15,7 @@ import torch
 from model import PRESETS, QWEN_IDS, VLA, ModelConfig, VisionConfig
 from ops.checkpoint import WEIGHTS, check_keys, check_shape, empty_model, existing_kind, open_safetensors
 from ops.files import read_json
-from real.expert import ActionExpert, ExpertConfig, fourier_freqs
+from real.expert import ActionExpert, ExpertConfig, config_field, fourier_freqs
 
 CONFIG = "config.json"
 
@@ -133,7 +133,7 @@ def read_config(path):
         raise ValueError(f"{cfg_path}: unsupported architecture model_type={family!r} "
                          f"(architectures={raw.get('architectures')}); supported: qwen2_5_vl, qwen3_vl, Alpamayo-R1")
     text = raw.get("text_config") or raw  # transformers 5 nests it
-    _required(text, "hidden_size", cfg_path)
+    config_field(text, "hidden_size", cfg_path, "config field")
     rope = text.get("rope_parameters") or text.get("rope_scaling") or raw.get("rope_scaling") or {}
     for d, key in ((text, "rope_parameters"), (text, "rope_scaling"), (raw, "rope_parameters"), (raw, "rope_scaling")):
         r = d.get(key) if isinstance(d.get(key), dict) else {}
@@ -145,7 +145,7 @@ def read_config(path):
         raise ValueError(f"{cfg_path}: unsupported hidden_act {text['hidden_act']!r}")
     if family == "qwen3_vl" and text.get("attention_bias"):
         raise ValueError(f"{cfg_path}: unsupported attention_bias=True for qwen3_vl")
-    vraw = _required(raw, "vision_config", cfg_path)  # a default one would load as a mismatch of hundreds of keys
+    vraw = config_field(raw, "vision_config", cfg_path, "config field")  # a default: hundreds of mismatched keys
     q3, vision = family == "qwen3_vl", _vision(family, vraw, text, cfg_path)
     try:
         cfg = ModelConfig(
@@ -168,8 +168,8 @@ def read_config(path):
 
 def _vision(family, v, text, cfg_path):
     """Qwen3-VL's vision_config must hold every field read; Qwen2.5-VL's falls back to the released models' values."""
-    q3 = family == "qwen3_vl"
-    get = lambda k, default: _required(v, k, f"{cfg_path} (vision_config)") if q3 else v.get(k, default)  # noqa: E731
+    q3, where = family == "qwen3_vl", f"{cfg_path} (vision_config)"
+    get = lambda k, default: config_field(v, k, where, "config field") if q3 else v.get(k, default)  # noqa: E731
     for key, want in (("hidden_act", "gelu_pytorch_tanh" if q3 else "silu"), ("out_hidden_size", text["hidden_size"])):
         if get(key, want) != want:
             raise ValueError(f"{cfg_path}: unsupported vision {key} {v[key]!r} (expected {want!r})")
@@ -181,9 +181,3 @@ def _vision(family, v, text, cfg_path):
         depth=get("depth", 32), hidden=get("hidden_size", 3584), heads=get("num_heads", 16),
         intermediate=get("intermediate_size", 3420),
         rope_theta=(v.get("rope_parameters") or {}).get("rope_theta", 10000.0), **own)
-
-
-def _required(d, key, where):
-    if key not in d:
-        raise ValueError(f"{where}: missing config field {key!r}")
-    return d[key]

@@ -13,19 +13,18 @@ The scene folder, one folder per scene, named by its id (write_scene writes one,
                                 no poses: load_scenes(root, n_images=None, poses=False))
 
 The distillation data (distill_data writes it, read_distill_data reads it):
-    OUT/index.json          the settings (temperature, top_p, samples, max_new, stop_ids, seed, the target's
+    OUT/index.json          the settings (temperature, top_k, top_p, samples, max_new, stop_ids, seed, the target's
                             fingerprint) and each shard's records (scene, sample, n ids, complete); rewritten
                             atomically after each shard, so a killed run loses at most the shard it was writing
     OUT/shard_00000.bin     the shard's token ids, uint32 little-endian, its records' ids one after another
-Only token ids are stored: the CoC through stop_ids (<|cot_end|> <|traj_future_start|> for Alpamayo; <cot_end> for
-the toy, whose planner reads at a <traj_future_start> it is given). The teacher's distributions are recomputed online
-in training (one teacher-forced target forward per batch), cheaper than reading V = 152k floats per id from disk.
-One target decode per record; index.json sums the measured prefill_s and decode_s, so (prefill_s + decode_s) / records
-is the seconds per record on the user's machine (docs/own-target.md sizes disk and time).
+Only token ids are stored, the CoC through stop_ids (<|cot_end|> <|traj_future_start|> for Alpamayo; <cot_end> for
+the toy): the teacher's distributions are recomputed in training (one teacher-forced target forward per batch), cheaper
+than reading V = 152k floats per id from disk. index.json sums the decodes' measured prefill_s and decode_s: their sum
+/ records is the seconds per record on the user's machine (docs/own-target.md sizes disk and time).
 
 run: python -m pytest -q tests/test_scenes.py
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 import hashlib
 import json
 import math
@@ -123,18 +122,6 @@ def _check_image(p):
     if max(w, h) > MAX_ASPECT * min(w, h):
         return f"cameras/{os.path.basename(p)} is {w}x{h}: an aspect ratio over {MAX_ASPECT}, which Qwen-VL's " \
                "image processor refuses"
-    return None
-
-
-def _instruction(d, needed, problems):
-    """instruction.txt's text, or None; not UTF-8 is a problem where the prompt is made of it (needed). Read only if a
-    regular file (_check_scene names anything else)."""
-    path = pathlib.Path(d, INSTRUCTION)
-    try:
-        return path.read_bytes().decode("utf-8").strip() if path.is_file() else None
-    except (OSError, UnicodeDecodeError) as e:
-        problems += [f"{INSTRUCTION} unreadable as UTF-8 text ({e})"] if needed else []
-        return None
 
 
 def _check_scene(d, scene_id, n_images, poses):
@@ -150,23 +137,26 @@ def _check_scene(d, scene_id, n_images, poses):
             problems.append(f"cameras/ holds {len(paths)} PNG / JPEG images, expected {n_images or 'at least 1'}")
         problems += [f"cameras/{os.path.basename(p)} is not a regular file" for p in paths if not os.path.isfile(p)]
         problems += [bad for bad in map(_check_image, filter(os.path.isfile, paths)) if bad]  # a FIFO would hang
-    past = future = raw = None
+    past = future = text = None
     # every file of a scene, used by this prompt or not, opened only if regular: a FIFO would wait for a writer forever
-    odd = [n for n in (POSES, INSTRUCTION) if os.path.lexists(os.path.join(d, n)) and not os.path.isfile(
-        os.path.join(d, n))]
-    problems += [f"{n} is not a regular file" for n in odd]
-    if POSES not in odd and os.path.exists(os.path.join(d, POSES)):
+    pose_file, text_file = os.path.join(d, POSES), os.path.join(d, INSTRUCTION)
+    problems += [f"{os.path.basename(p)} is not a regular file" for p in (pose_file, text_file)
+                 if os.path.lexists(p) and not os.path.isfile(p)]
+    if os.path.isfile(pose_file):
         try:
-            raw = json.loads(pathlib.Path(d, POSES).read_text())
+            raw = json.loads(pathlib.Path(pose_file).read_text())
             past = _poses(raw, "past", N_PAST, problems)
             future = _poses(raw, "future", N_FUTURE, problems) if raw.get("future") is not None else None
         except (OSError, ValueError, KeyError, AttributeError) as e:  # unreadable, not JSON, no "past", not a dict
             problems.append(f"{POSES} unreadable ({type(e).__name__}: {e})")
         if past is not None:
             problems += _frame_and_units(past, future)
-    elif poses and POSES not in odd:
+    elif poses and not os.path.lexists(pose_file):
         problems.append(f"no {POSES}")
-    text = _instruction(d, not poses, problems)  # an Alpamayo prompt (poses) reads no instruction
+    try:  # not UTF-8 is a problem only where the prompt is made of it: an Alpamayo prompt (poses) reads no instruction
+        text = pathlib.Path(text_file).read_bytes().decode("utf-8").strip() if os.path.isfile(text_file) else None
+    except (OSError, UnicodeDecodeError) as e:
+        problems += [] if poses else [f"{INSTRUCTION} unreadable as UTF-8 text ({e})"]
     return (None if problems else Scene(scene_id, paths, past, future, text)), problems
 
 
@@ -178,31 +168,23 @@ def load_scenes(root, n_images=N_IMAGES, poses=True):
     ids = sorted(n for n in os.listdir(root) if not n.startswith(".") and os.path.isdir(os.path.join(root, n)))
     if not ids:
         raise ValueError(f"{root} holds no scene folders (SCENES/<scene_id>/cameras, poses.json)")
-    scenes, bad = [], []
-    for i in ids:
-        scene, problems = _check_scene(os.path.join(root, i), i, n_images, poses)
-        scenes.append(scene)
-        bad += [f"  {i}: {p}" for p in problems]
-    if bad:
-        raise ValueError(f"{root}: {sum(s is None for s in scenes)} of {len(ids)} scenes are bad:\n" + "\n".join(bad))
-    return scenes
-
-
-def check_scene_id(scene_id):
-    """A scene id is one path component that load_scenes lists: no separator, not '.', '..' or hidden."""
-    if not isinstance(scene_id, str) or not scene_id or scene_id.startswith(".") or "/" in scene_id \
-            or os.sep in scene_id or (os.altsep and os.altsep in scene_id):
-        raise ValueError(f"scene id {scene_id!r}: a scene id is one folder name (no '/', not empty, not starting "
-                         "with '.')")
+    checked = [_check_scene(os.path.join(root, i), i, n_images, poses) for i in ids]  # [(Scene or None, problems)]
+    if bad := [f"  {i}: {p}" for i, (_, problems) in zip(ids, checked) for p in problems]:
+        n_bad = sum(scene is None for scene, _ in checked)
+        raise ValueError(f"{root}: {n_bad} of {len(ids)} scenes are bad:\n" + "\n".join(bad))
+    return [scene for scene, _ in checked]
 
 
 def write_scene(root, scene_id, images, past, future=None, instruction=None, overwrite=False):
-    """Write one scene folder: images uint8 (N, 3, H, W) in the model's order, past (16, 3), future (64, 3) or None.
-    Each file is written atomically (a temporary file renamed over it). An existing scene is refused unless
-    overwrite; a rewrite then removes only the files of write_scene's own naming it no longer has (NN.png,
-    instruction.txt): a user's own images are never deleted."""
+    """Write one scene folder: images uint8 (N, 3, H, W) in the model's order, past (16, 3), future (64, 3) or None;
+    each file atomically (files.atomic_write). An existing scene is refused unless overwrite; a rewrite then removes
+    only the files of write_scene's naming it no longer has (NN.png, instruction.txt), never a user's own images."""
     from PIL import Image  # optional extra
-    check_scene_id(scene_id)
+    # a scene id is one path component that load_scenes lists: no separator, not '.', '..' or hidden
+    if not isinstance(scene_id, str) or not scene_id or scene_id.startswith(".") \
+            or os.path.basename(scene_id) != scene_id:
+        raise ValueError(f"scene id {scene_id!r}: a scene id is one folder name (no '/', not empty, not starting "
+                         "with '.')")
     d, cams = os.path.join(root, scene_id), os.path.join(root, scene_id, "cameras")
     if os.path.lexists(d) and not overwrite:
         raise FileExistsError(f"{d}: scene {scene_id} exists: refusing to replace it (overwrite=True replaces the "
@@ -225,12 +207,11 @@ def write_scene(root, scene_id, images, past, future=None, instruction=None, ove
     return d
 
 
-def scene_prompts(folder, root, processor=None, **pixels):
-    """(scenes, [(scene_id, a function building its prompt)], stop_ids, how) for the target `folder`'s scenes in root,
-    each prompt built through the folder's tokenizer and image processor (or `processor`'s) only when asked, so that
-    a resumed run builds none for the scenes it has. Alpamayo-R1 (traj_token_ids in its config): alpamayo.build_prompt
-    on 16 images and the past poses, the reasoning ending <|cot_end|> <|traj_future_start|>; a plain Qwen-VL folder:
-    alpamayo.qwen_prompt on any images and instruction.txt, ending <|im_end|>. pixels: min_pixels, max_pixels."""
+def scene_prompts(folder, root, processor=None, **pixels):  # pixels: min_pixels, max_pixels
+    """(scenes, [(scene_id, a function building its prompt)], stop_ids (alpamayo.reasoning_stop_ids), how) for the
+    target `folder`'s scenes in root, each prompt built when asked (a resumed run builds none it has) by the folder's
+    (or `processor`'s) tokenizer and image processor: alpamayo.build_prompt on 16 images and the past poses for
+    Alpamayo-R1 (traj_token_ids in its config), else alpamayo.qwen_prompt on any images and instruction.txt."""
     from real import alpamayo  # needs transformers (optional extra)
     where, src = os.path.join(folder, "config.json"), processor or folder
     if not alpamayo.has_tokenizer(src):
@@ -250,8 +231,7 @@ def scene_prompts(folder, root, processor=None, **pixels):
 
 
 def built(scene_id, prompt):
-    """prompt, or prompt() for a function building it (scene_prompts'), its error naming the scene: the processor's
-    and tokenizer's words name none."""
+    """prompt, or prompt() for a builder (scene_prompts'), its error naming the scene (the processor's names none)."""
     try:
         return prompt() if callable(prompt) else prompt
     except (ValueError, OSError) as e:
@@ -264,26 +244,27 @@ def sample_seed(seed, scene_id, k):
     return int(hashlib.sha256(f"{seed}/{scene_id}/{k}".encode()).hexdigest()[:15], 16)  # < 2**60
 
 
-def distill_data(target, prompts, out, stop_ids, max_new, temperature=0.0, top_p=None, samples=1, seed=0,
+def distill_data(target, prompts, out, stop_ids, max_new, sampling=speculate.GREEDY, samples=1, seed=0,
                  shard_scenes=SHARD_SCENES, log=None):
     """The target's own CoCs -> OUT (module docstring), resumably: scenes already in OUT are skipped; a rerun with
     another setting is refused, naming it. prompts: (scene_id, prompt) pairs, a prompt being speculate's batch-1 dict
     or a function returning it (scene_prompts; driving.build_prompt for the toy); stop_ids: the ids that end the
     reasoning, in order: decoding stops at the last one and keeps them all; a record is complete when its CoC ends
-    with them. Greedy (temperature 0), or `samples` draws per scene at temperature / top_p (Alpamayo-R1's release:
-    0.6 / 0.98), each seeded by sample_seed. Decoding: speculate.autoregressive_batch, a scene's samples as one
-    batch sharing its prefill (each sample's draws its own generator's: the records are the batch-1 ones). Returns
-    the index."""
-    cli.sampling(temperature, None, top_p, seed)  # the settings checked before any work
+    with them. sampling: GREEDY, or `samples` draws per scene (Alpamayo-R1's release: temperature 0.6, top-p 0.98),
+    sample k seeded sample_seed(seed, scene, k), not sampling.seed, as one batch sharing the scene's prefill
+    (speculate.autoregressive_batch; each row its own generator's draws: the batch-1 records). Returns the index."""
+    cli.sampling(sampling.temperature, sampling.top_k, sampling.top_p, seed)  # the settings checked before any work
     stop_ids = [int(t) for t in stop_ids]
     for bad, why in [(not isinstance(max_new, int) or max_new < 1, f"max_new must be an int >= 1, got {max_new!r}"),
-                     (not isinstance(samples, int) or samples < 1 or (temperature == 0 and samples > 1),
+                     (not isinstance(samples, int) or samples < 1 or (sampling.greedy and samples > 1),
                       f"samples must be an int >= 1, and 1 when greedy (greedy samples are equal), got {samples!r}"),
+                     (sampling.relaxed is not None, "a relaxed rule verifies drafts: the target decodes alone here"),
                      (not stop_ids, "stop_ids is empty: give the ids that end the reasoning")]:
         if bad:
             raise ValueError(why)
-    settings = {"temperature": float(temperature), "top_p": top_p, "samples": samples, "max_new": max_new,
-                "stop_ids": stop_ids, "seed": seed, "target": checkpoint.fingerprint(target)}
+    settings = {"temperature": float(sampling.temperature), "top_k": sampling.top_k, "top_p": sampling.top_p,
+                "samples": samples, "max_new": max_new, "stop_ids": stop_ids, "seed": seed,
+                "target": checkpoint.fingerprint(target)}
     path = os.path.join(out, INDEX)
     with files.writer_lock(out):
         index = {"settings": settings, "shards": [], "prefill_s": 0.0, "decode_s": 0.0}
@@ -312,9 +293,8 @@ def distill_data(target, prompts, out, stop_ids, max_new, temperature=0.0, top_p
                 done.add(scene_id)
                 cli.progress(f"{out}: decoding scene {scene_id} ({n_scenes} decoded this run)", 30)
                 prompt = hf.on_model(built(scene_id, prompt), target)  # pixels in the target's dtype
-                rows = speculate.autoregressive_batch(target, prompt, max_new, samples, speculate.Sampling(
-                    temperature, None, top_p, [sample_seed(seed, scene_id, k) for k in range(samples)]),
-                    stop_ids[-1], timing=True)
+                rows = speculate.autoregressive_batch(target, prompt, max_new, samples, replace(
+                    sampling, seed=[sample_seed(seed, scene_id, k) for k in range(samples)]), stop_ids[-1], timing=True)
                 index["prefill_s"] += rows[0].prefill_s  # one prefill for the scene's samples
                 index["decode_s"] += max(r.decode_s for r in rows)  # until its last sample is done
                 for k, res in enumerate(rows):

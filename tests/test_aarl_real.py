@@ -53,7 +53,7 @@ def test_reward_is_minus_ade_of_the_experts_plan(setup):
     target, sft, _, clips, prompts = setup
     draft, scene, prompt = checkpoint.load(sft, target=target), clips[0], prompts[0][1]()
     embeds, deepstack = speculate.embed_prompt(target, prompt)  # (1, L, D)
-    toks, mask = aarl_real.rollout(draft, embeds, prompt, 3, 1.0, 5, IDS[1], torch.Generator().manual_seed(0))
+    toks, mask = aarl_real.rollout(draft, embeds, prompt, 3, speculate.Sampling(1.0, seed=0), 5, IDS[1])
     cocs = [t[m].tolist() for t, m in zip(toks, mask)]
     v0 = torch.tensor([8.0])  # alpamayo.plan's speed; s0's own past gives the same
     assert torch.allclose(aarl_real.speed_from_history(scene.past[None]), v0)

@@ -244,7 +244,7 @@ def test_a_full_disk_at_the_data_stage_names_the_file(target, full_disk, tmp_pat
 
 def test_a_changed_setting_is_refused_by_name(target, tmp_path):
     scenes.distill_data(target, prompts(1), tmp_path, STOP, MAX_NEW)
-    for field, kw in [("temperature", dict(temperature=0.6)), ("max_new", dict(max_new=8)),
+    for field, kw in [("temperature", dict(sampling=speculate.Sampling(0.6))), ("max_new", dict(max_new=8)),
                       ("stop_ids", dict(stop_ids=[48]))]:
         args = dict(dict(target=target, prompts=prompts(2), out=tmp_path, stop_ids=STOP, max_new=MAX_NEW), **kw)
         with pytest.raises(ValueError, match=rf"written with {field} = .*, this run asks"):
@@ -257,7 +257,7 @@ def test_a_changed_setting_is_refused_by_name(target, tmp_path):
 
 
 def test_sampled_records_are_reproducible_from_the_seed_in_any_order(target, tmp_path):
-    kw = dict(stop_ids=STOP, max_new=MAX_NEW, temperature=0.6, top_p=0.98, samples=3)
+    kw = dict(stop_ids=STOP, max_new=MAX_NEW, sampling=speculate.Sampling(0.6, top_p=0.98), samples=3)
     scenes.distill_data(target, prompts(), tmp_path / "a", seed=5, **kw)
     scenes.distill_data(target, prompts()[::-1], tmp_path / "b", seed=5, **kw)
     scenes.distill_data(target, prompts(), tmp_path / "c", seed=6, **kw)
