@@ -198,9 +198,12 @@ def toy(args, device, dtype, sampling):
     def split(name, n):  # the toy's scenes of a split as prompts
         return evaluate.scene_prompts(driving.make_split(name, n, seed=0), tok, device, dtype, args.views)
 
-    if args.stream:
-        return stream_mode(args, target, draft, tok, device, dtype, sampling) | {"draft": draft_dir,
-                                                                              "target": target_dir}
+    if args.stream:  # held-out toy clips of --stream frames
+        rate = driving.event_rate(args.stream_interval)
+        clips = [evaluate.scene_prompts(c, tok, device, dtype, args.views)
+                 for c in driving.make_clips("test", args.prompts, args.stream, args.stream_interval, rate)]
+        return stream_mode(args, target, draft, clips, args.stream_interval, rate, tok.cot_end_id) | {
+            "draft": draft_dir, "target": target_dir}
     prompts = split("test", args.prompts)
     if args.batch > 1 or args.samples > 1:  # plans of several rows, decoded as one batch
         decoder, chosen = args.decoder, None
@@ -225,19 +228,17 @@ def toy(args, device, dtype, sampling):
     return res
 
 
-def stream_mode(args, target, draft, tok, device, dtype, sampling):
-    """Plans in a stream on the toy: --prompts held-out clips of --stream frames, the four arms of ops.timing.stream_arms
-    (the tree of --tree, or the chain of --gamma as the tree of width 1)."""
-    rate, g = driving.event_rate(args.stream_interval), args.gamma
+def stream_mode(args, target, draft, clips, interval, rate, stop):
+    """Plans in a stream: clips (each its frames' prompts in order), the four arms of ops.timing.stream_arms (the
+    tree of --tree, or the chain of --gamma as the tree of width 1); rate: the toy's events a frame (None: real)."""
+    g = args.gamma
     shape = TreeShape(args.tree, args.tree_depth, args.tree_width) if args.tree else TreeShape(g, g, 1)
-    clips = [evaluate.scene_prompts(c, tok, device, dtype, args.views)
-             for c in driving.make_clips("test", args.prompts, args.stream, args.stream_interval, rate)]
-    cli.progress(f"timing 4 arms: {args.repeats} passes over {args.prompts} clips of {args.stream} frames")
-    arms, _ = timing.stream_arms(target, draft, clips, shape, args.max_new, tok.cot_end_id, args.repeats)
-    return {"mode": "stream", "decoding": cli.sampling_json(sampling), "decoder": timing.decoder_json(args.decoder),
+    cli.progress(f"timing 4 arms: {args.repeats} passes over {len(clips)} clip(s) of {args.stream} frames")
+    arms, _ = timing.stream_arms(target, draft, clips, shape, args.max_new, stop, args.repeats)
+    return {"mode": "stream", "decoding": cli.sampling_json(GREEDY), "decoder": timing.decoder_json(args.decoder),
             "greedy_match": not any(a["frames_differing"] for a in arms.values()),
-            "stream": {"clips": args.prompts, "frames": args.stream, "interval_s": args.stream_interval,
-                       "event_rate": rate, "M": stream.M, "alpha": stream.ALPHA, "arms": arms}}
+            "stream": {"clips": len(clips), "frames": args.stream, "interval_s": interval, "event_rate": rate,
+                       "M": stream.M, "alpha": stream.ALPHA, "arms": arms}}
 
 
 def build_preset(name, device, dtype, layers=None, draft_vocab=0):
@@ -261,6 +262,13 @@ def real(args, device, dtype, sampling):
     if args.scenes:  # tau, alpha, identity, stage latencies and ADE over a scene folder (alpamayo.heldout)
         found, prompts, stop, how = scenes.scene_prompts(args.target, args.scenes, args.processor,
                                                          min_pixels=args.min_pixels, max_pixels=args.max_pixels)
+        if args.stream:  # the first --stream scenes as one clip's frames, checked before the weights load
+            interval = scenes.clip_interval(found, args.stream)
+            target, draft = alpamayo.load_pair(args.target, args.draft, device, dtype)
+            clip = [hf.on_model(scenes.built(i, p), target) for i, p in prompts[:args.stream]]
+            return stream_mode(args, target, draft, [clip], interval, None, stop[-1]) | {
+                "model": args.target, "scenes_dir": args.scenes, "prompt_source": how,
+                "trained_draft": bool(args.draft)}
         if args.samples == 1:
             return alpamayo.heldout_bench(args.target, args.draft, args.scenes, found, prompts, stop[-1], how,
                                           args.decoder, args.max_new, args.repeats, device, dtype, args.processor,
@@ -318,8 +326,10 @@ def report(res):
         return print("\n".join([run_line(res)] + alpamayo.heldout_lines(res)))
     if res["mode"] == "stream":
         st = res["stream"]
-        return print("\n".join([run_line(res), f"stream         {st['clips']} held-out clips of {st['frames']} frames, "
-                                 f"replanned every {st['interval_s']} s, event rate {st['event_rate']:.3f} a frame"] +
+        return print("\n".join([run_line(res), f"stream         {st['clips']} clip(s) of {st['frames']} frames, "
+                                 f"replanned every {st['interval_s']:g} s" + ("" if st["event_rate"] is None else
+                                                                              f", event rate {st['event_rate']:.3f} "
+                                                                              "a frame")] +
                                 [f"{arm:<15}tau {a['tau']:.2f}   {a['ms_per_token']:.3f} ms/token   speed-up "
                                  f"{a['speedup']:.2f}x [{a['speedup_range'][0]:.2f}-{a['speedup_range'][1]:.2f}]"
                                  for arm, a in st["arms"].items()] +
@@ -432,9 +442,10 @@ def main(argv=None):
             (toy_, "--prompts", 32, "held-out test scenes benchmarked"),
             (toy_, "--views", driving.WorldConfig().views, "surround views per prompt"),
             (toy_, "--batch", 1, "prompts per batch (with --samples: batch x samples rows per plan)"),
-            (toy_, "--stream", 0, "plans in a stream (beyond/stream.py): --prompts held-out clips of this many frames, "
-                                  "each frame drafted from the plan before; target-only, the tree (or chain) alone, "
-                                  "the stream alone and both timed interleaved (0: off)"),
+            (every, "--stream", 0, "plans in a stream (beyond/stream.py): --prompts held-out toy clips of this many "
+                                   "frames, or --target's first this many --scenes (name order) as one clip, each "
+                                   "frame drafted from the plan before; target-only, the tree (or chain) alone, the "
+                                   "stream alone and both timed interleaved (0: off)"),
             (preset, "--layers", None, "keep only this many decoder layers"),
             (preset, "--draft-vocab", 0, "the draft's head covers only the first K token ids (0: all)"),
             (preset, "--images", 16, "images in the real-shape / generated prompt (also --target without images)"),
@@ -512,8 +523,10 @@ def check_flags(ap, args):
                       f"geometries the toy target was trained on), got {args.views}"),
                      (args.stream < 0 or args.stream == 1, f"--stream takes the frames of a clip, >= 2 (0: off), got "
                       f"{args.stream}"),
-                     (args.stream and not toy_mode, "--stream runs the toy's clips (a real checkpoint's scene folders "
-                      "as one clip are not supported yet)"),
+                     (args.stream and not (toy_mode or args.scenes), "--stream runs clips: the toy's, or --target's "
+                      "--scenes (its scene folders in name order, each with its time_s)"),
+                     (args.stream_interval != ap.get_default("stream_interval") and not toy_mode, "--stream-interval "
+                      "is the toy's (a real clip replans at its frames' time_s)"),
                      (args.stream and (plan or args.compile or args.temperature > 0 or args.relaxed),
                       "--stream times eager greedy decodes of one row per frame: it takes no --batch, --samples, "
                       "--compile, --temperature or --relaxed"),

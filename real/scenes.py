@@ -62,6 +62,7 @@ class Scene:
     past: torch.Tensor | None  # (16, 3) x / y / z in metres, float32
     future: torch.Tensor | None  # (64, 3), or None
     instruction: str | None  # instruction.txt, or None
+    time_s: float | None = None  # poses.json "time_s": the frame's time in seconds, for a clip's frames (stream)
 
     def images(self):
         """[(3, H, W) uint8] in the model's order, read now: a folder of scenes never sits in memory."""
@@ -137,7 +138,7 @@ def _check_scene(d, scene_id, n_images, poses):
             problems.append(f"cameras/ holds {len(paths)} PNG / JPEG images, expected {n_images or 'at least 1'}")
         problems += [f"cameras/{os.path.basename(p)} is not a regular file" for p in paths if not os.path.isfile(p)]
         problems += [bad for bad in map(_check_image, filter(os.path.isfile, paths)) if bad]  # a FIFO would hang
-    past = future = text = None
+    past = future = text = time_s = None
     # every file of a scene, used by this prompt or not, opened only if regular: a FIFO would wait for a writer forever
     pose_file, text_file = os.path.join(d, POSES), os.path.join(d, INSTRUCTION)
     problems += [f"{os.path.basename(p)} is not a regular file" for p in (pose_file, text_file)
@@ -147,6 +148,10 @@ def _check_scene(d, scene_id, n_images, poses):
             raw = json.loads(pathlib.Path(pose_file).read_text())
             past = _poses(raw, "past", N_PAST, problems)
             future = _poses(raw, "future", N_FUTURE, problems) if raw.get("future") is not None else None
+            time_s = raw.get("time_s")
+            if time_s is not None and (isinstance(time_s, bool) or not isinstance(time_s, (int, float))
+                                       or not math.isfinite(time_s)):
+                problems.append(f"{POSES} 'time_s' must be a finite number of seconds, got {time_s!r}")
         except (OSError, ValueError, KeyError, AttributeError) as e:  # unreadable, not JSON, no "past", not a dict
             problems.append(f"{POSES} unreadable ({type(e).__name__}: {e})")
         if past is not None:
@@ -157,7 +162,7 @@ def _check_scene(d, scene_id, n_images, poses):
         text = pathlib.Path(text_file).read_bytes().decode("utf-8").strip() if os.path.isfile(text_file) else None
     except (OSError, UnicodeDecodeError) as e:
         problems += [] if poses else [f"{INSTRUCTION} unreadable as UTF-8 text ({e})"]
-    return (None if problems else Scene(scene_id, paths, past, future, text)), problems
+    return (None if problems else Scene(scene_id, paths, past, future, text, time_s)), problems
 
 
 def load_scenes(root, n_images=N_IMAGES, poses=True):
@@ -175,8 +180,9 @@ def load_scenes(root, n_images=N_IMAGES, poses=True):
     return [scene for scene, _ in checked]
 
 
-def write_scene(root, scene_id, images, past, future=None, instruction=None, overwrite=False):
-    """Write one scene folder: images uint8 (N, 3, H, W) in the model's order, past (16, 3), future (64, 3) or None;
+def write_scene(root, scene_id, images, past, future=None, instruction=None, overwrite=False, time_s=None):
+    """Write one scene folder: images uint8 (N, 3, H, W) in the model's order, past (16, 3), future (64, 3) or None
+    (time_s: a clip frame's time in seconds, or None);
     each file atomically (files.atomic_write). An existing scene is refused unless overwrite; a rewrite then removes
     only the files of write_scene's naming it no longer has (NN.png, instruction.txt), never a user's own images."""
     from PIL import Image  # optional extra
@@ -198,6 +204,7 @@ def write_scene(root, scene_id, images, past, future=None, instruction=None, ove
         if OWN_IMAGE.fullmatch(n):
             os.remove(os.path.join(cams, n))
     raw = {k: torch.as_tensor(v).tolist() for k, v in (("past", past), ("future", future)) if v is not None}
+    raw |= {} if time_s is None else {"time_s": float(time_s)}
     files.write_json(os.path.join(d, POSES), raw)
     path = os.path.join(d, INSTRUCTION)
     if instruction is not None:
@@ -205,6 +212,27 @@ def write_scene(root, scene_id, images, past, future=None, instruction=None, ove
     elif os.path.exists(path):
         os.remove(path)
     return d
+
+
+def clip_interval(found, frames):
+    """The first `frames` scenes of a folder (name order) as one clip's consecutive frames (plans in a stream,
+    beyond/stream.py) -> the replanning interval in seconds. A ValueError names the first thing that makes them no
+    clip: fewer scenes, a frame without its time_s, frames out of order, a gap (a frame missing between two)."""
+    if frames > len(found):
+        raise ValueError(f"--stream {frames}: the scene folder holds {len(found)} scenes")
+    clip = found[:frames]
+    if untimed := [s.scene_id for s in clip if s.time_s is None]:
+        raise ValueError(f"scene {untimed[0]}: {POSES} has no 'time_s': a clip's frames need their times (seconds)")
+    dt = clip[1].time_s - clip[0].time_s
+    for a, b in zip(clip, clip[1:]):
+        gap = b.time_s - a.time_s
+        if gap <= 0:
+            raise ValueError(f"scene {b.scene_id} (time_s {b.time_s:g}) follows {a.scene_id} ({a.time_s:g}) in name "
+                             "order but not in time: a clip's frames are its scene folders in name order")
+        if abs(gap - dt) > 1e-3:
+            raise ValueError(f"scene {b.scene_id} is {gap:g} s after {a.scene_id}, the clip replans every {dt:g} s: "
+                             "a gap (a frame missing) between them")
+    return dt
 
 
 def scene_prompts(folder, root, processor=None, **pixels):  # pixels: min_pixels, max_pixels

@@ -29,13 +29,14 @@ MAX_NEW, GAMMA, REPEATS = 8, 3, 3
 PIXELS = dict(min_pixels=64, max_pixels=256)
 
 
-def write_scenes(root, n=3):
+def write_scenes(root, n=3, times=None):
+    """n scenes clip0.. (times: one time_s per scene, None for none: then n = len(times))."""
     g = torch.Generator().manual_seed(0)
     t = torch.arange(1, 65) * 0.1  # (64,) s ahead
-    for i in range(n):
+    for i, time_s in enumerate(times or [None] * n):
         images = torch.randint(0, 256, (16, 3, 24, 40), dtype=torch.uint8, generator=g)
         future = torch.stack([(6 + i) * t, 0.1 * i * t ** 2, torch.zeros_like(t)], -1)  # (64, 3)
-        scenes.write_scene(root, f"clip{i}", images, alpamayo.history_poses(speed=6 + i), future)
+        scenes.write_scene(root, f"clip{i}", images, alpamayo.history_poses(speed=6 + i), future, time_s=time_s)
     return root
 
 
@@ -159,6 +160,43 @@ def test_a_plain_qwen_vl_folder_stops_at_im_end(folder, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         bench.main(["--target", str(d), "--scenes", str(tmp_path / "s"), "--relaxed", "typical:0.5"])
     assert e.value.code == 2 and "is a plain Qwen-VL with no action expert" in capsys.readouterr().err
+
+
+def test_bench_scenes_as_one_clip(setup, tmp_path, capsys):
+    """--target --scenes --stream 3: the scene folders in name order as one clip, every frame's plan target-only's in
+    each of the four arms; a folder that is no clip (a frame without its time, out of order, a gap, too few) is one
+    line before the weights load."""
+    d, _, ddir, _, _ = setup
+    common = ["--target", str(d), "--draft", str(ddir), "--device", "cpu", "--dtype", "fp32", "--max-new",
+              str(MAX_NEW), "--tree", "4", "--tree-depth", "2", "--tree-width", "2", "--repeats", str(REPEATS),
+              "--min-pixels", "64", "--max-pixels", "256"]
+    root = write_scenes(tmp_path / "clip", times=(0.0, 0.5, 1.0))
+    res = bench.main(common + ["--scenes", str(root), "--stream", "3", "--json"])
+    st = res["stream"]
+    assert res["mode"] == "stream" and res["greedy_match"] and st["frames"] == 3 and st["clips"] == 1
+    assert st["interval_s"] == 0.5 and st["event_rate"] is None and res["decoder"]["kind"] == "tree"
+    assert list(st["arms"]) == ["target-only", "tree", "stream", "tree+stream"]
+    assert all(a["frames_differing"] == 0 and a["tau"] >= 1 for a in st["arms"].values())
+    assert "1 clip(s) of 3 frames, replanned every 0.5 s" in capsys.readouterr().err
+    for times, msg in (((0.0, 0.5, 1.5), "scene clip2 is 1 s after clip1, the clip replans every 0.5 s"),
+                       ((0.0, 1.0, 0.5), "scene clip2 (time_s 0.5) follows clip1 (1) in name order but not in time"),
+                       ((0.0, None, 1.0), "scene clip1: poses.json has no 'time_s'"),
+                       ((0.0, 0.5), "--stream 3: the scene folder holds 2 scenes")):
+        with pytest.raises(SystemExit) as e:
+            bench.main(common + ["--scenes", str(write_scenes(tmp_path / str(times), times=times)), "--stream", "3"])
+        assert e.value.code == 2 and msg in capsys.readouterr().err
+    for argv, msg in ((["--stream", "3"], "--stream runs clips: the toy's, or --target's --scenes"),
+                      (["--scenes", str(root), "--stream", "3", "--stream-interval", "0.1"],
+                       "--stream-interval is the toy's"),
+                      (["--scenes", str(root), "--stream", "1"], "--stream takes the frames of a clip, >= 2")):
+        with pytest.raises(SystemExit) as e:
+            bench.main(common + argv)
+        assert e.value.code == 2 and msg in capsys.readouterr().err
+    bad = write_scenes(tmp_path / "nan", n=1)
+    raw = json.loads((bad / "clip0" / "poses.json").read_text())
+    (bad / "clip0" / "poses.json").write_text(json.dumps(raw | {"time_s": "soon"}))
+    with pytest.raises(ValueError, match="poses.json 'time_s' must be a finite number of seconds, got 'soon'"):
+        scenes.load_scenes(bad)
 
 
 def test_errors_are_one_line(setup, tmp_path, capsys):

@@ -209,7 +209,7 @@ def test_train_bad_flags_fail_at_parse_time(argv, msg, capsys):
     (["--stream", "-2"], "--stream takes the frames of a clip, >= 2"),
     (["--stream", "4", "--temperature", "0.6"], "--stream times eager greedy decodes of one row per frame"),
     (["--stream", "4", "--batch", "2", "--prompts", "4"], "--stream times eager greedy decodes"),
-    (["--stream", "4", "--preset", "qwen2.5-vl-7b"], "--stream runs the toy's clips"),
+    (["--stream", "4", "--preset", "qwen2.5-vl-7b"], "--stream runs clips: the toy's, or --target's --scenes"),
     (["--stream", "4", "--stream-interval", "0"], "--stream-interval must be > 0 s, got 0.0"),
     (["--stream", "4", "--stream-interval", "nan"], "--stream-interval must be > 0 s, got nan"),
     (["--stream-interval", "0.1"], "--stream-interval goes with --stream"),
