@@ -300,8 +300,7 @@ def spec_stats(target, drafts, prompts, gamma, max_new=MAX_NEW_TOKENS, stop_toke
     """{arm: stats} of every prompt (batch 1) decoded with each draft of `drafts` (name -> draft) and, when
     check_greedy, by the target alone (arm TARGET_ONLY, first). Greedy unless `sampling` samples (prompt i's seeds:
     sampling.offset(i)); then check_greedy is off: lossless verification keeps the sampled distribution, not the
-    tokens. alpha is
-    Leviathan's; tau_ceiling is the tau of a draft the verifier never rejects, on these outputs."""
+    tokens. alpha is Leviathan's; tau_ceiling is the tau of a draft the verifier never rejects, on these outputs."""
     check_greedy = check_greedy and sampling.greedy
     arms = {TARGET_ONLY: None, **drafts} if check_greedy else dict(drafts)
     out = {}
@@ -349,10 +348,8 @@ def draft_matches(drafts, target, data: Data, outputs, batch_size=EVAL_BATCH):
     for i, batch in enumerate(data.batches(batch_size, device)):
         seqs = outputs[i * batch_size:(i + 1) * batch_size]
         P, T = int(batch["prompt_len"][0]), max(map(len, seqs))
-        ids = torch.full((len(seqs), P + T), data.tok.pad_id, dtype=torch.long, device=device)  # (B, P + T)
-        ids[:, :P] = batch["input_ids"][:, :P]
-        for b, s in enumerate(seqs):
-            ids[b, P:P + len(s)] = torch.tensor(s)
+        outs = torch.tensor([s + [data.tok.pad_id] * (T - len(s)) for s in seqs], dtype=torch.long, device=device)
+        ids = torch.cat([batch["input_ids"][:, :P], outs], 1)  # (B, P + T): each output after its prompt, right-padded
         embeds = target.embed(ids, **vision_kwargs(batch))  # (B, P + T, D)
         for name, draft in drafts.items():
             pred = draft(ids, inputs_embeds=embeds, **grid_kwargs(batch)).argmax(-1)  # (B, P + T)

@@ -252,8 +252,7 @@ class KVCache:
     hold its prompt and committed tokens) and `rope_delta[b]`, set at the prefill: slot c is position c + rope_delta.
     Only its methods change the lengths: `commit` (a step's tokens), `crop` (a rejected draft), `take_rows`; a tree
     round `move`s its accepted path to consecutive slots; what lies beyond a row's length is never read before a step
-    writes it. key_mask (B, max_len): the real keys, after a
-    prefill with padding only."""
+    writes it. key_mask (B, max_len): the real keys, after a prefill with padding only."""
 
     def __init__(self, n_layers, batch, n_kv_heads, max_len, head_dim, dtype=torch.float32, device=None):
         self.k = [torch.zeros(batch, n_kv_heads, max_len, head_dim, dtype=dtype, device=device)
@@ -274,10 +273,6 @@ class KVCache:
         if any(n != self.lengths[0] for n in self.lengths):
             raise ValueError(f"the cache's rows have different lengths {self.lengths}: read cache.lengths")
         return self.lengths[0]
-
-    @length.setter
-    def length(self, n):
-        self.lengths = [n] * len(self.lengths)
 
     def check_room(self, T):
         if max(self.lengths) + T > self.max_len:
@@ -539,19 +534,16 @@ class VLA(nn.Module):
                     x, pos, valid = self.drop_keys(x, pos, valid, cache)
                     T = x.shape[1]
             if cache is not None:  # the prefill: the one cached step over the prompt, at slots [0, T)
-                if T > cache.max_len:
-                    raise ValueError(f"KV cache overflow: a prefill of {T} tokens > max_len {cache.max_len}")
+                input_pos = cache.slots(T)  # (B, T), checked to fit
                 cache.key_mask = None if valid is None else F.pad(valid, (0, cache.max_len - T), value=True)
-                input_pos = torch.arange(T, device=x.device).expand(x.shape[0], T)  # (B, T)
                 logits, h = self.step(None, input_pos, cache, causal_mask(input_pos, cache, T), pos, True, x,
                                       deepstack, logits_to_keep)
-                cache.length = T
+                cache.commit(T)  # the cache was empty: its rows now hold the prompt
                 return (logits, h) if return_hidden else logits
+            mask = None  # causal
             if valid is not None:  # training under padding: causal over the real keys, the diagonal kept finite
                 causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()  # (T, T)
                 mask = ((causal & valid[:, None, :]) | torch.eye(T, dtype=torch.bool, device=x.device))[:, None]
-            else:
-                mask = None  # causal
             cos, sin = mrope_cos_sin(pos, self.inv_freq, self.cfg.mrope_section, self.cfg.mrope_interleaved)
             h = self.decoder(x, cos, sin, None, mask, None, deepstack)
             logits = self.head(h[:, -logits_to_keep:] if logits_to_keep else h)
@@ -579,15 +571,13 @@ class VLA(nn.Module):
 
     def step(self, input_ids, input_pos, cache, mask, positions=None, return_hidden=False, embeds=None,
              deepstack=None, logits_to_keep=0):
-        """The one cached step (the prefill, decode, chain draft and verify, tree levels and verify; compiled by
-        CompiledSteps): input_ids (B, T) (or their embeds (B, T, D), a prompt's image features in place) -> logits
-        (B, T, V) (the last logits_to_keep alone, if > 0). Their keys / values go to cache slots input_pos (B, T), at
-        positions (default the slots): 3D (3, B, T), a prompt's (t, h, w) M-RoPE ids as they are; 1D (B, T), text
-        after the prompt, + rope_delta on all three axes. DeepStack (Qwen3-VL prompts): layer i adds the tower's
-        level-i features at their slots. Token t of row b sees slot s < S where mask[b, t, s], mask (B, T, S <=
-        max_len) (causal_mask, or a tree's): an eager step reads only the slots it needs, a compiled one the whole
-        buffer. The committed lengths are neither read (a compiled step never recompiles as they grow) nor
-        advanced."""
+        """The one cached step (every cached forward, the prefill included; compiled by CompiledSteps): input_ids
+        (B, T) (or their embeds (B, T, D), a prompt's image features in place) -> logits (B, T, V) (the last
+        logits_to_keep alone, if > 0). Their keys / values go to cache slots input_pos (B, T), at positions (default
+        the slots): 3D (3, B, T), a prompt's (t, h, w) M-RoPE ids as they are; 1D (B, T), text after the prompt, +
+        rope_delta on all three axes. DeepStack: as in forward. Token t of row b sees slot s < S where mask[b, t, s],
+        mask (B, T, S <= max_len) (causal_mask, or a tree's): an eager step reads only the slots it needs, a compiled
+        one the whole buffer. The committed lengths are neither read (no recompiles as they grow) nor advanced."""
         pos = input_pos if positions is None else positions
         c = self.cfg
         cos, sin = mrope_cos_sin(pos, self.inv_freq, c.mrope_section, c.mrope_interleaved) if pos.dim() == 3 else \

@@ -112,8 +112,7 @@ class Sampling:
         return self if not isinstance(self.seed, int) else replace(self, seed=self.seed + i)
 
     def generators(self, device, rows=1):
-        """One generator per row, row r seeded seed + r (or seed[r]): a row draws the same numbers whatever batch it
-        runs in, so a plan is reproducible row by row (a torch.Generator: that one, for all rows)."""
+        """One generator per row, seeded as the class says: a row draws the same numbers whatever batch it runs in."""
         if isinstance(self.seed, torch.Generator):
             return self.seed
         if isinstance(self.seed, tuple):
@@ -161,8 +160,8 @@ def verify_greedy(draft_tokens, target_logits, also=None):
     the argmaxes t_0..t_{n-1}, next is t_n (correction or bonus). Tensors: the loop syncs once per round. also (...,
     gamma): drafts a relaxed rule accepts besides (Sampling.also_accepts)."""
     t = target_logits.argmax(-1)  # (..., gamma+1)
-    ok = draft_tokens == t[..., :-1] if also is None else (draft_tokens == t[..., :-1]) | also  # (..., gamma)
-    n = ok.long().cumprod(-1).sum(-1)  # (...) length of the accepted prefix
+    ok = draft_tokens == t[..., :-1]  # (..., gamma)
+    n = (ok if also is None else ok | also).long().cumprod(-1).sum(-1)  # (...) length of the accepted prefix
     return n, t.gather(-1, n.unsqueeze(-1)).squeeze(-1)
 
 
@@ -361,10 +360,9 @@ def speculative_batch(target, draft, prompt, decoder, max_new_tokens, samples=1,
                       max_len=None, timing=False):
     """Decode B = P x samples rows at once, up to max_new_tokens each -> a SpecResult per row. prompt: forward kwargs
     of P rows (input_ids (P, L), left-padded under attention_mask if their lengths differ); row r continues prompt
-    r // samples with its own generator (sampling.seed + r, or seed[r]). decoder: a round's draft, a Chain (or its
-    gamma) or a tree.TreeShape. Every row is in every round (one draft forward per draft step, one verify forward); a
-    finished row's work is thrown away and its caches keep its length, so the shapes never change. max_len: cache
-    size (None: what the decode needs)."""
+    r // samples with its own generator (Sampling.generators). decoder: a round's draft, a Chain (or its gamma) or a
+    tree.TreeShape. Every row is in every round (module docstring): a finished row's work is thrown away and its
+    caches keep its length, so the shapes never change. max_len: cache size (None: what the decode needs)."""
     decoder = decoder_of(decoder)
     check_inputs(target, draft, prompt, max_new_tokens, sampling, stop_token, samples)
     B, dev = prompt["input_ids"].shape[0] * samples, prompt["input_ids"].device
@@ -375,9 +373,8 @@ def speculative_batch(target, draft, prompt, decoder, max_new_tokens, samples=1,
     generators = sampling.generators(dev, B)
     t0 = now(dev, timing)
     embeds, deepstack = embed_prompt(target, prompt)  # (P, L, D)
-    pending = prefill(target, prompt, embeds, tcache, deepstack, "target", samples)
+    pending = prefill(target, prompt, embeds, tcache, deepstack, "target", samples).tolist()  # per row: [x_last]
     prefill(draft, prompt, embeds, dcache, name="draft", samples=samples)
-    pending = pending.tolist()  # per row: [x_last]
     t1 = now(dev, timing)
     out = [SpecResult(prefill_s=t1 - t0) for _ in range(B)]
     g, depth = decoder.nodes, decoder.depth  # drafted per round; its longest path
@@ -435,18 +432,17 @@ def autoregressive_batch(target, prompt, max_new_tokens, samples=1, sampling=GRE
     generators = sampling.generators(dev, B)
     t0 = now(dev, timing)
     embeds, deepstack = embed_prompt(target, prompt) if embeds is None else (embeds, [])  # (P, L, D)
-    x = prefill(target, prompt, embeds, cache, deepstack, "target", samples)  # (B, 1)
+    x = prefill(target, prompt, embeds, cache, deepstack, "target", samples)[:, 0]  # (B,)
     t1 = now(dev, timing)
     steps, ends, last = [], [None] * B, {}  # ends[b]: (tokens, seconds) when row b emitted its stop token
     with nonfinite_named(last):
         for i in range(max_new_tokens):
-            logits = last["target"] = feed(target, cache, x)[:, -1]  # (B, V)
+            logits = last["target"] = feed(target, cache, x[:, None])[:, -1]  # (B, V)
             x = logits.argmax(-1) if sampling.greedy else sample(sampling.probs(logits), generators)  # (B,)
             steps.append(x)
-            x = x[:, None]  # (B, 1)
             # Without a stop token nothing needs the value now: no per-token host sync.
             if stop_token is not None:
-                for b, t in enumerate(x[:, 0].tolist()):
+                for b, t in enumerate(x.tolist()):
                     if t == stop_token and ends[b] is None:
                         ends[b] = (i + 1, now(dev, timing) - t1)
                 if all(ends):

@@ -22,8 +22,7 @@ import speculate  # speculate.sample, read at call time (tests replace it with a
 class TreeShape:
     """How a round's draft tree grows (EAGLE-2, Li et al. 2024): from the root x_last, `depth` levels; at each level
     the `width` nodes of highest cumulative log q get `width` children each (the draft's top-k, one batched draft
-    forward per level); the `nodes` candidates of highest cumulative log q are what the target verifies. The chain
-    of gamma tokens is TreeShape(gamma, gamma, 1). A decoder, with speculate.Chain's interface."""
+    forward per level); the `nodes` candidates of highest cumulative log q are what the target verifies."""
     nodes: int  # N: draft tokens verified per round, besides x_last (the node budget)
     depth: int  # D: the longest path, = draft forwards per round
     width: int  # k: nodes expanded per level, and children per expanded node
