@@ -238,7 +238,8 @@ def stream_mode(args, target, draft, clips, interval, rate, stop):
     return {"mode": "stream", "decoding": cli.sampling_json(GREEDY), "decoder": timing.decoder_json(args.decoder),
             "greedy_match": not any(a["frames_differing"] for a in arms.values()),
             "stream": {"clips": len(clips), "frames": args.stream, "interval_s": interval, "event_rate": rate,
-                       "M": stream.M, "alpha": stream.ALPHA, "arms": arms}}
+                       "M": stream.M, "alpha": stream.ALPHA, "swap": stream.SWAP, "skip": stream.SKIP,
+                       "arms": arms}}
 
 
 def build_preset(name, device, dtype, layers=None, draft_vocab=0):

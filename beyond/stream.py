@@ -17,22 +17,38 @@ import speculate
 import tree
 
 M, ALPHA = 16, 4  # the stream's most nodes a round (a fixed shape), tokens proposed per matched token
+SWAP = False  # lookup's swap (step over one differing token)
+SKIP = None  # a round whose proposals all reach SKIP tokens runs no model tree (None: never)
+STEADY = False  # read steady rows (the two plans before agree); off: the measured default of the README
 
 
-def lookup(context, earlier, max_len, alpha):
+def lookup(context, earlier, max_len, alpha, swap=False, whole=False):
     """The stream's proposal for one row: context, this plan's tokens so far (from <cot_start>); earlier, earlier plans'
     token lists (most recent first, each from <cot_start>) -> the tokens (a list, at most max_len) that followed the
     longest match of context's suffix, alpha per matched token (a long match is a safe bet, SuffixDecoding's rule);
-    [] without a match. Ties go to the most recent plan, then the earliest place in it."""
+    [] without a match. whole: where the whole plan so far matched (from <cot_start>), up to max_len (Stream: when
+    the earlier plans agree, a plan that has kept to them from its start usually keeps to them). Ties go to the most
+    recent plan, then the earliest place in it. swap: a match may step over one token that differs (a range ring
+    crossed rewrites one word and keeps the rest), scored by the tokens it matched, so the plan's tail is proposed
+    again right after the new word."""
     best, out = 0, []
     for plan in earlier:
         for end in range(1, len(plan)):  # a match ending at plan[end - 1] proposes plan[end:]
-            k = 0
-            while k < min(end, len(context)) and plan[end - 1 - k] == context[-1 - k]:
-                k += 1
+            k = reach = run(plan, end - 1, context, len(context) - 1)  # reach: k and the token stepped over
+            if swap and k < min(end, len(context)):  # plan[end-1-k] != context[-1-k]: step over it
+                k += run(plan, end - 2 - k, context, len(context) - 2 - k)
+                reach = k + 1
             if k > best:
-                best, out = k, plan[end:end + min(max_len, alpha * k)]
+                best, out = k, plan[end:end + (max_len if whole and reach == len(context) else min(max_len, alpha * k))]
     return out
+
+
+def run(a, i, b, j):
+    """How many tokens a[..i] and b[..j] share going back from a[i] and b[j] (0 where an index is < 0)."""
+    k = 0
+    while min(i, j) - k >= 0 and a[i - k] == b[j - k]:
+        k += 1
+    return k
 
 
 class Stream:
@@ -40,20 +56,31 @@ class Stream:
     alone, the draft model unused) plus up to M tokens looked up in the earlier plans, merged as a trie and verified
     in one target forward (tree.tree_round). earlier: per row, the earlier plans' tokens (most recent first, each from
     <cot_start>, as plan_tokens gives them). One decode: it keeps each row's committed tokens, so make one per plan.
-    Eager only: the draft's pending varies with what the stream accepted, which a compiled step would recompile for."""
+    Eager only: the draft's pending varies with what the stream accepted, which a compiled step would recompile for.
+    A row is steady when its two most recent earlier plans are the same: then the whole plan so far matched proposes
+    the earlier plan's rest (lookup's whole), and with skip, a round where every row is steady and proposes at least
+    `skip` tokens verifies the stream alone, the draft unused (the tree's levels cost more than they add there); the
+    draft is fed what it missed at its next tree, its pending kept to at most 2 (depth + 1) tokens. Both choices read
+    only earlier plans and committed tokens, so the round's tree is fixed before the target's draws: exact, greedy
+    and sampled."""
     kind = "stream"
 
-    def __init__(self, shape, earlier, M=M, alpha=ALPHA):
-        if not isinstance(M, int) or isinstance(M, bool) or M < 1 or not isinstance(alpha, int) or alpha < 1:
-            raise ValueError(f"the stream's M and alpha must be ints >= 1, got M {M!r}, alpha {alpha!r}")
+    def __init__(self, shape, earlier, M=M, alpha=ALPHA, swap=SWAP, skip=SKIP, steady=STEADY):
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in (M, alpha)) or \
+                skip is not None and (not isinstance(skip, int) or isinstance(skip, bool) or skip < 1):
+            raise ValueError(f"the stream's M, alpha and skip must be ints >= 1, got M {M!r}, alpha {alpha!r}, "
+                             f"skip {skip!r}")
         self.shape, self.earlier, self.M, self.alpha, self.context = shape, earlier, M, alpha, None
+        self.swap, self.skip = swap, skip
+        self.steady = [steady and len(e) > 1 and e[0] == e[1] for e in earlier]  # per row
 
     nodes = property(lambda self: (self.shape.nodes if self.shape else 0) + self.M)
     depth = property(lambda self: max(self.shape.depth if self.shape else 0, self.M))
     width = property(lambda self: self.shape.width if self.shape else 1)
     # the draft's slots: the tree's levels, or a pending as long as the longest accepted path (the stream's nodes were
-    # never fed to the draft) padded to the longest row's
-    slack = property(lambda self: (self.nodes, max(self.shape.slack[1] if self.shape else 0, self.depth + 1)))
+    # never fed to the draft), or two (skipped rounds), padded to the longest row's
+    slack = property(lambda self: (self.nodes, max(self.shape.slack[1] if self.shape else 0,
+                                                   (2 if self.skip else 1) * (self.depth + 1))))
 
     def round(self, target, draft, tcache, dcache, pending, sampling, generators, last=None):
         if sampling.lossy:
@@ -63,32 +90,38 @@ class Stream:
                 raise ValueError(f"the stream has earlier plans for {len(self.earlier)} rows, the decode has "
                                  f"{len(pending)}")
             self.context = [[p[-1]] for p in pending]
-        paths = [lookup(c, e, self.M, self.alpha) for c, e in zip(self.context, self.earlier)]
+        paths = [lookup(c, e, self.M, self.alpha, self.swap, s) for c, e, s in zip(self.context, self.earlier,
+                                                                                    self.steady)]
+        skip = self.shape is not None and self.skip is not None and all(self.steady) and \
+            min(map(len, paths)) >= self.skip and max(map(len, pending)) <= self.depth + 1  # then pending <= 2 (D + 1)
         # (B, M') -1 past a row's end: M' the longest proposal (<= M), so a round without a match verifies no
         # stream node (eager only: the verify's shape follows the match)
         width = max(map(len, paths))
         path = torch.tensor([p + [-1] * (width - len(p)) for p in paths], device=tcache.device, dtype=torch.long)
-        n, accepted, nxt, pending = tree.tree_round(target, draft, tcache, dcache, pending, self.shape, sampling,
-                                                    generators, last, stream=path)
+        n, accepted, nxt, new = tree.tree_round(target, draft, tcache, dcache, pending, None if skip else self.shape,
+                                                sampling, generators, last, stream=path)
+        if skip:  # the draft saw none of the round: it lacks its pending, the accepted path and the next token
+            new = [p + a + [x] for p, a, x in zip(pending, accepted, nxt)]
         for c, a, x in zip(self.context, accepted, nxt):
             c += a + [x]
-        return n, accepted, nxt, pending
+        return n, accepted, nxt, new
 
 
 ARMS = ("target-only", "tree", "stream", "tree+stream")  # a clip's arms: the stream's two decoders and their baselines
 
 
-def decode_clip(target, draft, prompts, arm, shape, max_new, stop_token=None, timing=False):
+def decode_clip(target, draft, prompts, arm, shape, max_new, stop_token=None, timing=False, **stream_kw):
     """One arm over a clip's frames in order (prompts: batch-1 prompts) -> a speculate.SpecResult per frame. arm:
     "target-only"; "tree", the decoder `shape` alone (a tree.TreeShape, or a chain as TreeShape(gamma, gamma, 1)),
-    every frame planned as if it were the first; "stream", the frame before's plan alone (no draft model); "tree+stream",
-    both merged. Each frame's stream reads the plan this arm wrote one frame before."""
+    every frame planned as if it were the first; "stream", the frame before's plan alone (no draft model);
+    "tree+stream", both merged. Each frame's stream reads the plans this arm wrote the two frames before (Stream's steady rows)."""
     out, earlier = [], []
     for p in prompts:
         if arm == "target-only":
             out.append(speculate.autoregressive(target, p, max_new, stop_token=stop_token, timing=timing))
             continue
-        decoder = shape if arm == "tree" else Stream(None if arm == "stream" else shape, [earlier[-1:]])
+        recent = earlier[:-3:-1] if stream_kw.get("steady", STEADY) else earlier[-1:]  # most recent first
+        decoder = shape if arm == "tree" else Stream(None if arm == "stream" else shape, [recent], **stream_kw)
         out.append(speculate.speculative(target, draft, p, decoder, max_new, stop_token=stop_token, timing=timing))
         earlier.append(plan_tokens(p, out[-1]))
     return out

@@ -90,8 +90,9 @@ def main(argv=None):
         settings = settings[:1] if a.default_only else settings[1:2] if a.rate1_only else settings
         res = {"command": "python experiments/stream.py " + " ".join(argv if argv is not None else sys.argv[1:]),
                "tree": [evaluate.TREE.nodes, evaluate.TREE.depth, evaluate.TREE.width], "stream_M": stream.M,
-               "stream_alpha": stream.ALPHA, "event_rate_per_s": driving.EVENT_RATE,
-               "ring_rate_per_s": driving.RING_RATE, "settings": [], "environment": timing.environment("cpu")}
+               "stream_alpha": stream.ALPHA, "stream_swap": stream.SWAP, "stream_skip": stream.SKIP,
+               "event_rate_per_s": driving.EVENT_RATE, "ring_rate_per_s": driving.RING_RATE, "settings": [],
+               "environment": timing.environment("cpu")}
         for interval, rate in settings:
             n = a.clips if (interval, rate) in claims else a.sweep_clips
             cli.progress(f"interval {interval} s, event rate {rate:.3f}: {n} clips x {a.frames} frames")

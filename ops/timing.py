@@ -67,14 +67,14 @@ def time_arms(target, drafts, prompts, gamma, max_new, stop_token, repeats, samp
 
 
 @torch.no_grad()
-def stream_arms(target, draft, clips, shape, max_new, stop_token, repeats=1, blocks=8):
+def stream_arms(target, draft, clips, shape, max_new, stop_token, repeats=1, blocks=8, **stream_kw):
     """Plans in a stream (beyond/stream.py) on clips (a list of clips, each its frames' batch-1 prompts in order):
     the four arms of stream.ARMS timed interleaved, an item a whole clip -> {arm: {tau, ms_per_token (the decode,
     prefills apart, over every frame's tokens; median over passes), speedup, speedup_range (min..max over `blocks`
     blocks of clips, each block's arms back to back), frames_differing (plans not token for token target-only's,
-    greedy)}}, and the first pass's results {arm: [clip][frame] SpecResult}."""
+    greedy)}}, and the first pass's results {arm: [clip][frame] SpecResult}. stream_kw: the Stream's (M, alpha, ...)."""
     runs = interleaved({arm: lambda i, arm=arm: stream.decode_clip(target, draft, clips[i], arm, shape, max_new,
-                                                                   stop_token, timing=True)
+                                                                   stop_token, timing=True, **stream_kw)
                         for arm in stream.ARMS}, len(clips), repeats, clips[0][0]["input_ids"].device)
     res = [{arm: [x.result for x in runs[arm][r]] for arm in stream.ARMS} for r in range(repeats)]  # [pass][arm][clip]
     ref = [[x.tokens for x in clip] for clip in res[0]["target-only"]]

@@ -42,6 +42,20 @@ def test_lookup_takes_the_longest_suffix_match_alpha_per_matched_token():
     assert lookup([s, 2], [[s, 2, 8], [s, 2, 9]], 16, 4) == [8]  # a tie: the most recent plan
     assert lookup([s, 4, 2], [[s, 2, 8], [s, 4, 2, 9]], 16, 4) == [9]  # a longer match in an older plan wins
     assert lookup([s, 2], [[s, 2, 5, 2, 6]], 16, 4) == [5, 2, 6]  # a tie in one plan: its earliest place
+    assert lookup([s, 1], [[s, 1, 2, 3, 4, 5, 6]], 16, 2) == [2, 3, 4, 5]  # alpha per matched token
+    assert lookup([s, 1], [[s, 1, 2, 3, 4, 5, 6]], 16, 2, whole=True) == [2, 3, 4, 5, 6]  # the whole plan so far
+    assert lookup([s, 1], [[s, 1, 2, 3, 4, 5, 6]], 3, 2, whole=True) == [2, 3, 4]  # matched: the rest, at most M
+    assert lookup([s, 7, 1], [[s, 1, 2, 3, 4, 5, 6]], 16, 1, whole=True) == [2]  # a suffix only: alpha per token
+
+
+def test_lookup_swap_steps_over_one_rewritten_token():
+    s = 0
+    assert lookup([s, 1, 7], [[s, 1, 2, 3, 4]], 16, 1) == []  # 7 is new: no suffix of the plan matches
+    assert lookup([s, 1, 7], [[s, 1, 2, 3, 4]], 16, 1, swap=True) == [3, 4]  # 7 took 2's place, 2 matched: alpha 1
+    assert lookup([s, 7, 2], [[s, 1, 2, 3, 4, 5]], 16, 1) == [3]  # one token matched
+    assert lookup([s, 7, 2], [[s, 1, 2, 3, 4, 5]], 16, 1, swap=True) == [3, 4]  # two matched, 7 for 1
+    assert lookup([s, 7, 2], [[s, 1, 2, 3, 4, 5]], 16, 1, swap=True, whole=True) == [3, 4, 5]  # the whole plan so far
+    assert lookup([s, 7, 8, 2], [[s, 1, 2, 3]], 16, 1, swap=True) == [3]  # two tokens differ: a one-token match
 
 
 def is_trie(t):
@@ -86,9 +100,9 @@ def test_merge_walks_the_tree_then_hangs_the_rest_below():
 # ---- greedy: exactness ----
 @pytest.mark.parametrize("shape", [None, TreeShape(4, 4, 1), TreeShape(8, 4, 2)], ids=str)
 def test_stream_greedy_equals_target(shape):
-    """Every earlier plan (the answer itself, the answer with tokens changed, another prompt's answer), alone or
-    merged with the chain / tree of every test draft: the target's greedy tokens; the answer itself as the earlier
-    plan needs fewer rounds than the tree alone."""
+    """Every earlier plan (the answer itself, the answer with tokens changed, another prompt's answer, two plans,
+    a steady pair), alone or merged with the chain / tree of every test draft, with and without swap and skipping
+    rounds: the target's greedy tokens; the answer itself as the earlier plan needs fewer rounds than the tree."""
     target = tiny_target()
     prompts = vla_prompts()
     refs = {name: autoregressive(target, p, 24) for name, p in prompts.items()}
@@ -99,16 +113,20 @@ def test_stream_greedy_equals_target(shape):
         other = plan_tokens(prompt, refs["text" if pname != "text" else "two tokens"])
         for dname, draft in drafts_for(target).items():
             for ename, earlier in {"right": [right], "changed": [changed], "other": [other],
-                                   "two plans": [other, right]}.items():
+                                   "two plans": [other, right], "steady": [right, right],
+                                   "steady, changed": [changed, changed]}.items():
                 res = speculative(target, draft, prompt, Stream(shape, [earlier], M=8), 24)
                 assert res.tokens == ref.tokens, (pname, dname, ename)
+                assert speculative(target, draft, prompt, Stream(shape, [earlier], M=8, swap=True, skip=3, steady=True),
+                                   24).tokens == ref.tokens, (pname, dname, ename, "skip")
                 if ename == "right" and shape is not None and dname == "random":
                     assert res.rounds < speculative(target, draft, prompt, shape, 24).rounds, (pname, shape)
 
 
-def test_stream_rows_of_their_own_earlier_plans_equal_target():
+def test_stream_rows_of_their_own_earlier_plans_equal_target(monkeypatch):
     """B rows (a prompt's samples), each with its own earlier plan, in one verify forward: each row's greedy tokens
-    are the target's, and the row with the right plan needs fewer rounds."""
+    are the target's, and the row with the right plan needs fewer rounds. Skipping: rounds without the tree happen
+    only where every row's proposal is long, and the tokens stay the target's."""
     target = tiny_target()
     draft = drafts_for(target)["random"]
     prompt = vla_prompts()["image+video"]
@@ -117,13 +135,24 @@ def test_stream_rows_of_their_own_earlier_plans_equal_target():
     out = speculative_batch(target, draft, prompt, Stream(TreeShape(8, 4, 2), [[right], [wrong], []], M=8), 24,
                             samples=3)
     assert all(r.tokens == ref.tokens for r in out) and out[0].rounds < out[1].rounds
+    # a round skips the tree only where every row's proposal is long: rows of one plan skip, then feed the draft
+    shapes, tree_round = [], trees.tree_round
+    monkeypatch.setattr(trees, "tree_round", lambda *a, **k: shapes.append(a[5]) or tree_round(*a, **k))
+    steady = [right, right]  # the two plans before agree: a whole match may skip the tree
+    for earlier, skipped in (([steady, [wrong], []], False), ([steady, [right, wrong], steady], False),
+                             ([steady, steady, steady], True)):
+        shapes.clear()
+        decoder = Stream(TreeShape(8, 4, 2), earlier, M=8, skip=2, steady=True)
+        out = speculative_batch(target, draft, prompt, decoder, 24, samples=3)
+        assert all(r.tokens == ref.tokens for r in out)
+        assert (None in shapes) == skipped and TreeShape(8, 4, 2) in shapes, shapes
 
 
 def test_stream_errors():
     target = tiny_target()
     draft, prompt = drafts_for(target)["random"], vla_prompts()["text"]
-    for bad in ({"M": 0}, {"alpha": 0}, {"M": 2.5}):
-        with pytest.raises(ValueError, match="M and alpha must be ints >= 1"):
+    for bad in ({"M": 0}, {"alpha": 0}, {"M": 2.5}, {"skip": 0}, {"skip": True}):
+        with pytest.raises(ValueError, match="M, alpha and skip must be ints >= 1"):
             Stream(None, [[]], **bad)
     with pytest.raises(ValueError, match="earlier plans for 2 rows, the decode has 1"):
         speculative(target, draft, prompt, Stream(None, [[], []]), 8)
@@ -170,9 +199,11 @@ def test_verify_merged_tree_distribution(temperature, top_p, monkeypatch):
         assert (pval > SIGNIFICANCE) == (name == "correct"), (name, stat, df, pval)
 
 
-def test_stream_sampling_keeps_the_target_law():
-    """The whole loop, speculative() with the stream merged into a tree, a seed per sample: the first 3 tokens ~ the
-    target's law (computed exactly by cache-free forwards; chi-square, level 1e-3, N = 1000)."""
+@pytest.mark.parametrize("kw", [{}, {"swap": True, "skip": 2, "steady": True}], ids=["merged", "skipping"])
+def test_stream_sampling_keeps_the_target_law(kw):
+    """The whole loop, speculative() with the stream merged into a tree (or, skipping, the first round's long
+    proposal verified alone and the tree after it), a seed per sample: the first 3 tokens ~ the target's law
+    (computed exactly by cache-free forwards; chi-square, level 1e-3, N = 1000)."""
     target = small_vla(0)
     torch.manual_seed(3)
     draft = model.make_draft(target, n_layers=1).eval()
@@ -185,8 +216,8 @@ def test_stream_sampling_keeps_the_target_law():
     expected = torch.einsum("a,ab,abc->abc", probs([]), torch.stack([probs([a]) for a in range(V)]),
                             torch.stack([torch.stack([probs([a, b]) for b in range(V)]) for a in range(V)]))
     x1 = int(expected.sum((1, 2)).argmax())  # the likeliest first token and its likeliest successor, then any
-    earlier = [[3, x1, int(expected[x1].sum(1).argmax()), 1, 2, 4]]
-    toks = torch.tensor([speculative(target, draft, prompt, Stream(TreeShape(4, 2, 2), [earlier], M=4), 3,
+    earlier = [[3, x1, int(expected[x1].sum(1).argmax()), 1, 2, 4]] * 2  # steady: the first round may skip the tree
+    toks = torch.tensor([speculative(target, draft, prompt, Stream(TreeShape(4, 2, 2), [earlier], M=4, **kw), 3,
                                      Sampling(temperature, seed=s)).tokens for s in range(N)])  # (N, 3)
     stat, df, pval = chi_square(torch.bincount(toks @ torch.tensor([V * V, V, 1]), minlength=V ** 3),
                                 expected.reshape(-1))
