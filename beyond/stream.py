@@ -16,10 +16,11 @@ import torch
 import speculate
 import tree
 
-M, ALPHA = 16, 4  # the stream's most nodes a round (a fixed shape), tokens proposed per matched token
-SWAP = False  # lookup's swap (step over one differing token)
-SKIP = None  # a round whose proposals all reach SKIP tokens runs no model tree (None: never)
-STEADY = False  # read steady rows (the two plans before agree); off: the measured default of the README
+# the lookup's settings, chosen on validation clips (experiments/stream_lookup.py; the README says how)
+M, ALPHA = 32, 2  # the stream's most nodes a round (a fixed shape), tokens proposed per matched token
+SWAP = True  # lookup's swap (step over one differing token)
+SKIP = 8  # a steady round whose proposals all reach SKIP tokens runs no model tree (None: never)
+STEADY = True  # read steady rows (the two plans before agree); False: the one plan before, as first measured
 
 
 def lookup(context, earlier, max_len, alpha, swap=False, whole=False):

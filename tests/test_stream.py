@@ -115,10 +115,11 @@ def test_stream_greedy_equals_target(shape):
             for ename, earlier in {"right": [right], "changed": [changed], "other": [other],
                                    "two plans": [other, right], "steady": [right, right],
                                    "steady, changed": [changed, changed]}.items():
-                res = speculative(target, draft, prompt, Stream(shape, [earlier], M=8), 24)
+                first = Stream(shape, [earlier], M=8, alpha=4, swap=False, skip=None, steady=False)  # as first built
+                res = speculative(target, draft, prompt, first, 24)
                 assert res.tokens == ref.tokens, (pname, dname, ename)
-                assert speculative(target, draft, prompt, Stream(shape, [earlier], M=8, swap=True, skip=3, steady=True),
-                                   24).tokens == ref.tokens, (pname, dname, ename, "skip")
+                assert speculative(target, draft, prompt, Stream(shape, [earlier], M=8, skip=3), 24).tokens == \
+                    ref.tokens, (pname, dname, ename, "the defaults: swap, steady")
                 if ename == "right" and shape is not None and dname == "random":
                     assert res.rounds < speculative(target, draft, prompt, shape, 24).rounds, (pname, shape)
 
@@ -199,7 +200,8 @@ def test_verify_merged_tree_distribution(temperature, top_p, monkeypatch):
         assert (pval > SIGNIFICANCE) == (name == "correct"), (name, stat, df, pval)
 
 
-@pytest.mark.parametrize("kw", [{}, {"swap": True, "skip": 2, "steady": True}], ids=["merged", "skipping"])
+@pytest.mark.parametrize("kw", [{"swap": False, "skip": None, "steady": False}, {"skip": 2}],
+                         ids=["merged", "skipping"])
 def test_stream_sampling_keeps_the_target_law(kw):
     """The whole loop, speculative() with the stream merged into a tree (or, skipping, the first round's long
     proposal verified alone and the tree after it), a seed per sample: the first 3 tokens ~ the target's law
