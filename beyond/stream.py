@@ -8,6 +8,8 @@ of this plan's committed tokens (from <cot_start>) that occurs in an earlier pla
 prompt lookup and SuffixDecoding (Oliaro et al. 2024, arXiv 2411.04975) do, alpha tokens per matched token and at
 most M. The proposal joins the routine reasoner's tree as a trie (tree.merge) and the target verifies both in its one
 forward, so greedy output is the target's and sampled output keeps p's law, as for any fixed tree (tree.verify_tree).
+Where the two plans before agree (a steady row), the stream proposes the rest of a plan matched from its start, and
+a long proposal is verified alone, without the tree (Stream).
 
 run: python experiments/stream.py        (tests: python -m pytest -q tests/test_stream.py)
 """

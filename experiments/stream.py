@@ -12,7 +12,7 @@ of tau (untimed). ms/token: the decode (prefills excluded) over every frame's to
 blocks of clips, each block's arms timed back to back.
 
 run: python experiments/stream.py [--out runs/stream.json] [--figure runs/stream.png]
-     (the README's: --out experiments/stream.json --figure docs/figures/stream.png)
+     (the README's: --out experiments/stream_steady.json --figure docs/figures/stream_steady.png)
 """
 import argparse
 import os

@@ -9,7 +9,7 @@ real stream arm too and asserts the simulation's rounds equal the decode's. --ti
 the four arms of each such Stream (ops.timing.stream_arms; skip '-': never) on the first --time-clips clips.
 
 run: python experiments/stream_lookup.py [--out runs/stream_lookup.json] [--time 16/4/0/-,32/32/1/16]
-     (the README's: --out experiments/stream_lookup.json --time ...; see the README)
+     (the README's, 13 min: --check 2 --out experiments/stream_lookup_val.json --time 32/2/1/8,32/2/1/-,32/4/1/8)
 """
 import argparse
 import itertools

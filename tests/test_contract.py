@@ -60,6 +60,8 @@ PROGRAMS = {
                                        "--scenes 1 --repeats 1 --out {tmp}/h.json"),
     "experiments/stream.py": ("stream", "file", "--clips", False,
                               "--clips 1 --sweep-clips 1 --frames 2 --rates 1 --seeds 1 --out {tmp}/s.json"),
+    "experiments/stream_lookup.py": ("stream_lookup", "file", "--clips", False,
+                                     "--clips 1 --check 0 --out {tmp}/l.json"),
     "experiments/cost_per_1000_scenes.py": ("cost_per_1000_scenes", "file", "--reps", False, "--out {tmp}/c.json"),
     # reads two JSON files and compares them at once: no output, no count, no stage to interrupt
     "experiments/compare_rsd.py": ("compare_rsd", None, None, False, None),
