@@ -117,7 +117,8 @@ def decode_clip(target, draft, prompts, arm, shape, max_new, stop_token=None, ti
     """One arm over a clip's frames in order (prompts: batch-1 prompts) -> a speculate.SpecResult per frame. arm:
     "target-only"; "tree", the decoder `shape` alone (a tree.TreeShape, or a chain as TreeShape(gamma, gamma, 1)),
     every frame planned as if it were the first; "stream", the frame before's plan alone (no draft model);
-    "tree+stream", both merged. Each frame's stream reads the plans this arm wrote the two frames before (Stream's steady rows)."""
+    "tree+stream", both merged. Each frame's stream reads the plans this arm wrote before it: the two most recent
+    (steady, Stream's steady rows), or the one (steady False)."""
     out, earlier = [], []
     for p in prompts:
         if arm == "target-only":

@@ -25,11 +25,11 @@ from ops import checkpoint, cli, files, timing  # noqa: E402
 import speculate  # noqa: E402
 
 
-def simulate(earlier, plan, M, alpha, swap):
+def simulate(earlier, plan, M, alpha, swap, steady=True):
     """The stream alone, greedy, on one frame: earlier, the two frames before's plans (most recent first, as many as
     there are), plan, this frame's (each from <cot_start>, plan_tokens) -> (rounds, proposed tokens left unaccepted)."""
     context, pos, rounds, wasted = plan[:1], 1, 0, 0
-    whole = stream.Stream(None, [earlier], steady=True).steady[0]
+    whole = stream.Stream(None, [earlier], steady=steady).steady[0]  # Stream's own rule
     while pos < len(plan):
         prop = stream.lookup(context, earlier, M, alpha, swap, whole=whole)
         a = 0
@@ -71,8 +71,9 @@ def main(argv=None):
         for c in range(min(a.check, a.clips)):  # the simulation is the decode: rounds equal, frame by frame
             real = stream.decode_clip(target, target, clips[c], "stream", None, evaluate.MAX_NEW_TOKENS,
                                       tok.cot_end_id)
-            sim = [simulate(plans[c][t - 1::-1][:2] if t else [], q, stream.M, stream.ALPHA, stream.SWAP)[0]
-                   for t, q in enumerate(plans[c])]
+            n = 2 if stream.STEADY else 1  # the earlier plans decode_clip gives a frame's Stream
+            sim = [simulate(plans[c][t - 1::-1][:n] if t else [], q, stream.M, stream.ALPHA, stream.SWAP,
+                            stream.STEADY)[0] for t, q in enumerate(plans[c])]
             assert [r.rounds for r in real] == sim, (c, [r.rounds for r in real], sim)
         tokens = sum(len(q) - 1 for c in plans for q in c)
         rows = []
