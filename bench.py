@@ -19,11 +19,9 @@ from dataclasses import replace
 import importlib.util
 import json
 import os
-import platform
 import re
 import sys
 import time
-from statistics import median
 
 import torch
 
@@ -32,71 +30,61 @@ import driving
 import evaluate
 from evaluate import TARGET_ONLY, tree_speedup
 import model as M
-from ops import checkpoint, cli, files, timing
+from ops import checkpoint, choose as chooser, cli, files, timing
 from real import alpamayo, hf, scenes
 from real.expert import speed_from_history
-from speculate import GREEDY, Chain, decoder_of, speculative_batch
+from speculate import GREEDY, decoder_of
 from tree import TreeShape
 
 TOY_DRAFT = ("aarl", 0)  # the toy mode's default draft: FlatRoPE + AARL (static anchor), seed 0
 TOY_JSON = "runs/bench_toy.json"  # the toy mode's default --out (whatever settings that run had); never a shipped file
 ROOT = os.path.dirname(os.path.abspath(__file__))
 SHIPPED_DIR = os.path.join(ROOT, "checkpoints")  # what the repo ships: no report is written there
-CHOOSE_SCENES = 16  # val scenes whose tau chooses --compile's tree, or whose plans choose the plans' tree
-# the plans' candidate trees: evaluate.TREES and a smaller budget, for a verify over B rows costs more per node
-PLAN_TREES = (TreeShape(8, 4, 3), *evaluate.TREES)
+CHOOSE_SCENES = 16  # val scenes whose rounds (ops.choose: each candidate's, real decoding) choose the decoder
 # a tree's most candidates a round (TreeShape.candidates: k + (D - 1) k^2): 15x evaluate.TREES' largest (66),
 # and its verify's (N + 1, V) logits stay under 1 GB at Qwen's 152k vocabulary, the (N + 1)^2 mask 1M bools a row
 MAX_TREE_CANDIDATES = 1024
 
 
-def arms_json(t, chain_gamma, sfx=""):
-    """Target-only and the decoder among t's arms named with sfx: ar_ / spec_ prefill and ms/token, the speed-up; beside
-    a tree the chain arm of chain_gamma: its speed-up over target-only, and the tree's over it."""
+def arms_json(t, beside, sfx=""):
+    """Target-only and the decoder among t's arms named with sfx: ar_ / spec_ prefill and ms/token, the speed-up; the
+    runner-up arm (the decoder `beside`): its speed-up over target-only, and the decoder's over it."""
     ar, spec, c = t[TARGET_ONLY + sfx], t["speculative" + sfx], t.get(timing.CHAIN_ARM + sfx)
     out = {f"{a}_{k}": arm[k] for k in ("prefill_ms", "ms_per_token") for a, arm in (("ar", ar), ("spec", spec))}
     out["speedup"] = ar["ms_per_token"] / spec["ms_per_token"]
+    out["speedup_range"] = spec["speedup_range"]
     if c:
-        out["chain"] = {"gamma": chain_gamma, "ms_per_token": c["ms_per_token"], "speedup": ar["ms_per_token"]
-                        / c["ms_per_token"], "tree_over_chain": c["ms_per_token"] / spec["ms_per_token"]}
+        out["runner_up"] = {"decoder": timing.decoder_json(beside), "ms_per_token": c["ms_per_token"],
+                            "speedup": ar["ms_per_token"] / c["ms_per_token"], "speedup_range": c["speedup_range"],
+                            "over_runner_up": c["ms_per_token"] / spec["ms_per_token"]}
     return out
 
 
-def choose_tree(ct, cd, val_prompts, shapes, max_new, stop_token):
-    """The tree the compiled steps run fastest, by the cost model: each shape's tau on val_prompts (greedy, eager:
-    the same tokens) at the compiled steps' times; -> (shape, {shape: {val_tau, predicted_speedup}})."""
-    scores = {}
-    for sh in shapes:
-        tau = evaluate.spec_stats(ct.model, {"tree": cd.model}, val_prompts, sh, max_new, stop_token,
-                                  check_greedy=False)["tree"]["tau"]
-        predicted = cost_model(ct, cd, val_prompts[0], sh, tau)["predicted_speedup"]
-        scores[sh] = {"val_tau": tau, "predicted_speedup": predicted}
-    return max(shapes, key=lambda sh: scores[sh]["predicted_speedup"]), scores
-
-
 def benchmark(target, draft, prompts, gamma, max_new, stop_token=None, repeats=3, sampling=GREEDY, compile=False,
-              chain_gamma=evaluate.GAMMA, choose=None):
+              chain_gamma=evaluate.GAMMA, choose=None, reprofile=False):
     """One draft's record: statistics, divergences, both arms timed, the cost model; compile: all that, compiled.
-    gamma: the decoder (speculate.Chain or gamma, tree.TreeShape); another than the chain of chain_gamma is timed
-    beside that chain with the same draft, compiled or not.
-    choose (compile): (val prompts, tree shapes): the tree is the one the compiled steps run fastest (choose_tree)."""
-    comp = {}
-    cli.progress(f"greedy decodes of {len(prompts)} prompts, target-only and speculative (the identity check)")
+    gamma: the decoder (speculate.Chain or gamma, tree.TreeShape); beside it the runner-up chain_gamma (a decoder, or
+    the chain of that gamma), the same draft, timed in the same passes, compiled or not.
+    choose: val prompts: both are the chooser's instead (ops.choose: the machine's profile of the steps that run, eager
+    or compiled, and each candidate's rounds on these prompts); reprofile: its profile measured anew."""
+    comp, chosen = {}, None
     if compile:
-        shapes = choose[1] if choose else [gamma]
-        cli.progress(f"compiling every step shape of {len(shapes)} decoder(s) and target-only: minutes on a CPU (the "
-                     "toy's default tree about 6 min on 2 cores), seconds to a minute on a GPU")
-        ct, cd = timing.compiled_pair(target, draft, prompts + (choose[0] if choose else []), [*shapes, chain_gamma],
-                                      max_new)
+        decoders = [c for c in chooser.candidates() if c] if choose else [gamma, chain_gamma]
+        cli.progress(f"compiling every step shape of {len(decoders)} decoder(s) and target-only: minutes on a CPU, "
+                     "seconds to a minute on a GPU")
+        ct, cd = timing.compiled_pair(target, draft, prompts + (choose or []), decoders, max_new,
+                                      lengths=chooser.COMPILED_LENGTHS if choose else None)
         clock = timing.Clock(prompts[0]["input_ids"].device, enabled=True)
-        if choose:  # compiles every candidate's steps, outside compile_s
-            gamma, scores = choose_tree(ct, cd, choose[0], shapes, max_new, stop_token)
-            comp["chosen"] = {"what": "the tree the compiled steps run fastest: each shape's greedy tau on val scenes "
-                                      "at the compiled step times (the cost model)", "ran": timing.decoder_json(gamma),
-                              "candidates": {str(sh): v for sh, v in scores.items()}}
+    if choose:  # compiled: the profile's first calls compile the steps, outside compile_s
+        ranked, chosen = chooser.choice(ct if compile else target, cd if compile else draft, choose[0], choose,
+                                        max_new, stop_token, sampling, mode="compiled" if compile else "eager",
+                                        reprofile=reprofile)
+        gamma, chain_gamma = [c for c in ranked if c is not None][:2]  # target-only chosen: the best two decoders
+        if compile:
             clock.lap()
-    gamma = decoder_of(gamma)
-    beside = gamma != Chain(chain_gamma)  # the chain arm, timed beside another decoder
+    cli.progress(f"greedy decodes of {len(prompts)} prompts, target-only and speculative (the identity check)")
+    gamma, chain_gamma = decoder_of(gamma), decoder_of(chain_gamma)
+    beside = gamma != chain_gamma  # the runner-up arm, timed beside the decoder
     greedy = evaluate.spec_stats(target, {"speculative": draft}, prompts, gamma, max_new, stop_token)
     spec, reference = greedy["speculative"], greedy[TARGET_ONLY]["tokens"]
     if compile:
@@ -143,6 +131,10 @@ def benchmark(target, draft, prompts, gamma, max_new, stop_token=None, repeats=3
         comp.update(arms_json(t, chain_gamma, " compiled"), speedup_vs_eager=t[timing.COMPILED[1]]["speedup"],
                     target_only_vs_eager=t[timing.COMPILED[0]]["speedup"])
         res["compiled"] = comp | cost_model(ct, cd, prompts[0], gamma, timed["tau"])
+    if chosen:  # the chooser's record, and what the candidates timed here measured (target-only: 1)
+        arms = res["compiled"] if compile else res
+        res["choice"] = chosen | {"measured": {TARGET_ONLY: 1.0, chooser.name(gamma): arms["speedup"],
+                                               chooser.name(chain_gamma): arms["runner_up"]["speedup"]}}
     return res
 
 
@@ -152,24 +144,6 @@ def action_stage(target, prompt, cocs, end, v0=None, repeats=3):
     run = lambda: evaluate.action_rows(target, prompt, cocs, end, v0)[0]  # noqa: E731
     ms = 1e3 * timing.median_time(run, prompt["input_ids"].device, repeats)
     return {"action_ms": ms, "waypoints": run().tolist()}
-
-
-def choose_plan_decoder(target, draft, val_prompts, max_new, stop_token, sampling, batch, samples,
-                        chain_gamma=evaluate.GAMMA):
-    """The decoder whose plans of val_prompts run fastest, of PLAN_TREES and the chain of chain_gamma (a verify over
-    B rows costs more per node: the chain may win), measured (eager, timing.interleaved: the median of 3 passes after
-    a warm-up) -> (decoder, the record: each candidate's ms per val plan)."""
-    if sampling.seed is None:  # plan j's rows seeded as in timing.plans()
-        sampling = replace(sampling, seed=0)
-    groups, kw = timing.plan_batches(val_prompts, batch), dict(samples=samples, stop_token=stop_token)
-    candidates = (*PLAN_TREES, Chain(chain_gamma))
-    runs = timing.interleaved({str(sh): lambda j, sh=sh: speculative_batch(
-        target, draft, groups[j], sh, max_new, timing=True, **kw, sampling=sampling.offset(batch * samples * j))
-        for sh in candidates}, len(groups), 3, groups[0]["input_ids"].device)
-    ms = {name: median(timing.plan_ms(ps, len(groups))) for name, ps in runs.items()}
-    best = min(candidates, key=lambda sh: ms[str(sh)])
-    return best, {"what": f"the decoder whose plans of {len(val_prompts)} val scenes ran fastest (eager, ms per plan)",
-                  "ran": timing.decoder_json(best), "ms_per_val_plan": ms}
 
 
 def cost_model(target, draft, prompt, gamma, tau, reps=20):
@@ -206,22 +180,26 @@ def toy(args, device, dtype, sampling):
             "draft": draft_dir, "target": target_dir}
     prompts = split("test", args.prompts)
     if args.batch > 1 or args.samples > 1:  # plans of several rows, decoded as one batch
-        decoder, chosen = args.decoder, None
-        if args.choose_plan_tree:  # a verify over B rows costs more: the decoder that runs the val plans fastest
-            cli.progress(f"choosing the plans' decoder: {len(PLAN_TREES)} trees and the chain on {CHOOSE_SCENES} val "
-                         "scenes")
-            decoder, chosen = choose_plan_decoder(target, draft, split("val", CHOOSE_SCENES), args.max_new,
-                                                  tok.cot_end_id, sampling, args.batch, args.samples, args.gamma)
+        decoder, beside, chosen = args.decoder, args.gamma, None
+        if args.choose:  # a verify over B rows costs more: the chooser's profile over B rows, the val plans' rounds
+            val = split("val", CHOOSE_SCENES)
+            ranked, chosen = chooser.choice(target, draft, val[0], timing.plan_batches(val, args.batch), args.max_new,
+                                            tok.cot_end_id, sampling, args.samples, reprofile=args.reprofile)
+            decoder, beside = [c for c in ranked if c is not None][:2]
         p = timing.plans(target, draft, prompts, decoder, args.max_new, tok.cot_end_id, args.repeats, sampling,
-                         args.batch, args.samples, args.compile, args.gamma)
+                         args.batch, args.samples, args.compile, beside)
         p |= action_stage(target, evaluate.stack_prompts(prompts[:args.batch]), p["cocs"],
                           (tok.cot_end_id, tok.traj_future_start_id), repeats=args.repeats)  # the first plan's rows
+        if chosen:  # the chooser's record, and what the candidates timed here measured (per plan; target-only: 1)
+            p["choice"] = chosen | {"measured": {TARGET_ONLY: 1.0, chooser.name(decoder): p["speculative"]["speedup"],
+                                                 chooser.name(beside): p[timing.CHAIN_ARM]["speedup"]}}
         return {"mode": "plans", "draft": draft_dir, "target": target_dir, "decoding": cli.sampling_json(sampling),
-                "decoder": timing.decoder_json(decoder), "plan": dict(p, chosen=chosen) if chosen else p}
-    # --compile without --tree: the tree the compiled steps run fastest, chosen on val scenes
-    choose = (split("val", CHOOSE_SCENES), list(evaluate.TREES)) if args.choose_tree else None
+                "decoder": timing.decoder_json(decoder), "plan": p}
+    # no --tree: the decoder and its runner-up are the chooser's, for the steps that run (eager or compiled)
+    choose = split("val", CHOOSE_SCENES) if args.choose else None
     res = benchmark(target, draft, prompts, args.decoder, args.max_new, tok.cot_end_id, args.repeats, sampling,
-                    args.compile, args.gamma, choose) | {"mode": "toy", "draft": draft_dir, "target": target_dir}
+                    args.compile, args.gamma, choose, args.reprofile) | {"mode": "toy", "draft": draft_dir,
+                                                                         "target": target_dir}
     if "lossy" in res:  # the price of the relaxed rule: the toy's plans after the relaxed and the exact CoCs
         data, lossy = driving.Data("test", args.prompts, 0, tok, views=args.views), res["lossy"]
         lossy.update(evaluate.relaxed_cost(target, data, lossy.pop("exact_cocs"), lossy.pop("cocs")))
@@ -315,7 +293,8 @@ def decoder_text(d):
 
 def run_line(res):
     rows, f = res["plan"]["rows"] if res["mode"] == "plans" else None, res.get("what_ran", {}).get("flags", {})
-    return (f"device {res['device']} ({res['hardware']}), dtype {res['dtype']}, threads {res['threads']}, torch "
+    why = f" ({res['dtype_why']})" if "dtype_why" in res else ""
+    return (f"device {res['device']} ({res['hardware']}), dtype {res['dtype']}{why}, threads {res['threads']}, torch "
             f"{res.get('torch', torch.__version__)}, {decoder_text(res['decoder'])}, decoding "
             f"{cli.decoding_text(res['decoding'], rows)}"
             + (f", max-new {f['max_new']}, repeats {f['repeats']}" if f else "")
@@ -352,19 +331,18 @@ def report(res):
             if "lossy" in res else ("greedy", acceptance(**res))]
     rows += [("sampled", acceptance(**res["sampled"]) + ("   (the timed runs, LOSSY)" if "lossy" in res else
               "   (the timed runs; lossless in distribution, so not compared token by token)"))] if s else []
-    chain = "the same draft, gamma {gamma}: {ms_per_token:.3f} ms/token, speed-up {speedup:.2f}x{}; the tree is " \
-        "{tree_over_chain:.2f}x the chain"
-    rows += [("chain arm", chain.format("", **res["chain"]))] if "chain" in res else []
+    runner = lambda d, x="": (f"{decoder_text(d['decoder'])}, the same draft: {d['ms_per_token']:.3f} "  # noqa: E731
+                              f"ms/token, speed-up {d['speedup']:.2f}x{x}; the decoder is "
+                              f"{d['over_runner_up']:.2f}x it")
+    rows += [("runner-up", runner(res["runner_up"]))] if "runner_up" in res else []
     rows += [("LOSSY cost", "tau {} (exact {tau_exact:.2f}); CoCs changed {cocs_changed:.0%}; plan moved "
               "{plan_moved_m:.3f} m from the exact plan (ADE {ade_relaxed:.3f} m to the ground truth, exact "
               "{ade_exact:.3f} m)".format(f"{res['sampled']['tau']:.2f}", **res["lossy"]))] if "lossy" in res else []
     rows += [("compiled", arms(c, c["speedup"]) + f" ({c['speedup_vs_eager']:.2f}x over eager target-only, greedy "
               f"{'identical' if c['greedy_match'] else 'DIFFERS'})   compile + first decodes {c['compile_s']:.0f} s"),
              ("compiled cost", steps(c) + f"   predicted speed-up {c['predicted_speedup']:.2f}x")] if c else []
-    rows += [("compiled chain", chain.format(" over compiled target-only", **c["chain"]))] if c and "chain" in c else []
-    rows += [("compiled tree", "chosen on val from " + ", ".join(
-        f"{k} (tau {v['val_tau']:.2f}, predicted {v['predicted_speedup']:.2f}x)" for k, v in
-        c["chosen"]["candidates"].items()))] if c and "chosen" in c else []
+    rows += [("compiled r-up", runner(c["runner_up"], " over compiled target-only"))] if c and "runner_up" in c else []
+    rows += choice_lines(res["choice"]) if "choice" in res else []
     rows += [("verified", "{nodes_per_round:.1f} draft tokens, depth {depth_per_round:.1f} per round (mean); the cost "
               "model at what ran: {}".format(decoder_text(res["ran"]), **res["ran"]))] if "ran" in res else []
     rows += [("cost model", steps(res) + f"   c {res['c']:.3f}"),
@@ -382,6 +360,22 @@ def report(res):
     print("\n".join(lines))
 
 
+def choice_lines(ch):
+    """The chooser's record as report rows: its profile, each candidate's prediction, what was measured."""
+    pred, meas = ch["predicted"], ch["measured"]
+    said = lambda n: f"{n} (predicted {pred[n]['predicted_speedup']:.2f}x" + (  # noqa: E731
+        f", measured {meas[n]:.2f}x)" if n in meas else ")")
+    steep = f"; a verify of {', '.join(map(str, ch['steep']))} tokens costs more than 2 one-token steps here" \
+        if ch["steep"] else ""
+    return [("chosen", f"{said(ch['chosen'])}, runner-up {said(ch['runner_up'])}: {ch['mode']} steps, {ch['rows']} "
+             f"row(s) (ops.choose)"),
+            ("profile", f"one-token step {ch['steps_ms']['1']:.2f} ms, verify of " + ", ".join(
+                f"{int(n) + 1} {v:.2f}" for n, v in ch["verify_ms"].items()) + f" ms, draft step "
+             f"{ch['draft_ms']['1']:.3f} ms{steep} ({ch['profile']})"),
+            ("candidates", ", ".join(f"{n} {v['predicted_speedup']:.2f}x" for n, v in pred.items())
+             + f" (rounds on val: {ch['acceptance']})")]
+
+
 def plan_lines(p):
     lines = [f"plans          {p['plans']} plans of {p['batch']} prompt(s) x {p['samples']} sample(s) = {p['rows']} "
              "rows, decoded as one batch; ms: one plan's reasoning step, until every row is done"]
@@ -390,9 +384,7 @@ def plan_lines(p):
         lines.append(f"{name:<27}{a['ms_per_plan']:8.1f} ms/plan {a['tokens_per_s']:8.0f} tokens/s   speed-up "
                      f"{a['speedup']:.2f}x   tau per row {a['mean_tau']:.2f} (min {min(a['tau_per_row']):.2f})   "
                      f"idle row share {a['idle_row_share']:.2f}")
-    if "chosen" in p:
-        lines.append("tree           chosen on val plans from " + ", ".join(
-            f"{k} ({v:.1f} ms)" for k, v in p["chosen"]["ms_per_val_plan"].items()))
+    lines += [f"{label:<15}{text}" for label, text in choice_lines(p["choice"])] if "choice" in p else []
     if p["decoding"]["mode"] == "sampling":
         lines.append(f"seeds          row r of plan j draws from its own generator, seeded {p['decoding']['seed']} + "
                      f"{p['rows']} j + r")
@@ -411,7 +403,11 @@ def main(argv=None):
     every, toy_, preset, real_ = (ap.add_argument_group(title) for title in (
         "every mode", "the toy (default): the shipped checkpoints, held-out scenes of the synthetic world",
         "--preset: a real shape, random weights", "--target: a real checkpoint (Hugging Face / Alpamayo folder)"))
-    every.add_argument("--dtype", default="bf16", choices=sorted(cli.DTYPES), help="weights, activations and KV cache")
+    every.add_argument("--dtype", default="auto", choices=["auto", *sorted(cli.DTYPES)], help="weights, activations "
+                       "and KV cache; auto: bf16 where the hardware runs it natively (CUDA, a CPU with AVX-512 BF16 or "
+                       "AMX), else fp32 (ops.choose.auto_dtype)")
+    every.add_argument("--reprofile", action="store_true", help="measure the machine's cost profile again (it is "
+                       "cached under runs/choose/ by hardware, threads, torch, dtype, mode and the models' configs)")
     preset.add_argument("--preset", choices=[k for k in sorted(M.PRESETS) if "toy" not in k], help="random weights")
     for group, flag, default, text in (  # --images-dir ... --scenes: a real checkpoint's prompt
             (every, "--device", "cpu", "cpu or cuda"),
@@ -427,11 +423,12 @@ def main(argv=None):
                                       "draft position, routine share, greedy identity, latency per stage, ADE")):
         group.add_argument(flag, default=default, help=text)
     for group, flag, default, text in (
-            (every, "--gamma", evaluate.GAMMA, "the chain's draft length (the chain arm, also timed beside a tree)"),
-            (every, "--tree", None, f"a draft tree of N nodes, 0: the chain (default {evaluate.TREE.nodes}; toy "
-                                    "--compile: the tree of evaluate.TREES the compiled steps run fastest on val "
-                                    "scenes; toy plans: the tree of PLAN_TREES or the chain of --gamma whose val plans "
-                                    "run fastest)"),
+            (every, "--gamma", None, "the chain's draft length: alone, the chain of gamma runs (as --tree 0); beside "
+                                     f"a --tree, the chain timed with it (default {evaluate.GAMMA})"),
+            (every, "--tree", None, "a draft tree of N nodes, 0: the chain of --gamma (default: the toy's decoder is "
+                                    "chosen for this machine, ops.choose: target-only, the chains of gamma 1-8 or a "
+                                    f"tree of its family, the runner-up timed beside it; a real model's tree "
+                                    f"{evaluate.TREE.nodes})"),
             (every, "--tree-depth", evaluate.TREE.depth, "with --tree: its depth D"),
             (every, "--tree-width", evaluate.TREE.width, "with --tree: k, nodes expanded per level and children per "
                                                          "node"),
@@ -463,13 +460,15 @@ def main(argv=None):
     sampling = check_flags(ap, args)
     if args.threads:
         torch.set_num_threads(args.threads)
-    device, dtype = torch.device(args.device), cli.DTYPES[args.dtype]
+    device = torch.device(args.device)
+    args.dtype, dtype_why = chooser.auto_dtype(device) if args.dtype == "auto" else (args.dtype, "as given (--dtype)")
+    dtype = cli.DTYPES[args.dtype]
     timing.reset_peak_memory(device)
     torch.manual_seed(0)
     with cli.json_stdout(args.json), cli.user_errors(ap):  # a bad folder or file, a gamma too long: one line
         res = real(args, device, dtype, sampling) if args.target or args.preset else toy(args, device, dtype, sampling)
-    res.update(device=str(device), hardware=torch.cuda.get_device_name(device) if device.type == "cuda" else
-               (platform.processor() or platform.machine()), dtype=args.dtype,
+    res.update(device=str(device), hardware=chooser.hardware(device), dtype=args.dtype,
+               cpu_capability=torch.backends.cpu.get_cpu_capability(), dtype_why=dtype_why,
                gamma=None if args.tree else args.gamma, threads=torch.get_num_threads(), torch=torch.__version__,
                environment=timing.environment(device), peak_memory=timing.peak_memory(device))
     res.setdefault("decoder", timing.decoder_json(args.decoder))  # benchmark's own where it chose the tree
@@ -492,8 +491,10 @@ def check_flags(ap, args):
     """Every bad flag is one line at parse time, before any work; returns the Sampling."""
     toy_mode = not (args.target or args.preset)
     plan = args.samples > 1 or args.batch > 1
-    args.choose_plan_tree = args.tree is None and toy_mode and plan
-    args.choose_tree = args.tree is None and args.compile and toy_mode and not plan
+    # no decoder named: the toy's is ops.choose's; --gamma alone names the chain
+    args.choose = args.tree is None and args.gamma is None and toy_mode and not args.stream and not args.relaxed
+    args.tree = 0 if args.tree is None and args.gamma is not None else args.tree
+    args.gamma = evaluate.GAMMA if args.gamma is None else args.gamma
     args.tree = evaluate.TREE.nodes if args.tree is None else args.tree
     size, src = re.fullmatch(r"(\d+)x(\d+)", args.image_size), args.processor or args.target
     no_hf, plans_ = importlib.util.find_spec("transformers") is None, args.samples > 1  # --scenes --samples N: plans

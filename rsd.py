@@ -5,10 +5,11 @@ test split: target-only, the replica draft (M-RoPE), the FlatRoPE draft, the his
 prefill or cache) and FlatRoPE + AARL at their speed-optimal gamma on val (mean over the draft seeds), then their draft
 trees. tau at every gamma comes from one teacher-forced replay of
 the target's greedy outputs (evaluate.simulate_rounds); real speculative decoding checks the outputs and the replay. The
-choice of gamma and tree on val needs measured step times and the trees' val tau: python rsd.py --search records them
+choice of gamma and tree on val needs the trees' val tau, which no hardware changes: python rsd.py --search records it
 beside the checkpoints (checkpoints/toy/rsd_search.json), and a run reads that record while the checkpoints'
-fingerprints and the settings match, so that the table's gamma does not move with timing noise; --gamma / --tree N/D/k
-give the decoders (no search). ms/token: every row and target-only timed in one interleaved pass, the speed-up with its
+fingerprints and the settings match; the step costs are this machine's (ops.choose's profile, cached under
+runs/choose/), so the chosen gamma and tree are the machine's too; --gamma / --tree N/D/k give the decoders (no
+search). ms/token: every row and target-only timed in one interleaved pass, the speed-up with its
 spread (bench.py: the full benchmark of one draft). The top of the layering: it calls train.py, aarl.py and the
 library's timing harness (ops/timing.py), never bench.py.
 
@@ -27,10 +28,10 @@ import aarl
 import driving
 from driving import Data
 import evaluate
-from evaluate import MAX_NEW_TOKENS, TARGET_ONLY, TREES, TreeShape, tree_speedup
+from evaluate import MAX_NEW_TOKENS, TARGET_ONLY, TREES, TreeShape
 from model import DRAFT_KINDS
-from ops import checkpoint, cli, files, timing
-from speculate import GREEDY, SpecResult, speculative_batch
+from ops import checkpoint, choose as chooser, cli, files, timing
+from speculate import GREEDY, Chain, SpecResult, speculative_batch
 import train
 
 # table row -> draft folder kind (model.DRAFT_KINDS, and aarl.py's post-trained FlatRoPE draft)
@@ -39,7 +40,6 @@ GAMMAS = evaluate.GAMMAS
 # in the run folder, beside the checkpoints: what python rsd.py --search measured on val (the step times and the trees'
 # val tau that choose gamma and tree), keyed by the checkpoints' fingerprints; a run without a matching one searches
 SEARCH_JSON = "rsd_search.json"
-STEP_ROUNDS = 5  # the search's step times: the least of this many medians (rsd.least)
 TIME_BLOCKS = 4  # the timed scenes cut into this many blocks: the speed-up's spread is min..max over them (and passes)
 
 
@@ -75,30 +75,11 @@ def check_search_record(ap, a, seeds, device):
                          f"with the defaults, or delete {path} to record one for these settings")
 
 
-def least(measure, rounds=STEP_ROUNDS):
-    """The step times of `rounds` calls of measure() (each a median), the least of each step's: another job on a shared
-    machine only adds time, so the least median is the nearest to the step's own cost."""
-    runs = [measure() for _ in range(rounds)]
-    return {k: {n: min(r[k][n] for r in runs) for n in v} if isinstance(v, dict) else min(r[k] for r in runs)
-            for k, v in runs[0].items()}
-
-
 def search(target, first, val, shapes, stop):
-    """The measured part of the choice of gamma and tree on val: the cost model's step times on the first val prompt
-    (target steps of 1 and every gamma + 1 tokens, a draft step, a tree verify of each node count, a draft level) and
-    each row's tau on val with each tree shape (real tree decoding: a tree has no teacher-forced replay)."""
-    draft = first.get("flatrope") or next(iter(first.values()))  # the timed draft architecture: the first row's
-    # the process's CPU time, not the wall clock: another job on a shared machine adds wall time to every step, and
-    # not in proportion to its work, which can move the chosen gamma
-    rec = {"step_times": least(lambda: timing.step_times(target, draft, val[0], [1] + [g + 1 for g in GAMMAS],
-                                                         timer=time.process_time)),
-           "tree_step_times": None, "tree_val_tau": {}}
-    if shapes:
-        nodes = sorted({sh.nodes for sh in shapes})
-        rec["tree_step_times"] = least(lambda: timing.tree_step_times(target, draft, val[0], nodes, 3,
-                                                                      timer=time.process_time))
-        rec["tree_val_tau"] = tree_val_taus(target, first, val, shapes, stop)
-    return rec
+    """The recorded part of the choice of gamma and tree on val, which no hardware changes: each row's tau on val with
+    each tree shape (real tree decoding: a tree has no teacher-forced replay; a chain's tau is the replay's). The step
+    costs are this machine's own (ops.choose's profile, cached under runs/choose/)."""
+    return {"tree_val_tau": tree_val_taus(target, first, val, shapes, stop) if shapes else {}}
 
 
 def tree_val_taus(target, drafts, val, shapes, stop):
@@ -122,19 +103,15 @@ def recorded_search(path, key, log=print):
         log(f"{path} was recorded for other checkpoints or settings ({', '.join(differ)} differ): not used, searching "
             "on val now (python rsd.py --search records the search)")
         return None
-    rec = {**rec, **{k: rec[k] and {**rec[k], "target": {int(n): t for n, t in rec[k]["target"].items()}}
-                     for k in ("step_times", "tree_step_times")}}  # JSON's "target": {"n": s} keys: int n again
-    return rec, [row for row in key["drafts"] if row not in have]
+    return {"tree_val_tau": rec["tree_val_tau"]}, [row for row in key["drafts"] if row not in have]
 
 
 def choose(rec, val_taus, shapes):
-    """({row: gamma}, {row: tree shape}) predicted fastest on val by the cost model: val tau (the replay's for a chain,
-    the recorded real decoding's for a tree) with the search's step times. Deterministic given the record."""
-    times, tt = rec["step_times"], rec["tree_step_times"]
-    t1, td = times["target"][1], times["draft"]
-    gamma = {row: evaluate.speed_optimal_gamma(taus, times) for row, taus in val_taus.items()}
-    tree = {row: max(shapes, key=lambda sh: tree_speedup(rec["tree_val_tau"][row][shape_key(sh)], t1, td,
-                                                         tt["draft_level"], tt["target"][sh.nodes], sh))
+    """({row: gamma}, {row: tree shape}) predicted fastest on val: val tau (the replay's for a chain, the recorded real
+    decoding's for a tree) at this machine's round times (rec["profile"], ops.choose). Deterministic given both."""
+    prof = rec["profile"]
+    gamma = {row: max(taus, key=lambda g: chooser.speedup(prof, Chain(g), taus[g])) for row, taus in val_taus.items()}
+    tree = {row: max(shapes, key=lambda sh: chooser.speedup(prof, sh, rec["tree_val_tau"][row][shape_key(sh)]))
             for row in val_taus} if shapes else {}
     return gamma, tree
 
@@ -301,8 +278,9 @@ def print_sweep(sweep, rows, log=print):
 
 
 def find_search(a, target, drafts, seeds, val, device):
-    """(the search record, how it was had): none for given decoders; run/SEARCH_JSON when it holds for these
-    checkpoints and settings; else the search on val now, recorded there with --search (every tree of TREES)."""
+    """(the search record and this machine's profile under "profile", how they were had): none for given decoders;
+    run/SEARCH_JSON when it holds for these checkpoints and settings, else the search on val now, recorded there with
+    --search (every tree of TREES); the profile (ops.choose: the flatrope row's draft, eager) cached or measured."""
     if a.given:  # nothing to choose: no step time, no tree decoded on val (the replay gives tau at every gamma)
         return None, f"gamma {a.gamma}{f' and tree {shape_key(a.tree)}' if a.tree else ''} as given, no search on val"
     path = os.path.join(a.run, SEARCH_JSON)
@@ -314,7 +292,7 @@ def find_search(a, target, drafts, seeds, val, device):
     if found and not (a.search and not found[1]):  # --search with nothing lacking measures everything again
         rec, lacking = found
         if not lacking:
-            return rec, f"recorded by python rsd.py --search in {path}"
+            return with_profile(rec, f"recorded by python rsd.py --search in {path}", target, first, prompts, val)
         # a row added since the record: its trees' val tau alone, the recorded rows' choice unchanged
         cli.progress(f"{path} lacks the rows {', '.join(lacking)}: their trees' val tau")
         shapes = [sh for sh in TREES if shape_key(sh) in next(iter(rec["tree_val_tau"].values()))]
@@ -323,17 +301,25 @@ def find_search(a, target, drafts, seeds, val, device):
         rec["key"] = key
         how = f"recorded by python rsd.py --search in {path}, the rows {', '.join(lacking)} measured now"
         if not a.search:
-            return rec, how
+            return with_profile(rec, how, target, first, prompts, val)
     else:
         rec, how = search(target, first, prompts, shapes, val.tok.cot_end_id), "measured now"
-    if not a.search:
-        return rec, how
-    files.write_json(path, {"what": "rsd.py's search on val: the cost model's step times (s) on the first val prompt "
-                                    "and each row's tree tau on val (real tree decoding, the key's first-seed drafts)",
-                            "command": "python rsd.py --search", "key": key,
-                            "environment": {**timing.environment(device), "threads": torch.get_num_threads()}, **rec})
-    print(f"search recorded in {path}")
-    return rec, f"{how}, recorded in {path}"
+    if a.search:
+        files.write_json(path, {"what": "rsd.py's search on val, the part no hardware changes: each row's tree tau "
+                                        "on val (real tree decoding, the key's first-seed drafts; a chain's is the "
+                                        "replay's)",
+                                "command": "python rsd.py --search", "key": key, **rec})
+        print(f"search recorded in {path}")
+        how = f"{how}, recorded in {path}"
+    return with_profile(rec, how, target, first, prompts, val)
+
+
+def with_profile(rec, how, target, first, prompts, val):
+    """The search record with this machine's profile under "profile" (the round times that choose gamma and tree),
+    and how both were had."""
+    draft = first.get("flatrope") or next(iter(first.values()))  # the timed draft architecture: the first row's
+    prof, how_p = chooser.profile(target, draft, prompts[0], stop_token=val.tok.cot_end_id)
+    return {**rec, "profile": prof}, f"{how}; step times: this machine's profile, {how_p}"
 
 
 # ---- main ----
@@ -404,9 +390,9 @@ def run(ap, a, seeds, sampling, device):
               f"(gamma chosen on it); tau sampled = real sampled speculative decoding with {first}'s draft; "
               f"ms/token and speed-up timed sampling; ADE after the greedy CoC")
     print_table(rows)
-    print((f"step times ({searched}): T_target(1) {1e3 * rec['step_times']['target'][1]:.2f} ms, T_draft(1) "
-           f"{1e3 * rec['step_times']['draft']:.3f} ms; " if rec else "") + "commit = teacher-forced accuracy on the "
-          "commitment tokens")
+    print((f"step times ({chooser.hardware(device)}, {searched}): T_target(1) {1e3 * rec['profile']['target'][1]:.2f} "
+           f"ms, T_draft(1) {1e3 * rec['profile']['draft'][1]:.3f} ms; " if rec else "") + "commit = teacher-forced "
+          "accuracy on the commitment tokens")
     groups = unordered(rows[1:])
     print("speed-up ranges that overlap (timing noise, not an order): "
           + ("; ".join(" ~ ".join(g) for g in groups) if groups else "none"))
@@ -442,6 +428,7 @@ def run(ap, a, seeds, sampling, device):
             "timing": {"scenes": a.time_scenes, "passes": a.repeats, "blocks": blocks, "unordered": groups,
                        "step_times": searched},
             "rows": [{k: r.get(k) for k in keys} for r in rows], "relaxed": lossy, "stream": streams,
+            "hardware": chooser.hardware(device), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "what_ran": cli.ran(a, t0, cpu0) | {"device": str(device), "run": a.run, "tree": str(a.tree)}}
 
 

@@ -23,10 +23,10 @@ from evaluate import TARGET_ONLY
 from model import causal_mask
 from ops import cli, compiled
 import speculate
-from speculate import EMBED_KEYS, GREEDY, Chain, feed, prefill
+from speculate import EMBED_KEYS, GREEDY, feed, prefill
 import tree
 
-CHAIN_ARM = "speculative chain"  # with a tree: the chain of --gamma, the same draft, timed in the same passes
+CHAIN_ARM = "runner-up"  # beside the decoder: the chooser's runner-up, or the chain of --gamma; the same passes
 # --compile's arms, timed beside the eager ones: each eager arm's name + " compiled"
 COMPILED, COMPILED_CHAIN = (TARGET_ONLY + " compiled", "speculative compiled"), CHAIN_ARM + " compiled"
 
@@ -103,11 +103,12 @@ def block_bounds(n, blocks):
     return list(zip(cuts, cuts[1:]))
 
 
-def compiled_pair(target, draft, prompts, decoders, max_new, batch=1):
+def compiled_pair(target, draft, prompts, decoders, max_new, batch=1, lengths=None):
     """compiled.CompiledSteps of target and draft, each cache sized for every prompt and decoder (speculate.Chain or
-    gamma, tree.TreeShape), each step length a decode takes compiled once: target-only 1, each decoder's steps."""
+    gamma, tree.TreeShape), each step length a decode takes compiled once: target-only 1, each decoder's steps
+    (lengths: the target's given instead, each step padded to the next; they must cover the longest)."""
     decoders = [speculate.decoder_of(d) for d in decoders]
-    t_lengths = {1, *(n for d in decoders for n in d.steps[0])}
+    t_lengths = set(lengths or {1, *(n for d in decoders for n in d.steps[0])})
     d_lengths = {1, *(n for d in decoders for n in d.steps[1])}
     slack = max(d.nodes for d in decoders) + max(t_lengths)
     max_len = max(p["input_ids"].shape[1] for p in prompts) + max_new + slack
@@ -173,11 +174,11 @@ def plan_batches(prompts, batch):
 
 def arm_table(pairs, gamma, chain_gamma):
     """{arm: (target, draft or None, decoder)} for each (target, draft) of pairs {name suffix: pair}: target-only, the
-    decoder, and beside any other decoder the chain of chain_gamma with the same draft, timed in the same passes (is
-    the tree faster here?)."""
+    decoder, and beside it the runner-up chain_gamma (a decoder or gamma) with the same draft, timed in the same
+    passes, where it is another decoder."""
     arms = ((TARGET_ONLY, False, gamma), ("speculative", True, gamma), (CHAIN_ARM, True, chain_gamma))
     return {name + sfx: (t, d if drafted else None, g) for sfx, (t, d) in pairs.items()
-            for name, drafted, g in arms[:2 if speculate.decoder_of(gamma) == Chain(chain_gamma) else 3]}
+            for name, drafted, g in arms[:2 if speculate.decoder_of(gamma) == speculate.decoder_of(chain_gamma) else 3]}
 
 
 def plan_ms(passes, n):  # each pass's ms per plan of n, until every row of the plan is done

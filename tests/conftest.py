@@ -1,5 +1,5 @@
 """Shared pytest setup: offline Hugging Face hub, the repo importable, a one-thread fixture, torch.compile on
-dynamo's eager backend, a run killed after its first save, the `slow` and `peer` markers.
+dynamo's eager backend, the chooser's cache in a folder of the session's, a run killed after its first save, the `slow` and `peer` markers.
 
 Tests marked `@pytest.mark.slow` (torch.compile: minutes of compilation on a CPU; a real shape's random weights) are
 skipped unless pytest gets --slow, so the default suite keeps its budget on 2 CPU cores.
@@ -15,6 +15,16 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # The repo is a flat set of top-level modules; make them importable from tests/.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture(autouse=True, scope="session")
+def choose_cache(tmp_path_factory):
+    """The chooser's profiles and val rounds (ops/choose.py) cached in a folder of the session's, not the checkout's
+    runs/choose/: a test never reads what an earlier run of the programs measured."""
+    from ops import choose
+    saved, choose.CACHE = choose.CACHE, str(tmp_path_factory.mktemp("choose"))
+    yield
+    choose.CACHE = saved
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ import torch
 import bench
 import evaluate
 from model import make_draft
-from ops import cli, files, timing
+from ops import choose, cli, files, timing
 import speculate
 from speculate import GREEDY, Sampling
 from tiny_models import image_prompt, tiny_model
@@ -139,25 +139,24 @@ def test_sampling_flags_are_checked():
 # ---- the compiled steps, and what the JSON says about them ----
 
 
-def test_compiled_tree_is_chosen_and_timed_beside_the_compiled_chain(eager_dynamo):
-    """--compile with a tree: the tree is the candidate the compiled steps' cost model ranks first (its val tau at the
-    compiled step times), compiled once with every candidate's steps before compile_s ends, and timed beside the
-    compiled chain in the same passes; every compiled arm emits target-only's greedy tokens (what compiles when:
-    tests/test_probes.py)."""
-    from tree import TreeShape
-    target = tiny_model()
+def test_the_compiled_choice_is_the_best_predicted_and_timed_beside_its_runner_up(eager_dynamo):
+    """--compile, no decoder named: the chooser's profile is of the compiled steps (every candidate's compiled before
+    compile_s ends), its best-predicted decoder and runner-up are timed compiled in the same passes, and every compiled
+    arm emits target-only's greedy tokens (what compiles when: tests/test_probes.py)."""
+    target = tiny_model(max_seq_len=128)  # the family's 32-node trees need the room
     draft = make_draft(target, n_layers=1).eval()
     prompts, val = [image_prompt(seed=s) for s in range(2)], [image_prompt(seed=9)]
-    shapes = [TreeShape(6, 3, 2), TreeShape(8, 3, 3)]
-    res = bench.benchmark(target, draft, prompts, shapes[0], 6, repeats=3, compile=True, chain_gamma=3,
-                          choose=(val, shapes))
-    c = res["compiled"]
-    cand = c["chosen"]["candidates"]
-    best = max(shapes, key=lambda sh: cand[str(sh)]["predicted_speedup"])
-    assert c["chosen"]["ran"] == timing.decoder_json(best) == res["decoder"] == {k: v for k, v in res["ran"].items()
-                                                                                 if k in res["decoder"]}
+    res = bench.benchmark(target, draft, prompts, 3, 6, repeats=3, compile=True, choose=val)
+    ch, c = res["choice"], res["compiled"]
+    pred = ch["predicted"]
+    ranked = sorted(pred, key=lambda n: -pred[n]["predicted_speedup"])
+    spec = [n for n in ranked if n != evaluate.TARGET_ONLY][:2]  # the two best decoders are the timed ones
+    json_of = {choose.name(d): timing.decoder_json(d) for d in choose.candidates() if d}
+    assert ch["mode"] == "compiled" and (ch["chosen"], ch["runner_up"]) == tuple(ranked[:2])
+    assert res["decoder"] == json_of[spec[0]] == {k: v for k, v in res["ran"].items() if k in res["decoder"]}
+    assert c["runner_up"]["decoder"] == json_of[spec[1]] and c["runner_up"]["ms_per_token"] > 0
+    assert ch["measured"] == {evaluate.TARGET_ONLY: 1.0, spec[0]: c["speedup"], spec[1]: c["runner_up"]["speedup"]}
     assert c["greedy_match"] and set(c["divergences"]) == {*timing.COMPILED, timing.COMPILED_CHAIN}
-    assert c["chain"]["gamma"] == 3 and c["chain"]["ms_per_token"] > 0
 
 
 def test_a_draft_that_is_its_own_target_is_refused(capsys):
@@ -189,19 +188,17 @@ def test_plans_time_batched_rows_that_equal_their_own_decodes(eager_dynamo, caps
     assert sampled["plans"] == 2 and "greedy_match" not in sampled and sampled["speculative"]["mean_tau"] >= 1
 
 
-def test_the_plans_decoder_is_the_one_whose_val_plans_ran_fastest(monkeypatch):
-    """choose_plan_decoder times each candidate's val plans, the trees and the chain, and returns the fastest; its
-    record names every candidate."""
-    from tree import TreeShape
-    target = tiny_model()
+def test_the_plans_choice_is_profiled_over_their_rows():
+    """Plans of 2 prompts x 2 samples: the chooser's profile is over 4 rows and counts each val plan's rounds as its
+    slowest row's; the choice is the best predicted."""
+    target = tiny_model(max_seq_len=128)
     draft = make_draft(target, n_layers=1).eval()
-    shapes = (TreeShape(6, 3, 2), TreeShape(4, 2, 2))
-    monkeypatch.setattr(bench, "PLAN_TREES", shapes)
-    best, rec = bench.choose_plan_decoder(target, draft, [image_prompt(seed=s) for s in range(2)], 6, None,
-                                          cli.sampling(), 2, 2, chain_gamma=3)
-    ms = rec["ms_per_val_plan"]
-    assert set(ms) == {str(sh) for sh in (*shapes, speculate.Chain(3))} and str(best) == min(ms, key=ms.get)
-    assert rec["ran"] == timing.decoder_json(best)
+    val = timing.plan_batches([image_prompt(seed=s) for s in range(4)], 2)
+    ranked, rec = choose.choice(target, draft, image_prompt(seed=0), val, 6, None, cli.sampling(0.6, top_p=0.98),
+                                samples=2)
+    pred = rec["predicted"]
+    assert rec["rows"] == 4 and rec["chosen"] == choose.name(ranked[0]) == max(
+        pred, key=lambda n: pred[n]["predicted_speedup"])
 
 
 def test_the_toys_action_step_over_rows_is_each_rows_own():

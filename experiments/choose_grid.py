@@ -1,0 +1,116 @@
+"""Is the chooser's pick the fastest on this machine? Every candidate of ops/choose.py (target-only, the chains of
+gamma 1-8, the tree family) timed in the same interleaved passes over the toy's held-out test plans, beside what the
+chooser predicted for each from its profile and the val rounds: the chosen decoder's measured speed-up against the
+best of the grid, and its prediction against its measurement.
+
+Paper: none; the machine-dependent choice of decoder (docs/results.md, "Chosen for the machine").
+
+run: python experiments/choose_grid.py --out experiments/choose_grid_eager.json
+     python experiments/choose_grid.py --compile --out experiments/choose_grid_compiled.json
+     python experiments/choose_grid.py --batch 6 --out experiments/choose_grid_batch6.json
+     python experiments/choose_grid.py --samples 6 --temperature 0.6 --top-p 0.98 --out ...samples6.json
+"""
+import argparse
+import os
+import sys
+import time
+from statistics import median
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch  # noqa: E402
+
+import driving  # noqa: E402
+import evaluate  # noqa: E402
+from ops import checkpoint, choose, cli, files, timing  # noqa: E402
+import speculate  # noqa: E402
+
+CHOOSE_SCENES = 16  # as bench.py: the val scenes whose rounds choose
+
+
+@cli.program
+def main(argv=None):
+    ap = argparse.ArgumentParser(description="Every candidate decoder timed in the same passes, beside the chooser.")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="auto", choices=["auto", *sorted(cli.DTYPES)])
+    ap.add_argument("--prompts", type=int, default=32, help="held-out test scenes (a multiple of --batch)")
+    ap.add_argument("--batch", type=int, default=1, help="prompts per plan")
+    ap.add_argument("--samples", type=int, default=1, help="rows per prompt (sampled: give --temperature)")
+    ap.add_argument("--repeats", type=int, default=3, help="timed passes (median)")
+    ap.add_argument("--compile", action="store_true", help="every arm on compiled steps (the compiled profile)")
+    ap.add_argument("--reprofile", action="store_true", help="measure the machine's profile again")
+    ap.add_argument("--out", required=True, help="the JSON record")
+    cli.add_decoding_flags(ap, "every arm sampling (Alpamayo-R1: 0.6, --top-p 0.98)")
+    a = ap.parse_args(argv)
+    with cli.user_errors(ap):
+        cli.check_out(a.out)
+        if os.path.commonpath([os.path.abspath(a.out), os.path.abspath(checkpoint.SHIPPED)]) == \
+                os.path.abspath(checkpoint.SHIPPED):
+            raise ValueError(f"--out {a.out} is inside the shipped {checkpoint.SHIPPED}: write the record elsewhere")
+        if min(a.prompts, a.batch, a.samples) < 1 or a.prompts % a.batch or a.repeats < 1:
+            raise ValueError("--prompts, --batch, --samples and --repeats must be >= 1; --prompts a multiple of "
+                             "--batch")
+        sampling = cli.sampling(a.temperature, a.top_k, a.top_p, a.sampling_seed)
+        if a.samples > 1 and sampling.greedy:
+            raise ValueError("--samples > 1 needs --temperature > 0 (greedy rows would be identical)")
+    t0 = time.time()
+    device = torch.device(a.device)
+    dtype_name, why = choose.auto_dtype(device) if a.dtype == "auto" else (a.dtype, "as given")
+    target = checkpoint.load(os.path.join(checkpoint.SHIPPED, "target"), dtype=cli.DTYPES[dtype_name],
+                             device=device).eval()
+    draft = checkpoint.load(checkpoint.draft_dir(checkpoint.SHIPPED, "aarl", 0), target=target).eval()
+    tok, views = driving.Tokenizer(), driving.WorldConfig().views
+    split = lambda name, n: evaluate.scene_prompts(driving.make_split(name, n, seed=0), tok, device,  # noqa: E731
+                                                   cli.DTYPES[dtype_name], views)
+    val, plans = split("val", CHOOSE_SCENES), timing.plan_batches(split("test", a.prompts), a.batch)
+    rows, stop, max_new = a.batch * a.samples, tok.cot_end_id, evaluate.MAX_NEW_TOKENS
+    decoders = [c for c in choose.candidates() if c]
+    t, d = target, draft
+    if a.compile:
+        cli.progress("compiling every candidate's steps (minutes on a CPU)")
+        t, d = timing.compiled_pair(target, draft, val + plans, decoders, max_new, rows, choose.COMPILED_LENGTHS)
+    ranked, rec = choose.choice(t, d, val[0], timing.plan_batches(val, a.batch), max_new, stop, sampling, a.samples,
+                                mode="compiled" if a.compile else "eager", reprofile=a.reprofile)
+
+    def run(c, j):  # plan j's rows seeded as timing.plans seeds them: the same draws in every pass
+        kw = dict(samples=a.samples, stop_token=stop, sampling=sampling.offset(rows * j), timing=True)
+        if c is None:
+            return speculate.autoregressive_batch(t, plans[j], max_new, **kw)
+        return speculate.speculative_batch(t, d, plans[j], c, max_new, **kw)
+
+    cli.progress(f"timing {len(decoders) + 1} arms: a warm-up and {a.repeats} passes over {len(plans)} plans")
+    runs = timing.interleaved({choose.name(c): lambda j, c=c: run(c, j) for c in choose.candidates()}, len(plans),
+                              a.repeats, device)
+    passes = {n: timing.plan_ms(ps, len(plans)) for n, ps in runs.items()}  # [pass] ms per plan
+    base = passes[evaluate.TARGET_ONLY]
+    grid = {}
+    for n, ps in passes.items():
+        ups = [b / m for b, m in zip(base, ps)]  # each pass's speed-up: its arms timed back to back
+        results = [r for x in runs[n][0] for r in x.result]
+        grid[n] = {"ms_per_plan": median(ps), "speedup": median(ups), "speedup_range": [min(ups), max(ups)],
+                   "tau": speculate.SpecResult.pooled(results).tau,
+                   "predicted_speedup": rec["predicted"][n]["predicted_speedup"]}
+    best = max(grid, key=lambda n: grid[n]["speedup"])
+    chosen = grid[rec["chosen"]]
+    out = {"what": "every candidate timed in the same passes (ms per plan, until every row is done; median of the "
+                   "passes), the chooser's prediction beside it", "command": "python experiments/choose_grid.py "
+           + " ".join(argv if argv is not None else sys.argv[1:]),
+           "hardware": choose.hardware(device), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+           "threads": torch.get_num_threads(), "torch": torch.__version__, "dtype": dtype_name, "dtype_why": why,
+           "mode": rec["mode"], "rows": rows, "plans": len(plans), "decoding": cli.sampling_json(sampling),
+           "choice": rec, "grid": grid, "best": best,
+           "chosen_over_best": chosen["speedup"] / grid[best]["speedup"],
+           "prediction_error": chosen["predicted_speedup"] / chosen["speedup"] - 1, "wall_s": time.time() - t0}
+    for n, g in grid.items():
+        print(f"{n:<14} predicted {g['predicted_speedup']:.2f}x   measured {g['speedup']:.2f}x "
+              f"[{g['speedup_range'][0]:.2f}-{g['speedup_range'][1]:.2f}]   {g['ms_per_plan']:.1f} ms/plan   "
+              f"tau {g['tau']:.2f}" + ("   <- chosen" if n == rec["chosen"] else ""))
+    print(f"{out['hardware']}, {dtype_name} ({why}), {rec['mode']}, {rows} row(s): chosen {rec['chosen']} measured "
+          f"{chosen['speedup']:.2f}x = {out['chosen_over_best']:.2f} of the grid's best ({best}, "
+          f"{grid[best]['speedup']:.2f}x); predicted {chosen['predicted_speedup']:.2f}x "
+          f"({100 * out['prediction_error']:+.0f}%)")
+    files.write_json(a.out, out)
+    print(f"wrote {a.out}")
+
+
+if __name__ == "__main__":
+    main()

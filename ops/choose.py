@@ -1,0 +1,311 @@
+"""Speculation chosen for the machine it runs on: the dtype the hardware runs natively, a cost profile measured here,
+and one chooser over target-only, the chains of gamma 1-8 and a family of draft trees. The paper fixes its decoder on
+one machine; a verify of N tokens costs a few one-token steps on one CPU and one step on another, so the fastest
+decoder (and whether to speculate at all) is a property of the hardware. Sequoia (arXiv 2402.12374) sizes its tree
+from the device's own verify-cost curve; here the same curve also chooses between no speculation, a chain and a tree.
+
+- The profile: the target's and the draft's forward time against tokens per forward and rows, a draft tree's levels
+  (tree.grow) and what a round costs beyond its forwards (read off one real decode of each kind), for the dtype and the
+  mode (eager or compiled) that will run. Seconds; cached under runs/choose/ by what decides it (the device or CPU
+  capability, threads, torch, dtype, mode, the models' configs, the prompt's length, rows) and reused.
+- The acceptance: each candidate's rounds on val plans (real decoding: the same tokens on any machine, so it depends
+  on the models, the scenes and the decoding, not the hardware); cached the same way.
+- The prediction: ms per plan = rounds x the round's time (target-only: one step per token); the chooser keeps the
+  fastest predicted and the runner-up. Target-only is a candidate, so it never runs a decoder predicted slower than
+  not speculating.
+
+run: python bench.py --device cpu        (the profile, each candidate's prediction, the chosen and the runner-up timed)
+"""
+import hashlib
+import json
+import os
+import platform
+
+import torch
+
+import evaluate
+from model import causal_mask
+from ops import checkpoint, cli, files, timing
+import speculate
+from speculate import EMBED_KEYS, GREEDY, Chain, prefill
+from tree import TreeShape
+
+GAMMAS = tuple(range(1, 9))  # the chains a choice may run
+FAMILY = (TreeShape(8, 4, 3), *evaluate.TREES)  # EAGLE-2 trees: 16/32 nodes at depth 6/8, and a small one for B rows
+CACHE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "runs", "choose")
+# --compile's target step lengths: a chain's or a tree's verify runs padded to the next (ops/compiled.py), so the 8
+# chains and the family compile 7 graphs, and the profile times each chain at its padded length
+COMPILED_LENGTHS = (1, 2, 3, 5, 9, 17, 33)
+PROFILE_METHOD = 2  # bumped when measure_profile measures another way: a cached profile of the old way is stale
+REPS, ROUNDS = 3, 4  # each profiled forward: the least over ROUNDS rounds of the median of REPS calls
+# the real decodes whose time per round, less the profile's forwards, is a round's overhead: target-only's step, a tree
+# round's, and a chain's as a + b gamma (each draft step's feed and argmax beside its forward) from the shortest and
+# the longest chain
+OVERHEAD_DECODERS = {"target-only": None, "chain 1": Chain(1), "chain 8": Chain(8), "tree": FAMILY[1]}
+NATIVE_BF16 = ("avx512_bf16", "amx_bf16")  # /proc/cpuinfo flags of a CPU whose matrix units multiply bf16 natively
+
+
+def candidates():
+    """None (target-only), Chain(1..8), the trees of FAMILY."""
+    return [None, *(Chain(g) for g in GAMMAS), *FAMILY]
+
+
+def name(decoder):
+    return evaluate.TARGET_ONLY if decoder is None else str(decoder_label(decoder))
+
+
+def decoder_label(d):
+    return f"chain {d.gamma}" if d.kind == "chain" else f"tree {shape_key(d)}"
+
+
+def shape_key(sh):
+    return f"{sh.nodes}/{sh.depth}/{sh.width}"
+
+
+# ---- the dtype the hardware runs natively ----
+def cpu_flags():
+    """The CPU's feature flags (Linux /proc/cpuinfo); empty where there is no such file."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((x for x in f if x.startswith("flags")), "")
+    except OSError:
+        return set()
+    return set(line.partition(":")[2].split())
+
+
+def auto_dtype(device):
+    """(--dtype name, why): bf16 where the hardware multiplies it natively (CUDA with bf16, a CPU with AVX-512 BF16 or
+    AMX), else fp32: an emulated bf16 matmul converts every operand and runs slower than fp32's."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        gpu = torch.cuda.get_device_name(device)
+        return ("bf16", f"{gpu} runs bf16 natively") if torch.cuda.is_bf16_supported() else \
+            ("fp32", f"{gpu} has no native bf16")
+    cap, native = torch.backends.cpu.get_cpu_capability(), [f for f in NATIVE_BF16 if f in cpu_flags()]
+    if native:
+        return "bf16", f"the CPU ({cap}) multiplies bf16 natively ({', '.join(native)})"
+    return "fp32", f"the CPU ({cap}) has no native bf16 (no AVX-512 BF16, no AMX): bf16 would run emulated"
+
+
+def hardware(device):
+    """The device's name: the GPU's, or the CPU's with torch's vector capability (AVX2, AVX512, ...)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"{platform.processor() or platform.machine()} {torch.backends.cpu.get_cpu_capability()}"
+
+
+# ---- the cost profile ----
+def config_id(model):
+    """What decides a model's step time: its config (the weights' values do not), hashed."""
+    cfg = getattr(model, "model", model).cfg  # a CompiledSteps' model's
+    return hashlib.sha256(json.dumps(cfg.to_dict(), sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def profile_key(target, draft, prompt, dtype, mode, rows):
+    device = prompt["input_ids"].device
+    return {"method": PROFILE_METHOD, "hardware": hardware(device), "threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+            "dtype": str(dtype).removeprefix("torch."), "mode": mode, "rows": rows, "target": config_id(target),
+            "draft": config_id(draft), "prompt_tokens": prompt["input_ids"].shape[1],
+            "trees": [shape_key(sh) for sh in FAMILY], "gammas": list(GAMMAS)}
+
+
+def cached(kind, key, measure, again=False, log=cli.progress):
+    """measure()'s result, kept in CACHE under key's hash and reused while key holds; again: measured anew. A cache file
+    that cannot be read, or was written for another key, is measured again with one line."""
+    path = os.path.join(CACHE, f"{kind}-{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]}"
+                               ".json")
+    if not again and os.path.lexists(path):
+        try:
+            rec = files.read_json(path)
+            if rec.get("key") != key or "value" not in rec:
+                raise ValueError(f"{path}: written for another key")
+            return rec["value"], f"reused {path}"
+        except (OSError, ValueError) as e:
+            log(f"{kind} cache {cli.one_line(e)}: measuring again")
+    value = measure()
+    try:
+        os.makedirs(CACHE, exist_ok=True)
+        files.write_json(path, {"key": key, "value": value})
+        return value, f"measured now, cached in {path}"
+    except OSError as e:  # a read-only checkout still runs: the choice just is not reused
+        return value, f"measured now (not cached: {cli.one_line(e)})"
+
+
+@torch.no_grad()
+def measure_profile(target, draft, prompt, rows=1, stop_token=None, max_new=evaluate.MAX_NEW_TOKENS):
+    """{"target": {n: s}, "verify": {N: s}, "draft": {n: s}} (one forward of n tokens over `rows` rows after the prompt,
+    a chain's verify; a tree's verify of N + 1 as tree_forward runs it), "grow": {tree: s} (its levels after the root,
+    tree.grow), "overhead": {kind: s} (a target-only step's, a chain round's and a tree round's time beyond their
+    forwards, read off real decodes of the prompt). Every measurement is taken in each of ROUNDS rounds, all of them
+    back to back in each, and the least of its rounds kept: a machine's load that comes and goes only adds time."""
+    device, L = prompt["input_ids"].device, prompt["input_ids"].shape[1]
+    embeds = target.embed(**{k: prompt[k] for k in EMBED_KEYS if prompt.get(k) is not None})  # (1, L, D)
+    # the decode's cache (speculate.new_cache: the prompt but its last token, max_new, a round's N nodes), which a tree
+    # verify's mask spans whole
+    size = L - 1 + max_new + max(sh.nodes for sh in FAMILY)
+
+    def primed(m):  # m's cache of `rows` rows holding the prompt but its last token (one prefill, its rows copied)
+        cache = m.new_cache(batch=rows, max_len=size)
+        prefill(m, prompt, embeds, cache, samples=rows)
+        return cache
+
+    def forward(m, n, tree=False):  # one step of n tokens, as spec_round (feed's mask) or tree_forward runs it
+        cache, x = primed(m), prompt["input_ids"][:, -1:].repeat(rows, n)  # (B, n): values do not change the work
+        slots = cache.slots(n)  # (B, n)
+        mask = causal_mask(slots, cache, cache.max_len if tree else cache.length + n)  # (B, n, S)
+        return lambda: timing.median_time(lambda: m.step(x, slots, cache, positions=slots, mask=mask), device, REPS)
+
+    stacked = evaluate.stack_prompts([prompt] * rows) if rows > 1 else prompt
+    kw = dict(stop_token=stop_token, timing=True)
+
+    def decode(d):  # a real decode's seconds per round (a plan's: until every row is done)
+        def run():
+            rs = speculate.autoregressive_batch(target, stacked, max_new, **kw) if d is None else \
+                speculate.speculative_batch(target, draft, stacked, d, max_new, **kw)
+            return max(r.decode_s for r in rs) / max(r.rounds for r in rs)
+        return run
+
+    timers = {**{("target", n): forward(target, n) for n in range(1, max(GAMMAS) + 2)},
+              **{("verify", sh.nodes): forward(target, sh.nodes + 1, tree=True) for sh in FAMILY},
+              **{("draft", n): forward(draft, n) for n in (1, 2)},
+              **{("grow", shape_key(sh)): grow(draft, primed(draft), prompt, sh, rows) for sh in FAMILY},
+              **{("decode", kind): decode(d) for kind, d in OVERHEAD_DECODERS.items()}}
+    for t in timers.values():  # a warm-up round, untimed: first calls allocate and pick kernels
+        t()
+    least = {}
+    for r in range(ROUNDS):
+        for what in list(timers)[r:] + list(timers)[:r]:  # the order rotated from round to round
+            t = timers[what]()
+            least[what] = min(least.get(what, t), t)
+    prof = {}
+    for (kind, n), t in least.items():
+        prof.setdefault(kind, {})[n] = t
+    t = prof["target"]  # a step of more tokens never costs less: what looks cheaper than a longer one is noise
+    for n in sorted(t, reverse=True)[1:]:
+        t[n] = min(t[n], t[n + 1])
+    # beyond the forwards: sampling or argmax, the verify's walk, the caches' commits, the host's loop
+    o = {kind: prof["decode"][kind] - round_forwards_s(prof, d) for kind, d in OVERHEAD_DECODERS.items()}
+    per_step = max(0.0, (o["chain 8"] - o["chain 1"]) / 7)
+    prof["overhead"] = {"target-only": max(0.0, o["target-only"]), "tree": max(0.0, o["tree"]),
+                        "chain": max(0.0, o["chain 1"] - per_step), "chain_step": per_step}
+    del prof["decode"]
+    return prof
+
+
+def grow(draft, cache, prompt, shape, rows):
+    """A timer of tree.grow over `rows` rows from the draft's root logits: its D - 1 levels and the tree's construction
+    (timing.grow_time's, on B rows). grow writes beyond the committed length and commits nothing: re-runnable."""
+    import tree
+    logits = speculate.feed(draft, cache, prompt["input_ids"][:, -1:].repeat(rows, 1))[:, -1]  # (B, V): q at the root
+    root = torch.tensor(cache.lengths, device=logits.device)  # (B,)
+    fn = getattr(draft, "fused", lambda f: f)(tree.grow)
+    return lambda: timing.median_time(lambda: fn(draft, cache, logits, root, shape), logits.device, REPS)
+
+
+def round_forwards_s(prof, decoder):
+    """A round's forwards (s) in the profile: target-only one step; a chain gamma draft steps and a verify of gamma + 1;
+    a tree its root step, its levels and a verify of N + 1."""
+    t, d = prof["target"], prof["draft"]
+    if decoder is None:
+        return t[1]
+    if decoder.kind == "chain":
+        return decoder.gamma * d[1] + t[decoder.gamma + 1]
+    return d[1] + prof["grow"][shape_key(decoder)] + prof["verify"][decoder.nodes]
+
+
+def round_s(prof, decoder):
+    """A round's predicted time (s): its forwards and its kind's overhead (a chain's: a + b gamma)."""
+    o = prof["overhead"]
+    if decoder is None:
+        return round_forwards_s(prof, None) + o["target-only"]
+    steps = decoder.gamma * o["chain_step"] if decoder.kind == "chain" else 0.0
+    return round_forwards_s(prof, decoder) + o[decoder.kind] + steps
+
+
+def from_json(prof):
+    """A profile read back from JSON (its token counts are string keys there)."""
+    return {k: {int(n) if k in ("target", "verify", "draft") else n: s for n, s in v.items()} for k, v in prof.items()}
+
+
+def profile(target, draft, prompt, rows=1, stop_token=None, max_new=evaluate.MAX_NEW_TOKENS, mode="eager",
+            reprofile=False):
+    """(this machine's profile, how it was had: reused from the cache or measured now)."""
+    dtype = next(getattr(target, "model", target).parameters()).dtype
+    cli.progress(f"the machine's cost profile ({mode}, {rows} row(s)): the target's and the draft's forwards")
+    prof, how = cached("profile", profile_key(target, draft, prompt, dtype, mode, rows),
+                       lambda: measure_profile(target, draft, prompt, rows, stop_token, max_new), reprofile)
+    return from_json(prof), how
+
+
+def speedup(prof, decoder, tau):
+    """The profile's predicted speed-up of a decoder at tau tokens per round (one row): tau T(target-only) /
+    T(round)."""
+    return tau * round_s(prof, None) / round_s(prof, decoder)
+
+
+# ---- the acceptance on val: rounds per plan ----
+@torch.no_grad()
+def measure_acceptance(target, draft, plans, max_new, stop_token, sampling=GREEDY, samples=1):
+    """{candidate name: {"rounds", "tokens"}} summed over the val plans (each a prompt of B / samples rows, every row
+    `samples` times): a plan's rounds are its slowest row's (a batch runs until every row is done), target-only's
+    rounds its steps. Real decoding, so exact; plan j's rows seeded as timing.plans seeds them."""
+    out = {}
+    for c in candidates():
+        rounds = tokens = 0
+        for j, p in enumerate(plans):
+            kw = dict(samples=samples, stop_token=stop_token, sampling=sampling.offset(p["input_ids"].shape[0]
+                                                                                        * samples * j))
+            rs = speculate.autoregressive_batch(target, p, max_new, **kw) if c is None else \
+                speculate.speculative_batch(target, draft, p, c, max_new, **kw)
+            rounds, tokens = rounds + max(r.rounds for r in rs), tokens + sum(len(r.tokens) for r in rs)
+        out[name(c)] = {"rounds": rounds, "tokens": tokens}
+    return out
+
+
+# ---- the chooser ----
+def predict(prof, acceptance, rows=1):
+    """{candidate name: {"tau" (a row's tokens per round), "round_ms", "predicted_speedup"}}: ms per plan = rounds x
+    round_s, over target-only's."""
+    base = acceptance[evaluate.TARGET_ONLY]["rounds"] * round_s(prof, None)
+    out = {}
+    for c in candidates():
+        a, r = acceptance[name(c)], round_s(prof, c)
+        out[name(c)] = {"tau": a["tokens"] / a["rounds"] / rows if c else 1.0, "round_ms": 1e3 * r,
+                        "predicted_speedup": base / (a["rounds"] * r)}
+    return out
+
+
+def choose(predicted):
+    """The candidates fastest predicted first (decoders, None for target-only): the chosen, then the runner-up."""
+    return sorted(candidates(), key=lambda c: -predicted[name(c)]["predicted_speedup"])
+
+
+def choice(target, draft, prompt, val_plans, max_new, stop_token, sampling=GREEDY, samples=1, mode="eager",
+           reprofile=False):
+    """The chooser end to end -> (the candidates ranked, fastest predicted first; the record: the profile, each
+    candidate's prediction, how each part was had). prompt: one val prompt (batch 1) the profile runs on; val_plans:
+    the plans whose rounds are counted."""
+    rows = val_plans[0]["input_ids"].shape[0] * samples
+    dtype = next(getattr(target, "model", target).parameters()).dtype
+    prof, how_p = profile(target, draft, prompt, rows, stop_token, max_new, mode, reprofile)
+    ids = hashlib.sha256(b"".join(p["input_ids"].cpu().numpy().tobytes() for p in val_plans)).hexdigest()[:16]
+    key = {"target": checkpoint.fingerprint(getattr(target, "model", target)),
+           "draft": checkpoint.fingerprint(getattr(draft, "model", draft)), "dtype": str(dtype), "max_new": max_new,
+           "plans": len(val_plans), "prompts": ids, "rows": rows, "samples": samples, "stop_token": stop_token,
+           "decoding": cli.sampling_json(sampling), "candidates": [name(c) for c in candidates()]}
+    cli.progress(f"each candidate's rounds on {len(val_plans)} val plan(s) (once per models and decoding)")
+    acc, how_a = cached("acceptance", key, lambda: measure_acceptance(target, draft, val_plans, max_new, stop_token,
+                                                                      sampling, samples))
+    predicted = predict(prof, acc, rows)
+    ranked = choose(predicted)
+    t1 = prof["target"][1]
+    return ranked, {
+        "what": "the decoder predicted fastest on this machine: val rounds x the profile's round time",
+        "chosen": name(ranked[0]), "runner_up": name(ranked[1]), "mode": mode, "rows": rows, "profile": how_p,
+        "acceptance": how_a, "predicted": predicted, "steps_ms": {str(n): 1e3 * s for n, s in prof["target"].items()},
+        "verify_ms": {str(n): 1e3 * s for n, s in prof["verify"].items()},
+        "draft_ms": {str(n): 1e3 * s for n, s in prof["draft"].items()},
+        "overhead_ms": {k: 1e3 * s for k, s in prof["overhead"].items()},
+        "steep": [n + 1 for n, s in prof["verify"].items() if s > 2 * t1]}  # verifies costing > 2 one-token steps

@@ -1,0 +1,124 @@
+"""The hardware chooser (ops/choose.py): synthetic profiles choose what their cost curve says (a flat verify a large
+tree, a steep one a chain or no speculation), the cache holds only for its key, --dtype auto follows the hardware, and
+a real profile and acceptance on tiny models (the rounds are real decoding's).
+
+run: python -m pytest -q tests/test_choose.py
+"""
+import json
+
+import pytest
+import torch
+
+from model import make_draft
+from ops import choose, files
+from speculate import Chain
+from tiny_models import image_prompt, tiny_model
+from tree import TreeShape
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+TOKENS = 300  # val tokens in the synthetic acceptance
+
+
+def synthetic(step, verify_per_token, draft=0.02, overhead=0.0):
+    """A profile (s): a one-token step `step`, each extra verified token adding verify_per_token x step, draft steps and
+    tree levels `draft` of a step."""
+    t = {n: step * (1 + verify_per_token * (n - 1)) for n in range(1, max(choose.GAMMAS) + 2)}
+    return {"target": t, "verify": {sh.nodes: step * (1 + verify_per_token * sh.nodes) for sh in choose.FAMILY},
+            "draft": {1: draft * step, 2: draft * step},
+            "grow": {choose.shape_key(sh): (sh.depth - 1) * draft * step for sh in choose.FAMILY},
+            "overhead": {**dict.fromkeys(("target-only", "chain", "tree"), overhead), "chain_step": 0.0}}
+
+
+def acceptance(alpha=0.8):
+    """Rounds of TOKENS val tokens for an i.i.d. acceptance alpha: a chain's expected tau; a tree's its depth's chain
+    tau raised by its width (more nodes, more chances at each depth)."""
+    out = {"target-only": {"rounds": TOKENS, "tokens": TOKENS}}
+    for c in choose.candidates()[1:]:
+        a = 1 - (1 - alpha) ** c.width  # a level passes when any of its k candidates is the target's token
+        tau = (1 - a ** (c.depth + 1)) / (1 - a) * min(1.0, c.nodes / (c.depth * c.width))
+        out[choose.name(c)] = {"rounds": round(TOKENS / max(tau, 1.0)), "tokens": TOKENS}
+    return out
+
+
+def test_a_flat_verify_picks_a_large_tree_and_a_steep_one_a_chain_or_target_only():
+    flat = choose.choose(choose.predict(synthetic(0.01, 0.0), acceptance()))
+    assert flat[0].kind == "tree" and flat[0].nodes == 32  # a verify of 33 costs one step: the most nodes win
+    mid = choose.choose(choose.predict(synthetic(0.01, 0.25), acceptance()))
+    assert mid[0].kind == "chain"  # each verified token costs a quarter step: a short chain beats every tree
+    steep = choose.predict(synthetic(0.01, 1.0, draft=0.3), acceptance(alpha=0.3))
+    ranked = choose.choose(steep)
+    assert ranked[0] is None and steep["target-only"]["predicted_speedup"] == 1.0  # nothing predicted faster
+    assert all(v["predicted_speedup"] < 1 for k, v in steep.items() if k != "target-only")
+
+
+def test_the_prediction_is_rounds_times_the_round():
+    prof, acc = synthetic(0.01, 0.1, overhead=0.001), acceptance()
+    pred = choose.predict(prof, acc)
+    c = Chain(4)
+    round_s = 4 * prof["draft"][1] + prof["target"][5] + 0.001
+    want = TOKENS * (0.01 + 0.001) / (acc["chain 4"]["rounds"] * round_s)
+    assert pred["chain 4"]["predicted_speedup"] == pytest.approx(want) and choose.round_s(prof, c) == round_s
+    sh = TreeShape(16, 6, 3)
+    assert choose.round_s(prof, sh) == pytest.approx(prof["draft"][1] + prof["grow"]["16/6/3"]
+                                                     + prof["verify"][16] + 0.001)
+
+
+def test_the_cache_holds_only_for_its_key(tmp_path, monkeypatch):
+    monkeypatch.setattr(choose, "CACHE", str(tmp_path))
+    calls, said = [], []
+    measure = lambda: calls.append(1) or {"x": len(calls)}  # noqa: E731
+    key = {"hardware": "cpu AVX2", "threads": 2, "torch": "2.13", "dtype": "float32", "mode": "eager"}
+    assert choose.cached("profile", key, measure)[0] == {"x": 1}
+    assert choose.cached("profile", key, measure)[0] == {"x": 1} and len(calls) == 1  # reused
+    for field, other in (("hardware", "cpu AVX512"), ("threads", 1), ("torch", "2.11"), ("dtype", "bfloat16"),
+                         ("mode", "compiled")):
+        n = len(calls)
+        choose.cached("profile", {**key, field: other}, measure)
+        assert len(calls) == n + 1  # any field changed: measured again
+    assert choose.cached("profile", key, measure, again=True)[0] == {"x": 7}  # --reprofile
+    path = next(p for p in tmp_path.iterdir() if json.loads(p.read_text())["key"] == key)
+    path.write_text("{not json")  # a bad cache file: one line, measured again, rewritten
+    value, how = choose.cached("profile", key, measure, log=said.append)
+    assert value == {"x": 8} and "measured now" in how and len(said) == 1 and "not valid JSON" in said[0]
+    path.write_text(json.dumps({"key": {**key, "threads": 64}, "value": {"x": 0}}))  # another key at this name
+    assert choose.cached("profile", key, measure, log=said.append)[0] == {"x": 9} and "another key" in said[1]
+    assert files.read_json(str(path))["value"] == {"x": 9}
+
+
+@pytest.mark.parametrize("device, flags, capability, bf16_gpu, want", [
+    ("cpu", {"avx2", "fma"}, "AVX2", None, "fp32"),
+    ("cpu", {"avx512f", "avx512bw"}, "AVX512", None, "fp32"),  # AVX-512 without its BF16 extension: emulated
+    ("cpu", {"avx512f", "avx512_bf16"}, "AVX512", None, "bf16"),
+    ("cpu", {"amx_bf16", "amx_tile"}, "AVX512", None, "bf16"),
+    ("cuda", set(), "AVX2", True, "bf16"),
+    ("cuda", set(), "AVX2", False, "fp32"),
+])
+def test_auto_dtype_follows_the_hardware(monkeypatch, device, flags, capability, bf16_gpu, want):
+    monkeypatch.setattr(choose, "cpu_flags", lambda: flags)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "a GPU")
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: bf16_gpu)
+    dtype, why = choose.auto_dtype(device)
+    assert dtype == want and (capability in why or device == "cuda")
+
+
+def test_a_real_profile_and_the_val_rounds_of_tiny_models(tmp_path, monkeypatch):
+    """On tiny models: every forward of the profile timed, the overheads >= 0; the rounds are real decoding's (the
+    target-only rounds are its tokens); the choice is the best predicted and its record names every candidate."""
+    monkeypatch.setattr(choose, "CACHE", str(tmp_path))
+    monkeypatch.setattr(choose, "REPS", 2)
+    target = tiny_model(max_seq_len=128)  # the family's 32-node trees need the room
+    draft = make_draft(target, n_layers=1).eval()
+    val = [image_prompt(seed=s) for s in range(2)]
+    ranked, rec = choose.choice(target, draft, val[0], val, 6, None)
+    names = [choose.name(c) for c in choose.candidates()]
+    assert set(rec["predicted"]) == set(names) and rec["chosen"] == choose.name(ranked[0])
+    best = max(rec["predicted"].values(), key=lambda v: v["predicted_speedup"])
+    assert rec["predicted"][rec["chosen"]] == best and "measured now" in rec["profile"]
+    assert all(v >= 0 for v in rec["overhead_ms"].values()) and len(rec["steps_ms"]) == 9
+    acc = choose.measure_acceptance(target, draft, val, 6, None)
+    assert acc["target-only"]["rounds"] == acc["target-only"]["tokens"] == 12  # 6 tokens each, one step each
+    assert all(a["tokens"] == 12 and 1 <= a["rounds"] <= 12 for a in acc.values())
+    again = choose.choice(target, draft, val[0], val, 6, None)[1]
+    assert again["profile"].startswith("reused") and again["acceptance"].startswith("reused")
