@@ -4,9 +4,11 @@ docs/background.md, "Speculative decoding"): speed-up = tau T_target(1) / (gamma
 
 Paper: RSD accelerates the reasoning step; the prefill, shared by both arms, is reported apart. Fairness: the same
 KV-cached forward and dtype in both arms, every shape warmed up, the device synchronised before each clock reading,
-the arms alternating within each repeat, medians reported; greedy outputs compared token by token. Random weights
-(--preset, or --target without --draft): read the cost model (experiments/gpu_check.py predicts the speed-up at the
-real shape from the toy's recorded acceptance).
+the arms alternating within each repeat, medians reported; greedy outputs compared token by token. With no --tree
+or --gamma the toy's decoder (and with --dtype auto every mode's dtype) is chosen for the machine that runs
+(ops/choose.py: target-only, chains, trees), its runner-up timed beside it. Random weights (--preset, or --target
+without --draft): read the cost model (experiments/gpu_check.py predicts the speed-up at the real shape from the
+toy's recorded acceptance).
 
 run: python bench.py --device cpu [--compile]                          (the toy, from the shipped checkpoints/toy)
      python bench.py --device cuda --preset qwen3-vl-8b [--draft-vocab 32768]  (real shapes, random weights)
@@ -519,6 +521,8 @@ def check_flags(ap, args):
                      (args.prompts % args.batch, f"--prompts {args.prompts} is not a multiple of --batch "
                       f"{args.batch}: every plan has --batch prompts (a partial last plan would be dropped)"),
                      (args.repeats < 3, "--repeats must be >= 3 (the median of at least three passes is reported)"),
+                     (args.reprofile and not args.choose, "--reprofile measures the chooser's profile again: it goes "
+                      "with the toy's chosen decoder (no --tree, --gamma, --stream or --relaxed)"),
                      (args.threads is not None and args.threads < 1,
                       f"--threads must be >= 1 (omit it for torch's default), got {args.threads}"),
                      (not 0 <= args.views <= driving.MAX_VIEWS, f"--views must be in 0..{driving.MAX_VIEWS} (the "

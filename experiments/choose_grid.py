@@ -38,14 +38,15 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=3, help="timed passes (median)")
     ap.add_argument("--compile", action="store_true", help="every arm on compiled steps (the compiled profile)")
     ap.add_argument("--reprofile", action="store_true", help="measure the machine's profile again")
+    ap.add_argument("--run", default=checkpoint.SHIPPED, help="toy checkpoints: its target and FlatRoPE + AARL seed 0")
     ap.add_argument("--out", required=True, help="the JSON record")
     cli.add_decoding_flags(ap, "every arm sampling (Alpamayo-R1: 0.6, --top-p 0.98)")
     a = ap.parse_args(argv)
     with cli.user_errors(ap):
         cli.check_out(a.out)
-        if os.path.commonpath([os.path.abspath(a.out), os.path.abspath(checkpoint.SHIPPED)]) == \
-                os.path.abspath(checkpoint.SHIPPED):
-            raise ValueError(f"--out {a.out} is inside the shipped {checkpoint.SHIPPED}: write the record elsewhere")
+        for folder in (checkpoint.SHIPPED, a.run):  # never a checkpoint this run reads or the repo ships
+            if os.path.commonpath([os.path.abspath(a.out), os.path.abspath(folder)]) == os.path.abspath(folder):
+                raise ValueError(f"--out {a.out} is inside the checkpoints folder {folder}: write the record elsewhere")
         if min(a.prompts, a.batch, a.samples) < 1 or a.prompts % a.batch or a.repeats < 1:
             raise ValueError("--prompts, --batch, --samples and --repeats must be >= 1; --prompts a multiple of "
                              "--batch")
@@ -55,9 +56,9 @@ def main(argv=None):
     t0 = time.time()
     device = torch.device(a.device)
     dtype_name, why = choose.auto_dtype(device) if a.dtype == "auto" else (a.dtype, "as given")
-    target = checkpoint.load(os.path.join(checkpoint.SHIPPED, "target"), dtype=cli.DTYPES[dtype_name],
-                             device=device).eval()
-    draft = checkpoint.load(checkpoint.draft_dir(checkpoint.SHIPPED, "aarl", 0), target=target).eval()
+    with cli.user_errors(ap):  # a folder without the checkpoints: one line
+        target = checkpoint.load(os.path.join(a.run, "target"), dtype=cli.DTYPES[dtype_name], device=device).eval()
+        draft = checkpoint.load(checkpoint.draft_dir(a.run, "aarl", 0), target=target).eval()
     tok, views = driving.Tokenizer(), driving.WorldConfig().views
     split = lambda name, n: evaluate.scene_prompts(driving.make_split(name, n, seed=0), tok, device,  # noqa: E731
                                                    cli.DTYPES[dtype_name], views)

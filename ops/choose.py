@@ -5,8 +5,8 @@ decoder (and whether to speculate at all) is a property of the hardware. Sequoia
 from the device's own verify-cost curve; here the same curve also chooses between no speculation, a chain and a tree.
 
 - The profile: the target's and the draft's forward time against tokens per forward and rows, a draft tree's levels
-  (tree.grow) and what a round costs beyond its forwards (read off one real decode of each kind), for the dtype and the
-  mode (eager or compiled) that will run. Seconds; cached under runs/choose/ by what decides it (the device or CPU
+  (tree.grow) and what a round costs beyond its forwards (read off real decodes), for the dtype and the mode (eager
+  or compiled) that will run. Seconds; cached under runs/choose/ by what decides it (the device or CPU
   capability, threads, torch, dtype, mode, the models' configs, the prompt's length, rows) and reused.
 - The acceptance: each candidate's rounds on val plans (real decoding: the same tokens on any machine, so it depends
   on the models, the scenes and the decoding, not the hardware); cached the same way.
@@ -28,6 +28,7 @@ from model import causal_mask
 from ops import checkpoint, cli, files, timing
 import speculate
 from speculate import EMBED_KEYS, GREEDY, Chain, prefill
+import tree
 from tree import TreeShape
 
 GAMMAS = tuple(range(1, 9))  # the chains a choice may run
@@ -36,8 +37,8 @@ CACHE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # --compile's target step lengths: a chain's or a tree's verify runs padded to the next (ops/compiled.py), so the 8
 # chains and the family compile 7 graphs, and the profile times each chain at its padded length
 COMPILED_LENGTHS = (1, 2, 3, 5, 9, 17, 33)
-PROFILE_METHOD = 2  # bumped when measure_profile measures another way: a cached profile of the old way is stale
-REPS, ROUNDS = 3, 4  # each profiled forward: the least over ROUNDS rounds of the median of REPS calls
+PROFILE_METHOD = 3  # bumped when measure_profile measures another way: a cached profile of the old way is stale
+REPS, ROUNDS = 3, 3  # each profiled forward: the least over ROUNDS rounds of the median of REPS calls
 # the real decodes whose time per round, less the profile's forwards, is a round's overhead: target-only's step, a tree
 # round's, and a chain's as a + b gamma (each draft step's feed and argmax beside its forward) from the shortest and
 # the longest chain
@@ -51,11 +52,10 @@ def candidates():
 
 
 def name(decoder):
-    return evaluate.TARGET_ONLY if decoder is None else str(decoder_label(decoder))
-
-
-def decoder_label(d):
-    return f"chain {d.gamma}" if d.kind == "chain" else f"tree {shape_key(d)}"
+    """target-only, chain 7, tree 16/8/3: a candidate's name in the records."""
+    if decoder is None:
+        return evaluate.TARGET_ONLY
+    return f"chain {decoder.gamma}" if decoder.kind == "chain" else f"tree {shape_key(decoder)}"
 
 
 def shape_key(sh):
@@ -151,26 +151,38 @@ def measure_profile(target, draft, prompt, rows=1, stop_token=None, max_new=eval
         prefill(m, prompt, embeds, cache, samples=rows)
         return cache
 
+    caches = {"target": primed(target), "draft": primed(draft)}  # a step writes past the length, commits nothing
+
     def forward(m, n, tree=False):  # one step of n tokens, as spec_round (feed's mask) or tree_forward runs it
-        cache, x = primed(m), prompt["input_ids"][:, -1:].repeat(rows, n)  # (B, n): values do not change the work
+        cache = caches["target" if m is target else "draft"]
+        x = prompt["input_ids"][:, -1:].repeat(rows, n)  # (B, n): values do not change the work
         slots = cache.slots(n)  # (B, n)
         mask = causal_mask(slots, cache, cache.max_len if tree else cache.length + n)  # (B, n, S)
         return lambda: timing.median_time(lambda: m.step(x, slots, cache, positions=slots, mask=mask), device, REPS)
 
-    stacked = evaluate.stack_prompts([prompt] * rows) if rows > 1 else prompt
-    kw = dict(stop_token=stop_token, timing=True)
+    kw = dict(samples=rows, stop_token=stop_token, timing=True)  # one prefill, its rows copied
 
     def decode(d):  # a real decode's seconds per round (a plan's: until every row is done)
         def run():
-            rs = speculate.autoregressive_batch(target, stacked, max_new, **kw) if d is None else \
-                speculate.speculative_batch(target, draft, stacked, d, max_new, **kw)
+            rs = speculate.autoregressive_batch(target, prompt, max_new, **kw) if d is None else \
+                speculate.speculative_batch(target, draft, prompt, d, max_new, **kw)
             return max(r.decode_s for r in rs) / max(r.rounds for r in rs)
         return run
+
+    # tree.grow from the draft's root logits (timing.grow_time's, on B rows): the D - 1 levels and the tree's
+    # construction, written past the committed length, nothing committed: re-runnable
+    grown = primed(draft)
+    q = speculate.feed(draft, grown, prompt["input_ids"][:, -1:].repeat(rows, 1))[:, -1]  # (B, V): q at the root
+    root = torch.tensor(grown.lengths, device=device)  # (B,)
+    grow = getattr(draft, "fused", lambda f: f)(tree.grow)
+
+    def levels(sh):
+        return lambda: timing.median_time(lambda: grow(draft, grown, q, root, sh), device, REPS)
 
     timers = {**{("target", n): forward(target, n) for n in range(1, max(GAMMAS) + 2)},
               **{("verify", sh.nodes): forward(target, sh.nodes + 1, tree=True) for sh in FAMILY},
               **{("draft", n): forward(draft, n) for n in (1, 2)},
-              **{("grow", shape_key(sh)): grow(draft, primed(draft), prompt, sh, rows) for sh in FAMILY},
+              **{("grow", shape_key(sh)): levels(sh) for sh in FAMILY},
               **{("decode", kind): decode(d) for kind, d in OVERHEAD_DECODERS.items()}}
     for t in timers.values():  # a warm-up round, untimed: first calls allocate and pick kernels
         t()
@@ -192,16 +204,6 @@ def measure_profile(target, draft, prompt, rows=1, stop_token=None, max_new=eval
                         "chain": max(0.0, o["chain 1"] - per_step), "chain_step": per_step}
     del prof["decode"]
     return prof
-
-
-def grow(draft, cache, prompt, shape, rows):
-    """A timer of tree.grow over `rows` rows from the draft's root logits: its D - 1 levels and the tree's construction
-    (timing.grow_time's, on B rows). grow writes beyond the committed length and commits nothing: re-runnable."""
-    import tree
-    logits = speculate.feed(draft, cache, prompt["input_ids"][:, -1:].repeat(rows, 1))[:, -1]  # (B, V): q at the root
-    root = torch.tensor(cache.lengths, device=logits.device)  # (B,)
-    fn = getattr(draft, "fused", lambda f: f)(tree.grow)
-    return lambda: timing.median_time(lambda: fn(draft, cache, logits, root, shape), logits.device, REPS)
 
 
 def round_forwards_s(prof, decoder):

@@ -122,3 +122,13 @@ def test_a_real_profile_and_the_val_rounds_of_tiny_models(tmp_path, monkeypatch)
     assert all(a["tokens"] == 12 and 1 <= a["rounds"] <= 12 for a in acc.values())
     again = choose.choice(target, draft, val[0], val, 6, None)[1]
     assert again["profile"].startswith("reused") and again["acceptance"].startswith("reused")
+
+
+def test_reprofile_without_the_chooser_is_one_line(capsys):
+    """--reprofile re-measures the chooser's profile: with a decoder named (--tree, --gamma) nothing is chosen, so it
+    is refused before any work."""
+    import bench
+    for named in (["--tree", "0"], ["--gamma", "3"], ["--stream", "2"]):
+        with pytest.raises(SystemExit):
+            bench.main(["--reprofile", *named])
+        assert "--reprofile measures the chooser's profile again" in capsys.readouterr().err.strip().splitlines()[-1]

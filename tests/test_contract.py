@@ -63,6 +63,8 @@ PROGRAMS = {
     "experiments/stream_lookup.py": ("stream_lookup", "file", "--clips", False,
                                      "--clips 1 --check 0 --out {tmp}/l.json"),
     "experiments/cost_per_1000_scenes.py": ("cost_per_1000_scenes", "file", "--reps", False, "--out {tmp}/c.json"),
+    "experiments/choose_grid.py": ("choose_grid", "file", "--prompts", False,
+                                   "--prompts 1 --repeats 1 --out {tmp}/c.json"),
     # reads two JSON files and compares them at once: no output, no count, no stage to interrupt
     "experiments/compare_rsd.py": ("compare_rsd", None, None, False, None),
 }

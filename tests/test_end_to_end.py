@@ -111,7 +111,7 @@ def test_rsd_json_contract_and_exactness(run_dir, capsys):
 
 def test_rsd_search_is_recorded_and_a_stale_record_is_not_used(run_dir, tmp_path, monkeypatch, capsys):
     """--search records the val search beside the checkpoints; a later run with the same checkpoints and settings reads
-    it (the same gamma and trees, no step time measured); after a draft changed (another fingerprint) the record is
+    it (the same gamma and trees: the step costs are the machine's cached profile); after a draft changed (another fingerprint) the record is
     not used and the search runs again."""
     run = tmp_path / "run"
     shutil.copytree(run_dir, run)
@@ -121,6 +121,7 @@ def test_rsd_search_is_recorded_and_a_stale_record_is_not_used(run_dir, tmp_path
     searched = last_json(capsys)
     rec = files.read_json(run / rsd.SEARCH_JSON)
     assert set(rec["tree_val_tau"]["replica"]) == {rsd.shape_key(sh) for sh in rsd.TREES}  # --search: every tree
+    assert set(rec) == {"what", "command", "key", "tree_val_tau"}  # no step time: those are the machine's profile
     assert rec["key"]["drafts"]["flatrope"] == checkpoint.fingerprint(
         checkpoint.load(checkpoint.draft_dir(str(run), "flat", 0), target=checkpoint.load(run / "target")))
     calls, real_search = [], rsd.search
