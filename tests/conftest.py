@@ -1,5 +1,5 @@
 """Shared pytest setup: offline Hugging Face hub, the repo importable, a one-thread fixture, torch.compile on
-dynamo's eager backend, the chooser's cache in a folder of the session's, a run killed after its first save, the `slow` and `peer` markers.
+dynamo's eager backend, the chooser's cache in a folder of the session's (and its profile cut short), a run killed after its first save, the `slow` and `peer` markers.
 
 Tests marked `@pytest.mark.slow` (torch.compile: minutes of compilation on a CPU; a real shape's random weights) are
 skipped unless pytest gets --slow, so the default suite keeps its budget on 2 CPU cores.
@@ -21,10 +21,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 def choose_cache(tmp_path_factory):
     """The chooser's profiles and val rounds (ops/choose.py) cached in a folder of the session's, not the checkout's
     runs/choose/: a test never reads what an earlier run of the programs measured."""
+    import bench
     from ops import choose
-    saved, choose.CACHE = choose.CACHE, str(tmp_path_factory.mktemp("choose"))
+    saved = choose.CACHE, choose.ROUNDS, choose.REPS, bench.CHOOSE_SCENES
+    # one round of one call per profiled forward and 4 val scenes: the tests check the chooser's flow and records, not
+    # its precision (tests/test_choose.py checks the choice on profiles it builds)
+    choose.CACHE, choose.ROUNDS, choose.REPS, bench.CHOOSE_SCENES = str(tmp_path_factory.mktemp("choose")), 1, 1, 4
     yield
-    choose.CACHE = saved
+    choose.CACHE, choose.ROUNDS, choose.REPS, bench.CHOOSE_SCENES = saved
 
 
 @pytest.fixture

@@ -281,8 +281,9 @@ def test_bench_sampling_reports_the_sampled_runs_beside_greedy(run_dir, capsys):
     target = checkpoint.load(run_dir / "target").eval()
     draft = checkpoint.load(out["draft"], target=target).eval()
     prompts = evaluate.scene_prompts(driving.make_split("test", 3, seed=0), tok, "cpu", torch.float32, VIEWS)
-    shape = TreeShape(*(out["decoder"][k] for k in ("nodes", "depth", "width")))
-    res = [speculate.speculative(target, draft, p, shape, evaluate.MAX_NEW_TOKENS,
+    d = out["decoder"]  # the chooser's: a chain or a tree
+    decoder = speculate.Chain(d["gamma"]) if d["kind"] == "chain" else TreeShape(d["nodes"], d["depth"], d["width"])
+    res = [speculate.speculative(target, draft, p, decoder, evaluate.MAX_NEW_TOKENS,
                             speculate.Sampling(0.8, top_p=0.95, seed=7 + i), stop_token=tok.cot_end_id) for i, p in enumerate(prompts)]
     n = sum(len(r.tokens) for r in res)
     assert out["sampled"]["tokens"] == n and out["sampled"]["tau"] == pytest.approx(n / sum(r.rounds for r in res))
