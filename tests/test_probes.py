@@ -10,7 +10,7 @@ import torch
 import bench
 from experiments import probes
 from model import make_draft
-from ops import compiled, timing
+from ops import choose, compiled, timing
 import speculate
 from tiny_models import image_prompt, tiny_model
 
@@ -48,7 +48,7 @@ def watched_benchmark(monkeypatch, *args, **kwargs):
 
 
 @pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
-def test_a_compiled_step_compiles_only_in_its_compile_pass(eager_dynamo, monkeypatch, tree):
+def test_a_compiled_step_compiles_only_in_its_compile_pass(eager_dynamo, monkeypatch, tmp_path, tree):
     """--compile: every step shape compiles in the decodes timed as compile_s and never again: not in the timed
     passes' warm-up, the timed passes or the cost model (dynamo guards on the grad mode and the inputs' dispatch
     keys, so timing under another grad mode than the compile pass recompiles every shape). A tree as bench's toy
@@ -58,6 +58,7 @@ def test_a_compiled_step_compiles_only_in_its_compile_pass(eager_dynamo, monkeyp
     draft = make_draft(target, n_layers=1).eval()
     prompts = [image_prompt(seed=s) for s in range(2)]
     kw = dict(choose=[image_prompt(seed=9)]) if tree else {}
+    monkeypatch.setattr(choose, "CACHE", str(tmp_path))  # the profile and val rounds measured here, not reused
     res, c = watched_benchmark(monkeypatch, target, draft, prompts, 3, 6, repeats=3, compile=True, chain_gamma=3, **kw)
     assert set(c["steps"]) == {"compile", "warm-up", "timed", "cost model"}, c["steps"].keys()
     warm = c["steps"]["compile"]  # the decodes timed as compile_s (and the chooser's profile and val rounds)

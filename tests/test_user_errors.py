@@ -190,7 +190,7 @@ def test_train_bad_flags_fail_at_parse_time(argv, msg, capsys):
     # issue #43: no bounds grew to 20 GB, ran past the 1,024 positions, or ended in a traceback
     (["--gamma", "100000"], "--gamma 100000 is more than --max-new 32"),
     (["--gamma", "2000", "--max-new", "8"], "--gamma 2000 is more than --max-new 8"),
-    (["--max-new", "4", "--tree", "32"], "--tree-depth 8 is more than --max-new 4"),
+    (["--max-new", "4", "--tree", "32", "--gamma", "2"], "--tree-depth 8 is more than --max-new 4"),
     (["--tree-width", "1000"], "--tree-width 1000 and --tree-depth 8 grow 7001000 candidates a round, more than 1024"),
     (["--tree", "300", "--tree-depth", "1", "--tree-width", "300"], "--tree-width 300 is more than the draft's 257"),
     (["--max-new", "1000", "--gamma", "900", "--tree", "0"], "--max-new 1000 and --gamma 900 need 1900 positions "
