@@ -374,8 +374,9 @@ def choice_lines(ch):
             ("profile", f"one-token step {ch['steps_ms']['1']:.2f} ms, verify of " + ", ".join(
                 f"{int(n) + 1} {v:.2f}" for n, v in ch["verify_ms"].items()) + f" ms, draft step "
              f"{ch['draft_ms']['1']:.3f} ms{steep} ({ch['profile']})"),
-            ("candidates", ", ".join(f"{n} {v['predicted_speedup']:.2f}x" for n, v in pred.items())
-             + f" (rounds on val: {ch['acceptance']})")]
+            ("candidates", ", ".join(f"{n}{'*' * v.get('timed', False)} {v['predicted_speedup']:.2f}x"
+                                     for n, v in pred.items())
+             + f" (*: a real decode's round; rounds on val: {ch['acceptance']})")]
 
 
 def plan_lines(p):
@@ -578,6 +579,8 @@ def check_flags(ap, args):
             raise ValueError(f"--tree-width {args.tree_width} and --tree-depth {args.tree_depth} grow {n} candidates "
                              f"a round, more than {MAX_TREE_CANDIDATES}")
         cli.check_device(args.device)
+        if args.images_dir:  # every image a regular file, before the target loads: a FIFO among them would hang
+            files.listed(args.images_dir, files.IMAGE_SUFFIXES)
         if args.draft and checkpoint.existing_kind(args.draft) == "target":
             raise ValueError(f"--draft {args.draft} holds a target model, not a draft (it would accept every token)")
         needed = [os.path.join(args.run, "target"), args.draft or checkpoint.draft_dir(args.run, *TOY_DRAFT)]

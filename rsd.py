@@ -420,7 +420,10 @@ def run(ap, a, seeds, sampling, device):
     keys += ("tree", "val_tau", "alpha_by_depth", "nodes_per_round")  # None on chain rows
     for r in rows:  # the table's "± x": half the spread over a row's drafts (tau_spread is the whole of it)
         r["tau_pm"] = r["tau_spread"] / 2 if r.get("folders", 0) > 1 else None
-    return {"decoding": cli.sampling_json(sampling), "compiled": a.compile, "greedy_match": greedy_match,
+    # the top level's identity is the whole run's: a lossy section whose CoCs changed makes it False
+    same = None if lossy is None else all(r["identical_to_lossless"] for r in lossy.values())
+    return {"decoding": cli.sampling_json(sampling), "compiled": a.compile,
+            **cli.identity(greedy_match, same if table.greedy else None if lossy is None else False),
             "tau_ceiling": aarl_row["tau_ceiling"], "sweep": sweep,
             "target": {k: metrics[k] for k in ("coc_exact", "commitment_acc", "ade")},
             "prompt": {"visual_tokens": n_visual, "history_tokens": n_hist},
@@ -429,7 +432,11 @@ def run(ap, a, seeds, sampling, device):
                        "step_times": searched},
             "rows": [{k: r.get(k) for k in keys} for r in rows], "relaxed": lossy, "stream": streams,
             "hardware": chooser.hardware(device), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "what_ran": cli.ran(a, t0, cpu0) | {"device": str(device), "run": a.run, "tree": str(a.tree)}}
+            "what_ran": cli.ran(a, t0, cpu0) | {"device": str(device), "run": a.run, "rows": [
+                {"name": r["name"], "decoder": "target-only" if r["name"] == TARGET_ONLY else
+                 f"tree {'/'.join(map(str, r['tree']))}" if r.get("tree") else f"chain {r['gamma']}",
+                 "drafts": [] if r["name"] == TARGET_ONLY else list(folders[r["name"].removesuffix(" tree")].values())}
+                for r in rows], "ignored": ["gamma", "tree"] * (not a.given) + ["seeds"] * bool(a.drafts)}}
 
 
 def stream_rows(target, drafts, rows, tok, a, device, first):
@@ -474,7 +481,8 @@ def relaxed_rows(target, drafts, rows, test, sampling, first):
             res = [evaluate.decode(target, draft, p, decoder, MAX_NEW_TOKENS, test.tok.cot_end_id, s.offset(i))
                    for i, p in enumerate(prompts)]
             tau[name], cocs[name] = SpecResult.pooled(res).tau, [x.tokens for x in res]
-        out[row["name"]] = tau | evaluate.relaxed_cost(target, test, cocs["tau_exact"], cocs["tau"])
+        out[row["name"]] = tau | evaluate.relaxed_cost(target, test, cocs["tau_exact"], cocs["tau"]) | {
+            "lossy": True, "identical_to_lossless": cocs["tau"] == cocs["tau_exact"]}
         print("{:<30} tau {tau:.2f} (lossless {tau_exact:.2f})  CoCs changed {cocs_changed:.0%}  plan moved "
               "{plan_moved_m:.3f} m  ADE {ade_relaxed:.3f} m (lossless {ade_exact:.3f})".format(row["name"],
                                                                                             **out[row["name"]]))

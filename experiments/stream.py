@@ -61,11 +61,13 @@ def main(argv=None):
     ap.add_argument("--rate1-only", action="store_true", help="0.5 s at event rate 1 alone (nothing to reuse: what "
                     "the stream costs)")
     ap.add_argument("--replot", action="store_true", help="draw --figure from the --out JSON already written, no run")
-    a = cli.checked(ap, ap.parse_args(argv), counts=("clips", "sweep_clips", "seeds"), out="runs/stream.json")
+    a = cli.checked(ap, ap.parse_args(argv), counts=("clips", "sweep_clips", "seeds"), out="runs/stream.json",
+                    program="experiments/stream.py")
     if a.replot:
         with cli.user_errors(ap):
             if not a.figure:
                 raise ValueError("--replot draws --figure: give --figure")
+            cli.check_out(a.figure, "--figure", others={"--out": a.out}, program="experiments/stream.py")
             rows = files.read_json(a.out).get("settings")
             if not isinstance(rows, list) or not rows:
                 raise ValueError(f"--out {a.out} holds no settings to draw (not an experiments/stream.py JSON)")
@@ -78,7 +80,7 @@ def main(argv=None):
         if not all(0 <= r <= 1 for r in rates):
             raise ValueError(f"--rates {a.rates}: each rate is a per-frame probability in [0, 1]")
         if a.figure:
-            cli.check_out(a.figure, "--figure")
+            cli.check_out(a.figure, "--figure", others={"--out": a.out}, program="experiments/stream.py")
         t0, cpu0 = time.time(), time.process_time()
         target = checkpoint.load(os.path.join(a.run, "target")).eval()
         drafts = [checkpoint.load(checkpoint.draft_dir(a.run, "flat", s), target=target).eval()

@@ -49,7 +49,8 @@ def main(argv=None):
     ap.add_argument("--out", default="runs/stream_lookup.json", help="the JSON written")
     ap.add_argument("--time", default="", help="Streams to time, M/alpha/swap/skip comma-separated (skip '-': never)")
     ap.add_argument("--time-clips", type=int, default=16, help="clips each --time Stream is timed on")
-    a = cli.checked(ap, ap.parse_args(argv), counts=("clips", "time_clips"), out="runs/stream_lookup.json")
+    a = cli.checked(ap, ap.parse_args(argv), counts=("clips", "time_clips"), out="runs/stream_lookup.json",
+                    program="experiments/stream_lookup.py")
     with cli.user_errors(ap):
         try:
             timed = [dict(M=int(M), alpha=int(al), swap=bool(int(sw)), skip=None if sk == "-" else int(sk), steady=True)

@@ -22,6 +22,7 @@ from safetensors.torch import save_file
 import torch
 
 from model import VLA, ModelConfig, VisionConfig, check_vocab_ids, draft_kind
+from ops import files
 from ops.files import atomic_write, new_folders, read_json, remove_stale_tmp
 
 WEIGHTS, KEY = "model.safetensors", "rsd-vla"  # a checkpoint folder's one file, and its header's entry
@@ -224,8 +225,9 @@ def header(dir, f=None):
 
 
 def open_safetensors(path):
-    if not os.path.isfile(path):  # an empty or foreign folder: say so, not a bare [Errno 2]
+    if not os.path.lexists(path):  # an empty or foreign folder: say so, not a bare [Errno 2]
         raise FileNotFoundError(f"{path}: no such file (is {os.path.dirname(path)} a checkpoint folder?)")
+    files.check_regular(path)  # a shard that is a FIFO would wait for a writer forever
     with open(path, "rb") as f:
         if f.read(40).startswith(b"version https://git-lfs"):
             raise ValueError(f"{path}: a git-lfs pointer, not the weights: fetch them with `git lfs pull`")

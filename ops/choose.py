@@ -10,9 +10,11 @@ from the device's own verify-cost curve; here the same curve also chooses betwee
   capability, threads, torch, dtype, mode, the models' configs, the prompt's length, rows) and reused.
 - The acceptance: each candidate's rounds on val plans (real decoding: the same tokens on any machine, so it depends
   on the models, the scenes and the decoding, not the hardware); cached the same way.
-- The prediction: ms per plan = rounds x the round's time (target-only: one step per token); the chooser keeps the
-  fastest predicted and the runner-up. Target-only is a candidate, so it never runs a decoder predicted slower than
-  not speculating.
+- The prediction: ms per plan = rounds x the round's time (target-only: one step per token). A round's time is its
+  forwards plus its kind's overhead, or, for the candidates that may win, a real decode's: the chooser times the two
+  fastest predicted by real decodes of the profile's prompt until both are timed ones (the forwards' sum misses what
+  a round does between them, and that is a share that differs by machine and mode). It keeps the fastest and the
+  runner-up. Target-only is a candidate, so it never runs a decoder predicted slower than not speculating.
 
 run: python bench.py --device cpu        (the profile, each candidate's prediction, the chosen and the runner-up timed)
 """
@@ -37,12 +39,13 @@ CACHE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # --compile's target step lengths: a chain's or a tree's verify runs padded to the next (ops/compiled.py), so the 8
 # chains and the family compile 7 graphs, and the profile times each chain at its padded length
 COMPILED_LENGTHS = (1, 2, 3, 5, 9, 17, 33)
-PROFILE_METHOD = 3  # bumped when measure_profile measures another way: a cached profile of the old way is stale
+PROFILE_METHOD = 4  # bumped when measure_profile measures another way: a cached profile of the old way is stale
 REPS, ROUNDS = 3, 3  # each profiled forward: the least over ROUNDS rounds of the median of REPS calls
 # the real decodes whose time per round, less the profile's forwards, is a round's overhead: target-only's step, a tree
 # round's, and a chain's as a + b gamma (each draft step's feed and argmax beside its forward) from the shortest and
-# the longest chain
+# the longest chain; their rounds are also kept as timed rounds (round_s)
 OVERHEAD_DECODERS = {"target-only": None, "chain 1": Chain(1), "chain 8": Chain(8), "tree": FAMILY[1]}
+TIMED_TOP = 2  # the chooser times real decodes of the fastest predicted candidates until these many are timed ones
 NATIVE_BF16 = ("avx512_bf16", "amx_bf16")  # /proc/cpuinfo flags of a CPU whose matrix units multiply bf16 natively
 
 
@@ -160,15 +163,6 @@ def measure_profile(target, draft, prompt, rows=1, stop_token=None, max_new=eval
         mask = causal_mask(slots, cache, cache.max_len if tree else cache.length + n)  # (B, n, S)
         return lambda: timing.median_time(lambda: m.step(x, slots, cache, positions=slots, mask=mask), device, REPS)
 
-    kw = dict(samples=rows, stop_token=stop_token, timing=True)  # one prefill, its rows copied
-
-    def decode(d):  # a real decode's seconds per round (a plan's: until every row is done)
-        def run():
-            rs = speculate.autoregressive_batch(target, prompt, max_new, **kw) if d is None else \
-                speculate.speculative_batch(target, draft, prompt, d, max_new, **kw)
-            return max(r.decode_s for r in rs) / max(r.rounds for r in rs)
-        return run
-
     # tree.grow from the draft's root logits (timing.grow_time's, on B rows): the D - 1 levels and the tree's
     # construction, written past the committed length, nothing committed: re-runnable
     grown = primed(draft)
@@ -183,14 +177,9 @@ def measure_profile(target, draft, prompt, rows=1, stop_token=None, max_new=eval
               **{("verify", sh.nodes): forward(target, sh.nodes + 1, tree=True) for sh in FAMILY},
               **{("draft", n): forward(draft, n) for n in (1, 2)},
               **{("grow", shape_key(sh)): levels(sh) for sh in FAMILY},
-              **{("decode", kind): decode(d) for kind, d in OVERHEAD_DECODERS.items()}}
-    for t in timers.values():  # a warm-up round, untimed: first calls allocate and pick kernels
-        t()
-    least = {}
-    for r in range(ROUNDS):
-        for what in list(timers)[r:] + list(timers)[:r]:  # the order rotated from round to round
-            t = timers[what]()
-            least[what] = min(least.get(what, t), t)
+              **{("decode", kind): decode_timer(target, draft, prompt, d, rows, stop_token, max_new)
+                 for kind, d in OVERHEAD_DECODERS.items()}}
+    least = least_of_rounds(timers)
     prof = {}
     for (kind, n), t in least.items():
         prof.setdefault(kind, {})[n] = t
@@ -198,12 +187,41 @@ def measure_profile(target, draft, prompt, rows=1, stop_token=None, max_new=eval
     for n in sorted(t, reverse=True)[1:]:
         t[n] = min(t[n], t[n + 1])
     # beyond the forwards: sampling or argmax, the verify's walk, the caches' commits, the host's loop
+    # signed: where a decode runs faster than its forwards timed alone (caches warm, the host's loop overlapping the
+    # device), the overhead is negative, and a round's time is still what the decode measured
     o = {kind: prof["decode"][kind] - round_forwards_s(prof, d) for kind, d in OVERHEAD_DECODERS.items()}
-    per_step = max(0.0, (o["chain 8"] - o["chain 1"]) / 7)
-    prof["overhead"] = {"target-only": max(0.0, o["target-only"]), "tree": max(0.0, o["tree"]),
-                        "chain": max(0.0, o["chain 1"] - per_step), "chain_step": per_step}
-    del prof["decode"]
+    per_step = (o["chain 8"] - o["chain 1"]) / 7
+    prof["overhead"] = {"target-only": o["target-only"], "tree": o["tree"], "chain": o["chain 1"] - per_step,
+                        "chain_step": per_step}
+    decoded = prof.pop("decode")
+    prof["rounds"] = {name(d): decoded[kind] for kind, d in OVERHEAD_DECODERS.items()}
     return prof
+
+
+def least_of_rounds(timers):
+    """{what: the least of ROUNDS timings} of each timer (a callable -> s), after a warm-up round, untimed (first
+    calls allocate and pick kernels); every timer runs in every round, the order rotated from round to round: a
+    machine's load that comes and goes only adds time."""
+    for t in timers.values():
+        t()
+    least = {}
+    for r in range(ROUNDS):
+        for what in list(timers)[r:] + list(timers)[:r]:
+            t = timers[what]()
+            least[what] = min(least.get(what, t), t)
+    return least
+
+
+def decode_timer(target, draft, prompt, decoder, rows, stop_token, max_new):
+    """() -> a real decode's seconds per round of the prompt over `rows` rows (one prefill, its rows copied; a plan's
+    round lasts until every row is done); decoder None: target-only, whose round is one step."""
+    kw = dict(samples=rows, stop_token=stop_token, timing=True)
+
+    def run():
+        rs = speculate.autoregressive_batch(target, prompt, max_new, **kw) if decoder is None else \
+            speculate.speculative_batch(target, draft, prompt, decoder, max_new, **kw)
+        return max(r.decode_s for r in rs) / max(r.rounds for r in rs)
+    return run
 
 
 def round_forwards_s(prof, decoder):
@@ -218,7 +236,10 @@ def round_forwards_s(prof, decoder):
 
 
 def round_s(prof, decoder):
-    """A round's predicted time (s): its forwards and its kind's overhead (a chain's: a + b gamma)."""
+    """A round's predicted time (s): a real decode's where the profile timed one (prof["rounds"]), else its forwards
+    and its kind's overhead (a chain's: a + b gamma)."""
+    if name(decoder) in prof.get("rounds", {}):
+        return prof["rounds"][name(decoder)]
     o = prof["overhead"]
     if decoder is None:
         return round_forwards_s(prof, None) + o["target-only"]
@@ -229,6 +250,24 @@ def round_s(prof, decoder):
 def from_json(prof):
     """A profile read back from JSON (its token counts are string keys there)."""
     return {k: {int(n) if k in ("target", "verify", "draft") else n: s for n, s in v.items()} for k, v in prof.items()}
+
+
+def timed_rounds(prof, acceptance, rows, target, draft, prompt, stop_token, max_new, mode, reprofile=False):
+    """prof with real decodes' rounds (prof["rounds"]) for the TIMED_TOP fastest predicted candidates: each one not yet
+    timed is timed (least_of_rounds over decode_timer, cached as the profile is) and the ranking redone, until the
+    top TIMED_TOP are timed rounds."""
+    dtype = next(getattr(target, "model", target).parameters()).dtype
+    base = profile_key(target, draft, prompt, dtype, mode, rows)
+    for _ in range(len(candidates())):
+        top = choose(predict(prof, acceptance, rows))[:TIMED_TOP]
+        todo = [c for c in top if name(c) not in prof["rounds"]]
+        if not todo:
+            return prof
+        cli.progress(f"timing real decodes of {', '.join(map(name, todo))}: the fastest predicted")
+        timers = {name(c): decode_timer(target, draft, prompt, c, rows, stop_token, max_new) for c in todo}
+        got, _ = cached("rounds", base | {"decoders": sorted(timers)}, lambda: least_of_rounds(timers), reprofile)
+        prof = prof | {"rounds": prof["rounds"] | got}
+    return prof
 
 
 def profile(target, draft, prompt, rows=1, stop_token=None, max_new=evaluate.MAX_NEW_TOKENS, mode="eager",
@@ -268,14 +307,14 @@ def measure_acceptance(target, draft, plans, max_new, stop_token, sampling=GREED
 
 # ---- the chooser ----
 def predict(prof, acceptance, rows=1):
-    """{candidate name: {"tau" (a row's tokens per round), "round_ms", "predicted_speedup"}}: ms per plan = rounds x
-    round_s, over target-only's."""
+    """{candidate name: {"tau" (a row's tokens per round), "round_ms", "timed" (round_ms a real decode's),
+    "predicted_speedup"}}: ms per plan = rounds x round_s, over target-only's."""
     base = acceptance[evaluate.TARGET_ONLY]["rounds"] * round_s(prof, None)
     out = {}
     for c in candidates():
         a, r = acceptance[name(c)], round_s(prof, c)
         out[name(c)] = {"tau": a["tokens"] / a["rounds"] / rows if c else 1.0, "round_ms": 1e3 * r,
-                        "predicted_speedup": base / (a["rounds"] * r)}
+                        "timed": name(c) in prof.get("rounds", {}), "predicted_speedup": base / (a["rounds"] * r)}
     return out
 
 
@@ -300,6 +339,7 @@ def choice(target, draft, prompt, val_plans, max_new, stop_token, sampling=GREED
     cli.progress(f"each candidate's rounds on {len(val_plans)} val plan(s) (once per models and decoding)")
     acc, how_a = cached("acceptance", key, lambda: measure_acceptance(target, draft, val_plans, max_new, stop_token,
                                                                       sampling, samples))
+    prof = timed_rounds(prof, acc, rows, target, draft, prompt, stop_token, max_new, mode, reprofile)
     predicted = predict(prof, acc, rows)
     ranked = choose(predicted)
     t1 = prof["target"][1]
@@ -310,4 +350,5 @@ def choice(target, draft, prompt, val_plans, max_new, stop_token, sampling=GREED
         "verify_ms": {str(n): 1e3 * s for n, s in prof["verify"].items()},
         "draft_ms": {str(n): 1e3 * s for n, s in prof["draft"].items()},
         "overhead_ms": {k: 1e3 * s for k, s in prof["overhead"].items()},
+        "timed_rounds_ms": {k: 1e3 * s for k, s in prof["rounds"].items()},
         "steep": [n + 1 for n, s in prof["verify"].items() if s > 2 * t1]}  # verifies costing > 2 one-token steps

@@ -26,6 +26,7 @@ from beyond import relaxed
 import speculate
 
 START = time.time()  # when the program imported this: progress() counts from it
+SHIPPED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "checkpoints")  # the repo's models
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -103,12 +104,19 @@ def json_stdout(on):
         yield
 
 
-def check_out(path, flag="--out", inputs=(), default=None, folder=False):
+def check_out(path, flag="--out", inputs=(), default=None, folder=False, others=None, program=None):
     """A ValueError unless `path` may take a program's output file, before any work: not a folder nor anything but a
-    regular file, not one of its input files (inputs: paths), in a folder that exists and takes a file (the default's,
+    regular file, not one of its input files (inputs: paths), not inside the shipped checkpoints/, not another output
+    of the same run (others: {flag: path}), and, where it exists and `program` is given, that program's own earlier
+    output (a JSON whose "command" runs it, or a PNG figure), in a folder that exists and takes a file (the default's,
     under the git-ignored runs/, is made). folder: `path` is an output folder (made with its parents, as runs/x): not
     a file."""
-    parent = os.path.dirname(os.path.abspath(path))
+    parent, real = os.path.dirname(os.path.abspath(path)), os.path.realpath(path)
+    if os.path.commonpath([real, SHIPPED]) == SHIPPED:
+        raise ValueError(f"{flag} {path} is inside the shipped {SHIPPED}: write it elsewhere")
+    for other, p in (others or {}).items():
+        if p and os.path.realpath(p) == real:
+            raise ValueError(f"{flag} {path} is also this run's {other}: give each output its own path")
     if folder and os.path.lexists(path) and not os.path.isdir(path):
         raise ValueError(f"{flag} {path} is not a folder: give the output folder")
     if folder:
@@ -119,12 +127,28 @@ def check_out(path, flag="--out", inputs=(), default=None, folder=False):
     for p in inputs:
         if p and os.path.exists(p) and os.path.exists(path) and os.path.samefile(p, path):
             raise ValueError(f"{flag} {path} is an input of this run ({p}): give another {flag}")
+    if program and os.path.exists(path) and not own_output(path, program):
+        raise ValueError(f"{flag} {path} exists and is not an output of {program}: refusing to replace it; give "
+                         f"another {flag}")
     if path == default:
         files.check_writable(parent)  # made (under runs/) or a clear error: a file in its place, no permission
     if not os.path.isdir(parent):
         raise ValueError(f"{flag} {path}: its folder {parent} does not exist")
     files.check_writable(parent)
     return path
+
+
+def own_output(path, program):
+    """Whether the regular file at path is what `program` writes: a PNG figure, or a JSON object whose "command" is
+    `python {program} ...`."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+    if head == b"\x89PNG\r\n\x1a\n":
+        return path.lower().endswith(".png")
+    try:
+        return str(files.read_json(path).get("command", "")).startswith(f"python {program}")
+    except (ValueError, AttributeError, OSError):
+        return False
 
 
 def number_list(text, flag, kind=int, rule=">= 0", unique=True, sep=","):
@@ -151,7 +175,7 @@ def tree_shape(text, flag="--tree"):
     return TreeShape(*parts)
 
 
-def checked(ap, a, counts=(), lists=(), out=None, inputs=()):
+def checked(ap, a, counts=(), lists=(), out=None, inputs=(), program=None):
     """The flags a (parsed by ap) checked before any work, each defect one line naming its flag: counts (names) >= 1,
     lists (names) comma-separated ints >= 0 without repeats (replaced by the list), out (the default of --out, under
     runs/): a.out may take the output file and is none of the input files (check_out). Returns a."""
@@ -160,7 +184,7 @@ def checked(ap, a, counts=(), lists=(), out=None, inputs=()):
         for name in lists:
             setattr(a, name, number_list(getattr(a, name), "--" + name.replace("_", "-")))
         if out is not None:
-            check_out(a.out, inputs=inputs, default=out)
+            check_out(a.out, inputs=inputs, default=out, program=program)
     return a
 
 
@@ -171,6 +195,15 @@ def ran(args, t0, cpu0):
     plain = (str, int, float, bool, type(None))
     return {"flags": {k: v for k, v in sorted(vars(args).items()) if isinstance(v, plain)}, "torch": torch.__version__,
             "threads": torch.get_num_threads(), "wall_s": time.time() - t0, "cpu_s": time.process_time() - cpu0}
+
+
+def identity(exact_match, lossy_match=None):
+    """A report's identity fields, from what ran: "greedy_match" the whole run's (every decode it made: a lossy one
+    whose outputs changed makes it False; None where nothing was compared), "lossy" whether a lossy decode ran, and
+    "exact_greedy_match" the lossless decodes' own. exact_match / lossy_match: True, False or None (not compared; no
+    lossy decode)."""
+    whole = exact_match if lossy_match is None else None if exact_match is None else exact_match and lossy_match
+    return {"greedy_match": whole, "lossy": lossy_match is not None, "exact_greedy_match": exact_match}
 
 
 _LAST = [0.0]  # when progress last printed

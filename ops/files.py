@@ -22,6 +22,7 @@ import torch
 LOCK = ".lock"  # in a run folder: flock'ed by its writer, who writes into it who it is
 TMP = re.compile(r"\..+\.\d+\.[0-9a-f]{8}\.tmp")  # atomic_write's temporary files: .<name>.<pid>.<hex>.tmp
 _HELD = set()  # realpaths of the run folders this process holds
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")  # the camera images a scene's cameras/ or an --images-dir folder holds
 
 
 # ---- atomic files ----
@@ -82,6 +83,19 @@ def check_regular(path, what=None):
         raise FileNotFoundError(f"{what or path}: file not found")
     if not os.path.isfile(path):
         raise ValueError(f"{what or path}: {'is a directory' if os.path.isdir(path) else 'is not a regular file'}")
+
+
+def listed(folder, suffixes):
+    """folder's files whose names end in suffixes (case-insensitive; hidden ones skipped), sorted by name, each checked
+    regular (check_regular, which follows a symlink) before any is opened: a file found by listing a folder is opened
+    as one named by a flag is."""
+    if not os.path.isdir(folder):
+        raise FileNotFoundError(f"{folder}: no such folder")
+    paths = [os.path.join(folder, n) for n in sorted(os.listdir(folder))
+             if not n.startswith(".") and n.lower().endswith(suffixes)]
+    for p in paths:
+        check_regular(p)
+    return paths
 
 
 def read_json(path):

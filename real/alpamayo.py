@@ -133,10 +133,10 @@ def scene_images(images_dir=None, n=16, size="288x512"):
     """(3, H, W) uint8 images: images_dir's files in name order, or n generated ones of size "HxW" (seeded noise)."""
     if images_dir:
         from PIL import Image  # optional extra: only a folder of images needs it
-        names = sorted(f for f in os.listdir(images_dir) if f.lower().endswith((".jpg", ".jpeg", ".png")))
-        if not names:
+        paths = files.listed(images_dir, files.IMAGE_SUFFIXES)  # each a regular file: a FIFO would hang
+        if not paths:
             raise FileNotFoundError(f"{images_dir}: no .jpg / .png images")
-        images = [Image.open(os.path.join(images_dir, f)).convert("RGB") for f in names]
+        images = [Image.open(p).convert("RGB") for p in paths]
         # (H * W * 3,) bytes -> (H, W, 3) -> (3, H, W)
         return [torch.frombuffer(bytearray(im.tobytes()), dtype=torch.uint8).view(im.height, im.width, 3)
                 .permute(2, 0, 1) for im in images]

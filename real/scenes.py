@@ -40,7 +40,6 @@ from real import hf
 import speculate
 
 N_IMAGES, N_PAST, N_FUTURE = 16, 16, 64  # Alpamayo-R1: 4 cameras x 4 frames; 1.6 s of past, 6.4 s of future at 10 Hz
-IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
 POSES, INSTRUCTION, INDEX = "poses.json", "instruction.txt", "index.json"
 SHARD_SCENES = 64  # scenes per shard: what a killed run can lose
 MAX_ASPECT = 200  # the Qwen-VL image processors' smart_resize refuses a longer side over 200 x the shorter
@@ -133,7 +132,7 @@ def _check_scene(d, scene_id, n_images, poses):
         problems.append("no cameras/ folder")
     else:
         paths = [os.path.join(cams, n) for n in sorted(os.listdir(cams))
-                 if not n.startswith(".") and n.lower().endswith(IMAGE_SUFFIXES)]
+                 if not n.startswith(".") and n.lower().endswith(files.IMAGE_SUFFIXES)]
         if not paths or (n_images is not None and len(paths) != n_images):
             problems.append(f"cameras/ holds {len(paths)} PNG / JPEG images, expected {n_images or 'at least 1'}")
         problems += [f"cameras/{os.path.basename(p)} is not a regular file" for p in paths if not os.path.isfile(p)]
@@ -352,6 +351,8 @@ def read_distill_data(out, vocab_size=None):
         raise ValueError(f"{path}: not an index scenes.distill_data wrote ({type(e).__name__}: {e})") from None
     for file, records in shards:
         p = os.path.join(out, file)
+        if os.path.lexists(p):
+            files.check_regular(p)  # a FIFO would wait for a writer forever
         ids = np.fromfile(p, dtype="<u4") if os.path.isfile(p) else None
         if ids is None or len(ids) != sum(r["n"] for r in records):
             raise ValueError(f"{p}: {'missing' if ids is None else f'{len(ids)} ids'}, its index entry expects "

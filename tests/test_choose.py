@@ -62,6 +62,10 @@ def test_the_prediction_is_rounds_times_the_round():
     sh = TreeShape(16, 6, 3)
     assert choose.round_s(prof, sh) == pytest.approx(prof["draft"][1] + prof["grow"]["16/6/3"]
                                                      + prof["verify"][16] + 0.001)
+    timed = prof | {"rounds": {"chain 4": 0.05}}  # a real decode's round replaces the forwards' sum
+    assert choose.round_s(timed, c) == 0.05 and choose.predict(timed, acc)["chain 4"]["timed"]
+    assert choose.predict(timed, acc)["chain 4"]["predicted_speedup"] == pytest.approx(
+        TOKENS * 0.011 / (acc["chain 4"]["rounds"] * 0.05))
 
 
 def test_the_cache_holds_only_for_its_key(tmp_path, monkeypatch):
@@ -104,8 +108,9 @@ def test_auto_dtype_follows_the_hardware(monkeypatch, device, flags, capability,
 
 
 def test_a_real_profile_and_the_val_rounds_of_tiny_models(tmp_path, monkeypatch):
-    """On tiny models: every forward of the profile timed, the overheads >= 0; the rounds are real decoding's (the
-    target-only rounds are its tokens); the choice is the best predicted and its record names every candidate."""
+    """On tiny models: every forward of the profile timed; the rounds are real decoding's (the target-only rounds are
+    its tokens); the choice is the best predicted, its record names every candidate, and the top two predicted are
+    real decodes' rounds."""
     monkeypatch.setattr(choose, "CACHE", str(tmp_path))
     monkeypatch.setattr(choose, "REPS", 2)
     target = tiny_model(max_seq_len=128)  # the family's 32-node trees need the room
@@ -116,7 +121,11 @@ def test_a_real_profile_and_the_val_rounds_of_tiny_models(tmp_path, monkeypatch)
     assert set(rec["predicted"]) == set(names) and rec["chosen"] == choose.name(ranked[0])
     best = max(rec["predicted"].values(), key=lambda v: v["predicted_speedup"])
     assert rec["predicted"][rec["chosen"]] == best and "measured now" in rec["profile"]
-    assert all(v >= 0 for v in rec["overhead_ms"].values()) and len(rec["steps_ms"]) == 9
+    assert len(rec["steps_ms"]) == 9 and all(v > 0 for v in rec["timed_rounds_ms"].values())
+    ranked_pred = sorted(rec["predicted"], key=lambda n: -rec["predicted"][n]["predicted_speedup"])
+    assert all(rec["predicted"][n]["timed"] for n in ranked_pred[:choose.TIMED_TOP])
+    assert rec["predicted"]["target-only"]["timed"] and set(rec["timed_rounds_ms"]) == {
+        n for n, v in rec["predicted"].items() if v["timed"]}
     acc = choose.measure_acceptance(target, draft, val, 6, None)
     assert acc["target-only"]["rounds"] == acc["target-only"]["tokens"] == 12  # 6 tokens each, one step each
     assert all(a["tokens"] == 12 and 1 <= a["rounds"] <= 12 for a in acc.values())

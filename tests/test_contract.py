@@ -313,3 +313,108 @@ def test_a_real_ctrl_c_from_outside_is_one_line_and_130(tmp_path):
     assert first.startswith("[") and code == 130, (first, rest, code)
     assert len(rest) == 1 and rest[0].startswith("bench.py: interrupted"), rest
     assert os.listdir(tmp_path) == []
+
+
+# ---- a file a program opens, named by a flag or found by listing a folder, is a regular file (issue #59) ----
+def plant_fifo(path):
+    """A FIFO at path (its folder made): opening it would wait for a writer forever."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    if os.path.lexists(path):
+        os.remove(path)
+    os.mkfifo(path)
+    return path
+
+
+def hf_folder(tmp, shard):
+    """{tmp}/t: a tiny Qwen3-VL's config, and an index that maps its weights to `shard` (a FIFO the door plants)."""
+    pytest.importorskip("transformers")
+    from tiny_models import hf_qwen3
+    d = tmp / "t"
+    d.mkdir(exist_ok=True)
+    hf_qwen3().config.to_json_file(d / "config.json")
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"lm_head.weight": shard}}))
+    return d
+
+
+# door: (program, argv ({tmp}, {run}), where the FIFO goes (relative to tmp), what the one line names)
+INPUT_DOORS = {
+    "an image listed in --images-dir": ("bench.py", "--target {tmp}/t --images-dir {tmp}/img",
+                                        "img/00.png", "00.png: is not a regular file"),
+    "a --target's config.json": ("bench.py", "--target {tmp}/t", "t/config.json", "config.json: is not a regular file"),
+    "a --target's shard, listed by its index": ("bench.py", "--target {tmp}/t", "t/shard-1.safetensors",
+                                                "shard-1.safetensors: is not a regular file"),
+    "a --draft's weights": ("bench.py", "--draft {tmp}/q --prompts 1 --tree 0 --gamma 2 --out {tmp}/b.json",
+                            "q/model.safetensors", "model.safetensors: is not a regular file"),
+    "a --run's target weights (rsd.py)": ("rsd.py", "--run {run} --drafts flat={run}/draft_flat_s0 --scenes 2 --time-scenes 1 --show 0",
+                                          "run/target/model.safetensors", "model.safetensors: is not a regular file"),
+    "a --run's target weights (aarl.py)": ("aarl.py", "--run {tmp}/run --out {tmp}/a", "run/target/model.safetensors",
+                                           "model.safetensors: is not a regular file"),
+    "a --target's config.json (real.distill)": ("real.distill", "--target {tmp}/t --toy-scenes 2 --out {tmp}/d",
+                                                "t/config.json", "config.json: is not a regular file"),
+}
+
+
+@pytest.mark.parametrize("door", sorted(INPUT_DOORS))
+def test_a_fifo_where_a_file_is_read_is_one_line(door, tmp_path, tiny_run, capsys):  # noqa: F811
+    """Every door a program reads a file through, with a FIFO behind it: one line naming the file, never a hang (a
+    10 s alarm turns a hang into a failure)."""
+    name, argv, where, says = INPUT_DOORS[door]
+    import shutil
+    (tmp_path / "t").mkdir(exist_ok=True)  # tiny_run is tmp_path / "run"
+    if "draft" in door:
+        shutil.copytree(tiny_run / "draft_flat_s0", tmp_path / "q")
+    if "shard" in door:
+        hf_folder(tmp_path, "shard-1.safetensors")
+    plant_fifo(tmp_path / where)
+    argv = argv.format(tmp=tmp_path, run=tiny_run).split()
+
+    def hang(*_):
+        raise TimeoutError(f"{door}: the program waited on the FIFO")
+    old = signal.signal(signal.SIGALRM, hang)
+    signal.alarm(10)
+    try:
+        code, _, err = run(name, argv, capsys)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+    assert code != 0 and says in error_line(err), err
+
+
+# ---- what a program writes is never an input, a shipped model, another output of the run, or another's file ----
+SHIPPED_WEIGHTS = os.path.join(ROOT, "checkpoints", "toy", "target", "model.safetensors")
+OUTPUT_DOORS = {  # (program, the flags after its cheap argv, what the one line says)
+    "stream.py --out the shipped weights": ("experiments/stream.py", f"--out {SHIPPED_WEIGHTS}", "inside the shipped"),
+    "stream.py --figure the shipped weights": ("experiments/stream.py", f"--figure {SHIPPED_WEIGHTS}",
+                                               "inside the shipped"),
+    "stream.py --figure its own --out": ("experiments/stream.py", "--figure {tmp}/s.json", "is also this run's --out"),
+    "stream.py --replot onto its --out": ("experiments/stream.py", "--replot --figure {tmp}/s.json",
+                                          "is also this run's --out"),
+    "stream.py --out another program's JSON": ("experiments/stream.py", "--out {tmp}/other.json",
+                                               "is not an output of experiments/stream.py"),
+    "stream_lookup.py --out the shipped weights": ("experiments/stream_lookup.py", f"--out {SHIPPED_WEIGHTS}",
+                                                   "inside the shipped"),
+    "stream_lookup.py --out another program's JSON": ("experiments/stream_lookup.py", "--out {tmp}/other.json",
+                                                      "is not an output of experiments/stream_lookup.py"),
+    "choose_grid.py --out the shipped weights": ("experiments/choose_grid.py", f"--out {SHIPPED_WEIGHTS}",
+                                                 "inside the shipped"),
+}
+
+
+@pytest.mark.parametrize("door", sorted(OUTPUT_DOORS))
+def test_an_output_that_would_destroy_something_is_one_line(door, tmp_path, tiny_run, capsys):  # noqa: F811
+    name, more, says = OUTPUT_DOORS[door]
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"command": "python rsd.py", "rows": []}))
+    before = {p: open(p, "rb").read(64) for p in (SHIPPED_WEIGHTS, other)}
+    code, _, err = run(name, cheap_argv(name, tmp_path, tiny_run) + more.format(tmp=tmp_path).split(), capsys)
+    assert code == 2 and says in error_line(err), err
+    assert {p: open(p, "rb").read(64) for p in before} == before
+
+
+def test_an_experiment_rewrites_its_own_output(tmp_path, capsys):
+    """Its own earlier JSON (its command) is replaced; checked by own_output, the rule of every `program=` output."""
+    own = tmp_path / "s.json"
+    own.write_text(json.dumps({"command": "python experiments/stream.py --clips 1"}))
+    assert cli.check_out(str(own), program="experiments/stream.py") == str(own)
+    with pytest.raises(ValueError, match="not an output of experiments/stream_lookup.py"):
+        cli.check_out(str(own), program="experiments/stream_lookup.py")

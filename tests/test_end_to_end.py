@@ -59,6 +59,11 @@ def test_rsd_json_contract_and_exactness(run_dir, capsys):
               "--show", "1", "--stream", "1", "--stream-frames", "2", "--json"])
     out = last_json(capsys)
     assert out["greedy_match"] is True and out["seeds"] == [0, 1]
+    # issue #59: what_ran names each row's searched decoder and its folders; the decoder flags did not shape the run
+    for r, ran in zip(out["rows"][1:], out["what_ran"]["rows"][1:]):
+        assert ran["decoder"] == (f"tree {'/'.join(map(str, r['tree']))}" if r["tree"] else f"chain {r['gamma']}")
+        assert len(ran["drafts"]) == 2 and all(os.path.isdir(d) for d in ran["drafts"])
+    assert out["what_ran"]["ignored"] == ["gamma", "tree"]
     # --stream: every draft row's four arms on one clip of two frames, each frame's plan target-only's
     assert list(out["stream"]) == [r["name"] for r in out["rows"][1:]]
     for arms in out["stream"].values():
@@ -458,6 +463,8 @@ def test_rsd_drafts_at_given_decoders_skip_the_search(run_dir, monkeypatch, caps
         got = json.loads(text.strip().splitlines()[-1])
         assert [r["name"] for r in got["rows"]] == [TARGET_ONLY, "one", "two"] + ["one tree", "two tree"][:len(want) - 2]
         assert [r["gamma"] or r["tree"] for r in got["rows"][1:]] == want and got["greedy_match"] is True
+        assert got["what_ran"]["ignored"] == ["seeds"] and got["what_ran"]["rows"][1]["drafts"] == [
+            str(run_dir / f"draft_flat_s{s}") for s in (0, 1)]
         for r in got["rows"][1:3]:
             assert r["tau"] == pytest.approx(r["tau_by_gamma"][str(r["gamma"])])
         assert "as given, no search on val" in text and "step times" not in text
@@ -477,7 +484,14 @@ def test_rsd_relaxed_section_is_lossy_and_priced(run_dir, capsys):
     ran = out["what_ran"]
     assert {"dtype", "scenes", "views", "tree", "gamma", "run", "repeats", "relaxed"} <= set(ran["flags"])
     assert ran["torch"] == torch.__version__ and ran["wall_s"] > 0 and ran["device"] == "cpu"
-    assert "LOSSY: relaxed acceptance, rule typical, bound 1" in text and out["greedy_match"] is True
+    assert "LOSSY: relaxed acceptance, rule typical, bound 1" in text
+    # issue #59: the top level is the whole run's; the lossless table's own identity sits under its own key
+    assert out["lossy"] and out["greedy_match"] is False and out["exact_greedy_match"] is True
     assert out["decoding"]["lossy"] and set(out["relaxed"]) == {"replica", "flatrope", "flatrope+aarl", "history-only"}
     for r in out["relaxed"].values():
         assert r["tau"] > r["tau_exact"] and r["cocs_changed"] > 0 and r["plan_moved_m"] >= 0
+        assert r["lossy"] and r["identical_to_lossless"] is False
+    # issue #59: what_ran names what each row ran (the given --gamma 3 here), and the folders it loaded
+    rows = {r["name"]: r for r in ran["rows"]}
+    assert rows["target-only"]["decoder"] == "target-only" and rows["flatrope"]["decoder"] == "chain 3"
+    assert rows["flatrope"]["drafts"] == [str(run_dir / "draft_flat_s0")] and ran["ignored"] == []
