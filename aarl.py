@@ -32,7 +32,7 @@ from driving import Data, grid_kwargs, vision_kwargs
 import evaluate
 import model as M
 import speculate
-from ops import checkpoint, cli, files, runs, timing
+from ops import checkpoint, choose as chooser, cli, files, runs, timing
 
 REFERENCES = ("static", "moving", "none")
 DEFAULT_OUT = "runs/aarl"  # a fresh folder: a default run never replaces the shipped FlatRoPE + AARL drafts
@@ -159,14 +159,15 @@ def train_aarl(target, draft, data: Data, cfg: AARLConfig, ref=None, log=None):
 
 # ---- report ----
 @torch.no_grad()
-def report(target, draft, sft, splits, times, outputs, gamma=None):
+def report(target, draft, sft, splits, prof, outputs, gamma=None):
     """{split: stats} of `draft`: tau at every gamma of evaluate.GAMMAS (an exact replay of one teacher-forced pass on
-    the target's greedy outputs) and the rest at the speed-optimal gamma (chosen on "val" with the measured cost model, or
-    `gamma`); greedy_match: real speculative decoding emits the target's greedy output on every scene."""
+    the target's greedy outputs) and the rest at the speed-optimal gamma (chosen on "val" at this machine's round
+    times, prof: ops.choose.profile's, as bench.py and rsd.py choose; or `gamma`); greedy_match: real speculative
+    decoding emits the target's greedy output on every scene."""
     taus = {name: evaluate.tau_by_gamma(evaluate.draft_matches({"q": draft}, target, data, outputs[name])["q"],
                                         evaluate.GAMMAS) for name, data in splits.items()}
     # One gamma for the before / after comparison: the SFT draft's speed-optimal one (on val), where it is deployed.
-    gamma = gamma or evaluate.speed_optimal_gamma({g: t["tau"] for g, t in taus["val"].items()}, times)
+    gamma = gamma or max(taus["val"], key=lambda g: chooser.speedup(prof, speculate.Chain(g), taus["val"][g]["tau"]))
     out = {}
     for name, data in splits.items():
         prompts = evaluate.scene_prompts(data.scenes, data.tok, next(target.parameters()).device,
@@ -231,11 +232,11 @@ def _run(cfg, run_dir, n_report, device, out):
         raise ValueError(f"max_new {cfg.max_new}: a prompt of {prompt['input_ids'].shape[1]} tokens and its CoC need "
                          f"more than the target's {target.cfg.max_seq_len} positions")
     outputs = {name: evaluate.greedy_outputs(target, data) for name, data in splits.items()}
-    times = timing.step_times(target, sft, prompt, [1] + [g + 1 for g in evaluate.GAMMAS])
-    before = report(target, sft, sft, splits, times, outputs)
+    prof = chooser.profile(target, sft, prompt, stop_token=tok.cot_end_id)[0]  # this machine's, cached
+    before = report(target, sft, sft, splits, prof, outputs)
     updates = []  # every update's statistics: what the reward, its spread within a group and the KL did
     draft = train_aarl(target, copy.deepcopy(sft), train, cfg, ref=sft, log=updates.append)
-    after = report(target, draft, sft, splits, times, outputs, before["val"]["gamma"])
+    after = report(target, draft, sft, splits, prof, outputs, before["val"]["gamma"])
     checkpoint.save(draft, out, target=target)
     res = {"reference": cfg.reference, "seed": cfg.seed, "config": asdict(cfg), "wall_s": time.time() - t0,
            "environment": timing.environment(device) | {"threads": torch.get_num_threads(), "device": str(device)},

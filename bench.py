@@ -218,8 +218,7 @@ def stream_mode(args, target, draft, clips, interval, rate, stop):
     return {"mode": "stream", "decoding": cli.sampling_json(GREEDY), "decoder": timing.decoder_json(args.decoder),
             "greedy_match": not any(a["frames_differing"] for a in arms.values()),
             "stream": {"clips": len(clips), "frames": args.stream, "interval_s": interval, "event_rate": rate,
-                       "M": stream.M, "alpha": stream.ALPHA, "swap": stream.SWAP, "skip": stream.SKIP,
-                       "arms": arms}}
+                       **stream.settings(), "arms": arms}}
 
 
 def build_preset(name, device, dtype, layers=None, draft_vocab=0):
@@ -373,7 +372,7 @@ def choice_lines(ch):
              f"row(s) (ops.choose)"),
             ("profile", f"one-token step {ch['steps_ms']['1']:.2f} ms, verify of " + ", ".join(
                 f"{int(n) + 1} {v:.2f}" for n, v in ch["verify_ms"].items()) + f" ms, draft step "
-             f"{ch['draft_ms']['1']:.3f} ms{steep} ({ch['profile']})"),
+             f"{ch['draft_ms']['1']:.3f} ms{steep} ({ch['profile']}; {ch['profile_s']:.1f} s this run)"),
             ("candidates", ", ".join(f"{n}{'*' * v.get('timed', False)} {v['predicted_speedup']:.2f}x"
                                      for n, v in pred.items())
              + f" (*: a real decode's round; rounds on val: {ch['acceptance']})")]
@@ -537,7 +536,10 @@ def check_flags(ap, args):
                      (args.stream and (plan or args.compile or args.temperature > 0 or args.relaxed),
                       "--stream times eager greedy decodes of one row per frame: it takes no --batch, --samples, "
                       "--compile, --temperature or --relaxed"),
-                     (not args.stream_interval > 0, f"--stream-interval must be > 0 s, got {args.stream_interval}"),
+                     (not 0 < args.stream_interval < float("inf"), "--stream-interval must be a finite number of "
+                      f"seconds > 0, got {args.stream_interval}"),
+                     (not 0 <= args.stream <= driving.MAX_CLIP_FRAMES, f"--stream takes 0..{driving.MAX_CLIP_FRAMES} "
+                      f"frames a clip (a stream reads the frames before it), got {args.stream}"),
                      (args.stream_interval != ap.get_default("stream_interval") and not args.stream,
                       "--stream-interval goes with --stream"),
                      (args.tree < 0, f"--tree takes a node budget >= 1, or 0 for the chain; got {args.tree}"),

@@ -16,6 +16,8 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 from itertools import product
 
+import math
+
 import numpy as np
 import torch
 
@@ -597,13 +599,28 @@ def make_clip(rng, split, frames, interval, rate, cfg=WorldConfig()):
     return out
 
 
+# a clip's frames: 1000 frames replanned every 0.5 s is over 8 minutes of driving, far past any planner's reach back;
+# 10,000 clips of 10 frames take days to decode on a CPU: a larger count is a typo, refused before the clips are built
+MAX_CLIP_FRAMES, MAX_CLIPS = 1000, 10_000
+
+
+def check_clips(n, frames, interval=0.5, clips_flag="clips", frames_flag="frames"):
+    """A ValueError naming the flag unless 0 <= n <= MAX_CLIPS, 2 <= frames <= MAX_CLIP_FRAMES and the interval is a
+    finite number of seconds > 0: the clips a stream is measured on, bounded before any is built."""
+    if not (isinstance(n, int) and 0 <= n <= MAX_CLIPS):
+        raise ValueError(f"{clips_flag} takes 0..{MAX_CLIPS} clips (more decode for days on a CPU), got {n!r}")
+    if not (isinstance(frames, int) and 2 <= frames <= MAX_CLIP_FRAMES):
+        raise ValueError(f"{frames_flag} takes 2..{MAX_CLIP_FRAMES} frames a clip (a stream reads the frames before; "
+                         f"{MAX_CLIP_FRAMES} at 0.5 s is over 8 minutes of driving), got {frames!r}")
+    if not (isinstance(interval, (int, float)) and math.isfinite(interval) and interval > 0):
+        raise ValueError(f"a clip's interval must be a finite number of seconds > 0, got {interval!r}")
+
+
 def make_clips(split, n, frames=10, interval=0.5, rate=None, seed=0, cfg=WorldConfig()):
     """n clips of the split (rate None: event_rate(interval)); clip i has its own generator, apart from the scenes'."""
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; expected one of {list(SPLITS)}")
-    if not (isinstance(frames, int) and frames >= 2 and interval > 0):
-        raise ValueError(f"a clip needs frames >= 2 and an interval > 0 s, got frames {frames!r}, "
-                         f"interval {interval!r}")
+    check_clips(n, frames, interval)
     rate = event_rate(interval) if rate is None else rate
     if not 0 <= rate <= 1:
         raise ValueError(f"the event rate is a per-frame probability in [0, 1], got {rate!r}")

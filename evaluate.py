@@ -387,13 +387,6 @@ def tau_by_gamma(matches, gammas):
     return out
 
 
-def speed_optimal_gamma(taus, times):
-    """The gamma of taus ({gamma: tau}) with the highest speed-up under the measured cost model of
-    measured_speedup; times from timing.step_times."""
-    return max(taus, key=lambda g: measured_speedup(taus[g], times["target"][1], times["draft"],
-                                                              times["target"][g + 1], g))
-
-
 # ---- the speed-up model (Leviathan et al. 2023, section 3) ----
 def measured_speedup(tau, t_target_1, t_draft_1, t_target_gamma1, gamma):
     """tau * T_target(1) / (gamma * T_draft(1) + T_target(gamma+1)), from measured step times."""

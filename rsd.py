@@ -25,6 +25,7 @@ import time
 import torch
 
 import aarl
+from beyond import stream
 import driving
 from driving import Data
 import evaluate
@@ -431,6 +432,7 @@ def run(ap, a, seeds, sampling, device):
             "timing": {"scenes": a.time_scenes, "passes": a.repeats, "blocks": blocks, "unordered": groups,
                        "step_times": searched},
             "rows": [{k: r.get(k) for k in keys} for r in rows], "relaxed": lossy, "stream": streams,
+            "stream_settings": stream.settings() if streams else None,
             "hardware": chooser.hardware(device), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "what_ran": cli.ran(a, t0, cpu0) | {"device": str(device), "run": a.run, "rows": [
                 {"name": r["name"], "decoder": "target-only" if r["name"] == TARGET_ONLY else
@@ -601,8 +603,9 @@ def parse_args(argv):
                          (not seeds or min(seeds) < 0, f"--seeds must be non-negative integers, got {a.seeds!r}"),
                          (len(set(seeds)) < len(seeds),  # a repeated seed would count twice in the mean and spread
                           f"--seeds must not repeat a seed, got {a.seeds!r}"),
-                         (a.stream < 0 or a.stream_frames < 2, f"--stream takes a number of clips (0: off), "
-                          f"--stream-frames at least 2 frames; got {a.stream}, {a.stream_frames}"),
+                         (not 0 <= a.stream <= driving.MAX_CLIPS or not 2 <= a.stream_frames <= driving.MAX_CLIP_FRAMES,
+                          f"--stream takes 0..{driving.MAX_CLIPS} clips (0: off), --stream-frames "
+                          f"2..{driving.MAX_CLIP_FRAMES} frames; got {a.stream}, {a.stream_frames}"),
                          (a.stream_frames != ap.get_default("stream_frames") and not a.stream,
                           "--stream-frames goes with --stream"),
                          (a.stream and (a.temperature > 0 or a.relaxed or a.compile), "--stream times eager "

@@ -307,6 +307,10 @@ def parse_args(argv=None, parser=False):
             raise ValueError(f"--target-dir is the draft stage's target: add --stage drafts (got --stage {a.stage})")
         if a.target_dir and checkpoint.existing_kind(a.target_dir) != "target":
             raise ValueError(f"--target-dir {a.target_dir}: not a target checkpoint folder (checkpoint.save's)")
+        if a.stage == "drafts" and not a.target_dir and checkpoint.existing_kind(os.path.join(a.out, "target")) \
+                != "target":  # here, not after the world's scenes are built
+            raise ValueError(f"--stage drafts distils from a target: {os.path.join(a.out, 'target')} holds none; "
+                             "train one (--stage target) or give --target-dir")
         cli.check_values(a, [(cli.MAX_VIEWS_RULE, ("views", "max_views")), ("in 0..2**30-1", ("seed", "draft_seed")),
                              (">= 1", ("n_train", "n_val", "n_test", "batch_size", "target_steps", "draft_steps",
                                        "eval_every")), ("a finite number > 0", ("target_lr", "draft_lr", "grad_clip")),

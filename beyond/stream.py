@@ -13,6 +13,8 @@ a long proposal is verified alone, without the tree (Stream).
 
 run: python experiments/stream.py        (tests: python -m pytest -q tests/test_stream.py)
 """
+import weakref
+
 import torch
 
 import speculate
@@ -73,8 +75,14 @@ class Stream:
                 skip is not None and (not isinstance(skip, int) or isinstance(skip, bool) or skip < 1):
             raise ValueError(f"the stream's M, alpha and skip must be ints >= 1, got M {M!r}, alpha {alpha!r}, "
                              f"skip {skip!r}")
+        # earlier: per row a list of plans, each a list of token ids (a flat list of ids is one row's plan, not rows)
+        if not isinstance(earlier, (list, tuple)) or not all(
+                isinstance(e, (list, tuple)) and all(isinstance(q, (list, tuple)) and all(
+                    isinstance(t, int) and not isinstance(t, bool) for t in q) for q in e) for e in earlier):
+            raise ValueError("a Stream's earlier plans are, per row, a list of plans, each a list of token ids "
+                             "([[plan, ...] for each row]; plan_tokens gives one)")
         self.shape, self.earlier, self.M, self.alpha, self.context = shape, earlier, M, alpha, None
-        self.swap, self.skip = swap, skip
+        self.swap, self.skip, self.cache = swap, skip, None
         self.steady = [steady and len(e) > 1 and e[0] == e[1] for e in earlier]  # per row
 
     nodes = property(lambda self: (self.shape.nodes if self.shape else 0) + self.M)
@@ -88,11 +96,16 @@ class Stream:
     def round(self, target, draft, tcache, dcache, pending, sampling, generators, last=None):
         if sampling.lossy:
             raise ValueError("the stream draft is lossless only: relaxed acceptance does not run with it")
+        if self.cache is not None and self.cache() is not tcache:  # a second decode: its rows' committed tokens differ
+            raise ValueError("a Stream decodes one plan (it keeps its rows' committed tokens): make one per decode")
         if self.context is None:  # the first round: each row's x_last is its <cot_start>
             if len(self.earlier) != len(pending):
                 raise ValueError(f"the stream has earlier plans for {len(self.earlier)} rows, the decode has "
                                  f"{len(pending)}")
-            self.context = [[p[-1]] for p in pending]
+            V = target.cfg.vocab_size  # a proposed id outside the vocabulary would index past the embedding
+            if bad := sorted({t for e in self.earlier for q in e for t in q if not 0 <= t < V}):
+                raise ValueError(f"the stream's earlier plans hold token ids outside the target's {V}: {bad[:5]}")
+            self.context, self.cache = [[p[-1]] for p in pending], weakref.ref(tcache)
         paths = [lookup(c, e, self.M, self.alpha, self.swap, s) for c, e, s in zip(self.context, self.earlier,
                                                                                     self.steady)]
         skip = self.shape is not None and self.skip is not None and all(self.steady) and \
@@ -113,12 +126,19 @@ class Stream:
 ARMS = ("target-only", "tree", "stream", "tree+stream")  # a clip's arms: the stream's two decoders and their baselines
 
 
+def settings(**stream_kw):
+    """The lookup's settings a report records (the module's, or those given): M, alpha, swap, skip, steady."""
+    return {"M": M, "alpha": ALPHA, "swap": SWAP, "skip": SKIP, "steady": STEADY} | stream_kw
+
+
 def decode_clip(target, draft, prompts, arm, shape, max_new, stop_token=None, timing=False, **stream_kw):
     """One arm over a clip's frames in order (prompts: batch-1 prompts) -> a speculate.SpecResult per frame. arm:
     "target-only"; "tree", the decoder `shape` alone (a tree.TreeShape, or a chain as TreeShape(gamma, gamma, 1)),
     every frame planned as if it were the first; "stream", the frame before's plan alone (no draft model);
     "tree+stream", both merged. Each frame's stream reads the plans this arm wrote before it: the two most recent
     (steady, Stream's steady rows), or the one (steady False)."""
+    if arm not in ARMS:
+        raise ValueError(f"unknown arm {arm!r}: one of {', '.join(ARMS)}")
     out, earlier = [], []
     for p in prompts:
         if arm == "target-only":

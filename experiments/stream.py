@@ -28,18 +28,19 @@ import evaluate  # noqa: E402
 from ops import checkpoint, cli, files, timing  # noqa: E402
 from speculate import SpecResult  # noqa: E402
 
-def setting(target, drafts, tok, n, frames, interval, rate, blocks, spread):
+def setting(target, drafts, tok, n, frames, interval, rate, blocks, spread, **stream_kw):
     """One (interval, rate): the four arms timed on n held-out clips (ops.timing.stream_arms); drafts[1:] (the other
-    seeds) decode the same clips for tau only."""
+    seeds) decode the same clips for tau only. stream_kw: the lookup's settings (Stream's M, alpha, ...)."""
     clips = [evaluate.scene_prompts(c, tok, "cpu") for c in driving.make_clips("test", n, frames, interval, rate)]
     stop = tok.cot_end_id
-    arms, res = timing.stream_arms(target, drafts[0], clips, evaluate.TREE, evaluate.MAX_NEW_TOKENS, stop, 1, blocks)
+    arms, res = timing.stream_arms(target, drafts[0], clips, evaluate.TREE, evaluate.MAX_NEW_TOKENS, stop, 1, blocks,
+                                   **stream_kw)
     ref = [[r.tokens for r in clip] for clip in res["target-only"]]
     out = {"interval_s": interval, "event_rate": rate, "clips": n, "frames": frames,
            "coc_changed": sum(a != b for c in ref for a, b in zip(c, c[1:])) / (n * (frames - 1)), **arms}
     for a in ("tree", "tree+stream") if spread else ():  # tau of the other seeds' drafts, the same clips, untimed
         out[a]["tau_by_seed"] = [out[a]["tau"]] + [SpecResult.pooled([r for c in clips for r in decode_clip(
-            target, d, c, a, evaluate.TREE, evaluate.MAX_NEW_TOKENS, stop)]).tau for d in drafts[1:]]
+            target, d, c, a, evaluate.TREE, evaluate.MAX_NEW_TOKENS, stop, **stream_kw)]).tau for d in drafts[1:]]
     return out
 
 
@@ -53,12 +54,23 @@ def main(argv=None):
     ap.add_argument("--frames", type=int, default=10, help="frames per clip (>= 2)")
     ap.add_argument("--rates", default="0,default,0.2,0.5,1",
                     help="per-frame event rates at 0.5 s, comma-separated ('default': driving.event_rate(0.5))")
+    # the lookup's settings (beyond/stream.py's defaults); the first stream, README's experiments/stream.json, ran
+    # --M 16 --alpha 4 --swap 0 --skip - --steady 0
+    ap.add_argument("--M", type=int, default=stream.M, help="the stream's most nodes a round")
+    ap.add_argument("--alpha", type=int, default=stream.ALPHA, help="tokens proposed per matched token")
+    ap.add_argument("--swap", type=int, choices=(0, 1), default=int(stream.SWAP), help="1: a match may step over one "
+                    "differing token")
+    ap.add_argument("--skip", default="-" if stream.SKIP is None else str(stream.SKIP), help="a steady round whose "
+                    "proposals all reach this many tokens runs no model tree ('-': never)")
+    ap.add_argument("--steady", type=int, choices=(0, 1), default=int(stream.STEADY), help="1: read the two plans "
+                    "before (steady rows); 0: the one plan before")
     ap.add_argument("--seeds", type=int, default=3, help="draft seeds (seed 0 timed, the rest for the tau spread)")
     ap.add_argument("--out", default="runs/stream.json", help="the JSON written")
     ap.add_argument("--figure", default=None, help="also draw the figure here (needs matplotlib)")
-    ap.add_argument("--default-only", action="store_true", help="the default setting alone (0.5 s, the default rate): "
+    only = ap.add_mutually_exclusive_group()  # one setting alone: two of them would silently keep the first
+    only.add_argument("--default-only", action="store_true", help="the default setting alone (0.5 s, the default rate): "
                     "its timing again on a quiet machine")
-    ap.add_argument("--rate1-only", action="store_true", help="0.5 s at event rate 1 alone (nothing to reuse: what "
+    only.add_argument("--rate1-only", action="store_true", help="0.5 s at event rate 1 alone (nothing to reuse: what "
                     "the stream costs)")
     ap.add_argument("--replot", action="store_true", help="draw --figure from the --out JSON already written, no run")
     a = cli.checked(ap, ap.parse_args(argv), counts=("clips", "sweep_clips", "seeds"), out="runs/stream.json",
@@ -68,14 +80,23 @@ def main(argv=None):
             if not a.figure:
                 raise ValueError("--replot draws --figure: give --figure")
             cli.check_out(a.figure, "--figure", others={"--out": a.out}, program="experiments/stream.py")
-            rows = files.read_json(a.out).get("settings")
-            if not isinstance(rows, list) or not rows:
+            files.check_regular(a.out, f"--out {a.out}")
+            rows = files.read_json(a.out).get("settings") if cli.own_output(a.out, "experiments/stream.py") else None
+            if not isinstance(rows, list) or not rows or not all(
+                    isinstance(r, dict) and {"interval_s", "event_rate", *ARMS[1:]} <= set(r) for r in rows):
                 raise ValueError(f"--out {a.out} holds no settings to draw (not an experiments/stream.py JSON)")
             figure(rows, a.figure)
         return print(f"drawn from {a.out} to {a.figure}")
     with cli.user_errors(ap):
-        if a.frames < 2:
-            raise ValueError(f"--frames {a.frames}: a clip needs at least 2 frames")
+        try:
+            kw = dict(M=a.M, alpha=a.alpha, swap=bool(a.swap), skip=None if a.skip == "-" else int(a.skip),
+                      steady=bool(a.steady))
+            stream.Stream(None, [], **kw)  # its own checks, before any work
+        except ValueError:
+            raise ValueError(f"--M and --alpha take ints >= 1, --skip an int >= 1 or '-'; got {a.M}, {a.alpha}, "
+                             f"{a.skip!r}") from None
+        for n in (a.clips, a.sweep_clips):
+            driving.check_clips(n, a.frames, clips_flag="--clips / --sweep-clips", frames_flag="--frames")
         rates = [driving.event_rate(0.5) if r.strip() == "default" else float(r) for r in a.rates.split(",")]
         if not all(0 <= r <= 1 for r in rates):
             raise ValueError(f"--rates {a.rates}: each rate is a per-frame probability in [0, 1]")
@@ -91,15 +112,14 @@ def main(argv=None):
         settings = claims + [s for s in [(0.5, r) for r in rates] + [(0.1, driving.event_rate(0.1))] if s not in claims]
         settings = settings[:1] if a.default_only else settings[1:2] if a.rate1_only else settings
         res = {"command": "python experiments/stream.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-               "tree": [evaluate.TREE.nodes, evaluate.TREE.depth, evaluate.TREE.width], "stream_M": stream.M,
-               "stream_alpha": stream.ALPHA, "stream_swap": stream.SWAP, "stream_skip": stream.SKIP,
+               "tree": [evaluate.TREE.nodes, evaluate.TREE.depth, evaluate.TREE.width], **{f"stream_{k}": v for k, v in stream.settings(**kw).items()},
                "event_rate_per_s": driving.EVENT_RATE, "ring_rate_per_s": driving.RING_RATE, "settings": [],
                "environment": timing.environment("cpu")}
         for interval, rate in settings:
             n = a.clips if (interval, rate) in claims else a.sweep_clips
             cli.progress(f"interval {interval} s, event rate {rate:.3f}: {n} clips x {a.frames} frames")
             res["settings"].append(setting(target, drafts, tok, n, a.frames, interval, rate, blocks,
-                                           (interval, rate) in claims and a.seeds > 1))
+                                           (interval, rate) in claims and a.seeds > 1, **kw))
             files.write_json(a.out, res | {"complete": len(res["settings"]) == len(settings)} | cli.ran(a, t0, cpu0))
         rows = sorted(res["settings"], key=lambda r: (-r["interval_s"], r["event_rate"]))
         res["settings"] = rows

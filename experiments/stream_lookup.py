@@ -52,12 +52,16 @@ def main(argv=None):
     a = cli.checked(ap, ap.parse_args(argv), counts=("clips", "time_clips"), out="runs/stream_lookup.json",
                     program="experiments/stream_lookup.py")
     with cli.user_errors(ap):
+        if a.check < 0:
+            raise ValueError(f"--check takes a number of clips >= 0 (0: none), got {a.check}")
         try:
-            timed = [dict(M=int(M), alpha=int(al), swap=bool(int(sw)), skip=None if sk == "-" else int(sk), steady=True)
-                     for M, al, sw, sk in (c.split("/") for c in a.time.split(",") if c)]
-        except ValueError:
-            raise ValueError(f"--time {a.time!r}: each Stream is M/alpha/swap/skip, ints (swap 0 or 1, skip an int "
-                             "or -)") from None
+            timed = [dict(M=int(M), alpha=int(al), swap={"0": False, "1": True}[sw], skip=None if sk == "-" else int(sk),
+                          steady=True) for M, al, sw, sk in (c.split("/") for c in a.time.split(",") if c)]
+            for kw in timed:  # Stream's own checks, before the decoding work
+                stream.Stream(None, [], **kw)
+        except (ValueError, KeyError):
+            raise ValueError(f"--time {a.time!r}: each Stream is M/alpha/swap/skip: M and alpha ints >= 1, swap 0 or "
+                             "1, skip an int >= 1 or -") from None
     t0, cpu0 = time.time(), time.process_time()
     target = checkpoint.load(os.path.join(a.run, "target")).eval()
     draft = checkpoint.load(checkpoint.draft_dir(a.run, "flat", 0), target=target).eval() if timed else None

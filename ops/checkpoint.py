@@ -85,7 +85,7 @@ def load(dir, target: VLA | None = None, dtype=None, device=None) -> VLA:
             check_vocab_ids(model.vocab_ids, cfg.vocab_size, cfg.draft_vocab)
         except ValueError as e:
             raise ValueError(f"{path}: {e}") from None
-    model.checkpoint_fingerprint = {"config": _config_hash(meta["config"]), "weights": h.hexdigest()[:16]}
+    model.checkpoint_fingerprint = {"config": config_hash(meta["config"]), "weights": h.hexdigest()[:16]}
     return model
 
 
@@ -121,8 +121,8 @@ def _hash(h, name, t):
     return t
 
 
-def _config_hash(config: dict):
-    """A LATER_FIELDS field at its default is left out: a file written before it existed and one written after, of
+def config_hash(config: dict):
+    """A config's hash (16 hex digits). A LATER_FIELDS field at its default is left out: a file written before it existed and one written after, of
     the same model, have one fingerprint (the drafts and search records that name it stay valid)."""
     config = {k: v for k, v in config.items() if k not in LATER_FIELDS or v != LATER_FIELDS[k]}
     return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
@@ -137,11 +137,11 @@ def fingerprint(model) -> dict:
         handles = {file: open_safetensors(file) for _, file in keys}
         for key, file in keys:
             _hash(h, key, handles[file].get_tensor(key))
-        fp = model.checkpoint_fingerprint = {"config": _config_hash(read_json(cfg_path)), "weights": h.hexdigest()[:16]}
+        fp = model.checkpoint_fingerprint = {"config": config_hash(read_json(cfg_path)), "weights": h.hexdigest()[:16]}
     if fp is None:
         for k, t in sorted(_stored(model).items()):
             _hash(h, k, t)
-        fp = {"config": _config_hash(model.cfg.to_dict()), "weights": h.hexdigest()[:16]}
+        fp = {"config": config_hash(model.cfg.to_dict()), "weights": h.hexdigest()[:16]}
     return fp
 
 

@@ -22,6 +22,7 @@ import hashlib
 import json
 import os
 import platform
+import time
 
 import torch
 
@@ -101,8 +102,7 @@ def hardware(device):
 # ---- the cost profile ----
 def config_id(model):
     """What decides a model's step time: its config (the weights' values do not), hashed."""
-    cfg = getattr(model, "model", model).cfg  # a CompiledSteps' model's
-    return hashlib.sha256(json.dumps(cfg.to_dict(), sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return checkpoint.config_hash(getattr(model, "model", model).cfg.to_dict())  # a CompiledSteps' model's
 
 
 def profile_key(target, draft, prompt, dtype, mode, rows):
@@ -330,7 +330,9 @@ def choice(target, draft, prompt, val_plans, max_new, stop_token, sampling=GREED
     the plans whose rounds are counted."""
     rows = val_plans[0]["input_ids"].shape[0] * samples
     dtype = next(getattr(target, "model", target).parameters()).dtype
+    t0 = time.perf_counter()
     prof, how_p = profile(target, draft, prompt, rows, stop_token, max_new, mode, reprofile)
+    profile_s = time.perf_counter() - t0
     ids = hashlib.sha256(b"".join(p["input_ids"].cpu().numpy().tobytes() for p in val_plans)).hexdigest()[:16]
     key = {"target": checkpoint.fingerprint(getattr(target, "model", target)),
            "draft": checkpoint.fingerprint(getattr(draft, "model", draft)), "dtype": str(dtype), "max_new": max_new,
@@ -339,13 +341,16 @@ def choice(target, draft, prompt, val_plans, max_new, stop_token, sampling=GREED
     cli.progress(f"each candidate's rounds on {len(val_plans)} val plan(s) (once per models and decoding)")
     acc, how_a = cached("acceptance", key, lambda: measure_acceptance(target, draft, val_plans, max_new, stop_token,
                                                                       sampling, samples))
+    t0 = time.perf_counter()
     prof = timed_rounds(prof, acc, rows, target, draft, prompt, stop_token, max_new, mode, reprofile)
+    profile_s += time.perf_counter() - t0  # the profile's seconds on this run: ~0 where both were reused
     predicted = predict(prof, acc, rows)
     ranked = choose(predicted)
     t1 = prof["target"][1]
     return ranked, {
         "what": "the decoder predicted fastest on this machine: val rounds x the profile's round time",
         "chosen": name(ranked[0]), "runner_up": name(ranked[1]), "mode": mode, "rows": rows, "profile": how_p,
+        "profile_s": profile_s,
         "acceptance": how_a, "predicted": predicted, "steps_ms": {str(n): 1e3 * s for n, s in prof["target"].items()},
         "verify_ms": {str(n): 1e3 * s for n, s in prof["verify"].items()},
         "draft_ms": {str(n): 1e3 * s for n, s in prof["draft"].items()},

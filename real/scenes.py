@@ -213,6 +213,9 @@ def write_scene(root, scene_id, images, past, future=None, instruction=None, ove
     return d
 
 
+JITTER = 0.25  # a clip's step may differ from its interval by this fraction (a camera clock's jitter), not more
+
+
 def clip_interval(found, frames):
     """The first `frames` scenes of a folder (name order) as one clip's consecutive frames (plans in a stream,
     beyond/stream.py) -> the replanning interval in seconds. A ValueError names the first thing that makes them no
@@ -222,15 +225,24 @@ def clip_interval(found, frames):
     clip = found[:frames]
     if untimed := [s.scene_id for s in clip if s.time_s is None]:
         raise ValueError(f"scene {untimed[0]}: {POSES} has no 'time_s': a clip's frames need their times (seconds)")
-    dt = clip[1].time_s - clip[0].time_s
     for a, b in zip(clip, clip[1:]):
-        gap = b.time_s - a.time_s
-        if gap <= 0:
+        if b.time_s == a.time_s:
+            raise ValueError(f"scenes {a.scene_id} and {b.scene_id} have the same time_s {a.time_s:g}: one frame "
+                             "twice")
+        if b.time_s < a.time_s:
             raise ValueError(f"scene {b.scene_id} (time_s {b.time_s:g}) follows {a.scene_id} ({a.time_s:g}) in name "
                              "order but not in time: a clip's frames are its scene folders in name order")
-        if abs(gap - dt) > 1e-3:
+    # the interval: the median step, so that one gap (or a first step that is one) is blamed on its own pair; a
+    # camera's clock jitters, so a step within JITTER of it is the interval
+    gaps = [b.time_s - a.time_s for a, b in zip(clip, clip[1:])]
+    dt = sorted(gaps)[len(gaps) // 2]
+    for a, b, gap in zip(clip, clip[1:], gaps):
+        if gap > (1 + JITTER) * dt:
             raise ValueError(f"scene {b.scene_id} is {gap:g} s after {a.scene_id}, the clip replans every {dt:g} s: "
-                             "a gap (a frame missing) between them")
+                             f"a gap (about {round(gap / dt) - 1} frame(s) missing) between them")
+        if gap < (1 - JITTER) * dt:
+            raise ValueError(f"scene {b.scene_id} is {gap:g} s after {a.scene_id}, the clip replans every {dt:g} s: "
+                             "frames closer than the clip's interval")
     return dt
 
 

@@ -418,3 +418,50 @@ def test_an_experiment_rewrites_its_own_output(tmp_path, capsys):
     assert cli.check_out(str(own), program="experiments/stream.py") == str(own)
     with pytest.raises(ValueError, match="not an output of experiments/stream_lookup.py"):
         cli.check_out(str(own), program="experiments/stream_lookup.py")
+
+
+# ---- counts, sizes and floats bounded before any work (issue #59: each of these hung or ran on silently) ----
+BOUND_DOORS = {  # (program, flags after its cheap argv, what the one line says)
+    "bench.py --stream 10**8": ("bench.py", "--stream 100000000", "--stream takes 0..1000 frames"),
+    "bench.py --stream-interval inf": ("bench.py", "--stream 3 --stream-interval inf", "a finite number of seconds"),
+    "bench.py --stream-interval nan": ("bench.py", "--stream 3 --stream-interval nan", "a finite number of seconds"),
+    "rsd.py --stream-frames 10**8": ("rsd.py", "--stream 1 --stream-frames 100000000", "--stream-frames 2..1000"),
+    "rsd.py --stream 10**8": ("rsd.py", "--stream 100000000", "--stream takes 0..10000 clips"),
+    "stream.py --frames 10**8": ("experiments/stream.py", "--frames 100000000", "2..1000 frames"),
+    "stream.py --clips 10**8": ("experiments/stream.py", "--clips 100000000", "0..10000 clips"),
+    "stream.py --rates nan": ("experiments/stream.py", "--rates nan", "a per-frame probability"),
+    "stream.py --default-only --rate1-only": ("experiments/stream.py", "--default-only --rate1-only",
+                                              "not allowed with argument"),
+    "stream_lookup.py --time swap 7": ("experiments/stream_lookup.py", "--time 32/2/7/8", "swap 0 or 1"),
+    "stream_lookup.py --time M 0": ("experiments/stream_lookup.py", "--time 0/2/1/8", "M and alpha ints >= 1"),
+    "stream_lookup.py --check -1": ("experiments/stream_lookup.py", "--check -1", "--check takes a number of clips"),
+    "train.py --stage drafts without a target": ("train.py", "--stage drafts --out {tmp}/fresh", "holds none"),
+}
+
+
+@pytest.mark.parametrize("door", sorted(BOUND_DOORS))
+def test_a_count_or_float_out_of_bounds_is_one_line_before_any_work(door, tmp_path, tiny_run, monkeypatch,
+                                                                     capsys):  # noqa: F811
+    """Refused at the flags, within seconds: a 20 s alarm turns a build of 10**8 frames into a failure."""
+    name, more, says = BOUND_DOORS[door]
+
+    def hang(*_):
+        raise TimeoutError(f"{door}: not refused before the work")
+    old = signal.signal(signal.SIGALRM, hang)
+    signal.alarm(20)
+    try:
+        code, _, err = run(name, cheap_argv(name, tmp_path, tiny_run) + more.format(tmp=tmp_path).split(), capsys)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+    assert code == 2 and says in error_line(err), err
+
+
+# ---- a report's identity fields come from what ran: a lossy decode is never called identical (issue #59) ----
+@pytest.mark.parametrize("exact, lossy, whole", [
+    (True, None, True), (False, None, False), (None, None, None),  # lossless runs: the exact decodes' own
+    (True, False, False), (True, True, True),  # a lossy section whose outputs changed makes the whole run's False
+    (None, False, None), (False, True, False)])
+def test_identity_fields_are_the_whole_runs(exact, lossy, whole):
+    got = cli.identity(exact, lossy)
+    assert got == {"greedy_match": whole, "lossy": lossy is not None, "exact_greedy_match": exact}

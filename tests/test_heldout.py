@@ -5,6 +5,7 @@ stage timed, ADE against the future poses, the command end to end, and its error
 
 run: python -m pytest -q tests/test_heldout.py
 """
+import dataclasses
 import json
 import math
 
@@ -178,12 +179,17 @@ def test_bench_scenes_as_one_clip(setup, tmp_path, capsys):
     assert list(st["arms"]) == ["target-only", "tree", "stream", "tree+stream"]
     assert all(a["frames_differing"] == 0 and a["tau"] >= 1 for a in st["arms"].values())
     assert "1 clip(s) of 3 frames, replanned every 0.5 s" in capsys.readouterr().err
-    for times, msg in (((0.0, 0.5, 1.5), "scene clip2 is 1 s after clip1, the clip replans every 0.5 s"),
+    jitter = [dataclasses.replace(s, time_s=t) for s, t in zip(scenes.load_scenes(root), (0.0, 0.5015, 1.0))]
+    assert scenes.clip_interval(jitter, 3) == pytest.approx(0.5015)  # 1.5 ms of a camera's jitter is no gap
+    for times, msg in (((0.0, 0.5, 1.5, 2.0), "scene clip2 is 1 s after clip1, the clip replans every 0.5 s: a gap"),
+                       ((0.0, 1.0, 1.5, 2.0), "scene clip1 is 1 s after clip0, the clip replans every 0.5 s: a gap"),
+                       ((0.0, 0.5, 0.5), "scenes clip1 and clip2 have the same time_s 0.5: one frame twice"),
                        ((0.0, 1.0, 0.5), "scene clip2 (time_s 0.5) follows clip1 (1) in name order but not in time"),
                        ((0.0, None, 1.0), "scene clip1: poses.json has no 'time_s'"),
                        ((0.0, 0.5), "--stream 3: the scene folder holds 2 scenes")):
+        frames = str(max(3, len(times)))
         with pytest.raises(SystemExit) as e:
-            bench.main(common + ["--scenes", str(write_scenes(tmp_path / str(times), times=times)), "--stream", "3"])
+            bench.main(common + ["--scenes", str(write_scenes(tmp_path / str(times), times=times)), "--stream", frames])
         assert e.value.code == 2 and msg in capsys.readouterr().err
     for argv, msg in ((["--stream", "3"], "--stream runs clips: the toy's, or --target's --scenes"),
                       (["--scenes", str(root), "--stream", "3", "--stream-interval", "0.1"],

@@ -205,7 +205,7 @@ def test_a_file_older_than_a_config_field_loads_with_its_default(tmp_path, capsy
     assert loaded.cfg.skip_visual is False and model.draft_kind(loaded.cfg) == "flat"
     assert loaded.checkpoint_fingerprint["config"] == fp
     assert "predates config field(s) skip_visual (loaded as False)" in capsys.readouterr().err
-    assert loaded.checkpoint_fingerprint["config"] == checkpoint._config_hash(meta["config"])
+    assert loaded.checkpoint_fingerprint["config"] == checkpoint.config_hash(meta["config"])
     del meta["config"]["rope_mode"]  # a field that was always there is still required
     save_file(sd, file, metadata={checkpoint.KEY: json.dumps(meta)})
     with pytest.raises(ValueError, match=r"missing config field\(s\) \['rope_mode'\]"):

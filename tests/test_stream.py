@@ -20,7 +20,7 @@ from test_tree import first3_by_rounds, markov_tree, small_vla
 import torch
 
 from beyond.relaxed import Relaxed
-from beyond.stream import Stream, lookup, plan_tokens
+from beyond.stream import Stream, decode_clip, lookup, plan_tokens
 import driving
 import model
 import speculate
@@ -159,6 +159,18 @@ def test_stream_errors():
         speculative(target, draft, prompt, Stream(None, [[], []]), 8)
     with pytest.raises(ValueError, match="lossless only"):
         speculative(target, draft, prompt, Stream(None, [[]]), 8, Sampling(relaxed=Relaxed("typical", 1.0)))
+    # issue #59: the public API checks what it is given, before any round
+    with pytest.raises(ValueError, match="per row, a list of plans"):
+        Stream(None, [[5, 6, 7]])  # a flat plan where rows of plans go
+    V = target.cfg.vocab_size
+    with pytest.raises(ValueError, match=f"token ids outside the target's {V}: \\[{V}\\]"):
+        speculative(target, draft, prompt, Stream(None, [[[1, V, 2]]]), 8)
+    once = Stream(None, [[[1, 2, 3]]])
+    speculative(target, draft, prompt, once, 4)
+    with pytest.raises(ValueError, match="make one per decode"):
+        speculative_batch(target, draft, prompt, once, 4, samples=2)
+    with pytest.raises(ValueError, match="unknown arm 'treee'"):
+        decode_clip(target, draft, [prompt], "treee", None, 4)
 
 
 # ---- sampling: the target's law ----
@@ -270,7 +282,9 @@ def test_clip_events_and_rings():
     assert driving.event_rate(0.5) == pytest.approx(1 - np.exp(-0.05)) and driving.event_rate(0.1) < 0.011
 
 
-@pytest.mark.parametrize("kw,message", [({"frames": 1}, "frames >= 2"), ({"interval": 0}, "interval > 0"),
+@pytest.mark.parametrize("kw,message", [({"frames": 1}, "2..1000 frames"), ({"interval": 0}, "seconds > 0"),
+                                        ({"frames": 10**8}, "2..1000 frames"), ({"n": 10**8}, "0..10000 clips"),
+                                        ({"interval": float("inf")}, "a finite number of seconds"),
                                         ({"rate": 1.5}, "per-frame probability"), ({"split": "nope"}, "unknown split")])
 def test_clip_errors(kw, message):
     with pytest.raises(ValueError, match=message):
