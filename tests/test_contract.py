@@ -465,3 +465,30 @@ def test_a_count_or_float_out_of_bounds_is_one_line_before_any_work(door, tmp_pa
 def test_identity_fields_are_the_whole_runs(exact, lossy, whole):
     got = cli.identity(exact, lossy)
     assert got == {"greedy_match": whole, "lossy": lossy is not None, "exact_greedy_match": exact}
+
+
+RUN_READERS = ["bench.py", "rsd.py", "aarl.py", "experiments/choose_grid.py", "experiments/history_prefill.py",
+               "experiments/stream.py", "experiments/stream_lookup.py", "experiments/tree_paths.py",
+               "experiments/tree_sweep.py", "experiments/relaxed_acceptance.py", "experiments/peer_hf.py"]
+
+
+@pytest.mark.parametrize("name", RUN_READERS)
+def test_every_run_reader_refuses_a_fifo_for_its_weights(name, tmp_path, tiny_run, capsys):  # noqa: F811
+    """Every program that reads a --run folder's target, given one whose weights are a FIFO: one line, no hang."""
+    plant_fifo(tiny_run / "target" / "model.safetensors")
+
+    def hang(*_):
+        raise TimeoutError(f"{name}: waited on the FIFO")
+    old = signal.signal(signal.SIGALRM, hang)
+    signal.alarm(15)
+    try:
+        argv = cheap_argv(name, tmp_path, tiny_run) + ["--run", str(tiny_run)]
+        if name == "rsd.py":  # the tiny run has two draft kinds: --drafts names one (and takes no --seeds)
+            argv = f"--run {tiny_run} --drafts flat={tiny_run / 'draft_flat_s0'} --scenes 2 --time-scenes 1 --show 0".split()
+        if name == "bench.py":
+            argv += ["--draft", str(tiny_run / "draft_flat_s0")]
+        code, _, err = run(name, argv, capsys)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+    assert code != 0 and "model.safetensors: is not a regular file" in error_line(err), err
