@@ -599,21 +599,16 @@ def make_clip(rng, split, frames, interval, rate, cfg=WorldConfig()):
     return out
 
 
-# a clip's frames: 1000 frames replanned every 0.5 s is over 8 minutes of driving, far past any planner's reach back;
-# 10,000 clips of 10 frames take days to decode on a CPU: a larger count is a typo, refused before the clips are built
-MAX_CLIP_FRAMES, MAX_CLIPS = 1000, 10_000
+MAX_CLIP_FRAMES, MAX_CLIPS = 1000, 10_000  # over 8 minutes of driving at 0.5 s; days of decoding on a CPU
 
 
 def check_clips(n, frames, interval=0.5, clips_flag="clips", frames_flag="frames"):
-    """A ValueError naming the flag unless 0 <= n <= MAX_CLIPS, 2 <= frames <= MAX_CLIP_FRAMES and the interval is a
-    finite number of seconds > 0: the clips a stream is measured on, bounded before any is built."""
-    if not (isinstance(n, int) and 0 <= n <= MAX_CLIPS):
-        raise ValueError(f"{clips_flag} takes 0..{MAX_CLIPS} clips (more decode for days on a CPU), got {n!r}")
-    if not (isinstance(frames, int) and 2 <= frames <= MAX_CLIP_FRAMES):
-        raise ValueError(f"{frames_flag} takes 2..{MAX_CLIP_FRAMES} frames a clip (a stream reads the frames before; "
-                         f"{MAX_CLIP_FRAMES} at 0.5 s is over 8 minutes of driving), got {frames!r}")
-    if not (isinstance(interval, (int, float)) and math.isfinite(interval) and interval > 0):
-        raise ValueError(f"a clip's interval must be a finite number of seconds > 0, got {interval!r}")
+    """A ValueError naming the flags unless 0 <= n <= MAX_CLIPS, 2 <= frames <= MAX_CLIP_FRAMES and the interval is
+    finite > 0: the clips bounded before any is built (a typo's 10**8 frames would build for minutes)."""
+    if not (isinstance(n, int) and 0 <= n <= MAX_CLIPS and isinstance(frames, int) and 2 <= frames <= MAX_CLIP_FRAMES
+            and isinstance(interval, (int, float)) and math.isfinite(interval) and interval > 0):
+        raise ValueError(f"{clips_flag} takes 0..{MAX_CLIPS} clips, {frames_flag} 2..{MAX_CLIP_FRAMES} frames a clip "
+                         f"and the interval a finite number of seconds > 0; got {n!r}, {frames!r}, {interval!r}")
 
 
 def make_clips(split, n, frames=10, interval=0.5, rate=None, seed=0, cfg=WorldConfig()):
@@ -621,8 +616,7 @@ def make_clips(split, n, frames=10, interval=0.5, rate=None, seed=0, cfg=WorldCo
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; expected one of {list(SPLITS)}")
     check_clips(n, frames, interval)
-    rate = event_rate(interval) if rate is None else rate
-    if not 0 <= rate <= 1:
+    if not 0 <= (rate := event_rate(interval) if rate is None else rate) <= 1:
         raise ValueError(f"the event rate is a per-frame probability in [0, 1], got {rate!r}")
     return [make_clip(np.random.default_rng([seed, 3 + SPLITS[split], i]), split, frames, interval, rate, cfg)
             for i in range(n)]

@@ -119,30 +119,40 @@ def grow(draft, dcache, logits, root, shape):
             torch.cat([fed.new_full((B, 1), -1), fed.gather(1, keep)], 1), logits)
 
 
-def merge(tree, path):
-    """Tree + per row a path from the root (path (B, M) tokens, -1 past its end: the stream draft, stream.py) merged
-    as a trie -> a Tree of N + M nodes. The path walks down the nodes that already hold its tokens; its rest hangs
-    below the last of them as nodes N+1..N+M, those past its end dead (token -1: never drawn, so never accepted). A
-    node never has two children of one token: with two, the deeper path below the drawn token would be kept, a choice
-    made by later draws, and the sampled law would be broken (tests/test_stream.py's control)."""
-    (B, N), M, dev = tree.tokens.shape, path.shape[1], path.device
-    cur, j = path.new_zeros(B), path.new_zeros(B)  # (B,) the deepest node matched so far, the tokens it matched
-    going = torch.ones(B, dtype=torch.bool, device=dev)
-    for i in range(M if N else 0):  # one level a step: the child of cur holding the path's i-th token, if there is one
-        hit = (tree.parent[:, 1:] == cur[:, None]) & (tree.tokens == path[:, i:i + 1])  # (B, N): at most one
-        going = going & hit.any(-1)
-        cur, j = torch.where(going, hit.long().argmax(-1) + 1, cur), j + going
-    k = torch.arange(M, device=dev)  # (M,) the new nodes, a chain below cur
-    src = j[:, None] + k  # (B, M) the path's token each new node holds
-    tokens = path.gather(1, src.clamp(max=M - 1)).masked_fill(src >= M, -1)  # (B, M)
-    parent = torch.where(k == 0, cur[:, None], N + k)  # (B, M): cur, then the node before it
-    depth = tree.depth.gather(1, cur[:, None]) + 1 + k  # (B, M)
-    anc = torch.zeros(B, N + 1 + M, N + 1 + M, dtype=torch.bool, device=dev)
+def merge(tree, stream, parents=None):
+    """Tree + per row a stream proposal merged as a trie -> a Tree of N + M nodes. stream (B, M): the proposal's
+    tokens, -1 for none; parents (B, M): each proposal node's parent among the proposal's nodes (-1: the root), a
+    parent before its children (None: a path, node i below node i - 1). Each proposal node walks into the tree's child
+    of its parent that holds its token, if there is one, else becomes node N + 1 + i below it; a node that walked in,
+    or holds -1, or whose parent does, leaves its slot dead (token -1: never drawn, so never accepted). A node never
+    has two children of one token: with two, the deeper path below the drawn token would be kept, a choice made by
+    later draws, and the sampled law would be broken (tests/test_stream.py's control)."""
+    (B, N), M, dev = tree.tokens.shape, stream.shape[1], stream.device
+    if parents is None:
+        parents = (torch.arange(M, device=dev) - 1).expand(B, M)
+    rows, eye = torch.arange(B, device=dev), torch.eye(N + 1 + M, dtype=torch.bool, device=dev)
+    tokens = torch.cat([tree.tokens, torch.full_like(stream, -1)], 1)  # (B, N+M)
+    parent = torch.cat([tree.parent, torch.zeros_like(stream)], 1)  # (B, N+1+M): a dead slot hangs below the root
+    depth = torch.cat([tree.depth, torch.ones_like(stream)], 1)  # (B, N+1+M)
+    anc = eye | (torch.arange(N + 1 + M, device=dev) == 0)  # (N+1+M, N+1+M): itself and the root
+    anc = anc.repeat(B, 1, 1)
     anc[:, :N + 1, :N + 1] = tree.anc
-    anc[:, N + 1:, :N + 1] = tree.anc.gather(1, cur[:, None, None].expand(-1, M, N + 1))  # cur and its ancestors
-    anc[:, N + 1:, N + 1:] = torch.ones(M, M, dtype=torch.bool, device=dev).tril()  # the new nodes above, itself
-    return Tree(torch.cat([tree.tokens, tokens], 1), torch.cat([tree.parent, parent], 1),
-                torch.cat([tree.depth, depth], 1), anc, torch.cat([tree.fed, torch.full_like(tokens, -1)], 1))
+    at = torch.zeros_like(stream)  # (B, M) the merged node each proposal node is (0 while dead)
+    alive = torch.zeros_like(stream, dtype=torch.bool)  # (B, M)
+    for i in range(M):  # parents come first: each node's parent is placed before it
+        j = parents[:, i]  # (B,)
+        up = torch.where(j < 0, 0, at[rows, j.clamp_min(0)])  # (B,) the merged parent
+        ok = (stream[:, i] >= 0) & ((j < 0) | alive[rows, j.clamp_min(0)])  # (B,)
+        hit = (parent[:, 1:] == up[:, None]) & (tokens == stream[:, i:i + 1])  # (B, N+M): at most one
+        found, new = hit.any(-1), ok & ~hit.any(-1)
+        v = N + 1 + i
+        tokens[:, v - 1] = torch.where(new, stream[:, i], -1)
+        parent[:, v] = torch.where(new, up, 0)
+        depth[:, v] = torch.where(new, depth[rows, up] + 1, 1)
+        anc[:, v] = torch.where(new[:, None], anc[rows, up] | eye[v], anc[:, v])
+        at[:, i] = torch.where(ok, torch.where(found, hit.long().argmax(-1) + 1, v), 0)
+        alive[:, i] = ok
+    return Tree(tokens, parent, depth, anc, torch.cat([tree.fed, torch.full_like(stream, -1)], 1))
 
 
 def verify_tree(tree, logits_p, sampling, generators=None):
@@ -177,12 +187,13 @@ def tree_forward(target, tcache, x_last, tokens, depth, anc, ell):
     return target.step(torch.cat([x_last, tokens], 1), slots, tcache, positions=ell[:, None] + depth, mask=mask)
 
 
-def tree_round(target, draft, tcache, dcache, pending, shape, sampling, generators, last=None, stream=None):
+def tree_round(target, draft, tcache, dcache, pending, shape, sampling, generators, last=None, stream=None,
+               parents=None):
     """One round with a draft tree per row, spec_round's contract. The caches then hold exactly the committed
     tokens: each row's accepted path's keys / values moved to consecutive slots (KVCache.move), rejected branches
     beyond its length. The path is found and moved on the device (EAGLE's gather through a path table): the round's
-    one host sync reads its tokens. stream (B, M): a path from the root merged into the tree (merge; stream.py; shape
-    None: no model tree, the draft unused)."""
+    one host sync reads its tokens. stream (B, M): a path from the root, or a trie of them (parents), merged into the
+    tree (merge; stream.py; shape None: no model tree, the draft unused)."""
     dev, ell, B = tcache.device, torch.tensor(tcache.lengths, device=tcache.device), len(pending)  # ell (B,)
     last = {} if last is None else last
     if shape is not None:  # the routine reasoner's trees: feed `pending` (committed from then on), grow from q
@@ -196,7 +207,7 @@ def tree_round(target, draft, tcache, dcache, pending, shape, sampling, generato
     # D: the longest path a round can accept; Df: the longest the draft was fed (the model tree's levels but its last)
     D, Df = max(shape.depth if shape else 0, 0 if stream is None else stream.shape[1]), shape.depth - 1 if shape else 0
     if stream is not None:
-        tree = merge(tree, stream)
+        tree = merge(tree, stream, parents)
     N = tree.tokens.shape[1]
     tcache.check_room(N + 1)
     verify = getattr(target, "fused", lambda fn: fn)(tree_forward)  # compiled steps: one graph

@@ -11,6 +11,16 @@ forward, so greedy output is the target's and sampled output keeps p's law, as f
 Where the two plans before agree (a steady row), the stream proposes the rest of a plan matched from its start, and
 a long proposal is verified alone, without the tree (Stream).
 
+A sampled plan (Alpamayo-R1 samples six CoCs a frame, T 0.6, top-p 0.98) departs from its earlier samples where the
+target is unsure, so one path misses the words it may take. There the index holds every row of the frames before
+and the committed tokens of the frame's other rows (its siblings, decoded in the same batch), and proposes
+SuffixDecoding's tree: every continuation of the longest match, merged as a trie and ranked by how many continuations
+pass through each node (propose). The exactness conditions (tests/test_stream.py tests each):
+- siblings in the merged tree hold distinct tokens (tree.merge walks into a child of the same token);
+- the tree is fixed before the round's draws: it reads earlier plans and every row's committed tokens, never a draw
+  of this round (the control that peeks at the draws breaks the law);
+- each row draws from its own generator (speculate.Sampling.generators).
+
 run: python experiments/stream.py        (tests: python -m pytest -q tests/test_stream.py)
 """
 import weakref
@@ -24,6 +34,7 @@ import tree
 M, ALPHA = 32, 2  # the stream's most nodes a round (a fixed shape), tokens proposed per matched token
 SWAP = True  # lookup's swap (step over one differing token)
 SKIP = 8  # a steady round whose proposals all reach SKIP tokens runs no model tree (None: never)
+K_FRAMES = 2  # sampled rows: the frames before whose every row the index holds
 STEADY = True  # read steady rows (the two plans before agree); False: the one plan before, as first measured
 
 
@@ -48,6 +59,33 @@ def lookup(context, earlier, max_len, alpha, swap=False, whole=False):
     return out
 
 
+def propose(context, sequences, budget, alpha):
+    """The sampled stream's proposal for one row, SuffixDecoding's tree (Oliaro et al. 2024): every place in the
+    sequences (earlier frames' plans, six samples each, and the siblings' committed tokens) where context's longest
+    suffix match ends, the continuation after it (alpha tokens per matched token), all merged as a trie whose node
+    counts how many continuations pass through it; the `budget` nodes most passed through (ties: the shallower, then
+    the first made) -> (tokens, parents) in a parent-first order (parents: index among them, -1 the root). A child
+    never counts more than its parent, so what is kept is a tree; the trie's siblings hold distinct tokens."""
+    best, ends = 0, []
+    for s, seq in enumerate(sequences):
+        for end in range(1, len(seq)):
+            k = run(seq, end - 1, context, len(context) - 1)
+            if k and k >= best:
+                best, ends = k, (ends if k == best else []) + [(s, end)]
+    child, tok, par, depth, count = {}, [], [], [], []  # the trie: (parent, token) -> node
+    for s, end in ends:
+        u = -1
+        for t in sequences[s][end:end + min(budget, alpha * best)]:
+            if (u, t) not in child:
+                child[u, t] = len(tok)
+                tok.append(t), par.append(u), depth.append(depth[u] + 1 if u >= 0 else 1), count.append(0)
+            u = child[u, t]
+            count[u] += 1
+    keep = sorted(sorted(range(len(tok)), key=lambda v: (-count[v], depth[v], v))[:budget])  # creation order
+    at = {v: i for i, v in enumerate(keep)}
+    return [tok[v] for v in keep], [at.get(par[v], -1) for v in keep]
+
+
 def run(a, i, b, j):
     """How many tokens a[..i] and b[..j] share going back from a[i] and b[j] (0 where an index is < 0)."""
     k = 0
@@ -67,10 +105,11 @@ class Stream:
     `skip` tokens verifies the stream alone, the draft unused (the tree's levels cost more than they add there); the
     draft is fed what it missed at its next tree, its pending kept to at most 2 (depth + 1) tokens. Both choices read
     only earlier plans and committed tokens, so the round's tree is fixed before the target's draws: exact, greedy
-    and sampled."""
+    and sampled. siblings g > 0 (sampled plans: rows b // g are one prompt's samples): each row's proposal is
+    propose()'s trie over its earlier plans and its g - 1 siblings' committed tokens (no swap, steady or skip)."""
     kind = "stream"
 
-    def __init__(self, shape, earlier, M=M, alpha=ALPHA, swap=SWAP, skip=SKIP, steady=STEADY):
+    def __init__(self, shape, earlier, M=M, alpha=ALPHA, swap=SWAP, skip=SKIP, steady=STEADY, siblings=0):
         if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in (M, alpha)) or \
                 skip is not None and (not isinstance(skip, int) or isinstance(skip, bool) or skip < 1):
             raise ValueError(f"the stream's M, alpha and skip must be ints >= 1, got M {M!r}, alpha {alpha!r}, "
@@ -82,7 +121,9 @@ class Stream:
             raise ValueError("a Stream's earlier plans are, per row, a list of plans, each a list of token ids "
                              "([[plan, ...] for each row]; plan_tokens gives one)")
         self.shape, self.earlier, self.M, self.alpha, self.context = shape, earlier, M, alpha, None
-        self.swap, self.skip, self.cache = swap, skip, None
+        self.swap, self.skip, self.cache, self.siblings = swap, skip, None, siblings
+        if siblings:  # sampled rows: the tree of propose() from the earlier plans and the siblings' committed tokens
+            self.swap, self.skip, steady = False, None, False
         self.steady = [steady and len(e) > 1 and e[0] == e[1] for e in earlier]  # per row
 
     nodes = property(lambda self: (self.shape.nodes if self.shape else 0) + self.M)
@@ -106,6 +147,19 @@ class Stream:
             if bad := sorted({t for e in self.earlier for q in e for t in q if not 0 <= t < V}):
                 raise ValueError(f"the stream's earlier plans hold token ids outside the target's {V}: {bad[:5]}")
             self.context, self.cache = [[p[-1]] for p in pending], weakref.ref(tcache)
+        if self.siblings:  # each row's trie; its siblings: the other rows of its group of `siblings` (one prompt's)
+            g = self.siblings
+            props = [propose(c, self.earlier[b] + [self.context[o] for o in range(b - b % g, b - b % g + g) if o != b],
+                             self.M, self.alpha) for b, c in enumerate(self.context)]
+            width = max(1, max(len(t) for t, _ in props))
+            pad = lambda x: x + [-1] * (width - len(x))  # noqa: E731
+            path = torch.tensor([pad(t) for t, _ in props], device=tcache.device, dtype=torch.long)  # (B, M')
+            parents = torch.tensor([pad(q) for _, q in props], device=tcache.device, dtype=torch.long)  # (B, M')
+            n, accepted, nxt, new = tree.tree_round(target, draft, tcache, dcache, pending, self.shape, sampling,
+                                                    generators, last, stream=path, parents=parents)
+            for c, a, x in zip(self.context, accepted, nxt):
+                c += a + [x]
+            return n, accepted, nxt, new
         paths = [lookup(c, e, self.M, self.alpha, self.swap, s) for c, e, s in zip(self.context, self.earlier,
                                                                                     self.steady)]
         skip = self.shape is not None and self.skip is not None and all(self.steady) and \
@@ -131,23 +185,33 @@ def settings(**stream_kw):
     return {"M": M, "alpha": ALPHA, "swap": SWAP, "skip": SKIP, "steady": STEADY} | stream_kw
 
 
-def decode_clip(target, draft, prompts, arm, shape, max_new, stop_token=None, timing=False, **stream_kw):
-    """One arm over a clip's frames in order (prompts: batch-1 prompts) -> a speculate.SpecResult per frame. arm:
-    "target-only"; "tree", the decoder `shape` alone (a tree.TreeShape, or a chain as TreeShape(gamma, gamma, 1)),
-    every frame planned as if it were the first; "stream", the frame before's plan alone (no draft model);
-    "tree+stream", both merged. Each frame's stream reads the plans this arm wrote before it: the two most recent
-    (steady, Stream's steady rows), or the one (steady False)."""
+def decode_clip(target, draft, prompts, arm, shape, max_new, stop_token=None, timing=False, samples=1,
+                sampling=speculate.GREEDY, frames_back=K_FRAMES, **stream_kw):
+    """One arm over a clip's frames in order (prompts: batch-1 prompts) -> per frame a speculate.SpecResult, or with
+    samples > 1 a list of them (the frame's plan: `samples` rows decoded as one batch, frame i's rows seeded
+    sampling.offset(i x samples)). arm: "target-only"; "tree", the decoder `shape` alone (a tree.TreeShape, or a chain
+    as TreeShape(gamma, gamma, 1)), every frame planned as if it were the first; "stream", the plans before alone (no
+    draft model); "tree+stream", both merged. Each frame's stream reads the plans this arm wrote before it: one row,
+    the two most recent (steady, Stream's steady rows) or the one (steady False); sampled rows, every row of the last
+    frames_back frames and its siblings (Stream's siblings)."""
     if arm not in ARMS:
         raise ValueError(f"unknown arm {arm!r}: one of {', '.join(ARMS)}")
     out, earlier = [], []
-    for p in prompts:
+    for i, p in enumerate(prompts):
+        kw = dict(stop_token=stop_token, timing=timing, samples=samples, sampling=sampling.offset(i * samples))
         if arm == "target-only":
-            out.append(speculate.autoregressive(target, p, max_new, stop_token=stop_token, timing=timing))
-            continue
-        recent = earlier[:-3:-1] if stream_kw.get("steady", STEADY) else earlier[-1:]  # most recent first
-        decoder = shape if arm == "tree" else Stream(None if arm == "stream" else shape, [recent], **stream_kw)
-        out.append(speculate.speculative(target, draft, p, decoder, max_new, stop_token=stop_token, timing=timing))
-        earlier.append(plan_tokens(p, out[-1]))
+            rows = speculate.autoregressive_batch(target, p, max_new, **kw)
+        else:
+            if samples > 1:
+                recent = [[q for plans in earlier[::-1][:frames_back] for q in plans]] * samples
+                sib = dict(siblings=samples)
+            else:
+                frames = earlier[:-3:-1] if stream_kw.get("steady", STEADY) else earlier[-1:]  # most recent first
+                recent, sib = [[f[0] for f in frames]], {}
+            decoder = shape if arm == "tree" else Stream(None if arm == "stream" else shape, recent, **stream_kw, **sib)
+            rows = speculate.speculative_batch(target, draft, p, decoder, max_new, **kw)
+        out.append(rows if samples > 1 else rows[0])
+        earlier.append([plan_tokens(p, r) for r in rows])
     return out
 
 

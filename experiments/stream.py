@@ -26,21 +26,26 @@ from beyond.stream import ARMS, decode_clip  # noqa: E402
 import driving  # noqa: E402
 import evaluate  # noqa: E402
 from ops import checkpoint, cli, files, timing  # noqa: E402
-from speculate import SpecResult  # noqa: E402
+from speculate import GREEDY, SpecResult  # noqa: E402
 
-def setting(target, drafts, tok, n, frames, interval, rate, blocks, spread, **stream_kw):
-    """One (interval, rate): the four arms timed on n held-out clips (ops.timing.stream_arms); drafts[1:] (the other
-    seeds) decode the same clips for tau only. stream_kw: the lookup's settings (Stream's M, alpha, ...)."""
-    clips = [evaluate.scene_prompts(c, tok, "cpu") for c in driving.make_clips("test", n, frames, interval, rate)]
-    stop = tok.cot_end_id
+def setting(target, drafts, tok, n, frames, interval, rate, blocks, spread, samples=1, sampling=GREEDY, clip_seed=0,
+            **stream_kw):
+    """One (interval, rate): the four arms timed on n held-out clips (ops.timing.stream_arms), each frame's plan
+    `samples` rows under `sampling`; drafts[1:] (the other seeds) decode the same clips for tau only. stream_kw: the
+    lookup's settings (Stream's M, alpha, ...)."""
+    clips = [evaluate.scene_prompts(c, tok, "cpu")
+             for c in driving.make_clips("test", n, frames, interval, rate, seed=clip_seed)]
+    stop, kw = tok.cot_end_id, dict(samples=samples, sampling=sampling, **stream_kw)
     arms, res = timing.stream_arms(target, drafts[0], clips, evaluate.TREE, evaluate.MAX_NEW_TOKENS, stop, 1, blocks,
-                                   **stream_kw)
-    ref = [[r.tokens for r in clip] for clip in res["target-only"]]
-    out = {"interval_s": interval, "event_rate": rate, "clips": n, "frames": frames,
+                                   **kw)
+    rows = (lambda f: f) if samples > 1 else (lambda f: [f])
+    ref = [[[r.tokens for r in rows(f)] for f in clip] for clip in res["target-only"]]  # [clip][frame][row]
+    out = {"interval_s": interval, "event_rate": rate, "clips": n, "frames": frames, "samples": samples,
            "coc_changed": sum(a != b for c in ref for a, b in zip(c, c[1:])) / (n * (frames - 1)), **arms}
     for a in ("tree", "tree+stream") if spread else ():  # tau of the other seeds' drafts, the same clips, untimed
-        out[a]["tau_by_seed"] = [out[a]["tau"]] + [SpecResult.pooled([r for c in clips for r in decode_clip(
-            target, d, c, a, evaluate.TREE, evaluate.MAX_NEW_TOKENS, stop, **stream_kw)]).tau for d in drafts[1:]]
+        out[a]["tau_by_seed"] = [out[a]["tau"]] + [SpecResult.pooled([r for c in clips for f in decode_clip(
+            target, d, c, a, evaluate.TREE, evaluate.MAX_NEW_TOKENS, stop, **kw) for r in rows(f)]).tau
+            for d in drafts[1:]]
     return out
 
 
@@ -64,6 +69,12 @@ def main(argv=None):
                     "proposals all reach this many tokens runs no model tree ('-': never)")
     ap.add_argument("--steady", type=int, choices=(0, 1), default=int(stream.STEADY), help="1: read the two plans "
                     "before (steady rows); 0: the one plan before")
+    ap.add_argument("--samples", type=int, default=1, help="rows a frame's plan samples (Alpamayo-R1: 6; with "
+                    "--temperature), decoded as one batch; the stream reads the frames before's rows and the siblings'")
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy (one row a frame)")
+    ap.add_argument("--top-p", type=float, default=None, help="nucleus sampling (Alpamayo-R1: 0.98)")
+    ap.add_argument("--clip-seed", type=int, default=0, help="the held-out clips' generator seed (a claim measured "
+                    "once spends its clips: the next one draws a new seed)")
     ap.add_argument("--seeds", type=int, default=3, help="draft seeds (seed 0 timed, the rest for the tau spread)")
     ap.add_argument("--out", default="runs/stream.json", help="the JSON written")
     ap.add_argument("--figure", default=None, help="also draw the figure here (needs matplotlib)")
@@ -95,6 +106,12 @@ def main(argv=None):
         except ValueError:
             raise ValueError(f"--M and --alpha take ints >= 1, --skip an int >= 1 or '-'; got {a.M}, {a.alpha}, "
                              f"{a.skip!r}") from None
+        if a.clip_seed < 0:
+            raise ValueError(f"--clip-seed takes an int >= 0, got {a.clip_seed}")
+        sampling = cli.sampling(a.temperature, None, a.top_p, a.clip_seed)
+        if (a.samples > 1) != (a.temperature > 0) or a.samples < 1:
+            raise ValueError(f"--samples {a.samples} rows a plan go with --temperature > 0 (a greedy plan is one row), "
+                             f"got --temperature {a.temperature}")
         for n in (a.clips, a.sweep_clips):
             driving.check_clips(n, a.frames, clips_flag="--clips / --sweep-clips", frames_flag="--frames")
         rates = [driving.event_rate(0.5) if r.strip() == "default" else float(r) for r in a.rates.split(",")]
@@ -112,14 +129,17 @@ def main(argv=None):
         settings = claims + [s for s in [(0.5, r) for r in rates] + [(0.1, driving.event_rate(0.1))] if s not in claims]
         settings = settings[:1] if a.default_only else settings[1:2] if a.rate1_only else settings
         res = {"command": "python experiments/stream.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-               "tree": [evaluate.TREE.nodes, evaluate.TREE.depth, evaluate.TREE.width], **{f"stream_{k}": v for k, v in stream.settings(**kw).items()},
+               "tree": [evaluate.TREE.nodes, evaluate.TREE.depth, evaluate.TREE.width],
+               **{f"stream_{k}": v for k, v in stream.settings(**kw).items()}, "clip_seed": a.clip_seed,
+               "decoding": cli.sampling_json(sampling), "samples": a.samples,
                "event_rate_per_s": driving.EVENT_RATE, "ring_rate_per_s": driving.RING_RATE, "settings": [],
                "environment": timing.environment("cpu")}
         for interval, rate in settings:
             n = a.clips if (interval, rate) in claims else a.sweep_clips
             cli.progress(f"interval {interval} s, event rate {rate:.3f}: {n} clips x {a.frames} frames")
             res["settings"].append(setting(target, drafts, tok, n, a.frames, interval, rate, blocks,
-                                           (interval, rate) in claims and a.seeds > 1, **kw))
+                                           (interval, rate) in claims and a.seeds > 1, a.samples, sampling,
+                                           a.clip_seed, **kw))
             files.write_json(a.out, res | {"complete": len(res["settings"]) == len(settings)} | cli.ran(a, t0, cpu0))
         rows = sorted(res["settings"], key=lambda r: (-r["interval_s"], r["event_rate"]))
         res["settings"] = rows
@@ -129,7 +149,8 @@ def main(argv=None):
     for r in rows:
         print(f"{r['interval_s']} s, rate {r['event_rate']:.3f} (CoC changed {r['coc_changed']:.2f}): " + "; ".join(
             f"{k} tau {r[k]['tau']:.2f} {r[k]['speedup']:.2f}x" for k in ARMS[1:]) +
-            f"; frames differing from target-only {sum(r[k]['frames_differing'] for k in ARMS[1:])}")
+            ("" if r[ARMS[1]]["frames_differing"] is None else
+             f"; frames differing from target-only {sum(r[k]['frames_differing'] for k in ARMS[1:])}"))
     print(f"written to {a.out}" + (f" and {a.figure}" if a.figure else ""))
     return res
 

@@ -67,31 +67,41 @@ def time_arms(target, drafts, prompts, gamma, max_new, stop_token, repeats, samp
 
 
 @torch.no_grad()
-def stream_arms(target, draft, clips, shape, max_new, stop_token, repeats=1, blocks=8, **stream_kw):
+def stream_arms(target, draft, clips, shape, max_new, stop_token, repeats=1, blocks=8, samples=1,
+                sampling=GREEDY, **stream_kw):
     """Plans in a stream (beyond/stream.py) on clips (a list of clips, each its frames' batch-1 prompts in order):
-    the four arms of stream.ARMS timed interleaved, an item a whole clip -> {arm: {tau, ms_per_token (the decode,
-    prefills apart, over every frame's tokens; median over passes), speedup, speedup_range (min..max over `blocks`
-    blocks of clips, each block's arms back to back), frames_differing (plans not token for token target-only's,
-    greedy)}}, and the first pass's results {arm: [clip][frame] SpecResult}. stream_kw: the Stream's (M, alpha, ...)."""
-    runs = interleaved({arm: lambda i, arm=arm: stream.decode_clip(target, draft, clips[i], arm, shape, max_new,
-                                                                   stop_token, timing=True, **stream_kw)
-                        for arm in stream.ARMS}, len(clips), repeats, clips[0][0]["input_ids"].device)
+    the four arms of stream.ARMS timed interleaved, an item a whole clip -> {arm: {tau (a row's), ms_per_token (the
+    decode, prefills apart, over every frame's tokens; median over passes), ms_per_plan (a frame's plan: until its
+    last row is done), speedup (target-only's ms per plan over the arm's), speedup_range (min..max over `blocks`
+    blocks of clips, each block's arms back to back), frames_differing (greedy: plans not token for token
+    target-only's; sampled: None)}}, and the first pass's results {arm: [clip][frame] SpecResult, or with samples > 1
+    a list of the plan's rows}. samples, sampling: each frame's plan of `samples` rows (decode_clip's); stream_kw: the
+    Stream's (M, alpha, ...)."""
+    runs = interleaved({arm: lambda i, arm=arm: stream.decode_clip(
+        target, draft, clips[i], arm, shape, max_new, stop_token, timing=True, samples=samples, sampling=sampling,
+        **stream_kw) for arm in stream.ARMS}, len(clips), repeats, clips[0][0]["input_ids"].device)
     res = [{arm: [x.result for x in runs[arm][r]] for arm in stream.ARMS} for r in range(repeats)]  # [pass][arm][clip]
-    ref = [[x.tokens for x in clip] for clip in res[0]["target-only"]]
+    rows = (lambda f: f) if samples > 1 else (lambda f: [f])  # a frame's plan as its rows
 
-    def ms(r, arm, lo=0, hi=len(clips)):  # pass r's ms/token over clips lo..hi-1
-        frames = speculate.SpecResult.pooled([x for clip in res[r][arm][lo:hi] for x in clip])
-        return 1e3 * frames.decode_s / len(frames.tokens)
+    def plan_ms(r, arm, lo=0, hi=len(clips)):  # pass r's ms per plan over clips lo..hi-1
+        plans = [max(x.decode_s for x in rows(f)) for clip in res[r][arm][lo:hi] for f in clip]
+        return 1e3 * sum(plans) / len(plans)
 
+    def pooled(r, arm):
+        return speculate.SpecResult.pooled([x for clip in res[r][arm] for f in clip for x in rows(f)])
+
+    ref = [[[x.tokens for x in rows(f)] for f in clip] for clip in res[0]["target-only"]]
     out = {}
     for arm in stream.ARMS:
-        ups = [ms(r, "target-only", lo, hi) / ms(r, arm, lo, hi) for r in range(repeats)
+        ups = [plan_ms(r, "target-only", lo, hi) / plan_ms(r, arm, lo, hi) for r in range(repeats)
                for lo, hi in block_bounds(len(clips), blocks)]
-        out[arm] = {"tau": speculate.SpecResult.pooled([x for clip in res[0][arm] for x in clip]).tau,
-                    "ms_per_token": median(ms(r, arm) for r in range(repeats)),
-                    "speedup": median(ms(r, "target-only") / ms(r, arm) for r in range(repeats)),
+        frames = [pooled(r, arm) for r in range(repeats)]
+        out[arm] = {"tau": frames[0].tau, "ms_per_token": median(1e3 * f.decode_s / len(f.tokens) for f in frames),
+                    "ms_per_plan": median(plan_ms(r, arm) for r in range(repeats)),
+                    "speedup": median(plan_ms(r, "target-only") / plan_ms(r, arm) for r in range(repeats)),
                     "speedup_range": [min(ups), max(ups)],
-                    "frames_differing": sum(x.tokens != t for c, rc in zip(res[0][arm], ref) for x, t in zip(c, rc))}
+                    "frames_differing": None if not sampling.greedy else sum(
+                        [x.tokens for x in rows(f)] != t for c, rc in zip(res[0][arm], ref) for f, t in zip(c, rc))}
     return out, res[0]
 
 

@@ -224,6 +224,16 @@ def test_bench_stream_times_four_arms_on_clips(run_dir, capsys):
         assert a["frames_differing"] == 0 and a["ms_per_token"] > 0 and a["tau"] >= 1, arm
         assert a["speedup_range"][0] - 1e-9 <= a["speedup"] <= a["speedup_range"][1] + 1e-9, arm  # a mediant
     assert st["arms"]["target-only"]["tau"] == 1.0 and out["what_ran"]["flags"]["stream"] == 3
+    # issue #60: a sampled plan of 3 rows a frame, the stream's trie from the frames before and the siblings
+    bench.main(["--run", str(run_dir), "--stream", "3", "--prompts", "2", "--dtype", "fp32", "--views", str(VIEWS),
+                "--max-new", "8", "--tree", "4", "--tree-depth", "2", "--samples", "3", "--temperature", "0.6",
+                "--top-p", "0.98", "--json"])
+    out = last_json(capsys)
+    st = out["stream"]
+    assert out["greedy_match"] is None and not out["lossy"] and out["decoding"]["mode"] == "sampling"
+    assert st["samples"] == 3 and st["siblings"] == 3 and st["frames_back"] == stream.K_FRAMES
+    for arm, a in st["arms"].items():
+        assert a["frames_differing"] is None and a["ms_per_plan"] > 0 and a["tau"] >= 1, arm
 
 
 @pytest.mark.slow

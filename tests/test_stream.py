@@ -20,7 +20,7 @@ from test_tree import first3_by_rounds, markov_tree, small_vla
 import torch
 
 from beyond.relaxed import Relaxed
-from beyond.stream import Stream, decode_clip, lookup, plan_tokens
+from beyond.stream import Stream, decode_clip, lookup, plan_tokens, propose
 import driving
 import model
 import speculate
@@ -236,6 +236,99 @@ def test_stream_sampling_keeps_the_target_law(kw):
     stat, df, pval = chi_square(torch.bincount(toks @ torch.tensor([V * V, V, 1]), minlength=V ** 3),
                                 expected.reshape(-1))
     print(f"stream + tree T={temperature}: N={N} chi2={stat:.1f} df={df} p={pval:.3g}")
+    assert pval > SIGNIFICANCE, (stat, df, pval)
+
+
+def first3_peeking(live, dead, p_logits, x0, sampling, N, seed, cheat):
+    """first3_by_rounds over each last token's merged tree (live: token -> (tree, node tokens, the proposal's first
+    node)); cheat: a proposal
+    that reads the round's draws: it peeks the draws (a clone of the row's generator, verify_tree's sample) and, where
+    the target would not draw P's likeliest token after the proposal's first node, swaps in the same layout with the
+    proposal dead (dead: token -> (tree, node tokens)). The layout and every other node's draw stay the same."""
+    g = torch.Generator().manual_seed(seed)
+    out = torch.empty(N, 3, dtype=torch.long)
+    for i in range(N):
+        seq, last = [], x0
+        while len(seq) < 3:
+            tree, toks, node = live[last]
+            if cheat:
+                peek = torch.Generator()
+                peek.set_state(g.get_state())
+                y = speculate.sample(sampling.probs(p_logits[toks][None])[0], peek)  # (N+1,) every node's draw
+                if int(y[node]) != int(p_logits[toks[node]].argmax()):
+                    tree, toks = dead[last]
+            best, nxt = trees.verify_tree(tree, p_logits[toks][None], sampling, [g])
+            path, u = [], int(best[0])
+            while u:
+                path.append(int(toks[u]))
+                u = int(tree.parent[0, u])
+            seq += path[::-1] + [int(nxt)]
+            last = seq[-1]
+        out[i] = torch.tensor(seq[:3])
+    return out
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, None), (0.6, 0.98)])
+def test_a_multi_path_trie_keeps_the_target_law_and_a_peeking_proposal_does_not(temperature, top_p):
+    """Issue #60's exactness, per position: rounds of verify_tree over a Markov target P, the draft's top-2 tree of
+    depth 2 with a trie of the sampled stream merged into it (propose: two earlier samples that part after their
+    first token, and a token of one recurs: the trie has a node with two children), until 3 tokens are out: the first 3 follow P (chi-square,
+    level 1e-3, N = 5,000). The negative control reads the round's draws (it keeps the proposal only where the target
+    will draw P's likeliest token below it): rejected."""
+    V, x0, N = 5, 2, 5_000
+    p_logits, _ = markov_pair(V, seed=21)
+    P = speculate.process_logits(p_logits, temperature, None, top_p)
+    expected = joint_first3(P, x0)
+    live, dead = {}, {}
+    for x in range(V):
+        t, toks = markov_tree(-p_logits, x, 2, 2)  # the draft's top-2 tree: P's least likely tokens
+        a = int(p_logits[x].argmax())
+        b, c = p_logits[a].topk(2).indices.tolist()
+        tokens, parents = propose([x], [[x, a, b, 1], [x, a, c, 3], [x, a, b, 4]], 4, 4)
+        assert tokens[0] == a and max(Counter(parents).values()) >= 2  # a node of the trie with two children
+        m = trees.merge(t, torch.tensor([tokens]), torch.tensor([parents]))
+        first = [v for v in range(1, m.tokens.shape[1] + 1) if int(m.tokens[0, v - 1]) == a and m.parent[0, v] == 0]
+        node_toks = torch.cat([toks, m.tokens[0, t.tokens.shape[1]:].clamp_min(0)])
+        live[x] = (m, node_toks, first[0])
+        off = trees.merge(t, torch.full((1, len(tokens)), -1), torch.tensor([parents]))  # the same layout, dead
+        dead[x] = (off, torch.cat([toks, off.tokens[0, t.tokens.shape[1]:].clamp_min(0)]))
+        assert is_trie(m) and off.tokens.shape == m.tokens.shape
+    for name in ("correct", "peeks at the draws"):
+        out = first3_peeking(live, dead, p_logits, x0,
+                             Sampling(temperature, top_p=top_p), N, 22, name != "correct")
+        stat, df, pval = chi_square(torch.bincount(out @ torch.tensor([V * V, V, 1]), minlength=V ** 3), expected)
+        print(f"sampled-stream trie T={temperature} top_p={top_p} {name}: N={N} chi2={stat:.1f} df={df} p={pval:.3g}")
+        assert (pval > SIGNIFICANCE) == (name == "correct"), (name, stat, df, pval)
+
+
+def test_sampled_rows_with_siblings_keep_the_target_law():
+    """The whole loop for a sampled plan: 3 rows of one prompt decoded as one batch, each with its own generator, the
+    stream's trie read from two earlier plans that part and from the siblings' committed tokens (Stream siblings),
+    merged into the draft's tree: every row's first 3 tokens follow the target's law (computed exactly by cache-free
+    forwards; chi-square over the rows pooled, level 1e-3, N = 600 plans x 3 rows)."""
+    target = small_vla(0)
+    torch.manual_seed(3)
+    draft = model.make_draft(target, n_layers=1).eval()
+    V, N, rows, prompt, temperature = 5, 600, 3, dict(input_ids=torch.tensor([[0, 3]])), 0.8
+
+    def probs(seq):
+        with torch.no_grad():
+            return speculate.process_logits(target(torch.tensor([[0, 3] + seq]))[0, -1], temperature)
+
+    expected = torch.einsum("a,ab,abc->abc", probs([]), torch.stack([probs([a]) for a in range(V)]),
+                            torch.stack([torch.stack([probs([a, b]) for b in range(V)]) for a in range(V)]))
+    x1 = int(expected.sum((1, 2)).argmax())
+    second = expected[x1].sum(1).topk(2).indices.tolist()
+    earlier = [[3, x1, second[0], 1, 2], [3, x1, second[1], 4, 2]]  # two samples of the frame before, parting
+    toks = []
+    for s in range(N):
+        stream = Stream(TreeShape(4, 2, 2), [earlier] * rows, M=6, alpha=4, siblings=rows)
+        toks += [r.tokens for r in speculative_batch(target, draft, prompt, stream, 3, samples=rows,
+                                                     sampling=Sampling(temperature, seed=rows * s))]
+    toks = torch.tensor(toks)  # (N rows, 3)
+    stat, df, pval = chi_square(torch.bincount(toks @ torch.tensor([V * V, V, 1]), minlength=V ** 3),
+                                expected.reshape(-1))
+    print(f"sampled stream, siblings, T={temperature}: N={len(toks)} chi2={stat:.1f} df={df} p={pval:.3g}")
     assert pval > SIGNIFICANCE, (stat, df, pval)
 
 
