@@ -42,7 +42,6 @@ TOY_DRAFT = ("aarl", 0)  # the toy mode's default draft: FlatRoPE + AARL (static
 TOY_JSON = "runs/bench_toy.json"  # the toy mode's default --out (whatever settings that run had); never a shipped file
 ROOT = os.path.dirname(os.path.abspath(__file__))
 SHIPPED_DIR = os.path.join(ROOT, "checkpoints")  # what the repo ships: no report is written there
-CHOOSE_SCENES = 16  # val scenes whose rounds (ops.choose: each candidate's, real decoding) choose the decoder
 # a tree's most candidates a round (TreeShape.candidates: k + (D - 1) k^2): 15x evaluate.TREES' largest (66),
 # and its verify's (N + 1, V) logits stay under 1 GB at Qwen's 152k vocabulary, the (N + 1)^2 mask 1M bools a row
 MAX_TREE_CANDIDATES = 1024
@@ -184,7 +183,7 @@ def toy(args, device, dtype, sampling):
     if args.batch > 1 or args.samples > 1:  # plans of several rows, decoded as one batch
         decoder, beside, chosen = args.decoder, args.gamma, None
         if args.choose:  # a verify over B rows costs more: the chooser's profile over B rows, the val plans' rounds
-            val = split("val", CHOOSE_SCENES)
+            val = split("val", chooser.VAL_PLANS * args.batch)
             ranked, chosen = chooser.choice(target, draft, val[0], timing.plan_batches(val, args.batch), args.max_new,
                                             tok.cot_end_id, sampling, args.samples, reprofile=args.reprofile)
             decoder, beside = [c for c in ranked if c is not None][:2]
@@ -198,7 +197,7 @@ def toy(args, device, dtype, sampling):
         return {"mode": "plans", "draft": draft_dir, "target": target_dir, "decoding": cli.sampling_json(sampling),
                 "decoder": timing.decoder_json(decoder), "plan": p}
     # no --tree: the decoder and its runner-up are the chooser's, for the steps that run (eager or compiled)
-    choose = split("val", CHOOSE_SCENES) if args.choose else None
+    choose = split("val", chooser.VAL_PLANS) if args.choose else None
     res = benchmark(target, draft, prompts, args.decoder, args.max_new, tok.cot_end_id, args.repeats, sampling,
                     args.compile, args.gamma, choose, args.reprofile) | {"mode": "toy", "draft": draft_dir,
                                                                          "target": target_dir}

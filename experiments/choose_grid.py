@@ -24,7 +24,6 @@ import evaluate  # noqa: E402
 from ops import checkpoint, choose, cli, files, timing  # noqa: E402
 import speculate  # noqa: E402
 
-CHOOSE_SCENES = 16  # as bench.py: the val scenes whose rounds choose
 
 
 @cli.program
@@ -62,7 +61,7 @@ def main(argv=None):
     tok, views = driving.Tokenizer(), driving.WorldConfig().views
     split = lambda name, n: evaluate.scene_prompts(driving.make_split(name, n, seed=0), tok, device,  # noqa: E731
                                                    cli.DTYPES[dtype_name], views)
-    val, plans = split("val", CHOOSE_SCENES), timing.plan_batches(split("test", a.prompts), a.batch)
+    val, plans = split("val", choose.VAL_PLANS * a.batch), timing.plan_batches(split("test", a.prompts), a.batch)
     rows, stop, max_new = a.batch * a.samples, tok.cot_end_id, evaluate.MAX_NEW_TOKENS
     decoders = [c for c in choose.candidates() if c]
     t, d = target, draft

@@ -46,6 +46,7 @@ REPS, ROUNDS = 3, 3  # each profiled forward: the least over ROUNDS rounds of th
 # round's, and a chain's as a + b gamma (each draft step's feed and argmax beside its forward) from the shortest and
 # the longest chain; their rounds are also kept as timed rounds (round_s)
 OVERHEAD_DECODERS = {"target-only": None, "chain 1": Chain(1), "chain 8": Chain(8), "tree": FAMILY[1]}
+VAL_PLANS = 16  # the val plans whose rounds choose (of --batch prompts each: a plan's rounds are its slowest row's)
 TIMED_TOP = 2  # the chooser times real decodes of the fastest predicted candidates until these many are timed ones
 NATIVE_BF16 = ("avx512_bf16", "amx_bf16")  # /proc/cpuinfo flags of a CPU whose matrix units multiply bf16 natively
 

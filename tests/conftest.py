@@ -21,14 +21,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 def choose_cache(tmp_path_factory):
     """The chooser's profiles and val rounds (ops/choose.py) cached in a folder of the session's, not the checkout's
     runs/choose/: a test never reads what an earlier run of the programs measured."""
-    import bench
     from ops import choose
-    saved = choose.CACHE, choose.ROUNDS, choose.REPS, bench.CHOOSE_SCENES
-    # one round of one call per profiled forward and 4 val scenes: the tests check the chooser's flow and records, not
+    saved = choose.CACHE, choose.ROUNDS, choose.REPS, choose.VAL_PLANS
+    # one round of one call per profiled forward and 4 val plans: the tests check the chooser's flow and records, not
     # its precision (tests/test_choose.py checks the choice on profiles it builds)
-    choose.CACHE, choose.ROUNDS, choose.REPS, bench.CHOOSE_SCENES = str(tmp_path_factory.mktemp("choose")), 1, 1, 4
+    choose.CACHE, choose.ROUNDS, choose.REPS, choose.VAL_PLANS = str(tmp_path_factory.mktemp("choose")), 1, 1, 4
     yield
-    choose.CACHE, choose.ROUNDS, choose.REPS, bench.CHOOSE_SCENES = saved
+    choose.CACHE, choose.ROUNDS, choose.REPS, choose.VAL_PLANS = saved
 
 
 @pytest.fixture
