@@ -86,8 +86,11 @@ def main(argv=None):
     for n, ps in passes.items():
         ups = [b / m for b, m in zip(base, ps)]  # each pass's speed-up: its arms timed back to back
         results = [r for x in runs[n][0] for r in x.result]
+        rounds = sum(max(r.rounds for r in x.result) for x in runs[n][0]) / len(plans)  # a plan's: its slowest row's
+        # the prediction's two factors apart: rounds (val's against these held-out plans') and a round's time
         grid[n] = {"ms_per_plan": median(ps), "speedup": median(ups), "speedup_range": [min(ups), max(ups)],
-                   "tau": speculate.SpecResult.pooled(results).tau,
+                   "tau": speculate.SpecResult.pooled(results).tau, "rounds_per_plan": rounds,
+                   "round_ms": median(ps) / rounds, "predicted_round_ms": rec["predicted"][n]["round_ms"],
                    "predicted_speedup": rec["predicted"][n]["predicted_speedup"]}
     best = max(grid, key=lambda n: grid[n]["speedup"])
     chosen = grid[rec["chosen"]]
@@ -103,7 +106,8 @@ def main(argv=None):
     for n, g in grid.items():
         print(f"{n:<14} predicted {g['predicted_speedup']:.2f}x   measured {g['speedup']:.2f}x "
               f"[{g['speedup_range'][0]:.2f}-{g['speedup_range'][1]:.2f}]   {g['ms_per_plan']:.1f} ms/plan   "
-              f"tau {g['tau']:.2f}" + ("   <- chosen" if n == rec["chosen"] else ""))
+              f"tau {g['tau']:.2f}   round {g['round_ms']:.1f} ms (predicted {g['predicted_round_ms']:.1f})"
+              + ("   <- chosen" if n == rec["chosen"] else ""))
     print(f"{out['hardware']}, {dtype_name} ({why}), {rec['mode']}, {rows} row(s): chosen {rec['chosen']} measured "
           f"{chosen['speedup']:.2f}x = {out['chosen_over_best']:.2f} of the grid's best ({best}, "
           f"{grid[best]['speedup']:.2f}x); predicted {chosen['predicted_speedup']:.2f}x "

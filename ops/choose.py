@@ -346,6 +346,8 @@ def choice(target, draft, prompt, val_plans, max_new, stop_token, sampling=GREED
     prof = timed_rounds(prof, acc, rows, target, draft, prompt, stop_token, max_new, mode, reprofile)
     profile_s += time.perf_counter() - t0  # the profile's seconds on this run: ~0 where both were reused
     predicted = predict(prof, acc, rows)
+    for n, v in predicted.items():  # the rounds a val plan took: beside a held-out plan's, the acceptance's shift
+        v["val_rounds_per_plan"] = acc[n]["rounds"] / len(val_plans)
     ranked = choose(predicted)
     t1 = prof["target"][1]
     return ranked, {
