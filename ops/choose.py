@@ -11,9 +11,10 @@ from the device's own verify-cost curve; here the same curve also chooses betwee
 - The acceptance: each candidate's rounds on val plans (real decoding: the same tokens on any machine, so it depends
   on the models, the scenes and the decoding, not the hardware); cached the same way.
 - The prediction: ms per plan = rounds x the round's time (target-only: one step per token). A round's time is its
-  forwards plus its kind's overhead, or, for the candidates that may win, a real decode's: the chooser times the two
-  fastest predicted by real decodes of the profile's prompt until both are timed ones (the forwards' sum misses what
-  a round does between them, and that is a share that differs by machine and mode). It keeps the fastest and the
+  forwards plus its kind's overhead, or, for target-only and the candidates that may win, a real decode's: the
+  chooser times the two fastest predicted by real decodes of a val plan (its own rows and prompts, the decoding that
+  will run) until both are timed ones (the forwards' sum misses what a round does between them, a share that differs
+  by machine, mode, rows and decoding). It keeps the fastest and the
   runner-up. Target-only is a candidate, so it never runs a decoder predicted slower than not speculating.
 
 run: python bench.py --device cpu        (the profile, each candidate's prediction, the chosen and the runner-up timed)
@@ -213,10 +214,11 @@ def least_of_rounds(timers):
     return least
 
 
-def decode_timer(target, draft, prompt, decoder, rows, stop_token, max_new):
-    """() -> a real decode's seconds per round of the prompt over `rows` rows (one prefill, its rows copied; a plan's
-    round lasts until every row is done); decoder None: target-only, whose round is one step."""
-    kw = dict(samples=rows, stop_token=stop_token, timing=True)
+def decode_timer(target, draft, prompt, decoder, rows, stop_token, max_new, samples=None, sampling=GREEDY):
+    """() -> a real decode's seconds per round of the prompt (a plan: its rows x samples; samples None: the prompt's
+    one row copied to `rows`) under sampling (its seeds: the same draws every call); a plan's round lasts until every
+    row is done. decoder None: target-only, whose round is one step."""
+    kw = dict(samples=rows if samples is None else samples, stop_token=stop_token, timing=True, sampling=sampling)
 
     def run():
         rs = speculate.autoregressive_batch(target, prompt, max_new, **kw) if decoder is None else \
@@ -253,19 +255,24 @@ def from_json(prof):
     return {k: {int(n) if k in ("target", "verify", "draft") else n: s for n, s in v.items()} for k, v in prof.items()}
 
 
-def timed_rounds(prof, acceptance, rows, target, draft, prompt, stop_token, max_new, mode, reprofile=False):
-    """prof with real decodes' rounds (prof["rounds"]) for the TIMED_TOP fastest predicted candidates: each one not yet
-    timed is timed (least_of_rounds over decode_timer, cached as the profile is) and the ranking redone, until the
-    top TIMED_TOP are timed rounds."""
+def timed_rounds(prof, acceptance, rows, target, draft, plan, samples, sampling, stop_token, max_new, mode,
+                 reprofile=False):
+    """prof with the rounds of real decodes of a val plan (prof["rounds"]: its rows, their own prompts, the decoding
+    that will run; the profile's own decodes copy one prompt's row and run greedy) for target-only and the TIMED_TOP
+    fastest predicted candidates: each one not yet timed is timed (least_of_rounds over decode_timer, cached as the
+    profile is) and the ranking redone, until the top TIMED_TOP are timed rounds."""
     dtype = next(getattr(target, "model", target).parameters()).dtype
-    base = profile_key(target, draft, prompt, dtype, mode, rows)
+    ids = hashlib.sha256(plan["input_ids"].cpu().numpy().tobytes()).hexdigest()[:16]
+    base = profile_key(target, draft, plan, dtype, mode, rows) | {"plan": ids, "samples": samples,
+                                                                  "decoding": cli.sampling_json(sampling)}
+    prof = prof | {"rounds": {}}
     for _ in range(len(candidates())):
-        top = choose(predict(prof, acceptance, rows))[:TIMED_TOP]
-        todo = [c for c in top if name(c) not in prof["rounds"]]
-        if not todo:
+        top = [None, *choose(predict(prof, acceptance, rows))[:TIMED_TOP]]
+        if not (todo := list({name(c): c for c in top if name(c) not in prof["rounds"]}.values())):
             return prof
-        cli.progress(f"timing real decodes of {', '.join(map(name, todo))}: the fastest predicted")
-        timers = {name(c): decode_timer(target, draft, prompt, c, rows, stop_token, max_new) for c in todo}
+        cli.progress(f"timing real decodes of a val plan: {', '.join(map(name, todo))} (the fastest predicted)")
+        timers = {name(c): decode_timer(target, draft, plan, c, rows, stop_token, max_new, samples, sampling)
+                  for c in todo}
         got, _ = cached("rounds", base | {"decoders": sorted(timers)}, lambda: least_of_rounds(timers), reprofile)
         prof = prof | {"rounds": prof["rounds"] | got}
     return prof
@@ -343,7 +350,8 @@ def choice(target, draft, prompt, val_plans, max_new, stop_token, sampling=GREED
     acc, how_a = cached("acceptance", key, lambda: measure_acceptance(target, draft, val_plans, max_new, stop_token,
                                                                       sampling, samples))
     t0 = time.perf_counter()
-    prof = timed_rounds(prof, acc, rows, target, draft, prompt, stop_token, max_new, mode, reprofile)
+    prof = timed_rounds(prof, acc, rows, target, draft, val_plans[0], samples, sampling, stop_token, max_new, mode,
+                        reprofile)
     profile_s += time.perf_counter() - t0  # the profile's seconds on this run: ~0 where both were reused
     predicted = predict(prof, acc, rows)
     for n, v in predicted.items():  # the rounds a val plan took: beside a held-out plan's, the acceptance's shift
