@@ -243,6 +243,9 @@ def run(cfg: TrainConfig, stage="all", log=print):
     """Train what `stage` asks for; returns {"target", "drafts", "metrics"} on rank 0, which holds cfg.out's writer
     lock throughout (files.writer_lock) and first checks what would be replaced (check_outputs)."""
     cli.check_device(cfg.device)
+    if stage == "drafts" and checkpoint.existing_kind(target_dir(cfg)) != "target":  # before the scenes are built
+        raise ValueError(f"--stage drafts distils from a target: {target_dir(cfg)} holds none; train one (--stage "
+                         "target) or give --target-dir")
     if cfg.target_dir:  # the draft stage's target: drafts and their state never go into it
         files.check_out_dir(cfg.out, {"--target-dir": cfg.target_dir}, may_contain=("--target-dir",))
     rank, world, device = runs.setup_distributed(cfg.device)
@@ -307,10 +310,6 @@ def parse_args(argv=None, parser=False):
             raise ValueError(f"--target-dir is the draft stage's target: add --stage drafts (got --stage {a.stage})")
         if a.target_dir and checkpoint.existing_kind(a.target_dir) != "target":
             raise ValueError(f"--target-dir {a.target_dir}: not a target checkpoint folder (checkpoint.save's)")
-        if a.stage == "drafts" and not a.target_dir and checkpoint.existing_kind(os.path.join(a.out, "target")) \
-                != "target":  # here, not after the world's scenes are built
-            raise ValueError(f"--stage drafts distils from a target: {os.path.join(a.out, 'target')} holds none; "
-                             "train one (--stage target) or give --target-dir")
         cli.check_values(a, [(cli.MAX_VIEWS_RULE, ("views", "max_views")), ("in 0..2**30-1", ("seed", "draft_seed")),
                              (">= 1", ("n_train", "n_val", "n_test", "batch_size", "target_steps", "draft_steps",
                                        "eval_every")), ("a finite number > 0", ("target_lr", "draft_lr", "grad_clip")),

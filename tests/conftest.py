@@ -4,7 +4,7 @@ dynamo's eager backend, the chooser's cache in a folder of the session's (and it
 Tests marked `@pytest.mark.slow` (torch.compile: minutes of compilation on a CPU; a real shape's random weights) are
 skipped unless pytest gets --slow, so the default suite keeps its budget on 2 CPU cores.
 
-run: python -m pytest -q tests          (the slow ones too: python -m pytest -q tests --slow)
+run: python -m pytest -q -n 2 tests     (the slow ones too: python -m pytest -q -n 2 tests --slow)
 """
 import os
 import sys

@@ -207,11 +207,12 @@ def test_train_bad_flags_fail_at_parse_time(argv, msg, capsys):
     # plans in a stream (#50): a clip of one frame, a stream with what it does not time, an interval alone
     (["--stream", "1"], "--stream takes the frames of a clip, >= 2 (0: off), got 1"),
     (["--stream", "-2"], "--stream takes the frames of a clip, >= 2"),
-    (["--stream", "4", "--temperature", "0.6"], "--stream times eager greedy decodes of one row per frame"),
-    (["--stream", "4", "--batch", "2", "--prompts", "4"], "--stream times eager greedy decodes"),
+    (["--stream", "4", "--temperature", "0.6"], "--stream's plan of --samples rows is sampled"),
+    (["--stream", "4", "--samples", "6"], "--samples 6 at --temperature 0 decodes identical greedy rows"),
+    (["--stream", "4", "--batch", "2", "--prompts", "4"], "--stream times eager decodes of one prompt per frame"),
     (["--stream", "4", "--preset", "qwen2.5-vl-7b"], "--stream runs clips: the toy's, or --target's --scenes"),
-    (["--stream", "4", "--stream-interval", "0"], "--stream-interval must be > 0 s, got 0.0"),
-    (["--stream", "4", "--stream-interval", "nan"], "--stream-interval must be > 0 s, got nan"),
+    (["--stream", "4", "--stream-interval", "0"], "--stream-interval must be a finite number of seconds > 0, got 0.0"),
+    (["--stream", "4", "--stream-interval", "nan"], "--stream-interval must be a finite number of seconds > 0, got nan"),
     (["--stream-interval", "0.1"], "--stream-interval goes with --stream"),
 ])
 def test_bench_bad_flags_are_one_line(argv, msg, capsys):
@@ -262,8 +263,8 @@ def test_bench_out_is_never_an_input_nor_a_file_it_did_not_write(tmp_path, monke
     (["--tree", "16/8/3", "--search"], "--gamma and --tree N/D/k give the decoders (no search on val)"),
     (["--tree", "16/2/3"], "argument --tree: invalid tree_flag value: '16/2/3'"),  # 12 candidates, not 16
     (["--gamma", "9"], "argument --gamma: invalid choice: 9"),  # tau is replayed at evaluate.GAMMAS
-    (["--stream", "-1"], "--stream takes a number of clips (0: off)"),
-    (["--stream", "2", "--stream-frames", "1"], "--stream-frames at least 2 frames; got 2, 1"),
+    (["--stream", "-1"], "--stream takes 0..10000 clips (0: off)"),
+    (["--stream", "2", "--stream-frames", "1"], "--stream-frames 2..1000 frames; got 2, 1"),
     (["--stream", "2", "--temperature", "0.5"], "--stream times eager greedy decodes"),
     (["--stream", "2", "--compile"], "--stream times eager greedy decodes"),
     (["--stream-frames", "4"], "--stream-frames goes with --stream"),
