@@ -144,7 +144,7 @@ def merge(tree, stream, parents=None):
         up = torch.where(j < 0, 0, at[rows, j.clamp_min(0)])  # (B,) the merged parent
         ok = (stream[:, i] >= 0) & ((j < 0) | alive[rows, j.clamp_min(0)])  # (B,)
         hit = (parent[:, 1:] == up[:, None]) & (tokens == stream[:, i:i + 1])  # (B, N+M): at most one
-        found, new = hit.any(-1), ok & ~hit.any(-1)
+        new = ok & ~(found := hit.any(-1))
         v = N + 1 + i
         tokens[:, v - 1] = torch.where(new, stream[:, i], -1)
         parent[:, v] = torch.where(new, up, 0)

@@ -45,7 +45,7 @@ PROFILE_METHOD = 4  # bumped when measure_profile measures another way: a cached
 REPS, ROUNDS = 3, 3  # each profiled forward: the least over ROUNDS rounds of the median of REPS calls
 # the real decodes whose time per round, less the profile's forwards, is a round's overhead: target-only's step, a tree
 # round's, and a chain's as a + b gamma (each draft step's feed and argmax beside its forward) from the shortest and
-# the longest chain; their rounds are also kept as timed rounds (round_s)
+# the longest chain
 OVERHEAD_DECODERS = {"target-only": None, "chain 1": Chain(1), "chain 8": Chain(8), "tree": FAMILY[1]}
 VAL_PLANS = 16  # the val plans whose rounds choose (of --batch prompts each: a plan's rounds are its slowest row's)
 TIMED_TOP = 2  # the chooser times real decodes of the fastest predicted candidates until these many are timed ones
@@ -195,8 +195,7 @@ def measure_profile(target, draft, prompt, rows=1, stop_token=None, max_new=eval
     per_step = (o["chain 8"] - o["chain 1"]) / 7
     prof["overhead"] = {"target-only": o["target-only"], "tree": o["tree"], "chain": o["chain 1"] - per_step,
                         "chain_step": per_step}
-    decoded = prof.pop("decode")
-    prof["rounds"] = {name(d): decoded[kind] for kind, d in OVERHEAD_DECODERS.items()}
+    del prof["decode"]  # each of these decodes' rounds is its forwards plus its overhead again: round_s gives it
     return prof
 
 

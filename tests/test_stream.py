@@ -239,33 +239,18 @@ def test_stream_sampling_keeps_the_target_law(kw):
     assert pval > SIGNIFICANCE, (stat, df, pval)
 
 
-def first3_peeking(live, dead, p_logits, x0, sampling, N, seed, cheat):
-    """first3_by_rounds over each last token's merged tree (live: token -> (tree, node tokens, the proposal's first
-    node)); cheat: a proposal
-    that reads the round's draws: it peeks the draws (a clone of the row's generator, verify_tree's sample) and, where
-    the target would not draw P's likeliest token after the proposal's first node, swaps in the same layout with the
-    proposal dead (dead: token -> (tree, node tokens)). The layout and every other node's draw stay the same."""
-    g = torch.Generator().manual_seed(seed)
-    out = torch.empty(N, 3, dtype=torch.long)
-    for i in range(N):
-        seq, last = [], x0
-        while len(seq) < 3:
-            tree, toks, node = live[last]
-            if cheat:
-                peek = torch.Generator()
-                peek.set_state(g.get_state())
-                y = speculate.sample(sampling.probs(p_logits[toks][None])[0], peek)  # (N+1,) every node's draw
-                if int(y[node]) != int(p_logits[toks[node]].argmax()):
-                    tree, toks = dead[last]
-            best, nxt = trees.verify_tree(tree, p_logits[toks][None], sampling, [g])
-            path, u = [], int(best[0])
-            while u:
-                path.append(int(toks[u]))
-                u = int(tree.parent[0, u])
-            seq += path[::-1] + [int(nxt)]
-            last = seq[-1]
-        out[i] = torch.tensor(seq[:3])
-    return out
+def peeking(live, dead, p_logits, sampling):
+    """first3_by_rounds' pick for a proposal that reads the round's draws: each last token's merged tree (live: token
+    -> (tree, node tokens, the proposal's first node)), unless a peek at the draws (a clone of the row's generator,
+    verify_tree's sample) shows the target will not draw P's likeliest token below the proposal's first node; then
+    the same layout with the proposal dead (dead: token -> (tree, node tokens)), every other node's draw the same."""
+    def pick(last, g):
+        tree, toks, node = live[last]
+        peek = torch.Generator()
+        peek.set_state(g.get_state())
+        y = speculate.sample(sampling.probs(p_logits[toks][None])[0], peek)  # (N+1,) every node's draw
+        return (tree, toks) if int(y[node]) == int(p_logits[toks[node]].argmax()) else dead[last]
+    return pick
 
 
 @pytest.mark.parametrize("temperature,top_p", [(1.0, None), (0.6, 0.98)])
@@ -294,8 +279,9 @@ def test_a_multi_path_trie_keeps_the_target_law_and_a_peeking_proposal_does_not(
         dead[x] = (off, torch.cat([toks, off.tokens[0, t.tokens.shape[1]:].clamp_min(0)]))
         assert is_trie(m) and off.tokens.shape == m.tokens.shape
     for name in ("correct", "peeks at the draws"):
-        out = first3_peeking(live, dead, p_logits, x0,
-                             Sampling(temperature, top_p=top_p), N, 22, name != "correct")
+        sampling = Sampling(temperature, top_p=top_p)
+        out = first3_by_rounds({x: v[:2] for x, v in live.items()}, p_logits, x0, sampling, N, 22,
+                               None if name == "correct" else peeking(live, dead, p_logits, sampling))
         stat, df, pval = chi_square(torch.bincount(out @ torch.tensor([V * V, V, 1]), minlength=V ** 3), expected)
         print(f"sampled-stream trie T={temperature} top_p={top_p} {name}: N={N} chi2={stat:.1f} df={df} p={pval:.3g}")
         assert (pval > SIGNIFICANCE) == (name == "correct"), (name, stat, df, pval)

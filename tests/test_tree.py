@@ -224,15 +224,16 @@ def markov_tree(Q, x0, k, depth):
     return tree, torch.tensor(toks)
 
 
-def first3_by_rounds(trees, p_logits, x0, sampling, N, seed):
+def first3_by_rounds(trees, p_logits, x0, sampling, N, seed, pick=None):
     """N times, rounds of verify_tree over a Markov target (p_logits (V, V)) from x0, each round's tree the one of its
-    last token (trees: token -> (tree.Tree, token of every node)), until 3 tokens are out -> the first 3 (N, 3)."""
+    last token (trees: token -> (tree.Tree, token of every node)), until 3 tokens are out -> the first 3 (N, 3).
+    pick(last, generator) -> (tree, tokens): the round's tree chosen another way (tests/test_stream.py's control)."""
     g = torch.Generator().manual_seed(seed)
     out = torch.empty(N, 3, dtype=torch.long)
     for i in range(N):
         seq, last = [], x0
         while len(seq) < 3:
-            tree, toks = trees[last]
+            tree, toks = trees[last] if pick is None else pick(last, g)
             best, nxt = verify_tree(tree, p_logits[toks][None], sampling, [g])
             path, u = [], int(best[0])
             while u:
