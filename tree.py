@@ -119,40 +119,38 @@ def grow(draft, dcache, logits, root, shape):
             torch.cat([fed.new_full((B, 1), -1), fed.gather(1, keep)], 1), logits)
 
 
-def merge(tree, stream, parents=None):
+def merge(tree, stream, parents=None, levels=None):
     """Tree + per row a stream proposal merged as a trie -> a Tree of N + M nodes. stream (B, M): the proposal's
-    tokens, -1 for none; parents (B, M): each proposal node's parent among the proposal's nodes (-1: the root), a
-    parent before its children (None: a path, node i below node i - 1). Each proposal node walks into the tree's child
-    of its parent that holds its token, if there is one, else becomes node N + 1 + i below it; a node that walked in,
-    or holds -1, or whose parent does, leaves its slot dead (token -1: never drawn, so never accepted). A node never
-    has two children of one token: with two, the deeper path below the drawn token would be kept, a choice made by
-    later draws, and the sampled law would be broken (tests/test_stream.py's control)."""
+    tokens, -1 for none (padding: no node below it); parents (B, M): each proposal node's parent among the proposal's
+    nodes (-1: the root), a parent before its children, siblings of distinct tokens (None: a path, node i below node
+    i - 1); levels: the tree's depth (None: N). Each proposal node walks into the tree's child of its parent that
+    holds its token, if there is one, else becomes node N + 1 + i below it; a node that walked in, or holds -1, leaves
+    its slot dead (token -1: never drawn, so never accepted). A node never has two children of one token: with two,
+    the deeper path below the drawn token would be kept, a choice made by later draws, and the sampled law would be
+    broken (tests/test_stream.py's control). No host sync, and no loop over the proposal's nodes."""
     (B, N), M, dev = tree.tokens.shape, stream.shape[1], stream.device
     if parents is None:
         parents = (torch.arange(M, device=dev) - 1).expand(B, M)
-    rows, eye = torch.arange(B, device=dev), torch.eye(N + 1 + M, dtype=torch.bool, device=dev)
-    tokens = torch.cat([tree.tokens, torch.full_like(stream, -1)], 1)  # (B, N+M)
-    parent = torch.cat([tree.parent, torch.zeros_like(stream)], 1)  # (B, N+1+M): a dead slot hangs below the root
-    depth = torch.cat([tree.depth, torch.ones_like(stream)], 1)  # (B, N+1+M)
-    anc = eye | (torch.arange(N + 1 + M, device=dev) == 0)  # (N+1+M, N+1+M): itself and the root
-    anc = anc.repeat(B, 1, 1)
-    anc[:, :N + 1, :N + 1] = tree.anc
-    at = torch.zeros_like(stream)  # (B, M) the merged node each proposal node is (0 while dead)
-    alive = torch.zeros_like(stream, dtype=torch.bool)  # (B, M)
-    for i in range(M):  # parents come first: each node's parent is placed before it
-        j = parents[:, i]  # (B,)
-        up = torch.where(j < 0, 0, at[rows, j.clamp_min(0)])  # (B,) the merged parent
-        ok = (stream[:, i] >= 0) & ((j < 0) | alive[rows, j.clamp_min(0)])  # (B,)
-        hit = (parent[:, 1:] == up[:, None]) & (tokens == stream[:, i:i + 1])  # (B, N+M): at most one
-        new = ok & ~(found := hit.any(-1))
-        v = N + 1 + i
-        tokens[:, v - 1] = torch.where(new, stream[:, i], -1)
-        parent[:, v] = torch.where(new, up, 0)
-        depth[:, v] = torch.where(new, depth[rows, up] + 1, 1)
-        anc[:, v] = torch.where(new[:, None], anc[rows, up] | eye[v], anc[:, v])
-        at[:, i] = torch.where(ok, torch.where(found, hit.long().argmax(-1) + 1, v), 0)
-        alive[:, i] = ok
-    return Tree(tokens, parent, depth, anc, torch.cat([tree.fed, torch.full_like(stream, -1)], 1))
+    pj, ids = parents.clamp_min(0), torch.arange(1, N + 1, device=dev)  # (B, M), (N,)
+    ok, same = stream >= 0, tree.tokens[:, None, :] == stream[..., None]  # (B, M), (B, M, N)
+    # at: the tree node each proposal node walked into (-1: none). A sweep settles one more level of the proposal
+    # (its parent's node is read from the sweep before), and no tree node lies deeper than `levels`.
+    at = torch.full_like(stream, -1)
+    for _ in range(N if levels is None else levels):
+        up = torch.where(parents < 0, 0, at.gather(1, pj))  # (B, M) the parent's tree node (-1: not in the tree)
+        v = ((same & (tree.parent[:, None, 1:] == up[..., None])) * ids).amax(-1)  # (B, M): the child, 0 if none
+        at = torch.where(ok & (v > 0), v, -1)
+    new = ok & (at < 0)  # (B, M): node N + 1 + i
+    up = torch.where(parents < 0, 0, torch.where(at.gather(1, pj) >= 0, at.gather(1, pj), N + 1 + pj))  # (B, M)
+    tokens = torch.cat([tree.tokens, torch.where(new, stream, -1)], 1)  # (B, N+M)
+    parent = torch.cat([tree.parent, torch.where(new, up, 0)], 1)  # (B, N+1+M): a dead slot hangs below the root
+    # anc: the closure of "is itself or its parent", squared until it spans the longest path (log2 of N + 1 + M)
+    S = N + 1 + M
+    anc = torch.eye(S, device=dev).repeat(B, 1, 1).scatter_(2, parent[..., None], 1.0)  # (B, S, S)
+    for _ in range((S - 1).bit_length()):
+        anc = (anc @ anc).clamp_max(1)
+    anc = anc > 0
+    return Tree(tokens, parent, anc.sum(-1) - 1, anc, torch.cat([tree.fed, torch.full_like(stream, -1)], 1))
 
 
 def verify_tree(tree, logits_p, sampling, generators=None):
@@ -207,7 +205,7 @@ def tree_round(target, draft, tcache, dcache, pending, shape, sampling, generato
     # D: the longest path a round can accept; Df: the longest the draft was fed (the model tree's levels but its last)
     D, Df = max(shape.depth if shape else 0, 0 if stream is None else stream.shape[1]), shape.depth - 1 if shape else 0
     if stream is not None:
-        tree = merge(tree, stream, parents)
+        tree = merge(tree, stream, parents, shape.depth if shape else 0)
     N = tree.tokens.shape[1]
     tcache.check_room(N + 1)
     verify = getattr(target, "fused", lambda fn: fn)(tree_forward)  # compiled steps: one graph
