@@ -215,11 +215,12 @@ def stream_mode(args, target, draft, clips, interval, rate, stop, sampling=GREED
     cli.progress(f"timing 4 arms: {args.repeats} passes over {len(clips)} clip(s) of {args.stream} frames, "
                  f"{args.samples} row(s) a frame")
     arms, _ = timing.stream_arms(target, draft, clips, shape, args.max_new, stop, args.repeats, samples=args.samples,
-                                 sampling=sampling)
+                                 sampling=sampling, compile=args.compile)
     greedy = None if not sampling.greedy else not any(a["frames_differing"] for a in arms.values())
     sib = {"siblings": args.samples, "frames_back": stream.K_FRAMES} if args.samples > 1 else {}
     return {"mode": "stream", "decoding": cli.sampling_json(sampling), "decoder": timing.decoder_json(args.decoder),
             **cli.identity(greedy), "stream": {"clips": len(clips), "frames": args.stream, "interval_s": interval,
+                                               "compiled": args.compile,
                                                "event_rate": rate, "samples": args.samples,
                                                **stream.settings(**sib), "arms": arms}}
 
@@ -538,9 +539,9 @@ def check_flags(ap, args):
                       "--scenes (its scene folders in name order, each with its time_s)"),
                      (args.stream_interval != ap.get_default("stream_interval") and not toy_mode, "--stream-interval "
                       "is the toy's (a real clip replans at its frames' time_s)"),
-                     (args.stream and (args.batch > 1 or args.compile or args.relaxed),
-                      "--stream times eager decodes of one prompt per frame (its --samples rows, sampled with "
-                      "--temperature): it takes no --batch, --compile or --relaxed"),
+                     (args.stream and (args.batch > 1 or args.relaxed),
+                      "--stream times decodes of one prompt per frame (its --samples rows, sampled with "
+                      "--temperature): it takes no --batch or --relaxed"),
                      (args.stream and (args.samples > 1) != (args.temperature > 0), "--stream's plan of --samples "
                       "rows is sampled (--temperature > 0), a greedy one is one row"),
                      (not 0 < args.stream_interval < float("inf"), "--stream-interval must be a finite number of "

@@ -99,7 +99,10 @@ class Stream:
     alone, the draft model unused) plus up to M tokens looked up in the earlier plans, merged as a trie and verified
     in one target forward (tree.tree_round). earlier: per row, the earlier plans' tokens (most recent first, each from
     <cot_start>, as plan_tokens gives them). One decode: it keeps each row's committed tokens, so make one per plan.
-    Eager only: the draft's pending varies with what the stream accepted, which a compiled step would recompile for.
+    On compiled steps (ops/compiled.CompiledSteps) a round keeps to a few shapes: the proposal's width is padded to
+    the next of `widths` (0, M/4, M/2, M) and the draft's pending (as long as the path the stream accepted) to the
+    next power of two (steps), so each shape compiles once and a GPU can capture it; eager, the width is the longest
+    proposal's.
     A row is steady when its two most recent earlier plans are the same: then the whole plan so far matched proposes
     the earlier plan's rest (lookup's whole), and with skip, a round where every row is steady and proposes at least
     `skip` tokens verifies the stream alone, the draft unused (the tree's levels cost more than they add there); the
@@ -127,12 +130,27 @@ class Stream:
         self.steady = [steady and len(e) > 1 and e[0] == e[1] for e in earlier]  # per row
 
     nodes = property(lambda self: (self.shape.nodes if self.shape else 0) + self.M)
+    widths = property(lambda self: sorted({0, self.M // 4, self.M // 2, self.M}))  # a compiled round's stream widths
     depth = property(lambda self: max(self.shape.depth if self.shape else 0, self.M))
     width = property(lambda self: self.shape.width if self.shape else 1)
     # the draft's slots: the tree's levels, or a pending as long as the longest accepted path (the stream's nodes were
     # never fed to the draft), or two (skipped rounds), padded to the longest row's
     slack = property(lambda self: (self.nodes, max(self.shape.slack[1] if self.shape else 0,
                                                    (2 if self.skip else 1) * (self.depth + 1))))
+
+    @property
+    def steps(self):  # the verify's lengths (each width, and a skipped round's); the draft's pending, padded, and a level
+        n, pend = self.shape.nodes + 1 if self.shape else 1, self.slack[1]
+        return (tuple(n + w for w in self.widths) + ((self.M + 1,) if self.skip else ()),
+                tuple(sorted({*(2 ** i for i in range(pend.bit_length()) if 2 ** i < pend), pend, self.width})))
+
+    def pad(self, rows, target, device):
+        """Per row a list -> (B, M') tensor, -1 past a row's end: M' the longest row (eager: a round without a match
+        verifies no stream node), or on compiled steps the next of `widths` (a fixed shape)."""
+        width = max(map(len, rows))
+        if getattr(target, "compiled", False):
+            width = next(w for w in self.widths if w >= width)
+        return torch.tensor([r + [-1] * (width - len(r)) for r in rows], device=device, dtype=torch.long)
 
     def round(self, target, draft, tcache, dcache, pending, sampling, generators, last=None):
         if sampling.lossy:
@@ -151,10 +169,8 @@ class Stream:
             g = self.siblings
             props = [propose(c, self.earlier[b] + [self.context[o] for o in range(b - b % g, b - b % g + g) if o != b],
                              self.M, self.alpha) for b, c in enumerate(self.context)]
-            width = max(1, max(len(t) for t, _ in props))
-            pad = lambda x: x + [-1] * (width - len(x))  # noqa: E731
-            path = torch.tensor([pad(t) for t, _ in props], device=tcache.device, dtype=torch.long)  # (B, M')
-            parents = torch.tensor([pad(q) for _, q in props], device=tcache.device, dtype=torch.long)  # (B, M')
+            path = self.pad([t for t, _ in props], target, tcache.device)  # (B, M')
+            parents = self.pad([q for _, q in props], target, tcache.device)  # (B, M')
             n, accepted, nxt, new = tree.tree_round(target, draft, tcache, dcache, pending, self.shape, sampling,
                                                     generators, last, stream=path, parents=parents)
             for c, a, x in zip(self.context, accepted, nxt):
@@ -164,10 +180,7 @@ class Stream:
                                                                                     self.steady)]
         skip = self.shape is not None and self.skip is not None and all(self.steady) and \
             min(map(len, paths)) >= self.skip and max(map(len, pending)) <= self.depth + 1  # then pending <= 2 (D + 1)
-        # (B, M') -1 past a row's end: M' the longest proposal (<= M), so a round without a match verifies no
-        # stream node (eager only: the verify's shape follows the match)
-        width = max(map(len, paths))
-        path = torch.tensor([p + [-1] * (width - len(p)) for p in paths], device=tcache.device, dtype=torch.long)
+        path = self.pad(paths, target, tcache.device)  # (B, M')
         n, accepted, nxt, new = tree.tree_round(target, draft, tcache, dcache, pending, None if skip else self.shape,
                                                 sampling, generators, last, stream=path)
         if skip:  # the draft saw none of the round: it lacks its pending, the accepted path and the next token
@@ -186,12 +199,12 @@ def settings(**stream_kw):
 
 
 def decode_clip(target, draft, prompts, arm, shape, max_new, stop_token=None, timing=False, samples=1,
-                sampling=speculate.GREEDY, frames_back=K_FRAMES, **stream_kw):
+                sampling=speculate.GREEDY, frames_back=K_FRAMES, merged=None, **stream_kw):
     """One arm over a clip's frames in order (prompts: batch-1 prompts) -> per frame a speculate.SpecResult, or with
     samples > 1 a list of them (the frame's plan: `samples` rows decoded as one batch, frame i's rows seeded
     sampling.offset(i x samples)). arm: "target-only"; "tree", the decoder `shape` alone (a tree.TreeShape, or a chain
     as TreeShape(gamma, gamma, 1)), every frame planned as if it were the first; "stream", the plans before alone (no
-    draft model); "tree+stream", both merged. Each frame's stream reads the plans this arm wrote before it: one row,
+    draft model); "tree+stream", the decoder `merged` (None: shape) and the stream merged. Each frame's stream reads the plans this arm wrote before it: one row,
     the two most recent (steady, Stream's steady rows) or the one (steady False); sampled rows, every row of the last
     frames_back frames and its siblings (Stream's siblings)."""
     if arm not in ARMS:
@@ -208,7 +221,8 @@ def decode_clip(target, draft, prompts, arm, shape, max_new, stop_token=None, ti
             else:
                 frames = earlier[:-3:-1] if stream_kw.get("steady", STEADY) else earlier[-1:]  # most recent first
                 recent, sib = [[f[0] for f in frames]], {}
-            decoder = shape if arm == "tree" else Stream(None if arm == "stream" else shape, recent, **stream_kw, **sib)
+            decoder = shape if arm == "tree" else Stream(None if arm == "stream" else merged or shape, recent,
+                                                         **stream_kw, **sib)
             rows = speculate.speculative_batch(target, draft, p, decoder, max_new, **kw)
         out.append(rows if samples > 1 else rows[0])
         earlier.append([plan_tokens(p, r) for r in rows])

@@ -29,15 +29,16 @@ from ops import checkpoint, cli, files, timing  # noqa: E402
 from speculate import GREEDY, SpecResult  # noqa: E402
 
 def setting(target, drafts, tok, n, frames, interval, rate, blocks, spread, samples=1, sampling=GREEDY, clip_seed=0,
-            **stream_kw):
+            compile=False, split="test", merged=None, **stream_kw):
     """One (interval, rate): the four arms timed on n held-out clips (ops.timing.stream_arms), each frame's plan
     `samples` rows under `sampling`; drafts[1:] (the other seeds) decode the same clips for tau only. stream_kw: the
-    lookup's settings (Stream's M, alpha, ...)."""
+    lookup's settings (Stream's M, alpha, ...); split: "val" to choose on; merged: tree+stream's tree (None: the
+    tree arm's)."""
     clips = [evaluate.scene_prompts(c, tok, "cpu")
-             for c in driving.make_clips("test", n, frames, interval, rate, seed=clip_seed)]
-    stop, kw = tok.cot_end_id, dict(samples=samples, sampling=sampling, **stream_kw)
+             for c in driving.make_clips(split, n, frames, interval, rate, seed=clip_seed)]
+    stop, kw = tok.cot_end_id, dict(samples=samples, sampling=sampling, merged=merged, **stream_kw)
     arms, res = timing.stream_arms(target, drafts[0], clips, evaluate.TREE, evaluate.MAX_NEW_TOKENS, stop, 1, blocks,
-                                   **kw)
+                                   compile=compile, **kw)
     rows = (lambda f: f) if samples > 1 else (lambda f: [f])
     ref = [[[r.tokens for r in rows(f)] for f in clip] for clip in res["target-only"]]  # [clip][frame][row]
     out = {"interval_s": interval, "event_rate": rate, "clips": n, "frames": frames, "samples": samples,
@@ -75,6 +76,11 @@ def main(argv=None):
     ap.add_argument("--top-p", type=float, default=None, help="nucleus sampling (Alpamayo-R1: 0.98)")
     ap.add_argument("--clip-seed", type=int, default=0, help="the held-out clips' generator seed (a claim measured "
                     "once spends its clips: the next one draws a new seed)")
+    ap.add_argument("--merged", default=None, help="N/D/k: the tree merged with the stream (default: the tree arm's, "
+                    "evaluate.TREE)")
+    ap.add_argument("--split", choices=("test", "val"), default="test", help="the clips' split (val: to choose on)")
+    ap.add_argument("--compile", action="store_true", help="every arm on compiled steps (ops/compiled.py), the "
+                    "stream's width padded to a few sizes")
     ap.add_argument("--seeds", type=int, default=3, help="draft seeds (seed 0 timed, the rest for the tau spread)")
     ap.add_argument("--out", default="runs/stream.json", help="the JSON written")
     ap.add_argument("--figure", default=None, help="also draw the figure here (needs matplotlib)")
@@ -106,6 +112,7 @@ def main(argv=None):
         except ValueError:
             raise ValueError(f"--M and --alpha take ints >= 1, --skip an int >= 1 or '-'; got {a.M}, {a.alpha}, "
                              f"{a.skip!r}") from None
+        merged = None if a.merged is None else cli.tree_shape(a.merged, "--merged")
         if a.clip_seed < 0:
             raise ValueError(f"--clip-seed takes an int >= 0, got {a.clip_seed}")
         sampling = cli.sampling(a.temperature, None, a.top_p, a.clip_seed)
@@ -129,9 +136,10 @@ def main(argv=None):
         settings = claims + [s for s in [(0.5, r) for r in rates] + [(0.1, driving.event_rate(0.1))] if s not in claims]
         settings = settings[:1] if a.default_only else settings[1:2] if a.rate1_only else settings
         res = {"command": "python experiments/stream.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-               "tree": [evaluate.TREE.nodes, evaluate.TREE.depth, evaluate.TREE.width],
+               "tree": [evaluate.TREE.nodes, evaluate.TREE.depth, evaluate.TREE.width], "split": a.split,
+               "merged": None if merged is None else [merged.nodes, merged.depth, merged.width],
                **{f"stream_{k}": v for k, v in stream.settings(**kw).items()}, "clip_seed": a.clip_seed,
-               "decoding": cli.sampling_json(sampling), "samples": a.samples,
+               "decoding": cli.sampling_json(sampling), "samples": a.samples, "compiled": a.compile,
                "event_rate_per_s": driving.EVENT_RATE, "ring_rate_per_s": driving.RING_RATE, "settings": [],
                "environment": timing.environment("cpu")}
         for interval, rate in settings:
@@ -139,7 +147,7 @@ def main(argv=None):
             cli.progress(f"interval {interval} s, event rate {rate:.3f}: {n} clips x {a.frames} frames")
             res["settings"].append(setting(target, drafts, tok, n, a.frames, interval, rate, blocks,
                                            (interval, rate) in claims and a.seeds > 1, a.samples, sampling,
-                                           a.clip_seed, **kw))
+                                           a.clip_seed, a.compile, a.split, merged, **kw))
             files.write_json(a.out, res | {"complete": len(res["settings"]) == len(settings)} | cli.ran(a, t0, cpu0))
         rows = sorted(res["settings"], key=lambda r: (-r["interval_s"], r["event_rate"]))
         res["settings"] = rows

@@ -7,7 +7,7 @@ run: python bench.py --device cpu --compile        (tests: python -m pytest -q t
 import torch
 import torch.nn.functional as F
 
-from model import VLA, KVCache
+from model import VLA, KVCache, feed
 
 
 class CompiledSteps:
@@ -91,6 +91,15 @@ class CompiledSteps:
         c.crop(0)
         c.key_mask = None
         return c
+
+    @torch.no_grad()  # the decodes' grad mode: a step compiled under another would compile again
+    def warm(self):
+        """Every step length compiled now, each fed once on the emptied cache: a timing never pays a first call (a
+        decode whose pending lengths vary, as the stream's, would otherwise compile in its timed passes)."""
+        cache = self.new_cache(len(self.cache.lengths))
+        for n in self.step_lengths:
+            feed(self, cache, torch.zeros(len(cache.lengths), n, dtype=torch.long, device=cache.device))
+            cache.crop(0)
 
     def step(self, input_ids, input_pos, cache, mask, positions=None):
         """VLA.step, compiled: padded to T <= n of step_lengths tokens and to the whole buffer's width."""

@@ -68,7 +68,7 @@ def time_arms(target, drafts, prompts, gamma, max_new, stop_token, repeats, samp
 
 @torch.no_grad()
 def stream_arms(target, draft, clips, shape, max_new, stop_token, repeats=1, blocks=8, samples=1,
-                sampling=GREEDY, **stream_kw):
+                sampling=GREEDY, compile=False, merged=None, **stream_kw):
     """Plans in a stream (beyond/stream.py) on clips (a list of clips, each its frames' batch-1 prompts in order):
     the four arms of stream.ARMS timed interleaved, an item a whole clip -> {arm: {tau (a row's), ms_per_token (the
     decode, prefills apart, over every frame's tokens; median over passes), ms_per_plan (a frame's plan: until its
@@ -76,10 +76,16 @@ def stream_arms(target, draft, clips, shape, max_new, stop_token, repeats=1, blo
     blocks of clips, each block's arms back to back), frames_differing (greedy: plans not token for token
     target-only's; sampled: None)}}, and the first pass's results {arm: [clip][frame] SpecResult, or with samples > 1
     a list of the plan's rows}. samples, sampling: each frame's plan of `samples` rows (decode_clip's); stream_kw: the
-    Stream's (M, alpha, ...)."""
+    Stream's (M, alpha, ...); merged: the tree merged with the stream (None: shape, the tree arm's); compile: every arm on compiled steps of `samples` rows (compiled_pair), each step
+    length compiled before the passes."""
+    if compile:
+        sib = {"siblings": samples} if samples > 1 else {}
+        like = stream.Stream(merged or shape, [[]] * samples, **stream_kw, **sib)  # every frame's Stream's steps
+        target, draft = compiled_pair(target, draft, [p for c in clips for p in c], [shape, like], max_new, samples)
+        target.warm(), draft.warm()
     runs = interleaved({arm: lambda i, arm=arm: stream.decode_clip(
         target, draft, clips[i], arm, shape, max_new, stop_token, timing=True, samples=samples, sampling=sampling,
-        **stream_kw) for arm in stream.ARMS}, len(clips), repeats, clips[0][0]["input_ids"].device)
+        merged=merged, **stream_kw) for arm in stream.ARMS}, len(clips), repeats, clips[0][0]["input_ids"].device)
     res = [{arm: [x.result for x in runs[arm][r]] for arm in stream.ARMS} for r in range(repeats)]  # [pass][arm][clip]
     rows = (lambda f: f) if samples > 1 else (lambda f: [f])  # a frame's plan as its rows
 
@@ -120,7 +126,7 @@ def compiled_pair(target, draft, prompts, decoders, max_new, batch=1, lengths=No
     decoders = [speculate.decoder_of(d) for d in decoders]
     t_lengths = set(lengths or {1, *(n for d in decoders for n in d.steps[0])})
     d_lengths = {1, *(n for d in decoders for n in d.steps[1])}
-    slack = max(d.nodes for d in decoders) + max(t_lengths)
+    slack = max(max(d.slack) for d in decoders) + max(t_lengths | d_lengths)  # a round's slots, a step's padding
     max_len = max(p["input_ids"].shape[1] for p in prompts) + max_new + slack
     return (compiled.CompiledSteps(target, max_len, t_lengths, batch),
             compiled.CompiledSteps(draft, max_len, d_lengths, batch))

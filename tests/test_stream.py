@@ -149,6 +149,30 @@ def test_stream_rows_of_their_own_earlier_plans_equal_target(monkeypatch):
         assert (None in shapes) == skipped and TreeShape(8, 4, 2) in shapes, shapes
 
 
+def test_compiled_stream_keeps_to_its_shapes_and_equals_target(eager_dynamo, monkeypatch):
+    """On compiled steps (dynamo's graphs, its eager backend) the stream's width is padded to its few widths and the
+    draft's pending to its step lengths (a longer step is refused by CompiledSteps), every length compiled before the
+    decodes (warm): 3 rows of their own earlier plans, the steady rows' skipped rounds among them, each the target's
+    greedy tokens."""
+    from ops import timing
+    target = tiny_target()
+    draft = drafts_for(target)["random"]
+    prompt = vla_prompts()["image+video"]
+    ref = autoregressive(target, prompt, 24)
+    right, wrong = plan_tokens(prompt, ref), plan_tokens(prompt, autoregressive(target, vla_prompts()["text"], 24))
+    like = Stream(TreeShape(8, 4, 2), [[]] * 3, M=8, skip=2)
+    assert like.widths == [0, 2, 4, 8] and like.steps == ((9, 11, 13, 17, 9), (1, 2, 4, 8, 16, 18))
+    ct, cd = timing.compiled_pair(target, draft, [prompt], [like], 24, batch=3)
+    ct.warm(), cd.warm()
+    widths, merge = [], trees.merge
+    monkeypatch.setattr(trees, "merge", lambda t, s, *a: widths.append(s.shape[1]) or merge(t, s, *a))
+    for earlier in ([[right, right], [wrong], []], [[right, right]] * 3):
+        decoder = Stream(TreeShape(8, 4, 2), earlier, M=8, skip=2)
+        out = speculative_batch(ct, cd, prompt, decoder, 24, samples=3)
+        assert all(r.tokens == ref.tokens for r in out), earlier
+    assert set(widths) <= set(like.widths) and len(set(widths)) > 1, widths
+
+
 def test_stream_errors():
     target = tiny_target()
     draft, prompt = drafts_for(target)["random"], vla_prompts()["text"]
