@@ -408,7 +408,7 @@ def run(ap, a, seeds, sampling, device):
           f"decoding's tau equals the replay's: {all(r.get('replay_exact', True) for r in rows)}\n")
     print_sweep(sweep, rows)
     lossy = relaxed_rows(target, drafts, rows, test, sampling, first) if sampling.relaxed else None
-    streams = stream_rows(target, drafts, rows, tok, a, device, first) if a.stream else None
+    streams = stream_rows(target, drafts, rows, tok, a, device, first, sampling) if a.stream else None
     share = driving.routine_share("train")
     print(f"routine share of the world (the Bayes-optimal reader of the history, python driving.py): {share:.3f}")
     # CPU time beside the wall time: on a shared machine the wall time also holds the waits for the other jobs
@@ -432,7 +432,9 @@ def run(ap, a, seeds, sampling, device):
             "timing": {"scenes": a.time_scenes, "passes": a.repeats, "blocks": blocks, "unordered": groups,
                        "step_times": searched},
             "rows": [{k: r.get(k) for k in keys} for r in rows], "relaxed": lossy, "stream": streams,
-            "stream_settings": stream.settings() if streams else None,
+            "stream_settings": stream.settings(**({"samples": 1} if table.greedy else {
+                "samples": a.stream_samples, "siblings": a.stream_samples, "frames_back": stream.K_FRAMES})
+            ) if streams else None,
             "hardware": chooser.hardware(device), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "what_ran": cli.ran(a, t0, cpu0) | {"device": str(device), "run": a.run, "rows": [
                 {"name": r["name"], "decoder": "target-only" if r["name"] == TARGET_ONLY else
@@ -441,27 +443,32 @@ def run(ap, a, seeds, sampling, device):
                 for r in rows], "ignored": ["gamma", "tree"] * (not a.given) + ["seeds"] * bool(a.drafts)}}
 
 
-def stream_rows(target, drafts, rows, tok, a, device, first):
+def stream_rows(target, drafts, rows, tok, a, device, first, sampling):
     """--stream CLIPS (beyond the paper, lossless: beyond/stream.py): held-out clips of --stream-frames frames replanned
     every 0.5 s at the default event rate; per row, its first draft at its gamma (the tree of width 1) or tree alone,
-    the previous plan alone, and both merged, timed interleaved with target-only (ops.timing.stream_arms) -> {row:
-    {arm: record}}, printed."""
+    the plans before alone, and both merged, timed interleaved with target-only (ops.timing.stream_arms) -> {row:
+    {arm: record}}, printed. Sampled (--temperature > 0): each frame's plan is --stream-samples rows (Alpamayo-R1's
+    six), drafted from the frames before's rows and their siblings."""
     rate = driving.event_rate(0.5)
     clips = [evaluate.scene_prompts(c, tok, device, cli.DTYPES[a.dtype], a.views)
              for c in driving.make_clips("test", a.stream, a.stream_frames, 0.5, rate)]
     cli.progress(f"--stream: {a.stream} held-out clips of {a.stream_frames} frames, 4 arms per row, interleaved")
+    samples = 1 if sampling.greedy else a.stream_samples
     print(f"\nplans in a stream (beyond the paper, lossless): {a.stream} held-out clips of {a.stream_frames} frames, "
-          f"replanned every 0.5 s, event rate {rate:.3f} a frame; {first}'s drafts; tau, speed-up over target-only")
+          f"replanned every 0.5 s, event rate {rate:.3f} a frame, {samples} row(s) a plan; {first}'s drafts; tau, "
+          f"speed-up over target-only ({'its' if samples == 1 else 'batch-%d' % samples} plan)")
     out = {}
     for row in rows[1:]:
         g = row["gamma"]
         shape = TreeShape(*row["tree"]) if row.get("tree") else TreeShape(g, g, 1)
         draft = next(iter(drafts[row["name"].removesuffix(" tree")].values()))
-        out[row["name"]], _ = timing.stream_arms(target, draft, clips, shape, MAX_NEW_TOKENS, tok.cot_end_id)
+        out[row["name"]], _ = timing.stream_arms(target, draft, clips, shape, MAX_NEW_TOKENS, tok.cot_end_id,
+                                                 samples=samples, sampling=sampling)
         arms = out[row["name"]]
         print(f"{row['name']:<30}" + "   ".join(f"{arm} tau {arms[arm]['tau']:.2f} {arms[arm]['speedup']:.2f}x"
                                                   for arm in ("tree", "stream", "tree+stream")) +
-              f"   frames differing from target-only {sum(x['frames_differing'] for x in arms.values())}")
+              (f"   frames differing from target-only {sum(x['frames_differing'] for x in arms.values())}"
+               if samples == 1 else ""))
     return out
 
 
@@ -582,6 +589,8 @@ def parse_args(argv):
                     "table timing each row alone, the previous plan alone and both on this many held-out clips (0: "
                     "off)")
     ap.add_argument("--stream-frames", type=int, default=10, help="with --stream: frames per clip (>= 2)")
+    ap.add_argument("--stream-samples", type=int, default=6, help="with --stream and --temperature > 0: rows a frame's "
+                    "plan samples (Alpamayo-R1: 6)")
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     a = ap.parse_args(argv)
     with cli.user_errors(ap):
@@ -608,8 +617,11 @@ def parse_args(argv):
                           f"2..{driving.MAX_CLIP_FRAMES} frames; got {a.stream}, {a.stream_frames}"),
                          (a.stream_frames != ap.get_default("stream_frames") and not a.stream,
                           "--stream-frames goes with --stream"),
-                         (a.stream and (a.temperature > 0 or a.relaxed or a.compile), "--stream times eager "
-                          "greedy decodes: it takes no --temperature, --relaxed or --compile")):
+                         (a.stream_samples != ap.get_default("stream_samples") and not (a.stream and a.temperature),
+                          "--stream-samples goes with --stream and --temperature > 0"),
+                         (a.stream_samples < 1, f"--stream-samples takes an int >= 1, got {a.stream_samples}"),
+                         (a.stream and (a.relaxed or a.compile), "--stream times eager lossless decodes: it takes no "
+                          "--relaxed or --compile")):
             if bad:
                 raise ValueError(msg)
         tok = driving.Tokenizer()

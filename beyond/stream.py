@@ -139,7 +139,7 @@ class Stream:
                                                    (2 if self.skip else 1) * (self.depth + 1))))
 
     @property
-    def steps(self):  # the verify's lengths (each width, and a skipped round's); the draft's pending, padded, and a level
+    def steps(self):  # the verify's lengths (each width; a skipped round's); the draft's pending, padded; a level
         n, pend = self.shape.nodes + 1 if self.shape else 1, self.slack[1]
         return (tuple(n + w for w in self.widths) + ((self.M + 1,) if self.skip else ()),
                 tuple(sorted({*(2 ** i for i in range(pend.bit_length()) if 2 ** i < pend), pend, self.width})))
@@ -199,14 +199,16 @@ def settings(**stream_kw):
 
 
 def decode_clip(target, draft, prompts, arm, shape, max_new, stop_token=None, timing=False, samples=1,
-                sampling=speculate.GREEDY, frames_back=K_FRAMES, merged=None, **stream_kw):
+                sampling=speculate.GREEDY, frames_back=K_FRAMES, merged=None, reword=None, **stream_kw):
     """One arm over a clip's frames in order (prompts: batch-1 prompts) -> per frame a speculate.SpecResult, or with
     samples > 1 a list of them (the frame's plan: `samples` rows decoded as one batch, frame i's rows seeded
     sampling.offset(i x samples)). arm: "target-only"; "tree", the decoder `shape` alone (a tree.TreeShape, or a chain
     as TreeShape(gamma, gamma, 1)), every frame planned as if it were the first; "stream", the plans before alone (no
-    draft model); "tree+stream", the decoder `merged` (None: shape) and the stream merged. Each frame's stream reads the plans this arm wrote before it: one row,
-    the two most recent (steady, Stream's steady rows) or the one (steady False); sampled rows, every row of the last
-    frames_back frames and its siblings (Stream's siblings)."""
+    draft model); "tree+stream", the decoder `merged` (None: shape) and the stream merged. Each frame's stream reads
+    the plans this arm wrote before it: one row, the two most recent (steady, Stream's steady rows) or the one (steady
+    False); sampled rows, every row of the last frames_back frames and its siblings (Stream's siblings). reword:
+    plan -> plan, applied to each plan as the stream keeps it (the rewording figure: a target that says the same
+    another way)."""
     if arm not in ARMS:
         raise ValueError(f"unknown arm {arm!r}: one of {', '.join(ARMS)}")
     out, earlier = [], []
@@ -225,8 +227,33 @@ def decode_clip(target, draft, prompts, arm, shape, max_new, stop_token=None, ti
                                                          **stream_kw, **sib)
             rows = speculate.speculative_batch(target, draft, p, decoder, max_new, **kw)
         out.append(rows if samples > 1 else rows[0])
-        earlier.append([plan_tokens(p, r) for r in rows])
+        earlier.append([(reword or (lambda q: q))(plan_tokens(p, r)) for r in rows])
     return out
+
+
+# the rewording figure's paraphrase rule: pairs of the toy's words that say the same, swapped either way
+PARAPHRASES = (("car", "vehicle"), ("braking", "slowing"), ("standing", "stopped"), ("cruising", "moving"),
+               ("keep", "maintain"), ("proceed", "resume"))
+
+
+def reword(plan, r, rng, tok):
+    """An earlier plan as a target that rewords itself from frame to frame might have written it (the toy's target
+    never does: its CoC is a fixed function of the scene): each word of PARAPHRASES swapped for its pair with
+    probability r, then, with probability r, two adjacent clauses (split at ",") trading places. plan: plan_tokens'
+    ids (<cot_start> first); rng: a numpy Generator; tok: the toy's driving.Tokenizer."""
+    pair = {tok.id[a]: tok.id[b] for a, b in PARAPHRASES} | {tok.id[b]: tok.id[a] for a, b in PARAPHRASES}
+    body = [pair[t] if t in pair and rng.random() < r else t for t in plan[1:]]
+    end = body[-1:] if body[-1:] == [tok.cot_end_id] else []
+    clauses, comma = [[]], tok.id[","]
+    for t in body[:len(body) - len(end)]:
+        if t == comma:
+            clauses.append([])
+        else:
+            clauses[-1].append(t)
+    if len(clauses) > 1 and rng.random() < r:
+        i = int(rng.integers(len(clauses) - 1))
+        clauses[i], clauses[i + 1] = clauses[i + 1], clauses[i]
+    return plan[:1] + [t for i, c in enumerate(clauses) for t in ([comma] if i else []) + c] + end
 
 
 def plan_tokens(prompt, res):

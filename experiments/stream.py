@@ -15,6 +15,7 @@ run: python experiments/stream.py [--out runs/stream.json] [--figure runs/stream
      (the README's: --out experiments/stream_steady.json --figure docs/figures/stream_steady.png)
 """
 import argparse
+import functools
 import os
 import sys
 import time
@@ -24,24 +25,28 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from beyond import stream  # noqa: E402
 from beyond.stream import ARMS, decode_clip  # noqa: E402
 import driving  # noqa: E402
+import numpy as np  # noqa: E402
 import evaluate  # noqa: E402
 from ops import checkpoint, cli, files, timing  # noqa: E402
 from speculate import GREEDY, SpecResult  # noqa: E402
 
 def setting(target, drafts, tok, n, frames, interval, rate, blocks, spread, samples=1, sampling=GREEDY, clip_seed=0,
-            compile=False, split="test", merged=None, **stream_kw):
+            compile=False, split="test", merged=None, reword=None, **stream_kw):
     """One (interval, rate): the four arms timed on n held-out clips (ops.timing.stream_arms), each frame's plan
     `samples` rows under `sampling`; drafts[1:] (the other seeds) decode the same clips for tau only. stream_kw: the
     lookup's settings (Stream's M, alpha, ...); split: "val" to choose on; merged: tree+stream's tree (None: the
-    tree arm's)."""
+    tree arm's); reword: the rewording rate r of the earlier plans (beyond/stream.reword; None: none)."""
     clips = [evaluate.scene_prompts(c, tok, "cpu")
              for c in driving.make_clips(split, n, frames, interval, rate, seed=clip_seed)]
     stop, kw = tok.cot_end_id, dict(samples=samples, sampling=sampling, merged=merged, **stream_kw)
+    rng = (lambda i: functools.partial(stream.reword, r=reword, rng=np.random.default_rng([clip_seed, 7, i]), tok=tok)
+           ) if reword is not None else None  # clip i's rewording, its own generator
     arms, res = timing.stream_arms(target, drafts[0], clips, evaluate.TREE, evaluate.MAX_NEW_TOKENS, stop, 1, blocks,
-                                   compile=compile, **kw)
+                                   compile=compile, reword=rng, **kw)
     rows = (lambda f: f) if samples > 1 else (lambda f: [f])
     ref = [[[r.tokens for r in rows(f)] for f in clip] for clip in res["target-only"]]  # [clip][frame][row]
-    out = {"interval_s": interval, "event_rate": rate, "clips": n, "frames": frames, "samples": samples,
+    out = {"interval_s": interval, "event_rate": rate, **({} if reword is None else {"reword": reword}), "clips": n,
+           "frames": frames, "samples": samples,
            "coc_changed": sum(a != b for c in ref for a, b in zip(c, c[1:])) / (n * (frames - 1)), **arms}
     for a in ("tree", "tree+stream") if spread else ():  # tau of the other seeds' drafts, the same clips, untimed
         out[a]["tau_by_seed"] = [out[a]["tau"]] + [SpecResult.pooled([r for c in clips for f in decode_clip(
@@ -78,6 +83,9 @@ def main(argv=None):
                     "once spends its clips: the next one draws a new seed)")
     ap.add_argument("--merged", default=None, help="N/D/k: the tree merged with the stream (default: the tree arm's, "
                     "evaluate.TREE)")
+    ap.add_argument("--reword", default=None, help="rewording rates r in [0, 1], comma-separated: the default setting "
+                    "at each r on --sweep-clips clips, its earlier plans reworded (beyond/stream.reword), instead of the "
+                    "settings")
     ap.add_argument("--split", choices=("test", "val"), default="test", help="the clips' split (val: to choose on)")
     ap.add_argument("--compile", action="store_true", help="every arm on compiled steps (ops/compiled.py), the "
                     "stream's width padded to a few sizes")
@@ -121,6 +129,12 @@ def main(argv=None):
                              f"got --temperature {a.temperature}")
         for n in (a.clips, a.sweep_clips):
             driving.check_clips(n, a.frames, clips_flag="--clips / --sweep-clips", frames_flag="--frames")
+        try:
+            rewords = [] if a.reword is None else [float(r) for r in a.reword.split(",")]
+        except ValueError:
+            raise ValueError(f"--reword takes rates in [0, 1], comma-separated; got {a.reword!r}") from None
+        if not all(0 <= r <= 1 for r in rewords):
+            raise ValueError(f"--reword {a.reword}: each rate is a probability in [0, 1]")
         rates = [driving.event_rate(0.5) if r.strip() == "default" else float(r) for r in a.rates.split(",")]
         if not all(0 <= r <= 1 for r in rates):
             raise ValueError(f"--rates {a.rates}: each rate is a per-frame probability in [0, 1]")
@@ -135,6 +149,7 @@ def main(argv=None):
         claims = [(0.5, driving.event_rate(0.5)), (0.5, 1.0)]
         settings = claims + [s for s in [(0.5, r) for r in rates] + [(0.1, driving.event_rate(0.1))] if s not in claims]
         settings = settings[:1] if a.default_only else settings[1:2] if a.rate1_only else settings
+        settings = [(0.5, driving.event_rate(0.5), r) for r in rewords] if rewords else [s + (None,) for s in settings]
         res = {"command": "python experiments/stream.py " + " ".join(argv if argv is not None else sys.argv[1:]),
                "tree": [evaluate.TREE.nodes, evaluate.TREE.depth, evaluate.TREE.width], "split": a.split,
                "merged": None if merged is None else [merged.nodes, merged.depth, merged.width],
@@ -142,23 +157,25 @@ def main(argv=None):
                "decoding": cli.sampling_json(sampling), "samples": a.samples, "compiled": a.compile,
                "event_rate_per_s": driving.EVENT_RATE, "ring_rate_per_s": driving.RING_RATE, "settings": [],
                "environment": timing.environment("cpu")}
-        for interval, rate in settings:
-            n = a.clips if (interval, rate) in claims else a.sweep_clips
+        for interval, rate, r in settings:
+            n = a.clips if (interval, rate) in claims and r is None else a.sweep_clips
             cli.progress(f"interval {interval} s, event rate {rate:.3f}: {n} clips x {a.frames} frames")
             res["settings"].append(setting(target, drafts, tok, n, a.frames, interval, rate, blocks,
-                                           (interval, rate) in claims and a.seeds > 1, a.samples, sampling,
-                                           a.clip_seed, a.compile, a.split, merged, **kw))
+                                           (interval, rate) in claims and r is None and a.seeds > 1, a.samples,
+                                           sampling,
+                                           a.clip_seed, a.compile, a.split, merged, r, **kw))
             files.write_json(a.out, res | {"complete": len(res["settings"]) == len(settings)} | cli.ran(a, t0, cpu0))
-        rows = sorted(res["settings"], key=lambda r: (-r["interval_s"], r["event_rate"]))
+        rows = sorted(res["settings"], key=lambda r: (-r["interval_s"], r["event_rate"], r.get("reword", 0)))
         res["settings"] = rows
         files.write_json(a.out, res | {"complete": True} | cli.ran(a, t0, cpu0))
         if a.figure:
             figure(rows, a.figure)
     for r in rows:
-        print(f"{r['interval_s']} s, rate {r['event_rate']:.3f} (CoC changed {r['coc_changed']:.2f}): " + "; ".join(
-            f"{k} tau {r[k]['tau']:.2f} {r[k]['speedup']:.2f}x" for k in ARMS[1:]) +
-            ("" if r[ARMS[1]]["frames_differing"] is None else
-             f"; frames differing from target-only {sum(r[k]['frames_differing'] for k in ARMS[1:])}"))
+        said = f", reworded {r['reword']:g}" if "reword" in r else ""
+        arms = "; ".join(f"{k} tau {r[k]['tau']:.2f} {r[k]['speedup']:.2f}x" for k in ARMS[1:])
+        print(f"{r['interval_s']} s, rate {r['event_rate']:.3f}{said} (CoC changed {r['coc_changed']:.2f}): {arms}" +
+              ("" if r[ARMS[1]]["frames_differing"] is None else
+               f"; frames differing from target-only {sum(r[k]['frames_differing'] for k in ARMS[1:])}"))
     print(f"written to {a.out}" + (f" and {a.figure}" if a.figure else ""))
     return res
 
@@ -168,14 +185,16 @@ def figure(rows, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
+    x = "reword" if "reword" in rows[0] else "event_rate"  # the rewording figure, or the event rate's
     at = [r for r in rows if r["interval_s"] == 0.5]
     for ax, key, label in ((axes[0], "tau", "tau (tokens per target forward)"),
                            (axes[1], "speedup", "speed-up over target-only")):
         for arm, style in zip(ARMS[1:], ("o-", "s--", "^-")):
-            ax.plot([r["event_rate"] for r in at], [r[arm][key] for r in at], style, label=f"{arm}, 0.5 s")
-            ax.plot([r["event_rate"] for r in rows if r["interval_s"] == 0.1],
+            ax.plot([r[x] for r in at], [r[arm][key] for r in at], style, label=f"{arm}, 0.5 s")
+            ax.plot([r[x] for r in rows if r["interval_s"] == 0.1],
                     [r[arm][key] for r in rows if r["interval_s"] == 0.1], style[0], mfc="none", color="k")
-        ax.set_xlabel("event rate per frame (1: a new scene each frame)")
+        ax.set_xlabel("rewording rate r of the earlier plans" if x == "reword" else
+                      "event rate per frame (1: a new scene each frame)")
         ax.set_ylabel(label)
     axes[0].legend(fontsize=7, title="open black: 0.1 s", title_fontsize=7)
     fig.tight_layout()

@@ -68,7 +68,7 @@ def time_arms(target, drafts, prompts, gamma, max_new, stop_token, repeats, samp
 
 @torch.no_grad()
 def stream_arms(target, draft, clips, shape, max_new, stop_token, repeats=1, blocks=8, samples=1,
-                sampling=GREEDY, compile=False, merged=None, **stream_kw):
+                sampling=GREEDY, compile=False, merged=None, reword=None, **stream_kw):
     """Plans in a stream (beyond/stream.py) on clips (a list of clips, each its frames' batch-1 prompts in order):
     the four arms of stream.ARMS timed interleaved, an item a whole clip -> {arm: {tau (a row's), ms_per_token (the
     decode, prefills apart, over every frame's tokens; median over passes), ms_per_plan (a frame's plan: until its
@@ -76,8 +76,9 @@ def stream_arms(target, draft, clips, shape, max_new, stop_token, repeats=1, blo
     blocks of clips, each block's arms back to back), frames_differing (greedy: plans not token for token
     target-only's; sampled: None)}}, and the first pass's results {arm: [clip][frame] SpecResult, or with samples > 1
     a list of the plan's rows}. samples, sampling: each frame's plan of `samples` rows (decode_clip's); stream_kw: the
-    Stream's (M, alpha, ...); merged: the tree merged with the stream (None: shape, the tree arm's); compile: every arm on compiled steps of `samples` rows (compiled_pair), each step
-    length compiled before the passes."""
+    Stream's (M, alpha, ...); merged: the tree merged with the stream (None: shape, the tree arm's); reword: clip
+    index -> decode_clip's reword (None: none); compile: every arm on compiled steps of `samples` rows
+    (compiled_pair), each step length compiled before the passes."""
     if compile:
         sib = {"siblings": samples} if samples > 1 else {}
         like = stream.Stream(merged or shape, [[]] * samples, **stream_kw, **sib)  # every frame's Stream's steps
@@ -85,7 +86,8 @@ def stream_arms(target, draft, clips, shape, max_new, stop_token, repeats=1, blo
         target.warm(), draft.warm()
     runs = interleaved({arm: lambda i, arm=arm: stream.decode_clip(
         target, draft, clips[i], arm, shape, max_new, stop_token, timing=True, samples=samples, sampling=sampling,
-        merged=merged, **stream_kw) for arm in stream.ARMS}, len(clips), repeats, clips[0][0]["input_ids"].device)
+        merged=merged, reword=reword and reword(i), **stream_kw) for arm in stream.ARMS}, len(clips), repeats,
+        clips[0][0]["input_ids"].device)
     res = [{arm: [x.result for x in runs[arm][r]] for arm in stream.ARMS} for r in range(repeats)]  # [pass][arm][clip]
     rows = (lambda f: f) if samples > 1 else (lambda f: [f])  # a frame's plan as its rows
 

@@ -310,7 +310,7 @@ def test_bench_sampling_reports_the_sampled_runs_beside_greedy(run_dir, capsys):
 def test_rsd_sampling_gives_each_row_a_sampled_tau(run_dir, capsys):
     rsd.main(["--run", str(run_dir), "--seeds", "0", "--views", str(VIEWS), "--scenes", "3", "--time-scenes", "1",
               "--repeats", "1", "--show", "1", "--temperature", "1.0", "--top-k", "20", "--sampling-seed", "3",
-              "--json"])
+              "--stream", "1", "--stream-frames", "2", "--stream-samples", "2", "--json"])
     text = "".join(capsys.readouterr()[::-1])  # stderr (--json: the report), stdout
     out = json.loads(text.strip().splitlines()[-1])
     assert out["decoding"] == {"mode": "sampling", "temperature": 1.0, "top_k": 20, "top_p": None, "seed": 3,
@@ -328,6 +328,11 @@ def test_rsd_sampling_gives_each_row_a_sampled_tau(run_dir, capsys):
                                  speculate.Sampling(1.0, top_k=20, seed=3 + i), stop_token=tok.cot_end_id) for i, p in enumerate(prompts)]
     assert row["sampled_tau"] == pytest.approx(sum(len(r.tokens) for r in res) / sum(r.rounds for r in res))
     assert all(0 <= r["sampled_alpha"] <= 1 for r in out["rows"][1:])
+    # issue #60: the stream section samples each frame's plan of 2 rows, drafted from the frame before and siblings
+    assert out["stream_settings"]["samples"] == 2 and out["stream_settings"]["siblings"] == 2
+    assert list(out["stream"]) == [r["name"] for r in out["rows"][1:]]
+    for arms in out["stream"].values():
+        assert all(a["frames_differing"] is None and a["ms_per_plan"] > 0 and a["tau"] >= 1 for a in arms.values())
     assert "tau sampled" in text and "prompt i's generator seeded 3 + i" in text
     shown = [line for line in text.splitlines() if line.startswith("  target-only:")]
     assert shown and not any("identical" in line for line in shown)  # sampled outputs are not compared token by token

@@ -392,3 +392,29 @@ def test_clip_events_and_rings():
 def test_clip_errors(kw, message):
     with pytest.raises(ValueError, match=message):
         driving.make_clips(**{"split": "train", "n": 1, **kw})
+
+
+def test_reword_paraphrases_and_swaps_clauses_at_its_rate():
+    """The rewording figure's rule: r 0 leaves a plan as it was; r 1 swaps every paraphrase word for its pair and two
+    adjacent clauses, keeping <cot_start>, <cot_end> and the clauses' words; in between, about r of the words."""
+    from beyond.stream import PARAPHRASES, reword
+    tok = driving.Tokenizer()
+    plan = [tok.cot_start_id] + tok.encode("cruising in a gentle left curve at 30 km/h , keep speed , car 15 m left "
+                                           "and vehicle 20 m right") + [tok.cot_end_id]
+    rng = np.random.default_rng(0)
+    assert reword(plan, 0.0, rng, tok) == plan
+    pair = dict(PARAPHRASES) | {b: a for a, b in PARAPHRASES}
+    out = tok.decode(reword(plan, 1.0, rng, tok)).split()
+    assert out[0] == "<cot_start>" and out[-1] == "<cot_end>"
+    clauses = [c.split() for c in " ".join(out[1:-1]).split(" , ")]
+    want = [[pair.get(w, w) for w in c.split()] for c in tok.decode(plan[1:-1]).split(" , ")]
+    assert clauses != want and sorted(map(tuple, clauses)) == sorted(map(tuple, want))  # two clauses traded places
+    # r 0.3, no clause swap drawn: each paraphrase word swapped with probability 0.3 (2,000 plans: the share within
+    # 5 standard errors of 0.3, a false failure about once in 3 million runs)
+    n = swapped = 0
+    for s in range(2000):
+        out = reword(plan, 0.3, np.random.default_rng(s), tok)
+        if len(out) == len(plan) and all(a == b or pair.get(tok.vocab[a]) == tok.vocab[b] for a, b in zip(plan, out)):
+            n += sum(tok.vocab[t] in pair for t in plan)
+            swapped += sum(a != b for a, b in zip(plan, out))
+    assert abs(swapped / n - 0.3) < 5 * (0.3 * 0.7 / n) ** 0.5, swapped / n
