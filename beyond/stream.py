@@ -35,6 +35,9 @@ M, ALPHA = 32, 2  # the stream's most nodes a round (a fixed shape), tokens prop
 SWAP = True  # lookup's swap (step over one differing token)
 SKIP = 8  # a steady round whose proposals all reach SKIP tokens runs no model tree (None: never)
 K_FRAMES = 2  # sampled rows: the frames before whose every row the index holds
+# sampled rows, chosen on validation clips (python experiments/stream.py --split val ...; the README says how): alpha,
+# and the routine reasoner's tree merged with the trie (the single-frame tree's draft forwards cost more than they add)
+SAMPLED_ALPHA, SAMPLED_TREE = 4, tree.TreeShape(16, 6, 3)
 STEADY = True  # read steady rows (the two plans before agree); False: the one plan before, as first measured
 
 
@@ -112,7 +115,8 @@ class Stream:
     propose()'s trie over its earlier plans and its g - 1 siblings' committed tokens (no swap, steady or skip)."""
     kind = "stream"
 
-    def __init__(self, shape, earlier, M=M, alpha=ALPHA, swap=SWAP, skip=SKIP, steady=STEADY, siblings=0):
+    def __init__(self, shape, earlier, M=M, alpha=None, swap=SWAP, skip=SKIP, steady=STEADY, siblings=0):
+        alpha = (SAMPLED_ALPHA if siblings else ALPHA) if alpha is None else alpha
         if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in (M, alpha)) or \
                 skip is not None and (not isinstance(skip, int) or isinstance(skip, bool) or skip < 1):
             raise ValueError(f"the stream's M, alpha and skip must be ints >= 1, got M {M!r}, alpha {alpha!r}, "
@@ -194,8 +198,12 @@ ARMS = ("target-only", "tree", "stream", "tree+stream")  # a clip's arms: the st
 
 
 def settings(**stream_kw):
-    """The lookup's settings a report records (the module's, or those given): M, alpha, swap, skip, steady."""
-    return {"M": M, "alpha": ALPHA, "swap": SWAP, "skip": SKIP, "steady": STEADY} | stream_kw
+    """The lookup's settings a report records, as Stream runs them (the module's, or those given; alpha None: the
+    module's): M, alpha, swap, skip, steady."""
+    out = {"M": M, "alpha": None, "swap": SWAP, "skip": SKIP, "steady": STEADY} | stream_kw
+    sampled = out.get("siblings", 0) > 0  # sampled rows: their own alpha, and no swap, steady or skip (Stream)
+    out["alpha"] = (SAMPLED_ALPHA if sampled else ALPHA) if out["alpha"] is None else out["alpha"]
+    return out | ({"swap": False, "skip": None, "steady": False} if sampled else {})
 
 
 def decode_clip(target, draft, prompts, arm, shape, max_new, stop_token=None, timing=False, samples=1,

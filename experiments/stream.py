@@ -68,7 +68,8 @@ def main(argv=None):
     # the lookup's settings (beyond/stream.py's defaults); the first stream, README's experiments/stream.json, ran
     # --M 16 --alpha 4 --swap 0 --skip - --steady 0
     ap.add_argument("--M", type=int, default=stream.M, help="the stream's most nodes a round")
-    ap.add_argument("--alpha", type=int, default=stream.ALPHA, help="tokens proposed per matched token")
+    ap.add_argument("--alpha", type=int, default=None, help="tokens proposed per matched token (default: the module's, "
+                    f"{stream.ALPHA}, or {stream.SAMPLED_ALPHA} for sampled rows)")
     ap.add_argument("--swap", type=int, choices=(0, 1), default=int(stream.SWAP), help="1: a match may step over one "
                     "differing token")
     ap.add_argument("--skip", default="-" if stream.SKIP is None else str(stream.SKIP), help="a steady round whose "
@@ -82,7 +83,7 @@ def main(argv=None):
     ap.add_argument("--clip-seed", type=int, default=0, help="the held-out clips' generator seed (a claim measured "
                     "once spends its clips: the next one draws a new seed)")
     ap.add_argument("--merged", default=None, help="N/D/k: the tree merged with the stream (default: the tree arm's, "
-                    "evaluate.TREE)")
+                    "evaluate.TREE; sampled rows: beyond/stream.SAMPLED_TREE)")
     ap.add_argument("--reword", default=None, help="rewording rates r in [0, 1], comma-separated: the default setting "
                     "at each r on --sweep-clips clips, its earlier plans reworded (beyond/stream.reword), instead of the "
                     "settings")
@@ -121,6 +122,7 @@ def main(argv=None):
             raise ValueError(f"--M and --alpha take ints >= 1, --skip an int >= 1 or '-'; got {a.M}, {a.alpha}, "
                              f"{a.skip!r}") from None
         merged = None if a.merged is None else cli.tree_shape(a.merged, "--merged")
+        merged = stream.SAMPLED_TREE if merged is None and a.samples > 1 else merged  # sampled rows' tree
         if a.clip_seed < 0:
             raise ValueError(f"--clip-seed takes an int >= 0, got {a.clip_seed}")
         sampling = cli.sampling(a.temperature, None, a.top_p, a.clip_seed)
@@ -150,10 +152,11 @@ def main(argv=None):
         settings = claims + [s for s in [(0.5, r) for r in rates] + [(0.1, driving.event_rate(0.1))] if s not in claims]
         settings = settings[:1] if a.default_only else settings[1:2] if a.rate1_only else settings
         settings = [(0.5, driving.event_rate(0.5), r) for r in rewords] if rewords else [s + (None,) for s in settings]
+        sib = {"siblings": a.samples, "frames_back": stream.K_FRAMES} if a.samples > 1 else {}
         res = {"command": "python experiments/stream.py " + " ".join(argv if argv is not None else sys.argv[1:]),
                "tree": [evaluate.TREE.nodes, evaluate.TREE.depth, evaluate.TREE.width], "split": a.split,
                "merged": None if merged is None else [merged.nodes, merged.depth, merged.width],
-               **{f"stream_{k}": v for k, v in stream.settings(**kw).items()}, "clip_seed": a.clip_seed,
+               **{f"stream_{k}": v for k, v in stream.settings(**kw, **sib).items()}, "clip_seed": a.clip_seed,
                "decoding": cli.sampling_json(sampling), "samples": a.samples, "compiled": a.compile,
                "event_rate_per_s": driving.EVENT_RATE, "ring_rate_per_s": driving.RING_RATE, "settings": [],
                "environment": timing.environment("cpu")}

@@ -209,7 +209,7 @@ def test_train_bad_flags_fail_at_parse_time(argv, msg, capsys):
     (["--stream", "-2"], "--stream takes the frames of a clip, >= 2"),
     (["--stream", "4", "--temperature", "0.6"], "--stream's plan of --samples rows is sampled"),
     (["--stream", "4", "--samples", "6"], "--samples 6 at --temperature 0 decodes identical greedy rows"),
-    (["--stream", "4", "--batch", "2", "--prompts", "4"], "--stream times eager decodes of one prompt per frame"),
+    (["--stream", "4", "--batch", "2", "--prompts", "4"], "--stream times decodes of one prompt per frame"),
     (["--stream", "4", "--preset", "qwen2.5-vl-7b"], "--stream runs clips: the toy's, or --target's --scenes"),
     (["--stream", "4", "--stream-interval", "0"], "--stream-interval must be a finite number of seconds > 0, got 0.0"),
     (["--stream", "4", "--stream-interval", "nan"], "--stream-interval must be a finite number of seconds > 0, got nan"),
@@ -265,8 +265,8 @@ def test_bench_out_is_never_an_input_nor_a_file_it_did_not_write(tmp_path, monke
     (["--gamma", "9"], "argument --gamma: invalid choice: 9"),  # tau is replayed at evaluate.GAMMAS
     (["--stream", "-1"], "--stream takes 0..10000 clips (0: off)"),
     (["--stream", "2", "--stream-frames", "1"], "--stream-frames 2..1000 frames; got 2, 1"),
-    (["--stream", "2", "--temperature", "0.5"], "--stream times eager greedy decodes"),
-    (["--stream", "2", "--compile"], "--stream times eager greedy decodes"),
+    (["--stream", "2", "--stream-samples", "3"], "--stream-samples goes with --stream and --temperature > 0"),
+    (["--stream", "2", "--compile"], "--stream times eager lossless decodes"),
     (["--stream-frames", "4"], "--stream-frames goes with --stream"),
 ])
 def test_rsd_bad_flags_are_one_line(argv, msg, capsys):
