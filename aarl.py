@@ -32,7 +32,8 @@ from driving import Data, grid_kwargs, vision_kwargs
 import evaluate
 import model as M
 import speculate
-from ops import checkpoint, choose as chooser, cli, files, runs, timing
+from ops import checkpoint, cli, files, runs
+from measure import choose as chooser, timing
 
 REFERENCES = ("static", "moving", "none")
 DEFAULT_OUT = "runs/aarl"  # a fresh folder: a default run never replaces the shipped FlatRoPE + AARL drafts
@@ -162,7 +163,7 @@ def train_aarl(target, draft, data: Data, cfg: AARLConfig, ref=None, log=None):
 def report(target, draft, sft, splits, prof, outputs, gamma=None):
     """{split: stats} of `draft`: tau at every gamma of evaluate.GAMMAS (an exact replay of one teacher-forced pass on
     the target's greedy outputs) and the rest at the speed-optimal gamma (chosen on "val" at this machine's round
-    times, prof: ops.choose.profile's, as bench.py and rsd.py choose; or `gamma`); greedy_match: real speculative
+    times, prof: measure.choose.profile's, as bench.py and rsd.py choose; or `gamma`); greedy_match: real speculative
     decoding emits the target's greedy output on every scene."""
     taus = {name: evaluate.tau_by_gamma(evaluate.draft_matches({"q": draft}, target, data, outputs[name])["q"],
                                         evaluate.GAMMAS) for name, data in splits.items()}

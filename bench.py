@@ -6,7 +6,7 @@ Paper: RSD accelerates the reasoning step; the prefill, shared by both arms, is 
 KV-cached forward and dtype in both arms, every shape warmed up, the device synchronised before each clock reading,
 the arms alternating within each repeat, medians reported; greedy outputs compared token by token. With no --tree
 or --gamma the toy's decoder (and with --dtype auto every mode's dtype) is chosen for the machine that runs
-(ops/choose.py: target-only, chains, trees), its runner-up timed beside it. Random weights (--preset, or --target
+(measure/choose.py: target-only, chains, trees), its runner-up timed beside it. Random weights (--preset, or --target
 without --draft): read the cost model (experiments/gpu_check.py predicts the speed-up at the real shape from the
 toy's recorded acceptance).
 
@@ -32,7 +32,8 @@ import driving
 import evaluate
 from evaluate import TARGET_ONLY, tree_speedup
 import model as M
-from ops import checkpoint, choose as chooser, cli, files, timing
+from ops import checkpoint, cli, files
+from measure import choose as chooser, flags, timing
 from real import alpamayo, hf, scenes
 from real.expert import speed_from_history
 from speculate import GREEDY, decoder_of
@@ -66,8 +67,8 @@ def benchmark(target, draft, prompts, gamma, max_new, stop_token=None, repeats=3
     """One draft's record: statistics, divergences, both arms timed, the cost model; compile: all that, compiled.
     gamma: the decoder (speculate.Chain or gamma, tree.TreeShape); beside it the runner-up chain_gamma (a decoder, or
     the chain of that gamma), the same draft, timed in the same passes, compiled or not.
-    choose: val prompts: both are the chooser's instead (ops.choose: the machine's profile of the steps that run, eager
-    or compiled, and each candidate's rounds on these prompts); reprofile: its profile measured anew."""
+    choose: val prompts: both are the chooser's instead (measure.choose: the machine's profile of the steps that run,
+    eager or compiled, and each candidate's rounds on these prompts); reprofile: its profile measured anew."""
     comp, chosen = {}, None
     if compile:
         decoders = [c for c in chooser.candidates() if c] if choose else [gamma, chain_gamma]
@@ -102,7 +103,7 @@ def benchmark(target, draft, prompts, gamma, max_new, stop_token=None, repeats=3
     cli.progress(f"timing {len({TARGET_ONLY, *arms})} arms: {repeats} passes over {len(prompts)} prompts, then the "
                  "cost model")
     t = timing.time_arms(target, {}, prompts, gamma, max_new, stop_token, repeats, sampling, arms)[0]
-    res = {"decoder": timing.decoder_json(gamma), "decoding": cli.sampling_json(sampling),
+    res = {"decoder": timing.decoder_json(gamma), "decoding": flags.sampling_json(sampling),
            **{k: spec[k] for k in ("greedy_match", "tau", "alpha", "routine_fraction")}, "tokens": spec["n_tokens"],
            "prompts": len(prompts), "divergences": timing.divergences(target, prompts, reference, spec["tokens"]),
            **arms_json(t, chain_gamma)}
@@ -194,7 +195,7 @@ def toy(args, device, dtype, sampling):
         if chosen:  # the chooser's record, and what the candidates timed here measured (per plan; target-only: 1)
             p["choice"] = chosen | {"measured": {TARGET_ONLY: 1.0, chooser.name(decoder): p["speculative"]["speedup"],
                                                  chooser.name(beside): p[timing.CHAIN_ARM]["speedup"]}}
-        return {"mode": "plans", "draft": draft_dir, "target": target_dir, "decoding": cli.sampling_json(sampling),
+        return {"mode": "plans", "draft": draft_dir, "target": target_dir, "decoding": flags.sampling_json(sampling),
                 "decoder": timing.decoder_json(decoder), "plan": p}
     # no --tree: the decoder and its runner-up are the chooser's, for the steps that run (eager or compiled)
     choose = split("val", chooser.VAL_PLANS) if args.choose else None
@@ -208,18 +209,18 @@ def toy(args, device, dtype, sampling):
 
 
 def stream_mode(args, target, draft, clips, interval, rate, stop, sampling=GREEDY):
-    """Plans in a stream: clips (each its frames' prompts in order), the four arms of ops.timing.stream_arms (the
+    """Plans in a stream: clips (each its frames' prompts in order), the four arms of measure.timing.stream_arms (the
     tree of --tree, or the chain of --gamma as the tree of width 1); rate: the toy's events a frame (None: real)."""
     g = args.gamma
-    shape = TreeShape(args.tree, args.tree_depth, args.tree_width) if args.tree else TreeShape(g, g, 1)
+    shape = args.tree or TreeShape(g, g, 1)
     cli.progress(f"timing 4 arms: {args.repeats} passes over {len(clips)} clip(s) of {args.stream} frames, "
                  f"{args.samples} row(s) a frame")
     arms, _ = timing.stream_arms(target, draft, clips, shape, args.max_new, stop, args.repeats, samples=args.samples,
                                  sampling=sampling, compile=args.compile)
     greedy = None if not sampling.greedy else not any(a["frames_differing"] for a in arms.values())
     sib = {"siblings": args.samples, "frames_back": stream.K_FRAMES} if args.samples > 1 else {}
-    return {"mode": "stream", "decoding": cli.sampling_json(sampling), "decoder": timing.decoder_json(args.decoder),
-            **cli.identity(greedy), "stream": {"clips": len(clips), "frames": args.stream, "interval_s": interval,
+    return {"mode": "stream", "decoding": flags.sampling_json(sampling), "decoder": timing.decoder_json(args.decoder),
+            **flags.identity(greedy), "stream": {"clips": len(clips), "frames": args.stream, "interval_s": interval,
                                                "compiled": args.compile,
                                                "event_rate": rate, "samples": args.samples,
                                                **stream.settings(**sib), "arms": arms}}
@@ -279,7 +280,7 @@ def real(args, device, dtype, sampling):
         if getattr(target, "expert", None) is not None:  # the first scene's plan, at its own speed
             v0 = speed_from_history(past[None]).to(device).expand(args.samples)  # (B,)
             p.update(action_stage(target, ps[0], p["cocs"], (stop,), v0, args.repeats))
-        return {"mode": "plans", "model": name, **extra, "decoding": cli.sampling_json(sampling), "plan": p,
+        return {"mode": "plans", "model": name, **extra, "decoding": flags.sampling_json(sampling), "plan": p,
                 "trained_draft": bool(args.draft)}
     res = benchmark(target, draft, [prompt], args.decoder, args.max_new, stop, args.repeats, sampling, args.compile,
                     args.gamma)
@@ -301,7 +302,7 @@ def run_line(res):
     why = f" ({res['dtype_why']})" if "dtype_why" in res else ""
     return (f"device {res['device']} ({res['hardware']}), dtype {res['dtype']}{why}, threads {res['threads']}, torch "
             f"{res.get('torch', torch.__version__)}, {decoder_text(res['decoder'])}, decoding "
-            f"{cli.decoding_text(res['decoding'], rows)}"
+            f"{flags.decoding_text(res['decoding'], rows)}"
             + (f", max-new {f['max_new']}, repeats {f['repeats']}" if f else "")
             + (f", {res['what_ran']['wall_s']:.0f} s in all" if "what_ran" in res else ""))
 
@@ -375,7 +376,7 @@ def choice_lines(ch):
     steep = f"; a verify of {', '.join(map(str, ch['steep']))} tokens costs more than 2 one-token steps here" \
         if ch["steep"] else ""
     return [("chosen", f"{said(ch['chosen'])}, runner-up {said(ch['runner_up'])}: {ch['mode']} steps, {ch['rows']} "
-             f"row(s) (ops.choose)"),
+             f"row(s) (measure.choose)"),
             ("profile", f"one-token step {ch['steps_ms']['1']:.2f} ms, verify of " + ", ".join(
                 f"{int(n) + 1} {v:.2f}" for n, v in ch["verify_ms"].items()) + f" ms, draft step "
              f"{ch['draft_ms']['1']:.3f} ms{steep} ({ch['profile']}; {ch['profile_s']:.1f} s this run)"),
@@ -413,7 +414,7 @@ def main(argv=None):
         "--preset: a real shape, random weights", "--target: a real checkpoint (Hugging Face / Alpamayo folder)"))
     every.add_argument("--dtype", default="auto", choices=["auto", *sorted(cli.DTYPES)], help="weights, activations "
                        "and KV cache; auto: bf16 where the hardware runs it natively (CUDA, a CPU with AVX-512 BF16 or "
-                       "AMX), else fp32 (ops.choose.auto_dtype)")
+                       "AMX), else fp32 (measure.choose.auto_dtype)")
     every.add_argument("--reprofile", action="store_true", help="measure the machine's cost profile again (it is "
                        "cached under runs/choose/ by hardware, threads, torch, dtype, mode and the models' configs)")
     preset.add_argument("--preset", choices=[k for k in sorted(M.PRESETS) if "toy" not in k], help="random weights")
@@ -433,13 +434,6 @@ def main(argv=None):
     for group, flag, default, text in (
             (every, "--gamma", None, "the chain's draft length: alone, the chain of gamma runs (as --tree 0); beside "
                                      f"a --tree, the chain timed with it (default {evaluate.GAMMA})"),
-            (every, "--tree", None, "a draft tree of N nodes, 0: the chain of --gamma (default: the toy's decoder is "
-                                    "chosen for this machine, ops.choose: target-only, the chains of gamma 1-8 or a "
-                                    f"tree of its family, the runner-up timed beside it; a real model's tree "
-                                    f"{evaluate.TREE.nodes})"),
-            (every, "--tree-depth", evaluate.TREE.depth, "with --tree: its depth D"),
-            (every, "--tree-width", evaluate.TREE.width, "with --tree: k, nodes expanded per level and children per "
-                                                         "node"),
             (every, "--max-new", evaluate.MAX_NEW_TOKENS, "reasoning tokens per prompt at most"),
             (every, "--repeats", 3, "timed passes (median reported), >= 3"),
             (every, "--threads", None, "CPU threads (default: torch's)"),
@@ -458,9 +452,14 @@ def main(argv=None):
             (real_, "--min-pixels", alpamayo.MIN_PIXELS, "with --target: image size bounds"),
             (real_, "--max-pixels", alpamayo.MAX_PIXELS, "with --target: image size bounds")):
         group.add_argument(flag, type=int, default=default, help=text)
+    every.add_argument("--tree", type=flags.tree_arg(), help="N/D/k: a draft tree of N nodes, depth D, k nodes "
+                       "expanded per level and children per node; 0: the chain of --gamma (default: the toy's decoder "
+                       "is chosen for this machine, measure.choose: target-only, the chains of gamma 1-8 or a tree of "
+                       f"its family, the runner-up timed beside it; a real model's tree {evaluate.TREE.nodes}/"
+                       f"{evaluate.TREE.depth}/{evaluate.TREE.width})")
     toy_.add_argument("--stream-interval", type=float, default=0.5, help="with --stream: seconds between frames (the "
                       "per-frame event rate follows: driving.event_rate)")
-    cli.add_decoding_flags(every, "> 0 times both arms sampling (Alpamayo-R1 samples its CoC at 0.6, top-p 0.98)")
+    flags.add_decoding_flags(every, "> 0 times both arms sampling (Alpamayo-R1 samples its CoC at 0.6, top-p 0.98)")
     every.add_argument("--compile", action="store_true", help="also every arm through torch.compile'd steps")
     every.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     args = ap.parse_args(argv)
@@ -482,8 +481,7 @@ def main(argv=None):
     res.setdefault("decoder", timing.decoder_json(args.decoder))  # benchmark's own where it chose the tree
     res["what_ran"] = cli.ran(args, t0, cpu0)
     d = res["decoder"]  # the decoder that ran (a tree chosen on val included), not the flags' default
-    res["what_ran"]["flags"].update(dict(tree=d["nodes"], tree_depth=d["depth"], tree_width=d["width"])
-                                    if d["kind"] == "tree" else dict(tree=0))
+    res["what_ran"]["flags"]["tree"] = f"{d['nodes']}/{d['depth']}/{d['width']}" if d["kind"] == "tree" else 0
     with cli.json_stdout(args.json):
         report(res)  # printed first: a failing write below loses no measurement
     if args.json:
@@ -499,11 +497,11 @@ def check_flags(ap, args):
     """Every bad flag is one line at parse time, before any work; returns the Sampling."""
     toy_mode = not (args.target or args.preset)
     plan = args.samples > 1 or args.batch > 1
-    # no decoder named: the toy's is ops.choose's; --gamma alone names the chain
+    # no decoder named: the toy's is measure.choose's; --gamma alone names the chain
     args.choose = args.tree is None and args.gamma is None and toy_mode and not args.stream and not args.relaxed
     args.tree = 0 if args.tree is None and args.gamma is not None else args.tree
     args.gamma = evaluate.GAMMA if args.gamma is None else args.gamma
-    args.tree = evaluate.TREE.nodes if args.tree is None else args.tree
+    args.tree = evaluate.TREE if args.tree is None else args.tree
     size, src = re.fullmatch(r"(\d+)x(\d+)", args.image_size), args.processor or args.target
     no_hf, plans_ = importlib.util.find_spec("transformers") is None, args.samples > 1  # --scenes --samples N: plans
     for bad, msg in ((args.target and args.preset, "give --target or --preset, not both"),
@@ -511,8 +509,8 @@ def check_flags(ap, args):
                       "--gamma, --max-new, --prompts, --images, --samples and --batch must be >= 1"),
                      (args.gamma > args.max_new, f"--gamma {args.gamma} is more than --max-new {args.max_new}: the "
                       "chain would draft tokens that can never be emitted"),
-                     (args.tree and args.tree_depth > args.max_new, f"--tree-depth {args.tree_depth} is more than "
-                      f"--max-new {args.max_new}: the tree would draft tokens that can never be emitted"),
+                     (args.tree and args.tree.depth > args.max_new, f"--tree {tree_text(args.tree)}'s depth is "
+                      f"more than --max-new {args.max_new}: the tree would draft tokens that can never be emitted"),
                      *((not toy_mode and getattr(args, f) != ap.get_default(f), f"--{f} is the toy's (its test "
                         "scenes, views and run folder): a --target or --preset run ignores it") for f in
                        ("prompts", "views", "run")),
@@ -550,7 +548,6 @@ def check_flags(ap, args):
                       f"frames a clip (a stream reads the frames before it), got {args.stream}"),
                      (args.stream_interval != ap.get_default("stream_interval") and not args.stream,
                       "--stream-interval goes with --stream"),
-                     (args.tree < 0, f"--tree takes a node budget >= 1, or 0 for the chain; got {args.tree}"),
                      *((getattr(args, f) is not None and not os.path.isdir(getattr(args, f)),
                         f"--{f.replace('_', '-')} {getattr(args, f)}: folder not found")
                        for f in ("target", "draft", "images_dir", "processor", "scenes")),
@@ -584,10 +581,10 @@ def check_flags(ap, args):
             ap.error(f"--{flag.replace('_', '-')} {what} of a --preset"
                      + (f" (1..{hi} for {args.preset})" if hi else "") + f", got {v}")
     with cli.user_errors(ap):  # below: the chain of --gamma (--tree 0), or a tree (a ValueError if it is impossible)
-        args.decoder = TreeShape(args.tree, args.tree_depth, args.tree_width) if args.tree else args.gamma
-        if args.tree and (n := args.decoder.candidates(args.tree_depth)) > MAX_TREE_CANDIDATES:
-            raise ValueError(f"--tree-width {args.tree_width} and --tree-depth {args.tree_depth} grow {n} candidates "
-                             f"a round, more than {MAX_TREE_CANDIDATES}")
+        args.decoder = args.tree or args.gamma
+        if args.tree and (n := args.tree.candidates(args.tree.depth)) > MAX_TREE_CANDIDATES:
+            raise ValueError(f"--tree {tree_text(args.tree)} grows {n} candidates a round, more than "
+                             f"{MAX_TREE_CANDIDATES}")
         cli.check_device(args.device)
         if args.images_dir:  # every image a regular file, before the target loads: a FIFO among them would hang
             files.listed(args.images_dir, files.IMAGE_SUFFIXES)
@@ -609,8 +606,8 @@ def check_flags(ap, args):
         if args.relaxed and expert is False:
             raise ValueError(f"--relaxed is priced by how far the action expert's plan moves: --target {args.target} "
                              "is a plain Qwen-VL with no action expert, where nothing prices it")
-        sampling = cli.sampling(args.temperature, args.top_k, args.top_p, args.sampling_seed,
-                                cli.relaxed_rule(args.relaxed, args.commitments, toy_ids, vocab))
+        sampling = flags.sampling(args.temperature, args.top_k, args.top_p, args.sampling_seed,
+                                flags.relaxed_rule(args.relaxed, args.commitments, toy_ids, vocab))
         args.out = (TOY_JSON if toy_mode else None) if args.out is None else args.out or None  # "": no report file
         if args.out:
             check_out(args, toy_mode)
@@ -637,15 +634,21 @@ def check_out(args, toy_mode):
     cli.check_out(args.out, default=TOY_JSON)
 
 
+def tree_text(shape):
+    """A TreeShape as --tree spells it: N/D/k."""
+    return f"{shape.nodes}/{shape.depth}/{shape.width}"
+
+
 def check_fits(args, cfg, draft_vocab=0):
     """A ValueError unless the decoders fit the model cfg: a tree's k children per node among the draft's token ids,
     --max-new and a round's block (--gamma, or --tree's nodes) within its positions (a prompt's own: at decoding)."""
-    vocab, block = draft_vocab or cfg.vocab_size, max(args.gamma, args.tree)  # the chain of --gamma beside a tree
-    if args.tree and args.tree_width > vocab:
-        raise ValueError(f"--tree-width {args.tree_width} is more than the draft's {vocab} token ids (a node's "
-                         "children are distinct tokens)")
+    nodes = args.tree.nodes if args.tree else 0
+    vocab, block = draft_vocab or cfg.vocab_size, max(args.gamma, nodes)  # the chain of --gamma beside a tree
+    if args.tree and args.tree.width > vocab:
+        raise ValueError(f"--tree {tree_text(args.tree)}'s width is more than the draft's {vocab} token ids (a "
+                         "node's children are distinct tokens)")
     if args.max_new + block > cfg.max_seq_len:
-        flag = f"--tree {args.tree}" if args.tree > args.gamma else f"--gamma {args.gamma}"
+        flag = f"--tree {tree_text(args.tree)}" if nodes > args.gamma else f"--gamma {args.gamma}"
         raise ValueError(f"--max-new {args.max_new} and {flag} need {args.max_new + block} positions beyond the "
                          f"prompt, more than the model's {cfg.max_seq_len}")
 

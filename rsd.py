@@ -7,11 +7,11 @@ trees. tau at every gamma comes from one teacher-forced replay of
 the target's greedy outputs (evaluate.simulate_rounds); real speculative decoding checks the outputs and the replay. The
 choice of gamma and tree on val needs the trees' val tau, which no hardware changes: python rsd.py --search records it
 beside the checkpoints (checkpoints/toy/rsd_search.json), and a run reads that record while the checkpoints'
-fingerprints and the settings match; the step costs are this machine's (ops.choose's profile, cached under
+fingerprints and the settings match; the step costs are this machine's (measure.choose's profile, cached under
 runs/choose/), so the chosen gamma and tree are the machine's too; --gamma / --tree N/D/k give the decoders (no
 search). ms/token: every row and target-only timed in one interleaved pass, the speed-up with its
 spread (bench.py: the full benchmark of one draft). The top of the layering: it calls train.py, aarl.py and the
-library's timing harness (ops/timing.py), never bench.py.
+library's timing harness (measure/timing.py), never bench.py.
 
 run: python rsd.py [--json]        (--retrain trains what is missing: train.py, aarl.py; --search: see above)
 """
@@ -31,7 +31,8 @@ from driving import Data
 import evaluate
 from evaluate import MAX_NEW_TOKENS, TARGET_ONLY, TREES, TreeShape
 from model import DRAFT_KINDS
-from ops import checkpoint, choose as chooser, cli, files, timing
+from ops import checkpoint, cli, files
+from measure import choose as chooser, flags, timing
 from speculate import GREEDY, Chain, SpecResult, speculative_batch
 import train
 
@@ -79,7 +80,7 @@ def check_search_record(ap, a, seeds, device):
 def search(target, first, val, shapes, stop):
     """The recorded part of the choice of gamma and tree on val, which no hardware changes: each row's tau on val with
     each tree shape (real tree decoding: a tree has no teacher-forced replay; a chain's tau is the replay's). The step
-    costs are this machine's own (ops.choose's profile, cached under runs/choose/)."""
+    costs are this machine's own (measure.choose's profile, cached under runs/choose/)."""
     return {"tree_val_tau": tree_val_taus(target, first, val, shapes, stop) if shapes else {}}
 
 
@@ -109,7 +110,7 @@ def recorded_search(path, key, log=print):
 
 def choose(rec, val_taus, shapes):
     """({row: gamma}, {row: tree shape}) predicted fastest on val: val tau (the replay's for a chain, the recorded real
-    decoding's for a tree) at this machine's round times (rec["profile"], ops.choose). Deterministic given both."""
+    decoding's for a tree) at this machine's round times (rec["profile"], measure.choose). Deterministic given both."""
     prof = rec["profile"]
     gamma = {row: max(taus, key=lambda g: chooser.speedup(prof, Chain(g), taus[g])) for row, taus in val_taus.items()}
     tree = {row: max(shapes, key=lambda sh: chooser.speedup(prof, sh, rec["tree_val_tau"][row][shape_key(sh)]))
@@ -281,7 +282,7 @@ def print_sweep(sweep, rows, log=print):
 def find_search(a, target, drafts, seeds, val, device):
     """(the search record and this machine's profile under "profile", how they were had): none for given decoders;
     run/SEARCH_JSON when it holds for these checkpoints and settings, else the search on val now, recorded there with
-    --search (every tree of TREES); the profile (ops.choose: the flatrope row's draft, eager) cached or measured."""
+    --search (every tree of TREES); the profile (measure.choose: the flatrope row's draft, eager) cached or measured."""
     if a.given:  # nothing to choose: no step time, no tree decoded on val (the replay gives tau at every gamma)
         return None, f"gamma {a.gamma}{f' and tree {shape_key(a.tree)}' if a.tree else ''} as given, no search on val"
     path = os.path.join(a.run, SEARCH_JSON)
@@ -386,7 +387,7 @@ def run(ap, a, seeds, sampling, device):
           f"{'s' if a.repeats * blocks > 1 else ''} of {a.time_scenes // blocks}"
           f"{'+' if a.time_scenes % blocks else ''} scenes: rows whose ranges overlap are not ranked by it")
     if not table.greedy:
-        print(f"decoding: {cli.decoding_text(cli.sampling_json(table))} (prompt i = test scene i). tau = the exact "
+        print(f"decoding: {flags.decoding_text(flags.sampling_json(table))} (prompt i = test scene i). tau = the exact "
               "greedy replay "
               f"(gamma chosen on it); tau sampled = real sampled speculative decoding with {first}'s draft; "
               f"ms/token and speed-up timed sampling; ADE after the greedy CoC")
@@ -423,8 +424,8 @@ def run(ap, a, seeds, sampling, device):
         r["tau_pm"] = r["tau_spread"] / 2 if r.get("folders", 0) > 1 else None
     # the top level's identity is the whole run's: a lossy section whose CoCs changed makes it False
     same = None if lossy is None else all(r["identical_to_lossless"] for r in lossy.values())
-    return {"decoding": cli.sampling_json(sampling), "compiled": a.compile,
-            **cli.identity(greedy_match, same if table.greedy else None if lossy is None else False),
+    return {"decoding": flags.sampling_json(sampling), "compiled": a.compile,
+            **flags.identity(greedy_match, same if table.greedy else None if lossy is None else False),
             "tau_ceiling": aarl_row["tau_ceiling"], "sweep": sweep,
             "target": {k: metrics[k] for k in ("coc_exact", "commitment_acc", "ade")},
             "prompt": {"visual_tokens": n_visual, "history_tokens": n_hist},
@@ -446,7 +447,7 @@ def run(ap, a, seeds, sampling, device):
 def stream_rows(target, drafts, rows, tok, a, device, first, sampling):
     """--stream CLIPS (beyond the paper, lossless: beyond/stream.py): held-out clips of --stream-frames frames replanned
     every 0.5 s at the default event rate; per row, its first draft at its gamma (the tree of width 1) or tree alone,
-    the plans before alone, and both merged, timed interleaved with target-only (ops.timing.stream_arms) -> {row:
+    the plans before alone, and both merged, timed interleaved with target-only (measure.timing.stream_arms) -> {row:
     {arm: record}}, printed. Sampled (--temperature > 0): each frame's plan is --stream-samples rows (Alpamayo-R1's
     six), drafted from the frames before's rows and their siblings."""
     rate = driving.event_rate(0.5)
@@ -546,11 +547,6 @@ def named_drafts(a):
     return list(range(max(map(len, a.named.values()))))
 
 
-def tree_flag(text):
-    """--tree N (a node budget) or N/D/k (a TreeShape, checked)."""
-    return TreeShape(*map(int, text.split("/"))) if "/" in text else int(text)
-
-
 def parse_args(argv):
     """(parser, flags, seeds, sampling, device), every flag checked before any work: one line `rsd.py: error: ...`."""
     ap = argparse.ArgumentParser(description="The two-reasoner planner (RSD) on the synthetic driving world.")
@@ -570,13 +566,14 @@ def parse_args(argv):
         ap.add_argument(flag, type=int, default=default, help=text)
     ap.add_argument("--dtype", default="fp32", choices=sorted(cli.DTYPES),
                     help="inference dtype (fp32: the exactness claims hold bit for bit)")
-    cli.add_decoding_flags(ap, "> 0 also reports the sampled tau of real speculative decoding per row and "
+    flags.add_decoding_flags(ap, "> 0 also reports the sampled tau of real speculative decoding per row and "
                                 "times both arms sampling (prompt i = held-out scene i)")
     ap.add_argument("--compile", action="store_true", help="time both arms with torch.compile'd steps "
                     "(minutes of compilation; gamma is still chosen with the eager cost model)")
     ap.add_argument("--gamma", type=int, choices=GAMMAS, help="the chain rows' draft length, with no search on val "
                     "(the replay gives tau at every gamma): tree rows only at --tree N/D/k")
-    ap.add_argument("--tree", type=tree_flag, help="draft-tree rows beside the chain rows: N, the tree of evaluate."
+    ap.add_argument("--tree", type=flags.tree_arg(budget=True), help="draft-tree rows beside the chain rows: N, the "
+                    "tree of evaluate."
                     f"TREES of at most N nodes chosen on val (default {evaluate.TREE.nodes}, none beside --gamma; 0 = "
                     f"chain rows); N/D/k, this tree, with no search on val (the chain rows at --gamma, default "
                     f"{evaluate.GAMMA})")
@@ -626,8 +623,8 @@ def parse_args(argv):
                 raise ValueError(msg)
         tok = driving.Tokenizer()
         ids = tok.encode(driving.commitment_words())  # the toy's commitments: the grammar's choices
-        sampling = cli.sampling(a.temperature, a.top_k, a.top_p, a.sampling_seed,
-                                cli.relaxed_rule(a.relaxed, a.commitments, ids, len(tok)))
+        sampling = flags.sampling(a.temperature, a.top_k, a.top_p, a.sampling_seed,
+                                flags.relaxed_rule(a.relaxed, a.commitments, ids, len(tok)))
         device = cli.check_device(a.device)
         if a.drafts:
             seeds = named_drafts(a)

@@ -24,7 +24,11 @@ from driving import Data, grid_kwargs, vision_kwargs
 import evaluate
 from evaluate import autocast, evaluate_target
 import model as M
-from ops import checkpoint, cli, files, runs, timing
+from ops import checkpoint, cli, files, runs
+
+
+# ---- config ----
+from measure import timing
 
 
 # ---- config ----

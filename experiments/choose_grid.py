@@ -1,4 +1,4 @@
-"""Is the chooser's pick the fastest on this machine? Every candidate of ops/choose.py (target-only, the chains of
+"""Is the chooser's pick the fastest on this machine? Every candidate of measure/choose.py (target-only, the chains of
 gamma 1-8, the tree family) timed in the same interleaved passes over the toy's held-out test plans, beside what the
 chooser predicted for each from its profile and the val rounds: the chosen decoder's measured speed-up against the
 best of the grid, and its prediction against its measurement.
@@ -21,7 +21,8 @@ import torch  # noqa: E402
 
 import driving  # noqa: E402
 import evaluate  # noqa: E402
-from ops import checkpoint, choose, cli, files, timing  # noqa: E402
+from ops import checkpoint, cli, files  # noqa: E402
+from measure import choose, flags, timing  # noqa: E402
 import speculate  # noqa: E402
 
 
@@ -39,7 +40,7 @@ def main(argv=None):
     ap.add_argument("--reprofile", action="store_true", help="measure the machine's profile again")
     ap.add_argument("--run", default=checkpoint.SHIPPED, help="toy checkpoints: its target and FlatRoPE + AARL seed 0")
     ap.add_argument("--out", required=True, help="the JSON record")
-    cli.add_decoding_flags(ap, "every arm sampling (Alpamayo-R1: 0.6, --top-p 0.98)")
+    flags.add_decoding_flags(ap, "every arm sampling (Alpamayo-R1: 0.6, --top-p 0.98)")
     a = ap.parse_args(argv)
     with cli.user_errors(ap):
         cli.check_out(a.out)
@@ -49,7 +50,7 @@ def main(argv=None):
         if min(a.prompts, a.batch, a.samples) < 1 or a.prompts % a.batch or a.repeats < 1:
             raise ValueError("--prompts, --batch, --samples and --repeats must be >= 1; --prompts a multiple of "
                              "--batch")
-        sampling = cli.sampling(a.temperature, a.top_k, a.top_p, a.sampling_seed)
+        sampling = flags.sampling(a.temperature, a.top_k, a.top_p, a.sampling_seed)
         if a.samples > 1 and sampling.greedy:
             raise ValueError("--samples > 1 needs --temperature > 0 (greedy rows would be identical)")
     t0 = time.time()
@@ -99,7 +100,7 @@ def main(argv=None):
            + " ".join(argv if argv is not None else sys.argv[1:]),
            "hardware": choose.hardware(device), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
            "threads": torch.get_num_threads(), "torch": torch.__version__, "dtype": dtype_name, "dtype_why": why,
-           "mode": rec["mode"], "rows": rows, "plans": len(plans), "decoding": cli.sampling_json(sampling),
+           "mode": rec["mode"], "rows": rows, "plans": len(plans), "decoding": flags.sampling_json(sampling),
            "choice": rec, "grid": grid, "best": best,
            "chosen_over_best": chosen["speedup"] / grid[best]["speedup"],
            "prediction_error": chosen["predicted_speedup"] / chosen["speedup"] - 1, "wall_s": time.time() - t0}

@@ -48,7 +48,7 @@ from real import alpamayo  # noqa: E402
 from ops import cli  # noqa: E402
 from ops import files  # noqa: E402
 import model as M  # noqa: E402
-from ops import timing  # noqa: E402
+from measure import timing  # noqa: E402
 import train as T  # noqa: E402
 from ops import runs  # noqa: E402
 from real import distill  # noqa: E402

@@ -19,8 +19,8 @@ import sys
 
 import torch
 
-PACKAGES = {"model", "rope", "vision", "speculate", "tree", "driving", "evaluate", "ops", "static", "bench", "real",
-            "beyond", "relaxed", "aarl", "train", "rsd"}
+PACKAGES = {"model", "rope", "vision", "speculate", "tree", "driving", "evaluate", "ops", "measure", "static", "bench",
+            "real", "beyond", "relaxed", "aarl", "train", "rsd"}
 
 
 def modules_of(repo):
@@ -30,8 +30,10 @@ def modules_of(repo):
             del sys.modules[name]
     sys.path.insert(0, repo)
     try:
-        return {n: importlib.import_module(n) for n in ("ops.checkpoint", "ops.timing", "driving", "evaluate",
-                                                        "speculate", "tree", "bench")}
+        timing = "measure.timing" if os.path.isdir(os.path.join(repo, "measure")) else "ops.timing"  # older: ops/
+        m = {n: importlib.import_module(n) for n in ("ops.checkpoint", timing, "driving", "evaluate", "speculate",
+                                                     "tree", "bench")}
+        return m | {"timing": m[timing]}
     finally:
         sys.path.remove(repo)
 
@@ -47,7 +49,7 @@ def ms_per_token(repo, scenes, compile=False):
                                      driving.WorldConfig().views)
     kw = dict(stop_token=tok.cot_end_id, timing=True)
     if compile:  # each checkout's CompiledSteps over its own caches (timing.compiled_pair: every step length once)
-        pair = getattr(m["ops.timing"], "compiled_pair", None) or m["bench"].compiled_pair  # bench.py's in older checkouts
+        pair = getattr(m["timing"], "compiled_pair", None) or m["bench"].compiled_pair  # bench.py's in older checkouts
         target, draft = pair(target, draft, prompts, [evaluate.GAMMA, evaluate.TREE], 64)
     tree_decode = getattr(tree, "speculative", speculate.speculative)  # older checkouts: a TreeShape through tree.py
     arms = {"target-only": lambda p: speculate.autoregressive(target, p, 64, **kw),

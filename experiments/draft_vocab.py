@@ -51,7 +51,7 @@ from ops import cli, files  # noqa: E402
 import model as M  # noqa: E402
 import train as T  # noqa: E402
 from driving import Data  # noqa: E402
-from ops.timing import step_times  # noqa: E402
+from measure.timing import step_times  # noqa: E402
 from evaluate import measured_speedup  # noqa: E402
 
 GAMMAS = tuple(range(2, 9))

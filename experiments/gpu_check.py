@@ -51,7 +51,7 @@ from experiments import probes  # noqa: E402
 from ops import files  # noqa: E402
 import model as M  # noqa: E402
 import speculate  # noqa: E402
-from ops import timing  # noqa: E402
+from measure import timing  # noqa: E402
 from evaluate import tree_speedup  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -1,7 +1,7 @@
 """What the history-only routine reasoner saves per plan: its prefill and its KV cache leave the image / video tokens
 out (model.DRAFT_KINDS["history"]), so both shrink with the visual share of the prompt. Measured beside the FlatRoPE
 draft (the paper's routine reasoner, which reads every visual token) on the same prompts, both arms interleaved in
-one process (ops.timing.interleaved): the draft's prefill alone (the target's embeddings given, as in a decode), its
+one process (measure.timing.interleaved): the draft's prefill alone (the target's embeddings given, as in a decode), its
 cache length after the prefill and the KV bytes that length holds.
 
   toy:     the shipped target and seed 0's FlatRoPE and history-only drafts, held-out test scenes (fp32)
@@ -24,7 +24,8 @@ import driving  # noqa: E402
 from driving import Data  # noqa: E402
 import evaluate  # noqa: E402
 import model as M  # noqa: E402
-from ops import checkpoint, cli, files, timing  # noqa: E402
+from ops import checkpoint, cli, files  # noqa: E402
+from measure import timing  # noqa: E402
 from real.alpamayo import real_prompt  # noqa: E402
 import speculate  # noqa: E402
 

@@ -24,7 +24,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import driving  # noqa: E402
 import evaluate  # noqa: E402
-from ops import checkpoint, cli, files, timing  # noqa: E402
+from ops import checkpoint, cli, files  # noqa: E402
+from measure import flags, timing  # noqa: E402
 from hf_export import export_pretrained  # noqa: E402
 import speculate  # noqa: E402
 
@@ -181,7 +182,7 @@ def compare_samples(target, draft, prompts, samples, sampling, gamma, max_new, s
         assisted = f"refused: {e}"
     out = {arm: {k: v for k, v in r.items() if k != "tokens"} | {"tokens": sum(map(len, r["tokens"]))}
            for arm, r in res.items()}
-    return dict(out, prompts=len(prompts), samples=samples, gamma=gamma, decoding=cli.sampling_json(sampling),
+    return dict(out, prompts=len(prompts), samples=samples, gamma=gamma, decoding=flags.sampling_json(sampling),
                 hf_assisted=assisted,
                 timed="one call per prompt of its N rows, end to end (vision tower + prefill + reasoning step)",
                 ratios={f"{a}_over_{b}": out[a]["ms_per_prompt"] / out[b]["ms_per_prompt"] for a, b in
@@ -231,7 +232,7 @@ def check_flags(ap, args):
         ap.error("--gamma, --max-new, --prompts and --samples must be >= 1, --repeats >= 3")
     with cli.user_errors(ap):
         cli.check_device(args.device)
-        sampling = cli.sampling(args.temperature, args.top_k, args.top_p, args.sampling_seed)
+        sampling = flags.sampling(args.temperature, args.top_k, args.top_p, args.sampling_seed)
         if not sampling.greedy and args.samples == 1:
             raise ValueError("greedy compares tokens and times: drop --temperature (or sample rows: --samples N)")
         if args.samples > 1 and sampling.greedy:
@@ -264,7 +265,7 @@ def main(argv=None):
                                 ("--repeats", 3, "timed passes (median reported), >= 3"),
                                 ("--threads", None, "CPU threads (default: torch's)")):
         ap.add_argument(flag, type=int, default=default, help=text)
-    cli.add_decoding_flags(ap, "> 0 with --samples N: N sampled rows per prompt (Alpamayo-R1: 0.6, top-p 0.98)")
+    flags.add_decoding_flags(ap, "> 0 with --samples N: N sampled rows per prompt (Alpamayo-R1: 0.6, top-p 0.98)")
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     ap.add_argument("--out", help="write the report's JSON here")
     args = ap.parse_args(argv)

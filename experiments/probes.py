@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import speculate  # noqa: E402
-from ops.timing import _step  # noqa: E402
+from measure.timing import _step  # noqa: E402
 
 
 class CompileWatch:

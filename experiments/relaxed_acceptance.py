@@ -27,7 +27,8 @@ import torch  # noqa: E402
 
 import driving  # noqa: E402
 import evaluate  # noqa: E402
-from ops import checkpoint, cli, files, timing  # noqa: E402
+from ops import checkpoint, cli, files  # noqa: E402
+from measure import flags, timing  # noqa: E402
 from beyond.relaxed import Relaxed  # noqa: E402
 from speculate import SpecResult  # noqa: E402
 
@@ -84,7 +85,7 @@ def rejections(res, commit):
 
 def reprice(result, target, run, gamma, data=None, tok=None, blocks=5):
     """speedup_model on every record of result: the chain's cost model at its tau, from each seed's step times
-    (ops.timing.step_times on the first test prompt, the least of `blocks` measurements)."""
+    (measure.timing.step_times on the first test prompt, the least of `blocks` measurements)."""
     if not gamma:
         raise ValueError("--reprice prices the chain (the tree's cost model is bench.py's)")
     tok = tok or driving.Tokenizer()
@@ -210,8 +211,8 @@ def main(argv=None):
             raise ValueError("--bounds must include 0 (the lossless point of each rule)")
         if a.gamma and a.tree:
             raise ValueError("--tree is the decoder of --gamma 0: give one of them")
-        decoder = a.gamma or cli.tree_shape(a.tree or "32/8/3")
-        base = cli.sampling(a.temperature, None, a.top_p, 0)  # --top-p at temperature 0 would be ignored: refused
+        decoder = a.gamma or flags.tree_shape(a.tree or "32/8/3")
+        base = flags.sampling(a.temperature, None, a.top_p, 0)  # --top-p at temperature 0 would be ignored: refused
         gone = [d for d in [os.path.join(a.run, "target")] + [checkpoint.draft_dir(a.run, "flat", s) for s in seeds]
                 if not os.path.isdir(d)]
         if gone:

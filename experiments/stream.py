@@ -2,7 +2,7 @@
 drafted from the frame before, on held-out toy clips (driving.make_clips), against the per-frame event rate and the
 replanning interval.
 
-Four arms, timed interleaved in one process (ops.timing.interleaved; an item is a clip, decoded frame by frame, each
+Four arms, timed interleaved in one process (measure.timing.interleaved; an item is a clip, decoded frame by frame, each
 arm's stream reading the plan that arm wrote one frame before): target-only; tree, the single-frame default tree
 (evaluate.TREE, FlatRoPE draft seed 0); stream, the earlier plan alone (no draft model); tree+stream, both merged as a
 trie. Greedy, fp32, eager: every arm's every plan is compared with target-only's, token for token.
@@ -27,12 +27,13 @@ from beyond.stream import ARMS, decode_clip  # noqa: E402
 import driving  # noqa: E402
 import numpy as np  # noqa: E402
 import evaluate  # noqa: E402
-from ops import checkpoint, cli, files, timing  # noqa: E402
+from ops import checkpoint, cli, files  # noqa: E402
+from measure import flags, timing  # noqa: E402
 from speculate import GREEDY, SpecResult  # noqa: E402
 
 def setting(target, drafts, tok, n, frames, interval, rate, blocks, spread, samples=1, sampling=GREEDY, clip_seed=0,
             compile=False, split="test", merged=None, reword=None, **stream_kw):
-    """One (interval, rate): the four arms timed on n held-out clips (ops.timing.stream_arms), each frame's plan
+    """One (interval, rate): the four arms timed on n held-out clips (measure.timing.stream_arms), each frame's plan
     `samples` rows under `sampling`; drafts[1:] (the other seeds) decode the same clips for tau only. stream_kw: the
     lookup's settings (Stream's M, alpha, ...); split: "val" to choose on; merged: tree+stream's tree (None: the
     tree arm's); reword: the rewording rate r of the earlier plans (beyond/stream.reword; None: none)."""
@@ -121,11 +122,11 @@ def main(argv=None):
         except ValueError:
             raise ValueError(f"--M and --alpha take ints >= 1, --skip an int >= 1 or '-'; got {a.M}, {a.alpha}, "
                              f"{a.skip!r}") from None
-        merged = None if a.merged is None else cli.tree_shape(a.merged, "--merged")
+        merged = None if a.merged is None else flags.tree_shape(a.merged, "--merged")
         merged = stream.SAMPLED_TREE if merged is None and a.samples > 1 else merged  # sampled rows' tree
         if a.clip_seed < 0:
             raise ValueError(f"--clip-seed takes an int >= 0, got {a.clip_seed}")
-        sampling = cli.sampling(a.temperature, None, a.top_p, a.clip_seed)
+        sampling = flags.sampling(a.temperature, None, a.top_p, a.clip_seed)
         if (a.samples > 1) != (a.temperature > 0) or a.samples < 1:
             raise ValueError(f"--samples {a.samples} rows a plan go with --temperature > 0 (a greedy plan is one row), "
                              f"got --temperature {a.temperature}")
@@ -157,7 +158,7 @@ def main(argv=None):
                "tree": [evaluate.TREE.nodes, evaluate.TREE.depth, evaluate.TREE.width], "split": a.split,
                "merged": None if merged is None else [merged.nodes, merged.depth, merged.width],
                **{f"stream_{k}": v for k, v in stream.settings(**kw, **sib).items()}, "clip_seed": a.clip_seed,
-               "decoding": cli.sampling_json(sampling), "samples": a.samples, "compiled": a.compile,
+               "decoding": flags.sampling_json(sampling), "samples": a.samples, "compiled": a.compile,
                "event_rate_per_s": driving.EVENT_RATE, "ring_rate_per_s": driving.RING_RATE, "settings": [],
                "environment": timing.environment("cpu")}
         for interval, rate, r in settings:

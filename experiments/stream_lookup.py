@@ -6,7 +6,7 @@ Swept: alpha (tokens proposed per matched token), M (the most a round proposes) 
 word that differs, as when a range ring is crossed). Also reported per setting: the proposed tokens the target
 rejected a token of plan (what the verify carries for nothing). --check N decodes the first N clips' frames with the
 real stream arm too and asserts the simulation's rounds equal the decode's. --time M/alpha/swap/skip,... then times
-the four arms of each such Stream (ops.timing.stream_arms; skip '-': never) on the first --time-clips clips.
+the four arms of each such Stream (measure.timing.stream_arms; skip '-': never) on the first --time-clips clips.
 
 run: python experiments/stream_lookup.py [--out runs/stream_lookup.json] [--time 16/4/0/-,32/32/1/16]
      (the README's, 13 min: --check 2 --out experiments/stream_lookup_val.json --time 32/2/1/8,32/2/1/-,32/4/1/8)
@@ -21,7 +21,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from beyond import stream  # noqa: E402
 import driving  # noqa: E402
 import evaluate  # noqa: E402
-from ops import checkpoint, cli, files, timing  # noqa: E402
+from ops import checkpoint, cli, files  # noqa: E402
+from measure import timing  # noqa: E402
 import speculate  # noqa: E402
 
 

@@ -19,6 +19,7 @@ from ops import checkpoint  # noqa: E402
 import driving  # noqa: E402
 import evaluate  # noqa: E402
 from ops import cli, files  # noqa: E402
+from measure import flags  # noqa: E402
 import speculate  # noqa: E402
 
 KINDS = {"replica": "mrope", "flatrope": "flat", "flatrope+aarl": "aarl"}
@@ -37,7 +38,7 @@ def main(argv=None):
     cli.progress(f"tree paths: {a.scenes} test scenes")
     torch.set_num_threads(1)
     with cli.user_errors(ap):
-        shape = cli.tree_shape(a.tree)
+        shape = flags.tree_shape(a.tree)
     tok = driving.Tokenizer()
     target = checkpoint.load(os.path.join(a.run, "target")).eval()
     data = driving.Data("test", a.scenes, 0, tok)

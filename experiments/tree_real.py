@@ -28,7 +28,7 @@ import torch.nn.functional as F  # noqa: E402
 from ops import cli, files  # noqa: E402
 import model as M  # noqa: E402
 from rope import rope_cos_sin, rope_inv_freq  # noqa: E402
-from ops.timing import median_time  # noqa: E402
+from measure.timing import median_time  # noqa: E402
 from evaluate import measured_speedup  # noqa: E402
 from evaluate import tree_speedup  # noqa: E402
 from tree import TreeShape  # noqa: E402

@@ -21,7 +21,7 @@ from ops import checkpoint  # noqa: E402
 import driving  # noqa: E402
 import evaluate  # noqa: E402
 from ops import cli, files  # noqa: E402
-from ops.timing import step_times, tree_step_times  # noqa: E402
+from measure.timing import step_times, tree_step_times  # noqa: E402
 from tree import TreeShape  # noqa: E402
 
 KINDS = {"replica": "mrope", "flatrope": "flat", "flatrope+aarl": "aarl"}

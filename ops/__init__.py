@@ -1,2 +1,3 @@
-"""What every program needs and no reader of the paper does: flags and their checks, atomic files and locks, our
-checkpoint format, timers, resumable training runs. Imports only the paper's core modules."""
+"""What every program needs and no reader of the paper does: the command-line contract (one-line errors, outputs
+checked), atomic files and locks, our checkpoint format, resumable training runs, compiled steps. Imports only the
+paper's model and world; the measuring room is measure/."""

@@ -19,7 +19,8 @@ from tqdm import tqdm
 
 from aarl import aarl_loss, coc_logprobs, group_advantages, rollout, training_summary
 import evaluate
-from ops import checkpoint, cli, files, runs, timing
+from ops import checkpoint, cli, files, runs
+from measure import timing
 from real import alpamayo, hf, scenes
 from real.expert import speed_from_history
 import speculate

@@ -21,7 +21,8 @@ import torch.nn.functional as F
 
 import evaluate
 import model as M
-from ops import checkpoint, cli, files, timing
+from ops import checkpoint, cli, files
+from measure import flags, timing
 from real import hf
 from real.expert import config_field, speed_from_history
 import speculate
@@ -349,7 +350,7 @@ def heldout_bench(target_dir, draft_dir, scenes_dir, found, prompts, stop, how, 
     target, draft = load_pair(target_dir, draft_dir, device, dtype)
     tok = tokenizer(processor or target_dir)
     res = heldout(target, draft, found, prompts, stop, max_new, decoder, repeats, lambda t: tok.decode([t]), sampling)
-    return dict(res, mode="heldout", decoding=cli.sampling_json(sampling), model=target_dir, draft=draft_dir,
+    return dict(res, mode="heldout", decoding=flags.sampling_json(sampling), model=target_dir, draft=draft_dir,
                 trained_draft=bool(draft_dir), scenes_dir=scenes_dir, stop=stop, prompt_source=how)
 
 

@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from ops import checkpoint, cli, files
+from measure import flags
 from real import hf
 import speculate
 
@@ -292,7 +293,7 @@ def distill_data(target, prompts, out, stop_ids, max_new, sampling=speculate.GRE
     with them. sampling: GREEDY, or `samples` draws per scene (Alpamayo-R1's release: temperature 0.6, top-p 0.98),
     sample k seeded sample_seed(seed, scene, k), not sampling.seed, as one batch sharing the scene's prefill
     (speculate.autoregressive_batch; each row its own generator's draws: the batch-1 records). Returns the index."""
-    cli.sampling(sampling.temperature, sampling.top_k, sampling.top_p, seed)  # the settings checked before any work
+    flags.sampling(sampling.temperature, sampling.top_k, sampling.top_p, seed)  # the settings checked before any work
     stop_ids = [int(t) for t in stop_ids]
     for bad, why in [(not isinstance(max_new, int) or max_new < 1, f"max_new must be an int >= 1, got {max_new!r}"),
                      (not isinstance(samples, int) or samples < 1 or (sampling.greedy and samples > 1),

@@ -19,9 +19,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 @pytest.fixture(autouse=True, scope="session")
 def choose_cache(tmp_path_factory):
-    """The chooser's profiles and val rounds (ops/choose.py) cached in a folder of the session's, not the checkout's
+    """The chooser's profiles and val rounds (measure/choose.py) cached in a folder of the session's, not the checkout's
     runs/choose/: a test never reads what an earlier run of the programs measured."""
-    from ops import choose
+    from measure import choose
     saved = choose.CACHE, choose.ROUNDS, choose.REPS, choose.VAL_PLANS
     # one round of one call per profiled forward and 4 val plans: the tests check the chooser's flow and records, not
     # its precision (tests/test_choose.py checks the choice on profiles it builds)

@@ -12,7 +12,8 @@ import torch
 import bench
 import evaluate
 from model import make_draft
-from ops import choose, cli, files, timing
+from ops import cli, files
+from measure import choose, flags, timing
 import speculate
 from speculate import GREEDY, Sampling
 from tiny_models import image_prompt, tiny_model
@@ -89,7 +90,7 @@ def test_sampling_reaches_every_timed_decode(monkeypatch):
         return decode(target, draft, prompt, gamma, max_new, stop, sampling, **kw)
 
     monkeypatch.setattr(evaluate, "decode", spy)
-    sampling = cli.sampling(0.8, top_k=20, top_p=0.9, seed=5)
+    sampling = flags.sampling(0.8, top_k=20, top_p=0.9, seed=5)
     timing.time_arms(target, {"speculative": draft}, prompts, 3, 6, None, repeats=1, sampling=sampling)
     assert len(calls) == 2 * 2 * 2  # warm-up + 1 pass, 2 arms, 2 prompts
     for _, i, s in calls:  # prompt i's generators seeded 5 + i, in the warm-up and in every pass
@@ -123,9 +124,9 @@ def test_a_tree_cut_by_max_new_runs_and_costs_its_whole_shape(monkeypatch, capsy
 
 
 def test_sampling_flags_are_checked():
-    assert cli.sampling_json(cli.sampling()) == {"mode": "greedy", "temperature": 0.0, "top_k": None, "top_p": None,
+    assert flags.sampling_json(flags.sampling()) == {"mode": "greedy", "temperature": 0.0, "top_k": None, "top_p": None,
                                                  "seed": None, "lossy": False, "verification": "exact"}
-    assert cli.sampling_json(cli.sampling(0.6, top_p=0.98))["mode"] == "sampling"
+    assert flags.sampling_json(flags.sampling(0.6, top_p=0.98))["mode"] == "sampling"
     for kw, msg in ((dict(temperature=-1.0), "temperature must be finite and >= 0"),
                     (dict(temperature=math.nan), "temperature must be finite"),
                     (dict(temperature=1.0, top_k=0), "top_k must be"),
@@ -133,7 +134,7 @@ def test_sampling_flags_are_checked():
                     (dict(top_p=0.9), "give a temperature > 0"),
                     (dict(temperature=1.0, seed=-1), "seed must be an int >= 0")):
         with pytest.raises(ValueError, match=msg):
-            cli.sampling(**kw)
+            flags.sampling(**kw)
 
 
 # ---- the compiled steps, and what the JSON says about them ----
@@ -174,7 +175,7 @@ def test_plans_time_batched_rows_that_equal_their_own_decodes(eager_dynamo, caps
     target = tiny_model()
     draft = make_draft(target, n_layers=1).eval()
     prompts = [image_prompt(seed=s) for s in range(2)]
-    p = timing.plans(target, draft, prompts, TreeShape(6, 3, 2), 6, None, 3, cli.sampling(), 2, 2, compile=True,
+    p = timing.plans(target, draft, prompts, TreeShape(6, 3, 2), 6, None, 3, flags.sampling(), 2, 2, compile=True,
                     chain_gamma=3)
     assert p["rows"] == 4 and p["plans"] == 1 and p["greedy_match"]
     arms = {evaluate.TARGET_ONLY, "speculative", timing.CHAIN_ARM, *timing.COMPILED, timing.COMPILED_CHAIN}
@@ -182,9 +183,9 @@ def test_plans_time_batched_rows_that_equal_their_own_decodes(eager_dynamo, caps
     assert all(len(p[a]["tau_per_row"]) == 4 and p[a]["ms_per_plan"] > 0 for a in arms)
     assert p[evaluate.TARGET_ONLY]["speedup"] == 1.0 and p[timing.COMPILED[0]]["speedup"] == 1.0
     bench.report({"mode": "plans", "plan": p, "device": "cpu", "hardware": "x", "dtype": "fp32", "threads": 1,
-                  "decoder": timing.decoder_json(TreeShape(6, 3, 2)), "decoding": cli.sampling_json(cli.sampling())})
+                  "decoder": timing.decoder_json(TreeShape(6, 3, 2)), "decoding": flags.sampling_json(flags.sampling())})
     assert "4 rows, decoded as one batch" in capsys.readouterr().out
-    sampled = timing.plans(target, draft, prompts, 3, 6, None, 3, cli.sampling(0.6, top_p=0.98), 1, 3)
+    sampled = timing.plans(target, draft, prompts, 3, 6, None, 3, flags.sampling(0.6, top_p=0.98), 1, 3)
     assert sampled["plans"] == 2 and "greedy_match" not in sampled and sampled["speculative"]["mean_tau"] >= 1
 
 
@@ -194,7 +195,7 @@ def test_the_plans_choice_is_profiled_over_their_rows():
     target = tiny_model(max_seq_len=128)
     draft = make_draft(target, n_layers=1).eval()
     val = timing.plan_batches([image_prompt(seed=s) for s in range(4)], 2)
-    ranked, rec = choose.choice(target, draft, image_prompt(seed=0), val, 6, None, cli.sampling(0.6, top_p=0.98),
+    ranked, rec = choose.choice(target, draft, image_prompt(seed=0), val, 6, None, flags.sampling(0.6, top_p=0.98),
                                 samples=2)
     pred = rec["predicted"]
     assert rec["rows"] == 4 and rec["chosen"] == choose.name(ranked[0]) == max(

@@ -1,4 +1,4 @@
-"""The hardware chooser (ops/choose.py): synthetic profiles choose what their cost curve says (a flat verify a large
+"""The hardware chooser (measure/choose.py): synthetic profiles choose what their cost curve says (a flat verify a large
 tree, a steep one a chain or no speculation), the cache holds only for its key, --dtype auto follows the hardware, and
 a real profile and acceptance on tiny models (the rounds are real decoding's).
 
@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from model import make_draft
-from ops import choose, files
+from ops import files
+from measure import choose
 from speculate import Chain
 from tiny_models import image_prompt, tiny_model
 from tree import TreeShape

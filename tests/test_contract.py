@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from ops import cli
+from measure import flags
 from test_user_errors import tiny_run  # noqa: F401 (a fixture: a run folder of tiny models)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -463,7 +464,7 @@ def test_a_count_or_float_out_of_bounds_is_one_line_before_any_work(door, tmp_pa
     (True, False, False), (True, True, True),  # a lossy section whose outputs changed makes the whole run's False
     (None, False, None), (False, True, False)])
 def test_identity_fields_are_the_whole_runs(exact, lossy, whole):
-    got = cli.identity(exact, lossy)
+    got = flags.identity(exact, lossy)
     assert got == {"greedy_match": whole, "lossy": lossy is not None, "exact_greedy_match": exact}
 
 

@@ -20,7 +20,8 @@ import driving
 import evaluate
 from evaluate import TARGET_ONLY
 import model as M
-from ops import checkpoint, files, timing
+from ops import checkpoint, files
+from measure import timing
 import rsd
 import speculate
 import train as T
@@ -215,7 +216,7 @@ def test_bench_stream_times_four_arms_on_clips(run_dir, capsys):
     """--stream: held-out clips, target-only / the tree / the stream / both timed in the same passes, every frame's
     greedy plan the target's; the report prints first, then the JSON."""
     bench.main(["--run", str(run_dir), "--stream", "3", "--prompts", "2", "--dtype", "fp32", "--views", str(VIEWS),
-                "--max-new", "8", "--tree", "4", "--tree-depth", "2", "--json"])
+                "--max-new", "8", "--tree", "4/2/3", "--json"])
     out = last_json(capsys)
     st = out["stream"]
     assert out["mode"] == "stream" and out["greedy_match"] is True and set(st["arms"]) == set(stream.ARMS)
@@ -226,7 +227,7 @@ def test_bench_stream_times_four_arms_on_clips(run_dir, capsys):
     assert st["arms"]["target-only"]["tau"] == 1.0 and out["what_ran"]["flags"]["stream"] == 3
     # issue #60: a sampled plan of 3 rows a frame, the stream's trie from the frames before and the siblings
     bench.main(["--run", str(run_dir), "--stream", "3", "--prompts", "2", "--dtype", "fp32", "--views", str(VIEWS),
-                "--max-new", "8", "--tree", "4", "--tree-depth", "2", "--samples", "3", "--temperature", "0.6",
+                "--max-new", "8", "--tree", "4/2/3", "--samples", "3", "--temperature", "0.6",
                 "--top-p", "0.98", "--json"])
     out = last_json(capsys)
     st = out["stream"]
@@ -273,8 +274,7 @@ def test_bench_real_shape_preset(run_dir, capsys):
     running it take about 70 s here."""
     bench.main(["--preset", "qwen2.5-vl-7b", "--layers", "1", "--images", "1", "--max-new", "3", "--repeats", "3",
                 "--gamma", "2",  # the chain arm timed beside the tree: every round verifies gamma + 1 at the 152k head
-                "--draft-vocab", "4096", "--run", str(run_dir), "--json", "--tree", "4", "--tree-depth", "2",
-                "--tree-width", "2"])
+                "--draft-vocab", "4096", "--run", str(run_dir), "--json", "--tree", "4/2/2"])
     text = "".join(capsys.readouterr()[::-1])  # stderr (--json: the report), stdout
     out = json.loads(text.strip().splitlines()[-1])
     assert "not meaningful" in text
@@ -370,9 +370,9 @@ def test_bench_rejects_bad_arguments(capsys):
                       (["--temperature", "-1"], "temperature must be finite and >= 0"),
                       (["--temperature", "1", "--top-p", "0"], "top_p must be None or in (0, 1]"),
                       (["--top-k", "5"], "give a temperature > 0"),
-                      (["--tree", "-1"], "--tree takes a node budget"),
-                      (["--tree", "5", "--tree-depth", "8"], "needs at least 8 nodes"),
-                      (["--tree", "64", "--tree-depth", "2", "--tree-width", "2"], "has 6 candidates")):
+                      (["--tree", "-1"], "--tree takes N/D/k"),
+                      (["--tree", "5/8/3"], "needs at least 8 nodes"),
+                      (["--tree", "64/2/2"], "has 6 candidates")):
         with pytest.raises(SystemExit):
             bench.main(argv)
         assert msg in capsys.readouterr().err

@@ -169,7 +169,7 @@ def test_bench_scenes_as_one_clip(setup, tmp_path, capsys):
     line before the weights load."""
     d, _, ddir, _, _ = setup
     common = ["--target", str(d), "--draft", str(ddir), "--device", "cpu", "--dtype", "fp32", "--max-new",
-              str(MAX_NEW), "--tree", "4", "--tree-depth", "2", "--tree-width", "2", "--repeats", str(REPEATS),
+              str(MAX_NEW), "--tree", "4/2/2", "--repeats", str(REPEATS),
               "--min-pixels", "64", "--max-pixels", "256"]
     root = write_scenes(tmp_path / "clip", times=(0.0, 0.5, 1.0))
     res = bench.main(common + ["--scenes", str(root), "--stream", "3", "--json"])

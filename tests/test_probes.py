@@ -10,7 +10,8 @@ import torch
 import bench
 from experiments import probes
 from model import make_draft
-from ops import choose, compiled, timing
+from ops import compiled
+from measure import choose, timing
 import speculate
 from tiny_models import image_prompt, tiny_model
 

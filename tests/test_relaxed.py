@@ -134,9 +134,9 @@ def test_commitment_words_are_the_grammars_open_choices():
 
 
 def test_relaxed_flags_are_one_line_errors(tmp_path):
-    """cli.relaxed_rule, the --relaxed / --commitments flags of bench.py and rsd.py: every bad value a ValueError
+    """flags.relaxed_rule, the --relaxed / --commitments flags of bench.py and rsd.py: every bad value a ValueError
     naming the flag, before any work."""
-    from ops import cli
+    from measure import flags
     bad_file, good = tmp_path / "bad.json", tmp_path / "ids.json"
     bad_file.write_text('{"stop": 5}')
     good.write_text("[3, 5]")
@@ -145,11 +145,11 @@ def test_relaxed_flags_are_one_line_errors(tmp_path):
              (("routine:0.5", str(bad_file)), "JSON list"), (("routine:0.5", str(tmp_path / "none.json")), "not found")]
     for args, words in cases:
         with pytest.raises((ValueError, FileNotFoundError), match=words):
-            cli.relaxed_rule(*args)
-    assert cli.relaxed_rule(None) is None
-    r = cli.relaxed_rule("routine:0.5", str(good))
+            flags.relaxed_rule(*args)
+    assert flags.relaxed_rule(None) is None
+    r = flags.relaxed_rule("routine:0.5", str(good))
     assert (r.rule, r.bound, r.commitments) == ("routine", 0.5, {3, 5})
-    assert cli.relaxed_rule("routine:0.5", default=[7]).commitments == {7}
-    report = cli.sampling_json(cli.sampling(relaxed=r))
+    assert flags.relaxed_rule("routine:0.5", default=[7]).commitments == {7}
+    report = flags.sampling_json(flags.sampling(relaxed=r))
     assert report["lossy"] and report["verification"] == {"rule": "routine", "bound": 0.5, "commitments": 2}
-    assert cli.sampling_json(cli.sampling())["verification"] == "exact"
+    assert flags.sampling_json(flags.sampling())["verification"] == "exact"

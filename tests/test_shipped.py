@@ -36,7 +36,7 @@ def test_every_shipped_draft_decodes_the_targets_greedy_tokens_on_every_path(mon
     fused tree growth and verify, padding and persistent caches at test speed), emit target-only greedy decoding's
     tokens, with the stop token and with max-new cutting inside an accepted path. (Inductor's own kernels:
     tests/test_speculate.py's slow tests.)"""
-    from ops import timing
+    from measure import timing
     import driving
     import evaluate
     from ops import checkpoint

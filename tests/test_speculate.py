@@ -22,7 +22,8 @@ import torch
 from evaluate import expected_speedup, expected_tau, measured_speedup, tau_ceiling
 from experiments import probes
 import model
-from ops import compiled, timing
+from ops import compiled
+from measure import timing
 import speculate
 from speculate import Sampling, autoregressive, process_logits, speculative, verify_greedy, verify_sample
 from tree import TreeShape

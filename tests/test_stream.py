@@ -154,7 +154,7 @@ def test_compiled_stream_keeps_to_its_shapes_and_equals_target(eager_dynamo, mon
     draft's pending to its step lengths (a longer step is refused by CompiledSteps), every length compiled before the
     decodes (warm): 3 rows of their own earlier plans, the steady rows' skipped rounds among them, each the target's
     greedy tokens."""
-    from ops import timing
+    from measure import timing
     target = tiny_target()
     draft = drafts_for(target)["random"]
     prompt = vla_prompts()["image+video"]

@@ -14,7 +14,8 @@ import torch
 import aarl
 import bench
 from model import make_draft
-from ops import checkpoint, files, timing
+from ops import checkpoint, files
+from measure import flags, timing
 from real import hf
 import rsd
 from tiny_models import tiny_model
@@ -190,9 +191,10 @@ def test_train_bad_flags_fail_at_parse_time(argv, msg, capsys):
     # issue #43: no bounds grew to 20 GB, ran past the 1,024 positions, or ended in a traceback
     (["--gamma", "100000"], "--gamma 100000 is more than --max-new 32"),
     (["--gamma", "2000", "--max-new", "8"], "--gamma 2000 is more than --max-new 8"),
-    (["--max-new", "4", "--tree", "32", "--gamma", "2"], "--tree-depth 8 is more than --max-new 4"),
-    (["--tree-width", "1000"], "--tree-width 1000 and --tree-depth 8 grow 7001000 candidates a round, more than 1024"),
-    (["--tree", "300", "--tree-depth", "1", "--tree-width", "300"], "--tree-width 300 is more than the draft's 257"),
+    (["--max-new", "4", "--tree", "32/8/3", "--gamma", "2"], "--tree 32/8/3's depth is more than --max-new 4"),
+    (["--tree", "1000/8/1000"], "--tree 1000/8/1000 grows 7001000 candidates a round, more than 1024"),
+    (["--tree", "300/1/300"], "--tree 300/1/300's width is more than the draft's 257"),
+    (["--tree", "16"], "--tree takes N/D/k (nodes/depth/width, e.g. 16/8/3) or 0 (the chain), got '16'"),
     (["--max-new", "1000", "--gamma", "900", "--tree", "0"], "--max-new 1000 and --gamma 900 need 1900 positions "
      "beyond the prompt, more than the model's 1024"),
     (["--preset", "qwen2.5-vl-7b", "--max-new", "8170"], "--max-new 8170 and --tree 32 need 8202 positions beyond "
@@ -261,7 +263,7 @@ def test_bench_out_is_never_an_input_nor_a_file_it_did_not_write(tmp_path, monke
     (["--temperature", "inf"], "temperature must be finite"),
     (["--gamma", "4", "--tree", "32"], "they take no --search, and a tree as N/D/k (or 0)"),  # 32: a search's budget
     (["--tree", "16/8/3", "--search"], "--gamma and --tree N/D/k give the decoders (no search on val)"),
-    (["--tree", "16/2/3"], "argument --tree: invalid tree_flag value: '16/2/3'"),  # 12 candidates, not 16
+    (["--tree", "16/2/3"], "argument --tree: a tree of depth 2 and width 3 has 12 candidates"),
     (["--gamma", "9"], "argument --gamma: invalid choice: 9"),  # tau is replayed at evaluate.GAMMAS
     (["--stream", "-1"], "--stream takes 0..10000 clips (0: off)"),
     (["--stream", "2", "--stream-frames", "1"], "--stream-frames 2..1000 frames; got 2, 1"),
@@ -556,9 +558,9 @@ def test_commitments_are_token_ids_checked_before_work(tmp_path, capsys, monkeyp
                      ([], "non-empty JSON list"), ([[1]], r"got \[1\]")):
         f.write_text(json.dumps(ids))
         with pytest.raises(ValueError, match=msg):
-            cli.relaxed_rule("routine:0.5", str(f))
+            flags.relaxed_rule("routine:0.5", str(f))
     with pytest.raises(ValueError, match="is a directory"):
-        cli.relaxed_rule("routine:0.5", str(tmp_path))
+        flags.relaxed_rule("routine:0.5", str(tmp_path))
     for ids in ([True], [-1], [1.5]):
         with pytest.raises(ValueError, match="commitment token ids must be ints >= 0"):
             Relaxed("routine", 0.5, ids)
@@ -578,9 +580,9 @@ def test_commitments_are_token_ids_checked_before_work(tmp_path, capsys, monkeyp
 def test_an_exact_bound_is_reported_exact_and_decoded_once():
     """--relaxed typical:0 accepts nothing more: exact verification, no LOSSY label, no second decode (rsd.py)."""
     from ops import cli
-    assert cli.relaxed_rule("typical:0") is None and cli.relaxed_rule("routine:0", default=[3]) is None
+    assert flags.relaxed_rule("typical:0") is None and flags.relaxed_rule("routine:0", default=[3]) is None
     sampling = rsd.parse_args(["--relaxed", "typical:0"])[3]
-    assert sampling.relaxed is None and cli.sampling_json(sampling)["verification"] == "exact"
+    assert sampling.relaxed is None and flags.sampling_json(sampling)["verification"] == "exact"
 
 
 def test_what_ran_is_the_tree_that_ran_and_ignored_flags_are_refused(tmp_path, capsys, monkeypatch):
@@ -592,8 +594,7 @@ def test_what_ran_is_the_tree_that_ran_and_ignored_flags_are_refused(tmp_path, c
     monkeypatch.setattr(bench, "toy", ran)
     monkeypatch.setattr(bench, "report", lambda res: None)
     res = bench.main(["--out", ""])
-    assert {k: res["what_ran"]["flags"][k] for k in ("tree", "tree_depth", "tree_width")} == {
-        "tree": 16, "tree_depth": 8, "tree_width": 3}
+    assert res["what_ran"]["flags"]["tree"] == "16/8/3"
     for flag in ("--prompts", "--views"):
         with pytest.raises(SystemExit):
             bench.main(["--preset", "qwen3-vl-8b", flag, "2"])

@@ -29,7 +29,8 @@ import torch
 
 import evaluate
 from model import causal_mask
-from ops import checkpoint, cli, files, timing
+from ops import checkpoint, cli, files
+from measure import flags, timing
 import speculate
 from speculate import EMBED_KEYS, GREEDY, Chain, prefill
 import tree
@@ -263,7 +264,7 @@ def timed_rounds(prof, acceptance, rows, target, draft, plan, samples, sampling,
     dtype = next(getattr(target, "model", target).parameters()).dtype
     ids = hashlib.sha256(plan["input_ids"].cpu().numpy().tobytes()).hexdigest()[:16]
     base = profile_key(target, draft, plan, dtype, mode, rows) | {"plan": ids, "samples": samples,
-                                                                  "decoding": cli.sampling_json(sampling)}
+                                                                  "decoding": flags.sampling_json(sampling)}
     prof = prof | {"rounds": {}}
     for _ in range(len(candidates())):
         top = [None, *choose(predict(prof, acceptance, rows))[:TIMED_TOP]]
@@ -344,7 +345,7 @@ def choice(target, draft, prompt, val_plans, max_new, stop_token, sampling=GREED
     key = {"target": checkpoint.fingerprint(getattr(target, "model", target)),
            "draft": checkpoint.fingerprint(getattr(draft, "model", draft)), "dtype": str(dtype), "max_new": max_new,
            "plans": len(val_plans), "prompts": ids, "rows": rows, "samples": samples, "stop_token": stop_token,
-           "decoding": cli.sampling_json(sampling), "candidates": [name(c) for c in candidates()]}
+           "decoding": flags.sampling_json(sampling), "candidates": [name(c) for c in candidates()]}
     cli.progress(f"each candidate's rounds on {len(val_plans)} val plan(s) (once per models and decoding)")
     acc, how_a = cached("acceptance", key, lambda: measure_acceptance(target, draft, val_plans, max_new, stop_token,
                                                                       sampling, samples))

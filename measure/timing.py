@@ -22,6 +22,7 @@ import evaluate
 from evaluate import TARGET_ONLY
 from model import causal_mask
 from ops import cli, compiled
+from measure import flags
 import speculate
 from speculate import EMBED_KEYS, GREEDY, feed, prefill
 import tree
@@ -160,7 +161,8 @@ def plans(target, draft, prompts, gamma, max_new, stop_token, repeats, sampling,
         pairs, gamma, chain_gamma).items()}, len(groups), repeats, groups[0]["input_ids"].device)  # warm-up, compile
     out = {name: [x.result for x in ps[0]] for name, ps in runs.items()}  # the same rows in every pass
     passes = {name: plan_ms(ps, len(groups)) for name, ps in runs.items()}  # ms per plan, until every row is done
-    rec = {"batch": batch, "samples": samples, "rows": B, "plans": len(groups), "decoding": cli.sampling_json(sampling),
+    rec = {"batch": batch, "samples": samples, "rows": B, "plans": len(groups),
+           "decoding": flags.sampling_json(sampling),
            "cocs": [r.tokens for r in out["speculative"][0]],  # the first plan's rows
            "what": "ms: the reasoning step of one plan, until every row is done (median over passes); "
                    "idle_row_share: row-rounds a finished row spends in the batch (its work thrown away)"}
