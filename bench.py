@@ -635,8 +635,8 @@ def check_out(args, toy_mode):
 
 
 def tree_text(shape):
-    """A TreeShape as --tree spells it: N/D/k."""
-    return f"{shape.nodes}/{shape.depth}/{shape.width}"
+    """A TreeShape as --tree spells it: N/D/k (0: the chain)."""
+    return f"{shape.nodes}/{shape.depth}/{shape.width}" if shape else "0"
 
 
 def check_fits(args, cfg, draft_vocab=0):

@@ -594,7 +594,7 @@ def parse_args(argv):
         cli.check_values(a, [(">= 1", ("scenes", "time_scenes", "repeats")), ("a finite number >= 0", ("show",)),
                                   (cli.VIEWS_RULE, ("views",))], flags=True)
         a.seeds_given, a.seeds = a.seeds is not None, "0,1,2" if a.seeds is None else a.seeds
-        seeds = [int(s) if s.strip().isdecimal() else -1 for s in a.seeds.split(",") if s.strip()]  # -1: not a seed
+        seeds = cli.number_list(a.seeds, "--seeds", unique=False)  # in order: the first is the one timed and shown
         shape = not isinstance(a.tree, (int, type(None)))  # --tree N/D/k, not a node budget N
         a.given = a.gamma is not None or shape  # the decoders themselves: nothing searched
         a.gamma, a.tree = a.gamma or evaluate.GAMMA, (0 if a.given else evaluate.TREE.nodes) if a.tree is None else a.tree
@@ -606,7 +606,6 @@ def parse_args(argv):
                          # below: both are taken from the --scenes held-out scenes
                          (a.time_scenes > a.scenes or a.show > a.scenes, f"--time-scenes ({a.time_scenes}) and --show "
                           f"({a.show}) must be at most --scenes ({a.scenes})"),
-                         (not seeds or min(seeds) < 0, f"--seeds must be non-negative integers, got {a.seeds!r}"),
                          (len(set(seeds)) < len(seeds),  # a repeated seed would count twice in the mean and spread
                           f"--seeds must not repeat a seed, got {a.seeds!r}"),
                          (not 0 <= a.stream <= driving.MAX_CLIPS or not 2 <= a.stream_frames <= driving.MAX_CLIP_FRAMES,

@@ -1,6 +1,6 @@
 """The house's line budgets at a commit: every .py outside tests/ and experiments/ (library + scripts) per file and
-in all, and the reader's path (rope.py + model.py + speculate.py + tree.py). Paper: none; the budgets are the
-project's (README, "File map").
+in all, and per room (ROOMS: the reader's path, the paper's programs and world, measuring, infrastructure, beyond the
+paper, real checkpoints) against its budget. Paper: none; the budgets are the project's (README, "File map").
 
 run: python experiments/lines.py [REV ...]      (no REV: the working tree; two: per file, before -> after)
 """
@@ -8,6 +8,13 @@ import subprocess
 import sys
 
 READERS_PATH = ("rope.py", "model.py", "speculate.py", "tree.py")
+# room: (its files, or folders ending in "/"; its budget)
+ROOMS = {"reader's path": (READERS_PATH, 1500),
+         "paper's programs and world": (("aarl.py", "train.py", "driving.py", "evaluate.py", "vision.py"), 2200),
+         "measuring": (("bench.py", "rsd.py", "measure/", "ops/cli.py"), 1500),  # ops/cli: the flags' checks
+         "infrastructure": (("ops/files.py", "ops/checkpoint.py", "ops/runs.py", "ops/compiled.py"), 750),
+         "beyond the paper": (("beyond/",), 450),
+         "real checkpoints": (("real/",), 1650)}
 
 
 def counts(rev=None):
@@ -24,7 +31,10 @@ def counts(rev=None):
 
 
 def summary(c):
-    return f"library + scripts {sum(c.values())}, reader's path {sum(c.get(f, 0) for f in READERS_PATH)}"
+    rooms = {name: sum(n for f, n in c.items() if any(f == m or m.endswith("/") and f.startswith(m) for m in members))
+             for name, (members, _) in ROOMS.items()}
+    return f"library + scripts {sum(c.values())} (budget 8000); " + "; ".join(
+        f"{name} {n} ({ROOMS[name][1]})" for name, n in rooms.items()) + f"; largest file {max(c.values())}"
 
 
 if __name__ == "__main__":

@@ -330,11 +330,13 @@ def _step(m, cache, x, tree=False):
 
 # ---- the runtime a number was measured on ----
 def environment(device):
-    """Python, torch (and its CUDA, cuDNN), triton, transformers (None where absent); on CUDA the GPU and driver."""
+    """Python, torch (and its CUDA, cuDNN), triton, transformers (None where absent), the CPU's capability as torch
+    dispatches to it (AVX2, AVX512, ...); on CUDA the GPU and driver."""
     version = lambda p: next((d.version for d in importlib.metadata.distributions(name=p)), None)  # noqa: E731
     env = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
            "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
-           "triton": version("triton"), "transformers": version("transformers"), "platform": platform.platform()}
+           "triton": version("triton"), "transformers": version("transformers"), "platform": platform.platform(),
+           "cpu_capability": torch.backends.cpu.get_cpu_capability()}
     if torch.device(device).type == "cuda":
         p = torch.cuda.get_device_properties(device)
         env.update(gpu=p.name, capability=f"{p.major}.{p.minor}", gpu_memory_gib=p.total_memory / 2 ** 30,

@@ -24,7 +24,7 @@ from ops import files, runs
 from ops.files import FolderLocked
 
 START = time.time()  # when the program imported this: progress() counts from it
-SHIPPED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "checkpoints")  # the repo's models
+SHIPPED = files.SHIPPED  # the repo's models: no program writes there
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -167,13 +167,16 @@ def number_list(text, flag, kind=int, rule=">= 0", unique=True, sep=","):
 def checked(ap, a, counts=(), lists=(), out=None, inputs=(), program=None):
     """The flags a (parsed by ap) checked before any work, each defect one line naming its flag: counts (names) >= 1,
     lists (names) comma-separated ints >= 0 without repeats (replaced by the list), out (the default of --out, under
-    runs/): a.out may take the output file and is none of the input files (check_out). Returns a."""
+    runs/): a.out may take the output file and is none of the input files (check_out); a --work folder (where an
+    experiment trains its drafts) is an output folder, checked as one. Returns a."""
     with user_errors(ap):
         check_values(a, [(">= 1", counts)], flags=True)
         for name in lists:
             setattr(a, name, number_list(getattr(a, name), "--" + name.replace("_", "-")))
         if out is not None:
             check_out(a.out, inputs=inputs, default=out, program=program)
+        if getattr(a, "work", None):
+            check_out(a.work, "--work", folder=True)
     return a
 
 

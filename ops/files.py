@@ -26,6 +26,8 @@ IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")  # the camera images a scene's camera
 
 
 # ---- atomic files ----
+SHIPPED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "checkpoints")  # the repo's models
+
 def atomic_write(path, write):
     """write(tmp) to a temporary file beside path, fsync, os.replace over path: a kill at any point leaves the previous
     file (and at most the hidden .tmp). The file gets any other output's permissions (safetensors writes 0600)."""
@@ -112,12 +114,15 @@ class FolderLocked(RuntimeError):
 
 
 def check_out_dir(out, inputs, may_contain=()):
-    """Refuse, before any work, an output folder that is a filesystem root, or that is, contains or lies inside an
-    input folder (inputs: {flag: path or None}): the run would write its data and drafts into what it reads.
-    may_contain: flags whose folder may sit inside out (an SFT draft beside the draft a run writes)."""
-    o = os.path.realpath(out)
+    """Refuse, before any work, an output folder that is a filesystem root, inside the repo's shipped checkpoints/, or
+    that is, contains or lies inside an input folder (inputs: {flag: path or None}): the run would write its data and
+    drafts into what it reads. may_contain: flags whose folder may sit inside out (an SFT draft beside the draft a run
+    writes)."""
+    o, shipped = os.path.realpath(out), os.path.realpath(SHIPPED)
     if os.path.dirname(o) == o:
         raise ValueError(f"--out {out} is a filesystem root: give a run folder")
+    if os.path.commonpath([o, shipped]) == shipped:  # experiments/ship_toy.py alone writes there, by copying
+        raise ValueError(f"--out {out} is inside the shipped {shipped}: give another --out")
     for flag, path in inputs.items():
         p = os.path.realpath(path) if path else None
         how = None if p is None else "is" if o == p else "lies inside" if o.startswith(p.rstrip(os.sep) + os.sep) \

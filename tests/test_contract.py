@@ -383,21 +383,35 @@ def test_a_fifo_where_a_file_is_read_is_one_line(door, tmp_path, tiny_run, capsy
 
 # ---- what a program writes is never an input, a shipped model, another output of the run, or another's file ----
 SHIPPED_WEIGHTS = os.path.join(ROOT, "checkpoints", "toy", "target", "model.safetensors")
+# every output flag of every program beyond --out: figures, and --work folders of trained drafts
+MORE_OUTS = {"experiments/relaxed_acceptance.py": ("--figure",), "experiments/stream.py": ("--figure",),
+             **{f"experiments/{n}.py": ("--work",) for n in ("aarl_ablation", "data_stage_ab", "draft_vocab",
+                                                             "learning_speed", "rope_base", "toy_roundtrip",
+                                                             "views_sweep")}}
+
+
+@pytest.mark.parametrize("name,flag", [(n, f) for n in FILE_OUTS + FOLDER_OUTS
+                                       for f in ("--out", *MORE_OUTS.get(n, ()))])
+def test_no_output_flag_writes_inside_the_shipped_checkpoints(name, flag, tmp_path, tiny_run, capsys):  # noqa: F811
+    """The family of issue #59's losses (stream.py wrote over the shipped weights): every output flag of every
+    program, pointed at the shipped target's weights (a file output) or its folder (a folder output), is one line before any
+    work, and the shipped files are as they were."""
+    folder = flag == "--work" or flag == "--out" and PROGRAMS[name][1] == "folder"
+    where = os.path.dirname(SHIPPED_WEIGHTS) if folder else SHIPPED_WEIGHTS
+    before = sorted(os.listdir(os.path.dirname(SHIPPED_WEIGHTS))), open(SHIPPED_WEIGHTS, "rb").read(64)
+    code, _, err = run(name, cheap_argv(name, tmp_path, tiny_run) + [flag, where], capsys)
+    assert code == 2 and "checkpoints/toy" in error_line(err), err  # one line naming it (the shipped, or a target's)
+    assert (sorted(os.listdir(os.path.dirname(SHIPPED_WEIGHTS))), open(SHIPPED_WEIGHTS, "rb").read(64)) == before
+
+
 OUTPUT_DOORS = {  # (program, the flags after its cheap argv, what the one line says)
-    "stream.py --out the shipped weights": ("experiments/stream.py", f"--out {SHIPPED_WEIGHTS}", "inside the shipped"),
-    "stream.py --figure the shipped weights": ("experiments/stream.py", f"--figure {SHIPPED_WEIGHTS}",
-                                               "inside the shipped"),
     "stream.py --figure its own --out": ("experiments/stream.py", "--figure {tmp}/s.json", "is also this run's --out"),
     "stream.py --replot onto its --out": ("experiments/stream.py", "--replot --figure {tmp}/s.json",
                                           "is also this run's --out"),
     "stream.py --out another program's JSON": ("experiments/stream.py", "--out {tmp}/other.json",
                                                "is not an output of experiments/stream.py"),
-    "stream_lookup.py --out the shipped weights": ("experiments/stream_lookup.py", f"--out {SHIPPED_WEIGHTS}",
-                                                   "inside the shipped"),
     "stream_lookup.py --out another program's JSON": ("experiments/stream_lookup.py", "--out {tmp}/other.json",
                                                       "is not an output of experiments/stream_lookup.py"),
-    "choose_grid.py --out the shipped weights": ("experiments/choose_grid.py", f"--out {SHIPPED_WEIGHTS}",
-                                                 "inside the shipped"),
 }
 
 

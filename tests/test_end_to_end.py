@@ -237,6 +237,16 @@ def test_bench_stream_times_four_arms_on_clips(run_dir, capsys):
         assert a["frames_differing"] is None and a["ms_per_plan"] > 0 and a["tau"] >= 1, arm
 
 
+def test_bench_stream_compiled(run_dir, capsys, eager_dynamo):
+    """--stream --compile (dynamo's graphs, its eager backend): the four arms on compiled steps, the stream's widths
+    padded, every frame's greedy plan the target's."""
+    bench.main(["--run", str(run_dir), "--stream", "3", "--prompts", "1", "--dtype", "fp32", "--views", str(VIEWS),
+                "--max-new", "8", "--tree", "4/2/3", "--compile", "--json"])
+    out = last_json(capsys)
+    assert out["stream"]["compiled"] is True and out["greedy_match"] is True
+    assert all(a["frames_differing"] == 0 for a in out["stream"]["arms"].values())
+
+
 @pytest.mark.slow
 def test_bench_toy_compiled(run_dir, capsys):
     """--compile: the compiled arms (target-only, the decoder chosen from the compiled steps' profile, its runner-up) are timed

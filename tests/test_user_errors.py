@@ -197,7 +197,7 @@ def test_train_bad_flags_fail_at_parse_time(argv, msg, capsys):
     (["--tree", "16"], "--tree takes N/D/k (nodes/depth/width, e.g. 16/8/3) or 0 (the chain), got '16'"),
     (["--max-new", "1000", "--gamma", "900", "--tree", "0"], "--max-new 1000 and --gamma 900 need 1900 positions "
      "beyond the prompt, more than the model's 1024"),
-    (["--preset", "qwen2.5-vl-7b", "--max-new", "8170"], "--max-new 8170 and --tree 32 need 8202 positions beyond "
+    (["--preset", "qwen2.5-vl-7b", "--max-new", "8170"], "--max-new 8170 and --tree 32/8/3 need 8202 positions beyond "
      "the prompt, more than the model's 8192"),
     (["--samples", "6", "--temperature", "0"], "--samples 6 at --temperature 0 decodes identical greedy rows"),
     (["--target", "/nonexistent", "--samples", "2"], "--samples 2 at --temperature 0"),
@@ -257,7 +257,8 @@ def test_bench_out_is_never_an_input_nor_a_file_it_did_not_write(tmp_path, monke
     (["--relaxed", "fuzzy:0.5"], "relaxed rule must be 'typical' or 'routine'"),
     (["--views", "30"], "--views must be in 0..21"),
     (["--seeds", "0,0"], "--seeds must not repeat a seed"),
-    (["--seeds", "a"], "--seeds must be non-negative integers"),
+    (["--seeds", "a"], "--seeds must be a comma-separated list of ints, got 'a'"),
+    (["--seeds", "0,-1"], "--seeds: every value must be >= 0, got -1"),
     (["--scenes", "2", "--time-scenes", "16"], "--time-scenes (16) and --show (3) must be at most --scenes (2)"),
     (["--temperature", "0.5", "--sampling-seed", str(2**64)], "sampling seed must be an int >= 0 and < 2**62"),
     (["--temperature", "inf"], "temperature must be finite"),
