@@ -85,6 +85,7 @@ def stream_arms(target, draft, clips, shape, max_new, stop_token, repeats=1, blo
         like = stream.Stream(merged or shape, [[]] * samples, **stream_kw, **sib)  # every frame's Stream's steps
         target, draft = compiled_pair(target, draft, [p for c in clips for p in c], [shape, like], max_new, samples)
         target.warm(), draft.warm()
+        warm_verify(target, like.steps[0], samples)  # a width the first clip never matched would compile in a pass
     runs = interleaved({arm: lambda i, arm=arm: stream.decode_clip(
         target, draft, clips[i], arm, shape, max_new, stop_token, timing=True, samples=samples, sampling=sampling,
         merged=merged, reword=reword and reword(i), **stream_kw) for arm in stream.ARMS}, len(clips), repeats,
@@ -112,6 +113,18 @@ def stream_arms(target, draft, clips, shape, max_new, stop_token, repeats=1, blo
                     "frames_differing": None if not sampling.greedy else sum(
                         [x.tokens for x in rows(f)] != t for c, rc in zip(res[0][arm], ref) for f, t in zip(c, rc))}
     return out, res[0]
+
+
+@torch.no_grad()  # the decodes' grad mode
+def warm_verify(target, lengths, batch):
+    """The fused tree verify (tree.tree_forward on compiled steps) of each of `lengths` tokens, root included,
+    compiled now on the emptied cache with tensors of a round's dtypes and layouts."""
+    verify, cache = target.fused(tree.tree_forward), target.new_cache(batch)
+    for n in lengths:
+        z = torch.zeros(batch, n, dtype=torch.long, device=cache.device)
+        anc = torch.eye(n, dtype=torch.bool, device=cache.device).repeat(batch, 1, 1)
+        verify(target, cache, z[:, :1].contiguous(), z[:, 1:].contiguous(), z, anc, z[:, 0].contiguous())
+    cache.crop(0)
 
 
 def block_bounds(n, blocks):
