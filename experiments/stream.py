@@ -200,7 +200,7 @@ def figure(rows, path):
         ax.set_xlabel("rewording rate r of the earlier plans" if x == "reword" else
                       "event rate per frame (1: a new scene each frame)")
         ax.set_ylabel(label)
-    axes[0].legend(fontsize=7, title="open black: 0.1 s", title_fontsize=7)
+    axes[0].legend(fontsize=7, title=None if x == "reword" else "open black: 0.1 s", title_fontsize=7)
     fig.tight_layout()
     files.atomic_write(path, lambda p: fig.savefig(p, dpi=110, format="png"))
 
