@@ -4,8 +4,8 @@ paper, real checkpoints) against its budget. Paper: none; the budgets are the pr
 
 run: python experiments/lines.py [REV ...]      (no REV: the working tree; two: per file, before -> after)
 """
+import argparse
 import subprocess
-import sys
 
 READERS_PATH = ("rope.py", "model.py", "speculate.py", "tree.py")
 # room: (its files, or folders ending in "/"; its budget)
@@ -37,8 +37,10 @@ def summary(c):
         f"{name} {n} ({ROOMS[name][1]})" for name, n in rooms.items()) + f"; largest file {max(c.values())}"
 
 
-if __name__ == "__main__":
-    revs = sys.argv[1:] or [None]
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("revs", nargs="*", help="git revisions (none: the working tree; two: per file, before -> after)")
+    revs = ap.parse_args(argv).revs or [None]
     tables = [counts(r) for r in revs]
     if len(tables) == 2:
         for f in sorted(set(tables[0]) | set(tables[1])):
@@ -47,3 +49,7 @@ if __name__ == "__main__":
                 print(f"{f:<24} {a:>5} -> {b:>5} ({b - a:+d})")
     for r, c in zip(revs, tables):
         print(f"{r or 'working tree'}: {summary(c)}")
+
+
+if __name__ == "__main__":
+    main()

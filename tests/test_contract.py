@@ -68,6 +68,8 @@ PROGRAMS = {
                                    "--prompts 1 --repeats 1 --out {tmp}/c.json"),
     # reads two JSON files and compares them at once: no output, no count, no stage to interrupt
     "experiments/compare_rsd.py": ("compare_rsd", None, None, False, None),
+    # counts the repo's lines per room (git's tracked files): no flags but revisions, no output
+    "experiments/lines.py": ("lines", None, None, False, None),
 }
 
 
