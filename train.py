@@ -248,6 +248,8 @@ def run(cfg: TrainConfig, stage="all", log=print):
     lock throughout (files.writer_lock) and first checks what would be replaced (check_outputs)."""
     cli.check_device(cfg.device)
     if stage == "drafts" and checkpoint.existing_kind(target_dir(cfg)) != "target":  # before the scenes are built
+        if os.path.lexists(os.path.join(target_dir(cfg), checkpoint.WEIGHTS)):
+            checkpoint.header(target_dir(cfg))  # weights there, not a target's: named (a FIFO, a foreign file)
         raise ValueError(f"--stage drafts distils from a target: {target_dir(cfg)} holds none; train one (--stage "
                          "target) or give --target-dir")
     if cfg.target_dir:  # the draft stage's target: drafts and their state never go into it

@@ -99,12 +99,12 @@ def toy_times(run, drafts_by_arm, prompt, dtype, passes, reps, gamma, timer):
 
 
 def toy(a):
+    target = checkpoint.load(os.path.join(a.run, "target")).eval()  # read before the scenes are built
     tok = driving.Tokenizer()
     train = Data("train", T.TrainConfig().n_train, 0, tok)
     counts = torch.bincount(torch.tensor([t for c in train.coc_ids() for t in c]), minlength=len(tok))  # (V,)
     ks = [int(k) for k in a.ks.split(",")] if a.ks else [coverage_k(counts, s) for s in (1.0, 0.9)]
     arms = {"full": 0, **{f"k{k}": k for k in ks}}
-    target = checkpoint.load(os.path.join(a.run, "target")).eval()
     for arm in (a.arms.split(",") if a.arms else arms):
         train_arm(a.work, arm, arms[arm], a.steps, target, train)
     if a.arms:  # training only: evaluate when every arm is there

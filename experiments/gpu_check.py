@@ -67,7 +67,7 @@ def toy_acceptance(path, want=None):
     """A toy bench.py report's acceptance for a real-shape prediction; a ValueError if it has none worth predicting
     at."""
     full = path if os.path.isabs(path) or os.path.exists(path) else os.path.join(ROOT, path)
-    if not os.path.isfile(full):
+    if not os.path.lexists(full):
         raise ValueError(f"--toy-json {path}: no such file (the committed default is {TOY_ACCEPTANCE})")
     d = files.read_json(full)
     if not isinstance(d, dict) or d.get("mode") != "toy" or not isinstance(d.get("alpha"), (int, float)):

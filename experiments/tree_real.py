@@ -72,6 +72,9 @@ def main(argv=None):
                     help="the JSON (the README's: experiments/tree_real.json)")
     a = ap.parse_args(argv)
     a = cli.checked(ap, a, counts=("prompt_len", "reps"), lists=("ks",), out="runs/tree_real.json", inputs=[a.sweep])
+    if os.path.lexists(a.sweep):  # read after minutes of timing: a FIFO or a folder is refused now
+        with cli.user_errors(ap):
+            files.check_regular(a.sweep, f"--sweep {a.sweep}")
     cli.progress(f"tree_real: step times of {a.preset}'s layer and heads")
     torch.set_num_threads(1)
     t0 = time.time()
@@ -89,7 +92,7 @@ def main(argv=None):
            "reps": a.reps, "width": WIDTH, "layer_ms": layer, "head_ms": head, f"t_target_{L}_layers_ms": target,
            "t_draft_ms": draft, "verify_ratio": {n: target[n] / target[1] for n in ns if n > 1}}
     if os.path.exists(a.sweep):  # the toy's held-out tau (FlatRoPE, seed 0) at each node budget, and the chain's
-        sweep = json.load(open(a.sweep))["test"]["flatrope"]
+        sweep = files.read_json(a.sweep)["test"]["flatrope"]
         pred = {}
         for nodes in NODES:
             tau, shape = sweep["tree"][str(nodes)], TreeShape(nodes, 8, WIDTH)  # the sweep's trees

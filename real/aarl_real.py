@@ -123,6 +123,7 @@ def train_real(target, draft, ref, clips, prompts, cfg: RealConfig, ids, log=Non
 def load_real(target_dir, draft_dir, scenes_dir, cfg, device, dtype):
     """p (an Alpamayo folder; one without an action expert is refused), q and the frozen q_ref (the SFT draft, twice),
     the scenes (checked first) and their prompts, and the ids (cot_end, future_start)."""
+    checkpoint.header(draft_dir)  # the draft's weights (a regular file, our header) read before the target loads
     if "expert_cfg" not in files.read_json(os.path.join(target_dir, hf.CONFIG)):  # what hf.load_pretrained reads
         raise ValueError(f"{target_dir} has no action expert: AARL's reward scores the expert's plan after each CoC "
                          "(an Alpamayo-R1 folder); the toy's AARL (python aarl.py) uses its own head")

@@ -16,6 +16,7 @@ from test_speculate import (
     chi_square,
     drafts_for,
     o1_init,
+    seeded_rows,
     tiny_target,
     vla_greedy_reference,
     vla_prompts,
@@ -126,7 +127,7 @@ def exact_first3(target, prompt_ids, temperature):
 
 @pytest.mark.parametrize("kind", ["chain", "tree"])
 def test_sampled_rows_follow_the_target_law_independently(kind, monkeypatch):
-    """N = 1000 batches of two rows (one prompt, samples=2, batch b seeded 2b: every row its own seed) on a small VLA
+    """N = 1000 batches of two rows (one prompt, samples=2, batch b seeded 2b: every row its own seed; seeded_rows) on a small VLA
     and a 1-layer draft: each row's first 3 tokens ~ the target's law (chi-square, level 1e-3), and the pair of the
     two rows' first tokens ~ the product of their laws (independence). Negative controls at the same N: the chain's
     verifier handed the wrong q, the tree's one reused draw per round (the law), every row given the same seed
@@ -138,13 +139,12 @@ def test_sampled_rows_follow_the_target_law_independently(kind, monkeypatch):
     V, N, ids, temperature = 5, 1000, [0, 3], 0.8
     expected = exact_first3(target, ids, temperature)
     first = expected.view(V, V * V).sum(-1)  # (V,) the first token's law
-    decode = speculative_batch if kind == "chain" else speculative_batch
     g = 2 if kind == "chain" else TreeShape(4, 2, 2)
 
     def run():
-        out = [decode(target, draft, dict(input_ids=torch.tensor([ids])), g, 3, samples=2,
-                      sampling=Sampling(temperature, seed=2 * b)) for b in range(N)]
-        return torch.tensor([[r.tokens for r in rows] for rows in out])  # (N, 2 rows, 3)
+        toks = seeded_rows(speculative_batch, target, draft, dict(input_ids=torch.tensor([ids])), g, 3, 2 * N,
+                           samples=2, temperature=temperature)  # (2N, 3): batch b's rows are 2b and 2b + 1
+        return toks.view(N, 2, 3)
 
     def law(toks):  # each row's chi-square p-value for its first 3 tokens
         return [chi_square(torch.bincount(toks[:, r] @ torch.tensor([V * V, V, 1]), minlength=V ** 3), expected)[2]
@@ -167,9 +167,8 @@ def test_sampled_rows_follow_the_target_law_independently(kind, monkeypatch):
         bad = law(run())
     print(f"{kind} law control: p = {bad}")
     assert max(bad) < SIGNIFICANCE
-    make = speculate.Sampling.generators
-    monkeypatch.setattr(speculate.Sampling, "generators", lambda self, dev, rows=1: [make(self, dev)[0] for _ in
-                                                                                     range(rows)])  # equal streams
+    monkeypatch.setattr(speculate.Sampling, "generators", lambda self, dev, rows=1: [  # a prompt's 2 rows: one seed
+        torch.Generator(device=dev).manual_seed(self.seed + r - r % 2) for r in range(rows)])
     same = run()
     print(f"{kind} independence control: p = {pair(same):.3g}")
     assert pair(same) < SIGNIFICANCE

@@ -354,6 +354,25 @@ INPUT_DOORS = {
                                            "model.safetensors: is not a regular file"),
     "a --target's config.json (real.distill)": ("real.distill", "--target {tmp}/t --toy-scenes 2 --out {tmp}/d",
                                                 "t/config.json", "config.json: is not a regular file"),
+    "a --draft's weights (real.aarl_real)": ("real.aarl_real", "--target {tmp}/t --draft {tmp}/q --scenes {tmp}/s "
+                                             "--out {tmp}/a", "q/model.safetensors",
+                                             "model.safetensors: is not a regular file"),
+    "a --target's config.json (real.aarl_real)": ("real.aarl_real", "--target {tmp}/t --draft {tmp}/q --scenes "
+                                                  "{tmp}/s --out {tmp}/a", "t/config.json",
+                                                  "config.json: is not a regular file"),
+    "a --run's target weights (train.py --stage drafts)": ("train.py", "--stage drafts --out {tmp}/run",
+                                                           "run/target/model.safetensors",
+                                                           "model.safetensors: is not a regular file"),
+    "compare_rsd's earlier report": ("experiments/compare_rsd.py", "{tmp}/old.json {tmp}/new.json", "old.json",
+                                     "old.json: is not a regular file"),
+    "figures' --rsd-json": ("experiments/figures.py", "--out {tmp}/f --rsd-json {tmp}/r.json", "r.json",
+                            "r.json: is not a regular file"),
+    "tree_real's --sweep": ("experiments/tree_real.py", "--out {tmp}/t.json --sweep {tmp}/s.json", "s.json",
+                            "s.json: is not a regular file"),
+    "gpu_check's --toy-json": ("experiments/gpu_check.py", "--device cpu --layers 1 --stages a_env --out {tmp}/g "
+                               "--toy-json {tmp}/toy.json", "toy.json", "toy.json: is not a regular file"),
+    "stream.py --replot's --out": ("experiments/stream.py", "--replot --out {tmp}/s.json --figure {tmp}/s.png",
+                                   "s.json", "s.json exists and is not a regular file"),
 }
 
 
@@ -363,8 +382,10 @@ def test_a_fifo_where_a_file_is_read_is_one_line(door, tmp_path, tiny_run, capsy
     10 s alarm turns a hang into a failure)."""
     name, argv, where, says = INPUT_DOORS[door]
     import shutil
-    (tmp_path / "t").mkdir(exist_ok=True)  # tiny_run is tmp_path / "run"
-    if "draft" in door:
+    for d in "ts":  # tiny_run is tmp_path / "run"
+        (tmp_path / d).mkdir(exist_ok=True)
+    if "draft" in door or "aarl_real" in door:
+        shutil.rmtree(tmp_path / "q", ignore_errors=True)
         shutil.copytree(tiny_run / "draft_flat_s0", tmp_path / "q")
     if "shard" in door:
         hf_folder(tmp_path, "shard-1.safetensors")
@@ -486,7 +507,22 @@ def test_identity_fields_are_the_whole_runs(exact, lossy, whole):
 
 RUN_READERS = ["bench.py", "rsd.py", "aarl.py", "experiments/choose_grid.py", "experiments/history_prefill.py",
                "experiments/stream.py", "experiments/stream_lookup.py", "experiments/tree_paths.py",
-               "experiments/tree_sweep.py", "experiments/relaxed_acceptance.py", "experiments/peer_hf.py"]
+               "experiments/tree_sweep.py", "experiments/relaxed_acceptance.py", "experiments/peer_hf.py",
+               "experiments/aarl_ablation.py", "experiments/draft_vocab.py", "experiments/rope_base.py",
+               "experiments/toy_roundtrip.py", "experiments/views_sweep.py"]
+# programs that open no file a user names or plants (their own outputs aside: the output doors above)
+READS_NOTHING = {"driving.py": "the world is built from its seed",
+                 "experiments/data_stage_ab.py": "trains its own target and drafts in --work",
+                 "experiments/learning_speed.py": "trains its own models; --plot-only reads its --out (an output door)",
+                 "experiments/cost_per_1000_scenes.py": "random weights of a preset's shape",
+                 "experiments/lines.py": "git's tracked files"}
+
+
+def test_every_program_is_in_a_table_of_the_files_it_reads():
+    """The family of issue #59's FIFO: each program in the contract has its input doors walked above (a file named by
+    a flag, a file found by listing a folder, a --run's weights), or says why it reads none."""
+    walked = {d[0] for d in INPUT_DOORS.values()} | set(RUN_READERS) | set(READS_NOTHING)
+    assert set(PROGRAMS) == walked, sorted(set(PROGRAMS) ^ walked)
 
 
 @pytest.mark.parametrize("name", RUN_READERS)

@@ -16,7 +16,8 @@ import json
 
 import pytest
 from safetensors.torch import load_file, save_file
-from test_speculate import SIGNIFICANCE, ToyLM, chi_square, joint_first3, markov_pair, prompt_of, vla_prompts
+from test_speculate import (SIGNIFICANCE, ToyLM, chi_square, joint_first3, markov_pair, prompt_of, seeded_rows,
+                            vla_prompts)
 import torch
 
 import model as M
@@ -161,7 +162,7 @@ def reduced_toy(q_logits, ids):
 
 @pytest.mark.parametrize("temperature,top_k,top_p,gamma", [(1.0, None, None, 3), (0.7, 3, 0.9, 2)])
 def test_sampling_with_a_reduced_draft_is_lossless(temperature, top_k, top_p, gamma, monkeypatch):
-    """The whole loop, speculative() per sample with its own seed: with a draft that covers 2 of the 4 ids, the first
+    """The whole loop, a decode per sample with its own seed (seeded_rows): with a draft that covers 2 of the 4 ids, the first
     3 tokens still follow the target chain (chi-square, level 1e-3, N = 6000): the residual max(0, p - q) supplies
     the ids outside the set. Negative control: a verifier that restricts p to the draft's set is rejected."""
     V, x0, N = 4, 1, 6000
@@ -181,8 +182,8 @@ def test_sampling_with_a_reduced_draft_is_lossless(temperature, top_k, top_p, ga
     for name in ("correct", "p restricted to the set"):
         if name != "correct":
             monkeypatch.setattr(speculate, "verify_sample", restricted)
-        toks = torch.tensor([speculative(target, draft, prompt_of(0, x0), gamma, 3,
-                                         Sampling(temperature, top_k, top_p, seed=s)).tokens for s in range(N)])  # (N, 3)
+        toks = seeded_rows(speculate.speculative_batch, target, draft, prompt_of(0, x0), gamma, 3, N,
+                           temperature=temperature, top_k=top_k, top_p=top_p)  # (N, 3)
         counts = torch.bincount(toks @ torch.tensor([V * V, V, 1]), minlength=V ** 3)
         stat, df, pval = chi_square(counts, expected)
         print(f"reduced draft T={temperature} top_k={top_k} top_p={top_p} gamma={gamma} {name}: N={N} "

@@ -15,7 +15,7 @@ import json
 import pytest
 from safetensors import safe_open
 from safetensors.torch import save_file
-from test_speculate import SIGNIFICANCE, chi_square, o1_init, tiny_target, vla_prompts, wrong_q
+from test_speculate import SIGNIFICANCE, chi_square, o1_init, seeded_rows, tiny_target, vla_prompts, wrong_q
 import torch
 
 from evaluate import simulate_rounds, stack_prompts
@@ -148,9 +148,7 @@ def test_sampled_law_is_the_targets():
     expected = (probs([])[:, None] * torch.stack([probs([a]) for a in range(V)])).reshape(-1)  # (V^2,)
 
     def law(decode, g):
-        toks = torch.tensor([[r.tokens for r in decode(target, draft, prompt, g, 2, samples=2,
-                                                       sampling=Sampling(temperature, seed=2 * b))]
-                             for b in range(N // 2)]).reshape(N, 2)
+        toks = seeded_rows(decode, target, draft, prompt, g, 2, N, samples=2, temperature=temperature)  # (N, 2)
         return chi_square(torch.bincount(toks[:, 0] * V + toks[:, 1], minlength=V * V), expected)[2]
 
     p_chain, p_tree = law(speculative_batch, 2), law(speculative_batch, TreeShape(4, 2, 2))

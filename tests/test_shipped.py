@@ -20,8 +20,8 @@ from ops import compiled, files  # noqa: E402
 SHIPPED = os.path.join(ROOT, "checkpoints", "toy")
 
 
+@pytest.mark.usefixtures("one_thread")
 def test_shipped_checkpoints_reproduce_their_recorded_check():
-    torch.set_num_threads(2)
     recorded = files.read_json(os.path.join(SHIPPED, "metrics.json"))["check"]
     seeds = sorted({int(name.rsplit("_s", 1)[1]) for name in recorded["tau"]})
     now = ship_toy.check_metrics(SHIPPED, seeds)
@@ -30,11 +30,18 @@ def test_shipped_checkpoints_reproduce_their_recorded_check():
     assert recorded["coc_exact"] >= 0.9 and recorded["commitment_acc"] >= 0.95     # a trained target, not a stub
 
 
-def test_every_shipped_draft_decodes_the_targets_greedy_tokens_on_every_path(monkeypatch):
-    """Each shipped draft (every kind and seed), fp32, on held-out scenes: the eager chain and tree, and the compiled
-    path's chain and tree (compiled.CompiledSteps through dynamo's graphs, run by its eager backend: the real tracing,
-    fused tree growth and verify, padding and persistent caches at test speed), emit target-only greedy decoding's
-    tokens, with the stop token and with max-new cutting inside an accepted path. (Inductor's own kernels:
+def test_every_kind_of_draft_is_shipped():
+    assert sorted(d for d in os.listdir(SHIPPED) if d.startswith("draft_")) == sorted(
+        f"draft_{k}_s{s}" for k in ship_toy.KINDS for s in range(3))
+
+
+@pytest.mark.usefixtures("one_thread", "eager_dynamo")
+@pytest.mark.parametrize("kind", ship_toy.KINDS)
+def test_every_shipped_draft_decodes_the_targets_greedy_tokens_on_every_path(kind):
+    """Each shipped draft of the kind (every seed), fp32, on held-out scenes: the eager chain and tree, and the
+    compiled path's chain and tree (compiled.CompiledSteps through dynamo's graphs, run by its eager backend: the real
+    tracing, fused tree growth and verify, padding and persistent caches at test speed), emit target-only greedy
+    decoding's tokens, with the stop token and with max-new cutting inside an accepted path. (Inductor's own kernels:
     tests/test_speculate.py's slow tests.)"""
     from measure import timing
     import driving
@@ -42,20 +49,13 @@ def test_every_shipped_draft_decodes_the_targets_greedy_tokens_on_every_path(mon
     from ops import checkpoint
     import speculate
     import tree
-    torch.set_num_threads(2)
-    compile_ = torch.compile
-    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile_(fn, backend="eager", fullgraph=True,
-                                                                    dynamic=False))
-    torch._dynamo.reset()
     target = checkpoint.load(os.path.join(SHIPPED, "target")).eval()
     tok = driving.Tokenizer()
     prompts = evaluate.scene_prompts(driving.make_split("test", 2, seed=0), tok, "cpu", views=2)
     stop, shape, gamma = tok.cot_end_id, tree.TreeShape(16, 6, 3), 6
     refs = {n: [speculate.autoregressive(target, p, n, stop_token=stop).tokens for p in prompts] for n in (7, 32)}
     assert any(len(r) < 32 for r in refs[32]) and all(len(r) == 7 for r in refs[7])  # a stop, and cuts at 7
-    dirs = sorted(d for d in os.listdir(SHIPPED) if d.startswith("draft_"))
-    assert len(dirs) == 3 * len(ship_toy.KINDS)
-    for name in dirs:
+    for name in (f"draft_{kind}_s{s}" for s in range(3)):
         draft = checkpoint.load(os.path.join(SHIPPED, name), target=target).eval()
         pairs = {"eager": (target, draft), "compiled": timing.compiled_pair(target, draft, prompts, [shape, gamma], 32)}
         for path, (t, d) in pairs.items():
@@ -63,5 +63,4 @@ def test_every_shipped_draft_decodes_the_targets_greedy_tokens_on_every_path(mon
                 for p, want in zip(prompts, ref):
                     assert speculate.speculative(t, d, p, gamma, n, stop_token=stop).tokens == want, (name, path, n)
                     assert speculate.speculative(t, d, p, shape, n, stop_token=stop).tokens == want, (name, path, n)
-    torch._dynamo.reset()
     assert isinstance(pairs["compiled"][0], compiled.CompiledSteps)

@@ -1,7 +1,7 @@
 """Tests for speculate.py: verification rules, exactness, cache rollback, statistics.
 
 Toy models implement the part of model.VLA's interface speculate.py relies on:
-model(ids (1, T), cache=...) -> logits (1, T, V), cache.crop, cache.length,
+model(ids (B, T), cache=...) -> logits (B, T, V), step, cache.crop, cache.lengths,
 new_cache, embed. Tests with the real model.VLA follow at the end.
 
 Chi-square tests: significance level 1e-3 per check, i.e. a correct
@@ -36,33 +36,13 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 # ---- toy models ----
 
 
-class ToyCache:
-    """The committed tokens themselves stand in for keys and values."""
+class ToyCache(model.KVCache):
+    """KVCache's committed lengths of B rows with no layers: the committed tokens (B, max_len) stand in for keys and
+    values."""
 
-    def __init__(self, max_len):
-        self.tokens = torch.full((max_len,), -1, dtype=torch.long)  # (max_len,)
-        self.lengths = [0]  # one row
-        self.max_len = max_len
-        self.key_mask = None
-        self.device = torch.device("cpu")
-
-    length = property(lambda self: self.lengths[0], lambda self, n: setattr(self, "lengths", [n]))
-
-    def check_room(self, T):
-        if self.length + T > self.max_len:
-            raise ValueError("toy cache overflow")
-
-    def slots(self, T):
-        self.check_room(T)
-        return torch.arange(self.length, self.length + T)[None]  # (1, T)
-
-    def commit(self, n):
-        self.length += n if isinstance(n, int) else n[0]
-
-    def crop(self, n):
-        n = n if isinstance(n, int) else n[0]
-        assert 0 <= n <= self.length, (n, self.length)
-        self.length = n
+    def __init__(self, batch, max_len):
+        super().__init__(0, batch, 1, max_len, 1)
+        self.tokens = torch.full((batch, max_len), -1, dtype=torch.long)  # (B, max_len)
 
 
 class ToyLM(torch.nn.Module):
@@ -81,10 +61,10 @@ class ToyLM(torch.nn.Module):
         self.calls = 0
 
     def new_cache(self, batch=1, max_len=64, dtype=None, device=None):
-        return ToyCache(max_len)
+        return ToyCache(batch, max_len)
 
     def embed(self, input_ids, **kw):
-        return torch.nn.functional.one_hot(input_ids, self.A.shape[0]).float()  # (1, L, V)
+        return torch.nn.functional.one_hot(input_ids, self.A.shape[0]).float()  # (B, L, V)
 
     def logits(self, seq):
         """No-cache reference: logits at every position of seq (L,) -> (L, V)."""
@@ -95,19 +75,34 @@ class ToyLM(torch.nn.Module):
         return self.A[seq] + self.B[h]
 
     def step(self, input_ids, input_pos, cache, mask=None, positions=None):
-        """VLA.step's contract: tokens (1, T) written at slots input_pos (1, T), the length not advanced."""
+        """VLA.step's contract: tokens (B, T) written at slots input_pos (B, T), the lengths not advanced."""
         self.calls += 1
-        cache.tokens[input_pos[0]] = input_ids[0]
+        cache.tokens[torch.arange(len(input_ids))[:, None], input_pos] = input_ids
         if self.B is None:  # Markov: no need to look back
-            return self.A[input_ids]  # (1, T, V)
-        return self.logits(cache.tokens[:int(input_pos[0, -1]) + 1])[input_pos[0]].unsqueeze(0)  # (1, T, V)
+            return self.A[input_ids]  # (B, T, V)
+        return torch.stack([self.logits(toks[:int(pos[-1]) + 1])[pos]
+                            for toks, pos in zip(cache.tokens, input_pos)])  # (B, T, V)
 
     def forward(self, input_ids, inputs_embeds=None, cache=None, **kw):  # the prefill
         logits = self.step(input_ids, cache.slots(input_ids.shape[1]), cache)
-        cache.length += input_ids.shape[1]
+        cache.commit(input_ids.shape[1])
         return logits
 
 
+def seeded_rows(decode, target, draft, prompt, decoder, n, N, chunk=1000, samples=1, **sampling):
+    """(N, n) tokens: row s is `decode`'s row of seed s (Sampling(**sampling, seed=s)), run `chunk` rows at a time as
+    one batch of chunk / samples copies of the 1-row prompt, `samples` rows each: a row draws the same numbers
+    whatever batch it runs in (Sampling.generators), so these are the N one-row decodes' tokens at a fraction of
+    their Python overhead. The first rows are checked against one-row decodes."""
+    out = []
+    for start in range(0, N, chunk):
+        copies = {k: v.repeat(chunk // samples, *[1] * (v.dim() - 1)) for k, v in prompt.items()}
+        rows = decode(target, draft, copies, decoder, n, samples=samples, sampling=Sampling(**sampling, seed=start))
+        out += [r.tokens for r in rows]
+    for s in range(0, 2 * samples, samples):  # the first two prompts' rows, decoded as their own batch
+        alone = decode(target, draft, prompt, decoder, n, samples=samples, sampling=Sampling(**sampling, seed=s))
+        assert [r.tokens for r in alone] == out[s:s + samples], "a row's draws depend on its batch"
+    return torch.tensor(out[:N])
 
 
 def toy(V, seed, scale=2.0, prefix=True):
@@ -329,9 +324,9 @@ def test_cache_rollback_toy():
 
     def check(tcache, dcache, pending, emitted):
         seq = ids["input_ids"][0].tolist() + emitted
-        assert tcache.tokens[:tcache.length].tolist() == seq[:-1]
+        assert tcache.tokens[0, :tcache.length].tolist() == seq[:-1]
         k = len(pending[0])
-        assert dcache.tokens[:dcache.length].tolist() == seq[:-k]
+        assert dcache.tokens[0, :dcache.length].tolist() == seq[:-k]
         assert pending[0] == seq[-k:] and k in (1, 2)
 
     for temperature in (0.0, 1.0):
@@ -552,7 +547,7 @@ def test_verify_sample_distribution(temperature, top_k, top_p, gamma):
 
 @pytest.mark.parametrize("temperature,top_k,top_p,gamma", SAMPLING_CONFIGS[1:3])
 def test_speculative_distribution(temperature, top_k, top_p, gamma, monkeypatch):
-    """The whole loop, speculative() per sample with its own seed: first 3 tokens ~
+    """The whole loop, a decode per sample with its own seed (seeded_rows): first 3 tokens ~
     the target chain (chi-square, level 1e-3, N = 6000); the negative control
     (verifier handed the wrong q) is rejected by the same test at the same N."""
     V, x0, N = 4, 1, 6000
@@ -565,8 +560,7 @@ def test_speculative_distribution(temperature, top_k, top_p, gamma, monkeypatch)
         if name == "wrong q":
             monkeypatch.setattr(speculate, "verify_sample",
                                 lambda d, q, p, g, also=None: honest(d, wrong_q(q), p, g, also))
-        toks = torch.tensor([speculative(target, draft, prompt_of(0, x0), gamma, 3, Sampling(**kw, seed=s)).tokens
-                             for s in range(N)])  # (N, 3)
+        toks = seeded_rows(speculate.speculative_batch, target, draft, prompt_of(0, x0), gamma, 3, N, **kw)  # (N, 3)
         stat, df, pval = chi_square(torch.bincount(toks @ torch.tensor([V * V, V, 1]), minlength=V ** 3), expected)
         print(f"speculative T={temperature} top_k={top_k} top_p={top_p} gamma={gamma} {name}: "
               f"N={N} chi2={stat:.1f} df={df} p={pval:.3g}")
@@ -574,16 +568,17 @@ def test_speculative_distribution(temperature, top_k, top_p, gamma, monkeypatch)
 
 
 def test_speculative_long_run_transitions():
-    """One long sampled decode (many rounds, every cache branch): the counts of
-    transitions a -> b match the target chain row by row (Anderson-Goodman
-    chi-square for a Markov chain, df = sum of (support - 1), level 1e-3)."""
-    V, x0, M = 5, 0, 30_000
+    """Long sampled decodes, 20 rows of 1,500 tokens at once (many rounds, every cache branch): the counts of
+    transitions a -> b match the target chain row by row (Anderson-Goodman chi-square for a Markov chain, df = sum of
+    (support - 1), level 1e-3)."""
+    V, x0, M, R = 5, 0, 1500, 20
     p_logits, q_logits = markov_pair(V, seed=14)
     temperature, top_p = 0.9, 0.95
     P = process_logits(p_logits, temperature, None, top_p)
-    res = speculative(ToyLM(p_logits), ToyLM(q_logits), prompt_of(0, x0), 3, M, Sampling(temperature, top_p=top_p, seed=5))
-    seq = torch.tensor([x0] + res.tokens)
-    pairs = torch.bincount(seq[:-1] * V + seq[1:], minlength=V * V).view(V, V).double()  # (V, V)
+    rows = speculate.speculative_batch(ToyLM(p_logits), ToyLM(q_logits), dict(input_ids=torch.tensor([[0, x0]] * R)),
+                                       3, M, sampling=Sampling(temperature, top_p=top_p, seed=5))
+    seqs = torch.tensor([[x0] + r.tokens for r in rows])  # (R, M + 1)
+    pairs = torch.bincount((seqs[:, :-1] * V + seqs[:, 1:]).flatten(), minlength=V * V).view(V, V).double()  # (V, V)
     assert pairs[P == 0].sum() == 0
     visits = pairs.sum(1, keepdim=True)  # (V, 1)
     expected = visits * P  # (V, V)
@@ -591,7 +586,7 @@ def test_speculative_long_run_transitions():
     stat = float(((pairs - expected)[ok] ** 2 / expected[ok]).sum())
     df = int(ok.sum()) - int((visits > 0).sum())
     pval = float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2)))
-    print(f"speculative long run: {M} tokens, {res.rounds} rounds, tau={res.tau:.2f}: "
+    print(f"speculative long runs: {R} x {M} tokens, {rows[0].rounds} rounds, tau={rows[0].tau:.2f}: "
           f"chi2={stat:.1f} df={df} p={pval:.3g}")
     assert pval > SIGNIFICANCE
 

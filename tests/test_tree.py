@@ -20,6 +20,7 @@ from test_speculate import (
     joint_first3,
     markov_pair,
     o1_init,
+    seeded_rows,
     tiny_target,
     vla_greedy_reference,
     vla_prompts
@@ -274,7 +275,7 @@ def small_vla(seed):
 @pytest.mark.parametrize("path", ["eager", "compiled, dynamo",
                                   pytest.param("compiled, inductor", marks=pytest.mark.slow)])
 def test_speculative_tree_distribution(path, monkeypatch):
-    """The whole loop, speculative() with a tree per sample with its own seed, on a small VLA and a 1-layer draft:
+    """The whole loop, a tree decode per sample with its own seed (seeded_rows), on a small VLA and a 1-layer draft:
     first 3 tokens ~ the target's law (computed exactly by cache-free forwards; chi-square, level 1e-3, N = 2000);
     the reused-draw control is rejected at the same N. Eagerly, and on the compiled path (compiled.CompiledSteps):
     dynamo's graphs run by its eager backend (the tracing, guards and padding at test speed), or inductor's (slow)."""
@@ -296,12 +297,18 @@ def test_speculative_tree_distribution(path, monkeypatch):
             compile_ = torch.compile
             monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile_(fn, backend="eager", fullgraph=True,
                                                                             dynamic=False))
-        target, draft = compiled.CompiledSteps(target, 16, (5,)), compiled.CompiledSteps(draft, 16, (1, 2))
+    steps = {}  # rows -> compiled steps of that batch
+
+    def decode(target, draft, prompt, shape, n, samples, sampling):
+        B = prompt["input_ids"].shape[0] * samples
+        if path != "eager" and B not in steps:
+            steps[B] = compiled.CompiledSteps(target, 16, (5,), B), compiled.CompiledSteps(draft, 16, (1, 2), B)
+        return speculate.speculative_batch(*steps.get(B, (target, draft)), prompt, shape, n, samples, sampling)
+
     for name in ("correct", "reused draw"):
         if name == "reused draw":
             monkeypatch.setattr(speculate, "sample", reused_draw)
-        toks = torch.tensor([tree_speculative(target, draft, prompt, TreeShape(4, 2, 2), 3,
-                                              Sampling(temperature, seed=s)).tokens for s in range(N)])  # (N, 3)
+        toks = seeded_rows(decode, target, draft, prompt, TreeShape(4, 2, 2), 3, N, temperature=temperature)  # (N, 3)
         stat, df, pval = chi_square(torch.bincount(toks @ torch.tensor([V * V, V, 1]), minlength=V ** 3),
                                     expected.reshape(-1))
         print(f"speculative tree T={temperature} {name}: N={N} chi2={stat:.1f} df={df} p={pval:.3g}")
