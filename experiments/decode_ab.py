@@ -19,6 +19,9 @@ import sys
 
 import torch
 
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # a checkout modules_of adds goes first
+from ops import cli, files  # noqa: E402
+
 PACKAGES = {"model", "rope", "vision", "speculate", "tree", "driving", "evaluate", "ops", "measure", "static", "bench",
             "real", "beyond", "relaxed", "aarl", "train", "rsd"}
 
@@ -36,6 +39,14 @@ def modules_of(repo):
         return m | {"timing": m[timing]}
     finally:
         sys.path.remove(repo)
+
+
+def check_checkouts(ap, repos):
+    """Each checkout's shipped target weights a regular file, before any is imported: one line naming the checkout."""
+    with cli.user_errors(ap):
+        for repo in repos:
+            files.check_regular(os.path.join(repo, "checkpoints", "toy", "target", "model.safetensors"),
+                                f"{repo}: its checkpoints/toy/target/model.safetensors")
 
 
 def ms_per_token(repo, scenes, compile=False):
@@ -66,19 +77,26 @@ def ms_per_token(repo, scenes, compile=False):
     return out
 
 
-if __name__ == "__main__":
+@cli.program
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--a", default=".", help="one checkout (default: this one)")
     ap.add_argument("--b", help="the other checkout (eager only)")
     ap.add_argument("--pairs", type=int, default=3, help="alternations a, b")
     ap.add_argument("--scenes", type=int, default=6)
     ap.add_argument("--compile", action="store_true", help="each checkout's torch.compile'd steps (bench.py --compile)")
-    args = ap.parse_args()
+    args = cli.checked(ap, ap.parse_args(argv), counts=("pairs", "scenes"))
     if bool(args.b) == args.compile:
         ap.error("give --b (eager, two checkouts in one process) or --compile (one checkout per process)")
+    check_checkouts(ap, [r for r in (args.a, args.b) if r])
+    cli.progress(f"decode_ab: {args.pairs} pass(es) over {args.a}{f' and {args.b}' if args.b else ''}")
     torch.set_num_threads(2)
     for _ in range(args.pairs):
         for repo in (args.a, args.b) if args.b else (args.a,):
             print(json.dumps({"repo": os.path.abspath(repo), "compile": args.compile,
                               "ms_per_token": ms_per_token(os.path.abspath(repo), args.scenes, args.compile)}),
                   flush=True)
+
+
+if __name__ == "__main__":
+    main()

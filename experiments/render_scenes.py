@@ -10,6 +10,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import driving  # noqa: E402
+from ops import cli  # noqa: E402
 
 GLYPHS = (("ego", "E"), ("vehicle", "V"), ("pedestrian", "P"), ("cone", "C"), ("light_red", "R"),
           ("light_green", "G"), ("in_lane", "L"), ("object", "o"), ("stop_line", "="))
@@ -22,12 +23,13 @@ def ascii_render(frames):
                      for r in range(frames.shape[2]))
 
 
-def main():
+@cli.program
+def main(argv=None):
     ap = argparse.ArgumentParser(description="Print scenes of the synthetic driving world as ASCII rasters.")
     ap.add_argument("--seed", type=int, default=0, help="seed of the printed scenes")
     ap.add_argument("--n", type=int, default=6, help="scenes to print")
     ap.add_argument("--split", default="train", choices=list(driving.SPLITS), help="split to draw the scenes from")
-    args = ap.parse_args()
+    args = cli.checked(ap, ap.parse_args(argv), counts=("n",))
     for sc in driving.make_split(args.split, args.n, args.seed):
         print(f"{sc.f.road} / {sc.f.event} / roadside {sc.f.left} {sc.f.right} | CoC: {' '.join(sc.coc)}")
         print(ascii_render(sc.frames))

@@ -56,13 +56,25 @@ def main(argv=None):
     if set(kinds) - set(KINDS):
         ap.error(f"--kinds takes kinds of {', '.join(KINDS)}, got {a.kinds!r}")
     adding = set(kinds) != set(KINDS)
-    os.makedirs(a.out, exist_ok=True)
     parts = ["target"] * (not adding) + [os.path.basename(checkpoint.draft_dir(a.run, k, s)) for k in kinds
                                          for s in seeds]
+    with cli.user_errors(ap):  # every part there and every destination replaceable before the first copy
+        if os.path.lexists(a.out) and not os.path.isdir(a.out):
+            raise ValueError(f"--out {a.out} exists and is not a folder")
+        if (kind := checkpoint.existing_kind(a.out) or "").endswith(("target", " draft")):
+            raise ValueError(f"--out {a.out} holds a {kind} checkpoint itself: give the folder the checkpoints ship "
+                             "into (the repo's: checkpoints/toy)")
+        if os.path.realpath(a.out) == os.path.realpath(a.run):
+            raise ValueError(f"--out {a.out} is --run: shipping copies the run into another folder")
+        for part in parts:
+            checkpoint.header(os.path.join(a.run, part))  # the run's checkpoint: there, a regular file, ours
+            # shipping replaces the shipped checkpoints, never anything else that sits at their names
+            checkpoint.check_output(os.path.join(a.out, part), checkpoint.existing_kind(os.path.join(a.run, part)),
+                                    overwrite=True)
+    cli.progress(f"shipping {len(parts)} checkpoints of {a.run} to {a.out}, then their check")
+    os.makedirs(a.out, exist_ok=True)
     for part in parts:
         dst = os.path.join(a.out, part)
-        # shipping replaces the shipped checkpoints, never anything else that sits at their names
-        checkpoint.check_output(dst, checkpoint.existing_kind(os.path.join(a.run, part)), overwrite=True)
         if os.path.exists(dst):
             shutil.rmtree(dst)
         shutil.copytree(os.path.join(a.run, part), dst)

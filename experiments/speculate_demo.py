@@ -11,13 +11,14 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
-from ops.cli import check_device  # noqa: E402
+from ops import cli  # noqa: E402
 from model import PRESETS, VLA  # noqa: E402
 from speculate import Sampling, autoregressive, speculative  # noqa: E402
 from evaluate import expected_tau  # noqa: E402
 
 
-def main():
+@cli.program
+def main(argv=None):
     ap = argparse.ArgumentParser(description="tau of a small random target with a perturbed-copy draft")
     ap.add_argument("--device", default="cpu", help="torch device")
     ap.add_argument("--gamma", type=int, default=4, help="draft length")
@@ -25,11 +26,11 @@ def main():
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     ap.add_argument("--noise", type=float, default=0.05, help="draft = target + noise * std(w) * N(0, 1) per weight")
     ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args()
-    try:
-        check_device(args.device)
-    except ValueError as e:
-        ap.error(str(e))
+    args = cli.checked(ap, ap.parse_args(argv), counts=("gamma", "tokens"))
+    with cli.user_errors(ap):
+        cli.check_device(args.device)
+        cli.check_values(args, [("a finite number >= 0", ("temperature", "noise"))], flags=True)
+    cli.progress(f"a random {PRESETS['toy-target'].n_layers}-layer target and its perturbed copy, {args.tokens} tokens")
     torch.manual_seed(args.seed)
     target = VLA(copy.deepcopy(PRESETS["toy-target"])).to(args.device).eval()
     with torch.no_grad():  # weights of O(1) effect, so the random target has peaked, non-trivial logits

@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from decode_ab import modules_of
+from decode_ab import check_checkouts, cli, modules_of
 
 @torch.no_grad()
 def step_ms(repo, blocks=7, steps=100):
@@ -41,12 +41,19 @@ def step_ms(repo, blocks=7, steps=100):
     return round(1e3 * best, 3)
 
 
-if __name__ == "__main__":
+@cli.program
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("repos", nargs="+", help="checkouts of this repo")
     ap.add_argument("--rounds", type=int, default=3, help="rounds over the checkouts, alternating")
-    args = ap.parse_args()
+    args = cli.checked(ap, ap.parse_args(argv), counts=("rounds",))
+    check_checkouts(ap, args.repos)
+    cli.progress(f"step_ab: {args.rounds} round(s) over {', '.join(args.repos)}")
     torch.set_num_threads(1)
     for r in range(args.rounds):
         for repo in args.repos:
             print(json.dumps({"round": r, "repo": os.path.abspath(repo), "ms_per_step": step_ms(repo)}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

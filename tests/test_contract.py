@@ -66,6 +66,13 @@ PROGRAMS = {
     "experiments/cost_per_1000_scenes.py": ("cost_per_1000_scenes", "file", "--reps", False, "--out {tmp}/c.json"),
     "experiments/choose_grid.py": ("choose_grid", "file", "--prompts", False,
                                    "--prompts 1 --repeats 1 --out {tmp}/c.json"),
+    "experiments/render_scenes.py": ("render_scenes", None, "--n", False, "--n 1"),
+    "experiments/speculate_demo.py": ("speculate_demo", None, "--tokens", False, "--tokens 4 --gamma 2"),
+    "experiments/ship_toy.py": ("ship_toy", "folder", None, False, "--run {run} --out {tmp}/ship --kinds flat --seeds 0"),
+    # A/B tools over checkouts of the repo ({root}: this one), printing their measurements: no output file
+    "experiments/decode_ab.py": ("decode_ab", None, "--pairs", False, "--a {root} --compile --pairs 1 --scenes 1"),
+    "experiments/step_ab.py": ("step_ab", None, "--rounds", False, "{root} --rounds 1"),
+    "experiments/greedy_stage_ab.py": ("greedy_stage_ab", None, "--visits", False, "{root} --visits 1"),
     # reads two JSON files and compares them at once: no output, no count, no stage to interrupt
     "experiments/compare_rsd.py": ("compare_rsd", None, None, False, None),
     # counts the repo's lines per room (git's tracked files): no flags but revisions, no output
@@ -81,11 +88,18 @@ def documented():
     return {m or p for m, p in found} - {"pytest"}
 
 
+def command_lines():
+    """Every experiment a user runs from the command line (it has a __main__ block)."""
+    return {f"experiments/{os.path.basename(p)}" for p in glob.glob(f"{EXP}/*.py")
+            if 'if __name__ == "__main__":' in open(p).read()}
+
+
 def test_every_documented_program_is_in_the_contract():
-    """A program the docs name later is covered the day it lands, or named here as missing."""
-    docs = documented()
-    assert not docs - set(PROGRAMS), f"programs the docs name with no contract entry: {sorted(docs - set(PROGRAMS))}"
-    assert not set(PROGRAMS) - docs, f"contract entries no doc names: {sorted(set(PROGRAMS) - docs)}"
+    """A program the docs name, or an experiment with a command line, is covered the day it lands, or named here as
+    missing."""
+    docs = documented() | command_lines()
+    assert not docs - set(PROGRAMS), f"programs with no contract entry: {sorted(docs - set(PROGRAMS))}"
+    assert not set(PROGRAMS) - docs, f"contract entries no doc names and no command line: {sorted(set(PROGRAMS) - docs)}"
     for name, spec in PROGRAMS.items():
         assert os.path.isfile(os.path.join(ROOT, name.replace(".", "/") + ".py" if spec[0].startswith("real.") else
                                            name)), name
@@ -114,7 +128,7 @@ def cheap_argv(name, tmp, run_dir):
     (tmp / "t").mkdir(exist_ok=True)  # folders a real-target program requires to exist (they stay empty)
     (tmp / "q").mkdir(exist_ok=True)
     (tmp / "s").mkdir(exist_ok=True)
-    return PROGRAMS[name][4].format(tmp=tmp, run=run_dir).split()
+    return PROGRAMS[name][4].format(tmp=tmp, run=run_dir, root=ROOT).split()
 
 
 def listing(folder):
@@ -371,6 +385,12 @@ INPUT_DOORS = {
                             "s.json: is not a regular file"),
     "gpu_check's --toy-json": ("experiments/gpu_check.py", "--device cpu --layers 1 --stages a_env --out {tmp}/g "
                                "--toy-json {tmp}/toy.json", "toy.json", "toy.json: is not a regular file"),
+    "ship_toy.py's --run target": ("experiments/ship_toy.py", "--run {tmp}/run --out {tmp}/ship",
+                                   "run/target/model.safetensors", "model.safetensors: is not a regular file"),
+    **{f"{n}'s checkout's target weights": (f"experiments/{n}.py", argv, "co/checkpoints/toy/target/model.safetensors",
+                                            "co: its checkpoints/toy/target/model.safetensors: is not a regular file")
+       for n, argv in (("decode_ab", "--a {tmp}/co --compile"), ("step_ab", "{tmp}/co"),
+                       ("greedy_stage_ab", "{tmp}/co"))},
     "stream.py --replot's --out": ("experiments/stream.py", "--replot --out {tmp}/s.json --figure {tmp}/s.png",
                                    "s.json", "s.json exists and is not a regular file"),
 }
@@ -515,7 +535,9 @@ READS_NOTHING = {"driving.py": "the world is built from its seed",
                  "experiments/data_stage_ab.py": "trains its own target and drafts in --work",
                  "experiments/learning_speed.py": "trains its own models; --plot-only reads its --out (an output door)",
                  "experiments/cost_per_1000_scenes.py": "random weights of a preset's shape",
-                 "experiments/lines.py": "git's tracked files"}
+                 "experiments/lines.py": "git's tracked files",
+                 "experiments/render_scenes.py": "the world is built from its seed",
+                 "experiments/speculate_demo.py": "a random target of a preset's shape"}
 
 
 def test_every_program_is_in_a_table_of_the_files_it_reads():
