@@ -9,6 +9,7 @@ are fixed, so a run is deterministic; the rates apply to a change of seed or dra
 
 run: python -m pytest -q tests/test_tree.py
 """
+import dataclasses
 import os
 
 import pytest
@@ -228,7 +229,11 @@ def markov_tree(Q, x0, k, depth):
 def first3_by_rounds(trees, p_logits, x0, sampling, N, seed, pick=None):
     """N times, rounds of verify_tree over a Markov target (p_logits (V, V)) from x0, each round's tree the one of its
     last token (trees: token -> (tree.Tree, token of every node)), until 3 tokens are out -> the first 3 (N, 3).
-    pick(last, generator) -> (tree, tokens): the round's tree chosen another way (tests/test_stream.py's control)."""
+    pick(last, generator) -> (tree, tokens): the round's tree chosen another way (tests/test_stream.py's control),
+    each draw from one generator in turn. Without pick, trees of one size: the N decodes as rows of one batch, row i
+    drawing from its own generator (seed + i), as a decode's rows do."""
+    if pick is None and len({len(toks) for _, toks in trees.values()}) == 1:
+        return first3_by_batched_rounds(trees, p_logits, x0, sampling, N, seed)
     g = torch.Generator().manual_seed(seed)
     out = torch.empty(N, 3, dtype=torch.long)
     for i in range(N):
@@ -244,6 +249,29 @@ def first3_by_rounds(trees, p_logits, x0, sampling, N, seed, pick=None):
             last = seq[-1]
         out[i] = torch.tensor(seq[:3])
     return out
+
+
+def first3_by_batched_rounds(trees, p_logits, x0, sampling, N, seed):
+    """first3_by_rounds' N decodes as rows: each round, every row not done verifies the tree of its last token."""
+    xs = sorted(trees)
+    bank = Tree(*(torch.cat([getattr(trees[x][0], f.name) for x in xs]) for f in dataclasses.fields(Tree)))
+    bank_toks = torch.stack([trees[x][1] for x in xs])  # (X, n): token of every node, the root's first
+    row_of = {x: i for i, x in enumerate(xs)}
+    gens = [torch.Generator().manual_seed(seed + i) for i in range(N)]
+    seqs, last = [[] for _ in range(N)], [x0] * N
+    while live := [i for i in range(N) if len(seqs[i]) < 3]:
+        at = torch.tensor([row_of[last[i]] for i in live])  # (R,) each row's tree in the bank
+        tree = Tree(*(getattr(bank, f.name)[at] for f in dataclasses.fields(Tree)))
+        toks = bank_toks[at]  # (R, n)
+        best, nxt = verify_tree(tree, p_logits[toks], sampling, [gens[i] for i in live])
+        for r, i in enumerate(live):
+            path, u = [], int(best[r])
+            while u:
+                path.append(int(toks[r, u]))
+                u = int(tree.parent[r, u])
+            seqs[i] += path[::-1] + [int(nxt[r])]
+            last[i] = seqs[i][-1]
+    return torch.tensor([q[:3] for q in seqs])  # (N, 3)
 
 
 @pytest.mark.parametrize("temperature,top_p", [(1.0, None), (1.4, 0.9)])
