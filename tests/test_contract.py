@@ -66,6 +66,8 @@ PROGRAMS = {
     "experiments/cost_per_1000_scenes.py": ("cost_per_1000_scenes", "file", "--reps", False, "--out {tmp}/c.json"),
     "experiments/choose_grid.py": ("choose_grid", "file", "--prompts", False,
                                    "--prompts 1 --repeats 1 --out {tmp}/c.json"),
+    "experiments/profile_rsd.py": ("profile_rsd", "file", "--scenes", False,
+                                   "--out {tmp}/p.json --scenes 2 --time-scenes 1 --show 0 --seeds 0 --gamma 2"),
     "experiments/render_scenes.py": ("render_scenes", None, "--n", False, "--n 1"),
     "experiments/speculate_demo.py": ("speculate_demo", None, "--tokens", False, "--tokens 4 --gamma 2"),
     "experiments/ship_toy.py": ("ship_toy", "folder", None, False, "--run {run} --out {tmp}/ship --kinds flat --seeds 0"),
@@ -385,6 +387,10 @@ INPUT_DOORS = {
                             "s.json: is not a regular file"),
     "gpu_check's --toy-json": ("experiments/gpu_check.py", "--device cpu --layers 1 --stages a_env --out {tmp}/g "
                                "--toy-json {tmp}/toy.json", "toy.json", "toy.json: is not a regular file"),
+    "a --run's target weights (profile_rsd.py)": ("experiments/profile_rsd.py", "--out {tmp}/p.json --run {tmp}/run "
+                                                  "--drafts flat={tmp}/run/draft_flat_s0 --scenes 2 --time-scenes 1 "
+                                                  "--show 0", "run/target/model.safetensors",
+                                                  "model.safetensors: is not a regular file"),
     "ship_toy.py's --run target": ("experiments/ship_toy.py", "--run {tmp}/run --out {tmp}/ship",
                                    "run/target/model.safetensors", "model.safetensors: is not a regular file"),
     **{f"{n}'s checkout's target weights": (f"experiments/{n}.py", argv, "co/checkpoints/toy/target/model.safetensors",
