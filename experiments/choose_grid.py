@@ -39,6 +39,8 @@ def main(argv=None):
     ap.add_argument("--compile", action="store_true", help="every arm on compiled steps (the compiled profile)")
     ap.add_argument("--reprofile", action="store_true", help="measure the machine's profile again")
     ap.add_argument("--run", default=checkpoint.SHIPPED, help="toy checkpoints: its target and FlatRoPE + AARL seed 0")
+    ap.add_argument("--test-seed", type=int, default=0, help="the held-out plans' scenes (driving.make_split's seed): "
+                    "a grid measured once for a claim is spent, the next claim draws another")
     ap.add_argument("--out", required=True, help="the JSON record")
     flags.add_decoding_flags(ap, "every arm sampling (Alpamayo-R1: 0.6, --top-p 0.98)")
     a = ap.parse_args(argv)
@@ -47,6 +49,8 @@ def main(argv=None):
         for folder in (checkpoint.SHIPPED, a.run):  # never a checkpoint this run reads or the repo ships
             if os.path.commonpath([os.path.abspath(a.out), os.path.abspath(folder)]) == os.path.abspath(folder):
                 raise ValueError(f"--out {a.out} is inside the checkpoints folder {folder}: write the record elsewhere")
+        if not 0 <= a.test_seed < 2 ** 31:
+            raise ValueError(f"--test-seed takes 0..2**31-1, got {a.test_seed}")
         if min(a.prompts, a.batch, a.samples) < 1 or a.prompts % a.batch or a.repeats < 1:
             raise ValueError("--prompts, --batch, --samples and --repeats must be >= 1; --prompts a multiple of "
                              "--batch")
@@ -60,9 +64,10 @@ def main(argv=None):
         target = checkpoint.load(os.path.join(a.run, "target"), dtype=cli.DTYPES[dtype_name], device=device).eval()
         draft = checkpoint.load(checkpoint.draft_dir(a.run, "aarl", 0), target=target).eval()
     tok, views = driving.Tokenizer(), driving.WorldConfig().views
-    split = lambda name, n: evaluate.scene_prompts(driving.make_split(name, n, seed=0), tok, device,  # noqa: E731
-                                                   cli.DTYPES[dtype_name], views)
-    val, plans = split("val", choose.VAL_PLANS * a.batch), timing.plan_batches(split("test", a.prompts), a.batch)
+    split = lambda name, n, seed: evaluate.scene_prompts(driving.make_split(name, n, seed=seed), tok,  # noqa: E731
+                                                         device, cli.DTYPES[dtype_name], views)
+    val = split("val", choose.VAL_PLANS * a.batch, 0)  # the chooser's val plans, as bench.py draws them
+    plans = timing.plan_batches(split("test", a.prompts, a.test_seed), a.batch)
     rows, stop, max_new = a.batch * a.samples, tok.cot_end_id, evaluate.MAX_NEW_TOKENS
     decoders = [c for c in choose.candidates() if c]
     t, d = target, draft
@@ -100,7 +105,8 @@ def main(argv=None):
            + " ".join(argv if argv is not None else sys.argv[1:]),
            "hardware": choose.hardware(device), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
            "threads": torch.get_num_threads(), "torch": torch.__version__, "dtype": dtype_name, "dtype_why": why,
-           "mode": rec["mode"], "rows": rows, "plans": len(plans), "decoding": flags.sampling_json(sampling),
+           "mode": rec["mode"], "rows": rows, "plans": len(plans), "test_seed": a.test_seed,
+           "decoding": flags.sampling_json(sampling),
            "choice": rec, "grid": grid, "best": best,
            "chosen_over_best": chosen["speedup"] / grid[best]["speedup"],
            "prediction_error": chosen["predicted_speedup"] / chosen["speedup"] - 1, "wall_s": time.time() - t0}
