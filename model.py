@@ -18,9 +18,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from checks import check_config, check_vocab_ids
 from rope import (
     apply_rope,
-    check_mrope_section,
     flat_position_ids,
     get_rope_index,
     mrope_cos_sin,
@@ -81,30 +81,6 @@ class ModelConfig:
         if unknown := set(d) - {f.name for f in dataclasses.fields(cls)}:
             raise ValueError(f"unknown ModelConfig fields {sorted(unknown)}")
         return cls(**d)
-
-
-def check_config(c: ModelConfig):
-    """A bad shape would fail deep in a forward; a target with a reduced head would silently never emit V - K ids."""
-    vm = getattr(c.vision, "spatial_merge_size", None)
-    if c.head_dim is None:
-        raise ValueError(f"hidden_size {c.hidden_size} is not divisible by n_heads {c.n_heads}")
-    if c.n_heads % c.n_kv_heads:
-        raise ValueError(f"n_heads {c.n_heads} is not divisible by n_kv_heads {c.n_kv_heads}")
-    check_mrope_section(c.mrope_section, c.head_dim)
-    if c.rope_mode not in ("mrope", "flat"):
-        raise ValueError(f"rope_mode must be 'mrope' or 'flat', got {c.rope_mode!r}")
-    if None not in (vm, c.spatial_merge_size) and vm != c.spatial_merge_size:
-        raise ValueError(f"spatial_merge_size {c.spatial_merge_size} != vision.spatial_merge_size {vm}")
-    K = c.draft_vocab
-    if not isinstance(K, int) or isinstance(K, bool) or not 0 <= K <= c.vocab_size:
-        raise ValueError(f"draft_vocab must be 0 (the full head) or a number of token ids 1..vocab_size "
-                         f"{c.vocab_size}, got {K!r}")
-    if c.skip_visual and c.shared_width is None:
-        raise ValueError("skip_visual is for drafts only (shared_width set, model.make_draft): a target reads its "
-                         "images")
-    if K and c.shared_width is None:
-        raise ValueError(f"draft_vocab {K}: a reduced-vocabulary head is for drafts only (shared_width set, "
-                         "model.make_draft); a target's head must cover its whole vocabulary")
 
 
 QWEN25_VISION = VisionConfig(patch_size=14, temporal_patch_size=2, spatial_merge_size=2, depth=32, hidden=1280,
@@ -649,20 +625,3 @@ def make_draft(target: VLA, n_layers=1, hidden_size=None, kind="flat", n_heads=N
     if vocab_ids is not None:
         draft.set_vocab(vocab_ids)
     return draft.to(target.embed_tokens.weight.device, target.embed_tokens.weight.dtype)
-
-
-# ---- checks ----
-def check_vocab_ids(ids, vocab_size, k=None):
-    """A reduced head's ids: 1..V distinct token ids (k when given); out-of-range ids would index garbage rows."""
-    if ids.dim() != 1 or ids.dtype != torch.long:
-        raise ValueError(f"vocab_ids must be a 1-D tensor of token ids (long), got shape {tuple(ids.shape)} "
-                         f"dtype {ids.dtype}")
-    if not 1 <= len(ids) <= vocab_size:
-        raise ValueError(f"a reduced draft head covers 1..{vocab_size} token ids (the vocabulary), got {len(ids)}")
-    if k is not None and len(ids) != k:
-        raise ValueError(f"{len(ids)} vocab_ids for a head of draft_vocab {k}")
-    lo, hi = int(ids.min()), int(ids.max())
-    if lo < 0 or hi >= vocab_size:
-        raise ValueError(f"vocab_ids hold token id {lo if lo < 0 else hi}, outside the vocabulary 0..{vocab_size - 1}")
-    if len(ids.unique()) != len(ids):
-        raise ValueError(f"vocab_ids repeat token ids ({len(ids) - len(ids.unique())} duplicates)")

@@ -21,13 +21,13 @@ Batch 1 is the same code with B = 1.
 
 run: python -m pytest -q tests/test_speculate.py tests/test_batch.py    (demo: python experiments/speculate_demo.py)
 """
-import contextlib
 from dataclasses import dataclass, field, fields, replace
 import math
 import time
 
 import torch
 
+from checks import check_finite, check_inputs, config_of, nonfinite_named
 from model import KVCache, feed  # feed: the step after the committed tokens, then committed
 
 # ---- processed distributions ----
@@ -364,7 +364,8 @@ def speculative_batch(target, draft, prompt, decoder, max_new_tokens, samples=1,
     tree.TreeShape. Every row is in every round (module docstring): a finished row's work is thrown away and its
     caches keep its length, so the shapes never change. max_len: cache size (None: what the decode needs)."""
     decoder = decoder_of(decoder)
-    check_inputs(target, draft, prompt, max_new_tokens, sampling, stop_token, samples)
+    check_inputs(target, draft, prompt, max_new_tokens, sampling, stop_token, samples, EMBED_KEYS + GRID_KEYS,
+                 Sampling)
     B, dev = prompt["input_ids"].shape[0] * samples, prompt["input_ids"].device
     # Slots a round writes beyond the committed length: the last round, drafting in full, may reach past the end.
     t_slack, d_slack = decoder.slack
@@ -426,7 +427,8 @@ def autoregressive_batch(target, prompt, max_new_tokens, samples=1, sampling=GRE
     cached step per token (tau = 1): the baseline arm, the table's greedy CoCs, AARL's rollouts. As transformers'
     generate, a finished row keeps stepping until every row has finished (its tokens dropped). embeds: the prompt's
     embeddings (P, L, D) from another model (a draft writing on its own reads the target's, as when it drafts)."""
-    check_inputs(target, None, prompt, max_new_tokens, sampling, stop_token, samples)
+    check_inputs(target, None, prompt, max_new_tokens, sampling, stop_token, samples, EMBED_KEYS + GRID_KEYS,
+                 Sampling)
     B, dev = prompt["input_ids"].shape[0] * samples, prompt["input_ids"].device
     cache = new_cache(target, prompt, max_new_tokens, max_len, batch=B)
     generators = sampling.generators(dev, B)
@@ -454,69 +456,3 @@ def autoregressive_batch(target, prompt, max_new_tokens, samples=1, sampling=GRE
         n, s = ends[b] or (len(row), decode_s)
         out.append(SpecResult(row[:n], [False] * n, [1] * n, rounds=n, prefill_s=t1 - t0, decode_s=s))
     return out
-
-
-# ---- input checks and NaN guards ----
-def config_of(model):
-    return getattr(model, "cfg", None) or getattr(model, "config", None)
-
-
-def check_inputs(target, draft, prompt, max_new_tokens, sampling, stop_token, samples=1):
-    """A bad prompt or setting would fail deep in a forward, or silently (a stop token out of range never stops)."""
-    if unknown := set(prompt) - set(EMBED_KEYS) - set(GRID_KEYS) - {"attention_mask"}:
-        raise ValueError(f"prompt has keys speculate does not understand: {sorted(unknown)}")
-    ids, mask = prompt["input_ids"], prompt.get("attention_mask")
-    if ids.dim() != 2 or ids.shape[0] < 1:
-        raise ValueError(f"input_ids must be (rows, L), got {tuple(ids.shape)}")
-    if not isinstance(samples, int) or isinstance(samples, bool) or samples < 1:
-        raise ValueError(f"samples (rows per prompt) must be an int >= 1, got {samples!r}")
-    real = ids.shape[1] if mask is None else mask.sum(-1).min()  # the shortest row's tokens
-    if mask is not None and (tuple(mask.shape) != tuple(ids.shape) or not bool((mask.diff(dim=-1) >= 0).all())):
-        raise ValueError(f"attention_mask {tuple(mask.shape)} must match input_ids {tuple(ids.shape)} and pad on the "
-                         "left (each row's tokens at its end: its last token is decoded first)")
-    if real < 2:  # an empty cache would make the model read the first decoded token as a prompt
-        raise ValueError("each prompt row needs at least 2 tokens: all but the last are prefilled, the last is decoded")
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-    if not isinstance(sampling, Sampling):
-        raise ValueError(f"sampling must be a speculate.Sampling, got {sampling!r}")
-    cfg = config_of(target)
-    # the held-back last token is decoded as text; an image placeholder there would split features from slots
-    if {getattr(cfg, "image_token_id", None), getattr(cfg, "video_token_id", None)} & set(ids[:, -1].tolist()):
-        raise ValueError("the prompt must end with a text token (e.g. <cot_start>), not an image/video placeholder")
-    V = getattr(cfg, "vocab_size", None)
-    if V is None:
-        return
-    lo, hi = int(ids.min()), int(ids.max())
-    if lo < 0 or hi >= V:
-        raise ValueError(f"input_ids hold token id {lo if lo < 0 else hi}, outside the target's vocabulary 0..{V - 1}")
-    if stop_token is not None and not (isinstance(stop_token, int) and 0 <= stop_token < V):
-        raise ValueError(f"stop_token {stop_token!r} is not a token id of the target's vocabulary 0..{V - 1}")
-    Vq = getattr(config_of(draft), "vocab_size", V) if draft is not None else V
-    if Vq != V:
-        raise ValueError(f"the draft's vocabulary ({Vq} tokens) is not the target's ({V}): it cannot be verified")
-
-
-def check_finite(logits, name, when, model=None):
-    """Greedy decoding would emit argmax(NaN) silently. A reduced draft head is checked at its vocab_ids only."""
-    ids = getattr(model, "vocab_ids", None)
-    if not bool(torch.isfinite(logits if ids is None else logits.index_select(-1, ids)).all()):
-        raise FloatingPointError(f"{name}: NaN or inf logits {when} (NaN / inf weights, or an overflow in "
-                                 f"{logits.dtype})")
-
-
-@contextlib.contextmanager
-def nonfinite_named(last, draft=None):
-    """last = {name: that model's latest logits}: a NaN in a KV cache reaches every later row, so they tell, checked
-    on leaving (no cost inside the timed decode), or at a sampling error mid-decode (multinomial refuses NaN)."""
-    try:
-        yield
-    except RuntimeError as e:
-        for name, logits in last.items():
-            try:
-                check_finite(logits, name, "during the decode", draft if name == "draft" else None)
-            except FloatingPointError as nan:
-                raise nan from e
-        raise
-    for name, logits in last.items():
-        check_finite(logits, name, "at the end of the decode", draft if name == "draft" else None)

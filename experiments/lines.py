@@ -14,7 +14,9 @@ ROOMS = {"reader's path": (READERS_PATH, 1500),
          "measuring": (("bench.py", "rsd.py", "measure/", "ops/cli.py"), 1500),  # ops/cli: the flags' checks
          "infrastructure": (("ops/files.py", "ops/checkpoint.py", "ops/runs.py", "ops/compiled.py"), 750),
          "beyond the paper": (("beyond/",), 450),
-         "real checkpoints": (("real/",), 1650)}
+         "real checkpoints": (("real/",), 1650),
+         # moved out of the reader's path (the measuring-room issue): counted, with no budget of its own
+         "the reader's path's input checks": (("checks.py",), None)}
 
 
 def counts(rev=None):
@@ -34,7 +36,8 @@ def summary(c):
     rooms = {name: sum(n for f, n in c.items() if any(f == m or m.endswith("/") and f.startswith(m) for m in members))
              for name, (members, _) in ROOMS.items()}
     return f"library + scripts {sum(c.values())} (budget 8000); " + "; ".join(
-        f"{name} {n} ({ROOMS[name][1]})" for name, n in rooms.items()) + f"; largest file {max(c.values())}"
+        f"{name} {n}" + (f" ({ROOMS[name][1]})" if ROOMS[name][1] else "") for name, n in rooms.items()) + \
+        f"; largest file {max(c.values())}"
 
 
 def main(argv=None):

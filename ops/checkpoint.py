@@ -21,7 +21,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 import torch
 
-from model import VLA, ModelConfig, VisionConfig, check_vocab_ids, draft_kind
+from checks import check_vocab_ids
+from model import VLA, ModelConfig, VisionConfig, draft_kind
 from ops import files
 from ops.files import atomic_write, new_folders, read_json, remove_stale_tmp
 
