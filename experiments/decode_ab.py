@@ -41,6 +41,18 @@ def modules_of(repo):
         sys.path.remove(repo)
 
 
+def checkouts_args(name, argv, doc, flag, default, what):
+    """The command line of an A/B tool over checkouts (step_ab, greedy_stage_ab): the checkouts and `flag`, how many
+    alternations, checked before any import; the first line printed."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("repos", nargs="+", help="checkouts of this repo")
+    ap.add_argument(flag, type=int, default=default, help=f"{what} over the checkouts, alternating")
+    args = cli.checked(ap, ap.parse_args(argv), counts=(flag[2:],))
+    check_checkouts(ap, args.repos)
+    cli.progress(f"{name}: {getattr(args, flag[2:])} {what} over {', '.join(args.repos)}")
+    return args
+
+
 def check_checkouts(ap, repos):
     """Each checkout's shipped target weights a regular file, before any is imported: one line naming the checkout."""
     with cli.user_errors(ap):

@@ -4,20 +4,14 @@ none; it times the stage rsd.py runs first (issue #51: is the one autoregressive
 
 run: python experiments/greedy_stage_ab.py . ../old-checkout [--visits 2]   (seconds per visit and the tokens written)
 """
-import argparse
 import time
 
-from decode_ab import check_checkouts, cli, modules_of
+from decode_ab import checkouts_args, cli, modules_of
 
 
 @cli.program
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("repos", nargs="+", help="checkouts of this repo")
-    ap.add_argument("--visits", type=int, default=2, help="visits to each checkout, alternating")
-    args = cli.checked(ap, ap.parse_args(argv), counts=("visits",))
-    check_checkouts(ap, args.repos)
-    cli.progress(f"greedy_stage_ab: {args.visits} visit(s) to {', '.join(args.repos)}")
+    args = checkouts_args("greedy_stage_ab", argv, __doc__, "--visits", 2, "visits")
     for visit in range(args.visits):
         for repo in args.repos:
             m = modules_of(repo)

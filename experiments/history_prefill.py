@@ -12,7 +12,6 @@ run: python experiments/history_prefill.py [--out runs/history_prefill.json]
      (the README's numbers: --out experiments/history_prefill.json)
 """
 import argparse
-import json
 import os
 import statistics
 import sys

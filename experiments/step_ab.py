@@ -7,7 +7,6 @@ replaced, and KVCache.write without its one-row branch).
 
 run: python experiments/step_ab.py CHECKOUT_A CHECKOUT_B [...] [--rounds 3]
 """
-import argparse
 import json
 import os
 import sys
@@ -15,7 +14,7 @@ import time
 
 import torch
 
-from decode_ab import check_checkouts, cli, modules_of
+from decode_ab import checkouts_args, cli, modules_of
 
 @torch.no_grad()
 def step_ms(repo, blocks=7, steps=100):
@@ -43,12 +42,7 @@ def step_ms(repo, blocks=7, steps=100):
 
 @cli.program
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("repos", nargs="+", help="checkouts of this repo")
-    ap.add_argument("--rounds", type=int, default=3, help="rounds over the checkouts, alternating")
-    args = cli.checked(ap, ap.parse_args(argv), counts=("rounds",))
-    check_checkouts(ap, args.repos)
-    cli.progress(f"step_ab: {args.rounds} round(s) over {', '.join(args.repos)}")
+    args = checkouts_args("step_ab", argv, __doc__, "--rounds", 3, "rounds")
     torch.set_num_threads(1)
     for r in range(args.rounds):
         for repo in args.repos:

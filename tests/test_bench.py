@@ -12,7 +12,7 @@ import torch
 import bench
 import evaluate
 from model import make_draft
-from ops import cli, files
+from ops import files
 from measure import choose, flags, timing
 import speculate
 from speculate import GREEDY, Sampling

@@ -22,7 +22,7 @@ from evaluate import simulate_rounds, stack_prompts
 import model
 from ops import checkpoint
 import speculate
-from speculate import Sampling, autoregressive, speculative, speculative_batch
+from speculate import autoregressive, speculative, speculative_batch
 import train
 from tree import TreeShape
 

@@ -552,7 +552,6 @@ def test_relaxed_acceptance_bad_flags_are_one_line_before_any_work(tmp_path, cap
 def test_commitments_are_token_ids_checked_before_work(tmp_path, capsys, monkeypatch):
     """--commitments: a bool, a negative or a fractional id, a directory, an id outside the vocabulary (known before
     any work on the toy) are each one line; the Python API (relaxed.Relaxed) refuses the same ids."""
-    from ops import cli
     from beyond.relaxed import Relaxed
     f = tmp_path / "ids.json"
     for ids, msg in (([True, False], "got True"), ([1, True], "got True"), ([3, -1], "got -1"), ([2.5], "got 2.5"),
@@ -580,7 +579,6 @@ def test_commitments_are_token_ids_checked_before_work(tmp_path, capsys, monkeyp
 
 def test_an_exact_bound_is_reported_exact_and_decoded_once():
     """--relaxed typical:0 accepts nothing more: exact verification, no LOSSY label, no second decode (rsd.py)."""
-    from ops import cli
     assert flags.relaxed_rule("typical:0") is None and flags.relaxed_rule("routine:0", default=[3]) is None
     sampling = rsd.parse_args(["--relaxed", "typical:0"])[3]
     assert sampling.relaxed is None and flags.sampling_json(sampling)["verification"] == "exact"
