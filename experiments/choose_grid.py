@@ -49,8 +49,7 @@ def main(argv=None):
         for folder in (checkpoint.SHIPPED, a.run):  # never a checkpoint this run reads or the repo ships
             if os.path.commonpath([os.path.abspath(a.out), os.path.abspath(folder)]) == os.path.abspath(folder):
                 raise ValueError(f"--out {a.out} is inside the checkpoints folder {folder}: write the record elsewhere")
-        if not 0 <= a.test_seed < 2 ** 31:
-            raise ValueError(f"--test-seed takes 0..2**31-1, got {a.test_seed}")
+        cli.check_values(a, [("in 0..2**30-1", ("test_seed",))], flags=True)  # the repo's rule for a seed
         if min(a.prompts, a.batch, a.samples) < 1 or a.prompts % a.batch or a.repeats < 1:
             raise ValueError("--prompts, --batch, --samples and --repeats must be >= 1; --prompts a multiple of "
                              "--batch")

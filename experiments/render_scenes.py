@@ -1,6 +1,7 @@
 """The synthetic world's front-camera raster as ASCII, per scene: both frames side by side (the earlier one | t = 0),
 one character per pixel, under the scene's CoC; a look at what the vision tower reads (driving.render). Moved here
-from `python driving.py --render`.
+from `python driving.py --render`. Paper: the camera images of the VLA's prompt (the toy's stand-in for Alpamayo-R1's
+multi-camera video), whose tokens the FlatRoPE draft's 1D positions step over.
 
 run: python experiments/render_scenes.py --seed 0 --n 6 --split train
 """

@@ -1,5 +1,6 @@
 """speculate.py on a small random target (model.PRESETS["toy-target"], weights of O(1) effect) with a draft that is
 the target plus noise: tau, alpha, and the greedy outputs of both arms compared (equal, the lossless property).
+Paper: the deliberative reasoner p verifying the routine reasoner q's gamma tokens, here without the driving world.
 
 run: python experiments/speculate_demo.py --device cpu [--gamma 4] [--temperature 0]
 """

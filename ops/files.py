@@ -23,11 +23,10 @@ LOCK = ".lock"  # in a run folder: flock'ed by its writer, who writes into it wh
 TMP = re.compile(r"\..+\.\d+\.[0-9a-f]{8}\.tmp")  # atomic_write's temporary files: .<name>.<pid>.<hex>.tmp
 _HELD = set()  # realpaths of the run folders this process holds
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")  # the camera images a scene's cameras/ or an --images-dir folder holds
+SHIPPED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "checkpoints")  # the repo's models
 
 
 # ---- atomic files ----
-SHIPPED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "checkpoints")  # the repo's models
-
 def atomic_write(path, write):
     """write(tmp) to a temporary file beside path, fsync, os.replace over path: a kill at any point leaves the previous
     file (and at most the hidden .tmp). The file gets any other output's permissions (safetensors writes 0600)."""

@@ -127,11 +127,11 @@ def exact_first3(target, prompt_ids, temperature):
 
 @pytest.mark.parametrize("kind", ["chain", "tree"])
 def test_sampled_rows_follow_the_target_law_independently(kind, monkeypatch):
-    """N = 1000 batches of two rows (one prompt, samples=2, batch b seeded 2b: every row its own seed; seeded_rows) on a small VLA
-    and a 1-layer draft: each row's first 3 tokens ~ the target's law (chi-square, level 1e-3), and the pair of the
-    two rows' first tokens ~ the product of their laws (independence). Negative controls at the same N: the chain's
-    verifier handed the wrong q, the tree's one reused draw per round (the law), every row given the same seed
-    (independence)."""
+    """N = 1000 batches of two rows (one prompt, samples=2, batch b seeded 2b: every row its own seed; run as one batch
+    by seeded_rows) on a small VLA and a 1-layer draft: each row's first 3 tokens ~ the target's law (chi-square,
+    level 1e-3), and the pair of the two rows' first tokens ~ the product of their laws (independence). Negative
+    controls at the same N: the chain's verifier handed the wrong q, the tree's one reused draw per round (the law),
+    a prompt's two rows given one seed (independence)."""
     target = small_vla(0)
     torch.manual_seed(3)
     draft = model.make_draft(target, n_layers=1).eval()

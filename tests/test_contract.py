@@ -70,7 +70,8 @@ PROGRAMS = {
                                    "--out {tmp}/p.json --scenes 2 --time-scenes 1 --show 0 --seeds 0 --gamma 2"),
     "experiments/render_scenes.py": ("render_scenes", None, "--n", False, "--n 1"),
     "experiments/speculate_demo.py": ("speculate_demo", None, "--tokens", False, "--tokens 4 --gamma 2"),
-    "experiments/ship_toy.py": ("ship_toy", "folder", None, False, "--run {run} --out {tmp}/ship --kinds flat --seeds 0"),
+    "experiments/ship_toy.py": ("ship_toy", "folder", None, False,
+                                "--run {run} --out {tmp}/ship --kinds flat --seeds 0"),
     # A/B tools over checkouts of the repo ({root}: this one), printing their measurements: no output file
     "experiments/decode_ab.py": ("decode_ab", None, "--pairs", False, "--a {root} --compile --pairs 1 --scenes 1"),
     "experiments/step_ab.py": ("step_ab", None, "--rounds", False, "{root} --rounds 1"),
@@ -101,7 +102,8 @@ def test_every_documented_program_is_in_the_contract():
     missing."""
     docs = documented() | command_lines()
     assert not docs - set(PROGRAMS), f"programs with no contract entry: {sorted(docs - set(PROGRAMS))}"
-    assert not set(PROGRAMS) - docs, f"contract entries no doc names and no command line: {sorted(set(PROGRAMS) - docs)}"
+    extra = sorted(set(PROGRAMS) - docs)
+    assert not extra, f"contract entries no doc names and no command line: {extra}"
     for name, spec in PROGRAMS.items():
         assert os.path.isfile(os.path.join(ROOT, name.replace(".", "/") + ".py" if spec[0].startswith("real.") else
                                            name)), name

@@ -162,9 +162,9 @@ def reduced_toy(q_logits, ids):
 
 @pytest.mark.parametrize("temperature,top_k,top_p,gamma", [(1.0, None, None, 3), (0.7, 3, 0.9, 2)])
 def test_sampling_with_a_reduced_draft_is_lossless(temperature, top_k, top_p, gamma, monkeypatch):
-    """The whole loop, a decode per sample with its own seed (seeded_rows): with a draft that covers 2 of the 4 ids, the first
-    3 tokens still follow the target chain (chi-square, level 1e-3, N = 6000): the residual max(0, p - q) supplies
-    the ids outside the set. Negative control: a verifier that restricts p to the draft's set is rejected."""
+    """The whole loop, a decode per sample with its own seed (seeded_rows): with a draft that covers 2 of the 4 ids,
+    the first 3 tokens still follow the target chain (chi-square, level 1e-3, N = 6000): the residual max(0, p - q)
+    supplies the ids outside the set. Negative control: a verifier that restricts p to the draft's set is rejected."""
     V, x0, N = 4, 1, 6000
     ids = torch.tensor([0, 2])
     p_logits, q_logits = markov_pair(V, seed=13)

@@ -7,8 +7,8 @@ probability 1e-3; the token-level rule at the same bound, the negative control, 
 run: python -m pytest -q tests/test_relaxed.py
 """
 import pytest
-from test_speculate import (SIGNIFICANCE, ToyLM, chi_square, drafts_for, markov_pair, prompt_of, seeded_rows, tiny_target,
-                            vla_prompts)
+from test_speculate import (SIGNIFICANCE, ToyLM, chi_square, drafts_for, markov_pair, prompt_of, seeded_rows,
+                            tiny_target, vla_prompts)
 from test_tree import markov_tree
 import torch
 

@@ -44,6 +44,10 @@ class ToyCache(model.KVCache):
         super().__init__(0, batch, 1, max_len, 1)
         self.tokens = torch.full((batch, max_len), -1, dtype=torch.long)  # (B, max_len)
 
+    def move(self, src, dst):  # KVCache.move's contract on the tokens: row b's slots src[b] to dst[b] (B, m)
+        rows = torch.arange(len(src))[:, None]  # (B, 1)
+        self.tokens[rows, dst] = self.tokens[rows, src]
+
 
 class ToyLM(torch.nn.Module):
     """logits_i = A[x_i] + B[h_i], h_i = sum_{j <= i} (j + 1) x_j mod V.
