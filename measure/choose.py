@@ -42,14 +42,23 @@ CACHE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # --compile's target step lengths: a chain's or a tree's verify runs padded to the next (ops/compiled.py), so the 8
 # chains and the family compile 7 graphs, and the profile times each chain at its padded length
 COMPILED_LENGTHS = (1, 2, 3, 5, 9, 17, 33)
-PROFILE_METHOD = 4  # bumped when measure_profile measures another way: a cached profile of the old way is stale
-REPS, ROUNDS = 3, 3  # each profiled forward: the least over ROUNDS rounds of the median of REPS calls
+PROFILE_METHOD = 5  # bumped when measure_profile measures another way: a cached profile of the old way is stale
+# each profiled forward: the least over ROUNDS rounds of the median (here: the mean) of REPS calls, after a warm-up
+# round of REPS calls (least_of_rounds')
+REPS, ROUNDS = 2, 3
+# each real decode timed: the least of DECODE_ROUNDS, no warm-up round (a decode's time per round is already a mean
+# over its rounds, and the forwards timed before it have run its shapes); a decode at 6 rows costs as much as 50
+# forwards, and these decodes are most of the profile's seconds
+DECODE_ROUNDS = 2
 # the real decodes whose time per round, less the profile's forwards, is a round's overhead: target-only's step, a tree
 # round's, and a chain's as a + b gamma (each draft step's feed and argmax beside its forward) from the shortest and
 # the longest chain
 OVERHEAD_DECODERS = {"target-only": None, "chain 1": Chain(1), "chain 8": Chain(8), "tree": FAMILY[1]}
 VAL_PLANS = 16  # the val plans whose rounds choose (of --batch prompts each: a plan's rounds are its slowest row's)
 TIMED_TOP = 2  # the chooser times real decodes of the fastest predicted candidates until these many are timed ones
+# or MAX_TIMED candidates are: each costs two decodes of a plan, and where many candidates lie within a few percent of
+# each other the ranking could move after every timing
+MAX_TIMED = 4
 NATIVE_BF16 = ("avx512_bf16", "amx_bf16")  # /proc/cpuinfo flags of a CPU whose matrix units multiply bf16 natively
 
 
@@ -164,7 +173,8 @@ def measure_profile(target, draft, prompt, rows=1, stop_token=None, max_new=eval
         x = prompt["input_ids"][:, -1:].repeat(rows, n)  # (B, n): values do not change the work
         slots = cache.slots(n)  # (B, n)
         mask = causal_mask(slots, cache, cache.max_len if tree else cache.length + n)  # (B, n, S)
-        return lambda: timing.median_time(lambda: m.step(x, slots, cache, positions=slots, mask=mask), device, REPS)
+        step = lambda: m.step(x, slots, cache, positions=slots, mask=mask)  # noqa: E731
+        return lambda: timing.median_time(step, device, REPS, warmup=0)  # least_of_rounds' round warms it up
 
     # tree.grow from the draft's root logits (timing.grow_time's, on B rows): the D - 1 levels and the tree's
     # construction, written past the committed length, nothing committed: re-runnable
@@ -174,15 +184,15 @@ def measure_profile(target, draft, prompt, rows=1, stop_token=None, max_new=eval
     grow = getattr(draft, "fused", lambda f: f)(tree.grow)
 
     def levels(sh):
-        return lambda: timing.median_time(lambda: grow(draft, grown, q, root, sh), device, REPS)
+        return lambda: timing.median_time(lambda: grow(draft, grown, q, root, sh), device, REPS, warmup=0)
 
     timers = {**{("target", n): forward(target, n) for n in range(1, max(GAMMAS) + 2)},
               **{("verify", sh.nodes): forward(target, sh.nodes + 1, tree=True) for sh in FAMILY},
               **{("draft", n): forward(draft, n) for n in (1, 2)},
-              **{("grow", shape_key(sh)): levels(sh) for sh in FAMILY},
-              **{("decode", kind): decode_timer(target, draft, prompt, d, rows, stop_token, max_new)
-                 for kind, d in OVERHEAD_DECODERS.items()}}
-    least = least_of_rounds(timers)
+              **{("grow", shape_key(sh)): levels(sh) for sh in FAMILY}}
+    least = least_of_rounds(timers) | least_of_rounds(
+        {("decode", kind): decode_timer(target, draft, prompt, d, rows, stop_token, max_new)
+         for kind, d in OVERHEAD_DECODERS.items()}, DECODE_ROUNDS, warm=False)
     prof = {}
     for (kind, n), t in least.items():
         prof.setdefault(kind, {})[n] = t
@@ -200,14 +210,14 @@ def measure_profile(target, draft, prompt, rows=1, stop_token=None, max_new=eval
     return prof
 
 
-def least_of_rounds(timers):
-    """{what: the least of ROUNDS timings} of each timer (a callable -> s), after a warm-up round, untimed (first
-    calls allocate and pick kernels); every timer runs in every round, the order rotated from round to round: a
-    machine's load that comes and goes only adds time."""
-    for t in timers.values():
+def least_of_rounds(timers, rounds=None, warm=True):
+    """{what: the least of `rounds` (None: ROUNDS) timings} of each timer (a callable -> s), after a warm-up round, untimed, if warm
+    (first calls allocate and pick kernels); every timer runs in every round, the order rotated from round to round:
+    a machine's load that comes and goes only adds time."""
+    for t in timers.values() if warm else ():
         t()
     least = {}
-    for r in range(ROUNDS):
+    for r in range(rounds or ROUNDS):
         for what in list(timers)[r:] + list(timers)[:r]:
             t = timers[what]()
             least[what] = min(least.get(what, t), t)
@@ -260,7 +270,7 @@ def timed_rounds(prof, acceptance, rows, target, draft, plan, samples, sampling,
     """prof with the rounds of real decodes of a val plan (prof["rounds"]: its rows, their own prompts, the decoding
     that will run; the profile's own decodes copy one prompt's row and run greedy) for target-only and the TIMED_TOP
     fastest predicted candidates: each one not yet timed is timed (least_of_rounds over decode_timer, cached as the
-    profile is) and the ranking redone, until the top TIMED_TOP are timed rounds."""
+    profile is) and the ranking redone, until the top TIMED_TOP are timed rounds or MAX_TIMED candidates are timed."""
     dtype = next(getattr(target, "model", target).parameters()).dtype
     ids = hashlib.sha256(plan["input_ids"].cpu().numpy().tobytes()).hexdigest()[:16]
     base = profile_key(target, draft, plan, dtype, mode, rows) | {"plan": ids, "samples": samples,
@@ -268,12 +278,15 @@ def timed_rounds(prof, acceptance, rows, target, draft, plan, samples, sampling,
     prof = prof | {"rounds": {}}
     for _ in range(len(candidates())):
         top = [None, *choose(predict(prof, acceptance, rows))[:TIMED_TOP]]
-        if not (todo := list({name(c): c for c in top if name(c) not in prof["rounds"]}.values())):
+        todo = list({name(c): c for c in top if name(c) not in prof["rounds"]}.values())
+        todo = todo[:MAX_TIMED + 1 - len(prof["rounds"])]  # + 1: target-only, timed first
+        if not todo:
             return prof
         cli.progress(f"timing real decodes of a val plan: {', '.join(map(name, todo))} (the fastest predicted)")
         timers = {name(c): decode_timer(target, draft, plan, c, rows, stop_token, max_new, samples, sampling)
                   for c in todo}
-        got, _ = cached("rounds", base | {"decoders": sorted(timers)}, lambda: least_of_rounds(timers), reprofile)
+        got, _ = cached("rounds", base | {"decoders": sorted(timers)},
+                        lambda: least_of_rounds(timers, DECODE_ROUNDS, warm=False), reprofile)
         prof = prof | {"rounds": prof["rounds"] | got}
     return prof
 

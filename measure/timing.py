@@ -272,9 +272,10 @@ class Run:
     result: object  # what the call returned (a SpecResult's decode_s: the decoder's own clock)
 
 
-def median_time(fn, device, reps, timer=time.perf_counter):
-    """Median time (s) of fn() over reps calls, after one warm-up call, read with Clock (timer: its clock)."""
-    fn()
+def median_time(fn, device, reps, timer=time.perf_counter, warmup=1):
+    """Median time (s) of fn() over reps calls, after `warmup` untimed calls, read with Clock (timer: its clock)."""
+    for _ in range(warmup):
+        fn()
     clock, times = Clock(device, enabled=True, timer=timer), []
     for _ in range(reps):
         clock.lap()
