@@ -178,8 +178,16 @@ def toy(args, device, dtype, sampling):
         rate = driving.event_rate(args.stream_interval)
         clips = [evaluate.scene_prompts(c, tok, device, dtype, args.views)
                  for c in driving.make_clips("test", args.prompts, args.stream, args.stream_interval, rate)]
-        return stream_mode(args, target, draft, clips, args.stream_interval, rate, tok.cot_end_id, sampling) | {
-            "draft": draft_dir, "target": target_dir}
+        chosen = {}
+        if args.choose:  # the tree the stream runs: the chooser's for one frame's plan on this machine
+            args.decoder, chosen["choice"] = chooser.stream_tree(
+                target, draft, split("val", chooser.VAL_PLANS), args.max_new, tok.cot_end_id, sampling, args.samples,
+                args.reprofile)
+        res = stream_mode(args, target, draft, clips, args.stream_interval, rate, tok.cot_end_id, sampling)
+        if chosen:  # what the chosen tree measured here: the tree arm, frame by frame (target-only: 1)
+            chosen["choice"]["measured"] = {TARGET_ONLY: 1.0, chooser.name(args.decoder): res["stream"]["arms"][
+                "tree"]["speedup"]}
+        return res | {"draft": draft_dir, "target": target_dir} | chosen
     prompts = split("test", args.prompts)
     if args.batch > 1 or args.samples > 1:  # plans of several rows, decoded as one batch
         decoder, beside, chosen = args.decoder, args.gamma, None
@@ -210,9 +218,10 @@ def toy(args, device, dtype, sampling):
 
 def stream_mode(args, target, draft, clips, interval, rate, stop, sampling=GREEDY):
     """Plans in a stream: clips (each its frames' prompts in order), the four arms of measure.timing.stream_arms (the
-    tree of --tree, or the chain of --gamma as the tree of width 1); rate: the toy's events a frame (None: real)."""
-    g = args.gamma
-    shape = args.tree or TreeShape(g, g, 1)
+    tree of --tree or the chooser's, or the chain of --gamma as the tree of width 1); rate: the toy's events a frame
+    (None: real)."""
+    g = args.decoder
+    shape = g if isinstance(g, TreeShape) else TreeShape(g, g, 1)
     cli.progress(f"timing 4 arms: {args.repeats} passes over {len(clips)} clip(s) of {args.stream} frames, "
                  f"{args.samples} row(s) a frame")
     arms, _ = timing.stream_arms(target, draft, clips, shape, args.max_new, stop, args.repeats, samples=args.samples,
@@ -322,7 +331,8 @@ def report(res):
                                 [f"greedy         every frame's plan identical to target-only: "
                                  f"{'yes' if res['greedy_match'] else 'NO'}" if res["greedy_match"] is not None else
                                  "sampled        plans not compared token by token (each draws its own CoCs; the law "
-                                 "is kept: tests/test_stream.py)"]))
+                                 "is kept: tests/test_stream.py)"] +
+                                [f"{k:<15}{t}" for k, t in (choice_lines(res["choice"]) if "choice" in res else [])]))
     if res["mode"] == "plans":
         p = res["plan"]
         action = [f"action step    {p['action_ms']:.1f} ms: the prompt's prefill, the first plan's {p['rows']} CoCs "
@@ -498,7 +508,9 @@ def check_flags(ap, args):
     toy_mode = not (args.target or args.preset)
     plan = args.samples > 1 or args.batch > 1
     # no decoder named: the toy's is measure.choose's; --gamma alone names the chain
-    args.choose = args.tree is None and args.gamma is None and toy_mode and not args.stream and not args.relaxed
+    # (the compiled stream: its tree is --tree's; the chooser's compiled profile is not run for it)
+    args.choose = args.tree is None and args.gamma is None and toy_mode and not args.relaxed and not (
+        args.stream and args.compile)
     args.tree = 0 if args.tree is None and args.gamma is not None else args.tree
     args.gamma = evaluate.GAMMA if args.gamma is None else args.gamma
     args.tree = evaluate.TREE if args.tree is None else args.tree
@@ -526,7 +538,7 @@ def check_flags(ap, args):
                       f"{args.batch}: every plan has --batch prompts (a partial last plan would be dropped)"),
                      (args.repeats < 3, "--repeats must be >= 3 (the median of at least three passes is reported)"),
                      (args.reprofile and not args.choose, "--reprofile measures the chooser's profile again: it goes "
-                      "with the toy's chosen decoder (no --tree, --gamma, --stream or --relaxed)"),
+                      "with the toy's chosen decoder (no --tree, --gamma or --relaxed, no --compile --stream)"),
                      (args.threads is not None and args.threads < 1,
                       f"--threads must be >= 1 (omit it for torch's default), got {args.threads}"),
                      (not 0 <= args.views <= driving.MAX_VIEWS, f"--views must be in 0..{driving.MAX_VIEWS} (the "

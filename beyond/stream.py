@@ -35,9 +35,9 @@ M, ALPHA = 32, 2  # the stream's most nodes a round (a fixed shape), tokens prop
 SWAP = True  # lookup's swap (step over one differing token)
 SKIP = 8  # a steady round whose proposals all reach SKIP tokens runs no model tree (None: never)
 K_FRAMES = 2  # sampled rows: the frames before whose every row the index holds
-# sampled rows, chosen on validation clips (python experiments/stream.py --split val ...; the README says how): alpha,
-# and the routine reasoner's tree merged with the trie (the single-frame tree's draft forwards cost more than they add)
-SAMPLED_ALPHA, SAMPLED_TREE = 4, tree.TreeShape(16, 6, 3)
+# sampled rows' alpha, chosen on validation clips (python experiments/stream.py --split val ...; the README says how);
+# the tree merged with the trie is the machine's (measure.choose.stream_tree)
+SAMPLED_ALPHA = 4
 STEADY = True  # read steady rows (the two plans before agree); False: the one plan before, as first measured
 
 

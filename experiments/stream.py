@@ -28,21 +28,22 @@ import driving  # noqa: E402
 import numpy as np  # noqa: E402
 import evaluate  # noqa: E402
 from ops import checkpoint, cli, files  # noqa: E402
-from measure import flags, timing  # noqa: E402
+from measure import choose as chooser, flags, timing  # noqa: E402
 from speculate import GREEDY, SpecResult  # noqa: E402
 
 def setting(target, drafts, tok, n, frames, interval, rate, blocks, spread, samples=1, sampling=GREEDY, clip_seed=0,
-            compile=False, split="test", merged=None, reword=None, **stream_kw):
+            compile=False, split="test", shape=evaluate.TREE, merged=None, reword=None, **stream_kw):
     """One (interval, rate): the four arms timed on n held-out clips (measure.timing.stream_arms), each frame's plan
     `samples` rows under `sampling`; drafts[1:] (the other seeds) decode the same clips for tau only. stream_kw: the
-    lookup's settings (Stream's M, alpha, ...); split: "val" to choose on; merged: tree+stream's tree (None: the
-    tree arm's); reword: the rewording rate r of the earlier plans (beyond/stream.reword; None: none)."""
+    lookup's settings (Stream's M, alpha, ...); split: "val" to choose on; shape: the tree arm's tree; merged:
+    tree+stream's tree (None: shape); reword: the rewording rate r of the earlier plans (beyond/stream.reword; None:
+    none)."""
     clips = [evaluate.scene_prompts(c, tok, "cpu")
              for c in driving.make_clips(split, n, frames, interval, rate, seed=clip_seed)]
     stop, kw = tok.cot_end_id, dict(samples=samples, sampling=sampling, merged=merged, **stream_kw)
     rng = (lambda i: functools.partial(stream.reword, r=reword, rng=np.random.default_rng([clip_seed, 7, i]), tok=tok)
            ) if reword is not None else None  # clip i's rewording, its own generator
-    arms, res = timing.stream_arms(target, drafts[0], clips, evaluate.TREE, evaluate.MAX_NEW_TOKENS, stop, 1, blocks,
+    arms, res = timing.stream_arms(target, drafts[0], clips, shape, evaluate.MAX_NEW_TOKENS, stop, 1, blocks,
                                    compile=compile, reword=rng, **kw)
     rows = (lambda f: f) if samples > 1 else (lambda f: [f])
     ref = [[[r.tokens for r in rows(f)] for f in clip] for clip in res["target-only"]]  # [clip][frame][row]
@@ -51,7 +52,7 @@ def setting(target, drafts, tok, n, frames, interval, rate, blocks, spread, samp
            "coc_changed": sum(a != b for c in ref for a, b in zip(c, c[1:])) / (n * (frames - 1)), **arms}
     for a in ("tree", "tree+stream") if spread else ():  # tau of the other seeds' drafts, the same clips, untimed
         out[a]["tau_by_seed"] = [out[a]["tau"]] + [SpecResult.pooled([r for c in clips for f in decode_clip(
-            target, d, c, a, evaluate.TREE, evaluate.MAX_NEW_TOKENS, stop, **kw) for r in rows(f)]).tau
+            target, d, c, a, shape, evaluate.MAX_NEW_TOKENS, stop, **kw) for r in rows(f)]).tau
             for d in drafts[1:]]
     return out
 
@@ -83,8 +84,10 @@ def main(argv=None):
     ap.add_argument("--top-p", type=float, default=None, help="nucleus sampling (Alpamayo-R1: 0.98)")
     ap.add_argument("--clip-seed", type=int, default=0, help="the held-out clips' generator seed (a claim measured "
                     "once spends its clips: the next one draws a new seed)")
-    ap.add_argument("--merged", default=None, help="N/D/k: the tree merged with the stream (default: the tree arm's, "
-                    "evaluate.TREE; sampled rows: beyond/stream.SAMPLED_TREE)")
+    ap.add_argument("--tree", default=None, help="N/D/k: the tree arm's tree (default: the chooser's for one frame's "
+                    "plan on this machine, measure.choose on val scenes, eager; with --compile "
+                    f"{chooser.shape_key(evaluate.TREE)}, evaluate.TREE)")
+    ap.add_argument("--merged", default=None, help="N/D/k: the tree merged with the stream (default: the tree arm's)")
     ap.add_argument("--reword", default=None, help="rewording rates r in [0, 1], comma-separated: the default setting "
                     "at each r on --sweep-clips clips, its earlier plans reworded (beyond/stream.reword), instead of the "
                     "settings")
@@ -123,7 +126,8 @@ def main(argv=None):
             raise ValueError(f"--M and --alpha take ints >= 1, --skip an int >= 1 or '-'; got {a.M}, {a.alpha}, "
                              f"{a.skip!r}") from None
         merged = None if a.merged is None else flags.tree_shape(a.merged, "--merged")
-        merged = stream.SAMPLED_TREE if merged is None and a.samples > 1 else merged  # sampled rows' tree
+        shape = None if a.tree is None else flags.tree_shape(a.tree, "--tree")
+        shape = evaluate.TREE if shape is None and a.compile else shape  # the chooser's compiled profile: not here
         if a.clip_seed < 0:
             raise ValueError(f"--clip-seed takes an int >= 0, got {a.clip_seed}")
         sampling = flags.sampling(a.temperature, None, a.top_p, a.clip_seed)
@@ -148,6 +152,11 @@ def main(argv=None):
         drafts = [checkpoint.load(checkpoint.draft_dir(a.run, "flat", s), target=target).eval()
                   for s in range(a.seeds)]
         tok, blocks = driving.Tokenizer(), 8
+        choice = None
+        if shape is None:  # the tree for this machine: the chooser's, on val plans of the decoding that runs
+            val = evaluate.scene_prompts(driving.make_split("val", chooser.VAL_PLANS, seed=0), tok, "cpu")
+            shape, choice = chooser.stream_tree(target, drafts[0], val, evaluate.MAX_NEW_TOKENS, tok.cot_end_id,
+                                                sampling, a.samples)
         # the claims' settings first (the JSON is written after each setting: a stopped run keeps what it measured)
         claims = [(0.5, driving.event_rate(0.5)), (0.5, 1.0)]
         settings = claims + [s for s in [(0.5, r) for r in rates] + [(0.1, driving.event_rate(0.1))] if s not in claims]
@@ -155,7 +164,7 @@ def main(argv=None):
         settings = [(0.5, driving.event_rate(0.5), r) for r in rewords] if rewords else [s + (None,) for s in settings]
         sib = {"siblings": a.samples, "frames_back": stream.K_FRAMES} if a.samples > 1 else {}
         res = {"command": "python experiments/stream.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-               "tree": [evaluate.TREE.nodes, evaluate.TREE.depth, evaluate.TREE.width], "split": a.split,
+               "tree": [shape.nodes, shape.depth, shape.width], "choice": choice, "split": a.split,
                "merged": None if merged is None else [merged.nodes, merged.depth, merged.width],
                **{f"stream_{k}": v for k, v in stream.settings(**kw, **sib).items()}, "clip_seed": a.clip_seed,
                "decoding": flags.sampling_json(sampling), "samples": a.samples, "compiled": a.compile,
@@ -167,7 +176,7 @@ def main(argv=None):
             res["settings"].append(setting(target, drafts, tok, n, a.frames, interval, rate, blocks,
                                            (interval, rate) in claims and r is None and a.seeds > 1, a.samples,
                                            sampling,
-                                           a.clip_seed, a.compile, a.split, merged, r, **kw))
+                                           a.clip_seed, a.compile, a.split, shape, merged, r, **kw))
             files.write_json(a.out, res | {"complete": len(res["settings"]) == len(settings)} | cli.ran(a, t0, cpu0))
         rows = sorted(res["settings"], key=lambda r: (-r["interval_s"], r["event_rate"], r.get("reword", 0)))
         res["settings"] = rows

@@ -344,6 +344,17 @@ def choose(predicted):
     return sorted(candidates(), key=lambda c: -predicted[name(c)]["predicted_speedup"])
 
 
+def stream_tree(target, draft, val_prompts, max_new, stop_token, sampling=GREEDY, samples=1, reprofile=False):
+    """The tree a stream runs (beyond/stream.py: its tree arm's, and the tree merged with the stream's proposal): the
+    chooser's fastest decoder for one frame's plan of `samples` rows on this machine, eager (val_prompts: batch-1 val
+    prompts, each a plan); a chain of gamma as the tree of width 1, target-only passed over (the stream's target-only
+    arm is timed beside it). -> (TreeShape, the chooser's record)."""
+    ranked, rec = choice(target, draft, val_prompts[0], val_prompts, max_new, stop_token, sampling, samples,
+                         reprofile=reprofile)
+    best = next(c for c in ranked if c is not None)
+    return (best if best.kind == "tree" else TreeShape(best.gamma, best.gamma, 1)), rec
+
+
 def choice(target, draft, prompt, val_plans, max_new, stop_token, sampling=GREEDY, samples=1, mode="eager",
            reprofile=False):
     """The chooser end to end -> (the candidates ranked, fastest predicted first; the record: the profile, each

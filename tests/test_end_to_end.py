@@ -226,11 +226,16 @@ def test_bench_stream_times_four_arms_on_clips(run_dir, capsys):
         assert a["speedup_range"][0] - 1e-9 <= a["speedup"] <= a["speedup_range"][1] + 1e-9, arm  # a mediant
     assert st["arms"]["target-only"]["tau"] == 1.0 and out["what_ran"]["flags"]["stream"] == 3
     # issue #60: a sampled plan of 3 rows a frame, the stream's trie from the frames before and the siblings
+    # no --tree: the tree is the chooser's for one frame's plan of 3 sampled rows on this machine (a chain as the tree
+    # of width 1), and the report says what it predicted and what the tree arm measured
     bench.main(["--run", str(run_dir), "--stream", "3", "--prompts", "2", "--dtype", "fp32", "--views", str(VIEWS),
-                "--max-new", "8", "--tree", "4/2/3", "--samples", "3", "--temperature", "0.6",
-                "--top-p", "0.98", "--json"])
-    out = last_json(capsys)
-    st = out["stream"]
+                "--max-new", "8", "--samples", "3", "--temperature", "0.6", "--top-p", "0.98", "--json"])
+    printed = capsys.readouterr().out
+    out = json.loads(printed.strip().splitlines()[-1])
+    st, ch, d = out["stream"], out["choice"], out["decoder"]
+    name = f"tree {d['nodes']}/{d['depth']}/{d['width']}"
+    assert ch["rows"] == 3 and (ch["chosen"] == name or ch["chosen"] == f"chain {d['depth']}" and d["width"] == 1)
+    assert ch["measured"][name] == st["arms"]["tree"]["speedup"] and "chosen " in printed
     assert out["greedy_match"] is None and not out["lossy"] and out["decoding"]["mode"] == "sampling"
     assert st["samples"] == 3 and st["siblings"] == 3 and st["frames_back"] == stream.K_FRAMES
     for arm, a in st["arms"].items():
