@@ -6,14 +6,14 @@ Paper: RSD accelerates the reasoning step; the prefill, shared by both arms, is 
 KV-cached forward and dtype in both arms, every shape warmed up, the device synchronised before each clock reading,
 the arms alternating within each repeat, medians reported; greedy outputs compared token by token. With no --tree
 or --gamma the toy's decoder (and with --dtype auto every mode's dtype) is chosen for the machine that runs
-(measure/choose.py: target-only, chains, trees), its runner-up timed beside it. Random weights (--preset, or --target
+(measure/choose.py: target-only, chains, trees), its runner-up timed beside it. Random weights (`preset`, or `real`
 without --draft): read the cost model (experiments/gpu_check.py predicts the speed-up at the real shape from the
-toy's recorded acceptance).
+toy's recorded acceptance). The mode is a subcommand with its own flags (`bench.py MODE -h`); with none, the toy.
 
-run: python bench.py --device cpu [--compile]                          (the toy, from the shipped checkpoints/toy)
-     python bench.py --device cuda --preset qwen3-vl-8b [--draft-vocab 32768]  (real shapes, random weights)
-     python bench.py --device cuda --target PATH [--draft PATH]   (a Hugging Face / Alpamayo folder: alpamayo.py)
-     python bench.py --device cuda --target PATH --draft PATH --scenes SCENES --tree 0   (held out: alpamayo.heldout)
+run: python bench.py [toy] --device cpu [--compile]                    (the toy, from the shipped checkpoints/toy)
+     python bench.py preset qwen3-vl-8b --device cuda [--draft-vocab 32768]  (real shapes, random weights)
+     python bench.py real --device cuda --target PATH [--draft PATH]   (a Hugging Face / Alpamayo folder: alpamayo.py)
+     python bench.py real --device cuda --target PATH --draft PATH --scenes SCENES --tree 0     (held out: heldout)
 """
 import argparse
 import contextlib
@@ -178,16 +178,12 @@ def toy(args, device, dtype, sampling):
         rate = driving.event_rate(args.stream_interval)
         clips = [evaluate.scene_prompts(c, tok, device, dtype, args.views)
                  for c in driving.make_clips("test", args.prompts, args.stream, args.stream_interval, rate)]
-        chosen = {}
+        chosen = None
         if args.choose:  # the tree the stream runs: the chooser's for one frame's plan on this machine
-            args.decoder, chosen["choice"] = chooser.stream_tree(
-                target, draft, split("val", chooser.VAL_PLANS), args.max_new, tok.cot_end_id, sampling, args.samples,
-                args.reprofile)
-        res = stream_mode(args, target, draft, clips, args.stream_interval, rate, tok.cot_end_id, sampling)
-        if chosen:  # what the chosen tree measured here: the tree arm, frame by frame (target-only: 1)
-            chosen["choice"]["measured"] = {TARGET_ONLY: 1.0, chooser.name(args.decoder): res["stream"]["arms"][
-                "tree"]["speedup"]}
-        return res | {"draft": draft_dir, "target": target_dir} | chosen
+            args.decoder, chosen = chooser.stream_tree(target, draft, split("val", chooser.VAL_PLANS), args.max_new,
+                                                       tok.cot_end_id, sampling, args.samples, args.reprofile)
+        return stream_mode(args, target, draft, clips, args.stream_interval, rate, tok.cot_end_id, sampling,
+                           chosen) | {"draft": draft_dir, "target": target_dir}
     prompts = split("test", args.prompts)
     if args.batch > 1 or args.samples > 1:  # plans of several rows, decoded as one batch
         decoder, beside, chosen = args.decoder, args.gamma, None
@@ -216,10 +212,10 @@ def toy(args, device, dtype, sampling):
     return res
 
 
-def stream_mode(args, target, draft, clips, interval, rate, stop, sampling=GREEDY):
+def stream_mode(args, target, draft, clips, interval, rate, stop, sampling=GREEDY, choice=None):
     """Plans in a stream: clips (each its frames' prompts in order), the four arms of measure.timing.stream_arms (the
     tree of --tree or the chooser's, or the chain of --gamma as the tree of width 1); rate: the toy's events a frame
-    (None: real)."""
+    (None: real); choice: the chooser's record, where it chose the tree (the tree arm: what it measured here)."""
     g = args.decoder
     shape = g if isinstance(g, TreeShape) else TreeShape(g, g, 1)
     cli.progress(f"timing 4 arms: {args.repeats} passes over {len(clips)} clip(s) of {args.stream} frames, "
@@ -228,11 +224,12 @@ def stream_mode(args, target, draft, clips, interval, rate, stop, sampling=GREED
                                  sampling=sampling, compile=args.compile)
     greedy = None if not sampling.greedy else not any(a["frames_differing"] for a in arms.values())
     sib = {"siblings": args.samples, "frames_back": stream.K_FRAMES} if args.samples > 1 else {}
+    measured = {"measured": {TARGET_ONLY: 1.0, chooser.name(shape): arms["tree"]["speedup"]}}
     return {"mode": "stream", "decoding": flags.sampling_json(sampling), "decoder": timing.decoder_json(args.decoder),
             **flags.identity(greedy), "stream": {"clips": len(clips), "frames": args.stream, "interval_s": interval,
-                                               "compiled": args.compile,
-                                               "event_rate": rate, "samples": args.samples,
-                                               **stream.settings(**sib), "arms": arms}}
+                                               "compiled": args.compile, "event_rate": rate, "samples": args.samples,
+                                               **stream.settings(**sib), "arms": arms},
+            **({"choice": choice | measured} if choice else {})}
 
 
 def build_preset(name, device, dtype, layers=None, draft_vocab=0):
@@ -250,6 +247,7 @@ def build_preset(name, device, dtype, layers=None, draft_vocab=0):
 
 def real(args, device, dtype, sampling):
     """A real checkpoint (--target: the whole plan on pixels, alpamayo.py), or a real shape with random weights."""
+    cli.progress(f"reading --target {args.target}" if args.target else f"building {args.preset} with random weights")
     if args.target:  # its config read, before any weights or decoding
         check_fits(args, hf.read_config(args.target)[0], args.draft and checkpoint.header(args.draft)[1].draft_vocab)
     extra, past = {}, alpamayo.history_poses()  # a plan's history: the generated prompt's straight 8 m/s
@@ -415,64 +413,120 @@ def plan_lines(p):
     return lines
 
 
-# ---- the flags ----
+# ---- the flags: one subcommand a mode, each with its own flags ----
+MODES = {"toy": "the shipped toy checkpoints on held-out scenes of the synthetic world (the default mode)",
+         "preset": "a real model's shape with random weights (read the cost model)",
+         "real": "a real checkpoint: a Hugging Face Qwen-VL or Alpamayo folder"}
+
+
+def flag_groups():
+    """Parent parsers: every mode's flags, the toy's and a real checkpoint's (plans of rows, clips), the toy's own."""
+    common = argparse.ArgumentParser(add_help=False)  # every mode's flags
+    common.add_argument("--dtype", default="auto", choices=["auto", *sorted(cli.DTYPES)], help="weights, activations "
+                        "and KV cache; auto: bf16 where the hardware runs it natively (CUDA, a CPU with AVX-512 BF16 "
+                        "or AMX), else fp32 (measure.choose.auto_dtype)")
+    common.add_argument("--device", default="cpu", help="cpu or cuda")
+    common.add_argument("--out", default=None, help=f"write the report's JSON here (toy default {TOY_JSON}; none for "
+                        "a real model)")
+    for flag, default, rule, text in (
+            ("--gamma", None, ">= 1", "the chain's draft length: alone, the chain of gamma runs (as --tree 0); "
+                                      f"beside a --tree, the chain timed with it (default {evaluate.GAMMA})"),
+            ("--max-new", evaluate.MAX_NEW_TOKENS, ">= 1", "reasoning tokens per prompt at most"),
+            ("--repeats", 3, ">= 3", "timed passes (median reported), >= 3"),
+            ("--threads", None, ">= 1", "CPU threads (default: torch's)")):
+        common.add_argument(flag, type=cli.typed(rule), default=default, help=text)
+    common.add_argument("--tree", type=flags.tree_arg(), help="N/D/k: a draft tree of N nodes, depth D, k nodes "
+                        "expanded per level and children per node; 0: the chain of --gamma (default: the toy's decoder "
+                        "is chosen for this machine, measure.choose: target-only, the chains of gamma 1-8 or a tree of "
+                        "its family, the runner-up timed beside it; a real model's "
+                        f"{chooser.shape_key(evaluate.TREE)})")
+    common.add_argument("--compile", action="store_true", help="also every arm through torch.compile'd steps")
+    common.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    decoding = "> 0 times both arms sampling (Alpamayo-R1 samples its CoC at 0.6, top-p 0.98)"
+    flags.add_decoding_flags(common, decoding, relaxed=False)
+    plans = argparse.ArgumentParser(add_help=False)  # the toy's and a real checkpoint's: plans of rows, clips
+    plans.add_argument("--samples", type=cli.typed(">= 1"), default=1, help="rows per prompt (toy) or scene (real "
+                       "--scenes), each its own sampled CoC, decoded as one batch (Alpamayo-R1 runs 6 at "
+                       "--temperature 0.6 --top-p 0.98)")
+    plans.add_argument("--stream", type=int, default=0, help="plans in a stream (beyond/stream.py): --prompts held-out "
+                       "toy clips of this many frames, or the first this many --scenes (name order) as one clip, each "
+                       "frame drafted from the plan before; target-only, the tree (or chain) alone, the stream alone "
+                       "and both timed interleaved (0: off)")
+    flags.add_relaxed_flags(plans)  # not a preset's: relaxed acceptance is priced in a plan's trajectory
+    toy = argparse.ArgumentParser(add_help=False)
+    toy.add_argument("--run", default=checkpoint.SHIPPED, help="toy checkpoints folder (default: the shipped ones)")
+    toy.add_argument("--draft", default=None, help="draft folder (checkpoint.save format) trained for the target "
+                     f"(default {TOY_DRAFT[0]} seed {TOY_DRAFT[1]} of --run)")
+    for flag, default, rule, text in (
+            ("--prompts", 32, ">= 1", "held-out test scenes benchmarked"),
+            ("--views", driving.WorldConfig().views, cli.VIEWS_RULE, "surround views per prompt"),
+            ("--batch", 1, ">= 1", "prompts per batch (with --samples: batch x samples rows per plan)")):
+        toy.add_argument(flag, type=cli.typed(rule), default=default, help=text)
+    toy.add_argument("--stream-interval", type=cli.typed("a finite number > 0", float), default=0.5, help="with "
+                     "--stream: seconds between frames (the per-frame event rate follows: driving.event_rate)")
+    toy.add_argument("--reprofile", action="store_true", help="measure the machine's cost profile again (it is cached "
+                     "under runs/choose/ by hardware, threads, torch, dtype, mode and the models' configs)")
+    return common, plans, toy
+
+
+def parser():
+    """(the toy's parser, {mode: its subparser}): the modes as subcommands, each refusing another's flags; their shared
+    flags default to nothing (argparse.SUPPRESS), so what the top-level parser took before the mode word stays."""
+    ap = argparse.ArgumentParser(description="Reasoning-step latency: target-only vs speculative (RSD). The mode is a "
+                                 "subcommand; with none, the toy.", parents=flag_groups())
+    common, plans, toy = flag_groups()
+    for a in common._actions + plans._actions + toy._actions:
+        a.default = argparse.SUPPRESS
+    sub = ap.add_subparsers(dest="mode", metavar="{toy,preset,real}")
+    modes = {m: sub.add_parser(m, parents=parents, help=MODES[m], description=f"bench.py {m}: {MODES[m]}")
+             for m, parents in (("toy", [common, plans, toy]), ("preset", [common]), ("real", [common, plans]))}
+    preset, real_ = modes["preset"], modes["real"]
+    preset.add_argument("preset", choices=[k for k in sorted(M.PRESETS) if "toy" not in k], help="the shape")
+    preset.add_argument("--layers", type=cli.typed(">= 1"), default=None, help="keep only this many decoder layers")
+    preset.add_argument("--draft-vocab", type=int, default=0, help="the draft's head covers only the first K token "
+                        "ids (0: all)")
+    real_.add_argument("--target", required=True, help="Hugging Face Qwen2.5-VL / Qwen3-VL / Alpamayo folder")
+    real_.add_argument("--draft", default=None, help="a draft folder trained for --target (none: random weights)")
+    real_.add_argument("--images-dir", default=None, help="a folder of camera images (name order)")
+    real_.add_argument("--image-size", default="288x512", help="HxW of the generated images")
+    real_.add_argument("--processor", default=None, help="tokenizer + image processor folder (default: --target)")
+    real_.add_argument("--scenes", default=None, help="a scene folder (scenes.py) measured held out: tau, alpha per "
+                       "draft position, routine share, greedy identity, latency per stage, ADE")
+    for flag, default in (("--min-pixels", alpamayo.MIN_PIXELS), ("--max-pixels", alpamayo.MAX_PIXELS)):
+        real_.add_argument(flag, type=cli.typed(">= 1"), default=default, help="image size bounds")
+    for m in (preset, real_):
+        m.add_argument("--images", type=cli.typed(">= 1"), default=16, help="images in the generated prompt (real: "
+                       "without --images-dir or --scenes)")
+    for flag, action in {**real_._option_string_actions, **preset._option_string_actions, "--preset": None}.items():
+        if flag not in ap._option_string_actions:  # another mode's flag before any mode word: parse() names its mode
+            ap.add_argument(flag, dest=action.dest if action else "preset", nargs="?", help=argparse.SUPPRESS)
+    return ap, modes
+
+
+def parse(argv):
+    """(the mode's parser, the flags); a flag of another mode (the toy's before another mode's word) is one line."""
+    ap, modes = parser()
+    args, rest = ap.parse_known_args(argv)
+    args.mode = args.mode or "toy"
+    p = modes[args.mode]
+    own = {a.dest for a in p._actions} | {"mode"}
+    rest += ["--" + n.replace("_", "-") for n, v in vars(args).items() if n not in own and v != ap.get_default(n)]
+    for flag in rest:
+        owners = [f"`bench.py {m}`" for m, q in modes.items() if flag.partition("=")[0] in q._option_string_actions]
+        if owners := owners or (["`bench.py preset NAME`"] if flag == "--preset" else []):
+            p.error(f"{flag.partition('=')[0]} is a flag of {' and '.join(owners)}, not of `bench.py {args.mode}` (the "
+                    "mode is the first word; none: toy)")
+    if rest:
+        p.error(f"unrecognized arguments: {' '.join(rest)}")
+    defaults = {a.dest: a.default for q in (ap, *modes.values()) for a in q._actions if a.default != argparse.SUPPRESS}
+    vars(args).update({n: v for n, v in defaults.items() if n not in own})  # another mode's flags: their defaults
+    p.set_defaults(**defaults)  # its shared flags' too (check_flags compares with them)
+    return p, args
+
+
 @cli.program
 def main(argv=None):
-    ap = argparse.ArgumentParser(description="Reasoning-step latency: target-only vs speculative (RSD).")
-    every, toy_, preset, real_ = (ap.add_argument_group(title) for title in (
-        "every mode", "the toy (default): the shipped checkpoints, held-out scenes of the synthetic world",
-        "--preset: a real shape, random weights", "--target: a real checkpoint (Hugging Face / Alpamayo folder)"))
-    every.add_argument("--dtype", default="auto", choices=["auto", *sorted(cli.DTYPES)], help="weights, activations "
-                       "and KV cache; auto: bf16 where the hardware runs it natively (CUDA, a CPU with AVX-512 BF16 or "
-                       "AMX), else fp32 (measure.choose.auto_dtype)")
-    every.add_argument("--reprofile", action="store_true", help="measure the machine's cost profile again (it is "
-                       "cached under runs/choose/ by hardware, threads, torch, dtype, mode and the models' configs)")
-    preset.add_argument("--preset", choices=[k for k in sorted(M.PRESETS) if "toy" not in k], help="random weights")
-    for group, flag, default, text in (  # --images-dir ... --scenes: a real checkpoint's prompt
-            (every, "--device", "cpu", "cpu or cuda"),
-            (every, "--out", None, f"write the report's JSON here (toy default {TOY_JSON}; none for a real model)"),
-            (toy_, "--run", checkpoint.SHIPPED, "toy checkpoints folder (default: the shipped ones)"),
-            (toy_, "--draft", None, f"draft folder (checkpoint.save format) trained for the target: the toy's (default "
-                                    f"{TOY_DRAFT[0]} seed {TOY_DRAFT[1]} of --run), or one for --target"),
-            (real_, "--target", None, "Hugging Face Qwen2.5-VL / Qwen3-VL / Alpamayo folder"),
-            (real_, "--images-dir", None, "with --target: a folder of camera images (name order)"),
-            (real_, "--image-size", "288x512", "with --target: HxW of the generated images"),
-            (real_, "--processor", None, "with --target: tokenizer + image processor folder (default: --target)"),
-            (real_, "--scenes", None, "with --target: a scene folder (scenes.py) measured held out: tau, alpha per "
-                                      "draft position, routine share, greedy identity, latency per stage, ADE")):
-        group.add_argument(flag, default=default, help=text)
-    for group, flag, default, text in (
-            (every, "--gamma", None, "the chain's draft length: alone, the chain of gamma runs (as --tree 0); beside "
-                                     f"a --tree, the chain timed with it (default {evaluate.GAMMA})"),
-            (every, "--max-new", evaluate.MAX_NEW_TOKENS, "reasoning tokens per prompt at most"),
-            (every, "--repeats", 3, "timed passes (median reported), >= 3"),
-            (every, "--threads", None, "CPU threads (default: torch's)"),
-            (every, "--samples", 1, "rows per prompt (toy) or scene (--target --scenes), each its own sampled CoC, "
-                                    "decoded as one batch (Alpamayo-R1 runs 6 at --temperature 0.6 --top-p 0.98)"),
-            (toy_, "--prompts", 32, "held-out test scenes benchmarked"),
-            (toy_, "--views", driving.WorldConfig().views, "surround views per prompt"),
-            (toy_, "--batch", 1, "prompts per batch (with --samples: batch x samples rows per plan)"),
-            (every, "--stream", 0, "plans in a stream (beyond/stream.py): --prompts held-out toy clips of this many "
-                                   "frames, or --target's first this many --scenes (name order) as one clip, each "
-                                   "frame drafted from the plan before; target-only, the tree (or chain) alone, the "
-                                   "stream alone and both timed interleaved (0: off)"),
-            (preset, "--layers", None, "keep only this many decoder layers"),
-            (preset, "--draft-vocab", 0, "the draft's head covers only the first K token ids (0: all)"),
-            (preset, "--images", 16, "images in the real-shape / generated prompt (also --target without images)"),
-            (real_, "--min-pixels", alpamayo.MIN_PIXELS, "with --target: image size bounds"),
-            (real_, "--max-pixels", alpamayo.MAX_PIXELS, "with --target: image size bounds")):
-        group.add_argument(flag, type=int, default=default, help=text)
-    every.add_argument("--tree", type=flags.tree_arg(), help="N/D/k: a draft tree of N nodes, depth D, k nodes "
-                       "expanded per level and children per node; 0: the chain of --gamma (default: the toy's decoder "
-                       "is chosen for this machine, measure.choose: target-only, the chains of gamma 1-8 or a tree of "
-                       f"its family, the runner-up timed beside it; a real model's tree {evaluate.TREE.nodes}/"
-                       f"{evaluate.TREE.depth}/{evaluate.TREE.width})")
-    toy_.add_argument("--stream-interval", type=float, default=0.5, help="with --stream: seconds between frames (the "
-                      "per-frame event rate follows: driving.event_rate)")
-    flags.add_decoding_flags(every, "> 0 times both arms sampling (Alpamayo-R1 samples its CoC at 0.6, top-p 0.98)")
-    every.add_argument("--compile", action="store_true", help="also every arm through torch.compile'd steps")
-    every.add_argument("--json", action="store_true", help="print one JSON object as the last line")
-    args = ap.parse_args(argv)
+    ap, args = parse(argv)
     t0, cpu0 = time.time(), time.process_time()
     sampling = check_flags(ap, args)
     if args.threads:
@@ -483,7 +537,7 @@ def main(argv=None):
     timing.reset_peak_memory(device)
     torch.manual_seed(0)
     with cli.json_stdout(args.json), cli.user_errors(ap):  # a bad folder or file, a gamma too long: one line
-        res = real(args, device, dtype, sampling) if args.target or args.preset else toy(args, device, dtype, sampling)
+        res = toy(args, device, dtype, sampling) if args.mode == "toy" else real(args, device, dtype, sampling)
     res.update(device=str(device), hardware=chooser.hardware(device), dtype=args.dtype,
                cpu_capability=torch.backends.cpu.get_cpu_capability(), dtype_why=dtype_why,
                gamma=None if args.tree else args.gamma, threads=torch.get_num_threads(), torch=torch.__version__,
@@ -504,8 +558,9 @@ def main(argv=None):
 
 
 def check_flags(ap, args):
-    """Every bad flag is one line at parse time, before any work; returns the Sampling."""
-    toy_mode = not (args.target or args.preset)
+    """Every bad flag is one line at parse time, before any work (ap: the mode's parser, which has already refused
+    another mode's flags); returns the Sampling."""
+    toy_mode, real_mode = args.mode == "toy", args.mode == "real"
     plan = args.samples > 1 or args.batch > 1
     # no decoder named: the toy's is measure.choose's; --gamma alone names the chain
     # (the compiled stream: its tree is --tree's; the chooser's compiled profile is not run for it)
@@ -514,61 +569,43 @@ def check_flags(ap, args):
     args.tree = 0 if args.tree is None and args.gamma is not None else args.tree
     args.gamma = evaluate.GAMMA if args.gamma is None else args.gamma
     args.tree = evaluate.TREE if args.tree is None else args.tree
-    size, src = re.fullmatch(r"(\d+)x(\d+)", args.image_size), args.processor or args.target
-    no_hf, plans_ = importlib.util.find_spec("transformers") is None, args.samples > 1  # --scenes --samples N: plans
-    for bad, msg in ((args.target and args.preset, "give --target or --preset, not both"),
-                     (min(args.gamma, args.max_new, args.prompts, args.images, args.samples, args.batch) < 1,
-                      "--gamma, --max-new, --prompts, --images, --samples and --batch must be >= 1"),
-                     (args.gamma > args.max_new, f"--gamma {args.gamma} is more than --max-new {args.max_new}: the "
+    src, no_hf, plans_ = args.processor or args.target, not importlib.util.find_spec("transformers"), args.samples > 1
+    size = re.fullmatch(r"(\d+)x(\d+)", args.image_size) if real_mode else True
+    for bad, msg in ((args.gamma > args.max_new, f"--gamma {args.gamma} is more than --max-new {args.max_new}: the "
                       "chain would draft tokens that can never be emitted"),
-                     (args.tree and args.tree.depth > args.max_new, f"--tree {tree_text(args.tree)}'s depth is "
+                     (args.tree and args.tree.depth > args.max_new, f"--tree {chooser.shape_key(args.tree)}'s depth is "
                       f"more than --max-new {args.max_new}: the tree would draft tokens that can never be emitted"),
-                     *((not toy_mode and getattr(args, f) != ap.get_default(f), f"--{f} is the toy's (its test "
-                        "scenes, views and run folder): a --target or --preset run ignores it") for f in
-                       ("prompts", "views", "run")),
-                     (args.batch > 1 and not toy_mode, "--batch runs plans of several toy prompts (a real "
-                      "checkpoint's plan is one scene: use --samples)"),
-                     (args.samples > 1 and args.preset, "--samples plans the scenes of --target (not --preset)"),
                      (args.relaxed and plan, "--relaxed is measured on one row per prompt (not --samples / --batch)"),
-                     (args.relaxed and not (toy_mode or args.scenes), "--relaxed is priced in the plan: the toy, or "
-                      "--target with --scenes (the action expert)"),
+                     (args.relaxed and real_mode and not args.scenes, "--relaxed is priced in the plan: the toy, or "
+                      "real --scenes (the action expert)"),
                      (args.samples > 1 and args.temperature == 0, f"--samples {args.samples} at --temperature 0 "
                       "decodes identical greedy rows: give --temperature > 0 (Alpamayo-R1: 0.6 --top-p 0.98)"),
-                     (args.prompts % args.batch, f"--prompts {args.prompts} is not a multiple of --batch "
-                      f"{args.batch}: every plan has --batch prompts (a partial last plan would be dropped)"),
-                     (args.repeats < 3, "--repeats must be >= 3 (the median of at least three passes is reported)"),
+                     (toy_mode and args.prompts % args.batch, f"--prompts {getattr(args, 'prompts', 0)} is not a "
+                      f"multiple of --batch {args.batch}: every plan has --batch prompts (a partial last plan would "
+                      "be dropped)"),
                      (args.reprofile and not args.choose, "--reprofile measures the chooser's profile again: it goes "
                       "with the toy's chosen decoder (no --tree, --gamma or --relaxed, no --compile --stream)"),
-                     (args.threads is not None and args.threads < 1,
-                      f"--threads must be >= 1 (omit it for torch's default), got {args.threads}"),
-                     (not 0 <= args.views <= driving.MAX_VIEWS, f"--views must be in 0..{driving.MAX_VIEWS} (the "
-                      f"geometries the toy target was trained on), got {args.views}"),
                      (args.stream < 0 or args.stream == 1, f"--stream takes the frames of a clip, >= 2 (0: off), got "
                       f"{args.stream}"),
-                     (args.stream and not (toy_mode or args.scenes), "--stream runs clips: the toy's, or --target's "
+                     (args.stream and real_mode and not args.scenes, "--stream runs clips: the toy's, or real "
                       "--scenes (its scene folders in name order, each with its time_s)"),
-                     (args.stream_interval != ap.get_default("stream_interval") and not toy_mode, "--stream-interval "
-                      "is the toy's (a real clip replans at its frames' time_s)"),
                      (args.stream and (args.batch > 1 or args.relaxed),
                       "--stream times decodes of one prompt per frame (its --samples rows, sampled with "
                       "--temperature): it takes no --batch or --relaxed"),
                      (args.stream and (args.samples > 1) != (args.temperature > 0), "--stream's plan of --samples "
                       "rows is sampled (--temperature > 0), a greedy one is one row"),
-                     (not 0 < args.stream_interval < float("inf"), "--stream-interval must be a finite number of "
-                      f"seconds > 0, got {args.stream_interval}"),
                      (not 0 <= args.stream <= driving.MAX_CLIP_FRAMES, f"--stream takes 0..{driving.MAX_CLIP_FRAMES} "
                       f"frames a clip (a stream reads the frames before it), got {args.stream}"),
-                     (args.stream_interval != ap.get_default("stream_interval") and not args.stream,
+                     (toy_mode and args.stream_interval != ap.get_default("stream_interval") and not args.stream,
                       "--stream-interval goes with --stream"),
                      *((getattr(args, f) is not None and not os.path.isdir(getattr(args, f)),
                         f"--{f.replace('_', '-')} {getattr(args, f)}: folder not found")
                        for f in ("target", "draft", "images_dir", "processor", "scenes")),
-                     (not size or not all(1 <= int(n) <= 8192 for n in size.groups()),  # a camera frame, not all memory
-                      f"--image-size must be HxW in pixels, each in 1..8192 (e.g. 288x512), got {args.image_size!r}"),
-                     (not 1 <= args.min_pixels <= args.max_pixels, "--min-pixels and --max-pixels must satisfy "
-                      f"1 <= min <= max, got {args.min_pixels} and {args.max_pixels}"),
-                     *((getattr(args, f) and not args.target, f"--{f.replace('_', '-')} goes with --target")
-                       for f in ("images_dir", "processor", "scenes")),
+                     (not size or real_mode and not all(1 <= int(n) <= 8192 for n in size.groups()),  # a camera frame
+                      f"--image-size must be HxW in pixels, each in 1..8192 (e.g. 288x512), got "
+                      f"{getattr(args, 'image_size', None)!r}"),
+                     (real_mode and args.min_pixels > args.max_pixels, "--min-pixels and --max-pixels must satisfy "
+                      f"min <= max, got {getattr(args, 'min_pixels', 0)} and {getattr(args, 'max_pixels', 0)}"),
                      (args.scenes and args.images_dir, "--scenes takes no --images-dir (the scenes hold the images)"),
                      (args.scenes and args.temperature > 0 and not plans_, "--scenes takes no --temperature (greedy "
                       "only: its outputs are compared token by token; sampled rows: --samples N)"),
@@ -580,38 +617,37 @@ def check_flags(ap, args):
                       "--images-dir needs Pillow to read the images: pip install pillow"),
                      (src and no_hf and alpamayo.has_tokenizer(src),
                       f"{src} has a tokenizer, which needs transformers: pip install -r requirements-test.txt"),
-                     *((getattr(args, f) != ap.get_default(f) and unused, f"--{f.replace('_', '-')} shapes the "
-                        "images of a --target prompt (generated ones: --image-size): this run ignores it")
-                       for f, unused in (("min_pixels", not args.target), ("max_pixels", not args.target),
-                                         ("image_size", not args.target or args.scenes or args.images_dir)))):
+                     (real_mode and args.image_size != ap.get_default("image_size") and (args.scenes or
+                                                                                         args.images_dir),
+                      "--image-size shapes generated images: a prompt of --scenes or --images-dir ignores it")):
         if bad:
             ap.error(msg)
     for flag, what, field in (("layers", "keeps 1..n_layers decoder layers", "n_layers"),
                               ("draft_vocab", "takes 1..vocab_size token ids", "vocab_size")):
-        v, hi = getattr(args, flag), args.preset and getattr(M.PRESETS[args.preset], field)
-        if v != ap.get_default(flag) and not (hi and 1 <= v <= hi):
-            ap.error(f"--{flag.replace('_', '-')} {what} of a --preset"
-                     + (f" (1..{hi} for {args.preset})" if hi else "") + f", got {v}")
+        v, hi = getattr(args, flag, None), args.preset and getattr(M.PRESETS[args.preset], field)
+        if args.preset and v != ap.get_default(flag) and not 1 <= v <= hi:
+            ap.error(f"--{flag.replace('_', '-')} {what} of the preset ({args.preset}: 1..{hi}), got {v}")
     with cli.user_errors(ap):  # below: the chain of --gamma (--tree 0), or a tree (a ValueError if it is impossible)
         args.decoder = args.tree or args.gamma
         if args.tree and (n := args.tree.candidates(args.tree.depth)) > MAX_TREE_CANDIDATES:
-            raise ValueError(f"--tree {tree_text(args.tree)} grows {n} candidates a round, more than "
+            raise ValueError(f"--tree {chooser.shape_key(args.tree)} grows {n} candidates a round, more than "
                              f"{MAX_TREE_CANDIDATES}")
         cli.check_device(args.device)
         if args.images_dir:  # every image a regular file, before the target loads: a FIFO among them would hang
             files.listed(args.images_dir, files.IMAGE_SUFFIXES)
         if args.draft and checkpoint.existing_kind(args.draft) == "target":
             raise ValueError(f"--draft {args.draft} holds a target model, not a draft (it would accept every token)")
-        needed = [os.path.join(args.run, "target"), args.draft or checkpoint.draft_dir(args.run, *TOY_DRAFT)]
-        missing = [d for d in needed if toy_mode and not os.path.isdir(d)]
-        if missing:
-            raise ValueError(f"no toy checkpoints (missing {', '.join(missing)}): use the shipped checkpoints/toy, or "
-                             f"train them with `python rsd.py --retrain --run {args.run}`")
-        if toy_mode or args.preset:  # the model's shape, known before loading: the toy's from its header
-            check_fits(args, checkpoint.header(needed[0])[1] if toy_mode else M.PRESETS[args.preset],
-                       checkpoint.header(needed[1])[1].draft_vocab if toy_mode else args.draft_vocab)
-        toy_ids = driving.Tokenizer().encode(driving.commitment_words()) if toy_mode else ()
-        vocab, expert = (checkpoint.header(needed[0])[1].vocab_size, True) if toy_mode else (None, None)
+        toy_ids, vocab, expert = (), None, None
+        if toy_mode:  # the model's shape, known before loading: the toy's from its header
+            needed = [os.path.join(args.run, "target"), args.draft or checkpoint.draft_dir(args.run, *TOY_DRAFT)]
+            if missing := [d for d in needed if not os.path.isdir(d)]:
+                raise ValueError(f"no toy checkpoints (missing {', '.join(missing)}): use the shipped checkpoints/toy, "
+                                 f"or train them with `python rsd.py --retrain --run {args.run}`")
+            cfg = checkpoint.header(needed[0])[1]
+            check_fits(args, cfg, checkpoint.header(needed[1])[1].draft_vocab)
+            toy_ids, vocab, expert = driving.Tokenizer().encode(driving.commitment_words()), cfg.vocab_size, True
+        elif args.preset:
+            check_fits(args, M.PRESETS[args.preset], args.draft_vocab)
         if args.relaxed and args.target:  # the target's vocabulary checks --commitments; its expert prices the plan
             cfg, _, alpamayo_raw = hf.read_config(args.target)
             vocab, expert = cfg.vocab_size, alpamayo_raw is not None
@@ -646,21 +682,16 @@ def check_out(args, toy_mode):
     cli.check_out(args.out, default=TOY_JSON)
 
 
-def tree_text(shape):
-    """A TreeShape as --tree spells it: N/D/k (0: the chain)."""
-    return f"{shape.nodes}/{shape.depth}/{shape.width}" if shape else "0"
-
-
 def check_fits(args, cfg, draft_vocab=0):
     """A ValueError unless the decoders fit the model cfg: a tree's k children per node among the draft's token ids,
     --max-new and a round's block (--gamma, or --tree's nodes) within its positions (a prompt's own: at decoding)."""
     nodes = args.tree.nodes if args.tree else 0
     vocab, block = draft_vocab or cfg.vocab_size, max(args.gamma, nodes)  # the chain of --gamma beside a tree
     if args.tree and args.tree.width > vocab:
-        raise ValueError(f"--tree {tree_text(args.tree)}'s width is more than the draft's {vocab} token ids (a "
+        raise ValueError(f"--tree {chooser.shape_key(args.tree)}'s width is more than the draft's {vocab} token ids (a "
                          "node's children are distinct tokens)")
     if args.max_new + block > cfg.max_seq_len:
-        flag = f"--tree {tree_text(args.tree)}" if nodes > args.gamma else f"--gamma {args.gamma}"
+        flag = f"--tree {chooser.shape_key(args.tree)}" if nodes > args.gamma else f"--gamma {args.gamma}"
         raise ValueError(f"--max-new {args.max_new} and {flag} need {args.max_new + block} positions beyond the "
                          f"prompt, more than the model's {cfg.max_seq_len}")
 

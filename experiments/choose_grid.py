@@ -14,7 +14,6 @@ import argparse
 import os
 import sys
 import time
-from statistics import median
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
@@ -85,18 +84,14 @@ def main(argv=None):
     cli.progress(f"timing {len(decoders) + 1} arms: a warm-up and {a.repeats} passes over {len(plans)} plans")
     runs = timing.interleaved({choose.name(c): lambda j, c=c: run(c, j) for c in choose.candidates()}, len(plans),
                               a.repeats, device)
-    passes = {n: timing.plan_ms(ps, len(plans)) for n, ps in runs.items()}  # [pass] ms per plan
-    base = passes[evaluate.TARGET_ONLY]
-    grid = {}
-    for n, ps in passes.items():
-        ups = [b / m for b, m in zip(base, ps)]  # each pass's speed-up: its arms timed back to back
+    grid = timing.summary(timing.plan_cost(runs), runs, a.repeats, len(plans), 1, "ms_per_plan")
+    for n, g in grid.items():
         results = [r for x in runs[n][0] for r in x.result]
         rounds = sum(max(r.rounds for r in x.result) for x in runs[n][0]) / len(plans)  # a plan's: its slowest row's
         # the prediction's two factors apart: rounds (val's against these held-out plans') and a round's time
-        grid[n] = {"ms_per_plan": median(ps), "speedup": median(ups), "speedup_range": [min(ups), max(ups)],
-                   "tau": speculate.SpecResult.pooled(results).tau, "rounds_per_plan": rounds,
-                   "round_ms": median(ps) / rounds, "predicted_round_ms": rec["predicted"][n]["round_ms"],
-                   "predicted_speedup": rec["predicted"][n]["predicted_speedup"]}
+        g |= {"tau": speculate.SpecResult.pooled(results).tau, "rounds_per_plan": rounds,
+              "round_ms": g["ms_per_plan"] / rounds, "predicted_round_ms": rec["predicted"][n]["round_ms"],
+              "predicted_speedup": rec["predicted"][n]["predicted_speedup"]}
     best = max(grid, key=lambda n: grid[n]["speedup"])
     chosen = grid[rec["chosen"]]
     out = {"what": "every candidate timed in the same passes (ms per plan, until every row is done; median of the "

@@ -237,7 +237,7 @@ def main(argv=None):
     if not (a.toy or a.real):
         ap.error("give --toy, --real or both")
     if a.device != "cpu":
-        ap.error("this experiment times the CPU (bench.py --device cuda --preset ... --draft-vocab K on a GPU)")
+        ap.error("this experiment times the CPU (bench.py preset ... --device cuda --draft-vocab K on a GPU)")
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
     cli.progress("draft vocab: " + " and ".join(p for p in ("toy", "real") if getattr(a, p)))

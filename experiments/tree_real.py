@@ -11,7 +11,7 @@ head). A step is then n_layers x layer + head: T_target(n) = 36 T_layer(n) + T_h
 T_head(1), one tree level T_draft(k) = T_layer(k) + T_head(k). Timing the parts directly avoids extrapolating from
 the difference of two whole-model timings, which a memory-bound step on a shared CPU makes noisy. A CPU's matmuls cost
 about n times more for n tokens once compute-bound; a GPU reads the same weights for 1 or 64 tokens, so this is a CPU
-number; bench.py --device cuda --preset qwen3-vl-8b and experiments/gpu_check.py measure the GPU's.
+number; bench.py preset qwen3-vl-8b --device cuda and experiments/gpu_check.py measure the GPU's.
 
 run: python experiments/tree_real.py [--out experiments/tree_real.json]   (about 2 min on one core)
 """

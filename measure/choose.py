@@ -42,14 +42,14 @@ CACHE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # --compile's target step lengths: a chain's or a tree's verify runs padded to the next (ops/compiled.py), so the 8
 # chains and the family compile 7 graphs, and the profile times each chain at its padded length
 COMPILED_LENGTHS = (1, 2, 3, 5, 9, 17, 33)
-PROFILE_METHOD = 5  # bumped when measure_profile measures another way: a cached profile of the old way is stale
+PROFILE_METHOD = 6  # bumped when measure_profile measures another way: a cached profile of the old way is stale
 # each profiled forward: the least over ROUNDS rounds of the median (here: the mean) of REPS calls, after a warm-up
 # round of REPS calls (least_of_rounds')
 REPS, ROUNDS = 2, 3
-# each real decode timed: the least of DECODE_ROUNDS, no warm-up round (a decode's time per round is already a mean
-# over its rounds, and the forwards timed before it have run its shapes); a decode at 6 rows costs as much as 50
-# forwards, and these decodes are most of the profile's seconds
-DECODE_ROUNDS = 2
+# each real decode timed: the least of DECODE_ROUNDS after a short decode of its own (WARM_TOKENS: a round or two, the
+# plan's prefill and caches allocated), not after a whole one: a decode at 6 rows costs as much as 50 forwards, and
+# these decodes are most of the profile's seconds
+DECODE_ROUNDS, WARM_TOKENS = 2, 9
 # the real decodes whose time per round, less the profile's forwards, is a round's overhead: target-only's step, a tree
 # round's, and a chain's as a + b gamma (each draft step's feed and argmax beside its forward) from the shortest and
 # the longest chain
@@ -75,7 +75,8 @@ def name(decoder):
 
 
 def shape_key(sh):
-    return f"{sh.nodes}/{sh.depth}/{sh.width}"
+    """A TreeShape as --tree spells it: N/D/k (0, or None: the chain)."""
+    return f"{sh.nodes}/{sh.depth}/{sh.width}" if sh else "0"
 
 
 # ---- the dtype the hardware runs natively ----
@@ -211,9 +212,9 @@ def measure_profile(target, draft, prompt, rows=1, stop_token=None, max_new=eval
 
 
 def least_of_rounds(timers, rounds=None, warm=True):
-    """{what: the least of `rounds` (None: ROUNDS) timings} of each timer (a callable -> s), after a warm-up round, untimed, if warm
-    (first calls allocate and pick kernels); every timer runs in every round, the order rotated from round to round:
-    a machine's load that comes and goes only adds time."""
+    """{what: the least of `rounds` (None: ROUNDS) timings} of each timer (a callable -> s), after a warm-up round,
+    untimed, if warm (first calls allocate and pick kernels); every timer runs in every round, the order rotated from
+    round to round: a machine's load that comes and goes only adds time."""
     for t in timers.values() if warm else ():
         t()
     least = {}
@@ -227,13 +228,20 @@ def least_of_rounds(timers, rounds=None, warm=True):
 def decode_timer(target, draft, prompt, decoder, rows, stop_token, max_new, samples=None, sampling=GREEDY):
     """() -> a real decode's seconds per round of the prompt (a plan: its rows x samples; samples None: the prompt's
     one row copied to `rows`) under sampling (its seeds: the same draws every call); a plan's round lasts until every
-    row is done. decoder None: target-only, whose round is one step."""
+    row is done. decoder None: target-only, whose round is one step. Its first call decodes WARM_TOKENS first,
+    untimed."""
     kw = dict(samples=rows if samples is None else samples, stop_token=stop_token, timing=True, sampling=sampling)
+    def decode(n):
+        return speculate.autoregressive_batch(target, prompt, n, **kw) if decoder is None else \
+            speculate.speculative_batch(target, draft, prompt, decoder, n, **kw)
 
     def run():
-        rs = speculate.autoregressive_batch(target, prompt, max_new, **kw) if decoder is None else \
-            speculate.speculative_batch(target, draft, prompt, decoder, max_new, **kw)
+        if warm:
+            decode(min(max_new, WARM_TOKENS))
+            warm.clear()
+        rs = decode(max_new)
         return max(r.decode_s for r in rs) / max(r.rounds for r in rs)
+    warm = [True]
     return run
 
 
@@ -351,7 +359,8 @@ def stream_tree(target, draft, val_prompts, max_new, stop_token, sampling=GREEDY
     arm is timed beside it). -> (TreeShape, the chooser's record)."""
     ranked, rec = choice(target, draft, val_prompts[0], val_prompts, max_new, stop_token, sampling, samples,
                          reprofile=reprofile)
-    best = next(c for c in ranked if c is not None)
+    best, second = [c for c in ranked if c is not None][:2]
+    rec |= {"chosen": name(best), "runner_up": name(second), "target_only_fastest": ranked[0] is None}
     return (best if best.kind == "tree" else TreeShape(best.gamma, best.gamma, 1)), rec
 
 

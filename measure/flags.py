@@ -46,15 +46,22 @@ def identity(exact_match, lossy_match=None):
     return {"greedy_match": whole, "lossy": lossy_match is not None, "exact_greedy_match": exact_match}
 
 
-def add_decoding_flags(ap, temperature_help):
-    """--temperature, --top-k, --top-p, --sampling-seed on a script's parser (bench.py, rsd.py); sampling()
-    checks them. temperature_help: what sampling changes in that script's report."""
+def add_decoding_flags(ap, temperature_help, relaxed=True):
+    """--temperature, --top-k, --top-p, --sampling-seed (and, if relaxed, --relaxed and --commitments) on a script's
+    parser (bench.py, rsd.py); sampling() checks them. temperature_help: what sampling changes in that script's
+    report."""
     ap.add_argument("--temperature", type=float, default=0.0, help=f"0 = greedy; {temperature_help}")
     ap.add_argument("--top-k", type=int, default=None, help="with --temperature: sample among the k likeliest tokens")
     ap.add_argument("--top-p", type=float, default=None, help="with --temperature: sample among the likeliest tokens "
                     "whose mass reaches p")
     ap.add_argument("--sampling-seed", type=int, default=0, help="with --temperature: prompt i's generator is seeded "
                     "this + i")
+    if relaxed:
+        add_relaxed_flags(ap)
+
+
+def add_relaxed_flags(ap):
+    """--relaxed and --commitments (relaxed_rule checks them)."""
     ap.add_argument("--relaxed", metavar="RULE:BOUND", help="LOSSY, off by default: also accept drafts a relaxed rule "
                     "passes (relaxed.Relaxed): typical:B (Medusa's typical acceptance, eps = 1 - B, every position) "
                     "or routine:B (the same, commitment tokens kept exact); B in [0, 1], 0 = exact. Reports then give "

@@ -35,7 +35,7 @@ COMPILED, COMPILED_CHAIN = (TARGET_ONLY + " compiled", "speculative compiled"), 
 @torch.no_grad()  # the grad mode the compiled steps were warmed up in (evaluate.spec_stats); another recompiles
 def time_arms(target, drafts, prompts, gamma, max_new, stop_token, repeats, sampling=GREEDY, extra=None, blocks=1,
               warm_all=True):
-    """({arm: {prefill_ms, ms_per_token, speedup (medians over `repeats` passes), ms_per_token_range, speedup_range}},
+    """({arm: {prefill_ms, ms_per_token, speedup, ms_per_token_range, speedup_range (summary's, over the passes)}},
     {arm: [SpecResult per prompt] of the first pass}): every arm warmed up (warm_all: on every prompt, else on the
     first), then timing.interleaved's passes (the arms back to back on each prompt, the order rotated): load that drifts
     on a shared machine falls on every arm alike. extra: {name: (target, draft or None[, gamma])}; sampled: prompt i's
@@ -51,20 +51,30 @@ def time_arms(target, drafts, prompts, gamma, max_new, stop_token, repeats, samp
         for name, (t, d, g) in arms.items()}, len(prompts), repeats, prompts[0]["input_ids"].device,
         warmup=0 if warm_all else 1)
     res = {name: [[x.result for x in p] for p in passes] for name, passes in runs.items()}  # [pass][prompt]
-    units = [(r, lo, hi) for r in range(repeats) for lo, hi in block_bounds(len(prompts), blocks)]
 
-    def ms(name, r, lo=0, hi=len(prompts)):  # pass r's ms/token over prompts lo..hi-1
+    def ms(name, r, lo, hi):  # pass r's ms/token over prompts lo..hi-1
         return 1e3 * sum(x.decode_s for x in res[name][r][lo:hi]) / sum(len(x.tokens) for x in res[name][r][lo:hi])
 
-    med = {name: median(ms(name, r) for r in range(repeats)) for name in arms}
-    out = {}
+    out = summary(ms, arms, repeats, len(prompts), blocks, "ms_per_token")
     for name in arms:
-        unit_ms = [ms(name, *u) for u in units]
-        unit_up = [ms(TARGET_ONLY, *u) / m for u, m in zip(units, unit_ms)]
-        out[name] = {"prefill_ms": median(1e3 * sum(x.prefill_s for x in p) / len(p) for p in res[name]),
-                     "ms_per_token": med[name], "speedup": med[TARGET_ONLY] / med[name],
-                     "ms_per_token_range": [min(unit_ms), max(unit_ms)], "speedup_range": [min(unit_up), max(unit_up)]}
+        out[name]["prefill_ms"] = median(1e3 * sum(x.prefill_s for x in p) / len(p) for p in res[name])
     return out, {name: r[0] for name, r in res.items()}
+
+
+def summary(cost, arms, repeats, n, blocks=1, unit="ms_per_token", base=TARGET_ONLY):
+    """The one record of timed arms (bench.py's arms, plans and streams; rsd.py's table): cost(arm, r, lo, hi), pass
+    r's cost (ms per token or per plan) over items lo..hi-1 of n -> {arm: {unit: its median over the passes,
+    unit_range: min..max over the units, "speedup": the median over the passes of base's cost over the arm's (paired:
+    the same items, timed in the same pass), "speedup_range": min..max over the units}}; a unit is one pass over one
+    of `blocks` blocks of items (block_bounds), each block's arms timed back to back."""
+    units = [(r, lo, hi) for r in range(repeats) for lo, hi in block_bounds(n, blocks)]
+    out = {}
+    for arm in arms:
+        c, ups = [cost(arm, *u) for u in units], [cost(base, *u) / cost(arm, *u) for u in units]
+        out[arm] = {unit: median(cost(arm, r, 0, n) for r in range(repeats)), f"{unit}_range": [min(c), max(c)],
+                    "speedup": median(cost(base, r, 0, n) / cost(arm, r, 0, n) for r in range(repeats)),
+                    "speedup_range": [min(ups), max(ups)]}
+    return out
 
 
 @torch.no_grad()
@@ -93,7 +103,7 @@ def stream_arms(target, draft, clips, shape, max_new, stop_token, repeats=1, blo
     res = [{arm: [x.result for x in runs[arm][r]] for arm in stream.ARMS} for r in range(repeats)]  # [pass][arm][clip]
     rows = (lambda f: f) if samples > 1 else (lambda f: [f])  # a frame's plan as its rows
 
-    def plan_ms(r, arm, lo=0, hi=len(clips)):  # pass r's ms per plan over clips lo..hi-1
+    def plan_ms(arm, r, lo, hi):  # pass r's ms per plan over clips lo..hi-1
         plans = [max(x.decode_s for x in rows(f)) for clip in res[r][arm][lo:hi] for f in clip]
         return 1e3 * sum(plans) / len(plans)
 
@@ -101,17 +111,12 @@ def stream_arms(target, draft, clips, shape, max_new, stop_token, repeats=1, blo
         return speculate.SpecResult.pooled([x for clip in res[r][arm] for f in clip for x in rows(f)])
 
     ref = [[[x.tokens for x in rows(f)] for f in clip] for clip in res[0]["target-only"]]
-    out = {}
+    out = summary(plan_ms, stream.ARMS, repeats, len(clips), blocks, "ms_per_plan")
     for arm in stream.ARMS:
-        ups = [plan_ms(r, "target-only", lo, hi) / plan_ms(r, arm, lo, hi) for r in range(repeats)
-               for lo, hi in block_bounds(len(clips), blocks)]
         frames = [pooled(r, arm) for r in range(repeats)]
-        out[arm] = {"tau": frames[0].tau, "ms_per_token": median(1e3 * f.decode_s / len(f.tokens) for f in frames),
-                    "ms_per_plan": median(plan_ms(r, arm) for r in range(repeats)),
-                    "speedup": median(plan_ms(r, "target-only") / plan_ms(r, arm) for r in range(repeats)),
-                    "speedup_range": [min(ups), max(ups)],
-                    "frames_differing": None if not sampling.greedy else sum(
-                        [x.tokens for x in rows(f)] != t for c, rc in zip(res[0][arm], ref) for f, t in zip(c, rc))}
+        out[arm] |= {"tau": frames[0].tau, "ms_per_token": median(1e3 * f.decode_s / len(f.tokens) for f in frames),
+                     "frames_differing": None if not sampling.greedy else sum(
+                         [x.tokens for x in rows(f)] != t for c, rc in zip(res[0][arm], ref) for f, t in zip(c, rc))}
     return out, res[0]
 
 
@@ -173,22 +178,22 @@ def plans(target, draft, prompts, gamma, max_new, stop_token, repeats, sampling,
     runs = interleaved({name: lambda j, arm=arm: run(*arm, groups[j], j) for name, arm in arm_table(
         pairs, gamma, chain_gamma).items()}, len(groups), repeats, groups[0]["input_ids"].device)  # warm-up, compile
     out = {name: [x.result for x in ps[0]] for name, ps in runs.items()}  # the same rows in every pass
-    passes = {name: plan_ms(ps, len(groups)) for name, ps in runs.items()}  # ms per plan, until every row is done
+    ms = plan_cost(runs)
     rec = {"batch": batch, "samples": samples, "rows": B, "plans": len(groups),
            "decoding": flags.sampling_json(sampling),
            "cocs": [r.tokens for r in out["speculative"][0]],  # the first plan's rows
            "what": "ms: the reasoning step of one plan, until every row is done (median over passes); "
                    "idle_row_share: row-rounds a finished row spends in the batch (its work thrown away)"}
-    base = median(passes[TARGET_ONLY])
-    for name, ps in passes.items():
-        ms, rows = median(ps), [r for plan in out[name] for r in plan]
-        rec[name] = {"ms_per_plan": ms, "ms_per_plan_range": [min(ps), max(ps)],
-                     "tokens_per_s": 1e3 * sum(len(r.tokens) for r in rows) / len(groups) / ms, "speedup": base / ms,
-                     "tau_per_row": [r.tau for r in rows], "mean_tau": sum(r.tau for r in rows) / len(rows),
-                     "idle_row_share": sum(max(r.rounds for r in plan) - r.rounds for plan in out[name] for r in plan)
-                     / sum(max(r.rounds for r in plan) * len(plan) for plan in out[name])}
-        if name.endswith(" compiled"):
-            rec[name]["speedup"] = median(passes[COMPILED[0]]) / ms  # over compiled target-only
+    for name, arm in summary(ms, runs, repeats, len(groups), 1, "ms_per_plan").items():
+        if name.endswith(" compiled"):  # over compiled target-only
+            arm |= {k: v for k, v in summary(ms, [name], repeats, len(groups), 1, "ms_per_plan", COMPILED[0])[
+                name].items() if k.startswith("speedup")}
+        rows = [r for plan in out[name] for r in plan]
+        rec[name] = arm | {"tokens_per_s": 1e3 * sum(len(r.tokens) for r in rows) / len(groups) / arm["ms_per_plan"],
+                           "tau_per_row": [r.tau for r in rows], "mean_tau": sum(r.tau for r in rows) / len(rows),
+                           "idle_row_share": sum(max(r.rounds for r in plan) - r.rounds for plan in out[name]
+                                                 for r in plan) / sum(max(r.rounds for r in plan) * len(plan)
+                                                                      for plan in out[name])}
     if sampling.greedy:  # greedy: each row equals its own prompt's batch-1 target-only decode
         cli.progress(f"plans: each of {len(prompts)} prompts' batch-1 target-only decode (the identity check)")
         ref = [speculate.autoregressive(target, p, max_new, stop_token=stop_token).tokens for p in prompts]
@@ -214,8 +219,10 @@ def arm_table(pairs, gamma, chain_gamma):
             for name, drafted, g in arms[:2 if speculate.decoder_of(gamma) == speculate.decoder_of(chain_gamma) else 3]}
 
 
-def plan_ms(passes, n):  # each pass's ms per plan of n, until every row of the plan is done
-    return [1e3 * sum(max(r.decode_s for r in x.result) for x in p) / n for p in passes]
+def plan_cost(runs):
+    """summary's cost of plans timed by interleaved (runs: {arm: [[Run per plan] per pass]}, a Run's result the plan's
+    rows): pass r's ms per plan over plans lo..hi-1, each until its last row is done."""
+    return lambda arm, r, lo, hi: 1e3 * sum(max(x.decode_s for x in p.result) for p in runs[arm][r][lo:hi]) / (hi - lo)
 
 
 def decoder_json(decoder):

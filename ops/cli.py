@@ -212,12 +212,23 @@ def one_line(e):
 VIEWS_RULE = f"in 0..{driving.MAX_VIEWS} (the geometries the toy target was trained on)"
 MAX_VIEWS_RULE = f"at most {driving.MAX_VIEWS} (the world's surround views)"
 # every float rule is finite: an infinite lr, clip, temperature or weight passes "> 0" and turns the weights to NaN
-RULES = {">= 1": lambda v: v >= 1, ">= 0": lambda v: v >= 0,
+RULES = {">= 1": lambda v: v >= 1, ">= 0": lambda v: v >= 0, ">= 3": lambda v: v >= 3,
          "a finite number > 0": lambda v: 0 < v < math.inf,  # "not 0 < v" catches NaN
          "a finite number >= 0": lambda v: 0 <= v < math.inf,
          "in [0, 1]": lambda v: 0 <= v <= 1, VIEWS_RULE: lambda v: 0 <= v <= driving.MAX_VIEWS,
          MAX_VIEWS_RULE: lambda v: v <= driving.MAX_VIEWS,
          "in 0..2**30-1": lambda v: 0 <= v < 2**30}  # seeds: combined into 64-bit torch seeds (driving.Data.batch)
+
+
+def typed(rule, kind=int):
+    """An argparse type: a `kind` that keeps RULES[rule]; anything else is argparse's one line naming the flag."""
+    def parse(text):
+        v = kind(text)  # not a number: argparse's "invalid int value" (its name: parse.__name__)
+        if not RULES[rule](v):
+            raise argparse.ArgumentTypeError(f"must be {rule}, got {text}")
+        return v
+    parse.__name__ = kind.__name__
+    return parse
 
 
 def check_values(obj, rules, flags=False):

@@ -1,5 +1,5 @@
 """Alpamayo-R1's prompt, built from a folder's own tokenizer and image processor, and the whole plan on pixels that
-`bench.py --target` times. Paper: Alpamayo-R1 is the deliberative reasoner (target) that RSD accelerates. The layout
+`bench.py real` times. Paper: Alpamayo-R1 is the deliberative reasoner (target) that RSD accelerates. The layout
 (NVIDIA's; docs/background.md, "The Alpamayo-R1 prompt layout"): a system turn; a user turn of 16 images (4 cameras x 4
 frames), 48 history ids (HistoryTokenizer) and the instruction; the assistant turn opened with <|cot_start|>. Images
 go through the Qwen-VL image processor (not AutoProcessor: Qwen3-VL's also needs torchvision).
@@ -7,8 +7,8 @@ go through the Qwen-VL image processor (not AutoProcessor: Qwen3-VL's also needs
 Held out (bench.py --scenes, heldout): over a scene folder, tau, alpha per draft position, the routine share, greedy
 identity with p alone, each plan stage's latency, and the ADE of the expert's plan after the speculative CoC.
 
-run: python bench.py --device cuda --target ALPAMAYO_DIR [--images-dir CAMERAS]   (tests: tests/test_alpamayo.py)
-     python bench.py --device cuda --target ALPAMAYO_DIR --draft DRAFT --scenes SCENES --tree 0
+run: python bench.py real --device cuda --target ALPAMAYO_DIR [--images-dir CAMERAS]   (tests: tests/test_alpamayo.py)
+     python bench.py real --device cuda --target ALPAMAYO_DIR --draft DRAFT --scenes SCENES --tree 0
                                                                                     (tests: tests/test_heldout.py)
 """
 from dataclasses import dataclass, replace
@@ -123,7 +123,7 @@ def qwen_prompt(src, images, instruction, min_pixels=MIN_PIXELS, max_pixels=MAX_
     return chat_prompt(src, [("user", instruction)], images, min_pixels, max_pixels)
 
 
-# ---- a real checkpoint's plan on pixels (bench.py --target) ----
+# ---- a real checkpoint's plan on pixels (bench.py real --target) ----
 def history_poses(speed=8.0, dt=0.1):
     """16 past poses (16, 3) of a car driving straight at `speed` m/s, ego frame at the last one."""
     t = torch.arange(-(N_POSES - 1), 1) * dt  # (16,) seconds, 0 = now

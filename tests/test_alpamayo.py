@@ -325,8 +325,8 @@ def test_bench_target_runs_the_plan_on_pixels(folder, tmp_path, capsys):
     for i in range(4):
         px = torch.randint(0, 256, (20, 28, 3), dtype=torch.uint8, generator=g)
         Image.fromarray(px.numpy()).save(tmp_path / "cams" / f"cam{i}.png")
-    common = ["--target", str(d), "--dtype", "fp32", "--max-new", "8", "--gamma", "2", "--repeats", "3",  # 8: the
-              "--min-pixels", "64", "--max-pixels", "256", "--threads", "1", "--json"]  # default tree's depth
+    common = ["real", "--target", str(d), "--dtype", "fp32", "--max-new", "8", "--gamma", "2", "--repeats", "3",
+              "--min-pixels", "64", "--max-pixels", "256", "--threads", "1", "--json"]  # 8: the default tree's depth
     res = bench.main(common + ["--images-dir", str(tmp_path / "cams")])
     out = "".join(capsys.readouterr()[::-1])  # stderr (--json: the report), stdout
     assert "plan timings   prefill (vision tower + prompt)" in out and "trajectory (action expert)" in out
@@ -361,7 +361,7 @@ def test_bench_target_samples_six_plans_through_the_expert(folder, tmp_path, cap
     one batch (chain and target-only in the same passes), then the action expert over all six rows."""
     _, _, d = folder
     os.makedirs(tmp_path / "none")
-    res = bench.main(["--target", str(d), "--dtype", "fp32", "--max-new", "6", "--gamma", "2", "--repeats", "3",
+    res = bench.main(["real", "--target", str(d), "--dtype", "fp32", "--max-new", "6", "--gamma", "2", "--repeats", "3",
                       "--images", "2", "--image-size", "16x24", "--processor", str(tmp_path / "none"), "--threads",
                       "1", "--samples", "6", "--temperature", "0.6", "--top-p", "0.98", "--tree", "0", "--json"])
     p = res["plan"]

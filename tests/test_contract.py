@@ -33,6 +33,11 @@ if EXP not in sys.path:  # the experiments import as modules, as tests/test_ship
 PROGRAMS = {
     "bench.py": ("bench", "file", "--prompts", True,
                  "--prompts 1 --max-new 4 --repeats 3 --tree 0 --gamma 2 --out {tmp}/b.json"),
+    # bench.py's other modes (its subcommands; the toy is the default): their own flags, the same contract
+    "bench.py preset": ("bench", "file", "--images", True, "preset qwen2.5-vl-7b --layers 1 --images 1 --max-new 3 "
+                        "--repeats 3 --tree 0 --gamma 2 --out {tmp}/b.json"),
+    "bench.py real": ("bench", "file", "--images", True, "real --target {tmp}/t --max-new 3 --repeats 3 --tree 0 "
+                      "--gamma 2 --out {tmp}/b.json"),
     "rsd.py": ("rsd", None, "--scenes", True, "--scenes 2 --time-scenes 1 --show 0 --seeds 0 --gamma 2"),
     "train.py": ("train", "folder", "--n-train", False, "--out {tmp}/run"),
     "aarl.py": ("aarl", "folder", "--n-report", True, "--run {run} --out {tmp}/aarl"),
@@ -88,7 +93,8 @@ def documented():
     text = " ".join(open(p).read() for p in [os.path.join(ROOT, "README.md"), *glob.glob(f"{ROOT}/docs/*.md")])
     text = re.sub(r"\s+", " ", text)  # a command wrapped over two lines
     found = re.findall(r"python (?:-m ([\w.]+)|((?:experiments/)?\w+\.py))", text)
-    return {m or p for m, p in found} - {"pytest"}
+    modes = {f"bench.py {m}" for m in re.findall(r"python bench\.py (preset|real)\b", text)}  # its subcommands
+    return {m or p for m, p in found} - {"pytest"} | modes
 
 
 def command_lines():
@@ -106,7 +112,7 @@ def test_every_documented_program_is_in_the_contract():
     assert not extra, f"contract entries no doc names and no command line: {extra}"
     for name, spec in PROGRAMS.items():
         assert os.path.isfile(os.path.join(ROOT, name.replace(".", "/") + ".py" if spec[0].startswith("real.") else
-                                           name)), name
+                                           name.split()[0])), name
 
 
 def run(name, argv, capsys):
@@ -234,7 +240,8 @@ def noisy(result):
 
 def stub_bench(monkeypatch):
     import bench
-    monkeypatch.setattr(bench, "toy", noisy(canned("bench_cpu_tree.json")))
+    for mode in ("toy", "real"):  # real: a preset's and a real checkpoint's work
+        monkeypatch.setattr(bench, mode, noisy(canned("bench_cpu_tree.json")))
 
 
 def stub_rsd(monkeypatch):
@@ -270,8 +277,8 @@ def stub_aarl_real(monkeypatch):
     monkeypatch.setattr(aarl_real.checkpoint, "save", lambda *a, **k: None)
 
 
-STUBS = {"bench.py": stub_bench, "rsd.py": stub_rsd, "aarl.py": stub_aarl, "experiments/peer_hf.py": stub_peer,
-         "real.aarl_real": stub_aarl_real}
+STUBS = {"bench.py": stub_bench, "bench.py preset": stub_bench, "bench.py real": stub_bench, "rsd.py": stub_rsd,
+         "aarl.py": stub_aarl, "experiments/peer_hf.py": stub_peer, "real.aarl_real": stub_aarl_real}
 
 
 def test_every_json_program_is_stubbed():
@@ -306,11 +313,15 @@ def test_no_default_output_is_a_file_the_repo_ships(name, monkeypatch):
         raise Parsed
 
     monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_args)
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_known_args", parse_args)
     with pytest.raises(Parsed):
         importlib.import_module(PROGRAMS[name][0]).main([])
     tracked = set(subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True).stdout.split())
-    for action in parsers[0]._actions:
-        if action.dest in ("out", "figure", "work") and isinstance(action.default, str):
+    actions = parsers[0]._actions  # and a program's subcommands' (bench.py's modes)
+    actions += [a for sub in actions if isinstance(sub, argparse._SubParsersAction) for q in sub.choices.values()
+                for a in q._actions]
+    for action in actions:
+        if action.dest in ("out", "figure", "work") and action.default not in (None, argparse.SUPPRESS):
             path = os.path.relpath(os.path.abspath(os.path.join(ROOT, action.default)), ROOT)
             assert path.split(os.sep)[0] == "runs", f"{name} --{action.dest} defaults to {action.default}"
             assert not any(t == path or t.startswith(path + os.sep) for t in tracked), (name, path)
@@ -332,7 +343,7 @@ def test_a_real_ctrl_c_from_outside_is_one_line_and_130(tmp_path):
     finally:
         proc.kill()
     assert first.startswith("[") and code == 130, (first, rest, code)
-    assert len(rest) == 1 and rest[0].startswith("bench.py: interrupted"), rest
+    assert len(rest) == 1 and rest[0].startswith("bench.py toy: interrupted"), rest
     assert os.listdir(tmp_path) == []
 
 
@@ -359,10 +370,11 @@ def hf_folder(tmp, shard):
 
 # door: (program, argv ({tmp}, {run}), where the FIFO goes (relative to tmp), what the one line names)
 INPUT_DOORS = {
-    "an image listed in --images-dir": ("bench.py", "--target {tmp}/t --images-dir {tmp}/img",
+    "an image listed in --images-dir": ("bench.py real", "real --target {tmp}/t --images-dir {tmp}/img",
                                         "img/00.png", "00.png: is not a regular file"),
-    "a --target's config.json": ("bench.py", "--target {tmp}/t", "t/config.json", "config.json: is not a regular file"),
-    "a --target's shard, listed by its index": ("bench.py", "--target {tmp}/t", "t/shard-1.safetensors",
+    "a --target's config.json": ("bench.py real", "real --target {tmp}/t", "t/config.json",
+                                 "config.json: is not a regular file"),
+    "a --target's shard, listed by its index": ("bench.py real", "real --target {tmp}/t", "t/shard-1.safetensors",
                                                 "shard-1.safetensors: is not a regular file"),
     "a --draft's weights": ("bench.py", "--draft {tmp}/q --prompts 1 --tree 0 --gamma 2 --out {tmp}/b.json",
                             "q/model.safetensors", "model.safetensors: is not a regular file"),
@@ -489,8 +501,8 @@ def test_an_experiment_rewrites_its_own_output(tmp_path, capsys):
 # ---- counts, sizes and floats bounded before any work (issue #59: each of these hung or ran on silently) ----
 BOUND_DOORS = {  # (program, flags after its cheap argv, what the one line says)
     "bench.py --stream 10**8": ("bench.py", "--stream 100000000", "--stream takes 0..1000 frames"),
-    "bench.py --stream-interval inf": ("bench.py", "--stream 3 --stream-interval inf", "a finite number of seconds"),
-    "bench.py --stream-interval nan": ("bench.py", "--stream 3 --stream-interval nan", "a finite number of seconds"),
+    "bench.py --stream-interval inf": ("bench.py", "--stream 3 --stream-interval inf", "must be a finite number > 0"),
+    "bench.py --stream-interval nan": ("bench.py", "--stream 3 --stream-interval nan", "must be a finite number > 0"),
     "rsd.py --stream-frames 10**8": ("rsd.py", "--stream 1 --stream-frames 100000000", "--stream-frames 2..1000"),
     "rsd.py --stream 10**8": ("rsd.py", "--stream 100000000", "--stream takes 0..10000 clips"),
     "stream.py --frames 10**8": ("experiments/stream.py", "--frames 100000000", "2..1000 frames"),
@@ -540,6 +552,7 @@ RUN_READERS = ["bench.py", "rsd.py", "aarl.py", "experiments/choose_grid.py", "e
                "experiments/toy_roundtrip.py", "experiments/views_sweep.py"]
 # programs that open no file a user names or plants (their own outputs aside: the output doors above)
 READS_NOTHING = {"driving.py": "the world is built from its seed",
+                 "bench.py preset": "random weights of a preset's shape",
                  "experiments/data_stage_ab.py": "trains its own target and drafts in --work",
                  "experiments/learning_speed.py": "trains its own models; --plot-only reads its --out (an output door)",
                  "experiments/cost_per_1000_scenes.py": "random weights of a preset's shape",

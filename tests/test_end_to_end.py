@@ -230,12 +230,12 @@ def test_bench_stream_times_four_arms_on_clips(run_dir, capsys):
     # of width 1), and the report says what it predicted and what the tree arm measured
     bench.main(["--run", str(run_dir), "--stream", "3", "--prompts", "2", "--dtype", "fp32", "--views", str(VIEWS),
                 "--max-new", "8", "--samples", "3", "--temperature", "0.6", "--top-p", "0.98", "--json"])
-    printed = capsys.readouterr().out
-    out = json.loads(printed.strip().splitlines()[-1])
+    printed = capsys.readouterr()
+    out = json.loads(printed.out.strip().splitlines()[-1])
     st, ch, d = out["stream"], out["choice"], out["decoder"]
     name = f"tree {d['nodes']}/{d['depth']}/{d['width']}"
     assert ch["rows"] == 3 and (ch["chosen"] == name or ch["chosen"] == f"chain {d['depth']}" and d["width"] == 1)
-    assert ch["measured"][name] == st["arms"]["tree"]["speedup"] and "chosen " in printed
+    assert ch["measured"][name] == st["arms"]["tree"]["speedup"] and "chosen " in printed.err  # --json: the report
     assert out["greedy_match"] is None and not out["lossy"] and out["decoding"]["mode"] == "sampling"
     assert st["samples"] == 3 and st["siblings"] == 3 and st["frames_back"] == stream.K_FRAMES
     for arm, a in st["arms"].items():
@@ -287,7 +287,7 @@ def test_bench_real_shape_preset(run_dir, capsys):
     (the 152k-id head over 33 rows is slow on a CPU), runs and says acceptance is meaningless (the speed-up at the
     toy's acceptance: experiments/gpu_check.py). One preset run only: building the 7B shape's random vision tower and
     running it take about 70 s here."""
-    bench.main(["--preset", "qwen2.5-vl-7b", "--layers", "1", "--images", "1", "--max-new", "3", "--repeats", "3",
+    bench.main(["preset", "qwen2.5-vl-7b", "--layers", "1", "--images", "1", "--max-new", "3", "--repeats", "3",
                 "--gamma", "2",  # the chain arm timed beside the tree: every round verifies gamma + 1 at the 152k head
                 "--draft-vocab", "4096", "--run", str(run_dir), "--json", "--tree", "4/2/2"])
     text = "".join(capsys.readouterr()[::-1])  # stderr (--json: the report), stdout
@@ -374,13 +374,13 @@ def test_bench_without_toy_checkpoints_says_what_to_run(tmp_path, capsys):
 
 def test_bench_rejects_bad_arguments(capsys):
     for argv, msg in ((["--gamma", "0"], "--gamma"), (["--repeats", "2"], "--repeats"),
-                      (["--preset", "qwen2.5-vl-7b", "--target", "x"], "not both"),
-                      (["--preset", "qwen2.5-vl-7b", "--layers", "-1"], "1..28 for qwen2.5-vl-7b), got -1"),
-                      (["--preset", "qwen2.5-vl-7b", "--layers", "0"], "got 0"),  # was: all 28 layers, 8.3B weights
-                      (["--preset", "qwen2.5-vl-7b", "--layers", "29"], "got 29"),
-                      (["--layers", "2"], "--layers keeps 1..n_layers decoder layers of a --preset, got 2"),
-                      (["--draft-vocab", "8"], "--draft-vocab takes 1..vocab_size token ids of a --preset, got 8"),
-                      (["--preset", "qwen2.5-vl-7b", "--draft-vocab", "-1"], "(1..152064 for qwen2.5-vl-7b), got -1"),
+                      (["preset", "qwen2.5-vl-7b", "--target", "x"], "--target is a flag of `bench.py real`"),
+                      (["preset", "qwen2.5-vl-7b", "--layers", "-1"], "argument --layers: must be >= 1, got -1"),
+                      (["preset", "qwen2.5-vl-7b", "--layers", "0"], "got 0"),  # was: all 28 layers, 8.3B weights
+                      (["preset", "qwen2.5-vl-7b", "--layers", "29"], "got 29"),
+                      (["--layers", "2"], "--layers is a flag of `bench.py preset`"),
+                      (["--draft-vocab", "8"], "--draft-vocab is a flag of `bench.py preset`"),
+                      (["preset", "qwen2.5-vl-7b", "--draft-vocab", "-1"], "(qwen2.5-vl-7b: 1..152064), got -1"),
                       (["--device", "tpu"], "unknown device 'tpu'"),
                       (["--temperature", "-1"], "temperature must be finite and >= 0"),
                       (["--temperature", "1", "--top-p", "0"], "top_p must be None or in (0, 1]"),

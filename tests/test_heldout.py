@@ -102,7 +102,7 @@ def test_bench_scenes_with_sampled_rows(setup, capsys):
     """--scenes --samples 3 at 0.6 / 0.98: each held-out scene a plan of three sampled rows decoded as one batch
     (target-only and speculative on the same rows), the action expert over the first plan's rows."""
     d, _, ddir, _, root = setup
-    res = bench.main(["--target", str(d), "--scenes", str(root), "--draft", str(ddir), "--device", "cpu",
+    res = bench.main(["real", "--target", str(d), "--scenes", str(root), "--draft", str(ddir), "--device", "cpu",
                       "--dtype", "fp32", "--max-new", str(MAX_NEW), "--tree", "0", "--gamma", str(GAMMA),
                       "--repeats", str(REPEATS), "--min-pixels", "64", "--max-pixels", "256", "--samples", "3",
                       "--temperature", "0.6", "--top-p", "0.98", "--json"])
@@ -114,7 +114,7 @@ def test_bench_scenes_with_sampled_rows(setup, capsys):
 
 def test_bench_scenes_end_to_end(setup, capsys):
     d, _, ddir, _, root = setup
-    res = bench.main(["--target", str(d), "--scenes", str(root), "--draft", str(ddir), "--device", "cpu",
+    res = bench.main(["real", "--target", str(d), "--scenes", str(root), "--draft", str(ddir), "--device", "cpu",
                       "--dtype", "fp32", "--max-new", str(MAX_NEW), "--tree", "0", "--gamma", str(GAMMA),
                       "--repeats", str(REPEATS), "--min-pixels", "64", "--max-pixels", "256", "--json"])
     out = "".join(capsys.readouterr()[::-1])  # stderr (--json: the report), stdout
@@ -151,7 +151,7 @@ def plain_qwen3_vl(folder, tmp_path):
 def test_a_plain_qwen_vl_folder_stops_at_im_end(folder, tmp_path, capsys):
     """No traj_token_ids: each scene's images (any count) and instruction.txt, the untrained draft, no expert."""
     d = plain_qwen3_vl(folder, tmp_path)
-    res = bench.main(["--target", str(d), "--scenes", str(tmp_path / "s"), "--dtype", "fp32", "--max-new", "4",
+    res = bench.main(["real", "--target", str(d), "--scenes", str(tmp_path / "s"), "--dtype", "fp32", "--max-new", "4",
                       "--gamma", "2", "--tree", "0", "--repeats", "3", "--min-pixels", "64", "--max-pixels", "256"])
     assert res["stop"] == SPECIAL["<|im_end|>"] and res["prompt_source"].startswith("plain Qwen-VL")
     assert res["identical"] == 2 and res["ms"]["action_expert"] is None and res["ade_m"] is None
@@ -159,7 +159,7 @@ def test_a_plain_qwen_vl_folder_stops_at_im_end(folder, tmp_path, capsys):
     assert out.startswith("device") and "NOTE: untrained draft" in out and "action expert none" in out
     # issue #52: no expert, no plan to price a relaxed rule by: refused before any work
     with pytest.raises(SystemExit) as e:
-        bench.main(["--target", str(d), "--scenes", str(tmp_path / "s"), "--relaxed", "typical:0.5"])
+        bench.main(["real", "--target", str(d), "--scenes", str(tmp_path / "s"), "--relaxed", "typical:0.5"])
     assert e.value.code == 2 and "is a plain Qwen-VL with no action expert" in capsys.readouterr().err
 
 
@@ -168,7 +168,7 @@ def test_bench_scenes_as_one_clip(setup, tmp_path, capsys):
     each of the four arms; a folder that is no clip (a frame without its time, out of order, a gap, too few) is one
     line before the weights load."""
     d, _, ddir, _, _ = setup
-    common = ["--target", str(d), "--draft", str(ddir), "--device", "cpu", "--dtype", "fp32", "--max-new",
+    common = ["real", "--target", str(d), "--draft", str(ddir), "--device", "cpu", "--dtype", "fp32", "--max-new",
               str(MAX_NEW), "--tree", "4/2/2", "--repeats", str(REPEATS),
               "--min-pixels", "64", "--max-pixels", "256"]
     root = write_scenes(tmp_path / "clip", times=(0.0, 0.5, 1.0))
@@ -191,9 +191,9 @@ def test_bench_scenes_as_one_clip(setup, tmp_path, capsys):
         with pytest.raises(SystemExit) as e:
             bench.main(common + ["--scenes", str(write_scenes(tmp_path / str(times), times=times)), "--stream", frames])
         assert e.value.code == 2 and msg in capsys.readouterr().err
-    for argv, msg in ((["--stream", "3"], "--stream runs clips: the toy's, or --target's --scenes"),
+    for argv, msg in ((["--stream", "3"], "--stream runs clips: the toy's, or real --scenes"),
                       (["--scenes", str(root), "--stream", "3", "--stream-interval", "0.1"],
-                       "--stream-interval is the toy's"),
+                       "--stream-interval is a flag of `bench.py toy`"),
                       (["--scenes", str(root), "--stream", "1"], "--stream takes the frames of a clip, >= 2")):
         with pytest.raises(SystemExit) as e:
             bench.main(common + argv)
@@ -212,14 +212,14 @@ def test_errors_are_one_line(setup, tmp_path, capsys):
 
     def error(*argv):
         with pytest.raises(SystemExit) as e:
-            bench.main(list(argv) + common)
+            bench.main(list(argv) + common if argv[0] in bench.MODES else ["real", *argv, *common])
         assert e.value.code == 2
         return capsys.readouterr().err
 
-    assert "--scenes goes with --target" in error("--scenes", str(root))
+    assert "--scenes is a flag of `bench.py real`" in error("toy", "--scenes", str(root))
     assert "--scenes takes no --temperature" in error("--target", str(d), "--scenes", str(root), "--temperature", "1")
-    assert "--samples plans the scenes of --target" in error("--preset", "qwen3-vl-8b", "--samples", "2",
-                                                             "--temperature", "1")
+    assert "--samples is a flag of `bench.py toy` and `bench.py real`" in error("preset", "qwen3-vl-8b", "--samples",
+                                                                                "2", "--temperature", "1")
     (tmp_path / "empty").mkdir()
     assert "holds no scene folders" in error("--target", str(d), "--scenes", str(tmp_path / "empty"))
     bad = write_scenes(tmp_path / "bad", n=1)
@@ -242,8 +242,8 @@ def test_bench_scenes_relaxed_is_priced_through_the_expert(setup, tmp_path, caps
     d, _, ddir, _, root = setup
     ids = tmp_path / "commit.json"
     ids.write_text("[1, 2, 3]")
-    argv = ["--target", str(d), "--scenes", str(root), "--draft", str(ddir), "--device", "cpu", "--dtype", "fp32",
-            "--max-new", str(MAX_NEW), "--tree", "0", "--gamma", str(GAMMA), "--repeats", str(REPEATS),
+    argv = ["real", "--target", str(d), "--scenes", str(root), "--draft", str(ddir), "--device", "cpu", "--dtype",
+            "fp32", "--max-new", str(MAX_NEW), "--tree", "0", "--gamma", str(GAMMA), "--repeats", str(REPEATS),
             "--min-pixels", "64", "--max-pixels", "256", "--json"]
     exact = bench.main(argv)
     res = bench.main(argv + ["--relaxed", "typical:1"])

@@ -107,7 +107,7 @@ def test_named_paths_exist():
 
 
 def readme_commands():
-    """(module, [flags]) of every `python X.py ...` / `python -m pkg.mod ...` / `torchrun ... X` command the README
+    """(module, [its words before the first flag: a subcommand], [flags]) of every `python X.py ...` / `python -m pkg.mod ...` / `torchrun ... X` command the README
     shows in a code block."""
     out = []
     for block in re.findall(r"```bash\n(.*?)```", README, re.S):
@@ -117,22 +117,24 @@ def readme_commands():
                 if not words or words[0] not in ("python", "torchrun"):
                     continue
                 if "-m" in words:
-                    mod = words[words.index("-m") + 1]
+                    at = words.index("-m") + 1
                 else:
-                    script = next((w for w in words if w.endswith(".py")), None)
-                    mod = script and script[:-3]
+                    at = next((i for i, w in enumerate(words) if w.endswith(".py")), 0)
+                mod, rest = words[at].removesuffix(".py"), words[at + 1:]
                 if mod in modules():
-                    out.append((mod, sorted({w.split("=")[0] for w in words if w.startswith("--")}
-                                            - {"--nproc_per_node"})))
+                    sub = rest[:next((i for i, w in enumerate(rest) if w.startswith("-")), len(rest))]
+                    out.append((mod, sub, sorted({w.split("=")[0] for w in words if w.startswith("--")}
+                                                 - {"--nproc_per_node"})))
     return out
 
 
-@pytest.mark.parametrize("mod,flags", readme_commands())
-def test_readme_commands_show_every_flag_in_help(mod, flags):
-    """Each README command's program lists every flag the README gives it under --help (no hidden second program)."""
+@pytest.mark.parametrize("mod,sub,flags", readme_commands())
+def test_readme_commands_show_every_flag_in_help(mod, sub, flags):
+    """Each README command's program (its subcommand's, bench.py's modes) lists every flag the README gives it under
+    --help (no hidden second program)."""
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf), pytest.raises(SystemExit):
-        importlib.import_module(mod).main(["--help"])
+        importlib.import_module(mod).main(sub + ["--help"])
     missing = [f for f in flags if f not in buf.getvalue()]
     assert not missing, f"{mod} --help lacks {missing}"
 

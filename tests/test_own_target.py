@@ -226,7 +226,7 @@ def test_the_whole_path_on_the_command_line(alpamayo_run, tmp_path):
                   "--allow-truncated"])
     aarl_real.main(["--target", d, "--draft", checkpoint.draft_dir(run, "flat", 0), "--scenes", root, "--out", run,
                "--steps", "1", "--per-update", "2", "--group", "2", *px])
-    res = bench.main(["--target", d, "--draft", checkpoint.draft_dir(run, "aarl", 0), "--scenes", held, "--tree",
+    res = bench.main(["real", "--target", d, "--draft", checkpoint.draft_dir(run, "aarl", 0), "--scenes", held, "--tree",
                       "0", "--repeats", "3", "--dtype", "fp32", *px])
     assert res["identical"] == res["scenes"] == 2 and res["trained_draft"] and res["ms"]["action_expert"] > 0
 

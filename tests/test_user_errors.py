@@ -174,20 +174,21 @@ def test_train_bad_flags_fail_at_parse_time(argv, msg, capsys):
 
 
 @pytest.mark.parametrize("argv, msg", [
-    (["--threads", "0"], "--threads must be >= 1"),
-    (["--threads", "-3"], "--threads must be >= 1"),
-    (["--views", "30"], "--views must be in 0..21"),
-    (["--views", "-1"], "--views must be in 0..21"),
+    (["--threads", "0"], "argument --threads: must be >= 1"),
+    (["--threads", "-3"], "argument --threads: must be >= 1"),
+    (["--views", "30"], "argument --views: must be in 0..21"),
+    (["--views", "-1"], "argument --views: must be in 0..21"),
     (["--temperature", "0.6", "--sampling-seed", str(2**64 - 1)], "sampling seed must be an int >= 0 and < 2**62"),
-    (["--image-size", "abc"], "--image-size must be HxW"),
-    (["--image-size", "0x512"], "--image-size must be HxW"),
-    (["--image-size", "100000x100000"], "each in 1..8192"),
-    (["--min-pixels", "100", "--max-pixels", "10"], "1 <= min <= max, got 100 and 10"),
-    (["--min-pixels", "-5"], "1 <= min <= max"),
-    (["--images-dir", "."], "--images-dir goes with --target"),
-    (["--target", "/nonexistent"], "--target /nonexistent: folder not found"),
+    (["real", "--target", checkpoint.SHIPPED, "--image-size", "abc"], "--image-size must be HxW"),
+    (["real", "--target", checkpoint.SHIPPED, "--image-size", "0x512"], "--image-size must be HxW"),
+    (["real", "--target", checkpoint.SHIPPED, "--image-size", "100000x100000"], "each in 1..8192"),
+    (["real", "--target", checkpoint.SHIPPED, "--min-pixels", "100", "--max-pixels", "10"],
+     "min <= max, got 100 and 10"),
+    (["real", "--target", checkpoint.SHIPPED, "--min-pixels", "-5"], "argument --min-pixels: must be >= 1, got -5"),
+    (["--images-dir", "."], "--images-dir is a flag of `bench.py real`, not of `bench.py toy`"),
+    (["real", "--target", "/nonexistent"], "--target /nonexistent: folder not found"),
     (["--draft", "/nonexistent"], "--draft /nonexistent: folder not found"),
-    (["--target", os.path.join(checkpoint.SHIPPED, "target")], "a checkpoint of this repo's own format"),
+    (["real", "--target", os.path.join(checkpoint.SHIPPED, "target")], "a checkpoint of this repo's own format"),
     # issue #43: no bounds grew to 20 GB, ran past the 1,024 positions, or ended in a traceback
     (["--gamma", "100000"], "--gamma 100000 is more than --max-new 32"),
     (["--gamma", "2000", "--max-new", "8"], "--gamma 2000 is more than --max-new 8"),
@@ -197,10 +198,10 @@ def test_train_bad_flags_fail_at_parse_time(argv, msg, capsys):
     (["--tree", "16"], "--tree takes N/D/k (nodes/depth/width, e.g. 16/8/3) or 0 (the chain), got '16'"),
     (["--max-new", "1000", "--gamma", "900", "--tree", "0"], "--max-new 1000 and --gamma 900 need 1900 positions "
      "beyond the prompt, more than the model's 1024"),
-    (["--preset", "qwen2.5-vl-7b", "--max-new", "8170"], "--max-new 8170 and --tree 32/8/3 need 8202 positions beyond "
+    (["preset", "qwen2.5-vl-7b", "--max-new", "8170"], "--max-new 8170 and --tree 32/8/3 need 8202 positions beyond "
      "the prompt, more than the model's 8192"),
     (["--samples", "6", "--temperature", "0"], "--samples 6 at --temperature 0 decodes identical greedy rows"),
-    (["--target", "/nonexistent", "--samples", "2"], "--samples 2 at --temperature 0"),
+    (["real", "--target", "/nonexistent", "--samples", "2"], "--samples 2 at --temperature 0"),
     (["--out", os.path.join(checkpoint.SHIPPED, "draft_aarl_s0", "model.safetensors")], "inside the shipped"),
     (["--batch", "2", "--prompts", "3"], "--prompts 3 is not a multiple of --batch 2"),
     (["--relaxed", "typical"], "--relaxed must be RULE:BOUND"),
@@ -212,9 +213,10 @@ def test_train_bad_flags_fail_at_parse_time(argv, msg, capsys):
     (["--stream", "4", "--temperature", "0.6"], "--stream's plan of --samples rows is sampled"),
     (["--stream", "4", "--samples", "6"], "--samples 6 at --temperature 0 decodes identical greedy rows"),
     (["--stream", "4", "--batch", "2", "--prompts", "4"], "--stream times decodes of one prompt per frame"),
-    (["--stream", "4", "--preset", "qwen2.5-vl-7b"], "--stream runs clips: the toy's, or --target's --scenes"),
-    (["--stream", "4", "--stream-interval", "0"], "--stream-interval must be a finite number of seconds > 0, got 0.0"),
-    (["--stream", "4", "--stream-interval", "nan"], "--stream-interval must be a finite number of seconds > 0, got nan"),
+    (["preset", "qwen2.5-vl-7b", "--stream", "4"], "--stream is a flag of `bench.py toy` and `bench.py real`"),
+    (["real", "--target", checkpoint.SHIPPED, "--stream", "4"], "--stream runs clips: the toy's, or real --scenes"),
+    (["--stream", "4", "--stream-interval", "0"], "argument --stream-interval: must be a finite number > 0, got 0"),
+    (["--stream", "4", "--stream-interval", "nan"], "argument --stream-interval: must be a finite number > 0, got nan"),
     (["--stream-interval", "0.1"], "--stream-interval goes with --stream"),
 ])
 def test_bench_bad_flags_are_one_line(argv, msg, capsys):
@@ -594,14 +596,18 @@ def test_what_ran_is_the_tree_that_ran_and_ignored_flags_are_refused(tmp_path, c
     monkeypatch.setattr(bench, "report", lambda res: None)
     res = bench.main(["--out", ""])
     assert res["what_ran"]["flags"]["tree"] == "16/8/3"
-    for flag in ("--prompts", "--views"):
+    for flag in ("--prompts", "--views"):  # issue #58: a flag of another mode is refused by that mode's parser
         with pytest.raises(SystemExit):
-            bench.main(["--preset", "qwen3-vl-8b", flag, "2"])
-        assert f"{flag} is the toy's" in error_line(capsys)
-    for argv in (["--min-pixels", "64"], ["--preset", "qwen3-vl-8b", "--image-size", "8x8"]):
+            bench.main(["preset", "qwen3-vl-8b", flag, "2"])
+        assert f"{flag} is a flag of `bench.py toy`, not of `bench.py preset`" in error_line(capsys)
+    for argv, owner in ((["--min-pixels", "64"], "real"), (["preset", "qwen3-vl-8b", "--image-size", "8x8"], "real"),
+                        (["real", "--target", ".", "--batch", "2"], "toy")):
         with pytest.raises(SystemExit):
             bench.main(argv)
-        assert f"{argv[-2]} shapes the images of a --target prompt" in error_line(capsys)
+        assert f"{argv[-2]} is a flag of `bench.py {owner}`" in error_line(capsys)
+    with pytest.raises(SystemExit):
+        bench.main(["real", "--target", ".", "--scenes", ".", "--image-size", "8x8"])
+    assert "--image-size shapes generated images" in error_line(capsys)
 
 
 def test_atomic_write_names_a_missing_folder(tmp_path):
