@@ -42,23 +42,25 @@ CACHE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # --compile's target step lengths: a chain's or a tree's verify runs padded to the next (ops/compiled.py), so the 8
 # chains and the family compile 7 graphs, and the profile times each chain at its padded length
 COMPILED_LENGTHS = (1, 2, 3, 5, 9, 17, 33)
-PROFILE_METHOD = 6  # bumped when measure_profile measures another way: a cached profile of the old way is stale
-# each profiled forward: the least over ROUNDS rounds of the median (here: the mean) of REPS calls, after a warm-up
-# round of REPS calls (least_of_rounds')
-REPS, ROUNDS = 2, 3
-# each real decode timed: the least of DECODE_ROUNDS after a short decode of its own (WARM_TOKENS: a round or two, the
-# plan's prefill and caches allocated), not after a whole one: a decode at 6 rows costs as much as 50 forwards, and
-# these decodes are most of the profile's seconds
-DECODE_ROUNDS, WARM_TOKENS = 2, 9
-# the real decodes whose time per round, less the profile's forwards, is a round's overhead: target-only's step, a tree
-# round's, and a chain's as a + b gamma (each draft step's feed and argmax beside its forward) from the shortest and
-# the longest chain
-OVERHEAD_DECODERS = {"target-only": None, "chain 1": Chain(1), "chain 8": Chain(8), "tree": FAMILY[1]}
+PROFILE_METHOD = 7  # bumped when measure_profile measures another way: a cached profile of the old way is stale
+REPS = 2  # each profiled forward, in each round: the median (here: the mean) of REPS calls
+# each stage of the profile (the forwards, the overhead decodes, each batch of timed val decodes) keeps the least of
+# its rounds, and runs rounds while its share STAGE_S of the profile's seconds allows (at least MIN_ROUNDS, at most
+# MAX_ROUNDS): a load that comes and goes only adds time, so more rounds read truer, and a cheap profile (one row)
+# affords more of them than a dear one (a decode at 6 rows costs as much as 50 forwards)
+STAGE_S, MIN_ROUNDS, MAX_ROUNDS = 3.0, 2, 5
+PROFILE_S = 12.0  # past these seconds, the chooser times no more candidates than its first three (timed_rounds)
+WARM_TOKENS = 9  # a decode timer's first call decodes this many tokens first (the plan's prefill and caches allocated)
+# the real decodes whose time per round, less the profile's forwards, is a round's overhead: a tree round's, and a
+# chain's as a + b gamma (each draft step's feed and argmax beside its forward) from the shortest and the longest chain.
+# Target-only's step is its forward alone: what it adds is a factor common to every candidate's predicted speed-up
+# (it ranks them the same), and the chooser times target-only's real decodes beside the fastest
+OVERHEAD_DECODERS = {"chain 1": Chain(1), "chain 8": Chain(8), "tree": FAMILY[1]}
 VAL_PLANS = 16  # the val plans whose rounds choose (of --batch prompts each: a plan's rounds are its slowest row's)
 TIMED_TOP = 2  # the chooser times real decodes of the fastest predicted candidates until these many are timed ones
 # or MAX_TIMED candidates are: each costs two decodes of a plan, and where many candidates lie within a few percent of
 # each other the ranking could move after every timing
-MAX_TIMED = 4
+MAX_TIMED = 3
 NATIVE_BF16 = ("avx512_bf16", "amx_bf16")  # /proc/cpuinfo flags of a CPU whose matrix units multiply bf16 natively
 
 
@@ -153,9 +155,10 @@ def cached(kind, key, measure, again=False, log=cli.progress):
 def measure_profile(target, draft, prompt, rows=1, stop_token=None, max_new=evaluate.MAX_NEW_TOKENS):
     """{"target": {n: s}, "verify": {N: s}, "draft": {n: s}} (one forward of n tokens over `rows` rows after the prompt,
     a chain's verify; a tree's verify of N + 1 as tree_forward runs it), "grow": {tree: s} (its levels after the root,
-    tree.grow), "overhead": {kind: s} (a target-only step's, a chain round's and a tree round's time beyond their
-    forwards, read off real decodes of the prompt). Every measurement is taken in each of ROUNDS rounds, all of them
-    back to back in each, and the least of its rounds kept: a machine's load that comes and goes only adds time."""
+    tree.grow), "overhead": {kind: s} (a chain round's and a tree round's time beyond their forwards, read off real
+    decodes of the prompt). Every measurement is taken in each of least_of_rounds' rounds, all
+    of them back to back in each, and the least of its rounds kept: a machine's load that comes and goes only adds
+    time."""
     device, L = prompt["input_ids"].device, prompt["input_ids"].shape[1]
     embeds = target.embed(**{k: prompt[k] for k in EMBED_KEYS if prompt.get(k) is not None})  # (1, L, D)
     # the decode's cache (speculate.new_cache: the prompt but its last token, max_new, a round's N nodes), which a tree
@@ -193,7 +196,7 @@ def measure_profile(target, draft, prompt, rows=1, stop_token=None, max_new=eval
               **{("grow", shape_key(sh)): levels(sh) for sh in FAMILY}}
     least = least_of_rounds(timers) | least_of_rounds(
         {("decode", kind): decode_timer(target, draft, prompt, d, rows, stop_token, max_new)
-         for kind, d in OVERHEAD_DECODERS.items()}, DECODE_ROUNDS, warm=False)
+         for kind, d in OVERHEAD_DECODERS.items()}, warm=False)
     prof = {}
     for (kind, n), t in least.items():
         prof.setdefault(kind, {})[n] = t
@@ -205,23 +208,25 @@ def measure_profile(target, draft, prompt, rows=1, stop_token=None, max_new=eval
     # device), the overhead is negative, and a round's time is still what the decode measured
     o = {kind: prof["decode"][kind] - round_forwards_s(prof, d) for kind, d in OVERHEAD_DECODERS.items()}
     per_step = (o["chain 8"] - o["chain 1"]) / 7
-    prof["overhead"] = {"target-only": o["target-only"], "tree": o["tree"], "chain": o["chain 1"] - per_step,
-                        "chain_step": per_step}
+    prof["overhead"] = {"tree": o["tree"], "chain": o["chain 1"] - per_step, "chain_step": per_step}
     del prof["decode"]  # each of these decodes' rounds is its forwards plus its overhead again: round_s gives it
     return prof
 
 
-def least_of_rounds(timers, rounds=None, warm=True):
-    """{what: the least of `rounds` (None: ROUNDS) timings} of each timer (a callable -> s), after a warm-up round,
-    untimed, if warm (first calls allocate and pick kernels); every timer runs in every round, the order rotated from
-    round to round: a machine's load that comes and goes only adds time."""
+def least_of_rounds(timers, warm=True):
+    """{what: the least of its rounds' timings} of each timer (a callable -> s), after a warm-up round, untimed, if
+    warm (first calls allocate and pick kernels); every timer runs in every round, the order rotated from round to
+    round; MIN_ROUNDS rounds, then more while the next one still ends within STAGE_S of the start (MAX_ROUNDS at
+    most)."""
+    t0 = time.perf_counter()
     for t in timers.values() if warm else ():
         t()
-    least = {}
-    for r in range(rounds or ROUNDS):
-        for what in list(timers)[r:] + list(timers)[:r]:
+    least, r = {}, 0
+    while r < MIN_ROUNDS or r < MAX_ROUNDS and (time.perf_counter() - t0) * (r + 1) / r <= STAGE_S:
+        for what in list(timers)[r % len(timers):] + list(timers)[:r % len(timers)]:
             t = timers[what]()
             least[what] = min(least.get(what, t), t)
+        r += 1
     return least
 
 
@@ -231,6 +236,8 @@ def decode_timer(target, draft, prompt, decoder, rows, stop_token, max_new, samp
     row is done. decoder None: target-only, whose round is one step. Its first call decodes WARM_TOKENS first,
     untimed."""
     kw = dict(samples=rows if samples is None else samples, stop_token=stop_token, timing=True, sampling=sampling)
+    warm = [True]
+
     def decode(n):
         return speculate.autoregressive_batch(target, prompt, n, **kw) if decoder is None else \
             speculate.speculative_batch(target, draft, prompt, decoder, n, **kw)
@@ -241,7 +248,6 @@ def decode_timer(target, draft, prompt, decoder, rows, stop_token, max_new, samp
             warm.clear()
         rs = decode(max_new)
         return max(r.decode_s for r in rs) / max(r.rounds for r in rs)
-    warm = [True]
     return run
 
 
@@ -263,7 +269,7 @@ def round_s(prof, decoder):
         return prof["rounds"][name(decoder)]
     o = prof["overhead"]
     if decoder is None:
-        return round_forwards_s(prof, None) + o["target-only"]
+        return round_forwards_s(prof, None)
     steps = decoder.gamma * o["chain_step"] if decoder.kind == "chain" else 0.0
     return round_forwards_s(prof, decoder) + o[decoder.kind] + steps
 
@@ -274,11 +280,13 @@ def from_json(prof):
 
 
 def timed_rounds(prof, acceptance, rows, target, draft, plan, samples, sampling, stop_token, max_new, mode,
-                 reprofile=False):
+                 reprofile=False, spent_s=0.0):
     """prof with the rounds of real decodes of a val plan (prof["rounds"]: its rows, their own prompts, the decoding
     that will run; the profile's own decodes copy one prompt's row and run greedy) for target-only and the TIMED_TOP
     fastest predicted candidates: each one not yet timed is timed (least_of_rounds over decode_timer, cached as the
-    profile is) and the ranking redone, until the top TIMED_TOP are timed rounds or MAX_TIMED candidates are timed."""
+    profile is) and the ranking redone, until the top TIMED_TOP are timed rounds, MAX_TIMED candidates are timed, or
+    the profile's seconds (spent_s before these decodes) pass PROFILE_S."""
+    t0 = time.perf_counter() - spent_s
     dtype = next(getattr(target, "model", target).parameters()).dtype
     ids = hashlib.sha256(plan["input_ids"].cpu().numpy().tobytes()).hexdigest()[:16]
     base = profile_key(target, draft, plan, dtype, mode, rows) | {"plan": ids, "samples": samples,
@@ -288,13 +296,13 @@ def timed_rounds(prof, acceptance, rows, target, draft, plan, samples, sampling,
         top = [None, *choose(predict(prof, acceptance, rows))[:TIMED_TOP]]
         todo = list({name(c): c for c in top if name(c) not in prof["rounds"]}.values())
         todo = todo[:MAX_TIMED + 1 - len(prof["rounds"])]  # + 1: target-only, timed first
-        if not todo:
+        if not todo or prof["rounds"] and time.perf_counter() - t0 > PROFILE_S:
             return prof
         cli.progress(f"timing real decodes of a val plan: {', '.join(map(name, todo))} (the fastest predicted)")
         timers = {name(c): decode_timer(target, draft, plan, c, rows, stop_token, max_new, samples, sampling)
                   for c in todo}
         got, _ = cached("rounds", base | {"decoders": sorted(timers)},
-                        lambda: least_of_rounds(timers, DECODE_ROUNDS, warm=False), reprofile)
+                        lambda: least_of_rounds(timers, warm=False), reprofile)
         prof = prof | {"rounds": prof["rounds"] | got}
     return prof
 
@@ -384,7 +392,7 @@ def choice(target, draft, prompt, val_plans, max_new, stop_token, sampling=GREED
                                                                       sampling, samples))
     t0 = time.perf_counter()
     prof = timed_rounds(prof, acc, rows, target, draft, val_plans[0], samples, sampling, stop_token, max_new, mode,
-                        reprofile)
+                        reprofile, profile_s)
     profile_s += time.perf_counter() - t0  # the profile's seconds on this run: ~0 where both were reused
     predicted = predict(prof, acc, rows)
     for n, v in predicted.items():  # the rounds a val plan took: beside a held-out plan's, the acceptance's shift

@@ -22,13 +22,13 @@ def choose_cache(tmp_path_factory):
     """The chooser's profiles and val rounds (measure/choose.py) cached in a folder of the session's, not the checkout's
     runs/choose/: a test never reads what an earlier run of the programs measured."""
     from measure import choose
-    saved = choose.CACHE, choose.ROUNDS, choose.DECODE_ROUNDS, choose.REPS, choose.VAL_PLANS
+    saved = choose.CACHE, choose.MIN_ROUNDS, choose.MAX_ROUNDS, choose.REPS, choose.VAL_PLANS
     # one round of one call per profiled forward and 4 val plans: the tests check the chooser's flow and records, not
     # its precision (tests/test_choose.py checks the choice on profiles it builds)
-    choose.CACHE, choose.ROUNDS, choose.DECODE_ROUNDS, choose.REPS, choose.VAL_PLANS = \
+    choose.CACHE, choose.MIN_ROUNDS, choose.MAX_ROUNDS, choose.REPS, choose.VAL_PLANS = \
         str(tmp_path_factory.mktemp("choose")), 1, 1, 1, 4
     yield
-    choose.CACHE, choose.ROUNDS, choose.DECODE_ROUNDS, choose.REPS, choose.VAL_PLANS = saved
+    choose.CACHE, choose.MIN_ROUNDS, choose.MAX_ROUNDS, choose.REPS, choose.VAL_PLANS = saved
 
 
 @pytest.fixture

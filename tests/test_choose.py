@@ -28,7 +28,7 @@ def synthetic(step, verify_per_token, draft=0.02, overhead=0.0):
     return {"target": t, "verify": {sh.nodes: step * (1 + verify_per_token * sh.nodes) for sh in choose.FAMILY},
             "draft": {1: draft * step, 2: draft * step},
             "grow": {choose.shape_key(sh): (sh.depth - 1) * draft * step for sh in choose.FAMILY},
-            "overhead": {**dict.fromkeys(("target-only", "chain", "tree"), overhead), "chain_step": 0.0}}
+            "overhead": {**dict.fromkeys(("chain", "tree"), overhead), "chain_step": 0.0}}
 
 
 def acceptance(alpha=0.8):
@@ -53,6 +53,21 @@ def test_a_flat_verify_picks_a_large_tree_and_a_steep_one_a_chain_or_target_only
     assert all(v["predicted_speedup"] < 1 for k, v in steep.items() if k != "target-only")
 
 
+def test_least_of_rounds_runs_the_rounds_its_share_of_the_seconds_allows(monkeypatch):
+    """At least MIN_ROUNDS rounds, at most MAX_ROUNDS, more while the stage's STAGE_S allows; the least of each."""
+    monkeypatch.setattr(choose, "MIN_ROUNDS", 2)
+    monkeypatch.setattr(choose, "MAX_ROUNDS", 5)
+    for share, rounds in ((0.0, 2), (1e9, 5)):
+        monkeypatch.setattr(choose, "STAGE_S", share)
+        calls = []
+
+        def timer(name, seconds):  # seconds(the call's number)
+            return lambda: calls.append(name) or seconds(len(calls))
+        least = choose.least_of_rounds({"a": timer("a", lambda n: 1 / n), "b": timer("b", lambda n: 1.0)}, warm=False)
+        assert calls.count("a") == calls.count("b") == rounds
+        assert least == {"a": 1 / max(i + 1 for i, c in enumerate(calls) if c == "a"), "b": 1.0}
+
+
 def test_the_timed_decodes_stop_at_max_timed_where_each_timing_moves_the_ranking(monkeypatch, tmp_path):
     """A plan's real round slower than every prediction demotes each candidate as it is timed: the chooser stops after
     MAX_TIMED candidates (and target-only), the ranking over what it has."""
@@ -75,7 +90,7 @@ def test_the_prediction_is_rounds_times_the_round():
     pred = choose.predict(prof, acc)
     c = Chain(4)
     round_s = 4 * prof["draft"][1] + prof["target"][5] + 0.001
-    want = TOKENS * (0.01 + 0.001) / (acc["chain 4"]["rounds"] * round_s)
+    want = TOKENS * 0.01 / (acc["chain 4"]["rounds"] * round_s)  # target-only's round: its step alone
     assert pred["chain 4"]["predicted_speedup"] == pytest.approx(want) and choose.round_s(prof, c) == round_s
     sh = TreeShape(16, 6, 3)
     assert choose.round_s(prof, sh) == pytest.approx(prof["draft"][1] + prof["grow"]["16/6/3"]
@@ -83,7 +98,7 @@ def test_the_prediction_is_rounds_times_the_round():
     timed = prof | {"rounds": {"chain 4": 0.05}}  # a real decode's round replaces the forwards' sum
     assert choose.round_s(timed, c) == 0.05 and choose.predict(timed, acc)["chain 4"]["timed"]
     assert choose.predict(timed, acc)["chain 4"]["predicted_speedup"] == pytest.approx(
-        TOKENS * 0.011 / (acc["chain 4"]["rounds"] * 0.05))
+        TOKENS * 0.01 / (acc["chain 4"]["rounds"] * 0.05))
 
 
 def test_the_cache_holds_only_for_its_key(tmp_path, monkeypatch):
