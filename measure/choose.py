@@ -42,7 +42,7 @@ CACHE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # --compile's target step lengths: a chain's or a tree's verify runs padded to the next (ops/compiled.py), so the 8
 # chains and the family compile 7 graphs, and the profile times each chain at its padded length
 COMPILED_LENGTHS = (1, 2, 3, 5, 9, 17, 33)
-PROFILE_METHOD = 7  # bumped when measure_profile measures another way: a cached profile of the old way is stale
+PROFILE_METHOD = 8  # bumped when measure_profile measures another way: a cached profile of the old way is stale
 REPS = 2  # each profiled forward, in each round: the median (here: the mean) of REPS calls
 # each stage of the profile (the forwards, the overhead decodes, each batch of timed val decodes) keeps the least of
 # its rounds, and runs rounds while its share STAGE_S of the profile's seconds allows (at least MIN_ROUNDS, at most
@@ -61,6 +61,7 @@ TIMED_TOP = 2  # the chooser times real decodes of the fastest predicted candida
 # or MAX_TIMED candidates are: each costs two decodes of a plan, and where many candidates lie within a few percent of
 # each other the ranking could move after every timing
 MAX_TIMED = 3
+TIMED_ROWS = 4  # the timed val decodes run as many plans as make at least this many rows (one plan of 6, 4 of 1)
 NATIVE_BF16 = ("avx512_bf16", "amx_bf16")  # /proc/cpuinfo flags of a CPU whose matrix units multiply bf16 natively
 
 
@@ -231,23 +232,24 @@ def least_of_rounds(timers, warm=True):
 
 
 def decode_timer(target, draft, prompt, decoder, rows, stop_token, max_new, samples=None, sampling=GREEDY):
-    """() -> a real decode's seconds per round of the prompt (a plan: its rows x samples; samples None: the prompt's
-    one row copied to `rows`) under sampling (its seeds: the same draws every call); a plan's round lasts until every
-    row is done. decoder None: target-only, whose round is one step. Its first call decodes WARM_TOKENS first,
-    untimed."""
+    """() -> real decodes' seconds per round of the prompt (a plan: its rows x samples; samples None: the prompt's one
+    row copied to `rows`; a list of plans: over all of them) under sampling (its seeds: the same draws every call); a
+    plan's round lasts until every row is done. decoder None: target-only, whose round is one step. Its first call
+    decodes WARM_TOKENS of each plan first, untimed."""
     kw = dict(samples=rows if samples is None else samples, stop_token=stop_token, timing=True, sampling=sampling)
-    warm = [True]
+    plans, warm = prompt if isinstance(prompt, list) else [prompt], [True]
 
-    def decode(n):
-        return speculate.autoregressive_batch(target, prompt, n, **kw) if decoder is None else \
-            speculate.speculative_batch(target, draft, prompt, decoder, n, **kw)
+    def decode(p, n):  # -> (the plan's seconds, its rounds): until its last row is done
+        rs = speculate.autoregressive_batch(target, p, n, **kw) if decoder is None else \
+            speculate.speculative_batch(target, draft, p, decoder, n, **kw)
+        return max(r.decode_s for r in rs), max(r.rounds for r in rs)
 
     def run():
-        if warm:
-            decode(min(max_new, WARM_TOKENS))
-            warm.clear()
-        rs = decode(max_new)
-        return max(r.decode_s for r in rs) / max(r.rounds for r in rs)
+        for p in plans if warm else ():
+            decode(p, min(max_new, WARM_TOKENS))
+        warm.clear()
+        s, n = map(sum, zip(*(decode(p, max_new) for p in plans)))
+        return s / n
     return run
 
 
@@ -279,17 +281,17 @@ def from_json(prof):
     return {k: {int(n) if k in ("target", "verify", "draft") else n: s for n, s in v.items()} for k, v in prof.items()}
 
 
-def timed_rounds(prof, acceptance, rows, target, draft, plan, samples, sampling, stop_token, max_new, mode,
+def timed_rounds(prof, acceptance, rows, target, draft, plans, samples, sampling, stop_token, max_new, mode,
                  reprofile=False, spent_s=0.0):
-    """prof with the rounds of real decodes of a val plan (prof["rounds"]: its rows, their own prompts, the decoding
+    """prof with the rounds of real decodes of val plans (prof["rounds"]: their rows, their own prompts, the decoding
     that will run; the profile's own decodes copy one prompt's row and run greedy) for target-only and the TIMED_TOP
     fastest predicted candidates: each one not yet timed is timed (least_of_rounds over decode_timer, cached as the
     profile is) and the ranking redone, until the top TIMED_TOP are timed rounds, MAX_TIMED candidates are timed, or
     the profile's seconds (spent_s before these decodes) pass PROFILE_S."""
     t0 = time.perf_counter() - spent_s
     dtype = next(getattr(target, "model", target).parameters()).dtype
-    ids = hashlib.sha256(plan["input_ids"].cpu().numpy().tobytes()).hexdigest()[:16]
-    base = profile_key(target, draft, plan, dtype, mode, rows) | {"plan": ids, "samples": samples,
+    ids = hashlib.sha256(b"".join(p["input_ids"].cpu().numpy().tobytes() for p in plans)).hexdigest()[:16]
+    base = profile_key(target, draft, plans[0], dtype, mode, rows) | {"plan": ids, "samples": samples,
                                                                   "decoding": flags.sampling_json(sampling)}
     prof = prof | {"rounds": {}}
     for _ in range(len(candidates())):
@@ -299,7 +301,7 @@ def timed_rounds(prof, acceptance, rows, target, draft, plan, samples, sampling,
         if not todo or prof["rounds"] and time.perf_counter() - t0 > PROFILE_S:
             return prof
         cli.progress(f"timing real decodes of a val plan: {', '.join(map(name, todo))} (the fastest predicted)")
-        timers = {name(c): decode_timer(target, draft, plan, c, rows, stop_token, max_new, samples, sampling)
+        timers = {name(c): decode_timer(target, draft, plans, c, rows, stop_token, max_new, samples, sampling)
                   for c in todo}
         got, _ = cached("rounds", base | {"decoders": sorted(timers)},
                         lambda: least_of_rounds(timers, warm=False), reprofile)
@@ -391,7 +393,8 @@ def choice(target, draft, prompt, val_plans, max_new, stop_token, sampling=GREED
     acc, how_a = cached("acceptance", key, lambda: measure_acceptance(target, draft, val_plans, max_new, stop_token,
                                                                       sampling, samples))
     t0 = time.perf_counter()
-    prof = timed_rounds(prof, acc, rows, target, draft, val_plans[0], samples, sampling, stop_token, max_new, mode,
+    timed = val_plans[:max(1, TIMED_ROWS // rows)]  # one plan of 6 rows, or 4 plans of one: a round read off many
+    prof = timed_rounds(prof, acc, rows, target, draft, timed, samples, sampling, stop_token, max_new, mode,
                         reprofile, profile_s)
     profile_s += time.perf_counter() - t0  # the profile's seconds on this run: ~0 where both were reused
     predicted = predict(prof, acc, rows)

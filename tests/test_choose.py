@@ -79,7 +79,7 @@ def test_the_timed_decodes_stop_at_max_timed_where_each_timing_moves_the_ranking
         return lambda: 0.01 if decoder is None else 1.0
     monkeypatch.setattr(choose, "decode_timer", slow)
     target = tiny_model()
-    prof = choose.timed_rounds(synthetic(0.01, 0.0), acceptance(), 1, target, target, image_prompt(), 1,
+    prof = choose.timed_rounds(synthetic(0.01, 0.0), acceptance(), 1, target, target, [image_prompt()], 1,
                                choose.GREEDY, None, 6, "eager")
     assert len(timed) == len(prof["rounds"]) == choose.MAX_TIMED + 1 and timed[0] == "target-only"
     assert choose.choose(choose.predict(prof, acceptance()))[0] is not None  # an untimed one predicted fastest
