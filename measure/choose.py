@@ -358,8 +358,15 @@ def predict(prof, acceptance, rows=1):
 
 
 def choose(predicted):
-    """The candidates fastest predicted first (decoders, None for target-only): the chosen, then the runner-up."""
+    """The candidates fastest predicted first (decoders, None for target-only)."""
     return sorted(candidates(), key=lambda c: -predicted[name(c)]["predicted_speedup"])
+
+
+def ranking(predicted):
+    """The chosen, then the runner-up, ...: the timed candidates fastest predicted first, then the others. A round
+    read off real decodes of val plans outranks one summed from the forwards, which misses what a round does between
+    them: where the timing stopped short (MAX_TIMED, PROFILE_S), an untimed candidate never runs first."""
+    return sorted(choose(predicted), key=lambda c: not predicted[name(c)]["timed"])
 
 
 def stream_tree(target, draft, val_prompts, max_new, stop_token, sampling=GREEDY, samples=1, reprofile=False):
@@ -400,7 +407,7 @@ def choice(target, draft, prompt, val_plans, max_new, stop_token, sampling=GREED
     predicted = predict(prof, acc, rows)
     for n, v in predicted.items():  # the rounds a val plan took: beside a held-out plan's, the acceptance's shift
         v["val_rounds_per_plan"] = acc[n]["rounds"] / len(val_plans)
-    ranked = choose(predicted)
+    ranked = ranking(predicted)
     t1 = prof["target"][1]
     return ranked, {
         "what": "the decoder predicted fastest on this machine: val rounds x the profile's round time",

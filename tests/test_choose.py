@@ -82,7 +82,9 @@ def test_the_timed_decodes_stop_at_max_timed_where_each_timing_moves_the_ranking
     prof = choose.timed_rounds(synthetic(0.01, 0.0), acceptance(), 1, target, target, [image_prompt()], 1,
                                choose.GREEDY, None, 6, "eager")
     assert len(timed) == len(prof["rounds"]) == choose.MAX_TIMED + 1 and timed[0] == "target-only"
-    assert choose.choose(choose.predict(prof, acceptance()))[0] is not None  # an untimed one predicted fastest
+    pred = choose.predict(prof, acceptance())
+    assert choose.choose(pred)[0] is not None and not pred[choose.name(choose.choose(pred)[0])]["timed"]
+    assert choose.ranking(pred)[0] is None  # an untimed one is predicted fastest; the timed target-only runs first
 
 
 def test_the_prediction_is_rounds_times_the_round():
@@ -152,7 +154,7 @@ def test_a_real_profile_and_the_val_rounds_of_tiny_models(tmp_path, monkeypatch)
     ranked, rec = choose.choice(target, draft, val[0], val, 6, None)
     names = [choose.name(c) for c in choose.candidates()]
     assert set(rec["predicted"]) == set(names) and rec["chosen"] == choose.name(ranked[0])
-    best = max(rec["predicted"].values(), key=lambda v: v["predicted_speedup"])
+    best = max((v for v in rec["predicted"].values() if v["timed"]), key=lambda v: v["predicted_speedup"])
     assert rec["predicted"][rec["chosen"]] == best and "measured now" in rec["profile"]
     assert len(rec["steps_ms"]) == 9 and all(v > 0 for v in rec["timed_rounds_ms"].values())
     ranked_pred = sorted(rec["predicted"], key=lambda n: -rec["predicted"][n]["predicted_speedup"])
