@@ -48,20 +48,6 @@ SHIPPED_DIR = os.path.join(ROOT, "checkpoints")  # what the repo ships: no repor
 MAX_TREE_CANDIDATES = 1024
 
 
-def arms_json(t, beside, sfx=""):
-    """Target-only and the decoder among t's arms named with sfx: ar_ / spec_ prefill and ms/token, the speed-up; the
-    runner-up arm (the decoder `beside`): its speed-up over target-only, and the decoder's over it."""
-    ar, spec, c = t[TARGET_ONLY + sfx], t["speculative" + sfx], t.get(timing.CHAIN_ARM + sfx)
-    out = {f"{a}_{k}": arm[k] for k in ("prefill_ms", "ms_per_token") for a, arm in (("ar", ar), ("spec", spec))}
-    out["speedup"] = ar["ms_per_token"] / spec["ms_per_token"]
-    out["speedup_range"] = spec["speedup_range"]
-    if c:
-        out["runner_up"] = {"decoder": timing.decoder_json(beside), "ms_per_token": c["ms_per_token"],
-                            "speedup": ar["ms_per_token"] / c["ms_per_token"], "speedup_range": c["speedup_range"],
-                            "over_runner_up": c["ms_per_token"] / spec["ms_per_token"]}
-    return out
-
-
 def benchmark(target, draft, prompts, gamma, max_new, stop_token=None, repeats=3, sampling=GREEDY, compile=False,
               chain_gamma=evaluate.GAMMA, choose=None, reprofile=False):
     """One draft's record: statistics, divergences, both arms timed, the cost model; compile: all that, compiled.
@@ -106,7 +92,7 @@ def benchmark(target, draft, prompts, gamma, max_new, stop_token=None, repeats=3
     res = {"decoder": timing.decoder_json(gamma), "decoding": flags.sampling_json(sampling),
            **{k: spec[k] for k in ("greedy_match", "tau", "alpha", "routine_fraction")}, "tokens": spec["n_tokens"],
            "prompts": len(prompts), "divergences": timing.divergences(target, prompts, reference, spec["tokens"]),
-           **arms_json(t, chain_gamma)}
+           "arms": t, "speedup": t["speculative"]["speedup"]}
     timed = spec
     if not sampling.greedy or sampling.lossy:  # then the timed runs' own statistics: the same seeds, the same tokens
         timed = evaluate.spec_stats(target, {"speculative": draft}, prompts, gamma, max_new, stop_token,
@@ -129,14 +115,15 @@ def benchmark(target, draft, prompts, gamma, max_new, stop_token=None, repeats=3
     res["c"] = res["t_draft_1"] / res["t_target_1"]
     if gamma.kind == "chain":  # Leviathan's closed form is the chain's
         res["leviathan_speedup"] = evaluate.expected_speedup(timed["alpha"], gamma.gamma, res["c"])
-    if compile:  # the compiled speed-up over compiled target-only, and each compiled arm's over eager target-only
-        comp.update(arms_json(t, chain_gamma, " compiled"), speedup_vs_eager=t[timing.COMPILED[1]]["speedup"],
-                    target_only_vs_eager=t[timing.COMPILED[0]]["speedup"])
+    if compile:  # the compiled speed-up over compiled target-only; over eager target-only (the arms' medians)
+        ms = {arm: t[arm]["ms_per_token"] for arm in (TARGET_ONLY, *timing.COMPILED)}
+        comp.update(speedup=t[timing.COMPILED[1]]["speedup"], speedup_vs_eager=ms[TARGET_ONLY] / ms[timing.COMPILED[1]],
+                    target_only_vs_eager=ms[TARGET_ONLY] / ms[timing.COMPILED[0]])
         res["compiled"] = comp | cost_model(ct, cd, prompts[0], gamma, timed["tau"])
     if chosen:  # the chooser's record, and what the candidates timed here measured (target-only: 1)
-        arms = res["compiled"] if compile else res
-        res["choice"] = chosen | {"measured": {TARGET_ONLY: 1.0, chooser.name(gamma): arms["speedup"],
-                                               chooser.name(chain_gamma): arms["runner_up"]["speedup"]}}
+        sfx = " compiled" if compile else ""
+        res["choice"] = chosen | {"measured": {TARGET_ONLY: 1.0, chooser.name(gamma): t["speculative" + sfx]["speedup"],
+                                               chooser.name(chain_gamma): t[timing.CHAIN_ARM + sfx]["speedup"]}}
     return res
 
 
@@ -197,8 +184,9 @@ def toy(args, device, dtype, sampling):
         p |= action_stage(target, evaluate.stack_prompts(prompts[:args.batch]), p["cocs"],
                           (tok.cot_end_id, tok.traj_future_start_id), repeats=args.repeats)  # the first plan's rows
         if chosen:  # the chooser's record, and what the candidates timed here measured (per plan; target-only: 1)
-            p["choice"] = chosen | {"measured": {TARGET_ONLY: 1.0, chooser.name(decoder): p["speculative"]["speedup"],
-                                                 chooser.name(beside): p[timing.CHAIN_ARM]["speedup"]}}
+            arms = p["arms"]
+            p["choice"] = chosen | {"measured": {TARGET_ONLY: 1.0, chooser.name(decoder): arms["speculative"]["speedup"],
+                                                 chooser.name(beside): arms[timing.CHAIN_ARM]["speedup"]}}
         return {"mode": "plans", "draft": draft_dir, "target": target_dir, "decoding": flags.sampling_json(sampling),
                 "decoder": timing.decoder_json(decoder), "plan": p}
     # no --tree: the decoder and its runner-up are the chooser's, for the steps that run (eager or compiled)
@@ -299,68 +287,60 @@ def real(args, device, dtype, sampling):
 
 
 # ---- the report ----
-def decoder_text(d):
-    return f"chain draft, gamma {d['gamma']}" if d["kind"] == "chain" else (
-        f"tree draft, {d['nodes']} nodes, depth {d['depth']}, width {d['width']}")
-
-
 def run_line(res):
     rows, f = res["plan"]["rows"] if res["mode"] == "plans" else None, res.get("what_ran", {}).get("flags", {})
     why = f" ({res['dtype_why']})" if "dtype_why" in res else ""
     return (f"device {res['device']} ({res['hardware']}), dtype {res['dtype']}{why}, threads {res['threads']}, torch "
-            f"{res.get('torch', torch.__version__)}, {decoder_text(res['decoder'])}, decoding "
+            f"{res.get('torch', torch.__version__)}, decoder {timing.decoder_name(res['decoder'])}, decoding "
             f"{flags.decoding_text(res['decoding'], rows)}"
             + (f", max-new {f['max_new']}, repeats {f['repeats']}" if f else "")
             + (f", {res['what_ran']['wall_s']:.0f} s in all" if "what_ran" in res else ""))
 
 
 def report(res):
+    """The report of any mode: its run line, the arms record through the one printer (measure.timing.arms_lines), the
+    mode's own lines (acceptance, cost model, the chooser's, identity)."""
     if res["mode"] == "heldout":
         return print("\n".join([run_line(res)] + alpamayo.heldout_lines(res)))
+    ch = [f"{k:<15}{t}" for k, t in choice_lines(res["choice"])] if "choice" in res else []
     if res["mode"] == "stream":
         st = res["stream"]
         return print("\n".join([run_line(res), f"stream         {st['clips']} clip(s) of {st['frames']} frames, "
                                  f"replanned every {st['interval_s']:g} s, {st['samples']} row(s) a plan"
-                                 + ("" if st["event_rate"] is None else f", event rate {st['event_rate']:.3f} a "
-                                                                        "frame")] +
-                                [f"{arm:<15}tau {a['tau']:.2f}   {a['ms_per_plan']:.1f} ms/plan   speed-up "
-                                 f"{a['speedup']:.2f}x [{a['speedup_range'][0]:.2f}-{a['speedup_range'][1]:.2f}]"
-                                 for arm, a in st["arms"].items()] +
-                                [f"greedy         every frame's plan identical to target-only: "
-                                 f"{'yes' if res['greedy_match'] else 'NO'}" if res["greedy_match"] is not None else
-                                 "sampled        plans not compared token by token (each draws its own CoCs; the law "
-                                 "is kept: tests/test_stream.py)"] +
-                                [f"{k:<15}{t}" for k, t in (choice_lines(res["choice"]) if "choice" in res else [])]))
+                                 + ("" if st["event_rate"] is None else f", event rate {st['event_rate']:.3f} a frame")
+                                 + "; greedy: every frame's plan against target-only's"]
+                                + timing.arms_lines(st["arms"], "ms_per_plan") + ([] if res["greedy_match"] is not None
+                                else ["sampled        plans not compared token by token (each draws its own CoCs; the "
+                                      "law is kept: tests/test_stream.py)"]) + ch))
     if res["mode"] == "plans":
         p = res["plan"]
         action = [f"action step    {p['action_ms']:.1f} ms: the prompt's prefill, the first plan's {p['rows']} CoCs "
                   "teacher-forced, the action expert (toy: trajectory head) over all rows"] if "action_ms" in p else []
-        return print("\n".join([run_line(res)] + plan_lines(p) + action))
-    s, c = "sampled " if res["decoding"]["mode"] == "sampling" else "", res.get("compiled")
-    arms = lambda d, x: (f"target-only {d['ar_ms_per_token']:.3f} ms/token   speculative "  # noqa: E731
-                         f"{d['spec_ms_per_token']:.3f} ms/token   speed-up {x:.2f}x")
+        seeds = [f"seeds          row r of plan j draws from its own generator, seeded {p['decoding']['seed']} + "
+                 f"{p['rows']} j + r"] if p["decoding"]["mode"] == "sampling" else []
+        return print("\n".join([run_line(res), f"plans          {p['plans']} plans of {p['batch']} prompt(s) x "
+                                 f"{p['samples']} sample(s) = {p['rows']} rows, decoded as one batch; ms: one plan's "
+                                 "reasoning step, until every row is done; tau: a row's; greedy: each row against its "
+                                 "own batch-1 target-only decode"] + timing.arms_lines(p["arms"], "ms_per_plan")
+                                + ch + seeds + action))
+    s, c, arms = "sampled " if res["decoding"]["mode"] == "sampling" else "", res.get("compiled"), res["arms"]
     steps = lambda d: "   ".join(f"{k} {v:.3f} ms" for k, v in d.items() if k.startswith("t_"))  # noqa: E731
     acceptance = "tau {tau:.2f}   alpha {alpha:.3f}   routine fraction {routine_fraction:.3f}".format
-    rows = [("prefill", f"target-only {res['ar_prefill_ms']:.2f} ms   speculative {res['spec_prefill_ms']:.2f} ms"),
-            ("reasoning step", arms(res, res["speedup"]) + ("   (both arms sampling)" if s else "")),
+    rows = [("prefill", f"target-only {arms[TARGET_ONLY]['prefill_ms']:.2f} ms   speculative "
+             f"{arms['speculative']['prefill_ms']:.2f} ms"),
             ("LOSSY decode", acceptance(**res) + f"   (the timed runs; exact tau {res['exact']['tau']:.2f})")
             if "lossy" in res else ("greedy", acceptance(**res))]
     rows += [("sampled", acceptance(**res["sampled"]) + ("   (the timed runs, LOSSY)" if "lossy" in res else
               "   (the timed runs; lossless in distribution, so not compared token by token)"))] if s else []
-    runner = lambda d, x="": (f"{decoder_text(d['decoder'])}, the same draft: {d['ms_per_token']:.3f} "  # noqa: E731
-                              f"ms/token, speed-up {d['speedup']:.2f}x{x}; the decoder is "
-                              f"{d['over_runner_up']:.2f}x it")
-    rows += [("runner-up", runner(res["runner_up"]))] if "runner_up" in res else []
     rows += [("LOSSY cost", "tau {} (exact {tau_exact:.2f}); CoCs changed {cocs_changed:.0%}; plan moved "
               "{plan_moved_m:.3f} m from the exact plan (ADE {ade_relaxed:.3f} m to the ground truth, exact "
               "{ade_exact:.3f} m)".format(f"{res['sampled']['tau']:.2f}", **res["lossy"]))] if "lossy" in res else []
-    rows += [("compiled", arms(c, c["speedup"]) + f" ({c['speedup_vs_eager']:.2f}x over eager target-only, greedy "
-              f"{'identical' if c['greedy_match'] else 'DIFFERS'})   compile + first decodes {c['compile_s']:.0f} s"),
+    rows += [("compiled", f"{c['speedup_vs_eager']:.2f}x over eager target-only, greedy "
+              f"{'identical' if c['greedy_match'] else 'DIFFERS'}   compile + first decodes {c['compile_s']:.0f} s"),
              ("compiled cost", steps(c) + f"   predicted speed-up {c['predicted_speedup']:.2f}x")] if c else []
-    rows += [("compiled r-up", runner(c["runner_up"], " over compiled target-only"))] if c and "runner_up" in c else []
     rows += choice_lines(res["choice"]) if "choice" in res else []
     rows += [("verified", "{nodes_per_round:.1f} draft tokens, depth {depth_per_round:.1f} per round (mean); the cost "
-              "model at what ran: {}".format(decoder_text(res["ran"]), **res["ran"]))] if "ran" in res else []
+              "model at what ran: {}".format(timing.decoder_name(res["ran"]), **res["ran"]))] if "ran" in res else []
     rows += [("cost model", steps(res) + f"   c {res['c']:.3f}"),
              ("predicted", f"speed-up {res['predicted_speedup']:.2f}x (measured {s}tau)" + (
                  f"   {res['leviathan_speedup']:.2f}x (Leviathan, measured {s}alpha)" if "leviathan_speedup" in res
@@ -370,7 +350,8 @@ def report(res):
         if res["mode"] == "real" and not res["trained_draft"] else []
     same = "not compared (sampled)" if res["greedy_match"] is None else \
         f"{res['prompts'] - len(res['divergences'])} of {res['prompts']} prompts"
-    lines += [run_line(res)] + [f"{label:<15}{text}" for label, text in rows] + (
+    lines += [run_line(res), f"reasoning step (decode, prefill apart; {s or 'greedy '}arms" + (
+        "; a compiled arm's speed-up over compiled target-only" if c else "") + "):"] + timing.arms_lines(arms) + [f"{k:<15}{t}" for k, t in rows] + (
         [f"LOSSY: outputs identical to target-only on {same}"] if "lossy" in res else timing.divergence_lines(res))
     lines += alpamayo.report_lines(res) if "coc" in res else []
     print("\n".join(lines))
@@ -391,26 +372,6 @@ def choice_lines(ch):
             ("candidates", ", ".join(f"{n}{'*' * v.get('timed', False)} {v['predicted_speedup']:.2f}x"
                                      for n, v in pred.items())
              + f" (*: a real decode's round; rounds on val: {ch['acceptance']})")]
-
-
-def plan_lines(p):
-    lines = [f"plans          {p['plans']} plans of {p['batch']} prompt(s) x {p['samples']} sample(s) = {p['rows']} "
-             "rows, decoded as one batch; ms: one plan's reasoning step, until every row is done"]
-    for name in [k for k in p if isinstance(p[k], dict) and "ms_per_plan" in p[k]]:
-        a = p[name]
-        lines.append(f"{name:<27}{a['ms_per_plan']:8.1f} ms/plan {a['tokens_per_s']:8.0f} tokens/s   speed-up "
-                     f"{a['speedup']:.2f}x   tau per row {a['mean_tau']:.2f} (min {min(a['tau_per_row']):.2f})   "
-                     f"idle row share {a['idle_row_share']:.2f}")
-    lines += [f"{label:<15}{text}" for label, text in choice_lines(p["choice"])] if "choice" in p else []
-    if p["decoding"]["mode"] == "sampling":
-        lines.append(f"seeds          row r of plan j draws from its own generator, seeded {p['decoding']['seed']} + "
-                     f"{p['rows']} j + r")
-    if "greedy_match" in p:
-        lines.append("greedy         every row equals its own batch-1 target-only decode: "
-                     + ("yes" if p["greedy_match"] else "NO (" + ", ".join(
-                         f"{k}: {v.count(False)} rows" for k, v in p["greedy_match_per_row"].items() if not all(v))
-                        + ")"))
-    return lines
 
 
 # ---- the flags: one subcommand a mode, each with its own flags ----

@@ -5,8 +5,8 @@ test split: target-only, the replica draft (M-RoPE), the FlatRoPE draft, the his
 prefill or cache) and FlatRoPE + AARL at their speed-optimal gamma on val (mean over the draft seeds), then their draft
 trees. tau at every gamma comes from one teacher-forced replay of
 the target's greedy outputs (evaluate.simulate_rounds); real speculative decoding checks the outputs and the replay. The
-choice of gamma and tree on val needs the trees' val tau, which no hardware changes: python rsd.py --search records it
-beside the checkpoints (checkpoints/toy/rsd_search.json), and a run reads that record while the checkpoints'
+choice of gamma and tree on val needs the val sweep (every row's tau at every gamma) and the trees' val tau, which no
+hardware changes: python rsd.py --search records them beside the checkpoints (checkpoints/toy/rsd_search.json), and a run reads that record while the checkpoints'
 fingerprints and the settings match; the step costs are this machine's (measure.choose's profile, cached under
 runs/choose/), so the chosen gamma and tree are the machine's too; --gamma / --tree N/D/k give the decoders (no
 search). ms/token: every row and target-only timed in one interleaved pass, the speed-up with its
@@ -33,7 +33,8 @@ from evaluate import MAX_NEW_TOKENS, TARGET_ONLY, TREES, TreeShape
 from model import DRAFT_KINDS
 from ops import checkpoint, cli, files
 from measure import choose as chooser, flags, timing
-from speculate import GREEDY, Chain, SpecResult, speculative_batch
+from measure.choose import shape_key
+from speculate import GREEDY, Chain, SpecResult, autoregressive_batch, speculative_batch
 import train
 
 # table row -> draft folder kind (model.DRAFT_KINDS, and aarl.py's post-trained FlatRoPE draft)
@@ -46,21 +47,18 @@ TIME_BLOCKS = 4  # the timed scenes cut into this many blocks: the speed-up's sp
 
 
 # ---- the search on val: step times and tree taus, recorded once per set of checkpoints ----
-def shape_key(sh):
-    return f"{sh.nodes}/{sh.depth}/{sh.width}"
-
-
 def search_key(target, drafts, seeds, a, device):
-    """What a recorded search holds for: the checkpoints' fingerprints (the target; each row's first-seed draft, the
-    one searched with), the val scenes and their geometry, the dtype, the device type, the candidates."""
+    """What a recorded search holds for: the checkpoints' fingerprints (the target; each row's drafts, its val sweep a
+    mean over them, its trees searched with the first), the val scenes and their geometry, the dtype, the device type,
+    the candidates."""
     return {"target": checkpoint.fingerprint(target),
-            "drafts": {row: checkpoint.fingerprint(by_seed[seeds[0]]) for row, by_seed in drafts.items()},
+            "drafts": {row: [checkpoint.fingerprint(d) for d in by_seed.values()] for row, by_seed in drafts.items()},
             **search_settings(a, seeds, device), "max_new": MAX_NEW_TOKENS, "gammas": list(GAMMAS),
             "trees": [shape_key(sh) for sh in TREES]}
 
 
 def search_settings(a, seeds, device):
-    return {"seed": seeds[0], "scenes": a.scenes, "views": a.views, "dtype": a.dtype,
+    return {"seeds": seeds, "scenes": a.scenes, "views": a.views, "dtype": a.dtype,
             "device": torch.device(device).type}
 
 
@@ -70,18 +68,41 @@ def check_search_record(ap, a, seeds, device):
     if not a.search or not os.path.isfile(path := os.path.join(a.run, SEARCH_JSON)):
         return
     key, mine = files.read_json(path).get("key") or {}, search_settings(a, seeds, device)
-    default = search_settings(ap.parse_args([]), [0], "cpu")
+    default = search_settings(ap.parse_args([]), cli.number_list("0,1,2", "--seeds", unique=False), "cpu")
     if all(key.get(k) == v for k, v in default.items()) and (differ := [k for k in default if mine[k] != default[k]]):
         raise ValueError(f"--search: {path} holds the search made with the default settings, and this run's "
-                         f"{', '.join('--seeds' if k == 'seed' else '--' + k for k in differ)} differ: rerun --search "
+                         f"{', '.join('--' + k for k in differ)} differ: rerun --search "
                          f"with the defaults, or delete {path} to record one for these settings")
 
 
-def search(target, first, val, shapes, stop):
-    """The recorded part of the choice of gamma and tree on val, which no hardware changes: each row's tau on val with
-    each tree shape (real tree decoding: a tree has no teacher-forced replay; a chain's tau is the replay's). The step
-    costs are this machine's own (measure.choose's profile, cached under runs/choose/)."""
-    return {"tree_val_tau": tree_val_taus(target, first, val, shapes, stop) if shapes else {}}
+def search(target, drafts, first, val, prompts, shapes):
+    """The recorded part of the choice of gamma and tree on val, which no hardware changes: the val sweep (val_sweep:
+    each row's tau at every gamma) and each row's tau on val with each tree shape (real tree decoding of its first
+    draft, `first`: a tree has no teacher-forced replay). The step costs are this machine's own (measure.choose's
+    profile, cached under runs/choose/)."""
+    return {"val_sweep": val_sweep(target, drafts, val),
+            "tree_val_tau": tree_val_taus(target, first, prompts, shapes, val.tok.cot_end_id) if shapes else {}}
+
+
+def replay(target, drafts, data, outputs):
+    """{row: [tau_by_gamma of each of its drafts]} (drafts {row: {seed: draft}}) on data's scenes: one teacher-forced
+    pass per draft over the target's greedy outputs (evaluate.simulate_rounds), every draft reading one target.embed."""
+    m = evaluate.draft_matches({(row, s): d for row, by_seed in drafts.items() for s, d in by_seed.items()}, target,
+                               data, outputs)
+    return {row: [evaluate.tau_by_gamma(m[(row, s)], GAMMAS) for s in by_seed] for row, by_seed in drafts.items()}
+
+
+def sweep_of(taus, outputs):
+    """{gamma: {"ceiling": a never-rejected draft's tau, row: its mean tau over its drafts}} from replay's taus."""
+    return {g: {"ceiling": evaluate.tau_ceiling([len(o) for o in outputs], g),
+                **{row: statistics.mean(t[g]["tau"] for t in per_seed) for row, per_seed in taus.items()}}
+            for g in GAMMAS}
+
+
+def val_sweep(target, drafts, val):
+    """The sweep on val (sweep_of), which chooses each row's gamma: the target's greedy val outputs replayed."""
+    cli.progress(f"the target's greedy CoCs of {len(val.scenes)} val scenes, every draft's replay of them")
+    return sweep_of(replay(target, drafts, val, outputs := evaluate.greedy_outputs(target, val)), outputs)
 
 
 def tree_val_taus(target, drafts, val, shapes, stop):
@@ -105,7 +126,8 @@ def recorded_search(path, key, log=print):
         log(f"{path} was recorded for other checkpoints or settings ({', '.join(differ)} differ): not used, searching "
             "on val now (python rsd.py --search records the search)")
         return None
-    return {"tree_val_tau": rec["tree_val_tau"]}, [row for row in key["drafts"] if row not in have]
+    sweep = {int(g): v for g, v in rec["val_sweep"].items()}  # JSON keys are strings
+    return {"tree_val_tau": rec["tree_val_tau"], "val_sweep": sweep}, [row for row in key["drafts"] if row not in have]
 
 
 def choose(rec, val_taus, shapes):
@@ -135,67 +157,76 @@ def unordered(rows):
 
 
 # ---- the table ----
-def paper_table(target, drafts, splits, outputs, metrics, rec, n_time, repeats, sampling=GREEDY, compile=False,
-                tree=0, gamma=evaluate.GAMMA):
-    """The rows and the sweep (mean tau per split and gamma, and the ceiling); metrics: the target's on test (ADE and
-    commitment accuracy, computed once in main). Chain rows at the gamma, tree rows (of TREES, <= `tree` nodes; none
+def test_decoder(target, prompts, n_time, stop):
+    """(shared, real): the target with each test prompt batch's prefill computed once (evaluate.SharedPrefill), and
+    real(draft, decoder, done=()) -> greedy real decoding of the test prompts in two batches, the first n_time (the
+    timed scenes) and the rest, the same batches for every decode (each row is its batch-1 decode,
+    tests/test_batch.py); draft None: target-only (the target's greedy CoCs); done: the timed scenes' decodes."""
+    shared, stacked = evaluate.SharedPrefill(target), {}
+
+    def real(draft, g, done=()):
+        out = list(done)
+        for lo, hi in [(0, n_time), (n_time, len(prompts))][1 if done else 0:]:
+            if hi > lo:
+                batch = stacked.setdefault(lo, evaluate.stack_prompts(prompts[lo:hi]))
+                out += autoregressive_batch(shared, batch, MAX_NEW_TOKENS, stop_token=stop) if draft is None else \
+                    speculative_batch(shared, draft, batch, g, MAX_NEW_TOKENS, stop_token=stop)
+        return out
+    return shared, real
+
+
+def paper_table(target, drafts, test, prompts, decoding, outputs, val, metrics, rec, n_time, repeats, sampling=GREEDY,
+                compile=False, tree=0, gamma=evaluate.GAMMA):
+    """The rows and the sweep (mean tau per split and gamma, and the ceiling: val's the record's, else measured on
+    val); prompts: the test scenes', decoding: test_decoder's, outputs: the target's greedy test CoCs; metrics: the target's on test (ADE and commitment accuracy, computed
+    once in main). Chain rows at the gamma, tree rows (of TREES, <= `tree` nodes; none
     for 0) at the shape chosen on val (choose); with no search (rec None) at `gamma` and `tree` (a TreeShape, or 0).
     Real decoding on every test scene: each row's first-seed draft, each tree row's every seed (a tree has no replay).
     ms/token: timing.time_arms over the first n_time test scenes, every row's first-seed draft beside target-only;
     with greedy eager decoding its first pass is also those scenes' real decoding. A sampled `sampling`: timed
     sampling, plus real sampled decoding's sampled_tau / sampled_alpha; compile: the timed arms on compiled steps
     (timing.compiled_pair)."""
-    test, stop, device = splits["test"], splits["test"].tok.cot_end_id, next(target.parameters()).device
+    stop, (shared, real) = test.tok.cot_end_id, decoding
     flat = {(row, s): d for row, by_seed in drafts.items() for s, d in by_seed.items()}
-    # {split: {row: [tau_by_gamma of each seed]}}, from one teacher-forced pass per draft
-    matches = {split: evaluate.draft_matches(flat, target, data, outputs[split]) for split, data in splits.items()}
-    taus = {split: {row: [evaluate.tau_by_gamma(m[(row, s)], GAMMAS) for s in by_seed]
-                    for row, by_seed in drafts.items()} for split, m in matches.items()}
+    taus = replay(target, drafts, test, outputs)  # {row: [tau_by_gamma of each seed]}
 
     def mean_tau(per_seed, g):
         return statistics.mean(t[g]["tau"] for t in per_seed)
 
-    sweep = {split: {g: {"ceiling": evaluate.tau_ceiling([len(o) for o in outputs[split]], g),
-                         **{row: mean_tau(taus[split][row], g) for row in drafts}} for g in GAMMAS}
-             for split in splits}
+    # the val sweep (the search's record, or measured now), the test sweep
+    sweep = {"val": rec["val_sweep"] if rec else val_sweep(target, drafts, val), "test": sweep_of(taus, outputs)}
     shapes = [sh for sh in TREES if rec and sh.nodes <= tree]
-    gammas, trees = choose(rec, {row: {g: mean_tau(taus["val"][row], g) for g in GAMMAS} for row in drafts}, shapes) \
+    gammas, trees = choose(rec, {row: {g: sweep["val"][g][row] for g in GAMMAS} for row in drafts}, shapes) \
         if rec else (dict.fromkeys(drafts, gamma), dict.fromkeys(drafts if tree else (), tree))
-    prompts = evaluate.scene_prompts(test.scenes, test.tok, device, views=test.views_at(0))
     first = {row: next(iter(by_seed.values())) for row, by_seed in drafts.items()}
     decoders = {row: (first[row], gammas[row]) for row in drafts} | {f"{row} tree": (first[row], trees[row])
                                                                      for row in trees}
-    # compile: each row its own compiled pair; target-only: the first pair's compiled target
-    shared = evaluate.SharedPrefill(target)  # each scene's prefill computed once: the table times the reasoning step
+    # compile: each row its own compiled pair; target-only: the first pair's compiled target. Eager: each scene's
+    # prefill computed once (shared): the table times the reasoning step
     pairs = {name: timing.compiled_pair(target, d, prompts[:n_time], [g], MAX_NEW_TOKENS) if compile else (shared, d)
              for name, (d, g) in decoders.items()}
     speed, timed = timing.time_arms(next(iter(pairs.values()))[0], {}, prompts[:n_time], 1, MAX_NEW_TOKENS, stop,
                                     repeats, sampling, {name: (*pairs[name], g) for name, (_, g) in decoders.items()},
                                     TIME_BLOCKS, warm_all=False)
-    sampled, stacked = not sampling.greedy, {}
+    # the arms' timing columns; tau and greedy identity are the table's own (every test scene, every draft)
+    speed = {arm: {k: v for k, v in a.items() if k not in ("decoder", "tau", "greedy_match")} for arm, a in speed.items()}
+    sampled = not sampling.greedy
     reuse = not sampled and not compile  # the timed pass's decodes are the eager greedy ones
-
-    def real(draft, g, done=()):  # greedy real decoding of the test scenes after the `done` ones, as one batch (each
-        # row is its batch-1 decode, tests/test_batch.py), their prefill shared by every draft
-        if len(done) == len(prompts):
-            return list(done)
-        rest = stacked.setdefault(len(done), evaluate.stack_prompts(prompts[len(done):]))
-        return list(done) + speculative_batch(shared, draft, rest, g, MAX_NEW_TOKENS, stop_token=stop)
 
     ade = metrics["ade"]  # every arm emits the target's greedy CoC: one ADE
     commit = evaluate.commitment_accs(flat, target, test)
     attn = evaluate.attention_split(target, target, test)
     # the batch-1 target-only decodes of the timed scenes emit the batched greedy outputs the rows are checked against
-    base_match = not reuse or [r.tokens for r in timed[TARGET_ONLY]] == outputs["test"][:n_time]
+    base_match = not reuse or [r.tokens for r in timed[TARGET_ONLY]] == outputs[:n_time]
     rows = [{"name": TARGET_ONLY, "gamma": None, "tau": 1.0, "tau_spread": 0.0, "tau_by_gamma": None,
              "tau_ceiling": 1.0, "routine_fraction": 0.0, "commit_acc": metrics["commitment_acc"], "ade": ade,
              "greedy_match": base_match, **speed[TARGET_ONLY], **{f"attn_{k}": v for k, v in attn.items()},
              **({"sampled_tau": 1.0, "sampled_alpha": None} if sampled else {})}]
     chain = {}
     for name, by_seed in drafts.items():
-        per_seed, g = taus["test"][name], gammas[name]
+        per_seed, g = taus[name], gammas[name]
         # real speculative decoding emits the target's greedy output, at the tau the replay predicts
-        spec = evaluate.result_stats(real(first[name], g, timed[name] if reuse else ()), g, outputs["test"])
+        spec = evaluate.result_stats(real(first[name], g, timed[name] if reuse else ()), g, outputs)
         attn = [evaluate.attention_split(d, target, test) for d in by_seed.values()]
         chain[name] = {"name": name, "gamma": g, "tau": mean_tau(per_seed, g),
                        "tau_spread": max(t[g]["tau"] for t in per_seed) - min(t[g]["tau"] for t in per_seed),
@@ -211,7 +242,7 @@ def paper_table(target, drafts, splits, outputs, metrics, rec, n_time, repeats, 
     for name, sh in trees.items():
         # every seed's real tree decoding on every test scene (the first seed's timed scenes: the timed pass's)
         stats = [evaluate.result_stats(real(d, sh, timed[f"{name} tree"] if reuse and s == next(iter(drafts[name]))
-                                            else ()), sh, outputs["test"]) for s, d in drafts[name].items()]
+                                            else ()), sh, outputs) for s, d in drafts[name].items()]
         tree_taus = [st["tau"] for st in stats]
         rows.append({**{k: chain[name][k] for k in ("commit_acc", "ade", "attn_history", "attn_image", "attn_text")},
                     "name": f"{name} tree", "gamma": None, "tree": [sh.nodes, sh.depth, sh.width],
@@ -295,21 +326,23 @@ def find_search(a, target, drafts, seeds, val, device):
         rec, lacking = found
         if not lacking:
             return with_profile(rec, f"recorded by python rsd.py --search in {path}", target, first, prompts, val)
-        # a row added since the record: its trees' val tau alone, the recorded rows' choice unchanged
-        cli.progress(f"{path} lacks the rows {', '.join(lacking)}: their trees' val tau")
+        # a row added since the record: its val sweep and trees' val tau alone, the recorded rows' choice unchanged
+        cli.progress(f"{path} lacks the rows {', '.join(lacking)}: their val sweep and trees' val tau")
         shapes = [sh for sh in TREES if shape_key(sh) in next(iter(rec["tree_val_tau"].values()))]
         rec["tree_val_tau"] |= tree_val_taus(target, {r: first[r] for r in lacking}, prompts, shapes,
                                              val.tok.cot_end_id)
+        for g, v in val_sweep(target, {r: drafts[r] for r in lacking}, val).items():
+            rec["val_sweep"][g] |= v
         rec["key"] = key
         how = f"recorded by python rsd.py --search in {path}, the rows {', '.join(lacking)} measured now"
         if not a.search:
             return with_profile(rec, how, target, first, prompts, val)
     else:
-        rec, how = search(target, first, prompts, shapes, val.tok.cot_end_id), "measured now"
+        rec, how = search(target, drafts, first, val, prompts, shapes), "measured now"
     if a.search:
-        files.write_json(path, {"what": "rsd.py's search on val, the part no hardware changes: each row's tree tau "
-                                        "on val (real tree decoding, the key's first-seed drafts; a chain's is the "
-                                        "replay's)",
+        files.write_json(path, {"what": "rsd.py's search on val, the part no hardware changes: each row's tau at "
+                                        "every gamma on val (the replay, mean over the key's drafts) and each tree's "
+                                        "(real tree decoding, the first draft)",
                                 "command": "python rsd.py --search", "key": key, **rec})
         print(f"search recorded in {path}")
         how = f"{how}, recorded in {path}"
@@ -350,23 +383,25 @@ def run(ap, a, seeds, sampling, device):
         drafts = {row: {s: checkpoint.load(d, target=target).eval() for s, d in dirs.items()}
                   for row, dirs in folders.items()}  # {row: {seed: draft}}; --drafts: seeds 0.. per row
     tok = driving.Tokenizer()
-    splits = {split: Data(split, a.scenes, 0, tok, views=a.views) for split in ("val", "test")}
-    test = splits["test"]
-    # the target's greedy outputs, computed once: the test split's metrics and the rows' reference and replay
-    cli.progress(f"the target's greedy CoCs of {a.scenes} val and {a.scenes} test scenes, its metrics")
-    outputs = {split: evaluate.greedy_outputs(target, data) for split, data in splits.items()}
-    metrics = {"coc_exact": evaluate.coc_exact_match(outputs["test"], test.coc_ids()),
+    val, test = (Data(split, a.scenes, 0, tok, views=a.views) for split in ("val", "test"))
+    # the target's greedy test outputs, computed once: its metrics and the rows' reference and replay (val's: only
+    # where no search record holds the val sweep)
+    cli.progress(f"the target's greedy CoCs of {a.scenes} test scenes, its metrics")
+    prompts = evaluate.scene_prompts(test.scenes, tok, device, views=test.views_at(0))
+    decoding = test_decoder(target, prompts, a.time_scenes, tok.cot_end_id)  # the prefills shared with the table's
+    outputs = [r.tokens for r in decoding[1](None, None)]
+    metrics = {"coc_exact": evaluate.coc_exact_match(outputs, test.coc_ids()),
                "commitment_acc": evaluate.commitment_acc(target, target, test),
-               "ade": evaluate.trajectory_ade(target, test, outputs["test"])[0]}
+               "ade": evaluate.trajectory_ade(target, test, outputs)[0]}
     print(f"target on the held-out test split: CoC exact {metrics['coc_exact']:.3f}, "
           f"commitment accuracy {metrics['commitment_acc']:.3f}, ADE {metrics['ade']:.2f} m")
     cli.progress("the decoders: " + ("as given (--gamma / --tree)" if a.given else "the val search's record, or "
                                      "the search itself (minutes)"))
-    rec, searched = find_search(a, target, drafts, seeds, splits["val"], device)
+    rec, searched = find_search(a, target, drafts, seeds, val, device)
     cli.progress(f"the table: every row's real decoding of the test scenes, then {a.repeats} timed pass(es) over "
                  f"{a.time_scenes} of them" + (" (compiling first: minutes)" if a.compile else ""))
     table = dataclasses.replace(sampling, relaxed=None)  # the paper's table is lossless; --relaxed: a section after it
-    rows, sweep = paper_table(target, drafts, splits, outputs, metrics, rec, a.time_scenes, a.repeats, table,
+    rows, sweep = paper_table(target, drafts, test, prompts, decoding, outputs, val, metrics, rec, a.time_scenes, a.repeats, table,
                               a.compile, a.tree, a.gamma)
     shown = list(drafts)[-1]  # the paper's routine reasoner (FlatRoPE + AARL), or the last row given
     aarl_row = next(r for r in rows if r["name"] == shown)
@@ -560,7 +595,7 @@ def parse_args(argv):
     for flag, default, text in (
             ("--views", driving.WorldConfig().views, "surround views per prompt (the drafts' training geometry)"),
             ("--scenes", 64, "held-out scenes of the table (and val scenes for gamma)"),
-            ("--time-scenes", 16, "of those, scenes timed for ms/token (all arms interleaved on each)"),
+            ("--time-scenes", 12, "of those, scenes timed for ms/token (all arms interleaved on each)"),
             ("--repeats", 1, "timed passes over them"),
             ("--show", 3, "scenes printed with routine / [deliberative] tokens")):
         ap.add_argument(flag, type=int, default=default, help=text)

@@ -3,7 +3,8 @@
 Deterministic: tau at every gamma on both splits (`sweep`, each row's `tau_by_gamma`), the tau ceiling at every gamma,
 the target's CoC exact match / commitment accuracy / ADE, the world's routine share, each row's commitment accuracy,
 ADE and attention split, greedy identity. A row's gamma (or tree) is chosen with measured step times, so its `tau`,
-`tau_spread`, `routine_fraction` and `tau_ceiling` are compared only where both runs chose the same gamma. Timing
+`tau_spread`, `routine_fraction` and `tau_ceiling` are compared only where both runs chose the same gamma (a tree row:
+the same tree). Timing
 columns (ms_per_token, speedup) are never compared. Floats agree to 1e-6 relative (the attention split's sums differ
 in their last bits between machines). A row only the new run has (a draft kind added since) is named, not a
 difference: the old rows are what must not move.
@@ -40,6 +41,11 @@ def same(a, b, where, out, rows=()):
         out.append(f"{where}: {a} -> {b}")
 
 
+def decoder(row):
+    """A row's decoder as chosen: gamma N for a chain row, tree N/D/k for a tree row."""
+    return f"tree {'/'.join(map(str, row['tree']))}" if row.get("tree") else f"gamma {row.get('gamma')}"
+
+
 def compare(old, new):
     out, notes = [], []
     added = {r["name"] for r in new["rows"]} - {r["name"] for r in old["rows"]}  # a draft row added since
@@ -56,12 +62,12 @@ def compare(old, new):
             continue
         for k in ROW_ALWAYS:
             same(r.get(k), s.get(k), f"{r['name']}/{k}", out)
-        if r.get("gamma") == s.get("gamma"):
+        if decoder(r) == decoder(s):  # a chain row's gamma, a tree row's shape
             for k in ROW_AT_GAMMA:
                 same(r.get(k), s.get(k), f"{r['name']}/{k}", out)
         else:
-            notes.append(f"{r['name']}: gamma {r.get('gamma')} -> {s.get('gamma')} (timing-chosen; tau compared "
-                         "through tau_by_gamma)")
+            notes.append(f"{r['name']}: {decoder(r)} -> {decoder(s)} (timing-chosen; tau compared through "
+                         "tau_by_gamma)")
     return out, notes
 
 

@@ -77,7 +77,7 @@ def toy_acceptance(path, want=None):
         raise ValueError(f"--toy-json {path}: its draft {draft} is the target itself (its alpha says nothing)")
     recorded = d.get("decoder") or {"kind": "chain", "gamma": d.get("gamma")}  # reports before trees: a chain
     if want is not None and want["kind"] == "tree" and recorded != want:
-        raise ValueError(f"--toy-json {path} ran {bench.decoder_text(recorded)}, this run {bench.decoder_text(want)}: "
+        raise ValueError(f"--toy-json {path} ran {timing.decoder_name(recorded)}, this run {timing.decoder_name(want)}: "
                          "a tree's prediction needs the toy's tau with the same tree (bench.py --device cpu --json "
                          "writes one)")
     return {"source": path, "alpha": d["alpha"], "decoder": recorded, "draft": draft,

@@ -21,16 +21,16 @@ import rsd  # noqa: E402
 
 OUT = "runs/profile_rsd.json"
 # stage: (file, function) as cProfile names them, in the order rsd.run reaches them
-STAGES = {"the target's greedy CoCs (val + test)": ("evaluate.py", "greedy_outputs"),
+STAGES = {"greedy and real decoding of the test scenes (the target's CoCs, then every row's)": ("rsd.py", "real"),
           "the target's commitment accuracy": ("evaluate.py", "commitment_acc"),
           "the target's ADE": ("evaluate.py", "trajectory_ade"),
-          "the decoders' search on val": ("rsd.py", "find_search"),
+          "the decoders' search record and this machine's profile": ("rsd.py", "find_search"),
+          "the val sweep (none where the search record holds it)": ("rsd.py", "val_sweep"),
           "the table": ("rsd.py", "paper_table"),
           "  every draft's teacher-forced replay": ("evaluate.py", "draft_matches"),
           "  every draft's commitment accuracy": ("evaluate.py", "commitment_accs"),
           "  the attention split": ("evaluate.py", "attention_split"),
           "  the timed pass": ("timing.py", "time_arms"),
-          "  real decoding of the test scenes": ("rsd.py", "real"),
           "the printed scenes": ("rsd.py", "show_scenes"),
           "the world's routine share": ("driving.py", "routine_share"),
           "the stream section": ("rsd.py", "stream_rows"),

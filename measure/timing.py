@@ -35,7 +35,8 @@ COMPILED, COMPILED_CHAIN = (TARGET_ONLY + " compiled", "speculative compiled"), 
 @torch.no_grad()  # the grad mode the compiled steps were warmed up in (evaluate.spec_stats); another recompiles
 def time_arms(target, drafts, prompts, gamma, max_new, stop_token, repeats, sampling=GREEDY, extra=None, blocks=1,
               warm_all=True):
-    """({arm: {prefill_ms, ms_per_token, speedup, ms_per_token_range, speedup_range (summary's, over the passes)}},
+    """(the arms record {arm: {decoder (decoder_json; None: target-only), tau (the first pass's), greedy_match (every
+    prompt's tokens target-only's; None when sampled), prefill_ms, and summary's ms_per_token, speedup and ranges}},
     {arm: [SpecResult per prompt] of the first pass}): every arm warmed up (warm_all: on every prompt, else on the
     first), then timing.interleaved's passes (the arms back to back on each prompt, the order rotated): load that drifts
     on a shared machine falls on every arm alike. extra: {name: (target, draft or None[, gamma])}; sampled: prompt i's
@@ -55,26 +56,47 @@ def time_arms(target, drafts, prompts, gamma, max_new, stop_token, repeats, samp
     def ms(name, r, lo, hi):  # pass r's ms/token over prompts lo..hi-1
         return 1e3 * sum(x.decode_s for x in res[name][r][lo:hi]) / sum(len(x.tokens) for x in res[name][r][lo:hi])
 
-    out = summary(ms, arms, repeats, len(prompts), blocks, "ms_per_token")
-    for name in arms:
-        out[name]["prefill_ms"] = median(1e3 * sum(x.prefill_s for x in p) / len(p) for p in res[name])
-    return out, {name: r[0] for name, r in res.items()}
+    out, first = summary(ms, arms, repeats, len(prompts), blocks, "ms_per_token"), {n: r[0] for n, r in res.items()}
+    for name, (_, d, g) in arms.items():
+        out[name] |= {"decoder": None if d is None else decoder_json(g), "tau": speculate.SpecResult.pooled(first[name]).tau,
+                      "greedy_match": same_tokens(first[name], first[TARGET_ONLY]) if sampling.greedy else None,
+                      "prefill_ms": median(1e3 * sum(x.prefill_s for x in p) / len(p) for p in res[name])}
+    return out, first
 
 
-def summary(cost, arms, repeats, n, blocks=1, unit="ms_per_token", base=TARGET_ONLY):
+def summary(cost, arms, repeats, n, blocks=1, unit="ms_per_token"):
     """The one record of timed arms (bench.py's arms, plans and streams; rsd.py's table): cost(arm, r, lo, hi), pass
     r's cost (ms per token or per plan) over items lo..hi-1 of n -> {arm: {unit: its median over the passes,
     unit_range: min..max over the units, "speedup": the median over the passes of base's cost over the arm's (paired:
-    the same items, timed in the same pass), "speedup_range": min..max over the units}}; a unit is one pass over one
-    of `blocks` blocks of items (block_bounds), each block's arms timed back to back."""
+    the same items, timed in the same pass; base: target-only, a compiled arm's compiled target-only),
+    "speedup_range": min..max over the units}}; a unit is one pass over one of `blocks` blocks of items (block_bounds),
+    each block's arms timed back to back."""
     units = [(r, lo, hi) for r in range(repeats) for lo, hi in block_bounds(n, blocks)]
     out = {}
     for arm in arms:
+        base = COMPILED[0] if arm.endswith(" compiled") else TARGET_ONLY
         c, ups = [cost(arm, *u) for u in units], [cost(base, *u) / cost(arm, *u) for u in units]
         out[arm] = {unit: median(cost(arm, r, 0, n) for r in range(repeats)), f"{unit}_range": [min(c), max(c)],
                     "speedup": median(cost(base, r, 0, n) / cost(arm, r, 0, n) for r in range(repeats)),
                     "speedup_range": [min(ups), max(ups)]}
     return out
+
+
+def same_tokens(results, reference):
+    """Whether every decode's tokens are the reference decode's (greedy: target-only's), item by item."""
+    return all(r.tokens == x.tokens for r, x in zip(results, reference))
+
+
+def arms_lines(arms, unit="ms_per_token"):
+    """The one printer of an arms record (time_arms, plans, stream_arms): an arm a line, its decoder, ms per token or
+    per plan, the speed-up over target-only (compiled: over compiled target-only) [min-max over blocks of items and
+    passes], tau (a row's tokens per round), greedy identity with target-only (none: sampled)."""
+    def line(name, a):
+        d, (lo, hi), same = a.get("decoder"), a["speedup_range"], a.get("greedy_match")
+        return (f"{name:<22}{decoder_name(d) if d else '':<14}{a[unit]:9.3f} {unit.replace('ms_per_', 'ms/')}   speed-up {a['speedup']:.2f}x "
+                f"[{lo:.2f}-{hi:.2f}]" + ("" if a["tau"] is None else f"   tau {a['tau']:.2f}")  # None: not recorded
+                + ("" if same is None else f"   greedy {'identical' if same else 'DIFFERS'}"))
+    return [line(name, a) for name, a in arms.items()]
 
 
 @torch.no_grad()
@@ -88,7 +110,8 @@ def stream_arms(target, draft, clips, shape, max_new, stop_token, repeats=1, blo
     target-only's; sampled: None)}}, and the first pass's results {arm: [clip][frame] SpecResult, or with samples > 1
     a list of the plan's rows}. samples, sampling: each frame's plan of `samples` rows (decode_clip's); stream_kw: the
     Stream's (M, alpha, ...); merged: the tree merged with the stream (None: shape, the tree arm's); reword: clip
-    index -> decode_clip's reword (None: none); compile: every arm on compiled steps of `samples` rows
+    index -> decode_clip's reword (None: none); greedy_match: frames_differing == 0 (the arms record's); compile:
+    every arm on compiled steps of `samples` rows
     (compiled_pair), each step length compiled before the passes."""
     if compile:
         sib = {"siblings": samples} if samples > 1 else {}
@@ -114,9 +137,10 @@ def stream_arms(target, draft, clips, shape, max_new, stop_token, repeats=1, blo
     out = summary(plan_ms, stream.ARMS, repeats, len(clips), blocks, "ms_per_plan")
     for arm in stream.ARMS:
         frames = [pooled(r, arm) for r in range(repeats)]
+        differ = None if not sampling.greedy else sum(
+            [x.tokens for x in rows(f)] != t for c, rc in zip(res[0][arm], ref) for f, t in zip(c, rc))
         out[arm] |= {"tau": frames[0].tau, "ms_per_token": median(1e3 * f.decode_s / len(f.tokens) for f in frames),
-                     "frames_differing": None if not sampling.greedy else sum(
-                         [x.tokens for x in rows(f)] != t for c, rc in zip(res[0][arm], ref) for f, t in zip(c, rc))}
+                     "frames_differing": differ, "greedy_match": None if differ is None else differ == 0}
     return out, res[0]
 
 
@@ -184,16 +208,6 @@ def plans(target, draft, prompts, gamma, max_new, stop_token, repeats, sampling,
            "cocs": [r.tokens for r in out["speculative"][0]],  # the first plan's rows
            "what": "ms: the reasoning step of one plan, until every row is done (median over passes); "
                    "idle_row_share: row-rounds a finished row spends in the batch (its work thrown away)"}
-    for name, arm in summary(ms, runs, repeats, len(groups), 1, "ms_per_plan").items():
-        if name.endswith(" compiled"):  # over compiled target-only
-            arm |= {k: v for k, v in summary(ms, [name], repeats, len(groups), 1, "ms_per_plan", COMPILED[0])[
-                name].items() if k.startswith("speedup")}
-        rows = [r for plan in out[name] for r in plan]
-        rec[name] = arm | {"tokens_per_s": 1e3 * sum(len(r.tokens) for r in rows) / len(groups) / arm["ms_per_plan"],
-                           "tau_per_row": [r.tau for r in rows], "mean_tau": sum(r.tau for r in rows) / len(rows),
-                           "idle_row_share": sum(max(r.rounds for r in plan) - r.rounds for plan in out[name]
-                                                 for r in plan) / sum(max(r.rounds for r in plan) * len(plan)
-                                                                      for plan in out[name])}
     if sampling.greedy:  # greedy: each row equals its own prompt's batch-1 target-only decode
         cli.progress(f"plans: each of {len(prompts)} prompts' batch-1 target-only decode (the identity check)")
         ref = [speculate.autoregressive(target, p, max_new, stop_token=stop_token).tokens for p in prompts]
@@ -201,6 +215,16 @@ def plans(target, draft, prompts, gamma, max_new, stop_token, repeats, sampling,
         rec["greedy_match_per_row"] = {name: [r.tokens == w for r, w in zip([r for plan in o for r in plan], want)]
                                        for name, o in out.items()}
         rec["greedy_match"] = all(all(v) for v in rec["greedy_match_per_row"].values())
+    rec["arms"] = summary(ms, runs, repeats, len(groups), 1, "ms_per_plan")
+    for name, (_, d, g) in arm_table(pairs, gamma, chain_gamma).items():
+        rows = [r for plan in out[name] for r in plan]
+        rec["arms"][name] |= {
+            "decoder": None if d is None else decoder_json(g), "tau": sum(r.tau for r in rows) / len(rows),
+            "greedy_match": all(rec["greedy_match_per_row"][name]) if sampling.greedy else None,
+            "tau_per_row": [r.tau for r in rows],
+            "tokens_per_s": 1e3 * sum(len(r.tokens) for r in rows) / len(groups) / rec["arms"][name]["ms_per_plan"],
+            "idle_row_share": sum(max(r.rounds for r in plan) - r.rounds for plan in out[name] for r in plan) / sum(
+                max(r.rounds for r in plan) * len(plan) for plan in out[name])}
     return rec
 
 
@@ -223,6 +247,11 @@ def plan_cost(runs):
     """summary's cost of plans timed by interleaved (runs: {arm: [[Run per plan] per pass]}, a Run's result the plan's
     rows): pass r's ms per plan over plans lo..hi-1, each until its last row is done."""
     return lambda arm, r, lo, hi: 1e3 * sum(max(x.decode_s for x in p.result) for p in runs[arm][r][lo:hi]) / (hi - lo)
+
+
+def decoder_name(d):
+    """A decoder_json as the reports name it: chain 3, tree 16/8/3."""
+    return f"chain {d['gamma']}" if d["kind"] == "chain" else f"tree {d['nodes']}/{d['depth']}/{d['width']}"
 
 
 def decoder_json(decoder):

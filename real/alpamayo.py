@@ -235,12 +235,12 @@ def plan(target, draft, prompt, stop, tok, how, decoder, max_new, repeats, sampl
 
 
 def report_lines(res):
-    n, w = len(res["coc_tokens"]), res.get("waypoints")
+    n, w, (ar, sp) = len(res["coc_tokens"]), res.get("waypoints"), (res["arms"][a] for a in ("target-only", "speculative"))
     at = lambda i: f"({w[min(i, len(w) - 1)][0]:.1f}, {w[min(i, len(w) - 1)][1]:.1f})"  # noqa: E731
     return [f"prompt         {res['prompt_tokens']} tokens, {res['images']} images, {res['visual_tokens']} visual "
             f"tokens: {res['prompt_source']}",
-            f"plan timings   prefill (vision tower + prompt) {res['ar_prefill_ms']:.2f} ms   reasoning step ({n} "
-            f"tokens) target-only {n * res['ar_ms_per_token']:.2f} ms, speculative {n * res['spec_ms_per_token']:.2f} "
+            f"plan timings   prefill (vision tower + prompt) {ar['prefill_ms']:.2f} ms   reasoning step ({n} "
+            f"tokens) target-only {n * ar['ms_per_token']:.2f} ms, speculative {n * sp['ms_per_token']:.2f} "
             "ms   trajectory (action expert) " + (f"{res['trajectory_ms']:.2f} ms" if w else "none: no action expert"),
             f"CoC (routine, [deliberative]): {res['coc']}"] + ([] if not w else [
             f"trajectory     {len(w)} waypoints (x, y) m, 10 Hz: 1 s {at(9)}, 3 s {at(29)}, last {at(-1)}"])

@@ -5,6 +5,8 @@ run: python -m pytest -q tests/test_bench.py
 """
 import json
 import math
+import os
+import sys
 
 import pytest
 import torch
@@ -116,7 +118,7 @@ def test_a_tree_cut_by_max_new_runs_and_costs_its_whole_shape(monkeypatch, capsy
     assert timed == [(32,)] and res["tokens"] == 4
     bench.report(dict(res, mode="toy", device="cpu", hardware="x", dtype="fp32", threads=1))
     out = capsys.readouterr().out
-    assert "tree draft, 32 nodes, depth 8" in out and "depth 8.0 per round" in out
+    assert "decoder tree 32/8/3" in out and "depth 8.0 per round" in out
     lengths, step_times = [], timing.step_times
     monkeypatch.setattr(timing, "step_times", lambda t, d, p, ls, *a: lengths.append(ls) or step_times(t, d, p, ls, *a))
     res = bench.benchmark(target, draft, [image_prompt()], 6, 4, repeats=3)
@@ -156,8 +158,9 @@ def test_the_compiled_choice_is_the_best_predicted_and_timed_beside_its_runner_u
     json_of = {choose.name(d): timing.decoder_json(d) for d in choose.candidates() if d}
     assert ch["mode"] == "compiled" and (ch["chosen"], ch["runner_up"]) == tuple(ranked[:2])
     assert res["decoder"] == json_of[spec[0]] == {k: v for k, v in res["ran"].items() if k in res["decoder"]}
-    assert c["runner_up"]["decoder"] == json_of[spec[1]] and c["runner_up"]["ms_per_token"] > 0
-    assert ch["measured"] == {evaluate.TARGET_ONLY: 1.0, spec[0]: c["speedup"], spec[1]: c["runner_up"]["speedup"]}
+    r_up = res["arms"][timing.COMPILED_CHAIN]
+    assert r_up["decoder"] == json_of[spec[1]] and r_up["ms_per_token"] > 0
+    assert ch["measured"] == {evaluate.TARGET_ONLY: 1.0, spec[0]: c["speedup"], spec[1]: r_up["speedup"]}
     assert c["greedy_match"] and set(c["divergences"]) == {*timing.COMPILED, timing.COMPILED_CHAIN}
 
 
@@ -181,13 +184,14 @@ def test_plans_time_batched_rows_that_equal_their_own_decodes(eager_dynamo, caps
     assert p["rows"] == 4 and p["plans"] == 1 and p["greedy_match"]
     arms = {evaluate.TARGET_ONLY, "speculative", timing.CHAIN_ARM, *timing.COMPILED, timing.COMPILED_CHAIN}
     assert set(p["greedy_match_per_row"]) == arms and all(len(v) == 4 for v in p["greedy_match_per_row"].values())
-    assert all(len(p[a]["tau_per_row"]) == 4 and p[a]["ms_per_plan"] > 0 for a in arms)
-    assert p[evaluate.TARGET_ONLY]["speedup"] == 1.0 and p[timing.COMPILED[0]]["speedup"] == 1.0
+    assert set(p["arms"]) == arms and all(len(a["tau_per_row"]) == 4 and a["ms_per_plan"] > 0 and a["greedy_match"]
+                                          for a in p["arms"].values())
+    assert p["arms"][evaluate.TARGET_ONLY]["speedup"] == 1.0 and p["arms"][timing.COMPILED[0]]["speedup"] == 1.0
     bench.report({"mode": "plans", "plan": p, "device": "cpu", "hardware": "x", "dtype": "fp32", "threads": 1,
                   "decoder": timing.decoder_json(TreeShape(6, 3, 2)), "decoding": flags.sampling_json(flags.sampling())})
     assert "4 rows, decoded as one batch" in capsys.readouterr().out
     sampled = timing.plans(target, draft, prompts, 3, 6, None, 3, flags.sampling(0.6, top_p=0.98), 1, 3)
-    assert sampled["plans"] == 2 and "greedy_match" not in sampled and sampled["speculative"]["mean_tau"] >= 1
+    assert sampled["plans"] == 2 and "greedy_match" not in sampled and sampled["arms"]["speculative"]["tau"] >= 1
 
 
 def test_the_plans_choice_is_profiled_over_their_rows():
@@ -246,3 +250,39 @@ def test_relaxed_bench_reports_what_it_cost(capsys, tmp_path):
     with pytest.raises(SystemExit):  # a preset has no plan to price it in
         bench.main(["preset", "qwen3-vl-8b", "--relaxed", "typical:0.5"])
     assert "--relaxed is a flag of `bench.py toy` and `bench.py real`" in capsys.readouterr().err
+
+
+def test_migrate_arms_moves_an_old_reports_numbers_into_the_arms_record(capsys):
+    """experiments/migrate_arms.py: an old toy report's flattened keys (and its compiled ones) and an old plans report's
+    per-arm objects become the arms record, numbers moved not recomputed; a second migration changes nothing; the
+    migrated report prints through the one printer."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments"))
+    import migrate_arms
+    chain = {"kind": "chain", "gamma": 3}
+    old = {"mode": "toy", "decoder": {"kind": "tree", "nodes": 16, "depth": 8, "width": 3}, "tau": 4.5, "alpha": 0.8,
+           "routine_fraction": 0.8, "greedy_match": True, "prompts": 2, "divergences": [], "dtype": "fp32",
+           "decoding": flags.sampling_json(flags.sampling()), "ar_prefill_ms": 50.0, "spec_prefill_ms": 51.0,
+           "ar_ms_per_token": 10.0, "spec_ms_per_token": 5.0, "speedup": 2.0, "speedup_range": [1.8, 2.2],
+           "runner_up": {"decoder": chain, "ms_per_token": 6.0, "speedup": 1.7, "speedup_range": [1.5, 1.9],
+                         "over_runner_up": 1.2},
+           "t_target_1": 9.0, "t_draft_1": 0.5, "c": 0.05, "predicted_speedup": 2.1, "device": "cpu", "hardware": "x",
+           "threads": 2}
+    res = json.loads(json.dumps(old))
+    assert migrate_arms.migrate(res) and not migrate_arms.migrate(res)
+    a = res["arms"]
+    assert a[evaluate.TARGET_ONLY] == {"decoder": None, "ms_per_token": 10.0, "prefill_ms": 50.0, "speedup": 1.0,
+                                       "speedup_range": [1.0, 1.0], "tau": 1.0, "greedy_match": True}
+    assert a["speculative"] == {"decoder": old["decoder"], "ms_per_token": 5.0, "prefill_ms": 51.0, "speedup": 2.0,
+                                "speedup_range": [1.8, 2.2], "tau": 4.5, "greedy_match": True}
+    assert a[timing.CHAIN_ARM]["decoder"] == chain and a[timing.CHAIN_ARM]["tau"] is None and res["speedup"] == 2.0
+    assert not {"ar_ms_per_token", "spec_ms_per_token", "runner_up", "ar_prefill_ms"} & set(res)
+    bench.report(res)
+    out = capsys.readouterr().out
+    assert "runner-up             chain 3           6.000 ms/token   speed-up 1.70x [1.50-1.90]\n" in out
+    plans = {"mode": "plans", "decoder": chain, "plan": {
+        "speculative": {"ms_per_plan": 40.0, "speedup": 1.5, "mean_tau": 2.5, "tau_per_row": [2.5]},
+        "greedy_match_per_row": {"speculative": [True]}}}
+    assert migrate_arms.migrate(plans) and not migrate_arms.migrate(plans)
+    assert plans["plan"]["arms"] == {"speculative": {"decoder": chain, "ms_per_plan": 40.0, "speedup": 1.5,
+                                                     "tau_per_row": [2.5], "tau": 2.5, "speedup_range": [1.5, 1.5],
+                                                     "greedy_match": True}}

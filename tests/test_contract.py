@@ -85,6 +85,8 @@ PROGRAMS = {
     "experiments/compare_rsd.py": ("compare_rsd", None, None, False, None),
     # counts the repo's lines per room (git's tracked files): no flags but revisions, no output
     "experiments/lines.py": ("lines", None, None, False, None),
+    # rewrites the reports it is given in place, atomically: no output of its own, no count
+    "experiments/migrate_arms.py": ("migrate_arms", None, None, False, None),
 }
 
 
@@ -395,6 +397,8 @@ INPUT_DOORS = {
                                                            "model.safetensors: is not a regular file"),
     "compare_rsd's earlier report": ("experiments/compare_rsd.py", "{tmp}/old.json {tmp}/new.json", "old.json",
                                      "old.json: is not a regular file"),
+    "a report migrate_arms rewrites": ("experiments/migrate_arms.py", "{tmp}/old.json", "old.json",
+                                       "old.json: is not a regular file"),
     "figures' --rsd-json": ("experiments/figures.py", "--out {tmp}/f --rsd-json {tmp}/r.json", "r.json",
                             "r.json: is not a regular file"),
     "tree_real's --sweep": ("experiments/tree_real.py", "--out {tmp}/t.json --sweep {tmp}/s.json", "s.json",

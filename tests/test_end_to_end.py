@@ -8,6 +8,7 @@ import copy
 import json
 import os
 import shutil
+import sys
 
 import pytest
 from test_train import TINY, TINY_DRAFT, tiny_cfg
@@ -21,7 +22,7 @@ import evaluate
 from evaluate import TARGET_ONLY
 import model as M
 from ops import checkpoint, files
-from measure import timing
+from measure import choose, timing
 import rsd
 import speculate
 import train as T
@@ -126,28 +127,54 @@ def test_rsd_search_is_recorded_and_a_stale_record_is_not_used(run_dir, tmp_path
     rsd.main(argv + ["--search"])
     searched = last_json(capsys)
     rec = files.read_json(run / rsd.SEARCH_JSON)
-    assert set(rec["tree_val_tau"]["replica"]) == {rsd.shape_key(sh) for sh in rsd.TREES}  # --search: every tree
-    assert set(rec) == {"what", "command", "key", "tree_val_tau"}  # no step time: those are the machine's profile
-    assert rec["key"]["drafts"]["flatrope"] == checkpoint.fingerprint(
-        checkpoint.load(checkpoint.draft_dir(str(run), "flat", 0), target=checkpoint.load(run / "target")))
-    calls, real_search = [], rsd.search
+    assert set(rec["tree_val_tau"]["replica"]) == {choose.shape_key(sh) for sh in rsd.TREES}  # --search: every tree
+    assert set(rec) == {"what", "command", "key", "val_sweep", "tree_val_tau"}  # no step time: the machine's profile
+    assert rec["key"]["drafts"]["flatrope"] == [checkpoint.fingerprint(
+        checkpoint.load(checkpoint.draft_dir(str(run), "flat", 0), target=checkpoint.load(run / "target")))]
+    assert rec["val_sweep"] == searched["sweep"]["val"]  # the val sweep the search measured and the table printed
+    calls, real_search, greedy = [], rsd.search, evaluate.greedy_outputs
 
     def counted(*args):
         calls.append(args)
         return real_search(*args)
 
+    def decoded(target, data, *a, **k):
+        calls.append("greedy")
+        return greedy(target, data, *a, **k)
+
     monkeypatch.setattr(rsd, "search", counted)
+    monkeypatch.setattr(evaluate, "greedy_outputs", decoded)
     rsd.main(argv)
     text = "".join(capsys.readouterr()[::-1])  # stderr (--json: the report), stdout
     again = json.loads(text.strip().splitlines()[-1])
+    # the recorded val sweep: no greedy decoding of val (evaluate.greedy_outputs), no search
     assert calls == [] and f"recorded by python rsd.py --search in {run / rsd.SEARCH_JSON}" in text
+    assert again["sweep"] == searched["sweep"]
     assert [(r["gamma"], r["tree"]) for r in again["rows"]] == [(r["gamma"], r["tree"]) for r in searched["rows"]]
     assert "±" not in text  # one seed: no spread over seeds to show
+    calls.clear()
     shutil.rmtree(run / "draft_aarl_s0")  # another draft in the row's place: another fingerprint
     shutil.copytree(run / "draft_flat_s0", run / "draft_aarl_s0")
     rsd.main(argv)
     text = "".join(capsys.readouterr()[::-1])  # stderr (--json: the report), stdout
-    assert len(calls) == 1 and "(drafts (flatrope+aarl) differ): not used" in text and "measured now" in text
+    assert ["greedy" if c == "greedy" else "search" for c in calls] == ["search", "greedy"]  # val: the search's
+    assert "(drafts (flatrope+aarl) differ): not used" in text and "measured now" in text
+
+
+def test_compare_rsd_compares_a_row_at_its_decoder():
+    """experiments/compare_rsd.py: a row whose timing-chosen decoder moved (a tree row's shape, a chain row's gamma) is a
+    note and its tau is not compared; at the same decoder a changed tau is a difference."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments"))
+    import compare_rsd
+    old = {"rows": [{"name": "x tree", "gamma": None, "tree": [16, 8, 3], "tau": 5.0},
+                    {"name": "x", "gamma": 5, "tau": 3.0}]}
+    moved = {"rows": [{"name": "x tree", "gamma": None, "tree": [16, 6, 3], "tau": 4.9},
+                      {"name": "x", "gamma": 7, "tau": 3.2}]}
+    assert compare_rsd.compare(old, moved) == ([], ["x tree: tree 16/8/3 -> tree 16/6/3 (timing-chosen; tau compared "
+                                                    "through tau_by_gamma)", "x: gamma 5 -> gamma 7 (timing-chosen; "
+                                                    "tau compared through tau_by_gamma)"])
+    changed = {"rows": [dict(old["rows"][0], tau=4.9), dict(old["rows"][1], tau=3.2)]}
+    assert compare_rsd.compare(old, changed)[0] == ["x tree/tau: 5.0 -> 4.9", "x/tau: 3.0 -> 3.2"]
 
 
 def test_replay_equals_speculative_decoding(run_dir):
@@ -189,8 +216,8 @@ def test_aarl_cli_reports_before_after_and_its_updates(run_dir, tmp_path, capsys
 
 
 def test_bench_toy_json(run_dir, capsys):
-    common = ("device", "dtype", "decoder", "tau", "alpha", "routine_fraction", "ar_ms_per_token", "spec_ms_per_token",
-              "speedup", "greedy_match", "t_target_1", "t_draft_1")
+    common = ("device", "dtype", "decoder", "tau", "alpha", "routine_fraction", "arms", "speedup", "greedy_match",
+              "t_target_1", "t_draft_1")
     bench.main(["--run", str(run_dir), "--prompts", "3", "--dtype", "fp32", "--views", str(VIEWS), "--tree", "0",
                 "--json"])
     out = last_json(capsys)
@@ -203,12 +230,15 @@ def test_bench_toy_json(run_dir, capsys):
     out = last_json(capsys)
     for key in common:
         assert key in out, key
-    ch, r = out["choice"], out["runner_up"]
+    # the arms record: target-only, the chosen decoder, its runner-up, each with its decoder, tau and greedy identity
+    ch, arms = out["choice"], out["arms"]
     assert ch["mode"] == "eager" and set(ch["measured"]) >= {evaluate.TARGET_ONLY} and len(ch["predicted"]) == 14
-    assert r["over_runner_up"] == pytest.approx(r["ms_per_token"] / out["spec_ms_per_token"]) and r["decoder"] != \
-        out["decoder"]
+    assert list(arms) == [evaluate.TARGET_ONLY, "speculative", timing.CHAIN_ARM] and arms[evaluate.TARGET_ONLY] | {
+        "decoder": None, "tau": 1.0, "greedy_match": True} == arms[evaluate.TARGET_ONLY]
+    assert arms["speculative"]["decoder"] == out["decoder"] != arms[timing.CHAIN_ARM]["decoder"]
+    assert all(a["greedy_match"] is True and a["tau"] >= 1 and a["ms_per_token"] > 0 for a in arms.values())
     assert out["greedy_match"] is True and out["dtype"] == "fp32" and out["cpu_capability"]
-    assert out["speedup"] == pytest.approx(out["ar_ms_per_token"] / out["spec_ms_per_token"])
+    assert out["speedup"] == arms["speculative"]["speedup"] and arms["speculative"]["tau"] == out["tau"]
     assert os.path.exists(bench.TOY_JSON) and res["tau"] >= 1
 
 
@@ -262,13 +292,13 @@ def test_bench_toy_compiled(run_dir, capsys):
     c = json.loads(text.strip().splitlines()[-1])["compiled"]
     assert c["greedy_match"] is True and c["divergences"] == {arm: [] for arm in (*timing.COMPILED,
                                                                                   timing.COMPILED_CHAIN)}
-    for key in ("ar_ms_per_token", "spec_ms_per_token", "t_target_1", "t_target_verify", "t_draft_1", "t_draft_level",
-                "compile_s"):
+    for key in ("t_target_1", "t_target_verify", "t_draft_1", "t_draft_level", "compile_s", "speedup_vs_eager"):
         assert c[key] > 0, key
-    ch = json.loads(text.strip().splitlines()[-1])["choice"]
-    assert ch["mode"] == "compiled" and c["runner_up"]["ms_per_token"] > 0 and "compiled r-up" in text
-    assert c["speedup"] == pytest.approx(c["ar_ms_per_token"] / c["spec_ms_per_token"])
-    assert "compiled       target-only" in text
+    out = json.loads(text.strip().splitlines()[-1])
+    ch, arms = out["choice"], out["arms"]
+    assert ch["mode"] == "compiled" and arms[timing.COMPILED_CHAIN]["ms_per_token"] > 0
+    assert c["speedup"] == arms[timing.COMPILED[1]]["speedup"] and arms[timing.COMPILED[0]]["speedup"] == 1.0
+    assert all(f"{arm:<22}" in text for arm in arms) and "compiled       " in text
 
 
 @pytest.mark.slow
@@ -410,7 +440,7 @@ def test_bench_checks_its_output_first_and_prints_before_writing(run_dir, tmp_pa
         bench.main(["--run", str(run_dir), "--prompts", "1", "--max-new", "4", "--gamma", "2", "--tree", "0",
                     "--dtype", "fp32", "--views", str(VIEWS)])
     captured = capsys.readouterr()
-    assert "reasoning step target-only" in captured.out
+    assert "reasoning step (decode, prefill apart" in captured.out and "speculative           chain 2" in captured.out
     assert "bench_toy.json: read-only file system" in captured.err and "Traceback" not in captured.err
 
 

@@ -108,7 +108,7 @@ def test_bench_scenes_with_sampled_rows(setup, capsys):
                       "--temperature", "0.6", "--top-p", "0.98", "--json"])
     p = res["plan"]
     assert res["mode"] == "plans" and p["plans"] == 3 and p["rows"] == 3 and len(p["waypoints"]) == 3
-    assert len(p["speculative"]["tau_per_row"]) == 9 and p["action_ms"] > 0
+    assert len(p["arms"]["speculative"]["tau_per_row"]) == 9 and p["action_ms"] > 0
     assert "3 plans of 1 prompt(s) x 3 sample(s)" in "".join(capsys.readouterr())
 
 
