@@ -185,7 +185,8 @@ def toy(args, device, dtype, sampling):
                           (tok.cot_end_id, tok.traj_future_start_id), repeats=args.repeats)  # the first plan's rows
         if chosen:  # the chooser's record, and what the candidates timed here measured (per plan; target-only: 1)
             arms = p["arms"]
-            p["choice"] = chosen | {"measured": {TARGET_ONLY: 1.0, chooser.name(decoder): arms["speculative"]["speedup"],
+            p["choice"] = chosen | {"measured": {TARGET_ONLY: 1.0,
+                                                 chooser.name(decoder): arms["speculative"]["speedup"],
                                                  chooser.name(beside): arms[timing.CHAIN_ARM]["speedup"]}}
         return {"mode": "plans", "draft": draft_dir, "target": target_dir, "decoding": flags.sampling_json(sampling),
                 "decoder": timing.decoder_json(decoder), "plan": p}
@@ -351,7 +352,8 @@ def report(res):
     same = "not compared (sampled)" if res["greedy_match"] is None else \
         f"{res['prompts'] - len(res['divergences'])} of {res['prompts']} prompts"
     lines += [run_line(res), f"reasoning step (decode, prefill apart; {s or 'greedy '}arms" + (
-        "; a compiled arm's speed-up over compiled target-only" if c else "") + "):"] + timing.arms_lines(arms) + [f"{k:<15}{t}" for k, t in rows] + (
+        "; a compiled arm's speed-up over compiled target-only" if c else "") + "):"] + timing.arms_lines(arms)
+    lines += [f"{k:<15}{t}" for k, t in rows] + (
         [f"LOSSY: outputs identical to target-only on {same}"] if "lossy" in res else timing.divergence_lines(res))
     lines += alpamayo.report_lines(res) if "coc" in res else []
     print("\n".join(lines))

@@ -6,12 +6,12 @@ prefill or cache) and FlatRoPE + AARL at their speed-optimal gamma on val (mean 
 trees. tau at every gamma comes from one teacher-forced replay of
 the target's greedy outputs (evaluate.simulate_rounds); real speculative decoding checks the outputs and the replay. The
 choice of gamma and tree on val needs the val sweep (every row's tau at every gamma) and the trees' val tau, which no
-hardware changes: python rsd.py --search records them beside the checkpoints (checkpoints/toy/rsd_search.json), and a run reads that record while the checkpoints'
-fingerprints and the settings match; the step costs are this machine's (measure.choose's profile, cached under
-runs/choose/), so the chosen gamma and tree are the machine's too; --gamma / --tree N/D/k give the decoders (no
-search). ms/token: every row and target-only timed in one interleaved pass, the speed-up with its
-spread (bench.py: the full benchmark of one draft). The top of the layering: it calls train.py, aarl.py and the
-library's timing harness (measure/timing.py), never bench.py.
+hardware changes: python rsd.py --search records them beside the checkpoints (checkpoints/toy/rsd_search.json), and a
+run reads that record (decoding no val scene) while the checkpoints' fingerprints and the settings match; the step
+costs are this machine's (measure.choose's profile, cached under runs/choose/), so the chosen gamma and tree are the
+machine's too; --gamma / --tree N/D/k give the decoders (no search). ms/token: every row and target-only timed in
+one interleaved pass, the speed-up with its spread (bench.py: the full benchmark of one draft). The top of the
+layering: it calls train.py, aarl.py and the library's timing harness (measure/timing.py), never bench.py.
 
 run: python rsd.py [--json]        (--retrain trains what is missing: train.py, aarl.py; --search: see above)
 """
@@ -40,6 +40,7 @@ import train
 # table row -> draft folder kind (model.DRAFT_KINDS, and aarl.py's post-trained FlatRoPE draft)
 ROWS = (("replica", "mrope"), ("flatrope", "flat"), ("history-only", "history"), ("flatrope+aarl", "aarl"))
 GAMMAS = evaluate.GAMMAS
+SEEDS = "0,1,2"  # --seeds' default: the shipped rows' draft seeds
 # in the run folder, beside the checkpoints: what python rsd.py --search measured on val (the step times and the trees'
 # val tau that choose gamma and tree), keyed by the checkpoints' fingerprints; a run without a matching one searches
 SEARCH_JSON = "rsd_search.json"
@@ -68,7 +69,7 @@ def check_search_record(ap, a, seeds, device):
     if not a.search or not os.path.isfile(path := os.path.join(a.run, SEARCH_JSON)):
         return
     key, mine = files.read_json(path).get("key") or {}, search_settings(a, seeds, device)
-    default = search_settings(ap.parse_args([]), cli.number_list("0,1,2", "--seeds", unique=False), "cpu")
+    default = search_settings(ap.parse_args([]), cli.number_list(SEEDS, "--seeds", unique=False), "cpu")
     if all(key.get(k) == v for k, v in default.items()) and (differ := [k for k in default if mine[k] != default[k]]):
         raise ValueError(f"--search: {path} holds the search made with the default settings, and this run's "
                          f"{', '.join('--' + k for k in differ)} differ: rerun --search "
@@ -178,9 +179,10 @@ def test_decoder(target, prompts, n_time, stop):
 def paper_table(target, drafts, test, prompts, decoding, outputs, val, metrics, rec, n_time, repeats, sampling=GREEDY,
                 compile=False, tree=0, gamma=evaluate.GAMMA):
     """The rows and the sweep (mean tau per split and gamma, and the ceiling: val's the record's, else measured on
-    val); prompts: the test scenes', decoding: test_decoder's, outputs: the target's greedy test CoCs; metrics: the target's on test (ADE and commitment accuracy, computed
-    once in main). Chain rows at the gamma, tree rows (of TREES, <= `tree` nodes; none
-    for 0) at the shape chosen on val (choose); with no search (rec None) at `gamma` and `tree` (a TreeShape, or 0).
+    val); prompts: the test scenes', decoding: test_decoder's, outputs: the target's greedy test CoCs; metrics: the
+    target's on test (ADE and commitment accuracy, computed once in main). Chain rows at the gamma, tree rows (of
+    TREES, <= `tree` nodes; none for 0) at the shape chosen on val (choose); with no search (rec None) at `gamma` and
+    `tree` (a TreeShape, or 0).
     Real decoding on every test scene: each row's first-seed draft, each tree row's every seed (a tree has no replay).
     ms/token: timing.time_arms over the first n_time test scenes, every row's first-seed draft beside target-only;
     with greedy eager decoding its first pass is also those scenes' real decoding. A sampled `sampling`: timed
@@ -209,7 +211,8 @@ def paper_table(target, drafts, test, prompts, decoding, outputs, val, metrics, 
                                     repeats, sampling, {name: (*pairs[name], g) for name, (_, g) in decoders.items()},
                                     TIME_BLOCKS, warm_all=False)
     # the arms' timing columns; tau and greedy identity are the table's own (every test scene, every draft)
-    speed = {arm: {k: v for k, v in a.items() if k not in ("decoder", "tau", "greedy_match")} for arm, a in speed.items()}
+    speed = {arm: {k: v for k, v in a.items() if k not in ("decoder", "tau", "greedy_match")}
+             for arm, a in speed.items()}
     sampled = not sampling.greedy
     reuse = not sampled and not compile  # the timed pass's decodes are the eager greedy ones
 
@@ -401,8 +404,8 @@ def run(ap, a, seeds, sampling, device):
     cli.progress(f"the table: every row's real decoding of the test scenes, then {a.repeats} timed pass(es) over "
                  f"{a.time_scenes} of them" + (" (compiling first: minutes)" if a.compile else ""))
     table = dataclasses.replace(sampling, relaxed=None)  # the paper's table is lossless; --relaxed: a section after it
-    rows, sweep = paper_table(target, drafts, test, prompts, decoding, outputs, val, metrics, rec, a.time_scenes, a.repeats, table,
-                              a.compile, a.tree, a.gamma)
+    rows, sweep = paper_table(target, drafts, test, prompts, decoding, outputs, val, metrics, rec, a.time_scenes,
+                              a.repeats, table, a.compile, a.tree, a.gamma)
     shown = list(drafts)[-1]  # the paper's routine reasoner (FlatRoPE + AARL), or the last row given
     aarl_row = next(r for r in rows if r["name"] == shown)
     show_scenes(target, drafts[shown][seeds[0]], test, aarl_row["gamma"], a.show, sampling=table)
@@ -628,7 +631,7 @@ def parse_args(argv):
     with cli.user_errors(ap):
         cli.check_values(a, [(">= 1", ("scenes", "time_scenes", "repeats")), ("a finite number >= 0", ("show",)),
                                   (cli.VIEWS_RULE, ("views",))], flags=True)
-        a.seeds_given, a.seeds = a.seeds is not None, "0,1,2" if a.seeds is None else a.seeds
+        a.seeds_given, a.seeds = a.seeds is not None, SEEDS if a.seeds is None else a.seeds
         seeds = cli.number_list(a.seeds, "--seeds", unique=False)  # in order: the first is the one timed and shown
         shape = not isinstance(a.tree, (int, type(None)))  # --tree N/D/k, not a node budget N
         a.given = a.gamma is not None or shape  # the decoders themselves: nothing searched

@@ -58,7 +58,8 @@ def time_arms(target, drafts, prompts, gamma, max_new, stop_token, repeats, samp
 
     out, first = summary(ms, arms, repeats, len(prompts), blocks, "ms_per_token"), {n: r[0] for n, r in res.items()}
     for name, (_, d, g) in arms.items():
-        out[name] |= {"decoder": None if d is None else decoder_json(g), "tau": speculate.SpecResult.pooled(first[name]).tau,
+        out[name] |= {"decoder": None if d is None else decoder_json(g),
+                      "tau": speculate.SpecResult.pooled(first[name]).tau,
                       "greedy_match": same_tokens(first[name], first[TARGET_ONLY]) if sampling.greedy else None,
                       "prefill_ms": median(1e3 * sum(x.prefill_s for x in p) / len(p) for p in res[name])}
     return out, first
@@ -93,8 +94,9 @@ def arms_lines(arms, unit="ms_per_token"):
     passes], tau (a row's tokens per round), greedy identity with target-only (none: sampled)."""
     def line(name, a):
         d, (lo, hi), same = a.get("decoder"), a["speedup_range"], a.get("greedy_match")
-        return (f"{name:<22}{decoder_name(d) if d else '':<14}{a[unit]:9.3f} {unit.replace('ms_per_', 'ms/')}   speed-up {a['speedup']:.2f}x "
-                f"[{lo:.2f}-{hi:.2f}]" + ("" if a["tau"] is None else f"   tau {a['tau']:.2f}")  # None: not recorded
+        return (f"{name:<22}{decoder_name(d) if d else '':<14}{a[unit]:9.3f} {unit.replace('ms_per_', 'ms/')}   "
+                f"speed-up {a['speedup']:.2f}x [{lo:.2f}-{hi:.2f}]"
+                + ("" if a["tau"] is None else f"   tau {a['tau']:.2f}")  # None: not recorded (an old report's)
                 + ("" if same is None else f"   greedy {'identical' if same else 'DIFFERS'}"))
     return [line(name, a) for name, a in arms.items()]
 

@@ -235,7 +235,8 @@ def plan(target, draft, prompt, stop, tok, how, decoder, max_new, repeats, sampl
 
 
 def report_lines(res):
-    n, w, (ar, sp) = len(res["coc_tokens"]), res.get("waypoints"), (res["arms"][a] for a in ("target-only", "speculative"))
+    n, w = len(res["coc_tokens"]), res.get("waypoints")
+    ar, sp = (res["arms"][a] for a in ("target-only", "speculative"))
     at = lambda i: f"({w[min(i, len(w) - 1)][0]:.1f}, {w[min(i, len(w) - 1)][1]:.1f})"  # noqa: E731
     return [f"prompt         {res['prompt_tokens']} tokens, {res['images']} images, {res['visual_tokens']} visual "
             f"tokens: {res['prompt_source']}",
