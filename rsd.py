@@ -503,11 +503,8 @@ def stream_rows(target, drafts, rows, tok, a, device, first, sampling):
         draft = next(iter(drafts[row["name"].removesuffix(" tree")].values()))
         out[row["name"]], _ = timing.stream_arms(target, draft, clips, shape, MAX_NEW_TOKENS, tok.cot_end_id,
                                                  samples=samples, sampling=sampling)
-        arms = out[row["name"]]
-        print(f"{row['name']:<30}" + "   ".join(f"{arm} tau {arms[arm]['tau']:.2f} {arms[arm]['speedup']:.2f}x"
-                                                  for arm in ("tree", "stream", "tree+stream")) +
-              (f"   frames differing from target-only {sum(x['frames_differing'] for x in arms.values())}"
-               if samples == 1 else ""))
+        print(f"{row['name']}, {chooser.name(shape)}:")  # then its arms through the one printer
+        print("\n".join(timing.arms_lines(out[row["name"]], "ms_per_plan")))
     return out
 
 
