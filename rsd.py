@@ -103,7 +103,8 @@ def sweep_of(taus, outputs):
 def val_sweep(target, drafts, val):
     """The sweep on val (sweep_of), which chooses each row's gamma: the target's greedy val outputs replayed."""
     cli.progress(f"the target's greedy CoCs of {len(val.scenes)} val scenes, every draft's replay of them")
-    return sweep_of(replay(target, drafts, val, outputs := evaluate.greedy_outputs(target, val)), outputs)
+    outputs = evaluate.greedy_outputs(target, val)
+    return sweep_of(replay(target, drafts, val, outputs), outputs)
 
 
 def tree_val_taus(target, drafts, val, shapes, stop):
@@ -163,15 +164,14 @@ def test_decoder(target, prompts, n_time, stop):
     real(draft, decoder, done=()) -> greedy real decoding of the test prompts in two batches, the first n_time (the
     timed scenes) and the rest, the same batches for every decode (each row is its batch-1 decode,
     tests/test_batch.py); draft None: target-only (the target's greedy CoCs); done: the timed scenes' decodes."""
-    shared, stacked = evaluate.SharedPrefill(target), {}
+    shared = evaluate.SharedPrefill(target)  # keyed on the batches' tensors: stacked once, here
+    batches = [evaluate.stack_prompts(prompts[lo:hi]) for lo, hi in ((0, n_time), (n_time, len(prompts))) if hi > lo]
 
     def real(draft, g, done=()):
         out = list(done)
-        for lo, hi in [(0, n_time), (n_time, len(prompts))][1 if done else 0:]:
-            if hi > lo:
-                batch = stacked.setdefault(lo, evaluate.stack_prompts(prompts[lo:hi]))
-                out += autoregressive_batch(shared, batch, MAX_NEW_TOKENS, stop_token=stop) if draft is None else \
-                    speculative_batch(shared, draft, batch, g, MAX_NEW_TOKENS, stop_token=stop)
+        for batch in batches[1 if done else 0:]:  # done: the first batch's decodes
+            out += autoregressive_batch(shared, batch, MAX_NEW_TOKENS, stop_token=stop) if draft is None else \
+                speculative_batch(shared, draft, batch, g, MAX_NEW_TOKENS, stop_token=stop)
         return out
     return shared, real
 

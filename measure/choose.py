@@ -71,10 +71,8 @@ def candidates():
 
 
 def name(decoder):
-    """target-only, chain 7, tree 16/8/3: a candidate's name in the records."""
-    if decoder is None:
-        return evaluate.TARGET_ONLY
-    return f"chain {decoder.gamma}" if decoder.kind == "chain" else f"tree {shape_key(decoder)}"
+    """target-only, chain 7, tree 16/8/3: a candidate's name in the records (timing.decoder_name's)."""
+    return evaluate.TARGET_ONLY if decoder is None else timing.decoder_name(timing.decoder_json(decoder))
 
 
 def shape_key(sh):

@@ -60,7 +60,8 @@ def time_arms(target, drafts, prompts, gamma, max_new, stop_token, repeats, samp
     for name, (_, d, g) in arms.items():
         out[name] |= {"decoder": None if d is None else decoder_json(g),
                       "tau": speculate.SpecResult.pooled(first[name]).tau,
-                      "greedy_match": same_tokens(first[name], first[TARGET_ONLY]) if sampling.greedy else None,
+                      "greedy_match": all(r.tokens == x.tokens for r, x in zip(first[name], first[TARGET_ONLY]))
+                      if sampling.greedy else None,
                       "prefill_ms": median(1e3 * sum(x.prefill_s for x in p) / len(p) for p in res[name])}
     return out, first
 
@@ -81,11 +82,6 @@ def summary(cost, arms, repeats, n, blocks=1, unit="ms_per_token"):
                     "speedup": median(cost(base, r, 0, n) / cost(arm, r, 0, n) for r in range(repeats)),
                     "speedup_range": [min(ups), max(ups)]}
     return out
-
-
-def same_tokens(results, reference):
-    """Whether every decode's tokens are the reference decode's (greedy: target-only's), item by item."""
-    return all(r.tokens == x.tokens for r, x in zip(results, reference))
 
 
 def arms_lines(arms, unit="ms_per_token"):
