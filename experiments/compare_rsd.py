@@ -1,4 +1,5 @@
 """Compare the deterministic columns of two `python rsd.py --json` outputs (issue #23's behaviour-unchanged check).
+Paper: its table (rsd.py), the columns that no machine changes.
 
 Deterministic: tau at every gamma on both splits (`sweep`, each row's `tau_by_gamma`), the tau ceiling at every gamma,
 the target's CoC exact match / commitment accuracy / ADE, the world's routine share, each row's commitment accuracy,

@@ -2,6 +2,7 @@
 --sampling-seed as a speculate.Sampling, --relaxed as a beyond/relaxed.Relaxed, --tree N/D/k, and how a report names
 the decoding (its "decoding" object, its greedy identity). Checked before any work, each defect one line naming its
 flag (ops/cli.user_errors).
+Paper: its decoding (greedy, and Alpamayo-R1's sampled CoCs at T 0.6, top-p 0.98) as the programs take it.
 
 run: python bench.py --help   (also rsd.py --help)
 """

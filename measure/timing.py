@@ -2,6 +2,8 @@
 beside target-only on the same prompts, eager or on compiled steps; plans of several rows), the cost model's step times
 (Leviathan et al. Theorem 3.8; for a chain or a draft tree), the runtime, peak memory, and where a greedy output parts
 from target-only decoding (a dtype's near-tie, or a bug). Compile counts and SDPA kernels: experiments/probes.py.
+Every timer returns one arms record (decoder, tau, ms, speed-up and its range, greedy identity per arm), printed by
+arms_lines. Paper: the speed-up claims of its table and of Alpamayo-R1's plan.
 
 Below the scripts: bench.py and rsd.py time their arms here.
 

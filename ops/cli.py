@@ -1,6 +1,7 @@
 """What the scripts share: one flag per field of a config dataclass (its comments are the help), the --dtype names,
 the --device check, every value check of the flags (check_values' rules; the decoding flags: measure/flags.py),
 expected errors as argparse's one line, outputs checked before any work.
+Paper: none (operations under every program).
 
 run: python train.py --help   (the flags add_config_flags makes; also aarl.py, rsd.py, bench.py)
 """
