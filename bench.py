@@ -167,15 +167,16 @@ def toy(args, device, dtype, sampling):
                  for c in driving.make_clips("test", args.prompts, args.stream, args.stream_interval, rate)]
         chosen = None
         if args.choose:  # the tree the stream runs: the chooser's for one frame's plan on this machine
-            args.decoder, chosen = chooser.stream_tree(target, draft, split("val", chooser.VAL_PLANS), args.max_new,
-                                                       tok.cot_end_id, sampling, args.samples, args.reprofile)
+            val = split("val", chooser.val_prompts(1, args.samples))
+            args.decoder, chosen = chooser.stream_tree(target, draft, val, args.max_new, tok.cot_end_id, sampling,
+                                                       args.samples, args.reprofile)
         return stream_mode(args, target, draft, clips, args.stream_interval, rate, tok.cot_end_id, sampling,
                            chosen) | {"draft": draft_dir, "target": target_dir}
     prompts = split("test", args.prompts)
     if args.batch > 1 or args.samples > 1:  # plans of several rows, decoded as one batch
         decoder, beside, chosen = args.decoder, args.gamma, None
         if args.choose:  # a verify over B rows costs more: the chooser's profile over B rows, the val plans' rounds
-            val = split("val", chooser.VAL_PLANS * args.batch)
+            val = split("val", chooser.val_prompts(args.batch, args.samples))
             ranked, chosen = chooser.choice(target, draft, val[0], timing.plan_batches(val, args.batch), args.max_new,
                                             tok.cot_end_id, sampling, args.samples, reprofile=args.reprofile)
             decoder, beside = [c for c in ranked if c is not None][:2]
@@ -191,7 +192,7 @@ def toy(args, device, dtype, sampling):
         return {"mode": "plans", "draft": draft_dir, "target": target_dir, "decoding": flags.sampling_json(sampling),
                 "decoder": timing.decoder_json(decoder), "plan": p}
     # no --tree: the decoder and its runner-up are the chooser's, for the steps that run (eager or compiled)
-    choose = split("val", chooser.VAL_PLANS) if args.choose else None
+    choose = split("val", chooser.val_prompts()) if args.choose else None
     res = benchmark(target, draft, prompts, args.decoder, args.max_new, tok.cot_end_id, args.repeats, sampling,
                     args.compile, args.gamma, choose, args.reprofile) | {"mode": "toy", "draft": draft_dir,
                                                                          "target": target_dir}

@@ -64,7 +64,7 @@ def main(argv=None):
     tok, views = driving.Tokenizer(), driving.WorldConfig().views
     split = lambda name, n, seed: evaluate.scene_prompts(driving.make_split(name, n, seed=seed), tok,  # noqa: E731
                                                          device, cli.DTYPES[dtype_name], views)
-    val = split("val", choose.VAL_PLANS * a.batch, 0)  # the chooser's val plans, as bench.py draws them
+    val = split("val", choose.val_prompts(a.batch, a.samples), 0)  # the chooser's val plans, as bench.py draws them
     plans = timing.plan_batches(split("test", a.prompts, a.test_seed), a.batch)
     rows, stop, max_new = a.batch * a.samples, tok.cot_end_id, evaluate.MAX_NEW_TOKENS
     decoders = [c for c in choose.candidates() if c]

@@ -154,7 +154,8 @@ def main(argv=None):
         tok, blocks = driving.Tokenizer(), 8
         choice = None
         if shape is None:  # the tree for this machine: the chooser's, on val plans of the decoding that runs
-            val = evaluate.scene_prompts(driving.make_split("val", chooser.VAL_PLANS, seed=0), tok, "cpu")
+            val = driving.make_split("val", chooser.val_prompts(1, a.samples), seed=0)
+            val = evaluate.scene_prompts(val, tok, "cpu")
             shape, choice = chooser.stream_tree(target, drafts[0], val, evaluate.MAX_NEW_TOKENS, tok.cot_end_id,
                                                 sampling, a.samples)
         # the claims' settings first (the JSON is written after each setting: a stopped run keeps what it measured)

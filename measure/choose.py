@@ -14,8 +14,10 @@ from the device's own verify-cost curve; here the same curve also chooses betwee
   forwards plus its kind's overhead, or, for target-only and the candidates that may win, a real decode's: the
   chooser times the two fastest predicted by real decodes of a val plan (its own rows and prompts, the decoding that
   will run) until both are timed ones (the forwards' sum misses what a round does between them, a share that differs
-  by machine, mode, rows and decoding). It keeps the fastest and the
-  runner-up. Target-only is a candidate, so it never runs a decoder predicted slower than not speculating.
+  by machine, mode, rows and decoding). Each is timed beside target-only, round by round, and kept as its median
+  ratio to it: a load that slows both cancels. Past its cap the chooser times only a candidate predicted fastest of
+  all; it keeps the fastest timed one and the runner-up. Target-only is a candidate, so it never runs a decoder
+  predicted slower than not speculating.
 
 run: python bench.py --device cpu        (the profile, each candidate's prediction, the chosen and the runner-up timed)
 """
@@ -23,6 +25,7 @@ import hashlib
 import json
 import os
 import platform
+import statistics
 import time
 
 import torch
@@ -42,13 +45,14 @@ CACHE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # --compile's target step lengths: a chain's or a tree's verify runs padded to the next (ops/compiled.py), so the 8
 # chains and the family compile 7 graphs, and the profile times each chain at its padded length
 COMPILED_LENGTHS = (1, 2, 3, 5, 9, 17, 33)
-PROFILE_METHOD = 8  # bumped when measure_profile measures another way: a cached profile of the old way is stale
+PROFILE_METHOD = 9  # bumped when measure_profile measures another way: a cached profile of the old way is stale
 REPS = 2  # each profiled forward, in each round: the median (here: the mean) of REPS calls
 # each stage of the profile (the forwards, the overhead decodes, each batch of timed val decodes) keeps the least of
 # its rounds, and runs rounds while its share STAGE_S of the profile's seconds allows (at least MIN_ROUNDS, at most
 # MAX_ROUNDS): a load that comes and goes only adds time, so more rounds read truer, and a cheap profile (one row)
 # affords more of them than a dear one (a decode at 6 rows costs as much as 50 forwards)
 STAGE_S, MIN_ROUNDS, MAX_ROUNDS = 3.0, 2, 5
+TIMED_MIN_ROUNDS = 3  # the timed val decodes' rounds at the least: a median of three ratios drops one round's burst
 PROFILE_S = 12.0  # past these seconds, the chooser times no more candidates than its first three (timed_rounds)
 WARM_TOKENS = 9  # a decode timer's first call decodes this many tokens first (the plan's prefill and caches allocated)
 # the real decodes whose time per round, less the profile's forwards, is a round's overhead: a tree round's, and a
@@ -56,7 +60,10 @@ WARM_TOKENS = 9  # a decode timer's first call decodes this many tokens first (t
 # Target-only's step is its forward alone: what it adds is a factor common to every candidate's predicted speed-up
 # (it ranks them the same), and the chooser times target-only's real decodes beside the fastest
 OVERHEAD_DECODERS = {"chain 1": Chain(1), "chain 8": Chain(8), "tree": FAMILY[1]}
-VAL_PLANS = 16  # the val plans whose rounds choose (of --batch prompts each: a plan's rounds are its slowest row's)
+VAL_PLANS = 16  # the val plans whose rounds choose (of --batch prompts each: a plan's rounds are its slowest row's),
+# and more where they hold fewer than VAL_ROWS rows in all: a plan of one row is one sample of a chain's acceptance, and
+# a long chain's tau over 16 of them moves by a tenth from one draw of val scenes to the next (docs/results.md)
+VAL_ROWS = 64
 TIMED_TOP = 2  # the chooser times real decodes of the fastest predicted candidates until these many are timed ones
 # or MAX_TIMED candidates are: each costs two decodes of a plan, and where many candidates lie within a few percent of
 # each other the ranking could move after every timing
@@ -78,6 +85,12 @@ def name(decoder):
 def shape_key(sh):
     """A TreeShape as --tree spells it: N/D/k (0, or None: the chain)."""
     return f"{sh.nodes}/{sh.depth}/{sh.width}" if sh else "0"
+
+
+def val_prompts(batch=1, samples=1):
+    """How many val prompts the chooser's plans take (`batch` prompts x `samples` rows a plan): VAL_PLANS plans, more
+    where those would hold fewer than VAL_ROWS rows."""
+    return batch * max(VAL_PLANS, -(-VAL_ROWS // (batch * samples)))
 
 
 # ---- the dtype the hardware runs natively ----
@@ -212,21 +225,37 @@ def measure_profile(target, draft, prompt, rows=1, stop_token=None, max_new=eval
     return prof
 
 
-def least_of_rounds(timers, warm=True):
-    """{what: the least of its rounds' timings} of each timer (a callable -> s), after a warm-up round, untimed, if
-    warm (first calls allocate and pick kernels); every timer runs in every round, the order rotated from round to
-    round; MIN_ROUNDS rounds, then more while the next one still ends within STAGE_S of the start (MAX_ROUNDS at
+def rounds_of(timers, warm=True, at_least=None):
+    """{what: [its time in each round]} of each timer (a callable -> s), after a warm-up round, untimed, if warm (first
+    calls allocate and pick kernels); every timer runs in every round, the order rotated from round to round;
+    at_least (MIN_ROUNDS) rounds, then more while the next one still ends within STAGE_S of the start (MAX_ROUNDS at
     most)."""
-    t0 = time.perf_counter()
+    t0, at_least = time.perf_counter(), at_least or MIN_ROUNDS
     for t in timers.values() if warm else ():
         t()
-    least, r = {}, 0
-    while r < MIN_ROUNDS or r < MAX_ROUNDS and (time.perf_counter() - t0) * (r + 1) / r <= STAGE_S:
+    out, r = {what: [] for what in timers}, 0
+    while r < at_least or r < MAX_ROUNDS and (time.perf_counter() - t0) * (r + 1) / r <= STAGE_S:
         for what in list(timers)[r % len(timers):] + list(timers)[:r % len(timers)]:
-            t = timers[what]()
-            least[what] = min(least.get(what, t), t)
+            out[what].append(timers[what]())
         r += 1
-    return least
+    return out
+
+
+def least_of_rounds(timers, warm=True):
+    """{what: the least of its rounds' timings} (rounds_of's): a load that comes and goes only adds time."""
+    return {what: min(ts) for what, ts in rounds_of(timers, warm).items()}
+
+
+def paired_rounds(timers, reference):
+    """{reference: the least of its rounds; every other timer: reference's least x the median, over the rounds, of its
+    time over reference's in the same round} (rounds_of's, at least TIMED_MIN_ROUNDS rounds). A candidate's real decode
+    is compared with target-only's taken seconds apart: a load that slows both cancels, where each one's least of a
+    few rounds keeps whichever was lucky, and one burst in a round moves the median of three no further than a
+    neighbour's ratio."""
+    ts = rounds_of(timers, warm=False, at_least=TIMED_MIN_ROUNDS)
+    ref = ts[reference]
+    return {what: min(ref) if what == reference else min(ref) * statistics.median(t / r for t, r in zip(v, ref))
+            for what, v in ts.items()}
 
 
 def decode_timer(target, draft, prompt, decoder, rows, stop_token, max_new, samples=None, sampling=GREEDY):
@@ -282,29 +311,35 @@ def from_json(prof):
 def timed_rounds(prof, acceptance, rows, target, draft, plans, samples, sampling, stop_token, max_new, mode,
                  reprofile=False, spent_s=0.0):
     """prof with the rounds of real decodes of val plans (prof["rounds"]: their rows, their own prompts, the decoding
-    that will run; the profile's own decodes copy one prompt's row and run greedy) for target-only and the TIMED_TOP
-    fastest predicted candidates: each one not yet timed is timed (least_of_rounds over decode_timer, cached as the
-    profile is) and the ranking redone, until the top TIMED_TOP are timed rounds, MAX_TIMED candidates are timed, or
-    the profile's seconds (spent_s before these decodes) pass PROFILE_S."""
+    that will run; the profile's own decodes copy one prompt's row and run greedy) for target-only and the fastest
+    predicted: the TIMED_TOP fastest not yet timed are timed beside target-only (paired_rounds, cached as the profile
+    is), and the ranking redone, until the top TIMED_TOP are timed rounds. Past the cap (MAX_TIMED candidates timed,
+    or the profile's seconds, spent_s before these decodes, past PROFILE_S) it times once more, and only the one
+    predicted fastest of all, if a forwards' sum: ranking puts a timed round first, so a candidate never timed would
+    otherwise lose to a timed one it is predicted to beat."""
     t0 = time.perf_counter() - spent_s
     dtype = next(getattr(target, "model", target).parameters()).dtype
     ids = hashlib.sha256(b"".join(p["input_ids"].cpu().numpy().tobytes() for p in plans)).hexdigest()[:16]
     base = profile_key(target, draft, plans[0], dtype, mode, rows) | {"plan": ids, "samples": samples,
                                                                   "decoding": flags.sampling_json(sampling)}
-    prof = prof | {"rounds": {}}
-    for _ in range(len(candidates())):
-        top = [None, *choose(predict(prof, acceptance, rows))[:TIMED_TOP]]
-        todo = list({name(c): c for c in top if name(c) not in prof["rounds"]}.values())
-        todo = todo[:MAX_TIMED + 1 - len(prof["rounds"])]  # + 1: target-only, timed first
-        if not todo or prof["rounds"] and time.perf_counter() - t0 > PROFILE_S:
+    prof, ref = prof | {"rounds": {}}, evaluate.TARGET_ONLY
+    while True:
+        timed = prof["rounds"]
+        capped = len(timed) > MAX_TIMED or timed and time.perf_counter() - t0 > PROFILE_S  # len: target-only's too
+        ranked = choose(predict(prof, acceptance, rows))[:1 if capped else TIMED_TOP]
+        todo = [c for c in ranked if c is not None and name(c) not in timed][:max(1, MAX_TIMED + 1 - len(timed))]
+        if not todo:
             return prof
-        cli.progress(f"timing real decodes of a val plan: {', '.join(map(name, todo))} (the fastest predicted)")
+        cli.progress(f"timing real decodes of a val plan: {', '.join(map(name, todo))} (the fastest predicted) beside "
+                     "target-only")
         timers = {name(c): decode_timer(target, draft, plans, c, rows, stop_token, max_new, samples, sampling)
-                  for c in todo}
-        got, _ = cached("rounds", base | {"decoders": sorted(timers)},
-                        lambda: least_of_rounds(timers, warm=False), reprofile)
-        prof = prof | {"rounds": prof["rounds"] | got}
-    return prof
+                  for c in [None, *todo]}
+        got, _ = cached("rounds", base | {"decoders": sorted(timers)}, lambda: paired_rounds(timers, ref), reprofile)
+        # each batch's ratios over its own target-only, on one scale: the first batch's target-only round
+        scale = timed.get(ref, got[ref]) / got[ref]
+        prof = prof | {"rounds": {ref: got[ref]} | timed | {n: s * scale for n, s in got.items() if n != ref}}
+        if capped:
+            return prof
 
 
 def profile(target, draft, prompt, rows=1, stop_token=None, max_new=evaluate.MAX_NEW_TOKENS, mode="eager",

@@ -22,13 +22,16 @@ def choose_cache(tmp_path_factory):
     """The chooser's profiles and val rounds (measure/choose.py) cached in a folder of the session's, not the checkout's
     runs/choose/: a test never reads what an earlier run of the programs measured."""
     from measure import choose
-    saved = choose.CACHE, choose.MIN_ROUNDS, choose.MAX_ROUNDS, choose.REPS, choose.VAL_PLANS
     # one round of one call per profiled forward and 4 val plans: the tests check the chooser's flow and records, not
     # its precision (tests/test_choose.py checks the choice on profiles it builds)
-    choose.CACHE, choose.MIN_ROUNDS, choose.MAX_ROUNDS, choose.REPS, choose.VAL_PLANS = \
-        str(tmp_path_factory.mktemp("choose")), 1, 1, 1, 4
+    fast = {"CACHE": str(tmp_path_factory.mktemp("choose")), "MIN_ROUNDS": 1, "TIMED_MIN_ROUNDS": 1, "MAX_ROUNDS": 1,
+            "REPS": 1, "VAL_PLANS": 4, "VAL_ROWS": 4}
+    saved = {k: getattr(choose, k) for k in fast}
+    for k, v in fast.items():
+        setattr(choose, k, v)
     yield
-    choose.CACHE, choose.MIN_ROUNDS, choose.MAX_ROUNDS, choose.REPS, choose.VAL_PLANS = saved
+    for k, v in saved.items():
+        setattr(choose, k, v)
 
 
 @pytest.fixture

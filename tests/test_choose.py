@@ -68,9 +68,10 @@ def test_least_of_rounds_runs_the_rounds_its_share_of_the_seconds_allows(monkeyp
         assert least == {"a": 1 / max(i + 1 for i, c in enumerate(calls) if c == "a"), "b": 1.0}
 
 
-def test_the_timed_decodes_stop_at_max_timed_where_each_timing_moves_the_ranking(monkeypatch, tmp_path):
-    """A plan's real round slower than every prediction demotes each candidate as it is timed: the chooser stops after
-    MAX_TIMED candidates (and target-only), the ranking over what it has."""
+def test_the_timed_decodes_stop_past_max_timed_where_each_timing_moves_the_ranking(monkeypatch, tmp_path):
+    """A plan's real round slower than every prediction demotes each candidate as it is timed: the chooser times
+    MAX_TIMED candidates, then once more the one predicted fastest (a forwards' sum), and stops; target-only is timed
+    beside every batch, the ranking over what it has."""
     monkeypatch.setattr(choose, "CACHE", str(tmp_path))
     timed = []
 
@@ -81,10 +82,49 @@ def test_the_timed_decodes_stop_at_max_timed_where_each_timing_moves_the_ranking
     target = tiny_model()
     prof = choose.timed_rounds(synthetic(0.01, 0.0), acceptance(), 1, target, target, [image_prompt()], 1,
                                choose.GREEDY, None, 6, "eager")
-    assert len(timed) == len(prof["rounds"]) == choose.MAX_TIMED + 1 and timed[0] == "target-only"
+    candidates = [n for n in timed if n != "target-only"]
+    assert len(candidates) == len(set(candidates)) == choose.MAX_TIMED + 1 == len(prof["rounds"]) - 1
+    assert timed.count("target-only") == 3 and timed[0] == "target-only"  # batches of 2, 1 and the one past the cap
+    assert all(prof["rounds"][n] == pytest.approx(1.0) for n in candidates)
     pred = choose.predict(prof, acceptance())
     assert choose.choose(pred)[0] is not None and not pred[choose.name(choose.choose(pred)[0])]["timed"]
     assert choose.ranking(pred)[0] is None  # an untimed one is predicted fastest; the timed target-only runs first
+
+
+def test_past_the_cap_the_fastest_predicted_is_timed_once(monkeypatch, tmp_path):
+    """The cap spent on candidates whose real round is slower than predicted, the one the forwards' sum predicts
+    fastest of all is still timed, and wins when its real round holds (it would otherwise never run: ranking)."""
+    monkeypatch.setattr(choose, "CACHE", str(tmp_path))
+    prof0, acc = synthetic(0.01, 0.0), acceptance()
+    best = choose.choose(choose.predict(prof0, acc))[0]
+
+    def timer(target, draft, plan, decoder, *a):  # its predicted round for the best, twice that for every other
+        return lambda: choose.round_s(prof0, decoder) * (1 if decoder in (None, best) else 2)
+    monkeypatch.setattr(choose, "decode_timer", timer)
+    monkeypatch.setattr(choose, "MAX_TIMED", 0)  # the cap reached with the first batch
+    target = tiny_model()
+    prof = choose.timed_rounds(prof0, acc, 1, target, target, [image_prompt()], 1, choose.GREEDY, None, 6, "eager")
+    pred = choose.predict(prof, acc)
+    assert choose.name(best) in prof["rounds"] and choose.ranking(pred)[0] == best
+
+
+def test_a_timed_round_is_its_median_ratio_to_target_only_in_the_same_rounds(monkeypatch):
+    """A load common to both in a round cancels, and neither one round's burst nor one lucky dip on the candidate alone
+    moves the median of three (its least would keep the dip): the candidate's round is target-only's least x the
+    median ratio."""
+    monkeypatch.setattr(choose, "TIMED_MIN_ROUNDS", 3)
+    monkeypatch.setattr(choose, "MAX_ROUNDS", 3)
+    load = iter([1.0, 1.0, 1.6, 1.6, 1.2, 1.2])  # each round's load, both timers in it (the order rotates)
+    burst = iter([3.0, 1.0, 0.6])  # b's own: a burst in its first round, a lucky dip in its third
+    calls = {"t": 0, "b": 0}
+
+    def timer(what, s):
+        def t():
+            calls[what] += 1
+            return s * next(load) * (next(burst) if what == "b" else 1.0)
+        return t
+    got = choose.paired_rounds({"t": timer("t", 0.01), "b": timer("b", 0.02)}, "t")
+    assert calls == {"t": 3, "b": 3} and got == {"t": pytest.approx(0.01), "b": pytest.approx(0.02)}
 
 
 def test_the_prediction_is_rounds_times_the_round():
