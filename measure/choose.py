@@ -14,7 +14,8 @@ from the device's own verify-cost curve; here the same curve also chooses betwee
   forwards plus its kind's overhead, or, for target-only and the candidates that may win, a real decode's: the
   chooser times the two fastest predicted by real decodes of a val plan (its own rows and prompts, the decoding that
   will run) until both are timed ones (the forwards' sum misses what a round does between them, a share that differs
-  by machine, mode, rows and decoding). Each is timed beside target-only, round by round, and kept as its median
+  by machine, mode, rows and decoding, and by kind: it first times the fastest chain and the fastest tree, and each
+  calibrates its kind's untimed candidates). Each is timed beside target-only, round by round, and kept as its median
   ratio to it: a load that slows both cancels. Past its cap the chooser times only a candidate predicted fastest of
   all; it keeps the fastest timed one and the runner-up. Target-only is a candidate, so it never runs a decoder
   predicted slower than not speculating.
@@ -42,10 +43,14 @@ from tree import TreeShape
 GAMMAS = tuple(range(1, 9))  # the chains a choice may run
 FAMILY = (TreeShape(8, 4, 3), *evaluate.TREES)  # EAGLE-2 trees: 16/32 nodes at depth 6/8, and a small one for B rows
 CACHE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "runs", "choose")
+# what ships beside the toy's checkpoints, read where CACHE has no file for the key: the val rounds of bench.py's
+# default run (one row, greedy, fp32), which no hardware changes and which take minutes to decode (64 plans x 13
+# candidates), copied from CACHE after that run (docs/results.md names the file)
+SHIPPED = os.path.join(checkpoint.SHIPPED, "choose")
 # --compile's target step lengths: a chain's or a tree's verify runs padded to the next (ops/compiled.py), so the 8
 # chains and the family compile 7 graphs, and the profile times each chain at its padded length
 COMPILED_LENGTHS = (1, 2, 3, 5, 9, 17, 33)
-PROFILE_METHOD = 9  # bumped when measure_profile measures another way: a cached profile of the old way is stale
+PROFILE_METHOD = 10  # bumped when measure_profile measures another way: a cached profile of the old way is stale
 REPS = 2  # each profiled forward, in each round: the median (here: the mean) of REPS calls
 # each stage of the profile (the forwards, the overhead decodes, each batch of timed val decodes) keeps the least of
 # its rounds, and runs rounds while its share STAGE_S of the profile's seconds allows (at least MIN_ROUNDS, at most
@@ -142,16 +147,18 @@ def profile_key(target, draft, prompt, dtype, mode, rows):
 
 
 def cached(kind, key, measure, again=False, log=cli.progress):
-    """measure()'s result, kept in CACHE under key's hash and reused while key holds; again: measured anew. A cache file
-    that cannot be read, or was written for another key, is measured again with one line."""
-    path = os.path.join(CACHE, f"{kind}-{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]}"
-                               ".json")
-    if not again and os.path.lexists(path):
+    """measure()'s result, kept in CACHE under key's hash and reused while key holds (from SHIPPED where CACHE has no
+    file); again: measured anew. A cache file that cannot be read, or was written for another key, is measured again
+    with one line."""
+    name = f"{kind}-{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]}.json"
+    path = os.path.join(CACHE, name)
+    p = path if os.path.lexists(path) else os.path.join(SHIPPED, name)
+    if not again and os.path.lexists(p):
         try:
-            rec = files.read_json(path)
+            rec = files.read_json(p)
             if rec.get("key") != key or "value" not in rec:
-                raise ValueError(f"{path}: written for another key")
-            return rec["value"], f"reused {path}"
+                raise ValueError(f"{p}: written for another key")
+            return rec["value"], f"reused {p}"
         except (OSError, ValueError) as e:
             log(f"{kind} cache {cli.one_line(e)}: measuring again")
     value = measure()
@@ -291,16 +298,31 @@ def round_forwards_s(prof, decoder):
     return d[1] + prof["grow"][shape_key(decoder)] + prof["verify"][decoder.nodes]
 
 
-def round_s(prof, decoder):
-    """A round's predicted time (s): a real decode's where the profile timed one (prof["rounds"]), else its forwards
-    and its kind's overhead (a chain's: a + b gamma)."""
-    if name(decoder) in prof.get("rounds", {}):
-        return prof["rounds"][name(decoder)]
+def summed_round_s(prof, decoder):
+    """A round's time (s) summed from the profile: its forwards and its kind's overhead (a chain's: a + b gamma)."""
     o = prof["overhead"]
     if decoder is None:
         return round_forwards_s(prof, None)
     steps = decoder.gamma * o["chain_step"] if decoder.kind == "chain" else 0.0
     return round_forwards_s(prof, decoder) + o[decoder.kind] + steps
+
+
+def round_s(prof, decoder):
+    """A round's predicted time (s): a real decode's where the profile timed one (prof["rounds"]), else its summed
+    time times its kind's calibration (prof["calibration"], calibrated)."""
+    if name(decoder) in prof.get("rounds", {}):
+        return prof["rounds"][name(decoder)]
+    return summed_round_s(prof, decoder) * prof.get("calibration", {}).get(decoder and decoder.kind, 1.0)
+
+
+def calibrated(prof):
+    """prof with {kind: the median of its timed candidates' real rounds over their summed ones} (prof["calibration"]):
+    what the sum misses (masks built, paths walked, tokens fed one by one, the host's loop) is a share that differs by
+    kind, chain or tree, more than by size within one, so a timed chain or tree corrects its kind's untimed ones."""
+    timed = [c for c in candidates() if c is not None and name(c) in prof["rounds"]]
+    return prof | {"calibration": {k: statistics.median(prof["rounds"][name(c)] / summed_round_s(prof, c)
+                                                        for c in timed if c.kind == k)
+                                   for k in {c.kind for c in timed}}}
 
 
 def from_json(prof):
@@ -312,8 +334,9 @@ def timed_rounds(prof, acceptance, rows, target, draft, plans, samples, sampling
                  reprofile=False, spent_s=0.0):
     """prof with the rounds of real decodes of val plans (prof["rounds"]: their rows, their own prompts, the decoding
     that will run; the profile's own decodes copy one prompt's row and run greedy) for target-only and the fastest
-    predicted: the TIMED_TOP fastest not yet timed are timed beside target-only (paired_rounds, cached as the profile
-    is), and the ranking redone, until the top TIMED_TOP are timed rounds. Past the cap (MAX_TIMED candidates timed,
+    predicted, each batch timed beside target-only (paired_rounds, cached as the profile is): first the fastest chain
+    and the fastest tree, which calibrate their kinds' other candidates (calibrated), then the TIMED_TOP fastest not
+    yet timed, the ranking redone after each batch, until the top TIMED_TOP are timed rounds. Past the cap (MAX_TIMED candidates timed,
     or the profile's seconds, spent_s before these decodes, past PROFILE_S) it times once more, and only the one
     predicted fastest of all, if a forwards' sum: ranking puts a timed round first, so a candidate never timed would
     otherwise lose to a timed one it is predicted to beat."""
@@ -326,18 +349,23 @@ def timed_rounds(prof, acceptance, rows, target, draft, plans, samples, sampling
     while True:
         timed = prof["rounds"]
         capped = len(timed) > MAX_TIMED or timed and time.perf_counter() - t0 > PROFILE_S  # len: target-only's too
-        ranked = choose(predict(prof, acceptance, rows))[:1 if capped else TIMED_TOP]
+        ranked = choose(predict(prof, acceptance, rows))
+        # the first batch: the fastest chain and the fastest tree, which calibrate their kinds (calibrated)
+        ranked = [next(c for c in ranked if c and c.kind == k) for k in ("chain", "tree")] if not timed else \
+            ranked[:1 if capped else TIMED_TOP]
         todo = [c for c in ranked if c is not None and name(c) not in timed][:max(1, MAX_TIMED + 1 - len(timed))]
         if not todo:
             return prof
         cli.progress(f"timing real decodes of a val plan: {', '.join(map(name, todo))} (the fastest predicted) beside "
                      "target-only")
-        timers = {name(c): decode_timer(target, draft, plans, c, rows, stop_token, max_new, samples, sampling)
-                  for c in [None, *todo]}
+        # target-only over one plan: its round, one step, moves little from plan to plan
+        timers = {name(c): decode_timer(target, draft, plans if c else plans[:1], c, rows, stop_token, max_new,
+                                        samples, sampling) for c in [None, *todo]}
         got, _ = cached("rounds", base | {"decoders": sorted(timers)}, lambda: paired_rounds(timers, ref), reprofile)
         # each batch's ratios over its own target-only, on one scale: the first batch's target-only round
         scale = timed.get(ref, got[ref]) / got[ref]
-        prof = prof | {"rounds": {ref: got[ref]} | timed | {n: s * scale for n, s in got.items() if n != ref}}
+        prof = calibrated(prof | {"rounds": {ref: got[ref]} | timed | {n: s * scale for n, s in got.items()
+                                                                       if n != ref}})
         if capped:
             return prof
 
@@ -450,5 +478,5 @@ def choice(target, draft, prompt, val_plans, max_new, stop_token, sampling=GREED
         "verify_ms": {str(n): 1e3 * s for n, s in prof["verify"].items()},
         "draft_ms": {str(n): 1e3 * s for n, s in prof["draft"].items()},
         "overhead_ms": {k: 1e3 * s for k, s in prof["overhead"].items()},
-        "timed_rounds_ms": {k: 1e3 * s for k, s in prof["rounds"].items()},
+        "timed_rounds_ms": {k: 1e3 * s for k, s in prof["rounds"].items()}, "calibration": prof["calibration"],
         "steep": [n + 1 for n, s in prof["verify"].items() if s > 2 * t1]}  # verifies costing > 2 one-token steps

@@ -69,10 +69,11 @@ def test_least_of_rounds_runs_the_rounds_its_share_of_the_seconds_allows(monkeyp
 
 
 def test_the_timed_decodes_stop_past_max_timed_where_each_timing_moves_the_ranking(monkeypatch, tmp_path):
-    """A plan's real round slower than every prediction demotes each candidate as it is timed: the chooser times
-    MAX_TIMED candidates, then once more the one predicted fastest (a forwards' sum), and stops; target-only is timed
-    beside every batch, the ranking over what it has."""
+    """A plan's real round slower than every prediction demotes each candidate as it is timed (here its kind's other
+    candidates are not calibrated by it): the chooser times MAX_TIMED candidates, then once more the one predicted
+    fastest (a forwards' sum), and stops; target-only is timed beside every batch, the ranking over what it has."""
     monkeypatch.setattr(choose, "CACHE", str(tmp_path))
+    monkeypatch.setattr(choose, "calibrated", lambda prof: prof)
     timed = []
 
     def slow(target, draft, plan, decoder, *a):  # every candidate's real round: 1 s, target-only's 10 ms
@@ -85,10 +86,27 @@ def test_the_timed_decodes_stop_past_max_timed_where_each_timing_moves_the_ranki
     candidates = [n for n in timed if n != "target-only"]
     assert len(candidates) == len(set(candidates)) == choose.MAX_TIMED + 1 == len(prof["rounds"]) - 1
     assert timed.count("target-only") == 3 and timed[0] == "target-only"  # batches of 2, 1 and the one past the cap
+    assert {n.split()[0] for n in candidates[:2]} == {"chain", "tree"}  # the first batch: one of each kind
     assert all(prof["rounds"][n] == pytest.approx(1.0) for n in candidates)
     pred = choose.predict(prof, acceptance())
     assert choose.choose(pred)[0] is not None and not pred[choose.name(choose.choose(pred)[0])]["timed"]
     assert choose.ranking(pred)[0] is None  # an untimed one is predicted fastest; the timed target-only runs first
+
+
+def test_a_timed_candidate_calibrates_its_kind():
+    """A chain's real round twice its summed one doubles every untimed chain's predicted round, and no tree's; two
+    timed trees, at 1x and 3x, calibrate theirs by the median (2x)."""
+    prof = synthetic(0.01, 0.1, overhead=0.001)
+    sums = {choose.name(c): choose.summed_round_s(prof, c) for c in choose.candidates()}
+    prof = choose.calibrated(prof | {"rounds": {"target-only": 0.01, "chain 4": 2 * sums["chain 4"]}})
+    assert prof["calibration"] == {"chain": pytest.approx(2.0)}
+    assert choose.round_s(prof, Chain(7)) == pytest.approx(2 * sums["chain 7"])
+    assert choose.round_s(prof, TreeShape(16, 6, 3)) == sums["tree 16/6/3"]
+    prof = choose.calibrated(prof | {"rounds": prof["rounds"] | {"tree 8/4/3": sums["tree 8/4/3"],
+                                                                 "tree 32/8/3": 3 * sums["tree 32/8/3"]}})
+    assert prof["calibration"]["tree"] == pytest.approx(2.0)
+    assert choose.round_s(prof, TreeShape(16, 6, 3)) == pytest.approx(2 * sums["tree 16/6/3"])
+    assert choose.round_s(prof, TreeShape(8, 4, 3)) == sums["tree 8/4/3"]  # a timed one keeps its own round
 
 
 def test_past_the_cap_the_fastest_predicted_is_timed_once(monkeypatch, tmp_path):
@@ -163,6 +181,23 @@ def test_the_cache_holds_only_for_its_key(tmp_path, monkeypatch):
     path.write_text(json.dumps({"key": {**key, "threads": 64}, "value": {"x": 0}}))  # another key at this name
     assert choose.cached("profile", key, measure, log=said.append)[0] == {"x": 9} and "another key" in said[1]
     assert files.read_json(str(path))["value"] == {"x": 9}
+
+
+def test_a_shipped_record_is_read_where_the_run_cache_has_none(tmp_path, monkeypatch):
+    """SHIPPED (the toy's val rounds beside its checkpoints) answers a key the run's cache lacks; the run's cache, where
+    it has the key, comes first; again (--reprofile) measures anyway."""
+    monkeypatch.setattr(choose, "CACHE", str(tmp_path / "runs"))
+    monkeypatch.setattr(choose, "SHIPPED", str(tmp_path / "shipped"))
+    calls = []
+    measure = lambda: calls.append(1) or {"x": len(calls)}  # noqa: E731
+    key = {"plans": 64, "rows": 1}
+    choose.cached("acceptance", key, measure)
+    (tmp_path / "runs").rename(tmp_path / "shipped")  # the record shipped, no run cache
+    value, how = choose.cached("acceptance", key, measure)
+    assert value == {"x": 1} and len(calls) == 1 and how.startswith(f"reused {tmp_path / 'shipped'}")
+    assert choose.cached("acceptance", key, measure, again=True)[0] == {"x": 2}  # now in the run's cache too
+    value, how = choose.cached("acceptance", key, measure)
+    assert value == {"x": 2} and how.startswith(f"reused {tmp_path / 'runs'}") and len(calls) == 2
 
 
 @pytest.mark.parametrize("device, flags, capability, bf16_gpu, want", [
