@@ -8,8 +8,9 @@ from the device's own verify-cost curve; here the same curve also chooses betwee
   (tree.grow) and what a round costs beyond its forwards (read off real decodes), for the dtype and the mode (eager
   or compiled) that will run. Seconds; cached under runs/choose/ by what decides it (the device or CPU
   capability, threads, torch, dtype, mode, the models' configs, the prompt's length, rows) and reused.
-- The acceptance: each candidate's rounds on val plans (real decoding: the same tokens on any machine, so it depends
-  on the models, the scenes and the decoding, not the hardware); cached the same way.
+- The acceptance: each candidate's rounds on val plans, 64 rows at least (real decoding: the same tokens on any
+  machine, so it depends on the models, the scenes and the decoding, not the hardware); cached the same way, and
+  bench.py's default run's shipped beside the toy's checkpoints.
 - The prediction: ms per plan = rounds x the round's time (target-only: one step per token). A round's time is its
   forwards plus its kind's overhead, or, for target-only and the candidates that may win, a real decode's: the
   chooser times the two fastest predicted by real decodes of a val plan (its own rows and prompts, the decoding that
@@ -442,21 +443,27 @@ def stream_tree(target, draft, val_prompts, max_new, stop_token, sampling=GREEDY
     return (best if best.kind == "tree" else TreeShape(best.gamma, best.gamma, 1)), rec
 
 
+def acceptance_key(target, draft, val_plans, max_new, stop_token, sampling=GREEDY, samples=1):
+    """What decides the val rounds: the models' weights, their dtype, the plans, the decoding, the candidates."""
+    dtype = next(getattr(target, "model", target).parameters()).dtype
+    ids = hashlib.sha256(b"".join(p["input_ids"].cpu().numpy().tobytes() for p in val_plans)).hexdigest()[:16]
+    return {"target": checkpoint.fingerprint(getattr(target, "model", target)),
+            "draft": checkpoint.fingerprint(getattr(draft, "model", draft)), "dtype": str(dtype), "max_new": max_new,
+            "plans": len(val_plans), "prompts": ids, "rows": val_plans[0]["input_ids"].shape[0] * samples,
+            "samples": samples, "stop_token": stop_token, "decoding": flags.sampling_json(sampling),
+            "candidates": [name(c) for c in candidates()]}
+
+
 def choice(target, draft, prompt, val_plans, max_new, stop_token, sampling=GREEDY, samples=1, mode="eager",
            reprofile=False):
     """The chooser end to end -> (the candidates ranked, fastest predicted first; the record: the profile, each
     candidate's prediction, how each part was had). prompt: one val prompt (batch 1) the profile runs on; val_plans:
     the plans whose rounds are counted."""
     rows = val_plans[0]["input_ids"].shape[0] * samples
-    dtype = next(getattr(target, "model", target).parameters()).dtype
     t0 = time.perf_counter()
     prof, how_p = profile(target, draft, prompt, rows, stop_token, max_new, mode, reprofile)
     profile_s = time.perf_counter() - t0
-    ids = hashlib.sha256(b"".join(p["input_ids"].cpu().numpy().tobytes() for p in val_plans)).hexdigest()[:16]
-    key = {"target": checkpoint.fingerprint(getattr(target, "model", target)),
-           "draft": checkpoint.fingerprint(getattr(draft, "model", draft)), "dtype": str(dtype), "max_new": max_new,
-           "plans": len(val_plans), "prompts": ids, "rows": rows, "samples": samples, "stop_token": stop_token,
-           "decoding": flags.sampling_json(sampling), "candidates": [name(c) for c in candidates()]}
+    key = acceptance_key(target, draft, val_plans, max_new, stop_token, sampling, samples)
     cli.progress(f"each candidate's rounds on {len(val_plans)} val plan(s) (once per models and decoding)")
     acc, how_a = cached("acceptance", key, lambda: measure_acceptance(target, draft, val_plans, max_new, stop_token,
                                                                       sampling, samples))

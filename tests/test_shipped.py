@@ -63,3 +63,31 @@ def test_every_shipped_draft_decodes_the_targets_greedy_tokens_on_every_path(kin
                     assert speculate.speculative(t, d, p, gamma, n, stop_token=stop).tokens == want, (name, path, n)
                     assert speculate.speculative(t, d, p, shape, n, stop_token=stop).tokens == want, (name, path, n)
     assert isinstance(pairs["compiled"][0], compiled.CompiledSteps)
+
+
+def test_the_shipped_val_rounds_answer_bench_pys_default_run(tmp_path, monkeypatch):
+    """checkpoints/toy/choose holds the val rounds of `python bench.py --device cpu` (one row, greedy, fp32): their key
+    is what that run computes from the shipped models and its val prompts, so a fresh clone reads them instead of
+    decoding 64 val plans x 13 candidates for minutes; new weights change the key and fail here."""
+    import importlib.util
+
+    import torch
+
+    import bench
+    import driving
+    import evaluate
+    from measure import choose
+    from ops import checkpoint
+    spec = importlib.util.spec_from_file_location("choose_defaults", choose.__file__)  # its constants, not conftest's
+    defaults = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(defaults)
+    target = checkpoint.load(os.path.join(SHIPPED, "target"), dtype=torch.float32).eval()
+    draft = checkpoint.load(checkpoint.draft_dir(SHIPPED, *bench.TOY_DRAFT), target=target).eval()
+    tok = driving.Tokenizer()
+    val = evaluate.scene_prompts(driving.make_split("val", defaults.val_prompts(), seed=0), tok, "cpu", torch.float32)
+    key = choose.acceptance_key(target, draft, val, evaluate.MAX_NEW_TOKENS, tok.cot_end_id)
+    monkeypatch.setattr(choose, "CACHE", str(tmp_path))  # no run cache: only the shipped record can answer
+    monkeypatch.setattr(choose, "SHIPPED", defaults.SHIPPED)
+    value, how = choose.cached("acceptance", key, lambda: pytest.fail("the shipped record did not answer the key"))
+    assert how.startswith(f"reused {defaults.SHIPPED}") and len(val) == 64
+    assert value["target-only"]["rounds"] == value["target-only"]["tokens"] == value["tree 16/6/3"]["tokens"]
