@@ -33,7 +33,7 @@ import time
 import torch
 
 import evaluate
-from model import causal_mask
+from model import VLA, causal_mask
 from ops import checkpoint, cli, files
 from measure import flags, timing
 import speculate
@@ -331,6 +331,13 @@ def from_json(prof):
     return {k: {int(n) if k in ("target", "verify", "draft") else n: s for n, s in v.items()} for k, v in prof.items()}
 
 
+def shared_prefill(target):
+    """The eager target with each plan's prefill computed once (evaluate.SharedPrefill): a decode's rounds and its
+    decode_s never include the prefill, which at six rows of distinct prompts costs more than the decode; compiled
+    steps keep their own caches."""
+    return evaluate.SharedPrefill(target) if isinstance(target, VLA) else target
+
+
 def timed_rounds(prof, acceptance, rows, target, draft, plans, samples, sampling, stop_token, max_new, mode,
                  reprofile=False, spent_s=0.0):
     """prof with the rounds of real decodes of val plans (prof["rounds"]: their rows, their own prompts, the decoding
@@ -346,7 +353,7 @@ def timed_rounds(prof, acceptance, rows, target, draft, plans, samples, sampling
     ids = hashlib.sha256(b"".join(p["input_ids"].cpu().numpy().tobytes() for p in plans)).hexdigest()[:16]
     base = profile_key(target, draft, plans[0], dtype, mode, rows) | {"plan": ids, "samples": samples,
                                                                   "decoding": flags.sampling_json(sampling)}
-    prof, ref = prof | {"rounds": {}}, evaluate.TARGET_ONLY
+    prof, ref, shared = prof | {"rounds": {}}, evaluate.TARGET_ONLY, shared_prefill(target)
     while True:
         timed = prof["rounds"]
         capped = len(timed) > MAX_TIMED or timed and time.perf_counter() - t0 > PROFILE_S  # len: target-only's too
@@ -360,7 +367,7 @@ def timed_rounds(prof, acceptance, rows, target, draft, plans, samples, sampling
         cli.progress(f"timing real decodes of a val plan: {', '.join(map(name, todo))} (the fastest predicted) beside "
                      "target-only")
         # target-only over one plan: its round, one step, moves little from plan to plan
-        timers = {name(c): decode_timer(target, draft, plans if c else plans[:1], c, rows, stop_token, max_new,
+        timers = {name(c): decode_timer(shared, draft, plans if c else plans[:1], c, rows, stop_token, max_new,
                                         samples, sampling) for c in [None, *todo]}
         got, _ = cached("rounds", base | {"decoders": sorted(timers)}, lambda: paired_rounds(timers, ref), reprofile)
         # each batch's ratios over its own target-only, on one scale: the first batch's target-only round
@@ -393,6 +400,7 @@ def measure_acceptance(target, draft, plans, max_new, stop_token, sampling=GREED
     """{candidate name: {"rounds", "tokens"}} summed over the val plans (each a prompt of B / samples rows, every row
     `samples` times): a plan's rounds are its slowest row's (a batch runs until every row is done), target-only's
     rounds its steps. Real decoding, so exact; plan j's rows seeded as timing.plans seeds them."""
+    target = shared_prefill(target)
     out = {}
     for c in candidates():
         rounds = tokens = 0

@@ -243,6 +243,8 @@ def test_a_real_profile_and_the_val_rounds_of_tiny_models(tmp_path, monkeypatch)
     assert all(a["tokens"] == 12 and 1 <= a["rounds"] <= 12 for a in acc.values())
     again = choose.choice(target, draft, val[0], val, 6, None)[1]
     assert again["profile"].startswith("reused") and again["acceptance"].startswith("reused")
+    monkeypatch.setattr(choose, "shared_prefill", lambda t: t)  # every decode its own prefill: the same rounds
+    assert choose.measure_acceptance(target, draft, val, 6, None) == acc
 
 
 def test_reprofile_without_the_chooser_is_one_line(capsys):
