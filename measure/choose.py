@@ -68,7 +68,7 @@ WARM_TOKENS = 9  # a decode timer's first call decodes this many tokens first (t
 OVERHEAD_DECODERS = {"chain 1": Chain(1), "chain 8": Chain(8), "tree": FAMILY[1]}
 VAL_PLANS = 16  # the val plans whose rounds choose (of --batch prompts each: a plan's rounds are its slowest row's),
 # and more where they hold fewer than VAL_ROWS rows in all: a plan of one row is one sample of a chain's acceptance, and
-# a long chain's tau over 16 of them moves by a tenth from one draw of val scenes to the next (docs/results.md)
+# a long chain's tau over 16 of them is one lucky or unlucky draw of val scenes (docs/results.md)
 VAL_ROWS = 64
 TIMED_TOP = 2  # the chooser times real decodes of the fastest predicted candidates until these many are timed ones
 # or MAX_TIMED candidates are: each costs two decodes of a plan, and where many candidates lie within a few percent of
