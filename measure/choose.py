@@ -53,13 +53,14 @@ SHIPPED = os.path.join(checkpoint.SHIPPED, "choose")
 COMPILED_LENGTHS = (1, 2, 3, 5, 9, 17, 33)
 PROFILE_METHOD = 10  # bumped when measure_profile measures another way: a cached profile of the old way is stale
 REPS = 2  # each profiled forward, in each round: the median (here: the mean) of REPS calls
-# each stage of the profile (the forwards, the overhead decodes, each batch of timed val decodes) keeps the least of
-# its rounds, and runs rounds while its share STAGE_S of the profile's seconds allows (at least MIN_ROUNDS, at most
-# MAX_ROUNDS): a load that comes and goes only adds time, so more rounds read truer, and a cheap profile (one row)
-# affords more of them than a dear one (a decode at 6 rows costs as much as 50 forwards)
+# each stage of the profile (the forwards, the overhead decodes, each batch of timed val decodes) runs rounds while its
+# share STAGE_S of the profile's seconds allows, at least MIN_ROUNDS and at most MAX_ROUNDS, and keeps the least of
+# them (a timed decode: its median ratio to target-only, paired_rounds): a load that comes and goes only adds time, so
+# more rounds read truer, and a cheap profile (one row) affords more of them than a dear one (a decode at 6 rows costs
+# as much as 50 forwards)
 STAGE_S, MIN_ROUNDS, MAX_ROUNDS = 3.0, 2, 5
 TIMED_MIN_ROUNDS = 3  # the timed val decodes' rounds at the least: a median of three ratios drops one round's burst
-PROFILE_S = 12.0  # past these seconds, the chooser times no more candidates than its first three (timed_rounds)
+PROFILE_S = 12.0  # past these seconds (or MAX_TIMED timed), only the one predicted fastest is timed, once (timed_rounds)
 WARM_TOKENS = 9  # a decode timer's first call decodes this many tokens first (the plan's prefill and caches allocated)
 # the real decodes whose time per round, less the profile's forwards, is a round's overhead: a tree round's, and a
 # chain's as a + b gamma (each draft step's feed and argmax beside its forward) from the shortest and the longest chain.
