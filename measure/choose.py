@@ -60,7 +60,7 @@ REPS = 2  # each profiled forward, in each round: the median (here: the mean) of
 # as much as 50 forwards)
 STAGE_S, MIN_ROUNDS, MAX_ROUNDS = 3.0, 2, 5
 TIMED_MIN_ROUNDS = 3  # the timed val decodes' rounds at the least: a median of three ratios drops one round's burst
-PROFILE_S = 12.0  # past these seconds (or MAX_TIMED timed), only the one predicted fastest is timed, once (timed_rounds)
+PROFILE_S = 12.0  # past these seconds (or MAX_TIMED timed), only the one predicted fastest is timed, once
 WARM_TOKENS = 9  # a decode timer's first call decodes this many tokens first (the plan's prefill and caches allocated)
 # the real decodes whose time per round, less the profile's forwards, is a round's overhead: a tree round's, and a
 # chain's as a + b gamma (each draft step's feed and argmax beside its forward) from the shortest and the longest chain.
@@ -345,10 +345,10 @@ def timed_rounds(prof, acceptance, rows, target, draft, plans, samples, sampling
     that will run; the profile's own decodes copy one prompt's row and run greedy) for target-only and the fastest
     predicted, each batch timed beside target-only (paired_rounds, cached as the profile is): first the fastest chain
     and the fastest tree, which calibrate their kinds' other candidates (calibrated), then the TIMED_TOP fastest not
-    yet timed, the ranking redone after each batch, until the top TIMED_TOP are timed rounds. Past the cap (MAX_TIMED candidates timed,
-    or the profile's seconds, spent_s before these decodes, past PROFILE_S) it times once more, and only the one
-    predicted fastest of all, if a forwards' sum: ranking puts a timed round first, so a candidate never timed would
-    otherwise lose to a timed one it is predicted to beat."""
+    yet timed, the ranking redone after each batch, until the top TIMED_TOP are timed rounds. Past the cap (MAX_TIMED
+    candidates timed, or the profile's seconds, spent_s before these decodes, past PROFILE_S) it times once more, and
+    only the one predicted fastest of all, if a forwards' sum: ranking puts a timed round first, so a candidate never
+    timed would otherwise lose to a timed one it is predicted to beat."""
     t0 = time.perf_counter() - spent_s
     dtype = next(getattr(target, "model", target).parameters()).dtype
     ids = hashlib.sha256(b"".join(p["input_ids"].cpu().numpy().tobytes() for p in plans)).hexdigest()[:16]
