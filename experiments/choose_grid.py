@@ -97,7 +97,7 @@ def main(argv=None):
     # the chosen's prediction over its measurement (about their product), as two factors: the rounds it saves
     # (target-only's rounds over its) on val over on these held-out plans, and its round's time over target-only's,
     # measured here over predicted
-    split = {"rounds": rec["predicted"][evaluate.TARGET_ONLY]["val_rounds_per_plan"] / pred["val_rounds_per_plan"]
+    factors = {"rounds": rec["predicted"][evaluate.TARGET_ONLY]["val_rounds_per_plan"] / pred["val_rounds_per_plan"]
              / (to["rounds_per_plan"] / chosen["rounds_per_plan"]),
              "round_time": chosen["round_ms"] / to["round_ms"]
              / (pred["round_ms"] / rec["predicted"][evaluate.TARGET_ONLY]["round_ms"])}
@@ -111,7 +111,7 @@ def main(argv=None):
            "choice": rec, "grid": grid, "best": best,
            "chosen_over_best": chosen["speedup"] / grid[best]["speedup"],
            "prediction_error": chosen["predicted_speedup"] / chosen["speedup"] - 1,
-           "prediction_over_measurement": split, "wall_s": time.time() - t0}
+           "prediction_over_measurement": factors, "wall_s": time.time() - t0}
     for n, g in grid.items():
         print(f"{n:<14} predicted {g['predicted_speedup']:.2f}x   measured {g['speedup']:.2f}x "
               f"[{g['speedup_range'][0]:.2f}-{g['speedup_range'][1]:.2f}]   {g['ms_per_plan']:.1f} ms/plan   "
@@ -120,8 +120,8 @@ def main(argv=None):
     print(f"{out['hardware']}, {dtype_name} ({why}), {rec['mode']}, {rows} row(s): chosen {rec['chosen']} measured "
           f"{chosen['speedup']:.2f}x = {out['chosen_over_best']:.2f} of the grid's best ({best}, "
           f"{grid[best]['speedup']:.2f}x); predicted {chosen['predicted_speedup']:.2f}x "
-          f"({100 * out['prediction_error']:+.0f}%; the rounds saved x{split['rounds']:.2f}, the round's time "
-          f"x{split['round_time']:.2f})")
+          f"({100 * out['prediction_error']:+.0f}%; the rounds saved x{factors['rounds']:.2f}, the round's time "
+          f"x{factors['round_time']:.2f})")
     files.write_json(a.out, out)
     print(f"wrote {a.out}")
 

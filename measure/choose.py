@@ -139,6 +139,16 @@ def config_id(model):
     return checkpoint.config_hash(getattr(model, "model", model).cfg.to_dict())  # a CompiledSteps' model's
 
 
+def dtype_of(model):
+    """The weights' dtype of a model (or of a CompiledSteps' model)."""
+    return next(getattr(model, "model", model).parameters()).dtype
+
+
+def plans_id(plans):
+    """The plans' prompt tokens, hashed: which val plans a record was measured on."""
+    return hashlib.sha256(b"".join(p["input_ids"].cpu().numpy().tobytes() for p in plans)).hexdigest()[:16]
+
+
 def profile_key(target, draft, prompt, dtype, mode, rows):
     device = prompt["input_ids"].device
     return {"method": PROFILE_METHOD, "hardware": hardware(device), "threads": torch.get_num_threads(),
@@ -350,10 +360,8 @@ def timed_rounds(prof, acceptance, rows, target, draft, plans, samples, sampling
     only the one predicted fastest of all, if a forwards' sum: ranking puts a timed round first, so a candidate never
     timed would otherwise lose to a timed one it is predicted to beat."""
     t0 = time.perf_counter() - spent_s
-    dtype = next(getattr(target, "model", target).parameters()).dtype
-    ids = hashlib.sha256(b"".join(p["input_ids"].cpu().numpy().tobytes() for p in plans)).hexdigest()[:16]
-    base = profile_key(target, draft, plans[0], dtype, mode, rows) | {"plan": ids, "samples": samples,
-                                                                  "decoding": flags.sampling_json(sampling)}
+    base = profile_key(target, draft, plans[0], dtype_of(target), mode, rows) | {
+        "plan": plans_id(plans), "samples": samples, "decoding": flags.sampling_json(sampling)}
     prof, ref, shared = prof | {"rounds": {}}, evaluate.TARGET_ONLY, shared_prefill(target)
     while True:
         timed = prof["rounds"]
@@ -382,9 +390,8 @@ def timed_rounds(prof, acceptance, rows, target, draft, plans, samples, sampling
 def profile(target, draft, prompt, rows=1, stop_token=None, max_new=evaluate.MAX_NEW_TOKENS, mode="eager",
             reprofile=False):
     """(this machine's profile, how it was had: reused from the cache or measured now)."""
-    dtype = next(getattr(target, "model", target).parameters()).dtype
     cli.progress(f"the machine's cost profile ({mode}, {rows} row(s)): the target's and the draft's forwards")
-    prof, how = cached("profile", profile_key(target, draft, prompt, dtype, mode, rows),
+    prof, how = cached("profile", profile_key(target, draft, prompt, dtype_of(target), mode, rows),
                        lambda: measure_profile(target, draft, prompt, rows, stop_token, max_new), reprofile)
     return from_json(prof), how
 
@@ -454,11 +461,9 @@ def stream_tree(target, draft, val_prompts, max_new, stop_token, sampling=GREEDY
 
 def acceptance_key(target, draft, val_plans, max_new, stop_token, sampling=GREEDY, samples=1):
     """What decides the val rounds: the models' weights, their dtype, the plans, the decoding, the candidates."""
-    dtype = next(getattr(target, "model", target).parameters()).dtype
-    ids = hashlib.sha256(b"".join(p["input_ids"].cpu().numpy().tobytes() for p in val_plans)).hexdigest()[:16]
     return {"target": checkpoint.fingerprint(getattr(target, "model", target)),
-            "draft": checkpoint.fingerprint(getattr(draft, "model", draft)), "dtype": str(dtype), "max_new": max_new,
-            "plans": len(val_plans), "prompts": ids, "rows": val_plans[0]["input_ids"].shape[0] * samples,
+            "draft": checkpoint.fingerprint(getattr(draft, "model", draft)), "dtype": str(dtype_of(target)),
+            "max_new": max_new, "plans": len(val_plans), "prompts": plans_id(val_plans), "rows": val_plans[0]["input_ids"].shape[0] * samples,
             "samples": samples, "stop_token": stop_token, "decoding": flags.sampling_json(sampling),
             "candidates": [name(c) for c in candidates()]}
 
