@@ -94,13 +94,12 @@ def main(argv=None):
               "predicted_speedup": rec["predicted"][n]["predicted_speedup"]}
     best = max(grid, key=lambda n: grid[n]["speedup"])
     chosen, pred, to = grid[rec["chosen"]], rec["predicted"][rec["chosen"]], grid[evaluate.TARGET_ONLY]
-    # the chosen's prediction over its measurement (about their product), as two factors: the rounds it saves
-    # (target-only's rounds over its) on val over on these held-out plans, and its round's time over target-only's,
-    # measured here over predicted
-    factors = {"rounds": rec["predicted"][evaluate.TARGET_ONLY]["val_rounds_per_plan"] / pred["val_rounds_per_plan"]
-             / (to["rounds_per_plan"] / chosen["rounds_per_plan"]),
-             "round_time": chosen["round_ms"] / to["round_ms"]
-             / (pred["round_ms"] / rec["predicted"][evaluate.TARGET_ONLY]["round_ms"])}
+    # the chosen's prediction over its measurement (their product), as two factors: the rounds it saves (target-only's
+    # rounds over its; predicted: the prediction at equal round times, the harder val plans') over on these held-out
+    # plans, and its round's time over target-only's, measured here over predicted
+    time_pred = pred["round_ms"] / rec["predicted"][evaluate.TARGET_ONLY]["round_ms"]
+    factors = {"rounds": pred["predicted_speedup"] * time_pred / (to["rounds_per_plan"] / chosen["rounds_per_plan"]),
+               "round_time": chosen["round_ms"] / to["round_ms"] / time_pred}
     out = {"what": "every candidate timed in the same passes (ms per plan, until every row is done; median of the "
                    "passes), the chooser's prediction beside it", "command": "python experiments/choose_grid.py "
            + " ".join(argv if argv is not None else sys.argv[1:]),

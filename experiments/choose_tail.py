@@ -55,7 +55,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description="The spent grids re-ranked by val's hard plans.")
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
-    cli.check_out(a.out)
+    with cli.user_errors(ap):
+        cli.check_out(a.out)
     ckpt = checkpoint.SHIPPED
     target = checkpoint.load(os.path.join(ckpt, "target"), dtype=torch.float32).eval()
     draft = checkpoint.load(checkpoint.draft_dir(ckpt, "aarl", 0), target=target).eval()

@@ -34,12 +34,32 @@ def synthetic(step, verify_per_token, draft=0.02, overhead=0.0):
 def acceptance(alpha=0.8):
     """Rounds of TOKENS val tokens for an i.i.d. acceptance alpha: a chain's expected tau; a tree's its depth's chain
     tau raised by its width (more nodes, more chances at each depth)."""
-    out = {"target-only": {"rounds": TOKENS, "tokens": TOKENS}}
+    out = {"target-only": {"rounds": TOKENS, "tokens": TOKENS, "plan_rounds": [TOKENS]}}  # one val plan
     for c in choose.candidates()[1:]:
         a = 1 - (1 - alpha) ** c.width  # a level passes when any of its k candidates is the target's token
         tau = (1 - a ** (c.depth + 1)) / (1 - a) * min(1.0, c.nodes / (c.depth * c.width))
-        out[choose.name(c)] = {"rounds": round(TOKENS / max(tau, 1.0)), "tokens": TOKENS}
+        n = round(TOKENS / max(tau, 1.0))
+        out[choose.name(c)] = {"rounds": n, "tokens": TOKENS, "plan_rounds": [n]}
     return out
+
+
+def test_the_prediction_reads_the_harder_half_of_the_val_plans(monkeypatch):
+    """Two val plans: on the easy one a chain saves more rounds than a tree, on the hard one the chain's gain is gone
+    and the tree keeps some. The mean over both plans ranks the chain first, the harder half (TAIL) the tree, and
+    each candidate's prediction is its own hardest plan's speed-up."""
+    prof = synthetic(0.01, 0.0)
+    acc = {n: {"rounds": 2 * TOKENS, "tokens": 2 * TOKENS, "plan_rounds": [TOKENS, TOKENS]}
+           for n in map(choose.name, choose.candidates())}  # every other candidate: no gain on either plan
+    acc["chain 8"] = {"rounds": 40 + TOKENS, "tokens": 2 * TOKENS, "plan_rounds": [40, TOKENS]}
+    acc["tree 16/6/3"] = {"rounds": 100 + 150, "tokens": 2 * TOKENS, "plan_rounds": [100, 150]}
+    pred = choose.predict(prof, acc)
+    assert choose.name(choose.choose(pred)[0]) == "tree 16/6/3"
+    for n, c in {"chain 8": Chain(8), "tree 16/6/3": TreeShape(16, 6, 3)}.items():  # each its own worse plan
+        worst = min(TOKENS * choose.round_s(prof, None) / (r * choose.round_s(prof, c)) for r in acc[n]["plan_rounds"])
+        assert pred[n]["predicted_speedup"] == pytest.approx(worst)
+        assert pred[n]["val_mean_speedup"] > pred[n]["predicted_speedup"]
+    monkeypatch.setattr(choose, "TAIL", 1.0)  # every plan: the mean of the per-plan speed-ups ranks the chain first
+    assert choose.name(choose.choose(choose.predict(prof, acc))[0]) == "chain 8"
 
 
 def test_a_flat_verify_picks_a_large_tree_and_a_steep_one_a_chain_or_target_only():
@@ -240,7 +260,8 @@ def test_a_real_profile_and_the_val_rounds_of_tiny_models(tmp_path, monkeypatch)
         n for n, v in rec["predicted"].items() if v["timed"]}
     acc = choose.measure_acceptance(target, draft, val, 6, None)
     assert acc["target-only"]["rounds"] == acc["target-only"]["tokens"] == 12  # 6 tokens each, one step each
-    assert all(a["tokens"] == 12 and 1 <= a["rounds"] <= 12 for a in acc.values())
+    assert all(a["tokens"] == 12 and 1 <= a["rounds"] == sum(a["plan_rounds"]) <= 12 and len(a["plan_rounds"]) == 2
+               for a in acc.values())
     again = choose.choice(target, draft, val[0], val, 6, None)[1]
     assert again["profile"].startswith("reused") and again["acceptance"].startswith("reused")
     monkeypatch.setattr(choose, "shared_prefill", lambda t: t)  # every decode its own prefill: the same rounds
