@@ -477,7 +477,8 @@ def acceptance_key(target, draft, val_plans, max_new, stop_token, sampling=GREED
     """What decides the val rounds: the models' weights, their dtype, the plans, the decoding, the candidates."""
     return {"method": ACCEPTANCE_METHOD, "target": checkpoint.fingerprint(getattr(target, "model", target)),
             "draft": checkpoint.fingerprint(getattr(draft, "model", draft)), "dtype": str(dtype_of(target)),
-            "max_new": max_new, "plans": len(val_plans), "prompts": plans_id(val_plans), "rows": val_plans[0]["input_ids"].shape[0] * samples,
+            "max_new": max_new, "plans": len(val_plans), "prompts": plans_id(val_plans),
+            "rows": val_plans[0]["input_ids"].shape[0] * samples,
             "samples": samples, "stop_token": stop_token, "decoding": flags.sampling_json(sampling),
             "candidates": [name(c) for c in candidates()]}
 
