@@ -1,8 +1,9 @@
 """Would a chooser that ranks by val's hard plans have picked better on the spent grids? Each candidate's rounds on
-every val plan (measure/choose.py's plans, exact decodes), then each committed grid re-ranked offline: the grid's own
-predicted round times, the rounds read as the mean over all val plans (today's rule) or over the plans hardest for
-that candidate (a lower-tail mean of per-plan speed-ups, CVaR at alpha). The grids' seeds are spent, so this is a
-design probe: a rule it suggests is claimed only on grids of new seeds.
+every val plan (the chooser's acceptance record: cached, or decoded exactly), then each committed grid of the design
+seeds re-ranked offline: the grid's own predicted round times, the rounds read as the mean over all val plans (the
+rule before measure.choose.TAIL) or over the plans hardest for that candidate (a lower-tail mean of per-plan
+speed-ups, CVaR at alpha). The grids' seeds are spent, so this is a design probe: a rule it suggests is claimed only on
+grids of new seeds.
 
 Paper: none; the machine-dependent choice of decoder (docs/results.md, "Chosen for the machine").
 
@@ -12,42 +13,29 @@ import argparse
 import glob
 import json
 import os
+import re
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import driving  # noqa: E402
 import evaluate  # noqa: E402
 from ops import checkpoint, cli, files  # noqa: E402
 from measure import choose, flags, timing  # noqa: E402
-import speculate  # noqa: E402
 
 SETTINGS = {"eager": (1, 1, 0.0, None), "compiled": (1, 1, 0.0, None), "batch6": (6, 1, 0.0, None),
             "samples6": (1, 6, 0.6, 0.98)}  # the grids' file names: (batch, samples, temperature, top-p)
+# the grids measured before the rule was fixed (the design set); later seeds (91 on) are its test, never read here
+DESIGN_SEEDS = range(61, 88)
 ALPHAS = (1.0, 0.5, 0.25)  # 1.0: every plan, today's rule (up to the timed-first ranking)
-
-
-@torch.no_grad()
-def per_plan_rounds(target, draft, plans, samples, sampling, stop):
-    """{candidate: [rounds of plan j]}: a plan's rounds are its slowest row's, seeded as measure_acceptance seeds."""
-    t, out = choose.shared_prefill(target), {}
-    for c in choose.candidates():
-        out[choose.name(c)] = []
-        for j, p in enumerate(plans):
-            kw = dict(samples=samples, stop_token=stop, sampling=sampling.offset(p["input_ids"].shape[0] * samples * j))
-            rs = speculate.autoregressive_batch(t, p, evaluate.MAX_NEW_TOKENS, **kw) if c is None else \
-                speculate.speculative_batch(t, draft, p, c, evaluate.MAX_NEW_TOKENS, **kw)
-            out[choose.name(c)].append(max(r.rounds for r in rs))
-    return out
 
 
 def tail_speedup(rounds, round_ms, n, alpha):
     """The lower-tail mean (the worst alpha share of plans) of candidate n's per-plan predicted speed-up."""
-    s = np.sort(np.array(rounds[evaluate.TARGET_ONLY]) * round_ms[evaluate.TARGET_ONLY]
-                / (np.array(rounds[n]) * round_ms[n]))
-    return float(s[:max(1, round(alpha * len(s)))].mean())
+    t0 = round_ms[evaluate.TARGET_ONLY]
+    return choose.lower_tail([b * t0 / (r * round_ms[n]) for b, r in zip(rounds[evaluate.TARGET_ONLY], rounds[n])],
+                             alpha)
 
 
 @cli.program
@@ -63,19 +51,23 @@ def main(argv=None):
     tok, views = driving.Tokenizer(), driving.WorldConfig().views
     out = {"command": "python experiments/choose_tail.py " + " ".join(argv if argv is not None else sys.argv[1:]),
            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "settings": {}}
+    val_rounds = {}
     for mode, (batch, samples, temp, top_p) in SETTINGS.items():
-        grids = sorted(glob.glob(os.path.join(os.path.dirname(__file__), f"choose_grid_{mode}_s*.json")))
+        grids = sorted(g for g in glob.glob(os.path.join(os.path.dirname(__file__), f"choose_grid_{mode}_s*.json"))
+                       if int(re.search(r"_s(\d+)\.json$", g).group(1)) in DESIGN_SEEDS)
         if not grids:
             continue
         sampling = flags.sampling(temp, None, top_p, 0)
         val = evaluate.scene_prompts(driving.make_split("val", choose.val_prompts(batch, samples), seed=0), tok,
                                      "cpu", torch.float32, views)
-        key = (batch, samples, temp)
-        if key not in out.setdefault("_rounds", {}):
-            cli.progress(f"{mode}: per-plan rounds of every candidate on {len(val) // batch} val plans")
-            out["_rounds"][key] = per_plan_rounds(target, draft, timing.plan_batches(val, batch), samples, sampling,
-                                                  tok.cot_end_id)
-        rounds = out["_rounds"][key]
+        plans, stop = timing.plan_batches(val, batch), tok.cot_end_id
+        cli.progress(f"{mode}: per-plan rounds of every candidate on {len(plans)} val plans (the chooser's record)")
+        acc, _ = choose.cached("acceptance", choose.acceptance_key(target, draft, plans, evaluate.MAX_NEW_TOKENS, stop,
+                                                                   sampling, samples),
+                               lambda: choose.measure_acceptance(target, draft, plans, evaluate.MAX_NEW_TOKENS, stop,
+                                                                 sampling, samples))
+        rounds = {n: v["plan_rounds"] for n, v in acc.items()}
+        val_rounds[f"batch {batch} samples {samples} T {temp}"] = rounds
         rows = []
         for g in grids:
             d = json.load(open(g))
@@ -94,7 +86,7 @@ def main(argv=None):
                   " | ".join(f"a{al} {row[f'alpha {al}']['pick']} {row[f'alpha {al}']['over_best']:.2f} "
                              f"{100 * row[f'alpha {al}']['error']:+.0f}%" for al in ALPHAS))
         out["settings"][mode] = rows
-    out["val_rounds"] = {f"batch {k[0]} samples {k[1]} T {k[2]}": v for k, v in out.pop("_rounds").items()}
+    out["val_rounds"] = val_rounds
     files.write_json(a.out, out)
     print(f"wrote {a.out}")
 

@@ -433,6 +433,11 @@ def measure_acceptance(target, draft, plans, max_new, stop_token, sampling=GREED
 
 
 # ---- the chooser ----
+def lower_tail(values, share=None):
+    """The mean of the smallest `share` of values (TAIL when None; at least one value): CVaR at that share."""
+    return statistics.fmean(sorted(values)[:max(1, round((TAIL if share is None else share) * len(values)))])
+
+
 def predict(prof, acceptance, rows=1):
     """{candidate name: {"tau" (a row's tokens per round), "round_ms", "timed" (round_ms a real decode's),
     "predicted_speedup" (over the TAIL share of val plans where it gains least), "val_mean_speedup" (over all)}}: a
@@ -441,10 +446,9 @@ def predict(prof, acceptance, rows=1):
     out = {}
     for c in candidates():
         a, r = acceptance[name(c)], round_s(prof, c)
-        per_plan = sorted(b * t0 / (n * r) for b, n in zip(base["plan_rounds"], a["plan_rounds"]))
-        worst = per_plan[:max(1, round(TAIL * len(per_plan)))]
+        per_plan = [b * t0 / (n * r) for b, n in zip(base["plan_rounds"], a["plan_rounds"])]
         out[name(c)] = {"tau": a["tokens"] / a["rounds"] / rows if c else 1.0, "round_ms": 1e3 * r,
-                        "timed": name(c) in prof.get("rounds", {}), "predicted_speedup": sum(worst) / len(worst),
+                        "timed": name(c) in prof.get("rounds", {}), "predicted_speedup": lower_tail(per_plan),
                         "val_mean_speedup": base["rounds"] * t0 / (a["rounds"] * r)}
     return out
 
