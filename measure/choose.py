@@ -17,7 +17,7 @@ from the device's own verify-cost curve; here the same curve also chooses betwee
   chooser times the two fastest predicted by real decodes of a val plan (its own rows and prompts, the decoding that
   will run) until both are timed ones (the forwards' sum misses what a round does between them, a share that differs
   by machine, mode, rows and decoding, and by kind: it first times the fastest chain and the fastest tree, and each
-  calibrates its kind's untimed candidates). Each is timed beside target-only, round by round, and kept as its median
+  calibrates its kind's untimed candidates). Each is timed beside target-only, plan by plan, and kept as its median
   ratio to it: a load that slows both cancels. Past its cap the chooser times only a candidate predicted fastest of
   all; it keeps the fastest timed one and the runner-up. Target-only is a candidate, so it never runs a decoder
   predicted slower than not speculating.
@@ -52,17 +52,15 @@ SHIPPED = os.path.join(checkpoint.SHIPPED, "choose")
 # --compile's target step lengths: a chain's or a tree's verify runs padded to the next (ops/compiled.py), so the 8
 # chains and the family compile 7 graphs, and the profile times each chain at its padded length
 COMPILED_LENGTHS = (1, 2, 3, 5, 9, 17, 33)
-PROFILE_METHOD = 10  # bumped when measure_profile measures another way: a cached profile of the old way is stale
+PROFILE_METHOD = 11  # bumped when measure_profile measures another way: a cached profile of the old way is stale
 REPS = 2  # each profiled forward, in each round: the median (here: the mean) of REPS calls
-# each stage of the profile (the forwards, the overhead decodes, each batch of timed val decodes) runs rounds while its
-# share STAGE_S of the profile's seconds allows, at least MIN_ROUNDS and at most MAX_ROUNDS, and keeps the least of
-# them (a timed decode: its median ratio to target-only, paired_rounds): a load that comes and goes only adds time, so
-# more rounds read truer, and a cheap profile (one row) affords more of them than a dear one (a decode at 6 rows costs
-# as much as 50 forwards)
-STAGE_S, MIN_ROUNDS, MAX_ROUNDS = 3.0, 2, 5
-TIMED_MIN_ROUNDS = 3  # the timed val decodes' rounds at the least: a median of three ratios drops one round's burst
+# each stage of the profile's forwards (the forwards, the overhead decodes) runs rounds while its share STAGE_S of the
+# profile's seconds allows, at least MIN_ROUNDS and at most MAX_ROUNDS, and keeps the least of them: a load that comes
+# and goes only adds time, so more rounds read truer, and a cheap profile (one row) affords more of them than a dear
+# one (a decode at 6 rows costs as much as 50 forwards)
+STAGE_S, MIN_ROUNDS, MAX_ROUNDS = 2.0, 2, 5
+TIMED_PASSES = 3  # the timed val decodes' passes over their plans (paired_rounds: each plan's decodes back to back)
 PROFILE_S = 12.0  # past these seconds (or MAX_TIMED timed), only the one predicted fastest is timed, once
-WARM_TOKENS = 9  # a decode timer's first call decodes this many tokens first (the plan's prefill and caches allocated)
 # the real decodes whose time per round, less the profile's forwards, is a round's overhead: a tree round's, and a
 # chain's as a + b gamma (each draft step's feed and argmax beside its forward) from the shortest and the longest chain.
 # Target-only's step is its forward alone: what it adds is a factor common to every candidate's predicted speed-up
@@ -83,7 +81,7 @@ TIMED_TOP = 2  # the chooser times real decodes of the fastest predicted candida
 # or MAX_TIMED candidates are: each costs two decodes of a plan, and where many candidates lie within a few percent of
 # each other the ranking could move after every timing
 MAX_TIMED = 3
-TIMED_ROWS = 4  # the timed val decodes run as many plans as make at least this many rows (one plan of 6, 4 of 1)
+TIMED_ROWS = 3  # the timed val decodes run as many plans as make at least this many rows (one plan of 6, 3 of 1)
 NATIVE_BF16 = ("avx512_bf16", "amx_bf16")  # /proc/cpuinfo flags of a CPU whose matrix units multiply bf16 natively
 
 
@@ -234,8 +232,8 @@ def measure_profile(target, draft, prompt, rows=1, stop_token=None, max_new=eval
               **{("draft", n): forward(draft, n) for n in (1, 2)},
               **{("grow", shape_key(sh)): levels(sh) for sh in FAMILY}}
     least = least_of_rounds(timers) | least_of_rounds(
-        {("decode", kind): decode_timer(target, draft, prompt, d, rows, stop_token, max_new)
-         for kind, d in OVERHEAD_DECODERS.items()}, warm=False)
+        {("decode", kind): lambda run=decode_timer(target, draft, [prompt], d, rows, stop_token, max_new): run(0)
+         for kind, d in OVERHEAD_DECODERS.items()})
     prof = {}
     for (kind, n), t in least.items():
         prof.setdefault(kind, {})[n] = t
@@ -252,16 +250,15 @@ def measure_profile(target, draft, prompt, rows=1, stop_token=None, max_new=eval
     return prof
 
 
-def rounds_of(timers, warm=True, at_least=None):
+def rounds_of(timers, warm=True):
     """{what: [its time in each round]} of each timer (a callable -> s), after a warm-up round, untimed, if warm (first
     calls allocate and pick kernels); every timer runs in every round, the order rotated from round to round;
-    at_least (MIN_ROUNDS) rounds, then more while the next one still ends within STAGE_S of the start (MAX_ROUNDS at
-    most)."""
-    t0, at_least = time.perf_counter(), at_least or MIN_ROUNDS
+    MIN_ROUNDS rounds, then more while the next one still ends within STAGE_S of the start (MAX_ROUNDS at most)."""
+    t0 = time.perf_counter()
     for t in timers.values() if warm else ():
         t()
     out, r = {what: [] for what in timers}, 0
-    while r < at_least or r < MAX_ROUNDS and (time.perf_counter() - t0) * (r + 1) / r <= STAGE_S:
+    while r < MIN_ROUNDS or r < MAX_ROUNDS and (time.perf_counter() - t0) * (r + 1) / r <= STAGE_S:
         for what in list(timers)[r % len(timers):] + list(timers)[:r % len(timers)]:
             out[what].append(timers[what]())
         r += 1
@@ -273,37 +270,30 @@ def least_of_rounds(timers, warm=True):
     return {what: min(ts) for what, ts in rounds_of(timers, warm).items()}
 
 
-def paired_rounds(timers, reference):
-    """{reference: the least of its rounds; every other timer: reference's least x the median, over the rounds, of its
-    time over reference's in the same round} (rounds_of's, at least TIMED_MIN_ROUNDS rounds). A candidate's real decode
-    is compared with target-only's taken seconds apart: a load that slows both cancels, where each one's least of a
-    few rounds keeps whichever was lucky, and one burst in a round moves the median of three no further than a
-    neighbour's ratio."""
-    ts = rounds_of(timers, warm=False, at_least=TIMED_MIN_ROUNDS)
-    ref = ts[reference]
+def paired_rounds(timers, reference, plans, device):
+    """{reference: the least of its timings; every other timer: that least x the median, over every plan of every
+    pass, of its round over reference's on the same plan}: timers {what: run(j) -> s per round of plan j}, timed by
+    timing.interleaved (TIMED_PASSES passes over the `plans` plans, each plan's decodes back to back, the order
+    rotated; a warm-up on the first plan). A candidate's round is compared with target-only's taken a fraction of a
+    second before or after, on the same plan: a load that slows both cancels, and one that falls on one of them moves
+    one ratio of many, which the median drops (a plan's decode is 20-odd target steps)."""
+    runs = timing.interleaved(timers, plans, TIMED_PASSES, device)
+    per = {what: [x.result for p in passes for x in p] for what, passes in runs.items()}  # [pass x plan]
+    ref = per[reference]
     return {what: min(ref) if what == reference else min(ref) * statistics.median(t / r for t, r in zip(v, ref))
-            for what, v in ts.items()}
+            for what, v in per.items()}
 
 
-def decode_timer(target, draft, prompt, decoder, rows, stop_token, max_new, samples=None, sampling=GREEDY):
-    """() -> real decodes' seconds per round of the prompt (a plan: its rows x samples; samples None: the prompt's one
-    row copied to `rows`; a list of plans: over all of them) under sampling (its seeds: the same draws every call); a
-    plan's round lasts until every row is done. decoder None: target-only, whose round is one step. Its first call
-    decodes WARM_TOKENS of each plan first, untimed."""
+def decode_timer(target, draft, plans, decoder, rows, stop_token, max_new, samples=None, sampling=GREEDY):
+    """run(j) -> a real decode's seconds per round of plans[j] (its rows x samples; samples None: its one row copied to
+    `rows`) under sampling (its seeds: the same draws every call); a plan's round lasts until every row is done.
+    decoder None: target-only, whose round is one step."""
     kw = dict(samples=rows if samples is None else samples, stop_token=stop_token, timing=True, sampling=sampling)
-    plans, warm = prompt if isinstance(prompt, list) else [prompt], [True]
 
-    def decode(p, n):  # -> (the plan's seconds, its rounds): until its last row is done
-        rs = speculate.autoregressive_batch(target, p, n, **kw) if decoder is None else \
-            speculate.speculative_batch(target, draft, p, decoder, n, **kw)
-        return max(r.decode_s for r in rs), max(r.rounds for r in rs)
-
-    def run():
-        for p in plans if warm else ():
-            decode(p, min(max_new, WARM_TOKENS))
-        warm.clear()
-        s, n = map(sum, zip(*(decode(p, max_new) for p in plans)))
-        return s / n
+    def run(j):
+        rs = speculate.autoregressive_batch(target, plans[j], max_new, **kw) if decoder is None else \
+            speculate.speculative_batch(target, draft, plans[j], decoder, max_new, **kw)
+        return max(r.decode_s for r in rs) / max(r.rounds for r in rs)
     return run
 
 
@@ -383,10 +373,10 @@ def timed_rounds(prof, acceptance, rows, target, draft, plans, samples, sampling
             return prof
         cli.progress(f"timing real decodes of a val plan: {', '.join(map(name, todo))} (the fastest predicted) beside "
                      "target-only")
-        # target-only over one plan: its round, one step, moves little from plan to plan
-        timers = {name(c): decode_timer(shared, draft, plans if c else plans[:1], c, rows, stop_token, max_new,
-                                        samples, sampling) for c in [None, *todo]}
-        got, _ = cached("rounds", base | {"decoders": sorted(timers)}, lambda: paired_rounds(timers, ref), reprofile)
+        timers = {name(c): decode_timer(shared, draft, plans, c, rows, stop_token, max_new, samples, sampling)
+                  for c in [None, *todo]}
+        got, _ = cached("rounds", base | {"decoders": sorted(timers)}, lambda: paired_rounds(
+            timers, ref, len(plans), plans[0]["input_ids"].device), reprofile)
         # each batch's ratios over its own target-only, on one scale: the first batch's target-only round
         scale = timed.get(ref, got[ref]) / got[ref]
         prof = calibrated(prof | {"rounds": {ref: got[ref]} | timed | {n: s * scale for n, s in got.items()
@@ -501,7 +491,7 @@ def choice(target, draft, prompt, val_plans, max_new, stop_token, sampling=GREED
     acc, how_a = cached("acceptance", key, lambda: measure_acceptance(target, draft, val_plans, max_new, stop_token,
                                                                       sampling, samples))
     t0 = time.perf_counter()
-    timed = val_plans[:max(1, TIMED_ROWS // rows)]  # one plan of 6 rows, or 4 plans of one: a round read off many
+    timed = val_plans[:max(1, TIMED_ROWS // rows)]  # one plan of 6 rows, or 3 plans of one: a round read off many
     prof = timed_rounds(prof, acc, rows, target, draft, timed, samples, sampling, stop_token, max_new, mode,
                         reprofile, profile_s)
     profile_s += time.perf_counter() - t0  # the profile's seconds on this run: ~0 where both were reused

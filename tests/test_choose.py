@@ -98,7 +98,7 @@ def test_the_timed_decodes_stop_past_max_timed_where_each_timing_moves_the_ranki
 
     def slow(target, draft, plan, decoder, *a):  # every candidate's real round: 1 s, target-only's 10 ms
         timed.append(choose.name(decoder))
-        return lambda: 0.01 if decoder is None else 1.0
+        return lambda j: 0.01 if decoder is None else 1.0
     monkeypatch.setattr(choose, "decode_timer", slow)
     target = tiny_model()
     prof = choose.timed_rounds(synthetic(0.01, 0.0), acceptance(), 1, target, target, [image_prompt()], 1,
@@ -137,7 +137,7 @@ def test_past_the_cap_the_fastest_predicted_is_timed_once(monkeypatch, tmp_path)
     best = choose.choose(choose.predict(prof0, acc))[0]
 
     def timer(target, draft, plan, decoder, *a):  # its predicted round for the best, twice that for every other
-        return lambda: choose.round_s(prof0, decoder) * (1 if decoder in (None, best) else 2)
+        return lambda j: choose.round_s(prof0, decoder) * (1 if decoder in (None, best) else 2)
     monkeypatch.setattr(choose, "decode_timer", timer)
     monkeypatch.setattr(choose, "MAX_TIMED", 0)  # the cap reached with the first batch
     target = tiny_model()
@@ -146,23 +146,24 @@ def test_past_the_cap_the_fastest_predicted_is_timed_once(monkeypatch, tmp_path)
     assert choose.name(best) in prof["rounds"] and choose.ranking(pred)[0] == best
 
 
-def test_a_timed_round_is_its_median_ratio_to_target_only_in_the_same_rounds(monkeypatch):
-    """A load common to both in a round cancels, and neither one round's burst nor one lucky dip on the candidate alone
-    moves the median of three (its least would keep the dip): the candidate's round is target-only's least x the
-    median ratio."""
-    monkeypatch.setattr(choose, "TIMED_MIN_ROUNDS", 3)
-    monkeypatch.setattr(choose, "MAX_ROUNDS", 3)
-    load = iter([1.0, 1.0, 1.6, 1.6, 1.2, 1.2])  # each round's load, both timers in it (the order rotates)
-    burst = iter([3.0, 1.0, 0.6])  # b's own: a burst in its first round, a lucky dip in its third
-    calls = {"t": 0, "b": 0}
+def test_a_timed_round_is_its_median_ratio_to_target_only_on_the_same_plans(monkeypatch):
+    """A load common to both decodes of a plan in a pass cancels, and neither a burst on one plan nor a lucky dip on
+    another, on the candidate alone, moves the median of the six ratios (its least would keep the dip): the
+    candidate's round is target-only's least x the median ratio; every plan's decodes back to back, after a warm-up."""
+    monkeypatch.setattr(choose, "TIMED_PASSES", 3)
+    load = [1.0, 1.6, 1.2, 1.0, 1.3, 1.1]  # each (pass, plan)'s load, on both timers' decodes of that plan
+    own = [3.0, 1.0, 1.0, 0.6, 1.0, 1.0]  # b's alone: a burst on one plan, a lucky dip on another
+    calls = {"t": [], "b": []}
 
     def timer(what, s):
-        def t():
-            calls[what] += 1
-            return s * next(load) * (next(burst) if what == "b" else 1.0)
-        return t
-    got = choose.paired_rounds({"t": timer("t", 0.01), "b": timer("b", 0.02)}, "t")
-    assert calls == {"t": 3, "b": 3} and got == {"t": pytest.approx(0.01), "b": pytest.approx(0.02)}
+        def run(j):
+            calls[what].append(j)
+            k = len(calls[what]) - 2  # -1: interleaved's warm-up call
+            return s * (1.0 if k < 0 else load[k] * (own[k] if what == "b" else 1.0))
+        return run
+    got = choose.paired_rounds({"t": timer("t", 0.01), "b": timer("b", 0.02)}, "t", 2, "cpu")
+    assert calls["t"] == calls["b"] == [0] + [0, 1] * 3
+    assert got == {"t": pytest.approx(0.01), "b": pytest.approx(0.02)}
 
 
 def test_the_prediction_is_rounds_times_the_round():
