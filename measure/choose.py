@@ -270,14 +270,14 @@ def least_of_rounds(timers, warm=True):
     return {what: min(ts) for what, ts in rounds_of(timers, warm).items()}
 
 
-def paired_rounds(timers, reference, plans, device):
+def paired_rounds(timers, reference, n_plans, device):
     """{reference: the least of its timings; every other timer: that least x the median, over every plan of every
     pass, of its round over reference's on the same plan}: timers {what: run(j) -> s per round of plan j}, timed by
-    timing.interleaved (TIMED_PASSES passes over the `plans` plans, each plan's decodes back to back, the order
-    rotated; a warm-up on the first plan). A candidate's round is compared with target-only's taken a fraction of a
-    second before or after, on the same plan: a load that slows both cancels, and one that falls on one of them moves
-    one ratio of many, which the median drops (a plan's decode is 20-odd target steps)."""
-    runs = timing.interleaved(timers, plans, TIMED_PASSES, device)
+    timing.interleaved (TIMED_PASSES passes over n_plans plans, each plan's decodes back to back, the order
+    rotated; a warm-up on the first plan). A candidate's round is compared with target-only's taken on the same plan
+    moments before or after: a load that slows both cancels, and one that falls on one of them moves one ratio of
+    many, which the median drops."""
+    runs = timing.interleaved(timers, n_plans, TIMED_PASSES, device)
     per = {what: [x.result for p in passes for x in p] for what, passes in runs.items()}  # [pass x plan]
     ref = per[reference]
     return {what: min(ref) if what == reference else min(ref) * statistics.median(t / r for t, r in zip(v, ref))

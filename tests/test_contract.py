@@ -72,6 +72,7 @@ PROGRAMS = {
     "experiments/choose_grid.py": ("choose_grid", "file", "--prompts", False,
                                    "--prompts 1 --repeats 1 --out {tmp}/c.json"),
     "experiments/choose_tail.py": ("choose_tail", "file", None, False, "--out {tmp}/c.json"),
+    "experiments/choose_repeat.py": ("choose_repeat", "file", "--runs", False, "--runs 1 --out {tmp}/c.json"),
     "experiments/profile_rsd.py": ("profile_rsd", "file", "--scenes", False,
                                    "--out {tmp}/p.json --scenes 2 --time-scenes 1 --show 0 --seeds 0 --gamma 2"),
     "experiments/render_scenes.py": ("render_scenes", None, "--n", False, "--n 1"),
@@ -563,6 +564,7 @@ READS_NOTHING = {"driving.py": "the world is built from its seed",
                  "experiments/cost_per_1000_scenes.py": "random weights of a preset's shape",
                  "experiments/lines.py": "git's tracked files",
                  "experiments/choose_tail.py": "the shipped checkpoints and the committed grids' JSONs",
+                 "experiments/choose_repeat.py": "the shipped checkpoints and the committed grids' JSONs",
                  "experiments/render_scenes.py": "the world is built from its seed",
                  "experiments/speculate_demo.py": "a random target of a preset's shape"}
 

@@ -29,16 +29,18 @@ def watched_benchmark(monkeypatch, *args, **kwargs):
         watches.append(probes.CompileWatch({"target": ct, "draft": cd}))
         return ct, cd
 
-    def entering(fn, phase, unless=None):
+    def entering(fn, phase, unless=None, after=None):
+        """fn, its call entering `phase` (not from phase `unless`; with `after`, only from that phase: the chooser's
+        timed val decodes run through timing.interleaved too, in the compile phase)."""
         def run(*a, **kw):
-            if watches[0].phase != unless:
+            if watches[0].phase != unless and after in (None, watches[0].phase):
                 watches[0].next_phase(phase)
             return fn(*a, **kw)
         return run
 
     monkeypatch.setattr(timing, "compiled_pair", compiled_pair)
     monkeypatch.setattr(timing, "time_arms", entering(timing.time_arms, "warm-up"))
-    monkeypatch.setattr(timing, "interleaved", entering(timing.interleaved, "timed"))
+    monkeypatch.setattr(timing, "interleaved", entering(timing.interleaved, "timed", after="warm-up"))
     monkeypatch.setattr(bench, "cost_model", entering(bench.cost_model, "cost model", unless="compile"))
     try:
         res = bench.benchmark(*args, **kwargs)
