@@ -8,6 +8,8 @@ Paper: none; the machine-dependent choice of decoder (docs/results.md, "Chosen f
 
 run: python experiments/choose_repeat.py --out experiments/choose_repeat.json
      python experiments/choose_repeat.py --samples 6 --out experiments/choose_repeat_samples6.json
+     python experiments/choose_repeat.py --samples 6 --runs 4 --timed-rows 12 --timed-passes 2 --out ...
+        (a variant of the chooser: its timed decodes over two plans of six rows, two passes)
 """
 import argparse
 import glob
@@ -52,12 +54,28 @@ def spread(overs):
             "within_10pct": sum(abs(o - 1) <= 0.1 for o in overs) / len(overs)} if overs else None
 
 
+def one_run(k, a, target, draft, val, tok, sampling):
+    """The chooser's k-th run, its profile measured anew -> {profile_s, chosen, predicted, timed (ratios)}, printed."""
+    cli.progress(f"the chooser, run {k + 1} of {a.runs}, its profile measured anew")
+    _, rec = choose.choice(target, draft, val[0], timing.plan_batches(val, 1), evaluate.MAX_NEW_TOKENS,
+                           tok.cot_end_id, sampling, a.samples, reprofile=True)
+    run = {"profile_s": rec["profile_s"], "chosen": rec["chosen"],
+           "predicted": rec["predicted"][rec["chosen"]]["predicted_speedup"], "timed": ratios(rec)}
+    print(f"run {k + 1}: profile {rec['profile_s']:.1f} s, chosen {rec['chosen']} (predicted {run['predicted']:.2f}x); "
+          "round over target-only's: " + ", ".join(f"{n} {r:.2f}" for n, r in run["timed"].items()))
+    return run
+
+
 @cli.program
 def main(argv=None):
     ap = argparse.ArgumentParser(description="The chooser's timed rounds, again and again on val.")
     ap.add_argument("--runs", type=cli.typed(">= 1"), default=6, help="the chooser's runs, each profiled anew")
     ap.add_argument("--samples", type=int, choices=(1, 6), default=1, help="rows a plan (6: sampled, T 0.6, top-p "
                     "0.98, as Alpamayo-R1 runs)")
+    ap.add_argument("--timed-rows", type=cli.typed(">= 1"), default=choose.TIMED_ROWS, help="the chooser's "
+                    "TIMED_ROWS for these runs: its timed decodes run as many val plans as make this many rows")
+    ap.add_argument("--timed-passes", type=cli.typed(">= 1"), default=choose.TIMED_PASSES, help="the chooser's "
+                    "TIMED_PASSES for these runs: its timed decodes' passes over those plans")
     ap.add_argument("--out", required=True, help="the JSON record")
     a = ap.parse_args(argv)
     with cli.user_errors(ap):
@@ -70,16 +88,14 @@ def main(argv=None):
     sampling = flags.sampling(*((0.6, None, 0.98) if a.samples > 1 else (0.0, None, None)), 0)
     val = evaluate.scene_prompts(driving.make_split("val", choose.val_prompts(1, a.samples), seed=0), tok, device,
                                  cli.DTYPES[dtype_name], driving.WorldConfig().views)
-    runs = []
-    for k in range(a.runs):
-        cli.progress(f"the chooser, run {k + 1} of {a.runs}, its profile measured anew")
-        _, rec = choose.choice(target, draft, val[0], timing.plan_batches(val, 1), evaluate.MAX_NEW_TOKENS,
-                               tok.cot_end_id, sampling, a.samples, reprofile=True)
-        runs.append({"profile_s": rec["profile_s"], "chosen": rec["chosen"],
-                     "predicted": rec["predicted"][rec["chosen"]]["predicted_speedup"], "timed": ratios(rec)})
-        print(f"run {k + 1}: profile {rec['profile_s']:.1f} s, chosen {rec['chosen']} (predicted "
-              f"{runs[-1]['predicted']:.2f}x); round over target-only's: "
-              + ", ".join(f"{n} {r:.2f}" for n, r in runs[-1]["timed"].items()))
+    runs, kept = [], (choose.TIMED_ROWS, choose.TIMED_PASSES)
+    choose.TIMED_ROWS, choose.TIMED_PASSES = a.timed_rows, a.timed_passes  # a design probe's variant, restored below
+    try:
+        for k in range(a.runs):
+            runs.append(one_run(k, a, target, draft, val, tok, sampling))
+    finally:
+        choose.TIMED_ROWS, choose.TIMED_PASSES = kept
+
     names = sorted({n for r in runs for n in r["timed"]})
     here = {n: [r["timed"][n] for r in runs if n in r["timed"]] for n in names}
     grids = committed("eager" if a.samples == 1 else "samples6")
@@ -99,6 +115,7 @@ def main(argv=None):
         "cpu_capability": torch.backends.cpu.get_cpu_capability(), "hardware": choose.hardware(device),
         "threads": torch.get_num_threads(), "torch": torch.__version__, "dtype": dtype_name, "dtype_why": why,
         "samples": a.samples, "decoding": flags.sampling_json(sampling), "runs": runs,
+        "timed_rows": a.timed_rows, "timed_passes": a.timed_passes,
         "this_probe": {n: {"mean": statistics.fmean(v), "min": min(v), "max": max(v)} for n, v in here.items()},
         "committed_grids": grids, "timed_over_held_out": {era: spread(o) for era, o in overs.items()}})
     print(f"wrote {a.out}")
