@@ -74,8 +74,9 @@ def main(argv=None):
                     "0.98, as Alpamayo-R1 runs)")
     ap.add_argument("--timed-rows", type=cli.typed(">= 1"), default=choose.TIMED_ROWS, help="the chooser's "
                     "TIMED_ROWS for these runs: its timed decodes run as many val plans as make this many rows")
-    ap.add_argument("--timed-passes", type=cli.typed(">= 1"), default=choose.TIMED_PASSES, help="the chooser's "
-                    "TIMED_PASSES for these runs: its timed decodes' passes over those plans")
+    ap.add_argument("--timed-passes", type=cli.typed(">= 1"), default=None, help="the chooser's TIMED_PASSES and "
+                    "TIMED_PASSES_ROWS for these runs: its timed decodes' passes over those plans, at any rows "
+                    "(default: its own)")
     ap.add_argument("--out", required=True, help="the JSON record")
     a = ap.parse_args(argv)
     with cli.user_errors(ap):
@@ -88,13 +89,16 @@ def main(argv=None):
     sampling = flags.sampling(*((0.6, None, 0.98) if a.samples > 1 else (0.0, None, None)), 0)
     val = evaluate.scene_prompts(driving.make_split("val", choose.val_prompts(1, a.samples), seed=0), tok, device,
                                  cli.DTYPES[dtype_name], driving.WorldConfig().views)
-    runs, kept = [], (choose.TIMED_ROWS, choose.TIMED_PASSES)
-    choose.TIMED_ROWS, choose.TIMED_PASSES = a.timed_rows, a.timed_passes  # a design probe's variant, restored below
+    names = ("TIMED_ROWS", "TIMED_PASSES", "TIMED_PASSES_ROWS")
+    runs, kept = [], {n: getattr(choose, n) for n in names}
+    for n, v in zip(names, (a.timed_rows, a.timed_passes, a.timed_passes)):  # a design probe's variant, restored below
+        setattr(choose, n, kept[n] if v is None else v)
     try:
         for k in range(a.runs):
             runs.append(one_run(k, a, target, draft, val, tok, sampling))
     finally:
-        choose.TIMED_ROWS, choose.TIMED_PASSES = kept
+        for n, v in kept.items():
+            setattr(choose, n, v)
 
     names = sorted({n for r in runs for n in r["timed"]})
     here = {n: [r["timed"][n] for r in runs if n in r["timed"]] for n in names}
@@ -115,7 +119,8 @@ def main(argv=None):
         "cpu_capability": torch.backends.cpu.get_cpu_capability(), "hardware": choose.hardware(device),
         "threads": torch.get_num_threads(), "torch": torch.__version__, "dtype": dtype_name, "dtype_why": why,
         "samples": a.samples, "decoding": flags.sampling_json(sampling), "runs": runs,
-        "timed_rows": a.timed_rows, "timed_passes": a.timed_passes,
+        "timed_rows": a.timed_rows, "timed_passes": a.timed_passes or (choose.TIMED_PASSES if a.samples == 1 else
+                                                                       choose.TIMED_PASSES_ROWS),
         "this_probe": {n: {"mean": statistics.fmean(v), "min": min(v), "max": max(v)} for n, v in here.items()},
         "committed_grids": grids, "timed_over_held_out": {era: spread(o) for era, o in overs.items()}})
     print(f"wrote {a.out}")

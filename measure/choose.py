@@ -52,7 +52,7 @@ SHIPPED = os.path.join(checkpoint.SHIPPED, "choose")
 # --compile's target step lengths: a chain's or a tree's verify runs padded to the next (ops/compiled.py), so the 8
 # chains and the family compile 7 graphs, and the profile times each chain at its padded length
 COMPILED_LENGTHS = (1, 2, 3, 5, 9, 17, 33)
-PROFILE_METHOD = 11  # bumped when measure_profile measures another way: a cached profile of the old way is stale
+PROFILE_METHOD = 12  # bumped when measure_profile measures another way: a cached profile of the old way is stale
 REPS = 2  # each profiled forward, in each round: the median (here: the mean) of REPS calls
 # each stage of the profile's forwards (the forwards, the overhead decodes) runs rounds while its share STAGE_S of the
 # profile's seconds allows, at least MIN_ROUNDS and at most MAX_ROUNDS, and keeps the least of them: a load that comes
@@ -60,6 +60,9 @@ REPS = 2  # each profiled forward, in each round: the median (here: the mean) of
 # one (a decode at 6 rows costs as much as 50 forwards)
 STAGE_S, MIN_ROUNDS, MAX_ROUNDS = 2.0, 2, 5
 TIMED_PASSES = 3  # the timed val decodes' passes over their plans (paired_rounds: each plan's decodes back to back)
+# at several rows a plan, their passes, over TIMED_MIN_PLANS plans at least: a decode of six rows costs as much as three
+# or four of one, and a ratio read off one plan carries that plan's rows, whichever it drew
+TIMED_PASSES_ROWS, TIMED_MIN_PLANS = 2, 2
 PROFILE_S = 12.0  # past these seconds (or MAX_TIMED timed), only the one predicted fastest is timed, once
 # the real decodes whose time per round, less the profile's forwards, is a round's overhead: a tree round's, and a
 # chain's as a + b gamma (each draft step's feed and argmax beside its forward) from the shortest and the longest chain.
@@ -81,7 +84,7 @@ TIMED_TOP = 2  # the chooser times real decodes of the fastest predicted candida
 # or MAX_TIMED candidates are: each costs two decodes of a plan, and where many candidates lie within a few percent of
 # each other the ranking could move after every timing
 MAX_TIMED = 3
-TIMED_ROWS = 3  # the timed val decodes run as many plans as make at least this many rows (one plan of 6, 3 of 1)
+TIMED_ROWS = 3  # the timed val decodes run as many plans as make this many rows (3 of 1), TIMED_MIN_PLANS at least
 NATIVE_BF16 = ("avx512_bf16", "amx_bf16")  # /proc/cpuinfo flags of a CPU whose matrix units multiply bf16 natively
 
 
@@ -270,14 +273,14 @@ def least_of_rounds(timers, warm=True):
     return {what: min(ts) for what, ts in rounds_of(timers, warm).items()}
 
 
-def paired_rounds(timers, reference, n_plans, device):
+def paired_rounds(timers, reference, n_plans, device, passes=None):
     """{reference: the least of its timings; every other timer: that least x the median, over every plan of every
     pass, of its round over reference's on the same plan}: timers {what: run(j) -> s per round of plan j}, timed by
-    timing.interleaved (TIMED_PASSES passes over n_plans plans, each plan's decodes back to back, the order
+    timing.interleaved (passes, TIMED_PASSES by default, over n_plans plans, each plan's decodes back to back, the order
     rotated; a warm-up on the first plan). A candidate's round is compared with target-only's taken on the same plan
     moments before or after: a load that slows both cancels, and one that falls on one of them moves one ratio of
     many, which the median drops."""
-    runs = timing.interleaved(timers, n_plans, TIMED_PASSES, device)
+    runs = timing.interleaved(timers, n_plans, passes or TIMED_PASSES, device)
     per = {what: [x.result for p in passes for x in p] for what, passes in runs.items()}  # [pass x plan]
     ref = per[reference]
     return {what: min(ref) if what == reference else min(ref) * statistics.median(t / r for t, r in zip(v, ref))
@@ -376,13 +379,20 @@ def timed_rounds(prof, acceptance, rows, target, draft, plans, samples, sampling
         timers = {name(c): decode_timer(shared, draft, plans, c, rows, stop_token, max_new, samples, sampling)
                   for c in [None, *todo]}
         got, _ = cached("rounds", base | {"decoders": sorted(timers)}, lambda: paired_rounds(
-            timers, ref, len(plans), plans[0]["input_ids"].device), reprofile)
+            timers, ref, len(plans), plans[0]["input_ids"].device, TIMED_PASSES if rows == 1 else TIMED_PASSES_ROWS),
+            reprofile)
         # each batch's ratios over its own target-only, on one scale: the first batch's target-only round
         scale = timed.get(ref, got[ref]) / got[ref]
         prof = calibrated(prof | {"rounds": {ref: got[ref]} | timed | {n: s * scale for n, s in got.items()
                                                                        if n != ref}})
         if capped:
             return prof
+
+
+def timed_plans(val_plans, rows):
+    """The val plans the timed decodes run: as many as make TIMED_ROWS rows, TIMED_MIN_PLANS at least (3 of one row,
+    2 of six)."""
+    return val_plans[:max(TIMED_MIN_PLANS, TIMED_ROWS // rows)]
 
 
 def profile(target, draft, prompt, rows=1, stop_token=None, max_new=evaluate.MAX_NEW_TOKENS, mode="eager",
@@ -491,7 +501,7 @@ def choice(target, draft, prompt, val_plans, max_new, stop_token, sampling=GREED
     acc, how_a = cached("acceptance", key, lambda: measure_acceptance(target, draft, val_plans, max_new, stop_token,
                                                                       sampling, samples))
     t0 = time.perf_counter()
-    timed = val_plans[:max(1, TIMED_ROWS // rows)]  # one plan of 6 rows, or 3 plans of one: a round read off many
+    timed = timed_plans(val_plans, rows)
     prof = timed_rounds(prof, acc, rows, target, draft, timed, samples, sampling, stop_token, max_new, mode,
                         reprofile, profile_s)
     profile_s += time.perf_counter() - t0  # the profile's seconds on this run: ~0 where both were reused

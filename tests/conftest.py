@@ -24,8 +24,8 @@ def choose_cache(tmp_path_factory):
     from measure import choose
     # one round of one call per profiled forward and 4 val plans: the tests check the chooser's flow and records, not
     # its precision (tests/test_choose.py checks the choice on profiles it builds)
-    fast = {"CACHE": str(tmp_path_factory.mktemp("choose")), "MIN_ROUNDS": 1, "TIMED_PASSES": 1, "MAX_ROUNDS": 1,
-            "REPS": 1, "VAL_PLANS": 4, "VAL_ROWS": 4}
+    fast = {"CACHE": str(tmp_path_factory.mktemp("choose")), "MIN_ROUNDS": 1, "TIMED_PASSES": 1, "TIMED_PASSES_ROWS": 1,
+            "MAX_ROUNDS": 1, "REPS": 1, "VAL_PLANS": 4, "VAL_ROWS": 4}
     saved = {k: getattr(choose, k) for k in fast}
     for k, v in fast.items():
         setattr(choose, k, v)

@@ -11,7 +11,7 @@ import torch
 
 from model import make_draft
 from ops import files
-from measure import choose
+from measure import choose, timing
 from speculate import Chain
 from tiny_models import image_prompt, tiny_model
 from tree import TreeShape
@@ -164,6 +164,26 @@ def test_a_timed_round_is_its_median_ratio_to_target_only_on_the_same_plans(monk
     got = choose.paired_rounds({"t": timer("t", 0.01), "b": timer("b", 0.02)}, "t", 2, "cpu")
     assert calls["t"] == calls["b"] == [0] + [0, 1] * 3
     assert got == {"t": pytest.approx(0.01), "b": pytest.approx(0.02)}
+
+
+def test_one_row_times_three_plans_in_three_passes_six_rows_two_in_two(monkeypatch, tmp_path):
+    """The timed decodes' plans (timed_plans) and passes (paired_rounds through timing.interleaved): at one row
+    TIMED_ROWS plans x TIMED_PASSES, at six rows TIMED_MIN_PLANS plans x TIMED_PASSES_ROWS."""
+    for k, v in {"TIMED_ROWS": 3, "TIMED_MIN_PLANS": 2, "TIMED_PASSES": 3, "TIMED_PASSES_ROWS": 2,
+                 "CACHE": str(tmp_path), "MAX_TIMED": 0}.items():
+        monkeypatch.setattr(choose, k, v)
+    assert [len(choose.timed_plans(list(range(16)), rows)) for rows in (1, 6)] == [3, 2]
+    passes, interleaved = [], timing.interleaved
+    monkeypatch.setattr(timing, "interleaved", lambda t, n, r, *a, **k: passes.append((n, r)) or interleaved(
+        t, n, r, *a, **k))
+    monkeypatch.setattr(choose, "decode_timer", lambda *a, **k: lambda j: 0.01)
+    target = tiny_model()
+    for rows, want in ((1, (3, 3)), (6, (2, 2))):
+        passes.clear()
+        plans = choose.timed_plans([image_prompt(seed=s) for s in range(4)], rows)
+        choose.timed_rounds(synthetic(0.01, 0.0), acceptance(), rows, target, target, plans, 1, choose.GREEDY, None,
+                            6, "eager")
+        assert passes and all(p == want for p in passes), (rows, passes)
 
 
 def test_the_prediction_is_rounds_times_the_round():
