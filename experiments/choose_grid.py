@@ -9,6 +9,8 @@ run: python experiments/choose_grid.py --out experiments/choose_grid_eager.json
      python experiments/choose_grid.py --compile --out experiments/choose_grid_compiled.json
      python experiments/choose_grid.py --batch 6 --out experiments/choose_grid_batch6.json
      python experiments/choose_grid.py --samples 6 --temperature 0.6 --top-p 0.98 --out ...samples6.json
+     python experiments/choose_grid.py --split val --test-seed 201 --out experiments/choose_grid_val_eager_s201.json
+        (a design check on fresh val scenes: the prediction without the shift from val to the held-out test split)
 """
 import argparse
 import os
@@ -40,6 +42,9 @@ def main(argv=None):
     ap.add_argument("--run", default=checkpoint.SHIPPED, help="toy checkpoints: its target and FlatRoPE + AARL seed 0")
     ap.add_argument("--test-seed", type=int, default=0, help="the held-out plans' scenes (driving.make_split's seed): "
                     "a grid measured once for a claim is spent, the next claim draws another")
+    ap.add_argument("--split", choices=("test", "val"), default="test", help="the grid's plans: held-out test scenes "
+                    "(a claim), or fresh scenes of val's distribution (--test-seed > 0; seed 0 is the chooser's own): "
+                    "a design check, the prediction without the shift from val to test")
     ap.add_argument("--out", required=True, help="the JSON record")
     flags.add_decoding_flags(ap, "every arm sampling (Alpamayo-R1: 0.6, --top-p 0.98)")
     a = ap.parse_args(argv)
@@ -49,6 +54,8 @@ def main(argv=None):
             if os.path.commonpath([os.path.abspath(a.out), os.path.abspath(folder)]) == os.path.abspath(folder):
                 raise ValueError(f"--out {a.out} is inside the checkpoints folder {folder}: write the record elsewhere")
         cli.check_values(a, [("in 0..2**30-1", ("test_seed",))], flags=True)  # the repo's rule for a seed
+        if a.split == "val" and a.test_seed == 0:
+            raise ValueError("--split val --test-seed 0 would time the chooser's own val plans: give a seed > 0")
         if min(a.prompts, a.batch, a.samples) < 1 or a.prompts % a.batch or a.repeats < 1:
             raise ValueError("--prompts, --batch, --samples and --repeats must be >= 1; --prompts a multiple of "
                              "--batch")
@@ -65,7 +72,7 @@ def main(argv=None):
     split = lambda name, n, seed: evaluate.scene_prompts(driving.make_split(name, n, seed=seed), tok,  # noqa: E731
                                                          device, cli.DTYPES[dtype_name], views)
     val = split("val", choose.val_prompts(a.batch, a.samples), 0)  # the chooser's val plans, as bench.py draws them
-    plans = timing.plan_batches(split("test", a.prompts, a.test_seed), a.batch)
+    plans = timing.plan_batches(split(a.split, a.prompts, a.test_seed), a.batch)
     rows, stop, max_new = a.batch * a.samples, tok.cot_end_id, evaluate.MAX_NEW_TOKENS
     decoders = [c for c in choose.candidates() if c]
     t, d = target, draft
@@ -105,7 +112,8 @@ def main(argv=None):
            + " ".join(argv if argv is not None else sys.argv[1:]),
            "hardware": choose.hardware(device), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
            "threads": torch.get_num_threads(), "torch": torch.__version__, "dtype": dtype_name, "dtype_why": why,
-           "mode": rec["mode"], "rows": rows, "plans": len(plans), "test_seed": a.test_seed,
+           "mode": rec["mode"], "rows": rows, "plans": len(plans), "split": a.split,
+           "test_seed": a.test_seed,
            "decoding": flags.sampling_json(sampling),
            "choice": rec, "grid": grid, "best": best,
            "chosen_over_best": chosen["speedup"] / grid[best]["speedup"],
