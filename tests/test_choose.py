@@ -297,3 +297,15 @@ def test_reprofile_without_the_chooser_is_one_line(capsys):
         with pytest.raises(SystemExit):
             bench.main(["--reprofile", *named])
         assert "--reprofile measures the chooser's profile again" in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_a_val_grid_of_the_choosers_own_plans_is_one_line(tmp_path, capsys):
+    """choose_grid.py --split val times fresh scenes of val's distribution: seed 0 would be the chooser's own val
+    plans (what it predicts from), so it is refused before any work, and nothing is written."""
+    from experiments import choose_grid
+    out = tmp_path / "g.json"
+    with pytest.raises(SystemExit):
+        choose_grid.main(["--split", "val", "--out", str(out)])
+    assert "--split val --test-seed 0 would time the chooser's own val plans" in \
+        capsys.readouterr().err.strip().splitlines()[-1]
+    assert not out.exists()
