@@ -89,9 +89,9 @@ def main(argv=None):
     sampling = flags.sampling(*((0.6, None, 0.98) if a.samples > 1 else (0.0, None, None)), 0)
     val = evaluate.scene_prompts(driving.make_split("val", choose.val_prompts(1, a.samples), seed=0), tok, device,
                                  cli.DTYPES[dtype_name], driving.WorldConfig().views)
-    names = ("TIMED_ROWS", "TIMED_PASSES", "TIMED_PASSES_ROWS")
-    runs, kept = [], {n: getattr(choose, n) for n in names}
-    for n, v in zip(names, (a.timed_rows, a.timed_passes, a.timed_passes)):  # a design probe's variant, restored below
+    knobs = ("TIMED_ROWS", "TIMED_PASSES", "TIMED_PASSES_ROWS")
+    runs, kept = [], {n: getattr(choose, n) for n in knobs}
+    for n, v in zip(knobs, (a.timed_rows, a.timed_passes, a.timed_passes)):  # a design probe's variant, restored below
         setattr(choose, n, kept[n] if v is None else v)
     try:
         for k in range(a.runs):

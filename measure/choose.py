@@ -281,7 +281,7 @@ def paired_rounds(timers, reference, n_plans, device, passes=None):
     moments before or after: a load that slows both cancels, and one that falls on one of them moves one ratio of
     many, which the median drops."""
     runs = timing.interleaved(timers, n_plans, passes or TIMED_PASSES, device)
-    per = {what: [x.result for p in passes for x in p] for what, passes in runs.items()}  # [pass x plan]
+    per = {what: [x.result for p in by_pass for x in p] for what, by_pass in runs.items()}  # [pass x plan]
     ref = per[reference]
     return {what: min(ref) if what == reference else min(ref) * statistics.median(t / r for t, r in zip(v, ref))
             for what, v in per.items()}
